@@ -1,0 +1,22 @@
+"""ONNX graph surgery: loading models safely, finding weight tensors, and
+rewriting graphs so one runtime session can score many weight variants.
+
+Nothing here runs a model or knows about TQS; it takes and returns ONNX
+protos, paths and plain dataclasses.
+"""
+
+from graph_ops.io import GraphError, LoadedModel, load_model, model_bytes, save_model
+from graph_ops.weights import WeightTensor, find_weight_tensors, read_weights
+from graph_ops.overridable import make_weights_overridable
+
+__all__ = [
+    "GraphError",
+    "LoadedModel",
+    "WeightTensor",
+    "find_weight_tensors",
+    "load_model",
+    "make_weights_overridable",
+    "model_bytes",
+    "read_weights",
+    "save_model",
+]

@@ -1,0 +1,168 @@
+"""The only place ONNX files are read and written.
+
+Loading validates what users get wrong (not ONNX, truncated files, external
+data that is missing or escapes the model folder) and turns each case into a
+`GraphError` with a one-line message, so callers never show a protobuf
+traceback. The input file is only ever read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+from onnx import external_data_helper
+
+MAX_IR_VERSION = 13
+"""ONNX Runtime 1.31 refuses IR 14, which onnx 1.23 writes by default."""
+MAX_OPSET = 26
+PROTOBUF_LIMIT = 2**31 - 1
+"""Protobuf cannot serialise a message at or above 2 GiB."""
+
+
+class GraphError(ValueError):
+    """The model file or graph is unusable; the message says why."""
+
+
+@dataclass
+class LoadedModel:
+    """A model with all weights in memory, plus where it came from."""
+
+    proto: onnx.ModelProto
+    path: Path
+    sha256: str
+    file_bytes: int
+    external_files: tuple[Path, ...]
+
+    @property
+    def stem(self) -> str:
+        return self.path.stem
+
+
+def _sha256_files(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def iter_tensors(graph: onnx.GraphProto):
+    """Every TensorProto stored in a graph: initializers and Constant/attribute
+    tensors, subgraphs included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            if attribute.HasField("g"):
+                yield from iter_tensors(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from iter_tensors(subgraph)
+
+
+def stored_bytes(proto: onnx.ModelProto) -> int:
+    """Approximate serialised size without asking protobuf (which fails at 2 GiB)."""
+    total = 0
+    for tensor in iter_tensors(proto.graph):
+        total += len(tensor.raw_data) or tensor.ByteSize()
+    return total + 1_000_000  # headroom for the graph structure itself
+
+
+def _external_files(proto: onnx.ModelProto, folder: Path) -> list[Path]:
+    """Check every external-data reference and return the files they use."""
+    folder = folder.resolve()
+    files: dict[Path, None] = {}
+    for tensor in iter_tensors(proto.graph):
+        if not external_data_helper.uses_external_data(tensor):
+            continue
+        info = external_data_helper.ExternalDataInfo(tensor)
+        location = Path(info.location)
+        target = (folder / location).resolve()
+        if location.is_absolute() or not target.is_relative_to(folder):
+            raise GraphError(
+                f"tensor '{tensor.name}' points to external data '{info.location}' outside the model's folder {folder}"
+            )
+        if not target.is_file():
+            raise GraphError(f"external data file '{info.location}' for tensor '{tensor.name}' is missing")
+        size = target.stat().st_size
+        end = (info.offset or 0) + (info.length or 0)
+        if end > size:
+            raise GraphError(
+                f"external data file '{info.location}' is truncated: tensor '{tensor.name}' needs bytes up to {end}, file has {size}"
+            )
+        files[target] = None
+    return list(files)
+
+
+def load_model(path: str | os.PathLike) -> LoadedModel:
+    """Read and validate an ONNX model, external data included."""
+    path = Path(path)
+    if not path.exists():
+        raise GraphError(f"model file {path} does not exist")
+    if not path.is_file():
+        raise GraphError(f"model path {path} is not a file")
+    try:
+        proto = onnx.load_model(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises DecodeError and friends
+        raise GraphError(f"{path} is not a readable ONNX model (truncated or corrupt protobuf: {exc})") from None
+    if proto.ir_version <= 0 or not proto.HasField("graph") or len(proto.opset_import) == 0:
+        raise GraphError(f"{path} is not an ONNX model (no graph, IR version or opset)")
+    externals = _external_files(proto, path.parent)
+    if externals:
+        external_data_helper.load_external_data_for_model(proto, str(path.parent))
+    try:
+        if stored_bytes(proto) < PROTOBUF_LIMIT:
+            onnx.checker.check_model(proto)
+        else:
+            onnx.checker.check_model(str(path))
+    except Exception as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise GraphError(f"{path} is not a valid ONNX model (truncated or corrupt): {message}") from None
+    return LoadedModel(
+        proto=proto,
+        path=path,
+        sha256=_sha256_files([path, *externals]),
+        file_bytes=path.stat().st_size + sum(f.stat().st_size for f in externals),
+        external_files=tuple(externals),
+    )
+
+
+def runtime_compatible(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Clamp the IR version in place so current ONNX Runtime accepts the model."""
+    if proto.ir_version > MAX_IR_VERSION:
+        proto.ir_version = MAX_IR_VERSION
+    for opset in proto.opset_import:
+        if opset.domain in ("", "ai.onnx") and opset.version > MAX_OPSET:
+            raise GraphError(f"model uses opset {opset.version}; ONNX Runtime here runs at most opset {MAX_OPSET}")
+    return proto
+
+
+def model_bytes(proto: onnx.ModelProto) -> bytes:
+    """Serialise a model below the protobuf limit (callers check the size first)."""
+    return proto.SerializeToString()
+
+
+def save_model(proto: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
+    """Write a model, switching to a side-car external-data file above 2 GiB."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if external_data is None:
+        external_data = stored_bytes(proto) >= PROTOBUF_LIMIT
+    if external_data:
+        onnx.save_model(
+            proto,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data",
+            size_threshold=1024,
+        )
+    else:
+        onnx.save_model(proto, str(path))
+    return path

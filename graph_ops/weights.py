@@ -1,0 +1,134 @@
+"""Find the weight tensors that quantization can act on.
+
+A weight tensor is a float initializer (or a Constant node's value) that
+reaches a *weight operand* of a compute op, possibly through layout-only ops.
+Biases and norm scales do not reach such operands and are left out by
+construction; the caller's size threshold removes the rest.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+WEIGHT_OPERANDS: dict[str, tuple[int, ...] | None] = {
+    "MatMul": None,  # either operand may be the constant one
+    "Gemm": (0, 1),
+    "Conv": (1,),
+    "ConvTranspose": (1,),
+    "Gather": (0,),  # embedding tables
+    "Einsum": None,
+    "RNN": (1, 2),
+    "LSTM": (1, 2),
+    "GRU": (1, 2),
+}
+"""Op type -> input positions that hold weights (None: any input)."""
+
+PASS_THROUGH = {"Transpose", "Reshape", "Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
+"""Layout-only ops a weight may pass through before its consumer (data input 0)."""
+
+FLOAT_TYPES = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.DOUBLE: "float64",
+}
+"""Float element types numpy can feed to a runtime (bfloat16 cannot be fed from numpy)."""
+
+
+@dataclass(frozen=True)
+class WeightTensor:
+    """One stored weight tensor and what consumes it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    op_types: tuple[str, ...]
+    """Compute ops it feeds as a weight; empty if it feeds none (still float)."""
+    source: str
+    """'initializer' or 'constant' (the output of a Constant node)."""
+
+    @property
+    def params(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def is_operand_weight(self) -> bool:
+        return bool(self.op_types)
+
+
+def _constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    found = {}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for attribute in node.attribute:
+                if attribute.name == "value" and attribute.HasField("t"):
+                    found[node.output[0]] = attribute.t
+    return found
+
+
+def _stored_tensors(graph: onnx.GraphProto) -> dict[str, tuple[onnx.TensorProto, str]]:
+    stored = {t.name: (t, "initializer") for t in graph.initializer}
+    for name, tensor in _constant_tensors(graph).items():
+        stored[name] = (tensor, "constant")
+    return stored
+
+
+def _weight_consumers(graph: onnx.GraphProto, name: str, consumers: dict[str, list[tuple[onnx.NodeProto, int]]]) -> set[str]:
+    """Op types that use `name` as a weight operand, following layout-only ops."""
+    found: set[str] = set()
+    frontier, seen = [name], {name}
+    while frontier:
+        current = frontier.pop()
+        for node, position in consumers.get(current, []):
+            operands = WEIGHT_OPERANDS.get(node.op_type, ())
+            if node.domain in ("", "ai.onnx") and (operands is None or position in operands):
+                found.add(node.op_type)
+            elif node.op_type in PASS_THROUGH and position == 0:
+                for output in node.output:
+                    if output not in seen:
+                        seen.add(output)
+                        frontier.append(output)
+    return found
+
+
+def find_weight_tensors(model: onnx.ModelProto) -> list[WeightTensor]:
+    """Every float tensor stored in the main graph, with the weight ops it feeds.
+
+    Callers decide which count as quantizable (usually: feeds a weight operand
+    and is large enough).
+    """
+    graph = model.graph
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
+    for node in graph.node:
+        for position, input_name in enumerate(node.input):
+            if input_name:
+                consumers[input_name].append((node, position))
+    graph_inputs = {value.name for value in graph.input}
+    tensors = []
+    for name, (tensor, source) in _stored_tensors(graph).items():
+        if tensor.data_type not in FLOAT_TYPES or name in graph_inputs:
+            continue
+        tensors.append(
+            WeightTensor(
+                name=name,
+                shape=tuple(int(d) for d in tensor.dims),
+                dtype=FLOAT_TYPES[tensor.data_type],
+                op_types=tuple(sorted(_weight_consumers(graph, name, consumers))),
+                source=source,
+            )
+        )
+    return tensors
+
+
+def read_weights(model: onnx.ModelProto, names: list[str] | set[str]) -> dict[str, np.ndarray]:
+    """The stored values of the named tensors, as numpy arrays."""
+    wanted = set(names)
+    stored = _stored_tensors(model.graph)
+    missing = wanted - stored.keys()
+    if missing:
+        raise KeyError(f"no stored tensor named {sorted(missing)[0]!r}")
+    return {name: numpy_helper.to_array(stored[name][0]) for name in wanted}

@@ -1,0 +1,69 @@
+"""The session contract every runtime implements.
+
+A sweep only ever needs three things from a runtime: the model's input and
+output signatures, a way to run it on a feed dict, and a way to override some
+of its weights per run without rebuilding it (the expensive part). Keeping the
+contract this small is what lets ONNX Runtime (CPU/CUDA/TensorRT EP) and native
+TensorRT engines sit behind the same sweep, locally or on Ray workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Protocol, Sequence, Union
+
+import numpy as np
+
+Dim = Union[int, str, None]
+"""A dimension: a fixed size, a symbolic name, or unknown."""
+
+
+class RuntimeUnavailable(RuntimeError):
+    """The requested runtime or execution provider is not installed here."""
+
+
+@dataclass(frozen=True)
+class IOSpec:
+    """Name, shape and numpy dtype of one model input or output."""
+
+    name: str
+    shape: tuple[Dim, ...]
+    dtype: np.dtype
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def is_dynamic(self, axis: int) -> bool:
+        return not isinstance(self.shape[axis], int)
+
+
+class Session(Protocol):
+    """One loaded model, reusable for many runs.
+
+    ``weights`` are the names of weight tensors the session accepts as feeds
+    (overridable initializers); feeding one replaces that weight for that run
+    only. Everything else in the feed dict must be a model input.
+    """
+
+    name: str
+    inputs: Sequence[IOSpec]
+    outputs: Sequence[IOSpec]
+    weights: frozenset[str]
+
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+ModelSource = Union[bytes, Path]
+
+SessionFactory = Callable[[], Session]
+"""Zero-argument callable that opens a session: what a sweep worker receives.
+
+It must be cheap to pickle (a path and options, never a live session), so that
+a distributed executor can ship it to other processes or machines.
+"""

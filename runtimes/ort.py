@@ -1,0 +1,121 @@
+"""ONNX Runtime sessions (CPU, CUDA and TensorRT execution providers)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from runtimes.base import IOSpec, ModelSource, RuntimeUnavailable
+
+PROVIDERS = {
+    "cpu": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
+"""Provider short names -> ONNX Runtime provider lists, most preferred first."""
+
+_ORT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(bool)": np.bool_,
+}
+
+
+def _spec(arg) -> IOSpec:
+    shape = tuple(d if isinstance(d, int) else (d or None) for d in arg.shape)
+    return IOSpec(name=arg.name, shape=shape, dtype=np.dtype(_ORT_TYPES.get(arg.type, np.float32)))
+
+
+def available_providers() -> list[str]:
+    """Short names of the providers this onnxruntime build can use."""
+    import onnxruntime as ort
+
+    present = set(ort.get_available_providers())
+    return [name for name, chain in PROVIDERS.items() if chain[0] in present]
+
+
+@dataclass(frozen=True)
+class OrtRuntime:
+    """How to open ONNX Runtime sessions; picklable, so it can travel to workers.
+
+    `exact_qdq` turns off the MatMulNBits rewrite's int8 activations
+    (accuracy_level 4) so integer DequantizeLinear->MatMul runs exactly; by
+    default the session runs what a deployment would run.
+    """
+
+    provider: str = "cpu"
+    threads: int | None = None
+    optimization: str = "all"
+    exact_qdq: bool = False
+    config: tuple[tuple[str, str], ...] = field(default=())
+
+    name = "onnxruntime"
+
+    def check(self) -> None:
+        if self.provider not in PROVIDERS:
+            raise RuntimeUnavailable(f"unknown provider '{self.provider}'; choose one of {', '.join(PROVIDERS)}")
+        if self.provider not in available_providers():
+            raise RuntimeUnavailable(
+                f"execution provider '{self.provider}' is not available in this onnxruntime build "
+                f"(available: {', '.join(available_providers())}); install the GPU extra: pip install 'tqsdeploy[gpu]'"
+            )
+
+    def open(self, model: ModelSource, external_data_dir: Path | None = None) -> "OrtSession":
+        import onnxruntime as ort
+
+        self.check()
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.graph_optimization_level = {
+            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        }[self.optimization]
+        if self.threads:
+            options.intra_op_num_threads = self.threads
+            options.inter_op_num_threads = 1
+        if self.exact_qdq:
+            options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+        if external_data_dir is not None:
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_dir))
+        for key, value in self.config:
+            options.add_session_config_entry(key, value)
+        source = model if isinstance(model, bytes) else os.fspath(model)
+        session = ort.InferenceSession(source, sess_options=options, providers=PROVIDERS[self.provider])
+        return OrtSession(session, self.provider)
+
+
+class OrtSession:
+    """A live ONNX Runtime session honouring the `runtimes.base.Session` contract."""
+
+    def __init__(self, session, provider: str):
+        self._session = session
+        self.name = f"onnxruntime[{provider}]"
+        self.inputs = [_spec(a) for a in session.get_inputs()]
+        self.outputs = [_spec(a) for a in session.get_outputs()]
+        self.weights = frozenset(a.name for a in session.get_overridable_initializers())
+        self.providers = session.get_providers()
+
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        names = list(output_names) if output_names else [o.name for o in self.outputs]
+        values = self._session.run(names, dict(feeds))
+        return dict(zip(names, values))
+
+    def close(self) -> None:
+        self._session = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,82 @@
+"""Tiny ONNX models built in code, written to real files for the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+
+
+def _model(nodes, inputs, outputs, initializers, path: Path) -> Path:
+    graph = helper.make_graph(nodes, "test", inputs, outputs, [numpy_helper.from_array(v, k) for k, v in initializers.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    onnx.save_model(model, str(path))
+    return path
+
+
+def linear_map(path: Path, a: np.ndarray) -> Path:
+    """x_{t+1} = A x_t for row-vector states x [batch, n]: y = x @ A^T."""
+    n = a.shape[0]
+    return _model(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
+        {"W": np.ascontiguousarray(a.T.astype(np.float32))},
+        path,
+    )
+
+
+def two_branch(path: Path, n: int = 32, seed: int = 0) -> Path:
+    """y = x @ Wmain + 0 * (x @ Wdead) + 0.01 * tanh(x @ Wsmall).
+
+    Wdead is multiplied by zero (dead); Wmain sits on the direct output path,
+    Wsmall feeds a contracting branch.
+    """
+    rng = np.random.default_rng(seed)
+    q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    init = {
+        "Wmain": (0.98 * q).astype(np.float32),
+        "Wdead": rng.standard_normal((n, n)).astype(np.float32),
+        "Wsmall": (rng.standard_normal((n, n)) / np.sqrt(n)).astype(np.float32),
+        "zero": np.zeros((1,), np.float32),
+        "tiny": np.full((1,), 0.01, np.float32),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "Wmain"], ["main"]),
+        helper.make_node("MatMul", ["x", "Wdead"], ["dead_raw"]),
+        helper.make_node("Mul", ["dead_raw", "zero"], ["dead_out"]),
+        helper.make_node("MatMul", ["x", "Wsmall"], ["small_raw"]),
+        helper.make_node("Tanh", ["small_raw"], ["small_t"]),
+        helper.make_node("Mul", ["small_t", "tiny"], ["small_out"]),
+        helper.make_node("Add", ["main", "dead_out"], ["s1"]),
+        helper.make_node("Add", ["s1", "small_out"], ["y"]),
+    ]
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
+        init,
+        path,
+    )
+
+
+def shift_model(path: Path, length: int = 16, horizon: int = 4, seed: int = 0) -> Path:
+    """y [batch, H] = tanh(x [batch, L] @ W1) @ W2: a tiny shift-rollout forecaster."""
+    rng = np.random.default_rng(seed)
+    init = {
+        "W1": (rng.standard_normal((length, 64)) / np.sqrt(length)).astype(np.float32),
+        "W2": (rng.standard_normal((64, horizon)) / 8).astype(np.float32),
+    }
+    return _model(
+        [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Tanh", ["h"], ["a"]), helper.make_node("MatMul", ["a", "W2"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", length])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", horizon])],
+        init,
+        path,
+    )

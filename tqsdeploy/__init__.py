@@ -1,0 +1,32 @@
+"""tqsdeploy: trajectory-based quantization sensitivity (TQS) and
+mixed-precision post-training quantization for ONNX forecasting models.
+
+Library entry points (the CLI is a thin layer over these):
+    score(model, contexts, ...) -> ScoreTable
+    inspect_model(model, ...) -> dict
+"""
+
+__version__ = "0.1.0"
+
+from tqsdeploy.errors import InputError, RolloutError, TqsError  # noqa: E402
+from tqsdeploy.rollout import Feedback, RolloutSpec  # noqa: E402
+from tqsdeploy.scoring import SENTINEL_GAMMA, ScoreSettings  # noqa: E402
+from tqsdeploy.units import Unit, UnitSelection  # noqa: E402
+from tqsdeploy.score import ContextOptions, ScoreTable, score  # noqa: E402
+from tqsdeploy.inspect import inspect_model  # noqa: E402
+
+__all__ = [
+    "SENTINEL_GAMMA",
+    "ContextOptions",
+    "Feedback",
+    "InputError",
+    "RolloutError",
+    "RolloutSpec",
+    "ScoreSettings",
+    "ScoreTable",
+    "TqsError",
+    "Unit",
+    "UnitSelection",
+    "inspect_model",
+    "score",
+]

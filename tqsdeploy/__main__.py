@@ -1,0 +1,3 @@
+from tqsdeploy.cli import main
+
+main()

@@ -1,0 +1,241 @@
+"""The `tqsdeploy` command: a thin layer over the library.
+
+Exit codes: 0 success, 1 a gate failed, 2 bad usage or input (one-line
+message, no traceback), 3 an internal error (a bug: please report it).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from tqsdeploy.errors import USER_ERRORS
+
+app = typer.Typer(
+    name="tqsdeploy",
+    help="Trajectory-based quantization sensitivity (TQS) and mixed-precision PTQ for ONNX forecasting models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+
+def fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def user_errors(command):
+    """Turn user errors into one line + exit 2, bugs into exit 3."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except USER_ERRORS as exc:
+            fail(str(exc))
+        except KeyboardInterrupt:
+            err.print("interrupted: finished work is saved; run the same command again to resume")
+            raise typer.Exit(130)
+        except Exception as exc:
+            if os.environ.get("TQS_DEBUG"):
+                raise
+            fail(f"internal error ({type(exc).__name__}: {exc}); rerun with TQS_DEBUG=1 for a traceback and please report it", code=3)
+
+    return wrapper
+
+
+def _csv_ints(text: Optional[str], option: str) -> Optional[tuple[int, ...]]:
+    if not text:
+        return None
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{option} takes comma-separated integers, e.g. 1,2,4,8") from None
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _table(frame, title: str, columns: list[str]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("unit", "shape", "op_types") else "right", overflow="fold")
+    for row in frame.iter_rows(named=True):
+        table.add_row(*[_fmt(row.get(c)) for c in columns])
+    return table
+
+
+@app.command()
+@user_errors
+def inspect(
+    model: Path = typer.Argument(..., help="ONNX model file."),
+    spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected from shapes when omitted."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Rollout steps T (overrides the spec)."),
+    min_params: int = typer.Option(1024, "--min-params", help="Smallest tensor that counts as a unit."),
+    include: Optional[str] = typer.Option(None, "--include", help="Regex: tensors that are units regardless of size or op."),
+    exclude: Optional[str] = typer.Option(None, "--exclude", help="Regex: tensors that are never units."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+):
+    """Show what would be scored: signature, ops, quantizable units and the rollout."""
+    from tqsdeploy.inspect import inspect_model
+    from tqsdeploy.units import UnitSelection
+
+    info = inspect_model(model, spec, steps, UnitSelection(min_params=min_params, include=include, exclude=exclude))
+    if as_json:
+        out.print_json(json.dumps(info))
+        return
+    out.print(f"[bold]{info['model']}[/]  IR {info['ir_version']}  opsets {info['opsets']}  {info['bytes'] / 1e6:.2f} MB")
+    for kind in ("inputs", "outputs"):
+        for io in info[kind]:
+            out.print(f"  {kind[:-1]:6} {io['name']}  {io['shape']}  {io['dtype']}")
+    out.print("  ops: " + ", ".join(f"{k}×{v}" for k, v in info["ops"].items()))
+    import polars as pl
+
+    units = pl.DataFrame([{**u, "op_types": ";".join(u["op_types"])} for u in info["units"]])
+    out.print(_table(units, f"{units.height} units, {info['unit_params']:,} params ({info['unit_share']:.1%} of float weights)", ["unit", "shape", "params", "op_types"]))
+    rollout = info["rollout"]
+    if "error" in rollout:
+        out.print(f"[yellow]rollout:[/] {rollout['error']}")
+    else:
+        edges = "; ".join(f"{e['output']} → {e['input']} ({e['mode']}{', axis ' + str(e['axis']) if e['mode'] == 'shift' else ''})" for e in rollout["feedback"])
+        out.print(f"rollout ({rollout['origin']}): {rollout['steps']} steps; {edges}; trajectory {rollout['trajectory']}")
+
+
+@app.command()
+@user_errors
+def score(
+    model: Path = typer.Argument(..., help="ONNX model file (never modified)."),
+    contexts: Optional[Path] = typer.Option(None, "--contexts", "-c", help="Context windows: .npz (one array per input, leading axis = windows) or .csv."),
+    spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected from shapes when omitted."),
+    steps: Optional[int] = typer.Option(None, "--steps", "-T", help="Rollout steps T (overrides the spec; default 8)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Run folder (default tqs-runs/<model stem>)."),
+    probe: str = typer.Option("both", "--probe", help="quant, gauss or both."),
+    probe_bits: int = typer.Option(6, "--probe-bits", help="Bits of the symmetric per-tensor quantization probe."),
+    probes: int = typer.Option(4, "--probes", help="Gaussian probe draws per unit."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the Gaussian draws and random contexts."),
+    eps: float = typer.Option(1e-12, "--eps", help="Added to ||dθ||² in the score's denominator."),
+    dead_rtol: float = typer.Option(1e-6, "--dead-rtol", help="A unit is dead when its relative RMS trajectory divergence is at most this."),
+    horizons: Optional[str] = typer.Option(None, "--horizons", help="Horizons to report γ at, e.g. 1,2,4,8 (default powers of 2 up to T)."),
+    early_stop: bool = typer.Option(False, "--early-stop", help="Stop a rollout once γ has converged."),
+    early_stop_tol: float = typer.Option(0.01, "--early-stop-tol", help="Convergence tolerance on γ (nats per step)."),
+    early_stop_window: int = typer.Option(3, "--early-stop-window", help="Consecutive steps γ must stay within the tolerance."),
+    min_params: int = typer.Option(1024, "--min-params", help="Smallest tensor that counts as a unit (drops biases and norm scales)."),
+    include: Optional[str] = typer.Option(None, "--include", help="Regex: tensors that are units regardless of size or op."),
+    exclude: Optional[str] = typer.Option(None, "--exclude", help="Regex: tensors that are never units."),
+    granularity: str = typer.Option("tensor", "--granularity", help="tensor or block."),
+    block_pattern: Optional[str] = typer.Option(None, "--block-pattern", help="Regex whose first group names a tensor's block."),
+    windows: int = typer.Option(8, "--windows", help="Windows cut from a CSV (or random contexts)."),
+    zscore: bool = typer.Option(False, "--zscore", help="Standardise CSV columns before cutting windows."),
+    random_contexts: bool = typer.Option(False, "--random-contexts", help="Score on standard-normal noise instead of data (warns)."),
+    batch_windows: int = typer.Option(64, "--batch-windows", help="Most windows run as one batch."),
+    provider: str = typer.Option("cpu", "--provider", help="cpu, cuda or tensorrt (ONNX Runtime execution provider)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="ONNX Runtime intra-op threads."),
+    fresh: bool = typer.Option(False, "--fresh", help="Discard an existing run in the output folder."),
+    resume: bool = typer.Option(False, "--resume", help="Require an interrupted run to continue (default: continue one if it matches)."),
+    top: int = typer.Option(10, "--top", help="Rows shown of the most and least sensitive units."),
+):
+    """Score every weight tensor's quantization sensitivity by perturbed rollouts (TQS)."""
+    from runtimes import OrtRuntime
+    from tqsdeploy.score import ContextOptions, score as run_score
+    from tqsdeploy.scoring import ScoreSettings
+    from tqsdeploy.units import UnitSelection
+
+    if probe not in ("quant", "gauss", "both"):
+        raise typer.BadParameter("--probe must be quant, gauss or both")
+    if fresh and resume:
+        raise typer.BadParameter("--fresh and --resume exclude each other")
+    settings = ScoreSettings(
+        probe_bits=probe_bits,
+        gauss_draws=probes if probe in ("gauss", "both") else 0,
+        quant_probe=probe in ("quant", "both"),
+        seed=seed,
+        eps=eps,
+        dead_rtol=dead_rtol,
+        horizons=_csv_ints(horizons, "--horizons"),
+        early_stop=early_stop,
+        early_stop_tol=early_stop_tol,
+        early_stop_window=early_stop_window,
+    )
+    if probe == "gauss" and probes < 1:
+        raise typer.BadParameter("--probe gauss needs --probes >= 1")
+    selection = UnitSelection(min_params=min_params, include=include, exclude=exclude, granularity=granularity, block_pattern=block_pattern)
+    progress = Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("rollouts"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=err,
+        transient=False,
+    )
+    bar = {}
+
+    def on_start(total: int, done: int) -> None:
+        progress.start()
+        bar["id"] = progress.add_task("scoring", total=total, completed=done)
+        if done:
+            err.print(f"resuming: {done} of {total} rollouts already done")
+
+    def on_result(result) -> None:
+        progress.update(bar["id"], advance=1, description=f"scoring {result.unit[-40:]}")
+
+    try:
+        table = run_score(
+            model,
+            contexts,
+            spec=spec,
+            steps=steps,
+            out=out_dir,
+            selection=selection,
+            settings=settings,
+            runtime=OrtRuntime(provider=provider, threads=threads),
+            context_options=ContextOptions(windows=windows, zscore=zscore, random=random_contexts, seed=seed, max_batch_windows=batch_windows),
+            resume=False if fresh else (True if resume else None),
+            on_start=on_start,
+            on_result=on_result,
+        )
+    finally:
+        progress.stop()
+    for warning in table.meta.get("warnings", []):
+        err.print(f"[yellow]warning:[/] {warning}")
+    frame = table.frame
+    columns = ["rank", "unit", "shape", "params", "gamma", "gamma_quant", "gamma_gauss", "a_max", "dead"]
+    out.print(_table(frame.head(top), f"Most sensitive units (of {frame.height})", columns))
+    out.print(_table(frame.tail(min(top, max(frame.height - top, 0))), "Least sensitive units", columns))
+    meta = table.meta
+    rho = meta.get("spearman_quant_gauss")
+    out.print(
+        f"{meta['units']} units, {meta['dead_units']} dead; rollout {meta['rollout']['steps']} steps ({meta['rollout']['origin']}); "
+        f"{meta['contexts']['windows']} context windows; Spearman(γ_quant, γ_gauss) = {_fmt(rho)}; "
+        f"sweep {meta['timings_s']['sweep']:.2f} s"
+    )
+    out.print(f"wrote {table.run_dir}/scores.parquet, scores.csv, run.json")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""From task results to TQS scores.
+
+gamma(T) = (1/T) ln( mean_s ||dY_s,1:T||^2 / (||d theta||_F^2 + eps) ), where
+||dY_s,1:T||^2 sums the squared divergence of every trajectory output over
+steps 1..T. For the Gaussian probe the mean runs over windows and draws.
+
+Dead rule: a unit is dead when, for every probe that ran, the RMS trajectory
+divergence relative to the RMS nominal trajectory is at most `dead_rtol`
+(default 1e-6, a few float32 ulps: below what float32 arithmetic resolves).
+Dead units get the sentinel score ln(1e-30) = -69.08 (the floor the paper
+reports on TimesFM) and rank below every live unit. A perturbation that drives
+the rollout to NaN/Inf scores +inf and ranks first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import polars as pl
+
+from tqsdeploy.sweep import TaskResult
+from tqsdeploy.units import Unit
+
+SENTINEL_GAMMA = math.log(1e-30)
+"""Score given to dead units."""
+
+
+@dataclass(frozen=True)
+class ScoreSettings:
+    """Probe and scoring parameters; part of a run's identity."""
+
+    probe_bits: int = 6
+    gauss_draws: int = 4
+    quant_probe: bool = True
+    seed: int = 0
+    eps: float = 1e-12
+    dead_rtol: float = 1e-6
+    horizons: tuple[int, ...] | None = None
+    early_stop: bool = False
+    early_stop_tol: float = 0.01
+    early_stop_window: int = 3
+
+    def schedule(self, steps: int) -> tuple[int, ...]:
+        """Horizons at which gamma is reported: given, or 1, 2, 4, ... up to T (T included)."""
+        if self.horizons:
+            return tuple(sorted({h for h in self.horizons if 1 <= h <= steps} | {steps}))
+        powers = {2**k for k in range(0, int(math.log2(steps)) + 1)}
+        return tuple(sorted(powers | {steps}))
+
+
+def horizon_ratios(results: Sequence[TaskResult], eps: float) -> np.ndarray:
+    """Per step t: mean over draws of ||dY_1:t||^2 / (||d theta||^2 + eps)."""
+    steps = min(r.steps for r in results)
+    curves = [np.cumsum(np.asarray(r.div_sq[:steps], dtype=np.float64)) / (r.delta_sq + eps) for r in results]
+    return np.mean(curves, axis=0)
+
+
+def gamma_at(ratio: float, t: int) -> float:
+    if math.isnan(ratio):
+        return math.nan
+    if ratio == math.inf:
+        return math.inf
+    return math.log(ratio) / t if ratio > 0 else SENTINEL_GAMMA
+
+
+def _relative_divergence(results: Sequence[TaskResult], nominal_sq: Sequence[float]) -> float:
+    steps = min(r.steps for r in results)
+    divergence = float(np.mean([np.sum(r.div_sq[:steps]) for r in results]))
+    reference = float(np.sum(nominal_sq[:steps]))
+    return math.sqrt(divergence / reference) if reference > 0 else math.sqrt(divergence)
+
+
+def _probe_summary(results: Sequence[TaskResult], nominal_sq, settings: ScoreSettings, schedule) -> dict:
+    if not results:
+        return {}
+    nonfinite = any(r.nonfinite for r in results)
+    ratios = horizon_ratios(results, settings.eps)
+    steps = len(ratios)
+    return {
+        "gamma": math.inf if nonfinite else gamma_at(ratios[-1], steps),
+        "horizons": {h: (math.inf if nonfinite else gamma_at(ratios[h - 1], h)) if h <= steps else None for h in schedule},
+        "a_max": math.inf if nonfinite else max(math.sqrt(ratios[h - 1]) for h in schedule if h <= steps),
+        "rel_div": math.inf if nonfinite else _relative_divergence(results, nominal_sq),
+        "nonfinite": nonfinite,
+        "steps": steps,
+        "norm": math.sqrt(float(np.mean([r.delta_sq for r in results]))),
+        "draw_gammas": [gamma_at(horizon_ratios([r], settings.eps)[-1], steps) for r in results],
+    }
+
+
+def score_frame(units: Sequence[Unit], results: dict[str, TaskResult], nominal_sq: Sequence[float], settings: ScoreSettings, steps: int) -> pl.DataFrame:
+    """One row per unit with every score column, ranked (rank 1 = most sensitive)."""
+    schedule = settings.schedule(steps)
+    by_unit: dict[str, dict[str, list[TaskResult]]] = {}
+    for result in results.values():
+        by_unit.setdefault(result.unit, {}).setdefault(result.probe, []).append(result)
+    rows = []
+    for unit in units:
+        probes = by_unit.get(unit.name, {})
+        quant = _probe_summary(probes.get("quant", []), nominal_sq, settings, schedule)
+        gauss = _probe_summary(sorted(probes.get("gauss", []), key=lambda r: r.draw), nominal_sq, settings, schedule)
+        primary = quant or gauss
+        if not primary:
+            continue
+        summaries = [s for s in (quant, gauss) if s]
+        dead = all(s["rel_div"] <= settings.dead_rtol for s in summaries)
+        nonfinite = any(s["nonfinite"] for s in summaries)
+        gamma = SENTINEL_GAMMA if dead else primary["gamma"]
+        row = {
+            "unit": unit.name,
+            "tensors": ";".join(unit.tensor_names),
+            "op_types": ";".join(unit.op_types),
+            "shape": unit.shape,
+            "params": unit.params,
+            "gamma": gamma,
+            "gamma_quant": quant.get("gamma"),
+            "gamma_gauss": gauss.get("gamma"),
+            "gamma_gauss_std": float(np.std(gauss["draw_gammas"])) if gauss else None,
+        }
+        for h in schedule:
+            value = primary["horizons"][h]
+            row[f"gamma_T{h}"] = SENTINEL_GAMMA if dead and value is not None else value
+        row.update(
+            {
+                "a_max": primary["a_max"],
+                "rel_divergence": primary["rel_div"],
+                "probe_norm": primary["norm"],
+                "steps": primary["steps"],
+                "dead": dead,
+                "nonfinite": nonfinite,
+                "seconds": sum(r.seconds for group in probes.values() for r in group),
+            }
+        )
+        rows.append(row)
+    frame = pl.DataFrame(rows, infer_schema_length=None)
+    if frame.height == 0:
+        return frame
+    frame = frame.sort(["dead", "gamma", "params"], descending=[False, True, True])
+    return frame.with_columns(pl.Series("rank", np.arange(1, frame.height + 1))).select(
+        ["rank", *[c for c in frame.columns if c != "rank"]]
+    )
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman rank correlation (average ranks for ties); None below 3 points."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    keep = np.isfinite(x) & np.isfinite(y)
+    x, y = x[keep], y[keep]
+    if x.size < 3:
+        return None
+
+    def ranks(v):
+        order = np.argsort(v, kind="mergesort")
+        r = np.empty(v.size)
+        r[order] = np.arange(v.size)
+        for value in np.unique(v):
+            tie = v == value
+            r[tie] = r[tie].mean()
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return None
+    return float(np.corrcoef(rx, ry)[0, 1])

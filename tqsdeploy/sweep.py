@@ -1,0 +1,273 @@
+"""The sweep: independent (unit, probe, draw) tasks run against one session.
+
+Every task is self-describing and deterministic, so the same list can be run
+in one process (here), split across processes or machines (a distributed
+executor only needs `SweepJob`, which pickles), and resumed: results are
+appended to a JSON-lines table as each task finishes, and tasks already in
+the table are never run again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from runtimes import Session, SessionFactory
+from tqsdeploy.contexts import Contexts
+from tqsdeploy.errors import RolloutError
+from tqsdeploy.probes import perturb
+from tqsdeploy.rollout import RolloutSpec, rollout
+from tqsdeploy.units import Unit
+
+
+@dataclass(frozen=True)
+class Task:
+    """Perturb one unit with one probe draw and roll out."""
+
+    unit: str
+    probe: str
+    draw: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.unit}\x1f{self.probe}\x1f{self.draw}"
+
+
+@dataclass(frozen=True)
+class EarlyStop:
+    """Stop a rollout once gamma(t) varies by at most `tol` over `window` consecutive steps."""
+
+    tol: float = 0.01
+    window: int = 3
+
+
+@dataclass
+class TaskResult:
+    """What one task measured: enough to recompute every score offline."""
+
+    unit: str
+    probe: str
+    draw: int
+    delta_sq: float
+    div_sq: list[float]
+    """Per step: mean over context windows of ||Y_pert(t) - Y_nom(t)||^2."""
+    nonfinite: bool = False
+    seconds: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return Task(self.unit, self.probe, self.draw).key
+
+    @property
+    def steps(self) -> int:
+        return len(self.div_sq)
+
+
+def plan_tasks(units: Sequence[Unit], quant: bool, gauss_draws: int) -> list[Task]:
+    tasks = []
+    for unit in units:
+        if quant:
+            tasks.append(Task(unit.name, "quant", 0))
+        tasks.extend(Task(unit.name, "gauss", d) for d in range(gauss_draws))
+    return tasks
+
+
+class ResultLog:
+    """Append-only JSON-lines table of task results; the resumable part of a run."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._handle = None
+        self._last_sync = 0.0
+
+    def load(self) -> dict[str, TaskResult]:
+        """Results written so far; a half-written last line (a killed run) is dropped."""
+        results: dict[str, TaskResult] = {}
+        if not self.path.exists():
+            return results
+        valid_bytes = 0
+        with open(self.path, "rb") as handle:
+            for line in handle:
+                try:
+                    record = json.loads(line)
+                    record["div_sq"] = [math.inf if v is None else float(v) for v in record["div_sq"]]
+                    result = TaskResult(**record)
+                except (ValueError, TypeError):
+                    break
+                results[result.key] = result
+                valid_bytes += len(line)
+        if valid_bytes < self.path.stat().st_size:
+            with open(self.path, "r+b") as handle:
+                handle.truncate(valid_bytes)
+        return results
+
+    def append(self, result: TaskResult) -> None:
+        if self._handle is None:
+            self._handle = open(self.path, "a", encoding="utf-8")
+        record = asdict(result)
+        record["div_sq"] = [v if math.isfinite(v) else None for v in record["div_sq"]]
+        self._handle.write(json.dumps(record) + "\n")
+        self._handle.flush()
+        now = time.monotonic()
+        if now - self._last_sync > 1.0:
+            os.fsync(self._handle.fileno())
+            self._last_sync = now
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+            self._handle = None
+
+
+@dataclass
+class SweepJob:
+    """Everything a worker needs to run tasks; picklable by design."""
+
+    session_factory: SessionFactory
+    contexts: Contexts
+    spec: RolloutSpec
+    units: dict[str, Unit]
+    weights: dict[str, np.ndarray]
+    probe_bits: int
+    seed: int
+    eps: float
+    max_batch_windows: int = 64
+    early_stop: EarlyStop | None = None
+
+    def open(self) -> "SweepRunner":
+        return SweepRunner(self)
+
+
+@dataclass
+class Nominal:
+    """The unperturbed rollout every task is compared with."""
+
+    chunks: list[tuple[int, dict[str, np.ndarray]]]
+    trajectory: list[list[dict[str, np.ndarray]]]
+    """[chunk][step] -> trajectory outputs."""
+    norm_sq: list[float] = field(default_factory=list)
+    """Per step: mean over windows of ||Y_nom(t)||^2."""
+    batched: bool = False
+
+
+class SweepRunner:
+    """Holds a live session and the nominal trajectory; runs tasks one by one.
+
+    The nominal rollout is made with the same session (weights overridable,
+    nothing fed), so perturbed and nominal runs share kernels and prepacking
+    and an inert unit diverges by exactly zero.
+    """
+
+    def __init__(self, job: SweepJob):
+        self.job = job
+        self.session: Session = job.session_factory()
+        self.inputs = [s for s in self.session.inputs if s.name not in self.session.weights]
+        missing = {n for u in job.units.values() for n in u.tensor_names} - self.session.weights
+        if missing:
+            raise RolloutError(f"the session cannot override weight '{sorted(missing)[0]}'")
+        job.spec.check(self.inputs, self.session.outputs)
+        self.nominal = self._nominal()
+
+    def _trajectory(self, chunks, weights=None, steps=None) -> Iterable[list[dict[str, np.ndarray]]]:
+        """Step-major rollout of all chunks together: yields one list of chunk outputs per step."""
+        generators = [rollout(self.session, feeds, self.job.spec, weights, steps) for _, feeds in chunks]
+        return zip(*generators)
+
+    def _nominal(self) -> Nominal:
+        batch = self.job.contexts.count > 1 and all(s.is_dynamic(0) for s in self.inputs)
+        chunks = list(self.job.contexts.chunks(self.inputs, batch, self.job.max_batch_windows))
+        try:
+            steps = [list(outs) for outs in self._trajectory(chunks)]
+        except RolloutError:
+            raise
+        except Exception as exc:
+            raise RolloutError(f"the model failed to run on the contexts: {str(exc).splitlines()[0]}") from None
+        if batch and any(arr.shape[0] % count for (count, _), outs in zip(chunks, steps[0]) for arr in outs.values()):
+            batch = False  # outputs do not keep the batch axis: run windows one by one
+            chunks = list(self.job.contexts.chunks(self.inputs, False, 1))
+            steps = [list(outs) for outs in self._trajectory(chunks)]
+        trajectory = [[steps[t][c] for t in range(len(steps))] for c in range(len(chunks))]
+        norm_sq = []
+        for t, outs in enumerate(steps):
+            for name in self.job.spec.trajectory:
+                for chunk_out in outs:
+                    if not np.all(np.isfinite(chunk_out[name])):
+                        raise RolloutError(f"the nominal rollout produced NaN or Inf in output '{name}' at step {t + 1}")
+            total = sum(self._window_sq(chunks[c][0], outs[c]).sum() for c in range(len(chunks)))
+            norm_sq.append(float(total / self.job.contexts.count))
+        return Nominal(chunks=chunks, trajectory=trajectory, norm_sq=norm_sq, batched=batch)
+
+    def _window_sq(self, count: int, outputs: dict[str, np.ndarray], reference: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """Squared norm per window of the trajectory outputs (or of their difference)."""
+        total = np.zeros(count)
+        for name in self.job.spec.trajectory:
+            values = outputs[name].astype(np.float64)
+            if reference is not None:
+                values = values - reference[name]
+            total += np.square(values.reshape(count, -1)).sum(axis=1)
+        return total
+
+    def run(self, task: Task) -> TaskResult:
+        job = self.job
+        started = time.perf_counter()
+        unit = job.units[task.unit]
+        change = perturb(unit, job.weights, task.probe, task.draw, job.probe_bits, job.seed)
+        div_sq: list[float] = []
+        gammas: list[float] = []
+        cumulative, nonfinite = 0.0, False
+        for t, outs in enumerate(self._trajectory(self.nominal.chunks, change.weights), start=1):
+            total = 0.0
+            for c, (count, _) in enumerate(self.nominal.chunks):
+                total += self._window_sq(count, outs[c], self.nominal.trajectory[c][t - 1]).sum()
+            value = float(total / job.contexts.count)
+            if not math.isfinite(value):
+                nonfinite = True
+                div_sq.extend([math.inf] * (job.spec.steps - t + 1))
+                break
+            div_sq.append(value)
+            cumulative += value
+            if job.early_stop is not None:
+                gammas.append(math.log(max(cumulative, 1e-300) / (change.delta_sq + job.eps)) / t)
+                window = gammas[-(job.early_stop.window + 1):]
+                if len(window) == job.early_stop.window + 1 and max(window) - min(window) <= job.early_stop.tol:
+                    break
+        return TaskResult(
+            unit=task.unit,
+            probe=task.probe,
+            draw=task.draw,
+            delta_sq=change.delta_sq,
+            div_sq=div_sq,
+            nonfinite=nonfinite,
+            seconds=time.perf_counter() - started,
+        )
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def run_local(
+    job: SweepJob,
+    tasks: Sequence[Task],
+    log: ResultLog,
+    on_result: Callable[[TaskResult], None] | None = None,
+    runner: SweepRunner | None = None,
+) -> None:
+    """Run the tasks in this process, one session, appending each result as it lands."""
+    runner = runner or job.open()
+    try:
+        for task in tasks:
+            result = runner.run(task)
+            log.append(result)
+            if on_result:
+                on_result(result)
+    finally:
+        log.close()

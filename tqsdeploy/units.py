@@ -1,0 +1,94 @@
+"""Quantizable units: the weight tensors (or blocks of them) that are scored,
+perturbed and assigned a precision tier together."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from graph_ops import WeightTensor
+from tqsdeploy.errors import InputError
+
+
+@dataclass(frozen=True)
+class UnitSelection:
+    """Which stored tensors become units, and how they are grouped."""
+
+    min_params: int = 1024
+    include: str | None = None
+    """Regex: matching float tensors are units even if small or not a weight operand."""
+    exclude: str | None = None
+    """Regex: matching tensors are never units."""
+    granularity: str = "tensor"
+    """'tensor' (one unit per tensor) or 'block' (tensors grouped by `block_pattern`)."""
+    block_pattern: str | None = None
+    """Regex whose first group (or whole match) names a tensor's block."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One or more weight tensors that are perturbed and quantized together."""
+
+    name: str
+    tensors: tuple[WeightTensor, ...]
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return [t.name for t in self.tensors]
+
+    @property
+    def params(self) -> int:
+        return sum(t.params for t in self.tensors)
+
+    @property
+    def op_types(self) -> tuple[str, ...]:
+        return tuple(sorted({op for t in self.tensors for op in t.op_types}))
+
+    @property
+    def shape(self) -> str:
+        if len(self.tensors) == 1:
+            return "x".join(str(d) for d in self.tensors[0].shape) or "scalar"
+        return f"{len(self.tensors)} tensors"
+
+
+def _compile(pattern: str | None, option: str) -> re.Pattern | None:
+    if pattern is None:
+        return None
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise InputError(f"{option} '{pattern}' is not a valid regular expression: {exc}") from None
+
+
+def select_units(tensors: list[WeightTensor], selection: UnitSelection) -> list[Unit]:
+    """Apply the size threshold, include/exclude patterns and grouping."""
+    include = _compile(selection.include, "--include")
+    exclude = _compile(selection.exclude, "--exclude")
+    chosen = []
+    for tensor in tensors:
+        wanted = tensor.is_operand_weight and tensor.params >= selection.min_params
+        if include is not None and include.search(tensor.name):
+            wanted = True
+        if exclude is not None and exclude.search(tensor.name):
+            wanted = False
+        if wanted:
+            chosen.append(tensor)
+    if not chosen:
+        raise InputError(
+            f"no quantizable tensors: none of the model's {len(tensors)} float tensors feeds a MatMul/Gemm/Conv/Gather/Einsum/RNN weight "
+            f"with at least {selection.min_params} parameters",
+            hint="lower --min-params or name tensors with --include REGEX",
+        )
+    if selection.granularity == "tensor":
+        return [Unit(name=t.name, tensors=(t,)) for t in chosen]
+    if selection.granularity != "block":
+        raise InputError(f"granularity must be 'tensor' or 'block', not '{selection.granularity}'")
+    pattern = _compile(selection.block_pattern, "--block-pattern")
+    if pattern is None:
+        raise InputError("--granularity block needs --block-pattern REGEX (its first group names the block)")
+    blocks: dict[str, list[WeightTensor]] = {}
+    for tensor in chosen:
+        match = pattern.search(tensor.name)
+        key = (match.group(1) if match.groups() else match.group(0)) if match else tensor.name
+        blocks.setdefault(key, []).append(tensor)
+    return [Unit(name=key, tensors=tuple(group)) for key, group in blocks.items()]
