@@ -107,10 +107,14 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
         raise GraphError(f"model file {path} does not exist")
     if not path.is_file():
         raise GraphError(f"model path {path} is not a file")
+    with open(path, "rb") as handle:
+        head = handle.read(1)
+    if head != b"\x08":  # every ONNX file opens with field 1, ir_version, as a varint
+        raise GraphError(f"{path} is not an ONNX model (it does not start like an ONNX protobuf file)")
     try:
         proto = onnx.load_model(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError and friends
-        raise GraphError(f"{path} is not a readable ONNX model (truncated or corrupt protobuf: {exc})") from None
+        raise GraphError(f"{path} is truncated or corrupt (protobuf: {exc})") from None
     if proto.ir_version <= 0 or not proto.HasField("graph") or len(proto.opset_import) == 0:
         raise GraphError(f"{path} is not an ONNX model (no graph, IR version or opset)")
     externals = _external_files(proto, path.parent)

@@ -80,3 +80,47 @@ def shift_model(path: Path, length: int = 16, horizon: int = 4, seed: int = 0) -
         init,
         path,
     )
+
+
+def nan_model(path: Path, n: int = 32) -> Path:
+    """y = sqrt(x @ W): NaN as soon as a state goes negative."""
+    rng = np.random.default_rng(0)
+    return _model(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Sqrt", ["h"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
+        {"W": rng.standard_normal((n, n)).astype(np.float32)},
+        path,
+    )
+
+
+def small_weights_model(path: Path) -> Path:
+    """Only a 4x4 weight: nothing reaches the default --min-params."""
+    return linear_map(path, np.eye(4) * 0.5)
+
+
+def assorted_ops(path: Path) -> Path:
+    """Weights reaching Gather, Gemm, Conv (through Transpose) and a Constant-node MatMul weight."""
+    rng = np.random.default_rng(0)
+    emb = rng.standard_normal((100, 16)).astype(np.float32)
+    gemm_w = rng.standard_normal((16, 64)).astype(np.float32)
+    conv_t = rng.standard_normal((3, 3, 4, 8)).astype(np.float32)  # stored HWIO, transposed to OIHW
+    const_w = rng.standard_normal((64, 32)).astype(np.float32)
+    nodes = [
+        helper.make_node("Gather", ["emb", "ids"], ["e"]),  # [batch, 16]
+        helper.make_node("Gemm", ["e", "gemm_w", "gemm_b"], ["g"]),  # [batch, 64]
+        helper.make_node("Constant", [], ["const_w"], value=numpy_helper.from_array(const_w, "const_w")),
+        helper.make_node("MatMul", ["g", "const_w"], ["y"]),
+        helper.make_node("Transpose", ["conv_t"], ["conv_w"], perm=[3, 2, 0, 1]),
+        helper.make_node("Conv", ["img", "conv_w"], ["z"], pads=[1, 1, 1, 1]),
+    ]
+    return _model(
+        nodes,
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch"]),
+            helper.make_tensor_value_info("img", TensorProto.FLOAT, ["batch", 4, 8, 8]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32]), helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", 8, 8, 8])],
+        {"emb": emb, "gemm_w": gemm_w, "gemm_b": np.zeros(64, np.float32), "conv_t": conv_t},
+        path,
+    )

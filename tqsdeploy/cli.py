@@ -15,6 +15,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -27,12 +28,12 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-out = Console()
-err = Console(stderr=True)
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
 def fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -75,10 +76,14 @@ def _fmt(value) -> str:
     return str(value)
 
 
+LABELS = {"gamma": "γ", "gamma_quant": "γ quant", "gamma_gauss": "γ gauss", "a_max": "A max", "params": "params"}
+
+
 def _table(frame, title: str, columns: list[str]) -> Table:
     table = Table(title=title, title_justify="left")
     for column in columns:
-        table.add_column(column, justify="left" if column in ("unit", "shape", "op_types") else "right", overflow="fold")
+        text = column in ("unit", "shape", "op_types")
+        table.add_column(LABELS.get(column, column), justify="left" if text else "right", overflow="fold" if text else "ellipsis", no_wrap=not text)
     for row in frame.iter_rows(named=True):
         table.add_row(*[_fmt(row.get(c)) for c in columns])
     return table
@@ -89,7 +94,7 @@ def _table(frame, title: str, columns: list[str]) -> Table:
 def inspect(
     model: Path = typer.Argument(..., help="ONNX model file."),
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected from shapes when omitted."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Rollout steps T (overrides the spec)."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps T (overrides the spec)."),
     min_params: int = typer.Option(1024, "--min-params", help="Smallest tensor that counts as a unit."),
     include: Optional[str] = typer.Option(None, "--include", help="Regex: tensors that are units regardless of size or op."),
     exclude: Optional[str] = typer.Option(None, "--exclude", help="Regex: tensors that are never units."),
@@ -126,7 +131,7 @@ def score(
     model: Path = typer.Argument(..., help="ONNX model file (never modified)."),
     contexts: Optional[Path] = typer.Option(None, "--contexts", "-c", help="Context windows: .npz (one array per input, leading axis = windows) or .csv."),
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected from shapes when omitted."),
-    steps: Optional[int] = typer.Option(None, "--steps", "-T", help="Rollout steps T (overrides the spec; default 8)."),
+    steps: Optional[int] = typer.Option(None, "--steps", "-T", min=1, help="Rollout steps T (overrides the spec; default 8)."),
     out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Run folder (default tqs-runs/<model stem>)."),
     probe: str = typer.Option("both", "--probe", help="quant, gauss or both."),
     probe_bits: int = typer.Option(6, "--probe-bits", help="Bits of the symmetric per-tensor quantization probe."),
@@ -221,8 +226,11 @@ def score(
         err.print(f"[yellow]warning:[/] {warning}")
     frame = table.frame
     columns = ["rank", "unit", "shape", "params", "gamma", "gamma_quant", "gamma_gauss", "a_max", "dead"]
-    out.print(_table(frame.head(top), f"Most sensitive units (of {frame.height})", columns))
-    out.print(_table(frame.tail(min(top, max(frame.height - top, 0))), "Least sensitive units", columns))
+    if frame.height <= 2 * top:
+        out.print(_table(frame, f"All {frame.height} units, most sensitive first", columns))
+    else:
+        out.print(_table(frame.head(top), f"Most sensitive units (of {frame.height})", columns))
+        out.print(_table(frame.tail(top), "Least sensitive units", columns))
     meta = table.meta
     rho = meta.get("spearman_quant_gauss")
     out.print(

@@ -100,10 +100,16 @@ def score_frame(units: Sequence[Unit], results: dict[str, TaskResult], nominal_s
     rows = []
     for unit in units:
         probes = by_unit.get(unit.name, {})
-        quant = _probe_summary(probes.get("quant", []), nominal_sq, settings, schedule)
+        # A weight exactly representable at the probe's bits has a zero residual:
+        # the quant probe then says nothing, and the Gaussian probe (which falls
+        # back to the expected rounding-noise norm) carries the score.
+        quant_results = [r for r in probes.get("quant", []) if r.delta_sq > 0]
+        quant = _probe_summary(quant_results, nominal_sq, settings, schedule)
         gauss = _probe_summary(sorted(probes.get("gauss", []), key=lambda r: r.draw), nominal_sq, settings, schedule)
         primary = quant or gauss
         if not primary:
+            rows.append({"unit": unit.name, "tensors": ";".join(unit.tensor_names), "op_types": ";".join(unit.op_types),
+                         "shape": unit.shape, "params": unit.params, "gamma": math.nan, "dead": False, "nonfinite": False})
             continue
         summaries = [s for s in (quant, gauss) if s]
         dead = all(s["rel_div"] <= settings.dead_rtol for s in summaries)

@@ -1,0 +1,154 @@
+"""Every bad input ends in one line naming the problem, exit code 2, no
+traceback, and an untouched input file."""
+
+import hashlib
+
+import numpy as np
+import onnx
+import pytest
+from typer.testing import CliRunner
+
+import models
+from tqsdeploy.cli import app
+
+runner = CliRunner()
+
+
+def _digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _fails(args, *phrases, code=2):
+    result = runner.invoke(app, [str(a) for a in args])
+    text = result.output + (result.stderr if result.stderr_bytes is not None else "")
+    assert result.exit_code == code, text
+    assert "Traceback" not in text
+    message = " ".join(text.split())
+    for phrase in phrases:
+        assert phrase in message, message
+    return message
+
+
+@pytest.fixture
+def ctx(tmp_path):
+    path = tmp_path / "ctx.npz"
+    np.savez(path, x=np.random.default_rng(0).standard_normal((3, 1, 32)).astype(np.float32))
+    return path
+
+
+def test_not_onnx(tmp_path, ctx):
+    bogus = tmp_path / "notes.onnx"
+    bogus.write_text("this is a text file, not a model\n" * 20)
+    _fails(["score", bogus, "-c", ctx, "-o", tmp_path / "run"], "is not an ONNX model")
+    assert bogus.read_text().startswith("this is a text file")
+
+
+def test_truncated(tmp_path, ctx):
+    full = models.two_branch(tmp_path / "full.onnx")
+    cut = tmp_path / "cut.onnx"
+    cut.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
+    before = _digest(cut)
+    _fails(["score", cut, "-c", ctx, "-o", tmp_path / "run"], "truncated or corrupt")
+    assert _digest(cut) == before
+
+
+def _external(tmp_path, location):
+    model = onnx.load(str(models.two_branch(tmp_path / "src.onnx")))
+    folder = tmp_path / "m"
+    folder.mkdir()
+    onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=True, location="weights.bin", size_threshold=0)
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = location
+    onnx.save_model(model, str(folder / "model.onnx"))
+    return folder / "model.onnx"
+
+
+def test_external_data_missing(tmp_path, ctx):
+    _fails(["score", _external(tmp_path, "gone.bin"), "-c", ctx, "-o", tmp_path / "run"], "gone.bin", "missing")
+
+
+def test_external_data_outside_folder(tmp_path, ctx):
+    (tmp_path / "evil.bin").write_bytes(b"\0" * 100000)
+    _fails(["score", _external(tmp_path, "../evil.bin"), "-c", ctx, "-o", tmp_path / "run"], "outside the model's folder")
+
+
+def test_external_data_loads_when_valid(tmp_path, ctx):
+    path = _external(tmp_path, "weights.bin")
+    result = runner.invoke(app, ["score", str(path), "-c", str(ctx), "-o", str(tmp_path / "run"), "--steps", "2"])
+    assert result.exit_code == 0, result.output
+
+
+def test_no_quantizable_tensors(tmp_path):
+    model = models.small_weights_model(tmp_path / "small.onnx")
+    np.savez(tmp_path / "c.npz", x=np.ones((2, 1, 4), np.float32))
+    _fails(["score", model, "-c", tmp_path / "c.npz", "-o", tmp_path / "run"], "no quantizable tensors", "--min-params")
+
+
+def test_contexts_missing_input(two_branch, tmp_path):
+    model, _ = two_branch
+    np.savez(tmp_path / "wrong.npz", state=np.ones((2, 1, 32), np.float32))
+    _fails(["score", model, "-c", tmp_path / "wrong.npz", "-o", tmp_path / "run"], "no array for model input 'x'")
+
+
+def test_contexts_wrong_shape(two_branch, tmp_path):
+    model, _ = two_branch
+    np.savez(tmp_path / "wrong.npz", x=np.ones((2, 1, 31), np.float32))
+    _fails(["score", model, "-c", tmp_path / "wrong.npz", "-o", tmp_path / "run"], "does not fit model input 'x' [batch, 32]")
+
+
+def test_rollout_spec_does_not_fit(tmp_path):
+    model = models.shift_model(tmp_path / "shift.onnx")
+    np.savez(tmp_path / "c.npz", x=np.ones((2, 1, 16), np.float32))
+    spec = tmp_path / "spec.toml"
+    spec.write_text('steps = 3\n[[feedback]]\noutput = "y"\ninput = "x"\nmode = "replace"\n')
+    _fails(["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--min-params", "1"], "does not fit input 'x'")
+    spec.write_text('steps = 3\n[[feedback]]\noutput = "y"\ninput = "state"\n')
+    _fails(["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--min-params", "1"], "'state' is not a model input")
+
+
+def test_rollout_spec_not_toml(two_branch, tmp_path):
+    model, ctx_path = two_branch
+    (tmp_path / "bad.toml").write_text("steps = = 3")
+    _fails(["score", model, "-c", ctx_path, "--spec", tmp_path / "bad.toml", "-o", tmp_path / "run"], "not valid TOML")
+
+
+def test_nonfinite_nominal_rollout(tmp_path, ctx):
+    model = models.nan_model(tmp_path / "nan.onnx")
+    _fails(["score", model, "-c", ctx, "-o", tmp_path / "run"], "NaN or Inf", "'y'")
+
+
+def test_unknown_provider(two_branch, tmp_path):
+    model, ctx_path = two_branch
+    _fails(["score", model, "-c", ctx_path, "--provider", "tpu", "-o", tmp_path / "run"], "unknown provider 'tpu'")
+
+
+def test_unavailable_provider(two_branch, tmp_path):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("CUDA is available here")
+    model, ctx_path = two_branch
+    _fails(["score", model, "-c", ctx_path, "--provider", "cuda", "-o", tmp_path / "run"], "'cuda' is not available")
+
+
+def test_missing_model_and_contexts(two_branch, tmp_path):
+    model, _ = two_branch
+    _fails(["score", tmp_path / "nope.onnx", "-c", tmp_path / "x.npz"], "does not exist")
+    _fails(["score", model, "-o", tmp_path / "run"], "no contexts given", "--random-contexts")
+    _fails(["score", model, "-c", tmp_path / "absent.npz", "-o", tmp_path / "run"], "does not exist")
+
+
+def test_ambiguous_rollout_points_at_spec(tmp_path):
+    model = models.assorted_ops(tmp_path / "multi.onnx")
+    _fails(["score", model, "--random-contexts", "-o", tmp_path / "run", "--min-params", "1"], "cannot detect the rollout", "--spec")
+
+
+def test_model_file_untouched_by_a_full_run(two_branch, tmp_path):
+    model, ctx_path = two_branch
+    before = _digest(model)
+    result = runner.invoke(app, ["score", str(model), "-c", str(ctx_path), "-o", str(tmp_path / "run")])
+    assert result.exit_code == 0
+    assert _digest(model) == before

@@ -1,0 +1,111 @@
+"""Ranking, the dead-unit rule and resuming an interrupted sweep."""
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+
+from tqsdeploy import SENTINEL_GAMMA, ScoreSettings, score
+from tqsdeploy.errors import InputError
+
+
+def test_dead_unit_gets_sentinel_and_ranks_last(two_branch, tmp_path):
+    model, contexts = two_branch
+    frame = score(model, contexts, steps=8, out=tmp_path / "run").frame
+    rows = {r["unit"]: r for r in frame.iter_rows(named=True)}
+    assert rows["Wdead"]["dead"] and rows["Wdead"]["gamma"] == SENTINEL_GAMMA
+    assert rows["Wdead"]["rel_divergence"] == 0.0
+    assert rows["Wdead"]["rank"] == frame.height
+    assert not rows["Wmain"]["dead"] and not rows["Wsmall"]["dead"]
+
+
+def test_direct_path_outranks_contracting_branch(two_branch, tmp_path):
+    model, contexts = two_branch
+    frame = score(model, contexts, steps=8, out=tmp_path / "run").frame
+    assert frame["unit"].to_list() == ["Wmain", "Wsmall", "Wdead"]
+    gamma = dict(zip(frame["unit"], frame["gamma_gauss"]))
+    assert gamma["Wmain"] > gamma["Wsmall"]
+
+
+def test_outputs_written(two_branch, tmp_path):
+    model, contexts = two_branch
+    table = score(model, contexts, steps=4, out=tmp_path / "run")
+    run = tmp_path / "run"
+    assert pl.read_parquet(run / "scores.parquet").equals(table.frame)
+    assert pl.read_csv(run / "scores.csv").height == table.frame.height
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["status"] == "complete" and meta["model"]["sha256"] == table.meta["model"]["sha256"]
+    assert meta["rollout"]["steps"] == 4 and meta["contexts"]["windows"] == 4
+    assert {"gamma_T1", "gamma_T2", "gamma_T4"} <= set(table.frame.columns)
+    with np.load(run / "contexts.npz") as saved, np.load(contexts) as given:
+        np.testing.assert_array_equal(saved["x"], given["x"])
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_resume_after_interruption_matches_uninterrupted_run(two_branch, tmp_path):
+    model, contexts = two_branch
+    settings = ScoreSettings(gauss_draws=3)
+    reference = score(model, contexts, steps=6, out=tmp_path / "whole", settings=settings).frame
+    seen = []
+
+    def stop_after_five(result):
+        seen.append(result.key)
+        if len(seen) == 5:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        score(model, contexts, steps=6, out=tmp_path / "cut", settings=settings, on_result=stop_after_five)
+    lines = (tmp_path / "cut" / "sweep.jsonl").read_text().splitlines()
+    assert len(lines) == 5
+    with open(tmp_path / "cut" / "sweep.jsonl", "a") as handle:
+        handle.write('{"unit": "Wmain", "probe": "ga')  # a write cut off by the kill
+    progress = []
+    rerun = []
+    resumed = score(
+        model, contexts, steps=6, out=tmp_path / "cut", settings=settings,
+        on_start=lambda total, done: progress.append((total, done)), on_result=lambda r: rerun.append(r.key),
+    ).frame
+    assert progress == [(12, 5)]
+    assert not set(rerun) & set(seen)
+    assert len((tmp_path / "cut" / "sweep.jsonl").read_text().splitlines()) == 12
+    assert resumed.drop("seconds").equals(reference.drop("seconds"))
+
+
+def test_changed_settings_do_not_resume_silently(two_branch, tmp_path):
+    model, contexts = two_branch
+    score(model, contexts, steps=4, out=tmp_path / "run")
+    with pytest.raises(InputError, match="different model, contexts or settings"):
+        score(model, contexts, steps=5, out=tmp_path / "run")
+    fresh = score(model, contexts, steps=5, out=tmp_path / "run", resume=False)
+    assert fresh.meta["rollout"]["steps"] == 5
+
+
+def test_early_stop_truncates_converged_rollouts(tmp_path):
+    import models
+
+    q, _ = np.linalg.qr(np.random.default_rng(1).standard_normal((8, 8)))
+    model = models.linear_map(tmp_path / "lin.onnx", 1.05 * q)
+    np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(0).standard_normal((3, 1, 8)).astype(np.float32))
+    from tqsdeploy import UnitSelection
+
+    settings = ScoreSettings(gauss_draws=0, early_stop=True, early_stop_tol=0.02, early_stop_window=3)
+    row = score(model, tmp_path / "ctx.npz", steps=64, out=tmp_path / "run", selection=UnitSelection(min_params=1), settings=settings).frame.row(0, named=True)
+    assert 4 <= row["steps"] < 64
+    assert row["gamma_T64"] is None
+
+
+def test_exactly_representable_weight_is_not_called_dead(tmp_path):
+    """1.05*I has a zero 6-bit residual: the quant probe is silent, the Gaussian probe scores it."""
+    import models
+    from tqsdeploy import UnitSelection
+
+    model = models.linear_map(tmp_path / "eye.onnx", np.eye(8) * 1.05)
+    np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(0).standard_normal((3, 1, 8)).astype(np.float32))
+    row = score(model, tmp_path / "ctx.npz", steps=8, out=tmp_path / "run", selection=UnitSelection(min_params=1)).frame.row(0, named=True)
+    assert not row["dead"]
+    assert row["gamma_quant"] is None
+    assert row["gamma"] == row["gamma_gauss"] > -10
