@@ -6,7 +6,7 @@ protos, paths and plain dataclasses.
 """
 
 from graph_ops.io import GraphError, LoadedModel, load_model, model_bytes, save_model
-from graph_ops.weights import WeightTensor, find_weight_tensors, read_weights
+from graph_ops.weights import WeightTensor, find_weight_tensors, read_weights, replace_weights
 from graph_ops.overridable import make_weights_overridable
 
 __all__ = [
@@ -18,5 +18,6 @@ __all__ = [
     "make_weights_overridable",
     "model_bytes",
     "read_weights",
+    "replace_weights",
     "save_model",
 ]

@@ -132,3 +132,17 @@ def read_weights(model: onnx.ModelProto, names: list[str] | set[str]) -> dict[st
     if missing:
         raise KeyError(f"no stored tensor named {sorted(missing)[0]!r}")
     return {name: numpy_helper.to_array(stored[name][0]) for name in wanted}
+
+
+def replace_weights(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """A copy of `model` whose named initializers / Constant values hold `values`."""
+    import copy
+
+    result = copy.deepcopy(model)
+    stored = _stored_tensors(result.graph)
+    for name, value in values.items():
+        if name not in stored:
+            raise KeyError(f"no stored tensor named {name!r}")
+        tensor = stored[name][0]
+        tensor.CopyFrom(numpy_helper.from_array(np.asarray(value, dtype=numpy_helper.to_array(tensor).dtype), tensor.name))
+    return result

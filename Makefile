@@ -1,0 +1,28 @@
+# Two commands do all the set-up on a fresh machine (Python >= 3.10 with venv):
+#   make demo   # installs into .venv, then scores the bundled ETTh1 forecaster
+#   make test   # installs into .venv, then runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+EXAMPLE ?= examples/etth1_patchtst
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,plots]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tqsdeploy inspect $(EXAMPLE)/model.onnx --spec $(EXAMPLE)/rollout.toml
+	$(BIN)/tqsdeploy score $(EXAMPLE)/model.onnx --contexts $(EXAMPLE)/contexts.npz --spec $(EXAMPLE)/rollout.toml --out tqs-runs/$(notdir $(EXAMPLE))
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_score.py
+
+clean:
+	rm -rf $(VENV) tqs-runs .pytest_cache

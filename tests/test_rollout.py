@@ -1,0 +1,80 @@
+"""Rollout specs: feedback mechanics, detection and TOML round trips."""
+
+import numpy as np
+import pytest
+
+from runtimes import IOSpec
+from tqsdeploy.errors import RolloutError
+from tqsdeploy.rollout import Feedback, RolloutSpec, detect, next_feeds
+
+F32 = np.dtype(np.float32)
+
+
+def test_shift_drops_oldest_and_appends_output():
+    spec = RolloutSpec(steps=2, feedback=(Feedback("y", "x", "shift", -1),), trajectory=("y",))
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    y = np.full((2, 2), -1, np.float32)
+    new = next_feeds({"x": x}, {"y": y}, spec)["x"]
+    np.testing.assert_array_equal(new[:, :4], x[:, 2:])
+    np.testing.assert_array_equal(new[:, 4:], y)
+
+
+def test_shift_along_middle_axis():
+    spec = RolloutSpec(steps=1, feedback=(Feedback("y", "x", "shift", 1),), trajectory=("y",))
+    x = np.random.default_rng(0).standard_normal((1, 5, 3)).astype(np.float32)
+    y = np.zeros((1, 2, 3), np.float32)
+    new = next_feeds({"x": x}, {"y": y}, spec)["x"]
+    assert new.shape == x.shape
+    np.testing.assert_array_equal(new[:, :3], x[:, 2:])
+
+
+def test_replace_and_constant_inputs():
+    spec = RolloutSpec(steps=1, feedback=(Feedback("y", "x"),), trajectory=("y",))
+    feeds = {"x": np.zeros((1, 3), np.float32), "forcing": np.ones((1, 2), np.float32)}
+    new = next_feeds(feeds, {"y": np.full((1, 3), 2, np.float32)}, spec)
+    np.testing.assert_array_equal(new["x"], 2)
+    assert new["forcing"] is feeds["forcing"]
+
+
+def test_replace_shape_mismatch_is_a_rollout_error():
+    spec = RolloutSpec(steps=1, feedback=(Feedback("y", "x"),), trajectory=("y",))
+    with pytest.raises(RolloutError, match="needs equal shapes"):
+        next_feeds({"x": np.zeros((1, 3), np.float32)}, {"y": np.zeros((1, 4), np.float32)}, spec)
+
+
+def test_detect_replace_and_shift():
+    same = detect([IOSpec("s", ("b", 1, 33, 49), F32)], [IOSpec("n", ("b", 1, 33, 49), F32)], steps=4)
+    assert same.feedback == (Feedback("n", "s", "replace", -1),) and same.origin == "detected"
+    shift = detect([IOSpec("x", ("b", 512), F32)], [IOSpec("y", ("b", 96), F32)], steps=4)
+    assert shift.feedback == (Feedback("y", "x", "shift", -1),)
+
+
+@pytest.mark.parametrize(
+    "inputs,outputs",
+    [
+        ([IOSpec("x", ("b", 8), F32), IOSpec("t", ("b", 8), F32)], [IOSpec("y", ("b", 8), F32)]),
+        ([IOSpec("x", ("b", 8), F32)], [IOSpec("y", ("b", 16), F32)]),  # longer than the input
+        ([IOSpec("x", ("b", 8), F32)], [IOSpec("y", ("b", 8, 2), F32)]),
+        ([IOSpec("x", ("b", 8, 3), F32)], [IOSpec("y", ("b", 4, 2), F32)]),
+    ],
+)
+def test_ambiguous_models_ask_for_a_spec(inputs, outputs):
+    with pytest.raises(RolloutError, match="cannot detect") as info:
+        detect(inputs, outputs, steps=2)
+    assert "--spec" in str(info.value)
+
+
+def test_toml_round_trip(tmp_path):
+    spec = RolloutSpec(
+        steps=5, feedback=(Feedback("y", "x", "shift", -1), Feedback("h_out", "h", "replace")), trajectory=("y",)
+    )
+    path = tmp_path / "spec.toml"
+    path.write_text(spec.to_toml())
+    assert RolloutSpec.from_toml(path) == spec
+
+
+def test_bad_mode_and_steps():
+    with pytest.raises(RolloutError, match="mode"):
+        RolloutSpec.from_dict({"steps": 2, "feedback": [{"output": "y", "input": "x", "mode": "append"}]})
+    with pytest.raises(RolloutError, match="at least 1 step"):
+        RolloutSpec.from_dict({"steps": 0, "feedback": [{"output": "y", "input": "x"}]})
