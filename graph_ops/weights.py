@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 WEIGHT_OPERANDS: dict[str, tuple[int, ...] | None] = {
     "MatMul": None,  # either operand may be the constant one
@@ -50,6 +50,8 @@ class WeightTensor:
     """Compute ops it feeds as a weight; empty if it feeds none (still float)."""
     source: str
     """'initializer' or 'constant' (the output of a Constant node)."""
+    channel_axis: int | None = None
+    """Axis of the stored array that holds output channels (None: unknown or ambiguous)."""
 
     @property
     def params(self) -> int:
@@ -77,22 +79,59 @@ def _stored_tensors(graph: onnx.GraphProto) -> dict[str, tuple[onnx.TensorProto,
     return stored
 
 
-def _weight_consumers(graph: onnx.GraphProto, name: str, consumers: dict[str, list[tuple[onnx.NodeProto, int]]]) -> set[str]:
-    """Op types that use `name` as a weight operand, following layout-only ops."""
+def _attribute(node: onnx.NodeProto, name: str, default):
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return helper.get_attribute_value(attribute)
+    return default
+
+
+def _consumer_channel_axis(node: onnx.NodeProto, position: int, rank: int) -> int | None:
+    """Output-channel axis of a weight operand, in the consumer's view of the tensor."""
+    op = node.op_type
+    if op == "MatMul":
+        return rank - 1 if position == 1 else max(rank - 2, 0)
+    if op == "Gemm":
+        transposed = _attribute(node, "transB" if position == 1 else "transA", 0)
+        return (0 if transposed else 1) if position == 1 else (1 if transposed else 0)
+    if op == "Conv" or op == "Gather":
+        return 0
+    if op == "ConvTranspose":
+        return 1 if _attribute(node, "group", 1) == 1 else None
+    return None
+
+
+def _weight_consumers(
+    graph: onnx.GraphProto, name: str, rank: int, consumers: dict[str, list[tuple[onnx.NodeProto, int]]]
+) -> tuple[set[str], int | None]:
+    """Op types that use `name` as a weight operand, following layout-only ops,
+    and the stored axis holding output channels if all consumers agree."""
     found: set[str] = set()
-    frontier, seen = [name], {name}
+    axes: set[int | None] = set()
+    # Each frontier entry: tensor name and, per axis of that tensor, the stored axis (None once a reshape loses track).
+    frontier, seen = [(name, list(range(rank)))], {name}
     while frontier:
-        current = frontier.pop()
+        current, axis_map = frontier.pop()
         for node, position in consumers.get(current, []):
             operands = WEIGHT_OPERANDS.get(node.op_type, ())
             if node.domain in ("", "ai.onnx") and (operands is None or position in operands):
                 found.add(node.op_type)
+                axis = _consumer_channel_axis(node, position, len(axis_map)) if axis_map is not None else None
+                axes.add(axis_map[axis] if axis is not None and axis < len(axis_map) else None)
             elif node.op_type in PASS_THROUGH and position == 0:
+                if node.op_type == "Transpose" and axis_map is not None:
+                    perm = _attribute(node, "perm", list(reversed(range(len(axis_map)))))
+                    next_map = [axis_map[p] for p in perm]
+                elif node.op_type in ("Cast", "Identity"):
+                    next_map = axis_map
+                else:
+                    next_map = None
                 for output in node.output:
                     if output not in seen:
                         seen.add(output)
-                        frontier.append(output)
-    return found
+                        frontier.append((output, next_map))
+    channel_axis = axes.pop() if len(axes) == 1 else None
+    return found, channel_axis
 
 
 def find_weight_tensors(model: onnx.ModelProto) -> list[WeightTensor]:
@@ -112,13 +151,16 @@ def find_weight_tensors(model: onnx.ModelProto) -> list[WeightTensor]:
     for name, (tensor, source) in _stored_tensors(graph).items():
         if tensor.data_type not in FLOAT_TYPES or name in graph_inputs:
             continue
+        shape = tuple(int(d) for d in tensor.dims)
+        op_types, channel_axis = _weight_consumers(graph, name, len(shape), consumers)
         tensors.append(
             WeightTensor(
                 name=name,
-                shape=tuple(int(d) for d in tensor.dims),
+                shape=shape,
                 dtype=FLOAT_TYPES[tensor.data_type],
-                op_types=tuple(sorted(_weight_consumers(graph, name, consumers))),
+                op_types=tuple(sorted(op_types)),
                 source=source,
+                channel_axis=channel_axis,
             )
         )
     return tensors

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from graph_ops import GraphError
 from runtimes import RuntimeUnavailable
+from tiers import TierError
 
 
 class TqsError(Exception):
@@ -35,5 +36,5 @@ class InternalError(RuntimeError):
     """A bug in tqsdeploy, never the user's fault."""
 
 
-USER_ERRORS = (TqsError, GraphError, RuntimeUnavailable)
+USER_ERRORS = (TqsError, GraphError, RuntimeUnavailable, TierError)
 """Exceptions the CLI reports as a one-line error with exit code 2."""

@@ -2,7 +2,8 @@
 
 `quant`: the b-bit symmetric per-tensor quantization residual Q_b(w) - w.
 `gauss`: isotropic Gaussian noise rescaled to the same Frobenius norm, one
-independent draw per task. Draws are seeded from (seed, unit, draw), so any
+independent draw per task. `tier:<name>[/g<G>]`: the unit quantized exactly as
+export would store it at that tier (the `measured` allocation objective). Draws are seeded from (seed, unit, draw), so any
 task gives the same perturbation whenever and wherever it runs: that is what
 makes sweeps resumable and distributable.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiers import fake_quantize, symmetric_scale
+from tiers import TIERS, Layout, fake_quantize, symmetric_scale
 from tqsdeploy.units import Unit
 
 PROBES = ("quant", "gauss")
@@ -38,8 +39,29 @@ def _reference_norm(w: np.ndarray, residual: np.ndarray, bits: int) -> float:
     return expected if expected > 0 else 1e-6 * np.sqrt(w.size)
 
 
+def tier_probe(tier: str, group_size: int | None) -> str:
+    return f"tier:{tier}" + (f"/g{group_size}" if group_size else "")
+
+
+def parse_tier_probe(probe: str) -> tuple[str, int | None]:
+    name, _, group = probe.removeprefix("tier:").partition("/g")
+    return name, int(group) if group else None
+
+
+def tier_weights(unit: Unit, weights: dict[str, np.ndarray], tier: str, group_size: int | None) -> dict[str, np.ndarray]:
+    """The unit's tensors as the runtime will see them at `tier` (exact dequantization)."""
+    return {
+        t.name: TIERS[tier].quantize(weights[t.name], Layout(t.shape, t.channel_axis), group_size).dequantized().astype(weights[t.name].dtype)
+        for t in unit.tensors
+    }
+
+
 def perturb(unit: Unit, weights: dict[str, np.ndarray], probe: str, draw: int, bits: int, seed: int) -> Perturbation:
     """The perturbed copy of every tensor in `unit` for one probe draw."""
+    if probe.startswith("tier:"):
+        replaced = tier_weights(unit, weights, *parse_tier_probe(probe))
+        delta_sq = sum(float(np.sum(np.square(replaced[n].astype(np.float64) - weights[n]))) for n in replaced)
+        return Perturbation(weights=replaced, delta_sq=delta_sq)
     replaced, delta_sq = {}, 0.0
     rng = np.random.default_rng([seed, zlib.crc32(unit.name.encode()), draw]) if probe == "gauss" else None
     for name in unit.tensor_names:

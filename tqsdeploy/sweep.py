@@ -219,27 +219,8 @@ class SweepRunner:
     def run(self, task: Task) -> TaskResult:
         job = self.job
         started = time.perf_counter()
-        unit = job.units[task.unit]
-        change = perturb(unit, job.weights, task.probe, task.draw, job.probe_bits, job.seed)
-        div_sq: list[float] = []
-        gammas: list[float] = []
-        cumulative, nonfinite = 0.0, False
-        for t, outs in enumerate(self._trajectory(self.nominal.chunks, change.weights), start=1):
-            total = 0.0
-            for c, (count, _) in enumerate(self.nominal.chunks):
-                total += self._window_sq(count, outs[c], self.nominal.trajectory[c][t - 1]).sum()
-            value = float(total / job.contexts.count)
-            if not math.isfinite(value):
-                nonfinite = True
-                div_sq.extend([math.inf] * (job.spec.steps - t + 1))
-                break
-            div_sq.append(value)
-            cumulative += value
-            if job.early_stop is not None:
-                gammas.append(math.log(max(cumulative, 1e-300) / (change.delta_sq + job.eps)) / t)
-                window = gammas[-(job.early_stop.window + 1):]
-                if len(window) == job.early_stop.window + 1 and max(window) - min(window) <= job.early_stop.tol:
-                    break
+        change = perturb(job.units[task.unit], job.weights, task.probe, task.draw, job.probe_bits, job.seed)
+        div_sq, nonfinite = self.divergence(change.weights, change.delta_sq)
         return TaskResult(
             unit=task.unit,
             probe=task.probe,
@@ -249,6 +230,40 @@ class SweepRunner:
             nonfinite=nonfinite,
             seconds=time.perf_counter() - started,
         )
+
+    def divergence(self, weights: dict[str, np.ndarray], delta_sq: float = 0.0) -> tuple[list[float], bool]:
+        """Per-step mean squared trajectory divergence of the model with `weights`
+        replaced, against the nominal rollout; and whether it went non-finite.
+
+        Early stopping (when the job asks for it) needs `delta_sq`.
+        """
+        job = self.job
+        div_sq: list[float] = []
+        gammas: list[float] = []
+        cumulative = 0.0
+        for t, outs in enumerate(self._trajectory(self.nominal.chunks, weights), start=1):
+            total = 0.0
+            for c, (count, _) in enumerate(self.nominal.chunks):
+                total += self._window_sq(count, outs[c], self.nominal.trajectory[c][t - 1]).sum()
+            value = float(total / job.contexts.count)
+            if not math.isfinite(value):
+                div_sq.extend([math.inf] * (job.spec.steps - t + 1))
+                return div_sq, True
+            div_sq.append(value)
+            cumulative += value
+            if job.early_stop is not None and delta_sq > 0:
+                gammas.append(math.log(max(cumulative, 1e-300) / (delta_sq + job.eps)) / t)
+                window = gammas[-(job.early_stop.window + 1):]
+                if len(window) == job.early_stop.window + 1 and max(window) - min(window) <= job.early_stop.tol:
+                    break
+        return div_sq, False
+
+    def relative_drift(self, weights: dict[str, np.ndarray]) -> float:
+        """RMS trajectory divergence over all steps relative to the RMS nominal trajectory."""
+        div_sq, nonfinite = self.divergence(weights)
+        if nonfinite:
+            return math.inf
+        return math.sqrt(sum(div_sq) / max(sum(self.nominal.norm_sq), 1e-300))
 
     def close(self) -> None:
         self.session.close()

@@ -1,0 +1,177 @@
+"""Write quantized weights into a graph as standard ONNX ops.
+
+Each replaced weight keeps its tensor name; what produces it changes:
+- 'raw': a float32 initializer (unchanged precision);
+- 'cast': a float16/bfloat16 initializer + Cast(to=FLOAT);
+- 'dequantize': integer or FP8 codes + DequantizeLinear (per tensor, per axis,
+  or blockwise with `block_size`, opset 21+);
+- 'packed_sign': sign bits packed 8 per byte (uint8) + an unpack subgraph of
+  standard ops (BitShift, BitwiseAnd, Cast, Mul, Sub) and the scale.
+New nodes go first in the node list: they read only initializers, so the
+graph stays topologically sorted, and every consumer keeps reading the same
+name. Consumers are never edited, so shared weights are stored once.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Mapping, Protocol
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, version_converter
+
+from graph_ops.io import MAX_IR_VERSION, MAX_OPSET, GraphError
+
+KIND_OPSET = {"raw": 1, "cast": 13, "dequantize": 13, "packed_sign": 18}
+
+
+class StoredWeight(Protocol):
+    """What `tiers.Stored` provides; graph_ops needs nothing else from a tier."""
+
+    kind: str
+    values: np.ndarray
+    shape: tuple[int, ...]
+    scale: np.ndarray | None
+    axis: int | None
+    block_size: int | None
+
+
+def required_opset(stored: Mapping[str, StoredWeight]) -> int:
+    """Lowest default-domain opset that can express every stored form."""
+    needed = 1
+    for value in stored.values():
+        needed = max(needed, KIND_OPSET[value.kind])
+        if value.kind == "dequantize":
+            dtype = np.dtype(value.values.dtype)
+            if dtype.name in ("int4", "uint4"):
+                needed = max(needed, 21)
+            if dtype.name.startswith("float8"):
+                needed = max(needed, 19)
+            if dtype.name in ("int2", "uint2"):
+                needed = max(needed, 25)
+            if value.block_size:
+                needed = max(needed, 21)
+    return needed
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+def upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """Convert the default-domain opset up to `opset` (no-op when already there)."""
+    current = _opset(model)
+    if current >= opset:
+        return model
+    if opset > MAX_OPSET:
+        raise GraphError(f"the chosen tiers need opset {opset}, above the supported {MAX_OPSET}")
+    try:
+        converted = version_converter.convert_version(model, opset)
+    except Exception as exc:
+        raise GraphError(f"cannot convert the model from opset {current} to {opset} (needed by the chosen tiers): {str(exc).splitlines()[0]}") from None
+    return converted
+
+
+def _lift_constants(model: onnx.ModelProto, names: set[str]) -> None:
+    """Turn Constant nodes that hold any of `names` into initializers, in place."""
+    kept = []
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.output[0] in names:
+            value = next(a.t for a in node.attribute if a.name == "value")
+            tensor = copy.deepcopy(value)
+            tensor.name = node.output[0]
+            model.graph.initializer.append(tensor)
+        else:
+            kept.append(node)
+    if len(kept) != len(model.graph.node):
+        del model.graph.node[:]
+        model.graph.node.extend(kept)
+
+
+def _emit(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]]:
+    """Initializers and nodes that produce tensor `name` from its stored form."""
+    if value.kind == "raw":
+        return [numpy_helper.from_array(np.ascontiguousarray(value.values), name)], []
+    if value.kind == "cast":
+        stored = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__{value.values.dtype.name}")
+        return [stored], [helper.make_node("Cast", [stored.name], [name], to=onnx.TensorProto.FLOAT, name=f"{name}__cast")]
+    if value.kind == "dequantize":
+        codes = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__q")
+        scale = numpy_helper.from_array(np.ascontiguousarray(value.scale, dtype=np.float32), f"{name}__scale")
+        attributes = {}
+        if value.axis is not None and np.ndim(value.scale) > 0:
+            attributes["axis"] = int(value.axis)
+        if value.block_size:
+            attributes["block_size"] = int(value.block_size)
+        node = helper.make_node("DequantizeLinear", [codes.name, scale.name], [name], name=f"{name}__dq", **attributes)
+        return [codes, scale], [node]
+    if value.kind == "packed_sign":
+        return _unpack_signs(name, value)
+    raise GraphError(f"unknown stored form '{value.kind}' for '{name}'")
+
+
+def _unpack_signs(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]]:
+    """packed uint8 -> bits (MSB first, as numpy.packbits) -> {-1, +1} * scale."""
+    shape = list(value.shape)
+    size = int(np.prod(shape, dtype=np.int64))
+    p = f"{name}__"
+    scale = np.asarray(value.scale, dtype=np.float32)
+    if scale.ndim == 1:  # per axis: reshape for broadcasting against the weight
+        view = [1] * len(shape)
+        view[value.axis] = shape[value.axis]
+        scale = scale.reshape(view)
+    initializers = [
+        numpy_helper.from_array(np.ascontiguousarray(value.values).reshape(-1, 1), p + "bits"),
+        numpy_helper.from_array(np.arange(7, -1, -1, dtype=np.uint8).reshape(1, 8), p + "shifts"),
+        numpy_helper.from_array(np.array([1], np.uint8), p + "one"),
+        numpy_helper.from_array(np.array([-1], np.int64), p + "flat"),
+        numpy_helper.from_array(np.array([0], np.int64), p + "start"),
+        numpy_helper.from_array(np.array([size], np.int64), p + "stop"),
+        numpy_helper.from_array(np.array(shape, np.int64), p + "shape"),
+        numpy_helper.from_array(np.array(2.0, np.float32), p + "two"),
+        numpy_helper.from_array(np.array(1.0, np.float32), p + "unit"),
+        numpy_helper.from_array(scale, p + "scale"),
+    ]
+    nodes = [
+        helper.make_node("BitShift", [p + "bits", p + "shifts"], [p + "shifted"], direction="RIGHT"),
+        helper.make_node("BitwiseAnd", [p + "shifted", p + "one"], [p + "bit"]),
+        helper.make_node("Reshape", [p + "bit", p + "flat"], [p + "flat_bits"]),
+        helper.make_node("Slice", [p + "flat_bits", p + "start", p + "stop"], [p + "used"]),
+        helper.make_node("Reshape", [p + "used", p + "shape"], [p + "shaped"]),
+        helper.make_node("Cast", [p + "shaped"], [p + "float"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Mul", [p + "float", p + "two"], [p + "double"]),
+        helper.make_node("Sub", [p + "double", p + "unit"], [p + "sign"]),
+        helper.make_node("Mul", [p + "sign", p + "scale"], [name], name=p + "unpack"),
+    ]
+    return initializers, nodes
+
+
+def apply_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight]) -> onnx.ModelProto:
+    """A copy of `model` whose named weights are stored as given. Input untouched."""
+    opset = max(_opset(model), required_opset(stored))
+    result = upgrade_opset(copy.deepcopy(model), opset)
+    graph = result.graph
+    _lift_constants(result, set(stored))
+    present = {t.name for t in graph.initializer}
+    missing = set(stored) - present
+    if missing:
+        raise GraphError(f"no weight named '{sorted(missing)[0]}' in the model")
+    kept = [t for t in graph.initializer if t.name not in stored]
+    new_nodes = []
+    for name, value in stored.items():
+        initializers, nodes = _emit(name, value)
+        kept.extend(initializers)
+        new_nodes.extend(nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    inputs = [i for i in graph.input if i.name not in stored]  # old-style models list initializers as inputs
+    if len(inputs) != len(graph.input):
+        del graph.input[:]
+        graph.input.extend(inputs)
+    nodes = new_nodes + list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    minimum_ir = helper.find_min_ir_version_for(list(result.opset_import), ignore_unknown=True)
+    result.ir_version = min(max(result.ir_version, minimum_ir), MAX_IR_VERSION)
+    return result

@@ -1,0 +1,241 @@
+"""TQS-PTQ: pick one precision tier per unit under a compression target.
+
+Algorithm 1 of the paper: budget B = reference bits / C; dead units go to the
+cheapest tier; the most sensitive units go to FP32 until the FP32 share of the
+units' FP32 size reaches `fp32_fraction`; the rest is a multiple-choice
+knapsack (pulp with HiGHS, falling back to CBC) or the paper's greedy
+promotion. Compression counts the whole model's stored weights: tensors that
+are not units stay at their stored size and use up budget.
+
+Objectives (loss of unit l at tier k, minimised in sum):
+- paper:    w_l * 2^-b_k, with w_l = gamma_l when every live gamma is positive;
+            otherwise gamma shifted so the least sensitive live unit weighs 1%
+            of the range (ranking kept, every weight positive, so a higher
+            gamma always asks for more bits).
+- response: exp(T * gamma_l) * ||Q_k(theta_l) - theta_l||_F^2, a linear-response
+            estimate of the trajectory divergence from the probe.
+- measured: the mean squared trajectory divergence measured with only unit l
+            stored at tier k.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tiers import Tier
+from tqsdeploy.errors import InfeasibleError
+
+OBJECTIVES = ("paper", "response", "measured")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One unit's options: cost and loss per tier name."""
+
+    unit: str
+    params: int
+    gamma: float
+    dead: bool
+    cost: dict[str, int]
+    loss: dict[str, float]
+
+
+@dataclass
+class Allocation:
+    """A tier per unit and the size accounting behind it."""
+
+    tiers: dict[str, str]
+    cost_bits: dict[str, int]
+    reference_bits: int
+    fixed_bits: int
+    target: float | None
+    solver: str
+    objective: str
+    predicted_loss: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bits(self) -> int:
+        return self.fixed_bits + sum(self.cost_bits.values())
+
+    @property
+    def compression(self) -> float:
+        return self.reference_bits / self.total_bits
+
+    def tier_of(self, unit: str) -> str:
+        return self.tiers[unit]
+
+
+def paper_weights(gammas: dict[str, float], dead: set[str]) -> dict[str, float]:
+    """Positive per-unit weights that keep the gamma ranking (see module docstring)."""
+    live = {u: g for u, g in gammas.items() if u not in dead and math.isfinite(g)}
+    if not live:
+        return {u: 1.0 for u in gammas}
+    low, high = min(live.values()), max(live.values())
+    offset = 0.0 if low > 0 else -low + 0.01 * max(high - low, 1e-6)
+    biggest = high + offset
+    return {
+        u: 0.0 if u in dead else (10 * biggest if g == math.inf else max(g + offset, 0.0) if math.isfinite(g) else biggest)
+        for u, g in gammas.items()
+    }
+
+
+def unit_cost_floor(choices: list[Choice]) -> int:
+    return sum(min(c.cost.values()) for c in choices)
+
+
+def max_compression(choices: list[Choice], reference_bits: int, fixed_bits: int) -> float:
+    return reference_bits / (fixed_bits + unit_cost_floor(choices))
+
+
+def _solve_mckp(choices: list[Choice], budget: int, solver: str) -> tuple[dict[str, str], str]:
+    """Exact multiple-choice knapsack with pulp: HiGHS first, then CBC."""
+    import pulp
+
+    if not choices:
+        return {}, "none"
+    scale = max((v for c in choices for v in c.loss.values() if math.isfinite(v)), default=1.0) or 1.0
+    problem = pulp.LpProblem("tqs_ptq", pulp.LpMinimize)
+    variables = {}
+    for i, choice in enumerate(choices):
+        for j, tier in enumerate(choice.cost):
+            variables[choice.unit, tier] = pulp.LpVariable(f"x_{i}_{j}", cat="Binary")
+        problem += pulp.lpSum(variables[choice.unit, t] for t in choice.cost) == 1
+    problem += pulp.lpSum(choice.cost[t] * variables[choice.unit, t] for choice in choices for t in choice.cost) <= budget
+    problem += pulp.lpSum(min(choice.loss[t] / scale, 1e12) * variables[choice.unit, t] for choice in choices for t in choice.cost)
+    attempts = []
+    if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
+        attempts.append(("mckp-highs", lambda: pulp.HiGHS(msg=False, timeLimit=120, gapRel=1e-9)))
+    attempts.append(("mckp-cbc", lambda: pulp.PULP_CBC_CMD(msg=False, timeLimit=120, gapRel=1e-9)))
+    for label, make in attempts:
+        try:
+            status = problem.solve(make())
+        except pulp.PulpSolverError:
+            continue
+        if pulp.LpStatus[status] == "Optimal":
+            chosen = {}
+            for choice in choices:
+                chosen[choice.unit] = max(choice.cost, key=lambda t: variables[choice.unit, t].value() or 0.0)
+            return chosen, label
+    return {}, "failed"
+
+
+def _greedy(choices: list[Choice], tiers: list[Tier], budget: int) -> dict[str, str]:
+    """The paper's greedy: in decreasing gamma, give each unit the most precise
+    tier that still leaves room for every later unit at its cheapest tier."""
+    ordered = sorted(choices, key=lambda c: -c.gamma if math.isfinite(c.gamma) else -math.inf)
+    remaining_floor = unit_cost_floor(ordered)
+    spent, chosen = 0, {}
+    for choice in ordered:
+        floor = min(choice.cost.values())
+        remaining_floor -= floor
+        for tier in tiers:
+            if tier.name in choice.cost and spent + choice.cost[tier.name] + remaining_floor <= budget:
+                chosen[choice.unit] = tier.name
+                break
+        else:
+            chosen[choice.unit] = min(choice.cost, key=choice.cost.get)
+        spent += choice.cost[chosen[choice.unit]]
+    return chosen
+
+
+def _monotone_repair(choices: list[Choice], chosen: dict[str, str], bits: dict[str, int]) -> dict[str, str]:
+    """Among units with identical costs, hand the more precise tiers to the more
+    sensitive units. Cost is unchanged and, under the paper objective, the loss
+    cannot rise; it removes ties a solver's tolerance may leave."""
+    groups: dict[tuple, list[Choice]] = {}
+    for choice in choices:
+        groups.setdefault(tuple(sorted(choice.cost.items())), []).append(choice)
+    repaired = dict(chosen)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        assigned = sorted((chosen[c.unit] for c in members), key=lambda t: -bits[t])
+        for choice, tier in zip(sorted(members, key=lambda c: -c.gamma), assigned):
+            repaired[choice.unit] = tier
+    return repaired
+
+
+def allocate(
+    choices: list[Choice],
+    tiers: list[Tier],
+    target: float,
+    reference_bits: int,
+    fixed_bits: int,
+    *,
+    objective: str = "measured",
+    fp32_fraction: float = 0.10,
+    solver: str = "mckp",
+) -> Allocation:
+    """Algorithm 1 with the chosen objective and solver."""
+    if target <= 0:
+        raise InfeasibleError(f"compression target must be positive, got {target}")
+    budget = reference_bits / target - fixed_bits
+    floor = unit_cost_floor(choices)
+    if floor > budget:
+        best = max_compression(choices, reference_bits, fixed_bits)
+        raise InfeasibleError(
+            f"compression {target:g} is out of reach with tiers {', '.join(t.name for t in tiers)}: the largest reachable is {best:.3g}",
+            hint="lower --C or add a cheaper tier",
+        )
+    bits = {t.name: t.bits for t in tiers}
+    chosen: dict[str, str] = {}
+    for choice in choices:
+        if choice.dead:
+            chosen[choice.unit] = min(choice.cost, key=choice.cost.get)
+    if tiers[0].name == "fp32" and fp32_fraction > 0:
+        fp32_budget = fp32_fraction * sum(32 * c.params for c in choices)
+        live = sorted((c for c in choices if c.unit not in chosen), key=lambda c: -c.gamma)
+        placed = sum(c.cost[chosen[c.unit]] for c in choices if c.unit in chosen)
+        live_floor = unit_cost_floor(live)
+        spent_fp32 = 0
+        for choice in live:  # most sensitive first, while FP32 share and feasibility allow
+            cost, cheapest = choice.cost["fp32"], min(choice.cost.values())
+            if spent_fp32 + cost > fp32_budget or placed + cost + live_floor - cheapest > budget:
+                break
+            chosen[choice.unit] = "fp32"
+            spent_fp32 += cost
+            placed += cost
+            live_floor -= cheapest
+    rest = [c for c in choices if c.unit not in chosen]
+    remaining = budget - sum(c.cost[chosen[c.unit]] for c in choices if c.unit in chosen)
+    label = solver
+    if solver == "mckp":
+        solved, label = _solve_mckp(rest, int(remaining), solver)
+        if label == "failed":
+            solved, label = _greedy(rest, tiers, remaining), "greedy (MCKP solver failed)"
+    elif solver == "greedy":
+        solved = _greedy(rest, tiers, remaining)
+    else:
+        raise InfeasibleError(f"unknown allocator '{solver}'; choose mckp or greedy")
+    chosen.update(solved)
+    if objective == "paper":
+        chosen = _monotone_repair(choices, chosen, bits)
+    by_unit = {c.unit: c for c in choices}
+    return Allocation(
+        tiers=chosen,
+        cost_bits={u: by_unit[u].cost[t] for u, t in chosen.items()},
+        reference_bits=reference_bits,
+        fixed_bits=fixed_bits,
+        target=target,
+        solver=label,
+        objective=objective,
+        predicted_loss=float(sum(by_unit[u].loss[t] for u, t in chosen.items())),
+    )
+
+
+def uniform(choices: list[Choice], tier: str, reference_bits: int, fixed_bits: int) -> Allocation:
+    """Every unit at one tier: the round-to-nearest baseline."""
+    return Allocation(
+        tiers={c.unit: tier for c in choices},
+        cost_bits={c.unit: c.cost[tier] for c in choices},
+        reference_bits=reference_bits,
+        fixed_bits=fixed_bits,
+        target=None,
+        solver="uniform",
+        objective="uniform",
+        predicted_loss=float(sum(c.loss.get(tier, 0.0) for c in choices)),
+    )
