@@ -74,6 +74,23 @@ def stored_bytes(proto: onnx.ModelProto) -> int:
     return total + 1_000_000  # headroom for the graph structure itself
 
 
+def weight_bytes(proto: onnx.ModelProto) -> int:
+    """Bytes of stored tensor data (initializers and Constant values), scales included."""
+    from onnx import helper
+
+    total = 0
+    for tensor in iter_tensors(proto.graph):
+        if tensor.raw_data:
+            total += len(tensor.raw_data)
+        else:
+            count = 1
+            for dim in tensor.dims:
+                count *= dim
+            bits = 4 if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4) else 2 if tensor.data_type in (onnx.TensorProto.INT2, onnx.TensorProto.UINT2) else 8 * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+            total += (count * bits + 7) // 8
+    return total
+
+
 def _external_files(proto: onnx.ModelProto, folder: Path) -> list[Path]:
     """Check every external-data reference and return the files they use."""
     folder = folder.resolve()

@@ -57,6 +57,8 @@ class OrtRuntime:
     optimization: str = "all"
     exact_qdq: bool = False
     config: tuple[tuple[str, str], ...] = field(default=())
+    optimized_model_path: str | None = None
+    """Where ONNX Runtime should save the graph it really runs (for reports)."""
 
     name = "onnxruntime"
 
@@ -88,6 +90,8 @@ class OrtRuntime:
             options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
         if external_data_dir is not None:
             options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_dir))
+        if self.optimized_model_path:
+            options.optimized_model_filepath = self.optimized_model_path
         for key, value in self.config:
             options.add_session_config_entry(key, value)
         source = model if isinstance(model, bytes) else os.fspath(model)

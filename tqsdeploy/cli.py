@@ -241,6 +241,177 @@ def score(
     out.print(f"wrote {table.run_dir}/scores.parquet, scores.csv, run.json")
 
 
+def _floats(text: str, option: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{option} takes comma-separated numbers, e.g. 2,4,8") from None
+    if not values or any(v <= 0 for v in values):
+        raise typer.BadParameter(f"{option} needs positive numbers")
+    return values
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("rollouts"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=err,
+    )
+
+
+@app.command()
+@user_errors
+def export(
+    model: Optional[Path] = typer.Argument(None, help="The scored ONNX model (default: the model of the run)."),
+    compression: Optional[str] = typer.Option(None, "--C", help="Target compression(s), e.g. 4 or 2,4,8,16,32 (reference weight bits / exported weight bits)."),
+    uniform_tier: Optional[str] = typer.Option(None, "--uniform", help="Store every unit at this tier instead (round-to-nearest baseline), e.g. int4."),
+    run: Optional[Path] = typer.Option(None, "--run", help="Score run folder (default tqs-runs/<model stem>, else the newest run)."),
+    tiers: str = typer.Option(",".join(("fp32", "bf16", "int8", "int4", "int2")), "--tiers", help="Tiers to choose from (fp32, bf16, fp16, fp8, int8, int4, int2, int1)."),
+    target: str = typer.Option("ort", "--target", help="Runtime the model is for: ort or trt (restricts tiers)."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer quantization along the reduction axis (e.g. 32, 64, 128)."),
+    objective: str = typer.Option("measured", "--objective", help="Allocation objective: measured, response or paper."),
+    allocator: str = typer.Option("mckp", "--allocator", help="mckp (pulp, HiGHS then CBC) or greedy."),
+    fp32_fraction: float = typer.Option(0.10, "--fp32-fraction", min=0.0, max=1.0, help="Share of the units' FP32 size kept in FP32 for the most sensitive units."),
+    no_fallback: bool = typer.Option(False, "--no-fallback", help="Ship the mixed allocation even if a uniform one within budget drifts less."),
+    refine: int = typer.Option(0, "--refine", min=0, help="Extra joint rollouts spent repairing interactions between units."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output file (single target only)."),
+    out_dir: Path = typer.Option(Path("."), "--out-dir", help="Folder for <stem>.C<C>.onnx files."),
+    provider: str = typer.Option("cpu", "--provider", help="Execution provider for the measurement rollouts."),
+):
+    """Allocate precision tiers under a compression target and write mixed-precision ONNX."""
+    from runtimes import OrtRuntime
+    from tqsdeploy.export import ExportSettings, Planner, find_run
+
+    if (compression is None) == (uniform_tier is None):
+        raise typer.BadParameter("give exactly one of --C and --uniform")
+    targets = _floats(compression, "--C") if compression else [None]
+    if output is not None and len(targets) > 1:
+        raise typer.BadParameter("-o names one file; use --out-dir with several --C values")
+    settings = ExportSettings(
+        tiers=tuple(t.strip() for t in tiers.split(",") if t.strip()),
+        target=target,
+        group_size=group_size,
+        objective=objective,
+        fp32_fraction=fp32_fraction,
+        allocator=allocator,
+        fallback=not no_fallback,
+        refine=refine,
+    )
+    run_dir = find_run(model, run)
+    planner = Planner(run_dir, model, settings, OrtRuntime(provider=provider))
+    stem = planner.model.stem
+    progress, bar = _progress(), {}
+
+    def on_result(result) -> None:
+        if "id" not in bar:
+            progress.start()
+            bar["id"] = progress.add_task("measuring tiers", total=planner.measured_tasks())
+        progress.update(bar["id"], advance=1)
+
+    rows = []
+    try:
+        for value in targets:
+            label = f"C{value:g}" if value is not None else uniform_tier.lower()
+            path = output or out_dir / f"{stem}.{label}.onnx"
+            outcome = planner.export(value, path, uniform_tier=uniform_tier, on_result=on_result)
+            rows.append((value, outcome))
+    finally:
+        progress.stop()
+        planner.close()
+    import polars as pl
+
+    for value, outcome in rows:
+        alloc = outcome.allocation
+        summary = outcome.table.group_by("tier").agg(pl.len().alias("units"), pl.col("params").sum(), pl.col("bytes").sum())
+        summary = summary.sort("bytes", descending=True)
+        title = f"{outcome.path}: target {'uniform' if value is None else f'{value:g}x'}, achieved {alloc.compression:.2f}x, {outcome.file_bytes / 1e6:.3f} MB on disk ({alloc.objective}, {alloc.solver})"
+        out.print(escape(title))
+        out.print(_table(summary, "", ["tier", "units", "params", "bytes"]))
+        if outcome.drift is not None:
+            uniforms = ", ".join(f"uniform {k}: {v:.4g}" for k, v in outcome.uniform_drifts.items())
+            out.print(f"  drift on the scoring contexts: {outcome.drift:.4g} ({uniforms})")
+        for note in alloc.notes:
+            out.print(f"  [yellow]note:[/] {escape(note)}")
+    out.print(f"wrote {len(rows)} model(s) with .allocation.parquet/.json beside each")
+
+
+def _bounds_from_options(max_degradation, min_compression, max_size, per_output):
+    from tqsdeploy.gate import Bounds, parse_percent, parse_size
+
+    per = {}
+    for item in per_output or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter("--max-degradation-output takes OUTPUT=PERCENT, e.g. y=2%")
+        per[name] = parse_percent(value, "--max-degradation-output")
+    return Bounds(
+        max_degradation=parse_percent(max_degradation, "--max-degradation") if max_degradation else None,
+        min_compression=min_compression,
+        max_size=parse_size(max_size) if max_size else None,
+        per_output=per,
+    )
+
+
+@app.command("eval")
+@user_errors
+def eval_command(
+    candidate: Path = typer.Argument(..., help="The compressed ONNX model."),
+    reference: Path = typer.Option(..., "--reference", "-r", help="The original ONNX model."),
+    contexts: Path = typer.Option(..., "--contexts", "-c", help="Context windows (.npz, one array per input)."),
+    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth (.npz, one array per trajectory output, (windows, steps, *output))."),
+    spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected when omitted."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps."),
+    exact: bool = typer.Option(False, "--exact", help="Exact dequantization instead of ONNX Runtime's default int8-activation MatMulNBits."),
+    variable_axis: Optional[int] = typer.Option(None, "--variable-axis", help="Axis of each per-step output to report per variable."),
+    provider: str = typer.Option("cpu", "--provider", help="cpu, cuda or tensorrt."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Report prefix (writes PREFIX.json and PREFIX.md; default <candidate stem>.eval)."),
+):
+    """Roll out candidate and reference from the same contexts and compare them (and the truth)."""
+    from tqsdeploy.evaluate import EvalSettings, evaluate, markdown, write_report
+
+    result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis))
+    json_path, md_path = write_report(result, report or candidate.with_suffix("").with_name(candidate.stem + ".eval"))
+    out.print(markdown(result), markup=False)
+    out.print(f"wrote {json_path} and {md_path}")
+
+
+@app.command()
+@user_errors
+def gate(
+    candidate: Path = typer.Argument(..., help="The compressed ONNX model."),
+    reference: Path = typer.Option(..., "--reference", "-r", help="The original ONNX model."),
+    contexts: Path = typer.Option(..., "--contexts", "-c", help="Context windows (.npz)."),
+    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth (.npz); without it degradation is the drift from the reference."),
+    spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML)."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps."),
+    max_degradation: Optional[str] = typer.Option(None, "--max-degradation", help="Largest allowed degradation on every output, e.g. 1%."),
+    per_output: Optional[list[str]] = typer.Option(None, "--max-degradation-output", help="Per-output bound OUTPUT=PERCENT (repeatable)."),
+    min_compression: Optional[float] = typer.Option(None, "--min-compression", help="Smallest allowed compression (reference / candidate weight bytes)."),
+    max_size: Optional[str] = typer.Option(None, "--max-size", help="Largest allowed candidate file, e.g. 12MB."),
+    exact: bool = typer.Option(False, "--exact", help="Exact dequantization instead of what ONNX Runtime runs by default."),
+    provider: str = typer.Option("cpu", "--provider", help="cpu, cuda or tensorrt."),
+    report_dir: Path = typer.Option(Path("gate-report"), "--report-dir", help="Where gate.json, gate.md and junit.xml go."),
+):
+    """Exit 1 when the candidate violates any bound, 0 when it meets them all."""
+    from tqsdeploy.evaluate import EvalSettings, evaluate
+    from tqsdeploy.gate import check, gate_markdown, write_outputs
+
+    bounds = _bounds_from_options(max_degradation, min_compression, max_size, per_output)
+    result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=EvalSettings(exact=exact, provider=provider))
+    checks = check(result, bounds)
+    paths = write_outputs(result, checks, report_dir)
+    out.print(gate_markdown(result, checks), markup=False)
+    out.print(f"wrote {paths['json']}, {paths['markdown']}, {paths['junit']}")
+    if not all(c.passed for c in checks):
+        err.print("gate failed: " + "; ".join(f"{c.name} = {c.measured:.4g} violates {c.bound}" for c in checks if not c.passed))
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,260 @@
+"""`eval` and `gate`: roll out a candidate next to its reference and measure.
+
+What is evaluated is what the runtime runs: by default ONNX Runtime with its
+full optimisations, which fuse integer DequantizeLinear->MatMul into
+MatMulNBits with int8 activations (accuracy_level 4); `exact` switches that to
+exact dequantization. The report says which mode ran and how many MatMulNBits
+nodes the optimised graph holds.
+
+Degradation: with ground truth, the paper's (MAE_q - MAE_ref) / MAE_ref against
+the truth; without it, the candidate's MAE against the reference relative to
+the reference's mean absolute value ("drift"). Both in percent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+import graph_ops
+from runtimes import OrtRuntime, Session
+from tqsdeploy.contexts import Contexts, load_npz
+from tqsdeploy.errors import InputError
+from tqsdeploy.rollout import RolloutSpec, rollout
+from tqsdeploy.score import resolve_spec
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    exact: bool = False
+    provider: str = "cpu"
+    variable_axis: int | None = None
+    """Axis of each per-step output whose entries are reported as separate variables."""
+    bootstrap: int = 1000
+    seed: int = 0
+    max_batch_windows: int = 64
+
+
+def trajectories(session: Session, contexts: Contexts, spec: RolloutSpec, max_batch: int) -> dict[str, np.ndarray]:
+    """Every trajectory output as (windows, steps, *per-window shape)."""
+    inputs = [s for s in session.inputs if s.name not in session.weights]
+    batch = contexts.count > 1 and all(s.is_dynamic(0) for s in inputs)
+    collected: dict[str, list[np.ndarray]] = {name: [] for name in spec.trajectory}
+    for count, feeds in contexts.chunks(inputs, batch, max_batch):
+        steps = list(rollout(session, feeds, spec))
+        for name in spec.trajectory:
+            stacked = np.stack([s[name] for s in steps], axis=1 if batch else 0)  # batch: (B, T, ...)
+            if batch:
+                per = stacked.shape[0] // count
+                stacked = stacked.reshape(count, per, *stacked.shape[1:]).swapaxes(1, 2)  # (count, T, per, ...)
+            else:
+                stacked = stacked[None]
+            collected[name].append(stacked)
+    return {name: np.concatenate(parts).astype(np.float64) for name, parts in collected.items()}
+
+
+def _open(path: Path, settings: EvalSettings, optimized: str | None = None):
+    loaded = graph_ops.load_model(path)
+    proto = graph_ops.io.runtime_compatible(loaded.proto)
+    runtime = OrtRuntime(provider=settings.provider, exact_qdq=settings.exact, optimized_model_path=optimized)
+    if graph_ops.io.stored_bytes(proto) < graph_ops.io.PROTOBUF_LIMIT:
+        return loaded, runtime.open(graph_ops.model_bytes(proto))
+    return loaded, runtime.open(path, external_data_dir=path.parent)
+
+
+def _runtime_mode(settings: EvalSettings, optimized_path: str) -> dict:
+    fused = 0
+    if os.path.exists(optimized_path):
+        fused = sum(1 for n in onnx.load(optimized_path, load_external_data=False).graph.node if n.op_type == "MatMulNBits")
+    mode = (
+        "exact dequantization (session.qdq_matmulnbits_accuracy_level=0)"
+        if settings.exact
+        else "ONNX Runtime default: DequantizeLinear->MatMul fused into MatMulNBits with accuracy_level 4 (int8 activations)"
+    )
+    return {"provider": settings.provider, "mode": mode, "matmulnbits_nodes": fused, "exact": settings.exact}
+
+
+def _bootstrap(per_window: np.ndarray, rounds: int, seed: int, statistic=np.mean) -> list[float]:
+    """95% percentile interval of a statistic over resampled context windows."""
+    if per_window.shape[0] < 2 or rounds <= 0:
+        value = float(statistic(per_window, axis=0)) if per_window.ndim == 1 else float(statistic(per_window))
+        return [value, value]
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, per_window.shape[0], size=(rounds, per_window.shape[0]))
+    values = statistic(per_window[picks], axis=1)
+    return [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
+
+
+def _growth_rate(per_step: np.ndarray) -> float | None:
+    """Slope of ln(error) over steps: the error-growth rate per step."""
+    keep = per_step > 0
+    if keep.sum() < 2:
+        return None
+    steps = np.arange(1, per_step.size + 1)[keep]
+    return float(np.polyfit(steps, np.log(per_step[keep]), 1)[0])
+
+
+def _metrics(candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray | None, settings: EvalSettings) -> dict:
+    """All metrics for one output (or one variable), arrays shaped (windows, steps, ...)."""
+    n, t = candidate.shape[:2]
+    diff = np.abs(candidate - reference).reshape(n, t, -1)
+    mae_window = diff.mean(axis=(1, 2))
+    ref_scale = float(np.abs(reference).mean()) or 1e-30
+    result = {
+        "vs_reference": {
+            "mae": float(diff.mean()),
+            "rmse": float(np.sqrt(np.square(diff).mean())),
+            "mae_ci95": _bootstrap(mae_window, settings.bootstrap, settings.seed),
+            "drift_pct": float(diff.mean() / ref_scale * 100),
+            "mae_by_step": diff.mean(axis=(0, 2)).tolist(),
+            "growth_rate": _growth_rate(diff.mean(axis=(0, 2))),
+        }
+    }
+    if truth is not None:
+        cand_err = np.abs(candidate - truth).reshape(n, t, -1)
+        ref_err = np.abs(reference - truth).reshape(n, t, -1)
+        mae_c, mae_r = float(cand_err.mean()), float(ref_err.mean())
+        pairs = np.stack([cand_err.mean(axis=(1, 2)), ref_err.mean(axis=(1, 2))], axis=1)
+
+        def degradation(sample, axis=0):
+            sample = np.asarray(sample)
+            means = sample.mean(axis=axis)
+            return (means[..., 0] - means[..., 1]) / np.maximum(means[..., 1], 1e-30) * 100
+
+        result["vs_truth"] = {
+            "mae": mae_c,
+            "rmse": float(np.sqrt(np.square(candidate - truth).mean())),
+            "reference_mae": mae_r,
+            "reference_rmse": float(np.sqrt(np.square(reference - truth).mean())),
+            "degradation_pct": (mae_c - mae_r) / max(mae_r, 1e-30) * 100,
+            "degradation_ci95": _bootstrap(pairs, settings.bootstrap, settings.seed, statistic=degradation) if n > 1 else [0.0, 0.0],
+            "mae_by_step": cand_err.mean(axis=(0, 2)).tolist(),
+            "reference_mae_by_step": ref_err.mean(axis=(0, 2)).tolist(),
+            "growth_rate": _growth_rate(cand_err.mean(axis=(0, 2))),
+        }
+    result["degradation_pct"] = result["vs_truth"]["degradation_pct"] if truth is not None else result["vs_reference"]["drift_pct"]
+    result["degradation_basis"] = "truth" if truth is not None else "reference drift"
+    return result
+
+
+def _check_same_signature(candidate: Session, reference: Session) -> None:
+    def signature(session):
+        return ({s.name: s.rank for s in session.inputs if s.name not in session.weights}, {s.name: s.rank for s in session.outputs})
+
+    if signature(candidate) != signature(reference):
+        raise InputError(
+            f"candidate and reference differ in inputs or outputs: {signature(candidate)} vs {signature(reference)}"
+        )
+
+
+def load_truth(path: Path, spec: RolloutSpec, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            stored = {k: data[k] for k in data.files}
+    except FileNotFoundError:
+        raise InputError(f"truth file {path} does not exist") from None
+    except Exception as exc:
+        raise InputError(f"truth file {path} is not a readable .npz ({exc})") from None
+    truth = {}
+    for name in spec.trajectory:
+        if name not in stored:
+            raise InputError(f"truth file {path} has no array for trajectory output '{name}'")
+        array = stored[name]
+        want = shapes[name]
+        if array.shape[0] != want[0] or array.shape[2:] != want[2:] or array.shape[1] < want[1]:
+            raise InputError(f"truth '{name}' has shape {list(array.shape)}; expected {list(want)} (windows, steps, *output)")
+        truth[name] = array[:, : want[1]].astype(np.float64)
+    return truth
+
+
+def evaluate(
+    candidate: str | Path,
+    reference: str | Path,
+    contexts: str | Path,
+    *,
+    spec: RolloutSpec | str | Path | None = None,
+    steps: int | None = None,
+    truth: str | Path | None = None,
+    settings: EvalSettings = EvalSettings(),
+) -> dict:
+    """Metrics of `candidate` against `reference` (and the truth), as plain data."""
+    candidate, reference = Path(candidate), Path(reference)
+    with tempfile.TemporaryDirectory() as tmp:
+        optimized = os.path.join(tmp, "optimized.onnx")
+        cand_model, cand_session = _open(candidate, settings, optimized)
+        mode = _runtime_mode(settings, optimized)
+    ref_model, ref_session = _open(reference, settings)
+    _check_same_signature(cand_session, ref_session)
+    inputs = [s for s in ref_session.inputs if s.name not in ref_session.weights]
+    resolved = resolve_spec(spec, steps, inputs, ref_session.outputs)
+    ctx = load_npz(Path(contexts), inputs)
+    cand = trajectories(cand_session, ctx, resolved, settings.max_batch_windows)
+    ref = trajectories(ref_session, ctx, resolved, settings.max_batch_windows)
+    truths = load_truth(Path(truth), resolved, {k: v.shape for k, v in ref.items()}) if truth else {}
+    outputs = {}
+    for name in resolved.trajectory:
+        if not np.all(np.isfinite(cand[name])):
+            outputs[name] = {"nonfinite": True, "degradation_pct": math.inf, "degradation_basis": "non-finite output"}
+            continue
+        entry = _metrics(cand[name], ref[name], truths.get(name), settings)
+        if settings.variable_axis is not None:
+            axis = 2 + settings.variable_axis % (cand[name].ndim - 2)
+            entry["variables"] = {
+                str(i): _metrics(np.take(cand[name], [i], axis), np.take(ref[name], [i], axis), np.take(truths[name], [i], axis) if name in truths else None, settings)
+                for i in range(cand[name].shape[axis])
+            }
+        outputs[name] = entry
+    ref_bytes, cand_bytes = graph_ops.io.weight_bytes(ref_model.proto), graph_ops.io.weight_bytes(cand_model.proto)
+    return {
+        "candidate": str(candidate),
+        "reference": str(reference),
+        "contexts": str(contexts),
+        "truth": str(truth) if truth else None,
+        "windows": ctx.count,
+        "steps": resolved.steps,
+        "runtime": mode,
+        "candidate_file_bytes": cand_model.file_bytes,
+        "reference_file_bytes": ref_model.file_bytes,
+        "compression": ref_bytes / max(cand_bytes, 1),
+        "outputs": outputs,
+        "degradation_pct": max(o["degradation_pct"] for o in outputs.values()),
+    }
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"### Evaluation of `{Path(report['candidate']).name}` against `{Path(report['reference']).name}`",
+        "",
+        f"{report['windows']} context windows × {report['steps']} steps; compression {report['compression']:.2f}×; "
+        f"{report['candidate_file_bytes'] / 1e6:.3f} MB vs {report['reference_file_bytes'] / 1e6:.3f} MB.",
+        f"Runtime: {report['runtime']['provider']}, {report['runtime']['mode']}; MatMulNBits nodes: {report['runtime']['matmulnbits_nodes']}.",
+        "",
+        "| output | MAE vs ref | RMSE vs ref | MAE 95% CI | drift % | growth/step | MAE vs truth | ref MAE vs truth | degradation % |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, o in report["outputs"].items():
+        if o.get("nonfinite"):
+            lines.append(f"| {name} | non-finite | | | | | | | inf |")
+            continue
+        r, t = o["vs_reference"], o.get("vs_truth")
+        growth = f"{r['growth_rate']:.4f}" if r["growth_rate"] is not None else "-"
+        truth_cells = f"{t['mae']:.5g} | {t['reference_mae']:.5g} | {t['degradation_pct']:.3f} [{t['degradation_ci95'][0]:.3f}, {t['degradation_ci95'][1]:.3f}]" if t else "- | - | " + f"{o['degradation_pct']:.3f} (drift)"
+        lines.append(
+            f"| {name} | {r['mae']:.5g} | {r['rmse']:.5g} | [{r['mae_ci95'][0]:.4g}, {r['mae_ci95'][1]:.4g}] | {r['drift_pct']:.3f} | {growth} | {truth_cells} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, prefix: Path) -> tuple[Path, Path]:
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = Path(f"{prefix}.json"), Path(f"{prefix}.md")
+    json_path.write_text(json.dumps(report, indent=2, default=str))
+    md_path.write_text(markdown(report))
+    return json_path, md_path

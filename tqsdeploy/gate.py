@@ -1,0 +1,110 @@
+"""`gate`: fail a CI build when a compressed model drifts too far.
+
+Bounds are checked on an `evaluate` report; every bound becomes one JUnit
+test case, so CI systems show which one failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from xml.sax.saxutils import escape, quoteattr
+
+from tqsdeploy.errors import InputError
+from tqsdeploy.evaluate import markdown
+
+SIZE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def parse_percent(text: str, option: str) -> float:
+    """'1%' or '1' -> 1.0 (percent); '0.5%' -> 0.5."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)\s*%?\s*", text)
+    if not match:
+        raise InputError(f"{option} takes a percentage such as 1% or 0.5, not '{text}'")
+    return float(match.group(1))
+
+
+def parse_size(text: str) -> float:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in SIZE_UNITS:
+        raise InputError(f"--max-size takes a size such as 12MB or 500KiB, not '{text}'")
+    return float(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
+
+
+@dataclass
+class Bounds:
+    max_degradation: float | None = None
+    """Percent, on every trajectory output."""
+    min_compression: float | None = None
+    max_size: float | None = None
+    """Bytes of the candidate file (external data included)."""
+    per_output: dict[str, float] = field(default_factory=dict)
+    """Output name -> max degradation percent."""
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    measured: float
+    bound: str
+
+
+def check(report: dict, bounds: Bounds) -> list[Check]:
+    checks = []
+    for name in bounds.per_output:
+        if name not in report["outputs"]:
+            raise InputError(f"--max-degradation-output names '{name}', which is not a trajectory output ({', '.join(report['outputs'])})")
+    for name, output in report["outputs"].items():
+        limit = bounds.per_output.get(name, bounds.max_degradation)
+        if limit is not None:
+            value = output["degradation_pct"]
+            checks.append(Check(f"degradation[{name}] ({output['degradation_basis']})", value <= limit, value, f"<= {limit:g}%"))
+    if bounds.min_compression is not None:
+        checks.append(Check("compression", report["compression"] >= bounds.min_compression, report["compression"], f">= {bounds.min_compression:g}x"))
+    if bounds.max_size is not None:
+        size = report["candidate_file_bytes"]
+        checks.append(Check("size_bytes", size <= bounds.max_size, size, f"<= {bounds.max_size:.0f} bytes"))
+    if not checks:
+        raise InputError("gate has no bounds to check", hint="pass --max-degradation, --min-compression or --max-size")
+    return checks
+
+
+def junit(checks: list[Check], candidate: str) -> str:
+    failures = sum(not c.passed for c in checks)
+    cases = []
+    for c in checks:
+        body = "" if c.passed else f"<failure message={quoteattr(f'{c.measured:.6g} violates {c.bound}')}/>"
+        cases.append(f'  <testcase classname="tqsdeploy.gate" name={quoteattr(c.name)}>{body}</testcase>')
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f'<testsuite name={quoteattr("tqsdeploy gate: " + escape(candidate))} tests="{len(checks)}" failures="{failures}">\n'
+        + "\n".join(cases)
+        + "\n</testsuite>\n"
+    )
+
+
+def gate_markdown(report: dict, checks: list[Check]) -> str:
+    verdict = "passed" if all(c.passed for c in checks) else "FAILED"
+    lines = [f"## tqsdeploy gate {verdict}: `{Path(report['candidate']).name}`", "", "| check | measured | bound | result |", "|---|---|---|---|"]
+    for c in checks:
+        lines.append(f"| {c.name} | {c.measured:.6g} | {c.bound} | {'pass' if c.passed else '**fail**'} |")
+    return "\n".join(lines) + "\n\n" + markdown(report)
+
+
+def write_outputs(report: dict, checks: list[Check], folder: Path) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"json": folder / "gate.json", "markdown": folder / "gate.md", "junit": folder / "junit.xml"}
+    payload = {"passed": all(c.passed for c in checks), "checks": [c.__dict__ for c in checks], "report": report}
+    paths["json"].write_text(json.dumps(payload, indent=2, default=str))
+    text = gate_markdown(report, checks)
+    paths["markdown"].write_text(text)
+    paths["junit"].write_text(junit(checks, report["candidate"]))
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        with open(summary, "a", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+    return paths
