@@ -124,3 +124,37 @@ def assorted_ops(path: Path) -> Path:
         {"emb": emb, "gemm_w": gemm_w, "gemm_b": np.zeros(64, np.float32), "conv_t": conv_t},
         path,
     )
+
+
+def mlp_forecaster(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> Path:
+    """y = x + 0.3 * tanh(tanh(tanh(x @ W1) @ Wshared) @ Wshared) @ W3ᵀ (Gemm, transB=1).
+
+    A stable residual map with a weight shared by two MatMuls and a Gemm weight
+    stored transposed: the export tests' workhorse.
+    """
+    rng = np.random.default_rng(seed)
+    init = {
+        "W1": (rng.standard_normal((n, hidden)) / np.sqrt(n)).astype(np.float32),
+        "Wshared": (rng.standard_normal((hidden, hidden)) / np.sqrt(hidden)).astype(np.float32),
+        "W3": (rng.standard_normal((n, hidden)) / np.sqrt(hidden)).astype(np.float32),
+        "b3": np.zeros(n, np.float32),
+        "gain": np.array([0.3], np.float32),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h1"]),
+        helper.make_node("Tanh", ["h1"], ["a1"]),
+        helper.make_node("MatMul", ["a1", "Wshared"], ["h2"]),
+        helper.make_node("Tanh", ["h2"], ["a2"]),
+        helper.make_node("MatMul", ["a2", "Wshared"], ["h3"]),
+        helper.make_node("Tanh", ["h3"], ["a3"]),
+        helper.make_node("Gemm", ["a3", "W3", "b3"], ["d"], transB=1),
+        helper.make_node("Mul", ["d", "gain"], ["step"]),
+        helper.make_node("Add", ["x", "step"], ["y"]),
+    ]
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
+        init,
+        path,
+    )

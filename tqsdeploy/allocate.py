@@ -102,7 +102,7 @@ def _solve_mckp(choices: list[Choice], budget: int, solver: str) -> tuple[dict[s
     variables = {}
     for i, choice in enumerate(choices):
         for j, tier in enumerate(choice.cost):
-            variables[choice.unit, tier] = pulp.LpVariable(f"x_{i}_{j}", cat="Binary")
+            variables[choice.unit, tier] = problem.add_variable(f"x_{i}_{j}", cat="Binary")
         problem += pulp.lpSum(variables[choice.unit, t] for t in choice.cost) == 1
     problem += pulp.lpSum(choice.cost[t] * variables[choice.unit, t] for choice in choices for t in choice.cost) <= budget
     problem += pulp.lpSum(min(choice.loss[t] / scale, 1e12) * variables[choice.unit, t] for choice in choices for t in choice.cost)

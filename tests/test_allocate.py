@@ -1,0 +1,93 @@
+"""Allocator invariants on synthetic score tables (no model needed)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from tiers import Layout, get_tiers
+from tqsdeploy.allocate import Choice, allocate, max_compression, paper_weights
+from tqsdeploy.errors import InfeasibleError
+
+TIERS = get_tiers(["fp32", "bf16", "int8", "int4", "int2"])
+
+
+def _choices(gammas, sizes, dead=(), objective="paper"):
+    weights = paper_weights(dict(enumerate(gammas)), set(dead))
+    choices = []
+    for i, (gamma, size) in enumerate(zip(gammas, sizes)):
+        layout = Layout((size, 64), 1)
+        cost = {t.name: t.cost_bits(layout) for t in TIERS}
+        loss = {t.name: weights[i] * 2.0 ** (-t.bits) for t in TIERS}
+        choices.append(Choice(i, size * 64, gamma, i in dead, cost, loss))
+    return choices
+
+
+def _reference(choices):
+    return sum(32 * c.params for c in choices)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("target", [2.5, 4, 8, 13])
+def test_more_sensitive_never_gets_fewer_bits_and_budget_holds(seed, target):
+    rng = np.random.default_rng(seed)
+    sizes = rng.choice([16, 64, 256], size=30)
+    gammas = rng.normal(0.1, 0.3, size=30)
+    choices = _choices(gammas, sizes)
+    allocation = allocate(choices, TIERS, target, _reference(choices), 0, objective="paper")
+    bits = {t.name: t.bits for t in TIERS}
+    assert allocation.total_bits <= _reference(choices) / target
+    assert allocation.compression >= target
+    for a in choices:
+        for b in choices:
+            if a.params == b.params and a.gamma > b.gamma:
+                assert bits[allocation.tiers[a.unit]] >= bits[allocation.tiers[b.unit]], (a.unit, b.unit)
+
+
+def test_dead_units_go_to_the_bottom_tier_and_fp32_goes_to_the_top():
+    gammas = [2.0, 1.5, 1.0, 0.5, 0.2, -69.0]
+    choices = _choices(gammas, [64] * 6, dead={5})
+    allocation = allocate(choices, TIERS, 4, _reference(choices), 0, objective="paper", fp32_fraction=0.2)
+    assert allocation.tiers[5] == "int2"
+    assert allocation.tiers[0] == "fp32"  # 20% of FP32 size is one unit of six
+    assert sum(t == "fp32" for t in allocation.tiers.values()) == 1
+
+
+def test_fixed_tensors_use_budget():
+    choices = _choices([1.0, 0.5], [64, 64])
+    reference = _reference(choices) + 32 * 1000
+    loose = allocate(choices, TIERS, 2, reference, 0, objective="paper")
+    tight = allocate(choices, TIERS, 2, reference, 32 * 1000, objective="paper")
+    assert tight.total_bits <= reference / 2 and loose.total_bits < tight.total_bits
+
+
+def test_infeasible_target_names_the_largest_reachable():
+    choices = _choices([1.0, 0.5, 0.2], [64, 64, 64])
+    best = max_compression(choices, _reference(choices), 0)
+    assert best == pytest.approx(64 * 64 * 32 / (64 * 64 * 2 + 64 * 32))  # INT2 codes plus one fp32 scale per channel
+    with pytest.raises(InfeasibleError, match=f"largest reachable is {best:.3g}"):
+        allocate(choices, TIERS, 20, _reference(choices), 0)
+
+
+@pytest.mark.parametrize("share", [0.3, 0.6, 0.9])
+@pytest.mark.parametrize("pair", [("fp32", "int2"), ("bf16", "int4"), ("int8", "int2")])
+def test_greedy_and_mckp_agree_on_easy_cases(share, pair):
+    """Equal sizes and two tiers: the optimum promotes strictly by rank, which is all greedy does."""
+    tiers, gammas = get_tiers(list(pair)), [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
+    choices = _choices(gammas, [64] * 8)
+    choices = [type(c)(c.unit, c.params, c.gamma, c.dead, {t.name: c.cost[t.name] for t in tiers}, {t.name: c.loss[t.name] for t in tiers}) for c in choices]
+    reference = _reference(choices)
+    lowest = reference / sum(max(c.cost.values()) for c in choices)
+    target = lowest + share * (max_compression(choices, reference, 0) - lowest)
+    exact = allocate(choices, tiers, target, reference, 0, objective="paper", fp32_fraction=0.0)
+    greedy = allocate(choices, tiers, target, reference, 0, objective="paper", fp32_fraction=0.0, solver="greedy")
+    assert exact.solver.startswith("mckp")
+    assert greedy.tiers == exact.tiers
+
+
+def test_paper_weights_keep_order_and_stay_positive():
+    weights = paper_weights({"a": -0.3, "b": 0.1, "c": -0.05, "d": -69.0}, {"d"})
+    assert weights["d"] == 0
+    assert weights["b"] > weights["c"] > weights["a"] > 0
+    assert paper_weights({"a": 0.5, "b": 0.2}, set()) == {"a": 0.5, "b": 0.2}
+    assert math.isfinite(paper_weights({"a": math.inf, "b": 0.2}, set())["a"])

@@ -1,0 +1,163 @@
+"""The quick checks of the baselines spec (§7) on the numpy solvers alone."""
+
+import numpy as np
+import pytest
+
+from tiers.gptq import Hessian, find_grid, gptaq, gptq, inverse_cholesky, output_error, qep_correct, quant_spec, rtn
+
+
+def _problem(seed=0, n=512, k=64, rows=24, drift=0.0):
+    """Correlated inputs X̂, full-precision inputs X_fp = X̂ + drift·noise, weights Wt [rows, k]."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, k)) @ (np.eye(k) + 0.4 * rng.standard_normal((k, k)) / np.sqrt(k))
+    x[:, 3] = 0.0  # a dead input feature
+    x_fp = x + drift * rng.standard_normal((n, k))
+    wt = rng.standard_normal((rows, k)) / np.sqrt(k)
+    stats = Hessian(k, cross=True)
+    for chunk in np.array_split(np.arange(n), 5):  # several batches: the running average must not care
+        stats.add(x[chunk], x_fp[chunk])
+    return x, x_fp, wt, stats
+
+
+def test_hessian_is_running_average_of_two_over_n_xtx():
+    x, x_fp, _, stats = _problem(drift=0.3)
+    n = x.shape[0]
+    np.testing.assert_allclose(stats.H, 2 / n * x.T @ x, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(stats.G, 2 / n * (x_fp - x).T @ x, rtol=1e-12, atol=1e-12)
+    halves = [Hessian(x.shape[1]), Hessian(x.shape[1])]
+    halves[0].add(x[:100])
+    halves[1].add(x[100:])
+    np.testing.assert_allclose(Hessian.merge(halves).H, stats.H, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("scheme", [None, "sym", "quarot"])
+def test_gptq_same_codes_for_any_block_size(scheme):
+    _, _, wt, stats = _problem()
+    results = [gptq(wt, stats.H, 3, block_size=b, scheme=scheme) for b in (1, 32, 128)]
+    for other in results[1:]:
+        np.testing.assert_array_equal(other.codes, results[0].codes)
+        np.testing.assert_allclose(other.values, results[0].values, rtol=0, atol=1e-12)
+
+
+def test_groupwise_gptq_independent_of_block_size_even_when_groups_straddle_blocks():
+    _, _, wt, stats = _problem()
+    codes = [gptq(wt, stats.H, 3, group_size=24, block_size=b).codes for b in (1, 32, 128)]
+    np.testing.assert_array_equal(codes[0], codes[1])
+    np.testing.assert_array_equal(codes[0], codes[2])
+
+
+def test_gptaq_with_alpha_zero_is_gptq():
+    _, _, wt, stats = _problem(drift=0.5)
+    for kwargs in ({}, {"group_size": 16, "act_order": True}):
+        a = gptaq(wt, stats.H, stats.G, 3, alpha=0.0, **kwargs)
+        b = gptq(wt, stats.H, 3, **kwargs)
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_array_equal(a.values, b.values)
+
+
+def _official_gptaq(W, H, dXXT, bits, percdamp=0.01, blocksize=128, alpha=0.25):
+    """A literal numpy transcription of GPTAQ's `fasterquant` (per channel, asymmetric)."""
+    W, H, dXXT = W.copy(), H.copy(), dXXT.copy()
+    grid = find_grid(W, quant_spec(bits))
+    scale, zero, maxq = grid.scale[:, None], grid.zero[:, None], 2**bits - 1
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    dXXT[:, dead] = 0
+    H[np.diag_indices_from(H)] += percdamp * np.mean(np.diag(H))
+    Hinv = np.linalg.cholesky(np.linalg.inv(H)).T
+    P = alpha * np.triu(dXXT @ Hinv.T, 1) @ Hinv
+    Q = np.zeros_like(W)
+    for i1 in range(0, W.shape[1], blocksize):
+        i2 = min(i1 + blocksize, W.shape[1])
+        W1, Err1 = W[:, i1:i2].copy(), np.zeros((W.shape[0], i2 - i1))
+        for i in range(i2 - i1):
+            w = W1[:, i].copy()
+            q = (scale * (np.clip(np.rint(w[:, None] / scale) + zero, 0, maxq) - zero))[:, 0]
+            Q[:, i1 + i] = q
+            err = (w - q) / Hinv[i1 + i, i1 + i]
+            W1[:, i:] -= np.outer(err, Hinv[i1 + i, i1 + i : i2]) - np.outer(w, P[i1 + i, i1 + i : i2])
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:] - W1 @ P[i1:i2, i2:]
+    return Q
+
+
+def test_gptaq_matches_a_transcription_of_the_official_loop():
+    _, _, wt, stats = _problem(drift=0.5, k=160)  # two blocks, so the lazy update with P is exercised
+    ours = gptaq(wt, stats.H, stats.G, 3)
+    np.testing.assert_allclose(ours.values, _official_gptaq(wt, stats.H, stats.G, 3), rtol=0, atol=1e-9)
+
+
+def test_gptaq_lowers_the_asymmetric_objective():
+    x, x_fp, wt, stats = _problem(drift=0.3, n=2048)
+    target = x_fp @ wt.T
+    plain = np.linalg.norm(target - x @ gptq(wt, stats.H, 4).values.T)
+    asym = np.linalg.norm(target - x @ gptaq(wt, stats.H, stats.G, 4).values.T)
+    assert asym < plain
+
+
+def test_qep_with_alpha_zero_is_the_base_method():
+    _, _, wt, stats = _problem(drift=0.5)
+    corrected = qep_correct(wt, stats.H, stats.G, alpha=0.0)
+    np.testing.assert_array_equal(gptq(corrected, stats.H, 3).codes, gptq(wt, stats.H, 3).codes)
+    np.testing.assert_array_equal(rtn(corrected, 3).codes, rtn(wt, 3).codes)
+
+
+def test_qep_full_strength_without_damping_is_the_least_squares_fit():
+    x, x_fp, wt, stats = _problem(drift=0.5, n=1024)
+    corrected = qep_correct(wt, stats.H, stats.G, alpha=1.0, percdampqep=1e-12)
+    live = np.any(x != 0, axis=0)
+    fit, *_ = np.linalg.lstsq(x[:, live], x_fp @ wt.T, rcond=None)
+    np.testing.assert_allclose(corrected[:, live], fit.T, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("bits,kwargs", [(3, {}), (4, {"group_size": 16}), (2, {"scheme": "sym"}), (3, {"act_order": True, "group_size": 16}), (1, {})])
+def test_gptq_output_error_not_above_rtn(bits, kwargs):
+    x, _, wt, stats = _problem(seed=1)
+    group = kwargs.get("group_size", -1)
+    ours = gptq(wt, stats.H, bits, **kwargs)
+    base = rtn(wt, bits, group, kwargs.get("scheme"))
+    assert output_error(wt, ours.values, stats) <= output_error(wt, base.values, stats)
+    np.testing.assert_allclose(output_error(wt, ours.values, stats), np.linalg.norm(x @ (wt - ours.values).T), rtol=1e-9)
+
+
+def test_values_are_exactly_the_float32_dequantization_of_the_codes():
+    _, _, wt, stats = _problem()
+    for result in (gptq(wt, stats.H, 4, group_size=16, act_order=True), rtn(wt, 3, 16, "quarot"), gptq(wt, stats.H, 1), rtn(wt, 8, mse=True)):
+        scale = np.repeat(result.scale, result.group_size if result.group_size > 0 else wt.shape[1], axis=1)[:, : wt.shape[1]]
+        zero = 0 if result.zero is None else np.repeat(result.zero, scale.shape[1] // result.zero.shape[1] + 1, axis=1)
+        if result.zero is not None:
+            zero = np.repeat(result.zero, result.group_size if result.group_size > 0 else wt.shape[1], axis=1)[:, : wt.shape[1]]
+        float32 = (result.codes.astype(np.float32) - np.float32(zero)) * scale.astype(np.float32)
+        np.testing.assert_array_equal(float32, result.values.astype(np.float32))
+
+
+def test_grids_follow_the_spec_formulas():
+    w = np.array([[-1.0, 0.5, 2.0], [0.0, 0.0, 0.0], [0.25, 0.5, 1.0]])
+    asym = find_grid(w, quant_spec(2))
+    np.testing.assert_allclose(asym.scale, [1.0, 2 / 3, 1 / 3], rtol=1e-7)  # lo forced <= 0; empty row -> [-1, 1]
+    np.testing.assert_array_equal(asym.zero, [1, 2, 0])
+    sym = find_grid(w, quant_spec(2, "sym"))
+    np.testing.assert_allclose(sym.scale, [4 / 3, 2 / 3, 2 / 3], rtol=1e-7)
+    quarot = find_grid(w, quant_spec(2, "quarot"))
+    np.testing.assert_allclose(quarot.scale, [2.0, 1e-5, 1.0], rtol=1e-7)  # 2 bits: ternary {-a, 0, a}
+    sign = rtn(w, 1)
+    np.testing.assert_allclose(np.abs(sign.values), np.abs(w).mean(axis=1, keepdims=True) * np.ones_like(w), rtol=1e-7)
+    assert set(np.unique(sign.codes)) <= {-1, 1}
+
+
+def test_act_order_with_groups_keeps_groups_contiguous():
+    _, _, wt, stats = _problem()
+    result = gptq(wt, stats.H, 3, group_size=16, act_order=True)
+    assert result.scale.shape == (wt.shape[0], wt.shape[1] // 16)
+    for g in range(result.scale.shape[1]):
+        cols = slice(16 * g, 16 * (g + 1))
+        np.testing.assert_array_equal(result.values[:, cols], result.scale[:, g : g + 1] * (result.codes[:, cols] - result.zero[:, g : g + 1]))
+
+
+def test_cholesky_guard_raises_damping_instead_of_failing():
+    x = np.random.default_rng(0).standard_normal((3, 10))  # rank 3 of 10
+    h = 2 / 3 * x.T @ x
+    upper = inverse_cholesky(h, percdamp=0.0)
+    assert np.all(np.isfinite(upper)) and np.allclose(upper, np.triu(upper))
+    assert np.all(np.isfinite(gptq(np.ones((2, 10)), h, 4, percdamp=0.0).values))
