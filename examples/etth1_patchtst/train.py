@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 import onnxruntime as ort
 import torch
 from torch import nn
@@ -86,6 +87,21 @@ def evaluate(model, x, y, bs=4096):
     return ((p - y) ** 2).mean().item(), (p - y).abs().mean().item()
 
 
+def name_initializers(m, model):
+    """The exporter stores Linear weights applied to 3-D tensors as pre-transposed
+    MatMul constants named onnx::MatMul_N; give them back their parameter names."""
+    params = {k: v.detach().numpy().T for k, v in model.state_dict().items() if v.ndim == 2}
+    renames = {}
+    for t in m.graph.initializer:
+        if t.name.startswith("onnx::"):
+            arr = numpy_helper.to_array(t)
+            hit = [k for k, v in params.items() if v.shape == arr.shape and np.array_equal(v, arr)]
+            if len(hit) == 1:
+                renames[t.name] = t.name = hit[0] + "_T"
+    for node in m.graph.node:
+        node.input[:] = [renames.get(i, i) for i in node.input]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--data", type=Path, default=DATA)
@@ -104,11 +120,11 @@ def main():
     train = data[slice(*TRAIN)]
     xv, yv = windows(data, *VAL, stride=4)
     model = PatchTST()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=1e-4)
     best, best_state, bad, it, t0 = float("inf"), None, 0, 0, time.time()
     while bad < 6 and time.time() - t0 < args.minutes * 60:
         model.train()
-        for _ in range(200):                              # random windows from the train split
+        for _ in range(100):                              # random windows from the train split
             s, c = rng.integers(0, len(train) - L - H + 1, 128), rng.integers(0, 7, 128)
             w = torch.from_numpy(train[s[:, None] + np.arange(L + H), c[:, None]])
             loss = ((model(w[:, :L]) - w[:, L:]) ** 2).mean()
@@ -138,6 +154,7 @@ def main():
                       dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}})
     m = onnx.load(path)
     m.ir_version = min(m.ir_version, 10)
+    name_initializers(m, model)
     onnx.checker.check_model(m)
     onnx.save(m, path)
     starts = np.linspace(TEST[0], TEST[1] - L - STEPS * H, N_CTX).astype(int)
