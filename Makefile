@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine (Python >= 3.10 with venv):
-#   make demo   # installs into .venv, then scores the bundled ETTh1 forecaster
+#   make demo   # installs into .venv, then scores, exports, evaluates and gates the bundled ETTh1 forecaster
 #   make test   # installs into .venv, then runs the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,9 +14,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,plots]'
 	touch $(STAMP)
 
+RUN := tqs-runs/$(notdir $(EXAMPLE))
+
 demo: $(STAMP)
 	$(BIN)/tqsdeploy inspect $(EXAMPLE)/model.onnx --spec $(EXAMPLE)/rollout.toml
-	$(BIN)/tqsdeploy score $(EXAMPLE)/model.onnx --contexts $(EXAMPLE)/contexts.npz --spec $(EXAMPLE)/rollout.toml --out tqs-runs/$(notdir $(EXAMPLE))
+	$(BIN)/tqsdeploy score $(EXAMPLE)/model.onnx --contexts $(EXAMPLE)/contexts.npz --spec $(EXAMPLE)/rollout.toml --out $(RUN)
+	$(BIN)/tqsdeploy export $(EXAMPLE)/model.onnx --run $(RUN) --C 4,8 --out-dir $(RUN)/export
+	$(BIN)/tqsdeploy export $(EXAMPLE)/model.onnx --run $(RUN) --uniform int4 --out-dir $(RUN)/export
+	$(BIN)/tqsdeploy eval $(RUN)/export/model.C4.onnx --reference $(EXAMPLE)/model.onnx --contexts $(EXAMPLE)/contexts.npz --spec $(EXAMPLE)/rollout.toml --truth $(EXAMPLE)/truth.npz
+	$(BIN)/tqsdeploy gate $(RUN)/export/model.C4.onnx --reference $(EXAMPLE)/model.onnx --contexts $(EXAMPLE)/contexts.npz --spec $(EXAMPLE)/rollout.toml --truth $(EXAMPLE)/truth.npz --max-degradation 2% --min-compression 3.9 --report-dir $(RUN)/gate
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

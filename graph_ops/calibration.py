@@ -19,13 +19,11 @@ import onnx
 from onnx import helper
 
 from graph_ops.io import GraphError
-from graph_ops.weights import FLOAT_TYPES, WEIGHT_OPERANDS, _stored_tensors
+from graph_ops.weights import FLOAT_TYPES, PASS_THROUGH, WEIGHT_OPERANDS, _stored_tensors
 
 FOLLOWED = {"Transpose", "Identity", "Cast"}
-"""Ops followed from a stored weight to its consumer while keeping the layout known."""
-
-RTN_ONLY_OPS = {"LSTM", "GRU", "RNN", "Einsum", "ConvTranspose", "Gather"}
-"""Weight consumers whose layer inputs cannot be rebuilt as rows of X."""
+"""Layout-only ops that keep the weight's layout known; the other PASS_THROUGH ops
+(Reshape and friends) are still followed, but leave the weight RTN-only."""
 
 
 @dataclass(frozen=True)
@@ -159,8 +157,11 @@ def _einsum_rows(node: onnx.NodeProto, position: int, rank: int) -> tuple[int, .
 def _use_layout(node, position, rank, index, constants, weight_shape):
     """(operand perm to Wt, WeightUse or None, reason, row groups) for one consumer."""
     op, inputs = node.op_type, list(node.input)
-    other_constant = lambda i: i < len(inputs) and inputs[i] in constants  # noqa: E731
     name = _node_id(node, index)
+
+    def other_constant(position: int) -> bool:
+        return position < len(inputs) and inputs[position] in constants
+
     if op == "MatMul":
         if rank != 2:
             axis = rank - 1 if position == 1 else max(rank - 2, 0)
@@ -210,7 +211,7 @@ def _reach(name: str, consumers, shape: tuple[int, ...]):
             operands = WEIGHT_OPERANDS.get(node.op_type, ())
             if node.domain in ("", "ai.onnx") and (operands is None or position in operands):
                 found.append((node, position, index, perm, clean))
-            elif node.op_type in FOLLOWED | {"Reshape", "Squeeze", "Unsqueeze", "Flatten"} and position == 0:
+            elif node.op_type in PASS_THROUGH and position == 0:
                 step, follows = perm, clean and node.op_type in FOLLOWED
                 if node.op_type == "Transpose":
                     order = _attributes(node).get("perm", list(range(len(perm)))[::-1])
@@ -310,21 +311,23 @@ def waves(model: onnx.ModelProto, bindings: dict[str, WeightBinding]) -> list[li
     return [grouped[level] for level in sorted(grouped)]
 
 
-def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     graph = model.graph
-    types = {t.name: t.data_type for t in graph.initializer}
+    found = {t.name: helper.make_tensor_value_info(t.name, t.data_type, None) for t in graph.initializer}
     for value in list(graph.input) + list(graph.output) + list(graph.value_info):
         if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
-            types[value.name] = value.type.tensor_type.elem_type
-    return types
+            found[value.name] = value
+    return found
 
 
 def expose_tensors(model: onnx.ModelProto, names: list[str] | set[str]) -> onnx.ModelProto:
     """A copy of `model` that also outputs the named intermediate tensors.
 
     Only the element type is declared (from value_info, or shape inference
-    when missing); the shape stays open. Graph inputs and existing outputs
-    are left as they are: read those from the feeds or the normal outputs.
+    when missing): a stale static shape could clash with the batch a
+    calibration run feeds, and the runtime needs no more. Graph inputs and
+    existing outputs are left as they are: read those from the feeds or the
+    normal outputs.
     """
     result = copy.deepcopy(model)
     graph = result.graph
@@ -332,16 +335,16 @@ def expose_tensors(model: onnx.ModelProto, names: list[str] | set[str]) -> onnx.
     wanted = [n for n in dict.fromkeys(names) if n not in present]
     if not wanted:
         return result
-    types = _elem_types(result)
-    if any(n not in types for n in wanted):
+    infos = _value_infos(result)
+    if any(n not in infos for n in wanted):
         try:
-            types.update(_elem_types(onnx.shape_inference.infer_shapes(model)))
+            infos = {**_value_infos(onnx.shape_inference.infer_shapes(model)), **infos}
         except Exception:  # inference is best effort; the check below names what is missing
             pass
     for name in wanted:
-        if name not in types:
+        if name not in infos:
             raise GraphError(f"cannot tell the element type of tensor '{name}' to expose it as an output")
-        graph.output.append(helper.make_tensor_value_info(name, types[name], None))
+        graph.output.append(helper.make_tensor_value_info(name, infos[name].type.tensor_type.elem_type, None))
     return result
 
 

@@ -116,28 +116,34 @@ def quantize_baseline(
     plan = _plan(method, bits, group_size, symmetric, sym_style, mse, percdamp, block_size, act_order, static_groups, alpha, percdampqep, qep_base, qep_skip)
     runtime.check()
     loaded = graph_ops.load_model(model_path)
-    chosen = list(names) if names else [n for u in select_units(graph_ops.find_weight_tensors(loaded.proto), UnitSelection(min_params=min_params)) for n in u.tensor_names]
+    chosen = list(names) if names else _selected(loaded.proto, min_params)
     proto = graph_ops.make_weights_overridable(loaded.proto, chosen)
     bindings = weight_bindings(proto, chosen)
     original = graph_ops.read_weights(proto, chosen)
-    result = BaselineResult(method, bits, {}, {}, {"load": perf_counter() - started, "calibration": 0.0, "apply": 0.0})
+    stages = waves(proto, bindings) if plan.method != "rtn" else []
+    if stages and calib is None:
+        raise InputError(f"{method} needs calibration windows", hint="pass a contexts .npz (or use method 'rtn')")
+    result = BaselineResult(method, bits, {}, {}, {"load": perf_counter() - started, "calibration": 0.0, "apply": 0.0}, waves=stages)
     _note_settings(plan, result)
     for name, binding in bindings.items():
         if plan.method == "rtn" or not binding.calibratable:
             if binding.rtn_reason and plan.method != "rtn":
                 result.rtn_only[name] = binding.rtn_reason
             tick = perf_counter()
-            _store(result, binding, original[name], [_rtn(plan, binding.to_wt(original[name]), _group(plan, binding, result))], name, "rtn")
+            with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # _store reports non-finite results
+                _store(result, binding, original[name], [_rtn(plan, binding.to_wt(original[name]), _group(plan, binding, result))], name, "rtn")
             result.timings["apply"] += perf_counter() - tick
-    if plan.method != "rtn":
-        stages = waves(proto, bindings)
-        result.waves = stages
-        if stages:
-            if calib is None:
-                raise InputError(f"{method} needs calibration windows", hint="pass a contexts .npz (or use method 'rtn')")
-            _sequential(proto, bindings, stages, original, calib, plan, max_batch_windows, runtime, result)
+    if stages:
+        source = _session_source(expose_tensors(proto, _layer_tensors(proto, bindings)), loaded)
+        _sequential(source, proto, bindings, stages, original, calib, plan, max_batch_windows, runtime, result)
     result.timings["total"] = perf_counter() - started
     return result
+
+
+def _selected(proto, min_params: int) -> list[str]:
+    """The tensors every other command quantizes: float weight operands of at least min_params."""
+    units = select_units(graph_ops.find_weight_tensors(proto), UnitSelection(min_params=min_params))
+    return [n for u in units for n in u.tensor_names]
 
 
 def _plan(method, bits, group_size, symmetric, sym_style, mse, percdamp, block_size, act_order, static_groups, alpha, percdampqep, qep_base, qep_skip) -> _Plan:
@@ -185,11 +191,26 @@ def _rtn(plan: _Plan, wt: np.ndarray, group_size: int) -> solvers.Quantized:
     return solvers.rtn(wt, plan.bits, group_size, plan.scheme, plan.mse)
 
 
-def _sequential(proto, bindings, stages, original, calib, plan: _Plan, max_windows: int, runtime: OrtRuntime, result: BaselineResult) -> None:
+def _layer_tensors(proto, bindings: dict[str, WeightBinding]) -> list[str]:
+    """Every layer input the waves read that the graph does not already take as an input."""
+    graph_inputs = {v.name for v in proto.graph.input}
+    return sorted({u.x for b in bindings.values() if b.calibratable for u in b.uses} - graph_inputs)
+
+
+def _session_source(proto, loaded: graph_ops.LoadedModel) -> bytes | Path:
+    """Serialised model, or a side-car file with external data above protobuf's 2 GiB."""
+    if graph_ops.io.stored_bytes(proto) < graph_ops.io.PROTOBUF_LIMIT:
+        return graph_ops.model_bytes(proto)
+    return graph_ops.save_model(proto, Path(loaded.path.parent, f".{loaded.stem}.tqs-baseline.onnx"), external_data=True)
+
+
+def _sequential(source, proto, bindings, stages, original, calib, plan: _Plan, max_windows: int, runtime: OrtRuntime, result: BaselineResult) -> None:
     """Spec §5: per wave, collect statistics on the quantized prefix, then quantize the wave."""
     graph_inputs = {v.name for v in proto.graph.input}
-    tensors = sorted({u.x for b in bindings.values() if b.calibratable for u in b.uses} - graph_inputs)
-    session = runtime.open(graph_ops.model_bytes(expose_tensors(proto, tensors)))
+    try:
+        session = runtime.open(source)
+    except Exception as exc:
+        raise InputError(f"ONNX Runtime cannot load the calibration graph: {str(exc).splitlines()[0]}") from None
     inputs = [s for s in session.inputs if s.name not in session.weights]
     contexts = calib if isinstance(calib, Contexts) else load_npz(Path(calib), inputs)
     batch = all(s.rank > 0 and s.is_dynamic(0) for s in inputs)
@@ -221,7 +242,10 @@ def _sequential(proto, bindings, stages, original, calib, plan: _Plan, max_windo
             _quantize_weight(binding, original[name], merged, plan, result)
         result.timings["apply"] += perf_counter() - tick
     if thin:
-        result.notes.append(f"{len(thin)} weight(s) saw fewer calibration rows than 2x their input width; their Hessians are rank-deficient (damping hides it): {', '.join(sorted(thin))}")
+        result.notes.append(
+            f"{len(thin)} weight(s) saw fewer calibration rows than 2x their input width, so their Hessians are "
+            f"rank-deficient (damping hides it): {', '.join(sorted(thin))}"
+        )
 
 
 def _run(session, feeds, weights, fetch) -> dict[str, np.ndarray]:
@@ -243,7 +267,8 @@ def _quantize_weight(binding: WeightBinding, stored: np.ndarray, stats: list[sol
     for g, part in enumerate(stats):
         block = wt[g * rows : (g + 1) * rows]
         try:
-            quantized = _method(plan, binding.name, block, part, group_size)
+            with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # _store reports non-finite results
+                quantized = _method(plan, binding.name, block, part, group_size)
         except np.linalg.LinAlgError as exc:
             raise BaselineError(f"{plan.method} failed on weight '{binding.name}': {exc}", hint="use more calibration windows or a larger percdamp") from None
         parts.append(quantized)

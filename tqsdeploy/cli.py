@@ -304,6 +304,8 @@ def export(
     )
     run_dir = find_run(model, run)
     planner = Planner(run_dir, model, settings, OrtRuntime(provider=provider))
+    if compression:
+        planner.check_targets(targets)
     stem = planner.model.stem
     progress, bar = _progress(), {}
 

@@ -26,7 +26,7 @@ import onnx
 import graph_ops
 from runtimes import OrtRuntime, Session
 from tqsdeploy.contexts import Contexts, load_npz
-from tqsdeploy.errors import InputError
+from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.rollout import RolloutSpec, rollout
 from tqsdeploy.score import resolve_spec
 
@@ -48,7 +48,12 @@ def trajectories(session: Session, contexts: Contexts, spec: RolloutSpec, max_ba
     batch = contexts.count > 1 and all(s.is_dynamic(0) for s in inputs)
     collected: dict[str, list[np.ndarray]] = {name: [] for name in spec.trajectory}
     for count, feeds in contexts.chunks(inputs, batch, max_batch):
-        steps = list(rollout(session, feeds, spec))
+        try:
+            steps = list(rollout(session, feeds, spec))
+        except RolloutError:
+            raise
+        except Exception as exc:
+            raise RolloutError(f"{session.name} failed to run the rollout: {str(exc).splitlines()[0]}") from None
         for name in spec.trajectory:
             stacked = np.stack([s[name] for s in steps], axis=1 if batch else 0)  # batch: (B, T, ...)
             if batch:
@@ -146,7 +151,13 @@ def _metrics(candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray | N
 
 def _check_same_signature(candidate: Session, reference: Session) -> None:
     def signature(session):
-        return ({s.name: s.rank for s in session.inputs if s.name not in session.weights}, {s.name: s.rank for s in session.outputs})
+        def describe(spec):
+            return [d if isinstance(d, int) else "?" for d in spec.shape], str(spec.dtype)
+
+        return (
+            {s.name: describe(s) for s in session.inputs if s.name not in session.weights},
+            {s.name: describe(s) for s in session.outputs},
+        )
 
     if signature(candidate) != signature(reference):
         raise InputError(

@@ -22,7 +22,7 @@ from graph_ops.qdq import apply_storage
 from runtimes import OrtRuntime
 from tiers import DEFAULT_TIERS, TIERS, Layout, Stored, Tier, get_tiers
 from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, uniform
-from tqsdeploy.errors import InputError
+from tqsdeploy.errors import InfeasibleError, InputError
 from tqsdeploy.probes import tier_probe, tier_weights
 from tqsdeploy.score import Prepared, ScoreTable, prepare
 from tqsdeploy.scoring import ScoreSettings
@@ -183,6 +183,21 @@ class Planner:
                     loss[tier.name] = 0.0 if result is None else (math.inf if result.nonfinite else float(sum(result.div_sq)))
             choices.append(Choice(unit.name, unit.params, self.gamma.get(unit.name, 0.0), unit.name in self.dead, cost, loss))
         return choices
+
+    def max_compression(self) -> float:
+        """The largest compression reachable with these tiers (every unit at its cheapest)."""
+        cheapest = sum(min(self.cost(u, t) for t in self.tiers) for u in self.units)
+        return self.reference_bits / (self.fixed_bits + cheapest)
+
+    def check_targets(self, targets: list[float]) -> None:
+        """Fail before any work when a target cannot be met."""
+        best = self.max_compression()
+        for target in targets:
+            if target > best:
+                raise InfeasibleError(
+                    f"compression {target:g} is out of reach with tiers {', '.join(t.name for t in self.tiers)}: the largest reachable is {best:.3g}",
+                    hint="lower --C or add a cheaper tier",
+                )
 
     # -- allocation ----------------------------------------------------------
 

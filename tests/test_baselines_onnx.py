@@ -1,0 +1,283 @@
+"""Baselines on real ONNX models and real ONNX Runtime sessions."""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from graph_ops import read_weights, replace_weights
+from graph_ops.calibration import ConvGeometry, im2col, layer_inputs, waves, weight_bindings
+from runtimes.ort import OrtRuntime
+from tiers.gptq import Hessian
+from tqsdeploy.baselines import BaselineError, quantize_baseline
+
+FLOAT = TensorProto.FLOAT
+
+
+def _save(nodes, inputs, outputs, init, path: Path, opset=17) -> Path:
+    graph = helper.make_graph(nodes, "t", inputs, outputs, [numpy_helper.from_array(v, k) for k, v in init.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    onnx.save_model(model, str(path))
+    return path
+
+
+def _run(path: Path, feeds: dict) -> np.ndarray:
+    session = OrtRuntime(optimization="disable").open(Path(path).read_bytes())
+    return session.run(feeds)[session.outputs[0].name]
+
+
+def _mlp(path: Path, seed=0) -> Path:
+    """x [b,16] -MatMul W1[16,32]+b1, Relu- Gemm(W2[32,32], transB) +b2, Tanh- MatMul(Transpose(W3 [8,32]))."""
+    rng = np.random.default_rng(seed)
+    init = {
+        "W1": (rng.standard_normal((16, 32)) / 4).astype(np.float32),
+        "b1": (0.1 * rng.standard_normal(32)).astype(np.float32),
+        "W2": (rng.standard_normal((32, 32)) / 6).astype(np.float32),
+        "b2": (0.1 * rng.standard_normal(32)).astype(np.float32),
+        "W3": (rng.standard_normal((8, 32)) / 6).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h1"]),
+        helper.make_node("Add", ["h1", "b1"], ["h2"]),
+        helper.make_node("Relu", ["h2"], ["a1"]),
+        helper.make_node("Gemm", ["a1", "W2", "b2"], ["h3"], transB=1),
+        helper.make_node("Tanh", ["h3"], ["a2"]),
+        helper.make_node("Transpose", ["W3"], ["W3t"], perm=[1, 0]),
+        helper.make_node("MatMul", ["a2", "W3t"], ["y"]),
+    ]
+    io = [helper.make_tensor_value_info("x", FLOAT, ["b", 16])], [helper.make_tensor_value_info("y", FLOAT, ["b", 8])]
+    return _save(nodes, *io, init, path)
+
+
+@pytest.fixture
+def mlp(tmp_path):
+    model = _mlp(tmp_path / "mlp.onnx")
+    rng = np.random.default_rng(1)
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, x=rng.standard_normal((48, 4, 16)).astype(np.float32))  # 48 windows x 4 rows
+    test_x = rng.standard_normal((64, 16)).astype(np.float32)
+    return model, calib, test_x
+
+
+def _outputs(model, result, x):
+    proto = onnx.load(str(model))
+    return _run(model, {"x": x}), _run_proto(replace_weights(proto, result.weights), {"x": x})
+
+
+def _run_proto(proto, feeds):
+    session = OrtRuntime(optimization="disable").open(proto.SerializeToString())
+    return session.run(feeds)[session.outputs[0].name]
+
+
+def test_mlp_bindings_follow_transpose_and_gemm_layouts(mlp):
+    model, _, _ = mlp
+    bindings = weight_bindings(onnx.load(str(model)), ["W1", "W2", "W3"])
+    assert [bindings[n].wt_shape for n in ("W1", "W2", "W3")] == [(32, 16), (32, 32), (8, 32)]
+    assert bindings["W1"].perm == (1, 0) and bindings["W2"].perm == (0, 1) and bindings["W3"].perm == (0, 1)
+    assert all(b.calibratable for b in bindings.values())
+    w = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
+    np.testing.assert_array_equal(bindings["W1"].to_wt(w), w.T)
+    np.testing.assert_array_equal(bindings["W1"].from_wt(w.T), w)
+
+
+@pytest.mark.parametrize("method", ["gptq", "gptaq", "qep", "rtn"])
+def test_eight_bit_round_trip_stays_close_and_encodings_match(mlp, method):
+    model, calib, x = mlp
+    result = quantize_baseline(model, method, 8, calib, min_params=64)
+    assert sorted(result.weights) == ["W1", "W2", "W3"]
+    reference, quantized = _outputs(model, result, x)
+    assert np.max(np.abs(quantized - reference)) < 0.02 * np.max(np.abs(reference))
+    original = read_weights(onnx.load(str(model)), ["W1", "W2", "W3"])
+    for name, weight in result.weights.items():
+        assert weight.shape == original[name].shape and weight.dtype == np.float32
+        np.testing.assert_array_equal(result.encoded[name].dequantize(), weight)
+        assert result.encoded[name].axis == {"W1": 1, "W2": 0, "W3": 0}[name]
+    if method != "rtn":
+        assert result.waves == [["W1"], ["W2"], ["W3"]]
+        assert result.timings["calibration"] > 0
+
+
+def test_groupwise_encoding_blocks_along_k_in_stored_layout(mlp):
+    model, calib, _ = mlp
+    result = quantize_baseline(model, "gptq", 4, calib, min_params=64, group_size=8, act_order=True)
+    w1, w2 = result.encoded["W1"], result.encoded["W2"]  # W1 stored [K,N]; W2 stored [N,K] (transB)
+    assert (w1.axis, w1.block_size, w1.scale.shape) == (0, 8, (2, 32))
+    assert (w2.axis, w2.block_size, w2.scale.shape) == (1, 8, (32, 4))
+    for name, weight in result.weights.items():
+        np.testing.assert_array_equal(result.encoded[name].dequantize(), weight)
+    assert any("static groups" in note for note in result.notes)
+
+
+def test_gptq_reconstruction_error_not_above_rtn_per_layer(mlp):
+    model, calib, _ = mlp
+    result = quantize_baseline(model, "gptq", 3, calib, min_params=64)
+    assert set(result.errors) == {"W1", "W2", "W3"}
+    for name, error in result.errors.items():
+        assert error <= result.rtn_errors[name], name
+
+
+def test_alpha_zero_reduces_gptaq_and_qep_to_gptq(mlp):
+    model, calib, _ = mlp
+    base = quantize_baseline(model, "gptq", 3, calib, min_params=64)
+    for method in ("gptaq", "qep"):
+        other = quantize_baseline(model, method, 3, calib, min_params=64, alpha=0.0)
+        for name in base.weights:
+            np.testing.assert_array_equal(other.encoded[name].codes, base.encoded[name].codes)
+
+
+def test_asymmetric_methods_see_the_quantized_prefix(mlp):
+    """At 2 bits the prefix error is large: the FP and quantized inputs of later layers differ."""
+    model, calib, x = mlp
+    gptq = quantize_baseline(model, "gptq", 2, calib, min_params=64)
+    qep = quantize_baseline(model, "qep", 2, calib, min_params=64)
+    assert not np.array_equal(qep.weights["W3"], gptq.weights["W3"])
+    np.testing.assert_array_equal(qep.weights["W1"], gptq.weights["W1"])  # first wave: no error to propagate yet
+
+
+def test_non_finite_weight_is_reported_by_name(tmp_path):
+    w = np.ones((16, 8), np.float32)
+    w[0, 0] = np.inf
+    model = _save(
+        [helper.make_node("MatMul", ["x", "Wbad"], ["y"])],
+        [helper.make_tensor_value_info("x", FLOAT, ["b", 16])],
+        [helper.make_tensor_value_info("y", FLOAT, ["b", 8])],
+        {"Wbad": w},
+        tmp_path / "bad.onnx",
+    )
+    with pytest.raises(BaselineError, match="rtn.*'Wbad'"):
+        quantize_baseline(model, "rtn", 4, min_params=1)
+
+
+def _qkv(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    d = 8
+    names = ["Wq", "Wk", "Wv", "Wo", "Wup", "Wgate", "Wdown"]
+    init = {n: (rng.standard_normal((d, d)) / 3).astype(np.float32) for n in names}
+    init["Wshared"] = (rng.standard_normal((d, d)) / 3).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "Wq"], ["q"]),
+        helper.make_node("MatMul", ["x", "Wk"], ["k"]),
+        helper.make_node("MatMul", ["x", "Wv"], ["v"]),
+        helper.make_node("Mul", ["q", "k"], ["qk"]),
+        helper.make_node("Add", ["qk", "v"], ["att"]),
+        helper.make_node("MatMul", ["att", "Wo"], ["o"]),
+        helper.make_node("Add", ["o", "x"], ["r"]),
+        helper.make_node("MatMul", ["r", "Wup"], ["up"]),
+        helper.make_node("MatMul", ["r", "Wgate"], ["gate"]),
+        helper.make_node("Relu", ["gate"], ["g"]),
+        helper.make_node("Mul", ["g", "up"], ["m"]),
+        helper.make_node("MatMul", ["m", "Wdown"], ["dn"]),
+        helper.make_node("MatMul", ["x", "Wshared"], ["s1"]),  # shared: used at level 0 and level 4
+        helper.make_node("Add", ["dn", "s1"], ["z"]),
+        helper.make_node("MatMul", ["z", "Wshared"], ["y"]),
+    ]
+    io = [helper.make_tensor_value_info("x", FLOAT, ["b", d])], [helper.make_tensor_value_info("y", FLOAT, ["b", d])]
+    return _save(nodes, *io, init, path)
+
+
+def test_waves_group_siblings_like_true_sequential(tmp_path):
+    model = _qkv(tmp_path / "qkv.onnx")
+    proto = onnx.load(str(model))
+    bindings = weight_bindings(proto)
+    assert len(bindings["Wshared"].uses) == 2
+    stages = [sorted(s) for s in waves(proto, bindings)]
+    assert stages == [["Wk", "Wq", "Wv"], ["Wo"], ["Wgate", "Wup"], ["Wdown"], ["Wshared"]]
+    calib = tmp_path / "c.npz"
+    np.savez(calib, x=np.random.default_rng(2).standard_normal((32, 1, 8)).astype(np.float32))
+    result = quantize_baseline(model, "gptq", 8, calib, min_params=1)
+    assert [sorted(s) for s in result.waves] == stages
+    reference, quantized = _outputs(model, result, np.random.default_rng(3).standard_normal((16, 8)).astype(np.float32))
+    assert np.max(np.abs(quantized - reference)) < 0.05 * np.max(np.abs(reference))
+
+
+def test_rnn_and_gather_weights_are_rtn_only(tmp_path):
+    rng = np.random.default_rng(0)
+    hidden, width = 4, 6
+    init = {
+        "E": rng.standard_normal((10, width)).astype(np.float32),
+        "W": rng.standard_normal((1, 4 * hidden, width)).astype(np.float32),
+        "R": rng.standard_normal((1, 4 * hidden, hidden)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Gather", ["E", "ids"], ["e"]),
+        helper.make_node("LSTM", ["e", "W", "R"], ["", "h"], hidden_size=hidden),
+    ]
+    io = [helper.make_tensor_value_info("ids", TensorProto.INT64, [3, 1])], [helper.make_tensor_value_info("h", FLOAT, [1, 1, hidden])]
+    model = _save(nodes, *io, init, tmp_path / "lstm.onnx")
+    bindings = weight_bindings(onnx.load(str(model)))
+    assert not any(b.calibratable for b in bindings.values())
+    assert bindings["W"].perm == (1, 0, 2) and bindings["E"].perm == (0, 1)
+    result = quantize_baseline(model, "gptq", 8, None, min_params=1)
+    assert set(result.rtn_only) == {"E", "W", "R"} and result.waves == []
+    assert result.encoded["W"].axis == 1 and result.encoded["E"].axis == 0
+
+
+GEOMETRIES = [
+    dict(strides=[2, 1], pads=[1, 0, 1, 2], dilations=[1, 2], group=2),
+    dict(strides=[2, 2], auto_pad="SAME_UPPER", group=1),
+    dict(strides=[2, 4], auto_pad="SAME_LOWER", group=6),  # ORT has no dilation with SAME pads
+]
+
+
+def _conv(path: Path, attrs: dict, channels=6, out=12, seed=0) -> Path:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((out, channels // attrs["group"], 3, 3)) / 4).astype(np.float32)
+    return _save(
+        [helper.make_node("Conv", ["x", "Wc"], ["y"], kernel_shape=[3, 3], **attrs)],
+        [helper.make_tensor_value_info("x", FLOAT, ["b", channels, 9, 10])],
+        [helper.make_tensor_value_info("y", FLOAT, ["b", out, "h", "w"])],
+        {"Wc": w},
+        path,
+    )
+
+
+def _naive_unfold(x, geometry: ConvGeometry):
+    """Windows gathered one output position at a time: the independent reference for im2col."""
+    pads = geometry.resolved_pads(x.shape[2:])
+    padded = np.pad(x, [(0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])])
+    (kh, kw), (sh, sw), (dh, dw) = geometry.kernel, geometry.strides, geometry.dilations
+    rows = []
+    for b in range(x.shape[0]):
+        for i in range(0, padded.shape[2] - dh * (kh - 1), sh):
+            for j in range(0, padded.shape[3] - dw * (kw - 1), sw):
+                rows.append(padded[b, :, i : i + dh * kh : dh, j : j + dw * kw : dw].reshape(-1))
+    return np.array(rows)
+
+
+@pytest.mark.parametrize("attrs", GEOMETRIES)
+def test_conv_im2col_matches_onnx_runtime(tmp_path, attrs):
+    model = _conv(tmp_path / "conv.onnx", attrs)
+    proto = onnx.load(str(model))
+    binding = weight_bindings(proto)["Wc"]
+    (use,) = binding.uses
+    x = np.random.default_rng(1).standard_normal((2, 6, 9, 10)).astype(np.float32)
+    y = _run(model, {"x": x})
+    np.testing.assert_array_equal(im2col(x, use.conv), _naive_unfold(x, use.conv))
+    wt = binding.to_wt(read_weights(proto, ["Wc"])["Wc"])
+    groups, rows = binding.row_groups, wt.shape[0] // binding.row_groups
+    xs = layer_inputs(use, x, groups)
+    direct = np.concatenate([xs[g] @ wt[g * rows : (g + 1) * rows].T for g in range(groups)], axis=1)
+    expected = y.transpose(0, 2, 3, 1).reshape(-1, y.shape[1])
+    np.testing.assert_allclose(direct, expected, rtol=1e-4, atol=1e-5)
+    stats = Hessian(xs[0].shape[1])
+    stats.add(xs[0])
+    np.testing.assert_allclose(stats.H, 2 / len(xs[0]) * xs[0].T.astype(np.float64) @ xs[0], rtol=1e-10)
+
+
+def test_conv_model_quantizes_per_output_channel(tmp_path):
+    model = _conv(tmp_path / "conv.onnx", GEOMETRIES[0])
+    calib = tmp_path / "c.npz"
+    np.savez(calib, x=np.random.default_rng(4).standard_normal((8, 1, 6, 9, 10)).astype(np.float32))
+    result = quantize_baseline(model, "gptaq", 8, calib, min_params=1, group_size=4)
+    encoded = result.encoded["Wc"]
+    assert encoded.axis == 0 and encoded.block_size is None and encoded.scale.shape == (12,)
+    np.testing.assert_array_equal(encoded.dequantize(), result.weights["Wc"])
+    assert any("per channel instead" in note for note in result.notes)
+    x = np.random.default_rng(5).standard_normal((2, 6, 9, 10)).astype(np.float32)
+    reference, quantized = _outputs(model, result, x)
+    assert np.max(np.abs(quantized - reference)) < 0.02 * np.max(np.abs(reference))
+    assert result.errors["Wc"] <= result.rtn_errors["Wc"]

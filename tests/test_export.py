@@ -1,0 +1,159 @@
+"""export, eval and gate end to end on real ONNX files and real sessions."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from typer.testing import CliRunner
+
+import graph_ops
+import models
+from runtimes import OrtRuntime
+from tqsdeploy import ScoreSettings, score
+from tqsdeploy.cli import app
+from tqsdeploy.export import ExportSettings, Planner
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory):
+    """A 131k-parameter residual MLP, its contexts, and a finished score run."""
+    folder = tmp_path_factory.mktemp("export")
+    model = models.mlp_forecaster(folder / "mlp.onnx", n=128, hidden=256)
+    contexts = folder / "ctx.npz"
+    np.savez(contexts, x=np.random.default_rng(5).standard_normal((6, 2, 128)).astype(np.float32))
+    score(model, contexts, steps=6, out=folder / "run", settings=ScoreSettings(gauss_draws=1))
+    return model, contexts, folder
+
+
+def _invoke(args):
+    result = runner.invoke(app, [str(a) for a in args])
+    return result.exit_code, " ".join((result.output + (result.stderr or "")).split())
+
+
+def test_exported_model_is_valid_and_matches_numpy_fake_quant(scored):
+    model, contexts, folder = scored
+    planner = Planner(folder / "run", settings=ExportSettings(objective="measured"))
+    outcome = planner.export(4, folder / "mlp.C4.onnx")
+    exported = onnx.load(str(outcome.path))
+    onnx.checker.check_model(exported)
+    assert exported.ir_version <= 13 and all(o.version <= 26 for o in exported.opset_import)
+    assert outcome.allocation.compression >= 4
+    fake = graph_ops.replace_weights(planner.model.proto, planner.fake_quantized(outcome.allocation))
+    x = np.load(contexts)["x"][0]
+    got = OrtRuntime(exact_qdq=True).open(outcome.path).run({"x": x})["y"]
+    want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.io.runtime_compatible(fake))).run({"x": x})["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    default = OrtRuntime().open(outcome.path).run({"x": x})["y"]  # what ORT runs by default (MatMulNBits, int8 activations)
+    assert np.abs(default - want).max() < 0.05 * np.abs(want).max()
+    graph_bytes = planner.model.file_bytes - planner.reference_bits / 8
+    assert outcome.file_bytes == pytest.approx(outcome.allocation.total_bits / 8 + graph_bytes, rel=0.03)
+    meta = json.loads((folder / "mlp.C4.allocation.json").read_text())
+    assert meta["achieved_compression"] == pytest.approx(outcome.allocation.compression)
+    planner.close()
+
+
+@pytest.mark.parametrize("objective", ["paper", "response", "measured"])
+@pytest.mark.parametrize("target", [3, 8])
+def test_never_worse_than_a_uniform_allocation_within_budget(scored, objective, target):
+    _, _, folder = scored
+    planner = Planner(folder / "run", settings=ExportSettings(objective=objective))
+    allocation, drift, _, _ = planner.plan(target)
+    budget = planner.reference_bits / target
+    assert allocation.total_bits <= budget
+    for tier in planner.tiers:
+        candidate = planner.uniform(tier.name)
+        if candidate.total_bits <= budget:
+            assert drift <= planner.drift(candidate) + 1e-12
+    planner.close()
+
+
+def test_measured_losses_are_cached_in_the_run(scored):
+    _, _, folder = scored
+    planner = Planner(folder / "run")
+    planner.measured()
+    lines = (folder / "run" / "measured.jsonl").read_text().splitlines()
+    assert len(lines) == planner.measured_tasks()
+    again = Planner(folder / "run")
+    calls = []
+    again.measured(on_result=calls.append)
+    assert calls == []  # nothing re-run
+    planner.close(), again.close()
+
+
+def test_cli_export_frontier_and_uniform(scored):
+    model, _, folder = scored
+    out = folder / "cli"
+    code, text = _invoke(["export", model, "--run", folder / "run", "--C", "2,4,8", "--out-dir", out])
+    assert code == 0, text
+    for c in (2, 4, 8):
+        assert (out / f"mlp.C{c}.onnx").exists() and (out / f"mlp.C{c}.allocation.parquet").exists()
+    code, text = _invoke(["export", model, "--run", folder / "run", "--uniform", "int4", "--out-dir", out])
+    assert code == 0, text
+    meta = json.loads((out / "mlp.int4.allocation.json").read_text())
+    assert {row["tier"] for row in meta["tiers"]} == {"int4"}
+    assert 7 < meta["achieved_compression"] < 8
+
+
+def test_export_bad_input(scored, tmp_path):
+    model, _, folder = scored
+    other = models.mlp_forecaster(tmp_path / "other.onnx", n=128, hidden=256, seed=9)
+    cases = [
+        (["export", other, "--run", folder / "run", "--C", "4"], "different model"),
+        (["export", model, "--run", folder / "run", "--C", "4", "--tiers", "fp32,int3"], "unknown tier 'int3'"),
+        (["export", model, "--run", folder / "run", "--C", "40"], "largest reachable is"),
+        (["export", model, "--run", folder / "run", "--C", "4", "--target", "trt"], "INT4 weights only in blocks of 64 or 128"),
+        (["export", model, "--run", folder / "run", "--C", "4", "--target", "trt", "--group-size", "64"], "'int2' cannot run on target 'trt'"),
+        (["export", model, "--run", tmp_path / "nowhere", "--C", "4"], "not a finished score run"),
+        (["export", model, "--run", folder / "run", "--C", "4", "--objective", "vibes"], "unknown objective"),
+    ]
+    for args, phrase in cases:
+        code, text = _invoke(args)
+        assert code == 2 and phrase in text and "Traceback" not in text, text
+
+
+def test_eval_and_gate(scored, tmp_path, monkeypatch):
+    model, contexts, folder = scored
+    candidate = folder / "mlp.gate.onnx"
+    Planner(folder / "run").export(None, candidate, uniform_tier="int8")
+    truth = tmp_path / "truth.npz"
+    reference = OrtRuntime().open(model)
+    x = np.load(contexts)["x"]
+    steps = []
+    for window in x:
+        state, trajectory = window, []
+        for _ in range(6):
+            state = reference.run({"x": state})["y"]
+            trajectory.append(state + 0.01)
+        steps.append(np.stack(trajectory))
+    np.savez(truth, y=np.stack(steps))
+    code, text = _invoke(["eval", candidate, "-r", model, "-c", contexts, "--steps", 6, "--truth", truth, "--report", tmp_path / "ev"])
+    assert code == 0, text
+    report = json.loads((tmp_path / "ev.json").read_text())
+    out = report["outputs"]["y"]
+    assert len(out["vs_reference"]["mae_by_step"]) == 6 and out["vs_truth"]["reference_mae"] == pytest.approx(0.01, rel=1e-3)
+    assert "MatMulNBits" in report["runtime"]["mode"]
+
+    summary = tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    code, text = _invoke(["gate", candidate, "-r", model, "-c", contexts, "--steps", 6, "--max-degradation", "50%", "--min-compression", "3.5", "--report-dir", tmp_path / "pass"])
+    assert code == 0, text
+    assert "failures=\"0\"" in (tmp_path / "pass" / "junit.xml").read_text()
+    code, text = _invoke(["gate", candidate, "-r", model, "-c", contexts, "--steps", 6, "--max-degradation", "0.0001%", "--min-compression", "8", "--report-dir", tmp_path / "fail"])
+    assert code == 1, text
+    junit = (tmp_path / "fail" / "junit.xml").read_text()
+    assert "failures=\"2\"" in junit and "compression" in junit
+    assert summary.read_text().count("tqsdeploy gate") == 2
+
+    other = models.shift_model(tmp_path / "shift.onnx")
+    code, text = _invoke(["eval", other, "-r", model, "-c", contexts, "--steps", 2])
+    assert code == 2 and "differ in inputs or outputs" in text
+
+
+def test_infeasible_target_in_a_list_fails_before_writing(scored, tmp_path):
+    model, _, folder = scored
+    code, text = _invoke(["export", model, "--run", folder / "run", "--C", "2,40", "--out-dir", tmp_path / "none"])
+    assert code == 2 and "largest reachable is" in text
+    assert not (tmp_path / "none").exists() or not list((tmp_path / "none").iterdir())
