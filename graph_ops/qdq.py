@@ -35,6 +35,7 @@ class StoredWeight(Protocol):
     scale: np.ndarray | None
     axis: int | None
     block_size: int | None
+    zero_point: np.ndarray | None
 
 
 def required_opset(stored: Mapping[str, StoredWeight]) -> int:
@@ -104,8 +105,13 @@ def _emit(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto], list[
             attributes["axis"] = int(value.axis)
         if value.block_size:
             attributes["block_size"] = int(value.block_size)
-        node = helper.make_node("DequantizeLinear", [codes.name, scale.name], [name], name=f"{name}__dq", **attributes)
-        return [codes, scale], [node]
+        initializers, inputs = [codes, scale], [codes.name, scale.name]
+        if getattr(value, "zero_point", None) is not None:
+            zero = numpy_helper.from_array(np.ascontiguousarray(value.zero_point), f"{name}__zero")
+            initializers.append(zero)
+            inputs.append(zero.name)
+        node = helper.make_node("DequantizeLinear", inputs, [name], name=f"{name}__dq", **attributes)
+        return initializers, [node]
     if value.kind == "packed_sign":
         return _unpack_signs(name, value)
     raise GraphError(f"unknown stored form '{value.kind}' for '{name}'")

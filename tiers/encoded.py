@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
+
+CONTAINERS = {
+    True: {8: np.int8, 4: ml_dtypes.int4, 3: ml_dtypes.int4, 2: ml_dtypes.int2, 1: ml_dtypes.int2},
+    False: {8: np.uint8, 4: ml_dtypes.uint4, 3: ml_dtypes.uint4, 2: ml_dtypes.uint2},
+}
+"""Narrowest ONNX integer type that holds b-bit codes (no 3- or 1-bit types exist)."""
 
 
 @dataclass(frozen=True)
@@ -49,3 +56,23 @@ class Encoded:
     @property
     def scale_count(self) -> int:
         return int(np.asarray(self.scale).size)
+
+    def to_stored(self, tier: str):
+        """The DequantizeLinear form `graph_ops.qdq` writes (3-bit codes travel in a 4-bit container)."""
+        from tiers.registry import Stored
+
+        try:
+            container = CONTAINERS[self.signed][self.bits]
+        except KeyError:
+            raise ValueError(f"no ONNX integer container for {'signed' if self.signed else 'unsigned'} {self.bits}-bit codes") from None
+        zero = None if self.zero_point is None else np.asarray(self.zero_point).astype(container)
+        return Stored(
+            tier=tier,
+            kind="dequantize",
+            values=self.codes.astype(container),
+            shape=tuple(self.codes.shape),
+            scale=np.asarray(self.scale, dtype=np.float32),
+            axis=self.axis,
+            block_size=self.block_size,
+            zero_point=zero,
+        )

@@ -5,10 +5,11 @@ goes into the ONNX file (raw floats, a narrower float + Cast, integer or FP8
 codes + DequantizeLinear, or packed sign bits + an unpack subgraph) and can
 reproduce, in numpy, the floats the runtime will compute from it.
 
-Quantizers: symmetric, per output channel by default (per tensor when the
-channel axis is unknown), optionally blockwise along the reduction axis
-(`group_size`). Integer tiers of 4 bits or fewer pick each channel's (or
-block's) clipping range by a small MSE search, because plain max-abs scaling
+Quantizers: symmetric (no zero point), per output channel by default (per
+tensor when the channel axis is unknown), optionally blockwise along the
+reduction axis (`group_size`). Integer tiers of 4 bits or fewer use the whole
+signed range (INT2: {-2, -1, 0, 1}·s, not ternary) and pick each channel's
+(or block's) scale by a small MSE search, because plain max-abs scaling
 wastes most of a 2-bit grid on outliers. INT1 stores sign(w) times the mean
 |w| of the channel (the L2-optimal binary scale).
 """
@@ -24,7 +25,7 @@ import numpy as np
 SCALE_BITS = 32
 """Scales are stored as float32 (DequantizeLinear's scale type for a float32 output)."""
 
-CLIP_CANDIDATES = np.linspace(1.0, 0.3, 15)
+CLIP_CANDIDATES = np.linspace(1.0, 0.15, 18)
 """Shrink factors tried by the MSE clipping search of low-bit integer tiers."""
 
 
@@ -72,6 +73,8 @@ class Stored:
     scale: np.ndarray | None = None
     axis: int | None = None
     block_size: int | None = None
+    zero_point: np.ndarray | None = None
+    """Integer zero points (same container type as `values`) for asymmetric codes."""
 
     def dequantized(self) -> np.ndarray:
         """The float32 weight the runtime computes from the stored form (exact dequantization)."""
@@ -81,20 +84,25 @@ class Stored:
             size = int(np.prod(self.shape, dtype=np.int64))
             bits = np.unpackbits(self.values)[:size].reshape(self.shape).astype(np.float32)
             return (bits * 2 - 1) * _expand(self.scale, self.shape, self.axis, None)
-        return self.values.astype(np.float32) * _expand(self.scale, self.shape, self.axis, self.block_size)
+        codes = self.values.astype(np.float32)
+        if self.zero_point is not None:
+            codes = codes - _expand(self.zero_point.astype(np.float32), self.shape, self.axis, self.block_size)
+        return codes * _expand(self.scale, self.shape, self.axis, self.block_size)
 
     @property
     def payload_bits(self) -> int:
         """Bits actually written: values plus scales."""
         scale_bits = 0 if self.scale is None else int(np.asarray(self.scale).size) * SCALE_BITS
+        if self.zero_point is not None:
+            scale_bits += int(self.zero_point.size) * _storage_bits(self.zero_point.dtype)
         return int(self.values.nbytes if self.kind == "packed_sign" else self.values.size * _storage_bits(self.values.dtype) / 8) * 8 + scale_bits
 
 
 def _storage_bits(dtype) -> int:
     dtype = np.dtype(dtype)
-    if dtype == np.dtype(ml_dtypes.int4):
+    if dtype in (np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)):
         return 4
-    if dtype == np.dtype(ml_dtypes.int2):
+    if dtype in (np.dtype(ml_dtypes.int2), np.dtype(ml_dtypes.uint2)):
         return 2
     return dtype.itemsize * 8
 
@@ -148,21 +156,29 @@ def _scale_array(per_row: np.ndarray, layout: Layout, group: int | None) -> np.n
 
 
 def _symmetric_codes(rows: np.ndarray, qmax: int, search: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Codes in [-qmax, qmax] and a scale per row, optionally MSE-clipped."""
+    """Codes on the signed grid and a scale per row, optionally MSE-clipped.
+
+    Without the search the grid is [-qmax, qmax] with max|w| at qmax (plain
+    symmetric). With it, the whole two's-complement range [-qmax-1, qmax] is
+    used (GPTQ-style symmetric: 4 levels at 2 bits instead of ternary) and
+    each row keeps the scale, among shrunk max-abs candidates, with the least
+    squared error.
+    """
     rows = rows.astype(np.float32)
     peak = np.abs(rows).max(axis=1)
-    best_scale = peak / qmax
+    best_scale, low = peak / qmax, -qmax
     if search:
+        low = -qmax - 1
         best_error = np.full(rows.shape[0], np.inf)
         for shrink in CLIP_CANDIDATES:
             scale = (peak * shrink / qmax).astype(np.float32)
             safe = np.where(scale > 0, scale, 1.0)[:, None]
-            error = np.square(np.clip(np.rint(rows / safe), -qmax, qmax) * safe - rows).sum(axis=1)
+            error = np.square(np.clip(np.rint(rows / safe), low, qmax) * safe - rows).sum(axis=1)
             better = error < best_error
             best_error[better], best_scale[better] = error[better], scale[better]
     best_scale = best_scale.astype(np.float32)
     safe = np.where(best_scale > 0, best_scale, 1.0)[:, None]
-    return np.clip(np.rint(rows / safe), -qmax, qmax), best_scale
+    return np.clip(np.rint(rows / safe), low, qmax), best_scale
 
 
 @dataclass(frozen=True)

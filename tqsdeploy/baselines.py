@@ -329,3 +329,41 @@ def _encode(binding: WeightBinding, parts: list[solvers.Quantized]) -> Encoded:
         axis=axis,
         block_size=block,
     )
+
+
+def stored_bits(proto) -> tuple[int, dict[str, int]]:
+    """Stored bits of every tensor in the model (reference size) and per tensor."""
+    per = {}
+    for tensor in graph_ops.io.iter_tensors(proto.graph):
+        bits = {1: 32, 10: 16, 16: 16, 11: 64}.get(tensor.data_type, 32)
+        count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
+        per[tensor.name] = count * bits
+    return sum(per.values()), per
+
+
+def write_baseline(model_path: str | Path, result: BaselineResult, output: str | Path) -> dict:
+    """Write the baseline as the same deployable DequantizeLinear ONNX that `export` emits."""
+    from graph_ops.qdq import apply_storage
+
+    loaded = graph_ops.load_model(model_path)
+    stored = {name: encoded.to_stored(f"{result.method}-w{result.bits}") for name, encoded in result.encoded.items()}
+    started = perf_counter()
+    proto = apply_storage(loaded.proto, stored)
+    path = graph_ops.save_model(proto, output)
+    reference, per = stored_bits(loaded.proto)
+    total = reference - sum(per[n] for n in stored) + sum(s.payload_bits for s in stored.values())
+    return {
+        "method": result.method,
+        "bits": result.bits,
+        "output": str(path),
+        "file_bytes": path.stat().st_size,
+        "achieved_compression": reference / total,
+        "weight_bytes": total / 8,
+        "reference_bytes": reference / 8,
+        "timings_s": {**{k: round(v, 4) for k, v in result.timings.items()}, "write": round(perf_counter() - started, 4)},
+        "tensors": len(stored),
+        "rtn_only": result.rtn_only,
+        "layer_error": result.errors,
+        "rtn_layer_error": result.rtn_errors,
+        "notes": result.notes,
+    }

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -340,6 +341,96 @@ def export(
         for note in alloc.notes:
             out.print(f"  [yellow]note:[/] {escape(note)}")
     out.print(f"wrote {len(rows)} model(s) with .allocation.parquet/.json beside each")
+
+
+@app.command()
+@user_errors
+def baseline(
+    model: Path = typer.Argument(..., help="ONNX model file (never modified)."),
+    method: str = typer.Option(..., "--method", help="rtn, gptq, gptaq or qep."),
+    bits: int = typer.Option(..., "--bits", min=1, max=8, help="Bits per weight (2, 3, 4 or 8; 1 = sign extension)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration windows (.npz, contexts format); not needed for rtn."),
+    group_size: int = typer.Option(-1, "--group-size", help="Input features per quantization group (-1: per channel)."),
+    symmetric: bool = typer.Option(False, "--symmetric", help="Symmetric grid instead of the asymmetric default."),
+    mse: bool = typer.Option(False, "--mse", help="MSE clipping search of the grid."),
+    act_order: bool = typer.Option(False, "--act-order", help="GPTQ column order by decreasing Hessian diagonal (static groups)."),
+    min_params: int = typer.Option(1024, "--min-params", help="Smallest tensor that is quantized."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output ONNX (default <stem>.<method>-w<bits>.onnx)."),
+):
+    """Quantize every unit uniformly with RTN, GPTQ, GPTAQ or QEP (numpy, calibrated on ONNX Runtime)."""
+    from tqsdeploy.baselines import quantize_baseline, write_baseline
+
+    result = quantize_baseline(
+        model, method, bits, calib, group_size=group_size, symmetric=symmetric, mse=mse, act_order=act_order, static_groups=act_order and group_size > 0, min_params=min_params
+    )
+    path = output or Path(f"{model.stem}.{method}-w{bits}.onnx")
+    summary = write_baseline(model, result, path)
+    Path(str(path.with_suffix("")) + ".baseline.json").write_text(json.dumps(summary, indent=2, default=str))
+    timings = summary["timings_s"]
+    out.print(
+        f"{path}: {method} W{bits}, {summary['tensors']} tensors, compression {summary['achieved_compression']:.2f}x, "
+        f"{summary['file_bytes'] / 1e6:.3f} MB; calibration {timings['calibration']:.2f} s, apply {timings['apply']:.2f} s"
+    )
+    if summary["layer_error"]:
+        ratio = [summary["layer_error"][k] / summary["rtn_layer_error"][k] for k in summary["layer_error"] if summary["rtn_layer_error"].get(k)]
+        if ratio:
+            out.print(f"  layer reconstruction error vs RTN on the calibration data: median {float(np.median(ratio)):.3f}x")
+    for note in summary["notes"]:
+        out.print(f"  note: {escape(note)}")
+
+
+@app.command()
+@user_errors
+def frontier(
+    model: Path = typer.Argument(..., help="ONNX model file (never modified)."),
+    contexts: Path = typer.Option(..., "--contexts", "-c", help="Scoring and evaluation contexts (.npz)."),
+    spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected when omitted."),
+    steps: Optional[int] = typer.Option(None, "--steps", "-T", min=1, help="Rollout steps."),
+    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth for the contexts (.npz)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration windows for GPTQ/GPTAQ/QEP (default: the contexts)."),
+    eval_contexts: Optional[Path] = typer.Option(None, "--eval-contexts", help="Held-out contexts, to expose allocations that overfit the scoring contexts."),
+    eval_truth: Optional[Path] = typer.Option(None, "--eval-truth", help="Ground truth for the held-out contexts."),
+    targets: str = typer.Option("2,4,8,12,16,24,32", "--C", help="TQS-PTQ compression targets."),
+    objectives: str = typer.Option("paper,response,measured", "--objectives", help="Allocation objectives, one line each."),
+    baselines: str = typer.Option("rtn,gptq,gptaq,qep", "--baselines", help="Uniform baselines ('' for none)."),
+    bits: str = typer.Option("2,3,4,8", "--bits", help="Baseline bit widths."),
+    tiers: str = typer.Option("fp32,bf16,int8,int4,int2", "--tiers", help="TQS-PTQ tiers."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer tiers."),
+    variable_axis: Optional[int] = typer.Option(None, "--variable-axis", help="Per-step output axis to report per variable (win counts)."),
+    buckets: Optional[str] = typer.Option(None, "--buckets", help="Role buckets by name, e.g. 'input=embed|patch,output=head' (default: from the graph structure)."),
+    exact: bool = typer.Option(False, "--exact", help="Evaluate with exact dequantization."),
+    out_dir: Path = typer.Option(None, "--out", "-o", help="Output folder (default tqs-frontier/<model stem>)."),
+):
+    """Score once, export TQS-PTQ at every C and objective, run the baselines, evaluate all, and report."""
+    from tqsdeploy.export import ExportSettings
+    from tqsdeploy.evaluate import EvalSettings
+    from tqsdeploy.frontier import FrontierSettings, run_frontier
+    from tqsdeploy.report import build_report
+
+    patterns = None
+    if buckets:
+        patterns = dict(item.split("=", 1) for item in buckets.split(",") if "=" in item)
+    settings = FrontierSettings(
+        targets=tuple(_floats(targets, "--C")),
+        objectives=tuple(o.strip() for o in objectives.split(",") if o.strip()),
+        baselines=tuple(b.strip() for b in baselines.split(",") if b.strip()),
+        bits=tuple(int(b) for b in _floats(bits, "--bits")) if baselines.strip() else (),
+        export=ExportSettings(tiers=tuple(t.strip() for t in tiers.split(",")), group_size=group_size),
+        evaluation=EvalSettings(exact=exact, variable_axis=variable_axis),
+    )
+    folder = out_dir or Path("tqs-frontier") / model.stem
+    with err.status("building the frontier") as status:
+        frame = run_frontier(
+            model, contexts, folder, spec=spec, steps=steps, truth=truth, calib=calib, eval_contexts=eval_contexts, eval_truth=eval_truth,
+            settings=settings, log=lambda message: status.update(message),
+        )
+    md, page = build_report(folder, model, patterns)
+    import polars as pl
+
+    shown = frame.filter((pl.col("variable") == "all") | pl.col("variable").is_null()).filter(pl.col("split") == "scoring")
+    metric = "degradation_pct"
+    out.print(_table(shown.sort(["family", "method", "achieved_C"]), "Frontier (scoring contexts)", ["method", "setting", "achieved_C", "file_bytes", "mae_ref", "mae_truth", metric, "status"]))
+    out.print(f"wrote {folder}/frontier.parquet, {md}, {page} and plots")
 
 
 def _bounds_from_options(max_degradation, min_compression, max_size, per_output):
