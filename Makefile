@@ -29,6 +29,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_score.py
+	$(BIN)/python benchmarks/bench_export.py
 
 clean:
 	rm -rf $(VENV) tqs-runs .pytest_cache

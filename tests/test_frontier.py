@@ -1,0 +1,71 @@
+"""baseline and frontier commands on a small model: files, rows, report."""
+
+import json
+
+import numpy as np
+import onnx
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+import models
+from runtimes import OrtRuntime
+from tqsdeploy.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("frontier")
+    model = models.mlp_forecaster(folder / "mlp.onnx")
+    contexts = folder / "ctx.npz"
+    np.savez(contexts, x=np.random.default_rng(2).standard_normal((6, 2, 32)).astype(np.float32))
+    return model, contexts, folder
+
+
+def _invoke(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    return result.exit_code, " ".join((result.output + (result.stderr or "")).split())
+
+
+def test_baseline_command_writes_a_runnable_dequantizelinear_model(small):
+    model, contexts, folder = small
+    code, text = _invoke("baseline", model, "--method", "gptq", "--bits", "4", "--calib", contexts, "-o", folder / "gptq4.onnx")
+    assert code == 0, text
+    exported = onnx.load(str(folder / "gptq4.onnx"))
+    assert sum(n.op_type == "DequantizeLinear" for n in exported.graph.node) == 3
+    summary = json.loads((folder / "gptq4.baseline.json").read_text())
+    assert 5 < summary["achieved_compression"] < 8
+    x = np.load(contexts)["x"][0]
+    got = OrtRuntime(exact_qdq=True).open(folder / "gptq4.onnx").run({"x": x})["y"]
+    want = OrtRuntime().open(model).run({"x": x})["y"]
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+    code, text = _invoke("baseline", model, "--method", "gptq", "--bits", "4")
+    assert code == 2 and "needs calibration windows" in text
+
+
+def test_frontier_end_to_end(small):
+    model, contexts, folder = small
+    out = folder / "front"
+    code, text = _invoke(
+        "frontier", model, "-c", contexts, "--steps", "4", "--C", "2,4,100", "--objectives", "paper,measured",
+        "--baselines", "rtn,gptq", "--bits", "4,8", "--variable-axis", "0", "-o", out,
+    )
+    assert code == 0, text
+    frame = pl.read_parquet(out / "frontier.parquet")
+    overall = frame.filter((pl.col("variable") == "all") | pl.col("variable").is_null())
+    settings = set(zip(overall["method"], overall["setting"]))
+    assert {("RTN", "W4"), ("GPTQ", "W8"), ("TQS-PTQ (paper)", "C2"), ("TQS-PTQ (measured)", "C4")} <= settings
+    assert any(s.startswith("C") and "@W4" in s for _, s in settings)  # TQS at the W4 grid point's compression
+    infeasible = overall.filter(pl.col("setting") == "C100")
+    assert infeasible.height == 2 and infeasible["status"].str.starts_with("infeasible").all()
+    ok = overall.filter(pl.col("status") == "ok")
+    assert ok["mae_ref"].is_not_null().all() and (ok["achieved_C"] > 1.9).all()
+    assert set(frame["variable"].drop_nulls()) == {"all", "0", "1"}
+    for name in ("frontier.png", "gamma_ranking.png", "gamma_buckets.png", "concentration.png", "error_growth.png"):
+        assert (out / name).stat().st_size > 5000
+    report = (out / "report.md").read_text()
+    assert "W4 grid" in report and "Time per Pareto point" in report and "Win counts" in report
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 5
