@@ -74,21 +74,23 @@ def stored_bytes(proto: onnx.ModelProto) -> int:
     return total + 1_000_000  # headroom for the graph structure itself
 
 
-def weight_bytes(proto: onnx.ModelProto) -> int:
-    """Bytes of stored tensor data (initializers and Constant values), scales included."""
+NARROW_BITS = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4, onnx.TensorProto.INT2: 2, onnx.TensorProto.UINT2: 2}
+
+
+def tensor_bits(tensor: onnx.TensorProto) -> int:
+    """Bits a tensor's values take when stored (no protobuf overhead)."""
     from onnx import helper
 
-    total = 0
-    for tensor in iter_tensors(proto.graph):
-        if tensor.raw_data:
-            total += len(tensor.raw_data)
-        else:
-            count = 1
-            for dim in tensor.dims:
-                count *= dim
-            bits = 4 if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4) else 2 if tensor.data_type in (onnx.TensorProto.INT2, onnx.TensorProto.UINT2) else 8 * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-            total += (count * bits + 7) // 8
-    return total
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    element = NARROW_BITS.get(tensor.data_type) or 8 * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    return count * element
+
+
+def weight_bytes(proto: onnx.ModelProto) -> int:
+    """Bytes of stored tensor data (initializers and Constant values), scales included."""
+    return sum((tensor_bits(t) + 7) // 8 for t in iter_tensors(proto.graph))
 
 
 def _external_files(proto: onnx.ModelProto, folder: Path) -> list[Path]:

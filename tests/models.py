@@ -20,13 +20,13 @@ def _model(nodes, inputs, outputs, initializers, path: Path) -> Path:
     return path
 
 
-def linear_map(path: Path, a: np.ndarray) -> Path:
+def linear_map(path: Path, a: np.ndarray, batch="batch") -> Path:
     """x_{t+1} = A x_t for row-vector states x [batch, n]: y = x @ A^T."""
     n = a.shape[0]
     return _model(
         [helper.make_node("MatMul", ["x", "W"], ["y"])],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, n])],
         {"W": np.ascontiguousarray(a.T.astype(np.float32))},
         path,
     )

@@ -109,3 +109,20 @@ def test_exactly_representable_weight_is_not_called_dead(tmp_path):
     assert not row["dead"]
     assert row["gamma_quant"] is None
     assert row["gamma"] == row["gamma_gauss"] > -10
+
+
+def test_static_batch_models_run_window_by_window_with_the_same_scores(tmp_path):
+    import models
+    from tqsdeploy import UnitSelection
+
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((8, 8)) / 3
+    np.savez(tmp_path / "ctx.npz", x=rng.standard_normal((5, 1, 8)).astype(np.float32))
+    settings = ScoreSettings(gauss_draws=2)
+    tables = [
+        score(models.linear_map(tmp_path / f"{name}.onnx", a, batch), tmp_path / "ctx.npz", steps=5, out=tmp_path / name, selection=UnitSelection(min_params=1), settings=settings)
+        for name, batch in (("dynamic", "batch"), ("static", 1))
+    ]
+    assert tables[0].meta["batched_windows"] and not tables[1].meta["batched_windows"]
+    for column in ("gamma_quant", "gamma_gauss", "gamma_T4"):
+        assert tables[0].frame[column][0] == pytest.approx(tables[1].frame[column][0], rel=1e-5)

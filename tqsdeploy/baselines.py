@@ -333,11 +333,7 @@ def _encode(binding: WeightBinding, parts: list[solvers.Quantized]) -> Encoded:
 
 def stored_bits(proto) -> tuple[int, dict[str, int]]:
     """Stored bits of every tensor in the model (reference size) and per tensor."""
-    per = {}
-    for tensor in graph_ops.io.iter_tensors(proto.graph):
-        bits = {1: 32, 10: 16, 16: 16, 11: 64}.get(tensor.data_type, 32)
-        count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
-        per[tensor.name] = count * bits
+    per = {tensor.name: graph_ops.io.tensor_bits(tensor) for tensor in graph_ops.io.iter_tensors(proto.graph)}
     return sum(per.values()), per
 
 

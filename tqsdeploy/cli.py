@@ -77,6 +77,20 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def _progress() -> Progress:
+    """A progress bar with counts, elapsed time and ETA, on stderr."""
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("rollouts"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=err,
+    )
+
+
 LABELS = {"gamma": "γ", "gamma_quant": "γ quant", "gamma_gauss": "γ gauss", "a_max": "A max", "params": "params"}
 
 
@@ -184,17 +198,7 @@ def score(
     if probe == "gauss" and probes < 1:
         raise typer.BadParameter("--probe gauss needs --probes >= 1")
     selection = UnitSelection(min_params=min_params, include=include, exclude=exclude, granularity=granularity, block_pattern=block_pattern)
-    progress = Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("rollouts"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=err,
-        transient=False,
-    )
+    progress = _progress()
     bar = {}
 
     def on_start(total: int, done: int) -> None:
@@ -250,19 +254,6 @@ def _floats(text: str, option: str) -> list[float]:
     if not values or any(v <= 0 for v in values):
         raise typer.BadParameter(f"{option} needs positive numbers")
     return values
-
-
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("rollouts"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=err,
-    )
 
 
 @app.command()

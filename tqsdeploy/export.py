@@ -57,11 +57,6 @@ class Outcome:
     table: pl.DataFrame
 
 
-def _stored_bits(tensor) -> int:
-    bits = {1: 32, 10: 16, 16: 16, 11: 64}.get(tensor.data_type, 32)
-    return int(np.prod(tensor.dims, dtype=np.int64)) * bits if tensor.dims else bits
-
-
 def find_run(model: Path | None, run: Path | None) -> Path:
     """The run folder: given, else tqs-runs/<model stem>, else the newest finished run."""
     if run is not None:
@@ -112,8 +107,8 @@ class Planner:
             raise InputError(f"the score run in {self.run_dir} scored other units than this model has now")
         unit_tensors = {n for u in self.units for n in u.tensor_names}
         stored = list(graph_ops.io.iter_tensors(self.model.proto.graph))
-        self.reference_bits = sum(_stored_bits(t) for t in stored)
-        self.fixed_bits = sum(_stored_bits(t) for t in stored if t.name not in unit_tensors)
+        self.reference_bits = sum(graph_ops.io.tensor_bits(t) for t in stored)
+        self.fixed_bits = sum(graph_ops.io.tensor_bits(t) for t in stored if t.name not in unit_tensors)
         self._runner: SweepRunner | None = None
         self._measured: dict[str, TaskResult] | None = None
 
