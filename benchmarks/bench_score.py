@@ -106,6 +106,7 @@ def bench(example: str, naive_sample: int, threads: int, short: bool = False) ->
     return {
         "example": example,
         "setting": "1 step, 1 window (perturbation mechanics)" if short else f"{prepared.spec.steps} steps, {prepared.contexts.count} windows (full sweep)",
+        "strategy": table.meta["strategy"],
         "units": len(prepared.units),
         "params": sum(u.params for u in prepared.units),
         "rollouts": len(tasks),
@@ -131,11 +132,11 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.platform(), "processor": platform.processor(), "threads": args.threads, "date": time.strftime("%Y-%m-%d")}
     (RESULTS / "score.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    header = "| example | setting | units | rollouts | sweep s | nominal rollout ms | overhead | naive s (sampled) | speed-up vs naive |"
-    lines = [f"Score-sweep benchmark, {meta['date']}, {meta['machine']}, ORT threads={args.threads}", "", header, "|" + "---|" * 9]
+    header = "| example | setting | strategy | units | rollouts | sweep s | nominal rollout ms | overhead | naive s (sampled) | speed-up vs naive |"
+    lines = [f"Score-sweep benchmark, {meta['date']}, {meta['machine']}, ORT threads={args.threads}", "", header, "|" + "---|" * 10]
     for r in rows:
         lines.append(
-            f"| {r['example']} | {r['setting']} | {r['units']} | {r['rollouts']} | {r['sweep_wall_s']} | {r['nominal_rollout_s'] * 1e3:.2f} | "
+            f"| {r['example']} | {r['setting']} | {r['strategy']} | {r['units']} | {r['rollouts']} | {r['sweep_wall_s']} | {r['nominal_rollout_s'] * 1e3:.2f} | "
             f"{r['overhead']} | {r['naive_wall_s']} ({r['naive_sampled_tasks']} timed) | {r['speedup_vs_naive']}x |"
         )
     (RESULTS / "score.md").write_text("\n".join(lines) + "\n")

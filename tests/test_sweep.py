@@ -10,9 +10,12 @@ from tqsdeploy import SENTINEL_GAMMA, ScoreSettings, score
 from tqsdeploy.errors import InputError
 
 
-def test_dead_unit_gets_sentinel_and_ranks_last(two_branch, tmp_path):
+@pytest.mark.parametrize("strategy", ["feed", "rebuild"])
+def test_dead_unit_gets_sentinel_and_ranks_last(two_branch, tmp_path, strategy):
     model, contexts = two_branch
-    frame = score(model, contexts, steps=8, out=tmp_path / "run").frame
+    table = score(model, contexts, steps=8, out=tmp_path / "run", strategy=strategy)
+    assert table.meta["strategy"] == strategy
+    frame = table.frame
     rows = {r["unit"]: r for r in frame.iter_rows(named=True)}
     assert rows["Wdead"]["dead"] and rows["Wdead"]["gamma"] == SENTINEL_GAMMA
     assert rows["Wdead"]["rel_divergence"] == 0.0
@@ -126,3 +129,11 @@ def test_static_batch_models_run_window_by_window_with_the_same_scores(tmp_path)
     assert tables[0].meta["batched_windows"] and not tables[1].meta["batched_windows"]
     for column in ("gamma_quant", "gamma_gauss", "gamma_T4"):
         assert tables[0].frame[column][0] == pytest.approx(tables[1].frame[column][0], rel=1e-5)
+
+
+def test_feed_and_rebuild_strategies_agree(two_branch, tmp_path):
+    model, contexts = two_branch
+    feed, rebuild = (score(model, contexts, steps=6, out=tmp_path / s, strategy=s).frame for s in ("feed", "rebuild"))
+    assert feed["unit"].to_list() == rebuild["unit"].to_list()
+    for column in ("gamma_quant", "gamma_gauss", "a_max"):
+        np.testing.assert_allclose(feed[column].to_numpy(), rebuild[column].to_numpy(), rtol=1e-4)

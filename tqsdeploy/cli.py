@@ -169,6 +169,7 @@ def score(
     batch_windows: int = typer.Option(64, "--batch-windows", help="Most windows run as one batch."),
     provider: str = typer.Option("cpu", "--provider", help="cpu, cuda or tensorrt (ONNX Runtime execution provider)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="ONNX Runtime intra-op threads."),
+    strategy: str = typer.Option("auto", "--strategy", help="feed (one session, weights fed per run), rebuild (a session per perturbation, constant weights) or auto (time both)."),
     fresh: bool = typer.Option(False, "--fresh", help="Discard an existing run in the output folder."),
     resume: bool = typer.Option(False, "--resume", help="Require an interrupted run to continue (default: continue one if it matches)."),
     top: int = typer.Option(10, "--top", help="Rows shown of the most and least sensitive units."),
@@ -222,6 +223,7 @@ def score(
             runtime=OrtRuntime(provider=provider, threads=threads),
             context_options=ContextOptions(windows=windows, zscore=zscore, random=random_contexts, seed=seed, max_batch_windows=batch_windows),
             resume=False if fresh else (True if resume else None),
+            strategy=strategy,
             on_start=on_start,
             on_result=on_result,
         )
@@ -240,7 +242,7 @@ def score(
     rho = meta.get("spearman_quant_gauss")
     out.print(
         f"{meta['units']} units, {meta['dead_units']} dead; rollout {meta['rollout']['steps']} steps ({meta['rollout']['origin']}); "
-        f"{meta['contexts']['windows']} context windows; Spearman(γ_quant, γ_gauss) = {_fmt(rho)}; "
+        f"{meta['contexts']['windows']} context windows; strategy {meta['strategy']}; Spearman(γ_quant, γ_gauss) = {_fmt(rho)}; "
         f"sweep {meta['timings_s']['sweep']:.2f} s"
     )
     out.print(f"wrote {table.run_dir}/scores.parquet, scores.csv, run.json")

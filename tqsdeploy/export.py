@@ -93,6 +93,7 @@ class Planner:
             selection=selection,
             settings=ScoreSettings(**probe),
             runtime=runtime,
+            strategy=meta.get("strategy", "auto"),
         )
         if self.prepared.model.sha256 != meta["model"]["sha256"]:
             raise InputError(f"the score run in {self.run_dir} was made for a different model than {model} (hash mismatch)", hint="score this model first")

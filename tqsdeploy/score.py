@@ -8,6 +8,7 @@ everything that determines the results, and `sweep.jsonl` the finished tasks.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import platform
@@ -75,6 +76,25 @@ class ScoreTable:
 
 
 @dataclass
+class RebuildFactory:
+    """Opens a session of the original model with some weights replaced (constants).
+
+    Picklable: it carries the serialized model and the runtime settings.
+    """
+
+    model: bytes
+    runtime: OrtRuntime
+
+    def __call__(self, weights: dict[str, np.ndarray]):
+        import onnx
+
+        if not hasattr(self, "_proto"):
+            self._proto = onnx.load_model_from_string(self.model)
+        proto = graph_ops.replace_weights(self._proto, weights) if weights else self._proto
+        return self.runtime.open(graph_ops.model_bytes(proto))
+
+
+@dataclass
 class Prepared:
     """A model made ready for a sweep: units, session factory, rollout, contexts."""
 
@@ -122,6 +142,7 @@ def prepare(
     settings: ScoreSettings = ScoreSettings(),
     runtime: OrtRuntime = OrtRuntime(),
     context_options: ContextOptions = ContextOptions(),
+    strategy: str = "auto",
 ) -> Prepared:
     """Load and check everything a sweep needs; fails fast on bad input."""
     runtime.check()
@@ -130,9 +151,11 @@ def prepare(
     names = [n for u in units for n in u.tensor_names]
     session_proto = graph_ops.make_weights_overridable(loaded.proto, names)
     source: bytes | Path
+    rebuild = None
     if graph_ops.io.stored_bytes(session_proto) < graph_ops.io.PROTOBUF_LIMIT:
         source = graph_ops.model_bytes(session_proto)
-    else:  # over 2 GiB: hand the runtime a file with external data
+        rebuild = RebuildFactory(graph_ops.model_bytes(graph_ops.io.runtime_compatible(copy.deepcopy(loaded.proto))), runtime)
+    else:  # over 2 GiB: hand the runtime a file with external data; feeding is the only sane strategy
         source = graph_ops.save_model(session_proto, Path(loaded.path.parent, f".{loaded.stem}.tqs-session.onnx"), external_data=True)
     factory = partial(runtime.open, source)
     try:
@@ -165,6 +188,8 @@ def prepare(
         eps=settings.eps,
         max_batch_windows=context_options.max_batch_windows,
         early_stop=EarlyStop(settings.early_stop_tol, settings.early_stop_window) if settings.early_stop else None,
+        rebuild_factory=rebuild,
+        strategy=strategy,
     )
     return Prepared(model=loaded, units=units, spec=resolved, contexts=ctx, job=job)
 
@@ -205,6 +230,7 @@ def score(
     runtime: OrtRuntime = OrtRuntime(),
     context_options: ContextOptions = ContextOptions(),
     resume: bool | None = None,
+    strategy: str = "auto",
     on_start: Callable[[int, int], None] | None = None,
     on_result: Callable[[TaskResult], None] | None = None,
 ) -> ScoreTable:
@@ -216,7 +242,7 @@ def score(
     """
     started = time.perf_counter()
     prepared = prepare(
-        model, contexts, spec, steps, selection=selection, settings=settings, runtime=runtime, context_options=context_options
+        model, contexts, spec, steps, selection=selection, settings=settings, runtime=runtime, context_options=context_options, strategy=strategy
     )
     run_dir = Path(out) if out else default_run_dir(model)
     fingerprint = _fingerprint(prepared, settings, runtime)
@@ -237,6 +263,8 @@ def score(
 
     log = ResultLog(run_dir / "sweep.jsonl")
     done = log.load() if matches else {}
+    if done and existing.get("strategy"):
+        prepared.job.strategy = existing["strategy"]  # finish the way it started
     tasks = plan_tasks(prepared.units, settings.quant_probe, settings.gauss_draws)
     pending = [t for t in tasks if t.key not in done]
     (run_dir / "rollout.toml").write_text(prepared.spec.to_toml())
@@ -261,6 +289,8 @@ def score(
     nominal_started = time.perf_counter()
     runner = prepared.job.open()
     nominal_seconds = time.perf_counter() - nominal_started
+    meta["strategy"] = runner.strategy
+    _write_json(meta_path, meta)
     if on_start:
         on_start(len(tasks), len(tasks) - len(pending))
     sweep_started = time.perf_counter()

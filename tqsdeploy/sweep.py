@@ -128,9 +128,19 @@ class ResultLog:
             self._handle = None
 
 
+STRATEGIES = ("auto", "feed", "rebuild")
+"""How perturbed weights reach the runtime: fed to one session with overridable
+weights, or baked into a fresh session per perturbation; 'auto' times both."""
+
+
 @dataclass
 class SweepJob:
-    """Everything a worker needs to run tasks; picklable by design."""
+    """Everything a worker needs to run tasks; picklable by design.
+
+    `session_factory` opens the session whose scored weights are overridable
+    feeds; `rebuild_factory(weights)` opens a session with those weights baked
+    in as constants (all nominal when empty).
+    """
 
     session_factory: SessionFactory
     contexts: Contexts
@@ -142,6 +152,8 @@ class SweepJob:
     eps: float
     max_batch_windows: int = 64
     early_stop: EarlyStop | None = None
+    rebuild_factory: Callable[[dict[str, np.ndarray]], Session] | None = None
+    strategy: str = "auto"
 
     def open(self) -> "SweepRunner":
         return SweepRunner(self)
@@ -162,24 +174,65 @@ class Nominal:
 class SweepRunner:
     """Holds a live session and the nominal trajectory; runs tasks one by one.
 
-    The nominal rollout is made with the same session (weights overridable,
-    nothing fed), so perturbed and nominal runs share kernels and prepacking
-    and an inert unit diverges by exactly zero.
+    The nominal rollout is made the same way as the perturbed ones: with the
+    'feed' strategy by the same session (weights overridable, nothing fed),
+    with 'rebuild' by a session with constant weights like every perturbed
+    one. Either way both share kernels and prepacking, so an inert unit
+    diverges by exactly zero. 'feed' avoids a session build per perturbation;
+    'rebuild' keeps the runtime's constant-weight optimisations (ONNX
+    Runtime's CPU convolutions, for one, cannot pre-pack fed weights), which
+    wins when builds are cheap and rollouts long. 'auto' times both once.
     """
 
     def __init__(self, job: SweepJob):
         self.job = job
-        self.session: Session = job.session_factory()
-        self.inputs = [s for s in self.session.inputs if s.name not in self.session.weights]
-        missing = {n for u in job.units.values() for n in u.tensor_names} - self.session.weights
+        self.overridable: Session = job.session_factory()
+        self.inputs = [s for s in self.overridable.inputs if s.name not in self.overridable.weights]
+        missing = {n for u in job.units.values() for n in u.tensor_names} - self.overridable.weights
         if missing:
             raise RolloutError(f"the session cannot override weight '{sorted(missing)[0]}'")
-        job.spec.check(self.inputs, self.session.outputs)
+        job.spec.check(self.inputs, self.overridable.outputs)
+        if job.strategy not in STRATEGIES:
+            raise RolloutError(f"unknown strategy '{job.strategy}'; choose one of {', '.join(STRATEGIES)}")
+        self.strategy = job.strategy if job.strategy != "auto" else self._choose()
+        if self.strategy == "rebuild" and job.rebuild_factory is None:
+            self.strategy = "feed"
+        self.session: Session = self.overridable if self.strategy == "feed" else job.rebuild_factory({})
         self.nominal = self._nominal()
+
+    def _choose(self) -> str:
+        """Time one step both ways and one session build; pick the cheaper sweep."""
+        if self.job.rebuild_factory is None:
+            return "feed"
+        batch = self.job.contexts.count > 1 and all(s.is_dynamic(0) for s in self.inputs)
+        chunks = list(self.job.contexts.chunks(self.inputs, batch, self.job.max_batch_windows))
+        names = self.job.spec.run_outputs
+        unit = next(iter(self.job.units.values()))
+        started = time.perf_counter()
+        plain = self.job.rebuild_factory({n: self.job.weights[n] for n in unit.tensor_names})
+        build = time.perf_counter() - started
+
+        def step(session) -> float:
+            best = math.inf
+            for _ in range(3):
+                started = time.perf_counter()
+                session.run(chunks[0][1], names)
+                best = min(best, time.perf_counter() - started)
+            return best
+
+        try:
+            fed, baked = step(self.overridable), step(plain)
+        except Exception:
+            return "feed"  # let the nominal rollout report what is wrong
+        runs = self.job.spec.steps * len(chunks)
+        return "rebuild" if build + runs * baked < 0.9 * runs * fed else "feed"
 
     def _trajectory(self, chunks, weights=None, steps=None) -> Iterable[list[dict[str, np.ndarray]]]:
         """Step-major rollout of all chunks together: yields one list of chunk outputs per step."""
-        generators = [rollout(self.session, feeds, self.job.spec, weights, steps) for _, feeds in chunks]
+        session, feed = self.session, weights
+        if self.strategy == "rebuild" and weights:
+            session, feed = self.job.rebuild_factory(weights), None
+        generators = [rollout(session, feeds, self.job.spec, feed, steps) for _, feeds in chunks]
         return zip(*generators)
 
     def _nominal(self) -> Nominal:
@@ -267,6 +320,7 @@ class SweepRunner:
 
     def close(self) -> None:
         self.session.close()
+        self.overridable.close()
 
 
 def run_local(
