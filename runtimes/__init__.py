@@ -7,6 +7,15 @@ work without it.
 from runtimes.base import IOSpec, ModelSource, RuntimeUnavailable, Session, SessionFactory
 from runtimes.ort import PROVIDERS, OrtRuntime, OrtSession, available_providers
 
+
+def make_runtime(provider: str, threads: int | None = None):
+    """'cpu', 'cuda', 'tensorrt' (ONNX Runtime providers) or 'trt-engine' (native TensorRT)."""
+    if provider == "trt-engine":
+        from runtimes.trt import TrtRuntime
+
+        return TrtRuntime()
+    return OrtRuntime(provider=provider, threads=threads)
+
 __all__ = [
     "PROVIDERS",
     "IOSpec",
@@ -17,4 +26,5 @@ __all__ = [
     "Session",
     "SessionFactory",
     "available_providers",
+    "make_runtime",
 ]

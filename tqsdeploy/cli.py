@@ -167,7 +167,7 @@ def score(
     zscore: bool = typer.Option(False, "--zscore", help="Standardise CSV columns before cutting windows."),
     random_contexts: bool = typer.Option(False, "--random-contexts", help="Score on standard-normal noise instead of data (warns)."),
     batch_windows: int = typer.Option(64, "--batch-windows", help="Most windows run as one batch."),
-    provider: str = typer.Option("cpu", "--provider", help="cpu, cuda or tensorrt (ONNX Runtime execution provider)."),
+    provider: str = typer.Option("cpu", "--provider", help="cpu, cuda or tensorrt (ONNX Runtime execution providers), or trt-engine (native TensorRT, weights refitted)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="ONNX Runtime intra-op threads."),
     strategy: str = typer.Option("auto", "--strategy", help="feed (one session, weights fed per run), rebuild (a session per perturbation, constant weights) or auto (time both)."),
     fresh: bool = typer.Option(False, "--fresh", help="Discard an existing run in the output folder."),
@@ -175,7 +175,7 @@ def score(
     top: int = typer.Option(10, "--top", help="Rows shown of the most and least sensitive units."),
 ):
     """Score every weight tensor's quantization sensitivity by perturbed rollouts (TQS)."""
-    from runtimes import OrtRuntime
+    from runtimes import make_runtime
     from tqsdeploy.score import ContextOptions, score as run_score
     from tqsdeploy.scoring import ScoreSettings
     from tqsdeploy.units import UnitSelection
@@ -220,7 +220,7 @@ def score(
             out=out_dir,
             selection=selection,
             settings=settings,
-            runtime=OrtRuntime(provider=provider, threads=threads),
+            runtime=make_runtime(provider, threads),
             context_options=ContextOptions(windows=windows, zscore=zscore, random=random_contexts, seed=seed, max_batch_windows=batch_windows),
             resume=False if fresh else (True if resume else None),
             strategy=strategy,
@@ -424,6 +424,25 @@ def frontier(
     metric = "degradation_pct"
     out.print(_table(shown.sort(["family", "method", "achieved_C"]), "Frontier (scoring contexts)", ["method", "setting", "achieved_C", "file_bytes", "mae_ref", "mae_truth", metric, "status"]))
     out.print(f"wrote {folder}/frontier.parquet, {md}, {page} and plots")
+
+
+@app.command()
+@user_errors
+def engine(
+    model: Path = typer.Argument(..., help="ONNX model, e.g. one exported with --target trt."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Engine file (default <stem>.plan)."),
+    max_batch: int = typer.Option(64, "--max-batch", min=1, help="Largest batch of the optimisation profile."),
+    opt_batch: int = typer.Option(8, "--opt-batch", min=1, help="Batch TensorRT tunes for."),
+    fp16: bool = typer.Option(False, "--fp16", help="Allow FP16 kernels."),
+):
+    """Build a TensorRT engine from an ONNX model (needs a GPU and the gpu extra)."""
+    from runtimes.trt import build_engine
+
+    import graph_ops
+
+    graph_ops.load_model(model)  # same input checks as everywhere
+    path = build_engine(model, output or model.with_suffix(".plan"), max_batch=max_batch, opt_batch=opt_batch, fp16=fp16)
+    out.print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
 
 
 def _bounds_from_options(max_degradation, min_compression, max_size, per_output):
