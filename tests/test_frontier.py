@@ -66,6 +66,6 @@ def test_frontier_end_to_end(small):
     for name in ("frontier.png", "gamma_ranking.png", "gamma_buckets.png", "concentration.png", "error_growth.png"):
         assert (out / name).stat().st_size > 5000
     report = (out / "report.md").read_text()
-    assert "W4 grid" in report and "Time per Pareto point" in report and "Win counts" in report
+    assert "W4 grid" in report and "Time per Pareto point" in report and "Win counts" in report and "| 2 |" in report
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 5

@@ -181,6 +181,25 @@ def _symmetric_codes(rows: np.ndarray, qmax: int, search: bool) -> tuple[np.ndar
     return np.clip(np.rint(rows / safe), low, qmax), best_scale
 
 
+def _asymmetric_codes(rows: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Unsigned codes, scale and integer zero point per row (min-max range that
+    contains 0, shrunk by an MSE search): the grid GPTQ and RTN baselines use."""
+    rows = rows.astype(np.float32)
+    maxq = 2**bits - 1
+    low, high = np.minimum(rows.min(axis=1), 0), np.maximum(rows.max(axis=1), 0)
+    best_error, best_scale, best_zero = np.full(rows.shape[0], np.inf), np.ones(rows.shape[0], np.float32), np.zeros(rows.shape[0])
+    for shrink in CLIP_CANDIDATES:
+        lo, hi = low * shrink, high * shrink
+        scale = np.where(hi > lo, (hi - lo) / maxq, 1.0).astype(np.float32)
+        zero = np.clip(np.rint(-lo / scale), 0, maxq)
+        codes = np.clip(np.rint(rows / scale[:, None]) + zero[:, None], 0, maxq)
+        error = np.square((codes - zero[:, None]) * scale[:, None] - rows).sum(axis=1)
+        better = error < best_error
+        best_error[better], best_scale[better], best_zero[better] = error[better], scale[better], zero[better]
+    codes = np.clip(np.rint(rows / best_scale[:, None]) + best_zero[:, None], 0, maxq)
+    return codes, best_scale, best_zero
+
+
 @dataclass(frozen=True)
 class Tier:
     """One precision tier."""
@@ -192,6 +211,8 @@ class Tier:
     runtimes: frozenset[str]
     opset: int
     """Lowest ONNX opset its stored form needs."""
+    asymmetric: bool = False
+    """Integer tiers only: unsigned codes with a zero point per scale (min-max grid)."""
 
     def cost_bits(self, layout: Layout, group_size: int | None = None) -> int:
         """Honest storage cost in bits, scales included."""
@@ -201,7 +222,8 @@ class Tier:
         scales = int(np.prod(layout.scale_shape(group), dtype=np.int64))
         if self.family == "binary":
             return math.ceil(layout.params / 8) * 8 + scales * SCALE_BITS
-        return layout.params * self.bits + scales * SCALE_BITS
+        zero_points = scales * self.bits if self.asymmetric else 0
+        return layout.params * self.bits + scales * SCALE_BITS + zero_points
 
     def quantize(self, w: np.ndarray, layout: Layout, group_size: int | None = None) -> Stored:
         """The stored form of `w` at this tier."""
@@ -225,10 +247,15 @@ class Tier:
             scale = np.where(peak > 0, peak / 448.0, 1.0).astype(np.float32)
             codes = (rows / scale[:, None]).astype(ml_dtypes.float8_e4m3fn)
             return Stored(self.name, "dequantize", back(codes), w.shape, _scale_array(scale, layout, None), axis)
+        block_axis = layout.block_axis if group else axis
+        if self.asymmetric:
+            codes, scale, zero = _asymmetric_codes(rows, self.bits)
+            dtype = {8: np.uint8, 4: ml_dtypes.uint4, 2: ml_dtypes.uint2}[self.bits]
+            zero_point = _scale_array(zero, layout, group).astype(dtype)
+            return Stored(self.name, "dequantize", back(codes).astype(dtype), w.shape, _scale_array(scale, layout, group), block_axis, group, zero_point)
         qmax = 2 ** (self.bits - 1) - 1
         codes, scale = _symmetric_codes(rows, qmax, search=self.bits <= 4)
         dtype = {8: np.int8, 4: ml_dtypes.int4, 2: ml_dtypes.int2}[self.bits]
-        block_axis = layout.block_axis if group else axis
         return Stored(self.name, "dequantize", back(codes).astype(dtype), w.shape, _scale_array(scale, layout, group), block_axis, group)
 
 
@@ -242,6 +269,9 @@ TIERS: dict[str, Tier] = {
         Tier("int8", 8, "int", frozenset({"ort", "trt"}), 13),
         Tier("int4", 4, "int", frozenset({"ort", "trt"}), 21),
         Tier("int2", 2, "int", frozenset({"ort"}), 25),
+        Tier("int8-asym", 8, "int", frozenset({"ort"}), 13, asymmetric=True),
+        Tier("int4-asym", 4, "int", frozenset({"ort"}), 21, asymmetric=True),
+        Tier("int2-asym", 2, "int", frozenset({"ort"}), 25, asymmetric=True),
         Tier("int1", 1, "binary", frozenset({"ort"}), 18),
     )
 }

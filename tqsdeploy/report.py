@@ -19,6 +19,8 @@ import numpy as np
 import polars as pl
 
 GRIDS_FOR_WINS = ("W2", "W4")
+MATCH_TOLERANCE = 0.05
+"""A TQS-PTQ point is matched to a grid point when its compression is within 5%."""
 
 
 def _metric(frame: pl.DataFrame) -> tuple[str, str]:
@@ -176,14 +178,16 @@ def _grid_points(frame: pl.DataFrame) -> dict[str, float]:
 
 
 def _matched(frame: pl.DataFrame, setting: str, grid_c: float) -> pl.DataFrame:
-    """Baselines at `setting` plus, per TQS objective, its point whose C is nearest `grid_c`."""
+    """Baselines at `setting` plus, per TQS objective, its point whose C is nearest
+    `grid_c`, if that is within MATCH_TOLERANCE (otherwise the sizes differ too
+    much to compare and the objective has no row)."""
     rows = [frame.filter((pl.col("family") == "baseline") & (pl.col("setting") == setting))]
     tqs = frame.filter((pl.col("family") == "tqs") & pl.col("achieved_C").is_not_null())
     for method in tqs["method"].unique(maintain_order=True):
         part = tqs.filter(pl.col("method") == method)
-        settings = part.with_columns((pl.col("achieved_C").log() - math.log(grid_c)).abs().alias("gap")).sort("gap")["setting"]
-        if settings.len():
-            rows.append(part.filter(pl.col("setting") == settings[0]))
+        ranked = part.with_columns((pl.col("achieved_C").log() - math.log(grid_c)).abs().alias("gap")).sort("gap")
+        if ranked.height and ranked["gap"][0] <= math.log(1 + MATCH_TOLERANCE):
+            rows.append(part.filter(pl.col("setting") == ranked["setting"][0]))
     return pl.concat(rows, how="diagonal_relaxed") if rows else frame.head(0)
 
 
@@ -206,8 +210,10 @@ def build_report(out_dir: str | Path, model: str | Path, buckets_patterns: dict[
         part = ok.filter(pl.col("split") == split)
         grid = _grid_points(part)
         blocks.append(("h2", f"Matched compression ({split} contexts)"))
-        blocks.append(("p", "Each uniform grid point (baselines at W bits) next to TQS-PTQ at the compression nearest to it. Lower is better; **bold** is the best in its block."))
+        blocks.append(("p", f"Each uniform grid point (baselines at W bits) next to TQS-PTQ at the compression nearest to it, when that is within {MATCH_TOLERANCE:.0%} (an objective with no such point has no row). Lower is better; **bold** is the best in its block."))
         variables = frame.filter((pl.col("split") == split) & (pl.col("variable") != "all"))
+        if variables.height == 0:  # no per-variable rows: count wins per output instead
+            variables = part
         for setting, grid_c in grid.items():
             table = _matched(part, setting, grid_c).filter(pl.col(metric).is_not_null())
             if table.height == 0:
@@ -220,18 +226,21 @@ def build_report(out_dir: str | Path, model: str | Path, buckets_patterns: dict[
             ]
             blocks.append(("table", f"{setting} grid (C ≈ {grid_c:.2f})", header, rows))
         if variables.height:
-            blocks.append(("h3", f"Win counts per variable ({split} contexts)"))
+            blocks.append(("h3", f"Win counts ({split} contexts)"))
             header = ["TQS-PTQ objective", *[f"wins at {g}" for g in GRIDS_FOR_WINS if g in grid], "variables"]
             rows = []
             for method in variables.filter(pl.col("family") == "tqs")["method"].unique(maintain_order=True):
-                cells, count = [], variables["variable"].n_unique()
+                cells, count = [], variables.select("output", "variable").n_unique()
                 for g in GRIDS_FOR_WINS:
                     if g not in grid:
                         continue
                     matched = _matched(variables, g, grid[g])
+                    if not (matched["method"] == method).any():
+                        cells.append("n/a (no point within 5%)")
+                        continue
                     wins = 0
-                    for variable in matched["variable"].unique():
-                        v = matched.filter(pl.col("variable") == variable)
+                    for output, variable in matched.select("output", "variable").unique().iter_rows():
+                        v = matched.filter((pl.col("output") == output) & (pl.col("variable") == variable))
                         mine = v.filter(pl.col("method") == method)[metric]
                         rivals = v.filter(pl.col("family") == "baseline")[metric].drop_nulls()
                         if mine.len() and rivals.len() and mine[0] is not None and mine[0] < rivals.min():

@@ -1,0 +1,48 @@
+"""The compression frontier of every bundled example (run on demand; minutes).
+
+Runs `tqsdeploy frontier` on each example with its truth (and, for ETTh1,
+held-out windows) and copies report.md, the plots and frontier.csv into
+benchmarks/results/frontier/<example>/.
+
+    python benchmarks/run_frontiers.py [--examples etth1_patchtst,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EXTRA = {
+    "etth1_patchtst": ["--variable-axis", "0", "--eval-contexts", "examples/etth1_patchtst/heldout.npz", "--eval-truth", "examples/etth1_patchtst/heldout_truth.npz"],
+    "lorenz96": ["--variable-axis", "1", "--C", "2,4,8,12,16,24"],
+    "era5_emulator": ["--C", "2,4,8,12,16"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", default="etth1_patchtst,era5_emulator,lorenz96")
+    args = parser.parse_args()
+    for example in args.examples.split(","):
+        folder = Path("examples") / example
+        with tempfile.TemporaryDirectory() as tmp:
+            command = [
+                sys.executable, "-m", "tqsdeploy", "frontier", str(folder / "model.onnx"), "--contexts", str(folder / "contexts.npz"),
+                "--spec", str(folder / "rollout.toml"), "--truth", str(folder / "truth.npz"), "--out", tmp, *EXTRA.get(example, []),
+            ]
+            subprocess.run(command, cwd=REPO, check=True)
+            target = REPO / "benchmarks" / "results" / "frontier" / example
+            target.mkdir(parents=True, exist_ok=True)
+            for path in Path(tmp).iterdir():
+                if path.suffix in (".md", ".png", ".csv", ".html"):
+                    shutil.copy(path, target / path.name)
+        print(f"{example}: wrote {target}")
+
+
+if __name__ == "__main__":
+    main()
