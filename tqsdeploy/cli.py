@@ -390,6 +390,7 @@ def frontier(
     tiers: str = typer.Option("fp32,bf16,int8,int4,int2", "--tiers", help="TQS-PTQ tiers."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer tiers."),
     variable_axis: Optional[int] = typer.Option(None, "--variable-axis", help="Per-step output axis to report per variable (win counts)."),
+    min_params: int = typer.Option(1024, "--min-params", help="Smallest tensor quantized (by every method alike)."),
     buckets: Optional[str] = typer.Option(None, "--buckets", help="Role buckets by name, e.g. 'input=embed|patch,output=head' (default: from the graph structure)."),
     exact: bool = typer.Option(False, "--exact", help="Evaluate with exact dequantization."),
     out_dir: Path = typer.Option(None, "--out", "-o", help="Output folder (default tqs-frontier/<model stem>)."),
@@ -410,6 +411,7 @@ def frontier(
         bits=tuple(int(b) for b in _floats(bits, "--bits")) if baselines.strip() else (),
         export=ExportSettings(tiers=tuple(t.strip() for t in tiers.split(",")), group_size=group_size),
         evaluation=EvalSettings(exact=exact, variable_axis=variable_axis),
+        min_params=min_params,
     )
     folder = out_dir or Path("tqs-frontier") / model.stem
     with err.status("building the frontier") as status:

@@ -21,11 +21,12 @@ import polars as pl
 
 from runtimes import OrtRuntime
 from tqsdeploy.baselines import quantize_baseline, write_baseline
-from tqsdeploy.errors import TqsError
+from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.evaluate import EvalSettings, evaluate
 from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.score import ScoreTable, score
 from tqsdeploy.scoring import ScoreSettings
+from tqsdeploy.units import UnitSelection
 
 MATCH_SLACK = 0.01
 """TQS targets at a grid point sit this fraction below the baseline's compression."""
@@ -42,6 +43,8 @@ class FrontierSettings:
     export: ExportSettings = field(default_factory=ExportSettings)
     evaluation: EvalSettings = field(default_factory=EvalSettings)
     baseline_group_size: int = -1
+    min_params: int = 1024
+    """Smallest tensor quantized, by TQS-PTQ and the baselines alike."""
 
 
 @dataclass
@@ -116,7 +119,12 @@ def run_frontier(
     models_dir = out_dir / "models"
     models_dir.mkdir(parents=True, exist_ok=True)
     log("scoring (resumes a matching run)")
-    table: ScoreTable = score(model, contexts, spec=spec, steps=steps, out=out_dir / "score", settings=score_settings, runtime=runtime)
+    selection = UnitSelection(min_params=settings.min_params)
+    arguments = dict(spec=spec, steps=steps, out=out_dir / "score", settings=score_settings, selection=selection, runtime=runtime)
+    try:
+        table: ScoreTable = score(model, contexts, **arguments)  # resumes a matching run
+    except InputError:  # the folder's run is for other settings; it belongs to this frontier, so replace it
+        table = score(model, contexts, resume=False, **arguments)
     spec_path = out_dir / "score" / "rollout.toml"
     sweep_s = table.meta["timings_s"]["sweep"]
     candidates: list[Candidate] = []
@@ -126,7 +134,9 @@ def run_frontier(
             log(f"baseline {method} W{bits}")
             path = models_dir / f"{model.stem}.{method}-w{bits}.onnx"
             try:
-                result = quantize_baseline(model, method, bits, calib or contexts, group_size=settings.baseline_group_size, runtime=runtime)
+                result = quantize_baseline(
+                    model, method, bits, calib or contexts, group_size=settings.baseline_group_size, min_params=settings.min_params, runtime=runtime
+                )
                 summary = write_baseline(model, result, path)
             except TqsError as exc:
                 candidates.append(Candidate("baseline", method, f"W{bits}", None, None, None, None, {}, f"failed: {exc}"))

@@ -90,22 +90,25 @@ def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], fol
     overall = overall.filter(pl.col("output") == first_output)
 
     splits = overall["split"].unique(maintain_order=True).to_list()
+    y_column, y_label = ("degradation_pct", "degradation % vs FP32 (against truth)") if metric == "mae_truth" else ("drift_pct", "drift % from the FP32 model")
     fig, axes = plt.subplots(1, max(len(splits), 1), figsize=(6.5 * max(len(splits), 1), 4.5), squeeze=False)
     for ax, split in zip(axes[0], splits):
         for method in overall["method"].unique(maintain_order=True):
             part = overall.filter((pl.col("split") == split) & (pl.col("method") == method)).sort("achieved_C")
             style = "-o" if part["family"].first() == "tqs" else "--s"
-            ax.plot(part["achieved_C"], part[metric], style, label=method)
+            ax.plot(part["achieved_C"], part[y_column], style, label=method, markersize=4)
         ax.set_xscale("log")
+        ax.set_yscale("symlog", linthresh=0.1)  # small differences stay visible next to collapses
+        ax.axhline(0, color="black", linewidth=0.6)
         ax.set_xlabel("compression C (log)")
-        ax.set_ylabel(f"{label} ({first_output})")
+        ax.set_ylabel(f"{y_label} ({first_output})")
         ax.set_title(f"{split} contexts")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(folder / "frontier.png", dpi=110)
     plt.close(fig)
-    figures.append(("frontier.png", f"{label} against compression, one line per method ({first_output}, all variables)."))
+    figures.append(("frontier.png", f"{y_label} against compression (symmetric-log scale), one line per method ({first_output}, all variables)."))
 
     live = scores.filter(~pl.col("dead"))
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * scores.height), 4))
