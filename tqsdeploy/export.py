@@ -242,6 +242,7 @@ class Planner:
             if drifts[name] < drift:
                 allocation = best_uniform
                 allocation.target = target
+                allocation.solver = f"{self.settings.objective} allocation replaced by uniform {name}"
                 allocation.notes.append(f"mixed allocation drifted {drift:.4g} vs uniform {name} {drifts[name]:.4g}: shipped uniform {name}")
                 fell_back, drift = name, drifts[name]
         return allocation, drift, drifts, fell_back
@@ -307,7 +308,7 @@ class Planner:
                     "tier": tier,
                     "bits": TIERS[tier].bits,
                     "params": unit.params,
-                    "bytes": allocation.cost_bits[unit.name] / 8,
+                    "bytes": -(-allocation.cost_bits[unit.name] // 8),
                     "gamma": self.gamma.get(unit.name),
                     "dead": unit.name in self.dead,
                 }
