@@ -157,3 +157,15 @@ def test_infeasible_target_in_a_list_fails_before_writing(scored, tmp_path):
     code, text = _invoke(["export", model, "--run", folder / "run", "--C", "2,40", "--out-dir", tmp_path / "none"])
     assert code == 2 and "largest reachable is" in text
     assert not (tmp_path / "none").exists() or not list((tmp_path / "none").iterdir())
+
+
+def test_export_without_arguments_uses_the_newest_score_run(tmp_path, monkeypatch):
+    """`tqsdeploy export --C 2` right after `tqsdeploy score MODEL` in the same folder."""
+    monkeypatch.chdir(tmp_path)
+    model = models.mlp_forecaster(tmp_path / "fresh.onnx")
+    np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 1, 32)).astype(np.float32))
+    code, text = _invoke(["score", "fresh.onnx", "-c", "c.npz", "--steps", "3", "--probes", "1"])
+    assert code == 0, text
+    code, text = _invoke(["export", "--C", "2"])
+    assert code == 0, text
+    assert (tmp_path / "fresh.C2.onnx").exists() and (tmp_path / "fresh.C2.allocation.json").exists()
