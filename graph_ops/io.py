@@ -140,10 +140,10 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
     if externals:
         external_data_helper.load_external_data_for_model(proto, str(path.parent))
     try:
-        if stored_bytes(proto) < PROTOBUF_LIMIT:
-            onnx.checker.check_model(proto)
+        if externals or stored_bytes(proto) >= PROTOBUF_LIMIT:
+            onnx.checker.check_model(str(path))  # checks the file: no second in-memory copy of the weights
         else:
-            onnx.checker.check_model(str(path))
+            onnx.checker.check_model(proto)
     except Exception as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise GraphError(f"{path} is not a valid ONNX model (truncated or corrupt): {message}") from None

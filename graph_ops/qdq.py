@@ -15,6 +15,8 @@ name. Consumers are never edited, so shared weights are stored once.
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 from typing import Mapping, Protocol
 
 import numpy as np
@@ -181,3 +183,133 @@ def apply_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight]) ->
     minimum_ir = helper.find_min_ir_version_for(list(result.opset_import), ignore_unknown=True)
     result.ir_version = min(max(result.ir_version, minimum_ir), MAX_IR_VERSION)
     return result
+
+
+STREAM_THRESHOLD = 1 << 30
+"""Models with at least this many bytes of tensors are written with external data, streamed."""
+
+
+def _copy_without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model's structure (nodes, I/O, metadata) without initializer data."""
+    skeleton = onnx.ModelProto()
+    for field, value in model.ListFields():
+        if field.name == "graph":
+            continue
+        target = getattr(skeleton, field.name)
+        if field.is_repeated:
+            target.extend(value)
+        elif field.type == field.TYPE_MESSAGE:
+            target.CopyFrom(value)
+        else:
+            setattr(skeleton, field.name, value)
+    for field, value in model.graph.ListFields():
+        if field.name == "initializer":
+            continue
+        target = getattr(skeleton.graph, field.name)
+        if field.is_repeated:
+            target.extend(value)
+        elif field.type == field.TYPE_MESSAGE:
+            target.CopyFrom(value)
+        else:
+            setattr(skeleton.graph, field.name, value)
+    return skeleton
+
+
+def _tensor_bytes(tensor: onnx.TensorProto) -> bytes | memoryview:
+    if tensor.raw_data:
+        return tensor.raw_data
+    return numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name).raw_data
+
+
+class _DataFile:
+    """Appends tensor payloads to one external-data file and returns reference protos."""
+
+    ALIGN = 64
+    INLINE_BELOW = 1024
+    """Tensors smaller than this stay inside the .onnx file, as onnx.save does."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.handle = open(path, "wb")
+        self.offset = 0
+
+    def reference(self, tensor: onnx.TensorProto) -> onnx.TensorProto:
+        payload = _tensor_bytes(tensor)
+        if len(payload) < self.INLINE_BELOW:
+            return tensor
+        padding = -self.offset % self.ALIGN
+        self.handle.write(b"\0" * padding)
+        self.offset += padding
+        self.handle.write(payload)
+        ref = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=list(tensor.dims))
+        for key, value in (("location", self.path.name), ("offset", str(self.offset)), ("length", str(len(payload)))):
+            ref.external_data.add(key=key, value=value)
+        ref.data_location = onnx.TensorProto.EXTERNAL
+        self.offset += len(payload)
+        return ref
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def write_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
+    """Write `model` with `stored` weights to `path`. Input untouched.
+
+    Small models go through `apply_storage` in memory. Large ones (or
+    `external_data=True`) are written tensor by tensor into `<name>.data`:
+    each weight is quantized, emitted and written before the next, and kept
+    tensors are written straight from the input's bytes, so peak memory stays
+    near the input model's own copy plus one tensor.
+    """
+    from graph_ops.io import save_model, stored_bytes
+
+    path = Path(path)
+    if external_data is None:
+        external_data = stored_bytes(model) >= STREAM_THRESHOLD
+    if not external_data:
+        return save_model(apply_storage(model, stored), path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    skeleton = _copy_without_initializers(model)
+    _lift_constants(skeleton, set(stored))
+    lifted = {t.name: t for t in skeleton.graph.initializer}  # weights that were Constant nodes
+    del skeleton.graph.initializer[:]
+    # Convert the opset before the new ops join. The converter wants every tensor
+    # defined, so the (data-less) initializers stand in as graph inputs meanwhile.
+    declared = {i.name for i in skeleton.graph.input}
+    stand_ins = [
+        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+        for t in list(model.graph.initializer) + list(lifted.values())
+        if t.name not in declared
+    ]
+    skeleton.graph.input.extend(stand_ins)
+    skeleton = upgrade_opset(skeleton, max(_opset(model), required_opset(stored)))
+    temporary = {v.name for v in stand_ins}
+    kept_inputs = [i for i in skeleton.graph.input if i.name not in temporary]
+    del skeleton.graph.input[:]
+    skeleton.graph.input.extend(kept_inputs)
+    present = {t.name for t in model.graph.initializer} | set(lifted)
+    missing = set(stored) - present
+    if missing:
+        raise GraphError(f"no weight named '{sorted(missing)[0]}' in the model")
+    data = _DataFile(path.with_name(path.name + ".data"))
+    new_nodes = []
+    try:
+        for tensor in list(model.graph.initializer) + list(lifted.values()):
+            if tensor.name in stored:
+                initializers, nodes = _emit(tensor.name, stored[tensor.name])
+                skeleton.graph.initializer.extend(data.reference(t) for t in initializers)
+                new_nodes.extend(nodes)
+            else:
+                skeleton.graph.initializer.append(data.reference(tensor))
+    finally:
+        data.close()
+    inputs = [i for i in skeleton.graph.input if i.name not in stored]
+    del skeleton.graph.input[:]
+    skeleton.graph.input.extend(inputs)
+    nodes = new_nodes + list(skeleton.graph.node)
+    del skeleton.graph.node[:]
+    skeleton.graph.node.extend(nodes)
+    minimum_ir = helper.find_min_ir_version_for(list(skeleton.opset_import), ignore_unknown=True)
+    skeleton.ir_version = min(max(skeleton.ir_version, minimum_ir), MAX_IR_VERSION)
+    onnx.save_model(skeleton, str(path))
+    return path

@@ -166,14 +166,23 @@ def find_weight_tensors(model: onnx.ModelProto) -> list[WeightTensor]:
     return tensors
 
 
+def _view(tensor: onnx.TensorProto) -> np.ndarray:
+    """A read-only numpy array over a float tensor's raw bytes (one copy: protobuf
+    hands out raw_data as a new bytes object), else numpy_helper's conversion."""
+    if tensor.raw_data and tensor.data_type in FLOAT_TYPES:
+        dtype = np.dtype(FLOAT_TYPES[tensor.data_type]).newbyteorder("<")
+        return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(tuple(tensor.dims))
+    return numpy_helper.to_array(tensor)
+
+
 def read_weights(model: onnx.ModelProto, names: list[str] | set[str]) -> dict[str, np.ndarray]:
-    """The stored values of the named tensors, as numpy arrays."""
+    """The stored values of the named tensors, as read-only numpy arrays."""
     wanted = set(names)
     stored = _stored_tensors(model.graph)
     missing = wanted - stored.keys()
     if missing:
         raise KeyError(f"no stored tensor named {sorted(missing)[0]!r}")
-    return {name: numpy_helper.to_array(stored[name][0]) for name in wanted}
+    return {name: _view(stored[name][0]) for name in wanted}
 
 
 def replace_weights(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:

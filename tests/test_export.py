@@ -169,3 +169,23 @@ def test_export_without_arguments_uses_the_newest_score_run(tmp_path, monkeypatc
     code, text = _invoke(["export", "--C", "2"])
     assert code == 0, text
     assert (tmp_path / "fresh.C2.onnx").exists() and (tmp_path / "fresh.C2.allocation.json").exists()
+
+
+@pytest.mark.parametrize("tier", ["int2", "int4", "bf16", "int1"])
+def test_streamed_external_data_export_matches_the_in_memory_one(scored, tmp_path, tier):
+    """The writer used above 1 GiB, forced on a small model: same graph, same numbers."""
+    _, contexts, folder = scored
+    planner = Planner(folder / "run")
+    allocation = planner.uniform(tier)
+    memory_bytes = planner.write(allocation, tmp_path / "memory.onnx", external_data=False)
+    streamed_bytes = planner.write(allocation, tmp_path / "streamed.onnx", external_data=True)
+    assert (tmp_path / "streamed.onnx.data").exists()
+    assert streamed_bytes == pytest.approx(memory_bytes, rel=0.03)
+    onnx.checker.check_model(str(tmp_path / "streamed.onnx"))
+    x = np.load(contexts)["x"][0]
+    want = OrtRuntime(exact_qdq=True).open(tmp_path / "memory.onnx").run({"x": x})["y"]
+    got = OrtRuntime(exact_qdq=True).open(tmp_path / "streamed.onnx", external_data_dir=tmp_path).run({"x": x})["y"]
+    np.testing.assert_array_equal(got, want)
+    reloaded = graph_ops.load_model(tmp_path / "streamed.onnx")  # external data checks pass
+    assert reloaded.external_files
+    planner.close()

@@ -18,7 +18,7 @@ import numpy as np
 import polars as pl
 
 import graph_ops
-from graph_ops.qdq import apply_storage
+from graph_ops.qdq import write_storage
 from runtimes import OrtRuntime
 from tiers import DEFAULT_TIERS, TIERS, Layout, Stored, Tier, get_tiers
 from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, uniform
@@ -315,10 +315,11 @@ class Planner:
             )
         return pl.DataFrame(rows)
 
-    def write(self, allocation: Allocation, path: Path) -> int:
-        proto = apply_storage(self.model.proto, self.stored(allocation))
-        graph_ops.save_model(proto, path)
-        return path.stat().st_size
+    def write(self, allocation: Allocation, path: Path, external_data: bool | None = None) -> int:
+        """Write the model; large ones stream into external data. Returns bytes on disk."""
+        path = write_storage(self.model.proto, self.stored(allocation), path, external_data=external_data)
+        data = path.with_name(path.name + ".data")
+        return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
 
     def export(self, target: float | None, path: Path, uniform_tier: str | None = None, on_result=None) -> Outcome:
         started = time.perf_counter()
