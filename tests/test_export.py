@@ -189,3 +189,13 @@ def test_streamed_external_data_export_matches_the_in_memory_one(scored, tmp_pat
     reloaded = graph_ops.load_model(tmp_path / "streamed.onnx")  # external data checks pass
     assert reloaded.external_files
     planner.close()
+
+
+def test_a_fresh_score_run_drops_the_old_measured_cache(tmp_path):
+    model = models.mlp_forecaster(tmp_path / "m.onnx")
+    np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 1, 32)).astype(np.float32))
+    score(model, tmp_path / "c.npz", steps=3, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=0))
+    Planner(tmp_path / "run").measured()
+    assert (tmp_path / "run" / "measured.jsonl").exists()
+    score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=0), resume=False)
+    assert not (tmp_path / "run" / "measured.jsonl").exists()

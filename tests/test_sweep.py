@@ -137,3 +137,16 @@ def test_feed_and_rebuild_strategies_agree(two_branch, tmp_path):
     assert feed["unit"].to_list() == rebuild["unit"].to_list()
     for column in ("gamma_quant", "gamma_gauss", "a_max"):
         np.testing.assert_allclose(feed[column].to_numpy(), rebuild[column].to_numpy(), rtol=1e-4)
+
+
+def test_a_sweep_in_worker_processes_gives_the_same_table(two_branch, tmp_path):
+    """The job pickles to other processes (as it would to other machines) and the table does not change."""
+    from runtimes import OrtRuntime
+
+    model, contexts = two_branch
+    runtime = OrtRuntime(threads=1)
+    local = score(model, contexts, steps=5, out=tmp_path / "local", runtime=runtime, strategy="feed").frame
+    spread = score(model, contexts, steps=5, out=tmp_path / "spread", runtime=runtime, strategy="feed", workers=2)
+    assert spread.meta["workers"] == 2
+    assert spread.frame.drop("seconds").equals(local.drop("seconds"))
+    assert len((tmp_path / "spread" / "sweep.jsonl").read_text().splitlines()) == 15

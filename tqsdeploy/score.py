@@ -9,7 +9,9 @@ everything that determines the results, and `sweep.jsonl` the finished tasks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
+import os
 import json
 import platform
 import shutil
@@ -30,11 +32,11 @@ from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.rollout import RolloutSpec, detect
 from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
-from tqsdeploy.sweep import EarlyStop, ResultLog, SweepJob, TaskResult, plan_tasks, run_local
+from tqsdeploy.sweep import EarlyStop, ResultLog, SweepJob, TaskResult, plan_tasks, run_local, run_parallel
 from tqsdeploy.units import Unit, UnitSelection, select_units
 
 DEFAULT_STEPS = 8
-RUN_FILES = ("run.json", "sweep.jsonl", "scores.parquet", "scores.csv", "rollout.toml", "contexts.npz")
+RUN_FILES = ("run.json", "sweep.jsonl", "measured.jsonl", "scores.parquet", "scores.csv", "rollout.toml", "contexts.npz")
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,7 @@ def score(
     context_options: ContextOptions = ContextOptions(),
     resume: bool | None = None,
     strategy: str = "auto",
+    workers: int = 1,
     on_start: Callable[[int, int], None] | None = None,
     on_result: Callable[[TaskResult], None] | None = None,
 ) -> ScoreTable:
@@ -239,8 +242,11 @@ def score(
     `resume=None` continues a matching interrupted run in `out` and refuses to
     overwrite a different one; `True` requires a match; `False` starts afresh.
     `on_start(total, done)` and `on_result(result)` report progress.
+    `workers` > 1 runs the sweep in that many processes (one session each).
     """
     started = time.perf_counter()
+    if workers > 1 and isinstance(runtime, OrtRuntime) and runtime.threads is None:
+        runtime = dataclasses.replace(runtime, threads=max(1, (os.cpu_count() or 1) // workers))
     prepared = prepare(
         model, contexts, spec, steps, selection=selection, settings=settings, runtime=runtime, context_options=context_options, strategy=strategy
     )
@@ -294,8 +300,15 @@ def score(
     if on_start:
         on_start(len(tasks), len(tasks) - len(pending))
     sweep_started = time.perf_counter()
-    run_local(prepared.job, pending, log, on_result=lambda r: (done.__setitem__(r.key, r), on_result and on_result(r)), runner=runner)
-    runner.close()
+    record = lambda r: (done.__setitem__(r.key, r), on_result and on_result(r))  # noqa: E731
+    meta["workers"] = 1
+    if workers > 1 and len(pending) > 1:
+        meta["workers"] = min(workers, len(pending))
+        runner.close()
+        run_parallel(prepared.job, pending, log, min(workers, len(pending)), runner.strategy, on_result=record)
+    else:
+        run_local(prepared.job, pending, log, on_result=record, runner=runner)
+        runner.close()
     sweep_seconds = time.perf_counter() - sweep_started
 
     frame = score_frame(prepared.units, done, runner.nominal.norm_sq, settings, prepared.spec.steps)

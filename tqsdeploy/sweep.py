@@ -340,3 +340,45 @@ def run_local(
                 on_result(result)
     finally:
         log.close()
+
+
+_WORKER: SweepRunner | None = None
+"""The runner of a worker process (one session per process)."""
+
+
+def _start_worker(job: SweepJob, strategy: str) -> None:
+    global _WORKER
+    job.strategy = strategy  # every worker runs the way the main process chose
+    _WORKER = job.open()
+
+
+def _run_in_worker(task: Task) -> TaskResult:
+    return _WORKER.run(task)
+
+
+def run_parallel(
+    job: SweepJob,
+    tasks: Sequence[Task],
+    log: ResultLog,
+    workers: int,
+    strategy: str,
+    on_result: Callable[[TaskResult], None] | None = None,
+) -> None:
+    """Run the tasks in `workers` processes, each with its own session.
+
+    The job travels by pickling, as it would to other machines; only this
+    process writes the result log, in task order, so an interruption leaves
+    the same resumable table as a local run.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")  # forking a process that runs ONNX Runtime threads is unsafe
+    try:
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(job, strategy)) as pool:
+            for result in pool.map(_run_in_worker, tasks, chunksize=1):
+                log.append(result)
+                if on_result:
+                    on_result(result)
+    finally:
+        log.close()
