@@ -199,3 +199,15 @@ def test_a_fresh_score_run_drops_the_old_measured_cache(tmp_path):
     assert (tmp_path / "run" / "measured.jsonl").exists()
     score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=0), resume=False)
     assert not (tmp_path / "run" / "measured.jsonl").exists()
+
+
+def test_refine_never_raises_the_drift_and_keeps_the_budget(scored):
+    _, _, folder = scored
+    plain = Planner(folder / "run", settings=ExportSettings(fallback=False))
+    refined = Planner(folder / "run", settings=ExportSettings(fallback=False, refine=4))
+    for target in (3, 6):
+        base, _, _, _ = plain.plan(target)
+        better, drift, _, _ = refined.plan(target)
+        assert better.total_bits <= refined.reference_bits / target
+        assert drift <= plain.drift(base) + 1e-12
+    plain.close(), refined.close()
