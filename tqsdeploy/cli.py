@@ -33,6 +33,19 @@ out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from tqsdeploy import __version__
+
+        out.print(f"tqsdeploy {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit.")) -> None:
+    """Trajectory-based quantization sensitivity (TQS) and mixed-precision PTQ for ONNX forecasting models."""
+
+
 def fail(message: str, code: int = 2) -> None:
     err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
