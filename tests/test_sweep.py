@@ -174,3 +174,28 @@ def test_cli_csv_contexts_random_contexts_and_inspect_json(tmp_path):
     result = runner.invoke(app, ["inspect", str(model), "--json", "--min-params", "16"])
     info = json.loads(result.output)
     assert [u["unit"] for u in info["units"]] == ["W1", "W2"] and info["rollout"]["feedback"][0]["axis"] == -1
+
+
+def test_a_model_that_only_claims_a_dynamic_batch_runs_window_by_window(tmp_path):
+    """Reshape to a fixed [1, n] inside the graph: batching windows fails, one at a time works."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    import onnx
+
+    n = 8
+    w = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32) / 3
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["flat"]), helper.make_node("MatMul", ["flat", "W"], ["y"])],
+        "fixed",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.array([1, n], np.int64), "shape")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save_model(model, str(tmp_path / "fixed.onnx"))
+    np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(1).standard_normal((4, 1, n)).astype(np.float32))
+    from tqsdeploy import UnitSelection
+
+    table = score(tmp_path / "fixed.onnx", tmp_path / "ctx.npz", steps=3, out=tmp_path / "run", selection=UnitSelection(min_params=1))
+    assert not table.meta["batched_windows"] and np.isfinite(table.frame["gamma"][0])

@@ -43,9 +43,21 @@ class EvalSettings:
 
 
 def trajectories(session: Session, contexts: Contexts, spec: RolloutSpec, max_batch: int) -> dict[str, np.ndarray]:
-    """Every trajectory output as (windows, steps, *per-window shape)."""
+    """Every trajectory output as (windows, steps, *per-window shape).
+
+    Windows run as one batch when the batch axis is dynamic, one by one when
+    the model turns out not to take (or keep) a batch of them.
+    """
     inputs = [s for s in session.inputs if s.name not in session.weights]
-    batch = contexts.count > 1 and all(s.is_dynamic(0) for s in inputs)
+    if contexts.count > 1 and all(s.is_dynamic(0) for s in inputs):
+        try:
+            return _trajectories(session, contexts, spec, inputs, True, max_batch)
+        except (RolloutError, ValueError):
+            pass
+    return _trajectories(session, contexts, spec, inputs, False, 1)
+
+
+def _trajectories(session, contexts, spec, inputs, batch: bool, max_batch: int) -> dict[str, np.ndarray]:
     collected: dict[str, list[np.ndarray]] = {name: [] for name in spec.trajectory}
     for count, feeds in contexts.chunks(inputs, batch, max_batch):
         try:
@@ -57,6 +69,8 @@ def trajectories(session: Session, contexts: Contexts, spec: RolloutSpec, max_ba
         for name in spec.trajectory:
             stacked = np.stack([s[name] for s in steps], axis=1 if batch else 0)  # batch: (B, T, ...)
             if batch:
+                if stacked.shape[0] % count:
+                    raise ValueError("outputs do not keep the batch axis")
                 per = stacked.shape[0] // count
                 stacked = stacked.reshape(count, per, *stacked.shape[1:]).swapaxes(1, 2)  # (count, T, per, ...)
             else:

@@ -240,14 +240,22 @@ class SweepRunner:
         chunks = list(self.job.contexts.chunks(self.inputs, batch, self.job.max_batch_windows))
         try:
             steps = [list(outs) for outs in self._trajectory(chunks)]
+            keeps_batch = not batch or all(arr.shape[0] % count == 0 for (count, _), outs in zip(chunks, steps[0]) for arr in outs.values())
         except RolloutError:
             raise
         except Exception as exc:
-            raise RolloutError(f"the model failed to run on the contexts: {str(exc).splitlines()[0]}") from None
-        if batch and any(arr.shape[0] % count for (count, _), outs in zip(chunks, steps[0]) for arr in outs.values()):
-            batch = False  # outputs do not keep the batch axis: run windows one by one
+            if not batch:
+                raise RolloutError(f"the model failed to run on the contexts: {str(exc).splitlines()[0]}") from None
+            keeps_batch = False  # a model whose batch axis is dynamic in name only
+        if not keeps_batch:  # run windows one by one
+            batch = False
             chunks = list(self.job.contexts.chunks(self.inputs, False, 1))
-            steps = [list(outs) for outs in self._trajectory(chunks)]
+            try:
+                steps = [list(outs) for outs in self._trajectory(chunks)]
+            except RolloutError:
+                raise
+            except Exception as exc:
+                raise RolloutError(f"the model failed to run on the contexts: {str(exc).splitlines()[0]}") from None
         trajectory = [[steps[t][c] for t in range(len(steps))] for c in range(len(chunks))]
         norm_sq = []
         for t, outs in enumerate(steps):
