@@ -52,6 +52,8 @@ class WeightTensor:
     """'initializer' or 'constant' (the output of a Constant node)."""
     channel_axis: int | None = None
     """Axis of the stored array that holds output channels (None: unknown or ambiguous)."""
+    nodes: tuple[str, ...] = ()
+    """Names of the compute nodes it feeds, which often say more than an exporter's tensor name."""
 
     @property
     def params(self) -> int:
@@ -103,10 +105,12 @@ def _consumer_channel_axis(node: onnx.NodeProto, position: int, rank: int) -> in
 
 def _weight_consumers(
     graph: onnx.GraphProto, name: str, rank: int, consumers: dict[str, list[tuple[onnx.NodeProto, int]]]
-) -> tuple[set[str], int | None]:
+) -> tuple[set[str], int | None, list[str]]:
     """Op types that use `name` as a weight operand, following layout-only ops,
-    and the stored axis holding output channels if all consumers agree."""
+    the stored axis holding output channels if all consumers agree, and the
+    consuming nodes' names."""
     found: set[str] = set()
+    nodes: list[str] = []
     axes: set[int | None] = set()
     # Each frontier entry: tensor name and, per axis of that tensor, the stored axis (None once a reshape loses track).
     frontier, seen = [(name, list(range(rank)))], {name}
@@ -116,6 +120,7 @@ def _weight_consumers(
             operands = WEIGHT_OPERANDS.get(node.op_type, ())
             if node.domain in ("", "ai.onnx") and (operands is None or position in operands):
                 found.add(node.op_type)
+                nodes.append(node.name or node.output[0])
                 axis = _consumer_channel_axis(node, position, len(axis_map)) if axis_map is not None else None
                 axes.add(axis_map[axis] if axis is not None and axis < len(axis_map) else None)
             elif node.op_type in PASS_THROUGH and position == 0:
@@ -131,7 +136,7 @@ def _weight_consumers(
                         seen.add(output)
                         frontier.append((output, next_map))
     channel_axis = axes.pop() if len(axes) == 1 else None
-    return found, channel_axis
+    return found, channel_axis, nodes
 
 
 def find_weight_tensors(model: onnx.ModelProto) -> list[WeightTensor]:
@@ -152,7 +157,7 @@ def find_weight_tensors(model: onnx.ModelProto) -> list[WeightTensor]:
         if tensor.data_type not in FLOAT_TYPES or name in graph_inputs:
             continue
         shape = tuple(int(d) for d in tensor.dims)
-        op_types, channel_axis = _weight_consumers(graph, name, len(shape), consumers)
+        op_types, channel_axis, nodes = _weight_consumers(graph, name, len(shape), consumers)
         tensors.append(
             WeightTensor(
                 name=name,
@@ -161,6 +166,7 @@ def find_weight_tensors(model: onnx.ModelProto) -> list[WeightTensor]:
                 op_types=tuple(sorted(op_types)),
                 source=source,
                 channel_axis=channel_axis,
+                nodes=tuple(nodes),
             )
         )
     return tensors

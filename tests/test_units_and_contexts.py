@@ -20,7 +20,7 @@ def assorted(tmp_path):
 def test_weight_operands_found_through_layout_ops(assorted):
     found = {t.name: t for t in graph_ops.find_weight_tensors(assorted.proto)}
     assert found["emb"].op_types == ("Gather",)
-    assert found["gemm_w"].op_types == ("Gemm",)
+    assert found["gemm_w"].op_types == ("Gemm",) and found["gemm_w"].nodes == ("g",)  # unnamed node: its output names it
     assert found["conv_t"].op_types == ("Conv",)  # through Transpose
     assert found["const_w"].op_types == ("MatMul",) and found["const_w"].source == "constant"
     assert found["gemm_b"].op_types == ()  # a bias is no weight operand

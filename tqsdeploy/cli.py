@@ -110,7 +110,7 @@ LABELS = {"gamma": "γ", "gamma_quant": "γ quant", "gamma_gauss": "γ gauss", "
 def _table(frame, title: str, columns: list[str]) -> Table:
     table = Table(title=title, title_justify="left")
     for column in columns:
-        text = column in ("unit", "shape", "op_types")
+        text = column in ("unit", "shape", "op_types", "nodes")
         table.add_column(LABELS.get(column, column), justify="left" if text else "right", overflow="fold" if text else "ellipsis", no_wrap=not text)
     for row in frame.iter_rows(named=True):
         table.add_row(*[_fmt(row.get(c)) for c in columns])
@@ -143,8 +143,8 @@ def inspect(
     out.print("  ops: " + ", ".join(f"{k}×{v}" for k, v in info["ops"].items()))
     import polars as pl
 
-    units = pl.DataFrame([{**u, "op_types": ";".join(u["op_types"])} for u in info["units"]])
-    out.print(_table(units, f"{units.height} units, {info['unit_params']:,} params ({info['unit_share']:.1%} of float weights)", ["unit", "shape", "params", "op_types"]))
+    units = pl.DataFrame([{**u, "op_types": ";".join(u["op_types"]), "nodes": ";".join(u["nodes"])} for u in info["units"]])
+    out.print(_table(units, f"{units.height} units, {info['unit_params']:,} params ({info['unit_share']:.1%} of float weights)", ["unit", "shape", "params", "op_types", "nodes"]))
     rollout = info["rollout"]
     if "error" in rollout:
         out.print(f"[yellow]rollout:[/] {rollout['error']}")

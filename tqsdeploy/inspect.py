@@ -46,7 +46,8 @@ def inspect_model(
         "float_tensors": len(tensors),
         "float_params": float_params,
         "units": [
-            {"unit": u.name, "shape": u.shape, "params": u.params, "op_types": list(u.op_types), "tensors": u.tensor_names} for u in units
+            {"unit": u.name, "shape": u.shape, "params": u.params, "op_types": list(u.op_types), "nodes": list(u.nodes), "tensors": u.tensor_names}
+            for u in units
         ],
         "unit_params": unit_params,
         "unit_share": unit_params / float_params if float_params else 0.0,

@@ -108,7 +108,7 @@ def score_frame(units: Sequence[Unit], results: dict[str, TaskResult], nominal_s
         gauss = _probe_summary(sorted(probes.get("gauss", []), key=lambda r: r.draw), nominal_sq, settings, schedule)
         primary = quant or gauss
         if not primary:
-            rows.append({"unit": unit.name, "tensors": ";".join(unit.tensor_names), "op_types": ";".join(unit.op_types),
+            rows.append({"unit": unit.name, "tensors": ";".join(unit.tensor_names), "op_types": ";".join(unit.op_types), "nodes": ";".join(unit.nodes),
                          "shape": unit.shape, "params": unit.params, "gamma": math.nan, "dead": False, "nonfinite": False})
             continue
         summaries = [s for s in (quant, gauss) if s]
@@ -119,6 +119,7 @@ def score_frame(units: Sequence[Unit], results: dict[str, TaskResult], nominal_s
             "unit": unit.name,
             "tensors": ";".join(unit.tensor_names),
             "op_types": ";".join(unit.op_types),
+            "nodes": ";".join(unit.nodes),
             "shape": unit.shape,
             "params": unit.params,
             "gamma": gamma,

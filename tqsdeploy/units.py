@@ -45,6 +45,10 @@ class Unit:
         return tuple(sorted({op for t in self.tensors for op in t.op_types}))
 
     @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(n for t in self.tensors for n in t.nodes)
+
+    @property
     def shape(self) -> str:
         if len(self.tensors) == 1:
             return "x".join(str(d) for d in self.tensors[0].shape) or "scalar"
