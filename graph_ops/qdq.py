@@ -38,6 +38,8 @@ class StoredWeight(Protocol):
     axis: int | None
     block_size: int | None
     zero_point: np.ndarray | None
+    dtype: str
+    """numpy name of the float type consumers expect ('float32', 'float16')."""
 
 
 def required_opset(stored: Mapping[str, StoredWeight]) -> int:
@@ -45,6 +47,8 @@ def required_opset(stored: Mapping[str, StoredWeight]) -> int:
     needed = 1
     for value in stored.values():
         needed = max(needed, KIND_OPSET[value.kind])
+        if value.kind == "dequantize" and getattr(value, "dtype", "float32") != "float32":
+            needed = max(needed, 19)  # float16 scales
         if value.kind == "dequantize":
             dtype = np.dtype(value.values.dtype)
             if dtype.name in ("int4", "uint4"):
@@ -94,14 +98,16 @@ def _lift_constants(model: onnx.ModelProto, names: set[str]) -> None:
 
 def _emit(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]]:
     """Initializers and nodes that produce tensor `name` from its stored form."""
-    if value.kind == "raw":
-        return [numpy_helper.from_array(np.ascontiguousarray(value.values), name)], []
+    dtype = np.dtype(getattr(value, "dtype", "float32"))
+    if value.kind == "raw" or (value.kind == "cast" and value.values.dtype == dtype):
+        return [numpy_helper.from_array(np.ascontiguousarray(value.values.astype(dtype, copy=False)), name)], []
     if value.kind == "cast":
         stored = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__{value.values.dtype.name}")
-        return [stored], [helper.make_node("Cast", [stored.name], [name], to=onnx.TensorProto.FLOAT, name=f"{name}__cast")]
+        to = helper.np_dtype_to_tensor_dtype(dtype)
+        return [stored], [helper.make_node("Cast", [stored.name], [name], to=to, name=f"{name}__cast")]
     if value.kind == "dequantize":
         codes = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__q")
-        scale = numpy_helper.from_array(np.ascontiguousarray(value.scale, dtype=np.float32), f"{name}__scale")
+        scale = numpy_helper.from_array(np.ascontiguousarray(value.scale, dtype=dtype), f"{name}__scale")
         attributes = {}
         if value.axis is not None and np.ndim(value.scale) > 0:
             attributes["axis"] = int(value.axis)
@@ -124,7 +130,8 @@ def _unpack_signs(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto
     shape = list(value.shape)
     size = int(np.prod(shape, dtype=np.int64))
     p = f"{name}__"
-    scale = np.asarray(value.scale, dtype=np.float32)
+    dtype = np.dtype(getattr(value, "dtype", "float32"))
+    scale = np.asarray(value.scale, dtype=dtype)
     if scale.ndim == 1:  # per axis: reshape for broadcasting against the weight
         view = [1] * len(shape)
         view[value.axis] = shape[value.axis]
@@ -137,8 +144,8 @@ def _unpack_signs(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto
         numpy_helper.from_array(np.array([0], np.int64), p + "start"),
         numpy_helper.from_array(np.array([size], np.int64), p + "stop"),
         numpy_helper.from_array(np.array(shape, np.int64), p + "shape"),
-        numpy_helper.from_array(np.array(2.0, np.float32), p + "two"),
-        numpy_helper.from_array(np.array(1.0, np.float32), p + "unit"),
+        numpy_helper.from_array(np.array(2.0, dtype), p + "two"),
+        numpy_helper.from_array(np.array(1.0, dtype), p + "unit"),
         numpy_helper.from_array(scale, p + "scale"),
     ]
     nodes = [
@@ -147,7 +154,7 @@ def _unpack_signs(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto
         helper.make_node("Reshape", [p + "bit", p + "flat"], [p + "flat_bits"]),
         helper.make_node("Slice", [p + "flat_bits", p + "start", p + "stop"], [p + "used"]),
         helper.make_node("Reshape", [p + "used", p + "shape"], [p + "shaped"]),
-        helper.make_node("Cast", [p + "shaped"], [p + "float"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Cast", [p + "shaped"], [p + "float"], to=helper.np_dtype_to_tensor_dtype(dtype)),
         helper.make_node("Mul", [p + "float", p + "two"], [p + "double"]),
         helper.make_node("Sub", [p + "double", p + "unit"], [p + "sign"]),
         helper.make_node("Mul", [p + "sign", p + "scale"], [name], name=p + "unpack"),

@@ -158,3 +158,27 @@ def mlp_forecaster(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> 
         init,
         path,
     )
+
+
+def fp16_mlp(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> Path:
+    """A float16 model end to end: y = x + 0.3 * tanh(x @ W1) @ W2, all in fp16."""
+    rng = np.random.default_rng(seed)
+    init = {
+        "W1": (rng.standard_normal((n, hidden)) / np.sqrt(n)).astype(np.float16),
+        "W2": (rng.standard_normal((hidden, n)) / np.sqrt(hidden)).astype(np.float16),
+        "gain": np.array([0.3], np.float16),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h"]),
+        helper.make_node("Tanh", ["h"], ["a"]),
+        helper.make_node("MatMul", ["a", "W2"], ["d"]),
+        helper.make_node("Mul", ["d", "gain"], ["s"]),
+        helper.make_node("Add", ["x", "s"], ["y"]),
+    ]
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["batch", n])],
+        init,
+        path,
+    )

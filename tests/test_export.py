@@ -211,3 +211,25 @@ def test_refine_never_raises_the_drift_and_keeps_the_budget(scored):
         assert better.total_bits <= refined.reference_bits / target
         assert drift <= plain.drift(base) + 1e-12
     plain.close(), refined.close()
+
+
+@pytest.mark.parametrize("tier", ["fp32", "bf16", "fp16", "int8", "int4", "int2", "int1", "int4-asym"])
+def test_float16_models_keep_their_type(tmp_path, tier):
+    """Weights of an fp16 model come back as fp16 (fp16 scales, Casts to fp16), and
+    tiers at least as wide as fp16 leave them untouched and cost what they cost now."""
+    model = models.fp16_mlp(tmp_path / "half.onnx")
+    np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float16))
+    score(model, tmp_path / "c.npz", steps=3, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
+    planner = Planner(tmp_path / "run", settings=ExportSettings(tiers=("fp32", "bf16", "fp16", "int8", "int4", "int2", "int1", "int4-asym")))
+    outcome = planner.export(None, tmp_path / f"half.{tier}.onnx", uniform_tier=tier)
+    exported = onnx.load(str(outcome.path))
+    onnx.checker.check_model(exported)
+    x = np.load(tmp_path / "c.npz")["x"][0]
+    got = OrtRuntime(exact_qdq=True).open(outcome.path).run({"x": x})["y"]
+    fake = graph_ops.replace_weights(planner.model.proto, planner.fake_quantized(outcome.allocation))
+    want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.io.runtime_compatible(fake))).run({"x": x})["y"]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
+    if tier in ("fp32", "fp16"):
+        assert outcome.allocation.compression == pytest.approx(1.0)
+    planner.close()

@@ -16,6 +16,7 @@ wastes most of a 2-bit grid on outliers. INT1 stores sign(w) times the mean
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -75,9 +76,14 @@ class Stored:
     block_size: int | None = None
     zero_point: np.ndarray | None = None
     """Integer zero points (same container type as `values`) for asymmetric codes."""
+    dtype: str = "float32"
+    """Float type the weight's consumers expect (what the stored form must produce)."""
 
     def dequantized(self) -> np.ndarray:
-        """The float32 weight the runtime computes from the stored form (exact dequantization)."""
+        """The weight the runtime computes from the stored form (exact dequantization), as `dtype`."""
+        return self._dequantized().astype(self.dtype)
+
+    def _dequantized(self) -> np.ndarray:
         if self.kind in ("raw", "cast"):
             return self.values.astype(np.float32)
         if self.kind == "packed_sign":
@@ -226,10 +232,13 @@ class Tier:
         return layout.params * self.bits + scales * SCALE_BITS + zero_points
 
     def quantize(self, w: np.ndarray, layout: Layout, group_size: int | None = None) -> Stored:
-        """The stored form of `w` at this tier."""
+        """The stored form of `w` at this tier, producing `w`'s own float type."""
         w = np.asarray(w)
+        return dataclasses.replace(self._quantize(w, layout, group_size), dtype=w.dtype.name if w.dtype.kind == "f" else "float32")
+
+    def _quantize(self, w: np.ndarray, layout: Layout, group_size: int | None) -> Stored:
         if self.name == "fp32":
-            return Stored(self.name, "raw", w.astype(np.float32), w.shape)
+            return Stored(self.name, "raw", w if w.dtype.itemsize <= 4 else w.astype(np.float32), w.shape)
         if self.name == "bf16":
             return Stored(self.name, "cast", w.astype(np.float32).astype(ml_dtypes.bfloat16), w.shape)
         if self.name == "fp16":

@@ -118,8 +118,16 @@ class Planner:
     def layout(self, tensor) -> Layout:
         return Layout(tensor.shape, tensor.channel_axis)
 
+    @staticmethod
+    def keeps(tier: Tier, tensor) -> bool:
+        """A float tier at least as wide as the stored type leaves the tensor as it is."""
+        return tier.family == "float" and tier.bits >= 8 * np.dtype(tensor.dtype).itemsize
+
     def cost(self, unit: Unit, tier: Tier) -> int:
-        return sum(tier.cost_bits(self.layout(t), self.settings.group_size) for t in unit.tensors)
+        return sum(
+            t.params * 8 * np.dtype(t.dtype).itemsize if self.keeps(tier, t) else tier.cost_bits(self.layout(t), self.settings.group_size)
+            for t in unit.tensors
+        )
 
     @property
     def runner(self) -> SweepRunner:
@@ -293,8 +301,8 @@ class Planner:
         for unit in self.units:
             tier = TIERS[allocation.tiers[unit.name]]
             for tensor in unit.tensors:
-                if tier.name == "fp32" and tensor.dtype == "float32":
-                    continue  # already stored like this
+                if self.keeps(tier, tensor):
+                    continue  # already stored at least this precisely
                 stored[tensor.name] = tier.quantize(self.weights[tensor.name], self.layout(tensor), self.settings.group_size)
         return stored
 
