@@ -69,3 +69,14 @@ def test_frontier_end_to_end(small):
     assert "W4 grid" in report and "Time per Pareto point" in report and "Win counts" in report and "| 2 |" in report
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 5
+
+
+def test_baseline_of_a_float16_model_stays_float16(tmp_path):
+    model = models.fp16_mlp(tmp_path / "half.onnx")
+    np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((8, 4, 32)).astype(np.float16))
+    code, text = _invoke("baseline", model, "--method", "gptq", "--bits", "4", "--calib", tmp_path / "c.npz", "-o", tmp_path / "g.onnx")
+    assert code == 0, text
+    x = np.load(tmp_path / "c.npz")["x"][0]
+    got = OrtRuntime(exact_qdq=True).open(tmp_path / "g.onnx").run({"x": x})["y"]
+    want = OrtRuntime().open(model).run({"x": x})["y"]
+    assert got.dtype == np.float16 and np.abs(got.astype(np.float32) - want).max() < 0.1

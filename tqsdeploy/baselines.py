@@ -12,6 +12,7 @@ rebuilt get RTN under every method, so all four quantize the same tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -342,7 +343,10 @@ def write_baseline(model_path: str | Path, result: BaselineResult, output: str |
     from graph_ops.qdq import apply_storage
 
     loaded = graph_ops.load_model(model_path)
-    stored = {name: encoded.to_stored(f"{result.method}-w{result.bits}") for name, encoded in result.encoded.items()}
+    stored = {
+        name: dataclasses.replace(encoded.to_stored(f"{result.method}-w{result.bits}"), dtype=result.weights[name].dtype.name)
+        for name, encoded in result.encoded.items()
+    }
     started = perf_counter()
     proto = apply_storage(loaded.proto, stored)
     path = graph_ops.save_model(proto, output)
