@@ -11,7 +11,7 @@ EXAMPLE ?= examples/etth1_patchtst
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,plots]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,plots,ray]'
 	touch $(STAMP)
 
 RUN := tqs-runs/$(notdir $(EXAMPLE))

@@ -199,3 +199,22 @@ def test_a_model_that_only_claims_a_dynamic_batch_runs_window_by_window(tmp_path
 
     table = score(tmp_path / "fixed.onnx", tmp_path / "ctx.npz", steps=3, out=tmp_path / "run", selection=UnitSelection(min_params=1))
     assert not table.meta["batched_windows"] and np.isfinite(table.frame["gamma"][0])
+
+
+@pytest.mark.slow
+def test_a_sweep_on_ray_actors_gives_the_same_table(two_branch, tmp_path):
+    pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'tqsdeploy[ray]')")
+    import ray
+
+    from runtimes import OrtRuntime
+
+    model, contexts = two_branch
+    runtime = OrtRuntime(threads=1)
+    local = score(model, contexts, steps=4, out=tmp_path / "local", runtime=runtime, strategy="feed").frame
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        spread = score(model, contexts, steps=4, out=tmp_path / "ray", runtime=runtime, strategy="feed", workers=2, ray_address="local")
+    finally:
+        ray.shutdown()
+    assert spread.meta["workers"] == "ray:2"
+    assert spread.frame.drop("seconds").equals(local.drop("seconds"))

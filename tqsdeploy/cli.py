@@ -182,7 +182,8 @@ def score(
     batch_windows: int = typer.Option(64, "--batch-windows", help="Most windows run as one batch."),
     provider: str = typer.Option("cpu", "--provider", help="cpu, cuda or tensorrt (ONNX Runtime execution providers), or trt-engine (native TensorRT, weights refitted)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="ONNX Runtime intra-op threads."),
-    workers: int = typer.Option(1, "--workers", min=1, help="Processes running the sweep, one session each (threads split between them)."),
+    workers: int = typer.Option(1, "--workers", min=1, help="Processes (or Ray actors) running the sweep, one session each (threads split between them)."),
+    ray: Optional[str] = typer.Option(None, "--ray", help="Run the sweep on Ray: 'local' starts a local cluster, 'auto' or an address joins one (pip install 'tqsdeploy[ray]')."),
     strategy: str = typer.Option("auto", "--strategy", help="feed (one session, weights fed per run), rebuild (a session per perturbation, constant weights) or auto (time both)."),
     fresh: bool = typer.Option(False, "--fresh", help="Discard an existing run in the output folder."),
     resume: bool = typer.Option(False, "--resume", help="Require an interrupted run to continue (default: continue one if it matches)."),
@@ -239,6 +240,7 @@ def score(
             resume=False if fresh else (True if resume else None),
             strategy=strategy,
             workers=workers,
+            ray_address=ray,
             on_start=on_start,
             on_result=on_result,
         )

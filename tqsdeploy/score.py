@@ -32,7 +32,7 @@ from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.rollout import RolloutSpec, detect
 from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
-from tqsdeploy.sweep import EarlyStop, ResultLog, SweepJob, TaskResult, plan_tasks, run_local, run_parallel
+from tqsdeploy.sweep import EarlyStop, ResultLog, SweepJob, TaskResult, plan_tasks, run_local, run_parallel, run_ray
 from tqsdeploy.units import Unit, UnitSelection, select_units
 
 DEFAULT_STEPS = 8
@@ -234,6 +234,7 @@ def score(
     resume: bool | None = None,
     strategy: str = "auto",
     workers: int = 1,
+    ray_address: str | None = None,
     on_start: Callable[[int, int], None] | None = None,
     on_result: Callable[[TaskResult], None] | None = None,
 ) -> ScoreTable:
@@ -242,7 +243,8 @@ def score(
     `resume=None` continues a matching interrupted run in `out` and refuses to
     overwrite a different one; `True` requires a match; `False` starts afresh.
     `on_start(total, done)` and `on_result(result)` report progress.
-    `workers` > 1 runs the sweep in that many processes (one session each).
+    `workers` > 1 runs the sweep in that many processes (one session each);
+    with `ray_address` ('local', 'auto' or a cluster address) on that many Ray actors.
     """
     started = time.perf_counter()
     if workers > 1 and isinstance(runtime, OrtRuntime) and runtime.threads is None:
@@ -302,7 +304,12 @@ def score(
     sweep_started = time.perf_counter()
     record = lambda r: (done.__setitem__(r.key, r), on_result and on_result(r))  # noqa: E731
     meta["workers"] = 1
-    if workers > 1 and len(pending) > 1:
+    if ray_address is not None and pending:
+        meta["workers"] = f"ray:{max(1, min(workers, len(pending)))}"
+        runner.close()
+        address = None if ray_address == "local" else ray_address
+        run_ray(prepared.job, pending, log, max(1, min(workers, len(pending))), runner.strategy, address, on_result=record)
+    elif workers > 1 and len(pending) > 1:
         meta["workers"] = min(workers, len(pending))
         runner.close()
         run_parallel(prepared.job, pending, log, min(workers, len(pending)), runner.strategy, on_result=record)

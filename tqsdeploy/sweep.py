@@ -390,3 +390,61 @@ def run_parallel(
                     on_result(result)
     finally:
         log.close()
+
+
+class _RayWorker:
+    """A Ray actor holding one session (see `run_ray`)."""
+
+    def __init__(self, job: SweepJob, strategy: str):
+        job.strategy = strategy
+        self.runner = job.open()
+
+    def run(self, task: Task) -> TaskResult:
+        return self.runner.run(task)
+
+
+def run_ray(
+    job: SweepJob,
+    tasks: Sequence[Task],
+    log: ResultLog,
+    workers: int,
+    strategy: str,
+    address: str | None = None,
+    on_result: Callable[[TaskResult], None] | None = None,
+) -> None:
+    """Run the tasks on `workers` Ray actors, on this machine or a cluster.
+
+    `address` is passed to `ray.init` ('auto' joins a running cluster, None
+    starts a local one). The job is put in the object store once; each actor
+    opens its own session and keeps two tasks in flight, and results are
+    appended to the log here, as they complete.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise RolloutError("Ray is not installed", hint="pip install 'tqsdeploy[ray]'") from None
+    if not ray.is_initialized():
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
+    actor = ray.remote(_RayWorker)
+    shared = ray.put(job)
+    actors = [actor.remote(shared, strategy) for _ in range(workers)]
+    queue = list(tasks)[::-1]
+    in_flight: dict = {}
+    try:
+        for worker in actors:
+            for _ in range(2):
+                if queue:
+                    in_flight[worker.run.remote(queue.pop())] = worker
+        while in_flight:
+            done, _ = ray.wait(list(in_flight), num_returns=1)
+            worker = in_flight.pop(done[0])
+            result = ray.get(done[0])
+            log.append(result)
+            if on_result:
+                on_result(result)
+            if queue:
+                in_flight[worker.run.remote(queue.pop())] = worker
+    finally:
+        log.close()
+        for worker in actors:
+            ray.kill(worker)
