@@ -20,16 +20,16 @@ def _model(nodes, inputs, outputs, initializers, path: Path) -> Path:
     return path
 
 
+def _state_model(nodes, init, path: Path, n: int, dtype=TensorProto.FLOAT, batch="batch") -> Path:
+    """A model mapping a state x [batch, n] to y [batch, n] (replace rollouts)."""
+    io = [helper.make_tensor_value_info(name, dtype, [batch, n]) for name in ("x", "y")]
+    return _model(nodes, io[:1], io[1:], init, path)
+
+
 def linear_map(path: Path, a: np.ndarray, batch="batch") -> Path:
     """x_{t+1} = A x_t for row-vector states x [batch, n]: y = x @ A^T."""
     n = a.shape[0]
-    return _model(
-        [helper.make_node("MatMul", ["x", "W"], ["y"])],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, n])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, n])],
-        {"W": np.ascontiguousarray(a.T.astype(np.float32))},
-        path,
-    )
+    return _state_model([helper.make_node("MatMul", ["x", "W"], ["y"])], {"W": np.ascontiguousarray(a.T.astype(np.float32))}, path, n, batch=batch)
 
 
 def two_branch(path: Path, n: int = 32, seed: int = 0) -> Path:
@@ -57,13 +57,7 @@ def two_branch(path: Path, n: int = 32, seed: int = 0) -> Path:
         helper.make_node("Add", ["main", "dead_out"], ["s1"]),
         helper.make_node("Add", ["s1", "small_out"], ["y"]),
     ]
-    return _model(
-        nodes,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
-        init,
-        path,
-    )
+    return _state_model(nodes, init, path, n)
 
 
 def shift_model(path: Path, length: int = 16, horizon: int = 4, seed: int = 0) -> Path:
@@ -85,13 +79,7 @@ def shift_model(path: Path, length: int = 16, horizon: int = 4, seed: int = 0) -
 def nan_model(path: Path, n: int = 32) -> Path:
     """y = sqrt(x @ W): NaN as soon as a state goes negative."""
     rng = np.random.default_rng(0)
-    return _model(
-        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Sqrt", ["h"], ["y"])],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
-        {"W": rng.standard_normal((n, n)).astype(np.float32)},
-        path,
-    )
+    return _state_model([helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Sqrt", ["h"], ["y"])], {"W": rng.standard_normal((n, n)).astype(np.float32)}, path, n)
 
 
 def small_weights_model(path: Path) -> Path:
@@ -151,13 +139,7 @@ def mlp_forecaster(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> 
         helper.make_node("Mul", ["d", "gain"], ["step"]),
         helper.make_node("Add", ["x", "step"], ["y"]),
     ]
-    return _model(
-        nodes,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
-        init,
-        path,
-    )
+    return _state_model(nodes, init, path, n)
 
 
 def fp16_mlp(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> Path:
@@ -175,10 +157,4 @@ def fp16_mlp(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> Path:
         helper.make_node("Mul", ["d", "gain"], ["s"]),
         helper.make_node("Add", ["x", "s"], ["y"]),
     ]
-    return _model(
-        nodes,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", n])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["batch", n])],
-        init,
-        path,
-    )
+    return _state_model(nodes, init, path, n, dtype=TensorProto.FLOAT16)
