@@ -1,4 +1,4 @@
-# Two commands do all the set-up on a fresh machine (Python >= 3.10 with venv):
+# Two commands do all the set-up on a fresh machine (Python >= 3.11 with venv):
 #   make demo   # installs into .venv, then scores, exports, evaluates and gates the bundled ETTh1 forecaster
 #   make test   # installs into .venv, then runs the test suite
 PYTHON ?= python3
