@@ -88,6 +88,11 @@ def tensor_bits(tensor: onnx.TensorProto) -> int:
     return count * element
 
 
+def tensor_sizes(proto: onnx.ModelProto) -> dict[str, int]:
+    """Stored bits of every tensor in the model (initializers and Constant values), by name."""
+    return {tensor.name: tensor_bits(tensor) for tensor in iter_tensors(proto.graph)}
+
+
 def weight_bytes(proto: onnx.ModelProto) -> int:
     """Bytes of stored tensor data (initializers and Constant values), scales included."""
     return sum((tensor_bits(t) + 7) // 8 for t in iter_tensors(proto.graph))

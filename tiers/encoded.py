@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from tiers.registry import Stored, broadcast_scale
+
 CONTAINERS = {
     True: {8: np.int8, 4: ml_dtypes.int4, 3: ml_dtypes.int4, 2: ml_dtypes.int2, 1: ml_dtypes.int2},
     False: {8: np.uint8, 4: ml_dtypes.uint4, 3: ml_dtypes.uint4, 2: ml_dtypes.uint2},
@@ -33,25 +35,11 @@ class Encoded:
     axis: int | None = None
     block_size: int | None = None
 
-    def expanded_scale(self, name: str = "scale") -> np.ndarray:
-        """Scale (or zero point) broadcast to the weight's full shape."""
-        value = self.scale if name == "scale" else self.zero_point
-        value = np.asarray(value)
-        shape = self.codes.shape
-        if value.ndim == 0 or self.axis is None:
-            return np.broadcast_to(value, shape)
-        axis = self.axis % len(shape)
-        if self.block_size:
-            return np.repeat(value, self.block_size, axis=axis).take(np.arange(shape[axis]), axis=axis)
-        view = [1] * len(shape)
-        view[axis] = shape[axis]
-        return np.broadcast_to(value.reshape(view), shape)
-
     def dequantize(self) -> np.ndarray:
         codes = self.codes.astype(np.float32)
         if self.zero_point is not None:
-            codes = codes - self.expanded_scale("zero_point").astype(np.float32)
-        return codes * self.expanded_scale("scale").astype(np.float32)
+            codes = codes - broadcast_scale(self.zero_point, codes.shape, self.axis, self.block_size)
+        return codes * broadcast_scale(self.scale, codes.shape, self.axis, self.block_size)
 
     @property
     def scale_count(self) -> int:
@@ -59,8 +47,6 @@ class Encoded:
 
     def to_stored(self, tier: str):
         """The DequantizeLinear form `graph_ops.qdq` writes (3-bit codes travel in a 4-bit container)."""
-        from tiers.registry import Stored
-
         try:
             container = CONTAINERS[self.signed][self.bits]
         except KeyError:

@@ -89,11 +89,11 @@ class Stored:
         if self.kind == "packed_sign":
             size = int(np.prod(self.shape, dtype=np.int64))
             bits = np.unpackbits(self.values)[:size].reshape(self.shape).astype(np.float32)
-            return (bits * 2 - 1) * _expand(self.scale, self.shape, self.axis, None)
+            return (bits * 2 - 1) * broadcast_scale(self.scale, self.shape, self.axis, None)
         codes = self.values.astype(np.float32)
         if self.zero_point is not None:
-            codes = codes - _expand(self.zero_point.astype(np.float32), self.shape, self.axis, self.block_size)
-        return codes * _expand(self.scale, self.shape, self.axis, self.block_size)
+            codes = codes - broadcast_scale(self.zero_point.astype(np.float32), self.shape, self.axis, self.block_size)
+        return codes * broadcast_scale(self.scale, self.shape, self.axis, self.block_size)
 
     @property
     def payload_bits(self) -> int:
@@ -113,11 +113,12 @@ def _storage_bits(dtype) -> int:
     return dtype.itemsize * 8
 
 
-def _expand(scale: np.ndarray, shape, axis: int | None, block_size: int | None) -> np.ndarray:
-    """Broadcast a DequantizeLinear scale to the weight's shape."""
+def broadcast_scale(scale: np.ndarray, shape, axis: int | None, block_size: int | None) -> np.ndarray:
+    """Broadcast a DequantizeLinear scale (or zero point) to the weight's shape, as float32."""
     scale = np.asarray(scale, dtype=np.float32)
     if scale.ndim == 0 or axis is None:
         return np.broadcast_to(scale, shape)
+    axis = axis % len(shape)
     if block_size:
         return np.repeat(scale, block_size, axis=axis).take(np.arange(shape[axis]), axis=axis)
     view = [1] * len(shape)

@@ -332,12 +332,6 @@ def _encode(binding: WeightBinding, parts: list[solvers.Quantized]) -> Encoded:
     )
 
 
-def stored_bits(proto) -> tuple[int, dict[str, int]]:
-    """Stored bits of every tensor in the model (reference size) and per tensor."""
-    per = {tensor.name: graph_ops.io.tensor_bits(tensor) for tensor in graph_ops.io.iter_tensors(proto.graph)}
-    return sum(per.values()), per
-
-
 def write_baseline(model_path: str | Path, result: BaselineResult, output: str | Path) -> dict:
     """Write the baseline as the same deployable DequantizeLinear ONNX that `export` emits."""
     from graph_ops.qdq import apply_storage
@@ -350,7 +344,8 @@ def write_baseline(model_path: str | Path, result: BaselineResult, output: str |
     started = perf_counter()
     proto = apply_storage(loaded.proto, stored)
     path = graph_ops.save_model(proto, output)
-    reference, per = stored_bits(loaded.proto)
+    per = graph_ops.io.tensor_sizes(loaded.proto)
+    reference = sum(per.values())
     total = reference - sum(per[n] for n in stored) + sum(s.payload_bits for s in stored.values())
     return {
         "method": result.method,
