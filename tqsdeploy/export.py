@@ -21,7 +21,7 @@ import graph_ops
 from graph_ops.qdq import write_storage
 from runtimes import OrtRuntime
 from tiers import DEFAULT_TIERS, TIERS, Layout, Stored, Tier, get_tiers
-from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, uniform
+from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, paper_weights, uniform
 from tqsdeploy.errors import InfeasibleError, InputError
 from tqsdeploy.probes import tier_probe, tier_weights
 from tqsdeploy.score import Prepared, ScoreTable, prepare
@@ -107,11 +107,12 @@ class Planner:
         if set(self.gamma) != {u.name for u in self.units}:
             raise InputError(f"the score run in {self.run_dir} scored other units than this model has now")
         unit_tensors = {n for u in self.units for n in u.tensor_names}
-        stored = list(graph_ops.io.iter_tensors(self.model.proto.graph))
-        self.reference_bits = sum(graph_ops.io.tensor_bits(t) for t in stored)
-        self.fixed_bits = sum(graph_ops.io.tensor_bits(t) for t in stored if t.name not in unit_tensors)
+        sizes = graph_ops.io.tensor_sizes(self.model.proto)
+        self.reference_bits = sum(sizes.values())
+        self.fixed_bits = sum(bits for name, bits in sizes.items() if name not in unit_tensors)
         self._runner: SweepRunner | None = None
         self._measured: dict[str, TaskResult] | None = None
+        self._choices: dict[str, list[Choice]] = {}
 
     # -- pricing -----------------------------------------------------------
 
@@ -166,8 +167,13 @@ class Planner:
         return sum(1 for _ in self.units for t in self.tiers if t.name != "fp32")
 
     def choices(self, objective: str, on_result=None) -> list[Choice]:
-        from tqsdeploy.allocate import paper_weights
+        """Cost and loss of every unit at every tier; computed once per objective,
+        so exporting many targets prices (and, for 'response', quantizes) once."""
+        if objective not in self._choices:
+            self._choices[objective] = self._price(objective, on_result)
+        return self._choices[objective]
 
+    def _price(self, objective: str, on_result=None) -> list[Choice]:
         weights = paper_weights(self.gamma, self.dead)
         measured = self.measured(on_result) if objective == "measured" else None
         choices = []
@@ -232,11 +238,13 @@ class Planner:
             fp32_fraction=self.settings.fp32_fraction,
             solver=self.settings.allocator,
         )
+        drift = None
         if self.settings.refine:
-            allocation = self.refine(allocation, choices)
+            allocation, drift = self.refine(allocation)
         if not self.settings.fallback and not self.settings.refine:
             return allocation, None, {}, None
-        drift = self.drift(allocation)
+        if drift is None:
+            drift = self.drift(allocation)
         budget = self.reference_bits / target
         uniforms = sorted((self.uniform(t.name) for t in self.tiers), key=lambda a: a.total_bits)
         below = [a for a in uniforms if a.total_bits <= budget]
@@ -255,7 +263,7 @@ class Planner:
                 fell_back, drift = name, drifts[name]
         return allocation, drift, drifts, fell_back
 
-    def refine(self, allocation: Allocation, choices: list[Choice]) -> Allocation:
+    def refine(self, allocation: Allocation) -> tuple[Allocation, float]:
         """Spend up to `refine` joint rollouts promoting the unit whose measured
         single-unit divergence at its tier is largest, paying with the demotions
         that cost least divergence per bit; keep a move only if drift drops."""
@@ -292,7 +300,7 @@ class Planner:
             candidate_drift = self.drift(candidate)
             if candidate_drift < best_drift:
                 best, best_drift = candidate, candidate_drift
-        return best
+        return best, best_drift
 
     # -- writing ---------------------------------------------------------------
 
