@@ -133,7 +133,7 @@ class Planner:
     @property
     def runner(self) -> SweepRunner:
         if self._runner is None:
-            self._runner = self.prepared.job.open()
+            self._runner = self.prepared.open_runner()
         return self._runner
 
     def measured(self, on_result=None) -> dict[str, TaskResult]:

@@ -26,13 +26,13 @@ import numpy as np
 import polars as pl
 
 import graph_ops
-from runtimes import OrtRuntime
+from runtimes import OrtRuntime, Session
 from tqsdeploy import __version__
 from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.rollout import RolloutSpec, detect
 from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
-from tqsdeploy.sweep import EarlyStop, ResultLog, SweepJob, TaskResult, plan_tasks, run_local, run_parallel, run_ray
+from tqsdeploy.sweep import EarlyStop, ResultLog, SweepJob, SweepRunner, TaskResult, plan_tasks, run_local, run_parallel, run_ray
 from tqsdeploy.units import Unit, UnitSelection, select_units
 
 DEFAULT_STEPS = 8
@@ -105,6 +105,12 @@ class Prepared:
     spec: RolloutSpec
     contexts: Contexts
     job: SweepJob
+    session: Session | None = None
+    """The session opened to check the model, handed to the first runner so it is not built twice."""
+
+    def open_runner(self) -> SweepRunner:
+        session, self.session = self.session, None
+        return self.job.open(session)
 
 
 def _versions() -> dict:
@@ -166,7 +172,6 @@ def prepare(
         raise InputError(f"ONNX Runtime cannot load {loaded.path}: {str(exc).splitlines()[0]}") from None
     inputs = [s for s in probe_session.inputs if s.name not in probe_session.weights]
     resolved = resolve_spec(spec, steps, inputs, probe_session.outputs)
-    probe_session.close()
     if isinstance(contexts, Contexts):
         ctx = contexts
     else:
@@ -193,7 +198,7 @@ def prepare(
         rebuild_factory=rebuild,
         strategy=strategy,
     )
-    return Prepared(model=loaded, units=units, spec=resolved, contexts=ctx, job=job)
+    return Prepared(model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session)
 
 
 def _fingerprint(prepared: Prepared, settings: ScoreSettings, runtime: OrtRuntime) -> str:
@@ -295,7 +300,7 @@ def score(
     _write_json(meta_path, meta)
 
     nominal_started = time.perf_counter()
-    runner = prepared.job.open()
+    runner = prepared.open_runner()
     nominal_seconds = time.perf_counter() - nominal_started
     meta["strategy"] = runner.strategy
     _write_json(meta_path, meta)

@@ -155,8 +155,9 @@ class SweepJob:
     rebuild_factory: Callable[[dict[str, np.ndarray]], Session] | None = None
     strategy: str = "auto"
 
-    def open(self) -> "SweepRunner":
-        return SweepRunner(self)
+    def open(self, session: Session | None = None) -> "SweepRunner":
+        """A runner; `session` is an already open overridable session to reuse."""
+        return SweepRunner(self, session)
 
 
 @dataclass
@@ -184,9 +185,9 @@ class SweepRunner:
     wins when builds are cheap and rollouts long. 'auto' times both once.
     """
 
-    def __init__(self, job: SweepJob):
+    def __init__(self, job: SweepJob, session: Session | None = None):
         self.job = job
-        self.overridable: Session = job.session_factory()
+        self.overridable: Session = session or job.session_factory()
         self.inputs = [s for s in self.overridable.inputs if s.name not in self.overridable.weights]
         missing = {n for u in job.units.values() for n in u.tensor_names} - self.overridable.weights
         if missing:
