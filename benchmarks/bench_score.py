@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 
 import graph_ops
@@ -69,7 +68,7 @@ def _time_rollouts(session, chunks, spec: RolloutSpec, repeats: int) -> float:
 def bench(example: str, naive_sample: int, threads: int, short: bool = False) -> dict:
     """One example; `short` isolates the per-perturbation mechanics (1 step, 1 window)."""
     from runtimes import OrtRuntime
-    from tqsdeploy.contexts import Contexts, load_npz
+    from tqsdeploy.contexts import Contexts
 
     folder = REPO / "examples" / example
     model, spec_path = folder / "model.onnx", folder / "rollout.toml"

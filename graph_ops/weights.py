@@ -104,7 +104,7 @@ def _consumer_channel_axis(node: onnx.NodeProto, position: int, rank: int) -> in
 
 
 def _weight_consumers(
-    graph: onnx.GraphProto, name: str, rank: int, consumers: dict[str, list[tuple[onnx.NodeProto, int]]]
+    name: str, rank: int, consumers: dict[str, list[tuple[onnx.NodeProto, int]]]
 ) -> tuple[set[str], int | None, list[str]]:
     """Op types that use `name` as a weight operand, following layout-only ops,
     the stored axis holding output channels if all consumers agree, and the
@@ -157,7 +157,7 @@ def find_weight_tensors(model: onnx.ModelProto) -> list[WeightTensor]:
         if tensor.data_type not in FLOAT_TYPES or name in graph_inputs:
             continue
         shape = tuple(int(d) for d in tensor.dims)
-        op_types, channel_axis, nodes = _weight_consumers(graph, name, len(shape), consumers)
+        op_types, channel_axis, nodes = _weight_consumers(name, len(shape), consumers)
         tensors.append(
             WeightTensor(
                 name=name,

@@ -12,7 +12,7 @@ from tqsdeploy.errors import InfeasibleError
 TIERS = get_tiers(["fp32", "bf16", "int8", "int4", "int2"])
 
 
-def _choices(gammas, sizes, dead=(), objective="paper"):
+def _choices(gammas, sizes, dead=()):
     weights = paper_weights(dict(enumerate(gammas)), set(dead))
     choices = []
     for i, (gamma, size) in enumerate(zip(gammas, sizes)):

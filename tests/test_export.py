@@ -162,7 +162,7 @@ def test_infeasible_target_in_a_list_fails_before_writing(scored, tmp_path):
 def test_export_without_arguments_uses_the_newest_score_run(tmp_path, monkeypatch):
     """`tqsdeploy export --C 2` right after `tqsdeploy score MODEL` in the same folder."""
     monkeypatch.chdir(tmp_path)
-    model = models.mlp_forecaster(tmp_path / "fresh.onnx")
+    models.mlp_forecaster(tmp_path / "fresh.onnx")
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 1, 32)).astype(np.float32))
     code, text = _invoke(["score", "fresh.onnx", "-c", "c.npz", "--steps", "3", "--probes", "1"])
     assert code == 0, text

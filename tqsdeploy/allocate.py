@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from tiers import Tier
 from tqsdeploy.errors import InfeasibleError
@@ -91,7 +90,7 @@ def max_compression(choices: list[Choice], reference_bits: int, fixed_bits: int)
     return reference_bits / (fixed_bits + unit_cost_floor(choices))
 
 
-def _solve_mckp(choices: list[Choice], budget: int, solver: str) -> tuple[dict[str, str], str]:
+def _solve_mckp(choices: list[Choice], budget: int) -> tuple[dict[str, str], str]:
     """Exact multiple-choice knapsack with pulp: HiGHS first, then CBC."""
     import pulp
 
@@ -204,7 +203,7 @@ def allocate(
     remaining = budget - sum(c.cost[chosen[c.unit]] for c in choices if c.unit in chosen)
     label = solver
     if solver == "mckp":
-        solved, label = _solve_mckp(rest, int(remaining), solver)
+        solved, label = _solve_mckp(rest, int(remaining))
         if label == "failed":
             solved, label = _greedy(rest, tiers, remaining), "greedy (MCKP solver failed)"
     elif solver == "greedy":

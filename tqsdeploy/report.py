@@ -78,7 +78,7 @@ def concentration(gammas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(1, shift.size + 1) / shift.size, share
 
 
-def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], folder: Path, metric: str, label: str) -> list[tuple[str, str]]:
+def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], folder: Path, metric: str) -> list[tuple[str, str]]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -202,7 +202,7 @@ def build_report(out_dir: str | Path, model: str | Path, buckets_patterns: dict[
     meta = json.loads((out_dir / "frontier.json").read_text())
     metric, label = _metric(frame)
     roles = buckets(Path(model), scores["unit"].to_list(), buckets_patterns)
-    figures = _plots(frame, scores, roles, out_dir, metric, label)
+    figures = _plots(frame, scores, roles, out_dir, metric)
 
     blocks: list[tuple] = [("h1", f"Compression frontier: {Path(model).name}"), ("p", f"Error metric: {label}. Evaluated with {meta['runtime']}.")]
     blocks.append(("img", "frontier.png", figures[0][1]))

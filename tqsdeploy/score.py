@@ -14,7 +14,6 @@ import hashlib
 import os
 import json
 import platform
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,7 +28,7 @@ import graph_ops
 from runtimes import OrtRuntime, Session
 from tqsdeploy import __version__
 from tqsdeploy.contexts import Contexts, load_contexts
-from tqsdeploy.errors import InputError, RolloutError
+from tqsdeploy.errors import InputError
 from tqsdeploy.rollout import RolloutSpec, detect
 from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
 from tqsdeploy.sweep import EarlyStop, ResultLog, SweepJob, SweepRunner, TaskResult, plan_tasks, run_local, run_parallel, run_ray
