@@ -1,18 +1,22 @@
-"""ONNX graph surgery: loading models safely, finding weight tensors, and
-rewriting graphs so one runtime session can score many weight variants.
+"""ONNX graph surgery: loading models safely, finding weight tensors and their
+layouts, and rewriting graphs so one runtime session can score many weight
+variants or a file can store quantized weights.
 
 Nothing here runs a model or knows about TQS; it takes and returns ONNX
 protos, paths and plain dataclasses.
 """
 
-from graph_ops.io import GraphError, LoadedModel, load_model, model_bytes, save_model
+from graph_ops.io import GraphError, LoadedModel, load_model, model_bytes, save_model, weight_bits
+from graph_ops.layout import WeightLayout, WeightUse, weight_layouts
 from graph_ops.weights import WeightTensor, find_weight_tensors, read_weights, replace_weights
 from graph_ops.overridable import make_weights_overridable
 
 __all__ = [
     "GraphError",
     "LoadedModel",
+    "WeightLayout",
     "WeightTensor",
+    "WeightUse",
     "find_weight_tensors",
     "load_model",
     "make_weights_overridable",
@@ -20,4 +24,6 @@ __all__ = [
     "read_weights",
     "replace_weights",
     "save_model",
+    "weight_bits",
+    "weight_layouts",
 ]

@@ -93,9 +93,10 @@ def tensor_sizes(proto: onnx.ModelProto) -> dict[str, int]:
     return {tensor.name: tensor_bits(tensor) for tensor in iter_tensors(proto.graph)}
 
 
-def weight_bytes(proto: onnx.ModelProto) -> int:
-    """Bytes of stored tensor data (initializers and Constant values), scales included."""
-    return sum((tensor_bits(t) + 7) // 8 for t in iter_tensors(proto.graph))
+def weight_bits(proto: onnx.ModelProto) -> int:
+    """Bits of stored tensor data (initializers and Constant values, scales and zero
+    points included): the one size every compression ratio divides."""
+    return sum(tensor_bits(t) for t in iter_tensors(proto.graph))
 
 
 def _external_files(proto: onnx.ModelProto, folder: Path) -> list[Path]:
@@ -169,6 +170,17 @@ def runtime_compatible(proto: onnx.ModelProto) -> onnx.ModelProto:
         if opset.domain in ("", "ai.onnx") and opset.version > MAX_OPSET:
             raise GraphError(f"model uses opset {opset.version}; ONNX Runtime here runs at most opset {MAX_OPSET}")
     return proto
+
+
+def session_source(proto: onnx.ModelProto, folder: str | os.PathLike | None = None, name: str = "session.onnx") -> bytes | Path:
+    """What to hand a runtime: the serialised model below protobuf's 2 GiB, else
+    a copy with external data written into `folder` (a new temporary folder when None)."""
+    if stored_bytes(proto) < PROTOBUF_LIMIT:
+        return model_bytes(proto)
+    import tempfile
+
+    folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="tqs-session-"))
+    return save_model(proto, folder / name, external_data=True)
 
 
 def model_bytes(proto: onnx.ModelProto) -> bytes:

@@ -1,12 +1,14 @@
 """Write quantized weights into a graph as standard ONNX ops.
 
-Each replaced weight keeps its tensor name; what produces it changes:
-- 'raw': a float32 initializer (unchanged precision);
-- 'cast': a float16/bfloat16 initializer + Cast(to=FLOAT);
+Each replaced weight keeps its tensor name; what produces it changes, by the
+stored form (`tiers.Encoded`), one emitter per form in `EMITTERS`:
+- 'raw': a float initializer (unchanged precision);
+- 'cast': a float16/bfloat16 initializer + Cast to the weight's type;
 - 'dequantize': integer or FP8 codes + DequantizeLinear (per tensor, per axis,
-  or blockwise with `block_size`, opset 21+);
+  or blockwise with `block_size`, opset 21+), zero points when asymmetric;
 - 'packed_sign': sign bits packed 8 per byte (uint8) + an unpack subgraph of
-  standard ops (BitShift, BitwiseAnd, Cast, Mul, Sub) and the scale.
+  standard ops (BitShift, BitwiseAnd, Cast, Mul, Sub) and the scale;
+- 'split': each output-channel group emitted by its own form, then a Concat.
 New nodes go first in the node list: they read only initializers, so the
 graph stays topologically sorted, and every consumer keeps reading the same
 name. Consumers are never edited, so shared weights are stored once.
@@ -17,22 +19,20 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper, version_converter
 
-from graph_ops.io import MAX_IR_VERSION, MAX_OPSET, GraphError
-
-KIND_OPSET = {"raw": 1, "cast": 13, "dequantize": 13, "packed_sign": 18}
+from graph_ops.io import MAX_IR_VERSION, MAX_OPSET, GraphError, tensor_bits
 
 
 class StoredWeight(Protocol):
-    """What `tiers.Stored` provides; graph_ops needs nothing else from a tier."""
+    """What `tiers.Encoded` provides; graph_ops needs nothing else from a tier."""
 
-    kind: str
-    values: np.ndarray
+    form: str
+    values: np.ndarray | None
     shape: tuple[int, ...]
     scale: np.ndarray | None
     axis: int | None
@@ -40,26 +40,33 @@ class StoredWeight(Protocol):
     zero_point: np.ndarray | None
     dtype: str
     """numpy name of the float type consumers expect ('float32', 'float16')."""
+    parts: tuple
+
+
+def _form_opset(value: StoredWeight) -> int:
+    """Lowest default-domain opset that expresses one stored form."""
+    if value.form == "split":
+        return max([11] + [_form_opset(p) for p in value.parts])
+    if value.form == "raw":
+        return 1
+    if value.form == "cast":
+        return 13 if value.values.dtype.name == "bfloat16" else 6
+    if value.form == "packed_sign":
+        return 18  # BitwiseAnd
+    needed = 13 if value.dtype == "float32" else 19  # float16 scales
+    name = np.dtype(value.values.dtype).name
+    if name in ("int4", "uint4") or value.block_size:
+        needed = max(needed, 21)
+    if name.startswith("float8"):
+        needed = max(needed, 19)
+    if name in ("int2", "uint2"):
+        needed = max(needed, 25)
+    return needed
 
 
 def required_opset(stored: Mapping[str, StoredWeight]) -> int:
     """Lowest default-domain opset that can express every stored form."""
-    needed = 1
-    for value in stored.values():
-        needed = max(needed, KIND_OPSET[value.kind])
-        if value.kind == "dequantize" and getattr(value, "dtype", "float32") != "float32":
-            needed = max(needed, 19)  # float16 scales
-        if value.kind == "dequantize":
-            dtype = np.dtype(value.values.dtype)
-            if dtype.name in ("int4", "uint4"):
-                needed = max(needed, 21)
-            if dtype.name.startswith("float8"):
-                needed = max(needed, 19)
-            if dtype.name in ("int2", "uint2"):
-                needed = max(needed, 25)
-            if value.block_size:
-                needed = max(needed, 21)
-    return needed
+    return max([1] + [_form_opset(value) for value in stored.values()])
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -96,41 +103,41 @@ def _lift_constants(model: onnx.ModelProto, names: set[str]) -> None:
         model.graph.node.extend(kept)
 
 
-def _emit(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]]:
-    """Initializers and nodes that produce tensor `name` from its stored form."""
-    dtype = np.dtype(getattr(value, "dtype", "float32"))
-    if value.kind == "raw" or (value.kind == "cast" and value.values.dtype == dtype):
-        return [numpy_helper.from_array(np.ascontiguousarray(value.values.astype(dtype, copy=False)), name)], []
-    if value.kind == "cast":
-        stored = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__{value.values.dtype.name}")
-        to = helper.np_dtype_to_tensor_dtype(dtype)
-        return [stored], [helper.make_node("Cast", [stored.name], [name], to=to, name=f"{name}__cast")]
-    if value.kind == "dequantize":
-        codes = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__q")
-        scale = numpy_helper.from_array(np.ascontiguousarray(value.scale, dtype=dtype), f"{name}__scale")
-        attributes = {}
-        if value.axis is not None and np.ndim(value.scale) > 0:
-            attributes["axis"] = int(value.axis)
-        if value.block_size:
-            attributes["block_size"] = int(value.block_size)
-        initializers, inputs = [codes, scale], [codes.name, scale.name]
-        if getattr(value, "zero_point", None) is not None:
-            zero = numpy_helper.from_array(np.ascontiguousarray(value.zero_point), f"{name}__zero")
-            initializers.append(zero)
-            inputs.append(zero.name)
-        node = helper.make_node("DequantizeLinear", inputs, [name], name=f"{name}__dq", **attributes)
-        return initializers, [node]
-    if value.kind == "packed_sign":
-        return _unpack_signs(name, value)
-    raise GraphError(f"unknown stored form '{value.kind}' for '{name}'")
+def _raw(name: str, value: StoredWeight):
+    dtype = np.dtype(value.dtype)
+    return [numpy_helper.from_array(np.ascontiguousarray(value.values.astype(dtype, copy=False)), name)], []
 
 
-def _unpack_signs(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]]:
+def _cast(name: str, value: StoredWeight):
+    if value.values.dtype == np.dtype(value.dtype):
+        return _raw(name, value)
+    stored = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__{value.values.dtype.name}")
+    to = helper.np_dtype_to_tensor_dtype(np.dtype(value.dtype))
+    return [stored], [helper.make_node("Cast", [stored.name], [name], to=to, name=f"{name}__cast")]
+
+
+def _dequantize(name: str, value: StoredWeight):
+    codes = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__q")
+    scale = numpy_helper.from_array(np.ascontiguousarray(value.scale, dtype=np.dtype(value.dtype)), f"{name}__scale")
+    attributes = {}
+    if value.axis is not None and np.ndim(value.scale) > 0:
+        attributes["axis"] = int(value.axis)
+    if value.block_size:
+        attributes["block_size"] = int(value.block_size)
+    initializers, inputs = [codes, scale], [codes.name, scale.name]
+    if value.zero_point is not None:
+        zero = numpy_helper.from_array(np.ascontiguousarray(value.zero_point), f"{name}__zero")
+        initializers.append(zero)
+        inputs.append(zero.name)
+    return initializers, [helper.make_node("DequantizeLinear", inputs, [name], name=f"{name}__dq", **attributes)]
+
+
+def _packed_sign(name: str, value: StoredWeight):
     """packed uint8 -> bits (MSB first, as numpy.packbits) -> {-1, +1} * scale."""
     shape = list(value.shape)
     size = int(np.prod(shape, dtype=np.int64))
     p = f"{name}__"
-    dtype = np.dtype(getattr(value, "dtype", "float32"))
+    dtype = np.dtype(value.dtype)
     scale = np.asarray(value.scale, dtype=dtype)
     if scale.ndim == 1:  # per axis: reshape for broadcasting against the weight
         view = [1] * len(shape)
@@ -162,34 +169,39 @@ def _unpack_signs(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto
     return initializers, nodes
 
 
-def apply_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight]) -> onnx.ModelProto:
-    """A copy of `model` whose named weights are stored as given. Input untouched."""
-    opset = max(_opset(model), required_opset(stored))
-    result = upgrade_opset(copy.deepcopy(model), opset)
-    graph = result.graph
-    _lift_constants(result, set(stored))
-    present = {t.name for t in graph.initializer}
-    missing = set(stored) - present
-    if missing:
-        raise GraphError(f"no weight named '{sorted(missing)[0]}' in the model")
-    kept = [t for t in graph.initializer if t.name not in stored]
-    new_nodes = []
-    for name, value in stored.items():
-        initializers, nodes = _emit(name, value)
-        kept.extend(initializers)
-        new_nodes.extend(nodes)
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    inputs = [i for i in graph.input if i.name not in stored]  # old-style models list initializers as inputs
-    if len(inputs) != len(graph.input):
-        del graph.input[:]
-        graph.input.extend(inputs)
-    nodes = new_nodes + list(graph.node)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    minimum_ir = helper.find_min_ir_version_for(list(result.opset_import), ignore_unknown=True)
-    result.ir_version = min(max(result.ir_version, minimum_ir), MAX_IR_VERSION)
-    return result
+def _split(name: str, value: StoredWeight):
+    """Each channel group by its own form, joined along the output-channel axis."""
+    initializers, nodes, pieces = [], [], []
+    for index, part in enumerate(value.parts):
+        piece = f"{name}__part{index}"
+        tensors, producers = _emit(piece, part)
+        initializers += tensors
+        nodes += producers
+        pieces.append(piece)
+    nodes.append(helper.make_node("Concat", pieces, [name], axis=int(value.axis), name=f"{name}__concat"))
+    return initializers, nodes
+
+
+EMITTERS: dict[str, Callable[[str, StoredWeight], tuple[list[onnx.TensorProto], list[onnx.NodeProto]]]] = {
+    "raw": _raw,
+    "cast": _cast,
+    "dequantize": _dequantize,
+    "packed_sign": _packed_sign,
+    "split": _split,
+}
+"""Stored form -> emitter of the initializers and nodes that produce the weight."""
+
+
+def _emit(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]]:
+    """Initializers and nodes that produce tensor `name` from its stored form."""
+    if value.form not in EMITTERS:
+        raise GraphError(f"unknown stored form '{value.form}' for '{name}'")
+    return EMITTERS[value.form](name, value)
+
+
+def emitted_bits(name: str, value: StoredWeight) -> int:
+    """Bits of every tensor the weight's stored form puts in the file (what eval and gate count)."""
+    return sum(tensor_bits(t) for t in _emit(name, value)[0])
 
 
 STREAM_THRESHOLD = 1 << 30
@@ -259,29 +271,17 @@ class _DataFile:
         self.handle.close()
 
 
-def write_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
-    """Write `model` with `stored` weights to `path`. Input untouched.
+def _skeleton(model: onnx.ModelProto, lift: set[str], opset: int) -> tuple[onnx.ModelProto, dict[str, onnx.TensorProto]]:
+    """The model's structure at `opset`, without initializers, and the Constant weights in `lift` as tensors.
 
-    Small models go through `apply_storage` in memory. Large ones (or
-    `external_data=True`) are written tensor by tensor into `<name>.data`:
-    each weight is quantized, emitted and written before the next, and kept
-    tensors are written straight from the input's bytes, so peak memory stays
-    near the input model's own copy plus one tensor.
+    The opset is converted before new ops join. The converter wants every
+    tensor defined, so the (data-less) initializers stand in as graph inputs
+    meanwhile.
     """
-    from graph_ops.io import save_model, stored_bytes
-
-    path = Path(path)
-    if external_data is None:
-        external_data = stored_bytes(model) >= STREAM_THRESHOLD
-    if not external_data:
-        return save_model(apply_storage(model, stored), path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     skeleton = _copy_without_initializers(model)
-    _lift_constants(skeleton, set(stored))
+    _lift_constants(skeleton, lift)
     lifted = {t.name: t for t in skeleton.graph.initializer}  # weights that were Constant nodes
     del skeleton.graph.initializer[:]
-    # Convert the opset before the new ops join. The converter wants every tensor
-    # defined, so the (data-less) initializers stand in as graph inputs meanwhile.
     declared = {i.name for i in skeleton.graph.input}
     stand_ins = [
         helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
@@ -289,28 +289,39 @@ def write_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], pa
         if t.name not in declared
     ]
     skeleton.graph.input.extend(stand_ins)
-    skeleton = upgrade_opset(skeleton, max(_opset(model), required_opset(stored)))
+    skeleton = upgrade_opset(skeleton, opset)
     temporary = {v.name for v in stand_ins}
     kept_inputs = [i for i in skeleton.graph.input if i.name not in temporary]
     del skeleton.graph.input[:]
     skeleton.graph.input.extend(kept_inputs)
+    return skeleton, lifted
+
+
+def conversion_overhead_bits(model: onnx.ModelProto, opset: int) -> int:
+    """Stored bits the opset conversion adds (attributes that become constant inputs)."""
+    from graph_ops.io import weight_bits
+
+    before = _copy_without_initializers(model)
+    after, _ = _skeleton(model, set(), max(_opset(model), opset))
+    return max(0, weight_bits(after) - weight_bits(before))
+
+
+def _build(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], sink: Callable[[onnx.TensorProto], onnx.TensorProto]) -> onnx.ModelProto:
+    """The model with `stored` weights; every initializer passes through `sink` (kept, or moved to external data)."""
+    skeleton, lifted = _skeleton(model, set(stored), max(_opset(model), required_opset(stored)))
     present = {t.name for t in model.graph.initializer} | set(lifted)
     missing = set(stored) - present
     if missing:
         raise GraphError(f"no weight named '{sorted(missing)[0]}' in the model")
-    data = _DataFile(path.with_name(path.name + ".data"))
     new_nodes = []
-    try:
-        for tensor in list(model.graph.initializer) + list(lifted.values()):
-            if tensor.name in stored:
-                initializers, nodes = _emit(tensor.name, stored[tensor.name])
-                skeleton.graph.initializer.extend(data.reference(t) for t in initializers)
-                new_nodes.extend(nodes)
-            else:
-                skeleton.graph.initializer.append(data.reference(tensor))
-    finally:
-        data.close()
-    inputs = [i for i in skeleton.graph.input if i.name not in stored]
+    for tensor in list(model.graph.initializer) + list(lifted.values()):
+        if tensor.name in stored:
+            initializers, nodes = _emit(tensor.name, stored[tensor.name])
+            skeleton.graph.initializer.extend(sink(t) for t in initializers)
+            new_nodes.extend(nodes)
+        else:
+            skeleton.graph.initializer.append(sink(tensor))
+    inputs = [i for i in skeleton.graph.input if i.name not in stored]  # old-style models list initializers as inputs
     del skeleton.graph.input[:]
     skeleton.graph.input.extend(inputs)
     nodes = new_nodes + list(skeleton.graph.node)
@@ -318,5 +329,35 @@ def write_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], pa
     skeleton.graph.node.extend(nodes)
     minimum_ir = helper.find_min_ir_version_for(list(skeleton.opset_import), ignore_unknown=True)
     skeleton.ir_version = min(max(skeleton.ir_version, minimum_ir), MAX_IR_VERSION)
-    onnx.save_model(skeleton, str(path))
-    return path
+    return skeleton
+
+
+def apply_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight]) -> onnx.ModelProto:
+    """A new model whose named weights are stored as given. Input untouched."""
+    return _build(model, stored, lambda tensor: tensor)
+
+
+def write_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], path: str | os.PathLike, *, external_data: bool | None = None) -> tuple[Path, int]:
+    """Write `model` with `stored` weights to `path`; returns the path and the file's stored-tensor bits.
+
+    Small models are built in memory. Large ones (or `external_data=True`) are
+    written tensor by tensor into `<name>.data`: each emitted or kept tensor
+    goes to disk before the next, kept tensors straight from the input's
+    bytes, so peak memory stays near the input model's own copy plus one tensor.
+    """
+    from graph_ops.io import save_model, stored_bytes, weight_bits
+
+    path = Path(path)
+    if external_data is None:
+        external_data = stored_bytes(model) >= STREAM_THRESHOLD
+    if not external_data:
+        built = apply_storage(model, stored)
+        return save_model(built, path), weight_bits(built)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = _DataFile(path.with_name(path.name + ".data"))
+    try:
+        built = _build(model, stored, data.reference)
+    finally:
+        data.close()
+    onnx.save_model(built, str(path))
+    return path, weight_bits(built)

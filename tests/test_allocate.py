@@ -5,19 +5,30 @@ import math
 import numpy as np
 import pytest
 
-from tiers import Layout, get_tiers
+from graph_ops.qdq import emitted_bits
+from tiers import Layout, encode, get_tiers
 from tqsdeploy.allocate import Choice, allocate, max_compression, paper_weights
 from tqsdeploy.errors import InfeasibleError
 
 TIERS = get_tiers(["fp32", "bf16", "int8", "int4", "int2"])
 
 
+COSTS: dict = {}
+
+
+def _cost(tier, size: int) -> int:
+    """Bits a [size, 64] weight (output channels on axis 1) takes in the file at `tier`."""
+    if (tier.name, size) not in COSTS:
+        weight = np.random.default_rng(size).standard_normal((size, 64)).astype(np.float32)
+        COSTS[tier.name, size] = emitted_bits("w", encode(weight, Layout.channels_on((size, 64), 1), tier))
+    return COSTS[tier.name, size]
+
+
 def _choices(gammas, sizes, dead=()):
     weights = paper_weights(dict(enumerate(gammas)), set(dead))
     choices = []
     for i, (gamma, size) in enumerate(zip(gammas, sizes)):
-        layout = Layout((size, 64), 1)
-        cost = {t.name: t.cost_bits(layout) for t in TIERS}
+        cost = {t.name: _cost(t, int(size)) for t in TIERS}
         loss = {t.name: weights[i] * 2.0 ** (-t.bits) for t in TIERS}
         choices.append(Choice(i, size * 64, gamma, i in dead, cost, loss))
     return choices

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 import models
-from tiers import fake_quantize
 from tqsdeploy import ScoreSettings, UnitSelection, score
+from tqsdeploy.probes import quantization_probe
 
 
 def _exact_gamma(a: np.ndarray, x0: np.ndarray, bits: int, horizons, eps=1e-12) -> dict[int, float]:
     """gamma(T) computed in float64 from the closed-form trajectories."""
     w = a.T.astype(np.float32).astype(np.float64)
-    dw = fake_quantize(a.T.astype(np.float32), bits).astype(np.float64) - w
+    dw = quantization_probe(a.T.astype(np.float32), bits).astype(np.float64) - w
     nominal, perturbed = x0.astype(np.float64), x0.astype(np.float64)
     cumulative = np.zeros(x0.shape[0])
     out = {}

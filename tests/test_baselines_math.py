@@ -3,7 +3,17 @@
 import numpy as np
 import pytest
 
-from tiers.gptq import Hessian, find_grid, gptaq, gptq, inverse_cholesky, output_error, qep_correct, quant_spec, rtn
+from tiers.grid import GridSpec, find_grid
+from tiers.gptq import Hessian, gptaq, gptq, inverse_cholesky, output_error, qep_correct, rtn
+
+
+def asym(bits, search=False):
+    """GPTQ's default grid (asymmetric min-max), optionally MSE-searched."""
+    return GridSpec("sign", 1) if bits == 1 else GridSpec("int", bits, symmetric=False, search=search)
+
+
+def sym(bits, search=False):
+    return GridSpec("int", bits, symmetric=True, search=search)
 
 
 def _problem(seed=0, n=512, k=64, rows=24, drift=0.0):
@@ -31,10 +41,10 @@ def test_hessian_is_running_average_of_two_over_n_xtx():
     np.testing.assert_allclose(Hessian.merge(halves).H, stats.H, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("scheme", [None, "sym", "quarot"])
-def test_gptq_same_codes_for_any_block_size(scheme):
+@pytest.mark.parametrize("spec", [asym(3), sym(3), asym(3, search=True), GridSpec("sign", 1)])
+def test_gptq_same_codes_for_any_block_size(spec):
     _, _, wt, stats = _problem()
-    results = [gptq(wt, stats.H, 3, block_size=b, scheme=scheme) for b in (1, 32, 128)]
+    results = [gptq(wt, stats.H, spec, block_size=b) for b in (1, 32, 128)]
     for other in results[1:]:
         np.testing.assert_array_equal(other.codes, results[0].codes)
         np.testing.assert_allclose(other.values, results[0].values, rtol=0, atol=1e-12)
@@ -42,7 +52,7 @@ def test_gptq_same_codes_for_any_block_size(scheme):
 
 def test_groupwise_gptq_independent_of_block_size_even_when_groups_straddle_blocks():
     _, _, wt, stats = _problem()
-    codes = [gptq(wt, stats.H, 3, group_size=24, block_size=b).codes for b in (1, 32, 128)]
+    codes = [gptq(wt, stats.H, asym(3), group_size=24, block_size=b).codes for b in (1, 32, 128)]
     np.testing.assert_array_equal(codes[0], codes[1])
     np.testing.assert_array_equal(codes[0], codes[2])
 
@@ -50,8 +60,8 @@ def test_groupwise_gptq_independent_of_block_size_even_when_groups_straddle_bloc
 def test_gptaq_with_alpha_zero_is_gptq():
     _, _, wt, stats = _problem(drift=0.5)
     for kwargs in ({}, {"group_size": 16, "act_order": True}):
-        a = gptaq(wt, stats.H, stats.G, 3, alpha=0.0, **kwargs)
-        b = gptq(wt, stats.H, 3, **kwargs)
+        a = gptaq(wt, stats.H, stats.G, asym(3), alpha=0.0, **kwargs)
+        b = gptq(wt, stats.H, asym(3), **kwargs)
         np.testing.assert_array_equal(a.codes, b.codes)
         np.testing.assert_array_equal(a.values, b.values)
 
@@ -59,7 +69,7 @@ def test_gptaq_with_alpha_zero_is_gptq():
 def _official_gptaq(W, H, dXXT, bits, percdamp=0.01, blocksize=128, alpha=0.25):
     """A literal numpy transcription of GPTAQ's `fasterquant` (per channel, asymmetric)."""
     W, H, dXXT = W.copy(), H.copy(), dXXT.copy()
-    grid = find_grid(W, quant_spec(bits))
+    grid = find_grid(W, asym(bits))
     scale, zero, maxq = grid.scale[:, None], grid.zero[:, None], 2**bits - 1
     dead = np.diag(H) == 0
     H[dead, dead] = 1
@@ -85,23 +95,23 @@ def _official_gptaq(W, H, dXXT, bits, percdamp=0.01, blocksize=128, alpha=0.25):
 
 def test_gptaq_matches_a_transcription_of_the_official_loop():
     _, _, wt, stats = _problem(drift=0.5, k=160)  # two blocks, so the lazy update with P is exercised
-    ours = gptaq(wt, stats.H, stats.G, 3)
+    ours = gptaq(wt, stats.H, stats.G, asym(3))
     np.testing.assert_allclose(ours.values, _official_gptaq(wt, stats.H, stats.G, 3), rtol=0, atol=1e-9)
 
 
 def test_gptaq_lowers_the_asymmetric_objective():
     x, x_fp, wt, stats = _problem(drift=0.3, n=2048)
     target = x_fp @ wt.T
-    plain = np.linalg.norm(target - x @ gptq(wt, stats.H, 4).values.T)
-    asym = np.linalg.norm(target - x @ gptaq(wt, stats.H, stats.G, 4).values.T)
-    assert asym < plain
+    plain = np.linalg.norm(target - x @ gptq(wt, stats.H, asym(4)).values.T)
+    calibrated = np.linalg.norm(target - x @ gptaq(wt, stats.H, stats.G, asym(4)).values.T)
+    assert calibrated < plain
 
 
 def test_qep_with_alpha_zero_is_the_base_method():
     _, _, wt, stats = _problem(drift=0.5)
     corrected = qep_correct(wt, stats.H, stats.G, alpha=0.0)
-    np.testing.assert_array_equal(gptq(corrected, stats.H, 3).codes, gptq(wt, stats.H, 3).codes)
-    np.testing.assert_array_equal(rtn(corrected, 3).codes, rtn(wt, 3).codes)
+    np.testing.assert_array_equal(gptq(corrected, stats.H, asym(3)).codes, gptq(wt, stats.H, asym(3)).codes)
+    np.testing.assert_array_equal(rtn(corrected, asym(3)).codes, rtn(wt, asym(3)).codes)
 
 
 def test_qep_full_strength_without_damping_is_the_least_squares_fit():
@@ -112,12 +122,15 @@ def test_qep_full_strength_without_damping_is_the_least_squares_fit():
     np.testing.assert_allclose(corrected[:, live], fit.T, rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("bits,kwargs", [(3, {}), (4, {"group_size": 16}), (2, {"scheme": "sym"}), (3, {"act_order": True, "group_size": 16}), (1, {})])
-def test_gptq_output_error_not_above_rtn(bits, kwargs):
+@pytest.mark.parametrize(
+    "spec,kwargs",
+    [(asym(3), {}), (asym(4), {"group_size": 16}), (sym(2), {}), (asym(3), {"act_order": True, "group_size": 16}), (asym(1), {}),
+     (asym(2, search=True), {}), (sym(4, search=True), {"group_size": 16}), (asym(8), {})],
+)
+def test_gptq_output_error_not_above_rtn(spec, kwargs):
     x, _, wt, stats = _problem(seed=1)
-    group = kwargs.get("group_size", -1)
-    ours = gptq(wt, stats.H, bits, **kwargs)
-    base = rtn(wt, bits, group, kwargs.get("scheme"))
+    ours = gptq(wt, stats.H, spec, **kwargs)
+    base = rtn(wt, spec, kwargs.get("group_size", -1))
     assert output_error(wt, ours.values, stats) <= output_error(wt, base.values, stats)
     np.testing.assert_allclose(output_error(wt, ours.values, stats), np.linalg.norm(x @ (wt - ours.values).T), rtol=1e-9)
 
@@ -129,31 +142,31 @@ def _expand(per_group, group_size, columns):
 def test_values_are_exactly_the_float32_dequantization_of_the_codes():
     _, _, wt, stats = _problem()
     k = wt.shape[1]
-    for result in (gptq(wt, stats.H, 4, group_size=16, act_order=True), rtn(wt, 3, 16, "quarot"), gptq(wt, stats.H, 1), rtn(wt, 8, mse=True)):
+    for result in (gptq(wt, stats.H, asym(4), group_size=16, act_order=True), rtn(wt, sym(3), 16), gptq(wt, stats.H, asym(1)), rtn(wt, asym(8, search=True)), rtn(wt, GridSpec("fp8", 8))):
         scale = _expand(result.scale, result.group_size, k).astype(np.float32)
-        zero = 0 if result.zero is None else _expand(result.zero, result.group_size, k).astype(np.float32)
+        zero = _expand(result.zero, result.group_size, k).astype(np.float32)
         float32 = (result.codes.astype(np.float32) - zero) * scale
         np.testing.assert_array_equal(float32, result.values.astype(np.float32))
 
 
 def test_grids_follow_the_spec_formulas():
     w = np.array([[-1.0, 0.5, 2.0], [0.0, 0.0, 0.0], [0.25, 0.5, 1.0]])
-    asym = find_grid(w, quant_spec(2))
-    np.testing.assert_allclose(asym.scale, [1.0, 2 / 3, 1 / 3], rtol=1e-7)  # lo forced <= 0; empty row -> [-1, 1]
-    np.testing.assert_array_equal(asym.zero[[0, 2]], [1, 0])
-    np.testing.assert_array_equal(rtn(w, 2).values[1], 0.0)
-    sym = find_grid(w, quant_spec(2, "sym"))
-    np.testing.assert_allclose(sym.scale, [4 / 3, 2 / 3, 2 / 3], rtol=1e-7)
-    quarot = find_grid(w, quant_spec(2, "quarot"))
-    np.testing.assert_allclose(quarot.scale, [2.0, 1e-5, 1.0], rtol=1e-7)  # 2 bits: ternary {-a, 0, a}
-    sign = rtn(w, 1)
+    grid = find_grid(w, asym(2))
+    np.testing.assert_allclose(grid.scale, [1.0, 2 / 3, 1 / 3], rtol=1e-7)  # lo forced <= 0; empty row -> [-1, 1]
+    np.testing.assert_array_equal(grid.zero[[0, 2]], [1, 0])
+    np.testing.assert_array_equal(rtn(w, asym(2)).values[1], 0.0)
+    symmetric = find_grid(w, sym(2))
+    np.testing.assert_allclose(symmetric.scale, [4 / 3, 2 / 3, 2 / 3], rtol=1e-7)  # 2·max|w| / 3: levels {-2, -1, 0, 1}·s
+    codes = rtn(w, sym(2)).codes
+    assert codes.min() >= -2 and codes.max() <= 1
+    sign = rtn(w, asym(1))
     np.testing.assert_allclose(np.abs(sign.values), np.abs(w).mean(axis=1, keepdims=True) * np.ones_like(w), rtol=1e-7)
     assert set(np.unique(sign.codes)) <= {-1, 1}
 
 
 def test_act_order_with_groups_keeps_groups_contiguous():
     _, _, wt, stats = _problem()
-    result = gptq(wt, stats.H, 3, group_size=16, act_order=True)
+    result = gptq(wt, stats.H, asym(3), group_size=16, act_order=True)
     assert result.scale.shape == (wt.shape[0], wt.shape[1] // 16)
     for g in range(result.scale.shape[1]):
         cols = slice(16 * g, 16 * (g + 1))
@@ -165,4 +178,4 @@ def test_cholesky_guard_raises_damping_instead_of_failing():
     h = 2 / 3 * x.T @ x
     upper = inverse_cholesky(h, percdamp=0.0)
     assert np.all(np.isfinite(upper)) and np.allclose(upper, np.triu(upper))
-    assert np.all(np.isfinite(gptq(np.ones((2, 10)), h, 4, percdamp=0.0).values))
+    assert np.all(np.isfinite(gptq(np.ones((2, 10)), h, asym(4), percdamp=0.0).values))

@@ -36,7 +36,7 @@ def test_baseline_command_writes_a_runnable_dequantizelinear_model(small):
     exported = onnx.load(str(folder / "gptq4.onnx"))
     assert sum(n.op_type == "DequantizeLinear" for n in exported.graph.node) == 3
     summary = json.loads((folder / "gptq4.baseline.json").read_text())
-    assert 5 < summary["achieved_compression"] < 8
+    assert 5 < summary["compression"] < 8
     x = np.load(contexts)["x"][0]
     got = OrtRuntime(exact_qdq=True).open(folder / "gptq4.onnx").run({"x": x})["y"]
     want = OrtRuntime().open(model).run({"x": x})["y"]
@@ -49,14 +49,14 @@ def test_frontier_end_to_end(small):
     model, contexts, folder = small
     out = folder / "front"
     code, text = _invoke(
-        "frontier", model, "-c", contexts, "--steps", "4", "--C", "2,4,100", "--objectives", "paper,measured",
+        "frontier", model, "-c", contexts, "--steps", "4", "--C", "2,4,100", "--also", "paper/rtn",
         "--baselines", "rtn,gptq", "--bits", "4,8", "--variable-axis", "0", "-o", out,
     )
     assert code == 0, text
     frame = pl.read_parquet(out / "frontier.parquet")
     overall = frame.filter((pl.col("variable") == "all") | pl.col("variable").is_null())
     settings = set(zip(overall["method"], overall["setting"]))
-    assert {("RTN", "W4"), ("GPTQ", "W8"), ("TQS-PTQ (paper)", "C2"), ("TQS-PTQ (measured)", "C4")} <= settings
+    assert {("RTN", "W4"), ("GPTQ", "W8"), ("TQS-PTQ paper/rtn", "C2"), ("TQS-PTQ", "C4")} <= settings
     assert any(s.startswith("C") and "@W4" in s for _, s in settings)  # TQS at the W4 grid point's compression
     infeasible = overall.filter(pl.col("setting") == "C100")
     assert infeasible.height == 2 and infeasible["status"].str.starts_with("infeasible").all()

@@ -1,4 +1,4 @@
-"""Tiers: stored forms, honest costs, and the ONNX round trip of each."""
+"""Tiers: grids, stored forms, honest costs, and the ONNX round trip of every (tier, rounding) pair."""
 
 import numpy as np
 import onnx
@@ -6,69 +6,131 @@ import pytest
 
 import graph_ops
 import models
-from graph_ops.qdq import apply_storage
+from graph_ops.qdq import apply_storage, conversion_overhead_bits, emitted_bits
 from runtimes import OrtRuntime
-from tiers import TIERS, Layout, TierError, get_tiers
+from tiers import METHODS, TIERS, Layout, Rounding, TierError, encode, get_tiers, split, tier_for_bits
+from tqsdeploy.calibrate import Calibrator
+from tqsdeploy.contexts import Contexts
+from tqsdeploy.quantization import Encoder
+from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.units import Unit
 
 RNG = np.random.default_rng(0)
 W = RNG.standard_normal((64, 48)).astype(np.float32)
+LAYOUTS = [Layout.channels_on((64, 48), 1), Layout.channels_on((64, 48), 0), Layout((64, 48))]
 
 
 @pytest.mark.parametrize("tier", list(TIERS))
-@pytest.mark.parametrize("layout,group", [(Layout((64, 48), 1), None), (Layout((64, 48), 1), 16), (Layout((64, 48), 0), None), (Layout((64, 48), None), None)])
-def test_cost_is_what_is_stored(tier, layout, group):
-    stored = TIERS[tier].quantize(W, layout, group)
-    assert stored.payload_bits == TIERS[tier].cost_bits(layout, group)
-    assert stored.dequantized().shape == W.shape
+@pytest.mark.parametrize("layout,group", [(LAYOUTS[0], None), (LAYOUTS[0], 16), (LAYOUTS[1], None), (LAYOUTS[2], None)])
+def test_cost_is_what_the_file_stores(tier, layout, group):
+    """The payload (codes, scales, zero points) is what the emitted tensors hold, plus only the
+    unpack constants of packed signs; every compression in the tool divides by emitted bits."""
+    encoded = encode(W, layout, TIERS[tier], group_size=group)
+    assert encoded.dequantize().shape == W.shape
+    emitted = emitted_bits("w", encoded)
+    if encoded.form == "packed_sign":
+        assert encoded.payload_bits < emitted < encoded.payload_bits + 600
+    elif encoded.form == "raw":
+        assert emitted == W.size * 32
+    else:
+        assert emitted == encoded.payload_bits
 
 
-@pytest.mark.parametrize("tier,limit", [("fp32", 0), ("bf16", 5e-3), ("fp16", 1e-3), ("fp8", 0.04), ("int8", 0.01), ("int4", 0.11), ("int2", 0.4), ("int1", 0.62)])
+@pytest.mark.parametrize("tier,limit", [("fp32", 0), ("bf16", 5e-3), ("fp16", 1e-3), ("fp8", 0.04), ("int8", 0.01), ("int8-asym", 0.01), ("int4", 0.1), ("int4-asym", 0.09), ("int2", 0.4), ("int2-asym", 0.37), ("int1", 0.62)])
 def test_error_shrinks_with_bits(tier, limit):
-    stored = TIERS[tier].quantize(W, Layout(W.shape, 1))
-    error = np.linalg.norm(stored.dequantized() - W) / np.linalg.norm(W)
+    encoded = encode(W, LAYOUTS[0], TIERS[tier])
+    error = np.linalg.norm(encoded.dequantize() - W) / np.linalg.norm(W)
     assert error <= limit
 
 
-def test_int_codes_in_range():
-    for name, low, high in (("int8", -127, 127), ("int4", -8, 7), ("int2", -2, 1)):
-        codes = TIERS[name].quantize(W, Layout(W.shape, 1)).values.astype(np.int32)
+def test_codes_in_range_and_grids_use_the_whole_range():
+    for name, low, high in (("int8", -128, 127), ("int4", -8, 7), ("int2", -2, 1), ("int4-asym", 0, 15), ("int2-asym", 0, 3)):
+        codes = encode(W, LAYOUTS[0], TIERS[name]).values.astype(np.int32)
         assert codes.min() >= low and codes.max() <= high
-    assert set(np.unique(TIERS["int2"].quantize(W, Layout(W.shape, 1)).values.astype(np.int32))) == {-2, -1, 0, 1}
+    assert set(np.unique(encode(W, LAYOUTS[0], TIERS["int2"]).values.astype(np.int32))) == {-2, -1, 0, 1}
+    asym = encode(W, LAYOUTS[0], TIERS["int2-asym"])
+    assert asym.zero_point is not None and asym.zero_point.dtype.name == "uint2"
 
 
 def test_blockwise_scales_follow_dequantizelinear_layout():
-    stored = TIERS["int4"].quantize(W, Layout(W.shape, 1), 16)
+    stored = encode(W, LAYOUTS[0], TIERS["int4"], group_size=16)
     assert stored.axis == 0 and stored.block_size == 16 and stored.scale.shape == (4, 48)
 
 
 def test_unknown_and_unsupported_tiers():
-    with pytest.raises(TierError, match="unknown tier 'int3'"):
-        get_tiers(["int3"])
+    with pytest.raises(TierError, match="unknown tier 'int5'"):
+        get_tiers(["int5"])
     with pytest.raises(TierError, match="cannot run on target 'trt'"):
         get_tiers(["int2"], target="trt")
+    with pytest.raises(TierError, match="cannot run on target 'trt'"):
+        get_tiers(["int4-asym"], target="trt", group_size=64)
     with pytest.raises(TierError, match="blocks of 64 or 128"):
         get_tiers(["int4"], target="trt")
     assert [t.name for t in get_tiers(["int4", "fp32", "int8"], target="trt", group_size=64)] == ["fp32", "int8", "int4"]
+    assert tier_for_bits(4).name == "int4-asym" and tier_for_bits(8, symmetric=True).name == "int8" and tier_for_bits(1).name == "int1"
+    with pytest.raises(TierError, match="no 5-bit tier"):
+        tier_for_bits(5)
+
+
+def test_channel_groups_split_and_join_exactly():
+    """A weight cut into channel groups at different tiers dequantizes to the groups' own values."""
+    layout = LAYOUTS[0]
+    whole = {t: encode(W, layout, TIERS[t]) for t in ("int8-asym", "int2-asym", "bf16")}
+    parts = [whole["int8-asym"].take_channels(0, 10, 1), whole["int2-asym"].take_channels(10, 30, 1), whole["bf16"].take_channels(30, 48, 1)]
+    joined = split(parts, layout)
+    expected = np.concatenate([whole["int8-asym"].dequantize()[:, :10], whole["int2-asym"].dequantize()[:, 10:30], whole["bf16"].dequantize()[:, 30:]], axis=1)
+    np.testing.assert_array_equal(joined.dequantize(), expected)
+    assert joined.payload_bits == sum(p.payload_bits for p in parts)
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    """Uniform encodings of the MLP forecaster's units, calibrated on real rollouts."""
+    folder = tmp_path_factory.mktemp("tiers")
+    path = models.mlp_forecaster(folder / "mlp.onnx")
+    model = graph_ops.load_model(path)
+    layouts = graph_ops.weight_layouts(model.proto, ["W1", "Wshared", "W3"])
+    units = [Unit(n, (layouts[n],)) for n in layouts]
+    weights = graph_ops.read_weights(model.proto, list(layouts))
+    contexts = Contexts({"x": np.random.default_rng(1).standard_normal((6, 8, 32)).astype(np.float32)}, "test")
+    spec = RolloutSpec.from_dict({"steps": 3, "feedback": [{"output": "y", "input": "x"}]})
+    make = lambda: Encoder(units, layouts, weights, calibrator=lambda: Calibrator(model.proto, layouts, contexts, spec), track_errors=True)  # noqa: E731
+    coder = make()
+    yield model, coder, make
+    coder.close()
 
 
 @pytest.mark.parametrize("tier", list(TIERS))
-@pytest.mark.parametrize("group", [None, 16])
-def test_every_tier_round_trips_through_onnx_runtime(tmp_path, tier, group):
-    """The exported graph computes exactly what numpy says the tier stores."""
-    model = graph_ops.load_model(models.mlp_forecaster(tmp_path / "mlp.onnx"))
-    tensors = {t.name: t for t in graph_ops.find_weight_tensors(model.proto)}
-    weights = graph_ops.read_weights(model.proto, ["W1", "Wshared", "W3"])
-    stored = {n: TIERS[tier].quantize(weights[n], Layout(tensors[n].shape, tensors[n].channel_axis), group) for n in weights}
+@pytest.mark.parametrize("method", METHODS)
+def test_every_tier_and_rounding_round_trips_through_onnx_runtime(encoder, tier, method):
+    """The exported graph computes exactly what numpy says is stored, for every (tier, rounding) pair;
+    the shared weight is stored once."""
+    model, coder, _ = encoder
+    stored = coder.uniform(TIERS[tier], Rounding(method))
     exported = apply_storage(model.proto, stored)
     onnx.checker.check_model(exported)
     assert exported.ir_version <= 13 and all(o.version <= 26 for o in exported.opset_import)
-    fake = graph_ops.replace_weights(model.proto, {n: s.dequantized() for n, s in stored.items()})
+    fake = graph_ops.replace_weights(model.proto, {n: s.dequantize() for n, s in stored.items()})
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
     got = OrtRuntime(exact_qdq=True).open(graph_ops.model_bytes(exported)).run({"x": x})["y"]
     want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.io.runtime_compatible(fake))).run({"x": x})["y"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    # the shared weight is stored once: one producer (or one initializer), read by both MatMuls
     producers = [n for n in exported.graph.node if "Wshared" in n.output]
     initializers = [t for t in exported.graph.initializer if t.name == "Wshared"]
     assert len(producers) + len(initializers) == 1
     assert sum("Wshared" in n.input for n in exported.graph.node) == 2
+    opset = next(o.version for o in exported.opset_import if o.domain in ("", "ai.onnx"))
+    sizes = graph_ops.io.tensor_sizes(model.proto)
+    expected = graph_ops.weight_bits(model.proto) + conversion_overhead_bits(model.proto, opset) + sum(emitted_bits(n, s) - sizes[n] for n, s in stored.items())
+    assert graph_ops.weight_bits(exported) == expected
+
+
+@pytest.mark.parametrize("tier", ["int8-asym", "int4-asym", "int4", "int2-asym", "int2", "int1"])
+def test_gptq_layer_error_never_exceeds_round_to_nearest(encoder, tier):
+    """On the calibration statistics each weight was quantized with, GPTQ's reconstruction error is at most RTN's."""
+    coder = encoder[2]()
+    coder.uniform(TIERS[tier], Rounding("gptq"))
+    assert set(coder.log.errors) == {"W1", "Wshared", "W3"}
+    for name, error in coder.log.errors.items():
+        assert error <= coder.log.rtn_errors[name] * (1 + 1e-9), (tier, name)
+    coder.close()

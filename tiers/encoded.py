@@ -1,64 +1,121 @@
-"""Integer-coded weights in exactly the layout ONNX DequantizeLinear takes.
+"""One container for a weight as it is written into the ONNX file.
 
-w ≈ (codes - zero_point) * scale, with the scale broadcast as DequantizeLinear
-does: one value (per tensor), a 1-D vector along `axis` (per axis), or, with
-`block_size`, an array of the weight's rank whose `axis` dimension is
-ceil(n / block_size) (blockwise, opset 21+).
+`Encoded` says exactly what the exporter stores for one weight and can
+reproduce, in numpy, the floats the runtime computes from it:
+- 'raw': the float weight as it is (its own dtype);
+- 'cast': a narrower float (bf16/fp16) + Cast to the weight's dtype;
+- 'dequantize': integer or FP8 codes + DequantizeLinear, scale (and zero
+  point) per tensor, per axis, or blockwise with `block_size` along `axis`;
+- 'packed_sign': sign bits packed 8 per byte + an unpack subgraph, one scale per channel;
+- 'split': consecutive output-channel groups, each its own Encoded, joined by
+  a Concat along `axis` (a weight whose channel groups sit on different tiers).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ml_dtypes
 import numpy as np
 
-from tiers.registry import Stored, broadcast_scale
+FORMS = ("raw", "cast", "dequantize", "packed_sign", "split")
 
-CONTAINERS = {
-    True: {8: np.int8, 4: ml_dtypes.int4, 3: ml_dtypes.int4, 2: ml_dtypes.int2, 1: ml_dtypes.int2},
-    False: {8: np.uint8, 4: ml_dtypes.uint4, 3: ml_dtypes.uint4, 2: ml_dtypes.uint2},
-}
-"""Narrowest ONNX integer type that holds b-bit codes (no 3- or 1-bit types exist)."""
+
+def broadcast_scale(scale: np.ndarray, shape, axis: int | None, block_size: int | None) -> np.ndarray:
+    """Broadcast a DequantizeLinear scale (or zero point) to the weight's shape, as float32."""
+    scale = np.asarray(scale, dtype=np.float32)
+    if scale.ndim == 0 or axis is None:
+        return np.broadcast_to(scale, shape)
+    axis = axis % len(shape)
+    if block_size:
+        return np.repeat(scale, block_size, axis=axis).take(np.arange(shape[axis]), axis=axis)
+    view = [1] * len(shape)
+    view[axis] = shape[axis]
+    return np.broadcast_to(scale.reshape(view), shape)
+
+
+def storage_bits(dtype) -> int:
+    """Bits one element of `dtype` takes on disk (INT4/UINT4 and INT2/UINT2 are packed)."""
+    dtype = np.dtype(dtype)
+    if dtype in (np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)):
+        return 4
+    if dtype in (np.dtype(ml_dtypes.int2), np.dtype(ml_dtypes.uint2)):
+        return 2
+    return dtype.itemsize * 8
 
 
 @dataclass(frozen=True)
 class Encoded:
-    codes: np.ndarray
-    """Integer codes, same shape as the weight (ONNX layout), held as int32."""
-    scale: np.ndarray
-    """float32 scales (see module docstring for the shape)."""
-    zero_point: np.ndarray | None
-    """Integer zero points shaped like `scale`, or None when symmetric."""
-    bits: int
-    signed: bool
+    """What one weight becomes in the exported file (see the module docstring for the forms)."""
+
+    tier: str
+    form: str
+    values: np.ndarray | None
+    """Stored payload: floats, integer/FP8 codes in their ONNX container type, or packed bits."""
+    shape: tuple[int, ...]
+    scale: np.ndarray | None = None
+    """float32 scales shaped as DequantizeLinear takes them (cast to `dtype` when written)."""
+    zero_point: np.ndarray | None = None
+    """Zero points in the codes' container type, shaped like `scale`; None when symmetric."""
     axis: int | None = None
     block_size: int | None = None
+    dtype: str = "float32"
+    """Float type the weight's consumers expect (what the stored form must produce)."""
+    parts: tuple["Encoded", ...] = ()
+    """'split' only: the channel groups in order along `axis`."""
+
+    def __post_init__(self):
+        if self.form not in FORMS:
+            raise ValueError(f"unknown stored form '{self.form}'")
 
     def dequantize(self) -> np.ndarray:
-        codes = self.codes.astype(np.float32)
+        """The weight the runtime computes from the stored form (exact dequantization), as `dtype`."""
+        return self._dequantize().astype(self.dtype)
+
+    def _dequantize(self) -> np.ndarray:
+        if self.form == "split":
+            return np.concatenate([p._dequantize() for p in self.parts], axis=self.axis)
+        if self.form in ("raw", "cast"):
+            return self.values.astype(np.float32)
+        if self.form == "packed_sign":
+            size = int(np.prod(self.shape, dtype=np.int64))
+            bits = np.unpackbits(self.values)[:size].reshape(self.shape).astype(np.float32)
+            return (bits * 2 - 1) * broadcast_scale(self.scale, self.shape, self.axis, None)
+        codes = self.values.astype(np.float32)
         if self.zero_point is not None:
-            codes = codes - broadcast_scale(self.zero_point, codes.shape, self.axis, self.block_size)
-        return codes * broadcast_scale(self.scale, codes.shape, self.axis, self.block_size)
+            codes = codes - broadcast_scale(self.zero_point.astype(np.float32), self.shape, self.axis, self.block_size)
+        return codes * broadcast_scale(self.scale, self.shape, self.axis, self.block_size)
 
     @property
-    def scale_count(self) -> int:
-        return int(np.asarray(self.scale).size)
+    def payload_bits(self) -> int:
+        """Bits of values, scales and zero points (what the weight itself costs on disk)."""
+        if self.form == "split":
+            return sum(p.payload_bits for p in self.parts)
+        bits = int(self.values.nbytes) * 8 if self.form == "packed_sign" else int(self.values.size) * storage_bits(self.values.dtype)
+        if self.scale is not None:
+            bits += int(np.asarray(self.scale).size) * storage_bits(self.dtype)
+        if self.zero_point is not None:
+            bits += int(self.zero_point.size) * storage_bits(self.zero_point.dtype)
+        return bits
 
-    def to_stored(self, tier: str):
-        """The DequantizeLinear form `graph_ops.qdq` writes (3-bit codes travel in a 4-bit container)."""
-        try:
-            container = CONTAINERS[self.signed][self.bits]
-        except KeyError:
-            raise ValueError(f"no ONNX integer container for {'signed' if self.signed else 'unsigned'} {self.bits}-bit codes") from None
-        zero = None if self.zero_point is None else np.asarray(self.zero_point).astype(container)
-        return Stored(
-            tier=tier,
-            kind="dequantize",
-            values=self.codes.astype(container),
-            shape=tuple(self.codes.shape),
-            scale=np.asarray(self.scale, dtype=np.float32),
-            axis=self.axis,
-            block_size=self.block_size,
-            zero_point=zero,
-        )
+    def take_channels(self, start: int, stop: int, channel_axis: int) -> "Encoded":
+        """Output channels start..stop (along `channel_axis` of the stored weight) in the same form."""
+        index = np.arange(start, stop)
+        shape = list(self.shape)
+        shape[channel_axis] = stop - start
+        if self.form == "split":
+            raise ValueError("take channels of a weight before splitting it")
+        if self.form in ("raw", "cast"):
+            return replace(self, values=np.take(self.values, index, axis=channel_axis), shape=tuple(shape))
+        if self.form == "packed_sign":
+            size = int(np.prod(self.shape, dtype=np.int64))
+            signs = np.unpackbits(self.values)[:size].reshape(self.shape)
+            packed = np.packbits(np.take(signs, index, axis=channel_axis).reshape(-1))
+            return replace(self, values=packed, shape=tuple(shape), scale=np.take(self.scale, index, axis=0))
+        values = np.take(self.values, index, axis=channel_axis)
+        scale, zero = self.scale, self.zero_point
+        if self.axis is not None and np.ndim(scale) > 0:
+            along = 0 if np.ndim(scale) == 1 else channel_axis  # per-axis vector, or blockwise (weight rank)
+            scale = np.take(scale, index, axis=along)
+            zero = None if zero is None else np.take(zero, index, axis=along)
+        return replace(self, values=values, shape=tuple(shape), scale=scale, zero_point=zero)

@@ -96,7 +96,7 @@ def _solve_mckp(choices: list[Choice], budget: int) -> tuple[dict[str, str], str
 
     if not choices:
         return {}, "none"
-    scale = max((v for c in choices for v in c.loss.values() if math.isfinite(v)), default=1.0) or 1.0
+    scale = max((abs(v) for c in choices for v in c.loss.values() if math.isfinite(v)), default=1.0) or 1.0
     problem = pulp.LpProblem("tqs_ptq", pulp.LpMinimize)
     variables = {}
     for i, choice in enumerate(choices):
@@ -104,7 +104,7 @@ def _solve_mckp(choices: list[Choice], budget: int) -> tuple[dict[str, str], str
             variables[choice.unit, tier] = problem.add_variable(f"x_{i}_{j}", cat="Binary")
         problem += pulp.lpSum(variables[choice.unit, t] for t in choice.cost) == 1
     problem += pulp.lpSum(choice.cost[t] * variables[choice.unit, t] for choice in choices for t in choice.cost) <= budget
-    problem += pulp.lpSum(min(choice.loss[t] / scale, 1e12) * variables[choice.unit, t] for choice in choices for t in choice.cost)
+    problem += pulp.lpSum(min(choice.loss[t] / scale, 1e6) * variables[choice.unit, t] for choice in choices for t in choice.cost)
     attempts = []
     if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
         attempts.append(("mckp-highs", lambda: pulp.HiGHS(msg=False, timeLimit=120, gapRel=1e-9)))

@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS
 from tqsdeploy.errors import USER_ERRORS
 
 app = typer.Typer(
@@ -279,17 +280,20 @@ def _floats(text: str, option: str) -> list[float]:
 @user_errors
 def export(
     model: Optional[Path] = typer.Argument(None, help="The scored ONNX model (default: the model of the run)."),
-    compression: Optional[str] = typer.Option(None, "--C", help="Target compression(s), e.g. 4 or 2,4,8,16,32 (reference weight bits / exported weight bits)."),
-    uniform_tier: Optional[str] = typer.Option(None, "--uniform", help="Store every unit at this tier instead (round-to-nearest baseline), e.g. int4."),
+    compression: Optional[str] = typer.Option(None, "--C", help="Target compression(s), e.g. 4 or 2,4,8,16 (reference stored bits / exported stored bits; see --basis)."),
+    uniform_tier: Optional[str] = typer.Option(None, "--uniform", help="Store every unit at this tier instead (a uniform baseline), e.g. int4-asym."),
     run: Optional[Path] = typer.Option(None, "--run", help="Score run folder (default tqs-runs/<model stem>, else the newest run)."),
-    tiers: str = typer.Option(",".join(("fp32", "bf16", "int8", "int4", "int2")), "--tiers", help="Tiers to choose from (fp32, bf16, fp16, fp8, int8, int4, int2, int1)."),
-    target: str = typer.Option("ort", "--target", help="Runtime the model is for: ort or trt (restricts tiers)."),
+    tiers: Optional[str] = typer.Option(None, "--tiers", help=f"Tiers to choose from ({', '.join(TIERS)}); default {','.join(DEFAULT_TIERS)} (--target trt: {','.join(TRT_TIERS)})."),
+    rounding: str = typer.Option("qep", "--rounding", help="How codes are chosen on each tier's grid: rtn, gptq, gptaq or qep (calibrated on the run's contexts)."),
+    target: str = typer.Option("ort", "--target", help="Runtime the model is for: ort or trt (restricts tiers; trt uses symmetric grids)."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer quantization along the reduction axis (e.g. 32, 64, 128)."),
     objective: str = typer.Option("measured", "--objective", help="Allocation objective: measured, response or paper."),
     allocator: str = typer.Option("mckp", "--allocator", help="mckp (pulp, HiGHS then CBC) or greedy."),
-    fp32_fraction: float = typer.Option(0.10, "--fp32-fraction", min=0.0, max=1.0, help="Share of the units' FP32 size kept in FP32 for the most sensitive units."),
-    no_fallback: bool = typer.Option(False, "--no-fallback", help="Ship the mixed allocation even if a uniform one within budget drifts less."),
-    refine: int = typer.Option(0, "--refine", min=0, help="Extra joint rollouts spent repairing interactions between units."),
+    fp32_fraction: Optional[float] = typer.Option(None, "--fp32-fraction", min=0.0, max=1.0, help="Share of the units' FP32 size forced to FP32 for the most sensitive units (default 0.10 with --objective paper, else 0)."),
+    no_fallback: bool = typer.Option(False, "--no-fallback", help="Ship the mixed allocation even if a uniform baseline within budget drifts less."),
+    refine: int = typer.Option(2, "--refine", min=0, help="Rounds of joint re-pricing against interactions between units (2 joint rollouts per slot per round; 0: off)."),
+    split: float = typer.Option(0.02, "--split", min=0.0, max=0.99, help="Split units holding more than this share of the parameters into output-channel groups (0: never)."),
+    basis: str = typer.Option("file", "--basis", help="What --C counts: file (every stored tensor) or units (the scored units only)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output file (single target only)."),
     out_dir: Path = typer.Option(Path("."), "--out-dir", help="Folder for <stem>.C<C>.onnx files."),
     provider: str = typer.Option("cpu", "--provider", help="Execution provider for the measurement rollouts."),
@@ -304,14 +308,17 @@ def export(
     if output is not None and len(targets) > 1:
         raise typer.BadParameter("-o names one file; use --out-dir with several --C values")
     settings = ExportSettings(
-        tiers=tuple(t.strip() for t in tiers.split(",") if t.strip()),
+        tiers=tuple(t.strip() for t in tiers.split(",") if t.strip()) if tiers else None,
         target=target,
         group_size=group_size,
         objective=objective,
+        rounding=rounding,
         fp32_fraction=fp32_fraction,
         allocator=allocator,
         fallback=not no_fallback,
         refine=refine,
+        split_fraction=split,
+        basis=basis,
     )
     run_dir = find_run(model, run)
     planner = Planner(run_dir, model, settings, OrtRuntime(provider=provider))
@@ -323,7 +330,7 @@ def export(
     def on_result(result) -> None:
         if "id" not in bar:
             progress.start()
-            bar["id"] = progress.add_task("measuring tiers", total=planner.measured_tasks())
+            bar["id"] = progress.add_task("measuring tiers", total=len(planner.measured_tasks()))
         progress.update(bar["id"], advance=1)
 
     rows = []
@@ -339,16 +346,19 @@ def export(
     import polars as pl
 
     for value, outcome in rows:
-        alloc = outcome.allocation
-        summary = outcome.table.group_by("tier").agg(pl.len().alias("units"), pl.col("params").sum(), pl.col("bytes").sum())
+        summary = outcome.table.group_by("tier").agg(pl.len().alias("slots"), pl.col("params").sum(), pl.col("bytes").sum())
         summary = summary.sort("bytes", descending=True)
-        title = f"{outcome.path}: target {'uniform' if value is None else f'{value:g}x'}, achieved {alloc.compression:.2f}x, {outcome.file_bytes / 1e6:.3f} MB on disk ({alloc.objective}, {alloc.solver})"
+        wanted = "uniform" if value is None else f"{value:g}x of the {settings.basis}"
+        title = (
+            f"{outcome.path}: target {wanted}; compression {outcome.compression:.3f}x of the file, {outcome.unit_compression:.3f}x of the units; "
+            f"{outcome.file_bytes / 1e6:.3f} MB on disk; shipped {outcome.shipped}"
+        )
         out.print(escape(title))
-        out.print(_table(summary, "", ["tier", "units", "params", "bytes"]))
+        out.print(_table(summary, "", ["tier", "slots", "params", "bytes"]))
         if outcome.drift is not None:
-            uniforms = ", ".join(f"uniform {k}: {v:.4g}" for k, v in outcome.uniform_drifts.items())
-            out.print(f"  drift on the scoring contexts: {outcome.drift:.4g} ({uniforms})")
-        for note in alloc.notes:
+            compared = ", ".join(f"{c['label']}: {c['drift_pct']:.4g}%" for c in outcome.compared[1:])
+            out.print(f"  drift from the original on the scoring contexts: {outcome.drift_pct:.4g}%" + (f" (compared: {escape(compared)})" if compared else ""))
+        for note in outcome.notes:
             out.print(f"  [yellow]note:[/] {escape(note)}")
     out.print(f"wrote {len(rows)} model(s) with .allocation.parquet/.json beside each")
 
@@ -358,33 +368,42 @@ def export(
 def baseline(
     model: Path = typer.Argument(..., help="ONNX model file (never modified)."),
     method: str = typer.Option(..., "--method", help="rtn, gptq, gptaq or qep."),
-    bits: int = typer.Option(..., "--bits", min=1, max=8, help="Bits per weight (2, 3, 4 or 8; 1 = sign extension)."),
+    bits: int = typer.Option(..., "--bits", help="Bits per weight: 1, 2, 3, 4 or 8 (1 = sign(w)·mean|w|; 3-bit codes travel in 4-bit containers)."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration windows (.npz, contexts format); not needed for rtn."),
-    group_size: int = typer.Option(-1, "--group-size", help="Input features per quantization group (-1: per channel)."),
-    symmetric: bool = typer.Option(False, "--symmetric", help="Symmetric grid instead of the asymmetric default."),
-    mse: bool = typer.Option(False, "--mse", help="MSE clipping search of the grid."),
+    spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec: calibrate on every step of the windows' nominal rollout (default: the windows alone)."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps calibrated on (overrides the spec)."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Input features per quantization group (default: per channel)."),
+    symmetric: bool = typer.Option(False, "--symmetric", help="Symmetric grid (INT codes, no zero point) instead of the asymmetric default."),
     act_order: bool = typer.Option(False, "--act-order", help="GPTQ column order by decreasing Hessian diagonal (static groups)."),
     min_params: int = typer.Option(1024, "--min-params", help="Smallest tensor that is quantized."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output ONNX (default <stem>.<method>-w<bits>.onnx)."),
 ):
     """Quantize every unit uniformly with RTN, GPTQ, GPTAQ or QEP (numpy, calibrated on ONNX Runtime)."""
+    from tiers import Rounding
     from tqsdeploy.baselines import quantize_baseline, write_baseline
 
+    if method not in METHODS:
+        raise typer.BadParameter(f"--method must be one of {', '.join(METHODS)}")
+    if bits not in (1, 2, 3, 4, 8):
+        raise typer.BadParameter("--bits must be 1, 2, 3, 4 or 8")
     result = quantize_baseline(
-        model, method, bits, calib, group_size=group_size, symmetric=symmetric, mse=mse, act_order=act_order, static_groups=act_order and group_size > 0, min_params=min_params
+        model, method, bits, calib, spec=spec, steps=steps, group_size=group_size, symmetric=symmetric,
+        rounding=Rounding(method, act_order=act_order), min_params=min_params,
     )
     path = output or Path(f"{model.stem}.{method}-w{bits}.onnx")
     summary = write_baseline(model, result, path)
     Path(str(path.with_suffix("")) + ".baseline.json").write_text(json.dumps(summary, indent=2, default=str))
     timings = summary["timings_s"]
     out.print(
-        f"{path}: {method} W{bits}, {summary['tensors']} tensors, compression {summary['achieved_compression']:.2f}x, "
-        f"{summary['file_bytes'] / 1e6:.3f} MB; calibration {timings['calibration']:.2f} s, apply {timings['apply']:.2f} s"
+        f"{path}: {method} W{bits} ({summary['tier']}), {summary['tensors']} tensors, compression {summary['compression']:.3f}x of the file "
+        f"({summary['unit_compression']:.3f}x of the units), {summary['file_bytes'] / 1e6:.3f} MB; calibration {timings['calibration']:.2f} s"
     )
     if summary["layer_error"]:
         ratio = [summary["layer_error"][k] / summary["rtn_layer_error"][k] for k in summary["layer_error"] if summary["rtn_layer_error"].get(k)]
         if ratio:
-            out.print(f"  layer reconstruction error vs RTN on the calibration data: median {float(np.median(ratio)):.3f}x")
+            out.print(f"  layer reconstruction error vs round to nearest on the calibration data: median {float(np.median(ratio)):.3f}x")
+    for name, reason in summary["rtn_only"].items():
+        out.print(f"  note: '{escape(name)}' is rounded to nearest whatever the method: {escape(reason)}")
     for note in summary["notes"]:
         out.print(f"  note: {escape(note)}")
 
@@ -393,18 +412,19 @@ def baseline(
 @user_errors
 def frontier(
     model: Path = typer.Argument(..., help="ONNX model file (never modified)."),
-    contexts: Path = typer.Option(..., "--contexts", "-c", help="Scoring and evaluation contexts (.npz)."),
+    contexts: Path = typer.Option(..., "--contexts", "-c", help="Scoring contexts (.npz): TQS scores and calibration both use them."),
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected when omitted."),
     steps: Optional[int] = typer.Option(None, "--steps", "-T", min=1, help="Rollout steps."),
     truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth for the contexts (.npz)."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration windows for GPTQ/GPTAQ/QEP (default: the contexts)."),
-    eval_contexts: Optional[Path] = typer.Option(None, "--eval-contexts", help="Held-out contexts, to expose allocations that overfit the scoring contexts."),
+    eval_contexts: Optional[Path] = typer.Option(None, "--eval-contexts", help="Held-out contexts: the report leads with them (scores on the scoring contexts flatter)."),
     eval_truth: Optional[Path] = typer.Option(None, "--eval-truth", help="Ground truth for the held-out contexts."),
-    targets: str = typer.Option("2,4,8,12,16,24,32", "--C", help="TQS-PTQ compression targets."),
-    objectives: str = typer.Option("paper,response,measured", "--objectives", help="Allocation objectives, one line each."),
-    baselines: str = typer.Option("rtn,gptq,gptaq,qep", "--baselines", help="Uniform baselines ('' for none)."),
-    bits: str = typer.Option("2,3,4,8", "--bits", help="Baseline bit widths."),
-    tiers: str = typer.Option("fp32,bf16,int8,int4,int2", "--tiers", help="TQS-PTQ tiers."),
+    targets: str = typer.Option("2,4,8,12,16", "--C", help="TQS-PTQ compression targets (points matched to every baseline are added)."),
+    baselines: str = typer.Option(",".join(METHODS), "--baselines", help="Uniform baselines ('' for none)."),
+    bits: str = typer.Option("2,4,8", "--bits", help="Baseline bit widths."),
+    tiers: str = typer.Option(",".join(DEFAULT_TIERS), "--tiers", help="TQS-PTQ tiers."),
+    rounding: str = typer.Option("qep", "--rounding", help="TQS-PTQ's rounding method."),
+    objective: str = typer.Option("measured", "--objective", help="TQS-PTQ's allocation objective."),
+    also: Optional[str] = typer.Option(None, "--also", help="Extra TQS-PTQ lines as objective/rounding, e.g. paper/rtn,measured/gptq."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer tiers."),
     variable_axis: Optional[int] = typer.Option(None, "--variable-axis", help="Per-step output axis to report per variable (win counts)."),
     min_params: int = typer.Option(1024, "--min-params", help="Smallest tensor quantized (by every method alike)."),
@@ -412,36 +432,48 @@ def frontier(
     exact: bool = typer.Option(False, "--exact", help="Evaluate with exact dequantization."),
     out_dir: Path = typer.Option(None, "--out", "-o", help="Output folder (default tqs-frontier/<model stem>)."),
 ):
-    """Score once, export TQS-PTQ at every C and objective, run the baselines, evaluate all, and report."""
-    from tqsdeploy.export import ExportSettings
+    """Score once, export TQS-PTQ at every C, run the uniform baselines, evaluate all, and report."""
     from tqsdeploy.evaluate import EvalSettings
+    from tqsdeploy.export import ExportSettings
     from tqsdeploy.frontier import FrontierSettings, run_frontier
     from tqsdeploy.report import build_report
 
     patterns = None
     if buckets:
         patterns = dict(item.split("=", 1) for item in buckets.split(",") if "=" in item)
+    tier_names = tuple(t.strip() for t in tiers.split(",") if t.strip())
+    base = ExportSettings(tiers=tier_names, group_size=group_size, rounding=rounding, objective=objective)
+    variants = []
+    for item in (also or "").split(","):
+        if item.strip():
+            chosen_objective, _, chosen_rounding = item.strip().partition("/")
+            variant = ExportSettings(tiers=tier_names, group_size=group_size, objective=chosen_objective, rounding=chosen_rounding or rounding)
+            variants.append((f"TQS-PTQ {variant.objective}/{variant.rounding}", variant))
     settings = FrontierSettings(
         targets=tuple(_floats(targets, "--C")),
-        objectives=tuple(o.strip() for o in objectives.split(",") if o.strip()),
         baselines=tuple(b.strip() for b in baselines.split(",") if b.strip()),
         bits=tuple(int(b) for b in _floats(bits, "--bits")) if baselines.strip() else (),
-        export=ExportSettings(tiers=tuple(t.strip() for t in tiers.split(",")), group_size=group_size),
+        export=base,
+        variants=tuple(variants),
         evaluation=EvalSettings(exact=exact, variable_axis=variable_axis),
         min_params=min_params,
     )
+    for method in settings.baselines:
+        if method not in METHODS:
+            raise typer.BadParameter(f"--baselines takes {', '.join(METHODS)}, not '{method}'")
     folder = out_dir or Path("tqs-frontier") / model.stem
     with err.status("building the frontier") as status:
         frame = run_frontier(
-            model, contexts, folder, spec=spec, steps=steps, truth=truth, calib=calib, eval_contexts=eval_contexts, eval_truth=eval_truth,
+            model, contexts, folder, spec=spec, steps=steps, truth=truth, eval_contexts=eval_contexts, eval_truth=eval_truth,
             settings=settings, log=lambda message: status.update(message),
         )
     md, page = build_report(folder, model, patterns)
     import polars as pl
 
-    shown = frame.filter((pl.col("variable") == "all") | pl.col("variable").is_null()).filter(pl.col("split") == "scoring")
+    split = "held-out" if eval_contexts else "scoring"
+    shown = frame.filter((pl.col("variable") == "all") | pl.col("variable").is_null()).filter(pl.col("split") == split)
     metric = "degradation_pct"
-    out.print(_table(shown.sort(["family", "method", "achieved_C"]), "Frontier (scoring contexts)", ["method", "setting", "achieved_C", "file_bytes", "mae_ref", "mae_truth", metric, "status"]))
+    out.print(_table(shown.sort(["family", "method", "achieved_C"]), f"Frontier ({split} contexts)", ["method", "setting", "achieved_C", "file_bytes", "mae_ref", "mae_truth", metric, "status"]))
     out.print(f"wrote {folder}/frontier.parquet, {md}, {page} and plots")
 
 

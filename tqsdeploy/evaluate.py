@@ -26,8 +26,9 @@ import onnx
 import graph_ops
 from runtimes import OrtRuntime, Session
 from tqsdeploy.contexts import Contexts, load_npz
-from tqsdeploy.errors import InputError, RolloutError
-from tqsdeploy.rollout import RolloutSpec, rollout
+from tqsdeploy.errors import InputError
+from tqsdeploy.engine import RolloutEngine
+from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.score import resolve_spec
 
 
@@ -43,40 +44,8 @@ class EvalSettings:
 
 
 def trajectories(session: Session, contexts: Contexts, spec: RolloutSpec, max_batch: int) -> dict[str, np.ndarray]:
-    """Every trajectory output as (windows, steps, *per-window shape).
-
-    Windows run as one batch when the batch axis is dynamic, one by one when
-    the model turns out not to take (or keep) a batch of them.
-    """
-    inputs = [s for s in session.inputs if s.name not in session.weights]
-    if contexts.count > 1 and all(s.is_dynamic(0) for s in inputs):
-        try:
-            return _trajectories(session, contexts, spec, inputs, True, max_batch)
-        except (RolloutError, ValueError):
-            pass
-    return _trajectories(session, contexts, spec, inputs, False, 1)
-
-
-def _trajectories(session, contexts, spec, inputs, batch: bool, max_batch: int) -> dict[str, np.ndarray]:
-    collected: dict[str, list[np.ndarray]] = {name: [] for name in spec.trajectory}
-    for count, feeds in contexts.chunks(inputs, batch, max_batch):
-        try:
-            steps = list(rollout(session, feeds, spec))
-        except RolloutError:
-            raise
-        except Exception as exc:
-            raise RolloutError(f"{session.name} failed to run the rollout: {str(exc).splitlines()[0]}") from None
-        for name in spec.trajectory:
-            stacked = np.stack([s[name] for s in steps], axis=1 if batch else 0)  # batch: (B, T, ...)
-            if batch:
-                if stacked.shape[0] % count:
-                    raise ValueError("outputs do not keep the batch axis")
-                per = stacked.shape[0] // count
-                stacked = stacked.reshape(count, per, *stacked.shape[1:]).swapaxes(1, 2)  # (count, T, per, ...)
-            else:
-                stacked = stacked[None]
-            collected[name].append(stacked)
-    return {name: np.concatenate(parts).astype(np.float64) for name, parts in collected.items()}
+    """Every trajectory output as (windows, steps, *per-window shape), by the one rollout engine."""
+    return RolloutEngine(session, contexts, spec, max_batch).trajectories()
 
 
 def _open(path: Path, settings: EvalSettings, optimized: str | None = None):
@@ -236,7 +205,7 @@ def evaluate(
                 for i in range(cand[name].shape[axis])
             }
         outputs[name] = entry
-    ref_bytes, cand_bytes = graph_ops.io.weight_bytes(ref_model.proto), graph_ops.io.weight_bytes(cand_model.proto)
+    ref_bits, cand_bits = graph_ops.weight_bits(ref_model.proto), graph_ops.weight_bits(cand_model.proto)
     return {
         "candidate": str(candidate),
         "reference": str(reference),
@@ -247,7 +216,9 @@ def evaluate(
         "runtime": mode,
         "candidate_file_bytes": cand_model.file_bytes,
         "reference_file_bytes": ref_model.file_bytes,
-        "compression": ref_bytes / max(cand_bytes, 1),
+        "compression": ref_bits / max(cand_bits, 1),
+        "reference_weight_bits": ref_bits,
+        "candidate_weight_bits": cand_bits,
         "outputs": outputs,
         "degradation_pct": max(o["degradation_pct"] for o in outputs.values()),
     }

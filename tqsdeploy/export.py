@@ -1,9 +1,24 @@
 """`export`: from a score run to deployable mixed-precision ONNX models.
 
-`Planner` opens a score run folder (which holds everything needed: model path
-and hash, rollout spec, contexts, unit selection), prices every unit at every
-tier, allocates for each requested compression, checks the result against
-uniform allocations by measurement, and writes the model.
+`Planner` opens a score run folder (model path and hash, rollout spec,
+contexts, unit selection, scores) and, for each requested compression:
+
+1. prices every slot (a unit, or a group of a large unit's output channels)
+   at every tier: its cost is the bits its stored form puts in the file, its
+   loss (objective `measured`) the rollout divergence with only that slot at
+   that tier, quantized by the chosen rounding method;
+2. solves the multiple-choice knapsack (Algorithm 1);
+3. refines the allocation against interactions: single-slot divergences do
+   not add up when units interact, so each round re-prices moving every slot
+   one tier up or down *with all other slots at their allocated tiers* (joint
+   rollouts) and re-solves, keeping the new allocation only if its joint drift
+   is lower;
+4. compares, by measured drift on the scoring contexts, the mixed model (as
+   priced, and calibrated as itself) with the uniform allocations at the
+   finest tier that fits, rounded by every method, and ships the best;
+5. writes the model and its allocation record.
+
+Every encoding comes from one `Encoder`, so what is measured is what is written.
 """
 
 from __future__ import annotations
@@ -11,37 +26,91 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 
 import graph_ops
-from graph_ops.qdq import write_storage
+from graph_ops.qdq import conversion_overhead_bits, emitted_bits, required_opset, write_storage
 from runtimes import OrtRuntime
-from tiers import DEFAULT_TIERS, TIERS, Layout, Stored, Tier, get_tiers
-from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, paper_weights, uniform
+from tiers import DEFAULT_TIERS, METHODS, RTN, TIERS, TRT_TIERS, Encoded, Rounding, Tier, get_tiers
+from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, paper_weights
+from tqsdeploy.calibrate import Calibrator
 from tqsdeploy.errors import InfeasibleError, InputError
-from tqsdeploy.probes import tier_probe, tier_weights
+from tqsdeploy.quantization import Encoder, Slot, make_slots
 from tqsdeploy.score import Prepared, ScoreTable, prepare
 from tqsdeploy.scoring import ScoreSettings
-from tqsdeploy.sweep import ResultLog, SweepRunner, Task, TaskResult
+from tqsdeploy.sweep import Drift, ResultLog, SweepRunner, Task, TaskResult
 from tqsdeploy.units import Unit, UnitSelection
+
+BASES = ("file", "units")
 
 
 @dataclass(frozen=True)
 class ExportSettings:
-    """How to allocate and store."""
+    """How to allocate, round and store."""
 
-    tiers: tuple[str, ...] = DEFAULT_TIERS
+    tiers: tuple[str, ...] | None = None
+    """Tier names; None: the default ladder of the target (asymmetric grids for ort, symmetric for trt)."""
     target: str = "ort"
     group_size: int | None = None
     objective: str = "measured"
-    fp32_fraction: float = 0.10
+    rounding: str = "qep"
+    """How codes are chosen on each tier's grid: rtn, gptq, gptaq or qep."""
+    fp32_fraction: float | None = None
+    """Share of the units' FP32 size forced to FP32 (Algorithm 1); None: 0.10 for the paper objective, 0 otherwise."""
     allocator: str = "mckp"
     fallback: bool = True
-    refine: int = 0
+    refine: int = 2
+    """Rounds of joint re-pricing (2 joint rollouts per live slot per round); 0 turns it off."""
+    split_fraction: float = 0.02
+    """Units holding more than this share of the unit parameters are split into channel groups of about this share."""
+    basis: str = "file"
+    """What --C divides: 'file' (every stored tensor) or 'units' (the scored units only)."""
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise InputError(f"unknown objective '{self.objective}'; choose one of {', '.join(OBJECTIVES)}")
+        if self.rounding not in METHODS:
+            raise InputError(f"unknown rounding '{self.rounding}'; choose one of {', '.join(METHODS)}")
+        if self.basis not in BASES:
+            raise InputError(f"--C basis must be 'file' or 'units', not '{self.basis}'")
+        if self.refine < 0:
+            raise InputError(f"--refine takes a number of rounds >= 0, not {self.refine}")
+        if not 0 <= self.split_fraction < 1:
+            raise InputError(f"--split takes a fraction in [0, 1), not {self.split_fraction}")
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        if self.tiers:
+            return tuple(self.tiers)
+        return TRT_TIERS if self.target == "trt" else DEFAULT_TIERS
+
+    @property
+    def fp32_share(self) -> float:
+        if self.fp32_fraction is not None:
+            return self.fp32_fraction
+        return 0.10 if self.objective == "paper" else 0.0
+
+
+@dataclass
+class Candidate:
+    """One model export considered for a target: its encodings, size and measured drift."""
+
+    label: str
+    allocation: Allocation
+    encodings: dict[str, Encoded]
+    drift: Drift | None = None
+
+    def record(self) -> dict:
+        return {
+            "label": self.label,
+            "compression": round(self.allocation.compression, 6),
+            "drift_pct": None if self.drift is None else self.drift.worst_pct,
+            "relative_rms": None if self.drift is None else self.drift.relative_rms,
+        }
 
 
 @dataclass
@@ -51,10 +120,25 @@ class Outcome:
     allocation: Allocation
     path: Path
     file_bytes: int
-    drift: float | None
-    uniform_drifts: dict[str, float]
-    fell_back_to: str | None
+    compression: float
+    """Reference stored-tensor bits / exported stored-tensor bits, counted on the file (what eval and gate report)."""
+    unit_compression: float
+    """The same over the scored units only (the paper's C)."""
+    drift: Drift | None
+    shipped: str
+    compared: list[dict]
     table: pl.DataFrame
+    encodings: dict[str, Encoded] = field(default_factory=dict)
+    """What the file stores per unit tensor."""
+    notes: list[str] = field(default_factory=list)
+
+    def fake_quantized(self) -> dict[str, np.ndarray]:
+        """The weights the runtime computes from the file (exact dequantization)."""
+        return {name: e.dequantize() for name, e in self.encodings.items()}
+
+    @property
+    def drift_pct(self) -> float | None:
+        return None if self.drift is None else self.drift.worst_pct
 
 
 def find_run(model: Path | None, run: Path | None) -> Path:
@@ -72,7 +156,7 @@ def find_run(model: Path | None, run: Path | None) -> Path:
 class Planner:
     """Everything needed to allocate and export for one score run."""
 
-    def __init__(self, run_dir: Path, model: Path | None = None, settings: ExportSettings = ExportSettings(), runtime: OrtRuntime = OrtRuntime()):
+    def __init__(self, run_dir: Path | str, model: Path | str | None = None, settings: ExportSettings = ExportSettings(), runtime: OrtRuntime = OrtRuntime()):
         self.run_dir = Path(run_dir)
         self.scores = ScoreTable.load(self.run_dir)
         if not self.scores.complete:
@@ -80,17 +164,15 @@ class Planner:
         meta = self.scores.meta
         model = Path(model) if model is not None else Path(meta["model"]["path"])
         self.settings = settings
-        self.tiers: list[Tier] = get_tiers(list(settings.tiers), settings.target, settings.group_size)
-        if settings.objective not in OBJECTIVES:
-            raise InputError(f"unknown objective '{settings.objective}'; choose one of {', '.join(OBJECTIVES)}")
-        selection = UnitSelection(**meta["selection"])
+        self.tiers: list[Tier] = get_tiers(list(settings.tier_names), settings.target, settings.group_size)
+        self.rounding = Rounding(settings.rounding)
         probe = dict(meta["probe"])
         probe["horizons"] = tuple(probe["horizons"]) if probe.get("horizons") else None
         self.prepared: Prepared = prepare(
             model,
             self.run_dir / "contexts.npz",
             self.run_dir / "rollout.toml",
-            selection=selection,
+            selection=UnitSelection(**meta["selection"]),
             settings=ScoreSettings(**probe),
             runtime=runtime,
             strategy=meta.get("strategy", "auto"),
@@ -106,29 +188,80 @@ class Planner:
         self.dead = set(self.frame.filter(pl.col("dead"))["unit"])
         if set(self.gamma) != {u.name for u in self.units}:
             raise InputError(f"the score run in {self.run_dir} scored other units than this model has now")
-        unit_tensors = {n for u in self.units for n in u.tensor_names}
-        sizes = graph_ops.io.tensor_sizes(self.model.proto)
-        self.reference_bits = sum(sizes.values())
-        self.fixed_bits = sum(bits for name, bits in sizes.items() if name not in unit_tensors)
+        names = [n for u in self.units for n in u.tensor_names]
+        proto = self.model.proto
+        self.layouts = graph_ops.weight_layouts(proto, names)
+        self.slots: list[Slot] = make_slots(self.units, self.layouts, settings.split_fraction)
+        self.encoder = Encoder(
+            self.units,
+            self.layouts,
+            self.weights,
+            settings.group_size,
+            calibrator=lambda: Calibrator(proto, self.layouts, self.prepared.contexts, self.prepared.spec, runtime, workdir=self.run_dir),
+        )
+        sizes = graph_ops.io.tensor_sizes(proto)
+        self.reference_bits = graph_ops.weight_bits(proto)
+        self.unit_reference_bits = sum(sizes[n] for n in names)
+        self.model_opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
+        self._overhead: dict[int, int] = {}
+        self._costs: dict[tuple[str, str], int] = {}
         self._runner: SweepRunner | None = None
         self._measured: dict[str, TaskResult] | None = None
         self._choices: dict[str, list[Choice]] = {}
+        self.timings: dict[str, float] = {"pricing": 0.0, "refine": 0.0, "compare": 0.0}
 
-    # -- pricing -----------------------------------------------------------
+    # -- sizes ------------------------------------------------------------------
 
-    def layout(self, tensor) -> Layout:
-        return Layout(tensor.shape, tensor.channel_axis)
+    def overhead_bits(self, opset: int) -> int:
+        """Bits the opset conversion adds (attributes that become constant inputs)."""
+        if opset <= self.model_opset:
+            return 0
+        if opset not in self._overhead:
+            self._overhead[opset] = conversion_overhead_bits(self.model.proto, opset)
+        return self._overhead[opset]
 
-    @staticmethod
-    def keeps(tier: Tier, tensor) -> bool:
-        """A float tier at least as wide as the stored type leaves the tensor as it is."""
-        return tier.family == "float" and tier.bits >= 8 * np.dtype(tensor.dtype).itemsize
+    @property
+    def fixed_bits(self) -> int:
+        """Stored bits outside the units (worst case over the tier set's opsets), on the --C basis."""
+        if self.settings.basis == "units":
+            return 0
+        opset = max([self.model_opset] + [t.opset for t in self.tiers])
+        return self.reference_bits - self.unit_reference_bits + self.overhead_bits(opset)
 
-    def cost(self, unit: Unit, tier: Tier) -> int:
-        return sum(
-            t.params * 8 * np.dtype(t.dtype).itemsize if self.keeps(tier, t) else tier.cost_bits(self.layout(t), self.settings.group_size)
-            for t in unit.tensors
-        )
+    @property
+    def basis_bits(self) -> int:
+        return self.reference_bits if self.settings.basis == "file" else self.unit_reference_bits
+
+    def cost(self, slot: Slot, tier: Tier | str) -> int:
+        """Bits the slot's stored form puts in the file at `tier` (the same for every rounding method)."""
+        tier = TIERS[tier] if isinstance(tier, str) else tier
+        key = (slot.name, tier.name)
+        if key not in self._costs:
+            self._costs[key] = sum(emitted_bits(n, e) for n, e in self.encoder.slot(slot, tier, RTN).items())
+        return self._costs[key]
+
+    def costs(self) -> dict[str, dict[str, int]]:
+        """Every slot's cost at every tier of the set."""
+        return {slot.name: {tier.name: self.cost(slot, tier) for tier in self.tiers} for slot in self.slots}
+
+    def max_compression(self) -> float:
+        """The largest compression reachable with these tiers (every slot at its cheapest)."""
+        cheapest = sum(min(c.values()) for c in self.costs().values())
+        return self.basis_bits / (self.fixed_bits + cheapest)
+
+    def check_targets(self, targets: list[float]) -> None:
+        """Fail before any work when a target cannot be met."""
+        best = self.max_compression()
+        for target in targets:
+            if not math.isfinite(target) or target <= 0:
+                raise InputError(f"compression target must be a positive number, not {target}")
+            if target > best:
+                raise InfeasibleError(
+                    f"compression {target:g} is out of reach with tiers {', '.join(t.name for t in self.tiers)}: the largest reachable is {best:.3g}",
+                    hint="lower --C, add a cheaper tier, or lower --min-params in the score run so more tensors are quantized",
+                )
+
+    # -- pricing -----------------------------------------------------------------
 
     @property
     def runner(self) -> SweepRunner:
@@ -136,39 +269,45 @@ class Planner:
             self._runner = self.prepared.open_runner()
         return self._runner
 
+    def _probe(self, tier: Tier) -> str:
+        group = f"/g{self.settings.group_size}" if self.settings.group_size else ""
+        method = self.rounding.method if tier.calibratable else "rtn"
+        return f"tier:{tier.name}{group}/{method}"
+
+    def measured_tasks(self) -> list[tuple[Slot, Tier]]:
+        """(slot, tier) pairs the measured objective rolls out: live slots at every tier that changes the weight."""
+        return [(s, t) for s in self.slots if s.unit not in self.dead for t in self.tiers if t.name != "fp32"]
+
     def measured(self, on_result=None) -> dict[str, TaskResult]:
-        """Per unit and tier, the rollout divergence with only that unit at that tier.
+        """Per slot and tier, the rollout divergence with only that slot at that tier.
         Cached in the run folder, so every C and every export reuses it."""
         if self._measured is not None:
             return self._measured
+        started = time.perf_counter()
         log = ResultLog(self.run_dir / "measured.jsonl")
         done = log.load()
-        tasks = [
-            Task(u.name, tier_probe(t.name, self.settings.group_size))
-            for u in self.units
-            for t in self.tiers
-            if t.name != "fp32"
-        ]
         try:
-            for task in tasks:
-                if task.key in done:
+            for slot, tier in self.measured_tasks():
+                key = Task(slot.name, self._probe(tier)).key
+                if key in done:
                     continue
-                result = self.runner.run(task)
+                weights = self.encoder.slot_weights(slot, tier, self.rounding)
+                tick = time.perf_counter()
+                div_sq, nonfinite = self.runner.divergence(weights, early_stop=False)
+                result = TaskResult(slot.name, self._probe(tier), 0, 0.0, div_sq, nonfinite, time.perf_counter() - tick)
                 log.append(result)
-                done[task.key] = result
+                done[key] = result
                 if on_result:
                     on_result(result)
         finally:
             log.close()
         self._measured = done
+        self.timings["pricing"] += time.perf_counter() - started
         return done
 
-    def measured_tasks(self) -> int:
-        return sum(1 for _ in self.units for t in self.tiers if t.name != "fp32")
-
-    def choices(self, objective: str, on_result=None) -> list[Choice]:
-        """Cost and loss of every unit at every tier; computed once per objective,
-        so exporting many targets prices (and, for 'response', quantizes) once."""
+    def choices(self, objective: str | None = None, on_result=None) -> list[Choice]:
+        """Cost and loss of every slot at every tier; computed once per objective."""
+        objective = objective or self.settings.objective
         if objective not in self._choices:
             self._choices[objective] = self._price(objective, on_result)
         return self._choices[objective]
@@ -176,200 +315,225 @@ class Planner:
     def _price(self, objective: str, on_result=None) -> list[Choice]:
         weights = paper_weights(self.gamma, self.dead)
         measured = self.measured(on_result) if objective == "measured" else None
+        costs = self.costs()
         choices = []
-        for unit in self.units:
-            cost = {t.name: self.cost(unit, t) for t in self.tiers}
+        for slot in self.slots:
+            dead = slot.unit in self.dead
             loss = {}
             for tier in self.tiers:
                 if objective == "paper":
-                    loss[tier.name] = weights[unit.name] * 2.0 ** (-tier.bits)
+                    loss[tier.name] = weights[slot.unit] * 2.0 ** (-tier.bits)
+                elif dead or tier.name == "fp32":
+                    loss[tier.name] = 0.0
                 elif objective == "response":
-                    gamma = self.gamma[unit.name]
-                    gain = 0.0 if unit.name in self.dead else math.exp(min(self.steps * gamma, 700.0))
-                    quantized = tier_weights(unit, self.weights, tier.name, self.settings.group_size)
-                    loss[tier.name] = gain * sum(float(np.sum(np.square(quantized[n].astype(np.float64) - self.weights[n]))) for n in quantized)
+                    gain = math.exp(min(self.steps * self.gamma[slot.unit], 700.0))
+                    change = self.encoder.slot(slot, tier, self.rounding)
+                    loss[tier.name] = gain * sum(float(np.sum(np.square(e.dequantize().astype(np.float64) - self._original(n, slot)))) for n, e in change.items())
                 else:
-                    result = measured.get(Task(unit.name, tier_probe(tier.name, self.settings.group_size)).key)
-                    loss[tier.name] = 0.0 if result is None else (math.inf if result.nonfinite else float(sum(result.div_sq)))
-            choices.append(Choice(unit.name, unit.params, self.gamma.get(unit.name, 0.0), unit.name in self.dead, cost, loss))
+                    result = measured.get(Task(slot.name, self._probe(tier)).key)
+                    loss[tier.name] = math.inf if result.nonfinite else float(sum(result.div_sq))
+            choices.append(Choice(slot.name, slot.params, self.gamma.get(slot.unit, 0.0), dead, costs[slot.name], loss))
         return choices
 
-    def max_compression(self) -> float:
-        """The largest compression reachable with these tiers (every unit at its cheapest)."""
-        cheapest = sum(min(self.cost(u, t) for t in self.tiers) for u in self.units)
-        return self.reference_bits / (self.fixed_bits + cheapest)
+    def _original(self, name: str, slot: Slot) -> np.ndarray:
+        weight = np.asarray(self.weights[name], np.float64)
+        if slot.rows is None:
+            return weight
+        return self.encoder.layouts[name].take_rows(weight, *slot.rows)
 
-    def check_targets(self, targets: list[float]) -> None:
-        """Fail before any work when a target cannot be met."""
-        best = self.max_compression()
-        for target in targets:
-            if target > best:
-                raise InfeasibleError(
-                    f"compression {target:g} is out of reach with tiers {', '.join(t.name for t in self.tiers)}: the largest reachable is {best:.3g}",
-                    hint="lower --C or add a cheaper tier",
-                )
+    # -- allocation ----------------------------------------------------------------
 
-    # -- allocation ----------------------------------------------------------
-
-    def fake_quantized(self, allocation: Allocation) -> dict[str, np.ndarray]:
-        weights = {}
-        for unit in self.units:
-            weights.update(tier_weights(unit, self.weights, allocation.tiers[unit.name], self.settings.group_size))
-        return weights
-
-    def drift(self, allocation: Allocation) -> float:
-        """Relative RMS trajectory drift of the allocation on the scoring contexts."""
-        return self.runner.relative_drift(self.fake_quantized(allocation))
+    def _allocation(self, tiers: dict[str, str], target: float | None, solver: str, objective: str) -> Allocation:
+        slots = {s.name: s for s in self.slots}
+        return Allocation(dict(tiers), {s: self.cost(slots[s], t) for s, t in tiers.items()}, self.basis_bits, self.fixed_bits, target, solver, objective)
 
     def uniform(self, tier: str) -> Allocation:
-        choices = [Choice(u.name, u.params, 0.0, False, {tier: self.cost(u, TIERS[tier])}, {tier: 0.0}) for u in self.units]
-        return uniform(choices, tier, self.reference_bits, self.fixed_bits)
+        return self._allocation({s.name: tier for s in self.slots}, None, "uniform", "uniform")
 
-    def plan(self, target: float, on_result=None) -> tuple[Allocation, float | None, dict[str, float], str | None]:
-        """Allocate for `target`, refine, and compare with the neighbouring uniform allocations."""
-        choices = self.choices(self.settings.objective, on_result)
-        allocation = allocate(
-            choices,
+    def encodings(self, allocation: Allocation, calibrated: bool = False, rounding: Rounding | None = None) -> dict[str, Encoded]:
+        rounding = rounding or self.rounding
+        if calibrated:
+            return self.encoder.calibrated(self.slots, allocation.tiers, rounding)
+        return self.encoder.assemble(self.slots, allocation.tiers, rounding)
+
+    def weights_of(self, encodings: dict[str, Encoded]) -> dict[str, np.ndarray]:
+        return {name: e.dequantize() for name, e in encodings.items() if e.form != "raw"}
+
+    def measure(self, encodings: dict[str, Encoded]) -> Drift:
+        """Joint drift of the model with these encodings on the scoring contexts."""
+        return self.runner.drift(self.weights_of(encodings))
+
+    def fake_quantized(self, allocation: Allocation) -> dict[str, np.ndarray]:
+        """The weights the runtime computes from the allocation's stored forms (as priced)."""
+        return {name: e.dequantize() for name, e in self.encodings(allocation).items()}
+
+    def drift(self, allocation: Allocation) -> float:
+        """Relative RMS trajectory drift of the allocation (as priced) on the scoring contexts."""
+        return self.measure(self.encodings(allocation)).relative_rms
+
+    def allocate(self, target: float, on_result=None) -> Allocation:
+        """Algorithm 1 on the additive prices."""
+        return allocate(
+            self.choices(self.settings.objective, on_result),
             self.tiers,
             target,
-            self.reference_bits,
+            self.basis_bits,
             self.fixed_bits,
             objective=self.settings.objective,
-            fp32_fraction=self.settings.fp32_fraction,
+            fp32_fraction=self.settings.fp32_share,
             solver=self.settings.allocator,
         )
-        drift = None
+
+    def refine(self, allocation: Allocation, rounds: int | None = None) -> tuple[Allocation, Drift]:
+        """Re-price every live slot one tier up and one down in the context of the whole
+        allocation (joint rollouts), re-solve, keep the result only if its joint drift drops."""
+        rounds = self.settings.refine if rounds is None else rounds
+        started = time.perf_counter()
+        order = [t.name for t in self.tiers]
+        costs = self.costs()
+        best, best_drift = allocation, self.measure(self.encodings(allocation))
+        for _ in range(rounds):
+            base = sum(best_drift.div_sq)
+            choices = []
+            for slot in self.slots:
+                current = best.tiers[slot.name]
+                index = order.index(current)
+                options = {current: 0.0}
+                if slot.unit not in self.dead:
+                    for other in (index - 1, index + 1):
+                        if 0 <= other < len(order):
+                            trial = dict(best.tiers)
+                            trial[slot.name] = order[other]
+                            drift = self.measure(self.encoder.assemble(self.slots, trial, self.rounding))
+                            options[order[other]] = sum(drift.div_sq) - base if math.isfinite(drift.relative_rms) else math.inf
+                choices.append(Choice(slot.name, slot.params, 0.0, False, {t: costs[slot.name][t] for t in options}, options))
+            step = allocate(choices, self.tiers, best.target, self.basis_bits, self.fixed_bits, objective="measured", fp32_fraction=0.0, solver=self.settings.allocator)
+            if step.tiers == best.tiers:
+                break
+            drift = self.measure(self.encodings(step))
+            if sum(drift.div_sq) >= base:
+                break
+            step.solver, step.objective = best.solver + "+refine", best.objective
+            best, best_drift = step, drift
+        self.timings["refine"] += time.perf_counter() - started
+        return best, best_drift
+
+    def candidates(self, target: float, on_result=None) -> list[Candidate]:
+        """Every model considered for `target`, each with its measured drift, best first."""
+        allocation = self.allocate(target, on_result)
         if self.settings.refine:
             allocation, drift = self.refine(allocation)
-        if not self.settings.fallback and not self.settings.refine:
-            return allocation, None, {}, None
-        if drift is None:
-            drift = self.drift(allocation)
-        budget = self.reference_bits / target
-        uniforms = sorted((self.uniform(t.name) for t in self.tiers), key=lambda a: a.total_bits)
-        below = [a for a in uniforms if a.total_bits <= budget]
-        above = [a for a in uniforms if a.total_bits > budget]
-        neighbours = ([below[-1]] if below else []) + ([above[0]] if above else [])
-        drifts = {a.tiers[self.units[0].name]: self.drift(a) for a in neighbours}
-        fell_back = None
-        if self.settings.fallback and below:
-            best_uniform = below[-1]
-            name = best_uniform.tiers[self.units[0].name]
-            if drifts[name] < drift:
-                allocation = best_uniform
-                allocation.target = target
-                allocation.solver = f"{self.settings.objective} allocation replaced by uniform {name}"
-                allocation.notes.append(f"mixed allocation drifted {drift:.4g} vs uniform {name} {drifts[name]:.4g}: shipped uniform {name}")
-                fell_back, drift = name, drifts[name]
-        return allocation, drift, drifts, fell_back
-
-    def refine(self, allocation: Allocation) -> tuple[Allocation, float]:
-        """Spend up to `refine` joint rollouts promoting the unit whose measured
-        single-unit divergence at its tier is largest, paying with the demotions
-        that cost least divergence per bit; keep a move only if drift drops."""
-        measured = {c.unit: c for c in self.choices("measured")}
-        order = [t.name for t in self.tiers]
-        budget = self.reference_bits / allocation.target
-        best, best_drift = allocation, self.drift(allocation)
-        tried: set[str] = set()
-        for _ in range(self.settings.refine):
-            tiers = dict(best.tiers)
-            candidates = [u for u, t in tiers.items() if order.index(t) > 0 and u not in tried and u not in self.dead]
-            if not candidates:
-                break
-            worst = max(candidates, key=lambda u: measured[u].loss[tiers[u]])
-            tried.add(worst)
-            tiers[worst] = order[order.index(tiers[worst]) - 1]
-            cost = {u: measured[u].cost[t] for u, t in tiers.items()}
-            while self.fixed_bits + sum(cost.values()) > budget:
-                demotable = [u for u, t in tiers.items() if u != worst and order.index(t) < len(order) - 1]
-                if not demotable:
-                    break
-
-                def price(u):  # divergence added per bit saved by demoting u one tier
-                    t, lower = tiers[u], order[order.index(tiers[u]) + 1]
-                    saved = cost[u] - measured[u].cost[lower]
-                    return (measured[u].loss[lower] - measured[u].loss[t]) / max(saved, 1)
-
-                victim = min(demotable, key=price)
-                tiers[victim] = order[order.index(tiers[victim]) + 1]
-                cost[victim] = measured[victim].cost[tiers[victim]]
-            if self.fixed_bits + sum(cost.values()) > budget:
-                continue
-            candidate = Allocation(tiers, cost, best.reference_bits, best.fixed_bits, best.target, best.solver + "+refine", best.objective)
-            candidate_drift = self.drift(candidate)
-            if candidate_drift < best_drift:
-                best, best_drift = candidate, candidate_drift
-        return best, best_drift
+        else:
+            drift = self.measure(self.encodings(allocation))
+        started = time.perf_counter()
+        label = f"TQS-PTQ {self.settings.objective}/{self.rounding.method}"
+        found = [Candidate(label, allocation, self.encodings(allocation), drift)]
+        if self.rounding.needs_stats and any(TIERS[t].calibratable for t in allocation.tiers.values()):
+            encodings = self.encodings(allocation, calibrated=True)
+            found.append(Candidate(label + ", calibrated as allocated", allocation, encodings, self.measure(encodings)))
+        if self.settings.fallback:
+            budget = self.basis_bits / target
+            fitting = [t for t in self.tiers if self.uniform(t.name).total_bits <= budget]
+            if fitting:
+                tier = fitting[0]
+                methods = METHODS if tier.calibratable else ("rtn",)
+                for method in methods:
+                    rounding = Rounding(method)
+                    uniform = self.uniform(tier.name)
+                    uniform.target, uniform.solver = target, f"uniform {tier.name} {method}"
+                    encodings = self.encoder.uniform(tier, rounding)
+                    found.append(Candidate(f"uniform {tier.name} {method}", uniform, encodings, self.measure(encodings)))
+        self.timings["compare"] += time.perf_counter() - started
+        return sorted(found, key=lambda c: (c.drift.worst_pct, c.drift.relative_rms))
 
     # -- writing ---------------------------------------------------------------
 
-    def stored(self, allocation: Allocation) -> dict[str, Stored]:
-        stored = {}
-        for unit in self.units:
-            tier = TIERS[allocation.tiers[unit.name]]
-            for tensor in unit.tensors:
-                if self.keeps(tier, tensor):
-                    continue  # already stored at least this precisely
-                stored[tensor.name] = tier.quantize(self.weights[tensor.name], self.layout(tensor), self.settings.group_size)
-        return stored
-
     def table(self, allocation: Allocation) -> pl.DataFrame:
         rows = []
-        for unit in self.units:
-            tier = allocation.tiers[unit.name]
+        for slot in self.slots:
+            tier = allocation.tiers[slot.name]
             rows.append(
                 {
-                    "unit": unit.name,
+                    "slot": slot.name,
+                    "unit": slot.unit,
+                    "channels": None if slot.rows is None else f"{slot.rows[0]}:{slot.rows[1]}",
                     "tier": tier,
                     "bits": TIERS[tier].bits,
-                    "params": unit.params,
-                    "bytes": -(-allocation.cost_bits[unit.name] // 8),
-                    "gamma": self.gamma.get(unit.name),
-                    "dead": unit.name in self.dead,
+                    "params": slot.params,
+                    "bytes": -(-allocation.cost_bits[slot.name] // 8),
+                    "gamma": self.gamma.get(slot.unit),
+                    "dead": slot.unit in self.dead,
                 }
             )
         return pl.DataFrame(rows)
 
-    def write(self, allocation: Allocation, path: Path, external_data: bool | None = None) -> int:
-        """Write the model; large ones stream into external data. Returns bytes on disk."""
-        path = write_storage(self.model.proto, self.stored(allocation), path, external_data=external_data)
+    def write(self, encodings: dict[str, Encoded], path: Path, external_data: bool | None = None) -> tuple[int, int]:
+        """Write the model (large ones stream into external data). Returns (bytes on disk, stored-tensor bits)."""
+        stored = {name: e for name, e in encodings.items() if not (e.form == "raw" and e.values is self.weights.get(name))}
+        path, bits = write_storage(self.model.proto, stored, path, external_data=external_data)
         data = path.with_name(path.name + ".data")
-        return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
+        return path.stat().st_size + (data.stat().st_size if data.exists() else 0), bits
 
-    def export(self, target: float | None, path: Path, uniform_tier: str | None = None, on_result=None) -> Outcome:
+    def export(self, target: float | None, path: Path | str, uniform_tier: str | None = None, rounding: str | None = None, on_result=None) -> Outcome:
+        """Write the model for `target` (or every unit at `uniform_tier`, codes chosen by `rounding`,
+        default the planner's) and its allocation record beside it."""
         started = time.perf_counter()
+        path = Path(path)
+        notes: list[str] = []
         if uniform_tier is not None:
-            get_tiers([uniform_tier], self.settings.target, self.settings.group_size)
-            allocation, drift, drifts, fell_back = self.uniform(uniform_tier), None, {}, None
+            tier = get_tiers([uniform_tier], self.settings.target, self.settings.group_size)[0]
+            method = Rounding(rounding) if rounding else self.rounding
+            allocation = self.uniform(tier.name)
+            allocation.target = target
+            label = f"uniform {tier.name} {method.method if tier.calibratable else 'rtn'}"
+            encodings = self.encoder.uniform(tier, method)
+            compared = [Candidate(label, allocation, encodings, self.measure(encodings))]
         else:
-            allocation, drift, drifts, fell_back = self.plan(target, on_result)
-        size = self.write(allocation, path)
-        table = self.table(allocation)
+            compared = self.candidates(target, on_result)
+        chosen = compared[0]
+        if not chosen.label.startswith("TQS-PTQ") and uniform_tier is None:
+            mixed = next(c for c in compared if c.label.startswith("TQS-PTQ"))
+            notes.append(f"the mixed allocation drifted {mixed.drift.worst_pct:.4g}% vs {chosen.label} {chosen.drift.worst_pct:.4g}%: shipped {chosen.label}")
+        for name, reason in sorted(self.encoder.log.rtn_only.items()):
+            if self.rounding.needs_stats:
+                notes.append(f"'{name}' is rounded to nearest whatever the method: {reason}")
+        if self.encoder.log.thin and self.rounding.needs_stats:
+            notes.append(f"{len(self.encoder.log.thin)} weight(s) saw fewer calibration rows than twice their input width (rank-deficient Hessians, damping hides it)")
+        size, bits = self.write(chosen.encodings, path)
+        unit_bits = sum(emitted_bits(n, e) for n, e in chosen.encodings.items())
+        compression = self.reference_bits / bits
+        unit_compression = self.unit_reference_bits / unit_bits
+        table = self.table(chosen.allocation)
         summary = {
             "model": str(self.model.path),
             "run": str(self.run_dir),
             "output": str(path),
             "target_compression": target,
-            "achieved_compression": allocation.compression,
-            "reference_bytes": allocation.reference_bits / 8,
-            "weight_bytes": allocation.total_bits / 8,
+            "basis": self.settings.basis,
+            "compression": compression,
+            "unit_compression": unit_compression,
+            "reference_bits": self.reference_bits,
+            "weight_bits": bits,
             "file_bytes": size,
-            "objective": allocation.objective,
-            "solver": allocation.solver,
+            "objective": chosen.allocation.objective,
+            "rounding": chosen.label.split()[-1] if uniform_tier is not None else self.rounding.method,
+            "solver": chosen.allocation.solver,
+            "shipped": chosen.label,
             "settings": asdict(self.settings),
-            "drift": drift,
-            "uniform_drifts": drifts,
-            "fell_back_to_uniform": fell_back,
-            "notes": allocation.notes,
-            "seconds": round(time.perf_counter() - started, 3),
+            "drift_pct": chosen.drift.worst_pct if chosen.drift else None,
+            "drift_pct_by_output": chosen.drift.pct if chosen.drift else None,
+            "relative_rms_drift": chosen.drift.relative_rms if chosen.drift else None,
+            "compared": [c.record() for c in compared],
+            "notes": notes,
+            "timings_s": {**{k: round(v, 3) for k, v in self.timings.items()}, "calibration": round(self.encoder.log.calibration_s, 3), "total": round(time.perf_counter() - started, 3)},
             "tiers": table.rows(named=True),
         }
         stem = path.with_suffix("")
         table.write_parquet(f"{stem}.allocation.parquet")
         Path(f"{stem}.allocation.json").write_text(json.dumps(summary, indent=2, default=str))
-        return Outcome(allocation, path, size, drift, drifts, fell_back, table)
+        return Outcome(chosen.allocation, path, size, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table, chosen.encodings, notes)
 
     def close(self) -> None:
         if self._runner is not None:
             self._runner.close()
+        self.encoder.close()

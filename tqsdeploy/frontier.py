@@ -1,11 +1,15 @@
-"""`frontier`: TQS-PTQ and the calibration-based baselines on one chart.
+"""`frontier`: TQS-PTQ and the uniform baselines on one chart, at matched sizes.
 
-One score run; one export per (objective, C); one uniform model per
-(baseline method, bits); every candidate evaluated with `evaluate` on the
-same contexts (and on held-out contexts when given, so an allocation that
-overfits the scoring contexts shows). Results land in `frontier.parquet`,
-one row per (candidate, split, output, variable), with wall time split into
-sweep / calibration / apply / eval.
+One score run and one `Planner`; the baselines are uniform allocations
+exported by that planner with each rounding method (so they share its
+calibration and its caches); TQS-PTQ runs at the requested compressions and
+just below every baseline's compression (matched points); every candidate is
+evaluated with `evaluate` on the scoring contexts and, when given, on held-out
+contexts, which is what the report leads with. Results land in
+`frontier.parquet`, one row per (candidate, split, output, variable), with wall
+time split into the score sweep (shared by every TQS-PTQ point), the export
+(pricing, calibration, refinement, comparison and writing; TQS-PTQ prices
+every slot once, in its first export) and the evaluation.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Callable
 import polars as pl
 
 from runtimes import OrtRuntime
-from tqsdeploy.baselines import quantize_baseline, write_baseline
+from tiers import METHODS, tier_for_bits
 from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.evaluate import EvalSettings, evaluate
 from tqsdeploy.export import ExportSettings, Planner
@@ -31,20 +35,23 @@ from tqsdeploy.units import UnitSelection
 MATCH_SLACK = 0.01
 """TQS targets at a grid point sit this fraction below the baseline's compression."""
 
-LABELS = {"paper": "TQS-PTQ (paper)", "response": "TQS-PTQ (response)", "measured": "TQS-PTQ (measured)", "rtn": "RTN", "gptq": "GPTQ", "gptaq": "GPTAQ", "qep": "QEP"}
+LABELS = {"rtn": "RTN", "gptq": "GPTQ", "gptaq": "GPTAQ", "qep": "QEP"}
+TQS_LABEL = "TQS-PTQ"
 
 
 @dataclass(frozen=True)
 class FrontierSettings:
-    targets: tuple[float, ...] = (2, 4, 8, 12, 16, 24, 32)
-    objectives: tuple[str, ...] = ("paper", "response", "measured")
-    baselines: tuple[str, ...] = ("rtn", "gptq", "gptaq", "qep")
-    bits: tuple[int, ...] = (2, 3, 4, 8)
+    targets: tuple[float, ...] = (2, 4, 8, 12, 16)
+    baselines: tuple[str, ...] = METHODS
+    bits: tuple[int, ...] = (2, 4, 8)
     export: ExportSettings = field(default_factory=ExportSettings)
+    """TQS-PTQ's settings (the defaults unless asked otherwise)."""
+    variants: tuple[tuple[str, ExportSettings], ...] = ()
+    """Extra TQS-PTQ lines: (label, settings), e.g. another objective or rounding."""
     evaluation: EvalSettings = field(default_factory=EvalSettings)
-    baseline_group_size: int = -1
     min_params: int = 1024
     """Smallest tensor quantized, by TQS-PTQ and the baselines alike."""
+    symmetric_baselines: bool = False
 
 
 @dataclass
@@ -64,7 +71,7 @@ class Candidate:
 def _rows(candidate: Candidate, split: str, report: dict | None) -> list[dict]:
     base = {
         "family": candidate.family,
-        "method": LABELS.get(candidate.method, candidate.method),
+        "method": candidate.method,
         "setting": candidate.setting,
         "target_C": candidate.target,
         "achieved_C": candidate.compression,
@@ -92,10 +99,25 @@ def _rows(candidate: Candidate, split: str, report: dict | None) -> list[dict]:
                     "rmse_truth": truth.get("rmse"),
                     "ref_mae_truth": truth.get("reference_mae"),
                     "degradation_pct": m.get("degradation_pct"),
+                    "degradation_lo": (truth.get("degradation_ci95") or [None, None])[0],
+                    "degradation_hi": (truth.get("degradation_ci95") or [None, None])[1],
                     "mae_by_step": json.dumps(truth.get("mae_by_step") or ref.get("mae_by_step")),
+                    "ref_mae_by_step": json.dumps(truth.get("reference_mae_by_step")),
+                    "drift_by_step": json.dumps(ref.get("mae_by_step")),
                 }
             )
     return rows
+
+
+def _targets(settings: FrontierSettings, baselines: list[Candidate]) -> list[tuple[float, str]]:
+    """Requested compressions plus one just below every baseline's (a matched point)."""
+    targets = [(float(t), f"C{t:g}") for t in settings.targets]
+    for candidate in baselines:
+        if candidate.compression:
+            matched = round(candidate.compression * (1 - MATCH_SLACK), 3)
+            if not any(abs(math.log(matched / t)) < 0.005 for t, _ in targets):
+                targets.append((matched, f"C{matched:.3g}@{candidate.setting}"))
+    return sorted(targets)
 
 
 def run_frontier(
@@ -106,7 +128,6 @@ def run_frontier(
     spec: str | Path | None = None,
     steps: int | None = None,
     truth: str | Path | None = None,
-    calib: str | Path | None = None,
     eval_contexts: str | Path | None = None,
     eval_truth: str | Path | None = None,
     settings: FrontierSettings = FrontierSettings(),
@@ -114,7 +135,7 @@ def run_frontier(
     runtime: OrtRuntime = OrtRuntime(),
     log: Callable[[str], None] = lambda message: None,
 ) -> pl.DataFrame:
-    """Build every candidate, evaluate it, and write frontier.parquet/csv."""
+    """Build every candidate, evaluate it, and write frontier.parquet/csv/json."""
     model, out_dir = Path(model), Path(out_dir)
     models_dir = out_dir / "models"
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -122,58 +143,47 @@ def run_frontier(
     selection = UnitSelection(min_params=settings.min_params)
     arguments = dict(spec=spec, steps=steps, out=out_dir / "score", settings=score_settings, selection=selection, runtime=runtime)
     try:
-        table: ScoreTable = score(model, contexts, **arguments)  # resumes a matching run
+        table: ScoreTable = score(model, contexts, **arguments)
     except InputError:  # the folder's run is for other settings; it belongs to this frontier, so replace it
         table = score(model, contexts, resume=False, **arguments)
     spec_path = out_dir / "score" / "rollout.toml"
     sweep_s = table.meta["timings_s"]["sweep"]
     candidates: list[Candidate] = []
 
-    for method in settings.baselines:
-        for bits in settings.bits:
-            log(f"baseline {method} W{bits}")
+    planner = Planner(out_dir / "score", model, settings.export, runtime)
+    for bits in settings.bits:
+        tier = tier_for_bits(bits, settings.symmetric_baselines)
+        for method in settings.baselines:
+            log(f"baseline {LABELS[method]} W{bits}")
+            started = time.perf_counter()
             path = models_dir / f"{model.stem}.{method}-w{bits}.onnx"
             try:
-                result = quantize_baseline(
-                    model, method, bits, calib or contexts, group_size=settings.baseline_group_size, min_params=settings.min_params, runtime=runtime
-                )
-                summary = write_baseline(model, result, path)
+                outcome = planner.export(None, path, uniform_tier=tier.name, rounding=method)
             except TqsError as exc:
-                candidates.append(Candidate("baseline", method, f"W{bits}", None, None, None, None, {}, f"failed: {exc}"))
+                candidates.append(Candidate("baseline", LABELS[method], f"W{bits}", None, None, None, None, {}, f"failed: {exc}"))
                 continue
-            timings = {"sweep": 0.0, "calibration": summary["timings_s"]["calibration"], "apply": summary["timings_s"]["apply"] + summary["timings_s"]["write"]}
-            candidates.append(Candidate("baseline", method, f"W{bits}", None, path, summary["achieved_compression"], summary["file_bytes"], timings, details={"notes": summary["notes"]}))
+            timings = {"sweep": 0.0, "export": time.perf_counter() - started}
+            candidates.append(Candidate("baseline", LABELS[method], f"W{bits}", None, path, outcome.compression, outcome.file_bytes, timings, details={"drift_pct": outcome.drift_pct}))
 
-    # TQS-PTQ also runs at each baseline grid point's compression (1% below it,
-    # so that a uniform allocation of the same tier still fits), so matched
-    # comparisons compare equal sizes rather than the nearest requested C.
-    targets = [(t, f"C{t:g}") for t in settings.targets]
-    for candidate in [c for c in candidates if c.compression]:
-        matched = round(candidate.compression * (1 - MATCH_SLACK), 3)
-        if not any(abs(math.log(matched / t)) < 0.01 for t, _ in targets):
-            targets.append((matched, f"C{matched:.3g}@{candidate.setting}"))
-    targets.sort()
-    for objective in settings.objectives:
-        planner = Planner(out_dir / "score", model, ExportSettings(**{**asdict(settings.export), "objective": objective}), runtime)
-        best = planner.max_compression()
-        measured_started = time.perf_counter()
-        if objective == "measured":
-            planner.measured()
-        calibration_s = time.perf_counter() - measured_started
+    lines = [(TQS_LABEL, planner)] + [(label, Planner(out_dir / "score", model, variant, runtime)) for label, variant in settings.variants]
+    targets = _targets(settings, [c for c in candidates if c.family == "baseline"])
+    for label, line in lines:
+        best = line.max_compression()
         for target, setting in targets:
             if target > best:
-                candidates.append(Candidate("tqs", objective, setting, target, None, None, None, {}, f"infeasible: largest reachable C is {best:.3g}"))
+                candidates.append(Candidate("tqs", label, setting, target, None, None, None, {}, f"infeasible: largest reachable C is {best:.3g}"))
                 continue
-            log(f"export {objective} {setting}")
+            log(f"export {label} {setting}")
             started = time.perf_counter()
-            path = models_dir / f"{model.stem}.{objective}.{setting}.onnx"
-            outcome = planner.export(target, path)
-            timings = {"sweep": sweep_s, "calibration": calibration_s, "apply": time.perf_counter() - started}
-            details = {"tiers": dict(zip(outcome.table["unit"], outcome.table["tier"])), "fell_back_to": outcome.fell_back_to, "drift": outcome.drift}
-            candidates.append(Candidate("tqs", objective, setting, target, path, outcome.allocation.compression, outcome.file_bytes, timings, details=details))
-        planner.close()
+            path = models_dir / f"{model.stem}.{label.replace(' ', '_')}.{setting}.onnx"
+            outcome = line.export(target, path)
+            timings = {"sweep": sweep_s, "export": time.perf_counter() - started}  # the first export also prices every slot once
+            details = {"shipped": outcome.shipped, "drift_pct": outcome.drift_pct, "compared": outcome.compared, "tiers": dict(zip(outcome.table["slot"], outcome.table["tier"]))}
+            candidates.append(Candidate("tqs", label, setting, target, path, outcome.compression, outcome.file_bytes, timings, details=details))
+    for _, line in lines:
+        line.close()
 
-    splits = [("scoring", contexts, truth)] + ([("held-out", eval_contexts, eval_truth)] if eval_contexts else [])
+    splits = ([("held-out", eval_contexts, eval_truth)] if eval_contexts else []) + [("scoring", contexts, truth)]
     rows: list[dict] = []
     for candidate in candidates:
         for split, split_contexts, split_truth in splits:
@@ -193,9 +203,9 @@ def run_frontier(
                 candidate.status = "non-finite outputs"
             rows.extend(_rows(candidate, split, report))
     for row in rows:  # eval time is known only once every split ran
-        match = next(c for c in candidates if LABELS.get(c.method, c.method) == row["method"] and c.setting == row["setting"])
+        match = next(c for c in candidates if c.method == row["method"] and c.setting == row["setting"])
         row["eval_s"] = match.timings.get("eval")
-        for key in ("sweep", "calibration", "apply"):
+        for key in ("sweep", "export"):
             row.setdefault(f"{key}_s", match.timings.get(key))
     frame = pl.DataFrame(rows, infer_schema_length=None)
     frame.write_parquet(out_dir / "frontier.parquet")
@@ -205,6 +215,8 @@ def run_frontier(
             {
                 "model": str(model),
                 "score_run": str(out_dir / "score"),
+                "tqs_settings": asdict(settings.export),
+                "splits": [s for s, _, _ in splits],
                 "candidates": [{k: v for k, v in asdict(c).items() if k != "path"} | {"path": str(c.path) if c.path else None} for c in candidates],
                 "runtime": "ONNX Runtime " + ("exact dequantization" if settings.evaluation.exact else "default optimisations (MatMulNBits, accuracy_level 4)"),
             },

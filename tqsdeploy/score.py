@@ -32,7 +32,7 @@ from tqsdeploy.errors import InputError
 from tqsdeploy.rollout import RolloutSpec, detect
 from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
 from tqsdeploy.sweep import EarlyStop, ResultLog, SweepJob, SweepRunner, TaskResult, plan_tasks, run_local, run_parallel, run_ray
-from tqsdeploy.units import Unit, UnitSelection, select_units
+from tqsdeploy.units import Unit, UnitSelection, check_finite, select_units
 
 DEFAULT_STEPS = 8
 RUN_FILES = ("run.json", "sweep.jsonl", "measured.jsonl", "scores.parquet", "scores.csv", "rollout.toml", "contexts.npz")
@@ -183,6 +183,7 @@ def prepare(
             seed=context_options.seed,
         )
     weights = graph_ops.read_weights(loaded.proto, names)
+    check_finite(weights)
     job = SweepJob(
         session_factory=factory,
         contexts=ctx,

@@ -21,6 +21,7 @@ import numpy as np
 
 from runtimes import Session, SessionFactory
 from tqsdeploy.contexts import Contexts
+from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.probes import perturb
 from tqsdeploy.rollout import RolloutSpec, rollout
@@ -164,12 +165,29 @@ class SweepJob:
 class Nominal:
     """The unperturbed rollout every task is compared with."""
 
-    chunks: list[tuple[int, dict[str, np.ndarray]]]
     trajectory: list[list[dict[str, np.ndarray]]]
-    """[chunk][step] -> trajectory outputs."""
+    """[step][chunk] -> trajectory outputs."""
     norm_sq: list[float] = field(default_factory=list)
     """Per step: mean over windows of ||Y_nom(t)||^2."""
+    abs_sum: dict[str, float] = field(default_factory=dict)
+    """Per trajectory output: sum of |Y_nom| over windows and steps (the scale of drift %)."""
     batched: bool = False
+
+
+@dataclass(frozen=True)
+class Drift:
+    """How far a perturbed model's rollout strays from the nominal one."""
+
+    relative_rms: float
+    """RMS trajectory divergence over all steps relative to the RMS nominal trajectory."""
+    pct: dict[str, float]
+    """Per trajectory output: mean |divergence| / mean |nominal| in percent (what `eval` reports as drift)."""
+    div_sq: list[float]
+    """Per step: mean over windows of ||Y(t) - Y_nom(t)||^2 (additive, what the knapsack prices)."""
+
+    @property
+    def worst_pct(self) -> float:
+        return max(self.pct.values()) if self.pct else 0.0
 
 
 class SweepRunner:
@@ -195,18 +213,22 @@ class SweepRunner:
         job.spec.check(self.inputs, self.overridable.outputs)
         if job.strategy not in STRATEGIES:
             raise RolloutError(f"unknown strategy '{job.strategy}'; choose one of {', '.join(STRATEGIES)}")
+        self.engine = RolloutEngine(self.overridable, job.contexts, job.spec, job.max_batch_windows)
         self.strategy = job.strategy if job.strategy != "auto" else self._choose()
         if self.strategy == "rebuild" and job.rebuild_factory is None:
             self.strategy = "feed"
         self.session: Session = self.overridable if self.strategy == "feed" else job.rebuild_factory({})
+        self.engine.session = self.session
         self.nominal = self._nominal()
 
     def _choose(self) -> str:
         """Time one step both ways and one session build; pick the cheaper sweep."""
         if self.job.rebuild_factory is None:
             return "feed"
-        batch = self.job.contexts.count > 1 and all(s.is_dynamic(0) for s in self.inputs)
-        chunks = list(self.job.contexts.chunks(self.inputs, batch, self.job.max_batch_windows))
+        try:
+            chunks = self.engine.chunks
+        except Exception:
+            return "feed"  # let the nominal rollout report what is wrong
         names = self.job.spec.run_outputs
         unit = next(iter(self.job.units.values()))
         started = time.perf_counter()
@@ -224,59 +246,31 @@ class SweepRunner:
         try:
             fed, baked = step(self.overridable), step(plain)
         except Exception:
-            return "feed"  # let the nominal rollout report what is wrong
+            return "feed"
         runs = self.job.spec.steps * len(chunks)
         return "rebuild" if build + runs * baked < 0.9 * runs * fed else "feed"
 
-    def _trajectory(self, chunks, weights=None, steps=None) -> Iterable[list[dict[str, np.ndarray]]]:
-        """Step-major rollout of all chunks together: yields one list of chunk outputs per step."""
-        session, feed = self.session, weights
+    def _steps(self, weights=None, steps=None):
+        """Step-major rollout with `weights` replaced, the way this runner's strategy applies them."""
         if self.strategy == "rebuild" and weights:
-            session, feed = self.job.rebuild_factory(weights), None
-        generators = [rollout(session, feeds, self.job.spec, feed, steps) for _, feeds in chunks]
-        return zip(*generators)
+            return self.engine.steps(None, steps, session=self.job.rebuild_factory(weights))
+        return self.engine.steps(weights or None, steps)
 
     def _nominal(self) -> Nominal:
-        batch = self.job.contexts.count > 1 and all(s.is_dynamic(0) for s in self.inputs)
-        chunks = list(self.job.contexts.chunks(self.inputs, batch, self.job.max_batch_windows))
         try:
-            steps = [list(outs) for outs in self._trajectory(chunks)]
-            keeps_batch = not batch or all(arr.shape[0] % count == 0 for (count, _), outs in zip(chunks, steps[0]) for arr in outs.values())
-        except RolloutError:
-            raise
-        except Exception as exc:
-            if not batch:
-                raise RolloutError(f"the model failed to run on the contexts: {str(exc).splitlines()[0]}") from None
-            keeps_batch = False  # a model whose batch axis is dynamic in name only
-        if not keeps_batch:  # run windows one by one
-            batch = False
-            chunks = list(self.job.contexts.chunks(self.inputs, False, 1))
-            try:
-                steps = [list(outs) for outs in self._trajectory(chunks)]
-            except RolloutError:
-                raise
-            except Exception as exc:
-                raise RolloutError(f"the model failed to run on the contexts: {str(exc).splitlines()[0]}") from None
-        trajectory = [[steps[t][c] for t in range(len(steps))] for c in range(len(chunks))]
-        norm_sq = []
+            steps = [list(outs) for outs in self._steps()]
+        except RolloutError as exc:
+            raise RolloutError(f"the model failed to run on the contexts: {exc}") from None
+        norm_sq, abs_sum = [], {name: 0.0 for name in self.job.spec.trajectory}
         for t, outs in enumerate(steps):
             for name in self.job.spec.trajectory:
                 for chunk_out in outs:
                     if not np.all(np.isfinite(chunk_out[name])):
                         raise RolloutError(f"the nominal rollout produced NaN or Inf in output '{name}' at step {t + 1}")
-            total = sum(self._window_sq(chunks[c][0], outs[c]).sum() for c in range(len(chunks)))
+                    abs_sum[name] += float(np.abs(chunk_out[name].astype(np.float64)).sum())
+            total = sum(self.engine.window_sq(c, outs[c]).sum() for c in range(len(outs)))
             norm_sq.append(float(total / self.job.contexts.count))
-        return Nominal(chunks=chunks, trajectory=trajectory, norm_sq=norm_sq, batched=batch)
-
-    def _window_sq(self, count: int, outputs: dict[str, np.ndarray], reference: dict[str, np.ndarray] | None = None) -> np.ndarray:
-        """Squared norm per window of the trajectory outputs (or of their difference)."""
-        total = np.zeros(count)
-        for name in self.job.spec.trajectory:
-            values = outputs[name].astype(np.float64)
-            if reference is not None:
-                values = values - reference[name]
-            total += np.square(values.reshape(count, -1)).sum(axis=1)
-        return total
+        return Nominal(trajectory=steps, norm_sq=norm_sq, abs_sum=abs_sum, batched=self.engine.batched)
 
     def run(self, task: Task) -> TaskResult:
         job = self.job
@@ -293,39 +287,54 @@ class SweepRunner:
             seconds=time.perf_counter() - started,
         )
 
-    def divergence(self, weights: dict[str, np.ndarray], delta_sq: float = 0.0) -> tuple[list[float], bool]:
+    def divergence(self, weights: dict[str, np.ndarray], delta_sq: float = 0.0, early_stop: bool = True) -> tuple[list[float], bool]:
         """Per-step mean squared trajectory divergence of the model with `weights`
         replaced, against the nominal rollout; and whether it went non-finite.
 
-        Early stopping (when the job asks for it) needs `delta_sq`.
+        Early stopping (when the job asks for it and `early_stop`) needs `delta_sq`.
         """
         job = self.job
+        stop = job.early_stop if early_stop else None
         div_sq: list[float] = []
         gammas: list[float] = []
         cumulative = 0.0
-        for t, outs in enumerate(self._trajectory(self.nominal.chunks, weights), start=1):
-            total = 0.0
-            for c, (count, _) in enumerate(self.nominal.chunks):
-                total += self._window_sq(count, outs[c], self.nominal.trajectory[c][t - 1]).sum()
+        for t, outs in enumerate(self._steps(weights), start=1):
+            reference = self.nominal.trajectory[t - 1]
+            total = sum(self.engine.window_sq(c, outs[c], reference[c]).sum() for c in range(len(outs)))
             value = float(total / job.contexts.count)
             if not math.isfinite(value):
                 div_sq.extend([math.inf] * (job.spec.steps - t + 1))
                 return div_sq, True
             div_sq.append(value)
             cumulative += value
-            if job.early_stop is not None and delta_sq > 0:
+            if stop is not None and delta_sq > 0:
                 gammas.append(math.log(max(cumulative, 1e-300) / (delta_sq + job.eps)) / t)
-                window = gammas[-(job.early_stop.window + 1):]
-                if len(window) == job.early_stop.window + 1 and max(window) - min(window) <= job.early_stop.tol:
+                window = gammas[-(stop.window + 1):]
+                if len(window) == stop.window + 1 and max(window) - min(window) <= stop.tol:
                     break
         return div_sq, False
 
+    def drift(self, weights: dict[str, np.ndarray]) -> Drift:
+        """Divergence of the model with `weights` replaced over the full rollout, in every unit reports use."""
+        div_sq: list[float] = []
+        abs_diff = {name: 0.0 for name in self.job.spec.trajectory}
+        for t, outs in enumerate(self._steps(weights), start=1):
+            reference = self.nominal.trajectory[t - 1]
+            total = 0.0
+            for c, chunk_out in enumerate(outs):
+                total += self.engine.window_sq(c, chunk_out, reference[c]).sum()
+                for name in abs_diff:
+                    abs_diff[name] += float(np.abs(chunk_out[name].astype(np.float64) - reference[c][name]).sum())
+            div_sq.append(float(total / self.job.contexts.count))
+        if not all(math.isfinite(v) for v in div_sq):
+            return Drift(math.inf, {name: math.inf for name in abs_diff}, div_sq)
+        relative = math.sqrt(sum(div_sq) / max(sum(self.nominal.norm_sq), 1e-300))
+        pct = {name: 100 * value / max(self.nominal.abs_sum[name], 1e-300) for name, value in abs_diff.items()}
+        return Drift(relative, pct, div_sq)
+
     def relative_drift(self, weights: dict[str, np.ndarray]) -> float:
         """RMS trajectory divergence over all steps relative to the RMS nominal trajectory."""
-        div_sq, nonfinite = self.divergence(weights)
-        if nonfinite:
-            return math.inf
-        return math.sqrt(sum(div_sq) / max(sum(self.nominal.norm_sq), 1e-300))
+        return self.drift(weights).relative_rms
 
     def close(self) -> None:
         self.session.close()

@@ -96,3 +96,12 @@ def select_units(tensors: list[WeightTensor], selection: UnitSelection) -> list[
         key = (match.group(1) if match.groups() else match.group(0)) if match else tensor.name
         blocks.setdefault(key, []).append(tensor)
     return [Unit(name=key, tensors=tuple(group)) for key, group in blocks.items()]
+
+
+def check_finite(weights: dict) -> None:
+    """Refuse weights holding NaN or Inf: every score and quantizer of them would be meaningless."""
+    import numpy as np
+
+    for name, value in weights.items():
+        if np.asarray(value).dtype.kind == "f" and not np.all(np.isfinite(value)):
+            raise InputError(f"weight '{name}' contains NaN or Inf; the model cannot be scored or quantized as it is")

@@ -1,0 +1,318 @@
+"""One walk from every stored weight to the ops that consume it.
+
+A weight is a float initializer (or a Constant node's value). Following it
+through layout-only ops (Transpose, Cast, Identity, and the reshaping ones)
+to the compute ops that use it as a weight operand tells three things that
+every later step needs, so they are read here once:
+- which ops and nodes it feeds (units, reports);
+- its layout as Wt [N, K], one row per output channel (`perm`: stored axes in
+  Wt order), which quantizers, DequantizeLinear axes and channel groups use;
+- for each consumer, the activation whose rows multiply it (`WeightUse`), which
+  GPTQ-family calibration collects, or why none can be rebuilt (`rtn_reason`).
+Biases and norm scales reach no weight operand and so are not weights.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper
+
+WEIGHT_OPERANDS: dict[str, tuple[int, ...] | None] = {
+    "MatMul": None,  # either operand may be the constant one
+    "Gemm": (0, 1),
+    "Conv": (1,),
+    "ConvTranspose": (1,),
+    "Gather": (0,),  # embedding tables
+    "Einsum": None,
+    "RNN": (1, 2),
+    "LSTM": (1, 2),
+    "GRU": (1, 2),
+}
+"""Op type -> input positions that hold weights (None: any input)."""
+
+PASS_THROUGH = {"Transpose", "Reshape", "Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
+"""Layout-only ops a weight may pass through before its consumer (data input 0)."""
+
+FOLLOWED = {"Transpose", "Identity", "Cast"}
+"""Pass-through ops that keep the layout known; after the others (Reshape and
+friends) the weight is still found, but gets per-tensor, uncalibrated quantization."""
+
+FLOAT_TYPES = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.DOUBLE: "float64",
+}
+"""Float element types numpy can feed to a runtime (bfloat16 cannot be fed from numpy)."""
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """The attributes im2col needs to reproduce one Conv node's windows."""
+
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    pads: tuple[int, ...]
+    """ONNX order: all begins, then all ends (used when auto_pad is NOTSET)."""
+    auto_pad: str
+    group: int
+
+    def resolved_pads(self, spatial: tuple[int, ...]) -> tuple[int, ...]:
+        """Explicit begin/end pads for an input of this spatial shape."""
+        if self.auto_pad in ("NOTSET", ""):
+            return self.pads
+        if self.auto_pad == "VALID":
+            return (0,) * (2 * len(spatial))
+        begins, ends = [], []
+        for size, k, s, d in zip(spatial, self.kernel, self.strides, self.dilations):
+            total = max(0, (-(-size // s) - 1) * s + (k - 1) * d + 1 - size)
+            small, large = total // 2, total - total // 2
+            begins.append(small if self.auto_pad == "SAME_UPPER" else large)
+            ends.append(large if self.auto_pad == "SAME_UPPER" else small)
+        return tuple(begins + ends)
+
+
+@dataclass(frozen=True)
+class WeightUse:
+    """One node that consumes a weight, and how to read its X from that node's input."""
+
+    node: str
+    node_index: int
+    op_type: str
+    x: str
+    """The activation tensor whose rows multiply Wt."""
+    transpose_x: bool = False
+    """X = swapaxes(x, -1, -2) before flattening (weight on MatMul's left, Gemm transA)."""
+    conv: ConvGeometry | None = None
+
+    @property
+    def key(self) -> tuple:
+        """Uses with equal keys see identical X (siblings such as q/k/v)."""
+        return (self.x, self.transpose_x, self.conv)
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """A stored float tensor, what consumes it, and how it reads as Wt [N, K]."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    source: str
+    """'initializer' or 'constant' (the output of a Constant node)."""
+    op_types: tuple[str, ...] = ()
+    """Compute ops it feeds as a weight; empty if it feeds none (still float)."""
+    nodes: tuple[str, ...] = ()
+    """Names of the compute nodes it feeds, which often say more than an exporter's tensor name."""
+    perm: tuple[int, ...] | None = None
+    """Stored axes in Wt order, output-channel axis first; None: unknown (one row)."""
+    row_groups: int = 1
+    """Conv groups: Wt's rows split into this many blocks, each with its own inputs."""
+    uses: tuple[WeightUse, ...] = ()
+    rtn_reason: str | None = None
+    """Why calibration inputs cannot be rebuilt (None when they can)."""
+
+    @property
+    def params(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def is_operand_weight(self) -> bool:
+        return bool(self.op_types)
+
+    @property
+    def channel_axis(self) -> int | None:
+        return None if self.perm is None else self.perm[0]
+
+    @property
+    def calibratable(self) -> bool:
+        return self.rtn_reason is None and bool(self.uses)
+
+
+def _attributes(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _decode(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _node_id(node: onnx.NodeProto, index: int) -> str:
+    return node.name or f"{node.op_type}_{index}"
+
+
+def constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Constant node outputs holding a tensor value, by output name."""
+    found = {}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for attribute in node.attribute:
+                if attribute.name == "value" and attribute.HasField("t"):
+                    found[node.output[0]] = attribute.t
+    return found
+
+
+def stored_tensors(graph: onnx.GraphProto) -> dict[str, tuple[onnx.TensorProto, str]]:
+    """Initializers and Constant values by name, with where they live."""
+    stored = {t.name: (t, "initializer") for t in graph.initializer}
+    for name, tensor in constant_tensors(graph).items():
+        stored[name] = (tensor, "constant")
+    return stored
+
+
+def _conv_geometry(node: onnx.NodeProto, weight_shape: tuple[int, ...]) -> ConvGeometry:
+    attrs = _attributes(node)
+    kernel = tuple(int(k) for k in attrs.get("kernel_shape", weight_shape[2:]))
+    rank = len(kernel)
+    return ConvGeometry(
+        kernel=kernel,
+        strides=tuple(int(s) for s in attrs.get("strides", [1] * rank)),
+        dilations=tuple(int(d) for d in attrs.get("dilations", [1] * rank)),
+        pads=tuple(int(p) for p in attrs.get("pads", [0] * (2 * rank))),
+        auto_pad=_decode(attrs.get("auto_pad", "NOTSET")),
+        group=int(attrs.get("group", 1)),
+    )
+
+
+def _einsum_rows(node: onnx.NodeProto, position: int, rank: int) -> tuple[int, ...] | None:
+    """Operand order with the single output-channel axis first, or None if ambiguous."""
+    equation = _decode(_attributes(node).get("equation", "")).replace(" ", "")
+    if "->" not in equation or "..." in equation:
+        return None
+    operands, output = equation.split("->")
+    terms = operands.split(",")
+    if position >= len(terms) or len(terms[position]) != rank:
+        return None
+    kept = [i for i, letter in enumerate(terms[position]) if letter in output]
+    if len(kept) != 1:
+        return None
+    return (kept[0],) + tuple(i for i in range(rank) if i != kept[0])
+
+
+def _use_layout(node, position, rank, index, constants, operand_shape):
+    """(operand perm to Wt, WeightUse or None, reason, row groups) for one consumer."""
+    op, inputs = node.op_type, list(node.input)
+    name = _node_id(node, index)
+
+    def other_constant(position: int) -> bool:
+        return position < len(inputs) and inputs[position] in constants
+
+    if op == "MatMul":
+        if rank != 2:
+            axis = rank - 1 if position == 1 else max(rank - 2, 0)
+            perm = (axis,) + tuple(i for i in range(rank) if i != axis) if rank else None
+            return perm, None, f"MatMul weight of rank {rank}", 1
+        if other_constant(1 - position):
+            return ((1, 0) if position == 1 else (0, 1)), None, "both MatMul operands are constant", 1
+        if position == 1:
+            return (1, 0), WeightUse(name, index, op, inputs[0]), None, 1
+        return (0, 1), WeightUse(name, index, op, inputs[1], transpose_x=True), None, 1
+    if op == "Gemm":
+        attrs = _attributes(node)
+        trans_a, trans_b = bool(attrs.get("transA", 0)), bool(attrs.get("transB", 0))
+        if position == 1:
+            perm, use = ((0, 1) if trans_b else (1, 0)), WeightUse(name, index, op, inputs[0], transpose_x=trans_a)
+        else:
+            perm, use = ((1, 0) if trans_a else (0, 1)), WeightUse(name, index, op, inputs[1], transpose_x=not trans_b)
+        if other_constant(1 - position):
+            return perm, None, "both Gemm operands are constant", 1
+        return perm, use, None, 1
+    if op == "Conv" and position == 1:
+        geometry = _conv_geometry(node, operand_shape)
+        perm = tuple(range(rank))
+        if other_constant(0):
+            return perm, None, "Conv input is constant", geometry.group
+        return perm, WeightUse(name, index, op, inputs[0], conv=geometry), None, geometry.group
+    if op == "ConvTranspose":
+        perm = (1, 0) + tuple(range(2, rank)) if int(_attributes(node).get("group", 1)) == 1 and rank >= 2 else None
+        return perm, None, "ConvTranspose inputs are not rebuilt", 1
+    if op in ("LSTM", "GRU", "RNN"):
+        return ((1, 0, 2) if rank == 3 else None), None, f"{op} inputs are not rebuilt", 1
+    if op == "Gather":
+        axis = int(_attributes(node).get("axis", 0)) % max(rank, 1)
+        return (axis,) + tuple(i for i in range(rank) if i != axis), None, "Gather (embedding) has no matrix input", 1
+    if op == "Einsum":
+        return _einsum_rows(node, position, rank), None, "Einsum inputs are not rebuilt", 1
+    return None, None, f"{op} inputs are not rebuilt", 1
+
+
+def _reach(name: str, consumers, rank: int):
+    """(node, position, index, stored->operand axis map, layout still known) for each weight consumer."""
+    found = []
+    frontier = [(name, tuple(range(rank)), True)]
+    seen = {name}
+    while frontier:
+        tensor, axes, clean = frontier.pop()
+        for node, position, index in consumers.get(tensor, []):
+            operands = WEIGHT_OPERANDS.get(node.op_type, ())
+            if node.domain in ("", "ai.onnx") and (operands is None or position in operands):
+                found.append((node, position, index, axes, clean))
+            elif node.op_type in PASS_THROUGH and position == 0:
+                step, follows = axes, clean and node.op_type in FOLLOWED
+                if node.op_type == "Transpose":
+                    order = _attributes(node).get("perm", list(range(len(axes)))[::-1])
+                    step = tuple(axes[o] for o in order) if len(order) == len(axes) else axes
+                for output in node.output:
+                    if output not in seen:
+                        seen.add(output)
+                        frontier.append((output, step, follows))
+    return found
+
+
+def _layout(name, tensor, source, reached, constants) -> WeightLayout:
+    shape = tuple(int(d) for d in tensor.dims)
+    perms, uses, reasons, groups, ops, nodes = set(), [], [], set(), set(), []
+    for node, position, index, axes, clean in reached:
+        ops.add(node.op_type)
+        nodes.append(node.name or node.output[0])
+        operand_shape = tuple(shape[a] for a in axes)
+        perm, use, reason, row_groups = _use_layout(node, position, len(shape), index, constants, operand_shape)
+        if not clean:
+            reason, perm = f"reaches {node.op_type} through a reshaping op", None
+        perms.add(None if perm is None else tuple(axes[p] for p in perm))
+        groups.add(row_groups)
+        if reason:
+            reasons.append(reason)
+        elif use is not None:
+            uses.append(use)
+    base = dict(name=name, shape=shape, dtype=FLOAT_TYPES[tensor.data_type], source=source, op_types=tuple(sorted(ops)), nodes=tuple(nodes))
+    if not reached:
+        return WeightLayout(**base, rtn_reason="feeds no weight operand")
+    if len(perms) > 1 or len(groups) > 1:
+        return WeightLayout(**base, uses=tuple(uses), rtn_reason="its consumers disagree on its layout")
+    perm = perms.pop()
+    if perm is not None and (len(perm) != len(shape) or len(shape) < 2):
+        perm = None  # a vector or scalar gets one scale
+    reason = reasons[0] if reasons else (None if perm is not None else "layout unknown")
+    return WeightLayout(**base, perm=perm, row_groups=groups.pop(), uses=tuple(uses), rtn_reason=reason)
+
+
+def weight_layouts(model: onnx.ModelProto, names: list[str] | set[str] | None = None) -> dict[str, WeightLayout]:
+    """Every float tensor stored in the main graph (or the named ones), with its consumers and layout.
+
+    A weight shared by several nodes is one entry: its uses' statistics are
+    summed and it is quantized once. Unless named, graph inputs that shadow an
+    initializer are not weights (the user feeds them; before IR 4 every
+    initializer was also listed as an input, so then they are).
+    """
+    graph = model.graph
+    stored = stored_tensors(graph)
+    consumers = defaultdict(list)
+    for index, node in enumerate(graph.node):
+        for position, input_name in enumerate(node.input):
+            if input_name:
+                consumers[input_name].append((node, position, index))
+    graph_inputs = {value.name for value in graph.input} if model.ir_version >= 4 and names is None else set()
+    wanted = set(names) if names is not None else None
+    if wanted is not None and wanted - stored.keys():
+        raise KeyError(f"no stored tensor named {sorted(wanted - stored.keys())[0]!r}")
+    layouts = {}
+    for name, (tensor, source) in stored.items():
+        if (wanted is not None and name not in wanted) or tensor.data_type not in FLOAT_TYPES or name in graph_inputs:
+            continue
+        layouts[name] = _layout(name, tensor, source, _reach(name, consumers, len(tensor.dims)), set(stored))
+    return layouts

@@ -1,0 +1,183 @@
+"""One quantizer contract: any rounding method at any tier.
+
+    quantize(weight, layout, tier, rounding, stats) -> Quantized   (Wt level: codes, scales, zero points)
+    to_encoded(quantized, layout, tier, dtype)      -> Encoded     (what the file stores)
+    encode(...)                                     -> Encoded     (both, float tiers included)
+
+Rounding is an axis separate from the tier: round-to-nearest, GPTQ, GPTAQ and
+QEP all land on the tier's grid. The compensating methods take the
+calibration statistics of the weight's inputs (one `Hessian` per Conv row
+group); without them, or on a tier they cannot fill (fp8), they round to
+nearest, and the caller records why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import ml_dtypes
+import numpy as np
+
+from tiers import gptq as solvers
+from tiers.encoded import Encoded
+from tiers.gptq import Hessian, Quantized
+from tiers.layout import Layout
+from tiers.registry import Tier
+
+METHODS = ("rtn", "gptq", "gptaq", "qep")
+DEFAULT_ALPHA = {"gptaq": 0.25, "qep": 0.5}
+"""GPTAQ's hard-coded α and the QEP CLI's perccorr."""
+
+CONTAINERS = {
+    True: {8: np.int8, 4: ml_dtypes.int4, 3: ml_dtypes.int4, 2: ml_dtypes.int2},
+    False: {8: np.uint8, 4: ml_dtypes.uint4, 3: ml_dtypes.uint4, 2: ml_dtypes.uint2},
+}
+"""Narrowest ONNX integer type that holds b-bit codes (no 3-bit type exists)."""
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """How codes are chosen on a tier's grid, with the official defaults."""
+
+    method: str = "rtn"
+    percdamp: float = 0.01
+    block_size: int = 128
+    act_order: bool = False
+    alpha: float | None = None
+    """GPTAQ's α (0.25) or QEP's perccorr (0.5) when None."""
+    percdampqep: float = 1.0
+    qep_base: str = "gptq"
+    """QEP quantizes its corrected weights with 'gptq' or 'rtn'."""
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown rounding '{self.method}'; choose one of {', '.join(METHODS)}")
+        if self.qep_base not in ("gptq", "rtn"):
+            raise ValueError(f"QEP runs on 'gptq' or 'rtn', not '{self.qep_base}'")
+        if self.block_size < 1:
+            raise ValueError(f"block size must be positive, not {self.block_size}")
+
+    @property
+    def needs_stats(self) -> bool:
+        return self.method != "rtn"
+
+    @property
+    def needs_cross(self) -> bool:
+        """Needs G = (X_fp − X̂)ᵀX̂ as well as H (full-precision inputs next to quantized-prefix ones)."""
+        return self.method in ("gptaq", "qep")
+
+    @property
+    def strength(self) -> float:
+        return DEFAULT_ALPHA.get(self.method, 0.0) if self.alpha is None else self.alpha
+
+
+RTN = Rounding()
+
+
+def _group(layout: Layout, group_size: int | None) -> int:
+    group = layout.effective_group(group_size)
+    return group if group and layout.row_groups == 1 else -1
+
+
+def quantize(
+    weight: np.ndarray,
+    layout: Layout,
+    tier: Tier,
+    rounding: Rounding = RTN,
+    stats: Sequence[Hessian] | None = None,
+    group_size: int | None = None,
+    correct: bool = True,
+) -> Quantized:
+    """Codes of `weight` on `tier`'s grid, chosen by `rounding` (Wt level).
+
+    `stats` holds one Hessian per Conv row group (None: round to nearest).
+    `correct=False` skips QEP's weight correction for this weight (the
+    official script skips it on layers it excludes).
+    """
+    if not tier.quantized:
+        raise ValueError(f"tier '{tier.name}' stores floats, not codes")
+    spec = tier.grid
+    group = _group(layout, group_size) if tier.family == "int" else -1
+    wt = layout.to_wt(np.asarray(weight, np.float64))
+    if stats is None or not rounding.needs_stats or not tier.calibratable or layout.perm is None:
+        return solvers.rtn(wt, spec, group)
+    rows = wt.shape[0] // len(stats)
+    parts = []
+    for g, part in enumerate(stats):
+        block = wt[g * rows : (g + 1) * rows]
+        parts.append(_method(rounding, block, part, spec, group, correct))
+    return Quantized.stack(parts)
+
+
+def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: bool) -> Quantized:
+    solver = dict(group_size=group, percdamp=rounding.percdamp, block_size=rounding.block_size, act_order=rounding.act_order)
+    if rounding.method == "gptq":
+        return solvers.gptq(wt, stats.H, spec, **solver)
+    if rounding.method == "gptaq":
+        return solvers.gptaq(wt, stats.H, stats.G, spec, alpha=rounding.strength, **solver)
+    corrected = solvers.qep_correct(wt, stats.H, stats.G, alpha=rounding.strength if correct else 0.0, percdampqep=rounding.percdampqep)
+    if rounding.qep_base == "rtn":
+        return solvers.rtn(corrected, spec, group)
+    return solvers.gptq(corrected, stats.H, spec, **solver)
+
+
+def to_encoded(quantized: Quantized, layout: Layout, tier: Tier, dtype: str = "float32") -> Encoded:
+    """The DequantizeLinear (or packed-sign) form of Wt-level codes, in the stored layout."""
+    codes = layout.from_wt(quantized.codes)
+    scale, zero = quantized.scale, quantized.zero
+    axis, block = None, None
+    if layout.perm is None:
+        scale, zero = scale.reshape(()), zero.reshape(())
+    elif quantized.group_size <= 0:
+        axis, scale, zero = layout.perm[0], scale[:, 0], zero[:, 0]
+    else:  # blocks along the stored reduction axis of a rank-2 weight
+        axis, block = layout.perm[1], quantized.group_size
+        if layout.perm == (1, 0):
+            scale, zero = scale.T, zero.T
+    scale = np.array(scale, np.float32, order="C")  # ascontiguousarray would turn a 0-d scale into 1-d
+    if tier.family == "binary":
+        signs = np.packbits((codes > 0).astype(np.uint8).reshape(-1))
+        return Encoded(tier.name, "packed_sign", signs, layout.shape, scale, None, axis, None, dtype)
+    if tier.family == "fp8":
+        return Encoded(tier.name, "dequantize", codes.astype(ml_dtypes.float8_e4m3fn), layout.shape, scale, None, axis, None, dtype)
+    container = CONTAINERS[tier.symmetric][tier.bits]
+    zero_point = None if tier.symmetric else np.array(zero, order="C").astype(container)
+    return Encoded(tier.name, "dequantize", np.ascontiguousarray(codes).astype(container), layout.shape, scale, zero_point, axis, block, dtype)
+
+
+def float_encoded(weight: np.ndarray, tier: Tier) -> Encoded:
+    """A float tier: the weight itself when the tier is at least as wide as its type, else a narrower float + Cast."""
+    weight = np.asarray(weight)
+    dtype = weight.dtype.name if weight.dtype.kind == "f" else "float32"
+    if tier.bits >= 8 * weight.dtype.itemsize or tier.name == "fp32":
+        return Encoded(tier.name, "raw", weight, weight.shape, dtype=dtype)
+    if tier.name == "bf16":
+        narrow = weight.astype(np.float32).astype(ml_dtypes.bfloat16)
+    else:
+        narrow = np.clip(weight, -65504, 65504).astype(np.float16)
+    return Encoded(tier.name, "cast", narrow, weight.shape, dtype=dtype)
+
+
+def encode(
+    weight: np.ndarray,
+    layout: Layout,
+    tier: Tier,
+    rounding: Rounding = RTN,
+    stats: Sequence[Hessian] | None = None,
+    group_size: int | None = None,
+    correct: bool = True,
+) -> Encoded:
+    """`weight` stored at `tier`, its codes chosen by `rounding`; produces the weight's own float type."""
+    weight = np.asarray(weight)
+    if not tier.quantized:
+        return float_encoded(weight, tier)
+    dtype = weight.dtype.name if weight.dtype.kind == "f" else "float32"
+    return to_encoded(quantize(weight, layout, tier, rounding, stats, group_size, correct), layout, tier, dtype)
+
+
+def split(parts: Sequence[Encoded], layout: Layout, tier_name: str = "mixed") -> Encoded:
+    """Channel groups (consecutive along the output-channel axis) joined into one weight."""
+    if len(parts) == 1:
+        return parts[0]
+    return Encoded(tier_name, "split", None, layout.shape, axis=layout.perm[0], dtype=parts[0].dtype, parts=tuple(parts))

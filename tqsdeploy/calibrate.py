@@ -1,0 +1,129 @@
+"""Sequential calibration: the statistics GPTQ, GPTAQ and QEP need, wave by wave.
+
+One ONNX Runtime session holds the model with every scored weight
+overridable and every layer input exposed as an extra output, so the same
+session gives full-precision activations (nothing fed) and quantized-prefix
+activations (the already-quantized weights fed). Calibration samples are the
+inputs of every step of the nominal rollout from the run's context windows
+(teacher-forced: the rollout the score measured, not just its first step).
+For each wave (`graph_ops.calibration.waves`: weights whose inputs depend only
+on earlier waves) the statistics are collected with every earlier wave
+already quantized, then the wave is quantized; weights whose inputs cannot
+be rebuilt are quantized first, without statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import perf_counter
+from typing import Callable, Mapping
+
+import numpy as np
+
+import graph_ops
+from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, waves
+from graph_ops.layout import WeightLayout
+from runtimes import OrtRuntime
+from tiers import Encoded, Hessian
+from tqsdeploy.contexts import Contexts
+from tqsdeploy.engine import RolloutEngine
+from tqsdeploy.errors import InputError, TqsError
+from tqsdeploy.rollout import RolloutSpec
+
+EncodeFn = Callable[[str, "list[Hessian] | None"], Encoded]
+"""(weight name, its statistics per row group or None) -> the weight's encoding."""
+
+
+class CalibrationError(TqsError):
+    """Calibration could not run (non-finite activations, an unusable graph)."""
+
+
+@dataclass
+class CalibrationLog:
+    """What a calibration pass did, for reports."""
+
+    seconds: float = 0.0
+    rows: dict[str, int] = field(default_factory=dict)
+    """Calibration rows (samples) behind each weight's statistics."""
+    thin: list[str] = field(default_factory=list)
+    """Weights that saw fewer rows than twice their input width (rank-deficient Hessians)."""
+
+
+class Calibrator:
+    """Collects statistics and quantizes weights in wave order; reusable across passes."""
+
+    def __init__(
+        self,
+        proto,
+        layouts: Mapping[str, WeightLayout],
+        contexts: Contexts,
+        spec: RolloutSpec,
+        runtime: OrtRuntime = OrtRuntime(),
+        max_batch: int = 64,
+        workdir: Path | None = None,
+    ):
+        self.layouts = dict(layouts)
+        self.waves = waves(proto, self.layouts)
+        calibrated = {n for wave in self.waves for n in wave}
+        self.first = [n for n in self.layouts if n not in calibrated]
+        exposed = expose_tensors(graph_ops.make_weights_overridable(proto, list(self.layouts)), layer_tensors(proto, self.layouts))
+        source = graph_ops.io.session_source(exposed, workdir)
+        try:
+            self.session = runtime.open(source, external_data_dir=None if isinstance(source, bytes) else source.parent)
+        except Exception as exc:
+            raise InputError(f"ONNX Runtime cannot load the calibration graph: {str(exc).splitlines()[0]}") from None
+        self.graph_inputs = {v.name for v in exposed.graph.input}
+        engine = RolloutEngine(self.session, contexts, spec, max_batch)
+        self.samples = engine.states() if self.waves else []
+
+    def run(self, encode: EncodeFn, cross: bool, log: CalibrationLog | None = None) -> dict[str, Encoded]:
+        """Encode every weight: uncalibratable ones first, then wave by wave on statistics
+        collected with all earlier weights at their encodings."""
+        log = log if log is not None else CalibrationLog()
+        started = perf_counter()
+        encoded: dict[str, Encoded] = {}
+        current: dict[str, np.ndarray] = {}
+        for name in self.first:
+            encoded[name] = encode(name, None)
+            current[name] = encoded[name].dequantize()
+        for wave in self.waves:
+            stats = self._collect(wave, current, cross)
+            for name in wave:
+                layout = self.layouts[name]
+                merged = [Hessian.merge([stats[use.key][g] for use in layout.uses]) for g in range(layout.row_groups)]
+                log.rows[name] = merged[0].count
+                if any(m.count < 2 * m.H.shape[0] for m in merged):
+                    log.thin.append(name)
+                encoded[name] = encode(name, merged)
+                current[name] = encoded[name].dequantize()
+        log.seconds += perf_counter() - started
+        return encoded
+
+    def _collect(self, wave: list[str], current: dict[str, np.ndarray], cross: bool) -> dict:
+        uses = {u.key: (u, self.layouts[name].row_groups) for name in wave for u in self.layouts[name].uses}
+        stats: dict = {key: None for key in uses}
+        fetch = sorted({u.x for u, _ in uses.values()} - self.graph_inputs)
+        for feeds in self.samples:
+            quantized = self._run(feeds, current, fetch)
+            full = self._run(feeds, {}, fetch) if cross and current else quantized
+            for key, (use, groups) in uses.items():
+                xs = layer_inputs(use, quantized[use.x], groups)
+                xf = layer_inputs(use, full[use.x], groups) if cross else [None] * groups
+                if stats[key] is None:
+                    stats[key] = [Hessian(x.shape[1], cross) for x in xs]
+                for part, x, x_fp in zip(stats[key], xs, xf):
+                    part.add(x, x_fp)
+        return stats
+
+    def _run(self, feeds, weights, fetch) -> dict[str, np.ndarray]:
+        values = dict(feeds)
+        if fetch:
+            values.update(self.session.run({**feeds, **weights}, fetch))
+        for name in fetch:
+            if np.issubdtype(values[name].dtype, np.floating) and not np.all(np.isfinite(values[name])):
+                raise CalibrationError(f"layer input '{name}' is not finite on the calibration windows")
+        return values
+
+    def close(self) -> None:
+        self.session.close()

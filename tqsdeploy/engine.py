@@ -1,0 +1,120 @@
+"""The one rollout engine: a rollout spec run on a session over context windows.
+
+Sweep, eval/gate, export's measurements and calibration all roll models out
+the same way, so the rules live here once: windows run as one batch when
+every input's leading axis is dynamic and the model keeps that batch (its
+outputs' leading axis is a multiple of the window count), and one window at
+a time otherwise; the decision is made on the first step of the first chunk
+and kept. Per-step outputs come back per chunk; `window_sq` and
+`trajectories` turn them into per-window numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from runtimes import Session
+from tqsdeploy.contexts import Contexts
+from tqsdeploy.errors import RolloutError
+from tqsdeploy.rollout import RolloutSpec, next_feeds, rollout
+
+
+@dataclass
+class RolloutEngine:
+    """Rolls `spec` out from every context window on `session` (or a session passed per call)."""
+
+    session: Session
+    contexts: Contexts
+    spec: RolloutSpec
+    max_batch: int = 64
+    _chunks: list[tuple[int, dict[str, np.ndarray]]] | None = field(default=None, init=False, repr=False)
+    batched: bool = field(default=False, init=False)
+
+    @property
+    def inputs(self):
+        return [s for s in self.session.inputs if s.name not in self.session.weights]
+
+    @property
+    def chunks(self) -> list[tuple[int, dict[str, np.ndarray]]]:
+        """(window count, feeds) per chunk, batching decided on first use."""
+        if self._chunks is None:
+            self._chunks = self._decide()
+        return self._chunks
+
+    def _decide(self) -> list[tuple[int, dict[str, np.ndarray]]]:
+        inputs = self.inputs
+        if self.contexts.count > 1 and all(s.rank > 0 and s.is_dynamic(0) for s in inputs):
+            chunks = list(self.contexts.chunks(inputs, True, self.max_batch))
+            count, feeds = chunks[0]
+            try:
+                produced = self.session.run(feeds, self.spec.run_outputs)
+                if all(np.ndim(v) > 0 and np.shape(v)[0] % count == 0 for v in produced.values()):
+                    self.batched = True
+                    return chunks
+            except Exception:  # a model whose batch axis is dynamic in name only
+                pass
+        self.batched = False
+        return list(self.contexts.chunks(inputs, False, 1))
+
+    def steps(
+        self,
+        weights: Mapping[str, np.ndarray] | None = None,
+        steps: int | None = None,
+        session: Session | None = None,
+    ) -> Iterator[list[dict[str, np.ndarray]]]:
+        """Step-major rollout of all chunks: one list of chunk outputs (trajectory names) per step."""
+        session = session or self.session
+        generators = [rollout(session, feeds, self.spec, weights, steps) for _, feeds in self.chunks]
+        try:
+            yield from zip(*generators)
+        except RolloutError:
+            raise
+        except Exception as exc:
+            raise RolloutError(f"{session.name} failed to run the rollout: {str(exc).splitlines()[0]}") from None
+
+    def window_sq(self, chunk: int, outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+        """Squared norm per window of a chunk's trajectory outputs (or of their difference from `reference`)."""
+        count = self.chunks[chunk][0]
+        total = np.zeros(count)
+        for name in self.spec.trajectory:
+            values = np.asarray(outputs[name], np.float64)
+            if reference is not None:
+                values = values - reference[name]
+            total += np.square(values.reshape(count, -1)).sum(axis=1)
+        return total
+
+    def trajectories(self, weights: Mapping[str, np.ndarray] | None = None, session: Session | None = None) -> dict[str, np.ndarray]:
+        """Every trajectory output as (windows, steps, *per-window shape), float64."""
+        collected: dict[str, list[list[np.ndarray]]] = {name: [[] for _ in self.chunks] for name in self.spec.trajectory}
+        for outs in self.steps(weights, session=session):
+            for c, chunk_out in enumerate(outs):
+                for name in self.spec.trajectory:
+                    collected[name][c].append(chunk_out[name])
+        result = {}
+        for name, per_chunk in collected.items():
+            parts = []
+            for (count, _), steps in zip(self.chunks, per_chunk):
+                stacked = np.stack(steps, axis=0)  # (T, rows, ...) or (T, *output)
+                if self.batched:
+                    stacked = stacked.reshape(stacked.shape[0], count, -1, *stacked.shape[2:]).swapaxes(0, 1)  # (count, T, per, ...)
+                else:
+                    stacked = stacked[None]
+                parts.append(stacked)
+            result[name] = np.concatenate(parts).astype(np.float64)
+        return result
+
+    def states(self, steps: int | None = None) -> list[dict[str, np.ndarray]]:
+        """The feeds of every chunk at every step of the nominal rollout (teacher-forced inputs)."""
+        steps = steps or self.spec.steps
+        collected = []
+        for _, feeds in self.chunks:
+            state = dict(feeds)
+            for t in range(steps):
+                collected.append(state)
+                if t + 1 < steps:
+                    produced = self.session.run(state, self.spec.run_outputs)
+                    state = next_feeds(state, produced, self.spec)
+        return collected

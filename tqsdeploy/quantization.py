@@ -1,0 +1,241 @@
+"""The one quantization path: every (weight, tier, rounding) encoded once, for everyone.
+
+Export's pricing, its joint measurements, the uniform baselines it compares
+with, the `baseline` command and the file writer all read `Encoder`, so what
+is measured is what is written:
+
+- `uniform(tier, rounding)`: every unit's tensors at one tier. Compensating
+  roundings (GPTQ, GPTAQ, QEP) calibrate sequentially with every earlier wave
+  at that tier, which is exactly the uniform baseline of that method.
+- `slot(...)`: one slot (a unit, or a group of a unit's output channels) at a
+  tier, cut from the uniform encoding of that tier: what a slot's price is
+  measured on.
+- `assemble(assignment, rounding)`: a mixed allocation from those cached
+  encodings, and `calibrated(assignment, rounding)` the same allocation
+  calibrated sequentially as itself (every earlier wave at its own tier).
+
+Slots let the allocator spend a budget finely: a unit holding a large share
+of the weights is split into groups of output channels, each priced and
+assigned on its own and written as its own DequantizeLinear joined by Concat.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from graph_ops.layout import WeightLayout
+from tiers import TIERS, Encoded, Hessian, Layout, Rounding, Tier, encode, split
+from tiers.gptq import output_error
+from tqsdeploy.units import Unit
+
+MAX_PARTS = 64
+"""Most channel groups one unit is split into."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """What the allocator assigns one tier to: a whole unit, or output channels start..stop of a one-tensor unit."""
+
+    name: str
+    unit: str
+    params: int
+    rows: tuple[int, int] | None = None
+
+
+def make_slots(units: Sequence[Unit], layouts: Mapping[str, WeightLayout], split_fraction: float) -> list[Slot]:
+    """Units as slots; a one-tensor unit with known layout holding more than `split_fraction`
+    of all unit parameters is split into channel groups of about that share each."""
+    total = sum(u.params for u in units)
+    slots = []
+    for unit in units:
+        layout = layouts[unit.tensors[0].name]
+        limit = split_fraction * total
+        if split_fraction <= 0 or len(unit.tensors) != 1 or layout.perm is None or unit.params <= limit:
+            slots.append(Slot(unit.name, unit.name, unit.params))
+            continue
+        channels = layout.shape[layout.perm[0]]
+        parts = max(1, min(channels, MAX_PARTS, math.ceil(unit.params / limit)))
+        bounds = np.linspace(0, channels, parts + 1).round().astype(int)
+        per_channel = unit.params // channels
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            name = unit.name if parts == 1 else f"{unit.name}[{a}:{b}]"
+            slots.append(Slot(name, unit.name, per_channel * (b - a), None if parts == 1 else (int(a), int(b))))
+    return slots
+
+
+@dataclass
+class EncoderLog:
+    """What the encoder did, for allocation records."""
+
+    calibration_s: float = 0.0
+    encode_s: float = 0.0
+    passes: list[str] = field(default_factory=list)
+    rtn_only: dict[str, str] = field(default_factory=dict)
+    """Weights rounded to nearest whatever the method, and why."""
+    thin: set[str] = field(default_factory=set)
+    errors: dict[str, float] = field(default_factory=dict)
+    """‖X̂W − X̂Q‖_F per calibrated weight (with `track_errors`)."""
+    rtn_errors: dict[str, float] = field(default_factory=dict)
+    """The same for round to nearest on the same grid."""
+
+
+class Encoder:
+    """Encodings of a model's units, cached per (tier, rounding) and per allocation."""
+
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        layouts: Mapping[str, WeightLayout],
+        weights: Mapping[str, np.ndarray],
+        group_size: int | None = None,
+        calibrator: Callable[[], object] | None = None,
+        track_errors: bool = False,
+    ):
+        self.units = {u.name: u for u in units}
+        self.graph_layouts = dict(layouts)
+        self.layouts = {n: Layout(l.shape, l.perm, l.row_groups) for n, l in layouts.items()}
+        self.weights = weights
+        self.group_size = group_size
+        self._make_calibrator = calibrator
+        self.track_errors = track_errors
+        self._calibrator = None
+        self._uniform: dict[tuple[str, Rounding], dict[str, Encoded]] = {}
+        self._mixed: dict[tuple, dict[str, Encoded]] = {}
+        self.log = EncoderLog()
+        for name, layout in self.graph_layouts.items():
+            if layout.rtn_reason:
+                self.log.rtn_only[name] = layout.rtn_reason
+
+    @property
+    def calibrator(self):
+        if self._calibrator is None:
+            if self._make_calibrator is None:
+                raise ValueError("this encoder has no calibration data; only round-to-nearest is available")
+            self._calibrator = self._make_calibrator()
+        return self._calibrator
+
+    def _encode(self, name: str, tier: Tier, rounding: Rounding, stats: list[Hessian] | None) -> Encoded:
+        encoded = encode(self.weights[name], self.layouts[name], tier, rounding, stats, self.group_size)
+        if self.track_errors and stats is not None and tier.calibratable:
+            self._errors(name, tier, encoded, stats)
+        return encoded
+
+    def _errors(self, name: str, tier: Tier, encoded: Encoded, stats: list[Hessian]) -> None:
+        """Layer reconstruction error of `encoded` and of round to nearest, on the statistics' samples."""
+        layout = self.layouts[name]
+        original = layout.to_wt(np.asarray(self.weights[name], np.float64))
+        nearest = encode(self.weights[name], layout, tier, Rounding(), None, self.group_size)
+        rows = original.shape[0] // len(stats)
+        for target, quantized in ((self.log.errors, encoded), (self.log.rtn_errors, nearest)):
+            values = layout.to_wt(quantized.dequantize().astype(np.float64))
+            blocks = [slice(g * rows, (g + 1) * rows) for g in range(len(stats))]
+            target[name] = float(np.sqrt(sum(output_error(original[b], values[b], s) ** 2 for b, s in zip(blocks, stats))))
+
+    def _pass(self, encode_one: Callable[[str, list[Hessian] | None], Encoded], rounding: Rounding, label: str) -> dict[str, Encoded]:
+        """Encode every unit tensor: directly, or sequentially on calibration statistics."""
+        self.log.passes.append(label)
+        if not rounding.needs_stats or not any(layout.calibratable for layout in self.graph_layouts.values()):
+            started = time.perf_counter()
+            result = {name: encode_one(name, None) for name in self.layouts}
+            self.log.encode_s += time.perf_counter() - started
+            return result
+        from tqsdeploy.calibrate import CalibrationLog
+
+        log = CalibrationLog()
+        result = self.calibrator.run(encode_one, rounding.needs_cross, log)
+        self.log.calibration_s += log.seconds
+        self.log.thin.update(log.thin)
+        return result
+
+    def uniform(self, tier: Tier | str, rounding: Rounding) -> dict[str, Encoded]:
+        """Every unit tensor at `tier`, codes chosen by `rounding` (its uniform baseline)."""
+        tier = TIERS[tier] if isinstance(tier, str) else tier
+        if not tier.calibratable:
+            rounding = Rounding()  # float and fp8 tiers: nothing to compensate
+        key = (tier.name, rounding)
+        if key not in self._uniform:
+            self._uniform[key] = self._pass(lambda name, stats: self._encode(name, tier, rounding, stats), rounding, f"uniform {tier.name} {rounding.method}")
+        return self._uniform[key]
+
+    def _channels(self, name: str, encoded: Encoded, rows: tuple[int, int] | None) -> Encoded:
+        if rows is None:
+            return encoded
+        return encoded.take_channels(rows[0], rows[1], self.layouts[name].channel_axis)
+
+    def slot(self, slot: Slot, tier: Tier | str, rounding: Rounding) -> dict[str, Encoded]:
+        """The slot's own encodings at `tier` (its channel group only, for a split unit)."""
+        uniform = self.uniform(tier, rounding)
+        return {name: self._channels(name, uniform[name], slot.rows) for name in self.units[slot.unit].tensor_names}
+
+    def slot_weights(self, slot: Slot, tier: Tier | str, rounding: Rounding) -> dict[str, np.ndarray]:
+        """Full tensors of the slot's unit with only the slot at `tier` (the rest at full precision)."""
+        weights = {}
+        for name, encoded in self.slot(slot, tier, rounding).items():
+            values = encoded.dequantize()
+            if slot.rows is not None:
+                full = np.array(self.weights[name], copy=True)
+                index = [slice(None)] * full.ndim
+                index[self.layouts[name].channel_axis] = slice(*slot.rows)
+                full[tuple(index)] = values
+                values = full
+            weights[name] = values
+        return weights
+
+    def _runs(self, name: str, slots: Sequence[Slot], assignment: Mapping[str, str]) -> list[tuple[tuple[int, int] | None, str]]:
+        """Consecutive channel ranges of one tensor that share a tier."""
+        ordered = sorted((s for s in slots if name in self.units[s.unit].tensor_names), key=lambda s: (s.rows or (0, 0))[0])
+        runs: list[tuple[tuple[int, int] | None, str]] = []
+        for s in ordered:
+            tier = assignment[s.name]
+            if s.rows is None:
+                return [(None, tier)]
+            if runs and runs[-1][1] == tier:
+                runs[-1] = ((runs[-1][0][0], s.rows[1]), tier)
+            else:
+                runs.append((s.rows, tier))
+        if len(runs) == 1:
+            return [(None, runs[0][1])]
+        return runs
+
+    def _join(self, name: str, runs, pick: Callable[[str], Encoded]) -> Encoded:
+        if len(runs) == 1 and runs[0][0] is None:
+            return pick(runs[0][1])
+        return split([self._channels(name, pick(tier), rows) for rows, tier in runs], self.layouts[name])
+
+    def assemble(self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: Rounding) -> dict[str, Encoded]:
+        """A mixed allocation from the uniform encodings (each slot as it was priced)."""
+        result = {}
+        for name in self.layouts:
+            runs = self._runs(name, slots, assignment)
+            result[name] = self._join(name, runs, lambda tier: self.uniform(tier, rounding)[name])
+        return result
+
+    def calibrated(self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: Rounding) -> dict[str, Encoded]:
+        """A mixed allocation calibrated as itself: every earlier wave at its own tier."""
+        if not rounding.needs_stats:
+            return self.assemble(slots, assignment, rounding)
+        key = (tuple(sorted(assignment.items())), rounding)
+        if key not in self._mixed:
+
+            def encode_one(name: str, stats) -> Encoded:
+                runs = self._runs(name, slots, assignment)
+                cache: dict[str, Encoded] = {}
+
+                def pick(tier: str) -> Encoded:
+                    if tier not in cache:
+                        cache[tier] = self._encode(name, TIERS[tier], rounding if TIERS[tier].calibratable else Rounding(), stats)
+                    return cache[tier]
+
+                return self._join(name, runs, pick)
+
+            self._mixed[key] = self._pass(encode_one, rounding, f"mixed {rounding.method}")
+        return self._mixed[key]
+
+    def close(self) -> None:
+        if self._calibrator is not None:
+            self._calibrator.close()
