@@ -7,6 +7,7 @@ message, no traceback), 3 an internal error (a bug: please report it).
 from __future__ import annotations
 
 import functools
+import math
 import json
 import os
 import sys
@@ -21,9 +22,36 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS
+
+try:  # typer >= 0.29 carries its own copy of click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exceptions
 from tqsdeploy.errors import USER_ERRORS
 
+class _OneLineErrors(typer.core.TyperGroup):
+    """Usage errors (a wrong option, a bad value) as one line on stderr and exit 2, like every other input error."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_exceptions.NoArgsIsHelpError as exc:
+            exc.show()
+            result = exc.exit_code
+        except click_exceptions.ClickException as exc:
+            context = getattr(exc, "ctx", None)
+            where = f" (see '{context.command_path} --help')" if context is not None else ""
+            err.print(f"[bold red]error:[/] {escape(exc.format_message())}{escape(where)}", highlight=False, soft_wrap=True)
+            result = exc.exit_code
+        except click_exceptions.Abort:
+            result = 130
+        if not standalone_mode:
+            return result
+        sys.exit(result if isinstance(result, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     name="tqsdeploy",
     help="Trajectory-based quantization sensitivity (TQS) and mixed-precision PTQ for ONNX forecasting models.",
     no_args_is_help=True,
@@ -59,7 +87,7 @@ def user_errors(command):
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except typer.Exit:
+        except (typer.Exit, click_exceptions.ClickException):
             raise
         except USER_ERRORS as exc:
             fail(str(exc))
@@ -271,8 +299,8 @@ def _floats(text: str, option: str) -> list[float]:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise typer.BadParameter(f"{option} takes comma-separated numbers, e.g. 2,4,8") from None
-    if not values or any(v <= 0 for v in values):
-        raise typer.BadParameter(f"{option} needs positive numbers")
+    if not values or any(not math.isfinite(v) or v <= 0 for v in values):
+        raise typer.BadParameter(f"{option} needs positive finite numbers, not {text!r}")
     return values
 
 
