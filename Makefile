@@ -19,10 +19,10 @@ RUN := tqs-runs/$(notdir $(EXAMPLE))
 demo: $(STAMP)
 	$(BIN)/tqsdeploy inspect $(EXAMPLE)/model.onnx --spec $(EXAMPLE)/rollout.toml
 	$(BIN)/tqsdeploy score $(EXAMPLE)/model.onnx --contexts $(EXAMPLE)/contexts.npz --spec $(EXAMPLE)/rollout.toml --out $(RUN)
-	$(BIN)/tqsdeploy export $(EXAMPLE)/model.onnx --run $(RUN) --C 4,8 --out-dir $(RUN)/export
-	$(BIN)/tqsdeploy export $(EXAMPLE)/model.onnx --run $(RUN) --uniform int4 --out-dir $(RUN)/export
-	$(BIN)/tqsdeploy eval $(RUN)/export/model.C4.onnx --reference $(EXAMPLE)/model.onnx --contexts $(EXAMPLE)/contexts.npz --spec $(EXAMPLE)/rollout.toml --truth $(EXAMPLE)/truth.npz
-	$(BIN)/tqsdeploy gate $(RUN)/export/model.C4.onnx --reference $(EXAMPLE)/model.onnx --contexts $(EXAMPLE)/contexts.npz --spec $(EXAMPLE)/rollout.toml --truth $(EXAMPLE)/truth.npz --max-degradation 2% --min-compression 3.9 --report-dir $(RUN)/gate
+	$(BIN)/tqsdeploy export $(EXAMPLE)/model.onnx --run $(RUN) --C 4,8 --out-dir $(RUN)/export --force
+	$(BIN)/tqsdeploy export $(EXAMPLE)/model.onnx --run $(RUN) --uniform int4 --out-dir $(RUN)/export --force
+	$(BIN)/tqsdeploy eval $(RUN)/export/$(notdir $(EXAMPLE))_model.C4.onnx --reference $(EXAMPLE)/model.onnx --contexts $(EXAMPLE)/contexts.npz --spec $(EXAMPLE)/rollout.toml --truth $(EXAMPLE)/truth.npz
+	$(BIN)/tqsdeploy gate $(RUN)/export/$(notdir $(EXAMPLE))_model.C4.onnx --reference $(EXAMPLE)/model.onnx --contexts $(EXAMPLE)/contexts.npz --spec $(EXAMPLE)/rollout.toml --truth $(EXAMPLE)/truth.npz --max-degradation 2% --min-compression 4 --report-dir $(RUN)/gate
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

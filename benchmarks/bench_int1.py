@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 import graph_ops
 from graph_ops.qdq import apply_storage
 from runtimes import OrtRuntime
-from tiers import TIERS, Layout, Stored
+from tiers import TIERS, Encoded, Layout, encode
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -42,9 +42,10 @@ def _model(n: int) -> onnx.ModelProto:
     return model
 
 
-def _as_int2(packed: Stored) -> Stored:
-    signs = packed.dequantized() / np.abs(packed.dequantized()).max(axis=0, keepdims=True)
-    return Stored("int1", "dequantize", np.sign(signs).astype(ml_dtypes.int2), packed.shape, packed.scale, packed.axis)
+def _as_int2(packed: Encoded) -> Encoded:
+    """The same signs and scales, stored as INT2 codes in {-1, 1} behind a DequantizeLinear."""
+    signs = np.sign(packed.dequantize()).astype(ml_dtypes.int2)
+    return Encoded("int1", "dequantize", signs, packed.shape, packed.scale, None, packed.axis, None, packed.dtype)
 
 
 def _time(function, repeats: int) -> float:
@@ -62,10 +63,10 @@ def main() -> None:
     for n in (512, 2048):
         model = _model(n)
         w = numpy_helper.to_array(model.graph.initializer[0])
-        packed = TIERS["int1"].quantize(w, Layout(w.shape, 1))
+        packed = encode(w, Layout.channels_on(w.shape, 1), TIERS["int1"])
         variants = {"packed bits + unpack": packed, "signs as INT2 + DQ": _as_int2(packed)}
         x = np.random.default_rng(1).standard_normal((8, n)).astype(np.float32)
-        exact = x @ packed.dequantized()
+        exact = x @ packed.dequantize()
         for label, stored in variants.items():
             data = graph_ops.model_bytes(apply_storage(model, {"W": stored}))
             runtime = OrtRuntime(threads=1)

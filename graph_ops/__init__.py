@@ -9,7 +9,8 @@ protos, paths and plain dataclasses.
 from graph_ops.io import GraphError, LoadedModel, load_model, model_bytes, save_model, weight_bits
 from graph_ops.layout import WeightLayout, WeightUse, weight_layouts
 from graph_ops.weights import WeightTensor, find_weight_tensors, read_weights, replace_weights
-from graph_ops.overridable import make_weights_overridable
+from graph_ops import prefix
+from graph_ops.overridable import input_declarations, lift_constants, make_weights_overridable
 
 __all__ = [
     "GraphError",
@@ -19,7 +20,10 @@ __all__ = [
     "WeightUse",
     "find_weight_tensors",
     "load_model",
+    "input_declarations",
+    "lift_constants",
     "make_weights_overridable",
+    "prefix",
     "model_bytes",
     "read_weights",
     "replace_weights",

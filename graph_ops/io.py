@@ -8,10 +8,13 @@ traceback. The input file is only ever read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import onnx
 from onnx import external_data_helper
@@ -25,6 +28,42 @@ PROTOBUF_LIMIT = 2**31 - 1
 
 class GraphError(ValueError):
     """The model file or graph is unusable; the message says why."""
+
+
+class OutputError(GraphError):
+    """An output could not be written (read-only folder, full disk); the message names the file."""
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside `path` that replaces `path` only when the block succeeds.
+
+    An interrupted or failed write leaves the previous file (or none) under
+    the final name, never a truncated one; write failures become one-line
+    `OutputError`s naming the file.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create folder {path.parent}: {exc.strerror or exc}") from None
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        yield temporary
+        os.replace(temporary, path)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def check_writable(folder: str | os.PathLike) -> None:
+    """Fail now, before any work, when `folder` cannot take new files."""
+    folder = Path(folder)
+    with atomic_output(folder / ".tqs-write-check") as probe:
+        probe.write_bytes(b"")
+    (folder / ".tqs-write-check").unlink(missing_ok=True)
 
 
 @dataclass
@@ -183,26 +222,48 @@ def session_source(proto: onnx.ModelProto, folder: str | os.PathLike | None = No
     return save_model(proto, folder / name, external_data=True)
 
 
+def runnable_path(loaded: "LoadedModel") -> Path | None:
+    """The model's own file when ONNX Runtime can open it as it is (no copy, no
+    serialisation: the only way past protobuf's 2 GiB without writing a copy); else None."""
+    proto = loaded.proto
+    if proto.ir_version > MAX_IR_VERSION:
+        return None
+    runtime_compatible(proto)  # raises on an opset the runtime cannot run
+    return loaded.path
+
+
 def model_bytes(proto: onnx.ModelProto) -> bytes:
     """Serialise a model below the protobuf limit (callers check the size first)."""
     return proto.SerializeToString()
 
 
+def data_location(path: Path) -> str:
+    """A fresh external-data file name for model `path`: a new write never overwrites the data an
+    older copy of the model still points to, so model and data change together, at the model's rename."""
+    return f"{path.name}.{uuid.uuid4().hex[:8]}.data"
+
+
+def drop_stale_data(path: Path, keep: str) -> None:
+    """Remove external-data files earlier writes of `path` left behind (only names `data_location` makes)."""
+    for stale in path.parent.glob(f"{path.name}.*.data"):
+        if stale.name != keep and len(stale.name) == len(keep):
+            stale.unlink(missing_ok=True)
+
+
 def save_model(proto: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
-    """Write a model, switching to a side-car external-data file above 2 GiB."""
+    """Write a model atomically, with a side-car external-data file above 2 GiB (or when asked).
+
+    With external data the proto's tensors are moved out of it (onnx does so in place).
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if external_data is None:
         external_data = stored_bytes(proto) >= PROTOBUF_LIMIT
+    with atomic_output(path) as temporary:
+        if external_data:
+            location = data_location(path)
+            onnx.save_model(proto, str(temporary), save_as_external_data=True, all_tensors_to_one_file=True, location=location, size_threshold=1024)
+        else:
+            onnx.save_model(proto, str(temporary))
     if external_data:
-        onnx.save_model(
-            proto,
-            str(path),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=path.name + ".data",
-            size_threshold=1024,
-        )
-    else:
-        onnx.save_model(proto, str(path))
+        drop_stale_data(path, location)
     return path

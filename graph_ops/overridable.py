@@ -18,11 +18,9 @@ from onnx import helper
 from graph_ops.io import GraphError, runtime_compatible
 
 
-def make_weights_overridable(model: onnx.ModelProto, names: list[str] | set[str]) -> onnx.ModelProto:
-    """Return a copy of `model` in which every tensor in `names` can be fed.
-
-    Does not modify `model`.
-    """
+def lift_constants(model: onnx.ModelProto, names: list[str] | set[str]) -> onnx.ModelProto:
+    """A copy of `model` in which every tensor in `names` is an initializer (Constant
+    nodes lifted), nothing declared overridable yet, IR >= 4 so any of them can be."""
     wanted = set(names)
     result = copy.deepcopy(model)
     graph = result.graph
@@ -40,14 +38,36 @@ def make_weights_overridable(model: onnx.ModelProto, names: list[str] | set[str]
     if len(kept_nodes) != len(graph.node):
         del graph.node[:]
         graph.node.extend(kept_nodes)
-    initializers = {t.name: t for t in graph.initializer}
-    missing = wanted - initializers.keys()
+    missing = wanted - {t.name for t in graph.initializer}
     if missing:
         raise GraphError(f"no initializer or Constant named '{sorted(missing)[0]}'")
-    declared = {value.name for value in graph.input}
-    for name in sorted(wanted - declared):
-        tensor = initializers[name]
-        graph.input.append(helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
     if result.ir_version < 4:
         result.ir_version = 4
     return runtime_compatible(result)
+
+
+def input_declarations(model: onnx.ModelProto, names: list[str] | set[str]) -> bytes:
+    """Serialised ModelProto holding only graph-input declarations for the named initializers.
+
+    Protobuf merges concatenated messages (repeated fields append), so
+    `model_bytes + input_declarations(...)` is the model with those weights
+    overridable: a session per group of overridable weights without
+    re-serialising (or copying) a large model.
+    """
+    initializers = {t.name: t for t in model.graph.initializer}
+    declared = {value.name for value in model.graph.input}
+    suffix = onnx.ModelProto()
+    for name in sorted(set(names) - declared):
+        tensor = initializers[name]
+        suffix.graph.input.append(helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
+    return suffix.SerializeToString()
+
+
+def make_weights_overridable(model: onnx.ModelProto, names: list[str] | set[str]) -> onnx.ModelProto:
+    """Return a copy of `model` in which every tensor in `names` can be fed.
+
+    Does not modify `model`.
+    """
+    result = lift_constants(model, names)
+    result.MergeFromString(input_declarations(result, names))
+    return result

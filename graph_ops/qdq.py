@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol
 
 import numpy as np
@@ -247,8 +248,10 @@ class _DataFile:
     INLINE_BELOW = 1024
     """Tensors smaller than this stay inside the .onnx file, as onnx.save does."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, location: str):
         self.path = path
+        self.location = location
+        """The name model files refer to (the data is written under a temporary name first)."""
         self.handle = open(path, "wb")
         self.offset = 0
 
@@ -261,7 +264,7 @@ class _DataFile:
         self.offset += padding
         self.handle.write(payload)
         ref = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=list(tensor.dims))
-        for key, value in (("location", self.path.name), ("offset", str(self.offset)), ("length", str(len(payload)))):
+        for key, value in (("location", self.location), ("offset", str(self.offset)), ("length", str(len(payload)))):
             ref.external_data.add(key=key, value=value)
         ref.data_location = onnx.TensorProto.EXTERNAL
         self.offset += len(payload)
@@ -337,27 +340,46 @@ def apply_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight]) ->
     return _build(model, stored, lambda tensor: tensor)
 
 
-def write_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], path: str | os.PathLike, *, external_data: bool | None = None) -> tuple[Path, int]:
-    """Write `model` with `stored` weights to `path`; returns the path and the file's stored-tensor bits.
+@dataclass(frozen=True)
+class Written:
+    """A model on disk: its files (the model, then its external data) and its stored-tensor bits."""
+
+    files: tuple[Path, ...]
+    weight_bits: int
+
+    @property
+    def path(self) -> Path:
+        return self.files[0]
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+
+def write_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], path: str | os.PathLike, *, external_data: bool | None = None) -> Written:
+    """Write `model` with `stored` weights to `path`, atomically (external data together with its model).
 
     Small models are built in memory. Large ones (or `external_data=True`) are
     written tensor by tensor into `<name>.data`: each emitted or kept tensor
     goes to disk before the next, kept tensors straight from the input's
     bytes, so peak memory stays near the input model's own copy plus one tensor.
     """
-    from graph_ops.io import save_model, stored_bytes, weight_bits
+    from graph_ops.io import atomic_output, data_location, drop_stale_data, save_model, stored_bytes, weight_bits
 
     path = Path(path)
     if external_data is None:
         external_data = stored_bytes(model) >= STREAM_THRESHOLD
     if not external_data:
         built = apply_storage(model, stored)
-        return save_model(built, path), weight_bits(built)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = _DataFile(path.with_name(path.name + ".data"))
-    try:
-        built = _build(model, stored, data.reference)
-    finally:
-        data.close()
-    onnx.save_model(built, str(path))
-    return path, weight_bits(built)
+        return Written((save_model(built, path),), weight_bits(built))
+    location = data_location(path)
+    with atomic_output(path.with_name(location)) as partial:  # the data lands under its final name first ...
+        data = _DataFile(partial, location)
+        try:
+            built = _build(model, stored, data.reference)
+        finally:
+            data.close()
+    with atomic_output(path) as temporary:  # ... then the model that points to it replaces the old one
+        onnx.save_model(built, str(temporary))
+    drop_stale_data(path, location)
+    return Written((path, path.with_name(location)), weight_bits(built))

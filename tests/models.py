@@ -158,3 +158,33 @@ def fp16_mlp(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> Path:
         helper.make_node("Add", ["x", "s"], ["y"]),
     ]
     return _state_model(nodes, init, path, n, dtype=TensorProto.FLOAT16)
+
+
+def gather_forecaster(path: Path, rows: int = 100, n: int = 32, seed: int = 0, cast_ids: bool = False) -> Path:
+    """y = 0.5 * x @ W + 0.1 * emb[ids]: a state x [batch, n] fed back, ids [batch] a constant input
+    selecting rows of an embedding table emb [rows, n] (read by Gather only; `cast_ids`: ids are
+    int32 and cast to int64 on the way, as some exporters do)."""
+    rng = np.random.default_rng(seed)
+    init = {
+        "W": (rng.standard_normal((n, n)) / np.sqrt(n)).astype(np.float32),
+        "emb": rng.standard_normal((rows, n)).astype(np.float32),
+        "half": np.full((1,), 0.5, np.float32),
+        "tenth": np.full((1,), 0.1, np.float32),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"]),
+        helper.make_node("Mul", ["h", "half"], ["h2"]),
+        helper.make_node("Gather", ["emb", "ids64" if cast_ids else "ids"], ["e"]),
+        helper.make_node("Mul", ["e", "tenth"], ["e2"]),
+        helper.make_node("Add", ["h2", "e2"], ["y"]),
+    ]
+    if cast_ids:
+        nodes.insert(0, helper.make_node("Cast", ["ids"], ["ids64"], to=TensorProto.INT64))
+    ids_type = TensorProto.INT32 if cast_ids else TensorProto.INT64
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n]), helper.make_tensor_value_info("ids", ids_type, ["batch"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
+        init,
+        path,
+    )

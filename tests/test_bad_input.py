@@ -141,9 +141,9 @@ def test_missing_model_and_contexts(two_branch, tmp_path):
     _fails(["score", model, "-c", tmp_path / "absent.npz", "-o", tmp_path / "run"], "does not exist")
 
 
-def test_ambiguous_rollout_points_at_spec(tmp_path):
-    model = models.assorted_ops(tmp_path / "multi.onnx")
-    _fails(["score", model, "--random-contexts", "-o", tmp_path / "run", "--min-params", "1"], "cannot detect the rollout", "--spec")
+def test_single_step_model_refuses_more_steps(tmp_path):
+    model = models.assorted_ops(tmp_path / "multi.onnx")  # nothing to feed back: detected as single-step (T = 1)
+    _fails(["score", model, "--random-contexts", "-o", tmp_path / "run", "--min-params", "1", "--steps", "4"], "single-step", "--steps 1")
 
 
 def test_model_file_untouched_by_a_full_run(two_branch, tmp_path):

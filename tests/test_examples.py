@@ -26,7 +26,7 @@ def _run(*args):
 @pytest.mark.parametrize("example", ["etth1_patchtst", "era5_emulator", "lorenz96"])
 def test_score_export_eval_gate(example, tmp_path):
     folder = REPO / "examples" / example
-    model = tmp_path / "model.onnx"
+    model = tmp_path / f"{example}.onnx"
     shutil.copy(folder / "model.onnx", model)
     before = model.read_bytes()
     common = ["--contexts", folder / "contexts.npz", "--spec", folder / "rollout.toml"]
@@ -36,14 +36,14 @@ def test_score_export_eval_gate(example, tmp_path):
     assert scores["status"] == "complete" and scores["units"] >= 3
     code, text = _run("export", model, "--run", tmp_path / "run", "--C", "4", "--out-dir", tmp_path)
     assert code == 0, text
-    allocation = json.loads((tmp_path / "model.C4.allocation.json").read_text())
+    allocation = json.loads((tmp_path / f"{example}.C4.allocation.json").read_text())
     assert 4 <= allocation["compression"] <= 4 * 1.02
-    code, text = _run("eval", tmp_path / "model.C4.onnx", "--reference", model, *common, "--truth", folder / "truth.npz", "--report", tmp_path / "eval")
+    code, text = _run("eval", tmp_path / f"{example}.C4.onnx", "--reference", model, *common, "--truth", folder / "truth.npz", "--report", tmp_path / "eval")
     assert code == 0, text
     report = json.loads((tmp_path / "eval.json").read_text())
     output = next(iter(report["outputs"].values()))
     assert output["vs_truth"]["reference_mae"] > 0 and report["compression"] == allocation["compression"]
-    code, text = _run("gate", tmp_path / "model.C4.onnx", "--reference", model, *common, "--min-compression", "4", "--max-degradation", "1000%", "--report-dir", tmp_path / "gate")
+    code, text = _run("gate", tmp_path / f"{example}.C4.onnx", "--reference", model, *common, "--min-compression", "4", "--max-degradation", "1000%", "--report-dir", tmp_path / "gate")
     assert code == 0, text
     assert model.read_bytes() == before
 

@@ -186,10 +186,12 @@ def test_streamed_external_data_export_matches_the_in_memory_one(scored, tmp_pat
     planner = Planner(folder / "run")
     allocation = planner.uniform(tier)
     encodings = planner.encodings(allocation)
-    memory_bytes, memory_bits = planner.write(encodings, tmp_path / "memory.onnx", external_data=False)
-    streamed_bytes, streamed_bits = planner.write(encodings, tmp_path / "streamed.onnx", external_data=True)
-    assert (tmp_path / "streamed.onnx.data").exists()
-    assert streamed_bytes == pytest.approx(memory_bytes, rel=0.03) and streamed_bits == memory_bits
+    memory = planner.write(encodings, tmp_path / "memory.onnx", external_data=False)
+    streamed = planner.write(encodings, tmp_path / "streamed.onnx", external_data=True)
+    assert len(streamed.files) == 2 and streamed.files[1].exists()
+    assert streamed.bytes == pytest.approx(memory.bytes, rel=0.03) and streamed.weight_bits == memory.weight_bits
+    again = planner.write(encodings, tmp_path / "streamed.onnx", external_data=True)  # a rewrite leaves one data file
+    assert sorted(p.name for p in tmp_path.glob("streamed.onnx*")) == sorted(p.name for p in again.files)
     onnx.checker.check_model(str(tmp_path / "streamed.onnx"))
     x = np.load(contexts)["x"][0]
     want = OrtRuntime(exact_qdq=True).open(tmp_path / "memory.onnx").run({"x": x})["y"]

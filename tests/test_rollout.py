@@ -49,19 +49,25 @@ def test_detect_replace_and_shift():
     assert shift.feedback == (Feedback("y", "x", "shift", -1),)
 
 
+def test_names_break_a_shape_tie():
+    spec = detect([IOSpec("x", ("b", 8), F32), IOSpec("t", ("b", 8), F32)], [IOSpec("y", ("b", 8), F32)], steps=2)
+    assert spec.feedback == (Feedback("y", "x", "replace", -1),)
+
+
 @pytest.mark.parametrize(
     "inputs,outputs",
     [
-        ([IOSpec("x", ("b", 8), F32), IOSpec("t", ("b", 8), F32)], [IOSpec("y", ("b", 8), F32)]),
         ([IOSpec("x", ("b", 8), F32)], [IOSpec("y", ("b", 16), F32)]),  # longer than the input
         ([IOSpec("x", ("b", 8), F32)], [IOSpec("y", ("b", 8, 2), F32)]),
         ([IOSpec("x", ("b", 8, 3), F32)], [IOSpec("y", ("b", 4, 2), F32)]),
     ],
 )
-def test_ambiguous_models_ask_for_a_spec(inputs, outputs):
-    with pytest.raises(RolloutError, match="cannot detect") as info:
+def test_unfeedable_models_are_single_step(inputs, outputs):
+    spec = detect(inputs, outputs)
+    assert spec.steps == 1 and spec.feedback == () and spec.trajectory == ("y",)
+    with pytest.raises(RolloutError, match="single-step") as info:
         detect(inputs, outputs, steps=2)
-    assert "--spec" in str(info.value)
+    assert "--steps 1" in str(info.value)
 
 
 def test_toml_round_trip(tmp_path):

@@ -10,7 +10,7 @@ from tqsdeploy import SENTINEL_GAMMA, ScoreSettings, score
 from tqsdeploy.errors import InputError
 
 
-@pytest.mark.parametrize("strategy", ["feed", "rebuild"])
+@pytest.mark.parametrize("strategy", ["feed", "rebuild", "unit"])
 def test_dead_unit_gets_sentinel_and_ranks_last(two_branch, tmp_path, strategy):
     model, contexts = two_branch
     table = score(model, contexts, steps=8, out=tmp_path / "run", strategy=strategy)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
+from typing import Callable
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from graph_ops.qdq import emitted_bits, write_storage
 from runtimes.ort import OrtRuntime
 from tiers import Encoded, Rounding, TierError, tier_for_bits
 from tqsdeploy.calibrate import Calibrator
-from tqsdeploy.contexts import Contexts, load_npz
+from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
 from tqsdeploy.quantization import Encoder
 from tqsdeploy.rollout import RolloutSpec
@@ -65,6 +66,8 @@ def quantize_baseline(
     min_params: int = 1024,
     max_batch_windows: int = 32,
     runtime: OrtRuntime = OrtRuntime(),
+    on_start: Callable[[int], None] | None = None,
+    on_weight: Callable[[str], None] | None = None,
 ) -> BaselineResult:
     """Quantize a model's units uniformly at `bits` with one rounding method.
 
@@ -98,7 +101,7 @@ def quantize_baseline(
         session = runtime.open(graph_ops.io.session_source(graph_ops.io.runtime_compatible(loaded.proto)))
         inputs, outputs = list(session.inputs), list(session.outputs)
         session.close()
-        contexts = calib if isinstance(calib, Contexts) else load_npz(Path(calib), inputs)
+        contexts = calib if isinstance(calib, Contexts) else load_contexts(Path(calib), inputs, windows=8, zscore=False, random=False, seed=0)
         if spec is None:  # the windows themselves, one step
             resolved = RolloutSpec(steps=1, feedback=(), trajectory=tuple(o.name for o in outputs if o.dtype.kind == "f"))
         else:
@@ -107,6 +110,9 @@ def quantize_baseline(
 
     encoder = Encoder(units, layouts, weights, group_size, calibrator if rounding.needs_stats else None, track_errors=rounding.needs_stats)
     load_s = perf_counter() - started
+    encoder.on_weight = on_weight
+    if on_start:
+        on_start(len(layouts))
     encoded = encoder.uniform(tier, rounding)
     result = BaselineResult(
         method=method,
@@ -135,7 +141,8 @@ def write_baseline(model_path: str | Path, result: BaselineResult, output: str |
     """Write the baseline as the same deployable DequantizeLinear ONNX that `export` emits."""
     loaded = graph_ops.load_model(model_path)
     started = perf_counter()
-    path, bits = write_storage(loaded.proto, result.encoded, output)
+    written = write_storage(loaded.proto, result.encoded, output)
+    path, bits = written.path, written.weight_bits
     reference = graph_ops.weight_bits(loaded.proto)
     unit_reference = sum(bits_ for name, bits_ in graph_ops.io.tensor_sizes(loaded.proto).items() if name in result.encoded)
     unit_bits = sum(emitted_bits(n, e) for n, e in result.encoded.items())
@@ -144,7 +151,7 @@ def write_baseline(model_path: str | Path, result: BaselineResult, output: str |
         "bits": result.bits,
         "tier": result.tier,
         "output": str(path),
-        "file_bytes": path.stat().st_size,
+        "file_bytes": written.bytes,
         "compression": reference / bits,
         "unit_compression": unit_reference / unit_bits,
         "weight_bits": bits,

@@ -18,7 +18,6 @@ import numpy as np
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS
@@ -27,7 +26,9 @@ try:  # typer >= 0.29 carries its own copy of click
     from typer._click import exceptions as click_exceptions
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exceptions
-from tqsdeploy.errors import USER_ERRORS
+from tqsdeploy.errors import USER_ERRORS, InputError
+
+ABORT = getattr(click_exceptions, "Abort", None) or typer.Abort  # typer 0.29's click copy keeps Abort in typer itself
 
 class _OneLineErrors(typer.core.TyperGroup):
     """Usage errors (a wrong option, a bad value) as one line on stderr and exit 2, like every other input error."""
@@ -43,7 +44,7 @@ class _OneLineErrors(typer.core.TyperGroup):
             where = f" (see '{context.command_path} --help')" if context is not None else ""
             err.print(f"[bold red]error:[/] {escape(exc.format_message())}{escape(where)}", highlight=False, soft_wrap=True)
             result = exc.exit_code
-        except click_exceptions.Abort:
+        except ABORT:
             result = 130
         if not standalone_mode:
             return result
@@ -91,6 +92,9 @@ def user_errors(command):
             raise
         except USER_ERRORS as exc:
             fail(str(exc))
+        except OSError as exc:  # disk full, permissions, a vanished folder: the machine's state, not a bug
+            where = f" {exc.filename}" if exc.filename else ""
+            fail(f"cannot use{where}: {exc.strerror or exc}")
         except KeyboardInterrupt:
             err.print("interrupted: finished work is saved; run the same command again to resume")
             raise typer.Exit(130)
@@ -111,6 +115,15 @@ def _csv_ints(text: Optional[str], option: str) -> Optional[tuple[int, ...]]:
         raise typer.BadParameter(f"{option} takes comma-separated integers, e.g. 1,2,4,8") from None
 
 
+def _columns(text: Optional[str]) -> Optional[tuple[str, ...]]:
+    """--columns a,b,c as a tuple of CSV column names."""
+    names = tuple(c.strip() for c in (text or "").split(",") if c.strip())
+    return names or None
+
+
+COLUMNS_HELP = "CSV contexts: comma-separated columns (series) to use, e.g. OT,HUFL (default every numeric column)."
+
+
 def _fmt(value) -> str:
     if value is None:
         return "-"
@@ -119,18 +132,11 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def _progress() -> Progress:
-    """A progress bar with counts, elapsed time and ETA, on stderr."""
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("rollouts"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=err,
-    )
+def _progress(description: str, unit: str, total: int | None = None):
+    """The one progress display (tqsdeploy.progress): a bar on a terminal, periodic lines with ETA elsewhere; on stderr."""
+    from tqsdeploy.progress import Progress
+
+    return Progress(err, description, total, unit)
 
 
 LABELS = {"gamma": "γ", "gamma_quant": "γ quant", "gamma_gauss": "γ gauss", "a_max": "A max", "params": "params"}
@@ -156,9 +162,11 @@ def inspect(
     include: Optional[str] = typer.Option(None, "--include", help="Regex: tensors that are units regardless of size or op."),
     exclude: Optional[str] = typer.Option(None, "--exclude", help="Regex: tensors that are never units."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    emit_spec: Optional[Path] = typer.Option(None, "--emit-spec", help="Write the detected rollout spec (or the ambiguous candidates, commented out) to this TOML file."),
+    force: bool = typer.Option(False, "--force", help="Let --emit-spec overwrite an existing file."),
 ):
-    """Show what would be scored: signature, ops, quantizable units and the rollout."""
-    from tqsdeploy.inspect import inspect_model
+    """Show what would be scored: signature, ops, quantizable units and the rollout (and why it was detected)."""
+    from tqsdeploy.inspect import emit_spec as write_spec, inspect_model
     from tqsdeploy.units import UnitSelection
 
     info = inspect_model(model, spec, steps, UnitSelection(min_params=min_params, include=include, exclude=exclude))
@@ -176,21 +184,46 @@ def inspect(
     out.print(_table(units, f"{units.height} units, {info['unit_params']:,} params ({info['unit_share']:.1%} of float weights)", ["unit", "shape", "params", "op_types", "nodes"]))
     rollout = info["rollout"]
     if "error" in rollout:
-        out.print(f"[yellow]rollout:[/] {rollout['error']}")
+        out.print(f"[yellow]rollout:[/] {escape(rollout['error'])}")
+        for i, toml in enumerate(rollout.get("candidates", []), 1):
+            out.print(f"# --- candidate {i} ---\n{escape(toml)}", highlight=False)
     else:
-        edges = "; ".join(f"{e['output']} → {e['input']} ({e['mode']}{', axis ' + str(e['axis']) if e['mode'] == 'shift' else ''})" for e in rollout["feedback"])
-        out.print(f"rollout ({rollout['origin']}): {rollout['steps']} steps; {edges}; trajectory {rollout['trajectory']}")
+        out.print(_describe_rollout(rollout), highlight=False)
+        for name, reason in rollout.get("reasons", {}).items():
+            out.print(f"  {name}: {escape(reason)}", highlight=False)
+        if rollout.get("unused_outputs"):
+            out.print(f"  outputs that feed nothing (listed, not in the trajectory): {', '.join(rollout['unused_outputs'])}")
+        if rollout.get("constant_inputs") and not rollout.get("single_step"):
+            out.print(f"  inputs held constant: {', '.join(rollout['constant_inputs'])}")
+    if emit_spec is not None:
+        write_spec(info, emit_spec, force)
+        out.print(f"wrote {emit_spec}" + (" (ambiguous: uncomment one candidate)" if "candidates" in rollout else ""))
+
+
+def _describe_rollout(rollout: dict) -> str:
+    """One line: steps, edges and trajectory; a single-step model said plainly."""
+    if not rollout["feedback"]:
+        return f"rollout ({rollout['origin']}): single-step model, nothing fed back: T = {rollout['steps']}, trajectory = its float outputs {rollout['trajectory']}"
+
+    def edge(e: dict) -> str:
+        source = e.get("output") or f"fill {e.get('fill')}"
+        extra = f", axis {e['axis']}" if e["mode"] == "shift" else ""
+        extra += f", length {e['length']}" if e.get("length") else ""
+        return f"{source} → {e['input']} ({e['mode']}{extra})"
+
+    edges = "; ".join(edge(e) for e in rollout["feedback"])
+    return f"rollout ({rollout['origin']}): {rollout['steps']} steps; {edges}; trajectory {rollout['trajectory']}"
 
 
 @app.command()
 @user_errors
 def score(
     model: Path = typer.Argument(..., help="ONNX model file (never modified)."),
-    contexts: Optional[Path] = typer.Option(None, "--contexts", "-c", help="Context windows: .npz (one array per input, leading axis = windows) or .csv."),
+    contexts: Optional[Path] = typer.Option(None, "--contexts", "-c", help="Context windows: .npz (one array per input, leading axis = windows) or .csv. Required unless --random-contexts."),
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected from shapes when omitted."),
     steps: Optional[int] = typer.Option(None, "--steps", "-T", min=1, help="Rollout steps T (overrides the spec; default 8)."),
-    out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Run folder (default tqs-runs/<model stem>)."),
-    probe: str = typer.Option("both", "--probe", help="quant, gauss or both."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Run folder (default tqs-runs/<model stem>; <folder>_model for a file named model.onnx)."),
+    probe: str = typer.Option("both", "--probe", metavar="quant|gauss|both", help="quant, gauss or both."),
     probe_bits: int = typer.Option(6, "--probe-bits", help="Bits of the symmetric per-tensor quantization probe."),
     probes: int = typer.Option(4, "--probes", help="Gaussian probe draws per unit."),
     seed: int = typer.Option(0, "--seed", help="Seed of the Gaussian draws and random contexts."),
@@ -203,17 +236,18 @@ def score(
     min_params: int = typer.Option(1024, "--min-params", help="Smallest tensor that counts as a unit (drops biases and norm scales)."),
     include: Optional[str] = typer.Option(None, "--include", help="Regex: tensors that are units regardless of size or op."),
     exclude: Optional[str] = typer.Option(None, "--exclude", help="Regex: tensors that are never units."),
-    granularity: str = typer.Option("tensor", "--granularity", help="tensor or block."),
+    granularity: str = typer.Option("tensor", "--granularity", metavar="tensor|block", help="tensor or block."),
     block_pattern: Optional[str] = typer.Option(None, "--block-pattern", help="Regex whose first group names a tensor's block."),
     windows: int = typer.Option(8, "--windows", help="Windows cut from a CSV (or random contexts)."),
     zscore: bool = typer.Option(False, "--zscore", help="Standardise CSV columns before cutting windows."),
+    columns: Optional[str] = typer.Option(None, "--columns", help=COLUMNS_HELP),
     random_contexts: bool = typer.Option(False, "--random-contexts", help="Score on standard-normal noise instead of data (warns)."),
     batch_windows: int = typer.Option(64, "--batch-windows", help="Most windows run as one batch."),
-    provider: str = typer.Option("cpu", "--provider", help="cpu, cuda or tensorrt (ONNX Runtime execution providers), or trt-engine (native TensorRT, weights refitted)."),
+    provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt|trt-engine", help="cpu, cuda or tensorrt (ONNX Runtime execution providers), or trt-engine (native TensorRT, weights refitted)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="ONNX Runtime intra-op threads."),
     workers: int = typer.Option(1, "--workers", min=1, help="Processes (or Ray actors) running the sweep, one session each (threads split between them)."),
-    ray: Optional[str] = typer.Option(None, "--ray", help="Run the sweep on Ray: 'local' starts a local cluster, 'auto' or an address joins one (pip install 'tqsdeploy[ray]')."),
-    strategy: str = typer.Option("auto", "--strategy", help="feed (one session, weights fed per run), rebuild (a session per perturbation, constant weights) or auto (time both)."),
+    ray: Optional[str] = typer.Option(None, "--ray", help="Run the sweep on Ray: 'local' starts a local cluster, 'auto' or an address joins one (pip install 'tqsdeploy\\[ray]')."),
+    strategy: str = typer.Option("auto", "--strategy", metavar="auto|feed|rebuild|unit|prefix", help="feed (one session, weights fed per run), rebuild (a session per perturbation, constant weights), unit (a session per unit, only its weights fed), prefix (single-step models: only the graph downstream of the unit) or auto (time them, pick the cheapest)."),
     fresh: bool = typer.Option(False, "--fresh", help="Discard an existing run in the output folder."),
     resume: bool = typer.Option(False, "--resume", help="Require an interrupted run to continue (default: continue one if it matches)."),
     top: int = typer.Option(10, "--top", help="Rows shown of the most and least sensitive units."),
@@ -243,17 +277,15 @@ def score(
     if probe == "gauss" and probes < 1:
         raise typer.BadParameter("--probe gauss needs --probes >= 1")
     selection = UnitSelection(min_params=min_params, include=include, exclude=exclude, granularity=granularity, block_pattern=block_pattern)
-    progress = _progress()
-    bar = {}
+    progress = _progress("scoring", "rollouts")
 
     def on_start(total: int, done: int) -> None:
-        progress.start()
-        bar["id"] = progress.add_task("scoring", total=total, completed=done)
         if done:
             err.print(f"resuming: {done} of {total} rollouts already done")
+        progress.start(total, done)
 
     def on_result(result) -> None:
-        progress.update(bar["id"], advance=1, description=f"scoring {result.unit[-40:]}")
+        progress.advance(detail=result.unit[-40:])
 
     try:
         table = run_score(
@@ -265,7 +297,7 @@ def score(
             selection=selection,
             settings=settings,
             runtime=make_runtime(provider, threads),
-            context_options=ContextOptions(windows=windows, zscore=zscore, random=random_contexts, seed=seed, max_batch_windows=batch_windows),
+            context_options=ContextOptions(windows=windows, zscore=zscore, random=random_contexts, seed=seed, max_batch_windows=batch_windows, columns=_columns(columns)),
             resume=False if fresh else (True if resume else None),
             strategy=strategy,
             workers=workers,
@@ -291,6 +323,7 @@ def score(
         f"{meta['contexts']['windows']} context windows; strategy {meta['strategy']}; Spearman(γ_quant, γ_gauss) = {_fmt(rho)}; "
         f"sweep {meta['timings_s']['sweep']:.2f} s"
     )
+    out.print(_describe_rollout(meta["rollout"]), highlight=False)
     out.print(f"wrote {table.run_dir}/scores.parquet, scores.csv, run.json")
 
 
@@ -304,29 +337,41 @@ def _floats(text: str, option: str) -> list[float]:
     return values
 
 
+def _refuse_overwrite(*paths) -> None:
+    """Fail before any work when an output exists (--force overwrites)."""
+    for path in paths:
+        if Path(path).exists():
+            raise InputError(f"{path} already exists", hint="pass --force to overwrite it, or choose another name with -o / --out-dir")
+
+
 @app.command()
 @user_errors
 def export(
     model: Optional[Path] = typer.Argument(None, help="The scored ONNX model (default: the model of the run)."),
     compression: Optional[str] = typer.Option(None, "--C", help="Target compression(s), e.g. 4 or 2,4,8,16 (reference stored bits / exported stored bits; see --basis)."),
-    uniform_tier: Optional[str] = typer.Option(None, "--uniform", help="Store every unit at this tier instead (a uniform baseline), e.g. int4-asym."),
-    run: Optional[Path] = typer.Option(None, "--run", help="Score run folder (default tqs-runs/<model stem>, else the newest run)."),
+    uniform_tier: Optional[str] = typer.Option(None, "--uniform", metavar="TIER", help=f"Store every unit at this tier instead (a uniform baseline): {', '.join(TIERS)}."),
+    run: Optional[Path] = typer.Option(None, "--run", help="Score run folder (default: the model's run in tqs-runs/; without a model, the only run there)."),
     tiers: Optional[str] = typer.Option(None, "--tiers", help=f"Tiers to choose from ({', '.join(TIERS)}); default {','.join(DEFAULT_TIERS)} (--target trt: {','.join(TRT_TIERS)})."),
-    rounding: str = typer.Option("qep", "--rounding", help="How codes are chosen on each tier's grid: rtn, gptq, gptaq or qep (calibrated on the run's contexts)."),
-    target: str = typer.Option("ort", "--target", help="Runtime the model is for: ort or trt (restricts tiers; trt uses symmetric grids)."),
+    rounding: str = typer.Option("qep", "--rounding", metavar="|".join(METHODS), help="How codes are chosen on each tier's grid: rtn, gptq, gptaq or qep (calibrated on the run's contexts)."),
+    target: str = typer.Option("ort", "--target", metavar="ort|trt", help="Runtime the model is for: ort or trt (restricts tiers; trt uses symmetric grids)."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer quantization along the reduction axis (e.g. 32, 64, 128)."),
-    objective: str = typer.Option("measured", "--objective", help="Allocation objective: measured, response or paper."),
-    allocator: str = typer.Option("mckp", "--allocator", help="mckp (pulp, HiGHS then CBC) or greedy."),
+    objective: str = typer.Option("measured", "--objective", metavar="measured|response|paper", help="Allocation objective: measured, response or paper."),
+    allocator: str = typer.Option("mckp", "--allocator", metavar="mckp|greedy", help="mckp (pulp, HiGHS then CBC) or greedy."),
     fp32_fraction: Optional[float] = typer.Option(None, "--fp32-fraction", min=0.0, max=1.0, help="Share of the units' FP32 size forced to FP32 for the most sensitive units (default 0.10 with --objective paper, else 0)."),
     no_fallback: bool = typer.Option(False, "--no-fallback", help="Ship the mixed allocation even if a uniform baseline within budget drifts less."),
     refine: int = typer.Option(2, "--refine", min=0, help="Rounds of joint re-pricing against interactions between units (2 joint rollouts per slot per round; 0: off)."),
     split: float = typer.Option(0.02, "--split", min=0.0, max=0.99, help="Split units holding more than this share of the parameters into output-channel groups (0: never)."),
-    basis: str = typer.Option("file", "--basis", help="What --C counts: file (every stored tensor) or units (the scored units only)."),
+    basis: str = typer.Option("file", "--basis", metavar="file|units", help="What --C counts: file (every stored tensor) or units (the scored units only)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output file (single target only)."),
-    out_dir: Path = typer.Option(Path("."), "--out-dir", help="Folder for <stem>.C<C>.onnx files."),
-    provider: str = typer.Option("cpu", "--provider", help="Execution provider for the measurement rollouts."),
+    out_dir: Path = typer.Option(Path("."), "--out-dir", help="Folder for <stem>.C<C>.onnx files (a model named model.onnx adds its folder's name: <folder>_model.C<C>.onnx)."),
+    provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="Execution provider for the measurement rollouts."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing output files (default: refuse before any work)."),
+    max_drift: Optional[float] = typer.Option(None, "--max-drift", min=0.0, help="Largest drift (%, as eval reports it) on the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate."),
 ):
-    """Allocate precision tiers under a compression target and write mixed-precision ONNX."""
+    """Allocate precision tiers under a compression target and write mixed-precision ONNX.
+
+    Prints each model's drift from the original on the scoring contexts in percent (eval's unit) and warns above 5%.
+    Exit codes: 0 written, 1 a model exceeded --max-drift (nothing written for it), 2 bad input."""
     from runtimes import OrtRuntime
     from tqsdeploy.export import ExportSettings, Planner, find_run
 
@@ -348,32 +393,45 @@ def export(
         split_fraction=split,
         basis=basis,
     )
+    from tqsdeploy.files import check_writable
+
+    check_writable(output.parent if output is not None else out_dir)  # before the work, not after it
     run_dir = find_run(model, run)
     planner = Planner(run_dir, model, settings, OrtRuntime(provider=provider))
     if compression:
         planner.check_targets(targets)
-    stem = planner.model.stem
-    progress, bar = _progress(), {}
+    from tqsdeploy.score import model_label
+
+    stem = model_label(planner.model.path)
+    paths = [output or out_dir / f"{stem}.{f'C{value:g}' if value is not None else uniform_tier.lower()}.onnx" for value in targets]
+    if not force:
+        for path in paths:
+            _refuse_overwrite(path, f"{path.with_suffix('')}.allocation.json")
+    progress = _progress("measuring tiers", "rollouts")
+
+    pending = planner.pending_measurements() if compression else 0
 
     def on_result(result) -> None:
-        if "id" not in bar:
-            progress.start()
-            bar["id"] = progress.add_task("measuring tiers", total=len(planner.measured_tasks()))
-        progress.update(bar["id"], advance=1)
+        if progress.total is None:
+            progress.start(pending)
+        progress.advance(detail=result.unit[-40:])
 
     rows = []
     try:
-        for value in targets:
-            label = f"C{value:g}" if value is not None else uniform_tier.lower()
-            path = output or out_dir / f"{stem}.{label}.onnx"
-            outcome = planner.export(value, path, uniform_tier=uniform_tier, on_result=on_result)
+        for value, path in zip(targets, paths):
+            outcome = planner.export(value, path, uniform_tier=uniform_tier, on_result=on_result, max_drift_pct=max_drift)
             rows.append((value, outcome))
     finally:
         progress.stop()
         planner.close()
     import polars as pl
 
+    from tqsdeploy.export import WARN_DRIFT_PCT
+
     for value, outcome in rows:
+        if outcome.refused:
+            err.print(f"[bold red]drift too large:[/] {escape(outcome.refused)}", soft_wrap=True)
+            continue
         summary = outcome.table.group_by("tier").agg(pl.len().alias("slots"), pl.col("params").sum(), pl.col("bytes").sum())
         summary = summary.sort("bytes", descending=True)
         wanted = "uniform" if value is None else f"{value:g}x of the {settings.basis}"
@@ -388,39 +446,56 @@ def export(
             out.print(f"  drift from the original on the scoring contexts: {outcome.drift_pct:.4g}%" + (f" (compared: {escape(compared)})" if compared else ""))
         for note in outcome.notes:
             out.print(f"  [yellow]note:[/] {escape(note)}")
-    out.print(f"wrote {len(rows)} model(s) with .allocation.parquet/.json beside each")
+        if outcome.drift_pct is not None and not outcome.drift_pct <= WARN_DRIFT_PCT:
+            err.print(
+                f"[bold yellow]warning:[/] {escape(str(outcome.path))} drifts {outcome.drift_pct:.4g}% from the original on the scoring contexts "
+                f"(above {WARN_DRIFT_PCT:g}%): it may be badly damaged; check it with `tqsdeploy eval`, or pass --max-drift PCT to fail instead",
+                soft_wrap=True,
+            )
+    written = [o for _, o in rows if not o.refused]
+    out.print(f"wrote {len(written)} model(s) with .allocation.parquet/.json beside each")
+    if len(written) < len(rows):
+        raise typer.Exit(1)
 
 
 @app.command()
 @user_errors
 def baseline(
     model: Path = typer.Argument(..., help="ONNX model file (never modified)."),
-    method: str = typer.Option(..., "--method", help="rtn, gptq, gptaq or qep."),
-    bits: int = typer.Option(..., "--bits", help="Bits per weight: 1, 2, 3, 4 or 8 (1 = sign(w)·mean|w|; 3-bit codes travel in 4-bit containers)."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration windows (.npz, contexts format); not needed for rtn."),
+    method: str = typer.Option(..., "--method", metavar="|".join(METHODS), help="rtn, gptq, gptaq or qep."),
+    bits: int = typer.Option(..., "--bits", metavar="1|2|3|4|8", help="Bits per weight: 1, 2, 3, 4 or 8 (1 = sign(w)·mean|w|; 3-bit codes travel in 4-bit containers)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration windows (.npz in the contexts format, or a .csv cut into 8 windows); not needed for rtn."),
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec: calibrate on every step of the windows' nominal rollout (default: the windows alone)."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps calibrated on (overrides the spec)."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Input features per quantization group (default: per channel)."),
     symmetric: bool = typer.Option(False, "--symmetric", help="Symmetric grid (INT codes, no zero point) instead of the asymmetric default."),
     act_order: bool = typer.Option(False, "--act-order", help="GPTQ column order by decreasing Hessian diagonal (static groups)."),
     min_params: int = typer.Option(1024, "--min-params", help="Smallest tensor that is quantized."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output ONNX (default <stem>.<method>-w<bits>.onnx)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output ONNX (default <stem>.<method>-w<bits>.onnx; a model named model.onnx adds its folder's name)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing output file."),
 ):
     """Quantize every unit uniformly with RTN, GPTQ, GPTAQ or QEP (numpy, calibrated on ONNX Runtime)."""
     from tiers import Rounding
     from tqsdeploy.baselines import quantize_baseline, write_baseline
+    from tqsdeploy.files import write_json
 
     if method not in METHODS:
         raise typer.BadParameter(f"--method must be one of {', '.join(METHODS)}")
     if bits not in (1, 2, 3, 4, 8):
         raise typer.BadParameter("--bits must be 1, 2, 3, 4 or 8")
-    result = quantize_baseline(
-        model, method, bits, calib, spec=spec, steps=steps, group_size=group_size, symmetric=symmetric,
-        rounding=Rounding(method, act_order=act_order), min_params=min_params,
-    )
-    path = output or Path(f"{model.stem}.{method}-w{bits}.onnx")
+    from tqsdeploy.score import model_label
+
+    path = output or Path(f"{model_label(model)}.{method}-w{bits}.onnx")
+    if not force:
+        _refuse_overwrite(path, str(path.with_suffix("")) + ".baseline.json")
+    with _progress(f"{method} W{bits}", "weights") as progress:
+        result = quantize_baseline(
+            model, method, bits, calib, spec=spec, steps=steps, group_size=group_size, symmetric=symmetric,
+            rounding=Rounding(method, act_order=act_order), min_params=min_params,
+            on_start=progress.start, on_weight=lambda name: progress.advance(detail=name[-40:]),
+        )
     summary = write_baseline(model, result, path)
-    Path(str(path.with_suffix("")) + ".baseline.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_json(str(path.with_suffix("")) + ".baseline.json", summary)
     timings = summary["timings_s"]
     out.print(
         f"{path}: {method} W{bits} ({summary['tier']}), {summary['tensors']} tensors, compression {summary['compression']:.3f}x of the file "
@@ -440,25 +515,26 @@ def baseline(
 @user_errors
 def frontier(
     model: Path = typer.Argument(..., help="ONNX model file (never modified)."),
-    contexts: Path = typer.Option(..., "--contexts", "-c", help="Scoring contexts (.npz): TQS scores and calibration both use them."),
+    contexts: Path = typer.Option(..., "--contexts", "-c", help="Scoring contexts (.npz or .csv): TQS scores and calibration both use them."),
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected when omitted."),
     steps: Optional[int] = typer.Option(None, "--steps", "-T", min=1, help="Rollout steps."),
-    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth for the contexts (.npz)."),
+    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth for the contexts (.npz); CSV contexts default to the rows after each window."),
     eval_contexts: Optional[Path] = typer.Option(None, "--eval-contexts", help="Held-out contexts: the report leads with them (scores on the scoring contexts flatter)."),
     eval_truth: Optional[Path] = typer.Option(None, "--eval-truth", help="Ground truth for the held-out contexts."),
     targets: str = typer.Option("2,4,8,12,16", "--C", help="TQS-PTQ compression targets (points matched to every baseline are added)."),
     baselines: str = typer.Option(",".join(METHODS), "--baselines", help="Uniform baselines ('' for none)."),
     bits: str = typer.Option("2,4,8", "--bits", help="Baseline bit widths."),
     tiers: str = typer.Option(",".join(DEFAULT_TIERS), "--tiers", help="TQS-PTQ tiers."),
-    rounding: str = typer.Option("qep", "--rounding", help="TQS-PTQ's rounding method."),
-    objective: str = typer.Option("measured", "--objective", help="TQS-PTQ's allocation objective."),
+    rounding: str = typer.Option("qep", "--rounding", metavar="|".join(METHODS), help="TQS-PTQ's rounding method."),
+    objective: str = typer.Option("measured", "--objective", metavar="measured|response|paper", help="TQS-PTQ's allocation objective."),
     also: Optional[str] = typer.Option(None, "--also", help="Extra TQS-PTQ lines as objective/rounding, e.g. paper/rtn,measured/gptq."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer tiers."),
     variable_axis: Optional[int] = typer.Option(None, "--variable-axis", help="Per-step output axis to report per variable (win counts)."),
     min_params: int = typer.Option(1024, "--min-params", help="Smallest tensor quantized (by every method alike)."),
     buckets: Optional[str] = typer.Option(None, "--buckets", help="Role buckets by name, e.g. 'input=embed|patch,output=head' (default: from the graph structure)."),
     exact: bool = typer.Option(False, "--exact", help="Evaluate with exact dequantization."),
-    out_dir: Path = typer.Option(None, "--out", "-o", help="Output folder (default tqs-frontier/<model stem>)."),
+    columns: Optional[str] = typer.Option(None, "--columns", help=COLUMNS_HELP),
+    out_dir: Path = typer.Option(None, "--out", "-o", help="Output folder (default tqs-frontier/<model stem>; <folder>_model for a file named model.onnx)."),
 ):
     """Score once, export TQS-PTQ at every C, run the uniform baselines, evaluate all, and report."""
     from tqsdeploy.evaluate import EvalSettings
@@ -483,17 +559,19 @@ def frontier(
         bits=tuple(int(b) for b in _floats(bits, "--bits")) if baselines.strip() else (),
         export=base,
         variants=tuple(variants),
-        evaluation=EvalSettings(exact=exact, variable_axis=variable_axis),
+        evaluation=EvalSettings(exact=exact, variable_axis=variable_axis, columns=_columns(columns)),
         min_params=min_params,
     )
     for method in settings.baselines:
         if method not in METHODS:
             raise typer.BadParameter(f"--baselines takes {', '.join(METHODS)}, not '{method}'")
-    folder = out_dir or Path("tqs-frontier") / model.stem
-    with err.status("building the frontier") as status:
+    from tqsdeploy.score import model_label
+
+    folder = out_dir or Path("tqs-frontier") / model_label(model)
+    with _progress("frontier", "steps") as progress:
         frame = run_frontier(
             model, contexts, folder, spec=spec, steps=steps, truth=truth, eval_contexts=eval_contexts, eval_truth=eval_truth,
-            settings=settings, log=lambda message: status.update(message),
+            settings=settings, progress=progress,
         )
     md, page = build_report(folder, model, patterns)
     import polars as pl
@@ -546,20 +624,27 @@ def _bounds_from_options(max_degradation, min_compression, max_size, per_output)
 def eval_command(
     candidate: Path = typer.Argument(..., help="The compressed ONNX model."),
     reference: Path = typer.Option(..., "--reference", "-r", help="The original ONNX model."),
-    contexts: Path = typer.Option(..., "--contexts", "-c", help="Context windows (.npz, one array per input)."),
-    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth (.npz, one array per trajectory output, (windows, steps, *output))."),
+    contexts: Path = typer.Option(..., "--contexts", "-c", help="Context windows: .npz (one array per input) or .csv (numeric columns, cut into --windows windows)."),
+    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth (.npz, one array per trajectory output, (windows, steps, *output)); CSV contexts default to the rows after each window."),
+    windows: int = typer.Option(8, "--windows", min=1, help="Windows cut from a CSV."),
+    zscore: bool = typer.Option(False, "--zscore", help="Standardise CSV columns before cutting windows."),
+    columns: Optional[str] = typer.Option(None, "--columns", help=COLUMNS_HELP),
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected when omitted."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps."),
     exact: bool = typer.Option(False, "--exact", help="Exact dequantization instead of ONNX Runtime's default int8-activation MatMulNBits."),
     variable_axis: Optional[int] = typer.Option(None, "--variable-axis", help="Axis of each per-step output to report per variable."),
-    provider: str = typer.Option("cpu", "--provider", help="cpu, cuda or tensorrt."),
+    provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="cpu, cuda or tensorrt."),
     report: Optional[Path] = typer.Option(None, "--report", help="Report prefix (writes PREFIX.json and PREFIX.md; default <candidate stem>.eval)."),
 ):
     """Roll out candidate and reference from the same contexts and compare them (and the truth)."""
     from tqsdeploy.evaluate import EvalSettings, evaluate, markdown, write_report
+    from tqsdeploy.files import check_writable
 
-    result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis))
-    json_path, md_path = write_report(result, report or candidate.with_suffix("").with_name(candidate.stem + ".eval"))
+    settings = EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis, windows=windows, zscore=zscore, columns=_columns(columns))
+    report = report or candidate.with_suffix("").with_name(candidate.stem + ".eval")
+    check_writable(report.parent)  # before the rollouts, so a bad --report throws no results away
+    result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
+    json_path, md_path = write_report(result, report)
     out.print(markdown(result), markup=False)
     out.print(f"wrote {json_path} and {md_path}")
 
@@ -569,8 +654,11 @@ def eval_command(
 def gate(
     candidate: Path = typer.Argument(..., help="The compressed ONNX model."),
     reference: Path = typer.Option(..., "--reference", "-r", help="The original ONNX model."),
-    contexts: Path = typer.Option(..., "--contexts", "-c", help="Context windows (.npz)."),
-    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth (.npz); without it degradation is the drift from the reference."),
+    contexts: Path = typer.Option(..., "--contexts", "-c", help="Context windows: .npz (one array per input) or .csv (numeric columns, cut into --windows windows)."),
+    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth (.npz); CSV contexts default to the rows after each window; without any, degradation is the drift from the reference."),
+    windows: int = typer.Option(8, "--windows", min=1, help="Windows cut from a CSV."),
+    zscore: bool = typer.Option(False, "--zscore", help="Standardise CSV columns before cutting windows."),
+    columns: Optional[str] = typer.Option(None, "--columns", help=COLUMNS_HELP),
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML)."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps."),
     max_degradation: Optional[str] = typer.Option(None, "--max-degradation", help="Largest allowed degradation on every output, e.g. 1%."),
@@ -578,21 +666,25 @@ def gate(
     min_compression: Optional[float] = typer.Option(None, "--min-compression", help="Smallest allowed compression (reference / candidate weight bytes)."),
     max_size: Optional[str] = typer.Option(None, "--max-size", help="Largest allowed candidate file, e.g. 12MB."),
     exact: bool = typer.Option(False, "--exact", help="Exact dequantization instead of what ONNX Runtime runs by default."),
-    provider: str = typer.Option("cpu", "--provider", help="cpu, cuda or tensorrt."),
+    provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="cpu, cuda or tensorrt."),
     report_dir: Path = typer.Option(Path("gate-report"), "--report-dir", help="Where gate.json, gate.md and junit.xml go."),
 ):
     """Exit 1 when the candidate violates any bound, 0 when it meets them all."""
     from tqsdeploy.evaluate import EvalSettings, evaluate
     from tqsdeploy.gate import check, gate_markdown, write_outputs
 
+    from tqsdeploy.files import check_writable
+
     bounds = _bounds_from_options(max_degradation, min_compression, max_size, per_output)
-    result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=EvalSettings(exact=exact, provider=provider))
+    settings = EvalSettings(exact=exact, provider=provider, windows=windows, zscore=zscore, columns=_columns(columns))
+    check_writable(report_dir)  # before the rollouts
+    result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
     checks = check(result, bounds)
     paths = write_outputs(result, checks, report_dir)
     out.print(gate_markdown(result, checks), markup=False)
     out.print(f"wrote {paths['json']}, {paths['markdown']}, {paths['junit']}")
     if not all(c.passed for c in checks):
-        err.print("gate failed: " + "; ".join(f"{c.name} = {c.measured:.4g} violates {c.bound}" for c in checks if not c.passed))
+        err.print("gate failed: " + "; ".join(f"{c.name} = {c.shown} violates {c.bound}" for c in checks if not c.passed), markup=False)
         raise typer.Exit(1)
 
 

@@ -27,6 +27,10 @@ class Contexts:
     arrays: dict[str, np.ndarray]
     source: str
     warnings: list[str] = field(default_factory=list)
+    csv: dict | None = None
+    """For windows cut from a CSV: layout, columns, start rows and window length."""
+    following: np.ndarray | None = None
+    """For windows cut from a CSV with rows kept after them: those rows, (windows, rows, columns)."""
 
     @property
     def count(self) -> int:
@@ -42,15 +46,13 @@ class Contexts:
             digest.update(array.tobytes())
         return digest.hexdigest()
 
-    def save(self, path: Path) -> None:
-        np.savez(path, **self.arrays)
-
     def describe(self) -> dict:
         return {
             "source": self.source,
             "windows": self.count,
             "sha256": self.sha256,
             "shapes": {name: list(a.shape) for name, a in self.arrays.items()},
+            **({"csv": self.csv} if self.csv else {}),
         }
 
     def chunks(self, inputs: Sequence[IOSpec], batch: bool, max_windows: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
@@ -98,8 +100,11 @@ def load_npz(path: Path, inputs: Sequence[IOSpec]) -> Contexts:
             stored = {key: data[key] for key in data.files}
     except FileNotFoundError:
         raise InputError(f"contexts file {path} does not exist") from None
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise InputError(f"contexts file {path} is not a readable .npz archive ({exc})") from None
+    except (OSError, ValueError, TypeError, zipfile.BadZipFile, EOFError, AttributeError):
+        raise InputError(
+            f"contexts file {path} is not an .npz archive of arrays",
+            hint="expected one array per model input, leading axis = windows (numpy.savez), or a .csv of numeric columns",
+        ) from None
     arrays = {}
     for spec in inputs:
         if spec.name not in stored:
@@ -111,56 +116,143 @@ def load_npz(path: Path, inputs: Sequence[IOSpec]) -> Contexts:
     return Contexts(arrays=arrays, source=str(path))
 
 
-def load_csv(path: Path, inputs: Sequence[IOSpec], windows: int, zscore: bool) -> Contexts:
-    """Cut a numeric CSV into `windows` evenly spaced windows for a single-input model.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
-    A rank-2 input [batch, L] is univariate: each column becomes one series (one
-    batch row). A rank-3 input [batch, L, C] or [batch, C, L] takes all C columns.
+
+def read_csv_columns(path: Path, columns: Sequence[str] | None = None) -> tuple[np.ndarray, list[str]]:
+    """The numeric columns of a CSV as float64 (rows, columns), strictly.
+
+    `columns` picks series by name; otherwise every column where most cells are
+    numbers is used (dates and labels, where none are, are skipped). A used
+    column's cell that is empty, not a number, not finite or beyond float32's
+    range is an error naming its line and column, never a dropped column or an
+    Inf in the model's input.
     """
     import polars as pl
 
-    if len(inputs) != 1:
-        raise InputError(f"a CSV can only fill a model with one input; this model has {len(inputs)} (use an .npz)")
-    spec = inputs[0]
     try:
-        frame = pl.read_csv(path, infer_schema_length=1000)
+        frame = pl.read_csv(path, infer_schema=False)
     except FileNotFoundError:
         raise InputError(f"contexts file {path} does not exist") from None
     except Exception as exc:
         raise InputError(f"contexts file {path} is not a readable CSV ({str(exc).splitlines()[0]})") from None
-    numeric = frame.select([c for c, t in frame.schema.items() if t.is_numeric()])
-    if numeric.width == 0:
-        raise InputError(f"contexts file {path} has no numeric columns")
-    data = numeric.to_numpy().astype(np.float64)
-    if not np.all(np.isfinite(data)):
-        raise InputError(f"contexts file {path} has missing or non-finite values")
-    if zscore:
-        data = (data - data.mean(axis=0)) / (data.std(axis=0) + 1e-8)
-    rows, columns = data.shape
+    if columns:
+        missing = [c for c in columns if c not in frame.columns]
+        if missing:
+            raise InputError(f"contexts file {path} has no column '{missing[0]}' (it has: {', '.join(frame.columns)})")
+        used = list(columns)
+    else:
+        used = []
+        for name in frame.columns:
+            cells = frame[name].str.strip_chars()
+            filled = cells.drop_nulls().filter(cells.drop_nulls() != "")
+            if filled.len() and filled.cast(pl.Float64, strict=False).drop_nulls().len() > filled.len() / 2:
+                used.append(name)
+        if not used:
+            raise InputError(f"contexts file {path} has no numeric columns", hint="name the series with --columns")
+    data = np.empty((frame.height, len(used)), np.float64)
+    for j, name in enumerate(used):
+        cells = frame[name].str.strip_chars()
+        values = cells.cast(pl.Float64, strict=False).to_numpy()
+        bad = np.flatnonzero(~np.isfinite(values) | (np.abs(np.nan_to_num(values)) > FLOAT32_MAX))
+        if bad.size:
+            row = int(bad[0])
+            cell = cells[row]
+            line = row + 2  # the header is line 1
+            if cell is None or cell == "":
+                why = "is empty (a missing value)"
+            elif np.isnan(values[row]) and cell.lower() not in ("nan", "+nan", "-nan"):
+                why = f"'{cell}' is not a number"
+            elif np.isfinite(values[row]):
+                why = f"{cell} is beyond float32's range (±{FLOAT32_MAX:.3g}), the models' input type"
+            else:
+                why = f"'{cell}' is not finite"
+            more = f" ({bad.size} such cells in this column)" if bad.size > 1 else ""
+            raise InputError(f"contexts file {path}, line {line}, column '{name}': {why}{more}")
+        data[:, j] = values
+    return data, used
+
+
+def csv_layout(spec: IOSpec, columns: int) -> tuple[int, str]:
+    """Window length and layout ('univariate', 'time-major', 'channel-major') of a CSV for a model input."""
     shape = spec.shape
     if spec.rank == 2 and isinstance(shape[1], int):
-        length, layout = shape[1], "univariate"
-    elif spec.rank == 3 and shape[2] == columns and isinstance(shape[1], int):
-        length, layout = shape[1], "time-major"
-    elif spec.rank == 3 and shape[1] == columns and isinstance(shape[2], int):
-        length, layout = shape[2], "channel-major"
-    else:
-        raise InputError(
-            f"cannot cut CSV columns ({columns}) into model input '{spec.name}' {_fmt(shape)}; expected [batch, L], [batch, L, {columns}] or [batch, {columns}, L]"
-        )
-    if rows < length:
-        raise InputError(f"contexts file {path} has {rows} rows, fewer than the model's window length {length}")
-    starts = np.linspace(0, rows - length, num=windows).round().astype(int)
-    cut = np.stack([data[s : s + length] for s in starts])  # (N, L, C)
+        return shape[1], "univariate"
+    if spec.rank == 3 and shape[2] == columns and isinstance(shape[1], int):
+        return shape[1], "time-major"
+    if spec.rank == 3 and shape[1] == columns and isinstance(shape[2], int):
+        return shape[2], "channel-major"
+    raise InputError(
+        f"cannot cut CSV columns ({columns}) into model input '{spec.name}' {_fmt(shape)}; expected [batch, L], [batch, L, {columns}] or [batch, {columns}, L]"
+    )
+
+
+def _arrange(cut: np.ndarray, layout: str, spec: IOSpec, columns: int) -> np.ndarray:
+    """(N, length, C) slices of the file as model-input windows (N, *input)."""
+    length = cut.shape[1]
     if layout == "univariate":
         cut = cut.transpose(0, 2, 1)  # (N, C, L): columns are the batch rows
-        if isinstance(shape[0], int) and shape[0] != columns:
+        if isinstance(spec.shape[0], int) and spec.shape[0] != columns:
             cut = cut.reshape(-1, 1, length)  # static batch: one series per window
-    elif layout == "time-major":
-        cut = cut[:, None]
-    else:
-        cut = cut.transpose(0, 2, 1)[:, None]
-    return Contexts(arrays={spec.name: _as_windows(spec.name, cut, spec)}, source=str(path))
+        return cut
+    if layout == "time-major":
+        return cut[:, None]
+    return cut.transpose(0, 2, 1)[:, None]
+
+
+def load_csv(path: Path, inputs: Sequence[IOSpec], windows: int, zscore: bool, columns: Sequence[str] | None = None, following: int = 0) -> Contexts:
+    """Cut a numeric CSV into `windows` evenly spaced windows for a single-input model.
+
+    A rank-2 input [batch, L] is univariate: each column becomes one series (one
+    batch row). A rank-3 input [batch, L, C] or [batch, C, L] takes all C columns.
+    `following` rows after each window are kept free and returned in
+    `Contexts.following` (N, following, C), in the windows' own layout via
+    `Contexts.arrange`: the truth a rollout of the windows forecasts.
+    """
+    if len(inputs) != 1:
+        raise InputError(f"a CSV can only fill a model with one input; this model has {len(inputs)} (use an .npz)")
+    spec = inputs[0]
+    data, names = read_csv_columns(path, columns)
+    if zscore:
+        data = (data - data.mean(axis=0)) / (data.std(axis=0) + 1e-8)
+    rows, count = data.shape
+    length, layout = csv_layout(spec, count)
+    if rows < length + following:
+        need = f"the model's window length {length}" + (f" plus the {following} rows of truth a rollout forecasts" if following else "")
+        raise InputError(f"contexts file {path} has {rows} rows, fewer than {need}")
+    starts = np.linspace(0, rows - length - following, num=windows).round().astype(int)
+    cut = np.stack([data[s : s + length] for s in starts])  # (N, L, C)
+    result = Contexts(arrays={spec.name: _as_windows(spec.name, _arrange(cut, layout, spec, count), spec)}, source=str(path))
+    result.csv = {"layout": layout, "columns": names, "starts": starts.tolist(), "length": length}
+    if following:
+        result.following = np.stack([data[s + length : s + length + following] for s in starts])
+    return result
+
+
+def continuation_rows(spec, outputs: Sequence[IOSpec]) -> int:
+    """Rows of a CSV a rollout forecasts after its window (steps × horizon), or 0 when the
+    rollout is not a forecast of the file's own series (one output shifted into the input)."""
+    edges = [e for e in spec.feedback if e.mode == "shift"]
+    if len(edges) != 1 or len(spec.feedback) != 1 or list(spec.trajectory) != [edges[0].output]:
+        return 0
+    out = next((o for o in outputs if o.name == edges[0].output), None)
+    horizon = out.shape[edges[0].axis] if out is not None and -out.rank <= edges[0].axis < out.rank else None
+    return spec.steps * horizon if isinstance(horizon, int) else 0
+
+
+def truth_from_csv(contexts: Contexts, spec, inputs: Sequence[IOSpec], shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """The ground truth of a rollout from CSV windows: the rows after each window,
+    cut step by step into the forecast output's shape."""
+    name = spec.trajectory[0]
+    following, layout = contexts.following, contexts.csv["layout"]
+    want = shapes[name]
+    horizon = following.shape[1] // spec.steps
+    columns = following.shape[2]
+    steps = [_arrange(following[:, t * horizon : (t + 1) * horizon], layout, inputs[0], columns) for t in range(spec.steps)]
+    truth = np.stack(steps, axis=1)
+    if truth.shape != tuple(want):
+        raise InputError(f"the rows after the CSV windows make a truth of shape {list(truth.shape)}, not the forecasts' {list(want)}", hint="pass --truth")
+    return {name: truth.astype(np.float64)}
 
 
 def random_contexts(inputs: Sequence[IOSpec], windows: int, seed: int) -> Contexts:
@@ -176,13 +268,19 @@ def random_contexts(inputs: Sequence[IOSpec], windows: int, seed: int) -> Contex
     return Contexts(arrays=arrays, source=f"random(seed={seed})", warnings=[warning])
 
 
-def load_contexts(path: Path | None, inputs: Sequence[IOSpec], *, windows: int, zscore: bool, random: bool, seed: int) -> Contexts:
+def load_contexts(path: Path | None, inputs: Sequence[IOSpec], *, windows: int, zscore: bool, random: bool, seed: int,
+                  columns: Sequence[str] | None = None, following: int = 0) -> Contexts:
     """Dispatch on the file type; random contexts only when asked."""
     if path is None:
         if not random:
             raise InputError("no contexts given", hint="pass --contexts FILE (.npz or .csv), or --random-contexts to score on noise")
         return random_contexts(inputs, windows, seed)
     path = Path(path)
-    if path.suffix.lower() == ".csv":
-        return load_csv(path, inputs, windows, zscore)
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        return load_csv(path, inputs, windows, zscore, columns, following)
+    if columns:
+        raise InputError("--columns picks series of a CSV; an .npz holds one array per model input")
+    if suffix != ".npz":
+        raise InputError(f"contexts file {path} is not an .npz or a .csv", hint="expected an .npz with one array per model input (leading axis = windows) or a CSV of numeric columns")
     return load_npz(path, inputs)

@@ -13,7 +13,6 @@ the reference's mean absolute value ("drift"). Both in percent.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import tempfile
@@ -25,8 +24,9 @@ import onnx
 
 import graph_ops
 from runtimes import OrtRuntime, Session
-from tqsdeploy.contexts import Contexts, load_npz
+from tqsdeploy.contexts import Contexts, continuation_rows, load_contexts, truth_from_csv
 from tqsdeploy.errors import InputError
+from tqsdeploy.files import write_json, write_text
 from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.score import resolve_spec
@@ -39,8 +39,14 @@ class EvalSettings:
     variable_axis: int | None = None
     """Axis of each per-step output whose entries are reported as separate variables."""
     bootstrap: int = 1000
+    """Resamples of the 95% BCa intervals over context windows (scipy.stats.bootstrap)."""
     seed: int = 0
     max_batch_windows: int = 64
+    windows: int = 8
+    """Windows cut from a CSV of contexts (they leave room for the truth after them)."""
+    zscore: bool = False
+    columns: tuple[str, ...] | None = None
+    """CSV columns (series) to use; default every numeric column."""
 
 
 def trajectories(session: Session, contexts: Contexts, spec: RolloutSpec, max_batch: int) -> dict[str, np.ndarray]:
@@ -69,15 +75,35 @@ def _runtime_mode(settings: EvalSettings, optimized_path: str) -> dict:
     return {"provider": settings.provider, "mode": mode, "matmulnbits_nodes": fused, "exact": settings.exact}
 
 
-def _bootstrap(per_window: np.ndarray, rounds: int, seed: int, statistic=np.mean) -> list[float]:
-    """95% percentile interval of a statistic over resampled context windows."""
-    if per_window.shape[0] < 2 or rounds <= 0:
-        value = float(statistic(per_window, axis=0)) if per_window.ndim == 1 else float(statistic(per_window))
+def _bootstrap(samples: tuple[np.ndarray, ...], statistic, rounds: int, seed: int) -> list[float]:
+    """95% BCa interval of `statistic(*samples, axis)` over context windows resampled together
+    (scipy.stats.bootstrap: BCa corrects the bias and skew a percentile interval shows over few
+    windows); the percentile interval where BCa is undefined (say, identical windows)."""
+    import warnings
+
+    from scipy import stats
+
+    value = float(statistic(*samples, axis=-1))
+    if samples[0].shape[0] < 2 or rounds <= 0:
         return [value, value]
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, per_window.shape[0], size=(rounds, per_window.shape[0]))
-    values = statistic(per_window[picks], axis=1)
-    return [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
+    for method in ("BCa", "percentile"):
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = stats.bootstrap(samples, statistic, n_resamples=rounds, paired=True, vectorized=True, method=method, rng=np.random.default_rng(seed))
+        low, high = result.confidence_interval
+        if np.isfinite(low) and np.isfinite(high):
+            return [float(low), float(high)]
+    return [value, value]
+
+
+def _mean(sample: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.mean(sample, axis=axis)
+
+
+def _degradation(candidate: np.ndarray, reference: np.ndarray, axis: int = -1) -> np.ndarray:
+    """(MAE_candidate - MAE_reference) / MAE_reference in percent, from per-window MAEs."""
+    mae_c, mae_r = np.mean(candidate, axis=axis), np.mean(reference, axis=axis)
+    return (mae_c - mae_r) / np.maximum(mae_r, 1e-30) * 100
 
 
 def _growth_rate(per_step: np.ndarray) -> float | None:
@@ -99,7 +125,7 @@ def _metrics(candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray | N
         "vs_reference": {
             "mae": float(diff.mean()),
             "rmse": float(np.sqrt(np.square(diff).mean())),
-            "mae_ci95": _bootstrap(mae_window, settings.bootstrap, settings.seed),
+            "mae_ci95": _bootstrap((mae_window,), _mean, settings.bootstrap, settings.seed),
             "drift_pct": float(diff.mean() / ref_scale * 100),
             "mae_by_step": diff.mean(axis=(0, 2)).tolist(),
             "growth_rate": _growth_rate(diff.mean(axis=(0, 2))),
@@ -109,20 +135,14 @@ def _metrics(candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray | N
         cand_err = np.abs(candidate - truth).reshape(n, t, -1)
         ref_err = np.abs(reference - truth).reshape(n, t, -1)
         mae_c, mae_r = float(cand_err.mean()), float(ref_err.mean())
-        pairs = np.stack([cand_err.mean(axis=(1, 2)), ref_err.mean(axis=(1, 2))], axis=1)
-
-        def degradation(sample, axis=0):
-            sample = np.asarray(sample)
-            means = sample.mean(axis=axis)
-            return (means[..., 0] - means[..., 1]) / np.maximum(means[..., 1], 1e-30) * 100
-
+        windows = (cand_err.mean(axis=(1, 2)), ref_err.mean(axis=(1, 2)))
         result["vs_truth"] = {
             "mae": mae_c,
             "rmse": float(np.sqrt(np.square(candidate - truth).mean())),
             "reference_mae": mae_r,
             "reference_rmse": float(np.sqrt(np.square(reference - truth).mean())),
             "degradation_pct": (mae_c - mae_r) / max(mae_r, 1e-30) * 100,
-            "degradation_ci95": _bootstrap(pairs, settings.bootstrap, settings.seed, statistic=degradation) if n > 1 else [0.0, 0.0],
+            "degradation_ci95": _bootstrap(windows, _degradation, settings.bootstrap, settings.seed),
             "mae_by_step": cand_err.mean(axis=(0, 2)).tolist(),
             "reference_mae_by_step": ref_err.mean(axis=(0, 2)).tolist(),
             "growth_rate": _growth_rate(cand_err.mean(axis=(0, 2))),
@@ -154,8 +174,11 @@ def load_truth(path: Path, spec: RolloutSpec, shapes: dict[str, tuple]) -> dict[
             stored = {k: data[k] for k in data.files}
     except FileNotFoundError:
         raise InputError(f"truth file {path} does not exist") from None
-    except Exception as exc:
-        raise InputError(f"truth file {path} is not a readable .npz ({exc})") from None
+    except Exception:
+        raise InputError(
+            f"truth file {path} is not an .npz archive of arrays",
+            hint="expected one array per trajectory output shaped (windows, steps, *output) (numpy.savez); with CSV contexts, leave --truth out to use the rows after each window",
+        ) from None
     truth = {}
     for name in spec.trajectory:
         if name not in stored:
@@ -188,10 +211,21 @@ def evaluate(
     _check_same_signature(cand_session, ref_session)
     inputs = [s for s in ref_session.inputs if s.name not in ref_session.weights]
     resolved = resolve_spec(spec, steps, inputs, ref_session.outputs)
-    ctx = load_npz(Path(contexts), inputs)
+    csv = Path(contexts).suffix.lower() == ".csv"
+    following = continuation_rows(resolved, ref_session.outputs) if csv and not truth else 0
+    ctx = load_contexts(Path(contexts), inputs, windows=settings.windows, zscore=settings.zscore, random=False, seed=settings.seed,
+                        columns=settings.columns, following=following)
     cand = trajectories(cand_session, ctx, resolved, settings.max_batch_windows)
     ref = trajectories(ref_session, ctx, resolved, settings.max_batch_windows)
-    truths = load_truth(Path(truth), resolved, {k: v.shape for k, v in ref.items()}) if truth else {}
+    shapes = {k: v.shape for k, v in ref.items()}
+    truth_source = str(truth) if truth else None
+    if truth:
+        truths = load_truth(Path(truth), resolved, shapes)
+    elif following:
+        truths = truth_from_csv(ctx, resolved, inputs, shapes)
+        truth_source = f"the {following} rows after each window of {contexts}"
+    else:
+        truths = {}
     outputs = {}
     for name in resolved.trajectory:
         if not np.all(np.isfinite(cand[name])):
@@ -210,7 +244,7 @@ def evaluate(
         "candidate": str(candidate),
         "reference": str(reference),
         "contexts": str(contexts),
-        "truth": str(truth) if truth else None,
+        "truth": truth_source,
         "windows": ctx.count,
         "steps": resolved.steps,
         "runtime": mode,
@@ -231,6 +265,7 @@ def markdown(report: dict) -> str:
         f"{report['windows']} context windows × {report['steps']} steps; compression {report['compression']:.2f}×; "
         f"{report['candidate_file_bytes'] / 1e6:.3f} MB vs {report['reference_file_bytes'] / 1e6:.3f} MB.",
         f"Runtime: {report['runtime']['provider']}, {report['runtime']['mode']}; MatMulNBits nodes: {report['runtime']['matmulnbits_nodes']}.",
+        f"Truth: {report['truth']}." if report.get("truth") else "No truth: degradation is the drift from the reference.",
         "",
         "| output | MAE vs ref | RMSE vs ref | MAE 95% CI | drift % | growth/step | MAE vs truth | ref MAE vs truth | degradation % |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -251,6 +286,6 @@ def markdown(report: dict) -> str:
 def write_report(report: dict, prefix: Path) -> tuple[Path, Path]:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = Path(f"{prefix}.json"), Path(f"{prefix}.md")
-    json_path.write_text(json.dumps(report, indent=2, default=str))
-    md_path.write_text(markdown(report))
+    write_json(json_path, report)
+    write_text(md_path, markdown(report))
     return json_path, md_path

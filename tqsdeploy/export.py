@@ -31,21 +31,25 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+from filelock import FileLock
 
 import graph_ops
-from graph_ops.qdq import conversion_overhead_bits, emitted_bits, required_opset, write_storage
+from graph_ops.qdq import Written, conversion_overhead_bits, emitted_bits, write_storage
 from runtimes import OrtRuntime
 from tiers import DEFAULT_TIERS, METHODS, RTN, TIERS, TRT_TIERS, Encoded, Rounding, Tier, get_tiers
 from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, paper_weights
 from tqsdeploy.calibrate import Calibrator
 from tqsdeploy.errors import InfeasibleError, InputError
+from tqsdeploy.files import write_json, write_table
 from tqsdeploy.quantization import Encoder, Slot, make_slots
-from tqsdeploy.score import Prepared, ScoreTable, prepare
+from tqsdeploy.score import Prepared, ScoreTable, default_run_dir, prepare
 from tqsdeploy.scoring import ScoreSettings
 from tqsdeploy.sweep import Drift, ResultLog, SweepRunner, Task, TaskResult
 from tqsdeploy.units import Unit, UnitSelection
 
 BASES = ("file", "units")
+WARN_DRIFT_PCT = 5.0
+"""Drift (percent, as `eval` reports it) above which export warns that the model it wrote may be damaged."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,8 @@ class Outcome:
     encodings: dict[str, Encoded] = field(default_factory=dict)
     """What the file stores per unit tensor."""
     notes: list[str] = field(default_factory=list)
+    refused: str | None = None
+    """Why nothing was written (the drift exceeded `max_drift_pct`); None when the model was written."""
 
     def fake_quantized(self) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the file (exact dequantization)."""
@@ -142,15 +148,20 @@ class Outcome:
 
 
 def find_run(model: Path | None, run: Path | None) -> Path:
-    """The run folder: given, else tqs-runs/<model stem>, else the newest finished run."""
+    """The run folder: given, else the model's default run folder, else the only run in tqs-runs/.
+
+    With several runs and no model, guessing (say, the newest) could export another model: refused."""
     if run is not None:
         return run
     if model is not None:
-        return Path("tqs-runs") / model.stem
-    runs = sorted(Path("tqs-runs").glob("*/run.json"), key=lambda p: p.stat().st_mtime)
+        return default_run_dir(model)
+    runs = sorted(p.parent for p in Path("tqs-runs").glob("*/run.json"))
     if not runs:
         raise InputError("no score run found in tqs-runs/", hint="run `tqsdeploy score MODEL` first or pass --run DIR")
-    return runs[-1].parent
+    if len(runs) > 1:
+        shown = ", ".join(str(r) for r in runs[:4]) + (", ..." if len(runs) > 4 else "")
+        raise InputError(f"tqs-runs/ holds {len(runs)} score runs ({shown}); which model?", hint="name the model (tqsdeploy export MODEL ...) or pass --run DIR")
+    return runs[0]
 
 
 class Planner:
@@ -176,11 +187,16 @@ class Planner:
             settings=ScoreSettings(**probe),
             runtime=runtime,
             strategy=meta.get("strategy", "auto"),
+            workdir=self.run_dir,
         )
         if self.prepared.model.sha256 != meta["model"]["sha256"]:
-            raise InputError(f"the score run in {self.run_dir} was made for a different model than {model} (hash mismatch)", hint="score this model first")
+            raise InputError(
+                f"the score run in {self.run_dir} was made for a different model ({meta['model']['path']}) than {model} (hash mismatch)",
+                hint="score this model first, or pass --run DIR of its run",
+            )
         self.model = self.prepared.model
         self.units: list[Unit] = self.prepared.units
+        self.units_by_name = {u.name: u for u in self.units}
         self.weights = self.prepared.job.weights
         self.steps = self.prepared.spec.steps
         self.frame = self.scores.frame
@@ -256,9 +272,18 @@ class Planner:
             if not math.isfinite(target) or target <= 0:
                 raise InputError(f"compression target must be a positive number, not {target}")
             if target > best:
+                hint = "lower --C or add a cheaper tier"
+                cheapest = sum(min(c.values()) for c in self.costs().values())
+                if self.fixed_bits > 0 and self.basis_bits / cheapest > 1.25 * best:  # the tensors outside the units bind
+                    cap = self.basis_bits / self.fixed_bits
+                    min_params = self.scores.meta.get("selection", {}).get("min_params")
+                    hint += (
+                        f"; {self.fixed_bits / self.basis_bits:.1%} of the stored bits are in tensors that are not units (smaller than --min-params {min_params} "
+                        f"or not weight operands), which alone caps C at {cap:.3g}: score with a lower --min-params (or --include) to quantize them, or use --basis units"
+                    )
                 raise InfeasibleError(
                     f"compression {target:g} is out of reach with tiers {', '.join(t.name for t in self.tiers)}: the largest reachable is {best:.3g}",
-                    hint="lower --C, add a cheaper tier, or lower --min-params in the score run so more tensors are quantized",
+                    hint=hint,
                 )
 
     # -- pricing -----------------------------------------------------------------
@@ -278,6 +303,21 @@ class Planner:
         """(slot, tier) pairs the measured objective rolls out: live slots at every tier that changes the weight."""
         return [(s, t) for s in self.slots if s.unit not in self.dead for t in self.tiers if t.name != "fp32"]
 
+    def pending_measurements(self) -> int:
+        """Measured-objective rollouts not yet in the run's cache (what a progress bar counts)."""
+        if self.settings.objective != "measured" or self._measured is not None:
+            return 0
+        done = set()
+        path = self.run_dir / "measured.jsonl"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                    done.add(Task(record["unit"], record["probe"], record["draw"]).key)
+                except (ValueError, KeyError, TypeError):
+                    break
+        return sum(Task(s.name, self._probe(t)).key not in done for s, t in self.measured_tasks())
+
     def measured(self, on_result=None) -> dict[str, TaskResult]:
         """Per slot and tier, the rollout divergence with only that slot at that tier.
         Cached in the run folder, so every C and every export reuses it."""
@@ -285,6 +325,8 @@ class Planner:
             return self._measured
         started = time.perf_counter()
         log = ResultLog(self.run_dir / "measured.jsonl")
+        lock = FileLock(str(self.run_dir / ".measured.lock"))
+        lock.acquire()  # another export of this run prices the same slots: wait, then reuse what it measured
         done = log.load()
         try:
             for slot, tier in self.measured_tasks():
@@ -301,6 +343,7 @@ class Planner:
                     on_result(result)
         finally:
             log.close()
+            lock.release()
         self._measured = done
         self.timings["pricing"] += time.perf_counter() - started
         return done
@@ -328,12 +371,19 @@ class Planner:
                 elif objective == "response":
                     gain = math.exp(min(self.steps * self.gamma[slot.unit], 700.0))
                     change = self.encoder.slot(slot, tier, self.rounding)
-                    loss[tier.name] = gain * sum(float(np.sum(np.square(e.dequantize().astype(np.float64) - self._original(n, slot)))) for n, e in change.items())
+                    loss[tier.name] = gain * sum(self._read_sq(n, slot, e.dequantize().astype(np.float64) - self._original(n, slot)) for n, e in change.items())
                 else:
                     result = measured.get(Task(slot.name, self._probe(tier)).key)
                     loss[tier.name] = math.inf if result.nonfinite else float(sum(result.div_sq))
             choices.append(Choice(slot.name, slot.params, self.gamma.get(slot.unit, 0.0), dead, costs[slot.name], loss))
         return choices
+
+    def _read_sq(self, name: str, slot: Slot, error: np.ndarray) -> float:
+        """||error||² over the rows the contexts read (a Gather table's, like γ's denominator), else all of it."""
+        rows = self.prepared.job.rows.get(name)
+        if rows is not None and slot.rows is None:
+            error = error[rows]
+        return float(np.sum(np.square(error)))
 
     def _original(self, name: str, slot: Slot) -> np.ndarray:
         weight = np.asarray(self.weights[name], np.float64)
@@ -446,6 +496,28 @@ class Planner:
         self.timings["compare"] += time.perf_counter() - started
         return sorted(found, key=lambda c: (c.drift.worst_pct, c.drift.relative_rms))
 
+    def _overshoot(self, chosen: Candidate, target: float) -> str:
+        """Why the shipped model is more than 5% smaller than asked."""
+        achieved = f"achieved {chosen.allocation.compression:.3g}x, more than 5% above the target {target:g}x"
+        order = [t.name for t in self.tiers]
+        budget = self.basis_bits / target
+        if chosen.allocation.solver.startswith("uniform"):
+            tier = chosen.label.split()[1]
+            finer = order[order.index(tier) - 1] if order.index(tier) > 0 else None
+            if finer is None:
+                return f"{achieved}: {chosen.label} is the finest tier in the set"
+            return f"{achieved}: the next finer uniform tier ({finer}) reaches only {self.uniform(finer).compression:.3g}x, and {chosen.label} drifted least of the candidates"
+        spare = budget - chosen.allocation.total_bits
+        slots = {s.name: s for s in self.slots}
+        steps = [self.cost(slots[name], order[order.index(tier) - 1]) - self.cost(slots[name], tier)
+                 for name, tier in chosen.allocation.tiers.items() if order.index(tier) > 0]
+        cheapest = min(steps, default=None)
+        if cheapest is None:
+            return f"{achieved}: every slot is already at the finest tier"
+        if cheapest > spare:
+            return f"{achieved}: no finer tier fits: the cheapest one-tier promotion costs {cheapest / 8:,.0f} bytes and {max(spare, 0) / 8:,.0f} bytes of budget are left"
+        return f"{achieved}: the promotions that fit the budget did not lower the measured loss"
+
     # -- writing ---------------------------------------------------------------
 
     def table(self, allocation: Allocation) -> pl.DataFrame:
@@ -467,16 +539,16 @@ class Planner:
             )
         return pl.DataFrame(rows)
 
-    def write(self, encodings: dict[str, Encoded], path: Path, external_data: bool | None = None) -> tuple[int, int]:
-        """Write the model (large ones stream into external data). Returns (bytes on disk, stored-tensor bits)."""
+    def write(self, encodings: dict[str, Encoded], path: Path, external_data: bool | None = None) -> Written:
+        """Write the model atomically (large ones stream into external data)."""
         stored = {name: e for name, e in encodings.items() if not (e.form == "raw" and e.values is self.weights.get(name))}
-        path, bits = write_storage(self.model.proto, stored, path, external_data=external_data)
-        data = path.with_name(path.name + ".data")
-        return path.stat().st_size + (data.stat().st_size if data.exists() else 0), bits
+        return write_storage(self.model.proto, stored, path, external_data=external_data)
 
-    def export(self, target: float | None, path: Path | str, uniform_tier: str | None = None, rounding: str | None = None, on_result=None) -> Outcome:
+    def export(self, target: float | None, path: Path | str, uniform_tier: str | None = None, rounding: str | None = None, on_result=None,
+               max_drift_pct: float | None = None) -> Outcome:
         """Write the model for `target` (or every unit at `uniform_tier`, codes chosen by `rounding`,
-        default the planner's) and its allocation record beside it."""
+        default the planner's) and its allocation record beside it; write nothing when its drift on the
+        scoring contexts exceeds `max_drift_pct` (percent, as `eval` reports drift)."""
         started = time.perf_counter()
         path = Path(path)
         notes: list[str] = []
@@ -493,13 +565,32 @@ class Planner:
         chosen = compared[0]
         if not chosen.label.startswith("TQS-PTQ") and uniform_tier is None:
             mixed = next(c for c in compared if c.label.startswith("TQS-PTQ"))
-            notes.append(f"the mixed allocation drifted {mixed.drift.worst_pct:.4g}% vs {chosen.label} {chosen.drift.worst_pct:.4g}%: shipped {chosen.label}")
+            notes.append(
+                f"shipped {chosen.label} instead of the mixed allocation: at this budget it drifts less on the scoring contexts "
+                f"({chosen.drift.worst_pct:.4g}% vs {mixed.drift.worst_pct:.4g}% for the mixed one at {mixed.allocation.compression:.3g}x); --no-fallback ships the mixed one"
+            )
+        if target is not None and uniform_tier is None and chosen.allocation.compression > 1.05 * target:
+            notes.append(self._overshoot(chosen, target))
+        for name, touched in sorted(self.prepared.job.rows.items()):
+            tier = next((chosen.allocation.tiers[s.name] for s in self.slots if name in self.units_by_name[s.unit].tensor_names), None)
+            notes.append(
+                f"'{name}': the scoring contexts read {len(touched)} of its {self.weights[name].shape[0]} rows; it was scored and measured on those, "
+                f"and the other rows are stored at the same tier ({tier}) untested: rows a deployment reads that the contexts never did may be hurt more"
+            )
         for name, reason in sorted(self.encoder.log.rtn_only.items()):
             if self.rounding.needs_stats:
                 notes.append(f"'{name}' is rounded to nearest whatever the method: {reason}")
         if self.encoder.log.thin and self.rounding.needs_stats:
             notes.append(f"{len(self.encoder.log.thin)} weight(s) saw fewer calibration rows than twice their input width (rank-deficient Hessians, damping hides it)")
-        size, bits = self.write(chosen.encodings, path)
+        if max_drift_pct is not None and chosen.drift is not None and not chosen.drift.worst_pct <= max_drift_pct:
+            refused = f"{path} not written: it drifts {chosen.drift.worst_pct:.4g}% from the original on the scoring contexts, above --max-drift {max_drift_pct:g}%"
+            return Outcome(chosen.allocation, path, 0, math.nan, math.nan, chosen.drift, chosen.label, [c.record() for c in compared], self.table(chosen.allocation),
+                           chosen.encodings, notes, refused)
+        stem = path.with_suffix("")
+        for record in (Path(f"{stem}.allocation.json"), Path(f"{stem}.allocation.parquet")):
+            record.unlink(missing_ok=True)  # a kill before the new record lands leaves a model without one, never a mismatched pair
+        written = self.write(chosen.encodings, path)
+        size, bits = written.bytes, written.weight_bits
         unit_bits = sum(emitted_bits(n, e) for n, e in chosen.encodings.items())
         compression = self.reference_bits / bits
         unit_compression = self.unit_reference_bits / unit_bits
@@ -528,9 +619,8 @@ class Planner:
             "timings_s": {**{k: round(v, 3) for k, v in self.timings.items()}, "calibration": round(self.encoder.log.calibration_s, 3), "total": round(time.perf_counter() - started, 3)},
             "tiers": table.rows(named=True),
         }
-        stem = path.with_suffix("")
-        table.write_parquet(f"{stem}.allocation.parquet")
-        Path(f"{stem}.allocation.json").write_text(json.dumps(summary, indent=2, default=str))
+        write_table(table, f"{stem}.allocation.parquet")
+        write_json(f"{stem}.allocation.json", summary)
         return Outcome(chosen.allocation, path, size, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table, chosen.encodings, notes)
 
     def close(self) -> None:

@@ -28,7 +28,8 @@ from tiers import METHODS, tier_for_bits
 from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.evaluate import EvalSettings, evaluate
 from tqsdeploy.export import ExportSettings, Planner
-from tqsdeploy.score import ScoreTable, score
+from tqsdeploy.files import write_json, write_table
+from tqsdeploy.score import ContextOptions, ScoreTable, score
 from tqsdeploy.scoring import ScoreSettings
 from tqsdeploy.units import UnitSelection
 
@@ -68,6 +69,13 @@ class Candidate:
     details: dict = field(default_factory=dict)
 
 
+def _scaled(ref: dict, end: int) -> float | None:
+    """An end of the drift's 95% bootstrap interval: the MAE interval in drift units (% of mean |reference|)."""
+    if not ref.get("mae") or not ref.get("mae_ci95"):
+        return ref.get("drift_pct") if ref else None
+    return ref["mae_ci95"][end] * ref["drift_pct"] / ref["mae"]
+
+
 def _rows(candidate: Candidate, split: str, report: dict | None) -> list[dict]:
     base = {
         "family": candidate.family,
@@ -95,6 +103,8 @@ def _rows(candidate: Candidate, split: str, report: dict | None) -> list[dict]:
                     "mae_ref": ref.get("mae"),
                     "rmse_ref": ref.get("rmse"),
                     "drift_pct": ref.get("drift_pct"),
+                    "drift_lo": _scaled(ref, 0),
+                    "drift_hi": _scaled(ref, 1),
                     "mae_truth": truth.get("mae"),
                     "rmse_truth": truth.get("rmse"),
                     "ref_mae_truth": truth.get("reference_mae"),
@@ -134,14 +144,39 @@ def run_frontier(
     score_settings: ScoreSettings = ScoreSettings(),
     runtime: OrtRuntime = OrtRuntime(),
     log: Callable[[str], None] = lambda message: None,
+    progress=None,
 ) -> pl.DataFrame:
-    """Build every candidate, evaluate it, and write frontier.parquet/csv/json."""
+    """Build every candidate, evaluate it, and write frontier.parquet/csv/json.
+
+    `progress` (a `tqsdeploy.progress.Progress`) counts the steps: the score, each baseline, export and evaluation."""
     model, out_dir = Path(model), Path(out_dir)
     models_dir = out_dir / "models"
     models_dir.mkdir(parents=True, exist_ok=True)
-    log("scoring (resumes a matching run)")
+    splits = ([("held-out", eval_contexts, eval_truth)] if eval_contexts else []) + [("scoring", contexts, truth)]
+    lines_count = 1 + len(settings.variants)
+    baselines_count = len(settings.bits) * len(settings.baselines)
+
+    def planned(exports: int) -> int:
+        return 1 + baselines_count + exports + (baselines_count + exports) * len(splits)
+
+    started_steps = [0]
+
+    def begin(message: str) -> None:
+        """Log a step and count the one before it as done."""
+        log(message)
+        if progress is not None:
+            if started_steps[0]:
+                progress.advance(detail=message)
+            else:
+                progress.detail = message
+            started_steps[0] += 1
+
+    if progress is not None:
+        progress.start(planned(len(settings.targets) * lines_count))
+    begin("scoring (resumes a matching run)")
     selection = UnitSelection(min_params=settings.min_params)
-    arguments = dict(spec=spec, steps=steps, out=out_dir / "score", settings=score_settings, selection=selection, runtime=runtime)
+    arguments = dict(spec=spec, steps=steps, out=out_dir / "score", settings=score_settings, selection=selection, runtime=runtime,
+                     context_options=ContextOptions(columns=settings.evaluation.columns))
     try:
         table: ScoreTable = score(model, contexts, **arguments)
     except InputError:  # the folder's run is for other settings; it belongs to this frontier, so replace it
@@ -154,7 +189,7 @@ def run_frontier(
     for bits in settings.bits:
         tier = tier_for_bits(bits, settings.symmetric_baselines)
         for method in settings.baselines:
-            log(f"baseline {LABELS[method]} W{bits}")
+            begin(f"baseline {LABELS[method]} W{bits}")
             started = time.perf_counter()
             path = models_dir / f"{model.stem}.{method}-w{bits}.onnx"
             try:
@@ -167,13 +202,15 @@ def run_frontier(
 
     lines = [(TQS_LABEL, planner)] + [(label, Planner(out_dir / "score", model, variant, runtime)) for label, variant in settings.variants]
     targets = _targets(settings, [c for c in candidates if c.family == "baseline"])
+    if progress is not None:
+        progress.start(planned(len(targets) * lines_count), progress.done)
     for label, line in lines:
         best = line.max_compression()
         for target, setting in targets:
             if target > best:
                 candidates.append(Candidate("tqs", label, setting, target, None, None, None, {}, f"infeasible: largest reachable C is {best:.3g}"))
                 continue
-            log(f"export {label} {setting}")
+            begin(f"export {label} {setting}")
             started = time.perf_counter()
             path = models_dir / f"{model.stem}.{label.replace(' ', '_')}.{setting}.onnx"
             outcome = line.export(target, path)
@@ -183,14 +220,15 @@ def run_frontier(
     for _, line in lines:
         line.close()
 
-    splits = ([("held-out", eval_contexts, eval_truth)] if eval_contexts else []) + [("scoring", contexts, truth)]
+    if progress is not None:  # failed and infeasible candidates are not evaluated
+        progress.start(progress.done + 1 + sum(c.path is not None for c in candidates) * len(splits), progress.done)
     rows: list[dict] = []
     for candidate in candidates:
         for split, split_contexts, split_truth in splits:
             if candidate.path is None:
                 rows.extend(_rows(candidate, split, None))
                 continue
-            log(f"eval {candidate.method} {candidate.setting} on {split}")
+            begin(f"eval {candidate.method} {candidate.setting} on {split}")
             started = time.perf_counter()
             try:
                 report = evaluate(candidate.path, model, split_contexts, spec=spec_path, truth=split_truth, settings=settings.evaluation)
@@ -202,26 +240,25 @@ def run_frontier(
             if any(not math.isfinite(o.get("degradation_pct", 0.0)) for o in report["outputs"].values()):
                 candidate.status = "non-finite outputs"
             rows.extend(_rows(candidate, split, report))
+    if progress is not None:
+        progress.advance(detail="writing")
     for row in rows:  # eval time is known only once every split ran
         match = next(c for c in candidates if c.method == row["method"] and c.setting == row["setting"])
         row["eval_s"] = match.timings.get("eval")
         for key in ("sweep", "export"):
             row.setdefault(f"{key}_s", match.timings.get(key))
     frame = pl.DataFrame(rows, infer_schema_length=None)
-    frame.write_parquet(out_dir / "frontier.parquet")
-    frame.write_csv(out_dir / "frontier.csv")
-    (out_dir / "frontier.json").write_text(
-        json.dumps(
-            {
-                "model": str(model),
-                "score_run": str(out_dir / "score"),
-                "tqs_settings": asdict(settings.export),
-                "splits": [s for s, _, _ in splits],
-                "candidates": [{k: v for k, v in asdict(c).items() if k != "path"} | {"path": str(c.path) if c.path else None} for c in candidates],
-                "runtime": "ONNX Runtime " + ("exact dequantization" if settings.evaluation.exact else "default optimisations (MatMulNBits, accuracy_level 4)"),
-            },
-            indent=2,
-            default=str,
-        )
+    write_table(frame, out_dir / "frontier.parquet")
+    write_table(frame, out_dir / "frontier.csv")
+    write_json(
+        out_dir / "frontier.json",
+        {
+            "model": str(model),
+            "score_run": str(out_dir / "score"),
+            "tqs_settings": asdict(settings.export),
+            "splits": [s for s, _, _ in splits],
+            "candidates": [{k: v for k, v in asdict(c).items() if k != "path"} | {"path": str(c.path) if c.path else None} for c in candidates],
+            "runtime": "ONNX Runtime " + ("exact dequantization" if settings.evaluation.exact else "default optimisations (MatMulNBits, accuracy_level 4)"),
+        },
     )
     return frame

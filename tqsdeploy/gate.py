@@ -6,15 +6,14 @@ test case, so CI systems show which one failed.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from xml.sax.saxutils import escape, quoteattr
 
 from tqsdeploy.errors import InputError
 from tqsdeploy.evaluate import markdown
+from tqsdeploy.files import write_json, write_text
 
 SIZE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 
@@ -51,6 +50,17 @@ class Check:
     passed: bool
     measured: float
     bound: str
+    """Readable, e.g. '<= 2%'."""
+    limit: float | None = None
+    """The bound's number, in `unit`."""
+    operator: str = "<="
+    unit: str = ""
+    """'%', 'x' or 'bytes': the unit of `measured` and `limit`."""
+
+    @property
+    def shown(self) -> str:
+        """The measured value with its unit."""
+        return f"{self.measured:.6g}{self.unit if self.unit in ('%', 'x') else ' ' + self.unit}".rstrip()
 
 
 def check(report: dict, bounds: Bounds) -> list[Check]:
@@ -62,36 +72,39 @@ def check(report: dict, bounds: Bounds) -> list[Check]:
         limit = bounds.per_output.get(name, bounds.max_degradation)
         if limit is not None:
             value = output["degradation_pct"]
-            checks.append(Check(f"degradation[{name}] ({output['degradation_basis']})", value <= limit, value, f"<= {limit:g}%"))
+            checks.append(Check(f"degradation[{name}] ({output['degradation_basis']})", value <= limit, value, f"<= {limit:g}%", limit, "<=", "%"))
     if bounds.min_compression is not None:
-        checks.append(Check("compression", report["compression"] >= bounds.min_compression, report["compression"], f">= {bounds.min_compression:g}x"))
+        checks.append(Check("compression", report["compression"] >= bounds.min_compression, report["compression"], f">= {bounds.min_compression:g}x",
+                            bounds.min_compression, ">=", "x"))
     if bounds.max_size is not None:
         size = report["candidate_file_bytes"]
-        checks.append(Check("size_bytes", size <= bounds.max_size, size, f"<= {bounds.max_size:.0f} bytes"))
+        checks.append(Check("size_bytes", size <= bounds.max_size, size, f"<= {bounds.max_size:.0f} bytes", bounds.max_size, "<=", "bytes"))
     if not checks:
         raise InputError("gate has no bounds to check", hint="pass --max-degradation, --min-compression or --max-size")
     return checks
 
 
 def junit(checks: list[Check], candidate: str) -> str:
-    failures = sum(not c.passed for c in checks)
-    cases = []
+    """JUnit XML, one test case per bound (built with ElementTree, which escapes once)."""
+    import xml.etree.ElementTree as ET
+
+    suite = ET.Element("testsuite", name=f"tqsdeploy gate: {candidate}", tests=str(len(checks)), failures=str(sum(not c.passed for c in checks)))
     for c in checks:
-        body = "" if c.passed else f"<failure message={quoteattr(f'{c.measured:.6g} violates {c.bound}')}/>"
-        cases.append(f'  <testcase classname="tqsdeploy.gate" name={quoteattr(c.name)}>{body}</testcase>')
-    return (
-        '<?xml version="1.0" encoding="UTF-8"?>\n'
-        f'<testsuite name={quoteattr("tqsdeploy gate: " + escape(candidate))} tests="{len(checks)}" failures="{failures}">\n'
-        + "\n".join(cases)
-        + "\n</testsuite>\n"
-    )
+        case = ET.SubElement(suite, "testcase", classname="tqsdeploy.gate", name=c.name)
+        ET.SubElement(case, "properties")
+        for key, value in (("measured", c.measured), ("limit", c.limit), ("operator", c.operator), ("unit", c.unit)):
+            ET.SubElement(case.find("properties"), "property", name=key, value=str(value))
+        if not c.passed:
+            ET.SubElement(case, "failure", message=f"{c.shown} violates {c.bound}")
+    ET.indent(suite)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suite, encoding="unicode") + "\n"
 
 
 def gate_markdown(report: dict, checks: list[Check]) -> str:
     verdict = "passed" if all(c.passed for c in checks) else "FAILED"
     lines = [f"## tqsdeploy gate {verdict}: `{Path(report['candidate']).name}`", "", "| check | measured | bound | result |", "|---|---|---|---|"]
     for c in checks:
-        lines.append(f"| {c.name} | {c.measured:.6g} | {c.bound} | {'pass' if c.passed else '**fail**'} |")
+        lines.append(f"| {c.name} | {c.shown} | {c.bound} | {'pass' if c.passed else '**fail**'} |")
     return "\n".join(lines) + "\n\n" + markdown(report)
 
 
@@ -99,10 +112,10 @@ def write_outputs(report: dict, checks: list[Check], folder: Path) -> dict[str, 
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"json": folder / "gate.json", "markdown": folder / "gate.md", "junit": folder / "junit.xml"}
     payload = {"passed": all(c.passed for c in checks), "checks": [c.__dict__ for c in checks], "report": report}
-    paths["json"].write_text(json.dumps(payload, indent=2, default=str))
+    write_json(paths["json"], payload)
     text = gate_markdown(report, checks)
-    paths["markdown"].write_text(text)
-    paths["junit"].write_text(junit(checks, report["candidate"]))
+    write_text(paths["markdown"], text)
+    write_text(paths["junit"], junit(checks, report["candidate"]))
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:
         with open(summary, "a", encoding="utf-8") as handle:

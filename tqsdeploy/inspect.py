@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections import Counter
 from pathlib import Path
 
 import graph_ops
 from runtimes import OrtRuntime
-from tqsdeploy.errors import RolloutError
-from tqsdeploy.rollout import RolloutSpec
-from tqsdeploy.score import resolve_spec
+from tqsdeploy.errors import InputError, RolloutError
+from tqsdeploy.files import write_text
+from tqsdeploy.rollout import AmbiguousRollout, RolloutSpec, detect_rollout
+from tqsdeploy.score import DEFAULT_STEPS, resolve_spec
 from tqsdeploy.units import UnitSelection, select_units
 
 
@@ -27,11 +29,13 @@ def inspect_model(
     loaded = graph_ops.load_model(model)
     tensors = graph_ops.find_weight_tensors(loaded.proto)
     units = select_units(tensors, selection)
-    session = OrtRuntime().open(graph_ops.model_bytes(graph_ops.io.runtime_compatible(loaded.proto)))
-    try:
-        rollout = resolve_spec(spec, steps, session.inputs, session.outputs).to_dict()
-    except RolloutError as exc:
-        rollout = {"error": str(exc)}
+    source = graph_ops.io.runnable_path(loaded)
+    if source is None:  # IR too new: the runtime gets a clamped copy (in a temporary folder when over 2 GiB)
+        with tempfile.TemporaryDirectory(prefix="tqs-inspect-") as folder:
+            session = OrtRuntime().open(graph_ops.io.session_source(graph_ops.io.runtime_compatible(loaded.proto), folder))
+    else:
+        session = OrtRuntime().open(source)
+    rollout = _rollout(spec, steps, session.inputs, session.outputs)
     unit_params = sum(u.params for u in units)
     float_params = sum(t.params for t in tensors)
     return {
@@ -53,3 +57,55 @@ def inspect_model(
         "unit_share": unit_params / float_params if float_params else 0.0,
         "rollout": rollout,
     }
+
+
+def _rollout(spec, steps, inputs, outputs) -> dict:
+    """The rollout as plain data; a detected one also says why (reasons, unused outputs, constant inputs)."""
+    if spec is not None:  # the user's spec is wrong: an input error (exit 2), not a detection report
+        return resolve_spec(spec, steps, inputs, outputs).to_dict()
+    try:
+        found = detect_rollout(inputs, outputs, steps, DEFAULT_STEPS)
+        found.spec.check(inputs, outputs)
+    except AmbiguousRollout as exc:
+        return {"error": str(exc).split("\n")[0], "candidates": [c.spec.to_toml(c.reasons) for c in exc.candidates]}
+    except RolloutError as exc:
+        return {"error": str(exc)}
+    return {
+        **found.spec.to_dict(),
+        "toml": found.spec.to_toml(found.reasons),
+        "reasons": found.reasons,
+        "unused_outputs": list(found.unused_outputs),
+        "constant_inputs": list(found.constant_inputs),
+        "single_step": found.single_step,
+    }
+
+
+def emit_spec(info: dict, path: str | Path, force: bool = False) -> str:
+    """Write the rollout `inspect` found to `path` for the user to edit; returns what was written.
+
+    Ambiguous candidates are all written commented out: the user picks one.
+    """
+    path = Path(path)
+    if path.exists() and not force:
+        raise InputError(f"{path} already exists; pass --force to overwrite it")
+    rollout = info["rollout"]
+    header = f"# rollout spec for {info['model']} (tqsdeploy inspect --emit-spec)\n"
+    if "candidates" in rollout:
+        header += "# AMBIGUOUS: these pairings fit equally well. Uncomment exactly one candidate, then pass --spec.\n"
+        body = "\n".join(
+            f"# --- candidate {i} ---\n" + "".join(f"# {line}\n" if line else "#\n" for line in toml.splitlines())
+            for i, toml in enumerate(rollout["candidates"], 1)
+        )
+    elif "error" in rollout:
+        raise RolloutError(f"no rollout spec to emit: {rollout['error']}")
+    else:
+        if rollout["origin"] == "detected":
+            header += "# detected from the model's shapes and names; edit as needed (README 'Rollout specs')\n"
+        if rollout.get("unused_outputs"):
+            header += f"# outputs that feed nothing and stay out of the trajectory: {', '.join(rollout['unused_outputs'])}\n"
+        if rollout.get("constant_inputs"):
+            header += f"# inputs held constant: {', '.join(rollout['constant_inputs'])}\n"
+        body = rollout.get("toml") or RolloutSpec.from_dict(rollout).to_toml()
+    text = header + "\n" + body
+    write_text(path, text)
+    return text

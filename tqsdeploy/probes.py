@@ -41,33 +41,82 @@ def quantization_probe(w: np.ndarray, bits: int) -> np.ndarray:
     return (codes * scale).astype(w.dtype, copy=False)
 
 
-def _reference_norm(w: np.ndarray, residual: np.ndarray, bits: int) -> float:
-    """Frobenius norm the Gaussian probe matches: the quantization residual's,
-    or, when w happens to be exactly representable, the expected rounding noise."""
-    norm = float(np.linalg.norm(residual.astype(np.float64)))
+def _reference_norm(w: np.ndarray, norm: float, bits: int, size: int) -> float:
+    """Frobenius norm the Gaussian probe matches: the quantization residual's (`norm`),
+    or, when w happens to be exactly representable, the expected rounding noise
+    over the `size` entries perturbed."""
     if norm > 0:
         return norm
-    expected = probe_scale(w, bits) * np.sqrt(w.size / 12.0)
-    return expected if expected > 0 else 1e-6 * np.sqrt(w.size)
+    expected = probe_scale(w, bits) * np.sqrt(size / 12.0)
+    return expected if expected > 0 else 1e-6 * np.sqrt(size)
 
 
-def perturb(unit: Unit, weights: dict[str, np.ndarray], probe: str, draw: int, bits: int, seed: int) -> Perturbation:
-    """The perturbed copy of every tensor in `unit` for one probe draw."""
-    replaced, delta_sq = {}, 0.0
-    rng = np.random.default_rng([seed, zlib.crc32(unit.name.encode()), draw]) if probe == "gauss" else None
-    for name in unit.tensor_names:
-        w = weights[name]
-        quantized = quantization_probe(w, bits)
-        if probe == "quant":
-            new = quantized
-        elif probe == "gauss":
-            noise = rng.standard_normal(w.shape)
-            residual = quantized.astype(np.float64) - w.astype(np.float64)
-            noise *= _reference_norm(w, residual, bits) / max(float(np.linalg.norm(noise)), 1e-30)
-            new = (w.astype(np.float64) + noise).astype(w.dtype)
-        else:
+def _squared_difference(a: np.ndarray, b: np.ndarray) -> float:
+    """||a - b||² with float32 differences and a pairwise float64 sum: exact to ~1e-7 relative
+    (differences of float32/float16 values), without float64 copies of large tensors."""
+    delta = np.subtract(a, b, dtype=np.float32)
+    np.square(delta, out=delta)
+    return float(delta.sum(dtype=np.float64))
+
+
+class UnitProbes:
+    """The parts of a unit's perturbations that every draw shares (the quantized
+    tensors and the reference norms), computed once per unit, not per task."""
+
+    def __init__(self, unit: Unit, weights: dict[str, np.ndarray], bits: int, rows: dict[str, np.ndarray] | None = None):
+        self.unit = unit
+        self.masks = {}
+        """Per tensor, the rows perturbed (a Gather table's rows the contexts read, see
+        `units.gather_rows`): rows never read change no output, so perturbing them
+        would only inflate ||δθ||² and dilute γ."""
+        for name, touched in (rows or {}).items():
+            if name in unit.tensor_names:
+                mask = np.zeros(weights[name].shape[0], bool)
+                mask[touched] = True
+                self.masks[name] = mask.reshape((-1,) + (1,) * (weights[name].ndim - 1))
+        self.weights = {name: weights[name] for name in unit.tensor_names}
+        self.bits = bits
+        self._quantized: dict[str, np.ndarray] = {}
+        self._norms: dict[str, float] = {}
+
+    def quantized(self, name: str) -> np.ndarray:
+        if name not in self._quantized:
+            w = self.weights[name]
+            quantized = quantization_probe(w, self.bits)
+            if name in self.masks:
+                quantized = np.where(self.masks[name], quantized, w)
+            self._quantized[name] = np.ascontiguousarray(quantized)
+        return self._quantized[name]
+
+    def reference_norm(self, name: str) -> float:
+        if name not in self._norms:
+            w = self.weights[name]
+            size = w.size if name not in self.masks else int(self.masks[name].sum()) * (w.size // max(w.shape[0], 1))
+            self._norms[name] = _reference_norm(w, np.sqrt(_squared_difference(self.quantized(name), w)), self.bits, size)
+        return self._norms[name]
+
+    def perturb(self, probe: str, draw: int, seed: int) -> Perturbation:
+        """The perturbed copy of every tensor in the unit for one probe draw.
+
+        Gaussian noise is drawn in float32 (half the work of float64, and the
+        weights are float32 or narrower anyway), seeded by (seed, unit, draw).
+        """
+        if probe not in PROBES:
             raise ValueError(f"unknown probe '{probe}'")
-        delta = new.astype(np.float64) - w.astype(np.float64)
-        delta_sq += float(np.sum(delta * delta))
-        replaced[name] = np.ascontiguousarray(new)
-    return Perturbation(weights=replaced, delta_sq=delta_sq)
+        replaced, delta_sq = {}, 0.0
+        rng = np.random.default_rng([seed, zlib.crc32(self.unit.name.encode()), draw]) if probe == "gauss" else None
+        for name, w in self.weights.items():
+            if probe == "quant":
+                new = self.quantized(name)
+            else:
+                noise = rng.standard_normal(w.shape, dtype=np.float32)
+                noise *= np.float32(self.reference_norm(name) / max(float(np.linalg.norm(noise)), 1e-30))
+                new = np.add(w, noise, out=noise) if w.dtype == np.float32 else (w + noise).astype(w.dtype)
+            delta_sq += _squared_difference(new, w)
+            replaced[name] = np.ascontiguousarray(new)
+        return Perturbation(weights=replaced, delta_sq=delta_sq)
+
+
+def perturb(unit: Unit, weights: dict[str, np.ndarray], probe: str, draw: int, bits: int, seed: int, rows: dict[str, np.ndarray] | None = None) -> Perturbation:
+    """The perturbed copy of every tensor in `unit` for one probe draw (see `UnitProbes`)."""
+    return UnitProbes(unit, weights, bits, rows).perturb(probe, draw, seed)

@@ -107,6 +107,8 @@ class Encoder:
         self._uniform: dict[tuple[str, Rounding], dict[str, Encoded]] = {}
         self._mixed: dict[tuple, dict[str, Encoded]] = {}
         self.log = EncoderLog()
+        self.on_weight: Callable[[str], None] | None = None
+        """Called after each weight of a pass is encoded (progress)."""
         for name, layout in self.graph_layouts.items():
             if layout.rtn_reason:
                 self.log.rtn_only[name] = layout.rtn_reason
@@ -139,6 +141,14 @@ class Encoder:
     def _pass(self, encode_one: Callable[[str, list[Hessian] | None], Encoded], rounding: Rounding, label: str) -> dict[str, Encoded]:
         """Encode every unit tensor: directly, or sequentially on calibration statistics."""
         self.log.passes.append(label)
+        if self.on_weight is not None:
+            plain, report = encode_one, self.on_weight
+
+            def encode_one(name, stats):
+                encoded = plain(name, stats)
+                report(name)
+                return encoded
+
         if not rounding.needs_stats or not any(layout.calibratable for layout in self.graph_layouts.values()):
             started = time.perf_counter()
             result = {name: encode_one(name, None) for name in self.layouts}

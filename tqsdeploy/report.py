@@ -9,7 +9,6 @@ figures embedded.
 from __future__ import annotations
 
 import base64
-import html
 import json
 import math
 import re
@@ -83,6 +82,7 @@ def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], fol
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     figures = []
     overall = frame.filter((pl.col("variable") == "all") & pl.col(metric).is_not_null())
@@ -90,25 +90,38 @@ def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], fol
     overall = overall.filter(pl.col("output") == first_output)
 
     splits = overall["split"].unique(maintain_order=True).to_list()
-    y_column, y_label = ("degradation_pct", "degradation % vs FP32 (against truth)") if metric == "mae_truth" else ("drift_pct", "drift % from the FP32 model")
-    fig, axes = plt.subplots(1, max(len(splits), 1), figsize=(6.5 * max(len(splits), 1), 4.5), squeeze=False)
-    for ax, split in zip(axes[0], splits):
-        for method in overall["method"].unique(maintain_order=True):
-            part = overall.filter((pl.col("split") == split) & (pl.col("method") == method)).sort("achieved_C")
-            style = "-o" if part["family"].first() == "tqs" else "--s"
-            ax.plot(part["achieved_C"], part[y_column], style, label=method, markersize=4)
-        ax.set_xscale("log")
-        ax.set_yscale("symlog", linthresh=0.1)  # small differences stay visible next to collapses
-        ax.axhline(0, color="black", linewidth=0.6)
-        ax.set_xlabel("compression C (log)")
-        ax.set_ylabel(f"{y_label} ({first_output})")
-        ax.set_title(f"{split} contexts")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+    panels = [("drift_pct", "drift_lo", "drift_hi", "drift from the FP32 model (% of mean |output|)")]
+    if metric == "mae_truth":
+        panels.append(("degradation_pct", "degradation_lo", "degradation_hi", "error vs truth, % worse than the FP32 model"))
+    columns = max(len(splits), 1)
+    fig, axes = plt.subplots(len(panels), columns, figsize=(6.5 * columns, 4.2 * len(panels)), squeeze=False)
+    for row, (y_column, low, high, y_label) in enumerate(panels):
+        for ax, split in zip(axes[row], splits):
+            for index, method in enumerate(overall["method"].unique(maintain_order=True)):
+                part = overall.filter((pl.col("split") == split) & (pl.col("method") == method)).sort("achieved_C")
+                tqs = part["family"].first() == "tqs"
+                color = f"C{index % 10}"
+                ax.plot(part["achieved_C"], part[y_column], "o" if tqs else "s", color=color, markersize=4)
+                line = _envelope(part, y_column)  # one value per size: W3 and W4 at the same C draw no zig-zag
+                ax.plot(line["achieved_C"], line[y_column], "-" if tqs else "--", color=color, label=method)
+                if line[low].is_not_null().all() and line.height:
+                    ax.fill_between(line["achieved_C"], line[low], line[high], color=color, alpha=0.15, linewidth=0)
+            ax.axhline(0, color="black", linewidth=1.0, label="FP32 model")
+            ax.set_xscale("log")
+            ticks = sorted({round(c, 1) for c in overall["achieved_C"].drop_nulls().to_list()})
+            ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(_thin(ticks)))
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.set_xlabel("compression (times smaller stored weights)")
+            ax.set_ylabel(y_label)
+            ax.set_title(f"{split} contexts ({first_output}); band: 95% bootstrap over windows")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(folder / "frontier.png", dpi=110)
     plt.close(fig)
-    figures.append(("frontier.png", f"{y_label} against compression (symmetric-log scale), one line per method ({first_output}, all variables)."))
+    figures.append(("frontier.png", "Drift from the FP32 model" + (" (top) and error against the truth, in % of the FP32 model's own error (bottom)," if metric == "mae_truth" else "")
+                    + " by compression on linear scales; one line per method through its best point at each size; shaded: 95% bootstrap interval over context windows."))
 
     live = scores.filter(~pl.col("dead"))
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * scores.height), 4))
@@ -118,12 +131,13 @@ def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], fol
     ax.set_ylabel("γ (nats/step)")
     from matplotlib.patches import Patch
 
-    ax.set_title("TQS ranking")
+    negative = live.height > 0 and bool((live["gamma"] < 0).all())
+    ax.set_title("TQS ranking" + (": every γ < 0, each perturbation's effect shrinks over the rollout" if negative else ""))
     ax.legend(handles=[Patch(color=c, label=n) for n, c in colors.items()] + [Patch(color="black", label="dead")], fontsize=8)
     fig.tight_layout()
     fig.savefig(folder / "gamma_ranking.png", dpi=110)
     plt.close(fig)
-    figures.append(("gamma_ranking.png", "γ per unit, most sensitive first; dead units drawn at the lowest live γ."))
+    figures.append(("gamma_ranking.png", "γ per unit (growth rate of a perturbation's effect, nats per rollout step; below 0 it shrinks), most sensitive first; dead units drawn at the lowest live γ."))
 
     fig, ax = plt.subplots(figsize=(5.5, 4))
     names = ["input", "body", "output"]
@@ -157,21 +171,73 @@ def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], fol
     grid = _grid_points(overall.filter(pl.col("split") == splits[0])) if splits else {}
     if grid:
         setting, grid_c = ("W4", grid["W4"]) if "W4" in grid else next(iter(grid.items()))
-        fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for row in _matched(overall.filter(pl.col("split") == splits[0]), setting, grid_c).iter_rows(named=True):
-            curve = json.loads(row["mae_by_step"] or "null")
-            if curve:
-                ax.plot(range(1, len(curve) + 1), curve, "-o" if row["family"] == "tqs" else "--s", markersize=3, label=f"{row['method']} {row['setting']} (C={row['achieved_C']:.1f})")
-        ax.set_yscale("log")
-        ax.set_xlabel("rollout step")
-        ax.set_ylabel(f"MAE ({'vs truth' if metric == 'mae_truth' else 'vs FP32 model'})")
-        ax.set_title(f"Error growth over the horizon at the {setting} grid point")
-        ax.legend(fontsize=7)
+        matched = _matched(overall.filter(pl.col("split") == splits[0]), setting, grid_c)
+        truth = metric == "mae_truth"
+        fig, axes = plt.subplots(1, 2 if truth else 1, figsize=(13 if truth else 6.5, 4.2), squeeze=False)
+        for row in matched.iter_rows(named=True):
+            label = f"{row['method']} {row['setting']} (C = {row['achieved_C']:.3g})"
+            style = "-o" if row["family"] == "tqs" else "--s"
+            drift = json.loads(row.get("drift_by_step") or "null")
+            if drift:
+                axes[0][0].plot(range(1, len(drift) + 1), drift, style, markersize=3, label=label)
+            if truth:
+                curve = json.loads(row["mae_by_step"] or "null")
+                if curve:
+                    axes[0][1].plot(range(1, len(curve) + 1), curve, style, markersize=3, label=label)
+        if truth:
+            reference = json.loads(matched["ref_mae_by_step"][0] or "null") if matched.height else None
+            if reference:
+                axes[0][1].plot(range(1, len(reference) + 1), reference, "-", color="black", linewidth=1.5, label="FP32 model")
+            axes[0][1].set_ylabel("MAE against the truth")
+            axes[0][1].set_title("Error against the truth, the FP32 model's own included")
+        axes[0][0].axhline(0, color="black", linewidth=1.0, label="FP32 model")
+        axes[0][0].set_ylabel("MAE from the FP32 model")
+        axes[0][0].set_title(f"Drift from the FP32 model at the {setting} grid point")
+        for ax in axes[0]:
+            ax.set_xlabel("rollout step")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(folder / "error_growth.png", dpi=110)
         plt.close(fig)
-        figures.append(("error_growth.png", f"Error by rollout step, baselines at {setting} and TQS-PTQ at the nearest compression."))
+        figures.append(("error_growth.png", f"Error by rollout step, baselines at {setting} and TQS-PTQ at the nearest compression (linear scale)."))
     return figures
+
+
+def _verdict(low: float | None, high: float | None, against_truth: bool) -> str:
+    """Words for an interval: is the difference from the FP32 model more than noise?"""
+    if low is None or high is None:
+        return "-"
+    if not against_truth:
+        return "drifts from FP32" if low > 0 else "within noise of FP32"
+    if low > 0:
+        return "worse than FP32"
+    if high < 0:
+        return "better than FP32"
+    return "within noise of FP32"
+
+
+def _envelope(part: pl.DataFrame, column: str) -> pl.DataFrame:
+    """Per achieved size (within 1%), the point with the lowest `column`, sorted by size."""
+    part = part.filter(pl.col(column).is_not_null()).sort("achieved_C")
+    keep, last = [], None
+    for index, c in enumerate(part["achieved_C"].to_list()):
+        if last is not None and c <= last * 1.01:
+            if part[column][index] < part[column][keep[-1]]:
+                keep[-1] = index
+            continue
+        keep.append(index)
+        last = c
+    return part[keep] if keep else part
+
+
+def _thin(ticks: list[float]) -> list[float]:
+    """Tick positions at least 15% apart on the log axis, so labels do not overlap (the largest kept)."""
+    kept = []
+    for tick in sorted(ticks, reverse=True):
+        if not kept or tick < kept[-1] / 1.15:
+            kept.append(tick)
+    return kept[::-1]
 
 
 def _grid_points(frame: pl.DataFrame) -> dict[str, float]:
@@ -213,7 +279,7 @@ def build_report(out_dir: str | Path, model: str | Path, buckets_patterns: dict[
         part = ok.filter(pl.col("split") == split)
         grid = _grid_points(part)
         blocks.append(("h2", f"Matched compression ({split} contexts)"))
-        blocks.append(("p", f"Each uniform grid point (baselines at W bits) next to TQS-PTQ at the compression nearest to it, when that is within {MATCH_TOLERANCE:.0%} (an objective with no such point has no row). Lower is better; **bold** is the best in its block."))
+        blocks.append(("p", f"Each uniform grid point (baselines at W bits) next to TQS-PTQ at the compression nearest to it, when that is within {MATCH_TOLERANCE:.0%} (an objective with no such point has no row). Lower is better; **bold**: the best in its block and every method whose 95% interval reaches the best's (their difference is within the noise of these windows)."))
         variables = frame.filter((pl.col("split") == split) & (pl.col("variable") != "all"))
         if variables.height == 0:  # no per-variable rows: count wins per output instead
             variables = part
@@ -221,12 +287,16 @@ def build_report(out_dir: str | Path, model: str | Path, buckets_patterns: dict[
             table = _matched(part, setting, grid_c).filter(pl.col(metric).is_not_null())
             if table.height == 0:
                 continue
-            best = table[metric].min()
-            header = ["method", "setting", "C", "size (bytes)", label, "RMSE", "degradation %"]
-            rows = [
-                [r["method"], r["setting"], _fmt(r["achieved_C"], 3), _fmt(r["file_bytes"]), ("**" + _fmt(r[metric]) + "**") if r[metric] == best else _fmt(r[metric]), _fmt(r["rmse_truth"] if metric == "mae_truth" else r["rmse_ref"]), _fmt(r["degradation_pct"], 3)]
-                for r in table.sort(metric).iter_rows(named=True)
-            ]
+            low, high, value = ("degradation_lo", "degradation_hi", "degradation_pct") if metric == "mae_truth" else ("drift_lo", "drift_hi", "drift_pct")
+            table = table.sort(metric)
+            best_high = table[high][0] if table[high][0] is not None else table[value][0]
+            header = ["method", "setting", "C", "size (bytes)", label, "RMSE", f"{'degradation' if metric == 'mae_truth' else 'drift'} % [95% CI]", "verdict"]
+            rows = []
+            for r in table.iter_rows(named=True):
+                tied = r[low] is not None and r[low] <= best_high
+                interval = f"{_fmt(r[value], 3)} [{_fmt(r[low], 3)}, {_fmt(r[high], 3)}]" if r[low] is not None else _fmt(r[value], 3)
+                rows.append([r["method"], r["setting"], _fmt(r["achieved_C"], 3), _fmt(r["file_bytes"]), ("**" + _fmt(r[metric]) + "**") if tied else _fmt(r[metric]),
+                             _fmt(r["rmse_truth"] if metric == "mae_truth" else r["rmse_ref"]), interval, _verdict(r[low], r[high], metric == "mae_truth")])
             blocks.append(("table", f"{setting} grid (C ≈ {grid_c:.2f})", header, rows))
         if variables.height:
             blocks.append(("h3", f"Win counts ({split} contexts)"))
@@ -260,7 +330,7 @@ def build_report(out_dir: str | Path, model: str | Path, buckets_patterns: dict[
         sweep = float(part["sweep_s"].fill_null(0).max())
         export, evaluate = float(part["export_s"].fill_null(0).mean()), float(part["eval_s"].fill_null(0).mean())
         amortised = sweep / part.height if part["family"].first() == "tqs" else 0.0
-        rows.append([method, str(part.height), _fmt(sweep, 3), _fmt(export, 3), _fmt(evaluate, 3), _fmt(amortised + export + evaluate, 3)])
+        rows.append([method, str(part.height), f"{sweep:.2f}", f"{export:.2f}", f"{evaluate:.2f}", f"{amortised + export + evaluate:.2f}"])
     blocks.append(("table", "Seconds; TQS-PTQ shares one score sweep over all its points and prices every slot once, in its first export (both amortised in the last column)", ["method", "points", "sweep (once)", "export / point", "eval / point", "total / point"], rows))
     if failed.height:
         blocks.append(("h2", "Points that did not run"))
@@ -296,25 +366,50 @@ def _markdown(blocks) -> str:
     return "\n".join(lines)
 
 
-def _html(blocks, folder: Path) -> str:
-    def inline(text: str) -> str:
-        return re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", html.escape(text))
+def _numeric(cell: str) -> bool:
+    """Numbers (bold or with an interval) align right; names and words left."""
+    return bool(re.fullmatch(r"[*]*[-+0-9.e]+[*]*( \[.*\])?", cell.strip()))
 
-    body = []
+
+PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>tqsdeploy frontier</title>
+<style>body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}table{border-collapse:collapse;margin:1em 0}\
+td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}td.num{text-align:right;font-variant-numeric:tabular-nums}th{background:#f3f3f3}\
+caption{text-align:left;font-weight:bold;padding:4px 0}img{max-width:100%}figcaption{color:#555;font-size:90%}</style></head>
+<body>
+{%- macro text(parts) %}{% for part in parts %}{% if loop.index is even %}<b>{{ part }}</b>{% else %}{{ part }}{% endif %}{% endfor %}{% endmacro %}
+{%- for block in blocks %}
+{%- if block.kind in ("h1", "h2", "h3") %}
+<{{ block.kind }}>{{ block.text }}</{{ block.kind }}>
+{%- elif block.kind == "p" %}
+<p>{{ text(block.parts) }}</p>
+{%- elif block.kind == "img" %}
+<figure><img src="data:image/png;base64,{{ block.data }}" alt="{{ block.caption }}"><figcaption>{{ block.caption }}</figcaption></figure>
+{%- elif block.kind == "table" %}
+<table>{% if block.title %}<caption>{{ block.title }}</caption>{% endif %}
+<thead><tr>{% for h in block.header %}<th>{{ h }}</th>{% endfor %}</tr></thead>
+<tbody>{% for row in block.rows %}<tr>{% for cell in row %}<td{% if cell.numeric %} class="num"{% endif %}>{{ text(cell.parts) }}</td>{% endfor %}</tr>{% endfor %}</tbody></table>
+{%- endif %}
+{%- endfor %}
+</body></html>
+"""
+
+
+def _html(blocks, folder: Path) -> str:
+    """The blocks as one self-contained page (jinja2, autoescaped; `**x**` marks bold)."""
+    from jinja2 import Environment
+
+    items = []
     for block in blocks:
         kind = block[0]
         if kind in ("h1", "h2", "h3"):
-            body.append(f"<{kind}>{html.escape(block[1])}</{kind}>")
+            items.append({"kind": kind, "text": block[1]})
         elif kind == "p":
-            body.append(f"<p>{inline(block[1])}</p>")
+            items.append({"kind": kind, "parts": block[1].split("**")})
         elif kind == "img":
-            data = base64.b64encode((folder / block[1]).read_bytes()).decode()
-            body.append(f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(block[2])}"><figcaption>{html.escape(block[2])}</figcaption></figure>')
+            items.append({"kind": kind, "data": base64.b64encode((folder / block[1]).read_bytes()).decode(), "caption": block[2]})
         elif kind == "table":
             _, title, header, rows = block
-            head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-            cells = "".join("<tr>" + "".join(f"<td>{inline(c)}</td>" for c in row) + "</tr>" for row in rows)
-            caption = f"<caption>{html.escape(title)}</caption>" if title else ""
-            body.append(f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table>")
-    style = "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3f3}caption{text-align:left;font-weight:bold;padding:4px 0}img{max-width:100%}figcaption{color:#555;font-size:90%}"
-    return f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>tqsdeploy frontier</title><style>{style}</style></head><body>{''.join(body)}</body></html>"
+            cells = [[{"parts": c.split("**"), "numeric": _numeric(c)} for c in row] for row in rows]
+            items.append({"kind": kind, "title": title, "header": header, "rows": cells})
+    return Environment(autoescape=True).from_string(PAGE).render(blocks=items)

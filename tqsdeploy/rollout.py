@@ -2,13 +2,17 @@
 
 A spec says which output feeds which input at the next step (`replace`: the
 output is the next state; `shift`: drop the oldest entries along an axis and
-append the output) and which outputs form the trajectory Y. Inputs that
-receive no feedback stay constant. Without a spec, the common single-input,
-single-output cases are detected from the model's shapes.
+append the output; an edge without an output shifts a mask along with its
+context, appending `fill`) and which outputs form the trajectory Y. Inputs
+that receive no feedback stay constant. Without a spec, `detect_rollout`
+pairs outputs with inputs from shapes and names; a model with nothing to
+feed back is single-step (T = 1).
 """
 
 from __future__ import annotations
 
+import difflib
+import re
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,16 +24,30 @@ from runtimes import IOSpec, Session
 from tqsdeploy.errors import RolloutError
 
 MODES = ("replace", "shift")
+SPEC_KEYS = ("steps", "trajectory", "feedback", "origin")
+EDGE_KEYS = ("output", "input", "mode", "axis", "fill", "length")
+HINT = "write a rollout spec (TOML, see README 'Rollout specs') and pass it with --spec"
 
 
 @dataclass(frozen=True)
 class Feedback:
-    """One output fed back into one input at every step."""
+    """One output fed back into one input at every step.
 
-    output: str
+    An edge without an output (`output=None`) shifts its input by the length
+    the sibling shift edge appends (or `length`) and appends `fill`: a padding
+    mask that moves with its context.
+    """
+
+    output: str | None
     input: str
     mode: str = "replace"
     axis: int = -1
+    fill: float | None = None
+    length: int | None = None
+
+    def to_dict(self) -> dict:
+        """Plain data; keys that are unset are left out (keeps old run fingerprints)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -45,9 +63,20 @@ class RolloutSpec:
     def __post_init__(self):
         if self.steps < 1:
             raise RolloutError(f"rollout needs at least 1 step, got {self.steps}")
+        seen = set()
         for edge in self.feedback:
             if edge.mode not in MODES:
                 raise RolloutError(f"feedback mode '{edge.mode}' is not one of {', '.join(MODES)}")
+            if edge.input in seen:
+                raise RolloutError(f"input '{edge.input}' is the target of two feedback edges")
+            seen.add(edge.input)
+            if edge.output is None:
+                if edge.mode != "shift" or edge.fill is None:
+                    raise RolloutError(f"feedback edge for input '{edge.input}' has no output, so it needs mode = \"shift\" and a `fill` value to append")
+            elif edge.fill is not None or edge.length is not None:
+                raise RolloutError(f"feedback edge '{edge.output}' → '{edge.input}' appends its output: `fill` and `length` only apply to edges without an output")
+            if edge.length is not None and edge.length < 1:
+                raise RolloutError(f"feedback edge for input '{edge.input}' has length {edge.length}; it must be at least 1")
         if not self.trajectory:
             raise RolloutError("rollout spec names no trajectory outputs")
 
@@ -59,7 +88,7 @@ class RolloutSpec:
     def run_outputs(self) -> list[str]:
         """Outputs a step must produce: the trajectory plus whatever is fed back."""
         names = list(self.trajectory)
-        names += [e.output for e in self.feedback if e.output not in names]
+        names += [e.output for e in self.feedback if e.output is not None and e.output not in names]
         return names
 
     def with_steps(self, steps: int) -> "RolloutSpec":
@@ -69,21 +98,49 @@ class RolloutSpec:
         return {
             "steps": self.steps,
             "trajectory": list(self.trajectory),
-            "feedback": [asdict(e) for e in self.feedback],
+            "feedback": [e.to_dict() for e in self.feedback],
             "origin": self.origin,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping, origin: str = "spec") -> "RolloutSpec":
-        try:
-            feedback = tuple(
-                Feedback(output=str(e["output"]), input=str(e["input"]), mode=str(e.get("mode", "replace")), axis=int(e.get("axis", -1)))
-                for e in data.get("feedback", [])
+        """Strict: unknown keys, missing `steps` and wrongly typed values are errors."""
+        if not isinstance(data, Mapping):
+            raise RolloutError("rollout spec must be a table of keys")
+        _known_keys(data, SPEC_KEYS, "rollout spec")
+        if "steps" not in data:
+            raise RolloutError("rollout spec has no `steps` (the number of rollout steps T, e.g. steps = 8)")
+        steps = _typed(data["steps"], int, "steps")
+        trajectory = data.get("trajectory")
+        if trajectory is not None and (not isinstance(trajectory, list) or not all(isinstance(t, str) for t in trajectory)):
+            raise RolloutError(f"`trajectory` must be a list of output names, e.g. trajectory = [\"y\"], not {trajectory!r}")
+        raw = data.get("feedback", [])
+        if not isinstance(raw, list) or not all(isinstance(e, Mapping) for e in raw):
+            raise RolloutError("`feedback` must be a list of [[feedback]] tables")
+        edges = []
+        for i, e in enumerate(raw, 1):
+            where = f"[[feedback]] #{i}"
+            _known_keys(e, EDGE_KEYS, where)
+            if "input" not in e:
+                raise RolloutError(f"{where} has no `input`")
+            output = _typed(e["output"], str, f"{where} output") if "output" in e else None
+            fill = e.get("fill")
+            if fill is not None and (isinstance(fill, bool) or not isinstance(fill, (int, float))):
+                raise RolloutError(f"{where} fill must be a number, not {fill!r}")
+            edges.append(
+                Feedback(
+                    output=output,
+                    input=_typed(e["input"], str, f"{where} input"),
+                    mode=_typed(e.get("mode", "replace"), str, f"{where} mode"),
+                    axis=_typed(e.get("axis", -1), int, f"{where} axis"),
+                    fill=float(fill) if fill is not None else None,
+                    length=_typed(e["length"], int, f"{where} length") if "length" in e else None,
+                )
             )
-            trajectory = tuple(data.get("trajectory") or [e.output for e in feedback])
-            return cls(steps=int(data.get("steps", 1)), feedback=feedback, trajectory=trajectory, origin=data.get("origin", origin))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RolloutError(f"rollout spec is malformed: {exc}") from None
+        feedback = tuple(edges)
+        if trajectory is None:
+            trajectory = [e.output for e in feedback if e.output is not None]
+        return cls(steps=steps, feedback=feedback, trajectory=tuple(trajectory), origin=str(data.get("origin", origin)))
 
     @classmethod
     def from_toml(cls, path: str | Path) -> "RolloutSpec":
@@ -94,14 +151,27 @@ class RolloutSpec:
             raise RolloutError(f"rollout spec {path} does not exist") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise RolloutError(f"rollout spec {path} is not valid TOML: {exc}") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except RolloutError as exc:
+            raise RolloutError(f"rollout spec {path}: {exc}") from None
 
-    def to_toml(self) -> str:
+    def to_toml(self, reasons: Mapping[str, str] | None = None) -> str:
+        """TOML that `from_toml` reads back; `reasons` (per input) become comments."""
         lines = [f"steps = {self.steps}", "trajectory = [" + ", ".join(f'"{t}"' for t in self.trajectory) + "]"]
         for edge in self.feedback:
-            lines += ["", "[[feedback]]", f'output = "{edge.output}"', f'input = "{edge.input}"', f'mode = "{edge.mode}"']
+            lines += ["", "[[feedback]]"]
+            if reasons and edge.input in reasons:
+                lines.append(f"# {reasons[edge.input]}")
+            if edge.output is not None:
+                lines.append(f'output = "{edge.output}"')
+            lines += [f'input = "{edge.input}"', f'mode = "{edge.mode}"']
             if edge.mode == "shift":
                 lines.append(f"axis = {edge.axis}")
+            if edge.fill is not None:
+                lines.append(f"fill = {edge.fill!r}")
+            if edge.length is not None:
+                lines.append(f"length = {edge.length}")
         return "\n".join(lines) + "\n"
 
     def check(self, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]) -> None:
@@ -112,11 +182,21 @@ class RolloutSpec:
             if name not in outs:
                 raise RolloutError(f"trajectory output '{name}' is not a model output (outputs: {', '.join(outs)})")
         for edge in self.feedback:
-            if edge.output not in outs:
+            if edge.output is not None and edge.output not in outs:
                 raise RolloutError(f"feedback output '{edge.output}' is not a model output (outputs: {', '.join(outs)})")
             if edge.input not in ins:
                 raise RolloutError(f"feedback input '{edge.input}' is not a model input (inputs: {', '.join(ins)})")
-            source, target = outs[edge.output].shape, ins[edge.input].shape
+            target = ins[edge.input].shape
+            if edge.mode == "shift" and not -len(target) <= edge.axis < len(target):
+                raise RolloutError(f"feedback edge for input '{edge.input}' {_fmt(target)} shifts along axis {edge.axis}, which it does not have")
+            if edge.output is None:
+                if edge.length is None and not _siblings(self, edge, len(target), {e.input: ins[e.input].rank for e in self.feedback if e.input in ins}):
+                    raise RolloutError(
+                        f"feedback edge for input '{edge.input}' has no output and no `length`, and no shift edge with an output "
+                        f"moves an input of the same rank along axis {edge.axis}; give `length` (entries appended per step)"
+                    )
+                continue
+            source = outs[edge.output].shape
             if len(source) != len(target):
                 raise RolloutError(
                     f"output '{edge.output}' has rank {len(source)} but input '{edge.input}' has rank {len(target)}; they cannot feed each other"
@@ -128,45 +208,229 @@ class RolloutSpec:
                         f"output '{edge.output}' {_fmt(source)} does not fit input '{edge.input}' {_fmt(target)} "
                         f"for mode '{edge.mode}' (axis {axis} differs)"
                     )
+        if self.steps > 1 and not any(e.output is not None for e in self.feedback):
+            raise RolloutError(
+                f"the rollout feeds nothing back, so all {self.steps} steps would repeat step 1; a model without feedback is single-step: use steps = 1 (--steps 1)"
+            )
+
+
+def _known_keys(data: Mapping, allowed: Sequence[str], where: str) -> None:
+    for key in data:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
+            guess = f"; did you mean '{close[0]}'?" if close else f" (known keys: {', '.join(allowed)})"
+            raise RolloutError(f"unknown key '{key}' in {where}{guess}")
+
+
+def _typed(value, kind: type, what: str):
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise RolloutError(f"`{what}` must be {'an integer' if kind is int else 'a string'}, not {value!r}")
+    return value
+
+
+def _siblings(spec: RolloutSpec, edge: Feedback, rank: int, ranks: Mapping[str, int]) -> list[Feedback]:
+    """The shift edges with an output that move an input of `edge`'s rank along the same axis."""
+    axis = edge.axis % rank
+    return [
+        e for e in spec.feedback
+        if e.output is not None and e.mode == "shift" and ranks.get(e.input) == rank and e.axis % rank == axis
+    ]
 
 
 def _fmt(shape) -> str:
     return "[" + ", ".join(str(d) if d is not None else "?" for d in shape) + "]"
 
 
-def _compatible(a, b) -> bool:
-    return not (isinstance(a, int) and isinstance(b, int)) or a == b
+# --- detection -------------------------------------------------------------
+
+ROLE_WORDS = {"input", "inputs", "in", "output", "outputs", "out", "next", "new", "prev", "previous", "past", "current", "curr", "cur", "pred", "hat"}
+FORECAST_WORDS = {"forecast", "forecasts", "point", "mean", "median", "prediction", "predictions", "pred", "y", "yhat"}
+CONTEXT_WORDS = {"inputs", "input", "context", "past", "values", "x", "history", "series", "observations"}
+MASK_WORDS = ("mask", "pad", "observed")
 
 
-def detect(inputs: Sequence[IOSpec], outputs: Sequence[IOSpec], steps: int) -> RolloutSpec:
-    """Guess the feedback of a one-input, one-output float model from shapes."""
-    floats_in = [s for s in inputs if s.dtype.kind == "f"]
-    floats_out = [s for s in outputs if s.dtype.kind == "f"]
-    hint = "write a rollout spec (TOML, see README 'Rollout specs') and pass it with --spec"
-    if len(floats_in) != 1 or len(floats_out) != 1:
-        raise RolloutError(
-            f"cannot detect the rollout: model has {len(floats_in)} float inputs and {len(floats_out)} float outputs", hint=hint
-        )
-    x, y = floats_in[0], floats_out[0]
-    if x.rank != y.rank:
-        raise RolloutError(f"cannot detect the rollout: input '{x.name}' {_fmt(x.shape)} and output '{y.name}' {_fmt(y.shape)} differ in rank", hint=hint)
-    differing = [i for i, (a, b) in enumerate(zip(x.shape, y.shape)) if not _compatible(a, b)]
+def _tokens(name: str) -> list[str]:
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1 \2", name)
+    return [t for t in re.split(r"[^a-z0-9]+", spaced.lower()) if t]
+
+
+def _affinity(output: str, input: str) -> tuple[int, str]:
+    """How strongly two names say they belong together (0-3), and why."""
+    out_t, in_t = _tokens(output), _tokens(input)
+    out_stem = [t for t in out_t if t not in ROLE_WORDS]
+    in_stem = [t for t in in_t if t not in ROLE_WORDS]
+    if out_stem and out_stem == in_stem:
+        return 3, f"names share the stem '{'_'.join(out_stem)}'"
+    if not out_stem and not in_stem:
+        return 2, "names are output/input"
+    if set(out_t) & FORECAST_WORDS and set(in_t) & CONTEXT_WORDS:
+        return 2, "forecast-like output name, context-like input name"
+    return 0, "names say nothing"
+
+
+def mask_like(name: str) -> bool:
+    """A padding/observation mask by name; such inputs move with their context instead of being fed."""
+    return any(word in name.lower() for word in MASK_WORDS)
+
+
+def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
+    """Score and edge for feeding `output` into `input`, or None when the shapes cannot."""
+    if output.rank != input.rank:
+        return None
+    differing = [i for i, (a, b) in enumerate(zip(output.shape, input.shape)) if isinstance(a, int) and isinstance(b, int) and a != b]
+    exact = all(a == b for i, (a, b) in enumerate(zip(output.shape, input.shape)) if i not in differing)
+    affinity, why = _affinity(output.name, input.name)
     if not differing:
-        edge = Feedback(output=y.name, input=x.name, mode="replace")
-    elif len(differing) == 1 and y.shape[differing[0]] < x.shape[differing[0]]:
-        edge = Feedback(output=y.name, input=x.name, mode="shift", axis=differing[0] - x.rank)
+        score, edge = 105, Feedback(output.name, input.name, "replace")
+        reason = f"same shape {_fmt(input.shape)} → replace" if exact else f"{_fmt(output.shape)} and {_fmt(input.shape)} agree where known → replace"
+    elif len(differing) == 1 and output.shape[differing[0]] < input.shape[differing[0]]:
+        axis = differing[0] - input.rank
+        score, edge = 100, Feedback(output.name, input.name, "shift", axis)
+        reason = f"{_fmt(output.shape)} appends to {_fmt(input.shape)} along axis {axis} ({output.shape[differing[0]]} < {input.shape[differing[0]]}) → shift"
     else:
-        raise RolloutError(
-            f"cannot detect the rollout: output '{y.name}' {_fmt(y.shape)} neither matches nor shifts into input '{x.name}' {_fmt(x.shape)}",
-            hint=hint,
+        return None
+    return score + (1 if exact else 0) + affinity, edge, f"{reason}; {why}"
+
+
+def _best_assignments(options: list[list[tuple[int, int, Feedback, str]]], limit: int = 4) -> tuple[int, list[list]]:
+    """Exact maximum-score matching of outputs to inputs (each input fed at most once).
+
+    `options[k]` lists (score, input index, edge, reason) for output k; an
+    output may also feed nothing (score 0). Returns the best total and up to
+    `limit` distinct assignments reaching it (more than one = ambiguous).
+    Memoised over (output, used inputs): exact and small for real signatures.
+    """
+    memo: dict[tuple[int, int], tuple[int, list[list]]] = {}
+
+    def best(k: int, used: int) -> tuple[int, list[list]]:
+        if k == len(options):
+            return 0, [[]]
+        if (k, used) in memo:
+            return memo[(k, used)]
+        top, ways = best(k + 1, used)
+        for score, index, edge, reason in options[k]:
+            if used >> index & 1:
+                continue
+            rest, rest_ways = best(k + 1, used | 1 << index)
+            if score + rest > top:
+                top, ways = score + rest, []
+            if score + rest == top:
+                ways = ways + [[(edge, reason)] + w for w in rest_ways]
+        memo[(k, used)] = top, ways[: limit + 1]
+        return memo[(k, used)]
+
+    total, ways = best(0, 0)
+    return total, ways[:limit]
+
+
+@dataclass(frozen=True)
+class Detection:
+    """A detected rollout and why: the reason for each fed input, what stays out."""
+
+    spec: RolloutSpec
+    reasons: dict[str, str]
+    """Per fed input, why it is paired the way it is."""
+    unused_outputs: tuple[str, ...]
+    """Float outputs that feed nothing and stay out of the trajectory (quantile heads, hidden states)."""
+    constant_inputs: tuple[str, ...]
+    """Inputs that receive nothing and stay constant (forcings, static features, int ids)."""
+
+    @property
+    def single_step(self) -> bool:
+        return not self.spec.feedback
+
+
+class AmbiguousRollout(RolloutError):
+    """Two or more pairings are equally good; carries them so `inspect --emit-spec` can write them."""
+
+    def __init__(self, message: str, candidates: Sequence[Detection]):
+        super().__init__(message)
+        self.candidates = list(candidates)
+
+
+def detect_rollout(inputs: Sequence[IOSpec], outputs: Sequence[IOSpec], steps: int | None = None, default_steps: int = 8) -> Detection:
+    """Pair float outputs with the inputs they feed, from shapes and names.
+
+    Same shape → replace; same dims but a shorter length on one axis → shift.
+    The pairing maximises the total score (shape fit, then name affinity);
+    masks move with the context they pad (input-only shift edge; fill 0 =
+    observed under TimesFM's 1 = padded convention, fill 1 for names with
+    'observed'). No feedable pair: a single-step model, T = 1, trajectory =
+    every float output. Raises AmbiguousRollout when two pairings tie.
+    """
+    floats_out = [s for s in outputs if s.dtype.kind == "f"]
+    if not floats_out:
+        raise RolloutError(f"cannot detect the rollout: the model has no float outputs (outputs: {', '.join(s.name for s in outputs)})", hint=HINT)
+    targets = [s for s in inputs if s.dtype.kind == "f" and not mask_like(s.name)]
+    if len(targets) > 16:  # the exact matcher walks subsets of inputs
+        raise RolloutError(f"cannot detect the rollout: {len(targets)} float inputs are too many to pair by shape", hint=HINT)
+    options = []
+    for output in floats_out:
+        found = []
+        for index, target in enumerate(targets):
+            pair = _pairing(output, target)
+            if pair is not None:
+                found.append((pair[0], index, pair[1], pair[2]))
+        options.append(found)
+    _, ways = _best_assignments(options)
+    candidates = [_complete(chosen, inputs, floats_out, steps, default_steps) for chosen in ways]
+    if len(candidates) > 1:
+        blocks = "\n".join(f"# --- candidate {i} ---\n{c.spec.to_toml(c.reasons)}" for i, c in enumerate(candidates, 1))
+        raise AmbiguousRollout(
+            f"cannot detect the rollout: {len(candidates)} pairings of outputs to inputs fit equally well; "
+            f"copy one of these into rollout.toml and pass --spec rollout.toml (or run 'tqsdeploy inspect MODEL --emit-spec rollout.toml'):\n{blocks}",
+            candidates,
         )
-    return RolloutSpec(steps=steps, feedback=(edge,), trajectory=(y.name,), origin="detected")
+    return candidates[0]
+
+
+def _complete(chosen: list[tuple[Feedback, str]], inputs: Sequence[IOSpec], floats_out: Sequence[IOSpec], steps: int | None, default_steps: int) -> Detection:
+    """A Detection from the chosen output edges: add mask edges, trajectory, steps."""
+    edges = [edge for edge, _ in chosen]
+    reasons = {edge.input: reason for edge, reason in chosen}
+    shapes = {s.name: s.shape for s in inputs}
+    shifted = [e for e in edges if e.mode == "shift"]
+    for spec in inputs:
+        if spec.name in reasons or spec.dtype.kind != "f" or not mask_like(spec.name):
+            continue
+        partners = {e.axis for e in shifted if shapes[e.input] == spec.shape}
+        if len(partners) == 1:
+            fill = 1.0 if "observed" in spec.name.lower() else 0.0
+            partner = next(e.input for e in shifted if shapes[e.input] == spec.shape)
+            edges.append(Feedback(None, spec.name, "shift", partners.pop(), fill=fill))
+            meaning = "1 = observed" if fill else "1 = padded (TimesFM), so 0 = observed"
+            reasons[spec.name] = f"mask-like name, same shape as '{partner}': shifts with it, appending {fill!r} ({meaning}); edit fill if your mask means the opposite"
+    if edges:
+        trajectory = tuple(e.output for e, _ in chosen)
+        spec = RolloutSpec(steps=steps or default_steps, feedback=tuple(edges), trajectory=trajectory, origin="detected")
+    else:
+        if steps not in (None, 1):
+            raise RolloutError(
+                f"the model is single-step (no float output can feed an input), so --steps {steps} would repeat the same step; use --steps 1 or a spec",
+                hint=HINT,
+            )
+        spec = RolloutSpec(steps=1, feedback=(), trajectory=tuple(s.name for s in floats_out), origin="detected")
+    fed_outputs = {e.output for e in edges}
+    return Detection(
+        spec=spec,
+        reasons=reasons,
+        unused_outputs=tuple(s.name for s in floats_out if s.name not in fed_outputs) if edges else (),
+        constant_inputs=tuple(s.name for s in inputs if s.name not in reasons),
+    )
+
+
+def detect(inputs: Sequence[IOSpec], outputs: Sequence[IOSpec], steps: int | None = None, default_steps: int = 8) -> RolloutSpec:
+    """The detected spec alone (see `detect_rollout`)."""
+    return detect_rollout(inputs, outputs, steps, default_steps).spec
 
 
 def next_feeds(feeds: Mapping[str, np.ndarray], produced: Mapping[str, np.ndarray], spec: RolloutSpec) -> dict[str, np.ndarray]:
     """The inputs of the next step, given this step's inputs and outputs."""
     new = dict(feeds)
+    appended: dict[str, int] = {}
     for edge in spec.feedback:
+        if edge.output is None:
+            continue
         current, output = feeds[edge.input], produced[edge.output]
         if edge.mode == "replace":
             if output.shape != current.shape:
@@ -180,10 +444,32 @@ def next_feeds(feeds: Mapping[str, np.ndarray], produced: Mapping[str, np.ndarra
             raise RolloutError(
                 f"output '{edge.output}' of shape {list(output.shape)} cannot be appended to input '{edge.input}' of shape {list(current.shape)} along axis {edge.axis}"
             )
-        length = current.shape[axis]
-        joined = np.concatenate([current, output.astype(current.dtype, copy=False)], axis=axis)
-        new[edge.input] = np.take(joined, np.arange(joined.shape[axis] - length, joined.shape[axis]), axis=axis)
+        appended[edge.input] = output.shape[axis]
+        new[edge.input] = _shifted(current, output.astype(current.dtype, copy=False), axis)
+    for edge in spec.feedback:
+        if edge.output is not None:
+            continue
+        current = feeds[edge.input]
+        axis = edge.axis % current.ndim
+        length = edge.length
+        if length is None:
+            lengths = {appended[e.input] for e in _siblings(spec, edge, current.ndim, {k: np.ndim(v) for k, v in feeds.items()})}
+            if len(lengths) != 1:
+                raise RolloutError(
+                    f"feedback edge for input '{edge.input}' takes its shift length from its sibling shift edges, which append {sorted(lengths) or 'nothing'}; give `length`"
+                )
+            length = lengths.pop()
+        shape = list(current.shape)
+        shape[axis] = length
+        new[edge.input] = _shifted(current, np.full(shape, edge.fill, current.dtype), axis)
     return new
+
+
+def _shifted(current: np.ndarray, appended: np.ndarray, axis: int) -> np.ndarray:
+    """`current` with `appended` added at the end of `axis` and as many oldest entries dropped."""
+    length = current.shape[axis]
+    joined = np.concatenate([current, appended], axis=axis)
+    return np.take(joined, np.arange(joined.shape[axis] - length, joined.shape[axis]), axis=axis)
 
 
 def rollout(

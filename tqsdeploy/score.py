@@ -8,12 +8,12 @@ everything that determines the results, and `sweep.jsonl` the finished tasks.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
-import os
 import json
+import os
 import platform
+import tempfile
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,10 +29,11 @@ from runtimes import OrtRuntime, Session
 from tqsdeploy import __version__
 from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
+from tqsdeploy.files import claim_run_folder, write_json, write_npz, write_table, write_text
 from tqsdeploy.rollout import RolloutSpec, detect
 from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
 from tqsdeploy.sweep import EarlyStop, ResultLog, SweepJob, SweepRunner, TaskResult, plan_tasks, run_local, run_parallel, run_ray
-from tqsdeploy.units import Unit, UnitSelection, check_finite, select_units
+from tqsdeploy.units import Unit, UnitSelection, check_finite, gather_rows, select_units
 
 DEFAULT_STEPS = 8
 RUN_FILES = ("run.json", "sweep.jsonl", "measured.jsonl", "scores.parquet", "scores.csv", "rollout.toml", "contexts.npz")
@@ -47,6 +48,8 @@ class ContextOptions:
     random: bool = False
     seed: int = 0
     max_batch_windows: int = 64
+    columns: tuple[str, ...] | None = None
+    """CSV columns (series) to use; default every numeric column."""
 
 
 @dataclass
@@ -78,21 +81,51 @@ class ScoreTable:
 
 @dataclass
 class RebuildFactory:
-    """Opens a session of the original model with some weights replaced (constants).
+    """Opens sessions of the original model from its one serialisation.
 
-    Picklable: it carries the serialized model and the runtime settings.
+    Called with weights: a session with those weights replaced as constants.
+    `overridable(names)`: a session in which just those weights can be fed
+    (the rest stay constant, so the runtime pre-packs them). Picklable: it
+    carries the serialized model (Constant-node weights lifted to
+    initializers), one input declaration per scored weight, and the runtime.
     """
 
     model: bytes
     runtime: OrtRuntime
+    declarations: dict[str, bytes] = field(default_factory=dict)
 
     def __call__(self, weights: dict[str, np.ndarray]):
+        # Not SessionOptions.add_initializer: ONNX Runtime constant-folds a Transpose
+        # of a stored weight from the stored value, ignoring the added one.
+        if not weights:
+            return self.runtime.open(self.model)
+        proto = graph_ops.replace_weights(self.graph(), weights) if weights else self.graph()
+        return self.runtime.open(graph_ops.model_bytes(proto))
+
+    def overridable(self, names) -> Session:
+        return self.runtime.open(self.model + b"".join(self.declarations[n] for n in sorted(set(names))))
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in ("_proto", "_types")}  # workers parse their own
+
+    def graph(self):
+        """The model proto, parsed once per process."""
         import onnx
 
         if not hasattr(self, "_proto"):
             self._proto = onnx.load_model_from_string(self.model)
-        proto = graph_ops.replace_weights(self._proto, weights) if weights else self._proto
-        return self.runtime.open(graph_ops.model_bytes(proto))
+        return self._proto
+
+    def activations(self, names) -> Session:
+        """A session that also outputs the named intermediate tensors."""
+        if not hasattr(self, "_types"):
+            self._types = graph_ops.prefix.element_types(self.graph())
+        return self.runtime.open(self.model + graph_ops.prefix.activation_outputs(self.graph(), names, self._types))
+
+    def downstream(self, weights, outputs, types) -> tuple[Session | None, "graph_ops.prefix.Cut"]:
+        """A session of the part downstream of `weights` (fed as overridable), or None when no output depends on them."""
+        cut = graph_ops.prefix.cut_downstream(self.graph(), list(weights), list(outputs), types)
+        return (self.runtime.open(graph_ops.model_bytes(cut.model)) if cut.outputs else None), cut
 
 
 @dataclass
@@ -106,6 +139,8 @@ class Prepared:
     job: SweepJob
     session: Session | None = None
     """The session opened to check the model, handed to the first runner so it is not built twice."""
+    session_file: Path | None = None
+    """The runtime's copy of a model too large to pass as bytes (external data beside it)."""
 
     def open_runner(self) -> SweepRunner:
         session, self.session = self.session, None
@@ -130,7 +165,7 @@ def _versions() -> dict:
 def resolve_spec(spec: RolloutSpec | str | Path | None, steps: int | None, inputs, outputs) -> RolloutSpec:
     """A given spec (file or object, `steps` overriding its steps) or a detected one."""
     if spec is None:
-        resolved = detect(inputs, outputs, steps or DEFAULT_STEPS)
+        resolved = detect(inputs, outputs, steps, DEFAULT_STEPS)
     else:
         resolved = spec if isinstance(spec, RolloutSpec) else RolloutSpec.from_toml(spec)
         if steps:
@@ -150,21 +185,36 @@ def prepare(
     runtime: OrtRuntime = OrtRuntime(),
     context_options: ContextOptions = ContextOptions(),
     strategy: str = "auto",
+    workdir: Path | None = None,
 ) -> Prepared:
-    """Load and check everything a sweep needs; fails fast on bad input."""
+    """Load and check everything a sweep needs; fails fast on bad input.
+
+    Models whose session copy would pass protobuf's 2 GiB are handed to the
+    runtime as a file with external data, written once into `workdir` (the run
+    folder: reused by a resumed score and by export, removed with the run) or a
+    temporary folder.
+    """
     runtime.check()
     loaded = graph_ops.load_model(model)
     units = select_units(graph_ops.find_weight_tensors(loaded.proto), selection)
     names = [n for u in units for n in u.tensor_names]
-    session_proto = graph_ops.make_weights_overridable(loaded.proto, names)
+    session_proto = graph_ops.lift_constants(loaded.proto, names)
+    declarations = {n: graph_ops.input_declarations(session_proto, [n]) for n in names}
     source: bytes | Path
     rebuild = None
     if graph_ops.io.stored_bytes(session_proto) < graph_ops.io.PROTOBUF_LIMIT:
-        source = graph_ops.model_bytes(session_proto)
-        rebuild = RebuildFactory(graph_ops.model_bytes(graph_ops.io.runtime_compatible(copy.deepcopy(loaded.proto))), runtime)
+        rebuild = RebuildFactory(graph_ops.model_bytes(session_proto), runtime, declarations)  # the one serialisation
+        factory = partial(rebuild.overridable, tuple(names))
+        source = rebuild.model
     else:  # over 2 GiB: hand the runtime a file with external data; feeding is the only sane strategy
-        source = graph_ops.save_model(session_proto, Path(loaded.path.parent, f".{loaded.stem}.tqs-session.onnx"), external_data=True)
-    factory = partial(runtime.open, source)
+        session_proto.MergeFromString(b"".join(declarations.values()))
+        key = hashlib.sha256((loaded.sha256 + "\x1f".join(sorted(names))).encode()).hexdigest()[:12]
+        folder = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tqs-session-"))
+        source = folder / f"session-{key}.onnx"
+        if not source.exists():
+            graph_ops.save_model(session_proto, source, external_data=True)
+        factory = partial(runtime.open, source)
+    del session_proto
     try:
         probe_session = factory()
     except Exception as exc:
@@ -181,6 +231,7 @@ def prepare(
             zscore=context_options.zscore,
             random=context_options.random,
             seed=context_options.seed,
+            columns=context_options.columns,
         )
     weights = graph_ops.read_weights(loaded.proto, names)
     check_finite(weights)
@@ -197,8 +248,11 @@ def prepare(
         early_stop=EarlyStop(settings.early_stop_tol, settings.early_stop_window) if settings.early_stop else None,
         rebuild_factory=rebuild,
         strategy=strategy,
+        rows=gather_rows(loaded.proto, units, ctx.arrays, resolved.fed_inputs),
+        unit_factory=rebuild.overridable if rebuild is not None else None,
+        tasks_per_unit=int(settings.quant_probe) + settings.gauss_draws,
     )
-    return Prepared(model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session)
+    return Prepared(model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session, session_file=source if isinstance(source, Path) else None)
 
 
 def _fingerprint(prepared: Prepared, settings: ScoreSettings, runtime: OrtRuntime) -> str:
@@ -212,17 +266,27 @@ def _fingerprint(prepared: Prepared, settings: ScoreSettings, runtime: OrtRuntim
         "units": [u.tensor_names for u in prepared.units],
         "provider": runtime.provider,
     }
+    if prepared.job.rows:
+        identity["gather_rows"] = {name: rows.tolist() for name, rows in sorted(prepared.job.rows.items())}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
+GENERIC_STEMS = ("model",)
+"""File names exporters give every model; default output names add the folder's name to them."""
+
+
+def model_label(model: str | Path) -> str:
+    """The name default outputs use: the file's stem, prefixed by its folder's name when the stem is
+    generic, so examples/a/model.onnx and examples/b/model.onnx get different runs and exports."""
+    path = Path(model)
+    if path.stem.lower() in GENERIC_STEMS:
+        folder = path.resolve().parent.name
+        return f"{folder}_{path.stem}" if folder else path.stem
+    return path.stem
+
+
 def default_run_dir(model: str | Path) -> Path:
-    return Path("tqs-runs") / Path(model).stem
-
-
-def _write_json(path: Path, data: dict) -> None:
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(data, indent=2, default=str))
-    temporary.replace(path)
+    return Path("tqs-runs") / model_label(model)
 
 
 def score(
@@ -252,12 +316,22 @@ def score(
     with `ray_address` ('local', 'auto' or a cluster address) on that many Ray actors.
     """
     started = time.perf_counter()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if ray_address is None:
+        workers = min(workers, cores)  # more local processes than cores only adds contention
     if workers > 1 and isinstance(runtime, OrtRuntime) and runtime.threads is None:
-        runtime = dataclasses.replace(runtime, threads=max(1, (os.cpu_count() or 1) // workers))
-    prepared = prepare(
-        model, contexts, spec, steps, selection=selection, settings=settings, runtime=runtime, context_options=context_options, strategy=strategy
-    )
+        runtime = dataclasses.replace(runtime, threads=max(1, cores // workers))  # N workers x threads <= cores
     run_dir = Path(out) if out else default_run_dir(model)
+    with claim_run_folder(run_dir):
+        return _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, context_options, resume, strategy, workers, ray_address, on_start, on_result, started)
+
+
+def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, context_options, resume, strategy, workers, ray_address, on_start, on_result, started) -> ScoreTable:
+    """`score` inside its claimed run folder."""
+    prepared = prepare(
+        model, contexts, spec, steps, selection=selection, settings=settings, runtime=runtime, context_options=context_options, strategy=strategy,
+        workdir=run_dir,
+    )
     fingerprint = _fingerprint(prepared, settings, runtime)
     meta_path = run_dir / "run.json"
     existing = json.loads(meta_path.read_text()) if meta_path.exists() else None
@@ -272,7 +346,9 @@ def score(
     if resume is False or not matches:
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in run_dir.glob("session-*.onnx*"):
+            if not stale.name.startswith(prepared.session_file.name if prepared.session_file else "-"):
+                stale.unlink()
 
     log = ResultLog(run_dir / "sweep.jsonl")
     done = log.load() if matches else {}
@@ -280,8 +356,8 @@ def score(
         prepared.job.strategy = existing["strategy"]  # finish the way it started
     tasks = plan_tasks(prepared.units, settings.quant_probe, settings.gauss_draws)
     pending = [t for t in tasks if t.key not in done]
-    (run_dir / "rollout.toml").write_text(prepared.spec.to_toml())
-    prepared.contexts.save(run_dir / "contexts.npz")
+    write_text(run_dir / "rollout.toml", prepared.spec.to_toml())
+    write_npz(run_dir / "contexts.npz", prepared.contexts.arrays)
     meta = {
         "status": "running",
         "fingerprint": fingerprint,
@@ -297,13 +373,15 @@ def score(
         "versions": _versions(),
         "warnings": list(prepared.contexts.warnings),
     }
-    _write_json(meta_path, meta)
+    write_json(meta_path, meta)
 
     nominal_started = time.perf_counter()
     runner = prepared.open_runner()
     nominal_seconds = time.perf_counter() - nominal_started
     meta["strategy"] = runner.strategy
-    _write_json(meta_path, meta)
+    if runner.timings:
+        meta["strategy_estimates_s"] = runner.timings
+    write_json(meta_path, meta)
     if on_start:
         on_start(len(tasks), len(tasks) - len(pending))
     sweep_started = time.perf_counter()
@@ -323,9 +401,9 @@ def score(
         runner.close()
     sweep_seconds = time.perf_counter() - sweep_started
 
-    frame = score_frame(prepared.units, done, runner.nominal.norm_sq, settings, prepared.spec.steps)
-    frame.write_parquet(run_dir / "scores.parquet")
-    frame.write_csv(run_dir / "scores.csv")
+    frame = score_frame(prepared.units, done, runner.nominal.norm_sq, settings, prepared.spec.steps, prepared.job.rows)
+    write_table(frame, run_dir / "scores.parquet")
+    write_table(frame, run_dir / "scores.csv")
     alive = frame.filter(~pl.col("dead"))
     meta.update(
         {
@@ -342,5 +420,5 @@ def score(
             },
         }
     )
-    _write_json(meta_path, meta)
+    write_json(meta_path, meta)
     return ScoreTable(frame=frame, run_dir=run_dir, meta=meta)

@@ -91,8 +91,12 @@ def _probe_summary(results: Sequence[TaskResult], nominal_sq, settings: ScoreSet
     }
 
 
-def score_frame(units: Sequence[Unit], results: dict[str, TaskResult], nominal_sq: Sequence[float], settings: ScoreSettings, steps: int) -> pl.DataFrame:
-    """One row per unit with every score column, ranked (rank 1 = most sensitive)."""
+def score_frame(units: Sequence[Unit], results: dict[str, TaskResult], nominal_sq: Sequence[float], settings: ScoreSettings, steps: int, rows_read: dict | None = None) -> pl.DataFrame:
+    """One row per unit with every score column, ranked (rank 1 = most sensitive).
+
+    `rows_read` (Gather tables' rows the contexts read) fills `touched_rows`:
+    the rows the probes perturbed; empty for units perturbed whole."""
+    rows_read = rows_read or {}
     schedule = settings.schedule(steps)
     by_unit: dict[str, dict[str, list[TaskResult]]] = {}
     for result in results.values():
@@ -139,6 +143,7 @@ def score_frame(units: Sequence[Unit], results: dict[str, TaskResult], nominal_s
                 "dead": dead,
                 "nonfinite": nonfinite,
                 "seconds": sum(r.seconds for group in probes.values() for r in group),
+                "touched_rows": sum(len(rows_read[n]) for n in unit.tensor_names if n in rows_read) if any(n in rows_read for n in unit.tensor_names) else None,
             }
         )
         rows.append(row)

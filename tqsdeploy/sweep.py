@@ -15,16 +15,19 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
+from onnx import helper
 
+import graph_ops
+from graph_ops.io import OutputError
 from runtimes import Session, SessionFactory
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.errors import RolloutError
-from tqsdeploy.probes import perturb
-from tqsdeploy.rollout import RolloutSpec, rollout
+from tqsdeploy.probes import UnitProbes
+from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.units import Unit
 
 
@@ -110,16 +113,24 @@ class ResultLog:
         return results
 
     def append(self, result: TaskResult) -> None:
-        if self._handle is None:
-            self._handle = open(self.path, "a", encoding="utf-8")
         record = asdict(result)
         record["div_sq"] = [v if math.isfinite(v) else None for v in record["div_sq"]]
-        self._handle.write(json.dumps(record) + "\n")
-        self._handle.flush()
-        now = time.monotonic()
-        if now - self._last_sync > 1.0:
-            os.fsync(self._handle.fileno())
-            self._last_sync = now
+        try:  # a full disk names this file (load drops a half-written last line on resume)
+            if self._handle is None:
+                self._handle = open(self.path, "a", encoding="utf-8")
+            self._handle.write(json.dumps(record) + "\n")
+            self._handle.flush()
+            now = time.monotonic()
+            if now - self._last_sync > 1.0:
+                os.fsync(self._handle.fileno())
+                self._last_sync = now
+        except OSError as exc:
+            handle, self._handle = self._handle, None
+            try:
+                handle and handle.close()
+            except OSError:
+                pass  # the buffered line is lost with the disk; the error below says why
+            raise OutputError(f"cannot write {self.path}: {exc.strerror or exc}") from None
 
     def close(self) -> None:
         if self._handle is not None:
@@ -129,9 +140,13 @@ class ResultLog:
             self._handle = None
 
 
-STRATEGIES = ("auto", "feed", "rebuild")
-"""How perturbed weights reach the runtime: fed to one session with overridable
-weights, or baked into a fresh session per perturbation; 'auto' times both."""
+STRATEGIES = ("auto", "feed", "rebuild", "unit", "prefix")
+"""How perturbed weights reach the runtime: fed to one session with every scored
+weight overridable ('feed'), baked into a fresh session per perturbation
+('rebuild'), or fed to a session per unit in which only that unit's weights are
+overridable ('unit'), or, for single-step rollouts, fed to a session of just
+the part of the graph downstream of the unit ('prefix'); 'auto' times them and
+picks the cheapest sweep."""
 
 
 @dataclass
@@ -140,7 +155,8 @@ class SweepJob:
 
     `session_factory` opens the session whose scored weights are overridable
     feeds; `rebuild_factory(weights)` opens a session with those weights baked
-    in as constants (all nominal when empty).
+    in as constants (all nominal when empty); `unit_factory(names)` opens one
+    in which only `names` are overridable.
     """
 
     session_factory: SessionFactory
@@ -155,6 +171,11 @@ class SweepJob:
     early_stop: EarlyStop | None = None
     rebuild_factory: Callable[[dict[str, np.ndarray]], Session] | None = None
     strategy: str = "auto"
+    rows: dict[str, np.ndarray] = field(default_factory=dict)
+    """Gather tables' rows the contexts read: the probes perturb only these (`units.gather_rows`)."""
+    unit_factory: Callable[[Sequence[str]], Session] | None = None
+    tasks_per_unit: int = 5
+    """Probe draws per unit (what 'auto' weighs a unit session's build against)."""
 
     def open(self, session: Session | None = None) -> "SweepRunner":
         """A runner; `session` is an already open overridable session to reuse."""
@@ -190,71 +211,228 @@ class Drift:
         return max(self.pct.values()) if self.pct else 0.0
 
 
+def _best_time(call: Callable[[], object], repeats: int = 3) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
 class SweepRunner:
     """Holds a live session and the nominal trajectory; runs tasks one by one.
 
-    The nominal rollout is made the same way as the perturbed ones: with the
-    'feed' strategy by the same session (weights overridable, nothing fed),
-    with 'rebuild' by a session with constant weights like every perturbed
-    one. Either way both share kernels and prepacking, so an inert unit
-    diverges by exactly zero. 'feed' avoids a session build per perturbation;
-    'rebuild' keeps the runtime's constant-weight optimisations (ONNX
-    Runtime's CPU convolutions, for one, cannot pre-pack fed weights), which
-    wins when builds are cheap and rollouts long. 'auto' times both once.
+    'feed' runs everything on one session with every scored weight
+    overridable: no session build per perturbation, but no fed weight is
+    pre-packed (ONNX Runtime's CPU MatMul/Gemm/Conv kernels cannot pre-pack
+    fed weights), so every call runs slower kernels. 'rebuild' bakes each
+    perturbation into a fresh constant session (fast kernels, a build per
+    task). 'unit' builds one session per unit with only that unit's weights
+    overridable and runs all the unit's probes on it (one build per unit,
+    fast kernels everywhere else). 'auto' times one step of one window each
+    way and one build, and picks the cheapest sweep.
+
+    The nominal rollout is made by the same session as the perturbed ones
+    ('feed': the overridable session, nothing fed; 'rebuild': a constant
+    session), so an inert unit diverges by exactly zero. With 'unit' the
+    nominal comes from the constant session: the unit's own kernels then run
+    unpacked in the perturbed runs, a float32 rounding difference (~1e-7
+    relative at that node) far below any probe; an inert unit still diverges
+    by exactly zero since nothing of it reaches the outputs.
     """
 
     def __init__(self, job: SweepJob, session: Session | None = None):
         self.job = job
-        self.overridable: Session = session or job.session_factory()
-        self.inputs = [s for s in self.overridable.inputs if s.name not in self.overridable.weights]
-        missing = {n for u in job.units.values() for n in u.tensor_names} - self.overridable.weights
-        if missing:
-            raise RolloutError(f"the session cannot override weight '{sorted(missing)[0]}'")
-        job.spec.check(self.inputs, self.overridable.outputs)
         if job.strategy not in STRATEGIES:
             raise RolloutError(f"unknown strategy '{job.strategy}'; choose one of {', '.join(STRATEGIES)}")
+        constant_only = session is None and job.strategy in ("rebuild", "unit", "prefix") and job.rebuild_factory is not None
+        self.overridable: Session | None = job.rebuild_factory({}) if constant_only else (session or job.session_factory())
+        self.inputs = [s for s in self.overridable.inputs if s.name not in self.overridable.weights]
+        if not constant_only:
+            missing = {n for u in job.units.values() for n in u.tensor_names} - self.overridable.weights
+            if missing:
+                raise RolloutError(f"the session cannot override weight '{sorted(missing)[0]}'")
+        job.spec.check(self.inputs, self.overridable.outputs)
         self.engine = RolloutEngine(self.overridable, job.contexts, job.spec, job.max_batch_windows)
-        self.strategy = job.strategy if job.strategy != "auto" else self._choose()
-        if self.strategy == "rebuild" and job.rebuild_factory is None:
-            self.strategy = "feed"
-        self.session: Session = self.overridable if self.strategy == "feed" else job.rebuild_factory({})
+        self._probes: UnitProbes | None = None
+        self._group: tuple[frozenset[str], Session] | None = None
+        self._unit_of = {n: u for u in job.units.values() for n in u.tensor_names}
+        self.timings: dict[str, float] = {}
+        """Per strategy: the sweep seconds auto estimated (empty unless auto chose)."""
+        self._constant: Session | None = None
+        if constant_only:
+            self.strategy, self.session, self.overridable = job.strategy, self.overridable, None
+        else:
+            self.strategy = job.strategy if job.strategy != "auto" else self._choose()
+            if self.strategy == "feed" and self._constant is not None:
+                self._constant.close()
+                self._constant = None
+            if self.strategy != "feed" and (job.rebuild_factory is None or job.unit_factory is None):
+                self.strategy = "feed"
+            if self.strategy == "feed":
+                self.session = self.overridable
+            else:
+                self.session = self._constant or job.rebuild_factory({})
+                self._constant = None
+                self.overridable.close()  # one model copy in memory, not two
+                self.overridable = None
+        if self.strategy == "prefix" and job.spec.steps != 1:
+            raise RolloutError(f"strategy 'prefix' needs a single-step rollout; this one has {job.spec.steps} steps", hint="use --steps 1 or another strategy")
         self.engine.session = self.session
         self.nominal = self._nominal()
+        self._cut = None
+        self._activations: list[dict[str, np.ndarray]] | None = None
 
     def _choose(self) -> str:
-        """Time one step both ways and one session build; pick the cheaper sweep."""
-        if self.job.rebuild_factory is None:
+        """Estimate each strategy's sweep from one step of one window and one build; pick the cheapest.
+
+        The one-window times are scaled to the real chunks by one real step of
+        the constant session; a strategy other than 'feed' must beat it by 5%
+        (timing noise).
+        """
+        job = self.job
+        if job.rebuild_factory is None:
             return "feed"
         try:
             chunks = self.engine.chunks
+            one = next(iter(job.contexts.chunks(self.inputs, False, 1)))[1]
         except Exception:
             return "feed"  # let the nominal rollout report what is wrong
-        names = self.job.spec.run_outputs
-        unit = next(iter(self.job.units.values()))
-        started = time.perf_counter()
-        plain = self.job.rebuild_factory({n: self.job.weights[n] for n in unit.tensor_names})
-        build = time.perf_counter() - started
-
-        def step(session) -> float:
-            best = math.inf
-            for _ in range(3):
-                started = time.perf_counter()
-                session.run(chunks[0][1], names)
-                best = min(best, time.perf_counter() - started)
-            return best
-
+        names = job.spec.run_outputs
+        unit = max(job.units.values(), key=lambda u: u.params)
+        weights = {n: job.weights[n] for n in unit.tensor_names}
+        estimates = {}
         try:
-            fed, baked = step(self.overridable), step(plain)
+            started = time.perf_counter()
+            constant = job.rebuild_factory({})
+            constant_build = time.perf_counter() - started
+            self._constant = constant  # kept: it is the nominal session of every strategy but feed
+            t_const = _best_time(lambda: constant.run(one, names))
+            t_feed = _best_time(lambda: self.overridable.run({**one, **weights}, names))
+            scale = _best_time(lambda: constant.run(chunks[0][1], names), 1) / max(t_const, 1e-9)
+            tasks_per_unit = max(1, job.tasks_per_unit)
+            calls = job.spec.steps * len(chunks) * scale
+            units = len(job.units)
+            estimates["feed"] = units * tasks_per_unit * calls * t_feed
+            # A unit session costs at least a plain build per unit and a rebuild one per task, and
+            # neither runs faster than the constant session: each is timed only when that bound could win.
+            if job.unit_factory is not None and units * (constant_build + tasks_per_unit * calls * t_const) < estimates["feed"]:
+                started = time.perf_counter()
+                grouped = job.unit_factory(unit.tensor_names)
+                unit_build = time.perf_counter() - started
+                t_unit = _best_time(lambda: grouped.run({**one, **weights}, names))
+                grouped.close()
+                estimates["unit"] = units * (unit_build + tasks_per_unit * calls * t_unit)
+            elif job.unit_factory is not None:
+                estimates["unit"] = units * (constant_build + tasks_per_unit * calls * t_const)  # a lower bound, already too slow
+            if units * tasks_per_unit * (constant_build + calls * t_const) < min(estimates.values()):
+                started = time.perf_counter()
+                job.rebuild_factory(weights).close()
+                estimates["rebuild"] = units * tasks_per_unit * (time.perf_counter() - started + calls * t_const)
+            else:
+                estimates["rebuild"] = units * tasks_per_unit * (constant_build + calls * t_const)  # a lower bound, already too slow
+            if job.unit_factory is not None and job.spec.steps == 1:
+                shares = {u.name: self._downstream_share(u) for u in job.units.values()}
+                typical = job.units[sorted(shares, key=shares.get)[len(shares) // 2]]  # the median cut: cheaper to time than the largest unit's
+                try:
+                    estimates["prefix"] = self._estimate_prefix(typical, shares, one, calls, t_const)
+                except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
+                    pass
         except Exception:
             return "feed"
-        runs = self.job.spec.steps * len(chunks)
-        return "rebuild" if build + runs * baked < 0.9 * runs * fed else "feed"
+        self.timings = {k: round(v, 4) for k, v in estimates.items()}
+        best = min(estimates, key=estimates.get)
+        return best if estimates[best] < 0.95 * estimates["feed"] else "feed"
+
+    def _estimate_prefix(self, unit: Unit, shares: dict[str, float], one: dict[str, np.ndarray], calls: float, t_const: float) -> float:
+        """Sweep seconds of 'prefix': the activations session, then per unit a cut build, its
+        nominal and its probes. The cut of `unit` is built and timed on one window; other units'
+        cuts are scaled by their downstream share of the weights (a proxy for their cost)."""
+        job, factory = self.job, self.job.rebuild_factory
+        weights = {n: job.weights[n] for n in unit.tensor_names}
+        outputs = list(job.spec.trajectory)
+        names = sorted(set(graph_ops.prefix.boundary_tensors(factory.graph(), unit.tensor_names, outputs)) - set(one))
+        started = time.perf_counter()
+        session = factory.activations(sorted(set(names) | set(outputs)))
+        activations_build = time.perf_counter() - started
+        values = {**one, **session.run(one, sorted(set(names) | set(outputs)))}
+        session.close()
+        started = time.perf_counter()
+        cut_session, cut = factory.downstream(unit.tensor_names, outputs, {n: onnx_type(v) for n, v in values.items()})
+        cut_build = time.perf_counter() - started
+        if cut_session is None:
+            return math.inf
+        t_cut = _best_time(lambda: cut_session.run({**{b: values[b] for b in cut.boundary}, **weights}, cut.outputs))
+        cut_session.close()
+        scaled = [share / max(shares[unit.name], 1e-3) for share in shares.values()]
+        per_unit = job.tasks_per_unit + 1  # the probes and the cut's own nominal run
+        return activations_build + calls * t_const + sum(cut_build * f + per_unit * calls * t_cut * f for f in scaled)
+
+    def _downstream_share(self, unit: Unit) -> float:
+        """Fraction of the model's stored parameters that the nodes downstream of `unit` read (a cost proxy)."""
+        proto = self.job.rebuild_factory.graph()
+        sizes = {t.name: int(np.prod(t.dims)) for t in proto.graph.initializer}
+        nodes, _ = graph_ops.prefix.downstream_nodes(proto.graph, set(unit.tensor_names))
+        read = {n for node in nodes for n in node.input if n in sizes}
+        return sum(sizes[n] for n in read) / max(1, sum(sizes.values()))
+
+    def _prefix_divergence(self, unit: Unit, weights: dict[str, np.ndarray]) -> tuple[list[float], bool]:
+        """Single-step divergence from running only the part of the graph downstream of `unit`,
+        fed the nominal activations at the cut; compared with the cut's own nominal run."""
+        job, factory = self.job, self.job.rebuild_factory
+        chunks = self.engine.chunks
+        outputs = list(job.spec.trajectory)
+        if self._activations is None:
+            boundary = set()
+            for u in job.units.values():
+                boundary.update(graph_ops.prefix.boundary_tensors(factory.graph(), u.tensor_names, outputs))
+            names = sorted(boundary - {s.name for s in self.inputs})
+            session = factory.activations(names) if names else self.session
+            self._activations = [{**feeds, **session.run(feeds, names)} if names else dict(feeds) for _, feeds in chunks]
+            session.close() if names else None
+        if self._cut is None or self._cut[0] != unit.name:
+            self._cut = None  # drop the previous unit's cut before building the next
+            types = {n: onnx_type(v) for n, v in self._activations[0].items()}
+            types.update({n: onnx_type(v) for n, v in self.nominal.trajectory[0][0].items()})
+            session, cut = factory.downstream(unit.tensor_names, outputs, types)
+            reference = [session.run({b: acts[b] for b in cut.boundary}, cut.outputs) for acts in self._activations] if session else None
+            self._cut = (unit.name, session, cut, reference)
+        _, session, cut, reference = self._cut
+        if session is None:
+            return [0.0], False
+        total = 0.0
+        for c, acts in enumerate(self._activations):
+            produced = session.run({**{b: acts[b] for b in cut.boundary}, **weights}, cut.outputs)
+            nominal = self.nominal.trajectory[0][c]
+            total += self.engine.window_sq(c, {**nominal, **produced}, {**nominal, **reference[c]}).sum()
+        value = float(total / job.contexts.count)
+        return ([value], False) if math.isfinite(value) else ([math.inf], True)
+
+    def _session_for(self, names: frozenset[str]) -> Session | None:
+        """The 'unit' session whose overridable weights cover `names` (one kept at a time), or
+        None when they span several units (then the perturbation is baked into a constant session)."""
+        if self._group is not None and names <= self._group[0]:
+            return self._group[1]
+        owners = {self._unit_of[n].name for n in names if n in self._unit_of}
+        if len(owners) != 1 or not names <= set(self.job.units[next(iter(owners))].tensor_names):
+            return None
+        if self._group is not None:
+            self._group[1].close()
+            self._group = None  # drop the previous unit's session before building the next
+        unit = self.job.units[next(iter(owners))]
+        self._group = (frozenset(unit.tensor_names), self.job.unit_factory(unit.tensor_names))
+        return self._group[1]
 
     def _steps(self, weights=None, steps=None):
         """Step-major rollout with `weights` replaced, the way this runner's strategy applies them."""
-        if self.strategy == "rebuild" and weights:
-            return self.engine.steps(None, steps, session=self.job.rebuild_factory(weights))
-        return self.engine.steps(weights or None, steps)
+        if not weights or self.strategy == "feed":
+            return self.engine.steps(weights or None, steps)
+        if self.strategy in ("unit", "prefix"):
+            session = self._session_for(frozenset(weights))
+            if session is not None:
+                return self.engine.steps(weights, steps, session=session)
+        return self.engine.steps(None, steps, session=self.job.rebuild_factory(weights))
 
     def _nominal(self) -> Nominal:
         try:
@@ -275,8 +453,13 @@ class SweepRunner:
     def run(self, task: Task) -> TaskResult:
         job = self.job
         started = time.perf_counter()
-        change = perturb(job.units[task.unit], job.weights, task.probe, task.draw, job.probe_bits, job.seed)
-        div_sq, nonfinite = self.divergence(change.weights, change.delta_sq)
+        if self._probes is None or self._probes.unit.name != task.unit:
+            self._probes = UnitProbes(job.units[task.unit], job.weights, job.probe_bits, job.rows)  # tasks come unit by unit
+        change = self._probes.perturb(task.probe, task.draw, job.seed)
+        if self.strategy == "prefix":
+            div_sq, nonfinite = self._prefix_divergence(job.units[task.unit], change.weights)
+        else:
+            div_sq, nonfinite = self.divergence(change.weights, change.delta_sq)
         return TaskResult(
             unit=task.unit,
             probe=task.probe,
@@ -338,7 +521,16 @@ class SweepRunner:
 
     def close(self) -> None:
         self.session.close()
-        self.overridable.close()
+        if self.overridable is not None:
+            self.overridable.close()
+        if self._group is not None:
+            self._group[1].close()
+            self._group = None
+        self._cut = None
+
+
+def onnx_type(value: np.ndarray) -> int:
+    return helper.np_dtype_to_tensor_dtype(np.asarray(value).dtype)
 
 
 def run_local(
@@ -394,7 +586,9 @@ def run_parallel(
     context = multiprocessing.get_context("spawn")  # forking a process that runs ONNX Runtime threads is unsafe
     try:
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(job, strategy)) as pool:
-            for result in pool.map(_run_in_worker, tasks, chunksize=1):
+            # Sessions and probes are built per unit: keep a unit's tasks on one worker unless weights are fed.
+            chunk = 1 if strategy == "feed" else max(1, job.tasks_per_unit)
+            for result in pool.map(_run_in_worker, tasks, chunksize=chunk):
                 log.append(result)
                 if on_result:
                     on_result(result)

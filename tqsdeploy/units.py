@@ -105,3 +105,57 @@ def check_finite(weights: dict) -> None:
     for name, value in weights.items():
         if np.asarray(value).dtype.kind == "f" and not np.all(np.isfinite(value)):
             raise InputError(f"weight '{name}' contains NaN or Inf; the model cannot be scored or quantized as it is")
+
+
+INDEX_PRESERVING = ("Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose")
+"""Ops that pass index values through unchanged (only their layout or integer type changes)."""
+
+
+def gather_rows(proto, units: list[Unit], contexts: dict, fed_inputs: set[str]) -> dict[str, "np.ndarray"]:
+    """Rows of each Gather table (embedding) the contexts read, by tensor name.
+
+    A table read only by Gather (axis 0) whose indices are a model input that
+    the rollout never feeds back (possibly cast or reshaped on the way) is read
+    at the rows the context windows hold
+    and nowhere else. Scoring the whole table would divide the output effect
+    of those rows by the norm of every row (γ diluted by rows never read), so
+    the probes perturb the touched rows only. Tables read any other way are
+    left out (every row counts).
+    """
+    import numpy as np
+
+    consumers: dict[str, list] = {}
+    producer = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+        for name in node.output:
+            producer[name] = node
+
+    def source(name: str) -> str:
+        """The model input whose values an index tensor carries unchanged (through casts and reshapes)."""
+        while name in producer and producer[name].op_type in INDEX_PRESERVING:
+            name = producer[name].input[0]
+        return name
+
+    rows = {}
+    for unit in units:
+        for tensor in unit.tensors:
+            nodes = consumers.get(tensor.name, [])
+            if not nodes or len(tensor.shape) < 1:
+                continue
+            indices = set()
+            for node in nodes:
+                axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                if node.op_type != "Gather" or node.input[0] != tensor.name or node.input[1] == tensor.name or axis != 0:
+                    break
+                index = source(node.input[1])
+                if index not in contexts or index in fed_inputs:
+                    break
+                indices.add(index)
+            else:
+                count = int(tensor.shape[0])
+                touched = np.unique(np.concatenate([np.asarray(contexts[i]).reshape(-1).astype(np.int64) % count for i in indices]))
+                if touched.size < count:
+                    rows[tensor.name] = touched
+    return rows

@@ -1,0 +1,143 @@
+"""Peak memory of every command against the model's size (issue 9's target:
+peak RSS <= 1.5 x model + 0.5 GB), next to plain ONNX Runtime running the model.
+
+Generates a state-to-state MatMul chain (x -> y, same shape, so the rollout is
+detected) with external data, puts it in a read-only folder, and runs as
+subprocesses under /usr/bin/time -v: inspect, score, score again (must resume),
+export --C 4, eval. Checks the model folder gains no files.
+
+    python benchmarks/bench_memory.py [--gb 0.3,1.2,2.5] [--rounding rtn]
+
+Writes benchmarks/results/memory.md. Run it alone: it needs about 1.5 x the
+largest model + 1 GB of free RAM and 2 x the largest model of free disk in /tmp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+GB = 1e9
+
+
+def build(folder: Path, gigabytes: float) -> Path:
+    """Write the weights layer by layer straight to the data file (one layer in memory at a time)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    width = 2048 if gigabytes < 0.6 else 4096
+    layers = max(1, round(gigabytes * GB / (width * width * 4)))
+    rng = np.random.default_rng(0)
+    data = folder / "chain.onnx.data"
+    nodes, inits, previous = [], [], "x"
+    with open(data, "wb") as handle:
+        for i in range(layers):
+            offset = handle.tell()
+            weight = rng.standard_normal((width, width), dtype=np.float32)
+            weight *= 1.0 / np.sqrt(width)
+            handle.write(weight.tobytes())
+            tensor = TensorProto(name=f"W{i}", data_type=TensorProto.FLOAT, dims=[width, width])
+            tensor.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(weight.nbytes))):
+                tensor.external_data.add(key=key, value=value)
+            inits.append(tensor)
+            output = "y" if i == layers - 1 else f"h{i}"
+            nodes.append(helper.make_node("MatMul", [previous, f"W{i}"], [output], name=f"layer{i}"))
+            previous = output
+    graph = helper.make_graph(
+        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", width])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", width])], inits
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    path = folder / "chain.onnx"
+    onnx.save_model(model, str(path))  # the proto alone: its tensors already point at the data file
+    return path
+
+
+PLAIN_ORT = """
+import sys, numpy as np, onnxruntime as ort
+s = ort.InferenceSession(sys.argv[1])
+width = s.get_inputs()[0].shape[1]
+s.run(None, {"x": np.ones((4, width), np.float32)})
+"""
+
+
+def timed(args: list[str], cwd: Path) -> dict:
+    """Run under /usr/bin/time -v; its maximum resident set size is the peak of the process."""
+    started = time.perf_counter()
+    result = subprocess.run(["/usr/bin/time", "-v", *args], cwd=cwd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    seconds = time.perf_counter() - started
+    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    return {"rc": result.returncode, "peak_gb": int(peak.group(1)) * 1024 / GB if peak else float("nan"), "seconds": seconds, "error": errors[0] if errors else ""}
+
+
+def bench(gigabytes: float, rounding: str, steps: int) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="tqs-bench-memory-") as tmp:
+        tmp = Path(tmp)
+        (tmp / "model").mkdir()
+        path = build(tmp / "model", gigabytes)
+        size = sum(p.stat().st_size for p in (tmp / "model").iterdir()) / GB
+        (tmp / "model").chmod(0o555)
+        before = sorted(p.name for p in (tmp / "model").iterdir())
+        run, cli = tmp / "run", [sys.executable, "-m", "tqsdeploy"]
+        commands = [
+            ("plain ONNX Runtime", [sys.executable, "-c", PLAIN_ORT, str(path)]),
+            ("inspect", [*cli, "inspect", str(path)]),
+            ("score", [*cli, "score", str(path), "--random-contexts", "--windows", "4", "--steps", str(steps), "--probe", "quant", "-o", str(run)]),
+            ("score again (resume)", [*cli, "score", str(path), "--random-contexts", "--windows", "4", "--steps", str(steps), "--probe", "quant", "-o", str(run)]),
+            ("export --C 4", [*cli, "export", str(path), "--run", str(run), "--C", "4", "--rounding", rounding, "--refine", "0", "-o", str(tmp / "out" / "chain.C4.onnx")]),
+            ("eval", [*cli, "eval", str(tmp / "out" / "chain.C4.onnx"), "--reference", str(path), "--contexts", str(run / "contexts.npz"), "--steps", str(steps)]),
+        ]
+        rows = []
+        for name, args in commands:
+            row = {"model_gb": size, "command": name, **timed(args, tmp)}
+            row["target_gb"] = 1.5 * size + 0.5
+            rows.append(row)
+            print(row, flush=True)
+        untouched = sorted(p.name for p in (tmp / "model").iterdir()) == before
+        for row in rows:
+            row["model_folder_untouched"] = untouched
+        (tmp / "model").chmod(0o755)
+        shutil.rmtree(tmp / "out", ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", default="0.3,1.2,2.5", help="Model sizes in GB (comma-separated).")
+    parser.add_argument("--rounding", default="rtn", help="Export rounding (rtn keeps the run cheap; qep adds calibration).")
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    rows = [r for gb in args.gb.split(",") for r in bench(float(gb), args.rounding, args.steps)]
+    lines = [
+        f"Peak RSS per command, {time.strftime('%Y-%m-%d')}, {platform.platform()}, {os.cpu_count()} cores (shared machine).",
+        f"State-to-state MatMul chains with external data in a read-only folder; score: --probe quant, 4 random windows, {args.steps} steps;"
+        f" export --C 4 --rounding {args.rounding} --refine 0. Target: peak <= 1.5 x model + 0.5 GB.",
+        "",
+        "| model GB | command | exit | peak RSS GB | target GB | met | seconds | model folder untouched | error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        met = "yes" if r["rc"] == 0 and r["peak_gb"] <= r["target_gb"] else "no"
+        lines.append(
+            f"| {r['model_gb']:.2f} | {r['command']} | {r['rc']} | {r['peak_gb']:.2f} | {r['target_gb']:.2f} | {met} | {r['seconds']:.1f} | {r['model_folder_untouched']} | {r['error'][:120]} |"
+        )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "memory.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""CSV contexts everywhere: eval and gate read them, the rows after each window are the truth, bad cells are named."""
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from typer.testing import CliRunner
+
+import models
+from tqsdeploy.cli import app
+
+runner = CliRunner()
+
+
+def _invoke(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    return result.exit_code, " ".join((result.output + (result.stderr or "")).split())
+
+
+def _write_csv(path, data, header="date,a,b", cells=None):
+    lines = [header] + [f"2020-01-{i % 28 + 1:02d},{float(row[0])!r},{float(row[1])!r}" for i, row in enumerate(data)]
+    for (line, text) in (cells or {}).items():
+        lines[line - 1] = text
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def series(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("csv")
+    model = models.shift_model(folder / "shift.onnx")  # x [batch, 16] -> y [batch, 4]
+    t = np.arange(120)
+    data = np.stack([np.sin(t / 5.0), np.cos(t / 7.0) + 0.1 * t / 120], axis=1)
+    csv = _write_csv(folder / "data.csv", data)
+    code, text = _invoke("baseline", model, "--method", "rtn", "--bits", 4, "-o", folder / "cand.onnx")
+    assert code == 0, text
+    return model, folder / "cand.onnx", csv, data
+
+
+def _rollout(model, window, steps):
+    session = ort.InferenceSession(str(model))
+    state, out = window.astype(np.float32), []
+    for _ in range(steps):
+        y = session.run(None, {"x": state})[0]
+        out.append(y)
+        state = np.concatenate([state[:, y.shape[1]:], y], axis=1)
+    return np.stack(out)  # (steps, batch, 4)
+
+
+def test_eval_takes_a_csv_and_its_continuation_is_the_truth(series, tmp_path):
+    model, candidate, csv, data = series
+    code, text = _invoke("eval", candidate, "-r", model, "-c", csv, "--steps", 3, "--windows", 5, "--report", tmp_path / "ev")
+    assert code == 0, text
+    report = json.loads((tmp_path / "ev.json").read_text())
+    assert report["windows"] == 5 and "12 rows after each window" in report["truth"]
+    assert "Truth: the 12 rows after each window" in (tmp_path / "ev.md").read_text()
+    # the reference's MAE against the rows after each window, computed here by hand
+    starts = np.linspace(0, 120 - 16 - 12, 5).round().astype(int)
+    errors = []
+    for s in starts:
+        forecast = _rollout(model, data[s : s + 16].T, 3)  # two series as a batch of 2
+        truth = np.stack([data[s + 16 + 4 * k : s + 20 + 4 * k].T for k in range(3)])
+        errors.append(np.abs(forecast - truth).mean())
+    out = report["outputs"]["y"]
+    assert out["vs_truth"]["reference_mae"] == pytest.approx(np.mean(errors), rel=1e-5)
+    assert out["degradation_basis"] == "truth"
+
+
+def test_gate_takes_a_csv_with_chosen_columns(series, tmp_path):
+    model, candidate, csv, _ = series
+    common = ["-r", model, "-c", csv, "--steps", 2, "--columns", "b", "--report-dir", tmp_path]
+    code, text = _invoke("gate", candidate, *common, "--max-degradation", "1000%")
+    assert code == 0, text
+    gate = json.loads((tmp_path / "gate.json").read_text())
+    assert gate["report"]["truth"] and "truth" in gate["checks"][0]["name"]
+    code, text = _invoke("gate", candidate, *common, "--max-degradation", "0%")
+    assert code == 1, text
+
+
+@pytest.mark.parametrize(
+    "cells, phrase",
+    [
+        ({7: "2020-01-06,0.5,abc"}, "line 7, column 'b': 'abc' is not a number"),
+        ({9: "2020-01-08,1e39,0.5"}, "line 9, column 'a': 1e39 is beyond float32's range"),
+        ({4: "2020-01-03,,0.5"}, "line 4, column 'a': is empty"),
+        ({5: "2020-01-04,inf,0.5"}, "line 5, column 'a': 'inf' is not finite"),
+    ],
+)
+def test_bad_csv_cells_are_named(series, tmp_path, cells, phrase):
+    model, candidate, _, data = series
+    bad = _write_csv(tmp_path / "bad.csv", data, cells=cells)
+    for command in (["score", model, "-c", bad, "--steps", 2, "--out", tmp_path / "run"], ["eval", candidate, "-r", model, "-c", bad, "--steps", 2]):
+        code, text = _invoke(*command)
+        assert code == 2 and phrase in text and "Traceback" not in text, text
+
+
+def test_wrong_context_files_say_what_was_expected(series, tmp_path):
+    model, candidate, csv, _ = series
+    np.save(tmp_path / "ctx.npy", np.zeros((2, 1, 16), np.float32))
+    np.savez(tmp_path / "objects.npz", x=np.array([{"a": 1}], dtype=object))
+    cases = [
+        (tmp_path / "ctx.npy", [], "is not an .npz or a .csv"),
+        (tmp_path / "objects.npz", [], "is not an .npz archive of arrays"),
+        (csv, ["--columns", "a,zz"], "has no column 'zz' (it has: date, a, b)"),
+    ]
+    for path, extra, phrase in cases:
+        for command in ("eval", "gate"):
+            code, text = _invoke(command, candidate, "-r", model, "-c", path, "--steps", 2, *extra, *(["--min-compression", 1] if command == "gate" else []))
+            assert code == 2 and phrase in text and "contains pickled data" not in text, text

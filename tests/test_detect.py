@@ -1,0 +1,252 @@
+"""Rollout detection on seed-shaped signatures, input-only mask edges, strict specs, --emit-spec."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+from typer.testing import CliRunner
+
+from runtimes import OrtRuntime
+from tqsdeploy.cli import app
+from tqsdeploy.contexts import Contexts
+from tqsdeploy.engine import RolloutEngine
+from tqsdeploy.errors import RolloutError
+from tqsdeploy.rollout import AmbiguousRollout, Feedback, RolloutSpec, detect, detect_rollout, next_feeds
+
+from models import _model
+
+REPO = Path(__file__).resolve().parents[1]
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+runner = CliRunner()
+
+
+def _w(rng, *shape):
+    return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+
+def _vi(name, dtype, shape):
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def timesfm_shaped(path: Path, length: int = 32, horizon: int = 8, q: int = 3) -> Path:
+    """inputs, masks [batch, L] (1 = padded) -> forecast [batch, H], quantiles [batch, H, q]."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Sub", ["one", "masks"], ["keep"]),
+        helper.make_node("Mul", ["inputs", "keep"], ["x"]),
+        helper.make_node("MatMul", ["x", "W1"], ["h"]),
+        helper.make_node("MatMul", ["h", "W2"], ["forecast"]),
+        helper.make_node("MatMul", ["h", "W3"], ["q"]),
+        helper.make_node("Reshape", ["q", "qshape"], ["quantiles"]),
+    ]
+    init = {"one": np.ones(1, np.float32), "W1": _w(rng, length, 48), "W2": _w(rng, 48, horizon), "W3": _w(rng, 48, horizon * q), "qshape": np.array([-1, horizon, q])}
+    ins = [_vi("inputs", F, ["batch", length]), _vi("masks", F, ["batch", length])]
+    outs = [_vi("forecast", F, ["batch", horizon]), _vi("quantiles", F, ["batch", horizon, q])]
+    return _model(nodes, ins, outs, init, path)
+
+
+def pangu_shaped(path: Path, k: int = 4, j: int = 6) -> Path:
+    """Static shapes, no batch axis: input [k, j], input_surface [k] -> output, output_surface."""
+    rng = np.random.default_rng(1)
+    nodes = [
+        helper.make_node("MatMul", ["input", "Wy"], ["dy"]),
+        helper.make_node("Add", ["input", "dy"], ["output"]),
+        helper.make_node("ReduceMean", ["input"], ["ymean"], axes=[1], keepdims=0),
+        helper.make_node("Add", ["input_surface", "ymean"], ["output_surface"]),
+    ]
+    init = {"Wy": _w(rng, j, j)}
+    ins = [_vi("input", F, [k, j]), _vi("input_surface", F, [k])]
+    outs = [_vi("output", F, [k, j]), _vi("output_surface", F, [k])]
+    return _model(nodes, ins, outs, init, path), init["Wy"]
+
+
+def bert_shaped(path: Path, vocab: int = 50, width: int = 16) -> Path:
+    """int64 input_ids, attention_mask -> last_hidden_state [b, s, w], embedding [b, w]: nothing to feed back."""
+    rng = np.random.default_rng(2)
+    nodes = [
+        helper.make_node("Gather", ["E", "input_ids"], ["tok"]),
+        helper.make_node("Cast", ["attention_mask"], ["m"], to=F),
+        helper.make_node("Unsqueeze", ["m", "axis2"], ["m3"]),
+        helper.make_node("Mul", ["tok", "m3"], ["masked"]),
+        helper.make_node("MatMul", ["masked", "W"], ["last_hidden_state"]),
+        helper.make_node("ReduceMean", ["last_hidden_state"], ["embedding"], axes=[1], keepdims=0),
+    ]
+    init = {"E": _w(rng, vocab, width), "W": _w(rng, width, width), "axis2": np.array([2])}
+    ins = [_vi("input_ids", I64, ["batch", "seq"]), _vi("attention_mask", I64, ["batch", "seq"])]
+    outs = [_vi("last_hidden_state", F, ["batch", "seq", width]), _vi("embedding", F, ["batch", width])]
+    return _model(nodes, ins, outs, init, path)
+
+
+def _signature(path):
+    session = OrtRuntime().open(path)
+    return session.inputs, session.outputs
+
+
+def test_timesfm_shaped_shifts_context_and_mask(tmp_path):
+    found = detect_rollout(*_signature(timesfm_shaped(tmp_path / "m.onnx")))
+    assert found.spec.feedback == (Feedback("forecast", "inputs", "shift", -1), Feedback(None, "masks", "shift", -1, fill=0.0))
+    assert found.spec.trajectory == ("forecast",) and found.unused_outputs == ("quantiles",)
+    # the mask moves by the forecast length (the sibling edge's output), appending fill = observed
+    masks = np.ones((2, 32), np.float32)
+    new = next_feeds({"inputs": np.zeros((2, 32), np.float32), "masks": masks}, {"forecast": np.ones((2, 8), np.float32)}, found.spec)
+    np.testing.assert_array_equal(new["masks"][:, :24], 1)
+    np.testing.assert_array_equal(new["masks"][:, 24:], 0)
+    np.testing.assert_array_equal(new["inputs"][:, 24:], 1)
+
+
+def test_input_only_edge_with_explicit_length_and_missing_sibling():
+    spec = RolloutSpec.from_dict({"steps": 2, "trajectory": ["y"], "feedback": [{"output": "y", "input": "x"}, {"input": "pad", "mode": "shift", "fill": 1, "length": 3}]})
+    new = next_feeds({"x": np.zeros((1, 4), np.float32), "pad": np.zeros((1, 10), np.float32)}, {"y": np.ones((1, 4), np.float32)}, spec)
+    np.testing.assert_array_equal(new["pad"], [[0] * 7 + [1] * 3])
+    no_length = RolloutSpec.from_dict({"steps": 2, "trajectory": ["y"], "feedback": [{"output": "y", "input": "x"}, {"input": "pad", "mode": "shift", "fill": 1}]})
+    from runtimes import IOSpec
+
+    f32 = np.dtype(np.float32)
+    with pytest.raises(RolloutError, match="give `length`"):
+        no_length.check([IOSpec("x", ("b", 4), f32), IOSpec("pad", ("b", 10), f32)], [IOSpec("y", ("b", 4), f32)])
+
+
+def test_pangu_shaped_static_model_rolls_out_window_by_window(tmp_path):
+    path, wy = pangu_shaped(tmp_path / "m.onnx")
+    session = OrtRuntime().open(path)
+    spec = detect(session.inputs, session.outputs, steps=3)
+    assert spec.feedback == (Feedback("output", "input", "replace"), Feedback("output_surface", "input_surface", "replace"))
+    rng = np.random.default_rng(3)
+    ctx = Contexts({"input": rng.standard_normal((5, 4, 6)).astype(np.float32), "input_surface": rng.standard_normal((5, 4)).astype(np.float32)}, "test")
+    engine = RolloutEngine(session, ctx, spec)
+    got = engine.trajectories()
+    assert not engine.batched and got["output"].shape == (5, 3, 4, 6) and got["output_surface"].shape == (5, 3, 4)
+    y, x = ctx.arrays["input"][4].astype(np.float64), ctx.arrays["input_surface"][4].astype(np.float64)
+    for t in range(3):  # window 4 by numpy
+        y, x = y + y @ wy, x + y.mean(axis=1)
+        np.testing.assert_allclose(got["output"][4, t], y, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got["output_surface"][4, t], x, rtol=1e-4, atol=1e-5)
+
+
+def test_single_step_int_inputs(tmp_path):
+    found = detect_rollout(*_signature(bert_shaped(tmp_path / "m.onnx")))
+    assert found.single_step and found.spec.steps == 1 and found.spec.feedback == ()
+    assert found.spec.trajectory == ("last_hidden_state", "embedding")
+    assert found.constant_inputs == ("input_ids", "attention_mask")
+    with pytest.raises(RolloutError, match="single-step"):
+        detect_rollout(*_signature(tmp_path / "m.onnx"), steps=4)
+
+
+def test_point_and_quantile_heads(tmp_path):
+    rng = np.random.default_rng(4)
+    names = ["quantile_10", "mean", "quantile_90"]
+    nodes = [helper.make_node("MatMul", ["context", f"W{i}"], [n]) for i, n in enumerate(names)]
+    path = _model(nodes, [_vi("context", F, ["b", 24])], [_vi(n, F, ["b", 6]) for n in names], {f"W{i}": _w(rng, 24, 6) for i in range(3)}, tmp_path / "m.onnx")
+    found = detect_rollout(*_signature(path))
+    assert found.spec.feedback == (Feedback("mean", "context", "shift", -1),)
+    assert found.spec.trajectory == ("mean",) and found.unused_outputs == ("quantile_10", "quantile_90")
+
+
+def _ambiguous(path):
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("MatMul", ["a", "W"], ["c"]), helper.make_node("MatMul", ["b", "W"], ["d"])]
+    io = lambda names: [_vi(n, F, ["n", 4]) for n in names]  # noqa: E731
+    return _model(nodes, io("ab"), io("cd"), {"W": _w(rng, 4, 4)}, path)
+
+
+def test_ambiguous_pairing_lists_toml_candidates(tmp_path):
+    path = _ambiguous(tmp_path / "m.onnx")
+    with pytest.raises(AmbiguousRollout) as info:
+        detect_rollout(*_signature(path))
+    assert len(info.value.candidates) == 2
+    edges = {c.spec.feedback for c in info.value.candidates}
+    assert edges == {(Feedback("c", "a"), Feedback("d", "b")), (Feedback("c", "b"), Feedback("d", "a"))}
+    text = str(info.value)
+    blocks = text.split("# --- candidate ")[1:]
+    for block, candidate in zip(blocks, info.value.candidates):
+        toml = block.split("\n", 1)[1]
+        (tmp_path / "c.toml").write_text(toml)
+        assert RolloutSpec.from_toml(tmp_path / "c.toml").feedback == candidate.spec.feedback
+    result = runner.invoke(app, ["score", str(path), "--random-contexts", "--min-params", "1", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "candidate 2" in result.output + (result.stderr or "")
+    result = runner.invoke(app, ["inspect", str(path), "--min-params", "1", "--emit-spec", str(tmp_path / "spec.toml")])
+    assert result.exit_code == 0
+    written = (tmp_path / "spec.toml").read_text()
+    assert "AMBIGUOUS" in written and "# [[feedback]]" in written
+    with pytest.raises(RolloutError, match="no `steps`"):  # all candidates commented out: the user must pick one
+        RolloutSpec.from_toml(tmp_path / "spec.toml")
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('step = 8\ntrajectory = ["y"]', "did you mean 'steps'"),
+        ('trajectory = ["y"]', "no `steps`"),
+        ('steps = 2\ntrajectory = "yy"', "must be a list of output names"),
+        ('steps = "8"\ntrajectory = ["y"]', "`steps` must be an integer"),
+        ('steps = 2\n[[feedback]]\noutput = "y"\ninput = "x"\nmod = "shift"', "did you mean 'mode'"),
+        ('steps = 2\n[[feedback]]\ninput = "x"\nmode = "shift"', "needs mode = \"shift\" and a `fill`"),
+        ('steps = 2\n[[feedback]]\noutput = "y"\ninput = "x"\nfill = 0', "only apply to edges without an output"),
+    ],
+)
+def test_strict_spec_parsing(tmp_path, text, message):
+    (tmp_path / "s.toml").write_text(text)
+    with pytest.raises(RolloutError, match=message.replace("(", r"\(")):
+        RolloutSpec.from_toml(tmp_path / "s.toml")
+
+
+def test_unknown_names_list_the_models_names(tmp_path):
+    path = timesfm_shaped(tmp_path / "m.onnx")
+    (tmp_path / "s.toml").write_text('steps = 2\ntrajectory = ["yy"]\n')
+    result = runner.invoke(app, ["score", str(path), "--spec", str(tmp_path / "s.toml"), "--random-contexts", "--out", str(tmp_path / "run")])
+    text = " ".join((result.output + (result.stderr or "")).split())
+    assert result.exit_code == 2 and "'yy' is not a model output (outputs: forecast, quantiles)" in text
+    (tmp_path / "s.toml").write_text('steps = 2\n[[feedback]]\noutput = "forecast"\ninput = "context"\nmode = "shift"\n')
+    with pytest.raises(RolloutError, match="inputs: inputs, masks"):
+        RolloutSpec.from_toml(tmp_path / "s.toml").check(*_signature(path))
+
+
+def test_emit_spec_round_trip_and_no_overwrite(tmp_path):
+    path = timesfm_shaped(tmp_path / "m.onnx")
+    target = tmp_path / "rollout.toml"
+    result = runner.invoke(app, ["inspect", str(path), "--steps", "3", "--emit-spec", str(target)])
+    assert result.exit_code == 0, result.output
+    emitted = RolloutSpec.from_toml(target)
+    detected = detect(*_signature(path), steps=3)
+    assert (emitted.steps, emitted.feedback, emitted.trajectory) == (detected.steps, detected.feedback, detected.trajectory)
+    assert "quantiles" in target.read_text()  # listed as an unused output
+    before = target.read_text()
+    result = runner.invoke(app, ["inspect", str(path), "--emit-spec", str(target)])
+    assert result.exit_code == 2 and "--force" in result.output + (result.stderr or "") and target.read_text() == before
+    assert runner.invoke(app, ["inspect", str(path), "--emit-spec", str(target), "--force"]).exit_code == 0
+
+
+def test_spec_free_score_of_a_timesfm_shaped_model(tmp_path):
+    """The whole score path with a detected mask edge: padded windows, quantiles out of the trajectory."""
+    path = timesfm_shaped(tmp_path / "m.onnx")
+    rng = np.random.default_rng(6)
+    masks = np.zeros((3, 1, 32), np.float32)
+    masks[0, :, :10] = 1
+    np.savez(tmp_path / "ctx.npz", inputs=rng.standard_normal((3, 1, 32)).astype(np.float32), masks=masks)
+    result = runner.invoke(app, ["score", str(path), "--contexts", str(tmp_path / "ctx.npz"), "--steps", "3", "--probes", "1", "--out", str(tmp_path / "run")])
+    text = " ".join((result.output + (result.stderr or "")).split())
+    assert result.exit_code == 0, text
+    assert "fill 0.0 → masks (shift, axis -1)" in text
+    stored = RolloutSpec.from_toml(tmp_path / "run" / "rollout.toml")
+    assert stored.feedback[1] == Feedback(None, "masks", "shift", -1, fill=0.0)
+
+
+@pytest.mark.parametrize("example", ["etth1_patchtst", "era5_emulator", "lorenz96", "timesfm_etth1", "pangu_lorenz96", "era5_downscale"])
+def test_examples_detect_their_committed_spec(example):
+    folder = REPO / "examples" / example
+    found = detect(*_signature(folder / "model.onnx"))
+    committed = RolloutSpec.from_toml(folder / "rollout.toml")
+    assert (found.feedback, found.trajectory) == (committed.feedback, committed.trajectory)
+
+
+def test_calibration_states_move_the_mask(tmp_path):
+    """Teacher-forced states (what calibration sees) apply the input-only edge like every rollout."""
+    session = OrtRuntime().open(timesfm_shaped(tmp_path / "m.onnx"))
+    spec = detect(session.inputs, session.outputs, steps=3)
+    masks = np.ones((2, 1, 32), np.float32)
+    ctx = Contexts({"inputs": np.ones((2, 1, 32), np.float32), "masks": masks}, "test")
+    states = RolloutEngine(session, ctx, spec).states()
+    assert len(states) == 3  # one batched chunk of 2 windows x 3 steps
+    np.testing.assert_array_equal(states[2]["masks"][:, :16], 1)
+    np.testing.assert_array_equal(states[2]["masks"][:, 16:], 0)

@@ -1,0 +1,56 @@
+"""Every command: a bad input is one line on stderr and exit 2, a failed gate
+exits 1; never a traceback."""
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tqsdeploy.cli import app
+
+runner = CliRunner()
+
+
+def _run(args):
+    result = runner.invoke(app, [str(a) for a in args])
+    stderr = result.stderr if result.stderr_bytes is not None else result.output
+    return result, [line for line in stderr.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def bad_spec(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("steps = [[[\n")
+    return path
+
+
+CASES = {
+    "inspect-bad-spec": lambda m, c, t, s: ["inspect", m, "--spec", s],
+    "inspect-missing": lambda m, c, t, s: ["inspect", t / "nope.onnx"],
+    "score-probe": lambda m, c, t, s: ["score", m, "-c", c, "--probe", "xyz", "-o", t / "run"],
+    "score-fresh-resume": lambda m, c, t, s: ["score", m, "-c", c, "--fresh", "--resume", "-o", t / "run"],
+    "export-C0": lambda m, c, t, s: ["export", m, "--C", "0"],
+    "export-Cnan": lambda m, c, t, s: ["export", m, "--C", "nan"],
+    "export-no-run": lambda m, c, t, s: ["export", m, "--C", "4", "--run", t / "no-run"],
+    "baseline-bits": lambda m, c, t, s: ["baseline", m, "--method", "rtn", "--bits", "5"],
+    "frontier-contexts": lambda m, c, t, s: ["frontier", m, "-c", t / "nope.npz"],
+    "engine-not-onnx": lambda m, c, t, s: ["engine", c],
+    "eval-not-onnx": lambda m, c, t, s: ["eval", c, "--reference", m, "--contexts", c],
+    "gate-bound": lambda m, c, t, s: ["gate", m, "--reference", m, "--contexts", c, "--max-degradation", "abc"],
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_and_exit_2(case, two_branch, tmp_path, bad_spec):
+    model, ctx = two_branch
+    result, lines = _run(CASES[case](model, ctx, tmp_path, bad_spec))
+    assert result.exit_code == 2, (result.exit_code, lines)
+    assert len(lines) == 1 and lines[0].startswith("error"), lines
+    assert "Traceback" not in result.output
+
+
+def test_failed_gate_exits_1(two_branch, tmp_path):
+    model, ctx = two_branch
+    result, _ = _run(["gate", model, "--reference", model, "--contexts", ctx, "--min-compression", "1000", "--report-dir", tmp_path / "gate"])
+    assert result.exit_code == 1, result.output
+    assert (tmp_path / "gate" / "gate.json").exists()

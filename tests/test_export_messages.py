@@ -1,0 +1,90 @@
+"""What export tells its user: damage warnings, --max-drift, why a result differs from the request, safe output names."""
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import models
+from tqsdeploy import ScoreSettings, score
+from tqsdeploy.cli import app
+
+runner = CliRunner()
+
+
+def _invoke(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    return result.exit_code, " ".join((result.output + (result.stderr or "")).split())
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("messages")
+    model = models.gather_forecaster(folder / "emb.onnx")
+    contexts = folder / "ctx.npz"
+    np.savez(contexts, x=np.random.default_rng(1).standard_normal((4, 2, 32)).astype(np.float32), ids=np.array([[3, 97]] * 4))
+    score(model, contexts, steps=4, out=folder / "run", settings=ScoreSettings(gauss_draws=1))
+    return model, folder
+
+
+def test_damaged_export_warns_in_percent_and_max_drift_fails_without_writing(run, tmp_path):
+    model, folder = run
+    code, text = _invoke("export", model, "--run", folder / "run", "--uniform", "int2", "--out-dir", tmp_path)
+    allocation = json.loads((tmp_path / "emb.int2.allocation.json").read_text())
+    drift = allocation["drift_pct"]
+    assert code == 0 and drift > 5
+    assert f"drift from the original on the scoring contexts: {drift:.4g}%" in text
+    assert f"warning: {tmp_path / 'emb.int2.onnx'} drifts {drift:.4g}% " in text and "may be badly damaged" in text
+
+    code, text = _invoke("export", model, "--run", folder / "run", "--C", "3", "--max-drift", "0.000001", "--out-dir", tmp_path)
+    assert code == 1 and "not written" in text and "above --max-drift 1e-06%" in text, text
+    assert not (tmp_path / "emb.C3.onnx").exists() and not (tmp_path / "emb.C3.allocation.json").exists()
+    code, text = _invoke("export", model, "--run", folder / "run", "--C", "3", "--max-drift", "100", "--out-dir", tmp_path)
+    assert code == 0 and (tmp_path / "emb.C3.onnx").exists() and "warning" not in text, text
+
+
+def test_a_shipped_uniform_candidate_and_an_overshoot_are_explained(run, tmp_path):
+    model, folder = run
+    # the paper objective with 30% forced to FP32 starves the rest: uniform INT4 drifts less at C = 5
+    code, text = _invoke("export", model, "--run", folder / "run", "--C", "5", "--objective", "paper", "--refine", "0", "--fp32-fraction", "0.3", "--out-dir", tmp_path)
+    assert code == 0, text
+    meta = json.loads((tmp_path / "emb.C5.allocation.json").read_text())
+    assert meta["shipped"].startswith("uniform int4")
+    assert f"shipped {meta['shipped']} instead of the mixed allocation: at this budget it drifts less" in text
+    assert meta["compression"] > 5.25 and "more than 5% above the target 5x: the next finer uniform tier (int8-asym) reaches only" in text
+    # one unit per tier step: nothing between all-INT2 and FP32 fits C = 2
+    code, text = _invoke("export", model, "--run", folder / "run", "--C", "2", "--split", "0", "--tiers", "fp32,int2", "--out-dir", tmp_path)
+    assert code == 0 and "no finer tier fits: the cheapest one-tier promotion costs" in text, text
+
+
+def test_outputs_of_models_named_model_onnx_do_not_collide_and_are_not_overwritten(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name, seed in (("a", 0), ("b", 1)):
+        (tmp_path / name).mkdir()
+        models.gather_forecaster(tmp_path / name / "model.onnx", seed=seed)
+        np.savez(tmp_path / name / "ctx.npz", x=np.random.default_rng(1).standard_normal((2, 1, 32)).astype(np.float32), ids=np.array([[5]] * 2))
+        code, text = _invoke("score", f"{name}/model.onnx", "-c", f"{name}/ctx.npz", "--steps", "2", "--probes", "1")
+        assert code == 0 and f"tqs-runs/{name}_model" in text, text
+    code, text = _invoke("export", "--C", "2")
+    assert code == 2 and "holds 2 score runs" in text and "which model?" in text, text
+    code, text = _invoke("export", "a/model.onnx", "--run", "tqs-runs/b_model", "--C", "2")
+    assert code == 2 and f"made for a different model ({tmp_path / 'b' / 'model.onnx'})" in text, text
+    for name in ("a", "b"):
+        code, text = _invoke("export", f"{name}/model.onnx", "--C", "2")
+        assert code == 0 and (tmp_path / f"{name}_model.C2.onnx").exists(), text
+    before = (tmp_path / "a_model.C2.onnx").stat().st_mtime_ns
+    code, text = _invoke("export", "a/model.onnx", "--C", "2")
+    assert code == 2 and "a_model.C2.onnx already exists" in text and "--force" in text
+    assert (tmp_path / "a_model.C2.onnx").stat().st_mtime_ns == before
+    code, text = _invoke("export", "a/model.onnx", "--C", "2", "--force")
+    assert code == 0, text
+
+
+def test_infeasible_hint_says_when_tensors_below_min_params_cap_c(tmp_path):
+    model = models.gather_forecaster(tmp_path / "emb.onnx")
+    np.savez(tmp_path / "ctx.npz", x=np.zeros((2, 1, 32), np.float32), ids=np.array([[5]] * 2))
+    code, text = _invoke("score", model, "-c", tmp_path / "ctx.npz", "--steps", "2", "--probes", "1", "--min-params", "2000", "--out", tmp_path / "run")
+    assert code == 0, text
+    code, text = _invoke("export", model, "--run", tmp_path / "run", "--C", "5", "--out-dir", tmp_path)
+    assert code == 2 and "largest reachable is" in text and "smaller than --min-params 2000" in text and "alone caps C at" in text, text

@@ -1,0 +1,143 @@
+"""Faults while writing (full disk, kill -9, a second writer, read-only folders)
+and non-finite weights end in one line with exit code 2, or leave the previous
+outputs intact; never a traceback, a truncated file or a mismatched pair."""
+
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from typer.testing import CliRunner
+
+import models
+from tqsdeploy.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def _cli(*args, limit_bytes=None, wait=True):
+    """The CLI as a real process (optionally with RLIMIT_FSIZE: writes past it fail with EFBIG)."""
+
+    def limits():
+        if limit_bytes is not None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails instead of killing
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    command = [sys.executable, "-m", "tqsdeploy", *map(str, args)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if not wait:
+        return subprocess.Popen(command, cwd=REPO, env=env, preexec_fn=limits, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.run(command, cwd=REPO, env=env, preexec_fn=limits, capture_output=True, text=True, timeout=120)
+
+
+def _one_line(result, *phrases):
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error")]  # progress bars aside
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def scored(two_branch, tmp_path):
+    model, ctx = two_branch
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run), "--probe", "quant"])
+    assert result.exit_code == 0, result.output
+    return model, ctx, run
+
+
+def test_full_disk_during_export_is_one_line_and_leaves_no_model(scored, tmp_path):
+    model, _, run = scored
+    out = tmp_path / "out"
+    out.mkdir()
+    result = _cli("export", model, "--run", run, "--C", "4", "--rounding", "rtn", "--refine", "0", "--out-dir", out, limit_bytes=600)
+    _one_line(result, str(tmp_path))
+    assert not [p for p in out.iterdir() if p.suffix in (".onnx", ".data", ".json", ".partial")], list(out.iterdir())
+
+
+def test_kill_during_export_never_leaves_a_mismatched_pair(scored, tmp_path):
+    model, _, run = scored
+    target = tmp_path / "model.q.onnx"
+    record = tmp_path / "model.q.allocation.json"
+    common = ["export", model, "--run", run, "--rounding", "rtn", "--refine", "0", "-o", target]
+    assert _cli(*common, "--C", "4").returncode == 0
+    rng = random.Random(0)
+    for attempt, compression in enumerate(["8", "2", "8"]):
+        process = _cli(*common, "--C", compression, wait=False)
+        time.sleep(rng.uniform(1.0, 4.0))
+        process.send_signal(signal.SIGKILL)
+        process.communicate()
+        assert target.exists(), "the previous model vanished"
+        if record.exists():  # a record always describes the model beside it
+            summary = json.loads(record.read_text())
+            assert summary["file_bytes"] == target.stat().st_size + sum(p.stat().st_size for p in tmp_path.glob("model.q.onnx.*.data"))
+        onnx.checker.check_model(str(target))
+        session = ort.InferenceSession(str(target))
+        feed = {i.name: np.ones([d if isinstance(d, int) else 1 for d in i.shape], np.float32) for i in session.get_inputs()}
+        assert all(np.isfinite(o).all() for o in session.run(None, feed)), f"attempt {attempt}: a half-written model"
+
+
+def test_two_scores_into_one_folder_never_both_run(two_branch, tmp_path):
+    model, ctx = two_branch
+    run = tmp_path / "run"
+    first = _cli("score", model, "-c", ctx, "-o", run, "--steps", "8", wait=False)
+    time.sleep(0.5)
+    second = _cli("score", model, "-c", ctx, "-o", run, "--steps", "4")
+    first.communicate()
+    assert first.returncode == 0
+    # the second waited for the first (then refused its different steps) or was refused outright
+    assert second.returncode == 2, second.stderr
+    assert json.loads((run / "run.json").read_text())["rollout"]["steps"] == 8
+    assert "steps = 8" in (run / "rollout.toml").read_text()
+
+
+def _unwritable(tmp_path):
+    """A folder nobody can create, root included (chmod does not stop root): one under a plain file."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    return blocker / "out"
+
+
+def test_unwritable_out_dir_fails_before_the_work(scored, tmp_path):
+    model, _, run = scored
+    out = _unwritable(tmp_path)
+    result = runner.invoke(app, ["export", str(model), "--run", str(run), "--C", "4", "--out-dir", str(out)])
+    assert result.exit_code == 2, result.output
+    assert str(out.parent) in " ".join(result.output.split())
+    assert not (run / "measured.jsonl").exists(), "the tiers were measured before the folder was checked"
+
+
+def test_unwritable_report_fails_before_eval(two_branch, tmp_path):
+    model, ctx = two_branch
+    report = _unwritable(tmp_path) / "r"
+    result = runner.invoke(app, ["eval", str(model), "--reference", str(model), "--contexts", str(ctx), "--report", str(report)])
+    assert result.exit_code == 2, result.output
+    assert str(report.parent.parent) in " ".join(result.output.split())
+    assert "rollout" not in result.output.lower()
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_export_refuses_nonfinite_weights(tmp_path, bad):
+    model = models.two_branch(tmp_path / "two.onnx")
+    proto = onnx.load(model)
+    weight = proto.graph.initializer[0]
+    values = onnx.numpy_helper.to_array(weight).copy()
+    values.flat[3] = bad
+    weight.CopyFrom(onnx.numpy_helper.from_array(values, weight.name))
+    onnx.save(proto, model)
+    result = runner.invoke(app, ["export", str(model), "--uniform", "int4", "--out-dir", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.onnx"))

@@ -1,0 +1,68 @@
+"""A Gather table is scored on the rows the contexts read, not diluted by the rest."""
+
+import json
+import math
+
+import numpy as np
+import polars as pl
+from typer.testing import CliRunner
+
+import models
+from tqsdeploy import ScoreSettings, score
+from tqsdeploy.cli import app
+from tqsdeploy.probes import perturb
+from tqsdeploy.score import prepare
+
+
+def test_gather_table_scored_on_the_rows_the_contexts_read(tmp_path):
+    model = models.gather_forecaster(tmp_path / "emb.onnx")
+    contexts = tmp_path / "ctx.npz"
+    rng = np.random.default_rng(1)
+    ids = np.array([[3, 97], [97, 3], [3, 3], [-3, 97]])  # rows 3 and 97 (-3 is row 97) of 100
+    np.savez(contexts, x=rng.standard_normal((4, 2, 32)).astype(np.float32), ids=ids)
+    prepared = prepare(model, contexts, steps=4)
+    assert prepared.job.rows["emb"].tolist() == [3, 97] and "W" not in prepared.job.rows
+
+    unit = prepared.job.units["emb"]
+    runner = prepared.open_runner()
+    whole = perturb(unit, prepared.job.weights, "quant", 0, 6, 0)
+    read = perturb(unit, prepared.job.weights, "quant", 0, 6, 0, prepared.job.rows)
+    changed = np.flatnonzero(np.any(read.weights["emb"] != prepared.job.weights["emb"], axis=1))
+    assert set(changed) <= {3, 97}
+    # the output sees the same change; only the denominator shrinks (about 2/100 of the table's residual)
+    np.testing.assert_allclose(runner.divergence(whole.weights)[0], runner.divergence(read.weights)[0], rtol=1e-6)
+    assert read.delta_sq < whole.delta_sq / 10
+    runner.close()
+
+    table = score(model, contexts, steps=4, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
+    rows = {r["unit"]: r for r in table.frame.iter_rows(named=True)}
+    assert rows["emb"]["touched_rows"] == 2 and rows["W"]["touched_rows"] is None
+    quant = [json.loads(line) for line in (tmp_path / "run" / "sweep.jsonl").read_text().splitlines()]
+    emb = next(r for r in quant if r["unit"] == "emb" and r["probe"] == "quant")
+    assert emb["delta_sq"] == read.delta_sq
+    assert rows["emb"]["gamma_quant"] == math.log(sum(emb["div_sq"]) / (emb["delta_sq"] + 1e-12)) / 4
+    assert rows["emb"]["gamma_quant"] > math.log(sum(emb["div_sq"]) / whole.delta_sq) / 4 + 0.5  # undiluted: ln(~50)/4 higher
+    assert "touched_rows" in pl.read_csv(tmp_path / "run" / "scores.csv").columns
+
+    result = CliRunner().invoke(app, ["export", str(model), "--run", str(tmp_path / "run"), "--C", "2", "--out-dir", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "'emb': the scoring contexts read 2 of its 100 rows" in text
+    meta = json.loads((tmp_path / "out" / "emb.C2.allocation.json").read_text())
+    assert any("2 of its 100 rows" in note for note in meta["notes"])
+
+
+def test_indices_cast_on_the_way_still_count_and_computed_ones_do_not(tmp_path):
+    model = models.gather_forecaster(tmp_path / "cast.onnx", cast_ids=True)
+    contexts = tmp_path / "ctx.npz"
+    np.savez(contexts, x=np.zeros((2, 1, 32), np.float32), ids=np.array([[4], [9]], np.int32))
+    assert prepare(model, contexts, steps=2).job.rows["emb"].tolist() == [4, 9]
+    # a table also read by a MatMul (tied weights) is read whole: no restriction
+    import onnx
+    from onnx import helper
+
+    tied = onnx.load(str(model))
+    tied.graph.node.append(helper.make_node("Transpose", ["emb"], ["emb_t"]))
+    tied.graph.node.append(helper.make_node("MatMul", ["x", "emb_t"], ["unused"]))
+    onnx.save(tied, str(tmp_path / "tied.onnx"))
+    assert "emb" not in prepare(tmp_path / "tied.onnx", contexts, steps=2).job.rows

@@ -1,0 +1,69 @@
+"""Long work shows progress: plain lines with ETA when not on a terminal, a bar on one."""
+
+import io
+import re
+
+import numpy as np
+from rich.console import Console
+from typer.testing import CliRunner
+
+import models
+from tqsdeploy.cli import app
+from tqsdeploy.progress import Progress
+
+
+def test_plain_lines_every_tenth_and_on_time_with_eta():
+    stream = io.StringIO()
+    with Progress(Console(file=stream, width=200), "scoring", 40, "rollouts", interval=3600) as bar:
+        for _ in range(40):
+            bar.advance(detail="unit")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 10  # one per tenth, not one per rollout
+    assert re.fullmatch(r"scoring: 4/40 rollouts \(10%\), \d+ s elapsed, ETA \d+ s \[unit\]", lines[0])
+    assert lines[-1].startswith("scoring: 40/40 rollouts (100%), done in")
+    stream = io.StringIO()
+    with Progress(Console(file=stream, width=200), "slow", 1000, interval=0) as bar:  # the time rule alone
+        bar.advance()
+        bar.advance()
+    assert stream.getvalue().count("slow: ") == 2
+
+
+def test_terminal_gets_a_rich_bar():
+    stream = io.StringIO()
+    with Progress(Console(file=stream, force_terminal=True, width=120), "measuring tiers", 3, "rollouts") as bar:
+        for _ in range(3):
+            bar.advance()
+    text = stream.getvalue()
+    assert "measuring tiers" in text and "3/3" in text and "ETA" in text and "━" in text
+
+
+def test_score_export_baseline_and_frontier_print_progress_off_a_terminal(tmp_path):
+    model = models.gather_forecaster(tmp_path / "emb.onnx")
+    contexts = tmp_path / "ctx.npz"
+    np.savez(contexts, x=np.random.default_rng(1).standard_normal((3, 1, 32)).astype(np.float32), ids=np.array([[1]] * 3))
+    runner = CliRunner()
+
+    def run(*args):
+        result = runner.invoke(app, [str(a) for a in args])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    text = run("score", model, "-c", contexts, "--steps", 2, "--probes", 1, "--out", tmp_path / "run")
+    assert "scoring: 4/4 rollouts (100%), done in" in text and "ETA" in text
+    text = run("export", model, "--run", tmp_path / "run", "--C", 2, "--out-dir", tmp_path)
+    assert re.search(r"measuring tiers: (\d+)/\1 rollouts \(100%\), done in", text)
+    text = run("baseline", model, "--method", "gptq", "--bits", 4, "--calib", contexts, "-o", tmp_path / "b.onnx")
+    assert "gptq W4: 2/2 weights (100%), done in" in text
+    text = run("frontier", model, "-c", contexts, "--steps", 2, "--C", 2, "--baselines", "rtn", "--bits", 4, "--out", tmp_path / "f")
+    assert re.search(r"frontier: (\d+)/\1 steps \(100%\), done in", text) and "ETA" in text
+
+
+def test_a_long_step_still_prints_on_time():
+    import time
+
+    stream = io.StringIO()
+    with Progress(Console(file=stream, width=200), "frontier", 10, "steps", interval=0.2) as bar:
+        bar.advance(detail="export C4")
+        time.sleep(0.7)  # no advance: the timer keeps the log alive
+    lines = stream.getvalue().splitlines()
+    assert len(lines) >= 3 and all(line.startswith("frontier: 1/10 steps") for line in lines[1:]), lines

@@ -1,0 +1,107 @@
+"""Sweep strategies: every way of applying perturbations gives feed's scores."""
+
+import numpy as np
+import pytest
+
+import models
+from tqsdeploy import ScoreSettings, score
+from tqsdeploy.contexts import Contexts
+from tqsdeploy.errors import RolloutError
+from tqsdeploy.probes import UnitProbes, perturb, quantization_probe
+from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.score import prepare
+from tqsdeploy.units import UnitSelection
+
+SETTINGS = ScoreSettings(gauss_draws=2)
+
+
+def _assorted(tmp_path):
+    """Gather table, Gemm, Conv (weight through Transpose) and a Constant-node weight; one step, no feedback."""
+    model = models.assorted_ops(tmp_path / "assorted.onnx")
+    rng = np.random.default_rng(0)
+    contexts = Contexts(
+        {"ids": rng.integers(0, 100, (3, 5)).astype(np.int64), "img": rng.standard_normal((3, 5, 4, 8, 8)).astype(np.float32)}, source="test"
+    )
+    return model, contexts, RolloutSpec(steps=1, feedback=(), trajectory=("y", "z"))
+
+
+def _shared(tmp_path, steps=4):
+    """A residual MLP with one weight used by two MatMuls and a transB Gemm; rolled out 4 steps."""
+    model = models.mlp_forecaster(tmp_path / "mlp.onnx")
+    contexts = Contexts({"x": np.random.default_rng(1).standard_normal((4, 2, 32)).astype(np.float32)}, source="test")
+    return model, contexts, RolloutSpec.from_dict({"steps": steps, "feedback": [{"output": "y", "input": "x"}]})
+
+
+def _shared_one_step(tmp_path):
+    return _shared(tmp_path, steps=1)
+
+
+@pytest.mark.parametrize("case", [_assorted, _shared, _shared_one_step])
+def test_every_strategy_gives_feeds_scores(tmp_path, case):
+    model, contexts, spec = case(tmp_path)
+    strategies = ("rebuild", "unit", "prefix") if spec.steps == 1 else ("rebuild", "unit")
+    frames = {
+        s: score(model, contexts, spec=spec, out=tmp_path / s, settings=SETTINGS, strategy=s, selection=UnitSelection(min_params=100)).frame.sort("unit")
+        for s in ("feed", *strategies)
+    }
+    assert frames["feed"].height >= 3
+    for strategy in strategies:
+        assert frames[strategy]["unit"].to_list() == frames["feed"]["unit"].to_list()
+        for column in ("gamma_quant", "gamma_gauss", "probe_norm"):
+            np.testing.assert_allclose(frames[strategy][column].to_numpy(), frames["feed"][column].to_numpy(), rtol=1e-5, atol=1e-5, err_msg=f"{strategy} {column}")
+
+
+def test_prefix_keeps_dead_units_exactly_dead_and_needs_one_step(two_branch, tmp_path):
+    model, contexts = two_branch
+    frame = score(model, contexts, steps=1, out=tmp_path / "one", strategy="prefix").frame
+    rows = {r["unit"]: r for r in frame.iter_rows(named=True)}
+    assert rows["Wdead"]["dead"] and rows["Wdead"]["rel_divergence"] == 0.0 and not rows["Wsmall"]["dead"]
+    with pytest.raises(RolloutError, match="single-step"):
+        score(model, contexts, steps=2, out=tmp_path / "two", strategy="prefix")
+
+
+def test_auto_estimates_every_strategy_and_records_its_pick(two_branch, tmp_path):
+    model, contexts = two_branch
+    table = score(model, contexts, steps=3, out=tmp_path / "run", settings=SETTINGS)
+    estimates = table.meta["strategy_estimates_s"]
+    assert set(estimates) == {"feed", "rebuild", "unit"} and all(v > 0 for v in estimates.values())
+    assert table.meta["strategy"] in estimates
+
+
+def test_a_unit_session_only_overrides_its_own_weights(tmp_path):
+    model, contexts, spec = _shared(tmp_path)
+    job = prepare(model, contexts, spec).job
+    session = job.unit_factory(["Wshared"])
+    assert session.weights == {"Wshared"}
+    assert job.session_factory().weights == {"W1", "Wshared", "W3"}
+
+
+def test_probes_built_once_per_unit_match_the_one_off_perturbation(tmp_path):
+    model, contexts, spec = _shared(tmp_path)
+    job = prepare(model, contexts, spec).job
+    unit = job.units["Wshared"]
+    probes = UnitProbes(unit, job.weights, 6)
+    quant = probes.perturb("quant", 0, seed=0)
+    np.testing.assert_array_equal(quant.weights["Wshared"], quantization_probe(job.weights["Wshared"], 6))
+    residual_sq = quant.delta_sq
+    for draw in range(2):
+        gauss = probes.perturb("gauss", draw, seed=0)
+        again = perturb(unit, job.weights, "gauss", draw, 6, seed=0)
+        np.testing.assert_array_equal(gauss.weights["Wshared"], again.weights["Wshared"])  # seeded by (seed, unit, draw)
+        assert gauss.weights["Wshared"].dtype == np.float32
+        assert gauss.delta_sq == pytest.approx(residual_sq, rel=1e-4)  # same Frobenius norm as the quant residual
+    assert not np.array_equal(probes.perturb("gauss", 0, 0).weights["Wshared"], probes.perturb("gauss", 1, 0).weights["Wshared"])
+
+
+def test_the_cut_holds_only_nodes_downstream_of_the_weight(tmp_path):
+    import onnx
+
+    import graph_ops
+
+    proto = graph_ops.lift_constants(onnx.load(models.assorted_ops(tmp_path / "m.onnx")), ["const_w"])
+    types = graph_ops.prefix.element_types(proto)
+    cut = graph_ops.prefix.cut_downstream(proto, ["gemm_w"], ["y", "z"], types)
+    assert [n.op_type for n in cut.model.graph.node] == ["Gemm", "MatMul"]  # not the Gather before it, not the Conv beside it
+    assert cut.boundary == ("e",) and cut.outputs == ("y",)
+    assert {i.name for i in cut.model.graph.input} == {"e", "gemm_w"}
+    assert graph_ops.prefix.cut_downstream(proto, ["conv_t"], ["y"], types).outputs == ()

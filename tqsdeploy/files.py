@@ -1,0 +1,86 @@
+"""Every output file is written to a temporary name beside it and renamed into place.
+
+An interrupted command (Ctrl-C, kill -9, a full disk) therefore leaves the
+previous file or none under each final name, never a truncated one; write
+failures are one-line input errors naming the file. Models go through
+`graph_ops.io.save_model` / `graph_ops.qdq.write_storage`, which do the same
+for a model and its external data together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from graph_ops.io import atomic_output, check_writable
+
+__all__ = ["atomic_output", "check_writable", "claim_run_folder", "write_json", "write_npz", "write_table", "write_text"]
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    with atomic_output(path) as temporary:
+        temporary.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def write_json(path: str | os.PathLike, data) -> Path:
+    return write_text(path, json.dumps(data, indent=2, default=str))
+
+
+def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> Path:
+    with atomic_output(path) as temporary:
+        with open(temporary, "wb") as handle:  # a handle: np.savez would append .npz to the temporary name
+            np.savez(handle, **arrays)
+    return Path(path)
+
+
+def write_table(frame, path: str | os.PathLike) -> Path:
+    """A polars frame as Parquet or CSV, by the file's suffix."""
+    with atomic_output(path) as temporary:
+        if Path(path).suffix == ".csv":
+            frame.write_csv(temporary)
+        else:
+            frame.write_parquet(temporary)
+    return Path(path)
+
+
+RUN_MARKER = "run.json"
+LOCK_NAME = ".tqsdeploy.lock"
+
+
+@contextlib.contextmanager
+def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """Hold a run folder for this process while the block writes into it.
+
+    The folder must be new, empty, or a tqsdeploy run folder (it holds
+    run.json): a folder of the user's own files is refused rather than
+    overwritten. A second process that wants the same folder is refused at
+    once instead of mixing its results into this run.
+    """
+    from filelock import FileLock, Timeout
+
+    from tqsdeploy.errors import InputError
+
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"run folder {folder} is a file")
+    if folder.is_dir() and not (folder / RUN_MARKER).exists():
+        foreign = sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME)
+        if foreign:
+            shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+            raise InputError(f"{folder} is not a tqsdeploy run folder and not empty (it holds {shown})", hint="choose a new or empty folder with --out")
+    check_writable(folder)
+    lock = FileLock(str(folder / LOCK_NAME))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise InputError(f"another tqsdeploy command is writing to {folder}", hint="wait for it to finish, or use another folder") from None
+    try:
+        yield folder
+    finally:
+        lock.release()
