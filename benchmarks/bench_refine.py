@@ -1,8 +1,9 @@
 """What joint refinement (`export --refine`) buys on each example (run on demand; minutes).
 
-Reuses the score runs that `benchmarks/run_frontiers.py` leaves in tqs-frontier/<example>/score, exports TQS-PTQ
-(default settings otherwise) at the frontier's matched W2/W4/W8 points with --refine 0 and the default, and evaluates
-both on the held-out windows (scoring windows where an example has none).
+Reuses the score runs that `benchmarks/run_frontiers.py` leaves in tqs-frontier/<example>/score (scoring afresh, with
+the frontier's settings, where they are absent), exports TQS-PTQ (default settings otherwise) at the committed frontier's
+matched W2/W4/W8 points (benchmarks/results/frontier/<example>/frontier.csv) with --refine 0 and the default, and
+evaluates both on the held-out windows (scoring windows where an example has none).
 
     python benchmarks/bench_refine.py [--examples etth1_patchtst,...] [--rounds 0,2]
 
@@ -20,8 +21,11 @@ from pathlib import Path
 
 import polars as pl
 
+from run_frontiers import MIN_PARAMS
 from tqsdeploy.evaluate import evaluate
 from tqsdeploy.export import ExportSettings, Planner
+from tqsdeploy.score import score
+from tqsdeploy.units import UnitSelection
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -29,7 +33,7 @@ RESULTS = REPO / "benchmarks" / "results"
 
 def _matched_targets(example: str) -> list[tuple[str, float]]:
     """The frontier's TQS-PTQ targets matched to the QEP baselines (just below each W grid point)."""
-    frame = pl.read_csv(REPO / "tqs-frontier" / example / "frontier.csv", infer_schema_length=None)
+    frame = pl.read_csv(RESULTS / "frontier" / example / "frontier.csv", infer_schema_length=None)
     rows = frame.filter((pl.col("family") == "tqs") & pl.col("setting").str.contains("@W") & pl.col("setting").str.contains("@"))
     found = {}
     for setting, target in rows.select("setting", "target_C").unique().iter_rows():
@@ -61,6 +65,8 @@ def main() -> None:
         folder = REPO / "examples" / example
         run = REPO / "tqs-frontier" / example / "score"
         model = folder / "model.onnx"
+        if not (run / "scores.parquet").exists():
+            score(model, folder / "contexts.npz", spec=folder / "rollout.toml", out=run, selection=UnitSelection(min_params=MIN_PARAMS.get(example, UnitSelection().min_params)))
         lines += [f"\n## {example}\n", "| point | target C | " + " | ".join(f"refine {r}: C, drift %, seconds" for r in rounds) + " |", "|---|---|" + "---|" * len(rounds)]
         planners = {r: Planner(run, model, replace(ExportSettings(), refine=r)) for r in rounds}
         with tempfile.TemporaryDirectory() as tmp:

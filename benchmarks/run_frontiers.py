@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+MIN_PARAMS = {"lorenz96": 256, "era5_emulator": 256}  # include the 320- and 288-weight input/output convs
 EXTRA = {
     "etth1_patchtst": ["--variable-axis", "0"],
-    "lorenz96": ["--variable-axis", "1", "--min-params", "256"],  # include the 320-weight input/output convs
-    "era5_emulator": ["--min-params", "256"],  # include the 288-weight input/output convs
+    "lorenz96": ["--variable-axis", "1", "--min-params", str(MIN_PARAMS["lorenz96"])],
+    "era5_emulator": ["--min-params", str(MIN_PARAMS["era5_emulator"])],
 }
 
 
