@@ -79,6 +79,20 @@ def test_toml_round_trip(tmp_path):
     assert RolloutSpec.from_toml(path) == spec
 
 
+def test_toml_round_trip_escapes_names_and_keeps_reasons(tmp_path):
+    """Names with quotes, backslashes and non-ASCII survive; a multi-line reason stays a comment."""
+    spec = RolloutSpec(
+        steps=3,
+        feedback=(Feedback('out"put\\1', "in\\put", "shift", -1), Feedback(None, "mäsk", "shift", -1, fill=1.0, length=4)),
+        trajectory=('out"put\\1',),
+    )
+    text = spec.to_toml({"mäsk": "observed\nflag"})
+    assert "# observed\n# flag\n" in text
+    path = tmp_path / "spec.toml"
+    path.write_text(text)
+    assert RolloutSpec.from_toml(path) == spec
+
+
 def test_bad_mode_and_steps():
     with pytest.raises(RolloutError, match="mode"):
         RolloutSpec.from_dict({"steps": 2, "feedback": [{"output": "y", "input": "x", "mode": "append"}]})

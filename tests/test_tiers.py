@@ -134,3 +134,18 @@ def test_gptq_layer_error_never_exceeds_round_to_nearest(encoder, tier):
     for name, error in coder.log.errors.items():
         assert error <= coder.log.rtn_errors[name] * (1 + 1e-9), (tier, name)
     coder.close()
+
+
+def test_grid_search_in_row_blocks_equals_the_whole_matrix_search(monkeypatch):
+    """The shrink search runs in cache-sized row blocks; rows are independent, so grids are identical."""
+    from tiers import grid
+
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((97, 300)) * rng.uniform(0.05, 4.0, (97, 1))
+    for bits, symmetric in ((2, False), (3, True), (4, False)):
+        spec = grid.GridSpec("int", bits, symmetric=symmetric, search=True)
+        monkeypatch.setattr(grid, "SEARCH_BLOCK", 1 << 40)
+        whole = grid.find_grid(rows, spec)
+        monkeypatch.setattr(grid, "SEARCH_BLOCK", 700)  # 2 rows per block, last block short
+        blocked = grid.find_grid(rows, spec)
+        assert np.array_equal(whole.scale, blocked.scale) and np.array_equal(whole.zero, blocked.zero)

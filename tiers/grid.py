@@ -29,6 +29,8 @@ import numpy as np
 SEARCH_NORM, SEARCH_STEPS, SEARCH_STEP = 2.4, 80, 0.01
 """GPTQ `Quantizer` defaults for the MSE clip search (norm 2.4, grid 100, maxshrink 0.8)."""
 FP8_MAX = 448.0
+SEARCH_BLOCK = 1 << 15
+"""Elements per row block of the search (256 KiB of float64 per temporary: about cache-sized)."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,16 @@ def find_grid(rows: np.ndarray, spec: GridSpec) -> Grid:
     scale, zero = _candidate(lo, hi, spec)
     if not spec.search:
         return Grid(scale, zero)
-    best = np.full(n, np.inf)
+    block = max(1, SEARCH_BLOCK // rows.shape[1])
+    for start in range(0, n, block):  # row blocks small enough to stay in cache: the same result, faster and in bounded memory
+        part = slice(start, start + block)
+        _search(rows[part], lo[part], hi[part], spec, scale[part], zero[part])
+    return Grid(scale, zero)
+
+
+def _search(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, spec: GridSpec, scale: np.ndarray, zero: np.ndarray) -> None:
+    """GPTQ's shrink search on a block of rows, writing the best (scale, zero) into the given views."""
+    best = np.full(rows.shape[0], np.inf)
     for i in range(SEARCH_STEPS):
         shrink = 1 - i * SEARCH_STEP
         trial = Grid(*_candidate(shrink * lo, shrink * hi, spec))
@@ -126,4 +137,3 @@ def find_grid(rows: np.ndarray, spec: GridSpec) -> Grid:
         better = error < best
         best[better] = error[better]
         scale[better], zero[better] = trial.scale[better], trial.zero[better]
-    return Grid(scale, zero)

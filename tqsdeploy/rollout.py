@@ -157,22 +157,19 @@ class RolloutSpec:
             raise RolloutError(f"rollout spec {path}: {exc}") from None
 
     def to_toml(self, reasons: Mapping[str, str] | None = None) -> str:
-        """TOML that `from_toml` reads back; `reasons` (per input) become comments."""
-        lines = [f"steps = {self.steps}", "trajectory = [" + ", ".join(f'"{t}"' for t in self.trajectory) + "]"]
+        """TOML that `from_toml` reads back (written by tomli-w, which escapes any name); `reasons`
+        (per input) become comments above their edge."""
+        import tomli_w
+
+        text = tomli_w.dumps({"steps": self.steps, "trajectory": list(self.trajectory)})
         for edge in self.feedback:
-            lines += ["", "[[feedback]]"]
-            if reasons and edge.input in reasons:
-                lines.append(f"# {reasons[edge.input]}")
-            if edge.output is not None:
-                lines.append(f'output = "{edge.output}"')
-            lines += [f'input = "{edge.input}"', f'mode = "{edge.mode}"']
+            fields = {"output": edge.output, "input": edge.input, "mode": edge.mode}
             if edge.mode == "shift":
-                lines.append(f"axis = {edge.axis}")
-            if edge.fill is not None:
-                lines.append(f"fill = {edge.fill!r}")
-            if edge.length is not None:
-                lines.append(f"length = {edge.length}")
-        return "\n".join(lines) + "\n"
+                fields["axis"] = edge.axis
+            fields.update(fill=edge.fill, length=edge.length)
+            comment = "".join(f"# {line}\n" for line in reasons[edge.input].splitlines()) if reasons and edge.input in reasons else ""
+            text += "\n[[feedback]]\n" + comment + tomli_w.dumps({k: v for k, v in fields.items() if v is not None})
+        return text
 
     def check(self, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]) -> None:
         """Fail with a clear message when the spec does not fit the model's signature."""
