@@ -145,7 +145,12 @@ def test_grid_search_in_row_blocks_equals_the_whole_matrix_search(monkeypatch):
     for bits, symmetric in ((2, False), (3, True), (4, False)):
         spec = grid.GridSpec("int", bits, symmetric=symmetric, search=True)
         monkeypatch.setattr(grid, "SEARCH_BLOCK", 1 << 40)
+        grid._SEARCHED.clear()
         whole = grid.find_grid(rows, spec)
         monkeypatch.setattr(grid, "SEARCH_BLOCK", 700)  # 2 rows per block, last block short
+        grid._SEARCHED.clear()
         blocked = grid.find_grid(rows, spec)
         assert np.array_equal(whole.scale, blocked.scale) and np.array_equal(whole.zero, blocked.zero)
+        again = grid.find_grid(rows, spec)  # remembered, and a copy the caller may change
+        again.scale[:] = 0
+        assert np.array_equal(grid.find_grid(rows, spec).scale, blocked.scale)

@@ -21,6 +21,8 @@ min-max wastes most of a 2-bit grid on outliers.
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -31,6 +33,9 @@ SEARCH_NORM, SEARCH_STEPS, SEARCH_STEP = 2.4, 80, 0.01
 FP8_MAX = 448.0
 SEARCH_BLOCK = 1 << 15
 """Elements per row block of the search (256 KiB of float64 per temporary: about cache-sized)."""
+SEARCH_CACHE = 256
+"""Searched grids remembered (by the rows' bytes and the grid spec): a few KiB each."""
+_SEARCHED: "OrderedDict[tuple, Grid]" = OrderedDict()
 
 
 @dataclass(frozen=True)
@@ -120,20 +125,44 @@ def find_grid(rows: np.ndarray, spec: GridSpec) -> Grid:
     scale, zero = _candidate(lo, hi, spec)
     if not spec.search:
         return Grid(scale, zero)
+    key = (spec, rows.shape, hashlib.blake2b(rows.tobytes(), digest_size=16).digest())
+    if key in _SEARCHED:  # RTN, GPTQ and GPTAQ start from the same weight: search its grid once
+        _SEARCHED.move_to_end(key)
+        found = _SEARCHED[key]
+        return Grid(found.scale.copy(), found.zero.copy())
     block = max(1, SEARCH_BLOCK // rows.shape[1])
     for start in range(0, n, block):  # row blocks small enough to stay in cache: the same result, faster and in bounded memory
         part = slice(start, start + block)
         _search(rows[part], lo[part], hi[part], spec, scale[part], zero[part])
+    _SEARCHED[key] = Grid(scale.copy(), zero.copy())
+    while len(_SEARCHED) > SEARCH_CACHE:
+        _SEARCHED.popitem(last=False)
     return Grid(scale, zero)
 
 
 def _search(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, spec: GridSpec, scale: np.ndarray, zero: np.ndarray) -> None:
-    """GPTQ's shrink search on a block of rows, writing the best (scale, zero) into the given views."""
+    """GPTQ's shrink search on a block of rows, writing the best (scale, zero) into the given views.
+
+    The arithmetic of `values(codes(...)) - rows` done in place in one buffer: the same
+    operations in the same order, so the same grids, without a temporary per operation.
+    """
     best = np.full(rows.shape[0], np.inf)
+    low, high = spec.code_range
+    buffer = np.empty_like(rows)
     for i in range(SEARCH_STEPS):
         shrink = 1 - i * SEARCH_STEP
-        trial = Grid(*_candidate(shrink * lo, shrink * hi, spec))
-        error = (np.abs(values(codes(rows, trial, spec), trial) - rows) ** SEARCH_NORM).sum(axis=1)
+        trial_scale, trial_zero = _candidate(shrink * lo, shrink * hi, spec)
+        column_scale, column_zero = trial_scale[:, None], trial_zero[:, None]
+        np.divide(rows, np.where(column_scale > 0, column_scale, 1.0), out=buffer)
+        np.rint(buffer, out=buffer)
+        buffer += column_zero
+        np.clip(buffer, low, high, out=buffer)
+        buffer -= column_zero
+        np.multiply(column_scale, buffer, out=buffer)
+        buffer -= rows
+        np.abs(buffer, out=buffer)
+        np.power(buffer, SEARCH_NORM, out=buffer)
+        error = buffer.sum(axis=1)
         better = error < best
         best[better] = error[better]
-        scale[better], zero[better] = trial.scale[better], trial.zero[better]
+        scale[better], zero[better] = trial_scale[better], trial_zero[better]
