@@ -96,6 +96,12 @@ class OrtRuntime:
             options.add_session_config_entry(key, value)
         source = model if isinstance(model, bytes) else os.fspath(model)
         session = ort.InferenceSession(source, sess_options=options, providers=PROVIDERS[self.provider])
+        if isinstance(source, bytes) and self.provider == "cpu":
+            # ONNX Runtime keeps the serialised model only to re-create the session when a GPU
+            # provider falls back to CPU; a CPU session never does, so that copy is dead weight
+            # (one whole model per session). Nothing else reads it.
+            session.disable_fallback()
+            session._model_bytes = None
         return OrtSession(session, self.provider)
 
 
