@@ -56,11 +56,11 @@ def trajectories(session: Session, contexts: Contexts, spec: RolloutSpec, max_ba
 
 def _open(path: Path, settings: EvalSettings, optimized: str | None = None):
     loaded = graph_ops.load_model(path)
-    proto = graph_ops.io.runtime_compatible(loaded.proto)
     runtime = OrtRuntime(provider=settings.provider, exact_qdq=settings.exact, optimized_model_path=optimized)
-    if graph_ops.io.stored_bytes(proto) < graph_ops.io.PROTOBUF_LIMIT:
-        return loaded, runtime.open(graph_ops.model_bytes(proto))
-    return loaded, runtime.open(path, external_data_dir=path.parent)
+    source = graph_ops.io.runnable_path(loaded)  # the file itself: no serialised copy, any size
+    if source is None:  # an IR the runtime refuses: a clamped copy (bytes, or a temporary file past 2 GiB)
+        source = graph_ops.io.session_source(graph_ops.io.runtime_compatible(loaded.proto))
+    return loaded, runtime.open(source, external_data_dir=None if isinstance(source, bytes) else source.parent)
 
 
 def _runtime_mode(settings: EvalSettings, optimized_path: str) -> dict:
