@@ -68,7 +68,7 @@ def check_writable(folder: str | os.PathLike) -> None:
 
 @dataclass
 class LoadedModel:
-    """A model with all weights in memory, plus where it came from."""
+    """A model (weights in memory, or referenced in its external-data files), plus where it came from."""
 
     proto: onnx.ModelProto
     path: Path
@@ -164,8 +164,10 @@ def _external_files(proto: onnx.ModelProto, folder: Path) -> list[Path]:
     return list(files)
 
 
-def load_model(path: str | os.PathLike) -> LoadedModel:
-    """Read and validate an ONNX model, external data included."""
+def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedModel:
+    """Read and validate an ONNX model, external data included unless `load_external`
+    is False (then tensors stored outside keep their references: shapes and types
+    without a copy of the weights; `graph_ops.weights.FileWeights` reads them on demand)."""
     path = Path(path)
     if not path.exists():
         raise GraphError(f"model file {path} does not exist")
@@ -182,7 +184,7 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
     if proto.ir_version <= 0 or not proto.HasField("graph") or len(proto.opset_import) == 0:
         raise GraphError(f"{path} is not an ONNX model (no graph, IR version or opset)")
     externals = _external_files(proto, path.parent)
-    if externals:
+    if externals and load_external:
         external_data_helper.load_external_data_for_model(proto, str(path.parent))
     try:
         if externals or stored_bytes(proto) >= PROTOBUF_LIMIT:

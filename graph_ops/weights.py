@@ -8,11 +8,14 @@ the value access.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import external_data_helper, numpy_helper
 
+from graph_ops.io import GraphError
 from graph_ops.layout import FLOAT_TYPES, WeightLayout, stored_tensors, weight_layouts
 
 WeightTensor = WeightLayout
@@ -45,6 +48,46 @@ def read_weights(model: onnx.ModelProto, names: list[str] | set[str]) -> dict[st
     if missing:
         raise KeyError(f"no stored tensor named {sorted(missing)[0]!r}")
     return {name: _view(stored[name][0]) for name in wanted}
+
+
+class FileWeights(Mapping):
+    """Named tensors of a model loaded without its external data, each read from its
+    file when asked for (a fresh array every time, nothing kept): the weights of a
+    large model without a second copy of them in memory. Picklable (paths only)."""
+
+    def __init__(self, model: onnx.ModelProto, names, folder: Path):
+        stored = stored_tensors(model.graph)
+        missing = set(names) - stored.keys()
+        if missing:
+            raise KeyError(f"no stored tensor named {sorted(missing)[0]!r}")
+        self._inline: dict[str, np.ndarray] = {}
+        self._files: dict[str, tuple[Path, int, np.dtype, tuple[int, ...]]] = {}
+        for name in names:
+            tensor = stored[name][0]
+            if not external_data_helper.uses_external_data(tensor):
+                self._inline[name] = _view(tensor)
+                continue
+            info = external_data_helper.ExternalDataInfo(tensor)
+            dtype = np.dtype(FLOAT_TYPES[tensor.data_type]).newbyteorder("<")
+            self._files[name] = (Path(folder) / info.location, int(info.offset or 0), dtype, tuple(tensor.dims))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self._inline:
+            return self._inline[name]
+        path, offset, dtype, shape = self._files[name]
+        count = int(np.prod(shape, dtype=np.int64))
+        values = np.fromfile(path, dtype=dtype, count=count, offset=offset)
+        if values.size != count:
+            raise GraphError(f"external data file {path} is truncated: tensor '{name}' needs {count} values")
+        values = values.reshape(shape)
+        values.flags.writeable = False
+        return values
+
+    def __iter__(self):
+        return iter([*self._inline, *self._files])
+
+    def __len__(self) -> int:
+        return len(self._inline) + len(self._files)
 
 
 def replace_weights(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:

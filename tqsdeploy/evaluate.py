@@ -55,10 +55,11 @@ def trajectories(session: Session, contexts: Contexts, spec: RolloutSpec, max_ba
 
 
 def _open(path: Path, settings: EvalSettings, optimized: str | None = None):
-    loaded = graph_ops.load_model(path)
+    loaded = graph_ops.load_model(path, load_external=False)  # sizes need shapes only; the runtime reads the weights
     runtime = OrtRuntime(provider=settings.provider, exact_qdq=settings.exact, optimized_model_path=optimized)
     source = graph_ops.io.runnable_path(loaded)  # the file itself: no serialised copy, any size
     if source is None:  # an IR the runtime refuses: a clamped copy (bytes, or a temporary file past 2 GiB)
+        loaded = graph_ops.load_model(path)
         source = graph_ops.io.session_source(graph_ops.io.runtime_compatible(loaded.proto))
     return loaded, runtime.open(source, external_data_dir=None if isinstance(source, bytes) else source.parent)
 

@@ -186,31 +186,43 @@ def prepare(
     context_options: ContextOptions = ContextOptions(),
     strategy: str = "auto",
     workdir: Path | None = None,
+    stream: bool = False,
 ) -> Prepared:
     """Load and check everything a sweep needs; fails fast on bad input.
 
     Models whose session copy would pass protobuf's 2 GiB are handed to the
     runtime as a file with external data, written once into `workdir` (the run
     folder: reused by a resumed score and by export, removed with the run) or a
-    temporary folder.
+    temporary folder. With `stream`, a model that keeps its weights in
+    external-data files is never copied: the session file holds only the graph
+    (its tensors still point into the model's own data files, which the runtime
+    reads), and the sweep reads each unit's weights from those files when it
+    gets to the unit.
     """
     runtime.check()
-    loaded = graph_ops.load_model(model)
+    loaded = graph_ops.load_model(model, load_external=not stream)
+    streamed = stream and bool(loaded.external_files)
+    if stream and not streamed:
+        loaded = graph_ops.load_model(model)  # weights inside the .onnx itself: nothing to stream
     units = select_units(graph_ops.find_weight_tensors(loaded.proto), selection)
     names = [n for u in units for n in u.tensor_names]
     session_proto = graph_ops.lift_constants(loaded.proto, names)
     declarations = {n: graph_ops.input_declarations(session_proto, [n]) for n in names}
     source: bytes | Path
     rebuild = None
-    if graph_ops.io.stored_bytes(session_proto) < graph_ops.io.PROTOBUF_LIMIT:
+    if streamed:  # feeding is the only strategy that needs no weights in memory
+        session_proto.MergeFromString(b"".join(declarations.values()))
+        source = _session_file(loaded, names, workdir, "graph")
+        if not source.exists():
+            graph_ops.save_model(session_proto, source, external_data=False)  # the graph only: tensors stay references
+        factory = partial(runtime.open, source, external_data_dir=loaded.path.parent.resolve())
+    elif graph_ops.io.stored_bytes(session_proto) < graph_ops.io.PROTOBUF_LIMIT:
         rebuild = RebuildFactory(graph_ops.model_bytes(session_proto), runtime, declarations)  # the one serialisation
         factory = partial(rebuild.overridable, tuple(names))
         source = rebuild.model
     else:  # over 2 GiB: hand the runtime a file with external data; feeding is the only sane strategy
         session_proto.MergeFromString(b"".join(declarations.values()))
-        key = hashlib.sha256((loaded.sha256 + "\x1f".join(sorted(names))).encode()).hexdigest()[:12]
-        folder = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tqs-session-"))
-        source = folder / f"session-{key}.onnx"
+        source = _session_file(loaded, names, workdir)
         if not source.exists():
             graph_ops.save_model(session_proto, source, external_data=True)
         factory = partial(runtime.open, source)
@@ -233,7 +245,7 @@ def prepare(
             seed=context_options.seed,
             columns=context_options.columns,
         )
-    weights = graph_ops.read_weights(loaded.proto, names)
+    weights = graph_ops.FileWeights(loaded.proto, names, loaded.path.parent) if streamed else graph_ops.read_weights(loaded.proto, names)
     check_finite(weights)
     job = SweepJob(
         session_factory=factory,
@@ -253,6 +265,14 @@ def prepare(
         tasks_per_unit=int(settings.quant_probe) + settings.gauss_draws,
     )
     return Prepared(model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session, session_file=source if isinstance(source, Path) else None)
+
+
+def _session_file(loaded: graph_ops.LoadedModel, names: list[str], workdir: Path | None, kind: str = "session") -> Path:
+    """Where the runtime's copy of this model (with these units overridable) lives: the run folder, or a
+    temporary one. `kind` keeps a graph-only copy (pointing into the model's data files) apart from a full one."""
+    key = hashlib.sha256((loaded.sha256 + "\x1f".join(sorted(names))).encode()).hexdigest()[:12]
+    folder = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tqs-session-"))
+    return folder / f"{kind}-{key}.onnx"
 
 
 def _fingerprint(prepared: Prepared, settings: ScoreSettings, runtime: OrtRuntime) -> str:
@@ -330,7 +350,7 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
     """`score` inside its claimed run folder."""
     prepared = prepare(
         model, contexts, spec, steps, selection=selection, settings=settings, runtime=runtime, context_options=context_options, strategy=strategy,
-        workdir=run_dir,
+        workdir=run_dir, stream=True,
     )
     fingerprint = _fingerprint(prepared, settings, runtime)
     meta_path = run_dir / "run.json"
@@ -346,9 +366,10 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
     if resume is False or not matches:
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
-        for stale in run_dir.glob("session-*.onnx*"):
-            if not stale.name.startswith(prepared.session_file.name if prepared.session_file else "-"):
-                stale.unlink()
+        for pattern in ("session-*.onnx*", "graph-*.onnx"):
+            for stale in run_dir.glob(pattern):
+                if not stale.name.startswith(prepared.session_file.name if prepared.session_file else "-"):
+                    stale.unlink()
 
     log = ResultLog(run_dir / "sweep.jsonl")
     done = log.load() if matches else {}
