@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Protocol
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper, version_converter
+from onnx import external_data_helper, helper, numpy_helper, version_converter
 
 from graph_ops.io import MAX_IR_VERSION, MAX_OPSET, GraphError, tensor_bits
 
@@ -235,10 +235,28 @@ def _copy_without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
     return skeleton
 
 
-def _tensor_bytes(tensor: onnx.TensorProto) -> bytes | memoryview:
+def _tensor_bytes(tensor: onnx.TensorProto, source: Path | None = None) -> bytes | memoryview:
+    """A tensor's payload; one that points into an external-data file is read from it (`source`: the input model's folder)."""
+    if external_data_helper.uses_external_data(tensor):
+        if source is None:
+            raise GraphError(f"tensor '{tensor.name}' lives in external data, but no folder to read it from was given")
+        info = external_data_helper.ExternalDataInfo(tensor)
+        with open(Path(source) / info.location, "rb") as handle:
+            handle.seek(int(info.offset or 0))
+            payload = handle.read(int(info.length)) if info.length else handle.read()
+        return payload
     if tensor.raw_data:
         return tensor.raw_data
     return numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name).raw_data
+
+
+def _loaded(tensor: onnx.TensorProto, source: Path | None) -> onnx.TensorProto:
+    """`tensor` with its payload inside it (read from its external-data file when it points to one)."""
+    if not external_data_helper.uses_external_data(tensor):
+        return tensor
+    inline = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=list(tensor.dims))
+    inline.raw_data = bytes(_tensor_bytes(tensor, source))
+    return inline
 
 
 class _DataFile:
@@ -248,17 +266,19 @@ class _DataFile:
     INLINE_BELOW = 1024
     """Tensors smaller than this stay inside the .onnx file, as onnx.save does."""
 
-    def __init__(self, path: Path, location: str):
+    def __init__(self, path: Path, location: str, source: Path | None = None):
         self.path = path
         self.location = location
         """The name model files refer to (the data is written under a temporary name first)."""
+        self.source = source
+        """The input model's folder, for kept tensors that live in its external data."""
         self.handle = open(path, "wb")
         self.offset = 0
 
     def reference(self, tensor: onnx.TensorProto) -> onnx.TensorProto:
-        payload = _tensor_bytes(tensor)
+        payload = _tensor_bytes(tensor, self.source)
         if len(payload) < self.INLINE_BELOW:
-            return tensor
+            return _loaded(tensor, self.source)
         padding = -self.offset % self.ALIGN
         self.handle.write(b"\0" * padding)
         self.offset += padding
@@ -335,9 +355,10 @@ def _build(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], sink: Cal
     return skeleton
 
 
-def apply_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight]) -> onnx.ModelProto:
-    """A new model whose named weights are stored as given. Input untouched."""
-    return _build(model, stored, lambda tensor: tensor)
+def apply_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], source: Path | None = None) -> onnx.ModelProto:
+    """A new model whose named weights are stored as given, every tensor inside it (kept ones that
+    point into the input's external data, in folder `source`, are read in). Input untouched."""
+    return _build(model, stored, lambda tensor: _loaded(tensor, source))
 
 
 @dataclass(frozen=True)
@@ -356,25 +377,29 @@ class Written:
         return sum(f.stat().st_size for f in self.files)
 
 
-def write_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], path: str | os.PathLike, *, external_data: bool | None = None) -> Written:
+def write_storage(
+    model: onnx.ModelProto, stored: Mapping[str, StoredWeight], path: str | os.PathLike, *, external_data: bool | None = None, source: Path | None = None
+) -> Written:
     """Write `model` with `stored` weights to `path`, atomically (external data together with its model).
 
     Small models are built in memory. Large ones (or `external_data=True`) are
     written tensor by tensor into `<name>.data`: each emitted or kept tensor
     goes to disk before the next, kept tensors straight from the input's
     bytes, so peak memory stays near the input model's own copy plus one tensor.
+    A `model` loaded without its external data names its folder in `source`:
+    kept tensors are then read from the input's data files one at a time.
     """
     from graph_ops.io import atomic_output, data_location, drop_stale_data, save_model, stored_bytes, weight_bits
 
     path = Path(path)
-    if external_data is None:
-        external_data = stored_bytes(model) >= STREAM_THRESHOLD
+    if external_data is None:  # an input that keeps its weights outside gets an output that does too
+        external_data = source is not None or stored_bytes(model) >= STREAM_THRESHOLD
     if not external_data:
-        built = apply_storage(model, stored)
+        built = apply_storage(model, stored, source)
         return Written((save_model(built, path),), weight_bits(built))
     location = data_location(path)
     with atomic_output(path.with_name(location)) as partial:  # the data lands under its final name first ...
-        data = _DataFile(partial, location)
+        data = _DataFile(partial, location, source)
         try:
             built = _build(model, stored, data.reference)
         finally:

@@ -12,6 +12,7 @@ import polars as pl
 
 import graph_ops
 import models
+from runtimes import OrtRuntime
 from tqsdeploy.evaluate import evaluate
 from tqsdeploy.export import Planner
 from tqsdeploy.score import ScoreSettings, score
@@ -58,6 +59,14 @@ def test_external_data_models_score_and_evaluate_as_in_memory_ones(tmp_path):
     planner = Planner(tmp_path / "run_ext", external)
     outcome = planner.export(4, tmp_path / "out" / "q.onnx")
     planner.close()
+    in_memory = Planner(tmp_path / "run_inline", inline)
+    expected = in_memory.export(4, tmp_path / "out_inline" / "q.onnx")
+    in_memory.close()
+    assert outcome.shipped == expected.shipped and outcome.compression == expected.compression
+    assert list(outcome.path.parent.glob("q.onnx.*.data"))  # an input with external data gives an output with external data
+    x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
+    run = lambda path: OrtRuntime(exact_qdq=True).open(path, external_data_dir=path.parent).run({"x": x})["y"]
+    assert np.array_equal(run(outcome.path), run(expected.path))
     reports = [evaluate(outcome.path, reference, tmp_path / "c.npz", steps=4) for reference in (inline, external)]
     assert reports[0]["outputs"]["y"]["vs_reference"]["drift_pct"] == reports[1]["outputs"]["y"]["vs_reference"]["drift_pct"]
     assert reports[0]["compression"] == reports[1]["compression"]

@@ -62,7 +62,9 @@ class Calibrator:
         runtime: OrtRuntime = OrtRuntime(),
         max_batch: int = 64,
         workdir: Path | None = None,
+        data_dir: Path | None = None,
     ):
+        """`data_dir`: the folder of the data files a `proto` loaded without its external data points into."""
         self.layouts = dict(layouts)
         self.waves = waves(proto, self.layouts)
         calibrated = {n for wave in self.waves for n in wave}
@@ -70,7 +72,7 @@ class Calibrator:
         exposed = expose_tensors(graph_ops.make_weights_overridable(proto, list(self.layouts)), layer_tensors(proto, self.layouts))
         source = graph_ops.io.session_source(exposed, workdir)
         try:
-            self.session = runtime.open(source, external_data_dir=None if isinstance(source, bytes) else source.parent)
+            self.session = runtime.open(source, external_data_dir=data_dir if data_dir is not None else None if isinstance(source, bytes) else source.parent)
         except Exception as exc:
             raise InputError(f"ONNX Runtime cannot load the calibration graph: {str(exc).splitlines()[0]}") from None
         self.graph_inputs = {v.name for v in exposed.graph.input}

@@ -188,6 +188,7 @@ class Planner:
             runtime=runtime,
             strategy=meta.get("strategy", "auto"),
             workdir=self.run_dir,
+            stream=True,
         )
         if self.prepared.model.sha256 != meta["model"]["sha256"]:
             raise InputError(
@@ -213,7 +214,7 @@ class Planner:
             self.layouts,
             self.weights,
             settings.group_size,
-            calibrator=lambda: Calibrator(proto, self.layouts, self.prepared.contexts, self.prepared.spec, runtime, workdir=self.run_dir),
+            calibrator=lambda: Calibrator(proto, self.layouts, self.prepared.contexts, self.prepared.spec, runtime, workdir=self.run_dir, data_dir=self.prepared.data_dir),
         )
         sizes = graph_ops.io.tensor_sizes(proto)
         self.reference_bits = graph_ops.weight_bits(proto)
@@ -542,7 +543,7 @@ class Planner:
     def write(self, encodings: dict[str, Encoded], path: Path, external_data: bool | None = None) -> Written:
         """Write the model atomically (large ones stream into external data)."""
         stored = {name: e for name, e in encodings.items() if not (e.form == "raw" and e.values is self.weights.get(name))}
-        return write_storage(self.model.proto, stored, path, external_data=external_data)
+        return write_storage(self.model.proto, stored, path, external_data=external_data, source=self.prepared.data_dir)
 
     def export(self, target: float | None, path: Path | str, uniform_tier: str | None = None, rounding: str | None = None, on_result=None,
                max_drift_pct: float | None = None) -> Outcome:

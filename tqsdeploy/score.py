@@ -141,6 +141,8 @@ class Prepared:
     """The session opened to check the model, handed to the first runner so it is not built twice."""
     session_file: Path | None = None
     """The runtime's copy of a model too large to pass as bytes (external data beside it)."""
+    data_dir: Path | None = None
+    """Set when the model was loaded without its external data: the folder its data files are in."""
 
     def open_runner(self) -> SweepRunner:
         session, self.session = self.session, None
@@ -264,7 +266,10 @@ def prepare(
         unit_factory=rebuild.overridable if rebuild is not None else None,
         tasks_per_unit=int(settings.quant_probe) + settings.gauss_draws,
     )
-    return Prepared(model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session, session_file=source if isinstance(source, Path) else None)
+    return Prepared(
+        model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session,
+        session_file=source if isinstance(source, Path) else None, data_dir=loaded.path.parent.resolve() if streamed else None,
+    )
 
 
 def _session_file(loaded: graph_ops.LoadedModel, names: list[str], workdir: Path | None, kind: str = "session") -> Path:
