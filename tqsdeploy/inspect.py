@@ -26,11 +26,12 @@ def inspect_model(
     selection: UnitSelection = UnitSelection(),
 ) -> dict:
     """Signature, op census, quantizable units and the rollout, as plain data."""
-    loaded = graph_ops.load_model(model)
+    loaded = graph_ops.load_model(model, load_external=False)  # shapes and types only; the runtime reads the weights
     tensors = graph_ops.find_weight_tensors(loaded.proto)
     units = select_units(tensors, selection)
     source = graph_ops.io.runnable_path(loaded)
     if source is None:  # IR too new: the runtime gets a clamped copy (in a temporary folder when over 2 GiB)
+        loaded = graph_ops.load_model(model)
         with tempfile.TemporaryDirectory(prefix="tqs-inspect-") as folder:
             session = OrtRuntime().open(graph_ops.io.session_source(graph_ops.io.runtime_compatible(loaded.proto), folder))
     else:
