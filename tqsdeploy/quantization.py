@@ -35,6 +35,9 @@ from tqsdeploy.units import Unit
 
 MAX_PARTS = 64
 """Most channel groups one unit is split into."""
+UNCACHED_FORMS = ("raw", "cast")
+"""Stored forms made again when asked for, not kept: the weight itself, or a cast of it, costs a
+read (of a file, for a streamed model) and holding them would keep up to 1.5 copies of the model."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ class Encoder:
         self.track_errors = track_errors
         self._calibrator = None
         self._uniform: dict[tuple[str, Rounding], dict[str, Encoded]] = {}
+        self._single: dict[tuple[str, str], Encoded] = {}
         self._mixed: dict[tuple, dict[str, Encoded]] = {}
         self.log = EncoderLog()
         self.on_weight: Callable[[str], None] | None = None
@@ -165,12 +169,25 @@ class Encoder:
     def uniform(self, tier: Tier | str, rounding: Rounding) -> dict[str, Encoded]:
         """Every unit tensor at `tier`, codes chosen by `rounding` (its uniform baseline)."""
         tier = TIERS[tier] if isinstance(tier, str) else tier
-        if not tier.calibratable:
-            rounding = Rounding()  # float and fp8 tiers: nothing to compensate
+        if not tier.calibratable:  # float and fp8 tiers: nothing to compensate, each tensor on its own
+            return {name: self.tensor(name, tier, rounding) for name in self.layouts}
         key = (tier.name, rounding)
         if key not in self._uniform:
             self._uniform[key] = self._pass(lambda name, stats: self._encode(name, tier, rounding, stats), rounding, f"uniform {tier.name} {rounding.method}")
         return self._uniform[key]
+
+    def tensor(self, name: str, tier: Tier | str, rounding: Rounding) -> Encoded:
+        """One unit tensor's entry of `uniform(tier, rounding)`; a tier that needs no calibration
+        encodes just this tensor (kept unless its form is the weight itself or a cast of it)."""
+        tier = TIERS[tier] if isinstance(tier, str) else tier
+        if tier.calibratable:
+            return self.uniform(tier, rounding)[name]
+        if (tier.name, name) in self._single:
+            return self._single[(tier.name, name)]
+        encoded = self._encode(name, tier, Rounding(), None)
+        if encoded.form not in UNCACHED_FORMS:
+            self._single[(tier.name, name)] = encoded
+        return encoded
 
     def _channels(self, name: str, encoded: Encoded, rows: tuple[int, int] | None) -> Encoded:
         if rows is None:
@@ -179,8 +196,7 @@ class Encoder:
 
     def slot(self, slot: Slot, tier: Tier | str, rounding: Rounding) -> dict[str, Encoded]:
         """The slot's own encodings at `tier` (its channel group only, for a split unit)."""
-        uniform = self.uniform(tier, rounding)
-        return {name: self._channels(name, uniform[name], slot.rows) for name in self.units[slot.unit].tensor_names}
+        return {name: self._channels(name, self.tensor(name, tier, rounding), slot.rows) for name in self.units[slot.unit].tensor_names}
 
     def slot_weights(self, slot: Slot, tier: Tier | str, rounding: Rounding) -> dict[str, np.ndarray]:
         """Full tensors of the slot's unit with only the slot at `tier` (the rest at full precision)."""
@@ -222,7 +238,7 @@ class Encoder:
         result = {}
         for name in self.layouts:
             runs = self._runs(name, slots, assignment)
-            result[name] = self._join(name, runs, lambda tier: self.uniform(tier, rounding)[name])
+            result[name] = self._join(name, runs, lambda tier: self.tensor(name, tier, rounding))
         return result
 
     def calibrated(self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: Rounding) -> dict[str, Encoded]:
