@@ -83,7 +83,7 @@ def timed(args: list[str], cwd: Path) -> dict:
     return {"rc": result.returncode, "peak_gb": int(peak.group(1)) * 1024 / GB if peak else float("nan"), "seconds": seconds, "error": errors[0] if errors else ""}
 
 
-def bench(gigabytes: float, rounding: str, steps: int) -> list[dict]:
+def bench(gigabytes: float, rounding: str, steps: int, export: bool = True) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="tqs-bench-memory-") as tmp:
         tmp = Path(tmp)
         (tmp / "model").mkdir()
@@ -100,6 +100,8 @@ def bench(gigabytes: float, rounding: str, steps: int) -> list[dict]:
             ("export --C 4", [*cli, "export", str(path), "--run", str(run), "--C", "4", "--rounding", rounding, "--refine", "0", "-o", str(tmp / "out" / "chain.C4.onnx")]),
             ("eval", [*cli, "eval", str(tmp / "out" / "chain.C4.onnx"), "--reference", str(path), "--contexts", str(run / "contexts.npz"), "--steps", str(steps)]),
         ]
+        if not export:  # eval then compares the model with itself (two sessions of it, as against an export)
+            commands[-2:] = [("eval (model vs itself; export skipped)", [*cli, "eval", str(path), "--reference", str(path), "--contexts", str(run / "contexts.npz"), "--steps", str(steps), "--report", str(tmp / "eval")])]
         rows = []
         for name, args in commands:
             row = {"model_gb": size, "command": name, **timed(args, tmp)}
@@ -119,8 +121,9 @@ def main() -> None:
     parser.add_argument("--gb", default="0.3,1.2,2.5", help="Model sizes in GB (comma-separated).")
     parser.add_argument("--rounding", default="rtn", help="Export rounding (rtn keeps the run cheap; qep adds calibration).")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--export-below", type=float, default=float("inf"), help="Skip export for models of this many GB and more (it takes the longest).")
     args = parser.parse_args()
-    rows = [r for gb in args.gb.split(",") for r in bench(float(gb), args.rounding, args.steps)]
+    rows = [r for gb in args.gb.split(",") for r in bench(float(gb), args.rounding, args.steps, float(gb) < args.export_below)]
     lines = [
         f"Peak RSS per command, {time.strftime('%Y-%m-%d')}, {platform.platform()}, {os.cpu_count()} cores (shared machine).",
         f"State-to-state MatMul chains with external data in a read-only folder; score: --probe quant, 4 random windows, {args.steps} steps;"
