@@ -250,12 +250,12 @@ def _tensor_bytes(tensor: onnx.TensorProto, source: Path | None = None) -> bytes
     return numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name).raw_data
 
 
-def _loaded(tensor: onnx.TensorProto, source: Path | None) -> onnx.TensorProto:
-    """`tensor` with its payload inside it (read from its external-data file when it points to one)."""
+def _loaded(tensor: onnx.TensorProto, source: Path | None, payload: bytes | memoryview | None = None) -> onnx.TensorProto:
+    """`tensor` with its payload inside it (read from its external-data file when it points to one, unless given)."""
     if not external_data_helper.uses_external_data(tensor):
         return tensor
     inline = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=list(tensor.dims))
-    inline.raw_data = bytes(_tensor_bytes(tensor, source))
+    inline.raw_data = bytes(payload if payload is not None else _tensor_bytes(tensor, source))
     return inline
 
 
@@ -278,7 +278,7 @@ class _DataFile:
     def reference(self, tensor: onnx.TensorProto) -> onnx.TensorProto:
         payload = _tensor_bytes(tensor, self.source)
         if len(payload) < self.INLINE_BELOW:
-            return _loaded(tensor, self.source)
+            return _loaded(tensor, self.source, payload)
         padding = -self.offset % self.ALIGN
         self.handle.write(b"\0" * padding)
         self.offset += padding

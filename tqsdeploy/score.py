@@ -202,10 +202,8 @@ def prepare(
     gets to the unit.
     """
     runtime.check()
-    loaded = graph_ops.load_model(model, load_external=not stream)
+    loaded = graph_ops.load_model(model, load_external=not stream)  # without external files: loaded whole either way
     streamed = stream and bool(loaded.external_files)
-    if stream and not streamed:
-        loaded = graph_ops.load_model(model)  # weights inside the .onnx itself: nothing to stream
     units = select_units(graph_ops.find_weight_tensors(loaded.proto), selection)
     names = [n for u in units for n in u.tensor_names]
     session_proto = graph_ops.lift_constants(loaded.proto, names)
