@@ -177,6 +177,11 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedMod
         head = handle.read(1)
     if head != b"\x08":  # every ONNX file opens with field 1, ir_version, as a varint
         raise GraphError(f"{path} is not an ONNX model (it does not start like an ONNX protobuf file)")
+    try:  # the checker reads the file itself, before this process holds its own copy: the two never coexist
+        onnx.checker.check_model(str(path))
+        invalid = None
+    except Exception as exc:  # reported after the parse, whose errors say more
+        invalid = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     try:
         proto = onnx.load_model(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError and friends
@@ -184,16 +189,10 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedMod
     if proto.ir_version <= 0 or not proto.HasField("graph") or len(proto.opset_import) == 0:
         raise GraphError(f"{path} is not an ONNX model (no graph, IR version or opset)")
     externals = _external_files(proto, path.parent)
+    if invalid is not None:
+        raise GraphError(f"{path} is not a valid ONNX model (truncated or corrupt): {invalid}")
     if externals and load_external:
         external_data_helper.load_external_data_for_model(proto, str(path.parent))
-    try:
-        if externals or stored_bytes(proto) >= PROTOBUF_LIMIT:
-            onnx.checker.check_model(str(path))  # checks the file: no second in-memory copy of the weights
-        else:
-            onnx.checker.check_model(proto)
-    except Exception as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise GraphError(f"{path} is not a valid ONNX model (truncated or corrupt): {message}") from None
     return LoadedModel(
         proto=proto,
         path=path,

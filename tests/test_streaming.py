@@ -72,3 +72,39 @@ def test_external_data_models_score_and_evaluate_as_in_memory_ones(tmp_path):
     assert reports[0]["compression"] == reports[1]["compression"]
 
     assert sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in external.parent.iterdir()) == before
+
+
+def test_large_single_file_models_are_streamed_from_a_copy_of_their_weights_in_the_run_folder(tmp_path, monkeypatch):
+    """Past STREAM_COPY_BYTES a model holding its weights inside the .onnx is scored from a one-time copy of them
+    into a data file in the run folder (reused on resume and by export): same γ, same exported model."""
+    import sys
+
+    score_module = sys.modules["tqsdeploy.score"]  # the package re-exports the function under the same name
+
+    model = models.mlp_forecaster(tmp_path / "m.onnx", n=32, hidden=64)
+    np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
+    settings = ScoreSettings(gauss_draws=2)
+    plain = score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "plain", settings=settings, strategy="feed")
+    monkeypatch.setattr(score_module, "STREAM_COPY_BYTES", 0)
+    copied = score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "copied", settings=settings)
+    gammas = lambda table: dict(zip(table.frame["unit"], table.frame["gamma"]))
+    assert gammas(plain) == gammas(copied)
+    copies = sorted(p.name for p in (tmp_path / "copied").glob("weights-*"))
+    assert len(copies) == 2 and copies[1].endswith(".data")  # the graph and its data file
+    stamp = (tmp_path / "copied" / copies[1]).stat().st_mtime_ns
+    assert gammas(score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "copied", settings=settings)) == gammas(plain)
+    assert (tmp_path / "copied" / copies[1]).stat().st_mtime_ns == stamp  # reused, not rewritten
+
+    outcomes = []
+    for run in ("plain", "copied"):
+        planner = Planner(tmp_path / run, model)
+        outcomes.append(planner.export(4, tmp_path / f"out_{run}" / "q.onnx"))
+        planner.close()
+    x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
+    ys = [OrtRuntime(exact_qdq=True).open(o.path, external_data_dir=o.path.parent).run({"x": x})["y"] for o in outcomes]
+    assert outcomes[0].shipped == outcomes[1].shipped and np.array_equal(ys[0], ys[1])
+
+    # a fresh score of another model into the same folder removes the copy
+    other = models.mlp_forecaster(tmp_path / "other.onnx", n=32, hidden=64, seed=5)
+    score(other, tmp_path / "c.npz", steps=4, out=tmp_path / "copied", settings=settings, resume=False)
+    assert not any(name in copies for name in (p.name for p in (tmp_path / "copied").iterdir()))

@@ -203,7 +203,11 @@ def prepare(
     """
     runtime.check()
     loaded = graph_ops.load_model(model, load_external=not stream)  # without external files: loaded whole either way
-    streamed = stream and bool(loaded.external_files)
+    data_dir = loaded.path.parent.resolve() if stream and loaded.external_files else None
+    if stream and data_dir is None and workdir is not None and graph_ops.io.stored_bytes(loaded.proto) >= STREAM_COPY_BYTES:
+        loaded, data_dir = _weights_outside(loaded, Path(workdir))
+        release_freed_memory()  # the in-file weights just dropped
+    streamed = data_dir is not None
     units = select_units(graph_ops.find_weight_tensors(loaded.proto), selection)
     names = [n for u in units for n in u.tensor_names]
     session_proto = graph_ops.lift_constants(loaded.proto, names)
@@ -215,7 +219,7 @@ def prepare(
         source = _session_file(loaded, names, workdir, "graph")
         if not source.exists():
             graph_ops.save_model(session_proto, source, external_data=False)  # the graph only: tensors stay references
-        factory = partial(runtime.open, source, external_data_dir=loaded.path.parent.resolve())
+        factory = partial(runtime.open, source, external_data_dir=data_dir)
     elif graph_ops.io.stored_bytes(session_proto) < graph_ops.io.PROTOBUF_LIMIT:
         rebuild = RebuildFactory(graph_ops.model_bytes(session_proto), runtime, declarations)  # the one serialisation
         factory = partial(rebuild.overridable, tuple(names))
@@ -245,7 +249,7 @@ def prepare(
             seed=context_options.seed,
             columns=context_options.columns,
         )
-    weights = graph_ops.FileWeights(loaded.proto, names, loaded.path.parent) if streamed else graph_ops.read_weights(loaded.proto, names)
+    weights = graph_ops.FileWeights(loaded.proto, names, data_dir) if streamed else graph_ops.read_weights(loaded.proto, names)
     check_finite(weights)
     job = SweepJob(
         session_factory=factory,
@@ -266,8 +270,38 @@ def prepare(
     )
     return Prepared(
         model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session,
-        session_file=source if isinstance(source, Path) else None, data_dir=loaded.path.parent.resolve() if streamed else None,
+        session_file=source if isinstance(source, Path) else None, data_dir=data_dir,
     )
+
+
+STREAM_COPY_BYTES = 256 * 2**20
+"""A model holding at least this much inside its .onnx file is streamed from a copy of its weights in the run folder."""
+
+
+def _weights_outside(loaded: graph_ops.LoadedModel, workdir: Path) -> tuple[graph_ops.LoadedModel, Path]:
+    """The model as if it kept its weights in external data: a copy with them moved into a data file in the
+    run folder (written tensor by tensor once, reused by a resumed score and by export), loaded without them.
+    Keeps the original's identity (path, hash); the original's in-memory weights are released by the caller."""
+    from graph_ops.qdq import write_storage
+
+    copy = workdir / f"weights-{loaded.sha256[:12]}.onnx"
+    if not copy.exists():
+        write_storage(loaded.proto, {}, copy, external_data=True)
+    outside = graph_ops.load_model(copy, load_external=False)
+    return dataclasses.replace(loaded, proto=outside.proto), workdir.resolve()
+
+
+def release_freed_memory() -> None:
+    """Hand the heap freed by a dropped model copy back to the OS (glibc keeps it otherwise, and it
+    counts in the process's resident size until reused). A no-op where glibc's malloc_trim is absent."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _session_file(loaded: graph_ops.LoadedModel, names: list[str], workdir: Path | None, kind: str = "session") -> Path:
@@ -369,9 +403,12 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
     if resume is False or not matches:
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
-        for pattern in ("session-*.onnx*", "graph-*.onnx"):
+        in_use = {prepared.session_file.name} if prepared.session_file else set()
+        if prepared.data_dir == run_dir.resolve():
+            in_use.add(f"weights-{prepared.model.sha256[:12]}.onnx")
+        for pattern in ("session-*.onnx*", "graph-*.onnx", "weights-*.onnx*"):
             for stale in run_dir.glob(pattern):
-                if not stale.name.startswith(prepared.session_file.name if prepared.session_file else "-"):
+                if not any(stale.name.startswith(name) for name in in_use):
                     stale.unlink()
 
     log = ResultLog(run_dir / "sweep.jsonl")
