@@ -30,8 +30,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 GB = 1e9
 
 
-def build(folder: Path, gigabytes: float) -> Path:
-    """Write the weights layer by layer straight to the data file (one layer in memory at a time)."""
+def build(folder: Path, gigabytes: float, inline: bool = False) -> Path:
+    """Write the weights layer by layer straight to the data file (one layer in memory at a time),
+    or with `inline` into the .onnx itself (the single-file layout most exporters write below 2 GiB)."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper
@@ -61,7 +62,10 @@ def build(folder: Path, gigabytes: float) -> Path:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     model.ir_version = 10
     path = folder / "chain.onnx"
-    onnx.save_model(model, str(path))  # the proto alone: its tensors already point at the data file
+    if inline:
+        onnx.external_data_helper.load_external_data_for_model(model, str(folder))
+        data.unlink()
+    onnx.save_model(model, str(path))  # external: the proto alone, its tensors already point at the data file
     return path
 
 
@@ -83,11 +87,11 @@ def timed(args: list[str], cwd: Path) -> dict:
     return {"rc": result.returncode, "peak_gb": int(peak.group(1)) * 1024 / GB if peak else float("nan"), "seconds": seconds, "error": errors[0] if errors else ""}
 
 
-def bench(gigabytes: float, rounding: str, steps: int, export: bool = True) -> list[dict]:
+def bench(gigabytes: float, rounding: str, steps: int, export: bool = True, inline: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="tqs-bench-memory-") as tmp:
         tmp = Path(tmp)
         (tmp / "model").mkdir()
-        path = build(tmp / "model", gigabytes)
+        path = build(tmp / "model", gigabytes, inline)
         size = sum(p.stat().st_size for p in (tmp / "model").iterdir()) / GB
         (tmp / "model").chmod(0o555)
         before = sorted(p.name for p in (tmp / "model").iterdir())
@@ -104,7 +108,7 @@ def bench(gigabytes: float, rounding: str, steps: int, export: bool = True) -> l
             commands[-2:] = [("eval (model vs itself; export skipped)", [*cli, "eval", str(path), "--reference", str(path), "--contexts", str(run / "contexts.npz"), "--steps", str(steps), "--report", str(tmp / "eval")])]
         rows = []
         for name, args in commands:
-            row = {"model_gb": size, "command": name, **timed(args, tmp)}
+            row = {"model_gb": size, "layout": "inline" if inline else "external data", "command": name, **timed(args, tmp)}
             row["target_gb"] = 1.5 * size + 0.5
             rows.append(row)
             print(row, flush=True)
@@ -122,20 +126,26 @@ def main() -> None:
     parser.add_argument("--rounding", default="rtn", help="Export rounding (rtn keeps the run cheap; qep adds calibration).")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--export-below", type=float, default=float("inf"), help="Skip export for models of this many GB and more (it takes the longest).")
+    parser.add_argument("--layouts", default="external", help="external (weights in a .data file), inline (inside the .onnx, below 2 GiB), or both comma-separated.")
     args = parser.parse_args()
-    rows = [r for gb in args.gb.split(",") for r in bench(float(gb), args.rounding, args.steps, float(gb) < args.export_below)]
+    rows = [
+        r
+        for layout in args.layouts.split(",")
+        for gb in args.gb.split(",")
+        for r in bench(float(gb), args.rounding, args.steps, float(gb) < args.export_below, layout == "inline")
+    ]
     lines = [
         f"Peak RSS per command, {time.strftime('%Y-%m-%d')}, {platform.platform()}, {os.cpu_count()} cores (shared machine).",
         f"State-to-state MatMul chains with external data in a read-only folder; score: --probe quant, 4 random windows, {args.steps} steps;"
         f" export --C 4 --rounding {args.rounding} --refine 0. Target: peak <= 1.5 x model + 0.5 GB.",
         "",
-        "| model GB | command | exit | peak RSS GB | target GB | met | seconds | model folder untouched | error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model GB | weights | command | exit | peak RSS GB | target GB | met | seconds | model folder untouched | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         met = "yes" if r["rc"] == 0 and r["peak_gb"] <= r["target_gb"] else "no"
         lines.append(
-            f"| {r['model_gb']:.2f} | {r['command']} | {r['rc']} | {r['peak_gb']:.2f} | {r['target_gb']:.2f} | {met} | {r['seconds']:.1f} | {r['model_folder_untouched']} | {r['error'][:120]} |"
+            f"| {r['model_gb']:.2f} | {r['layout']} | {r['command']} | {r['rc']} | {r['peak_gb']:.2f} | {r['target_gb']:.2f} | {met} | {r['seconds']:.1f} | {r['model_folder_untouched']} | {r['error'][:120]} |"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "memory.md").write_text("\n".join(lines) + "\n")
