@@ -1,7 +1,7 @@
 """Score-sweep speed per strategy on the bundled examples and a BERT-size transformer (run on demand, not in tests).
 
 For each model it reports, per sweep strategy (feed, rebuild, unit, prefix
-for single-step models, auto):
+for single-step models, batch where the model's batch axis is dynamic, auto):
 - the sweep's wall time (`tqsdeploy.score`, end to end: session builds,
   auto's timing, the nominal rollout, every task);
 - ratio = that wall / (L·(1+N) × one plain ONNX Runtime rollout of the
@@ -145,14 +145,19 @@ def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSe
     runner.close()
     tasks = len(prepared.units) * (int(settings.quant_probe) + settings.gauss_draws)
     plain = _plain_rollout(model, prepared.contexts, prepared.spec, threads, batched)
-    strategies = [s for s in ["feed", "rebuild", "unit"] + (["prefix"] if prepared.spec.steps == 1 else []) + ["auto"] if s not in skip]
+    strategies = [s for s in ["feed", "rebuild", "unit"] + (["prefix"] if prepared.spec.steps == 1 else []) + ["batch", "auto"] if s not in skip]
     walls: dict[str, list[float]] = {s: [] for s in strategies}
-    picks, estimates, sweep_phase = [], None, []
+    picks, estimates, sweep_phase, refused = [], None, [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):
-            for strategy in strategies:
+            for strategy in [s for s in strategies if s not in refused]:
                 started = time.perf_counter()
-                table = score(model, prepared.contexts, spec=prepared.spec, out=Path(tmp) / strategy, settings=settings, runtime=runtime, resume=False, strategy=strategy)
+                try:
+                    table = score(model, prepared.contexts, spec=prepared.spec, out=Path(tmp) / strategy, settings=settings, runtime=runtime, resume=False, strategy=strategy)
+                except TqsError as exc:  # 'batch' refuses static-batch models and models whose rows mix
+                    refused[strategy] = str(exc)
+                    del walls[strategy]
+                    continue
                 walls[strategy].append(time.perf_counter() - started)
                 if strategy == "auto":
                     picks.append(table.meta["strategy"])
@@ -171,6 +176,7 @@ def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSe
         "wall_s": {s: round(v, 3) for s, v in wall.items()},
         "ratio": {s: round(v / (tasks * plain), 3) for s, v in wall.items()},
         "speedup_vs_feed": {s: round(wall["feed"] / v, 2) for s, v in wall.items()},
+        "refused": refused,
         "auto_picks": picks,
         "auto_estimates_s": estimates,
         "auto_sweep_phase_ratio": round(statistics.median(sweep_phase) / (tasks * plain), 3) if sweep_phase else None,
@@ -215,7 +221,7 @@ def main() -> None:
         "skipped": skipped,
     }
     (RESULTS / "score.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    names = ["feed", "rebuild", "unit", "prefix", "auto"]
+    names = ["feed", "rebuild", "unit", "prefix", "batch", "auto"]
     lines = [
         f"Score-sweep benchmark, {meta['date']}, {meta['machine']}, ORT threads={args.threads}, probes: {meta['probes']}, median of {args.rounds} interleaved rounds.",
         "",
@@ -237,7 +243,8 @@ def main() -> None:
         )
     lines += ["", "auto's own estimates of each sweep (s), from one window, one step and one build:", ""]
     lines += [f"- {r['model']}: " + ", ".join(f"{k} {v}" for k, v in (r["auto_estimates_s"] or {}).items()) for r in rows]
-    lines += ["", "— = not run: `prefix` needs T = 1; `rebuild` on the BERT builds a 90 MB session per task (its estimate is above)."]
+    lines += ["", "— = not run: `prefix` needs T = 1; `rebuild` on the BERT builds a 90 MB session per task (its estimate is above); `batch` refused:"]
+    lines += [f"- {r['model']}: {reason}" for r in rows for reason in r["refused"].values()]
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped)]
     (RESULTS / "score.md").write_text("\n".join(lines) + "\n")

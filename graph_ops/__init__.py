@@ -9,7 +9,7 @@ protos, paths and plain dataclasses.
 from graph_ops.io import GraphError, LoadedModel, load_model, model_bytes, save_model, weight_bits
 from graph_ops.layout import WeightLayout, WeightUse, weight_layouts
 from graph_ops.weights import FileWeights, WeightTensor, find_weight_tensors, read_weights, replace_weights
-from graph_ops import prefix
+from graph_ops import batch, prefix, wire
 from graph_ops.overridable import input_declarations, lift_constants, make_weights_overridable
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "WeightLayout",
     "WeightTensor",
     "WeightUse",
+    "batch",
     "find_weight_tensors",
     "load_model",
     "input_declarations",
@@ -27,6 +28,7 @@ __all__ = [
     "model_bytes",
     "read_weights",
     "replace_weights",
+    "wire",
     "save_model",
     "weight_bits",
     "weight_layouts",

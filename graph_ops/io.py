@@ -138,8 +138,8 @@ def weight_bits(proto: onnx.ModelProto) -> int:
     return sum(tensor_bits(t) for t in iter_tensors(proto.graph))
 
 
-def _external_files(proto: onnx.ModelProto, folder: Path) -> list[Path]:
-    """Check every external-data reference and return the files they use."""
+def _external_files(proto: onnx.ModelProto, folder: Path, own_name: str = "") -> list[Path]:
+    """Check every external-data reference and return the files they use (the model file itself not included)."""
     folder = folder.resolve()
     files: dict[Path, None] = {}
     for tensor in iter_tensors(proto.graph):
@@ -152,6 +152,8 @@ def _external_files(proto: onnx.ModelProto, folder: Path) -> list[Path]:
             raise GraphError(
                 f"tensor '{tensor.name}' points to external data '{info.location}' outside the model's folder {folder}"
             )
+        if target == folder / own_name:
+            continue  # a skeleton's reference into the model file itself (`graph_ops.wire`)
         if not target.is_file():
             raise GraphError(f"external data file '{info.location}' for tensor '{tensor.name}' is missing")
         size = target.stat().st_size
@@ -164,10 +166,20 @@ def _external_files(proto: onnx.ModelProto, folder: Path) -> list[Path]:
     return list(files)
 
 
+SKELETON_BYTES = 64 * 2**20
+"""Without `load_external`, a model file this large is read as a skeleton (`graph_ops.wire`): its
+in-file weights become references into the file, read on demand like external data."""
+
+
+def has_external_data(proto: onnx.ModelProto) -> bool:
+    return any(external_data_helper.uses_external_data(t) for t in iter_tensors(proto.graph))
+
+
 def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedModel:
     """Read and validate an ONNX model, external data included unless `load_external`
     is False (then tensors stored outside keep their references: shapes and types
-    without a copy of the weights; `graph_ops.weights.FileWeights` reads them on demand)."""
+    without a copy of the weights; `graph_ops.weights.FileWeights` reads them on demand;
+    a file of SKELETON_BYTES or more holds its own weights by reference too)."""
     path = Path(path)
     if not path.exists():
         raise GraphError(f"model file {path} does not exist")
@@ -183,12 +195,17 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedMod
     except Exception as exc:  # reported after the parse, whose errors say more
         invalid = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     try:
-        proto = onnx.load_model(str(path), load_external_data=False)
-    except Exception as exc:  # protobuf raises DecodeError and friends
+        if not load_external and path.stat().st_size >= SKELETON_BYTES:
+            from graph_ops.wire import skeleton
+
+            proto = skeleton(path)
+        else:
+            proto = onnx.load_model(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises DecodeError and friends, the wire reader ValueError/IndexError
         raise GraphError(f"{path} is truncated or corrupt (protobuf: {exc})") from None
     if proto.ir_version <= 0 or not proto.HasField("graph") or len(proto.opset_import) == 0:
         raise GraphError(f"{path} is not an ONNX model (no graph, IR version or opset)")
-    externals = _external_files(proto, path.parent)
+    externals = _external_files(proto, path.parent, path.name)
     if invalid is not None:
         raise GraphError(f"{path} is not a valid ONNX model (truncated or corrupt): {invalid}")
     if externals and load_external:

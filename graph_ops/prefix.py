@@ -62,7 +62,12 @@ def boundary_tensors(model: onnx.ModelProto, weights: list[str], outputs: list[s
 
 
 def element_types(model: onnx.ModelProto) -> dict[str, int]:
-    """Element type of every tensor shape inference can type, without copying large weights:
+    """Element type of every tensor shape inference can type."""
+    return {v.name: v.type.tensor_type.elem_type for v in inferred_values(model) if v.type.tensor_type.elem_type}
+
+
+def inferred_values(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """Every value shape inference can type or shape, without copying large weights:
     big initializers are declared as inputs for the inference, small ones (shape constants) kept."""
     graph = model.graph
     declared = {i.name for i in graph.input}
@@ -78,8 +83,7 @@ def element_types(model: onnx.ModelProto) -> dict[str, int]:
     typed = helper.make_model(light, opset_imports=list(model.opset_import), ir_version=model.ir_version)
     typed.functions.extend(model.functions)
     inferred = onnx.shape_inference.infer_shapes(typed)
-    values = list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
-    return {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
+    return list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
 
 
 def activation_outputs(model: onnx.ModelProto, names: list[str] | set[str], types: dict[str, int] | None = None) -> bytes:

@@ -5,7 +5,7 @@ work without it.
 """
 
 from runtimes.base import IOSpec, ModelSource, RuntimeUnavailable, Session, SessionFactory
-from runtimes.ort import PROVIDERS, OrtRuntime, OrtSession, available_providers
+from runtimes.ort import PROVIDERS, OrtRuntime, OrtSession, available_providers, release_freed_memory
 
 
 def make_runtime(provider: str, threads: int | None = None):
@@ -27,4 +27,5 @@ __all__ = [
     "SessionFactory",
     "available_providers",
     "make_runtime",
+    "release_freed_memory",
 ]

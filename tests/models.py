@@ -188,3 +188,58 @@ def gather_forecaster(path: Path, rows: int = 100, n: int = 32, seed: int = 0, c
         init,
         path,
     )
+
+
+def gemm_pair(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> Path:
+    """y = 0.5 * x + Gemm(tanh(Gemm(x, W1ᵀ, b1, transB=1)), W2, b2, alpha=0.3, beta=2): both Gemm layouts, biases as weights."""
+    rng = np.random.default_rng(seed)
+    init = {
+        "W1": (rng.standard_normal((hidden, n)) / np.sqrt(n)).astype(np.float32),
+        "b1": (0.1 * rng.standard_normal(hidden)).astype(np.float32),
+        "W2": (rng.standard_normal((hidden, n)) / np.sqrt(hidden)).astype(np.float32),
+        "b2": (0.05 * rng.standard_normal(n)).astype(np.float32),
+        "half": np.full((1,), 0.5, np.float32),
+    }
+    nodes = [
+        helper.make_node("Gemm", ["x", "W1", "b1"], ["h"], transB=1),
+        helper.make_node("Tanh", ["h"], ["a"]),
+        helper.make_node("Gemm", ["a", "W2", "b2"], ["d"], alpha=0.3, beta=2.0),
+        helper.make_node("Mul", ["x", "half"], ["hx"]),
+        helper.make_node("Add", ["hx", "d"], ["y"]),
+    ]
+    return _state_model(nodes, init, path, n)
+
+
+def conv_forecaster(path: Path, channels: int = 4, size: int = 6, seed: int = 0) -> Path:
+    """y = x + 0.3 * Conv(tanh(Conv(x, W1, b1)), W2, b2, group=2) on a state x [batch, C, size, size]."""
+    rng = np.random.default_rng(seed)
+    init = {
+        "W1": (rng.standard_normal((2 * channels, channels, 3, 3)) / 6).astype(np.float32),
+        "b1": (0.1 * rng.standard_normal(2 * channels)).astype(np.float32),
+        "W2": (rng.standard_normal((channels, channels, 3, 3)) / 6).astype(np.float32),
+        "b2": (0.1 * rng.standard_normal(channels)).astype(np.float32),
+        "gain": np.full((1,), 0.3, np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "W1", "b1"], ["h"], pads=[1, 1, 1, 1]),
+        helper.make_node("Tanh", ["h"], ["a"]),
+        helper.make_node("Conv", ["a", "W2", "b2"], ["d"], pads=[1, 1, 1, 1], group=2),
+        helper.make_node("Mul", ["d", "gain"], ["s"]),
+        helper.make_node("Add", ["x", "s"], ["y"]),
+    ]
+    io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", channels, size, size]) for name in ("x", "y")]
+    return _model(nodes, io[:1], io[1:], init, path)
+
+
+def batch_mean(path: Path, n: int = 32, seed: int = 0) -> Path:
+    """y = tanh(x @ W) - 0.1 * mean over the batch of tanh(x @ W): the rows of a batch are not independent."""
+    rng = np.random.default_rng(seed)
+    init = {"W": (rng.standard_normal((n, n)) / np.sqrt(n)).astype(np.float32), "tenth": np.full((1,), 0.1, np.float32)}
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"]),
+        helper.make_node("Tanh", ["h"], ["a"]),
+        helper.make_node("ReduceMean", ["a"], ["m"], axes=[0], keepdims=1),
+        helper.make_node("Mul", ["m", "tenth"], ["mt"]),
+        helper.make_node("Sub", ["a", "mt"], ["y"]),
+    ]
+    return _state_model(nodes, init, path, n)

@@ -64,7 +64,7 @@ def test_auto_estimates_every_strategy_and_records_its_pick(two_branch, tmp_path
     model, contexts = two_branch
     table = score(model, contexts, steps=3, out=tmp_path / "run", settings=SETTINGS)
     estimates = table.meta["strategy_estimates_s"]
-    assert set(estimates) == {"feed", "rebuild", "unit"} and all(v > 0 for v in estimates.values())
+    assert set(estimates) == {"feed", "rebuild", "unit", "batch"} and all(v > 0 for v in estimates.values())
     assert table.meta["strategy"] in estimates
 
 

@@ -74,37 +74,87 @@ def test_external_data_models_score_and_evaluate_as_in_memory_ones(tmp_path):
     assert sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in external.parent.iterdir()) == before
 
 
-def test_large_single_file_models_are_streamed_from_a_copy_of_their_weights_in_the_run_folder(tmp_path, monkeypatch):
-    """Past STREAM_COPY_BYTES a model holding its weights inside the .onnx is scored from a one-time copy of them
-    into a data file in the run folder (reused on resume and by export): same γ, same exported model."""
+def test_large_single_file_models_are_streamed_from_the_file_itself(tmp_path, monkeypatch):
+    """Past SKELETON_BYTES a model holding its weights inside the .onnx is read as a skeleton: the graph from the
+    wire format, every weight a reference into the .onnx itself. No copy anywhere; same γ, same exported model."""
     import sys
 
-    score_module = sys.modules["tqsdeploy.score"]  # the package re-exports the function under the same name
-
+    io_module = sys.modules["graph_ops.io"]
     model = models.mlp_forecaster(tmp_path / "m.onnx", n=32, hidden=64)
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
     settings = ScoreSettings(gauss_draws=2)
     plain = score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "plain", settings=settings, strategy="feed")
-    monkeypatch.setattr(score_module, "STREAM_COPY_BYTES", 0)
-    copied = score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "copied", settings=settings)
+    monkeypatch.setattr(io_module, "SKELETON_BYTES", 0)
+
+    light = graph_ops.load_model(model, load_external=False)
+    whole = graph_ops.load_model(model)
+    assert light.sha256 == whole.sha256 and light.external_files == () and light.file_bytes == whole.file_bytes
+    names = [t.name for t in whole.proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.raw_data) >= 1024]
+    assert names and all(not t.raw_data for t in light.proto.graph.initializer if t.name in names)
+    lazy = graph_ops.FileWeights(light.proto, names, model.parent)
+    full = graph_ops.read_weights(whole.proto, names)
+    assert all(np.array_equal(lazy[n], full[n]) for n in names)
+    stripped = onnx.ModelProto.FromString(whole.proto.SerializeToString())
+    for tensor in [*stripped.graph.initializer, *light.proto.graph.initializer]:
+        tensor.ClearField("raw_data"), tensor.ClearField("external_data"), tensor.ClearField("data_location")
+    assert light.proto.SerializeToString() == stripped.SerializeToString()  # everything but the payloads, as protobuf parses it
+
+    streamed = score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "streamed", settings=settings)
     gammas = lambda table: dict(zip(table.frame["unit"], table.frame["gamma"]))
-    assert gammas(plain) == gammas(copied)
-    copies = sorted(p.name for p in (tmp_path / "copied").glob("weights-*"))
-    assert len(copies) == 2 and copies[1].endswith(".data")  # the graph and its data file
-    stamp = (tmp_path / "copied" / copies[1]).stat().st_mtime_ns
-    assert gammas(score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "copied", settings=settings)) == gammas(plain)
-    assert (tmp_path / "copied" / copies[1]).stat().st_mtime_ns == stamp  # reused, not rewritten
+    assert gammas(plain) == gammas(streamed)
+    assert not list((tmp_path / "streamed").glob("*.data")) and not list((tmp_path / "streamed").glob("weights-*"))
 
     outcomes = []
-    for run in ("plain", "copied"):
+    for run in ("plain", "streamed"):
         planner = Planner(tmp_path / run, model)
         outcomes.append(planner.export(4, tmp_path / f"out_{run}" / "q.onnx"))
         planner.close()
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
     ys = [OrtRuntime(exact_qdq=True).open(o.path, external_data_dir=o.path.parent).run({"x": x})["y"] for o in outcomes]
     assert outcomes[0].shipped == outcomes[1].shipped and np.array_equal(ys[0], ys[1])
+    report = evaluate(outcomes[1].path, model, tmp_path / "c.npz", steps=4)
+    assert report["outputs"]["y"]["vs_reference"]["drift_pct"] > 0
 
-    # a fresh score of another model into the same folder removes the copy
-    other = models.mlp_forecaster(tmp_path / "other.onnx", n=32, hidden=64, seed=5)
-    score(other, tmp_path / "c.npz", steps=4, out=tmp_path / "copied", settings=settings, resume=False)
-    assert not any(name in copies for name in (p.name for p in (tmp_path / "copied").iterdir()))
+
+def test_a_truncated_large_single_file_model_is_an_input_error(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.modules["graph_ops.io"], "SKELETON_BYTES", 0)
+    model = models.mlp_forecaster(tmp_path / "m.onnx", n=32, hidden=64)
+    data = model.read_bytes()
+    cut = tmp_path / "cut.onnx"
+    cut.write_bytes(data[: len(data) // 2])
+    try:
+        graph_ops.load_model(cut, load_external=False)
+    except graph_ops.GraphError as exc:
+        assert "cut.onnx" in str(exc)
+    else:
+        raise AssertionError("a truncated file loaded")
+
+
+def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_path, monkeypatch):
+    """Past ONE_SESSION_BYTES export keeps one session of the model at a time (measuring and calibrating take
+    turns, losing fallback encodings are dropped): the candidates, their drifts and the written model are unchanged."""
+    import sys
+
+    export_module = sys.modules["tqsdeploy.export"]
+    model = models.mlp_forecaster(tmp_path / "m.onnx", n=32, hidden=64)
+    np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
+    score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=2))
+    outcomes, passes = [], []
+    for limit in (1 << 40, 0):
+        monkeypatch.setattr(export_module, "ONE_SESSION_BYTES", limit)
+        planner = Planner(tmp_path / "run", model)
+        assert planner.one_session == (limit == 0)
+        outcomes.append(planner.export(4, tmp_path / f"out{limit}" / "q.onnx"))
+        passes.append(list(planner.encoder.log.passes))
+        if planner.one_session:  # the calibrator's session is closed while measuring, and the losers' codes are gone
+            assert planner._runner is not None and planner.encoder._calibrator._session is None
+            kept = {rounding.method for (_, rounding) in planner.encoder._uniform}
+            assert len(kept - {planner.rounding.method}) <= 1
+        planner.close()
+    assert [c for c in outcomes[0].compared] == [c for c in outcomes[1].compared]
+    assert any("gptq" in p for p in passes[1])  # the fallback's calibration passes ran, in turns with measuring
+    x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
+    ys = [OrtRuntime(exact_qdq=True).open(o.path).run({"x": x})["y"] for o in outcomes]
+    assert np.array_equal(ys[0], ys[1])

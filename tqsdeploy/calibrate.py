@@ -24,7 +24,7 @@ import numpy as np
 import graph_ops
 from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, waves
 from graph_ops.layout import WeightLayout
-from runtimes import OrtRuntime
+from runtimes import OrtRuntime, release_freed_memory
 from tiers import Encoded, Hessian
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.engine import RolloutEngine
@@ -69,13 +69,8 @@ class Calibrator:
         self.waves = waves(proto, self.layouts)
         calibrated = {n for wave in self.waves for n in wave}
         self.first = [n for n in self.layouts if n not in calibrated]
-        exposed = expose_tensors(graph_ops.make_weights_overridable(proto, list(self.layouts)), layer_tensors(proto, self.layouts))
-        source = graph_ops.io.session_source(exposed, workdir)
-        try:
-            self.session = runtime.open(source, external_data_dir=data_dir if data_dir is not None else None if isinstance(source, bytes) else source.parent)
-        except Exception as exc:
-            raise InputError(f"ONNX Runtime cannot load the calibration graph: {str(exc).splitlines()[0]}") from None
-        self.graph_inputs = {v.name for v in exposed.graph.input}
+        self._open_args = (proto, runtime, workdir, data_dir)
+        self._session = self._open()
         engine = RolloutEngine(self.session, contexts, spec, max_batch)
         self.samples = engine.states() if self.waves else []
 
@@ -127,5 +122,31 @@ class Calibrator:
                 raise CalibrationError(f"layer input '{name}' is not finite on the calibration windows")
         return values
 
+    def _open(self):
+        """A session of the model with every scored weight overridable and every layer input an output."""
+        proto, runtime, workdir, data_dir = self._open_args
+        exposed = expose_tensors(graph_ops.make_weights_overridable(proto, list(self.layouts)), layer_tensors(proto, self.layouts))
+        self.graph_inputs = {v.name for v in exposed.graph.input}
+        source = graph_ops.io.session_source(exposed, workdir)
+        del exposed
+        try:
+            return runtime.open(source, external_data_dir=data_dir if data_dir is not None else None if isinstance(source, bytes) else source.parent)
+        except Exception as exc:
+            raise InputError(f"ONNX Runtime cannot load the calibration graph: {str(exc).splitlines()[0]}") from None
+
+    @property
+    def session(self):
+        """The calibration session, opened again if `release` closed it."""
+        if self._session is None:
+            self._session = self._open()
+        return self._session
+
+    def release(self) -> None:
+        """Close the session (it holds a copy of the model) until the next pass needs it."""
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+            release_freed_memory()
+
     def close(self) -> None:
-        self.session.close()
+        self.release()

@@ -35,7 +35,7 @@ from filelock import FileLock
 
 import graph_ops
 from graph_ops.qdq import Written, conversion_overhead_bits, emitted_bits, write_storage
-from runtimes import OrtRuntime
+from runtimes import OrtRuntime, release_freed_memory
 from tiers import DEFAULT_TIERS, METHODS, RTN, TIERS, TRT_TIERS, Encoded, Rounding, Tier, get_tiers
 from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, paper_weights
 from tqsdeploy.calibrate import Calibrator
@@ -49,6 +49,10 @@ from tqsdeploy.units import Unit, UnitSelection
 
 BASES = ("file", "units")
 WARN_DRIFT_PCT = 5.0
+ONE_SESSION_BYTES = 64 << 20
+"""Models with this many bytes of weights or more keep one ONNX Runtime session of themselves at a
+time: measuring and calibrating take turns (a session build and a nominal rollout per turn, on
+a model this size far cheaper than holding a second copy of it)."""
 """Drift (percent, as `eval` reports it) above which export warns that the model it wrote may be damaged."""
 
 
@@ -97,6 +101,10 @@ class ExportSettings:
         if self.fp32_fraction is not None:
             return self.fp32_fraction
         return 0.10 if self.objective == "paper" else 0.0
+
+
+def _rank(candidate: "Candidate") -> tuple[float, float]:
+    return candidate.drift.worst_pct, candidate.drift.relative_rms
 
 
 @dataclass
@@ -223,6 +231,9 @@ class Planner:
         self._overhead: dict[int, int] = {}
         self._costs: dict[tuple[str, str], int] = {}
         self._runner: SweepRunner | None = None
+        self.one_session = self.reference_bits // 8 >= ONE_SESSION_BYTES
+        if self.one_session:
+            self.encoder.before_calibration = self._release_runner
         self._measured: dict[str, TaskResult] | None = None
         self._choices: dict[str, list[Choice]] = {}
         self.timings: dict[str, float] = {"pricing": 0.0, "refine": 0.0, "compare": 0.0}
@@ -292,8 +303,18 @@ class Planner:
     @property
     def runner(self) -> SweepRunner:
         if self._runner is None:
+            if self.one_session:
+                self.encoder.release_calibrator()
             self._runner = self.prepared.open_runner()
         return self._runner
+
+    def _release_runner(self) -> None:
+        """Close the measuring session for a calibration pass; it opens again the way it ran."""
+        if self._runner is not None:
+            self.prepared.job.strategy = self._runner.strategy
+            self._runner.close()
+            self._runner = None
+            release_freed_memory()
 
     def _probe(self, tier: Tier) -> str:
         group = f"/g{self.settings.group_size}" if self.settings.group_size else ""
@@ -494,8 +515,11 @@ class Planner:
                     uniform.target, uniform.solver = target, f"uniform {tier.name} {method}"
                     encodings = self.encoder.uniform(tier, rounding)
                     found.append(Candidate(f"uniform {tier.name} {method}", uniform, encodings, self.measure(encodings)))
+                    if self.one_session and rounding != self.rounding and found[-1] is not min(found, key=_rank):
+                        found[-1].encodings = {}  # a loser is never written: drop its codes (1 byte per weight)
+                        self.encoder.forget(tier, rounding)
         self.timings["compare"] += time.perf_counter() - started
-        return sorted(found, key=lambda c: (c.drift.worst_pct, c.drift.relative_rms))
+        return sorted(found, key=_rank)
 
     def _overshoot(self, chosen: Candidate, target: float) -> str:
         """Why the shipped model is more than 5% smaller than asked."""

@@ -113,6 +113,8 @@ class Encoder:
         self.log = EncoderLog()
         self.on_weight: Callable[[str], None] | None = None
         """Called after each weight of a pass is encoded (progress)."""
+        self.before_calibration: Callable[[], None] | None = None
+        """Called before a calibration pass (to free memory the pass does not need)."""
         for name, layout in self.graph_layouts.items():
             if layout.rtn_reason:
                 self.log.rtn_only[name] = layout.rtn_reason
@@ -161,6 +163,8 @@ class Encoder:
         from tqsdeploy.calibrate import CalibrationLog
 
         log = CalibrationLog()
+        if self.before_calibration is not None:
+            self.before_calibration()
         result = self.calibrator.run(encode_one, rounding.needs_cross, log)
         self.log.calibration_s += log.seconds
         self.log.thin.update(log.thin)
@@ -175,6 +179,15 @@ class Encoder:
         if key not in self._uniform:
             self._uniform[key] = self._pass(lambda name, stats: self._encode(name, tier, rounding, stats), rounding, f"uniform {tier.name} {rounding.method}")
         return self._uniform[key]
+
+    def forget(self, tier: Tier | str, rounding: Rounding) -> None:
+        """Drop the cached uniform encodings of (tier, rounding): 1 byte per weight."""
+        self._uniform.pop((tier if isinstance(tier, str) else tier.name, rounding), None)
+
+    def release_calibrator(self) -> None:
+        """Close the calibration session (a copy of the model) until the next pass opens it again."""
+        if self._calibrator is not None:
+            self._calibrator.release()
 
     def tensor(self, name: str, tier: Tier | str, rounding: Rounding) -> Encoded:
         """One unit tensor's entry of `uniform(tier, rounding)`; a tier that needs no calibration

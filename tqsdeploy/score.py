@@ -106,7 +106,7 @@ class RebuildFactory:
         return self.runtime.open(self.model + b"".join(self.declarations[n] for n in sorted(set(names))))
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k not in ("_proto", "_types")}  # workers parse their own
+        return {k: v for k, v in self.__dict__.items() if k not in ("_proto", "_types", "_ranks")}  # workers parse their own
 
     def graph(self):
         """The model proto, parsed once per process."""
@@ -121,6 +121,19 @@ class RebuildFactory:
         if not hasattr(self, "_types"):
             self._types = graph_ops.prefix.element_types(self.graph())
         return self.runtime.open(self.model + graph_ops.prefix.activation_outputs(self.graph(), names, self._types))
+
+    def batch_refusal(self, weights) -> str | None:
+        """Why `batched` cannot batch these weights' probes, or None when it can."""
+        return graph_ops.batch.refusal(self.graph(), weights, self._tensor_ranks())
+
+    def batched(self, weights, probes: int) -> Session:
+        """A session running `probes` probes of `weights` in one call (`graph_ops.batch`); raises BatchError when it cannot."""
+        return self.runtime.open(graph_ops.model_bytes(graph_ops.batch.batch_probes(self.graph(), weights, probes, self._tensor_ranks())))
+
+    def _tensor_ranks(self) -> dict[str, int]:
+        if not hasattr(self, "_ranks"):
+            self._ranks = graph_ops.batch.tensor_ranks(self.graph())
+        return self._ranks
 
     def downstream(self, weights, outputs, types) -> tuple[Session | None, "graph_ops.prefix.Cut"]:
         """A session of the part downstream of `weights` (fed as overridable), or None when no output depends on them."""
@@ -202,11 +215,8 @@ def prepare(
     gets to the unit.
     """
     runtime.check()
-    loaded = graph_ops.load_model(model, load_external=not stream)  # without external files: loaded whole either way
-    data_dir = loaded.path.parent.resolve() if stream and loaded.external_files else None
-    if stream and data_dir is None and workdir is not None and graph_ops.io.stored_bytes(loaded.proto) >= STREAM_COPY_BYTES:
-        loaded, data_dir = _weights_outside(loaded, Path(workdir))
-        release_freed_memory()  # the in-file weights just dropped
+    loaded = graph_ops.load_model(model, load_external=not stream)  # large single files come as a skeleton
+    data_dir = loaded.path.parent.resolve() if stream and graph_ops.io.has_external_data(loaded.proto) else None
     streamed = data_dir is not None
     units = select_units(graph_ops.find_weight_tensors(loaded.proto), selection)
     names = [n for u in units for n in u.tensor_names]
@@ -267,41 +277,12 @@ def prepare(
         rows=gather_rows(loaded.proto, units, ctx.arrays, resolved.fed_inputs),
         unit_factory=rebuild.overridable if rebuild is not None else None,
         tasks_per_unit=int(settings.quant_probe) + settings.gauss_draws,
+        quant_probe=settings.quant_probe,
     )
     return Prepared(
         model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session,
         session_file=source if isinstance(source, Path) else None, data_dir=data_dir,
     )
-
-
-STREAM_COPY_BYTES = 256 * 2**20
-"""A model holding at least this much inside its .onnx file is streamed from a copy of its weights in the run folder."""
-
-
-def _weights_outside(loaded: graph_ops.LoadedModel, workdir: Path) -> tuple[graph_ops.LoadedModel, Path]:
-    """The model as if it kept its weights in external data: a copy with them moved into a data file in the
-    run folder (written tensor by tensor once, reused by a resumed score and by export), loaded without them.
-    Keeps the original's identity (path, hash); the original's in-memory weights are released by the caller."""
-    from graph_ops.qdq import write_storage
-
-    copy = workdir / f"weights-{loaded.sha256[:12]}.onnx"
-    if not copy.exists():
-        write_storage(loaded.proto, {}, copy, external_data=True)
-    outside = graph_ops.load_model(copy, load_external=False)
-    return dataclasses.replace(loaded, proto=outside.proto), workdir.resolve()
-
-
-def release_freed_memory() -> None:
-    """Hand the heap freed by a dropped model copy back to the OS (glibc keeps it otherwise, and it
-    counts in the process's resident size until reused). A no-op where glibc's malloc_trim is absent."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _session_file(loaded: graph_ops.LoadedModel, names: list[str], workdir: Path | None, kind: str = "session") -> Path:
@@ -404,9 +385,7 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
         in_use = {prepared.session_file.name} if prepared.session_file else set()
-        if prepared.data_dir == run_dir.resolve():
-            in_use.add(f"weights-{prepared.model.sha256[:12]}.onnx")
-        for pattern in ("session-*.onnx*", "graph-*.onnx", "weights-*.onnx*"):
+        for pattern in ("session-*.onnx*", "graph-*.onnx", "weights-*.onnx*"):  # weights-*: copies older versions made
             for stale in run_dir.glob(pattern):
                 if not any(stale.name.startswith(name) for name in in_use):
                     stale.unlink()
@@ -461,6 +440,8 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         run_local(prepared.job, pending, log, on_result=record, runner=runner)
         runner.close()
     sweep_seconds = time.perf_counter() - sweep_started
+    if runner.fallbacks:
+        meta["batch_fallbacks"] = runner.fallbacks  # units 'batch' ran probe by probe, and why
 
     frame = score_frame(prepared.units, done, runner.nominal.norm_sq, settings, prepared.spec.steps, prepared.job.rows)
     write_table(frame, run_dir / "scores.parquet")

@@ -21,13 +21,13 @@ import numpy as np
 from onnx import helper
 
 import graph_ops
-from graph_ops.io import OutputError
+from graph_ops.io import GraphError, OutputError
 from runtimes import Session, SessionFactory
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.probes import UnitProbes
-from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.rollout import RolloutSpec, rollout
 from tqsdeploy.units import Unit
 
 
@@ -140,13 +140,14 @@ class ResultLog:
             self._handle = None
 
 
-STRATEGIES = ("auto", "feed", "rebuild", "unit", "prefix")
+STRATEGIES = ("auto", "feed", "rebuild", "unit", "prefix", "batch")
 """How perturbed weights reach the runtime: fed to one session with every scored
 weight overridable ('feed'), baked into a fresh session per perturbation
 ('rebuild'), or fed to a session per unit in which only that unit's weights are
 overridable ('unit'), or, for single-step rollouts, fed to a session of just
-the part of the graph downstream of the unit ('prefix'); 'auto' times them and
-picks the cheapest sweep."""
+the part of the graph downstream of the unit ('prefix'), or all of a unit's
+probes run in one rollout of a session per unit with the batch tiled per probe
+('batch'); 'auto' times them and picks the cheapest sweep."""
 
 
 @dataclass
@@ -176,6 +177,8 @@ class SweepJob:
     unit_factory: Callable[[Sequence[str]], Session] | None = None
     tasks_per_unit: int = 5
     """Probe draws per unit (what 'auto' weighs a unit session's build against)."""
+    quant_probe: bool = True
+    """Whether a unit's tasks include the quant probe (the rest are Gaussian draws), for 'batch'."""
 
     def open(self, session: Session | None = None) -> "SweepRunner":
         """A runner; `session` is an already open overridable session to reuse."""
@@ -211,6 +214,24 @@ class Drift:
         return max(self.pct.values()) if self.pct else 0.0
 
 
+def _settled(stop: EarlyStop | None, gammas: list[float], cumulative: float, delta_sq: float, eps: float, t: int) -> bool:
+    """Early stopping: records step t's gamma; True once the last `window` + 1 of them vary by at most `tol`."""
+    if stop is None or delta_sq <= 0:
+        return False
+    gammas.append(math.log(max(cumulative, 1e-300) / (delta_sq + eps)) / t)
+    window = gammas[-(stop.window + 1):]
+    return len(window) == stop.window + 1 and max(window) - min(window) <= stop.tol
+
+
+def _tiled(feeds: dict[str, np.ndarray], probes: int) -> dict[str, np.ndarray]:
+    """Every input repeated `probes` times along its batch axis, probe-major (what `graph_ops.batch` expects)."""
+    return {name: np.concatenate([value] * probes) for name, value in feeds.items()}
+
+
+BATCH_RTOL = 1e-4
+"""How far (relative to the output's scale) a probe-batched run may stray from the unbatched one (float32)."""
+
+
 def _best_time(call: Callable[[], object], repeats: int = 3) -> float:
     best = math.inf
     for _ in range(repeats):
@@ -230,8 +251,11 @@ class SweepRunner:
     perturbation into a fresh constant session (fast kernels, a build per
     task). 'unit' builds one session per unit with only that unit's weights
     overridable and runs all the unit's probes on it (one build per unit,
-    fast kernels everywhere else). 'auto' times one step of one window each
-    way and one build, and picks the cheapest sweep.
+    fast kernels everywhere else). 'batch' builds one session per unit in
+    which the unit's weights carry a leading probe axis and the inputs are
+    tiled once per probe (`graph_ops.batch`), and runs all the unit's probes
+    in one rollout; a unit it cannot batch runs as with 'unit'. 'auto' times
+    one step of one window each way and one build, and picks the cheapest sweep.
 
     The nominal rollout is made by the same session as the perturbed ones
     ('feed': the overridable session, nothing fed; 'rebuild': a constant
@@ -239,14 +263,16 @@ class SweepRunner:
     nominal comes from the constant session: the unit's own kernels then run
     unpacked in the perturbed runs, a float32 rounding difference (~1e-7
     relative at that node) far below any probe; an inert unit still diverges
-    by exactly zero since nothing of it reaches the outputs.
+    by exactly zero since nothing of it reaches the outputs. With 'batch' each
+    probe is compared with its own rows of a batched nominal rollout made by
+    the same batched session, so inert units diverge by exactly zero too.
     """
 
     def __init__(self, job: SweepJob, session: Session | None = None):
         self.job = job
         if job.strategy not in STRATEGIES:
             raise RolloutError(f"unknown strategy '{job.strategy}'; choose one of {', '.join(STRATEGIES)}")
-        constant_only = session is None and job.strategy in ("rebuild", "unit", "prefix") and job.rebuild_factory is not None
+        constant_only = session is None and job.strategy in ("rebuild", "unit", "prefix", "batch") and job.rebuild_factory is not None
         self.overridable: Session | None = job.rebuild_factory({}) if constant_only else (session or job.session_factory())
         self.inputs = [s for s in self.overridable.inputs if s.name not in self.overridable.weights]
         if not constant_only:
@@ -260,6 +286,11 @@ class SweepRunner:
         self._unit_of = {n: u for u in job.units.values() for n in u.tensor_names}
         self.timings: dict[str, float] = {}
         """Per strategy: the sweep seconds auto estimated (empty unless auto chose)."""
+        self.fallbacks: dict[str, str] = {}
+        """'batch': the units run probe by probe instead, and why."""
+        self._batched: tuple[str, Session | None] | None = None
+        self._batch_results: tuple[str, dict[str, TaskResult]] = ("", {})
+        self._reference: tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]] | None = None
         self._constant: Session | None = None
         if constant_only:
             self.strategy, self.session, self.overridable = job.strategy, self.overridable, None
@@ -283,6 +314,8 @@ class SweepRunner:
         self.nominal = self._nominal()
         self._cut = None
         self._activations: list[dict[str, np.ndarray]] | None = None
+        if self.strategy == "batch" and job.strategy == "batch":
+            self._check_batch()
 
     def _choose(self) -> str:
         """Estimate each strategy's sweep from one step of one window and one build; pick the cheapest.
@@ -339,11 +372,49 @@ class SweepRunner:
                     estimates["prefix"] = self._estimate_prefix(typical, shares, one, calls, t_const)
                 except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
                     pass
+            if self._batch_refusal() is None:
+                try:
+                    batch = self._estimate_batch(constant, constant_build, estimates.get("unit", estimates["rebuild"]) / units, min(estimates.values()))
+                except Exception:  # a rewritten graph the runtime cannot run: no batch
+                    batch = None
+                if batch is not None:
+                    estimates["batch"] = batch
         except Exception:
             return "feed"
         self.timings = {k: round(v, 4) for k, v in estimates.items()}
         best = min(estimates, key=estimates.get)
         return best if estimates[best] < 0.95 * estimates["feed"] else "feed"
+
+    def _estimate_batch(self, constant: Session, constant_build: float, fallback: float, best: float) -> float | None:
+        """Sweep seconds of 'batch': per unit it can batch, a batched build, its check and two batched
+        rollouts (the nominal and the probes), timed on the largest such unit with one real batched call;
+        `fallback` per unit it cannot. None when the model's batched outputs differ from unbatched ones."""
+        job, factory = self.job, self.job.rebuild_factory
+        units = list(job.units.values())
+        batchable = [u for u in units if factory.batch_refusal(u.tensor_names) is None]
+        if not batchable:
+            return None
+        refused = (len(units) - len(batchable)) * fallback
+        if refused + len(batchable) * constant_build >= best:  # a lower bound, already too slow
+            return refused + len(batchable) * constant_build
+        unit = max(batchable, key=lambda u: u.params)
+        probes = max(1, job.tasks_per_unit)
+        started = time.perf_counter()
+        session = factory.batched(unit.tensor_names, probes)
+        build = time.perf_counter() - started
+        try:
+            started = time.perf_counter()
+            if self._batch_mismatch(unit, session, constant) is not None:
+                return None
+            check = time.perf_counter() - started
+            per_call = max(1, job.max_batch_windows // probes)
+            feeds = _tiled(next(iter(job.contexts.chunks(self.inputs, True, per_call)))[1], probes)
+            weights = {n: np.stack([job.weights[n]] * probes) for n in unit.tensor_names}
+            t_call = _best_time(lambda: session.run({**feeds, **weights}, job.spec.run_outputs), 2)  # the first call of a shape allocates
+        finally:
+            session.close()
+        calls = job.spec.steps * math.ceil(job.contexts.count / per_call)
+        return refused + len(batchable) * (build + check + 2 * calls * t_call)
 
     def _estimate_prefix(self, unit: Unit, shares: dict[str, float], one: dict[str, np.ndarray], calls: float, t_const: float) -> float:
         """Sweep seconds of 'prefix': the activations session, then per unit a cut build, its
@@ -409,6 +480,161 @@ class SweepRunner:
         value = float(total / job.contexts.count)
         return ([value], False) if math.isfinite(value) else ([math.inf], True)
 
+    def _batch_refusal(self) -> str | None:
+        """Why this model's probes cannot be batched at all, or None."""
+        if not hasattr(self.job.rebuild_factory, "batched"):
+            return "the model is swept from a file, not rebuilt in memory"
+        static = next((s for s in self.inputs if s.rank == 0 or not s.is_dynamic(0)), None)
+        if static is not None:
+            return f"input '{static.name}' {list(static.shape)} has no dynamic batch axis to tile the probes along"
+        return None
+
+    def _check_batch(self) -> None:
+        """Asked for 'batch': refuse a model it cannot run (static batch, or batched outputs that differ
+        from unbatched ones on the first unit it can batch) with one line naming the cause."""
+        reason = self._batch_refusal()
+        if reason is None:
+            factory = self.job.rebuild_factory
+            first = next((u for u in self.job.units.values() if factory.batch_refusal(u.tensor_names) is None), None)
+            if first is not None and self._batched_session(first) is None:
+                reason = self.fallbacks[first.name]
+        if reason is not None:
+            raise RolloutError(f"strategy 'batch' cannot run this model: {reason}", hint="use --strategy unit or auto")
+
+    def _batched_session(self, unit: Unit) -> Session | None:
+        """The unit's batched session (one kept at a time), or None when it runs probe by probe
+        (the rewrite refuses its weights, or its batched outputs differ from unbatched ones; see `fallbacks`)."""
+        if self._batched is not None and self._batched[0] == unit.name:
+            return self._batched[1]
+        self._drop_unit_sessions()
+        session, reason = None, None
+        try:
+            session = self.job.rebuild_factory.batched(unit.tensor_names, max(1, self.job.tasks_per_unit))
+            reason = self._batch_mismatch(unit, session, self.session)
+        except GraphError as exc:
+            reason = str(exc)
+        except Exception as exc:  # the runtime cannot load the rewritten graph
+            reason = f"unit '{unit.name}': the batched model does not load: {str(exc).splitlines()[0]}"
+        if reason is not None:
+            if session is not None:
+                session.close()
+                session = None
+            self.fallbacks[unit.name] = reason
+        self._batched = (unit.name, session)
+        return session
+
+    def _batch_mismatch(self, unit: Unit, session: Session, constant: Session) -> str | None:
+        """Why batching this unit's probes would change its results, or None.
+
+        One window, tiled once per probe, rolled out a few steps with probe 0 nominal and the others
+        perturbed as strongly as the weights are large: probe 0's rows must match the constant
+        session's unbatched run. An op that mixes rows across the batch (a reduction over it, a
+        reshape folding it into another axis) leaks the other probes into probe 0 and fails this.
+        """
+        job, probes = self.job, max(1, self.job.tasks_per_unit)
+        if self._reference is None:
+            feeds = next(iter(job.contexts.chunks(self.inputs, True, 1)))[1]
+            self._reference = (feeds, list(rollout(constant, feeds, job.spec, steps=min(job.spec.steps, 3))))
+        feeds, reference = self._reference
+        rng = np.random.default_rng(0)
+        weights = {}
+        for name in unit.tensor_names:
+            w = job.weights[name]
+            rms = float(np.sqrt(np.mean(np.square(w, dtype=np.float64)))) or 1.0
+            noise = rng.standard_normal((probes - 1, *w.shape), dtype=np.float32) * np.float32(rms)
+            weights[name] = np.concatenate([w[None], (w[None] + noise).astype(w.dtype)])
+        try:
+            produced = list(rollout(session, _tiled(feeds, probes), job.spec, weights, steps=len(reference)))
+        except Exception as exc:
+            return f"unit '{unit.name}': the batched model fails to run: {str(exc).splitlines()[0]}"
+        for t, (outs, expected) in enumerate(zip(produced, reference), start=1):
+            for name in job.spec.trajectory:
+                got, want = np.asarray(outs[name]), np.asarray(expected[name], np.float64)
+                if got.ndim == 0 or got.shape[0] % probes or got.size != probes * want.size:
+                    return f"unit '{unit.name}': batched output '{name}' {list(got.shape)} does not keep the probes' batch"
+                got = got.reshape(probes, -1)[0].astype(np.float64)
+                scale = float(np.abs(want).max(initial=0.0))
+                rtol = max(BATCH_RTOL, 10 * float(np.finfo(outs[name].dtype).eps)) if np.issubdtype(outs[name].dtype, np.floating) else 0.0
+                error = float(np.abs(got - want.reshape(-1)).max(initial=0.0))
+                if not error <= rtol * max(scale, 1e-30):
+                    return (
+                        f"unit '{unit.name}': batched output '{name}' at step {t} differs from the unbatched run by {error:.3g} "
+                        f"(output scale {scale:.3g}): an op mixes rows across the batch"
+                    )
+        return None
+
+    def _batch_unit(self, unit: Unit) -> dict[str, TaskResult]:
+        """All the unit's tasks from one batched rollout, by task key (empty when it runs probe by probe)."""
+        job = self.job
+        session = self._batched_session(unit)
+        if session is None:
+            return {}
+        started = time.perf_counter()
+        tasks = plan_tasks([unit], job.quant_probe, job.tasks_per_unit - int(job.quant_probe))
+        nominal = {n: np.stack([job.weights[n]] * len(tasks)) for n in unit.tensor_names}
+        stacked = {n: np.empty_like(v) for n, v in nominal.items()}
+        deltas = []
+        for p, task in enumerate(tasks):  # filled one probe at a time: no second copy of every probe's weights
+            change = self._probes.perturb(task.probe, task.draw, job.seed)
+            for name, value in change.weights.items():
+                stacked[name][p] = value
+            deltas.append(change.delta_sq)
+        outcomes = self._batched_divergence(session, nominal, stacked, deltas)
+        seconds = (time.perf_counter() - started) / len(tasks)
+        return {
+            t.key: TaskResult(unit=t.unit, probe=t.probe, draw=t.draw, delta_sq=delta_sq, div_sq=div_sq, nonfinite=nonfinite, seconds=seconds)
+            for t, delta_sq, (div_sq, nonfinite) in zip(tasks, deltas, outcomes)
+        }
+
+    def _batched_divergence(self, session: Session, nominal: dict[str, np.ndarray], stacked: dict[str, np.ndarray], deltas: list[float]) -> list[tuple[list[float], bool]]:
+        """Per probe, what `divergence` returns: each probe's rows of the batched rollout against the same
+        rows of the batched nominal one (same session, so an inert unit diverges by exactly zero).
+
+        Chunks hold at most max_batch_windows / P windows, so a call holds no more rows than an
+        unbatched one; early stopping applies per probe, and the rollout ends when every probe has stopped.
+        """
+        job, probes = self.job, len(deltas)
+        chunks = list(job.contexts.chunks(self.inputs, True, max(1, job.max_batch_windows // probes)))
+        runs = []
+        for _, feeds in chunks:
+            tiled = _tiled(feeds, probes)
+            runs.append(zip(rollout(session, tiled, job.spec, nominal), rollout(session, tiled, job.spec, stacked)))
+        div_sq: list[list[float]] = [[] for _ in range(probes)]
+        nonfinite, gammas, cumulative = [False] * probes, [[] for _ in range(probes)], [0.0] * probes
+        live = set(range(probes))
+        try:
+            for t, pairs in enumerate(zip(*runs), start=1):
+                total = np.zeros(probes)
+                for (count, _), (reference, outs) in zip(chunks, pairs):
+                    for name in job.spec.trajectory:
+                        difference = np.asarray(outs[name], np.float64) - reference[name]
+                        total += np.square(difference.reshape(probes, count, -1)).sum(axis=(1, 2))
+                for p in sorted(live):
+                    value = float(total[p] / job.contexts.count)
+                    if not math.isfinite(value):
+                        div_sq[p].extend([math.inf] * (job.spec.steps - t + 1))
+                        nonfinite[p] = True
+                        live.discard(p)
+                        continue
+                    div_sq[p].append(value)
+                    cumulative[p] += value
+                    if _settled(job.early_stop, gammas[p], cumulative[p], deltas[p], job.eps, t):
+                        live.discard(p)
+                if not live:
+                    break
+        except RolloutError:
+            raise
+        except Exception as exc:
+            raise RolloutError(f"{session.name} failed to run the batched rollout: {str(exc).splitlines()[0]}") from None
+        return list(zip(div_sq, nonfinite))
+
+    def _drop_unit_sessions(self) -> None:
+        """Close the per-unit sessions ('unit' and 'batch') before building the next unit's."""
+        for held in (self._group, self._batched):
+            if held is not None and held[1] is not None:
+                held[1].close()
+        self._group = self._batched = None
+
     def _session_for(self, names: frozenset[str]) -> Session | None:
         """The 'unit' session whose overridable weights cover `names` (one kept at a time), or
         None when they span several units (then the perturbation is baked into a constant session)."""
@@ -417,9 +643,7 @@ class SweepRunner:
         owners = {self._unit_of[n].name for n in names if n in self._unit_of}
         if len(owners) != 1 or not names <= set(self.job.units[next(iter(owners))].tensor_names):
             return None
-        if self._group is not None:
-            self._group[1].close()
-            self._group = None  # drop the previous unit's session before building the next
+        self._drop_unit_sessions()
         unit = self.job.units[next(iter(owners))]
         self._group = (frozenset(unit.tensor_names), self.job.unit_factory(unit.tensor_names))
         return self._group[1]
@@ -428,7 +652,7 @@ class SweepRunner:
         """Step-major rollout with `weights` replaced, the way this runner's strategy applies them."""
         if not weights or self.strategy == "feed":
             return self.engine.steps(weights or None, steps)
-        if self.strategy in ("unit", "prefix"):
+        if self.strategy in ("unit", "prefix", "batch"):
             session = self._session_for(frozenset(weights))
             if session is not None:
                 return self.engine.steps(weights, steps, session=session)
@@ -455,6 +679,11 @@ class SweepRunner:
         started = time.perf_counter()
         if self._probes is None or self._probes.unit.name != task.unit:
             self._probes = UnitProbes(job.units[task.unit], job.weights, job.probe_bits, job.rows)  # tasks come unit by unit
+        if self.strategy == "batch":
+            if self._batch_results[0] != task.unit:  # a unit's first task runs all its probes
+                self._batch_results = (task.unit, self._batch_unit(job.units[task.unit]))
+            if task.key in self._batch_results[1]:
+                return self._batch_results[1][task.key]
         change = self._probes.perturb(task.probe, task.draw, job.seed)
         if self.strategy == "prefix":
             div_sq, nonfinite = self._prefix_divergence(job.units[task.unit], change.weights)
@@ -490,11 +719,8 @@ class SweepRunner:
                 return div_sq, True
             div_sq.append(value)
             cumulative += value
-            if stop is not None and delta_sq > 0:
-                gammas.append(math.log(max(cumulative, 1e-300) / (delta_sq + job.eps)) / t)
-                window = gammas[-(stop.window + 1):]
-                if len(window) == stop.window + 1 and max(window) - min(window) <= stop.tol:
-                    break
+            if _settled(stop, gammas, cumulative, delta_sq, job.eps, t):
+                break
         return div_sq, False
 
     def drift(self, weights: dict[str, np.ndarray]) -> Drift:
@@ -523,9 +749,7 @@ class SweepRunner:
         self.session.close()
         if self.overridable is not None:
             self.overridable.close()
-        if self._group is not None:
-            self._group[1].close()
-            self._group = None
+        self._drop_unit_sessions()
         self._cut = None
 
 
