@@ -175,6 +175,33 @@ def has_external_data(proto: onnx.ModelProto) -> bool:
     return any(external_data_helper.uses_external_data(t) for t in iter_tensors(proto.graph))
 
 
+def _check(model: str | onnx.ModelProto) -> str | None:
+    """The ONNX checker's first complaint about a model (a path or a proto), or None."""
+    try:
+        onnx.checker.check_model(model)
+        return None
+    except Exception as exc:  # reported after the parse, whose errors say more
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _weights_as_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy whose tensors stored outside are declared graph inputs: what the checker can check of a
+    skeleton without reading the weights (their offsets and lengths come from the file's own structure)."""
+    checkable = onnx.ModelProto()
+    checkable.CopyFrom(proto)
+    graph = checkable.graph
+    declared = {i.name for i in graph.input}
+    kept = []
+    for tensor in graph.initializer:
+        if not external_data_helper.uses_external_data(tensor):
+            kept.append(tensor)
+        elif tensor.name not in declared:
+            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return checkable
+
+
 def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedModel:
     """Read and validate an ONNX model, external data included unless `load_external`
     is False (then tensors stored outside keep their references: shapes and types
@@ -189,13 +216,12 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedMod
         head = handle.read(1)
     if head != b"\x08":  # every ONNX file opens with field 1, ir_version, as a varint
         raise GraphError(f"{path} is not an ONNX model (it does not start like an ONNX protobuf file)")
-    try:  # the checker reads the file itself, before this process holds its own copy: the two never coexist
-        onnx.checker.check_model(str(path))
-        invalid = None
-    except Exception as exc:  # reported after the parse, whose errors say more
-        invalid = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    light = not load_external and path.stat().st_size >= SKELETON_BYTES
+    # the checker reads the file itself, before this process holds its own copy: the two never coexist;
+    # a skeleton is checked instead of the file, which the checker would read whole (bytes and message)
+    invalid = None if light else _check(str(path))
     try:
-        if not load_external and path.stat().st_size >= SKELETON_BYTES:
+        if light:
             from graph_ops.wire import skeleton
 
             proto = skeleton(path)
@@ -205,6 +231,8 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedMod
         raise GraphError(f"{path} is truncated or corrupt (protobuf: {exc})") from None
     if proto.ir_version <= 0 or not proto.HasField("graph") or len(proto.opset_import) == 0:
         raise GraphError(f"{path} is not an ONNX model (no graph, IR version or opset)")
+    if light:
+        invalid = _check(_weights_as_inputs(proto))
     externals = _external_files(proto, path.parent, path.name)
     if invalid is not None:
         raise GraphError(f"{path} is not a valid ONNX model (truncated or corrupt): {invalid}")

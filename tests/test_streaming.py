@@ -158,3 +158,20 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
     ys = [OrtRuntime(exact_qdq=True).open(o.path).run({"x": x})["y"] for o in outcomes]
     assert np.array_equal(ys[0], ys[1])
+
+
+def test_the_checker_still_judges_a_large_single_file_model_read_as_a_skeleton(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.modules["graph_ops.io"], "SKELETON_BYTES", 0)
+    model = models.mlp_forecaster(tmp_path / "m.onnx", n=32, hidden=64)
+    proto = onnx.load(str(model))
+    proto.graph.node[0].op_type = "NoSuchOp"
+    onnx.save_model(proto, str(tmp_path / "bad.onnx"))
+    graph_ops.load_model(model, load_external=False)  # the good one passes
+    try:
+        graph_ops.load_model(tmp_path / "bad.onnx", load_external=False)
+    except graph_ops.GraphError as exc:
+        assert "not a valid ONNX model" in str(exc) and "NoSuchOp" in str(exc)
+    else:
+        raise AssertionError("an unknown operator passed the check")
