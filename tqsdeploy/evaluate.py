@@ -56,6 +56,8 @@ def trajectories(session: Session, contexts: Contexts, spec: RolloutSpec, max_ba
 
 def _open(path: Path, settings: EvalSettings, optimized: str | None = None):
     loaded = graph_ops.load_model(path, load_external=False)  # sizes need shapes only; the runtime reads the weights
+    if not any(n.op_type == "DequantizeLinear" for n in loaded.proto.graph.node):
+        optimized = None  # nothing to fuse: no need for ONNX Runtime to write out a whole copy of the model
     runtime = OrtRuntime(provider=settings.provider, exact_qdq=settings.exact, optimized_model_path=optimized)
     source = graph_ops.io.runnable_path(loaded)  # the file itself: no serialised copy, any size
     if source is None:  # an IR the runtime refuses: a clamped copy (bytes, or a temporary file past 2 GiB)
