@@ -14,7 +14,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import onnx
 from onnx import external_data_helper
@@ -184,22 +184,20 @@ def _check(model: str | onnx.ModelProto) -> str | None:
         return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def _weights_as_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy whose tensors stored outside are declared graph inputs: what the checker can check of a
-    skeleton without reading the weights (their offsets and lengths come from the file's own structure)."""
-    checkable = onnx.ModelProto()
-    checkable.CopyFrom(proto)
-    graph = checkable.graph
+def weights_as_inputs(proto: onnx.ModelProto, keep: Callable[[onnx.TensorProto], bool]) -> onnx.ModelProto:
+    """A light model of `proto`: initializers that `keep` rejects are declared graph inputs instead
+    (type and shape, no data), the rest kept. What shape inference and the checker need of a model
+    without a copy of its weights. Does not modify `proto`."""
+    graph = proto.graph
     declared = {i.name for i in graph.input}
-    kept = []
-    for tensor in graph.initializer:
-        if not external_data_helper.uses_external_data(tensor):
-            kept.append(tensor)
-        elif tensor.name not in declared:
-            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    return checkable
+    kept = [t for t in graph.initializer if keep(t)]
+    kept_names = {t.name for t in kept}
+    inputs = [onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in graph.initializer if t.name not in kept_names and t.name not in declared]
+    light = onnx.helper.make_graph(list(graph.node), graph.name, list(graph.input) + inputs, list(graph.output), kept, value_info=list(graph.value_info))
+    light.sparse_initializer.extend(graph.sparse_initializer)
+    model = onnx.helper.make_model(light, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
+    model.functions.extend(proto.functions)
+    return model
 
 
 def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedModel:
@@ -231,8 +229,8 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedMod
         raise GraphError(f"{path} is truncated or corrupt (protobuf: {exc})") from None
     if proto.ir_version <= 0 or not proto.HasField("graph") or len(proto.opset_import) == 0:
         raise GraphError(f"{path} is not an ONNX model (no graph, IR version or opset)")
-    if light:
-        invalid = _check(_weights_as_inputs(proto))
+    if light:  # the weights' offsets and lengths come from the file's own structure
+        invalid = _check(weights_as_inputs(proto, lambda t: not external_data_helper.uses_external_data(t)))
     externals = _external_files(proto, path.parent, path.name)
     if invalid is not None:
         raise GraphError(f"{path} is not a valid ONNX model (truncated or corrupt): {invalid}")

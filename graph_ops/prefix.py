@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from graph_ops.io import GraphError
+from graph_ops.io import GraphError, weights_as_inputs
 
 
 def _subgraph_names(node: onnx.NodeProto) -> set[str]:
@@ -69,20 +69,8 @@ def element_types(model: onnx.ModelProto) -> dict[str, int]:
 def inferred_values(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     """Every value shape inference can type or shape, without copying large weights:
     big initializers are declared as inputs for the inference, small ones (shape constants) kept."""
-    graph = model.graph
-    declared = {i.name for i in graph.input}
-    small = [t for t in graph.initializer if len(t.raw_data) <= 4096 and not t.HasField("data_location")]
-    small_names = {t.name for t in small}
-    light = helper.make_graph(
-        list(graph.node),
-        graph.name,
-        list(graph.input) + [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in graph.initializer if t.name not in small_names and t.name not in declared],
-        list(graph.output),
-        small,
-    )
-    typed = helper.make_model(light, opset_imports=list(model.opset_import), ir_version=model.ir_version)
-    typed.functions.extend(model.functions)
-    inferred = onnx.shape_inference.infer_shapes(typed)
+    light = weights_as_inputs(model, lambda t: len(t.raw_data) <= 4096 and not t.HasField("data_location"))
+    inferred = onnx.shape_inference.infer_shapes(light)
     return list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
 
 

@@ -8,7 +8,6 @@ give exactly what the in-memory path gives.
 
 import numpy as np
 import onnx
-import polars as pl
 
 import graph_ops
 import models

@@ -12,7 +12,7 @@ and kept. Per-step outputs come back per chunk; `window_sq` and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -77,14 +77,7 @@ class RolloutEngine:
 
     def window_sq(self, chunk: int, outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         """Squared norm per window of a chunk's trajectory outputs (or of their difference from `reference`)."""
-        count = self.chunks[chunk][0]
-        total = np.zeros(count)
-        for name in self.spec.trajectory:
-            values = np.asarray(outputs[name], np.float64)
-            if reference is not None:
-                values = values - reference[name]
-            total += np.square(values.reshape(count, -1)).sum(axis=1)
-        return total
+        return row_sq(self.spec.trajectory, outputs, reference, self.chunks[chunk][0])
 
     def trajectories(self, weights: Mapping[str, np.ndarray] | None = None, session: Session | None = None) -> dict[str, np.ndarray]:
         """Every trajectory output as (windows, steps, *per-window shape), float64."""
@@ -118,3 +111,15 @@ class RolloutEngine:
                     produced = self.session.run(state, self.spec.run_outputs)
                     state = next_feeds(state, produced, self.spec)
         return collected
+
+
+def row_sq(trajectory: Sequence[str], outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None, rows: int) -> np.ndarray:
+    """Squared norm per row (window, or probe x window of a probe-batched call) of the trajectory
+    outputs, or of their difference from `reference`, summed over the outputs."""
+    total = np.zeros(rows)
+    for name in trajectory:
+        values = np.asarray(outputs[name], np.float64)
+        if reference is not None:
+            values = values - reference[name]
+        total += np.square(values.reshape(rows, -1)).sum(axis=1)
+    return total

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 import graph_ops
 from runtimes import OrtRuntime, Session

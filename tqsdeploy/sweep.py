@@ -24,7 +24,7 @@ import graph_ops
 from graph_ops.io import GraphError, OutputError
 from runtimes import Session, SessionFactory
 from tqsdeploy.contexts import Contexts
-from tqsdeploy.engine import RolloutEngine
+from tqsdeploy.engine import RolloutEngine, row_sq
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.probes import UnitProbes
 from tqsdeploy.rollout import RolloutSpec, rollout
@@ -606,9 +606,7 @@ class SweepRunner:
             for t, pairs in enumerate(zip(*runs), start=1):
                 total = np.zeros(probes)
                 for (count, _), (reference, outs) in zip(chunks, pairs):
-                    for name in job.spec.trajectory:
-                        difference = np.asarray(outs[name], np.float64) - reference[name]
-                        total += np.square(difference.reshape(probes, count, -1)).sum(axis=(1, 2))
+                    total += row_sq(job.spec.trajectory, outs, reference, probes * count).reshape(probes, count).sum(axis=1)
                 for p in sorted(live):
                     value = float(total[p] / job.contexts.count)
                     if not math.isfinite(value):
