@@ -200,6 +200,31 @@ def weights_as_inputs(proto: onnx.ModelProto, keep: Callable[[onnx.TensorProto],
     return model
 
 
+UNSORTED = "must be topologically sorted"
+"""The checker's complaint about a node list out of order, which ONNX Runtime runs anyway."""
+
+
+def sort_nodes(proto: onnx.ModelProto) -> None:
+    """Put the top-level nodes in an order where each reads only what came before, in place.
+
+    ONNX requires that order and our graph walks rely on it, but ONNX Runtime
+    does not, so graphs edited by hand often break it. onnx-graphsurgeon finds
+    the order (on a copy without weights); the NodeProtos themselves are kept.
+    """
+    import onnx_graphsurgeon as gs
+    from onnx_graphsurgeon.logger import G_LOGGER
+
+    with G_LOGGER.suppress(G_LOGGER.CRITICAL + 1):  # its failures reach the user as our one-line error
+        structure = gs.import_onnx(weights_as_inputs(proto, lambda t: False))
+        structure.toposort(recurse_subgraphs=False, recurse_functions=False)
+    by_outputs = {tuple(node.output): node for node in proto.graph.node}
+    order = [by_outputs[tuple(v.name for v in node.outputs)] for node in structure.nodes]
+    if len(order) != len(proto.graph.node) or len(by_outputs) != len(order):
+        raise GraphError("the graph's nodes cannot be put in order (two nodes make the same outputs)")
+    del proto.graph.node[:]
+    proto.graph.node.extend(order)
+
+
 def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedModel:
     """Read and validate an ONNX model, external data included unless `load_external`
     is False (then tensors stored outside keep their references: shapes and types
@@ -229,8 +254,18 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedMod
         raise GraphError(f"{path} is truncated or corrupt (protobuf: {exc})") from None
     if proto.ir_version <= 0 or not proto.HasField("graph") or len(proto.opset_import) == 0:
         raise GraphError(f"{path} is not an ONNX model (no graph, IR version or opset)")
+
+    def checkable() -> onnx.ModelProto:  # weights stored outside are declared, not read
+        return weights_as_inputs(proto, lambda t: not external_data_helper.uses_external_data(t))
+
     if light:  # the weights' offsets and lengths come from the file's own structure
-        invalid = _check(weights_as_inputs(proto, lambda t: not external_data_helper.uses_external_data(t)))
+        invalid = _check(checkable())
+    if invalid is not None and UNSORTED in invalid:  # sorted in this process's copy only: the file is never written
+        try:
+            sort_nodes(proto)
+        except Exception as exc:  # a cycle, or names the sort cannot follow
+            raise GraphError(f"{path} is not a valid ONNX model: its nodes are out of order and cannot be sorted ({str(exc).splitlines()[0]})") from None
+        invalid = _check(checkable())
     externals = _external_files(proto, path.parent, path.name)
     if invalid is not None:
         raise GraphError(f"{path} is not a valid ONNX model (truncated or corrupt): {invalid}")

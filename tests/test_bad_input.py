@@ -152,3 +152,44 @@ def test_model_file_untouched_by_a_full_run(two_branch, tmp_path):
     result = runner.invoke(app, ["score", str(model), "-c", str(ctx_path), "-o", str(tmp_path / "run")])
     assert result.exit_code == 0
     assert _digest(model) == before
+
+
+def _reordered(source, target, order):
+    """`source` with its nodes listed in `order` (a permutation of their indices)."""
+    model = onnx.load(str(source))
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes[i] for i in order)
+    onnx.save(model, str(target))
+    return target
+
+
+def test_nodes_out_of_order_are_sorted_not_refused(two_branch, tmp_path):
+    """ONNX Runtime runs a graph whose nodes are out of order (hand-edited graphs often are);
+    tqsdeploy sorts its own copy (onnx-graphsurgeon) and gives the sorted model's results."""
+    model, ctx_path = two_branch
+    count = len(onnx.load(str(model)).graph.node)
+    shuffled = _reordered(model, tmp_path / "shuffled.onnx", list(reversed(range(count))))
+    with pytest.raises(Exception, match="topologically sorted"):
+        onnx.checker.check_model(str(shuffled))
+    before = _digest(shuffled)
+    for name, path in [("sorted", model), ("shuffled", shuffled)]:
+        result = runner.invoke(app, ["score", str(path), "-c", str(ctx_path), "-o", str(tmp_path / name), "--steps", "3", "--strategy", "feed"])
+        assert result.exit_code == 0, result.output
+    import polars as pl
+
+    tables = [pl.read_parquet(tmp_path / name / "scores.parquet").sort("unit") for name in ("sorted", "shuffled")]
+    assert tables[0]["unit"].to_list() == tables[1]["unit"].to_list()
+    assert np.allclose(tables[0]["gamma"].to_numpy(), tables[1]["gamma"].to_numpy(), rtol=1e-6)
+    result = runner.invoke(app, ["export", str(shuffled), "--run", str(tmp_path / "shuffled"), "--C", "4", "-o", str(tmp_path / "q.onnx")])
+    assert result.exit_code == 0, result.output
+    onnx.checker.check_model(str(tmp_path / "q.onnx"))  # what tqsdeploy writes is in order
+    assert _digest(shuffled) == before
+
+
+def test_nodes_in_a_cycle_are_refused(tmp_path, ctx):
+    model = onnx.load(str(models.two_branch(tmp_path / "two.onnx")))
+    model.graph.node[1].input[0] = "dead_out"  # dead_raw = dead_out @ Wdead, dead_out = dead_raw * 0
+    onnx.save(model, str(tmp_path / "cycle.onnx"))
+    message = _fails(["score", tmp_path / "cycle.onnx", "-c", ctx, "-o", tmp_path / "run"], "cycle.onnx", "cannot be sorted")
+    assert "[C]" not in message and "[W]" not in message  # onnx-graphsurgeon's own log lines stay quiet

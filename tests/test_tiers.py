@@ -154,3 +154,15 @@ def test_grid_search_in_row_blocks_equals_the_whole_matrix_search(monkeypatch):
         again = grid.find_grid(rows, spec)  # remembered, and a copy the caller may change
         again.scale[:] = 0
         assert np.array_equal(grid.find_grid(rows, spec).scale, blocked.scale)
+
+
+def test_fp16_tier_keeps_sign_and_finiteness():
+    """Past float16's range a weight saturates (never Inf); below its smallest subnormal it keeps its sign (never 0)."""
+    from tiers.quantizer import to_float16
+
+    weight = np.array([1e6, -1e6, 1e-10, -1e-10, 0.0, 0.1234, -3.5], np.float32)
+    narrow = to_float16(weight)
+    assert narrow.dtype == np.float16 and np.isfinite(narrow).all()
+    assert narrow[0] == 65504 and narrow[1] == -65504
+    assert narrow[2] > 0 and narrow[3] < 0 and narrow[4] == 0
+    assert np.array_equal(narrow[5:], weight[5:].astype(np.float16))

@@ -146,6 +146,20 @@ def to_encoded(quantized: Quantized, layout: Layout, tier: Tier, dtype: str = "f
     return Encoded(tier.name, "dequantize", np.ascontiguousarray(codes).astype(container), layout.shape, scale, zero_point, axis, block, dtype)
 
 
+def to_float16(weight: np.ndarray) -> np.ndarray:
+    """float16 of `weight` keeping every value's sign and finiteness (onnxconverter-common's
+    conversion): magnitudes past 65504 saturate instead of becoming Inf, nonzero ones below
+    the smallest subnormal stay nonzero instead of flushing to zero."""
+    import warnings
+
+    from onnxconverter_common.float16 import convert_np_to_float16
+
+    limits = np.finfo(np.float16)
+    with warnings.catch_warnings():  # it warns for each saturated value; the tier's error accounts for them
+        warnings.simplefilter("ignore")
+        return convert_np_to_float16(np.asarray(weight, np.float32), min_positive_val=float(limits.smallest_subnormal), max_finite_val=float(limits.max))
+
+
 def float_encoded(weight: np.ndarray, tier: Tier) -> Encoded:
     """A float tier: the weight itself when the tier is at least as wide as its type, else a narrower float + Cast."""
     weight = np.asarray(weight)
@@ -155,7 +169,7 @@ def float_encoded(weight: np.ndarray, tier: Tier) -> Encoded:
     if tier.name == "bf16":
         narrow = weight.astype(np.float32).astype(ml_dtypes.bfloat16)
     else:
-        narrow = np.clip(weight, -65504, 65504).astype(np.float16)
+        narrow = to_float16(weight)
     return Encoded(tier.name, "cast", narrow, weight.shape, dtype=dtype)
 
 
