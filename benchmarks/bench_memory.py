@@ -6,7 +6,7 @@ detected) with external data, puts it in a read-only folder, and runs as
 subprocesses under /usr/bin/time -v: inspect, score, score again (must resume),
 export --C 4, eval. Checks the model folder gains no files.
 
-    python benchmarks/bench_memory.py [--gb 0.3,1.2,2.5] [--rounding rtn]
+    python benchmarks/bench_memory.py [--gb 0.3,1.2,2.5] [--rounding rtn] [--fallback-below 1]
 
 Writes benchmarks/results/memory.md. Run it alone: it needs about 1.5 x the
 largest model + 1 GB of free RAM and 2 x the largest model of free disk in /tmp.
@@ -87,7 +87,7 @@ def timed(args: list[str], cwd: Path) -> dict:
     return {"rc": result.returncode, "peak_gb": int(peak.group(1)) * 1024 / GB if peak else float("nan"), "seconds": seconds, "error": errors[0] if errors else ""}
 
 
-def bench(gigabytes: float, rounding: str, steps: int, export: bool = True, inline: bool = False) -> list[dict]:
+def bench(gigabytes: float, rounding: str, steps: int, export: bool = True, inline: bool = False, fallback: bool = True) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="tqs-bench-memory-") as tmp:
         tmp = Path(tmp)
         (tmp / "model").mkdir()
@@ -101,7 +101,8 @@ def bench(gigabytes: float, rounding: str, steps: int, export: bool = True, inli
             ("inspect", [*cli, "inspect", str(path)]),
             ("score", [*cli, "score", str(path), "--random-contexts", "--windows", "4", "--steps", str(steps), "--probe", "quant", "-o", str(run)]),
             ("score again (resume)", [*cli, "score", str(path), "--random-contexts", "--windows", "4", "--steps", str(steps), "--probe", "quant", "-o", str(run)]),
-            ("export --C 4", [*cli, "export", str(path), "--run", str(run), "--C", "4", "--rounding", rounding, "--refine", "0", "-o", str(tmp / "out" / "chain.C4.onnx")]),
+            ("export --C 4" + ("" if fallback else " --no-fallback"),
+             [*cli, "export", str(path), "--run", str(run), "--C", "4", "--rounding", rounding, "--refine", "0", "-o", str(tmp / "out" / "chain.C4.onnx")] + ([] if fallback else ["--no-fallback"])),
             ("eval", [*cli, "eval", str(tmp / "out" / "chain.C4.onnx"), "--reference", str(path), "--contexts", str(run / "contexts.npz"), "--steps", str(steps)]),
         ]
         if not export:  # eval then compares the model with itself (two sessions of it, as against an export)
@@ -126,13 +127,15 @@ def main() -> None:
     parser.add_argument("--rounding", default="rtn", help="Export rounding (rtn keeps the run cheap; qep adds calibration).")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--export-below", type=float, default=float("inf"), help="Skip export for models of this many GB and more (it takes the longest).")
+    parser.add_argument("--fallback-below", type=float, default=float("inf"),
+                        help="Export compares the uniform baselines (a calibration pass per method) only for models below this many GB; larger ones export with --no-fallback.")
     parser.add_argument("--layouts", default="external", help="external (weights in a .data file), inline (inside the .onnx, below 2 GiB), or both comma-separated.")
     args = parser.parse_args()
     rows = [
         r
         for layout in args.layouts.split(",")
         for gb in args.gb.split(",")
-        for r in bench(float(gb), args.rounding, args.steps, float(gb) < args.export_below, layout == "inline")
+        for r in bench(float(gb), args.rounding, args.steps, float(gb) < args.export_below, layout == "inline", float(gb) < args.fallback_below)
     ]
     lines = [
         f"Peak RSS per command, {time.strftime('%Y-%m-%d')}, {platform.platform()}, {os.cpu_count()} cores (shared machine).",

@@ -8,6 +8,7 @@ the value access.
 from __future__ import annotations
 
 import copy
+import mmap
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -51,9 +52,12 @@ def read_weights(model: onnx.ModelProto, names: list[str] | set[str]) -> dict[st
 
 
 class FileWeights(Mapping):
-    """Named tensors of a model loaded without its external data, each read from its
-    file when asked for (a fresh array every time, nothing kept): the weights of a
-    large model without a second copy of them in memory. Picklable (paths only)."""
+    """Named tensors of a model loaded without its external data, each a read-only view
+    of its file through a memory map (nothing read until used, nothing copied: the
+    pages are the operating system's file cache, shared by every view and with
+    ONNX Runtime fed from them): the weights of a large model without a second copy
+    of them in memory. A tensor whose offset its type cannot be aligned on is read
+    into a fresh array instead. Picklable (paths only; each process maps its own)."""
 
     def __init__(self, model: onnx.ModelProto, names, folder: Path):
         stored = stored_tensors(model.graph)
@@ -62,6 +66,7 @@ class FileWeights(Mapping):
             raise KeyError(f"no stored tensor named {sorted(missing)[0]!r}")
         self._inline: dict[str, np.ndarray] = {}
         self._files: dict[str, tuple[Path, int, np.dtype, tuple[int, ...]]] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
         for name in names:
             tensor = stored[name][0]
             if not external_data_helper.uses_external_data(tensor):
@@ -76,12 +81,25 @@ class FileWeights(Mapping):
             return self._inline[name]
         path, offset, dtype, shape = self._files[name]
         count = int(np.prod(shape, dtype=np.int64))
-        values = np.fromfile(path, dtype=dtype, count=count, offset=offset)
+        if offset % dtype.itemsize:  # a misaligned view would slow every kernel reading it
+            values = np.fromfile(path, dtype=dtype, count=count, offset=offset)
+        else:
+            mapped = self._map(path)
+            values = np.frombuffer(mapped, dtype=dtype, count=min(count, max(0, (len(mapped) - offset) // dtype.itemsize)), offset=min(offset, len(mapped)))
         if values.size != count:
             raise GraphError(f"external data file {path} is truncated: tensor '{name}' needs {count} values")
         values = values.reshape(shape)
         values.flags.writeable = False
         return values
+
+    def _map(self, path: Path) -> mmap.mmap:
+        if path not in self._maps:
+            with open(path, "rb") as handle:
+                self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._maps[path]
+
+    def __getstate__(self):
+        return {**self.__dict__, "_maps": {}}
 
     def __iter__(self):
         return iter([*self._inline, *self._files])

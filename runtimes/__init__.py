@@ -4,7 +4,7 @@ ONNX Runtime is the default; TensorRT is imported lazily so CPU-only installs
 work without it.
 """
 
-from runtimes.base import IOSpec, ModelSource, RuntimeUnavailable, Session, SessionFactory
+from runtimes.base import IOSpec, ModelSource, RuntimeUnavailable, Session, SessionFactory, WithDefaults
 from runtimes.ort import PROVIDERS, OrtRuntime, OrtSession, available_providers, release_freed_memory
 
 
@@ -25,6 +25,7 @@ __all__ = [
     "RuntimeUnavailable",
     "Session",
     "SessionFactory",
+    "WithDefaults",
     "available_providers",
     "make_runtime",
     "release_freed_memory",

@@ -59,6 +59,26 @@ class Session(Protocol):
         ...
 
 
+class WithDefaults:
+    """A session whose weights are plain inputs (the runtime keeps no copy of them), fed
+    from `defaults` whenever a run does not feed its own: a read-only view of the model's
+    file serves every run, and a perturbed run feeds just what it changes."""
+
+    def __init__(self, session: Session, defaults: Mapping[str, np.ndarray]):
+        self._session, self._defaults = session, defaults
+        self.name = session.name
+        self.inputs, self.outputs = session.inputs, session.outputs
+        self.weights = frozenset(session.weights) | {s.name for s in session.inputs if s.name in defaults}
+        self._fill = [s.name for s in session.inputs if s.name in defaults]
+
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        missing = {name: self._defaults[name] for name in self._fill if name not in feeds}
+        return self._session.run({**feeds, **missing} if missing else feeds, output_names)
+
+    def close(self) -> None:
+        self._session.close()
+
+
 ModelSource = Union[bytes, Path]
 
 SessionFactory = Callable[[], Session]

@@ -39,10 +39,14 @@ def test_external_data_models_score_and_evaluate_as_in_memory_ones(tmp_path):
     assert gammas(a) == gammas(b)
 
     # the run folder holds the graph only: its session file is far smaller than the weights it points at
-    session_files = list((tmp_path / "run_ext").glob("graph-*.onnx"))
+    session_files = list((tmp_path / "run_ext").glob("fed-*.onnx"))
     data_bytes = (external.parent / "model.onnx.data").stat().st_size
     assert len(session_files) == 1 and session_files[0].stat().st_size < data_bytes / 4
     assert not list((tmp_path / "run_ext").glob("*.data"))
+    # the scored weights are plain inputs of that graph: ONNX Runtime holds no copy of them, runs are fed views of the file
+    graph = onnx.load(str(session_files[0]), load_external_data=False).graph
+    scored = set(a.frame["unit"])
+    assert scored <= {i.name for i in graph.input} and not scored & {t.name for t in graph.initializer}
 
     # weights read on demand equal the loaded ones, read-only
     loaded = graph_ops.load_model(external, load_external=False)
@@ -151,6 +155,7 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
             assert planner._runner is not None and planner.encoder._calibrator._session is None
             kept = {rounding.method for (_, rounding) in planner.encoder._uniform}
             assert len(kept - {planner.rounding.method}) <= 1
+            assert len([k for k in planner.encoder._uniform if not k[1].needs_stats]) <= 1  # the price list's RTN codes went, but the fallback's
         planner.close()
     assert [c for c in outcomes[0].compared] == [c for c in outcomes[1].compared]
     assert any("gptq" in p for p in passes[1])  # the fallback's calibration passes ran, in turns with measuring

@@ -106,7 +106,7 @@ def quantize_baseline(
             resolved = RolloutSpec(steps=1, feedback=(), trajectory=tuple(o.name for o in outputs if o.dtype.kind == "f"))
         else:
             resolved = resolve_spec(spec, steps, inputs, outputs)
-        return Calibrator(loaded.proto, layouts, contexts, resolved, runtime, max_batch_windows)
+        return Calibrator(loaded.proto, layouts, contexts, resolved, runtime, max_batch_windows, weights=weights)
 
     encoder = Encoder(units, layouts, weights, group_size, calibrator if rounding.needs_stats else None, track_errors=rounding.needs_stats)
     load_s = perf_counter() - started

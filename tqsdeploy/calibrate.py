@@ -24,7 +24,7 @@ import numpy as np
 import graph_ops
 from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, waves
 from graph_ops.layout import WeightLayout
-from runtimes import OrtRuntime, release_freed_memory
+from runtimes import OrtRuntime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.engine import RolloutEngine
@@ -63,13 +63,16 @@ class Calibrator:
         max_batch: int = 64,
         workdir: Path | None = None,
         data_dir: Path | None = None,
+        weights: Mapping[str, np.ndarray] | None = None,
     ):
-        """`data_dir`: the folder of the data files a `proto` loaded without its external data points into."""
+        """`data_dir`: the folder of the data files a `proto` loaded without its external data points into.
+        `weights`: the scored weights' values; given, they become plain inputs of the session, fed from
+        there when a run does not feed its own, so the runtime holds no copy of the model's weights."""
         self.layouts = dict(layouts)
         self.waves = waves(proto, self.layouts)
         calibrated = {n for wave in self.waves for n in wave}
         self.first = [n for n in self.layouts if n not in calibrated]
-        self._open_args = (proto, runtime, workdir, data_dir)
+        self._open_args = (proto, runtime, workdir, data_dir, weights)
         self._session = self._open()
         engine = RolloutEngine(self.session, contexts, spec, max_batch)
         self.samples = engine.states() if self.waves else []
@@ -124,15 +127,21 @@ class Calibrator:
 
     def _open(self):
         """A session of the model with every scored weight overridable and every layer input an output."""
-        proto, runtime, workdir, data_dir = self._open_args
-        exposed = expose_tensors(graph_ops.make_weights_overridable(proto, list(self.layouts)), layer_tensors(proto, self.layouts))
+        proto, runtime, workdir, data_dir, weights = self._open_args
+        if weights is None:
+            fed = graph_ops.make_weights_overridable(proto, list(self.layouts))
+        else:
+            fed = graph_ops.io.weights_as_inputs(graph_ops.lift_constants(proto, list(self.layouts)), lambda t: t.name not in self.layouts)
+        exposed = expose_tensors(fed, layer_tensors(proto, self.layouts))
+        del fed
         self.graph_inputs = {v.name for v in exposed.graph.input}
         source = graph_ops.io.session_source(exposed, workdir)
         del exposed
         try:
-            return runtime.open(source, external_data_dir=data_dir if data_dir is not None else None if isinstance(source, bytes) else source.parent)
+            session = runtime.open(source, external_data_dir=data_dir if data_dir is not None else None if isinstance(source, bytes) else source.parent)
         except Exception as exc:
             raise InputError(f"ONNX Runtime cannot load the calibration graph: {str(exc).splitlines()[0]}") from None
+        return session if weights is None else WithDefaults(session, weights)
 
     @property
     def session(self):

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 import graph_ops
-from runtimes import OrtRuntime, Session
+from runtimes import OrtRuntime, Session, release_freed_memory
 from tqsdeploy.contexts import Contexts, continuation_rows, load_contexts, truth_from_csv
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import write_json, write_text
@@ -53,16 +54,25 @@ def trajectories(session: Session, contexts: Contexts, spec: RolloutSpec, max_ba
     return RolloutEngine(session, contexts, spec, max_batch).trajectories()
 
 
-def _open(path: Path, settings: EvalSettings, optimized: str | None = None):
-    loaded = graph_ops.load_model(path, load_external=False)  # sizes need shapes only; the runtime reads the weights
+def _load(path: Path) -> "graph_ops.LoadedModel":
+    return graph_ops.load_model(path, load_external=False)  # sizes need shapes only; the runtime reads the weights
+
+
+def _open(loaded: "graph_ops.LoadedModel", settings: EvalSettings, optimized: str | None = None) -> Session:
     if not any(n.op_type == "DequantizeLinear" for n in loaded.proto.graph.node):
         optimized = None  # nothing to fuse: no need for ONNX Runtime to write out a whole copy of the model
     runtime = OrtRuntime(provider=settings.provider, exact_qdq=settings.exact, optimized_model_path=optimized)
     source = graph_ops.io.runnable_path(loaded)  # the file itself: no serialised copy, any size
     if source is None:  # an IR the runtime refuses: a clamped copy (bytes, or a temporary file past 2 GiB)
-        loaded = graph_ops.load_model(path)
-        source = graph_ops.io.session_source(graph_ops.io.runtime_compatible(loaded.proto))
-    return loaded, runtime.open(source, external_data_dir=None if isinstance(source, bytes) else source.parent)
+        source = graph_ops.io.session_source(graph_ops.io.runtime_compatible(graph_ops.load_model(loaded.path).proto))
+    return runtime.open(source, external_data_dir=None if isinstance(source, bytes) else source.parent)
+
+
+def _closed(session: Session) -> None:
+    """Close a session and hand its memory back before the next one opens: eval holds one model's
+    session at a time, so its peak is one model, not two."""
+    session.close()
+    release_freed_memory()
 
 
 def _runtime_mode(settings: EvalSettings, optimized_path: str) -> dict:
@@ -155,20 +165,37 @@ def _metrics(candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray | N
     return result
 
 
-def _check_same_signature(candidate: Session, reference: Session) -> None:
-    def signature(session):
-        def describe(spec):
-            return [d if isinstance(d, int) else "?" for d in spec.shape], str(spec.dtype)
+def _signature(proto) -> tuple[dict, dict]:
+    """Inputs (weights aside) and outputs, each with its element type and dims ('?' where
+    symbolic; None where the graph declares no shape)."""
+    initializers = {t.name for t in proto.graph.initializer}
 
-        return (
-            {s.name: describe(s) for s in session.inputs if s.name not in session.weights},
-            {s.name: describe(s) for s in session.outputs},
-        )
+    def describe(value):
+        tensor = value.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else "?" for d in tensor.shape.dim] if tensor.HasField("shape") else None
+        return dims, onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
 
-    if signature(candidate) != signature(reference):
-        raise InputError(
-            f"candidate and reference differ in inputs or outputs: {signature(candidate)} vs {signature(reference)}"
-        )
+    return (
+        {v.name: describe(v) for v in proto.graph.input if v.name not in initializers},
+        {v.name: describe(v) for v in proto.graph.output},
+    )
+
+
+def _fits(a: tuple, b: tuple) -> bool:
+    """Same element type, and shapes that can agree (an unknown shape or dim agrees with any)."""
+    (dims_a, type_a), (dims_b, type_b) = a, b
+    if type_a != type_b:
+        return False
+    if dims_a is None or dims_b is None:
+        return True
+    return len(dims_a) == len(dims_b) and all(x == y or "?" in (x, y) for x, y in zip(dims_a, dims_b))
+
+
+def _check_same_signature(candidate, reference) -> None:
+    """Read off the graphs, before either model runs (one may declare shapes the other leaves open)."""
+    cand, ref = _signature(candidate), _signature(reference)
+    if any(c.keys() != r.keys() or not all(_fits(c[k], r[k]) for k in c) for c, r in zip(cand, ref)):
+        raise InputError(f"candidate and reference differ in inputs or outputs: {cand} vs {ref}")
 
 
 def load_truth(path: Path, spec: RolloutSpec, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
@@ -206,20 +233,23 @@ def evaluate(
 ) -> dict:
     """Metrics of `candidate` against `reference` (and the truth), as plain data."""
     candidate, reference = Path(candidate), Path(reference)
+    cand_model, ref_model = _load(candidate), _load(reference)
+    _check_same_signature(cand_model.proto, ref_model.proto)
     with tempfile.TemporaryDirectory() as tmp:
         optimized = os.path.join(tmp, "optimized.onnx")
-        cand_model, cand_session = _open(candidate, settings, optimized)
+        session = _open(cand_model, settings, optimized)
         mode = _runtime_mode(settings, optimized)
-    ref_model, ref_session = _open(reference, settings)
-    _check_same_signature(cand_session, ref_session)
-    inputs = [s for s in ref_session.inputs if s.name not in ref_session.weights]
-    resolved = resolve_spec(spec, steps, inputs, ref_session.outputs)
+    inputs = [s for s in session.inputs if s.name not in session.weights]
+    resolved = resolve_spec(spec, steps, inputs, session.outputs)
     csv = Path(contexts).suffix.lower() == ".csv"
-    following = continuation_rows(resolved, ref_session.outputs) if csv and not truth else 0
+    following = continuation_rows(resolved, session.outputs) if csv and not truth else 0
     ctx = load_contexts(Path(contexts), inputs, windows=settings.windows, zscore=settings.zscore, random=False, seed=settings.seed,
                         columns=settings.columns, following=following)
-    cand = trajectories(cand_session, ctx, resolved, settings.max_batch_windows)
-    ref = trajectories(ref_session, ctx, resolved, settings.max_batch_windows)
+    cand = trajectories(session, ctx, resolved, settings.max_batch_windows)
+    _closed(session)
+    session = _open(ref_model, settings)
+    ref = trajectories(session, ctx, resolved, settings.max_batch_windows)
+    _closed(session)
     shapes = {k: v.shape for k, v in ref.items()}
     truth_source = str(truth) if truth else None
     if truth:

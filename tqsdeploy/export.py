@@ -222,7 +222,8 @@ class Planner:
             self.layouts,
             self.weights,
             settings.group_size,
-            calibrator=lambda: Calibrator(proto, self.layouts, self.prepared.contexts, self.prepared.spec, runtime, workdir=self.run_dir, data_dir=self.prepared.data_dir),
+            calibrator=lambda: Calibrator(proto, self.layouts, self.prepared.contexts, self.prepared.spec, runtime, workdir=self.run_dir, data_dir=self.prepared.data_dir,
+                                          weights=self.weights),
         )
         sizes = graph_ops.io.tensor_sizes(proto)
         self.reference_bits = graph_ops.weight_bits(proto)
@@ -503,6 +504,8 @@ class Planner:
         if self.rounding.needs_stats and any(TIERS[t].calibratable for t in allocation.tiers.values()):
             encodings = self.encodings(allocation, calibrated=True)
             found.append(Candidate(label + ", calibrated as allocated", allocation, encodings, self.measure(encodings)))
+        if self.one_session:  # the candidates above hold what they use; the rest of the price list is quick to rebuild
+            self.encoder.forget_uncalibrated()
         if self.settings.fallback:
             budget = self.basis_bits / target
             fitting = [t for t in self.tiers if self.uniform(t.name).total_bits <= budget]
@@ -515,9 +518,15 @@ class Planner:
                     uniform.target, uniform.solver = target, f"uniform {tier.name} {method}"
                     encodings = self.encoder.uniform(tier, rounding)
                     found.append(Candidate(f"uniform {tier.name} {method}", uniform, encodings, self.measure(encodings)))
-                    if self.one_session and rounding != self.rounding and found[-1] is not min(found, key=_rank):
-                        found[-1].encodings = {}  # a loser is never written: drop its codes (1 byte per weight)
-                        self.encoder.forget(tier, rounding)
+                    del encodings
+                    if self.one_session:  # only the best is ever written: drop the others' codes (1 byte per weight each)
+                        best = min(found, key=_rank)
+                        for candidate in found:
+                            if candidate is not best and candidate.encodings:
+                                candidate.encodings = {}
+                                method_of = Rounding(candidate.label.split()[-1]) if candidate.label.startswith("uniform") else None
+                                if method_of is not None and (method_of != self.rounding or not method_of.needs_stats):
+                                    self.encoder.forget(tier, method_of)  # cheap to make again, or not this export's own rounding
         self.timings["compare"] += time.perf_counter() - started
         return sorted(found, key=_rank)
 

@@ -184,6 +184,13 @@ class Encoder:
         """Drop the cached uniform encodings of (tier, rounding): 1 byte per weight."""
         self._uniform.pop((tier if isinstance(tier, str) else tier.name, rounding), None)
 
+    def forget_uncalibrated(self) -> None:
+        """Drop every cached encoding that needs no calibration to make again (round to nearest,
+        float and fp8 tiers): seconds to rebuild, 1 byte per weight per tier to keep."""
+        for key in [k for k in self._uniform if not k[1].needs_stats]:
+            del self._uniform[key]
+        self._single.clear()
+
     def release_calibrator(self) -> None:
         """Close the calibration session (a copy of the model) until the next pass opens it again."""
         if self._calibrator is not None:

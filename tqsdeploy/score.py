@@ -25,7 +25,7 @@ import numpy as np
 import polars as pl
 
 import graph_ops
-from runtimes import OrtRuntime, Session
+from runtimes import OrtRuntime, Session, WithDefaults
 from tqsdeploy import __version__
 from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
@@ -225,11 +225,12 @@ def prepare(
     source: bytes | Path
     rebuild = None
     if streamed:  # feeding is the only strategy that needs no weights in memory
-        session_proto.MergeFromString(b"".join(declarations.values()))
-        source = _session_file(loaded, names, workdir, "graph")
-        if not source.exists():
-            graph_ops.save_model(session_proto, source, external_data=False)  # the graph only: tensors stay references
-        factory = partial(runtime.open, source, external_data_dir=data_dir)
+        source = _session_file(loaded, names, workdir, "fed")
+        if not source.exists():  # the graph only: the units are plain inputs, other tensors stay references
+            unit_names = set(names)
+            graph_ops.save_model(graph_ops.io.weights_as_inputs(session_proto, lambda t: t.name not in unit_names), source, external_data=False)
+        factory = partial(open_fed, runtime, source, data_dir, graph_ops.FileWeights(loaded.proto, names, data_dir))
+        weights = factory.args[-1]
     elif graph_ops.io.stored_bytes(session_proto) < graph_ops.io.PROTOBUF_LIMIT:
         rebuild = RebuildFactory(graph_ops.model_bytes(session_proto), runtime, declarations)  # the one serialisation
         factory = partial(rebuild.overridable, tuple(names))
@@ -259,7 +260,8 @@ def prepare(
             seed=context_options.seed,
             columns=context_options.columns,
         )
-    weights = graph_ops.FileWeights(loaded.proto, names, data_dir) if streamed else graph_ops.read_weights(loaded.proto, names)
+    if not streamed:
+        weights = graph_ops.read_weights(loaded.proto, names)
     check_finite(weights)
     job = SweepJob(
         session_factory=factory,
@@ -283,6 +285,12 @@ def prepare(
         model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session,
         session_file=source if isinstance(source, Path) else None, data_dir=data_dir,
     )
+
+
+def open_fed(runtime: OrtRuntime, source: Path, data_dir: Path, weights) -> Session:
+    """A session of a graph whose weights are plain inputs, fed from `weights` (views of the
+    model's own files) unless a run feeds its own: the runtime holds no copy of them."""
+    return WithDefaults(runtime.open(source, external_data_dir=data_dir), weights)
 
 
 def _session_file(loaded: graph_ops.LoadedModel, names: list[str], workdir: Path | None, kind: str = "session") -> Path:
@@ -385,7 +393,7 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
         in_use = {prepared.session_file.name} if prepared.session_file else set()
-        for pattern in ("session-*.onnx*", "graph-*.onnx", "weights-*.onnx*"):  # weights-*: copies older versions made
+        for pattern in ("session-*.onnx*", "fed-*.onnx", "graph-*.onnx", "weights-*.onnx*"):  # graph-*, weights-*: what older versions made
             for stale in run_dir.glob(pattern):
                 if not any(stale.name.startswith(name) for name in in_use):
                     stale.unlink()
