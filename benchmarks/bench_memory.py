@@ -136,6 +136,7 @@ def main() -> None:
         for layout in args.layouts.split(",")
         for gb in args.gb.split(",")
         for r in bench(float(gb), args.rounding, args.steps, float(gb) < args.export_below, layout == "inline", float(gb) < args.fallback_below)
+        if layout != "inline" or float(gb) < 2.0  # protobuf cannot hold 2 GiB in one file
     ]
     lines = [
         f"Peak RSS per command, {time.strftime('%Y-%m-%d')}, {platform.platform()}, {os.cpu_count()} cores (shared machine).",
