@@ -68,8 +68,8 @@ class WithDefaults:
         self._session, self._defaults = session, defaults
         self.name = session.name
         self.inputs, self.outputs = session.inputs, session.outputs
-        self.weights = frozenset(session.weights) | {s.name for s in session.inputs if s.name in defaults}
         self._fill = [s.name for s in session.inputs if s.name in defaults]
+        self.weights = frozenset(session.weights) | frozenset(self._fill)
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         missing = {name: self._defaults[name] for name in self._fill if name not in feeds}

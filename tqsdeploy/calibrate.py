@@ -1,7 +1,8 @@
 """Sequential calibration: the statistics GPTQ, GPTAQ and QEP need, wave by wave.
 
-One ONNX Runtime session holds the model with every scored weight
-overridable and every layer input exposed as an extra output, so the same
+One ONNX Runtime session holds the model with every scored weight a plain
+input (the original values fed unless a run feeds others; the runtime keeps no
+copy of them) and every layer input exposed as an extra output, so the same
 session gives full-precision activations (nothing fed) and quantized-prefix
 activations (the already-quantized weights fed). Calibration samples are the
 inputs of every step of the nominal rollout from the run's context windows
@@ -63,11 +64,12 @@ class Calibrator:
         max_batch: int = 64,
         workdir: Path | None = None,
         data_dir: Path | None = None,
-        weights: Mapping[str, np.ndarray] | None = None,
+        *,
+        weights: Mapping[str, np.ndarray],
     ):
         """`data_dir`: the folder of the data files a `proto` loaded without its external data points into.
-        `weights`: the scored weights' values; given, they become plain inputs of the session, fed from
-        there when a run does not feed its own, so the runtime holds no copy of the model's weights."""
+        `weights`: the scored weights' values; they are plain inputs of the session, fed from there when
+        a run does not feed its own, so the runtime holds no copy of the model's weights."""
         self.layouts = dict(layouts)
         self.waves = waves(proto, self.layouts)
         calibrated = {n for wave in self.waves for n in wave}
@@ -126,12 +128,10 @@ class Calibrator:
         return values
 
     def _open(self):
-        """A session of the model with every scored weight overridable and every layer input an output."""
+        """A session of the model with every scored weight a plain input (fed from `weights` unless a
+        run feeds its own) and every layer input an output."""
         proto, runtime, workdir, data_dir, weights = self._open_args
-        if weights is None:
-            fed = graph_ops.make_weights_overridable(proto, list(self.layouts))
-        else:
-            fed = graph_ops.io.weights_as_inputs(graph_ops.lift_constants(proto, list(self.layouts)), lambda t: t.name not in self.layouts)
+        fed = graph_ops.io.weights_as_inputs(graph_ops.lift_constants(proto, list(self.layouts)), lambda t: t.name not in self.layouts)
         exposed = expose_tensors(fed, layer_tensors(proto, self.layouts))
         del fed
         self.graph_inputs = {v.name for v in exposed.graph.input}
@@ -141,7 +141,7 @@ class Calibrator:
             session = runtime.open(source, external_data_dir=data_dir if data_dir is not None else None if isinstance(source, bytes) else source.parent)
         except Exception as exc:
             raise InputError(f"ONNX Runtime cannot load the calibration graph: {str(exc).splitlines()[0]}") from None
-        return session if weights is None else WithDefaults(session, weights)
+        return WithDefaults(session, weights)
 
     @property
     def session(self):

@@ -115,6 +115,8 @@ class Candidate:
     allocation: Allocation
     encodings: dict[str, Encoded]
     drift: Drift | None = None
+    cached: tuple[str, Rounding] | None = None
+    """For a uniform baseline: the encoder's (tier, rounding) cache its encodings are."""
 
     def record(self) -> dict:
         return {
@@ -517,16 +519,15 @@ class Planner:
                     uniform = self.uniform(tier.name)
                     uniform.target, uniform.solver = target, f"uniform {tier.name} {method}"
                     encodings = self.encoder.uniform(tier, rounding)
-                    found.append(Candidate(f"uniform {tier.name} {method}", uniform, encodings, self.measure(encodings)))
+                    found.append(Candidate(f"uniform {tier.name} {method}", uniform, encodings, self.measure(encodings), (tier.name, rounding)))
                     del encodings
                     if self.one_session:  # only the best is ever written: drop the others' codes (1 byte per weight each)
                         best = min(found, key=_rank)
                         for candidate in found:
                             if candidate is not best and candidate.encodings:
                                 candidate.encodings = {}
-                                method_of = Rounding(candidate.label.split()[-1]) if candidate.label.startswith("uniform") else None
-                                if method_of is not None and (method_of != self.rounding or not method_of.needs_stats):
-                                    self.encoder.forget(tier, method_of)  # cheap to make again, or not this export's own rounding
+                                if candidate.cached and (candidate.cached[1] != self.rounding or not candidate.cached[1].needs_stats):
+                                    self.encoder.forget(*candidate.cached)  # cheap to make again, or not this export's own rounding
         self.timings["compare"] += time.perf_counter() - started
         return sorted(found, key=_rank)
 

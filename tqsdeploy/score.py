@@ -229,8 +229,8 @@ def prepare(
         if not source.exists():  # the graph only: the units are plain inputs, other tensors stay references
             unit_names = set(names)
             graph_ops.save_model(graph_ops.io.weights_as_inputs(session_proto, lambda t: t.name not in unit_names), source, external_data=False)
-        factory = partial(open_fed, runtime, source, data_dir, graph_ops.FileWeights(loaded.proto, names, data_dir))
-        weights = factory.args[-1]
+        weights = graph_ops.FileWeights(loaded.proto, names, data_dir)
+        factory = partial(open_fed, runtime, source, data_dir, weights)
     elif graph_ops.io.stored_bytes(session_proto) < graph_ops.io.PROTOBUF_LIMIT:
         rebuild = RebuildFactory(graph_ops.model_bytes(session_proto), runtime, declarations)  # the one serialisation
         factory = partial(rebuild.overridable, tuple(names))
