@@ -8,7 +8,7 @@ protos, paths and plain dataclasses.
 
 from graph_ops.io import GraphError, LoadedModel, load_model, model_bytes, save_model, weight_bits
 from graph_ops.layout import WeightLayout, WeightUse, weight_layouts
-from graph_ops.weights import FileWeights, WeightTensor, find_weight_tensors, read_weights, replace_weights
+from graph_ops.weights import FileWeights, WeightTensor, find_weight_tensors, read_weights, release_pages, replace_weights
 from graph_ops import batch, prefix, wire
 from graph_ops.overridable import input_declarations, lift_constants, make_weights_overridable
 
@@ -27,6 +27,7 @@ __all__ = [
     "prefix",
     "model_bytes",
     "read_weights",
+    "release_pages",
     "replace_weights",
     "wire",
     "save_model",

@@ -43,6 +43,9 @@ class StoredWeight(Protocol):
     """numpy name of the float type consumers expect ('float32', 'float16')."""
     parts: tuple
 
+    def expand(self) -> "StoredWeight":
+        """The same stored form with `values` an array (a cached encoding may hold its codes packed)."""
+
 
 def _form_opset(value: StoredWeight) -> int:
     """Lowest default-domain opset that expresses one stored form."""
@@ -197,7 +200,7 @@ def _emit(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto], list[
     """Initializers and nodes that produce tensor `name` from its stored form."""
     if value.form not in EMITTERS:
         raise GraphError(f"unknown stored form '{value.form}' for '{name}'")
-    return EMITTERS[value.form](name, value)
+    return EMITTERS[value.form](name, value.expand())
 
 
 def emitted_bits(name: str, value: StoredWeight) -> int:

@@ -92,6 +92,13 @@ class FileWeights(Mapping):
         values.flags.writeable = False
         return values
 
+    def release(self) -> None:
+        """Hand the pages read so far back to the operating system (madvise DONTNEED): a memory map
+        keeps every page it touched in the process's resident memory, up to the whole model, where
+        the next read of a weight only faults it in again from the file cache."""
+        for mapped in self._maps.values():
+            mapped.madvise(mmap.MADV_DONTNEED)
+
     def _map(self, path: Path) -> mmap.mmap:
         if path not in self._maps:
             with open(path, "rb") as handle:
@@ -106,6 +113,12 @@ class FileWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self._inline) + len(self._files)
+
+
+def release_pages(weights: Mapping) -> None:
+    """Drop the resident pages of memory-mapped weights (`FileWeights.release`); others hold nothing to drop."""
+    if isinstance(weights, FileWeights):
+        weights.release()
 
 
 def replace_weights(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:

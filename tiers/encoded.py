@@ -44,6 +44,43 @@ def storage_bits(dtype) -> int:
     return dtype.itemsize * 8
 
 
+SUB_BYTE = {np.dtype(ml_dtypes.int4): 4, np.dtype(ml_dtypes.uint4): 4, np.dtype(ml_dtypes.int2): 2, np.dtype(ml_dtypes.uint2): 2}
+"""Code types numpy holds one per byte though they need fewer bits (ml_dtypes keeps the bits masked)."""
+
+
+@dataclass(frozen=True, eq=False)
+class PackedCodes:
+    """Sub-byte codes packed as they are on disk (2 or 4 per byte): what a cache of
+    encodings holds, so that several tiers' codes of a large model fit beside it."""
+
+    data: np.ndarray
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @classmethod
+    def pack(cls, values: np.ndarray) -> "PackedCodes":
+        bits = SUB_BYTE[values.dtype]
+        per = 8 // bits
+        raw = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+        raw = np.concatenate([raw, np.zeros(-raw.size % per, np.uint8)]).reshape(-1, per)
+        data = np.zeros(raw.shape[0], np.uint8)
+        for i in range(per):
+            data |= raw[:, i] << np.uint8(i * bits)
+        return cls(data, values.dtype, values.shape)
+
+    def unpack(self) -> np.ndarray:
+        bits = SUB_BYTE[self.dtype]
+        per, mask = 8 // bits, np.uint8((1 << bits) - 1)
+        raw = np.empty((self.data.size, per), np.uint8)
+        for i in range(per):
+            raw[:, i] = (self.data >> np.uint8(i * bits)) & mask
+        return raw.reshape(-1)[: self.size].view(self.dtype).reshape(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
 @dataclass(frozen=True)
 class Encoded:
     """What one weight becomes in the exported file (see the module docstring for the forms)."""
@@ -51,7 +88,8 @@ class Encoded:
     tier: str
     form: str
     values: np.ndarray | None
-    """Stored payload: floats, integer/FP8 codes in their ONNX container type, or packed bits."""
+    """Stored payload: floats, integer/FP8 codes in their ONNX container type, or packed bits
+    (`PackedCodes` only in a compact encoding, see `compact`)."""
     shape: tuple[int, ...]
     scale: np.ndarray | None = None
     """float32 scales shaped as DequantizeLinear takes them (cast to `dtype` when written)."""
@@ -68,6 +106,22 @@ class Encoded:
         if self.form not in FORMS:
             raise ValueError(f"unknown stored form '{self.form}'")
 
+    def compact(self) -> "Encoded":
+        """The same encoding with sub-byte codes packed (`PackedCodes`), for keeping; `expand` undoes it."""
+        if self.form == "split":
+            return replace(self, parts=tuple(p.compact() for p in self.parts))
+        if self.form == "dequantize" and isinstance(self.values, np.ndarray) and self.values.dtype in SUB_BYTE:
+            return replace(self, values=PackedCodes.pack(self.values))
+        return self
+
+    def expand(self) -> "Encoded":
+        """The encoding with its codes as arrays again (what every reader of `values` expects)."""
+        if self.form == "split":
+            return replace(self, parts=tuple(p.expand() for p in self.parts))
+        if isinstance(self.values, PackedCodes):
+            return replace(self, values=self.values.unpack())
+        return self
+
     def dequantize(self) -> np.ndarray:
         """The weight the runtime computes from the stored form (exact dequantization), as `dtype`."""
         return self._dequantize().astype(self.dtype)
@@ -81,7 +135,8 @@ class Encoded:
             size = int(np.prod(self.shape, dtype=np.int64))
             bits = np.unpackbits(self.values)[:size].reshape(self.shape).astype(np.float32)
             return (bits * 2 - 1) * broadcast_scale(self.scale, self.shape, self.axis, None)
-        codes = self.values.astype(np.float32)
+        values = self.values.unpack() if isinstance(self.values, PackedCodes) else self.values
+        codes = values.astype(np.float32)
         if self.zero_point is not None:
             codes = codes - broadcast_scale(self.zero_point.astype(np.float32), self.shape, self.axis, self.block_size)
         return codes * broadcast_scale(self.scale, self.shape, self.axis, self.block_size)

@@ -94,13 +94,13 @@ def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
     multiplied by 10 and tried again, so a rank-deficient H from too little
     calibration data degrades gracefully instead of stopping an export.
     """
-    eye = np.eye(H.shape[0])
     mean = float(np.mean(np.diag(H))) if H.size else 1.0
     damp = percdamp * mean
     for _ in range(CHOLESKY_RETRIES + 1):
         try:
-            lower = np.linalg.cholesky(H + damp * eye)
+            lower = np.linalg.cholesky(_damped(H, damp))
             inverse_lower = np.linalg.inv(lower)
+            del lower  # K x K float64 each: at K = 4096, 134 MB apiece
             upper = np.linalg.cholesky(inverse_lower.T @ inverse_lower).T
             if np.all(np.isfinite(upper)):
                 return upper
@@ -108,6 +108,13 @@ def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
             pass
         damp = max(damp, 1e-6 * abs(mean) or 1e-12) * 10
     raise np.linalg.LinAlgError(f"Hessian is not positive definite even with damping {damp / 10:.3g}")
+
+
+def _damped(H: np.ndarray, damp: float) -> np.ndarray:
+    """H + damp·I (the same values) without an identity matrix beside it."""
+    damped = np.array(H, np.float64, copy=True)
+    damped[np.diag_indices_from(damped)] += damp
+    return damped
 
 
 def _solve(Wt, U, spec: GridSpec, group_size: int, block_size: int, perm, static_grids, P) -> Quantized:
@@ -235,14 +242,14 @@ def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float
     if alpha == 0:
         return np.array(Wt, np.float64)
     Wt, H, _ = _dead(Wt, H)
-    eye = np.eye(H.shape[0])
     mean = float(np.mean(np.diag(H)))
     damp = percdampqep * mean
     rhs = Wt @ np.asarray(H_delta, np.float64)
     for _ in range(CHOLESKY_RETRIES + 1):
         try:
-            np.linalg.cholesky(H + damp * eye)
-            return Wt + alpha * np.linalg.solve(H + damp * eye, rhs.T).T
+            damped = _damped(H, damp)
+            np.linalg.cholesky(damped)
+            return Wt + alpha * np.linalg.solve(damped, rhs.T).T
         except np.linalg.LinAlgError:
             damp = max(damp, 1e-6 * abs(mean) or 1e-12) * 10
     raise np.linalg.LinAlgError(f"damped Hessian is not positive definite even with damping {damp / 10:.3g}")
@@ -279,7 +286,9 @@ class Hessian:
 
     @classmethod
     def merge(cls, parts: list["Hessian"]) -> "Hessian":
-        """One statistic over the union of the parts' samples (shared weights, several uses)."""
+        """One statistic over the union of the parts' samples (shared weights, several uses); one part is itself."""
+        if len(parts) == 1:
+            return parts[0]
         merged = cls(parts[0].H.shape[0], parts[0].G is not None)
         merged.count = sum(p.count for p in parts)
         for part in parts:

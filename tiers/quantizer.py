@@ -13,7 +13,7 @@ nearest, and the caller records why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import ml_dtypes
@@ -88,16 +88,18 @@ def quantize(
     stats: Sequence[Hessian] | None = None,
     group_size: int | None = None,
     correct: bool = True,
+    search: bool = True,
 ) -> Quantized:
     """Codes of `weight` on `tier`'s grid, chosen by `rounding` (Wt level).
 
     `stats` holds one Hessian per Conv row group (None: round to nearest).
     `correct=False` skips QEP's weight correction for this weight (the
-    official script skips it on layers it excludes).
+    official script skips it on layers it excludes). `search=False` keeps the plain min-max
+    grid: the same tensors, types and shapes, without the clip search (what a size needs).
     """
     if not tier.quantized:
         raise ValueError(f"tier '{tier.name}' stores floats, not codes")
-    spec = tier.grid
+    spec = tier.grid if search else replace(tier.grid, search=False)
     group = _group(layout, group_size) if tier.family == "int" else -1
     wt = layout.to_wt(np.asarray(weight, np.float64))
     if stats is None or not rounding.needs_stats or not tier.calibratable or layout.perm is None:
@@ -181,13 +183,14 @@ def encode(
     stats: Sequence[Hessian] | None = None,
     group_size: int | None = None,
     correct: bool = True,
+    search: bool = True,
 ) -> Encoded:
     """`weight` stored at `tier`, its codes chosen by `rounding`; produces the weight's own float type."""
     weight = np.asarray(weight)
     if not tier.quantized:
         return float_encoded(weight, tier)
     dtype = weight.dtype.name if weight.dtype.kind == "f" else "float32"
-    return to_encoded(quantize(weight, layout, tier, rounding, stats, group_size, correct), layout, tier, dtype)
+    return to_encoded(quantize(weight, layout, tier, rounding, stats, group_size, correct, search), layout, tier, dtype)
 
 
 def split(parts: Sequence[Encoded], layout: Layout, tier_name: str = "mixed") -> Encoded:

@@ -113,7 +113,7 @@ def quantize_baseline(
     encoder.on_weight = on_weight
     if on_start:
         on_start(len(layouts))
-    encoded = encoder.uniform(tier, rounding)
+    encoded = {name: e.expand() for name, e in encoder.uniform(tier, rounding).items()}  # a result's codes are arrays
     result = BaselineResult(
         method=method,
         bits=bits,

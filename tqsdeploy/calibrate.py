@@ -32,6 +32,8 @@ from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.rollout import RolloutSpec
 
+FULL_CACHE_SHARE = 0.25
+"""Full-precision layer inputs are kept across waves and passes while they take at most this share of the weights' bytes."""
 EncodeFn = Callable[[str, "list[Hessian] | None"], Encoded]
 """(weight name, its statistics per row group or None) -> the weight's encoding."""
 
@@ -71,10 +73,12 @@ class Calibrator:
         `weights`: the scored weights' values; they are plain inputs of the session, fed from there when
         a run does not feed its own, so the runtime holds no copy of the model's weights."""
         self.layouts = dict(layouts)
+        self.weights = weights
         self.waves = waves(proto, self.layouts)
         calibrated = {n for wave in self.waves for n in wave}
         self.first = [n for n in self.layouts if n not in calibrated]
         self._open_args = (proto, runtime, workdir, data_dir, weights)
+        self._full_cache: list[dict[str, np.ndarray]] | None = None
         self._session = self._open()
         engine = RolloutEngine(self.session, contexts, spec, max_batch)
         self.samples = engine.states() if self.waves else []
@@ -99,6 +103,8 @@ class Calibrator:
                     log.thin.append(name)
                 encoded[name] = encode(name, merged)
                 current[name] = encoded[name].dequantize()
+            stats = merged = None  # K x K float64 per use: gone before the next wave collects its own
+            graph_ops.release_pages(self.weights)  # the wave's originals are fed as `current` from now on
         log.seconds += perf_counter() - started
         return encoded
 
@@ -106,9 +112,9 @@ class Calibrator:
         uses = {u.key: (u, self.layouts[name].row_groups) for name in wave for u in self.layouts[name].uses}
         stats: dict = {key: None for key in uses}
         fetch = sorted({u.x for u, _ in uses.values()} - self.graph_inputs)
-        for feeds in self.samples:
+        for index, feeds in enumerate(self.samples):
             quantized = self._run(feeds, current, fetch)
-            full = self._run(feeds, {}, fetch) if cross and current else quantized
+            full = self._full(index, feeds, fetch) if cross and current else quantized
             for key, (use, groups) in uses.items():
                 xs = layer_inputs(use, quantized[use.x], groups)
                 xf = layer_inputs(use, full[use.x], groups) if cross else [None] * groups
@@ -117,6 +123,29 @@ class Calibrator:
                 for part, x, x_fp in zip(stats[key], xs, xf):
                     part.add(x, x_fp)
         return stats
+
+    def _full(self, index: int, feeds, fetch) -> dict[str, np.ndarray]:
+        """Full-precision layer inputs of sample `index`. They are the same for every wave and every
+        pass, so all of them come from one run per sample and are kept while they take at most
+        `FULL_CACHE_SHARE` of the weights' bytes; a run with nothing fed reads every original weight,
+        which late in a pass would sit beside the quantized copies of most of them."""
+        if self._full_cache is None:
+            self._full_cache = self._cache_full()
+        if self._full_cache:
+            return self._full_cache[index]
+        return self._run(feeds, {}, fetch)
+
+    def _cache_full(self) -> list[dict[str, np.ndarray]]:
+        every = sorted({use.x for wave in self.waves for name in wave for use in self.layouts[name].uses} - self.graph_inputs)
+        budget = FULL_CACHE_SHARE * sum(4 * int(np.prod(layout.shape, dtype=np.int64)) for layout in self.layouts.values())
+        cached, size = [], 0
+        for feeds in self.samples:
+            values = self._run(feeds, {}, every)
+            size += sum(values[name].nbytes for name in every)
+            if size > budget:
+                return []
+            cached.append(values)
+        return cached
 
     def _run(self, feeds, weights, fetch) -> dict[str, np.ndarray]:
         values = dict(feeds)

@@ -36,7 +36,7 @@ from filelock import FileLock
 import graph_ops
 from graph_ops.qdq import Written, conversion_overhead_bits, emitted_bits, write_storage
 from runtimes import OrtRuntime, release_freed_memory
-from tiers import DEFAULT_TIERS, METHODS, RTN, TIERS, TRT_TIERS, Encoded, Rounding, Tier, get_tiers
+from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS, Encoded, Rounding, Tier, get_tiers
 from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, paper_weights
 from tqsdeploy.calibrate import Calibrator
 from tqsdeploy.errors import InfeasibleError, InputError
@@ -219,6 +219,9 @@ class Planner:
         proto = self.model.proto
         self.layouts = graph_ops.weight_layouts(proto, names)
         self.slots: list[Slot] = make_slots(self.units, self.layouts, settings.split_fraction)
+        self.slots_of: dict[str, list[Slot]] = {}
+        for slot in self.slots:
+            self.slots_of.setdefault(slot.unit, []).append(slot)
         self.encoder = Encoder(
             self.units,
             self.layouts,
@@ -267,8 +270,10 @@ class Planner:
         """Bits the slot's stored form puts in the file at `tier` (the same for every rounding method)."""
         tier = TIERS[tier] if isinstance(tier, str) else tier
         key = (slot.name, tier.name)
-        if key not in self._costs:
-            self._costs[key] = sum(emitted_bits(n, e) for n, e in self.encoder.slot(slot, tier, RTN).items())
+        if key not in self._costs:  # every slot of the unit at once: one stored form per tensor
+            forms = self.encoder.stored_forms(slot.unit, tier)
+            for other in self.slots_of[slot.unit]:
+                self._costs[(other.name, tier.name)] = sum(emitted_bits(n, self.encoder.channels(n, e, other.rows)) for n, e in forms.items())
         return self._costs[key]
 
     def costs(self) -> dict[str, dict[str, int]]:
@@ -436,7 +441,10 @@ class Planner:
 
     def measure(self, encodings: dict[str, Encoded]) -> Drift:
         """Joint drift of the model with these encodings on the scoring contexts."""
-        return self.runner.drift(self.weights_of(encodings))
+        runner = self.runner  # opening it rolls out the original, reading every weight
+        weights = self.weights_of(encodings)
+        graph_ops.release_pages(self.weights)  # the originals of what is fed are not read by this run
+        return runner.drift(weights)
 
     def fake_quantized(self, allocation: Allocation) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the allocation's stored forms (as priced)."""

@@ -14,6 +14,10 @@ is measured is what is written:
   encodings, and `calibrated(assignment, rounding)` the same allocation
   calibrated sequentially as itself (every earlier wave at its own tier).
 
+Encodings come back compact (`Encoded.compact`: INT4/INT2 codes packed as on
+disk, which is how they are cached); `dequantize` reads them as they are and the
+file writer unpacks them, so only code that reads `values` itself calls `expand`.
+
 Slots let the allocator spend a budget finely: a unit holding a large share
 of the weights is split into groups of output channels, each priced and
 assigned on its own and written as its own DequantizeLinear joined by Concat.
@@ -28,6 +32,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+import graph_ops
 from graph_ops.layout import WeightLayout
 from tiers import TIERS, Encoded, Hessian, Layout, Rounding, Tier, encode, split
 from tiers.gptq import output_error
@@ -145,19 +150,21 @@ class Encoder:
             target[name] = float(np.sqrt(sum(output_error(original[b], values[b], s) ** 2 for b, s in zip(blocks, stats))))
 
     def _pass(self, encode_one: Callable[[str, list[Hessian] | None], Encoded], rounding: Rounding, label: str) -> dict[str, Encoded]:
-        """Encode every unit tensor: directly, or sequentially on calibration statistics."""
+        """Encode every unit tensor: directly, or sequentially on calibration statistics.
+        What a pass returns is kept compact (sub-byte codes packed as on disk) from the first weight on."""
         self.log.passes.append(label)
-        if self.on_weight is not None:
-            plain, report = encode_one, self.on_weight
+        report = self.on_weight
 
-            def encode_one(name, stats):
-                encoded = plain(name, stats)
+        def encode_kept(name, stats):
+            encoded = encode_one(name, stats).compact()
+            if report is not None:
                 report(name)
-                return encoded
+            return encoded
 
         if not rounding.needs_stats or not any(layout.calibratable for layout in self.graph_layouts.values()):
             started = time.perf_counter()
-            result = {name: encode_one(name, None) for name in self.layouts}
+            result = {name: encode_kept(name, None) for name in self.layouts}
+            graph_ops.release_pages(self.weights)  # every weight was read once; the codes are what is kept
             self.log.encode_s += time.perf_counter() - started
             return result
         from tqsdeploy.calibrate import CalibrationLog
@@ -165,7 +172,8 @@ class Encoder:
         log = CalibrationLog()
         if self.before_calibration is not None:
             self.before_calibration()
-        result = self.calibrator.run(encode_one, rounding.needs_cross, log)
+        result = self.calibrator.run(encode_kept, rounding.needs_cross, log)
+        graph_ops.release_pages(self.weights)
         self.log.calibration_s += log.seconds
         self.log.thin.update(log.thin)
         return result
@@ -204,19 +212,26 @@ class Encoder:
             return self.uniform(tier, rounding)[name]
         if (tier.name, name) in self._single:
             return self._single[(tier.name, name)]
-        encoded = self._encode(name, tier, Rounding(), None)
+        encoded = self._encode(name, tier, Rounding(), None).compact()
         if encoded.form not in UNCACHED_FORMS:
             self._single[(tier.name, name)] = encoded
         return encoded
 
-    def _channels(self, name: str, encoded: Encoded, rows: tuple[int, int] | None) -> Encoded:
+    def channels(self, name: str, encoded: Encoded, rows: tuple[int, int] | None) -> Encoded:
+        """Output channels rows[0]..rows[1] of tensor `name`'s encoding; all of it when rows is None."""
         if rows is None:
             return encoded
-        return encoded.take_channels(rows[0], rows[1], self.layouts[name].channel_axis)
+        return encoded.expand().take_channels(rows[0], rows[1], self.layouts[name].channel_axis).compact()
+
+    def stored_forms(self, unit: str, tier: Tier | str) -> dict[str, Encoded]:
+        """The unit's tensors at `tier` as the file stores them, codes on the unsearched grid and not
+        kept: their sizes are those of every rounding method's, at a fraction of the work."""
+        tier = TIERS[tier] if isinstance(tier, str) else tier
+        return {name: encode(self.weights[name], self.layouts[name], tier, Rounding(), None, self.group_size, search=False) for name in self.units[unit].tensor_names}
 
     def slot(self, slot: Slot, tier: Tier | str, rounding: Rounding) -> dict[str, Encoded]:
         """The slot's own encodings at `tier` (its channel group only, for a split unit)."""
-        return {name: self._channels(name, self.tensor(name, tier, rounding), slot.rows) for name in self.units[slot.unit].tensor_names}
+        return {name: self.channels(name, self.tensor(name, tier, rounding), slot.rows) for name in self.units[slot.unit].tensor_names}
 
     def slot_weights(self, slot: Slot, tier: Tier | str, rounding: Rounding) -> dict[str, np.ndarray]:
         """Full tensors of the slot's unit with only the slot at `tier` (the rest at full precision)."""
@@ -251,7 +266,13 @@ class Encoder:
     def _join(self, name: str, runs, pick: Callable[[str], Encoded]) -> Encoded:
         if len(runs) == 1 and runs[0][0] is None:
             return pick(runs[0][1])
-        return split([self._channels(name, pick(tier), rows) for rows, tier in runs], self.layouts[name])
+        expanded: dict[str, Encoded] = {}  # each tier's codes unpacked once for all its channel runs
+        parts = []
+        for rows, tier in runs:
+            if tier not in expanded:
+                expanded[tier] = pick(tier).expand()
+            parts.append(self.channels(name, expanded[tier], rows))
+        return split(parts, self.layouts[name])
 
     def assemble(self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: Rounding) -> dict[str, Encoded]:
         """A mixed allocation from the uniform encodings (each slot as it was priced)."""
