@@ -52,6 +52,9 @@ def test_score_export_baseline_and_frontier_print_progress_off_a_terminal(tmp_pa
     assert "scoring: 4/4 rollouts (100%), done in" in text and "ETA" in text
     text = run("export", model, "--run", tmp_path / "run", "--C", 2, "--out-dir", tmp_path)
     assert re.search(r"measuring tiers: (\d+)/\1 rollouts \(100%\), done in", text)
+    passes = re.findall(r"encoding \((uniform|mixed) ([^)]*)\): (\d+)/\3 weights \(100%\), done in", text)  # every pass, each to its end
+    assert ("uniform", "int8-asym qep", "2") in passes and ("mixed", "qep", "2") in passes
+    assert text.index("encoding (uniform int2-asym qep)") < text.index("measuring tiers")  # the tiers' passes come before the rollouts' ETA
     text = run("baseline", model, "--method", "gptq", "--bits", 4, "--calib", contexts, "-o", tmp_path / "b.onnx")
     assert "gptq W4: 2/2 weights (100%), done in" in text
     text = run("frontier", model, "-c", contexts, "--steps", 2, "--C", 2, "--baselines", "rtn", "--bits", 4, "--out", tmp_path / "f")

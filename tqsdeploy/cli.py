@@ -416,6 +416,20 @@ def export(
             progress.start(pending)
         progress.advance(detail=result.unit[-40:])
 
+    encoding = []
+
+    def on_pass(label: str, count: int) -> None:  # one display at a time: the tier measurements are over or not begun
+        progress.stop()
+        encoding[:] = [_progress(f"encoding ({label})", "weights")]
+        encoding[0].start(count)
+
+    def on_weight(name: str) -> None:
+        encoding[0].advance(detail=name[-40:])
+        if encoding[0].done >= encoding[0].total:
+            encoding[0].stop()
+
+    planner.encoder.on_pass, planner.encoder.on_weight = on_pass, on_weight
+
     rows = []
     try:
         for value, path in zip(targets, paths):
@@ -423,6 +437,8 @@ def export(
             rows.append((value, outcome))
     finally:
         progress.stop()
+        for bar in encoding:
+            bar.stop()
         planner.close()
     import polars as pl
 

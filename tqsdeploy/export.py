@@ -359,6 +359,9 @@ class Planner:
         lock.acquire()  # another export of this run prices the same slots: wait, then reuse what it measured
         done = log.load()
         try:
+            for tier in {tier.name: tier for slot, tier in self.measured_tasks() if Task(slot.name, self._probe(tier)).key not in done}.values():
+                if tier.calibratable:  # each tier's encoding pass before the first rollout, so the rollouts' ETA is theirs
+                    self.encoder.uniform(tier, self.rounding)
             for slot, tier in self.measured_tasks():
                 key = Task(slot.name, self._probe(tier)).key
                 if key in done:

@@ -66,6 +66,7 @@ class Progress:
             self._last_line = self._started
             self._last_tenth = self._tenth()
         if not self.tty and self._timer is None and self.interval > 0:
+            self._stopped.clear()  # a display stopped before it began (or between uses) beats again
             self._timer = threading.Thread(target=self._heartbeat, daemon=True)
             self._timer.start()
         if self.tty:

@@ -116,6 +116,8 @@ class Encoder:
         self._single: dict[tuple[str, str], Encoded] = {}
         self._mixed: dict[tuple, dict[str, Encoded]] = {}
         self.log = EncoderLog()
+        self.on_pass: Callable[[str, int], None] | None = None
+        """Called as a pass begins, with its label and how many weights it encodes (progress)."""
         self.on_weight: Callable[[str], None] | None = None
         """Called after each weight of a pass is encoded (progress)."""
         self.before_calibration: Callable[[], None] | None = None
@@ -153,6 +155,8 @@ class Encoder:
         """Encode every unit tensor: directly, or sequentially on calibration statistics.
         What a pass returns is kept compact (sub-byte codes packed as on disk) from the first weight on."""
         self.log.passes.append(label)
+        if self.on_pass is not None:
+            self.on_pass(label, len(self.layouts))
         report = self.on_weight
 
         def encode_kept(name, stats):
