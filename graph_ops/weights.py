@@ -92,12 +92,23 @@ class FileWeights(Mapping):
         values.flags.writeable = False
         return values
 
-    def release(self) -> None:
-        """Hand the pages read so far back to the operating system (madvise DONTNEED): a memory map
-        keeps every page it touched in the process's resident memory, up to the whole model, where
-        the next read of a weight only faults it in again from the file cache."""
-        for mapped in self._maps.values():
-            mapped.madvise(mmap.MADV_DONTNEED)
+    def release(self, names=None) -> None:
+        """Hand the pages read so far (of the named tensors, default all) back to the operating system
+        (madvise DONTNEED): a memory map keeps every page it touched in the process's resident memory,
+        up to the whole model, where the next read of a weight only faults it in again from the file cache."""
+        if names is None:
+            for mapped in self._maps.values():
+                mapped.madvise(mmap.MADV_DONTNEED)
+            return
+        for name in names:
+            if name not in self._files or self._files[name][0] not in self._maps:
+                continue
+            path, offset, dtype, shape = self._files[name]
+            mapped = self._maps[path]
+            start = offset - offset % mmap.PAGESIZE
+            stop = min(len(mapped), offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+            if stop > start:
+                mapped.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def _map(self, path: Path) -> mmap.mmap:
         if path not in self._maps:
@@ -115,10 +126,11 @@ class FileWeights(Mapping):
         return len(self._inline) + len(self._files)
 
 
-def release_pages(weights: Mapping) -> None:
-    """Drop the resident pages of memory-mapped weights (`FileWeights.release`); others hold nothing to drop."""
+def release_pages(weights: Mapping, names=None) -> None:
+    """Drop the resident pages of memory-mapped weights (`FileWeights.release`; the named ones, default
+    all); other mappings hold nothing to drop."""
     if isinstance(weights, FileWeights):
-        weights.release()
+        weights.release(names)
 
 
 def replace_weights(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:

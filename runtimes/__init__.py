@@ -5,7 +5,7 @@ work without it.
 """
 
 from runtimes.base import IOSpec, ModelSource, RuntimeUnavailable, Session, SessionFactory, WithDefaults
-from runtimes.ort import PROVIDERS, OrtRuntime, OrtSession, available_providers, release_freed_memory
+from runtimes.ort import PROVIDERS, OrtRuntime, OrtSession, available_providers, release_freed_memory, return_large_allocations
 
 
 def make_runtime(provider: str, threads: int | None = None):
@@ -29,4 +29,5 @@ __all__ = [
     "available_providers",
     "make_runtime",
     "release_freed_memory",
+    "return_large_allocations",
 ]

@@ -124,11 +124,18 @@ class Encoded:
 
     def dequantize(self) -> np.ndarray:
         """The weight the runtime computes from the stored form (exact dequantization), as `dtype`."""
-        return self._dequantize().astype(self.dtype)
+        return self._dequantize().astype(self.dtype, copy=False)
 
     def _dequantize(self) -> np.ndarray:
+        """float32, computed in place: one weight-sized array, however large the weight."""
         if self.form == "split":
-            return np.concatenate([p._dequantize() for p in self.parts], axis=self.axis)
+            out = np.empty(self.shape, np.float32)
+            start, index = 0, [slice(None)] * len(self.shape)
+            for part in self.parts:
+                index[self.axis] = slice(start, start + part.shape[self.axis])
+                out[tuple(index)] = part._dequantize()
+                start += part.shape[self.axis]
+            return out
         if self.form in ("raw", "cast"):
             return self.values.astype(np.float32)
         if self.form == "packed_sign":
@@ -137,9 +144,11 @@ class Encoded:
             return (bits * 2 - 1) * broadcast_scale(self.scale, self.shape, self.axis, None)
         values = self.values.unpack() if isinstance(self.values, PackedCodes) else self.values
         codes = values.astype(np.float32)
+        del values
         if self.zero_point is not None:
-            codes = codes - broadcast_scale(self.zero_point.astype(np.float32), self.shape, self.axis, self.block_size)
-        return codes * broadcast_scale(self.scale, self.shape, self.axis, self.block_size)
+            codes -= broadcast_scale(self.zero_point.astype(np.float32), self.shape, self.axis, self.block_size)
+        codes *= broadcast_scale(self.scale, self.shape, self.axis, self.block_size)
+        return codes
 
     @property
     def payload_bits(self) -> int:

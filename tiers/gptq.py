@@ -22,6 +22,8 @@ import numpy as np
 
 from tiers.grid import Grid, GridSpec, find_grid, round_to_grid
 
+ROUND_BLOCK = 1 << 20
+"""Elements rounded at a time (8 MiB per float64 temporary)."""
 CHOLESKY_RETRIES = 8
 """Times the damping is multiplied by 10 before a failed Cholesky is reported."""
 
@@ -73,17 +75,25 @@ def rtn(Wt: np.ndarray, spec: GridSpec, group_size: int = -1) -> Quantized:
     for g0 in _group_starts(Wt.shape[1], group_size):
         g1 = Wt.shape[1] if group_size <= 0 else min(g0 + group_size, Wt.shape[1])
         grid = find_grid(Wt[:, g0:g1], spec)
-        codes[:, g0:g1], values[:, g0:g1] = round_to_grid(Wt[:, g0:g1], grid, spec)
+        step = max(1, ROUND_BLOCK // max(1, g1 - g0))
+        for r0 in range(0, Wt.shape[0], step):  # rows in blocks: each temporary a block, not a copy of the weight
+            rows = slice(r0, r0 + step)
+            codes[rows, g0:g1], values[rows, g0:g1] = round_to_grid(Wt[rows, g0:g1], Grid(grid.scale[rows], grid.zero[rows]), spec)
         grids.append(grid)
     return _pack(codes, values, grids, spec, group_size)
 
 
 def _dead(Wt: np.ndarray, H: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Copies with dead inputs (zero Hessian diagonal) neutralised, as GPTQ does."""
-    Wt, H = np.array(Wt, np.float64), np.array(H, np.float64)
+    """Dead inputs (zero Hessian diagonal) neutralised, as GPTQ does: Wt always a private copy (the
+    solvers update it in place), H copied only when it has dead inputs to change (K x K float64)."""
+    Wt = np.array(Wt, np.float64)
     dead = np.diag(H) == 0
-    H[dead, dead] = 1
-    Wt[:, dead] = 0
+    if dead.any():
+        H = np.array(H, np.float64)
+        H[dead, dead] = 1
+        Wt[:, dead] = 0
+    else:
+        H = np.asarray(H, np.float64)
     return Wt, H, dead
 
 
@@ -255,6 +265,12 @@ def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float
     raise np.linalg.LinAlgError(f"damped Hessian is not positive definite even with damping {damp / 10:.3g}")
 
 
+def _scaled(product: np.ndarray, factor: float) -> np.ndarray:
+    """factor · product in place: the same values as `factor * product` without a second K x K temporary."""
+    product *= factor
+    return product
+
+
 class Hessian:
     """Running averages H = (2/n)·X̂ᵀX̂ and, with `cross`, G = (2/n)·(X_fp − X̂)ᵀX̂.
 
@@ -276,13 +292,13 @@ class Hessian:
         keep = self.count / (self.count + rows)
         self.count += rows
         self.H *= keep
-        self.H += (2.0 / self.count) * (x.T @ x)
+        self.H += _scaled(x.T @ x, 2.0 / self.count)
         if self.G is not None:
             if x_fp is None:
                 raise ValueError("a cross statistic needs the full-precision inputs too")
             delta = np.asarray(x_fp, np.float64).reshape(x.shape) - x
             self.G *= keep
-            self.G += (2.0 / self.count) * (delta.T @ x)
+            self.G += _scaled(delta.T @ x, 2.0 / self.count)
 
     @classmethod
     def merge(cls, parts: list["Hessian"]) -> "Hessian":

@@ -125,7 +125,7 @@ def find_grid(rows: np.ndarray, spec: GridSpec) -> Grid:
     scale, zero = _candidate(lo, hi, spec)
     if not spec.search:
         return Grid(scale, zero)
-    key = (spec, rows.shape, hashlib.blake2b(rows.tobytes(), digest_size=16).digest())
+    key = (spec, rows.shape, hashlib.blake2b(np.ascontiguousarray(rows), digest_size=16).digest())  # no bytes copy of a contiguous weight
     if key in _SEARCHED:  # RTN, GPTQ and GPTAQ start from the same weight: search its grid once
         _SEARCHED.move_to_end(key)
         found = _SEARCHED[key]

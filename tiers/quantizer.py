@@ -145,7 +145,7 @@ def to_encoded(quantized: Quantized, layout: Layout, tier: Tier, dtype: str = "f
         return Encoded(tier.name, "dequantize", codes.astype(ml_dtypes.float8_e4m3fn), layout.shape, scale, None, axis, None, dtype)
     container = CONTAINERS[tier.symmetric][tier.bits]
     zero_point = None if tier.symmetric else np.array(zero, order="C").astype(container)
-    return Encoded(tier.name, "dequantize", np.ascontiguousarray(codes).astype(container), layout.shape, scale, zero_point, axis, block, dtype)
+    return Encoded(tier.name, "dequantize", np.ascontiguousarray(codes.astype(container)), layout.shape, scale, zero_point, axis, block, dtype)
 
 
 def to_float16(weight: np.ndarray) -> np.ndarray:

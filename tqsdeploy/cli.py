@@ -74,6 +74,9 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit.")) -> None:
     """Trajectory-based quantization sensitivity (TQS) and mixed-precision PTQ for ONNX forecasting models."""
+    from runtimes import return_large_allocations
+
+    return_large_allocations()  # weight-sized arrays go back to the OS when freed, not into a heap that only grows
 
 
 def fail(message: str, code: int = 2) -> None:

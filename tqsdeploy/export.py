@@ -445,9 +445,8 @@ class Planner:
     def measure(self, encodings: dict[str, Encoded]) -> Drift:
         """Joint drift of the model with these encodings on the scoring contexts."""
         runner = self.runner  # opening it rolls out the original, reading every weight
-        weights = self.weights_of(encodings)
         graph_ops.release_pages(self.weights)  # the originals of what is fed are not read by this run
-        return runner.drift(weights)
+        return runner.drift(self.weights_of(encodings))
 
     def fake_quantized(self, allocation: Allocation) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the allocation's stored forms (as priced)."""
@@ -507,21 +506,22 @@ class Planner:
     def candidates(self, target: float, on_result=None) -> list[Candidate]:
         """Every model considered for `target`, each with its measured drift, best first."""
         allocation = self.allocate(target, on_result)
+        drift = None
         if self.settings.refine:
             allocation, drift = self.refine(allocation)
-        else:
-            drift = self.measure(self.encodings(allocation))
-        started = time.perf_counter()
         label = f"TQS-PTQ {self.settings.objective}/{self.rounding.method}"
-        found = [Candidate(label, allocation, self.encodings(allocation), drift)]
+        mixed = self.encodings(allocation)
+        budget = self.basis_bits / target
+        fitting = [t for t in self.tiers if self.uniform(t.name).total_bits <= budget] if self.settings.fallback else []
+        if self.one_session:  # the mixed model holds what it uses; the rest of the price list can be rebuilt (the fallback's tier is next)
+            self.encoder.forget_uncalibrated(keep=fitting[0].name if fitting else None)
+        found = [Candidate(label, allocation, mixed, drift if drift is not None else self.measure(mixed))]
+        del mixed
+        started = time.perf_counter()
         if self.rounding.needs_stats and any(TIERS[t].calibratable for t in allocation.tiers.values()):
             encodings = self.encodings(allocation, calibrated=True)
             found.append(Candidate(label + ", calibrated as allocated", allocation, encodings, self.measure(encodings)))
-        if self.one_session:  # the candidates above hold what they use; the rest of the price list is quick to rebuild
-            self.encoder.forget_uncalibrated()
         if self.settings.fallback:
-            budget = self.basis_bits / target
-            fitting = [t for t in self.tiers if self.uniform(t.name).total_bits <= budget]
             if fitting:
                 tier = fitting[0]
                 methods = METHODS if tier.calibratable else ("rtn",)

@@ -138,6 +138,7 @@ class Encoder:
         encoded = encode(self.weights[name], self.layouts[name], tier, rounding, stats, self.group_size)
         if self.track_errors and stats is not None and tier.calibratable:
             self._errors(name, tier, encoded, stats)
+        graph_ops.release_pages(self.weights, [name])  # read once per encoding: a pass would otherwise end with the whole model resident
         return encoded
 
     def _errors(self, name: str, tier: Tier, encoded: Encoded, stats: list[Hessian]) -> None:
@@ -168,7 +169,6 @@ class Encoder:
         if not rounding.needs_stats or not any(layout.calibratable for layout in self.graph_layouts.values()):
             started = time.perf_counter()
             result = {name: encode_kept(name, None) for name in self.layouts}
-            graph_ops.release_pages(self.weights)  # every weight was read once; the codes are what is kept
             self.log.encode_s += time.perf_counter() - started
             return result
         from tqsdeploy.calibrate import CalibrationLog
@@ -196,10 +196,10 @@ class Encoder:
         """Drop the cached uniform encodings of (tier, rounding): 1 byte per weight."""
         self._uniform.pop((tier if isinstance(tier, str) else tier.name, rounding), None)
 
-    def forget_uncalibrated(self) -> None:
+    def forget_uncalibrated(self, keep: str | None = None) -> None:
         """Drop every cached encoding that needs no calibration to make again (round to nearest,
-        float and fp8 tiers): seconds to rebuild, 1 byte per weight per tier to keep."""
-        for key in [k for k in self._uniform if not k[1].needs_stats]:
+        float and fp8 tiers) but tier `keep`'s: a grid search to rebuild, up to a byte per weight per tier to keep."""
+        for key in [k for k in self._uniform if not k[1].needs_stats and k[0] != keep]:
             del self._uniform[key]
         self._single.clear()
 
@@ -231,7 +231,9 @@ class Encoder:
         """The unit's tensors at `tier` as the file stores them, codes on the unsearched grid and not
         kept: their sizes are those of every rounding method's, at a fraction of the work."""
         tier = TIERS[tier] if isinstance(tier, str) else tier
-        return {name: encode(self.weights[name], self.layouts[name], tier, Rounding(), None, self.group_size, search=False) for name in self.units[unit].tensor_names}
+        forms = {name: encode(self.weights[name], self.layouts[name], tier, Rounding(), None, self.group_size, search=False) for name in self.units[unit].tensor_names}
+        graph_ops.release_pages(self.weights, list(forms))
+        return forms
 
     def slot(self, slot: Slot, tier: Tier | str, rounding: Rounding) -> dict[str, Encoded]:
         """The slot's own encodings at `tier` (its channel group only, for a split unit)."""
