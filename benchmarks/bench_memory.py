@@ -129,6 +129,7 @@ def main() -> None:
     parser.add_argument("--export-below", type=float, default=float("inf"), help="Skip export for models of this many GB and more (it takes the longest).")
     parser.add_argument("--fallback-below", type=float, default=float("inf"),
                         help="Export compares the uniform baselines (a calibration pass per method) only for models below this many GB; larger ones export with --no-fallback.")
+    parser.add_argument("--out", default=str(RESULTS / "memory.md"), help="Where to write the table.")
     parser.add_argument("--layouts", default="external", help="external (weights in a .data file), inline (inside the .onnx, below 2 GiB), or both comma-separated.")
     args = parser.parse_args()
     rows = [
@@ -151,8 +152,8 @@ def main() -> None:
         lines.append(
             f"| {r['model_gb']:.2f} | {r['layout']} | {r['command']} | {r['rc']} | {r['peak_gb']:.2f} | {r['target_gb']:.2f} | {met} | {r['seconds']:.1f} | {r['model_folder_untouched']} | {r['error'][:120]} |"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "memory.md").write_text("\n".join(lines) + "\n")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
