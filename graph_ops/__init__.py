@@ -13,6 +13,7 @@ from graph_ops import batch, prefix, wire
 from graph_ops.overridable import input_declarations, lift_constants, make_weights_overridable
 
 __all__ = [
+    "FileWeights",
     "GraphError",
     "LoadedModel",
     "WeightLayout",
