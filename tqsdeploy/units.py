@@ -99,12 +99,16 @@ def select_units(tensors: list[WeightTensor], selection: UnitSelection) -> list[
 
 
 def check_finite(weights: dict) -> None:
-    """Refuse weights holding NaN or Inf: every score and quantizer of them would be meaningless."""
+    """Refuse weights holding NaN or Inf: every score and quantizer of them would be meaningless.
+    Memory-mapped weights are read once and their pages handed back (the check reads the whole model)."""
     import numpy as np
+
+    from graph_ops import release_pages
 
     for name, value in weights.items():
         if np.asarray(value).dtype.kind == "f" and not np.all(np.isfinite(value)):
             raise InputError(f"weight '{name}' contains NaN or Inf; the model cannot be scored or quantized as it is")
+        release_pages(weights, [name])
 
 
 INDEX_PRESERVING = ("Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose")
