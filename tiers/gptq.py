@@ -83,10 +83,11 @@ def rtn(Wt: np.ndarray, spec: GridSpec, group_size: int = -1) -> Quantized:
     return _pack(codes, values, grids, spec, group_size)
 
 
-def _dead(Wt: np.ndarray, H: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Dead inputs (zero Hessian diagonal) neutralised, as GPTQ does: Wt always a private copy (the
-    solvers update it in place), H copied only when it has dead inputs to change (K x K float64)."""
-    Wt = np.array(Wt, np.float64)
+def _dead(Wt: np.ndarray, H: np.ndarray, own: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Dead inputs (zero Hessian diagonal) neutralised, as GPTQ does: Wt a private copy (the solvers
+    update it in place) unless the caller hands over its own (`own`), H copied only when it has dead
+    inputs to change (K x K float64)."""
+    Wt = np.asarray(Wt, np.float64) if own else np.array(Wt, np.float64)
     dead = np.diag(H) == 0
     if dead.any():
         H = np.array(H, np.float64)
@@ -183,8 +184,8 @@ def _current(Wt, W1, E1, U, P, b0, b1, i, end) -> np.ndarray:
     return np.concatenate([inside, Wt[:, b1:end] - pending], axis=1)
 
 
-def _prepare(Wt, H, spec, group_size, act_order, static_groups):
-    Wt, H, dead = _dead(Wt, H)
+def _prepare(Wt, H, spec, group_size, act_order, static_groups, own=False):
+    Wt, H, dead = _dead(Wt, H, own)
     static_groups = static_groups or (act_order and group_size > 0)
     static_grids = None
     if static_groups and group_size > 0:
@@ -204,13 +205,15 @@ def gptq(
     block_size: int = 128,
     act_order: bool = False,
     static_groups: bool = False,
+    own: bool = False,
 ) -> Quantized:
     """GPTQ (Frantar et al., IST-DASLab/gptq `fasterquant`) on Wt with Hessian H = (2/n)XᵀX.
 
     With act_order and groups, static groups are forced: groups must stay
     contiguous in the original column order for a DequantizeLinear encoding.
+    `own`: Wt is the caller's to overwrite (no weight-sized copy of it is made).
     """
-    Wt, H, _, perm, static_grids = _prepare(Wt, H, spec, group_size, act_order, static_groups)
+    Wt, H, _, perm, static_grids = _prepare(Wt, H, spec, group_size, act_order, static_groups, own)
     U = inverse_cholesky(H, percdamp)
     return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, None)
 

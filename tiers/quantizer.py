@@ -121,7 +121,7 @@ def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: b
     corrected = solvers.qep_correct(wt, stats.H, stats.G, alpha=rounding.strength if correct else 0.0, percdampqep=rounding.percdampqep)
     if rounding.qep_base == "rtn":
         return solvers.rtn(corrected, spec, group)
-    return solvers.gptq(corrected, stats.H, spec, **solver)
+    return solvers.gptq(corrected, stats.H, spec, own=True, **solver)  # the corrected weights are this call's own
 
 
 def to_encoded(quantized: Quantized, layout: Layout, tier: Tier, dtype: str = "float32") -> Encoded:

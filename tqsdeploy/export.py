@@ -117,6 +117,8 @@ class Candidate:
     drift: Drift | None = None
     cached: tuple[str, Rounding] | None = None
     """For a uniform baseline: the encoder's (tier, rounding) cache its encodings are."""
+    calibrated: bool = False
+    """The mixed allocation calibrated as itself (its encodings are the encoder's mixed cache)."""
 
     def record(self) -> dict:
         return {
@@ -520,7 +522,9 @@ class Planner:
         started = time.perf_counter()
         if self.rounding.needs_stats and any(TIERS[t].calibratable for t in allocation.tiers.values()):
             encodings = self.encodings(allocation, calibrated=True)
-            found.append(Candidate(label + ", calibrated as allocated", allocation, encodings, self.measure(encodings)))
+            found.append(Candidate(label + ", calibrated as allocated", allocation, encodings, self.measure(encodings), calibrated=True))
+            del encodings
+            self._keep_best(found)
         if self.settings.fallback:
             if fitting:
                 tier = fitting[0]
@@ -532,15 +536,23 @@ class Planner:
                     encodings = self.encoder.uniform(tier, rounding)
                     found.append(Candidate(f"uniform {tier.name} {method}", uniform, encodings, self.measure(encodings), (tier.name, rounding)))
                     del encodings
-                    if self.one_session:  # only the best is ever written: drop the others' codes (1 byte per weight each)
-                        best = min(found, key=_rank)
-                        for candidate in found:
-                            if candidate is not best and candidate.encodings:
-                                candidate.encodings = {}
-                                if candidate.cached and (candidate.cached[1] != self.rounding or not candidate.cached[1].needs_stats):
-                                    self.encoder.forget(*candidate.cached)  # cheap to make again, or not this export's own rounding
+                    self._keep_best(found)
         self.timings["compare"] += time.perf_counter() - started
         return sorted(found, key=_rank)
+
+    def _keep_best(self, found: list[Candidate]) -> None:
+        """Only the best candidate is ever written: for a large model, drop the others' codes as soon as
+        they are beaten (up to a byte per weight each) before the next calibration pass runs."""
+        if not self.one_session:
+            return
+        best = min(found, key=_rank)
+        for candidate in found:
+            if candidate is not best and candidate.encodings:
+                candidate.encodings = {}
+                if candidate.cached and (candidate.cached[1] != self.rounding or not candidate.cached[1].needs_stats):
+                    self.encoder.forget(*candidate.cached)  # cheap to make again, or not this export's own rounding
+                if candidate.calibrated:
+                    self.encoder.forget_mixed()
 
     def _overshoot(self, chosen: Candidate, target: float) -> str:
         """Why the shipped model is more than 5% smaller than asked."""

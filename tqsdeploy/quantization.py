@@ -196,6 +196,10 @@ class Encoder:
         """Drop the cached uniform encodings of (tier, rounding): 1 byte per weight."""
         self._uniform.pop((tier if isinstance(tier, str) else tier.name, rounding), None)
 
+    def forget_mixed(self) -> None:
+        """Drop the mixed allocations calibrated as themselves (remade by a calibration pass if asked again)."""
+        self._mixed.clear()
+
     def forget_uncalibrated(self, keep: str | None = None) -> None:
         """Drop every cached encoding that needs no calibration to make again (round to nearest,
         float and fp8 tiers) but tier `keep`'s: a grid search to rebuild, up to a byte per weight per tier to keep."""
