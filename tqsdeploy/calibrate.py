@@ -77,7 +77,7 @@ class Calibrator:
         self.waves = waves(proto, self.layouts)
         calibrated = {n for wave in self.waves for n in wave}
         self.first = [n for n in self.layouts if n not in calibrated]
-        self._open_args = (proto, runtime, workdir, data_dir, weights)
+        self._open_args = (proto, runtime, workdir, data_dir)
         self._full_cache: list[dict[str, np.ndarray]] | None = None
         self._session = self._open()
         engine = RolloutEngine(self.session, contexts, spec, max_batch)
@@ -159,7 +159,7 @@ class Calibrator:
     def _open(self):
         """A session of the model with every scored weight a plain input (fed from `weights` unless a
         run feeds its own) and every layer input an output."""
-        proto, runtime, workdir, data_dir, weights = self._open_args
+        proto, runtime, workdir, data_dir = self._open_args
         fed = graph_ops.io.weights_as_inputs(graph_ops.lift_constants(proto, list(self.layouts)), lambda t: t.name not in self.layouts)
         exposed = expose_tensors(fed, layer_tensors(proto, self.layouts))
         del fed
@@ -170,7 +170,7 @@ class Calibrator:
             session = runtime.open(source, external_data_dir=data_dir if data_dir is not None else None if isinstance(source, bytes) else source.parent)
         except Exception as exc:
             raise InputError(f"ONNX Runtime cannot load the calibration graph: {str(exc).splitlines()[0]}") from None
-        return WithDefaults(session, weights)
+        return WithDefaults(session, self.weights)
 
     @property
     def session(self):

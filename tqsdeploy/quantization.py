@@ -177,7 +177,6 @@ class Encoder:
         if self.before_calibration is not None:
             self.before_calibration()
         result = self.calibrator.run(encode_kept, rounding.needs_cross, log)
-        graph_ops.release_pages(self.weights)
         self.log.calibration_s += log.seconds
         self.log.thin.update(log.thin)
         return result
@@ -226,10 +225,13 @@ class Encoder:
         return encoded
 
     def channels(self, name: str, encoded: Encoded, rows: tuple[int, int] | None) -> Encoded:
-        """Output channels rows[0]..rows[1] of tensor `name`'s encoding; all of it when rows is None."""
+        """Output channels rows[0]..rows[1] of tensor `name`'s encoding (all of it when rows is None),
+        packed if the encoding was."""
         if rows is None:
             return encoded
-        return encoded.expand().take_channels(rows[0], rows[1], self.layouts[name].channel_axis).compact()
+        expanded = encoded.expand()
+        taken = expanded.take_channels(rows[0], rows[1], self.layouts[name].channel_axis)
+        return taken if expanded is encoded else taken.compact()
 
     def stored_forms(self, unit: str, tier: Tier | str) -> dict[str, Encoded]:
         """The unit's tensors at `tier` as the file stores them, codes on the unsearched grid and not
@@ -282,7 +284,7 @@ class Encoder:
             if tier not in expanded:
                 expanded[tier] = pick(tier).expand()
             parts.append(self.channels(name, expanded[tier], rows))
-        return split(parts, self.layouts[name])
+        return split(parts, self.layouts[name]).compact()
 
     def assemble(self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: Rounding) -> dict[str, Encoded]:
         """A mixed allocation from the uniform encodings (each slot as it was priced)."""
