@@ -6,7 +6,7 @@ detected) with external data, puts it in a read-only folder, and runs as
 subprocesses under /usr/bin/time -v: inspect, score, score again (must resume),
 export --C 4, eval. Checks the model folder gains no files.
 
-    python benchmarks/bench_memory.py [--gb 0.3,1.2,2.5] [--rounding rtn] [--fallback-below 1]
+    python benchmarks/bench_memory.py [--gb 0.3,1.2,2.5] [--rounding rtn] [--fallback-below 1] [--defaults]
 
 Writes benchmarks/results/memory.md. Run it alone: it needs about 1.5 x the
 largest model + 1 GB of free RAM and 2 x the largest model of free disk in /tmp.
@@ -87,7 +87,15 @@ def timed(args: list[str], cwd: Path) -> dict:
     return {"rc": result.returncode, "peak_gb": int(peak.group(1)) * 1024 / GB if peak else float("nan"), "seconds": seconds, "error": errors[0] if errors else ""}
 
 
-def bench(gigabytes: float, rounding: str, steps: int, export: bool = True, inline: bool = False, fallback: bool = True) -> list[dict]:
+def export_flags(rounding: str | None, fallback: bool) -> list[str]:
+    """Export options: the tool's defaults (rounding None: QEP, 2 refinement rounds, the uniform-baseline
+    comparison), or the light settings (`rounding`, no refinement, the comparison only with `fallback`)."""
+    if rounding is None:
+        return []
+    return ["--rounding", rounding, "--refine", "0"] + ([] if fallback else ["--no-fallback"])
+
+
+def bench(gigabytes: float, flags: list[str], steps: int, export: bool = True, inline: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="tqs-bench-memory-") as tmp:
         tmp = Path(tmp)
         (tmp / "model").mkdir()
@@ -101,8 +109,7 @@ def bench(gigabytes: float, rounding: str, steps: int, export: bool = True, inli
             ("inspect", [*cli, "inspect", str(path)]),
             ("score", [*cli, "score", str(path), "--random-contexts", "--windows", "4", "--steps", str(steps), "--probe", "quant", "-o", str(run)]),
             ("score again (resume)", [*cli, "score", str(path), "--random-contexts", "--windows", "4", "--steps", str(steps), "--probe", "quant", "-o", str(run)]),
-            ("export --C 4" + ("" if fallback else " --no-fallback"),
-             [*cli, "export", str(path), "--run", str(run), "--C", "4", "--rounding", rounding, "--refine", "0", "-o", str(tmp / "out" / "chain.C4.onnx")] + ([] if fallback else ["--no-fallback"])),
+            (" ".join(["export --C 4", *flags]), [*cli, "export", str(path), "--run", str(run), "--C", "4", *flags, "-o", str(tmp / "out" / "chain.C4.onnx")]),
             ("eval", [*cli, "eval", str(tmp / "out" / "chain.C4.onnx"), "--reference", str(path), "--contexts", str(run / "contexts.npz"), "--steps", str(steps)]),
         ]
         if not export:  # eval then compares the model with itself (two sessions of it, as against an export)
@@ -124,7 +131,8 @@ def bench(gigabytes: float, rounding: str, steps: int, export: bool = True, inli
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", default="0.3,1.2,2.5", help="Model sizes in GB (comma-separated).")
-    parser.add_argument("--rounding", default="rtn", help="Export rounding (rtn keeps the run cheap; qep adds calibration).")
+    parser.add_argument("--rounding", default="rtn", help="Export rounding with --refine 0 (rtn keeps the run cheap; qep adds calibration).")
+    parser.add_argument("--defaults", action="store_true", help="Export with the tool's default settings instead (QEP, --refine 2, the uniform-baseline comparison: 7 calibration passes).")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--export-below", type=float, default=float("inf"), help="Skip export for models of this many GB and more (it takes the longest).")
     parser.add_argument("--fallback-below", type=float, default=float("inf"),
@@ -136,13 +144,13 @@ def main() -> None:
         r
         for layout in args.layouts.split(",")
         for gb in args.gb.split(",")
-        for r in bench(float(gb), args.rounding, args.steps, float(gb) < args.export_below, layout == "inline", float(gb) < args.fallback_below)
+        for r in bench(float(gb), export_flags(None if args.defaults else args.rounding, float(gb) < args.fallback_below), args.steps, float(gb) < args.export_below, layout == "inline")
         if layout != "inline" or float(gb) < 2.0  # protobuf cannot hold 2 GiB in one file
     ]
     lines = [
         f"Peak RSS per command, {time.strftime('%Y-%m-%d')}, {platform.platform()}, {os.cpu_count()} cores (shared machine).",
         f"State-to-state MatMul chains with external data in a read-only folder; score: --probe quant, 4 random windows, {args.steps} steps;"
-        f" export --C 4 --rounding {args.rounding} --refine 0. Target: peak <= 1.5 x model + 0.5 GB.",
+        f" export --C 4 {'with default settings' if args.defaults else f'--rounding {args.rounding} --refine 0'}. Target: peak <= 1.5 x model + 0.5 GB.",
         "",
         "| model GB | weights | command | exit | peak RSS GB | target GB | met | seconds | model folder untouched | error |",
         "|---|---|---|---|---|---|---|---|---|---|",

@@ -203,6 +203,56 @@ def _emit(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto], list[
     return EMITTERS[value.form](name, value.expand())
 
 
+FED_CODES = {"int8": np.int8, "uint8": np.uint8, "int4": np.int8, "uint4": np.uint8, "int2": np.int8, "uint2": np.uint8}
+"""Code containers a calibration feeds as bytes (numpy has no sub-byte type ONNX Runtime reads)."""
+
+
+def fed_weight(name: str, value: StoredWeight) -> tuple[list[onnx.ValueInfoProto], dict[str, np.ndarray], list[onnx.NodeProto]] | None:
+    """Graph inputs, their values and the nodes that rebuild weight `name` from its codes at run time:
+    Cast, Sub the zero point, Mul the scale, DequantizeLinear's arithmetic in float32 (so the same
+    values as `dequantize`, at any opset). What a calibration run feeds instead of a float copy of
+    every weight quantized so far: a byte per weight. None for a form better fed as floats (raw,
+    FP8, packed signs, blockwise scales, bfloat16)."""
+    value = value.expand()
+    prefix = f"{name}__fed"
+    dtype = np.dtype(value.dtype)
+    if value.form == "split":
+        pieces = [fed_weight(f"{name}__part{i}", part) for i, part in enumerate(value.parts)]
+        if any(piece is None for piece in pieces):
+            return None
+        inputs, feeds, nodes = [], {}, []
+        for piece_inputs, piece_feeds, piece_nodes in pieces:
+            inputs += piece_inputs
+            feeds.update(piece_feeds)
+            nodes += piece_nodes
+        nodes.append(helper.make_node("Concat", [f"{name}__part{i}" for i in range(len(pieces))], [name], axis=int(value.axis), name=f"{prefix}_concat"))
+        return inputs, feeds, nodes
+    if value.form == "cast" and value.values.dtype == np.float16:
+        feeds = {f"{prefix}_half": value.values}
+        nodes = [helper.make_node("Cast", [f"{prefix}_half"], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{prefix}_cast")]
+        return [helper.make_tensor_value_info(f"{prefix}_half", onnx.TensorProto.FLOAT16, list(value.shape))], feeds, nodes
+    container = FED_CODES.get(np.dtype(value.values.dtype).name) if value.form == "dequantize" else None
+    if container is None or value.block_size:
+        return None
+    codes = value.values if value.values.dtype == container else value.values.astype(container)
+    view = [1] * len(value.shape)
+    if value.axis is not None and np.ndim(value.scale) > 0:
+        view[value.axis] = value.shape[value.axis]
+    feeds = {f"{prefix}_codes": codes, f"{prefix}_scale": np.asarray(value.scale, np.float32).reshape(view)}
+    nodes = [helper.make_node("Cast", [f"{prefix}_codes"], [f"{prefix}_float"], to=onnx.TensorProto.FLOAT, name=f"{prefix}_cast")]
+    centred = f"{prefix}_float"
+    if value.zero_point is not None:
+        feeds[f"{prefix}_zero"] = np.asarray(value.zero_point).astype(np.float32).reshape(view)
+        nodes.append(helper.make_node("Sub", [centred, f"{prefix}_zero"], [f"{prefix}_centred"], name=f"{prefix}_sub"))
+        centred = f"{prefix}_centred"
+    scaled = name if dtype == np.float32 else f"{prefix}_scaled"
+    nodes.append(helper.make_node("Mul", [centred, f"{prefix}_scale"], [scaled], name=f"{prefix}_mul"))
+    if scaled != name:
+        nodes.append(helper.make_node("Cast", [scaled], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{prefix}_to_{dtype.name}"))
+    inputs = [helper.make_tensor_value_info(key, helper.np_dtype_to_tensor_dtype(array.dtype), list(array.shape)) for key, array in feeds.items()]
+    return inputs, feeds, nodes
+
+
 def emitted_bits(name: str, value: StoredWeight) -> int:
     """Bits of every tensor the weight's stored form puts in the file (what eval and gate count)."""
     return sum(tensor_bits(t) for t in _emit(name, value)[0])

@@ -283,3 +283,79 @@ def test_conv_model_quantizes_per_output_channel(tmp_path):
     reference, quantized = _outputs(model, result, x)
     assert np.max(np.abs(quantized - reference)) < 0.02 * np.max(np.abs(reference))
     assert result.errors["Wc"] <= result.rtn_errors["Wc"]
+
+
+def _calibration_graph(model_path: Path, names: list[str], exposed: list[str]) -> onnx.ModelProto:
+    """The mlp as a calibration builds it: scored weights as graph inputs, layer inputs as outputs."""
+    from graph_ops.calibration import expose_tensors
+    from graph_ops.io import weights_as_inputs
+
+    return expose_tensors(weights_as_inputs(onnx.load(str(model_path)), lambda t: t.name not in names), exposed)
+
+
+def test_wave_model_rebuilds_quantized_weights_from_fed_codes(mlp):
+    """A wave's session reads the weights quantized so far as their codes (a byte per weight, not a float
+    copy), computes exactly what the dequantized floats give, and runs nothing past the wave."""
+    from graph_ops.calibration import wave_model
+    from graph_ops.qdq import fed_weight
+    from tiers import TIERS, encode, split
+
+    model, _, x = mlp
+    proto = onnx.load(str(model))
+    weights = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    layouts = weight_layouts(proto, ["W1", "W2", "W3"])
+    graph = _calibration_graph(model, ["W1", "W2", "W3"], ["a1", "a2"])
+    w1 = encode(weights["W1"], Layout(layouts["W1"].shape, layouts["W1"].perm), TIERS["int4-asym"]).compact()  # codes packed, as cached
+    w2_layout = Layout(layouts["W2"].shape, layouts["W2"].perm)
+    halves = [encode(weights["W2"][:16], Layout((16, 32), (0, 1)), TIERS["int2"]), encode(weights["W2"][16:], Layout((16, 32), (0, 1)), TIERS["fp16"])]
+    w2 = split(halves, w2_layout)  # Gemm transB: output channels on axis 0
+    stored = {"W1": w1, "W2": w2}
+    cut, feeds = wave_model(graph, ["a2"], stored)
+    inputs = {v.name for v in cut.graph.input}
+    assert {"W1", "W2", "W3"}.isdisjoint(inputs)  # W1, W2 rebuilt from codes; W3 is read only after the wave
+    assert not any(n.op_type == "Transpose" or "y" in n.output for n in cut.graph.node)
+    assert [o.name for o in cut.graph.output] == ["a2"]
+    codes = [a for a in feeds.values() if a.dtype.kind in "iu"]
+    assert sum(a.nbytes for a in codes) == weights["W1"].size + 16 * 32  # a byte per quantized weight
+    session = OrtRuntime().open(cut.SerializeToString())
+    got = session.run({**feeds, "x": x}, ["a2"])["a2"]
+    full = OrtRuntime().open(graph.SerializeToString())
+    want = full.run({"x": x, "W1": w1.dequantize(), "W2": w2.dequantize(), "W3": weights["W3"]}, ["a2"])["a2"]
+    np.testing.assert_array_equal(got, want)
+    for form in (encode(weights["W1"], Layout((16, 32), (1, 0)), TIERS["fp8"]), encode(weights["W1"], Layout((16, 32), (1, 0)), TIERS["bf16"]),
+                 encode(weights["W1"], Layout((16, 32), (1, 0)), TIERS["int4-asym"], group_size=8), encode(weights["W1"], Layout((16, 32), (1, 0)), TIERS["fp32"])):
+        assert fed_weight("W1", form) is None  # fed as floats instead
+
+
+def test_calibration_statistics_see_the_quantized_prefix_exactly(mlp):
+    """The Hessian of a later layer is (2/n)·X̂ᵀX̂ of the activations the quantized earlier layers
+    give (computed here in numpy), whatever form the calibration session rebuilds them from."""
+    from graph_ops.io import load_model
+    from tiers import TIERS, encode
+    from tqsdeploy.calibrate import Calibrator
+    from tqsdeploy.contexts import Contexts
+    from tqsdeploy.rollout import RolloutSpec
+
+    model_path, calib, _ = mlp
+    model = load_model(model_path)
+    names = ["W1", "W2", "W3"]
+    layouts = weight_layouts(model.proto, names)
+    weights = read_weights(model.proto, names)
+    windows = np.load(calib)["x"]
+    contexts = Contexts({"x": windows}, "test")
+    calibrator = Calibrator(model.proto, layouts, contexts, RolloutSpec.from_dict({"steps": 1, "trajectory": ["y"]}), weights=weights)
+    seen = {}
+
+    def encode_one(name, stats):
+        seen[name] = stats
+        layout = Layout(layouts[name].shape, layouts[name].perm)
+        return encode(weights[name], layout, TIERS["int4-asym"])
+
+    encoded = calibrator.run(encode_one, cross=False)
+    calibrator.close()
+    x = windows.reshape(-1, 16).astype(np.float64)
+    b1 = numpy_helper.to_array(next(t for t in model.proto.graph.initializer if t.name == "b1")).astype(np.float64)
+    a1 = np.maximum(x @ encoded["W1"].dequantize().astype(np.float64) + b1, 0.0)
+    np.testing.assert_allclose(seen["W2"][0].H, 2 / len(a1) * a1.T @ a1, rtol=1e-5, atol=1e-6)
+    a1_fp = np.maximum(x @ weights["W1"].astype(np.float64) + b1, 0.0)
+    assert not np.allclose(seen["W2"][0].H, 2 / len(a1_fp) * a1_fp.T @ a1_fp, rtol=1e-3, atol=1e-4)  # the original prefix would differ

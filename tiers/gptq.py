@@ -12,18 +12,27 @@ Scales are float32-representable as soon as they are chosen: the grid the
 solver propagates errors against is exactly the grid a float32
 DequantizeLinear reproduces, so the fake-quantized weights equal their
 encoding bit for bit.
+
+Memory: a K x K float64 matrix is 134 MB at K = 4096, so the solvers work in
+place where the arithmetic allows (LAPACK potrf/potri/potrs through scipy,
+lower-triangle zeroing row by row, updates in column blocks) and keep codes as
+float32; a solve holds the weight, U, GPTAQ's P and the codes beside the
+caller's statistics.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from tiers.grid import Grid, GridSpec, find_grid, round_to_grid
+from tiers.grid import Grid, GridSpec, codes_on, find_grid, round_to_grid
 
 ROUND_BLOCK = 1 << 20
 """Elements rounded at a time (8 MiB per float64 temporary)."""
+UPDATE_BLOCK = 1 << 20
+"""Elements of a lazy-batch update computed at a time (8 MiB of float64), not the rest of the weight at once."""
 CHOLESKY_RETRIES = 8
 """Times the damping is multiplied by 10 before a failed Cholesky is reported."""
 
@@ -33,21 +42,31 @@ class Quantized:
     """A quantized Wt: codes, parameters per row and group, and the fake-quantized values."""
 
     codes: np.ndarray
-    """[N, K] float64 holding the codes (integers; FP8 values / scale for fp8 grids)."""
+    """[N, K] float32 holding the codes (integers; for fp8 grids the FP8 values, scale·code being the weight), all exact in float32."""
     scale: np.ndarray
     """[N, groups] fp64, float32-representable (groups = 1 per channel)."""
     zero: np.ndarray
     """[N, groups] integer-valued fp64; all 0 for symmetric grids."""
-    values: np.ndarray
-    """[N, K] fp64 = scale·(codes − zero), the fake-quantized Wt."""
     spec: GridSpec
     group_size: int
     """-1 per channel, else the number of consecutive input features per group."""
 
+    @property
+    def values(self) -> np.ndarray:
+        """[N, K] fp64 = scale·(codes − zero), the fake-quantized Wt: made when read (nothing on the
+        export path reads it; kept beside the codes it would be a weight-sized float64 array)."""
+        columns = self.codes.shape[1]
+        if self.group_size <= 0:
+            scale, zero = self.scale[:, :1], self.zero[:, :1]
+        else:
+            scale = np.repeat(self.scale, self.group_size, axis=1)[:, :columns]
+            zero = np.repeat(self.zero, self.group_size, axis=1)[:, :columns]
+        return scale * (self.codes.astype(np.float64) - zero)
+
     def rows(self, start: int, stop: int) -> "Quantized":
         """Output channels start..stop (a channel group of the weight)."""
         part = slice(start, stop)
-        return Quantized(self.codes[part], self.scale[part], self.zero[part], self.values[part], self.spec, self.group_size)
+        return Quantized(self.codes[part], self.scale[part], self.zero[part], self.spec, self.group_size)
 
     @staticmethod
     def stack(parts: list["Quantized"]) -> "Quantized":
@@ -55,13 +74,13 @@ class Quantized:
         first = parts[0]
         if len(parts) == 1:
             return first
-        return Quantized(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero", "values")), first.spec, first.group_size)
+        return Quantized(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero")), first.spec, first.group_size)
 
 
-def _pack(codes, values, grids: list[Grid], spec: GridSpec, group_size: int) -> Quantized:
+def _pack(codes, grids: list[Grid], spec: GridSpec, group_size: int) -> Quantized:
     scale = np.stack([g.scale for g in grids], axis=1)
     zero = np.stack([g.zero for g in grids], axis=1)
-    return Quantized(codes, scale, zero, values, spec, group_size)
+    return Quantized(codes, scale, zero, spec, group_size)
 
 
 def _group_starts(columns: int, group_size: int) -> range:
@@ -71,16 +90,16 @@ def _group_starts(columns: int, group_size: int) -> range:
 def rtn(Wt: np.ndarray, spec: GridSpec, group_size: int = -1) -> Quantized:
     """Round to nearest on the grid, per row or row-group."""
     Wt = np.asarray(Wt, np.float64)
-    codes, values, grids = np.zeros_like(Wt), np.zeros_like(Wt), []
+    codes, grids = np.zeros(Wt.shape, np.float32), []
     for g0 in _group_starts(Wt.shape[1], group_size):
         g1 = Wt.shape[1] if group_size <= 0 else min(g0 + group_size, Wt.shape[1])
         grid = find_grid(Wt[:, g0:g1], spec)
         step = max(1, ROUND_BLOCK // max(1, g1 - g0))
         for r0 in range(0, Wt.shape[0], step):  # rows in blocks: each temporary a block, not a copy of the weight
             rows = slice(r0, r0 + step)
-            codes[rows, g0:g1], values[rows, g0:g1] = round_to_grid(Wt[rows, g0:g1], Grid(grid.scale[rows], grid.zero[rows]), spec)
+            codes[rows, g0:g1] = codes_on(Wt[rows, g0:g1], Grid(grid.scale[rows], grid.zero[rows]), spec)
         grids.append(grid)
-    return _pack(codes, values, grids, spec, group_size)
+    return _pack(codes, grids, spec, group_size)
 
 
 def _dead(Wt: np.ndarray, H: np.ndarray, own: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -98,40 +117,80 @@ def _dead(Wt: np.ndarray, H: np.ndarray, own: bool = False) -> tuple[np.ndarray,
     return Wt, H, dead
 
 
+_LAPACK = None
+
+
+def _lapack():
+    """scipy's LAPACK (in-place potrf/potri/potrs, which numpy lacks), imported on first use (0.15 s).
+
+    Where scipy brings its own OpenBLAS beside numpy's, that copy is held to one thread: two
+    thread pools spinning on the same cores made a calibration 1.4x slower on 2 cores (numpy's
+    BLAS, which does the matrix products, keeps its threads)."""
+    global _LAPACK
+    if _LAPACK is None:
+        from threadpoolctl import ThreadpoolController
+
+        before = {lib.filepath for lib in ThreadpoolController().lib_controllers}
+        from scipy.linalg import lapack
+
+        for lib in ThreadpoolController().lib_controllers:  # loaded with scipy, or scipy's wheel's own (scipy imported earlier)
+            if lib.user_api == "blas" and (lib.filepath not in before or Path(lib.filepath).parent.name == "scipy.libs"):
+                lib.set_num_threads(1)
+        _LAPACK = lapack
+    return _LAPACK
+
+
 def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
     """Upper U with UᵀU = (H + λI)⁻¹, λ = percdamp·mean(diag H).
 
-    Guard (not in the official code): when a Cholesky fails, the damping is
-    multiplied by 10 and tried again, so a rank-deficient H from too little
-    calibration data degrades gracefully instead of stopping an export.
+    The official sequence (Cholesky, its inverse as torch's cholesky_inverse, Cholesky of
+    that) as LAPACK potrf/potri/potrf in one K x K buffer. Guard (not in the official
+    code): when a Cholesky fails, the damping is multiplied by 10 and tried again, so a
+    rank-deficient H from too little calibration data degrades gracefully instead of
+    stopping an export.
     """
+    lapack = _lapack()
     mean = float(np.mean(np.diag(H))) if H.size else 1.0
     damp = percdamp * mean
     for _ in range(CHOLESKY_RETRIES + 1):
-        try:
-            lower = np.linalg.cholesky(_damped(H, damp))
-            inverse_lower = np.linalg.inv(lower)
-            del lower  # K x K float64 each: at K = 4096, 134 MB apiece
-            upper = np.linalg.cholesky(inverse_lower.T @ inverse_lower).T
+        work = _damped(H, damp)
+        # work is symmetric and C-ordered, so work.T is the same matrix in Fortran order and LAPACK
+        # works on it in place; the lower factor L2 of (H + λI)⁻¹ it leaves there, read as C-ordered, is U = L2ᵀ.
+        factor, info = lapack.dpotrf(work.T, lower=1, clean=1, overwrite_a=1)
+        if info == 0:
+            factor, info = lapack.dpotri(factor, lower=1, overwrite_c=1)
+        if info == 0:
+            factor, info = lapack.dpotrf(factor, lower=1, clean=1, overwrite_a=1)
+        if info == 0:
+            upper = factor.T  # work itself: LAPACK ran in place
             if np.all(np.isfinite(upper)):
                 return upper
-        except np.linalg.LinAlgError:
-            pass
         damp = max(damp, 1e-6 * abs(mean) or 1e-12) * 10
     raise np.linalg.LinAlgError(f"Hessian is not positive definite even with damping {damp / 10:.3g}")
 
 
 def _damped(H: np.ndarray, damp: float) -> np.ndarray:
     """H + damp·I (the same values) without an identity matrix beside it."""
-    damped = np.array(H, np.float64, copy=True)
+    damped = np.array(H, np.float64, copy=True, order="C")
     damped[np.diag_indices_from(damped)] += damp
     return damped
 
 
+def _update(Wt: np.ndarray, start: int, E1: np.ndarray, U: np.ndarray, W1: np.ndarray, P: np.ndarray | None, b0: int, b1: int) -> None:
+    """Wt[:, start:] −= E1·U[b0:b1, start:] (− W1·P[b0:b1, start:] for GPTAQ), a block of columns at a time."""
+    step = max(1, UPDATE_BLOCK // max(1, Wt.shape[0]))
+    for c0 in range(start, Wt.shape[1], step):
+        c1 = min(c0 + step, Wt.shape[1])
+        tail = E1 @ U[b0:b1, c0:c1]
+        if P is not None:
+            tail -= W1 @ P[b0:b1, c0:c1]
+        Wt[:, c0:c1] -= tail
+
+
 def _solve(Wt, U, spec: GridSpec, group_size: int, block_size: int, perm, static_grids, P) -> Quantized:
-    """The GPTQ column loop with lazy batch updates; P adds GPTAQ's asymmetric terms."""
+    """The GPTQ column loop with lazy batch updates; P adds GPTAQ's asymmetric terms. Works on Wt in place."""
     N, K = Wt.shape
-    codes, values = np.zeros_like(Wt), np.zeros_like(Wt)
+    codes = np.zeros((N, K), np.float32)
     grids: dict[int, Grid] = {}
     grid = find_grid(Wt, spec) if group_size <= 0 else None
     for b0 in range(0, K, block_size):
@@ -146,25 +205,21 @@ def _solve(Wt, U, spec: GridSpec, group_size: int, block_size: int, perm, static
                 elif c % group_size == 0:
                     grid = find_grid(_current(Wt, W1, E1, U, P, b0, b1, i, min(c + group_size, K)), spec)
                     grids[c // group_size] = grid
-            codes[:, c], values[:, c] = round_to_grid(w, grid, spec)
-            e = (w - values[:, c]) / U[c, c]
+            codes[:, c], value = round_to_grid(w, grid, spec)
+            e = (w - value) / U[c, c]
             E1[:, i] = e
             update = np.outer(e, U[c, c:b1])
             if P is not None:
                 update -= np.outer(w, P[c, c:b1])
             W1[:, i:] -= update
-        tail = E1 @ U[b0:b1, b1:]
-        if P is not None:
-            tail -= W1 @ P[b0:b1, b1:]
-        Wt[:, b1:] -= tail
+        _update(Wt, b1, E1, U, W1, P, b0, b1)
     if perm is not None:
-        inverse = np.argsort(perm)
-        codes, values = codes[:, inverse], values[:, inverse]
+        codes = codes[:, np.argsort(perm)]
     if group_size <= 0:
         ordered = [grid]
     else:
         ordered = static_grids if static_grids is not None else [grids[g] for g in sorted(grids)]
-    return _pack(codes, values, ordered, spec, group_size)
+    return _pack(codes, ordered, spec, group_size)
 
 
 def _current(Wt, W1, E1, U, P, b0, b1, i, end) -> np.ndarray:
@@ -229,42 +284,64 @@ def gptaq(
     act_order: bool = False,
     static_groups: bool = False,
     alpha: float = 0.25,
+    own: bool = False,
 ) -> Quantized:
     """GPTAQ (GPTQv2): GPTQ plus the asymmetric-calibration terms of P = α·triu(G Uᵀ, 1)·U.
 
     G = (2/n)(X_fp − X̂)ᵀX̂ on the same rows as H = (2/n)X̂ᵀX̂; α = 0.25 is the
-    official hard-coded value. α = 0 is exactly GPTQ.
+    official hard-coded value. α = 0 is exactly GPTQ. `own` as for `gptq`.
     """
-    Wt, H, dead, perm, static_grids = _prepare(Wt, H, spec, group_size, act_order, static_groups)
-    G = np.array(G, np.float64)
-    G[:, dead] = 0
+    Wt, H, dead, perm, static_grids = _prepare(Wt, H, spec, group_size, act_order, static_groups, own)
+    G = np.asarray(G, np.float64)
+    if dead.any():
+        G = np.array(G)
+        G[:, dead] = 0
     if perm is not None:
         G = G[perm][:, perm]
     U = inverse_cholesky(H, percdamp)
-    P = alpha * np.triu(G @ U.T, k=1) @ U
+    M = G @ U.T
+    del G
+    _keep_above_diagonal(M)
+    M *= alpha
+    P = M @ U
+    del M
     return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, P)
 
 
-def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float = 0.5, percdampqep: float = 1.0) -> np.ndarray:
+def _keep_above_diagonal(M: np.ndarray) -> None:
+    """np.triu(M, k=1) in place (a row at a time: no K x K mask or copy)."""
+    for i in range(M.shape[0]):
+        M[i, : i + 1] = 0
+
+
+def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float = 0.5, percdampqep: float = 1.0, own: bool = False) -> np.ndarray:
     """QEP's weight correction Wt + α·Wt·H_δ·(H + λI)⁻¹ (FujitsuResearch/qep `run_weight_correct`).
 
     Any base method then quantizes the returned weights with the same H.
     α = 0 skips the correction entirely, as the official script does for the
-    layers it excludes.
+    layers it excludes. The solve is a Cholesky one (the damped H is symmetric
+    positive definite), in place on Wt·H_δ; `own`: Wt is the caller's to overwrite.
     """
+    lapack = _lapack()
     if alpha == 0:
-        return np.array(Wt, np.float64)
-    Wt, H, _ = _dead(Wt, H)
+        return np.asarray(Wt, np.float64) if own else np.array(Wt, np.float64)
+    Wt, H, _ = _dead(Wt, H, own)
     mean = float(np.mean(np.diag(H)))
     damp = percdampqep * mean
     rhs = Wt @ np.asarray(H_delta, np.float64)
     for _ in range(CHOLESKY_RETRIES + 1):
-        try:
-            damped = _damped(H, damp)
-            np.linalg.cholesky(damped)
-            return Wt + alpha * np.linalg.solve(damped, rhs.T).T
-        except np.linalg.LinAlgError:
-            damp = max(damp, 1e-6 * abs(mean) or 1e-12) * 10
+        damped = _damped(H, damp)
+        factor, info = lapack.dpotrf(damped.T, lower=1, overwrite_a=1)  # symmetric: its transpose is itself, in Fortran order
+        if info == 0:
+            solved, info = lapack.dpotrs(factor, rhs.T, lower=1, overwrite_b=1)  # rhs.T is (K, N) in Fortran order: solved in place
+            if info == 0:
+                if not np.shares_memory(solved, rhs):
+                    rhs = np.ascontiguousarray(solved.T)
+                del damped, factor, solved
+                rhs *= alpha
+                Wt += rhs
+                return Wt
+        damp = max(damp, 1e-6 * abs(mean) or 1e-12) * 10
     raise np.linalg.LinAlgError(f"damped Hessian is not positive definite even with damping {damp / 10:.3g}")
 
 

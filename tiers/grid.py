@@ -22,7 +22,9 @@ min-max wastes most of a 2-bit grid on outliers.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -33,6 +35,8 @@ SEARCH_NORM, SEARCH_STEPS, SEARCH_STEP = 2.4, 80, 0.01
 FP8_MAX = 448.0
 SEARCH_BLOCK = 1 << 15
 """Elements per row block of the search (256 KiB of float64 per temporary: about cache-sized)."""
+SEARCH_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+"""Threads the search spreads its row blocks over (the cores this process may use, at most 8)."""
 SEARCH_CACHE = 256
 """Searched grids remembered (by the rows' bytes and the grid spec): a few KiB each."""
 _SEARCHED: "OrderedDict[tuple, Grid]" = OrderedDict()
@@ -83,7 +87,7 @@ def _candidate(lo: np.ndarray, hi: np.ndarray, spec: GridSpec) -> tuple[np.ndarr
     return scale, np.rint(-lo / np.where(scale > 0, scale, 1.0))
 
 
-def codes(w: np.ndarray, grid: Grid, spec: GridSpec) -> np.ndarray:
+def codes_on(w: np.ndarray, grid: Grid, spec: GridSpec) -> np.ndarray:
     """Codes of w ((N,) column or (N, k) rows) on the grid, as float64 integers (fp8: fp8 values / scale)."""
     scale, zero = (grid.scale[:, None], grid.zero[:, None]) if np.ndim(w) == 2 else (grid.scale, grid.zero)
     if spec.kind == "sign":
@@ -103,7 +107,7 @@ def values(q: np.ndarray, grid: Grid) -> np.ndarray:
 
 def round_to_grid(w: np.ndarray, grid: Grid, spec: GridSpec) -> tuple[np.ndarray, np.ndarray]:
     """(codes, dequantized values) of w on the grid."""
-    q = codes(w, grid, spec)
+    q = codes_on(w, grid, spec)
     return q, values(q, grid)
 
 
@@ -131,9 +135,18 @@ def find_grid(rows: np.ndarray, spec: GridSpec) -> Grid:
         found = _SEARCHED[key]
         return Grid(found.scale.copy(), found.zero.copy())
     block = max(1, SEARCH_BLOCK // rows.shape[1])
-    for start in range(0, n, block):  # row blocks small enough to stay in cache: the same result, faster and in bounded memory
-        part = slice(start, start + block)
+    parts = [slice(start, start + block) for start in range(0, n, block)]  # row blocks small enough to stay in cache: the same result, faster and in bounded memory
+
+    def search(part: slice) -> None:
         _search(rows[part], lo[part], hi[part], spec, scale[part], zero[part])
+
+    workers = min(SEARCH_THREADS, len(parts))
+    if workers > 1:  # numpy releases the GIL in its loops: blocks write disjoint rows, so threads give the same grids
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(search, parts))
+    else:
+        for part in parts:
+            search(part)
     _SEARCHED[key] = Grid(scale.copy(), zero.copy())
     while len(_SEARCHED) > SEARCH_CACHE:
         _SEARCHED.popitem(last=False)

@@ -104,6 +104,8 @@ def quantize(
     wt = layout.to_wt(np.asarray(weight, np.float64))
     if stats is None or not rounding.needs_stats or not tier.calibratable or layout.perm is None:
         return solvers.rtn(wt, spec, group)
+    if np.may_share_memory(wt, weight) or not wt.flags.c_contiguous:
+        wt = np.array(wt, order="C")  # the solvers' own copy: they work on it in place
     rows = wt.shape[0] // len(stats)
     parts = []
     for g, part in enumerate(stats):
@@ -113,15 +115,16 @@ def quantize(
 
 
 def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: bool) -> Quantized:
-    solver = dict(group_size=group, percdamp=rounding.percdamp, block_size=rounding.block_size, act_order=rounding.act_order)
+    """`wt` is this call's own: every solver works on it in place."""
+    solver = dict(group_size=group, percdamp=rounding.percdamp, block_size=rounding.block_size, act_order=rounding.act_order, own=True)
     if rounding.method == "gptq":
         return solvers.gptq(wt, stats.H, spec, **solver)
     if rounding.method == "gptaq":
         return solvers.gptaq(wt, stats.H, stats.G, spec, alpha=rounding.strength, **solver)
-    corrected = solvers.qep_correct(wt, stats.H, stats.G, alpha=rounding.strength if correct else 0.0, percdampqep=rounding.percdampqep)
+    corrected = solvers.qep_correct(wt, stats.H, stats.G, alpha=rounding.strength if correct else 0.0, percdampqep=rounding.percdampqep, own=True)
     if rounding.qep_base == "rtn":
         return solvers.rtn(corrected, spec, group)
-    return solvers.gptq(corrected, stats.H, spec, own=True, **solver)  # the corrected weights are this call's own
+    return solvers.gptq(corrected, stats.H, spec, **solver)
 
 
 def to_encoded(quantized: Quantized, layout: Layout, tier: Tier, dtype: str = "float32") -> Encoded:

@@ -1,10 +1,13 @@
 """Sequential calibration: the statistics GPTQ, GPTAQ and QEP need, wave by wave.
 
 One ONNX Runtime session holds the model with every scored weight a plain
-input (the original values fed unless a run feeds others; the runtime keeps no
-copy of them) and every layer input exposed as an extra output, so the same
-session gives full-precision activations (nothing fed) and quantized-prefix
-activations (the already-quantized weights fed). Calibration samples are the
+input (the original values fed; the runtime keeps no copy of them) and every
+layer input exposed as an extra output: it gives the calibration samples and
+the full-precision activations. Each wave's quantized-prefix activations come
+from a session of the graph cut down to that wave's inputs, in which every
+weight quantized so far is rebuilt from its codes, fed as they are
+(`graph_ops.calibration.wave_model`): a byte per weight rather than a float
+copy of each, and no layer after the wave is run. Calibration samples are the
 inputs of every step of the nominal rollout from the run's context windows
 (teacher-forced: the rollout the score measured, not just its first step).
 For each wave (`graph_ops.calibration.waves`: weights whose inputs depend only
@@ -23,7 +26,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 import graph_ops
-from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, waves
+from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, wave_model, waves
 from graph_ops.layout import WeightLayout
 from runtimes import OrtRuntime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
@@ -78,6 +81,8 @@ class Calibrator:
         calibrated = {n for wave in self.waves for n in wave}
         self.first = [n for n in self.layouts if n not in calibrated]
         self._open_args = (proto, runtime, workdir, data_dir)
+        self._graph = None
+        """The model with the scored weights as graph inputs and every layer input an output (no weight data)."""
         self._full_cache: list[dict[str, np.ndarray]] | None = None
         self._session = self._open()
         engine = RolloutEngine(self.session, contexts, spec, max_batch)
@@ -89,12 +94,10 @@ class Calibrator:
         log = log if log is not None else CalibrationLog()
         started = perf_counter()
         encoded: dict[str, Encoded] = {}
-        current: dict[str, np.ndarray] = {}
         for name in self.first:
             encoded[name] = encode(name, None)
-            current[name] = encoded[name].dequantize()
         for wave in self.waves:
-            stats = self._collect(wave, current, cross)
+            stats = self._collect(wave, encoded, cross)
             for name in wave:
                 layout = self.layouts[name]
                 merged = [Hessian.merge([stats[use.key][g] for use in layout.uses]) for g in range(layout.row_groups)]
@@ -102,27 +105,42 @@ class Calibrator:
                 if any(m.count < 2 * m.H.shape[0] for m in merged):
                     log.thin.append(name)
                 encoded[name] = encode(name, merged)
-                current[name] = encoded[name].dequantize()
             stats = merged = None  # K x K float64 per use: gone before the next wave collects its own
-            graph_ops.release_pages(self.weights)  # the wave's originals are fed as `current` from now on
+            graph_ops.release_pages(self.weights)
         log.seconds += perf_counter() - started
         return encoded
 
-    def _collect(self, wave: list[str], current: dict[str, np.ndarray], cross: bool) -> dict:
+    def _collect(self, wave: list[str], encoded: Mapping[str, Encoded], cross: bool) -> dict:
         uses = {u.key: (u, self.layouts[name].row_groups) for name in wave for u in self.layouts[name].uses}
         stats: dict = {key: None for key in uses}
         fetch = sorted({u.x for u, _ in uses.values()} - self.graph_inputs)
-        for index, feeds in enumerate(self.samples):
-            quantized = self._run(feeds, current, fetch)
-            full = self._full(index, feeds, fetch) if cross and current else quantized
-            for key, (use, groups) in uses.items():
-                xs = layer_inputs(use, quantized[use.x], groups)
-                xf = layer_inputs(use, full[use.x], groups) if cross else [None] * groups
-                if stats[key] is None:
-                    stats[key] = [Hessian(x.shape[1], cross) for x in xs]
-                for part, x, x_fp in zip(stats[key], xs, xf):
-                    part.add(x, x_fp)
+        session = self._wave_session(fetch, encoded) if fetch else None
+        try:
+            for index, feeds in enumerate(self.samples):
+                quantized = self._run(session, feeds, fetch)
+                full = self._full(index, feeds, fetch) if cross and encoded else quantized
+                for key, (use, groups) in uses.items():
+                    xs = layer_inputs(use, quantized[use.x], groups)
+                    xf = layer_inputs(use, full[use.x], groups) if cross else [None] * groups
+                    if stats[key] is None:
+                        stats[key] = [Hessian(x.shape[1], cross) for x in xs]
+                    for part, x, x_fp in zip(stats[key], xs, xf):
+                        part.add(x, x_fp)
+        finally:
+            if session is not None:
+                session.close()  # its arena holds activations, not weights: freed with it, no trim needed
         return stats
+
+    def _wave_session(self, fetch: list[str], encoded: Mapping[str, Encoded]):
+        """A session computing only `fetch`, every weight of `encoded` it reads rebuilt from fed codes
+        (or fed dequantized, for forms kept as floats); the other weights fed as they are."""
+        proto, fed = wave_model(self._graph, fetch, encoded)
+        names = {v.name for v in proto.graph.input}
+        floats = {name: _as_float(encoded[name]) for name in names if name in encoded}
+        defaults = _Layered(fed, floats, self.weights)
+        source = graph_ops.io.session_source(proto, self._open_args[2])
+        del proto
+        return WithDefaults(self._open_source(source), defaults)
 
     def _full(self, index: int, feeds, fetch) -> dict[str, np.ndarray]:
         """Full-precision layer inputs of sample `index`. They are the same for every wave and every
@@ -133,24 +151,25 @@ class Calibrator:
             self._full_cache = self._cache_full()
         if self._full_cache:
             return self._full_cache[index]
-        return self._run(feeds, {}, fetch)
+        return self._run(self.session, feeds, fetch)
 
     def _cache_full(self) -> list[dict[str, np.ndarray]]:
         every = sorted({use.x for wave in self.waves for name in wave for use in self.layouts[name].uses} - self.graph_inputs)
         budget = FULL_CACHE_SHARE * sum(4 * int(np.prod(layout.shape, dtype=np.int64)) for layout in self.layouts.values())
         cached, size = [], 0
         for feeds in self.samples:
-            values = self._run(feeds, {}, every)
+            values = self._run(self.session, feeds, every)
             size += sum(values[name].nbytes for name in every)
             if size > budget:
                 return []
             cached.append(values)
         return cached
 
-    def _run(self, feeds, weights, fetch) -> dict[str, np.ndarray]:
+    def _run(self, session, feeds, fetch) -> dict[str, np.ndarray]:
         values = dict(feeds)
         if fetch:
-            values.update(self.session.run({**feeds, **weights}, fetch))
+            accepted = {spec.name for spec in session.inputs}
+            values.update(session.run({k: v for k, v in feeds.items() if k in accepted}, fetch))
         for name in fetch:
             if np.issubdtype(values[name].dtype, np.floating) and not np.all(np.isfinite(values[name])):
                 raise CalibrationError(f"layer input '{name}' is not finite on the calibration windows")
@@ -159,18 +178,21 @@ class Calibrator:
     def _open(self):
         """A session of the model with every scored weight a plain input (fed from `weights` unless a
         run feeds its own) and every layer input an output."""
-        proto, runtime, workdir, data_dir = self._open_args
-        fed = graph_ops.io.weights_as_inputs(graph_ops.lift_constants(proto, list(self.layouts)), lambda t: t.name not in self.layouts)
-        exposed = expose_tensors(fed, layer_tensors(proto, self.layouts))
-        del fed
-        self.graph_inputs = {v.name for v in exposed.graph.input}
-        source = graph_ops.io.session_source(exposed, workdir)
-        del exposed
+        if self._graph is None:
+            proto = self._open_args[0]
+            fed = graph_ops.io.weights_as_inputs(graph_ops.lift_constants(proto, list(self.layouts)), lambda t: t.name not in self.layouts)
+            self._graph = expose_tensors(fed, layer_tensors(proto, self.layouts))
+            del fed
+            self.graph_inputs = {v.name for v in self._graph.graph.input}
+        source = graph_ops.io.session_source(self._graph, self._open_args[2])
+        return WithDefaults(self._open_source(source), self.weights)
+
+    def _open_source(self, source):
+        runtime, data_dir = self._open_args[1], self._open_args[3]
         try:
-            session = runtime.open(source, external_data_dir=data_dir if data_dir is not None else None if isinstance(source, bytes) else source.parent)
+            return runtime.open(source, external_data_dir=data_dir if data_dir is not None else None if isinstance(source, bytes) else source.parent)
         except Exception as exc:
             raise InputError(f"ONNX Runtime cannot load the calibration graph: {str(exc).splitlines()[0]}") from None
-        return WithDefaults(session, self.weights)
 
     @property
     def session(self):
@@ -188,3 +210,32 @@ class Calibrator:
 
     def close(self) -> None:
         self.release()
+
+
+def _as_float(encoded: Encoded) -> np.ndarray:
+    """A weight the cut graph reads as a float: the stored array itself when it is one (raw), else dequantized."""
+    if encoded.form == "raw":
+        return np.asarray(encoded.values).astype(encoded.dtype, copy=False)
+    return encoded.dequantize()
+
+
+class _Layered(Mapping):
+    """The first of several mappings holding a key (feeds for a wave session), read lazily."""
+
+    def __init__(self, *layers: Mapping[str, np.ndarray]):
+        self.layers = layers
+
+    def __getitem__(self, key):
+        for layer in self.layers:
+            if key in layer:
+                return layer[key]
+        raise KeyError(key)
+
+    def __contains__(self, key):
+        return any(key in layer for layer in self.layers)
+
+    def __iter__(self):
+        return iter({k for layer in self.layers for k in layer})
+
+    def __len__(self):
+        return len(set(self))

@@ -435,8 +435,9 @@ def export(
 
     rows = []
     try:
-        for value, path in zip(targets, paths):
-            outcome = planner.export(value, path, uniform_tier=uniform_tier, on_result=on_result, max_drift_pct=max_drift)
+        for index, (value, path) in enumerate(zip(targets, paths)):
+            outcome = planner.export(value, path, uniform_tier=uniform_tier, on_result=on_result, max_drift_pct=max_drift, final=index == len(targets) - 1)
+            outcome.encodings = {}  # written: the table and the record are what is left to show
             rows.append((value, outcome))
     finally:
         progress.stop()

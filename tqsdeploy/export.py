@@ -505,8 +505,9 @@ class Planner:
         self.timings["refine"] += time.perf_counter() - started
         return best, best_drift
 
-    def candidates(self, target: float, on_result=None) -> list[Candidate]:
-        """Every model considered for `target`, each with its measured drift, best first."""
+    def candidates(self, target: float, on_result=None, final: bool = False) -> list[Candidate]:
+        """Every model considered for `target`, each with its measured drift, best first.
+        `final`: no other target follows, so a large model's price list is not kept for one."""
         allocation = self.allocate(target, on_result)
         drift = None
         if self.settings.refine:
@@ -516,7 +517,7 @@ class Planner:
         budget = self.basis_bits / target
         fitting = [t for t in self.tiers if self.uniform(t.name).total_bits <= budget] if self.settings.fallback else []
         if self.one_session:  # the mixed model holds what it uses; the rest of the price list can be rebuilt (the fallback's tier is next)
-            self.encoder.forget_uncalibrated(keep=fitting[0].name if fitting else None)
+            self.encoder.forget_uniform(keep=fitting[0].name if fitting else None, calibrated=final)
         found = [Candidate(label, allocation, mixed, drift if drift is not None else self.measure(mixed))]
         del mixed
         started = time.perf_counter()
@@ -603,10 +604,11 @@ class Planner:
         return write_storage(self.model.proto, stored, path, external_data=external_data, source=self.prepared.data_dir)
 
     def export(self, target: float | None, path: Path | str, uniform_tier: str | None = None, rounding: str | None = None, on_result=None,
-               max_drift_pct: float | None = None) -> Outcome:
+               max_drift_pct: float | None = None, final: bool = False) -> Outcome:
         """Write the model for `target` (or every unit at `uniform_tier`, codes chosen by `rounding`,
         default the planner's) and its allocation record beside it; write nothing when its drift on the
-        scoring contexts exceeds `max_drift_pct` (percent, as `eval` reports drift)."""
+        scoring contexts exceeds `max_drift_pct` (percent, as `eval` reports drift). `final`: no other
+        target follows (see `candidates`)."""
         started = time.perf_counter()
         path = Path(path)
         notes: list[str] = []
@@ -619,7 +621,7 @@ class Planner:
             encodings = self.encoder.uniform(tier, method)
             compared = [Candidate(label, allocation, encodings, self.measure(encodings))]
         else:
-            compared = self.candidates(target, on_result)
+            compared = self.candidates(target, on_result, final)
         chosen = compared[0]
         if not chosen.label.startswith("TQS-PTQ") and uniform_tier is None:
             mixed = next(c for c in compared if c.label.startswith("TQS-PTQ"))

@@ -199,10 +199,12 @@ class Encoder:
         """Drop the mixed allocations calibrated as themselves (remade by a calibration pass if asked again)."""
         self._mixed.clear()
 
-    def forget_uncalibrated(self, keep: str | None = None) -> None:
-        """Drop every cached encoding that needs no calibration to make again (round to nearest,
-        float and fp8 tiers) but tier `keep`'s: a grid search to rebuild, up to a byte per weight per tier to keep."""
-        for key in [k for k in self._uniform if not k[1].needs_stats and k[0] != keep]:
+    def forget_uniform(self, keep: str | None = None, calibrated: bool = False) -> None:
+        """Drop the cached uniform encodings of every tier but `keep`: those that need no calibration
+        to make again (round to nearest, float and fp8 tiers: a grid search each), and with
+        `calibrated` the calibrated ones too (a calibration pass each to make again). Up to a byte per
+        weight per tier and rounding."""
+        for key in [k for k in self._uniform if k[0] != keep and (calibrated or not k[1].needs_stats)]:
             del self._uniform[key]
         self._single.clear()
 
