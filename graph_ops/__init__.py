@@ -10,7 +10,7 @@ from graph_ops.io import GraphError, LoadedModel, load_model, model_bytes, save_
 from graph_ops.layout import WeightLayout, WeightUse, weight_layouts
 from graph_ops.weights import FileWeights, WeightTensor, find_weight_tensors, read_weights, release_pages, replace_weights
 from graph_ops import batch, prefix, wire
-from graph_ops.overridable import input_declarations, lift_constants, make_weights_overridable
+from graph_ops.overridable import input_declarations, lift_constants, make_weights_overridable, weights_as_graph_inputs
 
 __all__ = [
     "FileWeights",
@@ -24,6 +24,7 @@ __all__ = [
     "load_model",
     "input_declarations",
     "lift_constants",
+    "weights_as_graph_inputs",
     "make_weights_overridable",
     "prefix",
     "model_bytes",

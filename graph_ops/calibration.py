@@ -4,24 +4,21 @@ GPTQ-family methods need, for every weight, the activation X whose rows
 multiply its Wt [N, K] (read off the graph by `graph_ops.layout`). This
 module orders the weight nodes into waves so that each wave's inputs depend
 only on earlier waves (`waves`), adds the needed activations as graph outputs
-(`expose_tensors`), cuts the graph down to one wave's inputs with the weights
-quantized so far rebuilt from fed codes (`wave_model`) and unfolds the
-activations into rows (`im2col`, `layer_inputs`). Numpy and onnx only.
+(`expose_tensors`) and unfolds them into rows (`im2col`, `layer_inputs`); each
+wave runs on `graph_ops.qdq.fed_codes_model`, the graph cut down to its inputs.
+Numpy and onnx only.
 """
 
 from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from typing import Mapping
-
 import numpy as np
 import onnx
 from onnx import helper
 
 from graph_ops.io import GraphError
 from graph_ops.layout import ConvGeometry, WeightLayout, WeightUse
-from graph_ops.qdq import StoredWeight, fed_weight
 
 
 def waves(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> list[list[str]]:
@@ -91,62 +88,6 @@ def expose_tensors(model: onnx.ModelProto, names: list[str] | set[str]) -> onnx.
     return result
 
 
-def _node_reads(node: onnx.NodeProto) -> set[str]:
-    """Every name a node reads, those its subgraphs read from the outer scope included (over-approximated)."""
-    names = {i for i in node.input if i}
-    for attribute in node.attribute:
-        graphs = list(attribute.graphs) + ([attribute.g] if attribute.HasField("g") else [])
-        for graph in graphs:
-            for inner in graph.node:
-                names |= _node_reads(inner)
-    return names
-
-
-def wave_model(model: onnx.ModelProto, outputs: list[str], stored: Mapping[str, StoredWeight]) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """`model` (scored weights as graph inputs) cut down to what computes `outputs`, one calibration
-    wave's layer inputs, with every weight of `stored` that the cut reads rebuilt from its codes
-    (`graph_ops.qdq.fed_weight`). Returns the model and the arrays to feed for those codes.
-
-    ONNX Runtime runs the whole graph whatever a run fetches, so the cut skips the layers after the
-    wave; feeding codes keeps a calibration pass's quantized prefix at a byte per weight instead of
-    a float copy of every weight quantized so far. The rebuilding nodes go first in the node list,
-    which ONNX Runtime's default order runs just before each consumer (measured: 18 weights rebuilt
-    together would hold 18 float copies)."""
-    graph = model.graph
-    needed = set(outputs)
-    kept = []
-    for node in reversed(graph.node):
-        if any(o in needed for o in node.output):
-            kept.append(node)
-            needed |= _node_reads(node)
-    kept.reverse()
-    rebuilt, feeds, inputs = [], {}, []
-    for value in graph.input:
-        if value.name not in needed:
-            continue
-        form = stored.get(value.name)
-        fed = fed_weight(value.name, form) if form is not None else None
-        if fed is None:
-            inputs.append(value)
-            continue
-        new_inputs, new_feeds, nodes = fed
-        inputs += new_inputs
-        feeds.update(new_feeds)
-        rebuilt += nodes
-    infos = {v.name: v for v in graph.output}
-    missing = [name for name in outputs if name not in infos]
-    if missing:
-        raise GraphError(f"tensors {missing[:3]} are not outputs of the calibration graph")
-    cut = helper.make_graph(
-        rebuilt + kept, graph.name, inputs, [infos[name] for name in dict.fromkeys(outputs)],
-        [t for t in graph.initializer if t.name in needed], value_info=[v for v in graph.value_info if v.name in needed],
-    )
-    cut.sparse_initializer.extend(t for t in graph.sparse_initializer if t.values.name in needed)
-    result = helper.make_model(cut, opset_imports=list(model.opset_import), ir_version=model.ir_version)
-    result.functions.extend(model.functions)
-    return result, feeds
-
-
 def im2col(x: np.ndarray, geometry: ConvGeometry) -> np.ndarray:
     """Rows of Conv windows: x [B, C, *spatial] -> [B·prod(out), C·prod(kernel)], columns (c, k...).
 
@@ -186,4 +127,4 @@ def layer_tensors(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> l
     return sorted({u.x for layout in layouts.values() if layout.calibratable for u in layout.uses} - graph_inputs)
 
 
-__all__ = ["ConvGeometry", "WeightUse", "expose_tensors", "im2col", "layer_inputs", "layer_tensors", "wave_model", "waves"]
+__all__ = ["ConvGeometry", "WeightUse", "expose_tensors", "im2col", "layer_inputs", "layer_tensors", "waves"]

@@ -15,15 +15,11 @@ import copy
 import onnx
 from onnx import helper
 
-from graph_ops.io import GraphError, runtime_compatible
+from graph_ops.io import GraphError, runtime_compatible, weights_as_inputs
 
 
-def lift_constants(model: onnx.ModelProto, names: list[str] | set[str]) -> onnx.ModelProto:
-    """A copy of `model` in which every tensor in `names` is an initializer (Constant
-    nodes lifted), nothing declared overridable yet, IR >= 4 so any of them can be."""
-    wanted = set(names)
-    result = copy.deepcopy(model)
-    graph = result.graph
+def _lift_in_place(graph: onnx.GraphProto, wanted: set[str]) -> bool:
+    """Turn the Constant nodes holding any of `wanted` into initializers; whether any was."""
     kept_nodes = []
     for node in graph.node:
         if node.op_type == "Constant" and node.output[0] in wanted:
@@ -35,15 +31,41 @@ def lift_constants(model: onnx.ModelProto, names: list[str] | set[str]) -> onnx.
             graph.initializer.append(lifted)
         else:
             kept_nodes.append(node)
-    if len(kept_nodes) != len(graph.node):
-        del graph.node[:]
-        graph.node.extend(kept_nodes)
-    missing = wanted - {t.name for t in graph.initializer}
+    if len(kept_nodes) == len(graph.node):
+        return False
+    del graph.node[:]
+    graph.node.extend(kept_nodes)
+    return True
+
+
+def _checked(model: onnx.ModelProto, wanted: set[str], present: set[str]) -> onnx.ModelProto:
+    missing = wanted - present
     if missing:
         raise GraphError(f"no initializer or Constant named '{sorted(missing)[0]}'")
-    if result.ir_version < 4:
-        result.ir_version = 4
-    return runtime_compatible(result)
+    if model.ir_version < 4:
+        model.ir_version = 4
+    return runtime_compatible(model)
+
+
+def lift_constants(model: onnx.ModelProto, names: list[str] | set[str]) -> onnx.ModelProto:
+    """A copy of `model` in which every tensor in `names` is an initializer (Constant
+    nodes lifted), nothing declared overridable yet, IR >= 4 so any of them can be."""
+    wanted = set(names)
+    result = copy.deepcopy(model)
+    _lift_in_place(result.graph, wanted)
+    return _checked(result, wanted, {t.name for t in result.graph.initializer})
+
+
+def weights_as_graph_inputs(model: onnx.ModelProto, names: list[str] | set[str]) -> onnx.ModelProto:
+    """A light copy of `model` in which every tensor in `names` (initializer or Constant output) is a
+    plain graph input, the other tensors kept: the graph of a session that is fed those weights at run
+    time. Built without copying the named initializers' data (`lift_constants` copies the model)."""
+    wanted = set(names)
+    keep = lambda t: t.name not in wanted  # noqa: E731
+    light = weights_as_inputs(model, keep)
+    if _lift_in_place(light.graph, wanted):  # Constant weights: initializers first, then inputs like the rest
+        light = weights_as_inputs(light, keep)
+    return _checked(light, wanted, {v.name for v in light.graph.input})
 
 
 def input_declarations(model: onnx.ModelProto, names: list[str] | set[str]) -> bytes:

@@ -62,17 +62,22 @@ class Session(Protocol):
 class WithDefaults:
     """A session whose weights are plain inputs (the runtime keeps no copy of them), fed
     from `defaults` whenever a run does not feed its own: a read-only view of the model's
-    file serves every run, and a perturbed run feeds just what it changes."""
+    file serves every run, and a perturbed run feeds just what it changes. With several
+    mappings, an input is fed from the first that holds it."""
 
-    def __init__(self, session: Session, defaults: Mapping[str, np.ndarray]):
-        self._session, self._defaults = session, defaults
+    def __init__(self, session: Session, *defaults: Mapping[str, np.ndarray]):
+        self._session = session
         self.name = session.name
         self.inputs, self.outputs = session.inputs, session.outputs
-        self._fill = [s.name for s in session.inputs if s.name in defaults]
+        self._fill = {}
+        for spec in session.inputs:
+            source = next((mapping for mapping in defaults if spec.name in mapping), None)
+            if source is not None:
+                self._fill[spec.name] = source
         self.weights = frozenset(session.weights) | frozenset(self._fill)
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        missing = {name: self._defaults[name] for name in self._fill if name not in feeds}
+        missing = {name: source[name] for name, source in self._fill.items() if name not in feeds}
         return self._session.run({**feeds, **missing} if missing else feeds, output_names)
 
     def close(self) -> None:

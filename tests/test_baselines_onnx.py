@@ -293,11 +293,10 @@ def _calibration_graph(model_path: Path, names: list[str], exposed: list[str]) -
     return expose_tensors(weights_as_inputs(onnx.load(str(model_path)), lambda t: t.name not in names), exposed)
 
 
-def test_wave_model_rebuilds_quantized_weights_from_fed_codes(mlp):
+def test_fed_codes_model_rebuilds_quantized_weights_and_cuts_later_layers(mlp):
     """A wave's session reads the weights quantized so far as their codes (a byte per weight, not a float
     copy), computes exactly what the dequantized floats give, and runs nothing past the wave."""
-    from graph_ops.calibration import wave_model
-    from graph_ops.qdq import fed_weight
+    from graph_ops.qdq import fed_codes_model, fed_weight
     from tiers import TIERS, encode, split
 
     model, _, x = mlp
@@ -310,15 +309,15 @@ def test_wave_model_rebuilds_quantized_weights_from_fed_codes(mlp):
     halves = [encode(weights["W2"][:16], Layout((16, 32), (0, 1)), TIERS["int2"]), encode(weights["W2"][16:], Layout((16, 32), (0, 1)), TIERS["fp16"])]
     w2 = split(halves, w2_layout)  # Gemm transB: output channels on axis 0
     stored = {"W1": w1, "W2": w2}
-    cut, feeds = wave_model(graph, ["a2"], stored)
+    cut, feeds = fed_codes_model(graph, stored, ["a2"])
     inputs = {v.name for v in cut.graph.input}
-    assert {"W1", "W2", "W3"}.isdisjoint(inputs)  # W1, W2 rebuilt from codes; W3 is read only after the wave
-    assert not any(n.op_type == "Transpose" or "y" in n.output for n in cut.graph.node)
+    assert {"W1", "W2"}.isdisjoint(inputs)  # rebuilt from codes
+    assert not any(n.op_type == "Transpose" or "y" in n.output for n in cut.graph.node)  # W3's layer comes after the wave
     assert [o.name for o in cut.graph.output] == ["a2"]
     codes = [a for a in feeds.values() if a.dtype.kind in "iu"]
     assert sum(a.nbytes for a in codes) == weights["W1"].size + 16 * 32  # a byte per quantized weight
     session = OrtRuntime().open(cut.SerializeToString())
-    got = session.run({**feeds, "x": x}, ["a2"])["a2"]
+    got = session.run({**feeds, "x": x, "W3": weights["W3"]}, ["a2"])["a2"]
     full = OrtRuntime().open(graph.SerializeToString())
     want = full.run({"x": x, "W1": w1.dequantize(), "W2": w2.dequantize(), "W3": weights["W3"]}, ["a2"])["a2"]
     np.testing.assert_array_equal(got, want)
@@ -359,3 +358,29 @@ def test_calibration_statistics_see_the_quantized_prefix_exactly(mlp):
     np.testing.assert_allclose(seen["W2"][0].H, 2 / len(a1) * a1.T @ a1, rtol=1e-5, atol=1e-6)
     a1_fp = np.maximum(x @ weights["W1"].astype(np.float64) + b1, 0.0)
     assert not np.allclose(seen["W2"][0].H, 2 / len(a1_fp) * a1_fp.T @ a1_fp, rtol=1e-3, atol=1e-4)  # the original prefix would differ
+
+
+def test_weights_as_graph_inputs_takes_initializers_and_constants_without_changing_results(tmp_path):
+    """The graph every fed session runs: initializer and Constant-node weights alike become plain inputs
+    (no data kept for them), the rest stays, and fed their values it computes what the model does."""
+    import models
+
+    import graph_ops
+
+    path = models.assorted_ops(tmp_path / "m.onnx")
+    proto = onnx.load(str(path))
+    light = graph_ops.weights_as_graph_inputs(proto, ["const_w", "gemm_w", "conv_t"])
+    assert {"const_w", "gemm_w", "conv_t"} <= {v.name for v in light.graph.input}
+    assert {t.name for t in light.graph.initializer} == {"emb", "gemm_b"}
+    assert not any(n.op_type == "Constant" for n in light.graph.node)
+    assert len(proto.graph.node) == 6 and len(proto.graph.initializer) == 4  # the model itself untouched
+    values = read_weights(proto, ["const_w", "gemm_w", "conv_t"])
+    rng = np.random.default_rng(0)
+    feeds = {"ids": np.array([3, 7]), "img": rng.standard_normal((2, 4, 8, 8)).astype(np.float32)}
+    exact = OrtRuntime(optimization="disable")  # constant weights would otherwise be pre-packed into other kernels (1e-7 apart)
+    want = exact.open(proto.SerializeToString()).run(feeds)
+    got = exact.open(light.SerializeToString()).run({**feeds, **values})
+    for name in ("y", "z"):
+        np.testing.assert_array_equal(got[name], want[name])
+    with pytest.raises(Exception, match="no initializer or Constant named 'nope'"):
+        graph_ops.weights_as_graph_inputs(proto, ["nope"])

@@ -137,7 +137,8 @@ def test_a_truncated_large_single_file_model_is_an_input_error(tmp_path, monkeyp
 
 def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_path, monkeypatch):
     """Past ONE_SESSION_BYTES export keeps one session of the model at a time (measuring and calibrating take
-    turns, losing fallback encodings are dropped): the candidates, their drifts and the written model are unchanged."""
+    turns, losing fallback encodings are dropped, candidates run from their codes): the candidates, their
+    drifts and the written model are unchanged."""
     import sys
 
     export_module = sys.modules["tqsdeploy.export"]
@@ -153,6 +154,7 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
         passes.append(list(planner.encoder.log.passes))
         if planner.one_session:  # the calibrator's session is closed while measuring, and the losers' codes are gone
             assert planner._runner is not None and planner.encoder._calibrator._session is None
+            assert planner._fed_graph is not None  # candidates ran rebuilding their weights from fed codes
             kept = {rounding.method for (_, rounding) in planner.encoder._uniform}
             assert len(kept - {planner.rounding.method}) <= 1
             assert len([k for k in planner.encoder._uniform if not k[1].needs_stats]) <= 1  # the price list's RTN codes went, but the fallback's

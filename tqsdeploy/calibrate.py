@@ -6,7 +6,7 @@ layer input exposed as an extra output: it gives the calibration samples and
 the full-precision activations. Each wave's quantized-prefix activations come
 from a session of the graph cut down to that wave's inputs, in which every
 weight quantized so far is rebuilt from its codes, fed as they are
-(`graph_ops.calibration.wave_model`): a byte per weight rather than a float
+(`graph_ops.qdq.fed_codes_model`): a byte per weight rather than a float
 copy of each, and no layer after the wave is run. Calibration samples are the
 inputs of every step of the nominal rollout from the run's context windows
 (teacher-forced: the rollout the score measured, not just its first step).
@@ -26,7 +26,8 @@ from typing import Callable, Mapping
 import numpy as np
 
 import graph_ops
-from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, wave_model, waves
+from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, waves
+from graph_ops.qdq import fed_codes_model
 from graph_ops.layout import WeightLayout
 from runtimes import OrtRuntime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
@@ -134,13 +135,10 @@ class Calibrator:
     def _wave_session(self, fetch: list[str], encoded: Mapping[str, Encoded]):
         """A session computing only `fetch`, every weight of `encoded` it reads rebuilt from fed codes
         (or fed dequantized, for forms kept as floats); the other weights fed as they are."""
-        proto, fed = wave_model(self._graph, fetch, encoded)
-        names = {v.name for v in proto.graph.input}
-        floats = {name: _as_float(encoded[name]) for name in names if name in encoded}
-        defaults = _Layered(fed, floats, self.weights)
+        proto, fed = fed_codes_model(self._graph, encoded, fetch)
         source = graph_ops.io.session_source(proto, self._open_args[2])
         del proto
-        return WithDefaults(self._open_source(source), defaults)
+        return WithDefaults(self._open_source(source), fed, self.weights)
 
     def _full(self, index: int, feeds, fetch) -> dict[str, np.ndarray]:
         """Full-precision layer inputs of sample `index`. They are the same for every wave and every
@@ -168,8 +166,7 @@ class Calibrator:
     def _run(self, session, feeds, fetch) -> dict[str, np.ndarray]:
         values = dict(feeds)
         if fetch:
-            accepted = {spec.name for spec in session.inputs}
-            values.update(session.run({k: v for k, v in feeds.items() if k in accepted}, fetch))
+            values.update(session.run(feeds, fetch))
         for name in fetch:
             if np.issubdtype(values[name].dtype, np.floating) and not np.all(np.isfinite(values[name])):
                 raise CalibrationError(f"layer input '{name}' is not finite on the calibration windows")
@@ -180,19 +177,13 @@ class Calibrator:
         run feeds its own) and every layer input an output."""
         if self._graph is None:
             proto = self._open_args[0]
-            fed = graph_ops.io.weights_as_inputs(graph_ops.lift_constants(proto, list(self.layouts)), lambda t: t.name not in self.layouts)
-            self._graph = expose_tensors(fed, layer_tensors(proto, self.layouts))
-            del fed
+            self._graph = expose_tensors(graph_ops.weights_as_graph_inputs(proto, list(self.layouts)), layer_tensors(proto, self.layouts))
             self.graph_inputs = {v.name for v in self._graph.graph.input}
         source = graph_ops.io.session_source(self._graph, self._open_args[2])
         return WithDefaults(self._open_source(source), self.weights)
 
     def _open_source(self, source):
-        runtime, data_dir = self._open_args[1], self._open_args[3]
-        try:
-            return runtime.open(source, external_data_dir=data_dir if data_dir is not None else None if isinstance(source, bytes) else source.parent)
-        except Exception as exc:
-            raise InputError(f"ONNX Runtime cannot load the calibration graph: {str(exc).splitlines()[0]}") from None
+        return open_graph(self._open_args[1], source, self._open_args[3], "the calibration graph")
 
     @property
     def session(self):
@@ -212,30 +203,11 @@ class Calibrator:
         self.release()
 
 
-def _as_float(encoded: Encoded) -> np.ndarray:
-    """A weight the cut graph reads as a float: the stored array itself when it is one (raw), else dequantized."""
-    if encoded.form == "raw":
-        return np.asarray(encoded.values).astype(encoded.dtype, copy=False)
-    return encoded.dequantize()
 
-
-class _Layered(Mapping):
-    """The first of several mappings holding a key (feeds for a wave session), read lazily."""
-
-    def __init__(self, *layers: Mapping[str, np.ndarray]):
-        self.layers = layers
-
-    def __getitem__(self, key):
-        for layer in self.layers:
-            if key in layer:
-                return layer[key]
-        raise KeyError(key)
-
-    def __contains__(self, key):
-        return any(key in layer for layer in self.layers)
-
-    def __iter__(self):
-        return iter({k for layer in self.layers for k in layer})
-
-    def __len__(self):
-        return len(set(self))
+def open_graph(runtime: OrtRuntime, source: bytes | Path, data_dir: Path | None, what: str):
+    """A session of a graph made here (`graph_ops.io.session_source`); `data_dir`: the folder of the data
+    files its tensors point into (a streamed model's own), else a written copy's folder."""
+    try:
+        return runtime.open(source, external_data_dir=data_dir if data_dir is not None else None if isinstance(source, bytes) else source.parent)
+    except Exception as exc:
+        raise InputError(f"ONNX Runtime cannot load {what}: {str(exc).splitlines()[0]}") from None

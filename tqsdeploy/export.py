@@ -34,11 +34,11 @@ import polars as pl
 from filelock import FileLock
 
 import graph_ops
-from graph_ops.qdq import Written, conversion_overhead_bits, emitted_bits, write_storage
-from runtimes import OrtRuntime, release_freed_memory
+from graph_ops.qdq import Written, conversion_overhead_bits, emitted_bits, fed_codes_model, write_storage
+from runtimes import OrtRuntime, WithDefaults, release_freed_memory
 from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS, Encoded, Rounding, Tier, get_tiers
 from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, paper_weights
-from tqsdeploy.calibrate import Calibrator
+from tqsdeploy.calibrate import Calibrator, open_graph
 from tqsdeploy.errors import InfeasibleError, InputError
 from tqsdeploy.files import write_json, write_table
 from tqsdeploy.quantization import Encoder, Slot, make_slots
@@ -243,6 +243,9 @@ class Planner:
         if self.one_session:
             self.encoder.before_calibration = self._release_runner
         self._measured: dict[str, TaskResult] | None = None
+        self._fed_graph = None
+        """The model with its unit weights as plain inputs (no weight data): what large candidates run on."""
+        self.runtime = runtime
         self._choices: dict[str, list[Choice]] = {}
         self.timings: dict[str, float] = {"pricing": 0.0, "refine": 0.0, "compare": 0.0}
 
@@ -445,10 +448,24 @@ class Planner:
         return {name: e.dequantize() for name, e in encodings.items() if e.form != "raw"}
 
     def measure(self, encodings: dict[str, Encoded]) -> Drift:
-        """Joint drift of the model with these encodings on the scoring contexts."""
+        """Joint drift of the model with these encodings on the scoring contexts. A large model's
+        candidate runs on a session that rebuilds each quantized weight from its codes just before
+        it is used (`graph_ops.qdq.fed_codes_model`): a byte per weight fed instead of a float copy
+        of the whole model, the same values computed."""
         runner = self.runner  # opening it rolls out the original, reading every weight
         graph_ops.release_pages(self.weights)  # the originals of what is fed are not read by this run
-        return runner.drift(self.weights_of(encodings))
+        if not self.one_session:
+            return runner.drift(self.weights_of(encodings))
+        if self._fed_graph is None:
+            self._fed_graph = graph_ops.weights_as_graph_inputs(self.model.proto, list(self.layouts))
+        proto, feeds = fed_codes_model(self._fed_graph, encodings)
+        source = graph_ops.io.session_source(proto, self.run_dir)
+        del proto
+        session = WithDefaults(open_graph(self.runtime, source, self.prepared.data_dir, "the quantized candidate"), feeds, self.weights)
+        try:
+            return runner.drift({}, session=session)
+        finally:
+            session.close()
 
     def fake_quantized(self, allocation: Allocation) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the allocation's stored forms (as priced)."""

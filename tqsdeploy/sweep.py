@@ -721,11 +721,13 @@ class SweepRunner:
                 break
         return div_sq, False
 
-    def drift(self, weights: dict[str, np.ndarray]) -> Drift:
-        """Divergence of the model with `weights` replaced over the full rollout, in every unit reports use."""
+    def drift(self, weights: dict[str, np.ndarray], session: Session | None = None) -> Drift:
+        """Divergence of the model with `weights` replaced over the full rollout, in every unit reports use;
+        with `session`, of the model that session runs (a candidate built apart, `weights` fed to it)."""
         div_sq: list[float] = []
         abs_diff = {name: 0.0 for name in self.job.spec.trajectory}
-        for t, outs in enumerate(self._steps(weights), start=1):
+        steps = self._steps(weights) if session is None else self.engine.steps(weights or None, session=session)
+        for t, outs in enumerate(steps, start=1):
             reference = self.nominal.trajectory[t - 1]
             total = 0.0
             for c, chunk_out in enumerate(outs):
