@@ -117,15 +117,18 @@ def _dead(Wt: np.ndarray, H: np.ndarray, own: bool = False) -> tuple[np.ndarray,
     return Wt, H, dead
 
 
-_LAPACK = None
+LAPACK_THREADS_FROM = 2048
+"""Matrix order from which scipy's own OpenBLAS (when it has one) runs LAPACK on all its threads."""
+_LAPACK: tuple | None = None
 
 
-def _lapack():
+def _lapack(order: int):
     """scipy's LAPACK (in-place potrf/potri/potrs, which numpy lacks), imported on first use (0.15 s).
 
-    Where scipy brings its own OpenBLAS beside numpy's, that copy is held to one thread: two
-    thread pools spinning on the same cores made a calibration 1.4x slower on 2 cores (numpy's
-    BLAS, which does the matrix products, keeps its threads)."""
+    Where scipy brings its own OpenBLAS beside numpy's, its threads spin after each call and fight
+    numpy's for the cores: a calibration of small layers ran 1.4x slower on 2 cores. So that copy
+    runs one thread below `LAPACK_THREADS_FROM` (calls of milliseconds) and all of them above
+    (calls of seconds, where the spinning is noise)."""
     global _LAPACK
     if _LAPACK is None:
         from threadpoolctl import ThreadpoolController
@@ -133,11 +136,15 @@ def _lapack():
         before = {lib.filepath for lib in ThreadpoolController().lib_controllers}
         from scipy.linalg import lapack
 
-        for lib in ThreadpoolController().lib_controllers:  # loaded with scipy, or scipy's wheel's own (scipy imported earlier)
-            if lib.user_api == "blas" and (lib.filepath not in before or Path(lib.filepath).parent.name == "scipy.libs"):
-                lib.set_num_threads(1)
-        _LAPACK = lapack
-    return _LAPACK
+        own = [lib for lib in ThreadpoolController().lib_controllers  # loaded with scipy, or scipy's wheel's own (scipy imported earlier)
+               if lib.user_api == "blas" and (lib.filepath not in before or Path(lib.filepath).parent.name == "scipy.libs")]
+        _LAPACK = (lapack, [(lib, lib.num_threads) for lib in own])
+    lapack, own = _LAPACK
+    for lib, threads in own:
+        wanted = threads if order >= LAPACK_THREADS_FROM else 1
+        if lib.num_threads != wanted:
+            lib.set_num_threads(wanted)
+    return lapack
 
 
 def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
@@ -149,7 +156,7 @@ def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
     rank-deficient H from too little calibration data degrades gracefully instead of
     stopping an export.
     """
-    lapack = _lapack()
+    lapack = _lapack(H.shape[0])
     mean = float(np.mean(np.diag(H))) if H.size else 1.0
     damp = percdamp * mean
     for _ in range(CHOLESKY_RETRIES + 1):
@@ -322,7 +329,7 @@ def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float
     layers it excludes. The solve is a Cholesky one (the damped H is symmetric
     positive definite), in place on Wt·H_δ; `own`: Wt is the caller's to overwrite.
     """
-    lapack = _lapack()
+    lapack = _lapack(H.shape[0])
     if alpha == 0:
         return np.asarray(Wt, np.float64) if own else np.array(Wt, np.float64)
     Wt, H, _ = _dead(Wt, H, own)

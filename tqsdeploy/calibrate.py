@@ -88,6 +88,7 @@ class Calibrator:
         self._session = self._open()
         engine = RolloutEngine(self.session, contexts, spec, max_batch)
         self.samples = engine.states() if self.waves else []
+        graph_ops.release_pages(self.weights)  # the nominal rollout read every original weight
 
     def run(self, encode: EncodeFn, cross: bool, log: CalibrationLog | None = None) -> dict[str, Encoded]:
         """Encode every weight: uncalibratable ones first, then wave by wave on statistics
@@ -149,7 +150,9 @@ class Calibrator:
             self._full_cache = self._cache_full()
         if self._full_cache:
             return self._full_cache[index]
-        return self._run(self.session, feeds, fetch)
+        values = self._run(self.session, feeds, fetch)
+        graph_ops.release_pages(self.weights)  # a run of the original reads every weight: not kept beside the wave's work
+        return values
 
     def _cache_full(self) -> list[dict[str, np.ndarray]]:
         every = sorted({use.x for wave in self.waves for name in wave for use in self.layouts[name].uses} - self.graph_inputs)
@@ -157,6 +160,7 @@ class Calibrator:
         cached, size = [], 0
         for feeds in self.samples:
             values = self._run(self.session, feeds, every)
+            graph_ops.release_pages(self.weights)
             size += sum(values[name].nbytes for name in every)
             if size > budget:
                 return []
