@@ -27,8 +27,8 @@ import numpy as np
 
 import graph_ops
 from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, waves
-from graph_ops.qdq import fed_codes_model
 from graph_ops.layout import WeightLayout
+from graph_ops.qdq import fed_codes_model
 from runtimes import OrtRuntime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
 from tqsdeploy.contexts import Contexts
