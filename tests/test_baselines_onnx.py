@@ -384,3 +384,30 @@ def test_weights_as_graph_inputs_takes_initializers_and_constants_without_changi
         np.testing.assert_array_equal(got[name], want[name])
     with pytest.raises(Exception, match="no initializer or Constant named 'nope'"):
         graph_ops.weights_as_graph_inputs(proto, ["nope"])
+
+
+@pytest.mark.parametrize("tier", ["int8", "int4", "int4-asym", "int2-asym"])
+def test_a_float16_model_rebuilds_its_weights_from_codes_exactly(tmp_path, tier):
+    """Codes rebuilt in float32 then cast to the model's float16 give exactly what `dequantize` stores
+    (ONNX Runtime's float16 MatMul may still round a product 1 ulp apart for a computed weight)."""
+    import models
+
+    import graph_ops
+    from graph_ops.qdq import fed_codes_model
+    from tiers import TIERS, encode
+
+    proto = onnx.load(str(models.fp16_mlp(tmp_path / "half.onnx")))
+    weights = read_weights(proto, ["W1", "W2"])
+    layouts = weight_layouts(proto, ["W1", "W2"])
+    stored = {n: encode(w, Layout(layouts[n].shape, layouts[n].perm), TIERS[tier]).compact() for n, w in weights.items()}
+    light = graph_ops.weights_as_graph_inputs(proto, ["W1", "W2"])
+    model, feeds = fed_codes_model(light, stored)
+    assert {"W1", "W2"}.isdisjoint(v.name for v in model.graph.input)
+    model.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT16, None) for n in ("W1", "W2"))
+    x = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float16)
+    got = OrtRuntime().open(model.SerializeToString()).run({**feeds, "x": x}, ["y", "W1", "W2"])
+    for name, encoded in stored.items():
+        assert got[name].dtype == np.float16
+        np.testing.assert_array_equal(got[name], encoded.dequantize())
+    want = OrtRuntime().open(light.SerializeToString()).run({"x": x, **{n: e.dequantize() for n, e in stored.items()}})["y"]
+    np.testing.assert_allclose(got["y"].astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
