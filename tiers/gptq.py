@@ -169,7 +169,7 @@ def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
         if info == 0:
             factor, info = lapack.dpotrf(factor, lower=1, clean=1, overwrite_a=1)
         if info == 0:
-            upper = factor.T  # work itself: LAPACK ran in place
+            upper = factor.T  # work itself, as LAPACK ran in place on it
             if np.all(np.isfinite(upper)):
                 return upper
         damp = max(damp, 1e-6 * abs(mean) or 1e-12) * 10
