@@ -99,6 +99,26 @@ def test_contexts_wrong_shape(two_branch, tmp_path):
     _fails(["score", model, "-c", tmp_path / "wrong.npz", "-o", tmp_path / "run"], "does not fit model input 'x' [batch, 32]")
 
 
+def test_contexts_beyond_float32_are_named_not_turned_into_inf(two_branch, tmp_path):
+    """A float64 context of 1e39 is finite, but not as the model's float32 input."""
+    model, _ = two_branch
+    big = np.random.default_rng(0).standard_normal((2, 1, 32))
+    big[1, 0, 5] = 1e39
+    np.savez(tmp_path / "big.npz", x=big)
+    _fails(["score", model, "-c", tmp_path / "big.npz", "-o", tmp_path / "run"], "contexts array 'x' holds 1e+39, beyond float32's range")
+
+
+def test_a_folder_of_the_users_own_files_is_refused_not_overwritten(two_branch, tmp_path):
+    model, ctx_path = two_branch
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "contexts.npz").write_bytes(ctx_path.read_bytes())
+    (own / "rollout.toml").write_text('# mine\nsteps = 3\ntrajectory = ["y"]\n')
+    before = {p.name: p.read_bytes() for p in own.iterdir()}
+    _fails(["score", model, "-c", ctx_path, "-o", own], "not a tqsdeploy run folder")
+    assert {p.name: p.read_bytes() for p in own.iterdir()} == before
+
+
 def test_rollout_spec_does_not_fit(tmp_path):
     model = models.shift_model(tmp_path / "shift.onnx")
     np.savez(tmp_path / "c.npz", x=np.ones((2, 1, 16), np.float32))

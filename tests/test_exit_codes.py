@@ -31,6 +31,8 @@ CASES = {
     "score-fresh-resume": lambda m, c, t, s: ["score", m, "-c", c, "--fresh", "--resume", "-o", t / "run"],
     "export-C0": lambda m, c, t, s: ["export", m, "--C", "0"],
     "export-Cnan": lambda m, c, t, s: ["export", m, "--C", "nan"],
+    "export-C-negative": lambda m, c, t, s: ["export", m, "--C", "-1"],
+    "export-C-junk": lambda m, c, t, s: ["export", m, "--C", "4,abc"],
     "export-no-run": lambda m, c, t, s: ["export", m, "--C", "4", "--run", t / "no-run"],
     "baseline-bits": lambda m, c, t, s: ["baseline", m, "--method", "rtn", "--bits", "5"],
     "frontier-contexts": lambda m, c, t, s: ["frontier", m, "-c", t / "nope.npz"],

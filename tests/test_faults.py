@@ -141,3 +141,6 @@ def test_export_refuses_nonfinite_weights(tmp_path, bad):
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.onnx"))
+    np.savez(tmp_path / "ctx.npz", x=np.ones((2, 1, 32), np.float32))
+    scored = runner.invoke(app, ["score", str(model), "-c", str(tmp_path / "ctx.npz"), "-o", str(tmp_path / "run")])  # not gamma = inf
+    assert scored.exit_code == 2 and f"weight '{weight.name}' contains NaN or Inf" in " ".join(scored.output.split()), scored.output

@@ -90,7 +90,13 @@ def _as_windows(name: str, array: np.ndarray, spec: IOSpec) -> np.ndarray:
         raise InputError(f"contexts array '{name}' holds no windows")
     if spec.dtype.kind == "f" and not np.all(np.isfinite(windows)):
         raise InputError(f"contexts array '{name}' contains NaN or Inf")
-    return np.ascontiguousarray(windows.astype(spec.dtype, copy=False))
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = np.ascontiguousarray(windows.astype(spec.dtype, copy=False))
+    if spec.dtype.kind == "f" and cast.dtype != windows.dtype and not np.all(np.isfinite(cast)):
+        limit = float(np.finfo(spec.dtype).max)
+        largest = float(np.max(np.abs(windows[~np.isfinite(cast)])))
+        raise InputError(f"contexts array '{name}' holds {largest:.3g}, beyond {spec.dtype}'s range (±{limit:.3g}), the model input's type")
+    return cast
 
 
 def load_npz(path: Path, inputs: Sequence[IOSpec]) -> Contexts:
