@@ -4,7 +4,7 @@ ONNX Runtime is the default; TensorRT is imported lazily so CPU-only installs
 work without it.
 """
 
-from runtimes.base import IOSpec, ModelSource, RuntimeUnavailable, Session, SessionFactory, WithDefaults
+from runtimes.base import IOSpec, ModelSource, RuntimeUnavailable, Session, SessionFactory, WithDefaults, kept
 from runtimes.ort import PROVIDERS, OrtRuntime, OrtSession, available_providers, release_freed_memory, return_large_allocations
 
 
@@ -27,6 +27,7 @@ __all__ = [
     "SessionFactory",
     "WithDefaults",
     "available_providers",
+    "kept",
     "make_runtime",
     "release_freed_memory",
     "return_large_allocations",

@@ -55,8 +55,20 @@ class Session(Protocol):
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         ...
 
+    def keep(self, values: Mapping[str, np.ndarray]) -> Mapping[str, object]:
+        """`values` that many runs will feed unchanged (a rollout's perturbed weights), put where
+        the runtime reads them from: a GPU session copies them to the device once instead of on
+        every run; a host session returns them as they are. The result is fed like the arrays."""
+        ...
+
     def close(self) -> None:
         ...
+
+
+def kept(session: Session, values: Mapping[str, np.ndarray]) -> Mapping[str, object]:
+    """`session.keep(values)`, or the values themselves for a session without `keep`."""
+    keep = getattr(session, "keep", None)
+    return keep(values) if keep is not None and values else values
 
 
 class WithDefaults:
@@ -75,6 +87,13 @@ class WithDefaults:
             if source is not None:
                 self._fill[spec.name] = source
         self.weights = frozenset(session.weights) | frozenset(self._fill)
+        if getattr(session, "device", None) is not None:  # a GPU session: the defaults go to the device once, not every run
+            resident = session.keep({name: source[name] for name, source in self._fill.items()})
+            self._fill = dict.fromkeys(resident, resident)
+        self.device = getattr(session, "device", None)
+
+    def keep(self, values: Mapping[str, np.ndarray]) -> Mapping[str, object]:
+        return kept(self._session, values)
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         missing = {name: source[name] for name, source in self._fill.items() if name not in feeds}

@@ -105,21 +105,57 @@ class OrtRuntime:
         return OrtSession(session, self.provider)
 
 
-class OrtSession:
-    """A live ONNX Runtime session honouring the `runtimes.base.Session` contract."""
+DEVICES = {"cuda": "cuda", "tensorrt": "cuda"}
+"""Where each provider wants its inputs: GPU providers read device memory; CPU reads host arrays."""
 
-    def __init__(self, session, provider: str):
+
+class OrtSession:
+    """A live ONNX Runtime session honouring the `runtimes.base.Session` contract.
+
+    On a GPU provider (`device` set) runs go through an IOBinding: values from `keep` (the
+    perturbed weights of a rollout, the model's own weights fed from its file) are copied to
+    the device once and bound there on every step, the step's states come from host arrays and
+    the outputs come back to the host (the divergence is summed there). Without it every run
+    would copy every fed weight to the GPU again. On CPU runs are plain `run` calls."""
+
+    def __init__(self, session, provider: str, device: str | None = None, device_id: int = 0):
         self._session = session
         self.name = f"onnxruntime[{provider}]"
         self.inputs = [_spec(a) for a in session.get_inputs()]
         self.outputs = [_spec(a) for a in session.get_outputs()]
         self.weights = frozenset(a.name for a in session.get_overridable_initializers())
         self.providers = session.get_providers()
+        on_gpu = self.providers[0] != "CPUExecutionProvider"  # a GPU provider that failed to load leaves CPU alone
+        self.device = device if device is not None else (DEVICES.get(provider) if on_gpu else None)
+        self.device_id = device_id
+
+    def keep(self, values: Mapping[str, np.ndarray]) -> dict[str, object]:
+        if self.device is None:
+            return dict(values)
+        import onnxruntime as ort
+
+        return {
+            name: value if isinstance(value, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self.device, self.device_id)
+            for name, value in values.items()
+        }
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         names = list(output_names) if output_names else [o.name for o in self.outputs]
-        values = self._session.run(names, dict(feeds))
-        return dict(zip(names, values))
+        if self.device is None:
+            values = self._session.run(names, dict(feeds))
+            return dict(zip(names, values))
+        import onnxruntime as ort
+
+        binding = self._session.io_binding()
+        for name, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name in names:
+            binding.bind_output(name, "cpu")
+        self._session.run_with_iobinding(binding)
+        return dict(zip(names, binding.copy_outputs_to_cpu()))
 
     def close(self) -> None:
         self._session = None

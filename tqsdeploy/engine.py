@@ -16,7 +16,7 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from runtimes import Session
+from runtimes import Session, kept
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import RolloutSpec, next_feeds, rollout
@@ -67,6 +67,7 @@ class RolloutEngine:
     ) -> Iterator[list[dict[str, np.ndarray]]]:
         """Step-major rollout of all chunks: one list of chunk outputs (trajectory names) per step."""
         session = session or self.session
+        weights = kept(session, weights) if weights else weights  # once for every chunk
         generators = [rollout(session, feeds, self.spec, weights, steps) for _, feeds in self.chunks]
         try:
             yield from zip(*generators)

@@ -20,7 +20,7 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from runtimes import IOSpec, Session
+from runtimes import IOSpec, Session, kept
 from tqsdeploy.errors import RolloutError
 
 MODES = ("replace", "shift")
@@ -481,7 +481,7 @@ def rollout(
     `weights` override the named weights for every step of this rollout.
     """
     state = dict(feeds)
-    extra = dict(weights or {})
+    extra = dict(kept(session, weights)) if weights else {}  # on a GPU: copied to the device once, not every step
     names = spec.run_outputs
     for _ in range(steps or spec.steps):
         produced = session.run({**state, **extra}, names)

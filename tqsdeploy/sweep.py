@@ -22,7 +22,7 @@ from onnx import helper
 
 import graph_ops
 from graph_ops.io import GraphError, OutputError
-from runtimes import Session, SessionFactory
+from runtimes import Session, SessionFactory, kept
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.engine import RolloutEngine, row_sq
 from tqsdeploy.errors import RolloutError
@@ -473,6 +473,7 @@ class SweepRunner:
         if session is None:
             return [0.0], False
         total = 0.0
+        weights = kept(session, weights)  # once for every chunk
         for c, acts in enumerate(self._activations):
             produced = session.run({**{b: acts[b] for b in cut.boundary}, **weights}, cut.outputs)
             nominal = self.nominal.trajectory[0][c]
