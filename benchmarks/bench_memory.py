@@ -4,9 +4,9 @@ peak RSS <= 1.5 x model + 0.5 GB), next to plain ONNX Runtime running the model.
 Generates a state-to-state MatMul chain (x -> y, same shape, so the rollout is
 detected) with external data, puts it in a read-only folder, and runs as
 subprocesses under /usr/bin/time -v: inspect, score, score again (must resume),
-export --C 4, eval. Checks the model folder gains no files.
+export --C 4, eval (and with --baseline a uniform baseline). Checks the model folder gains no files.
 
-    python benchmarks/bench_memory.py [--gb 0.3,1.2,2.5] [--rounding rtn] [--fallback-below 1] [--defaults]
+    python benchmarks/bench_memory.py [--gb 0.3,1.2,2.5] [--rounding rtn] [--fallback-below 1] [--defaults] [--baseline qep]
 
 Writes benchmarks/results/memory.md. Run it alone: it needs about 1.5 x the
 largest model + 1 GB of free RAM and 2 x the largest model of free disk in /tmp.
@@ -95,7 +95,7 @@ def export_flags(rounding: str | None, fallback: bool) -> list[str]:
     return ["--rounding", rounding, "--refine", "0"] + ([] if fallback else ["--no-fallback"])
 
 
-def bench(gigabytes: float, flags: list[str], steps: int, export: bool = True, inline: bool = False) -> list[dict]:
+def bench(gigabytes: float, flags: list[str], steps: int, export: bool = True, inline: bool = False, baseline: str | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="tqs-bench-memory-") as tmp:
         tmp = Path(tmp)
         (tmp / "model").mkdir()
@@ -114,6 +114,9 @@ def bench(gigabytes: float, flags: list[str], steps: int, export: bool = True, i
         ]
         if not export:  # eval then compares the model with itself (two sessions of it, as against an export)
             commands[-2:] = [("eval (model vs itself; export skipped)", [*cli, "eval", str(path), "--reference", str(path), "--contexts", str(run / "contexts.npz"), "--steps", str(steps), "--report", str(tmp / "eval")])]
+        if baseline:  # a uniform calibrated baseline, calibrated on the scoring windows
+            calib = ["--calib", str(run / "contexts.npz")] if baseline != "rtn" else []
+            commands.append((f"baseline --method {baseline} --bits 4", [*cli, "baseline", str(path), "--method", baseline, "--bits", "4", *calib, "-o", str(tmp / "out" / f"chain.{baseline}.onnx")]))
         rows = []
         for name, args in commands:
             row = {"model_gb": size, "layout": "inline" if inline else "external data", "command": name, **timed(args, tmp)}
@@ -138,13 +141,14 @@ def main() -> None:
     parser.add_argument("--fallback-below", type=float, default=float("inf"),
                         help="Export compares the uniform baselines (a calibration pass per method) only for models below this many GB; larger ones export with --no-fallback.")
     parser.add_argument("--out", default=str(RESULTS / "memory.md"), help="Where to write the table.")
+    parser.add_argument("--baseline", default=None, metavar="rtn|gptq|gptaq|qep", help="Also run `baseline --method M --bits 4` (calibrated on the scoring windows).")
     parser.add_argument("--layouts", default="external", help="external (weights in a .data file), inline (inside the .onnx, below 2 GiB), or both comma-separated.")
     args = parser.parse_args()
     rows = [
         r
         for layout in args.layouts.split(",")
         for gb in args.gb.split(",")
-        for r in bench(float(gb), export_flags(None if args.defaults else args.rounding, float(gb) < args.fallback_below), args.steps, float(gb) < args.export_below, layout == "inline")
+        for r in bench(float(gb), export_flags(None if args.defaults else args.rounding, float(gb) < args.fallback_below), args.steps, float(gb) < args.export_below, layout == "inline", args.baseline)
         if layout != "inline" or float(gb) < 2.0  # protobuf cannot hold 2 GiB in one file
     ]
     lines = [
