@@ -77,6 +77,29 @@ def test_external_data_models_score_and_evaluate_as_in_memory_ones(tmp_path):
     assert sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in external.parent.iterdir()) == before
 
 
+def test_baselines_of_external_data_models_read_the_files_and_match_in_memory_ones(tmp_path):
+    """`baseline` maps the weights from the model's data file (no copy of the model) and writes external data
+    for an external input; codes and outputs equal the in-memory baseline's, the input folder unchanged."""
+    from tqsdeploy.baselines import quantize_baseline, write_baseline
+
+    inline = models.mlp_forecaster(tmp_path / "inline.onnx", n=32, hidden=64)
+    external = _external_copy(inline, tmp_path / "ext")
+    np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
+    before = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in external.parent.iterdir())
+    a = quantize_baseline(inline, "qep", 4, tmp_path / "c.npz", min_params=64)
+    b = quantize_baseline(external, "qep", 4, tmp_path / "c.npz", min_params=64)
+    assert a.encoded.keys() == b.encoded.keys() and len(a.encoded) >= 2
+    for name in a.encoded:
+        assert np.array_equal(a.encoded[name].values, b.encoded[name].values) and np.array_equal(a.encoded[name].scale, b.encoded[name].scale)
+    written = {"inline": write_baseline(inline, a, tmp_path / "out_inline" / "q.onnx"), "ext": write_baseline(external, b, tmp_path / "out_ext" / "q.onnx")}
+    assert written["inline"]["compression"] == written["ext"]["compression"]
+    assert list((tmp_path / "out_ext").glob("q.onnx.*.data")) and not list((tmp_path / "out_inline").glob("*.data"))
+    x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
+    run = lambda path: OrtRuntime(exact_qdq=True).open(path, external_data_dir=path.parent).run({"x": x})["y"]
+    assert np.array_equal(run(tmp_path / "out_inline" / "q.onnx"), run(tmp_path / "out_ext" / "q.onnx"))
+    assert sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in external.parent.iterdir()) == before
+
+
 def test_large_single_file_models_are_streamed_from_the_file_itself(tmp_path, monkeypatch):
     """Past SKELETON_BYTES a model holding its weights inside the .onnx is read as a skeleton: the graph from the
     wire format, every weight a reference into the .onnx itself. No copy anywhere; same γ, same exported model."""

@@ -12,6 +12,7 @@ run would, and calibrates on the given windows (and, with a rollout spec and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from time import perf_counter
 from typing import Callable
@@ -39,8 +40,6 @@ class BaselineResult:
     tier: str
     encoded: dict[str, Encoded]
     """What the file stores per weight; `.dequantize()` == `weights[name]`."""
-    weights: dict[str, np.ndarray]
-    """Fake-quantized weights, stored layout and dtype, ready for replace_weights or feeds."""
     timings: dict[str, float]
     """Seconds per stage: load, calibration (runs + statistics + the method's math), total."""
     errors: dict[str, float] = field(default_factory=dict)
@@ -50,6 +49,12 @@ class BaselineResult:
     rtn_only: dict[str, str] = field(default_factory=dict)
     """Weights rounded to nearest whatever the method, and why."""
     notes: list[str] = field(default_factory=list)
+
+    @cached_property
+    def weights(self) -> dict[str, np.ndarray]:
+        """Fake-quantized weights, stored layout and dtype, ready for replace_weights or feeds: made
+        when first read (a float copy of every weight, which writing the baseline does not need)."""
+        return {name: e.dequantize() for name, e in self.encoded.items()}
 
 
 def quantize_baseline(
@@ -86,27 +91,31 @@ def quantize_baseline(
     if rounding.method != method:
         raise InputError(f"rounding settings are for '{rounding.method}', not '{method}'")
     runtime.check()
-    loaded = graph_ops.load_model(model_path)
+    loaded, data_dir = _load(model_path)
     units = select_units(graph_ops.find_weight_tensors(loaded.proto), UnitSelection(min_params=min_params))
     names = [n for u in units for n in u.tensor_names]
     layouts = graph_ops.weight_layouts(loaded.proto, names)
-    weights = graph_ops.read_weights(loaded.proto, names)
+    weights = graph_ops.FileWeights(loaded.proto, names, data_dir) if data_dir is not None else graph_ops.read_weights(loaded.proto, names)
     check_finite(weights)
+    graph_ops.release_pages(weights)  # the check read every weight; the encoder reads each again in turn
 
     def calibrator() -> Calibrator:
         if calib is None:
             raise InputError(f"{method} needs calibration windows", hint="pass a contexts .npz (or use method 'rtn')")
+        from tqsdeploy.calibrate import open_graph
         from tqsdeploy.score import resolve_spec
 
-        session = runtime.open(graph_ops.io.session_source(graph_ops.io.runtime_compatible(loaded.proto)))
-        inputs, outputs = list(session.inputs), list(session.outputs)
+        graph = graph_ops.weights_as_graph_inputs(loaded.proto, names)  # the signature, without loading the weights into the runtime
+        session = open_graph(runtime, graph_ops.io.session_source(graph), data_dir, str(loaded.path))
+        del graph
+        inputs, outputs = [i for i in session.inputs if i.name not in layouts], list(session.outputs)
         session.close()
         contexts = calib if isinstance(calib, Contexts) else load_contexts(Path(calib), inputs, windows=8, zscore=False, random=False, seed=0)
         if spec is None:  # the windows themselves, one step
             resolved = RolloutSpec(steps=1, feedback=(), trajectory=tuple(o.name for o in outputs if o.dtype.kind == "f"))
         else:
             resolved = resolve_spec(spec, steps, inputs, outputs)
-        return Calibrator(loaded.proto, layouts, contexts, resolved, runtime, max_batch_windows, weights=weights)
+        return Calibrator(loaded.proto, layouts, contexts, resolved, runtime, max_batch_windows, data_dir=data_dir, weights=weights)
 
     encoder = Encoder(units, layouts, weights, group_size, calibrator if rounding.needs_stats else None, track_errors=rounding.needs_stats)
     load_s = perf_counter() - started
@@ -119,7 +128,6 @@ def quantize_baseline(
         bits=bits,
         tier=tier.name,
         encoded=encoded,
-        weights={n: e.dequantize() for n, e in encoded.items()},
         timings={"load": load_s, "calibration": encoder.log.calibration_s + encoder.log.encode_s},
         errors=dict(encoder.log.errors),
         rtn_errors=dict(encoder.log.rtn_errors),
@@ -139,9 +147,9 @@ def quantize_baseline(
 
 def write_baseline(model_path: str | Path, result: BaselineResult, output: str | Path) -> dict:
     """Write the baseline as the same deployable DequantizeLinear ONNX that `export` emits."""
-    loaded = graph_ops.load_model(model_path)
+    loaded, data_dir = _load(model_path)
     started = perf_counter()
-    written = write_storage(loaded.proto, result.encoded, output)
+    written = write_storage(loaded.proto, result.encoded, output, source=data_dir)  # kept tensors read from the input's files
     path, bits = written.path, written.weight_bits
     reference = graph_ops.weight_bits(loaded.proto)
     unit_reference = sum(bits_ for name, bits_ in graph_ops.io.tensor_sizes(loaded.proto).items() if name in result.encoded)
@@ -163,3 +171,12 @@ def write_baseline(model_path: str | Path, result: BaselineResult, output: str |
         "rtn_layer_error": result.rtn_errors,
         "notes": result.notes,
     }
+
+
+def _load(model_path: str | Path) -> tuple[graph_ops.LoadedModel, Path | None]:
+    """The model without its external data (or, for a large single file, as a skeleton), and the folder
+    its tensors point into (None when the proto holds them): weights are read from the files on
+    demand, as `score` and `export` read them, never copied whole into memory."""
+    loaded = graph_ops.load_model(model_path, load_external=False)
+    data_dir = loaded.path.parent.resolve() if graph_ops.io.has_external_data(loaded.proto) else None
+    return loaded, data_dir
