@@ -402,8 +402,17 @@ class Hessian:
         return merged
 
 
+ERROR_ROWS = 512
+"""Rows of ΔW per product with H in `output_error` (bounds its temporaries to two ERROR_ROWS x K arrays)."""
+
+
 def output_error(Wt: np.ndarray, Q: np.ndarray, stats: Hessian) -> float:
-    """‖X·Wtᵀ − X·Qᵀ‖_F on the samples behind `stats`, from H alone (XᵀX = n/2·H)."""
-    delta = np.asarray(Wt, np.float64) - np.asarray(Q, np.float64)
-    squared = float(np.einsum("ij,jk,ik->", delta, stats.H, delta)) * stats.count / 2
+    """‖X·Wtᵀ − X·Qᵀ‖_F on the samples behind `stats`, from H alone (XᵀX = n/2·H): Σ (ΔW·H) ⊙ ΔW,
+    ΔW·H through BLAS a block of rows at a time (a three-operand einsum loops in plain C: minutes
+    per 4096-wide layer)."""
+    squared = 0.0
+    for start in range(0, Wt.shape[0], ERROR_ROWS):
+        delta = np.asarray(Wt[start : start + ERROR_ROWS], np.float64) - np.asarray(Q[start : start + ERROR_ROWS], np.float64)
+        squared += float(np.einsum("ij,ij->", delta @ stats.H, delta))
+    squared *= stats.count / 2
     return float(np.sqrt(max(squared, 0.0)))
