@@ -39,14 +39,23 @@ def test_external_data_models_score_and_evaluate_as_in_memory_ones(tmp_path):
     assert gammas(a) == gammas(b)
 
     # the run folder holds the graph only: its session file is far smaller than the weights it points at
-    session_files = list((tmp_path / "run_ext").glob("fed-*.onnx"))
+    session_files = list((tmp_path / "run_ext").glob("overridable-*.onnx"))
     data_bytes = (external.parent / "model.onnx.data").stat().st_size
     assert len(session_files) == 1 and session_files[0].stat().st_size < data_bytes / 4
     assert not list((tmp_path / "run_ext").glob("*.data"))
-    # the scored weights are plain inputs of that graph: ONNX Runtime holds no copy of them, runs are fed views of the file
+    # the scored weights are overridable initializers of that graph, still references into the model's file:
+    # ONNX Runtime loads them once (a run feeds only what it perturbs, not every weight every call)
     graph = onnx.load(str(session_files[0]), load_external_data=False).graph
     scored = set(a.frame["unit"])
-    assert scored <= {i.name for i in graph.input} and not scored & {t.name for t in graph.initializer}
+    stored = {t.name: t for t in graph.initializer}
+    assert scored <= {i.name for i in graph.input} and scored <= set(stored)
+    assert all(onnx.external_data_helper.uses_external_data(stored[name]) for name in scored)
+
+    # a strategy that rebuilds the model in memory runs as feed on a streamed model, and says so
+    unit = score(external, tmp_path / "c.npz", steps=4, out=tmp_path / "run_unit", settings=settings, strategy="unit")
+    assert unit.meta["strategy"] == "feed" and gammas(unit) == gammas(b)
+    assert any("strategy 'unit' ran as 'feed'" in w for w in unit.meta["warnings"])
+    assert not any("ran as" in w for w in b.meta["warnings"])
 
     # weights read on demand equal the loaded ones, read-only
     loaded = graph_ops.load_model(external, load_external=False)

@@ -201,6 +201,7 @@ class Planner:
             strategy=meta.get("strategy", "auto"),
             workdir=self.run_dir,
             stream=True,
+            runtime_keeps_weights=False,  # candidates run in sessions beside this one: it holds no copy of the weights
         )
         if self.prepared.model.sha256 != meta["model"]["sha256"]:
             raise InputError(

@@ -202,6 +202,7 @@ def prepare(
     strategy: str = "auto",
     workdir: Path | None = None,
     stream: bool = False,
+    runtime_keeps_weights: bool = True,
 ) -> Prepared:
     """Load and check everything a sweep needs; fails fast on bad input.
 
@@ -212,7 +213,10 @@ def prepare(
     external-data files is never copied: the session file holds only the graph
     (its tensors still point into the model's own data files, which the runtime
     reads), and the sweep reads each unit's weights from those files when it
-    gets to the unit.
+    gets to the unit. The units are then overridable initializers the runtime
+    loads once (`runtime_keeps_weights`: a run feeds only what it perturbs, as a
+    score does), or plain inputs fed from the files on every run, so the runtime
+    holds no copy of them (export, which runs candidate sessions beside this one).
     """
     runtime.check()
     loaded = graph_ops.load_model(model, load_external=not stream)  # large single files come as a skeleton
@@ -225,12 +229,16 @@ def prepare(
     source: bytes | Path
     rebuild = None
     if streamed:  # feeding is the only strategy that needs no weights in memory
-        source = _session_file(loaded, names, workdir, "fed")
-        if not source.exists():  # the graph only: the units are plain inputs, other tensors stay references
-            unit_names = set(names)
-            graph_ops.save_model(graph_ops.io.weights_as_inputs(session_proto, lambda t: t.name not in unit_names), source, external_data=False)
+        source = _session_file(loaded, names, workdir, "overridable" if runtime_keeps_weights else "fed")
+        if not source.exists():  # the graph only: tensors stay references into the model's files
+            if runtime_keeps_weights:  # the units declared inputs too
+                session_proto.MergeFromString(b"".join(declarations.values()))
+                graph_ops.save_model(session_proto, source, external_data=False)
+            else:  # the units plain inputs
+                unit_names = set(names)
+                graph_ops.save_model(graph_ops.io.weights_as_inputs(session_proto, lambda t: t.name not in unit_names), source, external_data=False)
         weights = graph_ops.FileWeights(loaded.proto, names, data_dir)
-        factory = partial(open_fed, runtime, source, data_dir, weights)
+        factory = partial(runtime.open, source, external_data_dir=data_dir) if runtime_keeps_weights else partial(open_fed, runtime, source, data_dir, weights)
     elif graph_ops.io.stored_bytes(session_proto) < graph_ops.io.PROTOBUF_LIMIT:
         rebuild = RebuildFactory(graph_ops.model_bytes(session_proto), runtime, declarations)  # the one serialisation
         factory = partial(rebuild.overridable, tuple(names))
@@ -393,7 +401,7 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
         in_use = {prepared.session_file.name} if prepared.session_file else set()
-        for pattern in ("session-*.onnx*", "fed-*.onnx", "graph-*.onnx", "weights-*.onnx*"):  # graph-*, weights-*: what older versions made
+        for pattern in ("session-*.onnx*", "overridable-*.onnx", "fed-*.onnx", "graph-*.onnx", "weights-*.onnx*"):  # graph-*, weights-*: what older versions made
             for stale in run_dir.glob(pattern):
                 if not any(stale.name.startswith(name) for name in in_use):
                     stale.unlink()
@@ -427,6 +435,11 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
     runner = prepared.open_runner()
     nominal_seconds = time.perf_counter() - nominal_started
     meta["strategy"] = runner.strategy
+    if prepared.job.strategy not in ("auto", runner.strategy):
+        meta["warnings"].append(
+            f"strategy '{prepared.job.strategy}' ran as 'feed': it rebuilds the model in memory, and this one is swept from its "
+            "file (weights in external data, or a file of 64 MiB or more), where only 'feed' runs"
+        )
     if runner.timings:
         meta["strategy_estimates_s"] = runner.timings
     write_json(meta_path, meta)

@@ -24,7 +24,7 @@ import graph_ops
 from graph_ops.io import GraphError, OutputError
 from runtimes import Session, SessionFactory, kept
 from tqsdeploy.contexts import Contexts
-from tqsdeploy.engine import RolloutEngine, row_sq
+from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.probes import UnitProbes
 from tqsdeploy.rollout import RolloutSpec, rollout
@@ -263,9 +263,11 @@ class SweepRunner:
     nominal comes from the constant session: the unit's own kernels then run
     unpacked in the perturbed runs, a float32 rounding difference (~1e-7
     relative at that node) far below any probe; an inert unit still diverges
-    by exactly zero since nothing of it reaches the outputs. With 'batch' each
-    probe is compared with its own rows of a batched nominal rollout made by
-    the same batched session, so inert units diverge by exactly zero too.
+    by exactly zero since nothing of it reaches the outputs. With 'batch' the
+    calls carry one slot more than the unit has probes: slot 0 holds the
+    nominal weights, and each probe is compared with slot 0's rows of the same
+    call (same kernels, so inert units diverge by exactly zero too; one
+    batched rollout per unit, not a batched nominal rollout beside it).
     """
 
     def __init__(self, job: SweepJob, session: Session | None = None):
@@ -386,8 +388,8 @@ class SweepRunner:
         return best if estimates[best] < 0.95 * estimates["feed"] else "feed"
 
     def _estimate_batch(self, constant: Session, constant_build: float, fallback: float, best: float) -> float | None:
-        """Sweep seconds of 'batch': per unit it can batch, a batched build, its check and two batched
-        rollouts (the nominal and the probes), timed on the largest such unit with one real batched call;
+        """Sweep seconds of 'batch': per unit it can batch, a batched build, its check and one batched
+        rollout (the nominal slot and the probes), timed on the largest such unit with one real batched call;
         `fallback` per unit it cannot. None when the model's batched outputs differ from unbatched ones."""
         job, factory = self.job, self.job.rebuild_factory
         units = list(job.units.values())
@@ -398,7 +400,7 @@ class SweepRunner:
         if refused + len(batchable) * constant_build >= best:  # a lower bound, already too slow
             return refused + len(batchable) * constant_build
         unit = max(batchable, key=lambda u: u.params)
-        probes = max(1, job.tasks_per_unit)
+        probes = self._batch_width
         started = time.perf_counter()
         session = factory.batched(unit.tensor_names, probes)
         build = time.perf_counter() - started
@@ -414,7 +416,7 @@ class SweepRunner:
         finally:
             session.close()
         calls = job.spec.steps * math.ceil(job.contexts.count / per_call)
-        return refused + len(batchable) * (build + check + 2 * calls * t_call)
+        return refused + len(batchable) * (build + check + calls * t_call)
 
     def _estimate_prefix(self, unit: Unit, shares: dict[str, float], one: dict[str, np.ndarray], calls: float, t_const: float) -> float:
         """Sweep seconds of 'prefix': the activations session, then per unit a cut build, its
@@ -481,6 +483,11 @@ class SweepRunner:
         value = float(total / job.contexts.count)
         return ([value], False) if math.isfinite(value) else ([math.inf], True)
 
+    @property
+    def _batch_width(self) -> int:
+        """Slots of a probe-batched call: the nominal weights, then each of a unit's probes."""
+        return max(1, self.job.tasks_per_unit) + 1
+
     def _batch_refusal(self) -> str | None:
         """Why this model's probes cannot be batched at all, or None."""
         if not hasattr(self.job.rebuild_factory, "batched"):
@@ -510,7 +517,7 @@ class SweepRunner:
         self._drop_unit_sessions()
         session, reason = None, None
         try:
-            session = self.job.rebuild_factory.batched(unit.tensor_names, max(1, self.job.tasks_per_unit))
+            session = self.job.rebuild_factory.batched(unit.tensor_names, self._batch_width)
             reason = self._batch_mismatch(unit, session, self.session)
         except GraphError as exc:
             reason = str(exc)
@@ -532,7 +539,7 @@ class SweepRunner:
         session's unbatched run. An op that mixes rows across the batch (a reduction over it, a
         reshape folding it into another axis) leaks the other probes into probe 0 and fails this.
         """
-        job, probes = self.job, max(1, self.job.tasks_per_unit)
+        job, probes = self.job, self._batch_width
         if self._reference is None:
             feeds = next(iter(job.contexts.chunks(self.inputs, True, 1)))[1]
             self._reference = (feeds, list(rollout(constant, feeds, job.spec, steps=min(job.spec.steps, 3))))
@@ -572,42 +579,42 @@ class SweepRunner:
             return {}
         started = time.perf_counter()
         tasks = plan_tasks([unit], job.quant_probe, job.tasks_per_unit - int(job.quant_probe))
-        nominal = {n: np.stack([job.weights[n]] * len(tasks)) for n in unit.tensor_names}
-        stacked = {n: np.empty_like(v) for n, v in nominal.items()}
+        stacked = {n: np.empty((self._batch_width, *job.weights[n].shape), job.weights[n].dtype) for n in unit.tensor_names}
+        for name, value in stacked.items():
+            value[0] = job.weights[name]  # slot 0: the nominal weights, the probes' reference
         deltas = []
-        for p, task in enumerate(tasks):  # filled one probe at a time: no second copy of every probe's weights
+        for p, task in enumerate(tasks, start=1):  # filled one probe at a time: no second copy of every probe's weights
             change = self._probes.perturb(task.probe, task.draw, job.seed)
             for name, value in change.weights.items():
                 stacked[name][p] = value
             deltas.append(change.delta_sq)
-        outcomes = self._batched_divergence(session, nominal, stacked, deltas)
+        outcomes = self._batched_divergence(session, stacked, deltas)
         seconds = (time.perf_counter() - started) / len(tasks)
         return {
             t.key: TaskResult(unit=t.unit, probe=t.probe, draw=t.draw, delta_sq=delta_sq, div_sq=div_sq, nonfinite=nonfinite, seconds=seconds)
             for t, delta_sq, (div_sq, nonfinite) in zip(tasks, deltas, outcomes)
         }
 
-    def _batched_divergence(self, session: Session, nominal: dict[str, np.ndarray], stacked: dict[str, np.ndarray], deltas: list[float]) -> list[tuple[list[float], bool]]:
-        """Per probe, what `divergence` returns: each probe's rows of the batched rollout against the same
-        rows of the batched nominal one (same session, so an inert unit diverges by exactly zero).
+    def _batched_divergence(self, session: Session, stacked: dict[str, np.ndarray], deltas: list[float]) -> list[tuple[list[float], bool]]:
+        """Per probe, what `divergence` returns: the rows of probe slot p + 1 of one batched rollout against
+        those of slot 0, which holds the nominal weights (same call, so an inert unit diverges by exactly zero).
 
-        Chunks hold at most max_batch_windows / P windows, so a call holds no more rows than an
+        Chunks hold at most max_batch_windows / (P + 1) windows, so a call holds no more rows than an
         unbatched one; early stopping applies per probe, and the rollout ends when every probe has stopped.
         """
-        job, probes = self.job, len(deltas)
-        chunks = list(job.contexts.chunks(self.inputs, True, max(1, job.max_batch_windows // probes)))
-        runs = []
-        for _, feeds in chunks:
-            tiled = _tiled(feeds, probes)
-            runs.append(zip(rollout(session, tiled, job.spec, nominal), rollout(session, tiled, job.spec, stacked)))
+        job, probes, width = self.job, len(deltas), self._batch_width
+        chunks = list(job.contexts.chunks(self.inputs, True, max(1, job.max_batch_windows // width)))
+        runs = [rollout(session, _tiled(feeds, width), job.spec, stacked) for _, feeds in chunks]
         div_sq: list[list[float]] = [[] for _ in range(probes)]
         nonfinite, gammas, cumulative = [False] * probes, [[] for _ in range(probes)], [0.0] * probes
         live = set(range(probes))
         try:
-            for t, pairs in enumerate(zip(*runs), start=1):
+            for t, steps in enumerate(zip(*runs), start=1):
                 total = np.zeros(probes)
-                for (count, _), (reference, outs) in zip(chunks, pairs):
-                    total += row_sq(job.spec.trajectory, outs, reference, probes * count).reshape(probes, count).sum(axis=1)
+                for outs in steps:
+                    for name in job.spec.trajectory:
+                        slots = np.asarray(outs[name], np.float64).reshape(width, -1)
+                        total += np.square(slots[1:] - slots[0]).sum(axis=1)
                 for p in sorted(live):
                     value = float(total[p] / job.contexts.count)
                     if not math.isfinite(value):
@@ -677,6 +684,8 @@ class SweepRunner:
         job = self.job
         started = time.perf_counter()
         if self._probes is None or self._probes.unit.name != task.unit:
+            if self._probes is not None:  # a streamed model's weights live in the runtime: hand back the pages the probes read
+                graph_ops.release_pages(job.weights, self._probes.unit.tensor_names)
             self._probes = UnitProbes(job.units[task.unit], job.weights, job.probe_bits, job.rows)  # tasks come unit by unit
         if self.strategy == "batch":
             if self._batch_results[0] != task.unit:  # a unit's first task runs all its probes
