@@ -376,7 +376,7 @@ class SweepRunner:
                     pass
             if self._batch_refusal() is None:
                 try:
-                    batch = self._estimate_batch(constant, constant_build, estimates.get("unit", estimates["rebuild"]) / units, min(estimates.values()))
+                    batch = self._estimate_batch(constant, constant_build, estimates.get("unit", estimates["rebuild"]) / units, min(estimates.values()), scale, chunks[0][0])
                 except Exception:  # a rewritten graph the runtime cannot run: no batch
                     batch = None
                 if batch is not None:
@@ -387,10 +387,13 @@ class SweepRunner:
         best = min(estimates, key=estimates.get)
         return best if estimates[best] < 0.95 * estimates["feed"] else "feed"
 
-    def _estimate_batch(self, constant: Session, constant_build: float, fallback: float, best: float) -> float | None:
+    def _estimate_batch(self, constant: Session, constant_build: float, fallback: float, best: float, scale: float, chunk_windows: int) -> float | None:
         """Sweep seconds of 'batch': per unit it can batch, a batched build, its check and one batched
-        rollout (the nominal slot and the probes), timed on the largest such unit with one real batched call;
-        `fallback` per unit it cannot. None when the model's batched outputs differ from unbatched ones."""
+        rollout (the nominal slot and the probes), timed on the largest such unit with a batched call of
+        one window, scaled to a real call's windows as the constant session scales from one window to its
+        first chunk (`scale`, over `chunk_windows`); `fallback` per unit it cannot. None when the model's
+        batched outputs differ from unbatched ones. A real-size batched call is not timed: on a small
+        model it would cost more than the sweep could gain."""
         job, factory = self.job, self.job.rebuild_factory
         units = list(job.units.values())
         batchable = [u for u in units if factory.batch_refusal(u.tensor_names) is None]
@@ -409,12 +412,13 @@ class SweepRunner:
             if self._batch_mismatch(unit, session, constant) is not None:
                 return None
             check = time.perf_counter() - started
-            per_call = max(1, job.max_batch_windows // probes)
-            feeds = _tiled(next(iter(job.contexts.chunks(self.inputs, True, per_call)))[1], probes)
+            feeds = _tiled(self._reference[0], probes)  # the check's one window
             weights = {n: np.stack([job.weights[n]] * probes) for n in unit.tensor_names}
-            t_call = _best_time(lambda: session.run({**feeds, **weights}, job.spec.run_outputs), 2)  # the first call of a shape allocates
+            t_one = _best_time(lambda: session.run({**feeds, **weights}, job.spec.run_outputs), 2)  # the first call of a shape allocates
         finally:
             session.close()
+        per_call = min(job.contexts.count, max(1, job.max_batch_windows // probes))
+        t_call = t_one * max(1.0, scale * per_call / max(1, chunk_windows))
         calls = job.spec.steps * math.ceil(job.contexts.count / per_call)
         return refused + len(batchable) * (build + check + calls * t_call)
 
