@@ -1,7 +1,6 @@
 """Every command: a bad input is one line on stderr and exit 2, a failed gate
 exits 1; never a traceback."""
 
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
