@@ -4,6 +4,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 import polars as pl
 from typer.testing import CliRunner
 
@@ -66,3 +67,26 @@ def test_indices_cast_on_the_way_still_count_and_computed_ones_do_not(tmp_path):
     tied.graph.node.append(helper.make_node("MatMul", ["x", "emb_t"], ["unused"]))
     onnx.save(tied, str(tmp_path / "tied.onnx"))
     assert "emb" not in prepare(tmp_path / "tied.onnx", contexts, steps=2).job.rows
+
+
+def test_gaussian_probes_of_a_table_perturb_only_the_rows_read(tmp_path):
+    """Both probes change the rows the contexts read and nothing else, with the same norm: a Gaussian draw
+    spread over the whole table would put most of ||δθ||² on rows no output sees (γ_gauss diluted)."""
+    model = models.gather_forecaster(tmp_path / "emb.onnx")
+    contexts = tmp_path / "ctx.npz"
+    np.savez(contexts, x=np.random.default_rng(1).standard_normal((2, 2, 32)).astype(np.float32), ids=np.array([[3, 97], [97, 3]]))
+    prepared = prepare(model, contexts, steps=2)
+    unit, weights, rows = prepared.job.units["emb"], prepared.job.weights, prepared.job.rows
+    quant = perturb(unit, weights, "quant", 0, 8, 0, rows)
+    for draw in range(2):
+        gauss = perturb(unit, weights, "gauss", draw, 8, 0, rows)
+        changed = np.flatnonzero(np.any(gauss.weights["emb"] != weights["emb"], axis=1))
+        assert changed.tolist() == [3, 97]
+        assert gauss.delta_sq == pytest.approx(quant.delta_sq, rel=1e-4)
+        again = perturb(unit, weights, "gauss", draw, 8, 0, rows)
+        np.testing.assert_array_equal(gauss.weights["emb"], again.weights["emb"])  # seeded by (seed, unit, draw)
+    runner = prepared.open_runner()
+    # undiluted: the Gaussian probe moves the output about as much as the quant residual of the same norm
+    ratio = runner.divergence(perturb(unit, weights, "gauss", 0, 8, 0, rows).weights)[0][0] / runner.divergence(quant.weights)[0][0]
+    runner.close()
+    assert 0.1 < ratio < 10
