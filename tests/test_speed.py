@@ -105,3 +105,21 @@ def test_the_cut_holds_only_nodes_downstream_of_the_weight(tmp_path):
     assert cut.boundary == ("e",) and cut.outputs == ("y",)
     assert {i.name for i in cut.model.graph.input} == {"e", "gemm_w"}
     assert graph_ops.prefix.cut_downstream(proto, ["conv_t"], ["y"], types).outputs == ()
+
+
+def test_probes_built_ahead_on_a_helper_thread_are_the_ones_asked_for(tmp_path):
+    from tqsdeploy.sweep import ProbeSource, plan_tasks
+
+    model, contexts, spec = _shared(tmp_path)
+    job = prepare(model, contexts, spec).job
+    tasks = plan_tasks(list(job.units.values()), True, 2)
+    source = ProbeSource(job)
+    ahead = [source.get(t, tasks[i + 1] if i + 1 < len(tasks) else None) for i, t in enumerate(tasks)]
+    guessed_wrong = source.get(tasks[0], tasks[-1])  # built ahead: the last task; asked next: the second
+    second = source.get(tasks[1])
+    source.close()
+    for task, change in [*zip(tasks, ahead), (tasks[0], guessed_wrong), (tasks[1], second)]:
+        once = perturb(job.units[task.unit], job.weights, task.probe, task.draw, job.probe_bits, job.seed, job.rows)
+        assert change.delta_sq == once.delta_sq
+        for name, value in once.weights.items():
+            np.testing.assert_array_equal(change.weights[name], value)
