@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -117,3 +118,121 @@ def cut_downstream(model: onnx.ModelProto, weights: list[str], outputs: list[str
     cut = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=max(model.ir_version, 4))
     cut.functions.extend(model.functions)
     return Cut(model=cut, boundary=boundary, outputs=kept_outputs)
+
+
+def node_costs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> list[float]:
+    """A rough compute cost of every node (graph order) for inputs of the given shapes: multiply-adds
+    of MatMul, Gemm and Conv, the output's size for every other op. What planning cuts needs to
+    tell a cut of the last layer from one of the whole model; dims shape inference cannot resolve count 1."""
+    light = weights_as_inputs(model, lambda t: len(t.raw_data) <= 4096 and not t.HasField("data_location"))
+    for value in light.graph.input:
+        if value.name in shapes and len(shapes[value.name]) == len(value.type.tensor_type.shape.dim):
+            for dim, size in zip(value.type.tensor_type.shape.dim, shapes[value.name]):
+                dim.Clear()
+                dim.dim_value = int(size)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light)
+        values = list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
+    except Exception:  # a graph shape inference cannot walk: every node counts alike
+        values = []
+    dims = {v.name: [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1 for d in v.type.tensor_type.shape.dim] for v in values}
+    dims.update({t.name: list(t.dims) for t in model.graph.initializer})
+    size = lambda name: float(np.prod(dims.get(name, [1]), dtype=np.float64))  # noqa: E731
+    costs = []
+    for node in model.graph.node:
+        out = size(node.output[0]) if node.output else 1.0
+        first = dims.get(node.input[0], [1]) if node.input else [1]
+        if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1:
+            transposed = node.op_type == "Gemm" and any(a.name == "transA" and a.i for a in node.attribute)
+            out *= (first[0] if transposed else first[-1]) if first else 1
+        elif node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 1:
+            kernel = dims.get(node.input[1], [1])
+            per_output = kernel[1:] if node.op_type == "Conv" else kernel[:1] + kernel[2:]  # input channels (per group) x kernel
+            out *= float(np.prod(per_output, dtype=np.float64))
+        costs.append(max(out, 1.0))
+    return costs
+
+
+def reading_share(model: onnx.ModelProto, weights: set[str], costs: list[float]) -> float:
+    """Share of `costs` spent in the nodes that read any of `weights` directly."""
+    reading = sum(c for node, c in zip(model.graph.node, costs) if _reads(node) & weights)
+    return reading / max(sum(costs), 1e-30)
+
+
+@dataclass(frozen=True)
+class CutPlan:
+    """Which units share a cut: each group runs on one session of the part downstream of all its weights."""
+
+    groups: tuple[tuple[str, ...], ...]
+    """Unit names per cut, in the order the sweep should run them."""
+    seconds: float
+    """The planned sweep's estimated seconds (builds, each cut's nominal run, every probe run)."""
+
+    @property
+    def order(self) -> list[str]:
+        return [name for group in self.groups for name in group]
+
+    def group_of(self, unit: str) -> int:
+        return next(i for i, group in enumerate(self.groups) if unit in group)
+
+
+BUILD_FIXED = 0.3
+"""Share of a whole model's session build a cut costs however small it is (session set-up, graph passes)."""
+
+
+FED_PENALTY = 0.5
+"""How much slower a node runs with its weight fed than with it constant (ONNX Runtime pre-packs only
+constant weights), when no measurement says: about 0.3 for MatMul, 0.8 for Conv on x86 CPUs."""
+
+
+def plan_cuts(model: onnx.ModelProto, units: dict[str, list[str]], costs: list[float], call_s: float, build_s: float, runs_per_unit: int,
+              fed_penalty: float = FED_PENALTY) -> CutPlan:
+    """Group units, taken in the order their cuts start, so that the sweep costs least.
+
+    A cut shared by several units starts at the earliest of them: every probe of a later unit then
+    runs more of the graph, but one build serves them all. Estimated with a run of the whole model
+    costing `call_s` and its build `build_s`: a cut's run costs its share of `costs`, plus
+    `fed_penalty` of the share of the nodes that read its units' weights (overridable, so not
+    pre-packed), its build a fixed part plus its share of the weights it reads; `runs_per_unit` runs
+    per unit plus the cut's own nominal run. Exact over contiguous groupings (dynamic programming,
+    quadratic in units).
+    """
+    nodes = list(model.graph.node)
+    sizes = {t.name: float(np.prod(t.dims, dtype=np.float64)) for t in model.graph.initializer}
+    readers: dict[str, int] = {}
+    for node in nodes:
+        for name in set(_reads(node)) & sizes.keys():
+            readers[name] = readers.get(name, 0) + 1
+    weight = np.array([sum(sizes[n] / readers[n] for n in set(_reads(node)) & sizes.keys()) for node in nodes])
+    cost = np.asarray(costs, np.float64)
+    total_cost, total_weight = max(cost.sum(), 1e-30), max(weight.sum(), 1e-30)
+    index = {id(node): i for i, node in enumerate(nodes)}
+    masks, fed, starts = {}, {}, {}
+    for name, tensors in units.items():
+        mask = np.zeros(len(nodes), bool)
+        mask[[index[id(n)] for n in downstream_nodes(model.graph, set(tensors))[0]]] = True
+        masks[name] = mask
+        fed[name] = np.array([bool(_reads(node) & set(tensors)) for node in nodes])
+        starts[name] = int(np.argmax(mask)) if mask.any() else len(nodes)
+    order = sorted(units, key=lambda n: (starts[n], n))
+
+    def group_seconds(mask: np.ndarray, reading: np.ndarray, members: int) -> float:
+        run = call_s * (float(cost[mask].sum()) + fed_penalty * float(cost[reading].sum())) / total_cost
+        build = build_s * (BUILD_FIXED + (1 - BUILD_FIXED) * float(weight[mask].sum()) / total_weight)
+        return build + run * (1 + members * runs_per_unit)
+
+    best = [0.0] + [np.inf] * len(order)
+    split = [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        mask, reading = np.zeros(len(nodes), bool), np.zeros(len(nodes), bool)
+        for start in range(end - 1, -1, -1):
+            mask |= masks[order[start]]
+            reading |= fed[order[start]]
+            seconds = best[start] + group_seconds(mask, reading, end - start)
+            if seconds < best[end]:
+                best[end], split[end] = seconds, start
+    groups, end = [], len(order)
+    while end > 0:
+        groups.append(tuple(order[split[end]:end]))
+        end = split[end]
+    return CutPlan(groups=tuple(reversed(groups)), seconds=float(best[-1]))

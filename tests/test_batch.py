@@ -111,7 +111,7 @@ def _batch_estimate(model, contexts):
     runner = prepare(model, contexts, STATE, settings=SETTINGS).open_runner()
     constant = runner.job.rebuild_factory({})
     try:
-        return runner._estimate_batch(constant, 0.0, 0.0, math.inf, 1.0, 1)
+        return runner._estimate_batch(constant, 0.0, 0.0, math.inf, 1.0, 1, 0.0)
     finally:
         constant.close()
         runner.close()

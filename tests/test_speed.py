@@ -123,3 +123,70 @@ def test_probes_built_ahead_on_a_helper_thread_are_the_ones_asked_for(tmp_path):
         assert change.delta_sq == once.delta_sq
         for name, value in once.weights.items():
             np.testing.assert_array_equal(change.weights[name], value)
+
+
+def _chain(path, layers=4, width=64):
+    """x -> MatMul(W0) -> Relu -> ... -> y: one unit per layer, each layer as costly as the others."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes, inits, previous = [], [], "x"
+    for i in range(layers):
+        inits.append(numpy_helper.from_array((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32), f"W{i}"))
+        nodes.append(helper.make_node("MatMul", [previous, f"W{i}"], [f"m{i}"]))
+        previous = "y" if i == layers - 1 else f"h{i}"
+        nodes.append(helper.make_node("Relu", [f"m{i}"], [previous]))
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", width])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save_model(model, str(path))
+    return model
+
+
+def test_units_share_a_cut_only_when_its_build_costs_more_than_the_runs_it_saves(tmp_path):
+    import graph_ops
+
+    proto = _chain(tmp_path / "chain.onnx")
+    units = {f"W{i}": [f"W{i}"] for i in range(4)}
+    costs = graph_ops.prefix.node_costs(proto, {"x": (8, 64)})
+    assert costs[0] == 8 * 64 * 64 and costs[1] == 8 * 64  # MatMul multiply-adds, Relu its output
+    cheap = graph_ops.prefix.plan_cuts(proto, units, costs, call_s=1.0, build_s=1e-3, runs_per_unit=5, fed_penalty=0.0)
+    assert cheap.groups == (("W0",), ("W1",), ("W2",), ("W3",))  # every unit on the least it must run
+    costly = graph_ops.prefix.plan_cuts(proto, units, costs, call_s=1.0, build_s=100.0, runs_per_unit=5, fed_penalty=0.0)
+    assert costly.groups == (("W0", "W1", "W2", "W3"),)  # one build for all
+    assert costly.seconds > cheap.seconds
+    # the cheap plan's estimate: per unit a small build plus 6 runs (5 probes, the cut's nominal) of what follows it
+    layer = (costs[0] + costs[1]) / sum(costs)
+    expected = sum(1e-3 * (0.3 + 0.7 * (4 - i) / 4) + 6 * layer * (4 - i) for i in range(4))
+    assert cheap.seconds == pytest.approx(expected, rel=1e-9)
+    assert cheap.order == ["W0", "W1", "W2", "W3"] and costly.group_of("W2") == 0
+    # with 3 probes the first two units tie on runs (W1 in W0's cut: 3 runs of a layer more, one nominal run fewer)
+    assert graph_ops.prefix.plan_cuts(proto, units, costs, 1.0, 1e-3, 3, 0.0).groups[0] == ("W0", "W1")
+    # but fed weights run without pre-packed kernels: a cut holding both pays that on both
+    assert graph_ops.prefix.plan_cuts(proto, units, costs, 1.0, 1e-3, 3, 0.5).groups[0] == ("W0",)
+
+
+def test_prefix_sweeps_a_model_from_its_files_with_feeds_scores(tmp_path):
+    import onnx
+
+    proto = _chain(tmp_path / "chain.onnx")
+    folder = tmp_path / "ext"
+    folder.mkdir()
+    onnx.save_model(proto, str(folder / "chain.onnx"), save_as_external_data=True, all_tensors_to_one_file=True, location="chain.onnx.data", size_threshold=0)
+    folder.chmod(0o555)  # read-only: cut sessions read the model's own files and write nothing beside them
+    contexts = Contexts({"x": np.random.default_rng(1).standard_normal((4, 3, 64)).astype(np.float32)}, source="test")
+    spec = RolloutSpec(steps=1, feedback=(), trajectory=("y",))
+    try:
+        feed = score(folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "feed", settings=SETTINGS, strategy="feed")
+        prefix = score(folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "prefix", settings=SETTINGS, strategy="prefix")
+        auto = score(folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "auto", settings=SETTINGS)
+    finally:
+        folder.chmod(0o755)
+    assert prefix.meta["strategy"] == "prefix" and not prefix.meta["warnings"]
+    assert sorted(u for group in prefix.meta["prefix_cuts"] for u in group) == ["W0", "W1", "W2", "W3"]
+    for column in ("gamma_quant", "gamma_gauss", "probe_norm"):
+        np.testing.assert_allclose(prefix.frame.sort("unit")[column].to_numpy(), feed.frame.sort("unit")[column].to_numpy(), rtol=1e-5)
+    assert set(auto.meta["strategy_estimates_s"]) == {"feed", "prefix"}  # the rebuilding strategies need the weights in memory
+    assert sorted((folder).iterdir()) == [folder / "chain.onnx", folder / "chain.onnx.data"]

@@ -198,7 +198,7 @@ class Planner:
             selection=UnitSelection(**meta["selection"]),
             settings=ScoreSettings(**probe),
             runtime=runtime,
-            strategy=meta.get("strategy", "auto"),
+            strategy={"prefix": "unit"}.get(meta.get("strategy", "auto"), meta.get("strategy", "auto")),  # candidates are whole models: no cuts
             workdir=self.run_dir,
             stream=True,
             runtime_keeps_weights=False,  # candidates run in sessions beside this one: it holds no copy of the weights

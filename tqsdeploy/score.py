@@ -79,8 +79,41 @@ class ScoreTable:
         return cls(frame=pl.read_parquet(scores), run_dir=run_dir, meta=json.loads(meta_path.read_text()))
 
 
+class CutSessions:
+    """Sessions of parts of a model for the 'prefix' strategy: the whole model with some activations
+    as extra outputs, or the part downstream of some weights (those weights overridable)."""
+
+    model: bytes
+    """The serialised model the sessions are cut from."""
+
+    def _open(self, model: bytes) -> Session:
+        raise NotImplementedError
+
+    def graph(self):
+        """The model proto, parsed once per process."""
+        import onnx
+
+        if not hasattr(self, "_proto"):
+            self._proto = onnx.load_model_from_string(self.model)
+        return self._proto
+
+    def activations(self, names) -> Session:
+        """A session that also outputs the named intermediate tensors."""
+        if not hasattr(self, "_types"):
+            self._types = graph_ops.prefix.element_types(self.graph())
+        return self._open(self.model + graph_ops.prefix.activation_outputs(self.graph(), names, self._types))
+
+    def downstream(self, weights, outputs, types) -> tuple[Session | None, "graph_ops.prefix.Cut"]:
+        """A session of the part downstream of `weights` (fed as overridable), or None when no output depends on them."""
+        cut = graph_ops.prefix.cut_downstream(self.graph(), list(weights), list(outputs), types)
+        return (self._open(graph_ops.model_bytes(cut.model)) if cut.outputs else None), cut
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in ("_proto", "_types", "_ranks")}  # workers parse their own
+
+
 @dataclass
-class RebuildFactory:
+class RebuildFactory(CutSessions):
     """Opens sessions of the original model from its one serialisation.
 
     Called with weights: a session with those weights replaced as constants.
@@ -102,25 +135,11 @@ class RebuildFactory:
         proto = graph_ops.replace_weights(self.graph(), weights) if weights else self.graph()
         return self.runtime.open(graph_ops.model_bytes(proto))
 
+    def _open(self, model: bytes) -> Session:
+        return self.runtime.open(model)
+
     def overridable(self, names) -> Session:
         return self.runtime.open(self.model + b"".join(self.declarations[n] for n in sorted(set(names))))
-
-    def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k not in ("_proto", "_types", "_ranks")}  # workers parse their own
-
-    def graph(self):
-        """The model proto, parsed once per process."""
-        import onnx
-
-        if not hasattr(self, "_proto"):
-            self._proto = onnx.load_model_from_string(self.model)
-        return self._proto
-
-    def activations(self, names) -> Session:
-        """A session that also outputs the named intermediate tensors."""
-        if not hasattr(self, "_types"):
-            self._types = graph_ops.prefix.element_types(self.graph())
-        return self.runtime.open(self.model + graph_ops.prefix.activation_outputs(self.graph(), names, self._types))
 
     def batch_refusal(self, weights) -> str | None:
         """Why `batched` cannot batch these weights' probes, or None when it can."""
@@ -135,10 +154,18 @@ class RebuildFactory:
             self._ranks = graph_ops.batch.tensor_ranks(self.graph())
         return self._ranks
 
-    def downstream(self, weights, outputs, types) -> tuple[Session | None, "graph_ops.prefix.Cut"]:
-        """A session of the part downstream of `weights` (fed as overridable), or None when no output depends on them."""
-        cut = graph_ops.prefix.cut_downstream(self.graph(), list(weights), list(outputs), types)
-        return (self.runtime.open(graph_ops.model_bytes(cut.model)) if cut.outputs else None), cut
+
+@dataclass
+class StreamedCuts(CutSessions):
+    """Cut sessions of a model swept from its files: `model` is its graph alone, its tensors references
+    into the model's own data files (in `data_dir`), which ONNX Runtime reads as it builds each session."""
+
+    model: bytes
+    runtime: OrtRuntime
+    data_dir: Path
+
+    def _open(self, model: bytes) -> Session:
+        return self.runtime.open(model, external_data_dir=self.data_dir)
 
 
 @dataclass
@@ -227,8 +254,9 @@ def prepare(
     session_proto = graph_ops.lift_constants(loaded.proto, names)
     declarations = {n: graph_ops.input_declarations(session_proto, [n]) for n in names}
     source: bytes | Path
-    rebuild = None
+    rebuild = cuts = None
     if streamed:  # feeding is the only strategy that needs no weights in memory
+        cuts = StreamedCuts(graph_ops.model_bytes(session_proto), runtime, data_dir)  # and cuts, read from the files too
         source = _session_file(loaded, names, workdir, "overridable" if runtime_keeps_weights else "fed")
         if not source.exists():  # the graph only: tensors stay references into the model's files
             if runtime_keeps_weights:  # the units declared inputs too
@@ -240,7 +268,7 @@ def prepare(
         weights = graph_ops.FileWeights(loaded.proto, names, data_dir)
         factory = partial(runtime.open, source, external_data_dir=data_dir) if runtime_keeps_weights else partial(open_fed, runtime, source, data_dir, weights)
     elif graph_ops.io.stored_bytes(session_proto) < graph_ops.io.PROTOBUF_LIMIT:
-        rebuild = RebuildFactory(graph_ops.model_bytes(session_proto), runtime, declarations)  # the one serialisation
+        rebuild = cuts = RebuildFactory(graph_ops.model_bytes(session_proto), runtime, declarations)  # the one serialisation
         factory = partial(rebuild.overridable, tuple(names))
         source = rebuild.model
     else:  # over 2 GiB: hand the runtime a file with external data; feeding is the only sane strategy
@@ -251,7 +279,9 @@ def prepare(
         factory = partial(runtime.open, source)
     del session_proto
     try:
+        build_started = time.perf_counter()
         probe_session = factory()
+        build_seconds = time.perf_counter() - build_started
     except Exception as exc:
         raise InputError(f"ONNX Runtime cannot load {loaded.path}: {str(exc).splitlines()[0]}") from None
     inputs = [s for s in probe_session.inputs if s.name not in probe_session.weights]
@@ -283,6 +313,8 @@ def prepare(
         max_batch_windows=context_options.max_batch_windows,
         early_stop=EarlyStop(settings.early_stop_tol, settings.early_stop_window) if settings.early_stop else None,
         rebuild_factory=rebuild,
+        cut_factory=cuts,
+        session_build_s=build_seconds,
         strategy=strategy,
         rows=gather_rows(loaded.proto, units, ctx.arrays, resolved.fed_inputs),
         unit_factory=rebuild.overridable if rebuild is not None else None,
@@ -438,10 +470,14 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
     if prepared.job.strategy not in ("auto", runner.strategy):
         meta["warnings"].append(
             f"strategy '{prepared.job.strategy}' ran as 'feed': it rebuilds the model in memory, and this one is swept from its "
-            "file (weights in external data, or a file of 64 MiB or more), where only 'feed' runs"
+            "file (weights in external data, or a file of 64 MiB or more), where only 'feed' and 'prefix' run"
         )
     if runner.timings:
         meta["strategy_estimates_s"] = runner.timings
+    if runner.cut_plan is not None:
+        meta["prefix_cuts"] = [list(group) for group in runner.cut_plan.groups]  # units sharing one cut session
+        position = {name: i for i, name in enumerate(runner.unit_order)}
+        pending.sort(key=lambda t: position[t.unit])  # a cut's units one after another (stable: probes keep their order)
     write_json(meta_path, meta)
     if on_start:
         on_start(len(tasks), len(tasks) - len(pending))

@@ -180,6 +180,10 @@ class SweepJob:
     """Probe draws per unit (what 'auto' weighs a unit session's build against)."""
     quant_probe: bool = True
     """Whether a unit's tasks include the quant probe (the rest are Gaussian draws), for 'batch'."""
+    cut_factory: object | None = None
+    """Opens the sessions 'prefix' runs (`score.CutSessions`: of the model in memory, or read from its files)."""
+    session_build_s: float = 0.0
+    """Seconds the overridable session took to build (what 'auto' weighs cut builds against when it has no other)."""
 
     def open(self, session: Session | None = None) -> "SweepRunner":
         """A runner; `session` is an already open overridable session to reuse."""
@@ -329,7 +333,9 @@ class SweepRunner:
         self.job = job
         if job.strategy not in STRATEGIES:
             raise RolloutError(f"unknown strategy '{job.strategy}'; choose one of {', '.join(STRATEGIES)}")
-        constant_only = session is None and job.strategy in ("rebuild", "unit", "prefix", "batch") and job.rebuild_factory is not None
+        if job.strategy == "prefix" and job.spec.steps != 1:
+            raise RolloutError(f"strategy 'prefix' needs a single-step rollout; this one has {job.spec.steps} steps", hint="use --steps 1 or another strategy")
+        constant_only = session is None and job.strategy in ("rebuild", "unit", "batch") and job.rebuild_factory is not None
         self.overridable: Session | None = job.rebuild_factory({}) if constant_only else (session or job.session_factory())
         self.inputs = [s for s in self.overridable.inputs if s.name not in self.overridable.weights]
         if not constant_only:
@@ -345,34 +351,47 @@ class SweepRunner:
         """Per strategy: the sweep seconds auto estimated (empty unless auto chose)."""
         self.fallbacks: dict[str, str] = {}
         """'batch': the units run probe by probe instead, and why."""
+        self.cut_plan: graph_ops.prefix.CutPlan | None = None
+        """'prefix': which units share a cut, and the order to run them in."""
+        self._node_costs: list[float] | None = None
+        self._fed_penalty = graph_ops.prefix.FED_PENALTY
         self._batched: tuple[str, Session | None] | None = None
         self._batch_results: tuple[str, dict[str, TaskResult]] = ("", {})
         self._reference: tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]] | None = None
         self._constant: Session | None = None
+        self._cut = None
+        self._activations: list[dict[str, np.ndarray]] | None = None
         if constant_only:
             self.strategy, self.session, self.overridable = job.strategy, self.overridable, None
         else:
             self.strategy = job.strategy if job.strategy != "auto" else self._choose()
-            if self.strategy == "feed" and self._constant is not None:
+            if self.strategy == "prefix" and (job.cut_factory is None or job.spec.steps != 1):
+                self.strategy = "feed"  # a model past protobuf's limit in one file: nothing to cut it from
+            if self.strategy not in ("feed", "prefix") and (job.rebuild_factory is None or job.unit_factory is None):
+                self.strategy = "feed"
+            if self.strategy != "feed" and self._constant is None and self.strategy != "prefix":
+                self._constant = job.rebuild_factory({})
+            if self.strategy in ("feed", "prefix") and self._constant is not None:
                 self._constant.close()
                 self._constant = None
-            if self.strategy != "feed" and (job.rebuild_factory is None or job.unit_factory is None):
-                self.strategy = "feed"
             if self.strategy == "feed":
                 self.session = self.overridable
             else:
-                self.session = self._constant or job.rebuild_factory({})
-                self._constant = None
+                self.session, self._constant = self._constant, None
                 self.overridable.close()  # one model copy in memory, not two
                 self.overridable = None
-        if self.strategy == "prefix" and job.spec.steps != 1:
-            raise RolloutError(f"strategy 'prefix' needs a single-step rollout; this one has {job.spec.steps} steps", hint="use --steps 1 or another strategy")
-        self.engine.session = self.session
-        self.nominal = self._nominal()
-        self._cut = None
-        self._activations: list[dict[str, np.ndarray]] | None = None
+        if self.strategy == "prefix":
+            self.nominal = self._start_prefix()
+        else:
+            self.engine.session = self.session
+            self.nominal = self._nominal()
         if self.strategy == "batch" and job.strategy == "batch":
             self._check_batch()
+
+    @property
+    def unit_order(self) -> list[str] | None:
+        """The order this runner's tasks should come in, unit by unit (None: any)."""
+        return self.cut_plan.order if self.cut_plan is not None else None
 
     def _choose(self) -> str:
         """Estimate each strategy's sweep from one step of one window and one build; pick the cheapest.
@@ -382,7 +401,8 @@ class SweepRunner:
         (timing noise).
         """
         job = self.job
-        if job.rebuild_factory is None:
+        prefix = job.cut_factory is not None and job.spec.steps == 1
+        if job.rebuild_factory is None and not prefix:
             return "feed"
         try:
             chunks = self.engine.chunks
@@ -392,18 +412,28 @@ class SweepRunner:
         names = job.spec.run_outputs
         unit = max(job.units.values(), key=lambda u: u.params)
         weights = {n: job.weights[n] for n in unit.tensor_names}
+        tasks_per_unit = max(1, job.tasks_per_unit)
+        units = len(job.units)
         estimates = {}
         try:
+            t_feed = _best_time(lambda: self.overridable.run({**one, **weights}, names))
+            if job.rebuild_factory is None:  # swept from its files: feed, or cuts read from the files
+                scale = _best_time(lambda: self.overridable.run({**chunks[0][1], **weights}, names), 1) / max(t_feed, 1e-9)
+                calls = job.spec.steps * len(chunks) * scale
+                estimates["feed"] = units * tasks_per_unit * calls * t_feed
+                try:  # the fed session's calls bound the constant ones
+                    estimates["prefix"] = self._estimate_prefix(calls * t_feed, job.session_build_s, chunks[0][1])
+                except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
+                    pass
+                self.timings = {k: round(v, 4) for k, v in estimates.items()}
+                return "prefix" if estimates.get("prefix", math.inf) < 0.95 * estimates["feed"] else "feed"
             started = time.perf_counter()
             constant = job.rebuild_factory({})
             constant_build = time.perf_counter() - started
-            self._constant = constant  # kept: it is the nominal session of every strategy but feed
+            self._constant = constant  # kept: it is the nominal session of every strategy but feed and prefix
             t_const = _best_time(lambda: constant.run(one, names))
-            t_feed = _best_time(lambda: self.overridable.run({**one, **weights}, names))
             scale = _best_time(lambda: constant.run(chunks[0][1], names), 1) / max(t_const, 1e-9)
-            tasks_per_unit = max(1, job.tasks_per_unit)
             calls = job.spec.steps * len(chunks) * scale
-            units = len(job.units)
             estimates["feed"] = units * tasks_per_unit * calls * t_feed
             # A unit session costs at least a plain build per unit and a rebuild one per task, and
             # neither runs faster than the constant session: each is timed only when that bound could win.
@@ -422,16 +452,14 @@ class SweepRunner:
                 estimates["rebuild"] = units * tasks_per_unit * (time.perf_counter() - started + calls * t_const)
             else:
                 estimates["rebuild"] = units * tasks_per_unit * (constant_build + calls * t_const)  # a lower bound, already too slow
-            if job.unit_factory is not None and job.spec.steps == 1:
-                shares = {u.name: self._downstream_share(u) for u in job.units.values()}
-                typical = job.units[sorted(shares, key=shares.get)[len(shares) // 2]]  # the median cut: cheaper to time than the largest unit's
+            if prefix:
                 try:
-                    estimates["prefix"] = self._estimate_prefix(typical, shares, one, calls, t_const)
+                    estimates["prefix"] = self._estimate_prefix(calls * t_const, constant_build, chunks[0][1], t_feed / max(t_const, 1e-9))
                 except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
                     pass
             if self._batch_refusal() is None:
                 try:
-                    batch = self._estimate_batch(constant, constant_build, estimates.get("unit", estimates["rebuild"]) / units, min(estimates.values()), scale, chunks[0][0])
+                    batch = self._estimate_batch(constant, constant_build, estimates.get("unit", estimates["rebuild"]) / units, min(estimates.values()), scale, chunks[0][0], t_const)
                 except Exception:  # a rewritten graph the runtime cannot run: no batch
                     batch = None
                 if batch is not None:
@@ -442,13 +470,15 @@ class SweepRunner:
         best = min(estimates, key=estimates.get)
         return best if estimates[best] < 0.95 * estimates["feed"] else "feed"
 
-    def _estimate_batch(self, constant: Session, constant_build: float, fallback: float, best: float, scale: float, chunk_windows: int) -> float | None:
+    def _estimate_batch(self, constant: Session, constant_build: float, fallback: float, best: float, scale: float, chunk_windows: int, t_const: float) -> float | None:
         """Sweep seconds of 'batch': per unit it can batch, a batched build, its check and one batched
         rollout (the nominal slot and the probes), timed on the largest such unit with a batched call of
         one window, scaled to a real call's windows as the constant session scales from one window to its
         first chunk (`scale`, over `chunk_windows`); `fallback` per unit it cannot. None when the model's
         batched outputs differ from unbatched ones. A real-size batched call is not timed: on a small
-        model it would cost more than the sweep could gain."""
+        model it would cost more than the sweep could gain. Nothing is built when the constant session's
+        own calls, a fixed cost plus one per window (`t_const` for one window, `scale` times that for
+        `chunk_windows`), already put batch behind `best`: then that estimate is returned."""
         job, factory = self.job, self.job.rebuild_factory
         units = list(job.units.values())
         batchable = [u for u in units if factory.batch_refusal(u.tensor_names) is None]
@@ -457,8 +487,14 @@ class SweepRunner:
         refused = (len(units) - len(batchable)) * fallback
         if refused + len(batchable) * constant_build >= best:  # a lower bound, already too slow
             return refused + len(batchable) * constant_build
-        unit = max(batchable, key=lambda u: u.params)
         probes = self._batch_width
+        per_call = min(job.contexts.count, max(1, job.max_batch_windows // probes))
+        calls = job.spec.steps * math.ceil(job.contexts.count / per_call)
+        per_window = t_const * max(0.0, scale - 1) / max(1, chunk_windows - 1)  # what a window more adds to a call
+        modelled = refused + len(batchable) * (constant_build + calls * (t_const + per_window * (probes * per_call - 1)))
+        if modelled >= best:  # compute-bound: a call of P + 1 slots costs about P + 1 calls
+            return modelled
+        unit = max(batchable, key=lambda u: u.params)
         started = time.perf_counter()
         session = factory.batched(unit.tensor_names, probes)
         build = time.perf_counter() - started
@@ -472,64 +508,74 @@ class SweepRunner:
             t_one = _best_time(lambda: session.run({**feeds, **weights}, job.spec.run_outputs), 2)  # the first call of a shape allocates
         finally:
             session.close()
-        per_call = min(job.contexts.count, max(1, job.max_batch_windows // probes))
         t_call = t_one * max(1.0, scale * per_call / max(1, chunk_windows))
-        calls = job.spec.steps * math.ceil(job.contexts.count / per_call)
         return refused + len(batchable) * (build + check + calls * t_call)
 
-    def _estimate_prefix(self, unit: Unit, shares: dict[str, float], one: dict[str, np.ndarray], calls: float, t_const: float) -> float:
-        """Sweep seconds of 'prefix': the activations session, then per unit a cut build, its
-        nominal and its probes. The cut of `unit` is built and timed on one window; other units'
-        cuts are scaled by their downstream share of the weights (a proxy for their cost)."""
-        job, factory = self.job, self.job.rebuild_factory
-        weights = {n: job.weights[n] for n in unit.tensor_names}
-        outputs = list(job.spec.trajectory)
-        names = sorted(set(graph_ops.prefix.boundary_tensors(factory.graph(), unit.tensor_names, outputs)) - set(one))
-        started = time.perf_counter()
-        session = factory.activations(sorted(set(names) | set(outputs)))
-        activations_build = time.perf_counter() - started
-        values = {**one, **session.run(one, sorted(set(names) | set(outputs)))}
-        session.close()
-        started = time.perf_counter()
-        cut_session, cut = factory.downstream(unit.tensor_names, outputs, {n: onnx_type(v) for n, v in values.items()})
-        cut_build = time.perf_counter() - started
-        if cut_session is None:
-            return math.inf
-        t_cut = _best_time(lambda: cut_session.run({**{b: values[b] for b in cut.boundary}, **weights}, cut.outputs))
-        cut_session.close()
-        scaled = [share / max(shares[unit.name], 1e-3) for share in shares.values()]
-        per_unit = job.tasks_per_unit + 1  # the probes and the cut's own nominal run
-        return activations_build + calls * t_const + sum(cut_build * f + per_unit * calls * t_cut * f for f in scaled)
+    def _plan_cuts(self, call_s: float, build_s: float, feeds: dict[str, np.ndarray], fed_slowdown: float | None = None) -> "graph_ops.prefix.CutPlan":
+        """Which units share a cut ('prefix'), for a whole-model rollout of `call_s` seconds and build of
+        `build_s`; `fed_slowdown`, when measured, is the fed session's time over the constant one's."""
+        job, graph = self.job, self.job.cut_factory.graph()
+        if self._node_costs is None:
+            self._node_costs = graph_ops.prefix.node_costs(graph, {n: v.shape for n, v in feeds.items()})
+        if fed_slowdown is not None:  # the nodes reading unit weights account for all of the slowdown
+            share = graph_ops.prefix.reading_share(graph, set(self._unit_of), self._node_costs)
+            self._fed_penalty = max(0.0, fed_slowdown - 1) / max(share, 1e-3)
+        units = {u.name: list(u.tensor_names) for u in job.units.values()}
+        return graph_ops.prefix.plan_cuts(graph, units, self._node_costs, call_s, build_s, max(1, job.tasks_per_unit), self._fed_penalty)
 
-    def _downstream_share(self, unit: Unit) -> float:
-        """Fraction of the model's stored parameters that the nodes downstream of `unit` read (a cost proxy)."""
-        proto = self.job.rebuild_factory.graph()
-        sizes = {t.name: int(np.prod(t.dims)) for t in proto.graph.initializer}
-        nodes, _ = graph_ops.prefix.downstream_nodes(proto.graph, set(unit.tensor_names))
-        read = {n for node in nodes for n in node.input if n in sizes}
-        return sum(sizes[n] for n in read) / max(1, sum(sizes.values()))
+    def _estimate_prefix(self, call_s: float, build_s: float, feeds: dict[str, np.ndarray], fed_slowdown: float | None = None) -> float:
+        """Sweep seconds of 'prefix': the whole model's session with its activations as outputs (a build and
+        a rollout), then the planned cuts (`_plan_cuts`)."""
+        return build_s + call_s + self._plan_cuts(call_s, build_s, feeds, fed_slowdown).seconds
+
+    def _start_prefix(self) -> Nominal:
+        """'prefix': one rollout of the whole model gives the nominal and the activations at every unit's cut;
+        the cuts are planned from its build and run times, and the whole model's session is closed (one model
+        in memory at a time). Units sharing a cut run on one session of the part downstream of all of them."""
+        job, cuts = self.job, self.job.cut_factory
+        outputs, names = list(job.spec.trajectory), job.spec.run_outputs
+        boundary = set()
+        for unit in job.units.values():
+            boundary.update(graph_ops.prefix.boundary_tensors(cuts.graph(), unit.tensor_names, outputs))
+        extra = sorted(boundary - {s.name for s in self.inputs} - set(names))
+        started = time.perf_counter()
+        session = cuts.activations(extra)
+        build_s = time.perf_counter() - started
+        self.session = self.engine.session = session
+        try:
+            chunks = self.engine.chunks
+            started = time.perf_counter()
+            runs = [session.run(feeds, names + extra) for _, feeds in chunks]
+            call_s = time.perf_counter() - started
+        except RolloutError:
+            raise
+        except Exception as exc:
+            raise RolloutError(f"the model failed to run on the contexts: {str(exc).splitlines()[0]}") from None
+        nominal = self._nominal([[{n: run[n] for n in names} for run in runs]])
+        self.cut_plan = self._plan_cuts(call_s, build_s, chunks[0][1])
+        kept = set()
+        for group in self.cut_plan.groups:
+            kept.update(graph_ops.prefix.boundary_tensors(cuts.graph(), self._group_weights(group), outputs))
+        self._activations = [{**feeds, **{n: run[n] for n in kept if n in run}} for (_, feeds), run in zip(chunks, runs)]
+        session.close()
+        return nominal
+
+    def _group_weights(self, group) -> list[str]:
+        return [n for name in group for n in self.job.units[name].tensor_names]
 
     def _prefix_divergence(self, unit: Unit, weights: dict[str, np.ndarray]) -> tuple[list[float], bool]:
-        """Single-step divergence from running only the part of the graph downstream of `unit`,
-        fed the nominal activations at the cut; compared with the cut's own nominal run."""
-        job, factory = self.job, self.job.rebuild_factory
-        chunks = self.engine.chunks
+        """Single-step divergence from running only the part of the graph downstream of `unit` and the units
+        that share its cut, fed the nominal activations at the cut; compared with the cut's own nominal run."""
+        job, cuts = self.job, self.job.cut_factory
         outputs = list(job.spec.trajectory)
-        if self._activations is None:
-            boundary = set()
-            for u in job.units.values():
-                boundary.update(graph_ops.prefix.boundary_tensors(factory.graph(), u.tensor_names, outputs))
-            names = sorted(boundary - {s.name for s in self.inputs})
-            session = factory.activations(names) if names else self.session
-            self._activations = [{**feeds, **session.run(feeds, names)} if names else dict(feeds) for _, feeds in chunks]
-            session.close() if names else None
-        if self._cut is None or self._cut[0] != unit.name:
-            self._cut = None  # drop the previous unit's cut before building the next
+        group = self.cut_plan.group_of(unit.name)
+        if self._cut is None or self._cut[0] != group:
+            self._cut = None  # drop the previous cut before building the next
             types = {n: onnx_type(v) for n, v in self._activations[0].items()}
             types.update({n: onnx_type(v) for n, v in self.nominal.trajectory[0][0].items()})
-            session, cut = factory.downstream(unit.tensor_names, outputs, types)
+            session, cut = cuts.downstream(self._group_weights(self.cut_plan.groups[group]), outputs, types)
             reference = [session.run({b: acts[b] for b in cut.boundary}, cut.outputs) for acts in self._activations] if session else None
-            self._cut = (unit.name, session, cut, reference)
+            self._cut = (group, session, cut, reference)
         _, session, cut, reference = self._cut
         if session is None:
             return [0.0], False
@@ -723,9 +769,10 @@ class SweepRunner:
                 return self.engine.steps(weights, steps, session=session)
         return self.engine.steps(None, steps, session=self.job.rebuild_factory(weights))
 
-    def _nominal(self) -> Nominal:
+    def _nominal(self, steps: list[list[dict[str, np.ndarray]]] | None = None) -> Nominal:
+        """The nominal rollout's summary: of `steps` ([step][chunk] outputs) when given, else of a rollout made now."""
         try:
-            steps = [list(outs) for outs in self._steps()]
+            steps = steps if steps is not None else [list(outs) for outs in self._steps()]
         except RolloutError as exc:
             raise RolloutError(f"the model failed to run on the contexts: {exc}") from None
         norm_sq, abs_sum = [], {name: 0.0 for name in self.job.spec.trajectory}
