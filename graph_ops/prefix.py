@@ -8,6 +8,7 @@ makes those activations graph outputs, `cut_downstream` builds the sub-model.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,46 @@ class Cut:
     """The wanted outputs the weights affect (the others keep their nominal values)."""
 
 
+class GraphWalk:
+    """What every node of a graph reads, and which nodes read each tensor, worked out once for many
+    downstream questions (a sweep asks one per unit and per cut)."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.nodes = list(model.graph.node)
+        self.reads = [_reads(node) for node in self.nodes]
+        self.readers: dict[str, list[int]] = {}
+        for i, names in enumerate(self.reads):
+            for name in names:
+                self.readers.setdefault(name, []).append(i)
+        self.initializers = {t.name for t in model.graph.initializer}
+
+    def downstream(self, weights: set[str]) -> tuple[list[int], set[str]]:
+        """Indices (graph order) of the nodes that transitively read any of `weights`, and every tensor they affect."""
+        affected, found = set(weights), set()
+        frontier = [i for name in weights for i in self.readers.get(name, ())]
+        heapq.heapify(frontier)
+        while frontier:  # smallest index first: ONNX graphs are topologically sorted
+            i = heapq.heappop(frontier)
+            if i in found:
+                continue
+            found.add(i)
+            for name in self.nodes[i].output:
+                if name and name not in affected:
+                    affected.add(name)
+                    for reader in self.readers.get(name, ()):
+                        heapq.heappush(frontier, reader)
+        return sorted(found), affected
+
+    def boundary(self, weights, outputs) -> tuple[str, ...]:
+        """The unaffected tensors the downstream part of `weights` reads (inputs and upstream activations);
+        empty when none of `outputs` depends on the weights."""
+        found, affected = self.downstream(set(weights))
+        if not any(o in affected for o in outputs):
+            return ()
+        reads = set().union(*(self.reads[i] for i in found)) if found else set()
+        return tuple(sorted(n for n in reads if n not in affected and n not in self.initializers))
+
+
 def downstream_nodes(graph: onnx.GraphProto, weights: set[str]) -> tuple[list[onnx.NodeProto], set[str]]:
     """Nodes that (transitively) read any of `weights`, in graph order, and every tensor they affect."""
     affected, nodes = set(weights), []
@@ -55,11 +96,7 @@ def downstream_nodes(graph: onnx.GraphProto, weights: set[str]) -> tuple[list[on
 
 def boundary_tensors(model: onnx.ModelProto, weights: list[str], outputs: list[str]) -> tuple[str, ...]:
     """The unaffected tensors the downstream part of `weights` reads (inputs and upstream activations)."""
-    nodes, affected = downstream_nodes(model.graph, set(weights))
-    initializers = {t.name for t in model.graph.initializer}
-    reads = set().union(*(_reads(n) for n in nodes)) if nodes else set()
-    wanted = [o for o in outputs if o in affected]
-    return tuple(sorted(n for n in reads if n not in affected and n not in initializers)) if wanted else ()
+    return GraphWalk(model).boundary(weights, outputs)
 
 
 def element_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -197,22 +234,20 @@ def plan_cuts(model: onnx.ModelProto, units: dict[str, list[str]], costs: list[f
     per unit plus the cut's own nominal run. Exact over contiguous groupings (dynamic programming,
     quadratic in units).
     """
-    nodes = list(model.graph.node)
+    walk = GraphWalk(model)
+    nodes = walk.nodes
     sizes = {t.name: float(np.prod(t.dims, dtype=np.float64)) for t in model.graph.initializer}
-    readers: dict[str, int] = {}
-    for node in nodes:
-        for name in set(_reads(node)) & sizes.keys():
-            readers[name] = readers.get(name, 0) + 1
-    weight = np.array([sum(sizes[n] / readers[n] for n in set(_reads(node)) & sizes.keys()) for node in nodes])
+    readers = {name: len(walk.readers.get(name, ())) for name in sizes}
+    weight = np.array([sum(sizes[n] / readers[n] for n in reads & sizes.keys()) for reads in walk.reads])
     cost = np.asarray(costs, np.float64)
     total_cost, total_weight = max(cost.sum(), 1e-30), max(weight.sum(), 1e-30)
-    index = {id(node): i for i, node in enumerate(nodes)}
     masks, fed, starts = {}, {}, {}
     for name, tensors in units.items():
         mask = np.zeros(len(nodes), bool)
-        mask[[index[id(n)] for n in downstream_nodes(model.graph, set(tensors))[0]]] = True
+        mask[walk.downstream(set(tensors))[0]] = True
         masks[name] = mask
-        fed[name] = np.array([bool(_reads(node) & set(tensors)) for node in nodes])
+        fed[name] = np.zeros(len(nodes), bool)
+        fed[name][[i for t in tensors for i in walk.readers.get(t, ())]] = True
         starts[name] = int(np.argmax(mask)) if mask.any() else len(nodes)
     order = sorted(units, key=lambda n: (starts[n], n))
 

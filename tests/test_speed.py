@@ -105,6 +105,11 @@ def test_the_cut_holds_only_nodes_downstream_of_the_weight(tmp_path):
     assert cut.boundary == ("e",) and cut.outputs == ("y",)
     assert {i.name for i in cut.model.graph.input} == {"e", "gemm_w"}
     assert graph_ops.prefix.cut_downstream(proto, ["conv_t"], ["y"], types).outputs == ()
+    walk = graph_ops.prefix.GraphWalk(proto)  # the indexed walk a sweep uses finds what the plain scan finds
+    for weights in (["gemm_w"], ["conv_t"], ["emb"], ["const_w"], ["gemm_w", "conv_t"]):
+        nodes, affected = graph_ops.prefix.downstream_nodes(proto.graph, set(weights))
+        found, reached = walk.downstream(set(weights))
+        assert [walk.nodes[i] for i in found] == nodes and reached == affected
 
 
 def test_probes_built_ahead_on_a_helper_thread_are_the_ones_asked_for(tmp_path):

@@ -288,10 +288,15 @@ class ProbeSource:
         pending = self._settle()
         change = pending[1].result() if pending is not None and pending[0] == task else self._build(task)
         if following is not None:
+            self.prefetch(following)
+        return change
+
+    def prefetch(self, task: Task) -> None:
+        """Start building `task`'s perturbation in the background (unless a build is under way)."""
+        if self._pending is None:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="tqs-probes")
-            self._pending = (following, self._pool.submit(self._build, following))
-        return change
+            self._pending = (task, self._pool.submit(self._build, task))
 
     def close(self) -> None:
         self._settle()
@@ -534,9 +539,10 @@ class SweepRunner:
         in memory at a time). Units sharing a cut run on one session of the part downstream of all of them."""
         job, cuts = self.job, self.job.cut_factory
         outputs, names = list(job.spec.trajectory), job.spec.run_outputs
+        walk = graph_ops.prefix.GraphWalk(cuts.graph())
         boundary = set()
         for unit in job.units.values():
-            boundary.update(graph_ops.prefix.boundary_tensors(cuts.graph(), unit.tensor_names, outputs))
+            boundary.update(walk.boundary(unit.tensor_names, outputs))
         extra = sorted(boundary - {s.name for s in self.inputs} - set(names))
         started = time.perf_counter()
         session = cuts.activations(extra)
@@ -555,7 +561,7 @@ class SweepRunner:
         self.cut_plan = self._plan_cuts(call_s, build_s, chunks[0][1])
         kept = set()
         for group in self.cut_plan.groups:
-            kept.update(graph_ops.prefix.boundary_tensors(cuts.graph(), self._group_weights(group), outputs))
+            kept.update(walk.boundary(self._group_weights(group), outputs))
         self._activations = [{**feeds, **{n: run[n] for n in kept if n in run}} for (_, feeds), run in zip(chunks, runs)]
         session.close()
         return nominal
@@ -563,20 +569,25 @@ class SweepRunner:
     def _group_weights(self, group) -> list[str]:
         return [n for name in group for n in self.job.units[name].tensor_names]
 
-    def _prefix_divergence(self, unit: Unit, weights: dict[str, np.ndarray]) -> tuple[list[float], bool]:
-        """Single-step divergence from running only the part of the graph downstream of `unit` and the units
-        that share its cut, fed the nominal activations at the cut; compared with the cut's own nominal run."""
-        job, cuts = self.job, self.job.cut_factory
-        outputs = list(job.spec.trajectory)
+    def _cut_for(self, unit: Unit) -> tuple[Session | None, "graph_ops.prefix.Cut", list[dict[str, np.ndarray]] | None]:
+        """The session of the cut `unit` shares (one kept at a time; None when no output depends on it),
+        the cut, and its own nominal run per chunk."""
         group = self.cut_plan.group_of(unit.name)
         if self._cut is None or self._cut[0] != group:
             self._cut = None  # drop the previous cut before building the next
             types = {n: onnx_type(v) for n, v in self._activations[0].items()}
             types.update({n: onnx_type(v) for n, v in self.nominal.trajectory[0][0].items()})
-            session, cut = cuts.downstream(self._group_weights(self.cut_plan.groups[group]), outputs, types)
+            weights = self._group_weights(self.cut_plan.groups[group])
+            session, cut = self.job.cut_factory.downstream(weights, list(self.job.spec.trajectory), types)
             reference = [session.run({b: acts[b] for b in cut.boundary}, cut.outputs) for acts in self._activations] if session else None
             self._cut = (group, session, cut, reference)
-        _, session, cut, reference = self._cut
+        return self._cut[1:]
+
+    def _prefix_divergence(self, unit: Unit, weights: dict[str, np.ndarray]) -> tuple[list[float], bool]:
+        """Single-step divergence from running only the part of the graph downstream of `unit` and the units
+        that share its cut, fed the nominal activations at the cut; compared with the cut's own nominal run."""
+        job = self.job
+        session, cut, reference = self._cut_for(unit)
         if session is None:
             return [0.0], False
         total = 0.0
@@ -795,6 +806,8 @@ class SweepRunner:
                 self._batch_results = (task.unit, self._batch_unit(job.units[task.unit]))
             if task.key in self._batch_results[1]:
                 return self._batch_results[1][task.key]
+        if self.strategy == "prefix":
+            self._cut_for(job.units[task.unit])  # built while the task's perturbation is (see run_local)
         change = self.probes.get(task, following)
         if self.strategy == "prefix":
             div_sq, nonfinite = self._prefix_divergence(job.units[task.unit], change.weights)
@@ -881,6 +894,8 @@ def run_local(
     """Run the tasks in this process, one session, appending each result as it lands."""
     runner = runner or job.open()
     try:
+        if tasks:
+            runner.probes.prefetch(tasks[0])
         for i, task in enumerate(tasks):
             result = runner.run(task, tasks[i + 1] if i + 1 < len(tasks) else None)
             log.append(result)
