@@ -374,17 +374,16 @@ class SweepRunner:
                 self.strategy = "feed"  # a model past protobuf's limit in one file: nothing to cut it from
             if self.strategy not in ("feed", "prefix") and (job.rebuild_factory is None or job.unit_factory is None):
                 self.strategy = "feed"
-            if self.strategy != "feed" and self._constant is None and self.strategy != "prefix":
-                self._constant = job.rebuild_factory({})
             if self.strategy in ("feed", "prefix") and self._constant is not None:
                 self._constant.close()
                 self._constant = None
             if self.strategy == "feed":
                 self.session = self.overridable
             else:
-                self.session, self._constant = self._constant, None
                 self.overridable.close()  # one model copy in memory, not two
                 self.overridable = None
+                self.session = None if self.strategy == "prefix" else (self._constant or job.rebuild_factory({}))  # prefix opens its own
+                self._constant = None
         if self.strategy == "prefix":
             self.nominal = self._start_prefix()
         else:
@@ -417,63 +416,70 @@ class SweepRunner:
         names = job.spec.run_outputs
         unit = max(job.units.values(), key=lambda u: u.params)
         weights = {n: job.weights[n] for n in unit.tensor_names}
-        tasks_per_unit = max(1, job.tasks_per_unit)
-        units = len(job.units)
-        estimates = {}
         try:
             t_feed = _best_time(lambda: self.overridable.run({**one, **weights}, names))
             if job.rebuild_factory is None:  # swept from its files: feed, or cuts read from the files
                 scale = _best_time(lambda: self.overridable.run({**chunks[0][1], **weights}, names), 1) / max(t_feed, 1e-9)
                 calls = job.spec.steps * len(chunks) * scale
-                estimates["feed"] = units * tasks_per_unit * calls * t_feed
+                estimates = {"feed": len(job.units) * max(1, job.tasks_per_unit) * calls * t_feed}
                 try:  # the fed session's calls bound the constant ones
                     estimates["prefix"] = self._estimate_prefix(calls * t_feed, job.session_build_s, chunks[0][1])
                 except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
                     pass
-                self.timings = {k: round(v, 4) for k, v in estimates.items()}
-                return "prefix" if estimates.get("prefix", math.inf) < 0.95 * estimates["feed"] else "feed"
-            started = time.perf_counter()
-            constant = job.rebuild_factory({})
-            constant_build = time.perf_counter() - started
-            self._constant = constant  # kept: it is the nominal session of every strategy but feed and prefix
-            t_const = _best_time(lambda: constant.run(one, names))
-            scale = _best_time(lambda: constant.run(chunks[0][1], names), 1) / max(t_const, 1e-9)
-            calls = job.spec.steps * len(chunks) * scale
-            estimates["feed"] = units * tasks_per_unit * calls * t_feed
-            # A unit session costs at least a plain build per unit and a rebuild one per task, and
-            # neither runs faster than the constant session: each is timed only when that bound could win.
-            if job.unit_factory is not None and units * (constant_build + tasks_per_unit * calls * t_const) < estimates["feed"]:
-                started = time.perf_counter()
-                grouped = job.unit_factory(unit.tensor_names)
-                unit_build = time.perf_counter() - started
-                t_unit = _best_time(lambda: grouped.run({**one, **weights}, names))
-                grouped.close()
-                estimates["unit"] = units * (unit_build + tasks_per_unit * calls * t_unit)
-            elif job.unit_factory is not None:
-                estimates["unit"] = units * (constant_build + tasks_per_unit * calls * t_const)  # a lower bound, already too slow
-            if units * tasks_per_unit * (constant_build + calls * t_const) < min(estimates.values()):
-                started = time.perf_counter()
-                job.rebuild_factory(weights).close()
-                estimates["rebuild"] = units * tasks_per_unit * (time.perf_counter() - started + calls * t_const)
             else:
-                estimates["rebuild"] = units * tasks_per_unit * (constant_build + calls * t_const)  # a lower bound, already too slow
-            if prefix:
-                try:
-                    estimates["prefix"] = self._estimate_prefix(calls * t_const, constant_build, chunks[0][1], t_feed / max(t_const, 1e-9))
-                except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
-                    pass
-            if self._batch_refusal() is None:
-                try:
-                    batch = self._estimate_batch(constant, constant_build, estimates.get("unit", estimates["rebuild"]) / units, min(estimates.values()), scale, chunks[0][0], t_const)
-                except Exception:  # a rewritten graph the runtime cannot run: no batch
-                    batch = None
-                if batch is not None:
-                    estimates["batch"] = batch
+                estimates = self._estimate_rebuilt(unit, one, chunks, t_feed, prefix)
         except Exception:
             return "feed"
         self.timings = {k: round(v, 4) for k, v in estimates.items()}
         best = min(estimates, key=estimates.get)
         return best if estimates[best] < 0.95 * estimates["feed"] else "feed"
+
+    def _estimate_rebuilt(self, unit: Unit, one: dict[str, np.ndarray], chunks, t_feed: float, prefix: bool) -> dict[str, float]:
+        """Every strategy's sweep seconds for a model held in memory (its sessions can be rebuilt): the
+        constant session is built and timed (kept as the nominal session of every strategy but feed and
+        prefix), a unit session and a rebuild only when a lower bound says they could win."""
+        job, names = self.job, self.job.spec.run_outputs
+        weights = {n: job.weights[n] for n in unit.tensor_names}
+        tasks_per_unit, units = max(1, job.tasks_per_unit), len(job.units)
+        estimates = {}
+        started = time.perf_counter()
+        constant = job.rebuild_factory({})
+        constant_build = time.perf_counter() - started
+        self._constant = constant
+        t_const = _best_time(lambda: constant.run(one, names))
+        scale = _best_time(lambda: constant.run(chunks[0][1], names), 1) / max(t_const, 1e-9)
+        calls = job.spec.steps * len(chunks) * scale
+        estimates["feed"] = units * tasks_per_unit * calls * t_feed
+        # A unit session costs at least a plain build per unit and a rebuild one per task, and
+        # neither runs faster than the constant session: each is timed only when that bound could win.
+        if job.unit_factory is not None and units * (constant_build + tasks_per_unit * calls * t_const) < estimates["feed"]:
+            started = time.perf_counter()
+            grouped = job.unit_factory(unit.tensor_names)
+            unit_build = time.perf_counter() - started
+            t_unit = _best_time(lambda: grouped.run({**one, **weights}, names))
+            grouped.close()
+            estimates["unit"] = units * (unit_build + tasks_per_unit * calls * t_unit)
+        elif job.unit_factory is not None:
+            estimates["unit"] = units * (constant_build + tasks_per_unit * calls * t_const)  # a lower bound, already too slow
+        if units * tasks_per_unit * (constant_build + calls * t_const) < min(estimates.values()):
+            started = time.perf_counter()
+            job.rebuild_factory(weights).close()
+            estimates["rebuild"] = units * tasks_per_unit * (time.perf_counter() - started + calls * t_const)
+        else:
+            estimates["rebuild"] = units * tasks_per_unit * (constant_build + calls * t_const)  # a lower bound, already too slow
+        if prefix:
+            try:
+                estimates["prefix"] = self._estimate_prefix(calls * t_const, constant_build, chunks[0][1], t_feed / max(t_const, 1e-9))
+            except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
+                pass
+        if self._batch_refusal() is None:
+            try:
+                batch = self._estimate_batch(constant, constant_build, estimates.get("unit", estimates["rebuild"]) / units, min(estimates.values()), scale, chunks[0][0], t_const)
+            except Exception:  # a rewritten graph the runtime cannot run: no batch
+                batch = None
+            if batch is not None:
+                estimates["batch"] = batch
+        return estimates
 
     def _estimate_batch(self, constant: Session, constant_build: float, fallback: float, best: float, scale: float, chunk_windows: int, t_const: float) -> float | None:
         """Sweep seconds of 'batch': per unit it can batch, a batched build, its check and one batched
@@ -559,10 +565,10 @@ class SweepRunner:
             raise RolloutError(f"the model failed to run on the contexts: {str(exc).splitlines()[0]}") from None
         nominal = self._nominal([[{n: run[n] for n in names} for run in runs]])
         self.cut_plan = self._plan_cuts(call_s, build_s, chunks[0][1])
-        kept = set()
+        needed = set()
         for group in self.cut_plan.groups:
-            kept.update(walk.boundary(self._group_weights(group), outputs))
-        self._activations = [{**feeds, **{n: run[n] for n in kept if n in run}} for (_, feeds), run in zip(chunks, runs)]
+            needed.update(walk.boundary(self._group_weights(group), outputs))
+        self._activations = [{**feeds, **{n: run[n] for n in needed if n in run}} for (_, feeds), run in zip(chunks, runs)]
         session.close()
         return nominal
 
@@ -797,6 +803,11 @@ class SweepRunner:
             norm_sq.append(float(total / self.job.contexts.count))
         return Nominal(trajectory=steps, norm_sq=norm_sq, abs_sum=abs_sum, batched=self.engine.batched)
 
+    def expect(self, task: Task) -> None:
+        """`task` comes first: its perturbation starts building now ('batch' builds a unit's probes together)."""
+        if self.strategy != "batch":
+            self.probes.prefetch(task)
+
     def run(self, task: Task, following: Task | None = None) -> TaskResult:
         """Run `task`; `following`, the task that comes next, has its perturbation built meanwhile."""
         job = self.job
@@ -895,7 +906,7 @@ def run_local(
     runner = runner or job.open()
     try:
         if tasks:
-            runner.probes.prefetch(tasks[0])
+            runner.expect(tasks[0])
         for i, task in enumerate(tasks):
             result = runner.run(task, tasks[i + 1] if i + 1 < len(tasks) else None)
             log.append(result)
