@@ -585,9 +585,10 @@ class SweepRunner:
     def _group_weights(self, group) -> list[str]:
         return [n for name in group for n in self.job.units[name].tensor_names]
 
-    def _cut_for(self, unit: Unit) -> tuple[Session | None, "graph_ops.prefix.Cut", list[dict[str, np.ndarray]] | None]:
+    def _cut_for(self, unit: Unit) -> tuple[Session | None, "graph_ops.prefix.Cut", list, list]:
         """The session of the cut `unit` shares (one kept at a time; None when no output depends on it),
-        the cut, and its own nominal run per chunk."""
+        the cut, its own nominal run per chunk, and per chunk the activations it is fed (on the session's
+        device: every probe of the cut's units reads the same ones)."""
         group = self.cut_plan.group_of(unit.name)
         if self._cut is None or self._cut[0] != group:
             self._cut = None  # drop the previous cut before building the next
@@ -595,21 +596,22 @@ class SweepRunner:
             types.update({n: onnx_type(v) for n, v in self.nominal.trajectory[0][0].items()})
             weights = self._group_weights(self.cut_plan.groups[group])
             session, cut = self.job.cut_factory.downstream(weights, list(self.job.spec.trajectory), types)
-            reference = [session.run({b: acts[b] for b in cut.boundary}, cut.outputs) for acts in self._activations] if session else None
-            self._cut = (group, session, cut, reference)
+            fed = [kept(session, {b: acts[b] for b in cut.boundary}) for acts in self._activations] if session else []
+            reference = [session.run(feeds, cut.outputs) for feeds in fed] if session else []
+            self._cut = (group, session, cut, reference, fed)
         return self._cut[1:]
 
     def _prefix_divergence(self, unit: Unit, weights: dict[str, np.ndarray]) -> tuple[list[float], bool]:
         """Single-step divergence from running only the part of the graph downstream of `unit` and the units
         that share its cut, fed the nominal activations at the cut; compared with the cut's own nominal run."""
         job = self.job
-        session, cut, reference = self._cut_for(unit)
+        session, cut, reference, fed = self._cut_for(unit)
         if session is None:
             return [0.0], False
         total = 0.0
         weights = kept(session, weights)  # once for every chunk
-        for c, acts in enumerate(self._activations):
-            produced = session.run({**{b: acts[b] for b in cut.boundary}, **weights}, cut.outputs)
+        for c, feeds in enumerate(fed):
+            produced = session.run({**feeds, **weights}, cut.outputs)
             nominal = self.nominal.trajectory[0][c]
             total += self.engine.window_sq(c, {**nominal, **produced}, {**nominal, **reference[c]}).sum()
         value = float(total / job.contexts.count)
