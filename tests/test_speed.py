@@ -9,7 +9,7 @@ from tqsdeploy.contexts import Contexts
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.probes import UnitProbes, perturb, quantization_probe
 from tqsdeploy.rollout import RolloutSpec
-from tqsdeploy.score import prepare
+from tqsdeploy.score import ScoreTable, prepare
 from tqsdeploy.units import UnitSelection
 
 SETTINGS = ScoreSettings(gauss_draws=2)
@@ -52,9 +52,16 @@ def test_every_strategy_gives_feeds_scores(tmp_path, case):
 
 
 def test_prefix_keeps_dead_units_exactly_dead_and_needs_one_step(two_branch, tmp_path):
+    from typer.testing import CliRunner
+
+    from tqsdeploy.cli import app
+
     model, contexts = two_branch
-    frame = score(model, contexts, steps=1, out=tmp_path / "one", strategy="prefix").frame
-    rows = {r["unit"]: r for r in frame.iter_rows(named=True)}
+    result = CliRunner().invoke(app, ["score", str(model), "--contexts", str(contexts), "--steps", "1", "--strategy", "prefix", "--out", str(tmp_path / "one")])
+    assert result.exit_code == 0, result.output
+    table = ScoreTable.load(tmp_path / "one")
+    assert f"strategy prefix ({len(table.meta['prefix_cuts'])} cuts)" in " ".join(result.output.split())
+    rows = {r["unit"]: r for r in table.frame.iter_rows(named=True)}
     assert rows["Wdead"]["dead"] and rows["Wdead"]["rel_divergence"] == 0.0 and not rows["Wsmall"]["dead"]
     with pytest.raises(RolloutError, match="single-step"):
         score(model, contexts, steps=2, out=tmp_path / "two", strategy="prefix")

@@ -321,9 +321,10 @@ def score(
         out.print(_table(frame.tail(top), "Least sensitive units", columns))
     meta = table.meta
     rho = meta.get("spearman_quant_gauss")
+    cuts = f" ({len(meta['prefix_cuts'])} cuts)" if meta.get("prefix_cuts") else ""
     out.print(
         f"{meta['units']} units, {meta['dead_units']} dead; rollout {meta['rollout']['steps']} steps ({meta['rollout']['origin']}); "
-        f"{meta['contexts']['windows']} context windows; strategy {meta['strategy']}; Spearman(γ_quant, γ_gauss) = {_fmt(rho)}; "
+        f"{meta['contexts']['windows']} context windows; strategy {meta['strategy']}{cuts}; Spearman(γ_quant, γ_gauss) = {_fmt(rho)}; "
         f"sweep {meta['timings_s']['sweep']:.2f} s"
     )
     out.print(_describe_rollout(meta["rollout"]), highlight=False)
