@@ -556,6 +556,8 @@ class SweepRunner:
         job, cuts = self.job, self.job.cut_factory
         outputs, names = list(job.spec.trajectory), job.spec.run_outputs
         walk = graph_ops.prefix.GraphWalk(cuts.graph())
+        first = graph_ops.prefix.cut_order(walk, {u.name: u.tensor_names for u in job.units.values()})[0]
+        self.probes.prefetch(Task(first, "quant" if job.quant_probe else "gauss", 0))  # the sweep's first task, most likely
         boundary = set()
         for unit in job.units.values():
             boundary.update(walk.boundary(unit.tensor_names, outputs))
