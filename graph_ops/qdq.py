@@ -44,7 +44,9 @@ class StoredWeight(Protocol):
     parts: tuple
 
     def expand(self) -> "StoredWeight":
-        """The same stored form with `values` an array (a cached encoding may hold its codes packed)."""
+        """The same stored form with `values` an array (a cached encoding may hold its codes packed:
+        then `values` has `data`, uint8 with 8 // bits codes per byte, the first in the low bits, as ONNX
+        stores INT4/INT2, and the codes' `dtype` and `shape`)."""
 
     def dequantize(self) -> np.ndarray:
         """The weight the runtime computes from the stored form, as `dtype`."""
@@ -210,15 +212,58 @@ FED_CODES = {"int8": np.int8, "uint8": np.uint8, "int4": np.int8, "uint4": np.ui
 """Code containers a calibration feeds as bytes (numpy has no sub-byte type ONNX Runtime reads)."""
 
 
+PACKED_BITS = {"int4": 4, "uint4": 4, "int2": 2, "uint2": 2}
+"""Bits per code of the types a cache keeps packed, as ONNX stores them."""
+
+
+def _unpacked_codes(prefix: str, packed, signed: bool) -> tuple[dict[str, np.ndarray], list[onnx.NodeProto], str]:
+    """Feeds and nodes turning sub-byte codes packed as on disk (`packed.data`, 8 // bits per byte, the
+    first in the low bits) into their values as float32, shaped like the weight: every byte cast to
+    float, digit i = floor(byte / 2^(bits·i)) - 2^bits · floor(byte / 2^(bits·(i+1))), two's complement
+    for signed codes; all small integers, so exact. The name of the result is returned."""
+    bits = PACKED_BITS[np.dtype(packed.dtype).name]
+    per, base = 8 // bits, float(2**bits)
+    feeds = {f"{prefix}_packed": packed.data, f"{prefix}_column": np.array([-1, 1], np.int64), f"{prefix}_shape": np.array(packed.shape, np.int64)}
+    feeds.update({f"{prefix}_div{i}": np.array(base**i, np.float32) for i in range(1, per + 1)})
+    feeds[f"{prefix}_base"] = np.array(base, np.float32)
+    nodes = [helper.make_node("Cast", [f"{prefix}_packed"], [f"{prefix}_q0"], to=onnx.TensorProto.FLOAT, name=f"{prefix}_bytes")]
+    for i in range(1, per + 1):  # q_i = floor(byte / base^i)
+        nodes.append(helper.make_node("Div", [f"{prefix}_q0", f"{prefix}_div{i}"], [f"{prefix}_d{i}"], name=f"{prefix}_div{i}"))
+        nodes.append(helper.make_node("Floor", [f"{prefix}_d{i}"], [f"{prefix}_q{i}"], name=f"{prefix}_floor{i}"))
+    digits = []
+    for i in range(per):  # digit i = q_i - base · q_{i+1}, a column of the [bytes, per] table
+        nodes.append(helper.make_node("Mul", [f"{prefix}_q{i + 1}", f"{prefix}_base"], [f"{prefix}_h{i}"], name=f"{prefix}_high{i}"))
+        nodes.append(helper.make_node("Sub", [f"{prefix}_q{i}", f"{prefix}_h{i}"], [f"{prefix}_x{i}"], name=f"{prefix}_digit{i}"))
+        nodes.append(helper.make_node("Reshape", [f"{prefix}_x{i}", f"{prefix}_column"], [f"{prefix}_c{i}"], name=f"{prefix}_column{i}"))
+        digits.append(f"{prefix}_c{i}")
+    nodes.append(helper.make_node("Concat", digits, [f"{prefix}_table"], axis=1, name=f"{prefix}_table"))
+    nodes.append(helper.make_node("Reshape", [f"{prefix}_table", f"{prefix}_shape"], [f"{prefix}_digits"], name=f"{prefix}_reshape"))
+    if not signed:
+        return feeds, nodes, f"{prefix}_digits"
+    feeds[f"{prefix}_half"] = np.array(base / 2, np.float32)
+    nodes += [  # two's complement: a digit of base / 2 or more stands for digit - base
+        helper.make_node("Div", [f"{prefix}_digits", f"{prefix}_half"], [f"{prefix}_sd"], name=f"{prefix}_signdiv"),
+        helper.make_node("Floor", [f"{prefix}_sd"], [f"{prefix}_neg"], name=f"{prefix}_sign"),
+        helper.make_node("Mul", [f"{prefix}_neg", f"{prefix}_base"], [f"{prefix}_wrap"], name=f"{prefix}_wrap"),
+        helper.make_node("Sub", [f"{prefix}_digits", f"{prefix}_wrap"], [f"{prefix}_signed"], name=f"{prefix}_signed"),
+    ]
+    return feeds, nodes, f"{prefix}_signed"
+
+
 def fed_weight(name: str, value: StoredWeight) -> tuple[list[onnx.ValueInfoProto], dict[str, np.ndarray], list[onnx.NodeProto]] | None:
     """Graph inputs, their values and the nodes that rebuild weight `name` from its codes at run time:
     Cast, Sub the zero point, Mul the scale, DequantizeLinear's arithmetic in float32 (so the same
     values as `dequantize`, at any opset). What a calibration run feeds instead of a float copy of
-    every weight quantized so far: a byte per weight. None for a form better fed as floats (raw,
-    FP8, packed signs, blockwise scales, bfloat16)."""
-    value = value.expand()
+    every weight quantized so far: a byte per weight, or the packed bytes of INT4/INT2 codes as a
+    cache keeps them (half or a quarter of a byte, unpacked in the graph). None for a form better fed
+    as floats (raw, FP8, packed signs, blockwise scales, bfloat16)."""
     prefix = f"{name}__fed"
     dtype = np.dtype(value.dtype)
+    packed = value.values if value.form == "dequantize" and not isinstance(value.values, np.ndarray) and not value.block_size else None
+    if packed is not None and packed.data.size * (8 // PACKED_BITS[np.dtype(packed.dtype).name]) != int(np.prod(packed.shape, dtype=np.int64)):
+        packed = None  # codes that do not fill their last byte: fed unpacked
+    if packed is None and value.form != "split":  # a split weight's parts each decide
+        value = value.expand()
     if value.form == "split":
         pieces = [fed_weight(f"{name}__part{i}", part) for i, part in enumerate(value.parts)]
         if any(piece is None for piece in pieces):
@@ -234,16 +279,20 @@ def fed_weight(name: str, value: StoredWeight) -> tuple[list[onnx.ValueInfoProto
         feeds = {f"{prefix}_half": value.values}
         nodes = [helper.make_node("Cast", [f"{prefix}_half"], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{prefix}_cast")]
         return [helper.make_tensor_value_info(f"{prefix}_half", onnx.TensorProto.FLOAT16, list(value.shape))], feeds, nodes
-    container = FED_CODES.get(np.dtype(value.values.dtype).name) if value.form == "dequantize" else None
-    if container is None or value.block_size:
-        return None
-    codes = value.values if value.values.dtype == container else value.values.astype(container)
     view = [1] * len(value.shape)
     if value.axis is not None and np.ndim(value.scale) > 0:
         view[value.axis] = value.shape[value.axis]
-    feeds = {f"{prefix}_codes": codes, f"{prefix}_scale": np.asarray(value.scale, np.float32).reshape(view)}
-    nodes = [helper.make_node("Cast", [f"{prefix}_codes"], [f"{prefix}_float"], to=onnx.TensorProto.FLOAT, name=f"{prefix}_cast")]
-    centred = f"{prefix}_float"
+    if packed is not None:
+        feeds, nodes, centred = _unpacked_codes(prefix, packed, np.dtype(packed.dtype).name.startswith("int"))
+    else:
+        container = FED_CODES.get(np.dtype(value.values.dtype).name) if value.form == "dequantize" else None
+        if container is None or value.block_size:
+            return None
+        codes = value.values if value.values.dtype == container else value.values.astype(container)
+        feeds = {f"{prefix}_codes": codes}
+        nodes = [helper.make_node("Cast", [f"{prefix}_codes"], [f"{prefix}_float"], to=onnx.TensorProto.FLOAT, name=f"{prefix}_cast")]
+        centred = f"{prefix}_float"
+    feeds[f"{prefix}_scale"] = np.asarray(value.scale, np.float32).reshape(view)
     if value.zero_point is not None:
         feeds[f"{prefix}_zero"] = np.asarray(value.zero_point).astype(np.float32).reshape(view)
         nodes.append(helper.make_node("Sub", [centred, f"{prefix}_zero"], [f"{prefix}_centred"], name=f"{prefix}_sub"))

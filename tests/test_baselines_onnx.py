@@ -314,8 +314,8 @@ def test_fed_codes_model_rebuilds_quantized_weights_and_cuts_later_layers(mlp):
     assert {"W1", "W2"}.isdisjoint(inputs)  # rebuilt from codes
     assert not any(n.op_type == "Transpose" or "y" in n.output for n in cut.graph.node)  # W3's layer comes after the wave
     assert [o.name for o in cut.graph.output] == ["a2"]
-    codes = [a for a in feeds.values() if a.dtype.kind in "iu"]
-    assert sum(a.nbytes for a in codes) == weights["W1"].size + 16 * 32  # a byte per quantized weight
+    codes = [a for a in feeds.values() if a.dtype.itemsize == 1]
+    assert sum(a.nbytes for a in codes) == weights["W1"].size // 2 + 16 * 32  # W1's cached INT4 codes fed packed, two a byte; W2's INT2 half a byte each
     session = OrtRuntime().open(cut.SerializeToString())
     got = session.run({**feeds, "x": x, "W3": weights["W3"]}, ["a2"])["a2"]
     full = OrtRuntime().open(graph.SerializeToString())
@@ -386,7 +386,7 @@ def test_weights_as_graph_inputs_takes_initializers_and_constants_without_changi
         graph_ops.weights_as_graph_inputs(proto, ["nope"])
 
 
-@pytest.mark.parametrize("tier", ["int8", "int4", "int4-asym", "int2-asym"])
+@pytest.mark.parametrize("tier", ["int8", "int4", "int4-asym", "int2", "int2-asym"])
 def test_a_float16_model_rebuilds_its_weights_from_codes_exactly(tmp_path, tier):
     """Codes rebuilt in float32 then cast to the model's float16 give exactly what `dequantize` stores
     (ONNX Runtime's float16 MatMul may still round a product 1 ulp apart for a computed weight)."""
@@ -403,6 +403,8 @@ def test_a_float16_model_rebuilds_its_weights_from_codes_exactly(tmp_path, tier)
     light = graph_ops.weights_as_graph_inputs(proto, ["W1", "W2"])
     model, feeds = fed_codes_model(light, stored)
     assert {"W1", "W2"}.isdisjoint(v.name for v in model.graph.input)
+    per_byte = {"int8": 1, "int4": 2, "int4-asym": 2, "int2": 4, "int2-asym": 4}[tier]  # cached codes are fed as they are packed
+    assert sum(a.nbytes for a in feeds.values() if a.dtype.itemsize == 1) == sum(w.size for w in weights.values()) // per_byte
     model.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT16, None) for n in ("W1", "W2"))
     x = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float16)
     got = OrtRuntime().open(model.SerializeToString()).run({**feeds, "x": x}, ["y", "W1", "W2"])
