@@ -15,6 +15,7 @@ from runtimes import OrtRuntime
 from tqsdeploy.evaluate import evaluate
 from tqsdeploy.export import Planner
 from tqsdeploy.score import ScoreSettings, score
+from tqsdeploy.sweep import SweepRunner
 
 
 def _external_copy(model, folder):
@@ -177,9 +178,13 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
     model = models.mlp_forecaster(tmp_path / "m.onnx", n=32, hidden=64)
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
     score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=2))
-    outcomes, passes = [], []
+    outcomes, passes, opened, rolled = [], [], [], []
+    runner_init, nominal = SweepRunner.__init__, SweepRunner._nominal
+    monkeypatch.setattr(SweepRunner, "__init__", lambda self, *a, **k: (opened.append(1), runner_init(self, *a, **k))[1])
+    monkeypatch.setattr(SweepRunner, "_nominal", lambda self, *a, **k: (rolled.append(1), nominal(self, *a, **k))[1])
     for limit in (1 << 40, 0):
         monkeypatch.setattr(export_module, "ONE_SESSION_BYTES", limit)
+        opened.clear(), rolled.clear()
         planner = Planner(tmp_path / "run", model)
         assert planner.one_session == (limit == 0)
         outcomes.append(planner.export(4, tmp_path / f"out{limit}" / "q.onnx"))
@@ -190,6 +195,7 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
             kept = {rounding.method for (_, rounding) in planner.encoder._uniform}
             assert len(kept - {planner.rounding.method}) <= 1
             assert len([k for k in planner.encoder._uniform if not k[1].needs_stats]) <= 1  # the price list's RTN codes went, but the fallback's
+            assert len(opened) > 1 and len(rolled) == 1  # reopened after each calibration pass without rolling the original out again
         planner.close()
     assert [c for c in outcomes[0].compared] == [c for c in outcomes[1].compared]
     assert any("gptq" in p for p in passes[1])  # the fallback's calibration passes ran, in turns with measuring

@@ -44,6 +44,11 @@ class RolloutEngine:
             self._chunks = self._decide()
         return self._chunks
 
+    def assume(self, batched: bool) -> None:
+        """Take the batching decision an earlier engine of the same session and contexts made (no run)."""
+        self.batched = batched
+        self._chunks = list(self.contexts.chunks(self.inputs, True, self.max_batch)) if batched else list(self.contexts.chunks(self.inputs, False, 1))
+
     def _decide(self) -> list[tuple[int, dict[str, np.ndarray]]]:
         inputs = self.inputs
         if self.contexts.count > 1 and all(s.rank > 0 and s.is_dynamic(0) for s in inputs):

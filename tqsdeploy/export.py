@@ -240,6 +240,9 @@ class Planner:
         self._overhead: dict[int, int] = {}
         self._costs: dict[tuple[str, str], int] = {}
         self._runner: SweepRunner | None = None
+        self._nominal = None
+        """The original's rollout the first runner made: a large model's runner is closed for each
+        calibration pass, and opening it again must not read every weight of the model once more."""
         self.one_session = self.reference_bits // 8 >= ONE_SESSION_BYTES
         if self.one_session:
             self.encoder.before_calibration = self._release_runner
@@ -319,7 +322,8 @@ class Planner:
         if self._runner is None:
             if self.one_session:
                 self.encoder.release_calibrator()
-            self._runner = self.prepared.open_runner()
+            self._runner = self.prepared.open_runner(self._nominal)  # reopened: the original is not rolled out again
+            self._nominal = self._runner.nominal
         return self._runner
 
     def _release_runner(self) -> None:

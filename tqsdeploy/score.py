@@ -32,7 +32,7 @@ from tqsdeploy.errors import InputError
 from tqsdeploy.files import claim_run_folder, write_json, write_npz, write_table, write_text
 from tqsdeploy.rollout import RolloutSpec, detect
 from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
-from tqsdeploy.sweep import EarlyStop, ResultLog, SweepJob, SweepRunner, TaskResult, plan_tasks, run_local, run_parallel, run_ray
+from tqsdeploy.sweep import EarlyStop, Nominal, ResultLog, SweepJob, SweepRunner, TaskResult, plan_tasks, run_local, run_parallel, run_ray
 from tqsdeploy.units import Unit, UnitSelection, check_finite, gather_rows, select_units
 
 DEFAULT_STEPS = 8
@@ -184,9 +184,10 @@ class Prepared:
     data_dir: Path | None = None
     """Set when the model was loaded without its external data: the folder its data files are in."""
 
-    def open_runner(self) -> SweepRunner:
+    def open_runner(self, nominal: "Nominal | None" = None) -> SweepRunner:
+        """A runner of the sweep; `nominal`: the rollout an earlier runner of this job made (not made again)."""
         session, self.session = self.session, None
-        return self.job.open(session)
+        return self.job.open(session, nominal)
 
 
 def _versions() -> dict:

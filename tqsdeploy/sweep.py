@@ -185,9 +185,10 @@ class SweepJob:
     session_build_s: float = 0.0
     """Seconds the overridable session took to build (what 'auto' weighs cut builds against when it has no other)."""
 
-    def open(self, session: Session | None = None) -> "SweepRunner":
-        """A runner; `session` is an already open overridable session to reuse."""
-        return SweepRunner(self, session)
+    def open(self, session: Session | None = None, nominal: "Nominal | None" = None) -> "SweepRunner":
+        """A runner; `session` is an already open overridable session to reuse, `nominal` the nominal
+        rollout an earlier runner of this job made with the same strategy (not made again)."""
+        return SweepRunner(self, session, nominal)
 
 
 @dataclass
@@ -342,7 +343,7 @@ class SweepRunner:
     batched rollout per unit, not a batched nominal rollout beside it).
     """
 
-    def __init__(self, job: SweepJob, session: Session | None = None):
+    def __init__(self, job: SweepJob, session: Session | None = None, nominal: Nominal | None = None):
         self.job = job
         if job.strategy not in STRATEGIES:
             raise RolloutError(f"unknown strategy '{job.strategy}'; choose one of {', '.join(STRATEGIES)}")
@@ -394,6 +395,10 @@ class SweepRunner:
                 self._constant = None
         if self.strategy == "prefix":
             self.nominal = self._start_prefix()
+        elif nominal is not None:  # the same job and strategy made it: same sessions, same values
+            self.engine.session = self.session
+            self.engine.assume(nominal.batched)
+            self.nominal = nominal
         else:
             self.engine.session = self.session
             self.nominal = self._nominal()
