@@ -48,14 +48,14 @@ class GraphWalk:
     """What every node of a graph reads, and which nodes read each tensor, worked out once for many
     downstream questions (a sweep asks one per unit and per cut)."""
 
-    def __init__(self, model: onnx.ModelProto):
-        self.nodes = list(model.graph.node)
+    def __init__(self, graph: onnx.GraphProto):
+        self.nodes = list(graph.node)
         self.reads = [_reads(node) for node in self.nodes]
         self.readers: dict[str, list[int]] = {}
         for i, names in enumerate(self.reads):
             for name in names:
                 self.readers.setdefault(name, []).append(i)
-        self.initializers = {t.name for t in model.graph.initializer}
+        self.initializers = {t.name for t in graph.initializer}
 
     def downstream(self, weights: set[str]) -> tuple[list[int], set[str]]:
         """Indices (graph order) of the nodes that transitively read any of `weights`, and every tensor they affect."""
@@ -86,17 +86,14 @@ class GraphWalk:
 
 def downstream_nodes(graph: onnx.GraphProto, weights: set[str]) -> tuple[list[onnx.NodeProto], set[str]]:
     """Nodes that (transitively) read any of `weights`, in graph order, and every tensor they affect."""
-    affected, nodes = set(weights), []
-    for node in graph.node:  # ONNX graphs are topologically sorted
-        if _reads(node) & affected:
-            nodes.append(node)
-            affected.update(o for o in node.output if o)
-    return nodes, affected
+    walk = GraphWalk(graph)
+    found, affected = walk.downstream(set(weights))
+    return [walk.nodes[i] for i in found], affected
 
 
 def boundary_tensors(model: onnx.ModelProto, weights: list[str], outputs: list[str]) -> tuple[str, ...]:
     """The unaffected tensors the downstream part of `weights` reads (inputs and upstream activations)."""
-    return GraphWalk(model).boundary(weights, outputs)
+    return GraphWalk(model.graph).boundary(weights, outputs)
 
 
 def element_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -243,7 +240,7 @@ def plan_cuts(model: onnx.ModelProto, units: dict[str, list[str]], costs: list[f
     per unit plus the cut's own nominal run. Exact over contiguous groupings (dynamic programming,
     quadratic in units).
     """
-    walk = GraphWalk(model)
+    walk = GraphWalk(model.graph)
     nodes = walk.nodes
     sizes = {t.name: float(np.prod(t.dims, dtype=np.float64)) for t in model.graph.initializer}
     readers = {name: len(walk.readers.get(name, ())) for name in sizes}

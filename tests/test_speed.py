@@ -112,9 +112,13 @@ def test_the_cut_holds_only_nodes_downstream_of_the_weight(tmp_path):
     assert cut.boundary == ("e",) and cut.outputs == ("y",)
     assert {i.name for i in cut.model.graph.input} == {"e", "gemm_w"}
     assert graph_ops.prefix.cut_downstream(proto, ["conv_t"], ["y"], types).outputs == ()
-    walk = graph_ops.prefix.GraphWalk(proto)  # the indexed walk a sweep uses finds what the plain scan finds
+    walk = graph_ops.prefix.GraphWalk(proto.graph)  # the indexed walk finds what a scan of the sorted graph finds
     for weights in (["gemm_w"], ["conv_t"], ["emb"], ["const_w"], ["gemm_w", "conv_t"]):
-        nodes, affected = graph_ops.prefix.downstream_nodes(proto.graph, set(weights))
+        affected, nodes = set(weights), []
+        for node in proto.graph.node:
+            if set(node.input) & affected:
+                nodes.append(node)
+                affected.update(node.output)
         found, reached = walk.downstream(set(weights))
         assert [walk.nodes[i] for i in found] == nodes and reached == affected
 

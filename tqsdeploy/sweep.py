@@ -560,7 +560,7 @@ class SweepRunner:
         in memory at a time). Units sharing a cut run on one session of the part downstream of all of them."""
         job, cuts = self.job, self.job.cut_factory
         outputs, names = list(job.spec.trajectory), job.spec.run_outputs
-        walk = graph_ops.prefix.GraphWalk(cuts.graph())
+        walk = graph_ops.prefix.GraphWalk(cuts.graph().graph)
         first = graph_ops.prefix.cut_order(walk, {u.name: u.tensor_names for u in job.units.values()})[0]
         self.probes.prefetch(Task(first, "quant" if job.quant_probe else "gauss", 0))  # the sweep's first task, most likely
         boundary = set()
