@@ -1,7 +1,7 @@
 """Score-sweep speed per strategy on the bundled examples and a BERT-size transformer (run on demand, not in tests).
 
-For each model it reports, per sweep strategy (feed, rebuild, unit, prefix
-for single-step models, batch where the model's batch axis is dynamic, auto):
+For each model it reports, per sweep strategy (feed, rebuild, unit, prefix,
+batch where the model's batch axis is dynamic, auto):
 - the sweep's wall time (`tqsdeploy.score`, end to end: session builds,
   auto's timing, the nominal rollout, every task);
 - ratio = that wall / (L·(1+N) × one plain ONNX Runtime rollout of the
@@ -152,7 +152,7 @@ def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSe
     # carries, cost less than that many calls? Batching can only pay where it does (<= 0.8: launch-bound).
     width = int(settings.quant_probe) + settings.gauss_draws + 1
     scaling = _plain_rollout(model, prepared.contexts, prepared.spec, threads, batched, tiles=width) / (width * plain) if batched else None
-    strategies = [s for s in ["feed", "rebuild", "unit"] + (["prefix"] if prepared.spec.steps == 1 else []) + ["batch", "auto"] if s not in skip]
+    strategies = [s for s in ["feed", "rebuild", "unit", "prefix", "batch", "auto"] if s not in skip]
     walls: dict[str, list[float]] = {s: [] for s in strategies}
     picks, estimates, sweep_phase, refused, ran_as = [], None, [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -261,7 +261,7 @@ def main() -> None:
         )
     lines += ["", "auto's own estimates of each sweep (s), from one window, one step and one build:", ""]
     lines += [f"- {r['model']}: " + ", ".join(f"{k} {v}" for k, v in (r["auto_estimates_s"] or {}).items()) for r in rows]
-    lines += ["", "— = not run: `prefix` needs T = 1; `rebuild` is skipped on the BERT (it would build a 90 MB session per task); `batch` refused:"]
+    lines += ["", "— = not run: `rebuild` is skipped on the BERT (it would build a 90 MB session per task); `batch` refused:"]
     lines += [f"- {r['model']}: {reason}" for r in rows for reason in r["refused"].values()]
     if any(r["ran_as"] for r in rows):
         lines += ["", "\"ran as feed\": the model holds 64 MiB or more (or external data), so score streams it from its file, where only feed and prefix run (README, Sweep strategies)."]

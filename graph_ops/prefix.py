@@ -1,7 +1,7 @@
 """Cut a model to the part downstream of some weights.
 
-Perturbing a weight changes nothing upstream of its consumers, so a
-single-step model can be scored by running only the downstream part, fed with
+Perturbing a weight changes nothing upstream of its consumers, so the first
+step of a rollout can be scored by running only the downstream part, fed with
 the nominal activations at the cut (computed once). `activation_outputs`
 makes those activations graph outputs, `cut_downstream` builds the sub-model.
 """

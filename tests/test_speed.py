@@ -39,7 +39,7 @@ def _shared_one_step(tmp_path):
 @pytest.mark.parametrize("case", [_assorted, _shared, _shared_one_step])
 def test_every_strategy_gives_feeds_scores(tmp_path, case):
     model, contexts, spec = case(tmp_path)
-    strategies = ("rebuild", "unit", "prefix") if spec.steps == 1 else ("rebuild", "unit")
+    strategies = ("rebuild", "unit", "prefix")  # prefix: the first step cut, then the whole model
     frames = {
         s: score(model, contexts, spec=spec, out=tmp_path / s, settings=SETTINGS, strategy=s, selection=UnitSelection(min_params=100)).frame.sort("unit")
         for s in ("feed", *strategies)
@@ -51,27 +51,28 @@ def test_every_strategy_gives_feeds_scores(tmp_path, case):
             np.testing.assert_allclose(frames[strategy][column].to_numpy(), frames["feed"][column].to_numpy(), rtol=1e-5, atol=1e-5, err_msg=f"{strategy} {column}")
 
 
-def test_prefix_keeps_dead_units_exactly_dead_and_needs_one_step(two_branch, tmp_path):
+@pytest.mark.parametrize("steps", [1, 3])
+def test_prefix_keeps_dead_units_exactly_dead(two_branch, tmp_path, steps):
     from typer.testing import CliRunner
 
     from tqsdeploy.cli import app
 
     model, contexts = two_branch
-    result = CliRunner().invoke(app, ["score", str(model), "--contexts", str(contexts), "--steps", "1", "--strategy", "prefix", "--out", str(tmp_path / "one")])
+    result = CliRunner().invoke(app, ["score", str(model), "--contexts", str(contexts), "--steps", str(steps), "--strategy", "prefix", "--out", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
-    table = ScoreTable.load(tmp_path / "one")
+    table = ScoreTable.load(tmp_path / "run")
     assert f"strategy prefix ({len(table.meta['prefix_cuts'])} cuts)" in " ".join(result.output.split())
     rows = {r["unit"]: r for r in table.frame.iter_rows(named=True)}
     assert rows["Wdead"]["dead"] and rows["Wdead"]["rel_divergence"] == 0.0 and not rows["Wsmall"]["dead"]
-    with pytest.raises(RolloutError, match="single-step"):
-        score(model, contexts, steps=2, out=tmp_path / "two", strategy="prefix")
+    feed = score(model, contexts, steps=steps, out=tmp_path / "feed", strategy="feed").frame.sort("unit")
+    np.testing.assert_allclose(table.frame.sort("unit")["gamma"].to_numpy(), feed["gamma"].to_numpy(), rtol=1e-5)
 
 
 def test_auto_estimates_every_strategy_and_records_its_pick(two_branch, tmp_path):
     model, contexts = two_branch
     table = score(model, contexts, steps=3, out=tmp_path / "run", settings=SETTINGS)
     estimates = table.meta["strategy_estimates_s"]
-    assert set(estimates) == {"feed", "rebuild", "unit", "batch"} and all(v > 0 for v in estimates.values())
+    assert set(estimates) == {"feed", "rebuild", "unit", "prefix", "batch"} and all(v > 0 for v in estimates.values())
     assert table.meta["strategy"] in estimates
 
 
@@ -206,3 +207,5 @@ def test_prefix_sweeps_a_model_from_its_files_with_feeds_scores(tmp_path):
         np.testing.assert_allclose(prefix.frame.sort("unit")[column].to_numpy(), feed.frame.sort("unit")[column].to_numpy(), rtol=1e-5)
     assert set(auto.meta["strategy_estimates_s"]) == {"feed", "prefix"}  # the rebuilding strategies need the weights in memory
     assert sorted((folder).iterdir()) == [folder / "chain.onnx", folder / "chain.onnx.data"]
+    with pytest.raises(RolloutError, match="streamed from its files needs a single-step rollout"):  # one session at a time
+        score(folder / "chain.onnx", contexts, spec=RolloutSpec.from_dict({"steps": 2, "feedback": [{"output": "y", "input": "x"}]}), out=tmp_path / "two", strategy="prefix")

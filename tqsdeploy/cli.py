@@ -250,7 +250,7 @@ def score(
     threads: Optional[int] = typer.Option(None, "--threads", help="ONNX Runtime intra-op threads."),
     workers: int = typer.Option(1, "--workers", min=1, help="Processes (or Ray actors) running the sweep, one session each (threads split between them)."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Run the sweep on Ray: 'local' starts a local cluster, 'auto' or an address joins one (pip install 'tqsdeploy\\[ray]')."),
-    strategy: str = typer.Option("auto", "--strategy", metavar="auto|feed|rebuild|unit|prefix|batch", help="feed (one session, weights fed per run), rebuild (a session per perturbation, constant weights), unit (a session per unit, only its weights fed), prefix (single-step models: only the graph downstream of the unit), batch (all of a unit's probes in one rollout, the batch tiled per probe; dynamic-batch models) or auto (time them, pick the cheapest)."),
+    strategy: str = typer.Option("auto", "--strategy", metavar="auto|feed|rebuild|unit|prefix|batch", help="feed (one session, weights fed per run), rebuild (a session per perturbation, constant weights), unit (a session per unit, only its weights fed), prefix (the first step runs only the graph downstream of the unit), batch (all of a unit's probes in one rollout, the batch tiled per probe; dynamic-batch models) or auto (time them, pick the cheapest)."),
     fresh: bool = typer.Option(False, "--fresh", help="Discard an existing run in the output folder."),
     resume: bool = typer.Option(False, "--resume", help="Require an interrupted run to continue (default: continue one if it matches)."),
     top: int = typer.Option(10, "--top", help="Rows shown of the most and least sensitive units."),

@@ -69,11 +69,14 @@ class RolloutEngine:
         weights: Mapping[str, np.ndarray] | None = None,
         steps: int | None = None,
         session: Session | None = None,
+        starts: Sequence[Mapping[str, np.ndarray]] | None = None,
     ) -> Iterator[list[dict[str, np.ndarray]]]:
-        """Step-major rollout of all chunks: one list of chunk outputs (trajectory names) per step."""
+        """Step-major rollout of all chunks: one list of chunk outputs (trajectory names) per step;
+        from `starts` (each chunk's feeds at a later step) instead of the contexts when given."""
         session = session or self.session
         weights = kept(session, weights) if weights else weights  # once for every chunk
-        generators = [rollout(session, feeds, self.spec, weights, steps) for _, feeds in self.chunks]
+        starts = starts if starts is not None else [feeds for _, feeds in self.chunks]
+        generators = [rollout(session, feeds, self.spec, weights, steps) for feeds in starts]
         try:
             yield from zip(*generators)
         except RolloutError:

@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from onnx import helper
@@ -28,7 +28,7 @@ from tqsdeploy.contexts import Contexts
 from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.probes import Perturbation, UnitProbes
-from tqsdeploy.rollout import RolloutSpec, rollout
+from tqsdeploy.rollout import RolloutSpec, next_feeds, rollout
 from tqsdeploy.units import Unit
 
 
@@ -145,7 +145,7 @@ STRATEGIES = ("auto", "feed", "rebuild", "unit", "prefix", "batch")
 """How perturbed weights reach the runtime: fed to one session with every scored
 weight overridable ('feed'), baked into a fresh session per perturbation
 ('rebuild'), or fed to a session per unit in which only that unit's weights are
-overridable ('unit'), or, for single-step rollouts, fed to a session of just
+overridable ('unit'), or, for the first step, fed to a session of just
 the part of the graph downstream of the unit ('prefix'), or all of a unit's
 probes run in one rollout of a session per unit with the batch tiled per probe
 ('batch'); 'auto' times them and picks the cheapest sweep."""
@@ -244,6 +244,14 @@ PRE_PACKED = {"MatMul", "Gemm", "Conv", "ConvTranspose", "LSTM", "GRU", "RNN"}
 
 BATCH_RTOL = 1e-4
 """How far (relative to the output's scale) a probe-batched run may stray from the unbatched one (float32)."""
+
+
+def _moved(nominal: np.ndarray, produced: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """The whole model's nominal output moved by what a cut's run changed against the cut's own nominal run
+    (the two nominal runs differ by float rounding: the cut's fed weights are not pre-packed)."""
+    if np.issubdtype(nominal.dtype, np.floating):
+        return nominal + (produced - reference)
+    return produced  # integers and booleans: no rounding to carry
 
 
 def _best_time(call: Callable[[], object], repeats: int = 3) -> float:
@@ -347,8 +355,11 @@ class SweepRunner:
         self.job = job
         if job.strategy not in STRATEGIES:
             raise RolloutError(f"unknown strategy '{job.strategy}'; choose one of {', '.join(STRATEGIES)}")
-        if job.strategy == "prefix" and job.spec.steps != 1:
-            raise RolloutError(f"strategy 'prefix' needs a single-step rollout; this one has {job.spec.steps} steps", hint="use --steps 1 or another strategy")
+        if job.strategy == "prefix" and job.spec.steps != 1 and job.rebuild_factory is None:
+            raise RolloutError(
+                f"strategy 'prefix' on a model streamed from its files needs a single-step rollout; this one has {job.spec.steps} steps",
+                hint="use --steps 1 or --strategy feed",
+            )
         constant_only = session is None and job.strategy in ("rebuild", "unit", "batch") and job.rebuild_factory is not None
         self.overridable: Session | None = job.rebuild_factory({}) if constant_only else (session or job.session_factory())
         self.inputs = [s for s in self.overridable.inputs if s.name not in self.overridable.weights]
@@ -375,11 +386,13 @@ class SweepRunner:
         self._constant: Session | None = None
         self._cut = None
         self._activations: list[dict[str, np.ndarray]] | None = None
+        self._first: list[dict[str, np.ndarray]] = []
+        """'prefix': every run output of the whole model's first step, per chunk."""
         if constant_only:
             self.strategy, self.session, self.overridable = job.strategy, self.overridable, None
         else:
             self.strategy = job.strategy if job.strategy != "auto" else self._choose()
-            if self.strategy == "prefix" and (job.cut_factory is None or job.spec.steps != 1):
+            if self.strategy == "prefix" and not self._prefix_possible:
                 self.strategy = "feed"  # a model past protobuf's limit in one file: nothing to cut it from
             if self.strategy not in ("feed", "prefix") and (job.rebuild_factory is None or job.unit_factory is None):
                 self.strategy = "feed"
@@ -388,6 +401,8 @@ class SweepRunner:
                 self._constant = None
             if self.strategy == "feed":
                 self.session = self.overridable
+            elif self.strategy == "prefix" and job.spec.steps > 1:
+                self.session = None  # prefix opens its own; the overridable session runs steps 2..T
             else:
                 self.overridable.close()  # one model copy in memory, not two
                 self.overridable = None
@@ -406,6 +421,12 @@ class SweepRunner:
             self._check_batch()
 
     @property
+    def _prefix_possible(self) -> bool:
+        """Whether 'prefix' can run: a model to cut, and either one step or a model held in memory (steps 2..T
+        then run on the overridable session beside the cuts; a streamed model keeps one session at a time)."""
+        return self.job.cut_factory is not None and (self.job.spec.steps == 1 or self.job.rebuild_factory is not None)
+
+    @property
     def unit_order(self) -> list[str] | None:
         """The order this runner's tasks should come in, unit by unit (None: any)."""
         return self.cut_plan.order if self.cut_plan is not None else None
@@ -418,7 +439,7 @@ class SweepRunner:
         (timing noise).
         """
         job = self.job
-        prefix = job.cut_factory is not None and job.spec.steps == 1
+        prefix = self._prefix_possible
         if job.rebuild_factory is None and not prefix:
             return "feed"
         try:
@@ -483,8 +504,9 @@ class SweepRunner:
         else:
             estimates["rebuild"] = units * tasks_per_unit * (constant_build + calls * t_const)  # a lower bound, already too slow
         if prefix:
+            step = len(chunks) * scale  # one step of every chunk, in one-window calls
             try:
-                estimates["prefix"] = self._estimate_prefix(calls * t_const, constant_build, chunks[0][1], t_feed / max(t_const, 1e-9))
+                estimates["prefix"] = self._estimate_prefix(step * t_const, constant_build, chunks[0][1], t_feed / max(t_const, 1e-9), (job.spec.steps - 1) * step * t_feed)
             except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
                 pass
         if self._batch_refusal() is None:
@@ -549,17 +571,21 @@ class SweepRunner:
         units = {u.name: list(u.tensor_names) for u in job.units.values()}
         return graph_ops.prefix.plan_cuts(graph, units, self._node_costs, call_s, build_s, max(1, job.tasks_per_unit), self._fed_penalty)
 
-    def _estimate_prefix(self, call_s: float, build_s: float, feeds: dict[str, np.ndarray], fed_slowdown: float | None = None) -> float:
+    def _estimate_prefix(self, call_s: float, build_s: float, feeds: dict[str, np.ndarray], fed_slowdown: float | None = None, rest_s: float = 0.0) -> float:
         """Sweep seconds of 'prefix': the whole model's session with its activations as outputs (a build and
-        a rollout), then the planned cuts (`_plan_cuts`)."""
-        return build_s + call_s + self._plan_cuts(call_s, build_s, feeds, fed_slowdown).seconds
+        a first step), then the planned cuts (`_plan_cuts`); with more steps, `rest_s` (steps 2..T on the
+        overridable session) once for the nominal and once per task."""
+        tasks = len(self.job.units) * max(1, self.job.tasks_per_unit)
+        return build_s + call_s + (1 + tasks) * rest_s + self._plan_cuts(call_s, build_s, feeds, fed_slowdown).seconds
 
     def _start_prefix(self) -> Nominal:
-        """'prefix': one rollout of the whole model gives the nominal and the activations at every unit's cut;
-        the cuts are planned from its build and run times, and the whole model's session is closed (one model
-        in memory at a time). Units sharing a cut run on one session of the part downstream of all of them."""
+        """'prefix': one step of the whole model gives the nominal's first step and the activations at every
+        unit's cut; the cuts are planned from its build and run times, and the whole model's session is closed
+        (one model in memory at a time). Units sharing a cut run on one session of the part downstream of all
+        of them. With more steps, the overridable session makes the nominal's steps 2..T from there."""
         job, cuts = self.job, self.job.cut_factory
-        outputs, names = list(job.spec.trajectory), job.spec.run_outputs
+        names = job.spec.run_outputs
+        outputs = list(self._cut_outputs)
         walk = graph_ops.prefix.GraphWalk(cuts.graph().graph)
         first = graph_ops.prefix.cut_order(walk, {u.name: u.tensor_names for u in job.units.values()})[0]
         self.probes.prefetch(Task(first, "quant" if job.quant_probe else "gauss", 0))  # the sweep's first task, most likely
@@ -580,7 +606,12 @@ class SweepRunner:
             raise
         except Exception as exc:
             raise RolloutError(f"the model failed to run on the contexts: {str(exc).splitlines()[0]}") from None
-        nominal = self._nominal([[{n: run[n] for n in names} for run in runs]])
+        self._first = [{n: run[n] for n in names} for run in runs]
+        steps = [[{n: run[n] for n in job.spec.trajectory} for run in runs]]
+        if job.spec.steps > 1:
+            starts = [next_feeds(feeds, run, job.spec) for (_, feeds), run in zip(chunks, self._first)]
+            steps += [list(outs) for outs in self.engine.steps(None, job.spec.steps - 1, self.overridable, starts)]
+        nominal = self._nominal(steps)
         self.cut_plan = self._plan_cuts(call_s, build_s, chunks[0][1])
         needed = set()
         for group in self.cut_plan.groups:
@@ -592,6 +623,11 @@ class SweepRunner:
     def _group_weights(self, group) -> list[str]:
         return [n for name in group for n in self.job.units[name].tensor_names]
 
+    @property
+    def _cut_outputs(self) -> tuple[str, ...]:
+        """What a cut must produce: the trajectory, and with more steps whatever the next step is fed."""
+        return self.job.spec.trajectory if self.job.spec.steps == 1 else self.job.spec.run_outputs
+
     def _cut_for(self, unit: Unit) -> tuple[Session | None, "graph_ops.prefix.Cut", list, list]:
         """The session of the cut `unit` shares (one kept at a time; None when no output depends on it),
         the cut, its own nominal run per chunk, and per chunk the activations it is fed (on the session's
@@ -600,29 +636,38 @@ class SweepRunner:
         if self._cut is None or self._cut[0] != group:
             self._cut = None  # drop the previous cut before building the next
             types = {n: onnx_type(v) for n, v in self._activations[0].items()}
-            types.update({n: onnx_type(v) for n, v in self.nominal.trajectory[0][0].items()})
+            types.update({n: onnx_type(v) for n, v in self._first[0].items()})
             weights = self._group_weights(self.cut_plan.groups[group])
-            session, cut = self.job.cut_factory.downstream(weights, list(self.job.spec.trajectory), types)
+            session, cut = self.job.cut_factory.downstream(weights, list(self._cut_outputs), types)
             fed = [kept(session, {b: acts[b] for b in cut.boundary}) for acts in self._activations] if session else []
             reference = [session.run(feeds, cut.outputs) for feeds in fed] if session else []
             self._cut = (group, session, cut, reference, fed)
         return self._cut[1:]
 
-    def _prefix_divergence(self, unit: Unit, weights: dict[str, np.ndarray]) -> tuple[list[float], bool]:
-        """Single-step divergence from running only the part of the graph downstream of `unit` and the units
-        that share its cut, fed the nominal activations at the cut; compared with the cut's own nominal run."""
+    def _prefix_totals(self, unit: Unit, weights: dict[str, np.ndarray]) -> Iterator[float]:
+        """Per step, the squared divergence summed over windows. The first step runs only the part of the
+        graph downstream of `unit` and the units that share its cut, fed the nominal activations at the cut,
+        and is compared with the cut's own nominal run. Later steps run the whole model on the overridable
+        session from the nominal's state moved by exactly what the cut changed (an output the cut leaves
+        equal keeps its nominal value to the bit, so an inert unit diverges by exactly zero)."""
         job = self.job
         session, cut, reference, fed = self._cut_for(unit)
-        if session is None:
-            return [0.0], False
-        total = 0.0
-        weights = kept(session, weights)  # once for every chunk
+        if session is None:  # nothing the rollout produces or feeds back depends on the unit
+            yield from [0.0] * job.spec.steps
+            return
+        total, starts = 0.0, []
+        cut_weights = kept(session, weights)  # once for every chunk
         for c, feeds in enumerate(fed):
-            produced = session.run({**feeds, **weights}, cut.outputs)
+            produced = session.run({**feeds, **cut_weights}, cut.outputs)
             nominal = self.nominal.trajectory[0][c]
             total += self.engine.window_sq(c, {**nominal, **produced}, {**nominal, **reference[c]}).sum()
-        value = float(total / job.contexts.count)
-        return ([value], False) if math.isfinite(value) else ([math.inf], True)
+            if job.spec.steps > 1:
+                moved = {n: _moved(self._first[c][n], produced[n], reference[c][n]) for n in cut.outputs}
+                starts.append(next_feeds(self.engine.chunks[c][1], {**self._first[c], **moved}, job.spec))
+        yield total
+        if job.spec.steps > 1:
+            for t, outs in enumerate(self.engine.steps(weights, job.spec.steps - 1, self.overridable, starts), start=1):
+                yield sum(self.engine.window_sq(c, outs[c], self.nominal.trajectory[t][c]).sum() for c in range(len(outs)))
 
     @property
     def _batch_width(self) -> int:
@@ -840,7 +885,7 @@ class SweepRunner:
             self._cut_for(job.units[task.unit])  # built while the task's perturbation is (see run_local)
         change = self.probes.get(task, following)
         if self.strategy == "prefix":
-            div_sq, nonfinite = self._prefix_divergence(job.units[task.unit], change.weights)
+            div_sq, nonfinite = self._accumulate(self._prefix_totals(job.units[task.unit], change.weights), change.delta_sq, True)
         else:
             div_sq, nonfinite = self.divergence(change.weights, change.delta_sq)
         return TaskResult(
@@ -859,14 +904,21 @@ class SweepRunner:
 
         Early stopping (when the job asks for it and `early_stop`) needs `delta_sq`.
         """
+        totals = (
+            sum(self.engine.window_sq(c, outs[c], self.nominal.trajectory[t][c]).sum() for c in range(len(outs)))
+            for t, outs in enumerate(self._steps(weights))
+        )
+        return self._accumulate(totals, delta_sq, early_stop)
+
+    def _accumulate(self, totals: Iterable[float], delta_sq: float, early_stop: bool) -> tuple[list[float], bool]:
+        """Per-step mean divergence from per-step totals over windows, stopped early once γ settles
+        (when asked) or at the first non-finite step."""
         job = self.job
         stop = job.early_stop if early_stop else None
         div_sq: list[float] = []
         gammas: list[float] = []
         cumulative = 0.0
-        for t, outs in enumerate(self._steps(weights), start=1):
-            reference = self.nominal.trajectory[t - 1]
-            total = sum(self.engine.window_sq(c, outs[c], reference[c]).sum() for c in range(len(outs)))
+        for t, total in enumerate(totals, start=1):
             value = float(total / job.contexts.count)
             if not math.isfinite(value):
                 div_sq.extend([math.inf] * (job.spec.steps - t + 1))
