@@ -581,8 +581,9 @@ class SweepRunner:
     def _start_prefix(self) -> Nominal:
         """'prefix': one step of the whole model gives the nominal's first step and the activations at every
         unit's cut; the cuts are planned from its build and run times, and the whole model's session is closed
-        (one model in memory at a time). Units sharing a cut run on one session of the part downstream of all
-        of them. With more steps, the overridable session makes the nominal's steps 2..T from there."""
+        (at T = 1, one model in memory at a time). Units sharing a cut run on one session of the part downstream
+        of all of them. With more steps, the overridable session (kept open: a model held in memory, under
+        64 MiB) makes the nominal's steps 2..T from there."""
         job, cuts = self.job, self.job.cut_factory
         names = job.spec.run_outputs
         outputs = list(self._cut_outputs)
