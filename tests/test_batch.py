@@ -83,14 +83,15 @@ def test_batch_gives_feeds_scores(tmp_path, case):
         assert {"Wdead"} == set(dead["unit"])
 
 
-def test_batch_early_stops_each_probe_like_feed(tmp_path):
+@pytest.mark.parametrize("strategy", ["batch", "prefix"])
+def test_early_stop_ends_each_probe_where_feed_does(tmp_path, strategy):
     q, _ = np.linalg.qr(np.random.default_rng(1).standard_normal((8, 8)))
     model = models.linear_map(tmp_path / "lin.onnx", 1.05 * q)
     contexts = Contexts(_state((3, 1, 8), 0), source="test")
     settings = ScoreSettings(gauss_draws=2, early_stop=True, early_stop_tol=0.02, early_stop_window=3)
     frames = [
         score(model, contexts, steps=64, out=tmp_path / s, selection=UnitSelection(min_params=1), settings=settings, strategy=s).frame
-        for s in ("feed", "batch")
+        for s in ("feed", strategy)
     ]
     assert 4 <= frames[1]["steps"][0] < 64 and frames[1]["steps"][0] == frames[0]["steps"][0]
     np.testing.assert_allclose(frames[1]["gamma"].to_numpy(), frames[0]["gamma"].to_numpy(), rtol=1e-4)
