@@ -209,4 +209,3 @@ def test_prefix_sweeps_a_model_from_its_files_with_feeds_scores(tmp_path):
     assert sorted((folder).iterdir()) == [folder / "chain.onnx", folder / "chain.onnx.data"]
     with pytest.raises(RolloutError, match="streamed from its files needs a single-step rollout"):  # one session at a time
         score(folder / "chain.onnx", contexts, spec=RolloutSpec.from_dict({"steps": 2, "feedback": [{"output": "y", "input": "x"}]}), out=tmp_path / "two", strategy="prefix")
-
