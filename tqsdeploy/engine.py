@@ -47,12 +47,15 @@ class RolloutEngine:
     def assume(self, batched: bool) -> None:
         """Take the batching decision an earlier engine of the same session and contexts made (no run)."""
         self.batched = batched
-        self._chunks = list(self.contexts.chunks(self.inputs, True, self.max_batch)) if batched else list(self.contexts.chunks(self.inputs, False, 1))
+        self._chunks = self._chunked(batched)
+
+    def _chunked(self, batched: bool) -> list[tuple[int, dict[str, np.ndarray]]]:
+        """The contexts as batched chunks of up to `max_batch` windows, or one window per chunk."""
+        return list(self.contexts.chunks(self.inputs, batched, self.max_batch if batched else 1))
 
     def _decide(self) -> list[tuple[int, dict[str, np.ndarray]]]:
-        inputs = self.inputs
-        if self.contexts.count > 1 and all(s.rank > 0 and s.is_dynamic(0) for s in inputs):
-            chunks = list(self.contexts.chunks(inputs, True, self.max_batch))
+        if self.contexts.count > 1 and all(s.rank > 0 and s.is_dynamic(0) for s in self.inputs):
+            chunks = self._chunked(True)
             count, feeds = chunks[0]
             try:
                 produced = self.session.run(feeds, self.spec.run_outputs)
@@ -62,7 +65,7 @@ class RolloutEngine:
             except Exception:  # a model whose batch axis is dynamic in name only
                 pass
         self.batched = False
-        return list(self.contexts.chunks(inputs, False, 1))
+        return self._chunked(False)
 
     def steps(
         self,

@@ -484,7 +484,8 @@ class SweepRunner:
         self._constant = constant
         t_const = _best_time(lambda: constant.run(one, names))
         scale = _best_time(lambda: constant.run(chunks[0][1], names), 1) / max(t_const, 1e-9)
-        calls = job.spec.steps * len(chunks) * scale
+        step = len(chunks) * scale  # one step of every chunk, in one-window calls
+        calls = job.spec.steps * step
         estimates["feed"] = units * tasks_per_unit * calls * t_feed
         # A unit session costs at least a plain build per unit and a rebuild one per task, and
         # neither runs faster than the constant session: each is timed only when that bound could win.
@@ -504,7 +505,6 @@ class SweepRunner:
         else:
             estimates["rebuild"] = units * tasks_per_unit * (constant_build + calls * t_const)  # a lower bound, already too slow
         if prefix:
-            step = len(chunks) * scale  # one step of every chunk, in one-window calls
             try:
                 estimates["prefix"] = self._estimate_prefix(step * t_const, constant_build, chunks[0][1], t_feed / max(t_const, 1e-9), (job.spec.steps - 1) * step * t_feed)
             except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
@@ -668,7 +668,7 @@ class SweepRunner:
         yield total
         if job.spec.steps > 1:
             for t, outs in enumerate(self.engine.steps(weights, job.spec.steps - 1, self.overridable, starts), start=1):
-                yield sum(self.engine.window_sq(c, outs[c], self.nominal.trajectory[t][c]).sum() for c in range(len(outs)))
+                yield self._step_total(t, outs)
 
     @property
     def _batch_width(self) -> int:
@@ -905,11 +905,11 @@ class SweepRunner:
 
         Early stopping (when the job asks for it and `early_stop`) needs `delta_sq`.
         """
-        totals = (
-            sum(self.engine.window_sq(c, outs[c], self.nominal.trajectory[t][c]).sum() for c in range(len(outs)))
-            for t, outs in enumerate(self._steps(weights))
-        )
-        return self._accumulate(totals, delta_sq, early_stop)
+        return self._accumulate((self._step_total(t, outs) for t, outs in enumerate(self._steps(weights))), delta_sq, early_stop)
+
+    def _step_total(self, t: int, outs: list[dict[str, np.ndarray]]) -> float:
+        """Squared divergence of step `t` (from 0), summed over every window of every chunk."""
+        return sum(self.engine.window_sq(c, outs[c], self.nominal.trajectory[t][c]).sum() for c in range(len(outs)))
 
     def _accumulate(self, totals: Iterable[float], delta_sq: float, early_stop: bool) -> tuple[list[float], bool]:
         """Per-step mean divergence from per-step totals over windows, stopped early once γ settles
