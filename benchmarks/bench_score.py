@@ -112,13 +112,23 @@ def bert(path: Path, layers: int = 6, hidden: int = 384, heads: int = 6, ffn: in
     return path
 
 
-def _plain_rollout(model: Path, contexts: Contexts, spec: RolloutSpec, threads: int, batched: bool, repeats: int = 3, tiles: int = 1) -> float:
+def case(name: str, tmp: Path, bert_contexts: int = 2) -> tuple[Path, Path | Contexts, RolloutSpec]:
+    """(model, contexts, rollout spec) of a bundled example, or of the BERT built into `tmp`."""
+    if name == "bert":
+        ids = np.random.default_rng(1).integers(0, 30522, (bert_contexts, 1, 32)).astype(np.int64)
+        return bert(tmp / "bert.onnx"), Contexts({"ids": ids}, source="random token ids"), RolloutSpec(steps=1, feedback=(), trajectory=("hidden",))
+    folder = REPO / "examples" / name
+    return folder / "model.onnx", folder / "contexts.npz", RolloutSpec.from_toml(folder / "rollout.toml")
+
+
+def _plain_rollout(model: Path, contexts: Contexts, spec: RolloutSpec, threads: int | None, batched: bool, repeats: int = 3, tiles: int = 1, runtime: OrtRuntime | None = None) -> float:
     """Best time of one nominal rollout over all contexts on a plain session of the unmodified model
-    (with `tiles`, every context window repeated that many times along the batch)."""
+    (with `tiles`, every context window repeated that many times along the batch); CPU unless `runtime` names a provider."""
     options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    if threads:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(model), options, providers=(runtime or OrtRuntime()).providers())
 
     class Plain:
         def run(self, feeds, names):
@@ -211,18 +221,11 @@ def main() -> None:
     rows, skipped = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            if name == "bert":
-                model = bert(Path(tmp) / "bert.onnx")
-                ids = np.random.default_rng(1).integers(0, 30522, (args.bert_contexts, 1, 32)).astype(np.int64)
-                contexts, spec = Contexts({"ids": ids}, source="random token ids"), RolloutSpec(steps=1, feedback=(), trajectory=("hidden",))
-            else:
-                folder = REPO / "examples" / name
-                model, contexts = folder / "model.onnx", folder / "contexts.npz"
-                try:
-                    spec = RolloutSpec.from_toml(folder / "rollout.toml")
-                except TqsError as exc:
-                    skipped.append(f"{name}: {exc}")
-                    continue
+            try:
+                model, contexts, spec = case(name, Path(tmp), args.bert_contexts)
+            except TqsError as exc:
+                skipped.append(f"{name}: {exc}")
+                continue
             print(f"{name} ...", flush=True)
             # rebuild on the BERT builds a 90 MB session per task (~70 s a sweep here); auto's estimate stands in for it
             rows.append(bench(name, model, contexts, spec, settings, args.threads, args.rounds, skip=("rebuild",) if name == "bert" else ()))

@@ -50,12 +50,18 @@ class OrtRuntime:
     `exact_qdq` turns off the MatMulNBits rewrite's int8 activations
     (accuracy_level 4) so integer DequantizeLinear->MatMul runs exactly; by
     default the session runs what a deployment would run.
+
+    `tf32` lets the CUDA provider round float32 MatMul/Conv inputs to TF32 (10-bit
+    mantissa, ~1e-3 relative). Off by default: a score measures output differences
+    of that size (an 8-bit residual moves outputs by ~1e-3), so TF32 noise would be
+    scored as sensitivity.
     """
 
     provider: str = "cpu"
     threads: int | None = None
     optimization: str = "all"
     exact_qdq: bool = False
+    tf32: bool = False
     config: tuple[tuple[str, str], ...] = field(default=())
     optimized_model_path: str | None = None
     """Where ONNX Runtime should save the graph it really runs (for reports)."""
@@ -70,6 +76,11 @@ class OrtRuntime:
                 f"execution provider '{self.provider}' is not available in this onnxruntime build "
                 f"(available: {', '.join(available_providers())}); install the GPU extra: pip install 'tqsdeploy[gpu]'"
             )
+
+    def providers(self) -> list:
+        """The provider list for ONNX Runtime, with the CUDA provider's TF32 choice spelled out."""
+        cuda = {"use_tf32": "1" if self.tf32 else "0"}
+        return [(name, cuda) if name == "CUDAExecutionProvider" else name for name in PROVIDERS[self.provider]]
 
     def open(self, model: ModelSource, external_data_dir: Path | None = None) -> "OrtSession":
         import onnxruntime as ort
@@ -95,7 +106,16 @@ class OrtRuntime:
         for key, value in self.config:
             options.add_session_config_entry(key, value)
         source = model if isinstance(model, bytes) else os.fspath(model)
-        session = ort.InferenceSession(source, sess_options=options, providers=PROVIDERS[self.provider])
+        session = ort.InferenceSession(source, sess_options=options, providers=self.providers())
+        wanted, got = PROVIDERS[self.provider][0], session.get_providers()[0]
+        if got != wanted:
+            # ONNX Runtime logs the failure and carries on with the next provider in the list (a TensorRT
+            # provider without TensorRT's libraries runs on CUDA, a CUDA one without cuDNN on the CPU):
+            # scores and timings would then silently belong to another provider than the one asked for.
+            raise RuntimeUnavailable(
+                f"execution provider '{self.provider}' failed to load ({wanted} fell back to {got}; are its libraries "
+                f"{'(TensorRT) ' if self.provider == 'tensorrt' else '(CUDA, cuDNN) '}on LD_LIBRARY_PATH?); choose another --provider"
+            )
         if isinstance(source, bytes) and self.provider == "cpu":
             # ONNX Runtime keeps the serialised model only to re-create the session when a GPU
             # provider falls back to CPU; a CPU session never does, so that copy is dead weight
@@ -125,8 +145,7 @@ class OrtSession:
         self.outputs = [_spec(a) for a in session.get_outputs()]
         self.weights = frozenset(a.name for a in session.get_overridable_initializers())
         self.providers = session.get_providers()
-        on_gpu = self.providers[0] != "CPUExecutionProvider"  # a GPU provider that failed to load leaves CPU alone
-        self.device = device if device is not None else (DEVICES.get(provider) if on_gpu else None)
+        self.device = device if device is not None else DEVICES.get(provider)
         self.device_id = device_id
 
     def keep(self, values: Mapping[str, np.ndarray]) -> dict[str, object]:

@@ -5,6 +5,7 @@ checked without one (clear errors when the stack is missing) runs everywhere.
 """
 
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import onnxruntime
@@ -99,3 +100,97 @@ def test_device_binding_path_runs_rollouts_as_plain_runs_do(two_branch, tmp_path
         want = RolloutEngine(plain, windows, spec).trajectories(feeds)
         got = RolloutEngine(defaults, windows, spec).trajectories(feeds)
         assert all(np.array_equal(want[k], got[k]) for k in want)
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+GAMMA_TOLERANCE = 0.02
+"""Largest |γ_cuda − γ_cpu| (nats/step) allowed on a unit alive on both, with TF32 off."""
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_keeps_fed_weights_on_the_device_and_runs_fp32_exactly(two_branch, tmp_path):
+    import onnx
+
+    import graph_ops
+    from runtimes import OrtRuntime
+
+    model, _ = two_branch
+    proto = onnx.load(model)
+    path = tmp_path / "overridable.onnx"
+    onnx.save(graph_ops.make_weights_overridable(proto, ["Wmain"]), path)
+    runtime = OrtRuntime(provider="cuda")
+    session = runtime.open(path)
+    assert session.providers[0] == "CUDAExecutionProvider" and session.device == "cuda"
+    assert session._session.get_provider_options()["CUDAExecutionProvider"]["use_tf32"] == "0"
+    weight = onnx.numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == "Wmain")) * 1.01
+    kept = session.keep({"Wmain": weight})
+    assert kept["Wmain"].device_name().lower() == "cuda"
+    feeds = {i.name: np.random.default_rng(0).standard_normal([d if isinstance(d, int) else 3 for d in i.shape]).astype(i.dtype) for i in session.inputs if i.name not in session.weights}
+    cpu = OrtRuntime().open(path).run({**feeds, "Wmain": weight})
+    gpu = session.run({**feeds, **kept})
+    for name in cpu:
+        np.testing.assert_allclose(gpu[name], cpu[name], rtol=1e-5, atol=1e-6)
+
+
+def _alive_gammas(table):
+    frame = table.frame
+    return {u: g for u, g, d in zip(frame["unit"], frame["gamma_quant"], frame["dead"]) if not d}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("example", ["etth1_patchtst", "era5_emulator", "lorenz96", "timesfm_etth1", "pangu_lorenz96", "era5_downscale"])
+def test_cuda_scores_rank_units_as_cpu_does_on_every_example(example, tmp_path):
+    from scipy.stats import spearmanr
+
+    from runtimes import OrtRuntime
+    from tqsdeploy import ScoreSettings
+
+    folder = EXAMPLES / example
+    settings = ScoreSettings(gauss_draws=1)
+    run = dict(spec=folder / "rollout.toml", settings=settings, resume=False)
+    cpu = score(folder / "model.onnx", folder / "contexts.npz", out=tmp_path / "cpu", **run)
+    gpu = score(folder / "model.onnx", folder / "contexts.npz", out=tmp_path / "gpu", runtime=OrtRuntime(provider="cuda"), **run)
+    assert dict(zip(cpu.frame["unit"], cpu.frame["dead"])) == dict(zip(gpu.frame["unit"], gpu.frame["dead"]))
+    a, b = _alive_gammas(cpu), _alive_gammas(gpu)
+    units = sorted(a)
+    assert spearmanr([a[u] for u in units], [b[u] for u in units]).statistic >= 0.95
+    assert max(abs(a[u] - b[u]) for u in units) <= GAMMA_TOLERANCE
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("strategy", ["batch", "prefix", "unit", "rebuild"])
+def test_cuda_strategies_give_feeds_gammas(strategy, two_branch, tmp_path):
+    from runtimes import OrtRuntime
+
+    model, contexts = two_branch
+    cuda = OrtRuntime(provider="cuda")
+    feed = score(model, contexts, steps=6, out=tmp_path / "feed", runtime=cuda, strategy="feed")
+    other = score(model, contexts, steps=6, out=tmp_path / strategy, runtime=cuda, strategy=strategy)
+    assert other.meta["strategy"] == strategy
+    a, b = _alive_gammas(feed), _alive_gammas(other)
+    assert a.keys() == b.keys() and all(abs(a[u] - b[u]) <= 1e-4 for u in a)
+    assert feed.frame.filter(feed.frame["unit"] == "Wdead")["dead"][0] and other.frame.filter(other.frame["unit"] == "Wdead")["dead"][0]
+
+
+def _loads(library: str) -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL(library)
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(_loads("libnvinfer.so.10"), reason="TensorRT's libraries are present here, so the TensorRT provider loads")
+def test_tensorrt_provider_that_fails_to_load_is_refused_not_run_on_cuda(two_branch, tmp_path):
+    model, contexts = two_branch
+    result = CliRunner().invoke(app, ["score", str(model), "-c", str(contexts), "--provider", "tensorrt", "-o", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    message = result.output + (result.stderr or "")
+    assert "'tensorrt' failed to load" in message and "Traceback" not in message
