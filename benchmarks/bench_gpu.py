@@ -95,7 +95,7 @@ def sweep_row(name: str, model, contexts, spec, settings: ScoreSettings, rounds:
     tasks = len(prepared.units) * (int(settings.quant_probe) + settings.gauss_draws)
     width = int(settings.quant_probe) + settings.gauss_draws + 1
     walls: dict[str, list[float]] = {}
-    picks, refused, tables = [], {}, {}
+    picks, refused, tables, loops = [], {}, {}, {}
     plain_gpu, plain_cpu = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(rounds):
@@ -113,6 +113,7 @@ def sweep_row(name: str, model, contexts, spec, settings: ScoreSettings, rounds:
                     refused[label] = f"{type(exc).__name__}: {exc}"
                     continue
                 walls.setdefault(label, []).append(wall)
+                loops.setdefault(label, []).append(table.meta["timings_s"]["sweep"])
                 tables[label] = table
                 if label == "cuda auto":
                     picks.append(table.meta["strategy"])
@@ -140,6 +141,7 @@ def sweep_row(name: str, model, contexts, spec, settings: ScoreSettings, rounds:
         "wall_s": {k: round(v, 3) for k, v in wall.items()},
         "rollouts_per_s": {k: round(tasks / v, 1) for k, v in wall.items()},
         "gpu_ratio": {k: round(v / (tasks * gpu_plain), 3) for k, v in wall.items() if k.startswith("cuda")},
+        "gpu_ratio_task_loop": {k: round(statistics.median(v) / (tasks * gpu_plain), 3) for k, v in loops.items() if k.startswith("cuda")},
         "auto_picks": picks,
         "agreement": agreement,
         "refused": refused,
@@ -192,8 +194,8 @@ def markdown(meta: dict, rows: list[dict], latencies: list[dict]) -> str:
         "Throughput = perturbed rollouts (L·(1+N)) per second of `score` wall, end to end (load, builds, auto's timing, nominal, every task). "
         "GPU ratio = wall / (L·(1+N) × one plain CUDA rollout), the #12 measure; GPU batch scaling = a plain CUDA rollout carrying 1 + N + 1 times the windows / that many plain rollouts (≤ 0.8: launch-bound).",
         "",
-        "| model | params | T | windows | rollouts | plain rollout ms (cpu / cuda) | GPU batch scaling | " + " | ".join(f"{lb}: rollouts/s (GPU ratio)" for lb in labels) + " | auto's pick on GPU |",
-        "|" + "---|" * (8 + len(labels)),
+        "| model | params | T | windows | rollouts | plain rollout ms (cpu / cuda) | GPU batch scaling | " + " | ".join(f"{lb}: rollouts/s (GPU ratio)" for lb in labels) + " | auto's pick on GPU | cuda auto, task loop only: GPU ratio |",
+        "|" + "---|" * (9 + len(labels)),
     ]
     for r in rows:
         cells = []
@@ -204,7 +206,7 @@ def markdown(meta: dict, rows: list[dict], latencies: list[dict]) -> str:
                 cells.append("refused" if lb in r["refused"] else "—")
         lines.append(
             f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['steps']} | {r['windows']} | {r['rollouts']} | {r['plain_rollout_ms']['cpu']} / {r['plain_rollout_ms']['cuda']} | "
-            f"{r['gpu_batch_scaling'] if r['gpu_batch_scaling'] is not None else 'no batch axis'} | " + " | ".join(cells) + f" | {', '.join(r['auto_picks'])} |"
+            f"{r['gpu_batch_scaling'] if r['gpu_batch_scaling'] is not None else 'no batch axis'} | " + " | ".join(cells) + f" | {', '.join(r['auto_picks'])} | {r['gpu_ratio_task_loop'].get('cuda auto', '—')} |"
         )
     lines += ["", "Agreement with the CPU score (quant probe γ, units alive on both): Spearman ρ / largest |Δγ| (nats/step) / dead units identical:", ""]
     lines += ["| model | " + " | ".join(["cuda feed", "cuda batch", "cuda prefix", "cuda feed, TF32 on"]) + " |", "|---|---|---|---|---|"]

@@ -34,7 +34,7 @@ def _cli(*args, limit_bytes=None, wait=True):
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
 
     command = [sys.executable, "-m", "tqsdeploy", *map(str, args)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # keep a PYTHONPATH that brings dependencies
     if not wait:
         return subprocess.Popen(command, cwd=REPO, env=env, preexec_fn=limits, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     return subprocess.run(command, cwd=REPO, env=env, preexec_fn=limits, capture_output=True, text=True, timeout=120)

@@ -209,3 +209,35 @@ def test_prefix_sweeps_a_model_from_its_files_with_feeds_scores(tmp_path):
     assert sorted((folder).iterdir()) == [folder / "chain.onnx", folder / "chain.onnx.data"]
     with pytest.raises(RolloutError, match="streamed from its files needs a single-step rollout"):  # one session at a time
         score(folder / "chain.onnx", contexts, spec=RolloutSpec.from_dict({"steps": 2, "feedback": [{"output": "y", "input": "x"}]}), out=tmp_path / "two", strategy="prefix")
+
+
+def test_perturbations_built_several_ahead_equal_those_built_one_at_a_time(tmp_path):
+    """On a GPU several perturbations are built at once on helper threads (`ProbeSource.depth`): every
+    task still gets exactly its own perturbation, across unit changes and on a Gather table's read rows."""
+    from tqsdeploy.sweep import ProbeSource, plan_tasks
+
+    model, contexts, spec = _assorted(tmp_path)
+    job = prepare(model, contexts, spec, settings=SETTINGS).job
+    tasks = plan_tasks(list(job.units.values()), True, 3)
+    one, deep = ProbeSource(job, depth=1), ProbeSource(job, depth=4)
+    deep.plan(tasks)
+    assert len(deep._pending) == 4
+    for task in tasks:
+        want, got = one.get(task), deep.get(task)
+        assert len(deep._pending) <= 4 and len(deep._units) <= 2  # 4 tasks a unit: at most the unit run and the next
+        assert want.delta_sq == got.delta_sq and want.weights.keys() == got.weights.keys()
+        assert all(np.array_equal(want.weights[n], got.weights[n]) for n in want.weights)
+    assert not deep._pending
+    one.close()
+    deep.close()
+
+
+def test_a_sweep_building_perturbations_four_ahead_gives_the_same_scores(tmp_path, monkeypatch):
+    from tqsdeploy.sweep import SweepRunner
+
+    model, contexts, spec = _shared(tmp_path)
+    plain = score(model, contexts, spec=spec, out=tmp_path / "one", settings=SETTINGS, strategy="feed")
+    monkeypatch.setattr(SweepRunner, "_probe_depth", lambda self: 4)  # what a GPU session gets
+    deep = score(model, contexts, spec=spec, out=tmp_path / "four", settings=SETTINGS, strategy="feed")
+    assert plain.frame["gamma_quant"].to_list() == deep.frame["gamma_quant"].to_list()
+    assert plain.frame["gamma_gauss"].to_list() == deep.frame["gamma_gauss"].to_list()

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -263,60 +265,90 @@ def _best_time(call: Callable[[], object], repeats: int = 3) -> float:
     return best
 
 
+PROBE_DEPTH_MAX = 4
+"""At most this many perturbations are built ahead of the rollout that will use them."""
+PROBE_DEPTH_BYTES = 256 << 20
+"""...and together they hold at most this many bytes (each is a copy of a unit's weights)."""
+
+
 class ProbeSource:
-    """Each task's perturbation, the next task's built on a helper thread while the current rollout runs.
+    """Each task's perturbation, built ahead on helper threads while the current rollout runs.
 
     Drawing Gaussian noise and quantizing a unit are numpy work that releases the GIL, so on a
     machine with a core to spare they cost no sweep time (a fifth of a BERT-size sweep otherwise).
-    At most one build runs at a time (a request waits for the one in flight), so a unit's shared
-    parts (`UnitProbes`) are made once; one perturbation more than before is alive at a time.
+    On the CPU provider one build runs ahead (ONNX Runtime has the other cores). On a GPU a
+    rollout of a small model takes a millisecond or two while a draw over a 1M-weight unit takes
+    several on one core, so `depth` builds run ahead at once, on that many threads (measured on an
+    H100: the sweep otherwise waits on the CPU). A unit's shared parts (`UnitProbes`) are made once,
+    under a lock; `depth` + 1 perturbations are alive at a time.
     """
 
-    def __init__(self, job: SweepJob):
+    def __init__(self, job: SweepJob, depth: int = 1):
         self.job = job
-        self._probes: UnitProbes | None = None
-        self._pending: tuple[Task, Future] | None = None
+        self.depth = depth
+        self._units: dict[str, UnitProbes] = {}
+        self._lock = threading.Lock()
+        self._pending: dict[Task, Future] = {}
+        self._upcoming: deque[Task] = deque()
         self._pool: ThreadPoolExecutor | None = None
 
+    def plan(self, tasks: Sequence[Task]) -> None:
+        """The tasks in the order they will be asked for: builds start `depth` ahead of them."""
+        self._upcoming = deque(tasks)
+        self._top_up()
+
     def unit(self, name: str) -> UnitProbes:
-        """The shared parts of unit `name`'s probes (tasks come unit by unit: the previous unit's are dropped)."""
+        """The shared parts of unit `name`'s probes (tasks come unit by unit: earlier units' are dropped)."""
         self._settle()
         return self._unit(name)
 
     def _unit(self, name: str) -> UnitProbes:
         job = self.job
-        if self._probes is None or self._probes.unit.name != name:
-            if self._probes is not None:  # a streamed model's weights live in the runtime: hand back the pages the probes read
-                graph_ops.release_pages(job.weights, self._probes.unit.tensor_names)
-            self._probes = UnitProbes(job.units[name], job.weights, job.probe_bits, job.rows)
-        return self._probes
+        with self._lock:
+            if name not in self._units:
+                wanted = {t.unit for t in self._pending} | {name}
+                for old in [u for u in self._units if u not in wanted]:  # a streamed model's weights live in the runtime: hand back the pages the probes read
+                    graph_ops.release_pages(job.weights, self._units.pop(old).unit.tensor_names)
+                probes = UnitProbes(job.units[name], job.weights, job.probe_bits, job.rows)
+                if self.depth > 1:  # the parts every draw shares, once, before several threads read them
+                    for tensor in probes.weights:
+                        probes.reference_norm(tensor)
+                self._units[name] = probes
+            return self._units[name]
 
     def _build(self, task: Task) -> Perturbation:
         return self._unit(task.unit).perturb(task.probe, task.draw, self.job.seed)
 
-    def _settle(self) -> tuple[Task, Future] | None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending[1].exception()  # wait; a failed build is raised by whoever asks for it
-        return pending
+    def _settle(self) -> None:
+        """Wait for every build under way; a failed build is raised by whoever asks for it."""
+        for future in self._pending.values():
+            future.exception()
 
     def get(self, task: Task, following: Task | None = None) -> Perturbation:
-        """`task`'s perturbation; with `following`, start building that one in the background."""
-        pending = self._settle()
-        change = pending[1].result() if pending is not None and pending[0] == task else self._build(task)
-        if following is not None:
+        """`task`'s perturbation; with `following` (and no plan), start building that one in the background."""
+        future = self._pending.pop(task, None)
+        change = future.result() if future is not None else self._build(task)
+        if self._upcoming:  # once it is built, so that no more than `depth` builds ever run at once
+            self._top_up()
+        elif following is not None:
             self.prefetch(following)
         return change
 
     def prefetch(self, task: Task) -> None:
-        """Start building `task`'s perturbation in the background (unless a build is under way)."""
-        if self._pending is None:
+        """Start building `task`'s perturbation in the background (unless `depth` builds are under way)."""
+        if len(self._pending) < self.depth and task not in self._pending:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tqs-probes")
-            self._pending = (task, self._pool.submit(self._build, task))
+                self._pool = ThreadPoolExecutor(PROBE_DEPTH_MAX, thread_name_prefix="tqs-probes")  # threads start only as builds need them
+            self._pending[task] = self._pool.submit(self._build, task)
+
+    def _top_up(self) -> None:
+        while self._upcoming and len(self._pending) < self.depth:
+            self.prefetch(self._upcoming.popleft())
 
     def close(self) -> None:
         self._settle()
+        self._pending.clear()
+        self._upcoming.clear()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
@@ -419,6 +451,16 @@ class SweepRunner:
             self.nominal = self._nominal()
         if self.strategy == "batch" and job.strategy == "batch":
             self._check_batch()
+        self.probes.depth = self._probe_depth()
+
+    def _probe_depth(self) -> int:
+        """How many perturbations to build ahead: one, unless the rollouts run on a GPU (the CPU's cores are
+        then free), and then as many copies of the largest unit as fit in `PROBE_DEPTH_BYTES`."""
+        session = self.session or self.overridable
+        if getattr(session, "device", None) is None or self.strategy == "batch":
+            return 1
+        largest = max(sum(self.job.weights[n].nbytes for n in unit.tensor_names) for unit in self.job.units.values())
+        return max(1, min(PROBE_DEPTH_MAX, (os.cpu_count() or 1) - 1, PROBE_DEPTH_BYTES // max(largest, 1)))
 
     @property
     def _prefix_possible(self) -> bool:
@@ -868,10 +910,10 @@ class SweepRunner:
             norm_sq.append(float(total / self.job.contexts.count))
         return Nominal(trajectory=steps, norm_sq=norm_sq, abs_sum=abs_sum, batched=self.engine.batched)
 
-    def expect(self, task: Task) -> None:
-        """`task` comes first: its perturbation starts building now ('batch' builds a unit's probes together)."""
+    def expect(self, tasks: Sequence[Task]) -> None:
+        """The tasks come in this order: their perturbations start building ahead ('batch' builds a unit's probes together)."""
         if self.strategy != "batch":
-            self.probes.prefetch(task)
+            self.probes.plan(tasks)
 
     def run(self, task: Task, following: Task | None = None) -> TaskResult:
         """Run `task`; `following`, the task that comes next, has its perturbation built meanwhile."""
@@ -977,8 +1019,7 @@ def run_local(
     """Run the tasks in this process, one session, appending each result as it lands."""
     runner = runner or job.open()
     try:
-        if tasks:
-            runner.expect(tasks[0])
+        runner.expect(tasks)
         for i, task in enumerate(tasks):
             result = runner.run(task, tasks[i + 1] if i + 1 < len(tasks) else None)
             log.append(result)
