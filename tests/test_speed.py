@@ -232,6 +232,27 @@ def test_perturbations_built_several_ahead_equal_those_built_one_at_a_time(tmp_p
     deep.close()
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_each_perturbation_is_built_once_when_its_task_was_prefetched_before_the_plan(tmp_path, monkeypatch, depth):
+    """'prefix' starts the first task's build before the sweep's plan arrives: that task must not be built
+    again, nor the pipeline shift so that every later task is built twice."""
+    from tqsdeploy.sweep import ProbeSource, plan_tasks
+
+    model, contexts, spec = _assorted(tmp_path)
+    job = prepare(model, contexts, spec, settings=SETTINGS).job
+    tasks = plan_tasks(list(job.units.values()), True, 2)
+    built = []
+    build = ProbeSource._build
+    monkeypatch.setattr(ProbeSource, "_build", lambda self, task: built.append(task) or build(self, task))
+    source = ProbeSource(job, depth=depth)
+    source.prefetch(tasks[0])
+    source.plan(tasks)
+    for i, task in enumerate(tasks):
+        source.get(task, tasks[i + 1] if i + 1 < len(tasks) else None)
+    source.close()
+    assert sorted(built, key=tasks.index) == tasks
+
+
 def test_a_sweep_building_perturbations_four_ahead_gives_the_same_scores(tmp_path, monkeypatch):
     from tqsdeploy.sweep import SweepRunner
 

@@ -306,7 +306,7 @@ class ProbeSource:
         job = self.job
         with self._lock:
             if name not in self._units:
-                wanted = {t.unit for t in self._pending} | {name}
+                wanted = {t.unit for t in tuple(self._pending)} | {name}  # a snapshot: the main thread adds and pops meanwhile
                 for old in [u for u in self._units if u not in wanted]:  # a streamed model's weights live in the runtime: hand back the pages the probes read
                     graph_ops.release_pages(job.weights, self._units.pop(old).unit.tensor_names)
                 probes = UnitProbes(job.units[name], job.weights, job.probe_bits, job.rows)
@@ -327,6 +327,8 @@ class ProbeSource:
     def get(self, task: Task, following: Task | None = None) -> Perturbation:
         """`task`'s perturbation; with `following` (and no plan), start building that one in the background."""
         future = self._pending.pop(task, None)
+        if self._upcoming and self._upcoming[0] == task:  # prefetched before the plan came (prefix's first task)
+            self._upcoming.popleft()
         change = future.result() if future is not None else self._build(task)
         if self._upcoming:  # once it is built, so that no more than `depth` builds ever run at once
             self._top_up()
