@@ -85,6 +85,10 @@ def test_changed_settings_do_not_resume_silently(two_branch, tmp_path):
         score(model, contexts, steps=5, out=tmp_path / "run")
     fresh = score(model, contexts, steps=5, out=tmp_path / "run", resume=False)
     assert fresh.meta["rollout"]["steps"] == 5
+    from runtimes import OrtRuntime
+
+    with pytest.raises(InputError, match="different model, contexts or settings"):  # TF32 scores are another run
+        score(model, contexts, steps=5, out=tmp_path / "run", runtime=OrtRuntime(tf32=True))
 
 
 def test_early_stop_truncates_converged_rollouts(tmp_path):

@@ -353,6 +353,8 @@ def _fingerprint(prepared: Prepared, settings: ScoreSettings, runtime: OrtRuntim
         "units": [u.tensor_names for u in prepared.units],
         "provider": runtime.provider,
     }
+    if getattr(runtime, "tf32", False):  # TF32 moves γ by up to nats/step on a GPU: never resumed into an exact run
+        identity["tf32"] = True
     if prepared.job.rows:
         identity["gather_rows"] = {name: rows.tolist() for name, rows in sorted(prepared.job.rows.items())}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
