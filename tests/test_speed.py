@@ -252,6 +252,17 @@ def test_each_perturbation_is_built_once_when_its_task_was_prefetched_before_the
     source.close()
     assert sorted(built, key=tasks.index) == tasks
 
+    # a resumed run: the guessed first task is done already, so the plan lacks it; builds still run ahead
+    built.clear()
+    source = ProbeSource(job, depth=depth)
+    source.prefetch(tasks[0])
+    source.plan(tasks[1:])
+    assert list(source._pending) == tasks[1 : 1 + depth]
+    for task in tasks[1:]:
+        source.get(task)
+    source.close()
+    assert built[0] == tasks[0] and sorted(built[1:], key=tasks.index) == tasks[1:]
+
 
 def test_a_sweep_building_perturbations_four_ahead_gives_the_same_scores(tmp_path, monkeypatch):
     from tqsdeploy.sweep import SweepRunner

@@ -293,8 +293,14 @@ class ProbeSource:
         self._pool: ThreadPoolExecutor | None = None
 
     def plan(self, tasks: Sequence[Task]) -> None:
-        """The tasks in the order they will be asked for: builds start `depth` ahead of them."""
-        self._upcoming = deque(tasks)
+        """The tasks in the order they will be asked for: builds start `depth` ahead of them. A build started
+        before the plan came (prefix's guess at the first task) is kept if the plan has its task, and not
+        queued again; otherwise (a resumed run that finished it) it is dropped once done, so that it does
+        not hold a place among the `depth` builds for the whole sweep."""
+        planned = set(tasks)
+        for stray in [t for t in self._pending if t not in planned]:
+            self._pending.pop(stray).exception()
+        self._upcoming = deque(t for t in tasks if t not in self._pending)
         self._top_up()
 
     def unit(self, name: str) -> UnitProbes:
@@ -327,8 +333,6 @@ class ProbeSource:
     def get(self, task: Task, following: Task | None = None) -> Perturbation:
         """`task`'s perturbation; with `following` (and no plan), start building that one in the background."""
         future = self._pending.pop(task, None)
-        if self._upcoming and self._upcoming[0] == task:  # prefetched before the plan came (prefix's first task)
-            self._upcoming.popleft()
         change = future.result() if future is not None else self._build(task)
         if self._upcoming:  # once it is built, so that no more than `depth` builds ever run at once
             self._top_up()
