@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -38,11 +39,10 @@ import onnxruntime as ort
 from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_score import EXAMPLES, _plain_rollout, case  # noqa: E402
+from bench_score import EXAMPLES, _plain_rollout, case, sweep_shape  # noqa: E402
 
 from runtimes import OrtRuntime  # noqa: E402
 from tqsdeploy import ScoreSettings, score  # noqa: E402
-from tqsdeploy.score import prepare  # noqa: E402
 
 STRATEGIES = ("feed", "batch", "prefix", "auto")
 
@@ -88,11 +88,7 @@ def _agreement(cpu, gpu) -> dict:
 
 def sweep_row(name: str, model, contexts, spec, settings: ScoreSettings, rounds: int) -> dict:
     cpu_runtime, cuda_runtime = OrtRuntime(provider="cpu"), OrtRuntime(provider="cuda")
-    prepared = prepare(model, contexts, spec, settings=settings, runtime=cpu_runtime)
-    runner = prepared.open_runner()
-    batched = runner.nominal.batched
-    runner.close()
-    tasks = len(prepared.units) * (int(settings.quant_probe) + settings.gauss_draws)
+    prepared, batched, tasks = sweep_shape(model, contexts, spec, settings, cpu_runtime)
     width = int(settings.quant_probe) + settings.gauss_draws + 1
     walls: dict[str, list[float]] = {}
     picks, refused, tables, loops = [], {}, {}, {}
@@ -229,8 +225,6 @@ def markdown(meta: dict, rows: list[dict], latencies: list[dict]) -> str:
 
 
 def main() -> None:
-    import os
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(EXAMPLES + ("bert",)))
     parser.add_argument("--probes", type=int, default=2, help="Gaussian draws per unit (N)")

@@ -150,13 +150,18 @@ def _plain_rollout(model: Path, contexts: Contexts, spec: RolloutSpec, threads: 
     return best
 
 
-def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSettings, threads: int, rounds: int, skip: tuple[str, ...] = ()) -> dict:
-    runtime = OrtRuntime(threads=threads)
+def sweep_shape(model: Path, contexts, spec: RolloutSpec, settings: ScoreSettings, runtime: OrtRuntime):
+    """The prepared sweep, whether its windows run batched, and its number of perturbed rollouts L·(1+N)."""
     prepared = prepare(model, contexts, spec, settings=settings, runtime=runtime)
     runner = prepared.open_runner()
     batched = runner.nominal.batched
     runner.close()
-    tasks = len(prepared.units) * (int(settings.quant_probe) + settings.gauss_draws)
+    return prepared, batched, len(prepared.units) * (int(settings.quant_probe) + settings.gauss_draws)
+
+
+def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSettings, threads: int, rounds: int, skip: tuple[str, ...] = ()) -> dict:
+    runtime = OrtRuntime(threads=threads)
+    prepared, batched, tasks = sweep_shape(model, contexts, spec, settings, runtime)
     plains = [_plain_rollout(model, prepared.contexts, prepared.spec, threads, batched)]
     plain = plains[0]
     # Launch-bound or compute-bound: does a call of (1 + N + 1) times the windows, what a probe-batched call
