@@ -249,6 +249,7 @@ def score(
     provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt|trt-engine", help="cpu, cuda or tensorrt (ONNX Runtime execution providers), or trt-engine (native TensorRT, weights refitted)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="ONNX Runtime intra-op threads."),
     workers: int = typer.Option(1, "--workers", min=1, help="Processes (or Ray actors) running the sweep, one session each (threads split between them)."),
+    lanes: Optional[int] = typer.Option(None, "--lanes", min=1, help="Rollouts run side by side in this process, sharing one session (CPU provider; default: one per core, up to 8, threads split between them; 1 for models streamed from their files)."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Run the sweep on Ray: 'local' starts a local cluster, 'auto' or an address joins one (pip install 'tqsdeploy\\[ray]')."),
     strategy: str = typer.Option("auto", "--strategy", metavar="auto|feed|rebuild|unit|prefix|batch", help="feed (one session, weights fed per run), rebuild (a session per perturbation, constant weights), unit (a session per unit, only its weights fed), prefix (the first step runs only the graph downstream of the unit), batch (all of a unit's probes in one rollout, the batch tiled per probe; dynamic-batch models) or auto (time them, pick the cheapest)."),
     fresh: bool = typer.Option(False, "--fresh", help="Discard an existing run in the output folder."),
@@ -307,6 +308,7 @@ def score(
             ray_address=ray,
             on_start=on_start,
             on_result=on_result,
+            lanes=lanes,
         )
     finally:
         progress.stop()
@@ -324,11 +326,20 @@ def score(
     cuts = f" ({len(meta['prefix_cuts'])} cuts)" if meta.get("prefix_cuts") else ""
     out.print(
         f"{meta['units']} units, {meta['dead_units']} dead; rollout {meta['rollout']['steps']} steps ({meta['rollout']['origin']}); "
-        f"{meta['contexts']['windows']} context windows; strategy {meta['strategy']}{cuts}; Spearman(γ_quant, γ_gauss) = {_fmt(rho)}; "
+        f"{meta['contexts']['windows']} context windows; strategy {meta['strategy']}{cuts}{_lanes(meta)}; Spearman(γ_quant, γ_gauss) = {_fmt(rho)}; "
         f"sweep {meta['timings_s']['sweep']:.2f} s"
     )
     out.print(_describe_rollout(meta["rollout"]), highlight=False)
     out.print(f"wrote {table.run_dir}/scores.parquet, scores.csv, run.json")
+
+
+def _lanes(meta: dict) -> str:
+    """', 2 lanes x 1 thread' when the sweep ran tasks side by side (nothing otherwise)."""
+    lanes = meta.get("lanes", 1)
+    if lanes in (None, 1):
+        return ""
+    threads = meta.get("threads_per_lane")
+    return f", {lanes} lanes" + (f" × {threads} thread{'s' if threads != 1 else ''}" if threads else "")
 
 
 def _floats(text: str, option: str) -> list[float]:

@@ -32,7 +32,7 @@ from tqsdeploy.errors import InputError
 from tqsdeploy.files import claim_run_folder, write_json, write_npz, write_table, write_text
 from tqsdeploy.rollout import RolloutSpec, detect
 from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
-from tqsdeploy.sweep import EarlyStop, Nominal, ResultLog, SweepJob, SweepRunner, TaskResult, plan_tasks, run_local, run_parallel, run_ray
+from tqsdeploy.sweep import EarlyStop, Nominal, ResultLog, SweepJob, SweepRunner, TaskResult, plan_tasks, run_local, run_parallel, run_ray, sweep_lanes, usable_cores
 from tqsdeploy.units import Unit, UnitSelection, check_finite, gather_rows, select_units
 
 DEFAULT_STEPS = 8
@@ -183,6 +183,10 @@ class Prepared:
     """The runtime's copy of a model too large to pass as bytes (external data beside it)."""
     data_dir: Path | None = None
     """Set when the model was loaded without its external data: the folder its data files are in."""
+    lanes: int = 1
+    """Tasks the sweep runs at once in this process (`sweep.run_lanes`); the sessions' threads are split for them."""
+    threads: int | None = None
+    """ONNX Runtime intra-op threads per session (None: its default, every core)."""
 
     def open_runner(self, nominal: "Nominal | None" = None) -> SweepRunner:
         """A runner of the sweep; `nominal`: the rollout an earlier runner of this job made (not made again)."""
@@ -231,6 +235,7 @@ def prepare(
     workdir: Path | None = None,
     stream: bool = False,
     runtime_keeps_weights: bool = True,
+    lanes: int | None = 1,
 ) -> Prepared:
     """Load and check everything a sweep needs; fails fast on bad input.
 
@@ -245,11 +250,16 @@ def prepare(
     loads once (`runtime_keeps_weights`: a run feeds only what it perturbs, as a
     score does), or plain inputs fed from the files on every run, so the runtime
     holds no copy of them (export, which runs candidate sessions beside this one).
+    `lanes`: tasks run at once (`sweep.sweep_lanes`; None: as many as pay), the
+    cores split between them when `runtime` leaves threads to ONNX Runtime.
     """
     runtime.check()
     loaded = graph_ops.load_model(model, load_external=not stream)  # large single files come as a skeleton
     data_dir = loaded.path.parent.resolve() if stream and graph_ops.io.has_external_data(loaded.proto) else None
     streamed = data_dir is not None
+    lanes = sweep_lanes(lanes, runtime.provider, runtime.threads, streamed)
+    if lanes > 1 and runtime.threads is None:
+        runtime = dataclasses.replace(runtime, threads=max(1, usable_cores() // lanes))
     units = select_units(graph_ops.find_weight_tensors(loaded.proto), selection)
     names = [n for u in units for n in u.tensor_names]
     session_proto = graph_ops.lift_constants(loaded.proto, names)
@@ -324,7 +334,7 @@ def prepare(
     )
     return Prepared(
         model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session,
-        session_file=source if isinstance(source, Path) else None, data_dir=data_dir,
+        session_file=source if isinstance(source, Path) else None, data_dir=data_dir, lanes=lanes, threads=runtime.threads,
     )
 
 
@@ -395,6 +405,7 @@ def score(
     ray_address: str | None = None,
     on_start: Callable[[int, int], None] | None = None,
     on_result: Callable[[TaskResult], None] | None = None,
+    lanes: int | None = None,
 ) -> ScoreTable:
     """Run the TQS sweep on an ONNX model and return the ranked score table.
 
@@ -403,23 +414,28 @@ def score(
     `on_start(total, done)` and `on_result(result)` report progress.
     `workers` > 1 runs the sweep in that many processes (one session each);
     with `ray_address` ('local', 'auto' or a cluster address) on that many Ray actors.
+    `lanes` runs that many tasks at once in this process (None: `sweep.sweep_lanes` decides).
     """
     started = time.perf_counter()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     if ray_address is None:
         workers = min(workers, cores)  # more local processes than cores only adds contention
+    if workers > 1 or ray_address is not None:
+        if lanes not in (None, 1):
+            raise InputError("--lanes runs tasks side by side in this process; with --workers or --ray each worker runs one at a time", hint="pass one of them")
+        lanes = 1
     if workers > 1 and isinstance(runtime, OrtRuntime) and runtime.threads is None:
         runtime = dataclasses.replace(runtime, threads=max(1, cores // workers))  # N workers x threads <= cores
     run_dir = Path(out) if out else default_run_dir(model)
     with claim_run_folder(run_dir):
-        return _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, context_options, resume, strategy, workers, ray_address, on_start, on_result, started)
+        return _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, context_options, resume, strategy, workers, ray_address, on_start, on_result, started, lanes)
 
 
-def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, context_options, resume, strategy, workers, ray_address, on_start, on_result, started) -> ScoreTable:
+def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, context_options, resume, strategy, workers, ray_address, on_start, on_result, started, lanes) -> ScoreTable:
     """`score` inside its claimed run folder."""
     prepared = prepare(
         model, contexts, spec, steps, selection=selection, settings=settings, runtime=runtime, context_options=context_options, strategy=strategy,
-        workdir=run_dir, stream=True,
+        workdir=run_dir, stream=True, lanes=lanes,
     )
     fingerprint = _fingerprint(prepared, settings, runtime)
     meta_path = run_dir / "run.json"
@@ -497,7 +513,9 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         runner.close()
         run_parallel(prepared.job, pending, log, min(workers, len(pending)), runner.strategy, on_result=record)
     else:
-        run_local(prepared.job, pending, log, on_result=record, runner=runner)
+        meta["lanes"] = min(prepared.lanes, len(runner.work_items(pending))) if runner.lanes_possible else 1
+        meta["threads_per_lane"] = prepared.threads
+        run_local(prepared.job, pending, log, on_result=record, runner=runner, lanes=meta["lanes"])
         runner.close()
     sweep_seconds = time.perf_counter() - sweep_started
     if runner.fallbacks:
