@@ -14,13 +14,19 @@ quoted, because the machine is shared.
 
     python benchmarks/bench_score.py [--models etth1_patchtst,...,bert] [--probes 2] [--rounds 2] [--threads 1]
 
-Writes benchmarks/results/score.json and score.md.
+`--threads N` (default 1) gives every session N threads and runs the sweep on one lane: the strategies
+compared core for core. `--threads 0` measures the whole machine: score with its defaults (one lane
+per core, ONNX Runtime's threads split between them) against the plain rollout at the faster of one
+thread and ONNX Runtime's default (every core), taken per round.
+
+Writes benchmarks/results/score.json and score.md (score-machine.* with --threads 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -159,32 +165,40 @@ def sweep_shape(model: Path, contexts, spec: RolloutSpec, settings: ScoreSetting
     return prepared, batched, len(prepared.units) * (int(settings.quant_probe) + settings.gauss_draws)
 
 
-def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSettings, threads: int, rounds: int, skip: tuple[str, ...] = ()) -> dict:
+def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSettings, threads: int | None, rounds: int, skip: tuple[str, ...] = ()) -> dict:
+    """One model's row. `threads` fixes every session's threads and runs the sweep on one lane; None gives
+    score its defaults (lanes, threads split) and the plain rollout the faster of 1 thread and ORT's default."""
     runtime = OrtRuntime(threads=threads)
+    lanes = 1 if threads else None
     prepared, batched, tasks = sweep_shape(model, contexts, spec, settings, runtime)
-    plains = [_plain_rollout(model, prepared.contexts, prepared.spec, threads, batched)]
+
+    def plain_rollout(tiles: int = 1) -> float:
+        return min(_plain_rollout(model, prepared.contexts, prepared.spec, t, batched, tiles=tiles) for t in ((threads,) if threads else (1, None)))
+
+    plains = [plain_rollout()]
     plain = plains[0]
     # Launch-bound or compute-bound: does a call of (1 + N + 1) times the windows, what a probe-batched call
     # carries, cost less than that many calls? Batching can only pay where it does (<= 0.8: launch-bound).
     width = int(settings.quant_probe) + settings.gauss_draws + 1
-    scaling = _plain_rollout(model, prepared.contexts, prepared.spec, threads, batched, tiles=width) / (width * plain) if batched else None
+    scaling = plain_rollout(tiles=width) / (width * plain) if batched else None
     strategies = [s for s in ["feed", "rebuild", "unit", "prefix", "batch", "auto"] if s not in skip]
     walls: dict[str, list[float]] = {s: [] for s in strategies}
-    picks, estimates, sweep_phase, refused, ran_as = [], None, [], {}, {}
+    picks, estimates, sweep_phase, refused, ran_as, lanes_seen = [], None, [], {}, {}, set()
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(rounds):
             if round_:  # the denominator is timed in every round too: this machine's speed drifts between minutes
-                plains.append(_plain_rollout(model, prepared.contexts, prepared.spec, threads, batched))
+                plains.append(plain_rollout())
             for strategy in [s for s in strategies if s not in refused]:
                 started = time.perf_counter()
                 try:
-                    table = score(model, prepared.contexts, spec=prepared.spec, out=Path(tmp) / strategy, settings=settings, runtime=runtime, resume=False, strategy=strategy)
+                    table = score(model, prepared.contexts, spec=prepared.spec, out=Path(tmp) / strategy, settings=settings, runtime=runtime, resume=False, strategy=strategy, lanes=lanes)
                 except TqsError as exc:  # 'batch' refuses static-batch models and models whose rows mix
                     refused[strategy] = str(exc)
                     del walls[strategy]
                     continue
                 walls[strategy].append(time.perf_counter() - started)
                 ran_as.setdefault(strategy, set()).add(table.meta["strategy"])  # a streamed model runs every strategy as feed
+                lanes_seen.add((table.meta.get("lanes"), table.meta.get("threads_per_lane")))
                 if strategy == "auto":
                     picks.append(table.meta["strategy"])
                     estimates = table.meta.get("strategy_estimates_s")
@@ -211,6 +225,7 @@ def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSe
         "auto_picks": picks,
         "auto_estimates_s": estimates,
         "auto_sweep_phase_ratio": round(statistics.median(sweep_phase) / (tasks * plain), 3) if sweep_phase else None,
+        "lanes_x_threads": sorted(f"{lanes}x{threads or 'default'}" for lanes, threads in lanes_seen),
     }
 
 
@@ -219,7 +234,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(EXAMPLES + ("bert",)))
     parser.add_argument("--probes", type=int, default=2, help="Gaussian draws per unit (N)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians are reported")
-    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads for every session")
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads for every session, one lane (0: the whole machine, see --help)")
     parser.add_argument("--bert-contexts", type=int, default=2)
     args = parser.parse_args()
     settings = ScoreSettings(gauss_draws=args.probes)
@@ -233,21 +248,29 @@ def main() -> None:
                 continue
             print(f"{name} ...", flush=True)
             # rebuild on the BERT builds a 90 MB session per task (~70 s a sweep here); auto's estimate stands in for it
-            rows.append(bench(name, model, contexts, spec, settings, args.threads, args.rounds, skip=("rebuild",) if name == "bert" else ()))
+            rows.append(bench(name, model, contexts, spec, settings, args.threads or None, args.rounds, skip=("rebuild",) if name == "bert" else ()))
     RESULTS.mkdir(parents=True, exist_ok=True)
+    whole = not args.threads
+    stem = "score-machine" if whole else "score"
+    setup = (
+        f"the whole machine ({os.cpu_count()} cores): score with its defaults (lanes, ORT threads split between them), "
+        "the plain rollout at the faster of 1 thread and ONNX Runtime's default (every core), per round"
+        if whole else f"ORT threads={args.threads} for every session, one lane"
+    )
     meta = {
         "machine": platform.platform(),
         "threads": args.threads,
+        "setup": setup,
         "probes": f"quant + {args.probes} gauss",
         "rounds": args.rounds,
         "date": time.strftime("%Y-%m-%d"),
         "note": "taken on a shared 2-core virtual machine whose speed drifts by tens of percent from one minute to the next: the plain rollout is timed in every round beside the strategies, so ratios are meaningful and absolute times are not",
         "skipped": skipped,
     }
-    (RESULTS / "score.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     names = ["feed", "rebuild", "unit", "prefix", "batch", "auto"]
     lines = [
-        f"Score-sweep benchmark, {meta['date']}, {meta['machine']}, ORT threads={args.threads}, probes: {meta['probes']}, median of {args.rounds} interleaved rounds.",
+        f"Score-sweep benchmark, {meta['date']}, {meta['machine']}, {setup}; probes: {meta['probes']}, median of {args.rounds} interleaved rounds.",
         "",
         f"Note: {meta['note']}.",
         "",
@@ -257,8 +280,8 @@ def main() -> None:
         "at most 0.8 the model is launch-bound and the issue's target is ratio ≤ 0.8, otherwise it is compute-bound and the target is ≤ 1.02 "
         "(a model without a batch axis runs window by window and cannot be batched).",
         "",
-        "| model | units | params | T | windows | rollouts | plain rollout ms | batch scaling (bound, target) | " + " | ".join(f"{s} s (ratio, ×)" for s in names) + " | auto's pick | auto, task loop only: ratio |",
-        "|" + "---|" * (10 + len(names)),
+        "| model | units | params | T | windows | rollouts | plain rollout ms | batch scaling (bound, target) | " + " | ".join(f"{s} s (ratio, ×)" for s in names) + " | auto's pick | auto, task loop only: ratio | lanes × threads |",
+        "|" + "---|" * (11 + len(names)),
     ]
     for r in rows:
         cells = [
@@ -269,7 +292,7 @@ def main() -> None:
         lines.append(
             f"| {r['model']} | {r['units']} | {r['params'] / 1e6:.2f}M | {r['steps']} | {r['windows']} | {r['rollouts']} | {r['plain_rollout_s'] * 1e3:.1f} | "
             f"{r['batch_scaling'] if r['batch_scaling'] is not None else 'no batch axis'} ({r['bound']}, ≤ {r['target']}) | "
-            + " | ".join(cells) + f" | {', '.join(r['auto_picks'])} | {r['auto_sweep_phase_ratio']} |"
+            + " | ".join(cells) + f" | {', '.join(r['auto_picks'])} | {r['auto_sweep_phase_ratio']} | {', '.join(r['lanes_x_threads'])} |"
         )
     lines += ["", "auto's own estimates of each sweep (s), from one window, one step and one build:", ""]
     lines += [f"- {r['model']}: " + ", ".join(f"{k} {v}" for k, v in (r["auto_estimates_s"] or {}).items()) for r in rows]
@@ -279,7 +302,7 @@ def main() -> None:
         lines += ["", "\"ran as feed\": the model holds 64 MiB or more (or external data), so score streams it from its file, where only feed and prefix run (README, Sweep strategies)."]
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped)]
-    (RESULTS / "score.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -1112,7 +1112,8 @@ def sweep_lanes(lanes: int | None, provider: str, threads: int | None, streamed:
     `lanes` None (auto): on the CPU provider one per core (or per `threads` cores when those are fixed), at
     most `LANES_MAX`; one for a model streamed from its files (its calls are large enough for ONNX Runtime's
     own threads, and its memory stays one model's worth) and on a GPU, where one lane's calls keep it busy.
-    An explicit number is capped at the cores; more than one on a GPU provider is refused.
+    An explicit number is taken as given (more lanes than cores only share them); more than one on a GPU
+    provider is refused.
     """
     if lanes is not None and lanes < 1:
         raise InputError(f"--lanes must be 1 or more, not {lanes}")
@@ -1123,7 +1124,7 @@ def sweep_lanes(lanes: int | None, provider: str, threads: int | None, streamed:
     cores = usable_cores()
     if lanes is None:
         return 1 if streamed else max(1, min(LANES_MAX, cores // (threads or 1)))
-    return min(lanes, cores)
+    return lanes
 
 
 def interleaved(items: Sequence[Sequence[Task]], lanes: int) -> list[Task]:

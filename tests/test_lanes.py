@@ -1,0 +1,163 @@
+"""Lanes: a sweep's tasks run side by side in one process and give the one-lane table bit for bit."""
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import models
+from runtimes import OrtRuntime
+from tqsdeploy import ScoreSettings, score
+from tqsdeploy.cli import app
+from tqsdeploy.contexts import Contexts
+from tqsdeploy.errors import InputError, RolloutError
+from tqsdeploy.probes import UnitProbes
+from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.sweep import ProbeSource, Task, interleaved, plan_tasks, sweep_lanes
+from tqsdeploy.units import UnitSelection
+
+SETTINGS = ScoreSettings(gauss_draws=2)
+ONE_THREAD = OrtRuntime(threads=1)  # the same kernels in every lane and in the one-lane run: equal to the bit
+
+
+def _assorted(tmp_path):
+    """Gather table, Gemm, Conv (weight through Transpose), a Constant-node weight; one step."""
+    model = models.assorted_ops(tmp_path / "assorted.onnx")
+    rng = np.random.default_rng(0)
+    contexts = Contexts(
+        {"ids": rng.integers(0, 100, (3, 5)).astype(np.int64), "img": rng.standard_normal((3, 5, 4, 8, 8)).astype(np.float32)}, source="test"
+    )
+    return model, contexts, RolloutSpec(steps=1, feedback=(), trajectory=("y", "z"))
+
+
+def _shared(tmp_path):
+    """A residual MLP with one weight read by two MatMuls and a transB Gemm, rolled out 4 steps."""
+    model = models.mlp_forecaster(tmp_path / "mlp.onnx")
+    contexts = Contexts({"x": np.random.default_rng(1).standard_normal((4, 2, 32)).astype(np.float32)}, source="test")
+    return model, contexts, RolloutSpec.from_dict({"steps": 4, "feedback": [{"output": "y", "input": "x"}]})
+
+
+def _table(case, tmp_path, strategy, lanes, **kwargs):
+    model, contexts, spec = case(tmp_path)
+    return score(
+        model, contexts, spec=spec, out=tmp_path / f"{strategy}-{lanes}", settings=SETTINGS, runtime=ONE_THREAD, strategy=strategy,
+        lanes=lanes, selection=UnitSelection(min_params=100), **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    "case,strategy",
+    [(_shared, s) for s in ("feed", "rebuild", "unit", "prefix", "batch")] + [(_assorted, s) for s in ("feed", "unit", "prefix")],
+)
+def test_three_lanes_give_the_one_lane_table(tmp_path, case, strategy):
+    one = _table(case, tmp_path, strategy, 1)
+    three = _table(case, tmp_path, strategy, 3)
+    items = {"prefix": len(three.meta.get("prefix_cuts", [])), "unit": three.frame.height, "batch": three.frame.height}.get(strategy, 3 * three.frame.height)
+    assert one.meta["lanes"] == 1 and three.meta["lanes"] == min(3, items) and three.meta["strategy"] == strategy
+    assert three.frame.height >= 3
+    assert three.frame.drop("seconds").equals(one.frame.drop("seconds"))
+    assert len((tmp_path / f"{strategy}-3" / "sweep.jsonl").read_text().splitlines()) == 3 * three.frame.height
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_an_interrupted_sweep_on_lanes_resumes_without_rerunning_what_landed(tmp_path):
+    whole = _table(_shared, tmp_path, "feed", 1)
+    landed = []
+
+    def stop_after_four(result):
+        landed.append(result.key)
+        if len(landed) == 4:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        _table(_shared, tmp_path, "feed", 2, on_result=stop_after_four)
+    assert len((tmp_path / "feed-2" / "sweep.jsonl").read_text().splitlines()) == 4  # only this thread writes the log
+    rerun = []
+    resumed = _table(_shared, tmp_path, "feed", 2, on_result=lambda r: rerun.append(r.key))
+    assert len(rerun) == 3 * whole.frame.height - 4 and not set(rerun) & set(landed)
+    assert resumed.frame.drop("seconds").equals(whole.frame.drop("seconds"))
+
+
+def test_a_lane_that_fails_ends_the_sweep_with_its_error(tmp_path, monkeypatch):
+    perturb = UnitProbes.perturb
+
+    def failing(self, probe, draw, seed):
+        if draw == 1:
+            raise RolloutError("draw 1 failed")
+        return perturb(self, probe, draw, seed)
+
+    monkeypatch.setattr(UnitProbes, "perturb", failing)
+    with pytest.raises(RolloutError, match="draw 1 failed"):
+        _table(_shared, tmp_path, "unit", 2)
+    landed = [json.loads(line) for line in (tmp_path / "unit-2" / "sweep.jsonl").read_text().splitlines()]
+    assert all(row["draw"] != 1 for row in landed)
+
+
+def test_lanes_taking_units_out_of_plan_order_build_each_perturbation_once(tmp_path, monkeypatch):
+    """With per-unit work items two lanes ask for two units' tasks at once, not in the plan's order:
+    a task asked for before its build started is built by the asker and never again."""
+    model, contexts, spec = _assorted(tmp_path)
+    from tqsdeploy.score import prepare
+
+    job = prepare(model, contexts, spec, settings=SETTINGS, selection=UnitSelection(min_params=100)).job
+    tasks = plan_tasks(list(job.units.values()), True, 2)
+    built = []
+    build = ProbeSource._build
+    monkeypatch.setattr(ProbeSource, "_build", lambda self, task: built.append((self, task)) or build(self, task))
+    source = ProbeSource(job)
+    source.share(2)
+    source.plan(tasks)  # plan order, while the lanes below take units 0 and 1 at once, then 2 and 3
+    one = ProbeSource(job)
+    units = [[t for t in tasks if t.unit == u] for u in dict.fromkeys(t.unit for t in tasks)]
+    for pair in range(0, len(units), 2):
+        for depth in range(3):
+            for item in units[pair:pair + 2]:
+                got, want = source.get(item[depth]), one.get(item[depth])
+                assert got.delta_sq == want.delta_sq and all(np.array_equal(got.weights[n], want.weights[n]) for n in want.weights)
+    source.close()
+    one.close()
+    assert sorted((t for s, t in built if s is source), key=tasks.index) == tasks
+
+
+def test_interleaved_is_the_order_lanes_ask_in():
+    items = [[Task(u, "gauss", d) for d in range(n)] for u, n in (("a", 2), ("b", 3), ("c", 1))]
+    assert [(t.unit, t.draw) for t in interleaved(items, 2)] == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("b", 2), ("c", 0)]
+
+
+def test_lane_counts():
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert sweep_lanes(None, "cpu", None, streamed=False) == min(8, cores)
+    assert sweep_lanes(None, "cpu", cores, streamed=False) == 1  # threads fixed at every core: one lane
+    assert sweep_lanes(None, "cpu", None, streamed=True) == 1
+    assert sweep_lanes(5, "cpu", None, streamed=True) == 5
+    assert sweep_lanes(None, "cuda", None, streamed=False) == 1
+    with pytest.raises(InputError, match="CPU provider only"):
+        sweep_lanes(2, "cuda", None, streamed=False)
+    with pytest.raises(InputError, match="1 or more"):
+        sweep_lanes(0, "cpu", None, streamed=False)
+
+
+def test_default_lanes_split_the_cores(two_branch, tmp_path):
+    import os
+
+    model, contexts = two_branch
+    table = score(model, contexts, steps=3, out=tmp_path / "run", settings=SETTINGS, strategy="feed")
+    cores = len(os.sched_getaffinity(0))
+    assert table.meta["lanes"] == min(8, cores)
+    assert table.meta["threads_per_lane"] == (max(1, cores // min(8, cores)) if cores > 1 else None)
+
+
+def test_cli_refuses_lanes_with_workers_in_one_line(two_branch, tmp_path):
+    model, contexts = two_branch
+    result = CliRunner().invoke(app, ["score", str(model), "--contexts", str(contexts), "--steps", "2", "--lanes", "2", "--workers", "2", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2
+    assert "--lanes runs tasks side by side in this process" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["score", str(model), "--contexts", str(contexts), "--steps", "2", "--lanes", "2", "--out", str(tmp_path / "ok")])
+    assert result.exit_code == 0, result.output
+    assert "strategy" in result.output and "2 lanes" in " ".join(result.output.split())
