@@ -14,7 +14,7 @@ from tqsdeploy.contexts import Contexts
 from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.probes import UnitProbes
 from tqsdeploy.rollout import RolloutSpec
-from tqsdeploy.sweep import ProbeSource, Task, interleaved, plan_tasks, sweep_lanes
+from tqsdeploy.sweep import LANES_MODEL_BYTES, ProbeSource, Task, interleaved, plan_tasks, sweep_lanes
 from tqsdeploy.units import UnitSelection
 
 SETTINGS = ScoreSettings(gauss_draws=2)
@@ -132,15 +132,16 @@ def test_lane_counts():
     import os
 
     cores = len(os.sched_getaffinity(0))
-    assert sweep_lanes(None, "cpu", None, streamed=False) == min(8, cores)
-    assert sweep_lanes(None, "cpu", cores, streamed=False) == 1  # threads fixed at every core: one lane
-    assert sweep_lanes(None, "cpu", None, streamed=True) == 1
-    assert sweep_lanes(5, "cpu", None, streamed=True) == 5
-    assert sweep_lanes(None, "cuda", None, streamed=False) == 1
+    small, large = 1 << 20, LANES_MODEL_BYTES + 1
+    assert sweep_lanes(None, "cpu", None, small) == min(8, cores)
+    assert sweep_lanes(None, "cpu", cores, small) == 1  # threads fixed at every core: one lane
+    assert sweep_lanes(None, "cpu", None, large) == 1
+    assert sweep_lanes(5, "cpu", None, large) == 5
+    assert sweep_lanes(None, "cuda", None, small) == 1
     with pytest.raises(InputError, match="CPU provider only"):
-        sweep_lanes(2, "cuda", None, streamed=False)
+        sweep_lanes(2, "cuda", None, small)
     with pytest.raises(InputError, match="1 or more"):
-        sweep_lanes(0, "cpu", None, streamed=False)
+        sweep_lanes(0, "cpu", None, small)
 
 
 def test_default_lanes_split_the_cores(two_branch, tmp_path):

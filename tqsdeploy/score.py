@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import platform
 import tempfile
 import sys
@@ -257,7 +256,7 @@ def prepare(
     loaded = graph_ops.load_model(model, load_external=not stream)  # large single files come as a skeleton
     data_dir = loaded.path.parent.resolve() if stream and graph_ops.io.has_external_data(loaded.proto) else None
     streamed = data_dir is not None
-    lanes = sweep_lanes(lanes, runtime.provider, runtime.threads, streamed)
+    lanes = sweep_lanes(lanes, runtime.provider, runtime.threads, loaded.file_bytes)
     if lanes > 1 and runtime.threads is None:
         runtime = dataclasses.replace(runtime, threads=max(1, usable_cores() // lanes))
     units = select_units(graph_ops.find_weight_tensors(loaded.proto), selection)
@@ -513,7 +512,7 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         runner.close()
         run_parallel(prepared.job, pending, log, min(workers, len(pending)), runner.strategy, on_result=record)
     else:
-        meta["lanes"] = min(prepared.lanes, len(runner.work_items(pending))) if runner.lanes_possible else 1
+        meta["lanes"] = max(1, min(prepared.lanes, len(runner.work_items(pending))))
         meta["threads_per_lane"] = prepared.threads
         run_local(prepared.job, pending, log, on_result=record, runner=runner, lanes=meta["lanes"])
         runner.close()

@@ -1025,12 +1025,6 @@ class SweepRunner:
         """RMS trajectory divergence over all steps relative to the RMS nominal trajectory."""
         return self.drift(weights).relative_rms
 
-    @property
-    def lanes_possible(self) -> bool:
-        """Whether tasks may run on several lanes: not for 'prefix' on a model streamed from its files
-        (its cuts are read from the files one session at a time, to hold one model's worth of memory)."""
-        return not (self.strategy == "prefix" and self.job.rebuild_factory is None)
-
     def lane(self) -> "SweepRunner":
         """Another runner over this one's sessions, nominal, cut plan and probe builds, with per-unit sessions
         of its own ('unit', 'batch', 'prefix' cuts): lanes run tasks at once on their own threads (ONNX
@@ -1083,7 +1077,7 @@ def run_local(
     runner = runner or job.open()
     try:
         items = runner.work_items(tasks)
-        lanes = min(lanes, len(items)) if runner.lanes_possible else 1
+        lanes = min(lanes, len(items))
         if lanes > 1:
             run_lanes(runner, items, lanes, log, on_result)
             return
@@ -1099,6 +1093,9 @@ def run_local(
 
 LANES_MAX = 8
 """At most this many lanes by default: each holds a rollout's activations (and per-unit sessions)."""
+LANES_MODEL_BYTES = 256 << 20
+"""By default a model larger than this runs one lane: its calls are large enough for ONNX Runtime's own
+threads, and a lane's own sessions ('prefix' cuts, up to a whole model each) would multiply its memory."""
 
 
 def usable_cores() -> int:
@@ -1106,14 +1103,13 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def sweep_lanes(lanes: int | None, provider: str, threads: int | None, streamed: bool) -> int:
+def sweep_lanes(lanes: int | None, provider: str, threads: int | None, model_bytes: int) -> int:
     """How many tasks a sweep runs at once in this process.
 
     `lanes` None (auto): on the CPU provider one per core (or per `threads` cores when those are fixed), at
-    most `LANES_MAX`; one for a model streamed from its files (its calls are large enough for ONNX Runtime's
-    own threads, and its memory stays one model's worth) and on a GPU, where one lane's calls keep it busy.
-    An explicit number is taken as given (more lanes than cores only share them); more than one on a GPU
-    provider is refused.
+    most `LANES_MAX`, and one for a model over `LANES_MODEL_BYTES`; one on a GPU, where one lane's calls
+    keep it busy. An explicit number is taken as given (more lanes than cores only share them, and each
+    lane holds its own per-unit sessions); more than one on a GPU provider is refused.
     """
     if lanes is not None and lanes < 1:
         raise InputError(f"--lanes must be 1 or more, not {lanes}")
@@ -1121,9 +1117,8 @@ def sweep_lanes(lanes: int | None, provider: str, threads: int | None, streamed:
         if lanes not in (None, 1):
             raise InputError(f"--lanes {lanes} runs tasks side by side on the CPU provider only; on '{provider}' the sweep runs one lane", hint="drop --lanes")
         return 1
-    cores = usable_cores()
     if lanes is None:
-        return 1 if streamed else max(1, min(LANES_MAX, cores // (threads or 1)))
+        return 1 if model_bytes > LANES_MODEL_BYTES else max(1, min(LANES_MAX, usable_cores() // (threads or 1)))
     return lanes
 
 
