@@ -1,10 +1,10 @@
 """The sweep: independent (unit, probe, draw) tasks run against one session.
 
 Every task is self-describing and deterministic, so the same list can be run
-in one process (here), split across processes or machines (a distributed
-executor only needs `SweepJob`, which pickles), and resumed: results are
-appended to a JSON-lines table as each task finishes, and tasks already in
-the table are never run again.
+in one process (here, on one lane or several side by side), split across
+processes or machines (a distributed executor only needs `SweepJob`, which
+pickles), and resumed: results are appended to a JSON-lines table as each
+task finishes, and tasks already in the table are never run again.
 """
 
 from __future__ import annotations
@@ -384,7 +384,8 @@ class ProbeSource:
 
 
 class SweepRunner:
-    """Holds a live session and the nominal trajectory; runs tasks one by one.
+    """Holds a live session and the nominal trajectory; runs tasks one by one (`lane` gives more
+    runners over the same sessions, to run tasks side by side: `run_lanes`).
 
     'feed' runs everything on one session with every scored weight
     overridable: no session build per perturbation, but no fed weight is
