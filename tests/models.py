@@ -243,3 +243,24 @@ def batch_mean(path: Path, n: int = 32, seed: int = 0) -> Path:
         helper.make_node("Sub", ["a", "mt"], ["y"]),
     ]
     return _state_model(nodes, init, path, n)
+
+
+def assorted_case(folder: Path):
+    """(model, contexts, rollout spec): a Gather table, a Gemm (transB=0), a Constant-node MatMul weight and a
+    Conv weight read through a Transpose; one step, no feedback."""
+    from tqsdeploy.contexts import Contexts
+    from tqsdeploy.rollout import RolloutSpec
+
+    rng = np.random.default_rng(0)
+    contexts = Contexts({"ids": rng.integers(0, 100, (3, 5)).astype(np.int64), "img": rng.standard_normal((3, 5, 4, 8, 8)).astype(np.float32)}, source="test")
+    return assorted_ops(Path(folder) / "assorted.onnx"), contexts, RolloutSpec(steps=1, feedback=(), trajectory=("y", "z"))
+
+
+def shared_weight_case(folder: Path, steps: int = 4):
+    """(model, contexts, rollout spec): a residual MLP with one weight read by two MatMuls and a transB Gemm,
+    its state fed back for `steps` steps."""
+    from tqsdeploy.contexts import Contexts
+    from tqsdeploy.rollout import RolloutSpec
+
+    contexts = Contexts({"x": np.random.default_rng(1).standard_normal((4, 2, 32)).astype(np.float32)}, source="test")
+    return mlp_forecaster(Path(folder) / "mlp.onnx"), contexts, RolloutSpec.from_dict({"steps": steps, "feedback": [{"output": "y", "input": "x"}]})

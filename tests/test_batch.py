@@ -33,8 +33,7 @@ def _two_branch(tmp_path):
 
 def _shared(tmp_path):
     """A weight read by two MatMuls and a transB=1 Gemm; 4 steps."""
-    spec = RolloutSpec.from_dict({"steps": 4, "feedback": [{"output": "y", "input": "x"}]})
-    return models.mlp_forecaster(tmp_path / "mlp.onnx"), Contexts(_state((4, 2, 32)), source="test"), spec, UnitSelection(min_params=100)
+    return (*models.shared_weight_case(tmp_path), UnitSelection(min_params=100))
 
 
 def _gemm(tmp_path):
@@ -56,10 +55,7 @@ def _conv(tmp_path):
 
 def _assorted(tmp_path):
     """Gather, Gemm (transB=0), a Constant-node MatMul weight, and a Conv weight read through a Transpose (not batched)."""
-    rng = np.random.default_rng(0)
-    contexts = Contexts({"ids": rng.integers(0, 100, (3, 5)).astype(np.int64), "img": rng.standard_normal((3, 5, 4, 8, 8)).astype(np.float32)}, source="test")
-    spec = RolloutSpec(steps=1, feedback=(), trajectory=("y", "z"))
-    return models.assorted_ops(tmp_path / "assorted.onnx"), contexts, spec, UnitSelection(min_params=100)
+    return (*models.assorted_case(tmp_path), UnitSelection(min_params=100))
 
 
 @pytest.mark.parametrize("case", [_two_branch, _shared, _gemm, _gather, _conv, _assorted])

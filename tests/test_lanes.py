@@ -10,32 +10,13 @@ import models
 from runtimes import OrtRuntime
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
-from tqsdeploy.contexts import Contexts
 from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.probes import UnitProbes
-from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.sweep import LANES_MODEL_BYTES, ProbeSource, Task, interleaved, plan_tasks, sweep_lanes
 from tqsdeploy.units import UnitSelection
 
 SETTINGS = ScoreSettings(gauss_draws=2)
 ONE_THREAD = OrtRuntime(threads=1)  # the same kernels in every lane and in the one-lane run: equal to the bit
-
-
-def _assorted(tmp_path):
-    """Gather table, Gemm, Conv (weight through Transpose), a Constant-node weight; one step."""
-    model = models.assorted_ops(tmp_path / "assorted.onnx")
-    rng = np.random.default_rng(0)
-    contexts = Contexts(
-        {"ids": rng.integers(0, 100, (3, 5)).astype(np.int64), "img": rng.standard_normal((3, 5, 4, 8, 8)).astype(np.float32)}, source="test"
-    )
-    return model, contexts, RolloutSpec(steps=1, feedback=(), trajectory=("y", "z"))
-
-
-def _shared(tmp_path):
-    """A residual MLP with one weight read by two MatMuls and a transB Gemm, rolled out 4 steps."""
-    model = models.mlp_forecaster(tmp_path / "mlp.onnx")
-    contexts = Contexts({"x": np.random.default_rng(1).standard_normal((4, 2, 32)).astype(np.float32)}, source="test")
-    return model, contexts, RolloutSpec.from_dict({"steps": 4, "feedback": [{"output": "y", "input": "x"}]})
 
 
 def _table(case, tmp_path, strategy, lanes, **kwargs):
@@ -48,7 +29,7 @@ def _table(case, tmp_path, strategy, lanes, **kwargs):
 
 @pytest.mark.parametrize(
     "case,strategy",
-    [(_shared, s) for s in ("feed", "rebuild", "unit", "prefix", "batch")] + [(_assorted, s) for s in ("feed", "unit", "prefix")],
+    [(models.shared_weight_case, s) for s in ("feed", "rebuild", "unit", "prefix", "batch")] + [(models.assorted_case, s) for s in ("feed", "unit", "prefix")],
 )
 def test_three_lanes_give_the_one_lane_table(tmp_path, case, strategy):
     one = _table(case, tmp_path, strategy, 1)
@@ -65,7 +46,7 @@ class Interrupt(Exception):
 
 
 def test_an_interrupted_sweep_on_lanes_resumes_without_rerunning_what_landed(tmp_path):
-    whole = _table(_shared, tmp_path, "feed", 1)
+    whole = _table(models.shared_weight_case, tmp_path, "feed", 1)
     landed = []
 
     def stop_after_four(result):
@@ -74,10 +55,10 @@ def test_an_interrupted_sweep_on_lanes_resumes_without_rerunning_what_landed(tmp
             raise Interrupt
 
     with pytest.raises(Interrupt):
-        _table(_shared, tmp_path, "feed", 2, on_result=stop_after_four)
+        _table(models.shared_weight_case, tmp_path, "feed", 2, on_result=stop_after_four)
     assert len((tmp_path / "feed-2" / "sweep.jsonl").read_text().splitlines()) == 4  # only this thread writes the log
     rerun = []
-    resumed = _table(_shared, tmp_path, "feed", 2, on_result=lambda r: rerun.append(r.key))
+    resumed = _table(models.shared_weight_case, tmp_path, "feed", 2, on_result=lambda r: rerun.append(r.key))
     assert len(rerun) == 3 * whole.frame.height - 4 and not set(rerun) & set(landed)
     assert resumed.frame.drop("seconds").equals(whole.frame.drop("seconds"))
 
@@ -92,7 +73,7 @@ def test_a_lane_that_fails_ends_the_sweep_with_its_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(UnitProbes, "perturb", failing)
     with pytest.raises(RolloutError, match="draw 1 failed"):
-        _table(_shared, tmp_path, "unit", 2)
+        _table(models.shared_weight_case, tmp_path, "unit", 2)
     landed = [json.loads(line) for line in (tmp_path / "unit-2" / "sweep.jsonl").read_text().splitlines()]
     assert all(row["draw"] != 1 for row in landed)
 
@@ -100,7 +81,7 @@ def test_a_lane_that_fails_ends_the_sweep_with_its_error(tmp_path, monkeypatch):
 def test_lanes_taking_units_out_of_plan_order_build_each_perturbation_once(tmp_path, monkeypatch):
     """With per-unit work items two lanes ask for two units' tasks at once, not in the plan's order:
     a task asked for before its build started is built by the asker and never again."""
-    model, contexts, spec = _assorted(tmp_path)
+    model, contexts, spec = models.assorted_case(tmp_path)
     from tqsdeploy.score import prepare
 
     job = prepare(model, contexts, spec, settings=SETTINGS, selection=UnitSelection(min_params=100)).job

@@ -16,20 +16,11 @@ SETTINGS = ScoreSettings(gauss_draws=2)
 
 
 def _assorted(tmp_path):
-    """Gather table, Gemm, Conv (weight through Transpose) and a Constant-node weight; one step, no feedback."""
-    model = models.assorted_ops(tmp_path / "assorted.onnx")
-    rng = np.random.default_rng(0)
-    contexts = Contexts(
-        {"ids": rng.integers(0, 100, (3, 5)).astype(np.int64), "img": rng.standard_normal((3, 5, 4, 8, 8)).astype(np.float32)}, source="test"
-    )
-    return model, contexts, RolloutSpec(steps=1, feedback=(), trajectory=("y", "z"))
+    return models.assorted_case(tmp_path)
 
 
 def _shared(tmp_path, steps=4):
-    """A residual MLP with one weight used by two MatMuls and a transB Gemm; rolled out 4 steps."""
-    model = models.mlp_forecaster(tmp_path / "mlp.onnx")
-    contexts = Contexts({"x": np.random.default_rng(1).standard_normal((4, 2, 32)).astype(np.float32)}, source="test")
-    return model, contexts, RolloutSpec.from_dict({"steps": steps, "feedback": [{"output": "y", "input": "x"}]})
+    return models.shared_weight_case(tmp_path, steps)
 
 
 def _shared_one_step(tmp_path):
