@@ -143,3 +143,27 @@ def test_cli_refuses_lanes_with_workers_in_one_line(two_branch, tmp_path):
     result = CliRunner().invoke(app, ["score", str(model), "--contexts", str(contexts), "--steps", "2", "--lanes", "2", "--out", str(tmp_path / "ok")])
     assert result.exit_code == 0, result.output
     assert "strategy" in result.output and "2 lanes" in " ".join(result.output.split())
+
+
+def test_export_prices_and_refines_on_lanes_as_on_one(tmp_path):
+    """Export's independent rollouts (the measured price list, refinement's trials) on three lanes give the
+    one-lane prices, allocation and drift to the bit."""
+    import shutil
+
+    from tqsdeploy.export import ExportSettings, Planner
+
+    model = models.mlp_forecaster(tmp_path / "mlp.onnx", n=64, hidden=128)
+    contexts = tmp_path / "ctx.npz"
+    np.savez(contexts, x=np.random.default_rng(5).standard_normal((6, 2, 64)).astype(np.float32))
+    score(model, contexts, steps=4, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1), runtime=ONE_THREAD)
+    outcomes = {}
+    for lanes in (1, 3):
+        run = shutil.copytree(tmp_path / "run", tmp_path / f"run-{lanes}")
+        planner = Planner(run, settings=ExportSettings(refine=2, lanes=lanes), runtime=ONE_THREAD)
+        prices = {key: result.div_sq for key, result in planner.measured().items()}
+        refined, drift = planner.refine(planner.allocate(5))
+        outcomes[lanes] = (len(planner.lanes), prices, refined.tiers, drift.div_sq)
+        planner.close()
+    assert outcomes[1][0] == 1 and outcomes[3][0] == 3
+    assert len(outcomes[3][1]) >= 6 and len(set(outcomes[3][2].values())) > 1  # a mixed allocation, from real prices
+    assert outcomes[3][1:] == outcomes[1][1:]

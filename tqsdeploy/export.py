@@ -44,7 +44,7 @@ from tqsdeploy.files import write_json, write_table
 from tqsdeploy.quantization import Encoder, Slot, make_slots
 from tqsdeploy.score import Prepared, ScoreTable, default_run_dir, prepare
 from tqsdeploy.scoring import ScoreSettings
-from tqsdeploy.sweep import Drift, ResultLog, SweepRunner, Task, TaskResult
+from tqsdeploy.sweep import Drift, Lanes, ResultLog, SweepRunner, Task, TaskResult
 from tqsdeploy.units import Unit, UnitSelection
 
 BASES = ("file", "units")
@@ -77,6 +77,9 @@ class ExportSettings:
     """Units holding more than this share of the unit parameters are split into channel groups of about this share."""
     basis: str = "file"
     """What --C divides: 'file' (every stored tensor) or 'units' (the scored units only)."""
+    lanes: int | None = None
+    """Rollouts that do not depend on each other (pricing, refinement's trials) run this many at once
+    (`sweep.Lanes`); None: as `score` decides (`sweep.sweep_lanes`), the sessions' threads split between them."""
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -202,6 +205,7 @@ class Planner:
             workdir=self.run_dir,
             stream=True,
             runtime_keeps_weights=False,  # candidates run in sessions beside this one: it holds no copy of the weights
+            lanes=settings.lanes,
         )
         if self.prepared.model.sha256 != meta["model"]["sha256"]:
             raise InputError(
@@ -240,6 +244,7 @@ class Planner:
         self._overhead: dict[int, int] = {}
         self._costs: dict[tuple[str, str], int] = {}
         self._runner: SweepRunner | None = None
+        self._lanes: list[SweepRunner] = []
         self._nominal = None
         """The original's rollout the first runner made: a large model's runner is closed for each
         calibration pass, and opening it again must not read every weight of the model once more."""
@@ -326,9 +331,21 @@ class Planner:
             self._nominal = self._runner.nominal
         return self._runner
 
+    @property
+    def lanes(self) -> list[SweepRunner]:
+        """The runners that roll out independent candidates side by side: the measuring runner and its
+        `SweepRunner.lane`s (`prepared.lanes` in all; one for a model measured on its own sessions)."""
+        if not self._lanes:
+            count = 1 if self.one_session else self.prepared.lanes
+            self._lanes = [self.runner] + [self.runner.lane() for _ in range(count - 1)]
+        return self._lanes
+
     def _release_runner(self) -> None:
         """Close the measuring session for a calibration pass; it opens again the way it ran."""
         if self._runner is not None:
+            for lane in self._lanes[1:]:
+                lane.close()
+            self._lanes = []
             self.prepared.job.strategy = self._runner.strategy
             self._runner.close()
             self._runner = None
@@ -372,18 +389,22 @@ class Planner:
             for tier in {tier.name: tier for slot, tier in self.measured_tasks() if Task(slot.name, self._probe(tier)).key not in done}.values():
                 if tier.calibratable:  # each tier's encoding pass before the first rollout, so the rollouts' ETA is theirs
                     self.encoder.uniform(tier, self.rounding)
-            for slot, tier in self.measured_tasks():
-                key = Task(slot.name, self._probe(tier)).key
-                if key in done:
-                    continue
-                weights = self.encoder.slot_weights(slot, tier, self.rounding)
-                tick = time.perf_counter()
-                div_sq, nonfinite = self.runner.divergence(weights, early_stop=False)
-                result = TaskResult(slot.name, self._probe(tier), 0, 0.0, div_sq, nonfinite, time.perf_counter() - tick)
-                log.append(result)
-                done[key] = result
-                if on_result:
-                    on_result(result)
+            pending = [(slot, tier) for slot, tier in self.measured_tasks() if Task(slot.name, self._probe(tier)).key not in done]
+
+            def price(lane: SweepRunner, item):
+                for slot, tier in item:
+                    weights = self.encoder.slot_weights(slot, tier, self.rounding)
+                    tick = time.perf_counter()
+                    div_sq, nonfinite = lane.divergence(weights, early_stop=False)
+                    yield TaskResult(slot.name, self._probe(tier), 0, 0.0, div_sq, nonfinite, time.perf_counter() - tick)
+
+            lanes = self.lanes
+            with Lanes(lanes, lanes[0].work_items(pending, lambda task: task[0].unit), price) as results:
+                for result in results:
+                    log.append(result)
+                    done[result.key] = result
+                    if on_result:
+                        on_result(result)
         finally:
             log.close()
             lock.release()
@@ -452,12 +473,12 @@ class Planner:
     def weights_of(self, encodings: dict[str, Encoded]) -> dict[str, np.ndarray]:
         return {name: e.dequantize() for name, e in encodings.items() if e.form != "raw"}
 
-    def measure(self, encodings: dict[str, Encoded]) -> Drift:
-        """Joint drift of the model with these encodings on the scoring contexts. A large model's
-        candidate runs on a session that rebuilds each quantized weight from its codes just before
-        it is used (`graph_ops.qdq.fed_codes_model`): a byte per weight fed instead of a float copy
-        of the whole model, the same values computed."""
-        runner = self.runner  # opening it rolls out the original, reading every weight
+    def measure(self, encodings: dict[str, Encoded], runner: SweepRunner | None = None) -> Drift:
+        """Joint drift of the model with these encodings on the scoring contexts (on `runner`, one of the
+        `lanes`, when given). A large model's candidate runs on a session that rebuilds each quantized weight
+        from its codes just before it is used (`graph_ops.qdq.fed_codes_model`): a byte per weight fed
+        instead of a float copy of the whole model, the same values computed."""
+        runner = runner or self.runner  # opening it rolls out the original, reading every weight
         graph_ops.release_pages(self.weights)  # the originals of what is fed are not read by this run
         if not self.one_session:
             return runner.drift(self.weights_of(encodings))
@@ -503,18 +524,26 @@ class Planner:
         best, best_drift = allocation, self.measure(self.encodings(allocation))
         for _ in range(rounds):
             base = sum(best_drift.div_sq)
+            trials = [
+                (slot.name, order[other])
+                for slot in self.slots if slot.unit not in self.dead
+                for other in (order.index(best.tiers[slot.name]) - 1, order.index(best.tiers[slot.name]) + 1) if 0 <= other < len(order)
+            ]
+
+            for tier in {tier for _, tier in trials} | set(best.tiers.values()):
+                if TIERS[tier].calibratable:  # each tier's pass before the lanes start: they only read encodings
+                    self.encoder.uniform(TIERS[tier], self.rounding)
+
+            def trial(lane: SweepRunner, item, tiers=best.tiers, base=base):
+                for name, tier in item:
+                    drift = self.measure(self.encoder.assemble(self.slots, {**tiers, name: tier}, self.rounding), lane)
+                    yield (name, tier), sum(drift.div_sq) - base if math.isfinite(drift.relative_rms) else math.inf
+
+            with Lanes(self.lanes, [[t] for t in trials], trial) as results:  # every trial changes the whole model: one each
+                losses = dict(results)
             choices = []
             for slot in self.slots:
-                current = best.tiers[slot.name]
-                index = order.index(current)
-                options = {current: 0.0}
-                if slot.unit not in self.dead:
-                    for other in (index - 1, index + 1):
-                        if 0 <= other < len(order):
-                            trial = dict(best.tiers)
-                            trial[slot.name] = order[other]
-                            drift = self.measure(self.encoder.assemble(self.slots, trial, self.rounding))
-                            options[order[other]] = sum(drift.div_sq) - base if math.isfinite(drift.relative_rms) else math.inf
+                options = {best.tiers[slot.name]: 0.0} | {tier: losses[(name, tier)] for name, tier in trials if name == slot.name}
                 choices.append(Choice(slot.name, slot.params, 0.0, False, {t: costs[slot.name][t] for t in options}, options))
             step = allocate(choices, self.tiers, best.target, self.basis_bits, self.fixed_bits, objective="measured", fp32_fraction=0.0, solver=self.settings.allocator)
             if step.tiers == best.tiers:
@@ -706,6 +735,5 @@ class Planner:
         return Outcome(chosen.allocation, path, size, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table, chosen.encodings, notes)
 
     def close(self) -> None:
-        if self._runner is not None:
-            self._runner.close()
+        self._release_runner()
         self.encoder.close()

@@ -1037,13 +1037,13 @@ class SweepRunner:
         other._lead = self
         return other
 
-    def work_items(self, tasks: Sequence[Task]) -> list[list[Task]]:
+    def work_items(self, tasks: Sequence, unit_of: Callable[[object], str] = lambda task: task.unit) -> list[list]:
         """The tasks in the pieces lanes take one at a time, in order: a task each when weights are fed or
         baked per task; a unit's tasks together when a session is built per unit; a cut's units together."""
         if self.strategy in ("feed", "rebuild"):
             return [[task] for task in tasks]
-        key = (lambda t: self.cut_plan.group_of(t.unit)) if self.strategy == "prefix" else (lambda t: t.unit)
-        items: dict[object, list[Task]] = {}
+        key = (lambda t: self.cut_plan.group_of(unit_of(t))) if self.strategy == "prefix" else unit_of
+        items: dict[object, list] = {}
         for task in tasks:
             items.setdefault(key(task), []).append(task)
         return list(items.values())
@@ -1135,7 +1135,7 @@ def interleaved(items: Sequence[Sequence[Task]], lanes: int) -> list[Task]:
 
 
 def run_lanes(runner: SweepRunner, items: Sequence[Sequence[Task]], lanes: int, log: ResultLog, on_result: Callable[[TaskResult], None] | None) -> None:
-    """Run the work items on `lanes` threads, each a `SweepRunner.lane` taking the next item as it frees.
+    """Run the work items on `lanes` threads (`Lanes`): `runner` and `lanes` - 1 of its `SweepRunner.lane`s.
 
     On the CPU provider a small model's call gains little from ONNX Runtime's intra-op threads (on 2
     cores, 2 threads ran the bundled examples' rollouts 0.4-1.9x as fast as 1), while independent tasks
@@ -1143,52 +1143,79 @@ def run_lanes(runner: SweepRunner, items: Sequence[Sequence[Task]], lanes: int, 
     process, sharing the session (feed), the nominal and the probe builds. Only this thread writes the
     log and reports progress, so an interruption leaves a resumable table as a one-lane run does.
     """
-    import queue as queues
-
     runner.probes.share(lanes)
     runner.expect(interleaved(items, lanes))
-    pending = deque(items)
-    taken = threading.Lock()
-    stop = threading.Event()
-    results: queues.Queue[TaskResult] = queues.Queue()
 
-    def work(lane: SweepRunner) -> None:
-        try:
-            while not stop.is_set():
-                with taken:
-                    if not pending:
-                        return
-                    item = pending.popleft()
-                for i, task in enumerate(item):
-                    if stop.is_set():
-                        return
-                    results.put(lane.run(task, item[i + 1] if i + 1 < len(item) else None))
-        finally:
-            if lane is not runner:
-                lane.close()
+    def work(lane: SweepRunner, item: Sequence[Task]) -> Iterator[TaskResult]:
+        for i, task in enumerate(item):
+            yield lane.run(task, item[i + 1] if i + 1 < len(item) else None)
 
-    expected = sum(len(item) for item in items)
-    pool = ThreadPoolExecutor(lanes, thread_name_prefix="tqs-lane")
-    futures = [pool.submit(work, runner if k == 0 else runner.lane()) for k in range(lanes)]
+    runners = [runner] + [runner.lane() for _ in range(lanes - 1)]
     try:
-        received = 0
-        while received < expected:
-            failed = next((f for f in futures if f.done() and f.exception() is not None), None)
-            if failed is not None:
-                failed.result()  # the first lane's error ends the sweep; the others stop after their task
-            try:
-                result = results.get(timeout=0.05)
-            except queues.Empty:
-                if all(f.done() for f in futures) and results.empty():
-                    raise RuntimeError(f"the sweep's lanes stopped after {received} of {expected} tasks")
-                continue
-            log.append(result)
-            received += 1
-            if on_result:
-                on_result(result)
+        with Lanes(runners, items, work) as results:
+            for result in results:
+                log.append(result)
+                if on_result:
+                    on_result(result)
     finally:
-        stop.set()
-        pool.shutdown(wait=True)
+        for lane in runners[1:]:
+            lane.close()
+
+
+class Lanes:
+    """Runs `work(lane, item)` for every item, one thread per runner in `runners`, each taking the next item
+    as it frees; iterating gives what the work yields, in the iterating thread, as it lands. The first
+    error a lane raises is raised there; leaving the `with` block (finished, an error, Ctrl-C) stops every
+    lane once the result in hand is done. ONNX Runtime's `run` is thread-safe and releases the GIL, and on
+    the CPU provider a one-thread session runs a call on the caller's thread: lanes over sessions of one
+    thread each use one core each."""
+
+    def __init__(self, runners: Sequence[SweepRunner], items: Sequence[object], work: Callable[[SweepRunner, object], Iterable[object]]):
+        import queue
+
+        self._runners, self._work = list(runners), work
+        self._pending = deque(items)
+        self._taken = threading.Lock()
+        self._stop = threading.Event()
+        self._results: queue.Queue = queue.Queue()
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list[Future] = []
+
+    def _lane(self, runner: SweepRunner) -> None:
+        while not self._stop.is_set():
+            with self._taken:
+                if not self._pending:
+                    return
+                item = self._pending.popleft()
+            for result in self._work(runner, item):
+                self._results.put(result)
+                if self._stop.is_set():
+                    return
+
+    def __enter__(self) -> "Lanes":
+        self._pool = ThreadPoolExecutor(len(self._runners), thread_name_prefix="tqs-lane")
+        self._futures = [self._pool.submit(self._lane, runner) for runner in self._runners]
+        return self
+
+    def __iter__(self) -> Iterator[object]:
+        import queue
+
+        while True:
+            failed = next((f for f in self._futures if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                failed.result()  # the first lane's error ends the run; the others stop after their result
+            try:
+                yield self._results.get(timeout=0.05)
+            except queue.Empty:
+                if all(f.done() for f in self._futures) and self._results.empty():
+                    for future in self._futures:
+                        future.result()
+                    return
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 _WORKER: SweepRunner | None = None
