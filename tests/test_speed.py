@@ -264,3 +264,21 @@ def test_a_sweep_building_perturbations_four_ahead_gives_the_same_scores(tmp_pat
     deep = score(model, contexts, spec=spec, out=tmp_path / "four", settings=SETTINGS, strategy="feed")
     assert plain.frame["gamma_quant"].to_list() == deep.frame["gamma_quant"].to_list()
     assert plain.frame["gamma_gauss"].to_list() == deep.frame["gamma_gauss"].to_list()
+
+
+def test_the_calibration_session_sleeps_between_calls(tmp_path):
+    """Calibration alternates ONNX Runtime calls with BLAS-heavy Hessian products: its session's idle threads
+    must not spin (on 2 cores spinning made the demo's calibration 2.2x slower). Spinning changes no value."""
+    import graph_ops
+    from runtimes import OrtRuntime
+    from tqsdeploy.calibrate import Calibrator
+
+    entry = ("session.intra_op.allow_spinning", "0")
+    assert OrtRuntime().yielding().config == (entry,) and OrtRuntime().yielding().yielding().config == (entry,)
+    model, contexts, spec = _shared(tmp_path)
+    loaded = graph_ops.load_model(model)
+    names = [w.name for w in graph_ops.find_weight_tensors(loaded.proto) if w.params >= 100]
+    layouts = graph_ops.weight_layouts(loaded.proto, names)
+    calibrator = Calibrator(loaded.proto, layouts, contexts, spec, OrtRuntime(threads=2), weights=graph_ops.read_weights(loaded.proto, names))
+    assert calibrator._open_args[1].config == (entry,) and calibrator._open_args[1].threads == 2
+    calibrator.close()

@@ -81,7 +81,7 @@ class Calibrator:
         self.waves = waves(proto, self.layouts)
         calibrated = {n for wave in self.waves for n in wave}
         self.first = [n for n in self.layouts if n not in calibrated]
-        self._open_args = (proto, runtime, workdir, data_dir)
+        self._open_args = (proto, runtime.yielding(), workdir, data_dir)  # its runs alternate with BLAS-heavy statistics
         self._graph = None
         """The model with the scored weights as graph inputs and every layer input an output (no weight data)."""
         self._full_cache: list[dict[str, np.ndarray]] | None = None
