@@ -12,7 +12,7 @@ from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
 from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.probes import UnitProbes
-from tqsdeploy.sweep import LANES_MODEL_BYTES, ProbeSource, Task, interleaved, plan_tasks, sweep_lanes
+from tqsdeploy.sweep import LANE_EXTRA_BYTES, ProbeSource, Task, interleaved, plan_tasks, sweep_lanes
 from tqsdeploy.units import UnitSelection
 
 SETTINGS = ScoreSettings(gauss_draws=2)
@@ -113,10 +113,11 @@ def test_lane_counts():
     import os
 
     cores = len(os.sched_getaffinity(0))
-    small, large = 1 << 20, LANES_MODEL_BYTES + 1
+    small, large = 1 << 20, LANE_EXTRA_BYTES + 1
     assert sweep_lanes(None, "cpu", None, small) == min(8, cores)
     assert sweep_lanes(None, "cpu", cores, small) == 1  # threads fixed at every core: one lane
-    assert sweep_lanes(None, "cpu", None, large) == 1
+    assert sweep_lanes(None, "cpu", None, large) == 1  # another lane's sessions would pass the memory headroom
+    assert sweep_lanes(None, "cpu", None, LANE_EXTRA_BYTES // 2) == min(3, cores)
     assert sweep_lanes(5, "cpu", None, large) == 5
     assert sweep_lanes(None, "cuda", None, small) == 1
     with pytest.raises(InputError, match="CPU provider only"):

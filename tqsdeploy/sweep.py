@@ -1094,9 +1094,11 @@ def run_local(
 
 LANES_MAX = 8
 """At most this many lanes by default: each holds a rollout's activations (and per-unit sessions)."""
-LANES_MODEL_BYTES = 256 << 20
-"""By default a model larger than this runs one lane: its calls are large enough for ONNX Runtime's own
-threads, and a lane's own sessions ('prefix' cuts, up to a whole model each) would multiply its memory."""
+LANE_EXTRA_BYTES = 512 << 20
+"""By default the lanes after the first may hold this much between them: a lane's own sessions ('unit',
+'batch', 'prefix' cuts) are up to a model copy each, so a model of M bytes gets at most 1 + this / M lanes
+(one from 512 MiB on: its calls are large enough for ONNX Runtime's own threads anyway), and a run stays
+within the memory the benchmarks hold score to (1.5 x model + 0.5 GB)."""
 
 
 def usable_cores() -> int:
@@ -1108,7 +1110,7 @@ def sweep_lanes(lanes: int | None, provider: str, threads: int | None, model_byt
     """How many tasks a sweep runs at once in this process.
 
     `lanes` None (auto): on the CPU provider one per core (or per `threads` cores when those are fixed), at
-    most `LANES_MAX`, and one for a model over `LANES_MODEL_BYTES`; one on a GPU, where one lane's calls
+    most `LANES_MAX` and 1 + `LANE_EXTRA_BYTES` / `model_bytes`; one on a GPU, where one lane's calls
     keep it busy. An explicit number is taken as given (more lanes than cores only share them, and each
     lane holds its own per-unit sessions); more than one on a GPU provider is refused.
     """
@@ -1119,7 +1121,7 @@ def sweep_lanes(lanes: int | None, provider: str, threads: int | None, model_byt
             raise InputError(f"--lanes {lanes} runs tasks side by side on the CPU provider only; on '{provider}' the sweep runs one lane", hint="drop --lanes")
         return 1
     if lanes is None:
-        return 1 if model_bytes > LANES_MODEL_BYTES else max(1, min(LANES_MAX, usable_cores() // (threads or 1)))
+        return max(1, min(LANES_MAX, usable_cores() // (threads or 1), 1 + LANE_EXTRA_BYTES // max(model_bytes, 1)))
     return lanes
 
 
