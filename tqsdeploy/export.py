@@ -79,7 +79,8 @@ class ExportSettings:
     """What --C divides: 'file' (every stored tensor) or 'units' (the scored units only)."""
     lanes: int | None = None
     """Rollouts that do not depend on each other (pricing, refinement's trials) run this many at once
-    (`sweep.Lanes`); None: as `score` decides (`sweep.sweep_lanes`), the sessions' threads split between them."""
+    (`sweep.Lanes`); None: as `score` decides (`sweep.sweep_lanes`), the sessions' threads split between them,
+    except for a model of `ONE_SESSION_BYTES` or more, whose candidates run one at a time on sessions of their own."""
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -205,7 +206,8 @@ class Planner:
             workdir=self.run_dir,
             stream=True,
             runtime_keeps_weights=False,  # candidates run in sessions beside this one: it holds no copy of the weights
-            lanes=settings.lanes,
+            # a model measured on sessions of its own (one_session) runs one lane: its sessions keep every thread
+            lanes=settings.lanes if settings.lanes is not None or meta["model"].get("bytes", 0) < ONE_SESSION_BYTES else 1,
         )
         if self.prepared.model.sha256 != meta["model"]["sha256"]:
             raise InputError(

@@ -13,6 +13,7 @@ import copy
 import json
 import math
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -450,6 +451,8 @@ class SweepRunner:
         self._activations: list[dict[str, np.ndarray]] | None = None
         self._first: list[dict[str, np.ndarray]] = []
         """'prefix': every run output of the whole model's first step, per chunk."""
+        self._lead: SweepRunner | None = None
+        """Set on a `lane`: the runner whose sessions it shares."""
         if constant_only:
             self.strategy, self.session, self.overridable = job.strategy, self.overridable, None
         else:
@@ -1049,7 +1052,7 @@ class SweepRunner:
         return list(items.values())
 
     def close(self) -> None:
-        if getattr(self, "_lead", None) is not None:  # a lane: the sessions are the lead runner's
+        if self._lead is not None:  # a lane: the sessions are the lead runner's
             self._drop_unit_sessions()
             self._cut = None
             return
@@ -1173,8 +1176,6 @@ class Lanes:
     thread each use one core each."""
 
     def __init__(self, runners: Sequence[SweepRunner], items: Sequence[object], work: Callable[[SweepRunner, object], Iterable[object]]):
-        import queue
-
         self._runners, self._work = list(runners), work
         self._pending = deque(items)
         self._taken = threading.Lock()
@@ -1200,8 +1201,6 @@ class Lanes:
         return self
 
     def __iter__(self) -> Iterator[object]:
-        import queue
-
         while True:
             failed = next((f for f in self._futures if f.done() and f.exception() is not None), None)
             if failed is not None:
@@ -1300,13 +1299,13 @@ def run_ray(
     actor = ray.remote(_RayWorker)
     shared = ray.put(job)
     actors = [actor.remote(shared, strategy) for _ in range(workers)]
-    queue = list(tasks)[::-1]
+    waiting = list(tasks)[::-1]
     in_flight: dict = {}
     try:
         for worker in actors:
             for _ in range(2):
-                if queue:
-                    in_flight[worker.run.remote(queue.pop())] = worker
+                if waiting:
+                    in_flight[worker.run.remote(waiting.pop())] = worker
         while in_flight:
             done, _ = ray.wait(list(in_flight), num_returns=1)
             worker = in_flight.pop(done[0])
@@ -1314,8 +1313,8 @@ def run_ray(
             log.append(result)
             if on_result:
                 on_result(result)
-            if queue:
-                in_flight[worker.run.remote(queue.pop())] = worker
+            if waiting:
+                in_flight[worker.run.remote(waiting.pop())] = worker
     finally:
         log.close()
         for worker in actors:
