@@ -256,8 +256,8 @@ def prepare(
     loaded = graph_ops.load_model(model, load_external=not stream)  # large single files come as a skeleton
     data_dir = loaded.path.parent.resolve() if stream and graph_ops.io.has_external_data(loaded.proto) else None
     streamed = data_dir is not None
-    lanes = sweep_lanes(lanes, runtime.provider, runtime.threads, loaded.file_bytes)
-    if lanes > 1 and runtime.threads is None:
+    lanes = sweep_lanes(lanes, runtime.provider, getattr(runtime, "threads", None), loaded.file_bytes)  # native TensorRT has no threads: one lane
+    if lanes > 1 and isinstance(runtime, OrtRuntime) and runtime.threads is None:
         runtime = dataclasses.replace(runtime, threads=max(1, usable_cores() // lanes))
     units = select_units(graph_ops.find_weight_tensors(loaded.proto), selection)
     names = [n for u in units for n in u.tensor_names]
@@ -333,7 +333,7 @@ def prepare(
     )
     return Prepared(
         model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session,
-        session_file=source if isinstance(source, Path) else None, data_dir=data_dir, lanes=lanes, threads=runtime.threads,
+        session_file=source if isinstance(source, Path) else None, data_dir=data_dir, lanes=lanes, threads=getattr(runtime, "threads", None),
     )
 
 
