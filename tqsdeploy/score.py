@@ -512,9 +512,8 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         runner.close()
         run_parallel(prepared.job, pending, log, min(workers, len(pending)), runner.strategy, on_result=record)
     else:
-        meta["lanes"] = max(1, min(prepared.lanes, len(runner.work_items(pending))))
+        meta["lanes"] = run_local(prepared.job, pending, log, on_result=record, runner=runner, lanes=prepared.lanes)
         meta["threads_per_lane"] = prepared.threads
-        run_local(prepared.job, pending, log, on_result=record, runner=runner, lanes=meta["lanes"])
         runner.close()
     sweep_seconds = time.perf_counter() - sweep_started
     if runner.fallbacks:

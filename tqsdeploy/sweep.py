@@ -300,9 +300,14 @@ class ProbeSource:
 
     def share(self, lanes: int) -> None:
         """Serve `lanes` runners at once: a build ahead for each (within `PROBE_DEPTH_BYTES`), and every unit a lane is on kept."""
-        largest = max((sum(self.job.weights[n].nbytes for n in u.tensor_names) for u in self.job.units.values()), default=0)
-        self.depth = max(self.depth, min(lanes, max(1, PROBE_DEPTH_BYTES // max(largest, 1))))
+        self.depth = max(self.depth, min(lanes, self.fitting))
         self._recent = deque(self._recent, maxlen=max(1, lanes))
+
+    @property
+    def fitting(self) -> int:
+        """How many copies of the largest unit fit in `PROBE_DEPTH_BYTES` (at least one)."""
+        largest = max((sum(self.job.weights[n].nbytes for n in u.tensor_names) for u in self.job.units.values()), default=0)
+        return max(1, PROBE_DEPTH_BYTES // max(largest, 1))
 
     def plan(self, tasks: Sequence[Task]) -> None:
         """The tasks in the order they will be asked for: builds start `depth` ahead of them. A build started
@@ -492,8 +497,7 @@ class SweepRunner:
         session = self.session or self.overridable
         if getattr(session, "device", None) is None or self.strategy == "batch":
             return 1
-        largest = max(sum(self.job.weights[n].nbytes for n in unit.tensor_names) for unit in self.job.units.values())
-        return max(1, min(PROBE_DEPTH_MAX, (os.cpu_count() or 1) - 1, PROBE_DEPTH_BYTES // max(largest, 1)))
+        return max(1, min(PROBE_DEPTH_MAX, (os.cpu_count() or 1) - 1, self.probes.fitting))
 
     @property
     def _prefix_possible(self) -> bool:
@@ -1075,22 +1079,23 @@ def run_local(
     on_result: Callable[[TaskResult], None] | None = None,
     runner: SweepRunner | None = None,
     lanes: int = 1,
-) -> None:
-    """Run the tasks in this process, appending each result as it lands; with `lanes` > 1, that many
-    tasks at once (`run_lanes`)."""
+) -> int:
+    """Run the tasks in this process, appending each result as it lands; with `lanes` > 1, up to that
+    many tasks at once (`run_lanes`: no more lanes than work items). Returns the lanes it ran."""
     runner = runner or job.open()
     try:
         items = runner.work_items(tasks)
-        lanes = min(lanes, len(items))
+        lanes = max(1, min(lanes, len(items)))
         if lanes > 1:
             run_lanes(runner, items, lanes, log, on_result)
-            return
+            return lanes
         runner.expect(tasks)
         for i, task in enumerate(tasks):
             result = runner.run(task, tasks[i + 1] if i + 1 < len(tasks) else None)
             log.append(result)
             if on_result:
                 on_result(result)
+        return lanes
     finally:
         log.close()
 
