@@ -1172,6 +1172,10 @@ def run_lanes(runner: SweepRunner, items: Sequence[Sequence[Task]], lanes: int, 
             lane.close()
 
 
+_LANE_DONE = object()
+"""What a lane puts on the result queue as it ends."""
+
+
 class Lanes:
     """Runs `work(lane, item)` for every item, one thread per runner in `runners`, each taking the next item
     as it frees; iterating gives what the work yields, in the iterating thread, as it lands. The first
@@ -1190,15 +1194,20 @@ class Lanes:
         self._futures: list[Future] = []
 
     def _lane(self, runner: SweepRunner) -> None:
-        while not self._stop.is_set():
-            with self._taken:
-                if not self._pending:
-                    return
-                item = self._pending.popleft()
-            for result in self._work(runner, item):
-                self._results.put(result)
-                if self._stop.is_set():
-                    return
+        try:
+            while not self._stop.is_set():
+                with self._taken:
+                    if not self._pending:
+                        return
+                    item = self._pending.popleft()
+                for result in self._work(runner, item):
+                    self._results.put((None, result))
+                    if self._stop.is_set():
+                        return
+        except BaseException as exc:  # noqa: BLE001 - handed to the iterating thread, which raises it
+            self._results.put((exc, None))
+        finally:
+            self._results.put((_LANE_DONE, None))  # the iterator ends the moment the last lane does, not at a poll
 
     def __enter__(self) -> "Lanes":
         self._pool = ThreadPoolExecutor(len(self._runners), thread_name_prefix="tqs-lane")
@@ -1206,17 +1215,18 @@ class Lanes:
         return self
 
     def __iter__(self) -> Iterator[object]:
-        while True:
-            failed = next((f for f in self._futures if f.done() and f.exception() is not None), None)
-            if failed is not None:
-                failed.result()  # the first lane's error ends the run; the others stop after their result
+        running = len(self._futures)
+        while running:
             try:
-                yield self._results.get(timeout=0.05)
+                error, result = self._results.get(timeout=0.5)  # a timeout keeps Ctrl-C prompt on every platform
             except queue.Empty:
-                if all(f.done() for f in self._futures) and self._results.empty():
-                    for future in self._futures:
-                        future.result()
-                    return
+                continue
+            if error is _LANE_DONE:
+                running -= 1
+            elif error is not None:
+                raise error  # the first lane's error ends the run; the others stop after their result
+            else:
+                yield result
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
