@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import os
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -72,7 +73,8 @@ class LoadedModel:
 
     proto: onnx.ModelProto
     path: Path
-    sha256: str
+    digest: Future
+    """The SHA-256 of the model's files, worked out on a background thread (`sha256` waits for it)."""
     file_bytes: int
     external_files: tuple[Path, ...]
 
@@ -80,14 +82,33 @@ class LoadedModel:
     def stem(self) -> str:
         return self.path.stem
 
+    @property
+    def sha256(self) -> str:
+        try:
+            return self.digest.result()
+        except OSError as exc:
+            raise GraphError(f"cannot read {self.path}: {exc.strerror or exc}") from None
 
-def _sha256_files(paths: list[Path]) -> str:
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
+
+_HASHER: ThreadPoolExecutor | None = None
+
+
+def _sha256_files(paths: list[Path]) -> Future:
+    """Hash `paths` on a background thread: reading and hashing release the GIL, so a large model's
+    digest (about 0.6 ms per MB) overlaps its session build and the checks that follow the load."""
+    global _HASHER
+    if _HASHER is None:
+        _HASHER = ThreadPoolExecutor(1, thread_name_prefix="tqs-sha256")
+
+    def digest() -> str:
+        value = hashlib.sha256()
+        for path in paths:
+            with open(path, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    value.update(block)
+        return value.hexdigest()
+
+    return _HASHER.submit(digest)
 
 
 def iter_tensors(graph: onnx.GraphProto):
@@ -274,7 +295,7 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedMod
     return LoadedModel(
         proto=proto,
         path=path,
-        sha256=_sha256_files([path, *externals]),
+        digest=_sha256_files([path, *externals]),
         file_bytes=path.stat().st_size + sum(f.stat().st_size for f in externals),
         external_files=tuple(externals),
     )

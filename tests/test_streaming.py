@@ -255,3 +255,36 @@ def test_released_weight_pages_leave_the_process_and_read_back_the_same(tmp_path
     graph_ops.release_pages(weights)
     assert _resident_bytes(data) == 0
     assert {name: float(np.sum(v, dtype=np.float64)) for name, v in views.items()} == totals
+
+
+def test_a_streamed_model_whose_data_file_changed_is_a_different_run(tmp_path):
+    """The model's digest (worked out on a background thread) covers its external-data files, and the
+    graph-only session file, named by its own bytes, serves the new weights: a rescore in the same folder
+    is refused as a different run, and a fresh one scores what the files now hold."""
+    import hashlib
+
+    import pytest
+
+    from tqsdeploy.errors import InputError
+
+    external = _external_copy(models.mlp_forecaster(tmp_path / "inline.onnx", n=32, hidden=64), tmp_path / "ext")
+    data = external.parent / "model.onnx.data"
+    assert graph_ops.load_model(external).sha256 == hashlib.sha256(external.read_bytes() + data.read_bytes()).hexdigest()
+    np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
+    settings = ScoreSettings(gauss_draws=1)
+    first = score(external, tmp_path / "c.npz", steps=3, out=tmp_path / "run", settings=settings)
+
+    scaled = onnx.load(str(external))  # the same graph and layout, every weight doubled: only the data file changes
+    for tensor in scaled.graph.initializer:
+        if tensor.data_type == onnx.TensorProto.FLOAT:
+            tensor.CopyFrom(onnx.numpy_helper.from_array(2 * onnx.numpy_helper.to_array(tensor), tensor.name))
+    onnx.save_model(scaled, str(tmp_path / "scaled.onnx"), save_as_external_data=True, all_tensors_to_one_file=True, location="scaled.data", size_threshold=0)
+    assert (tmp_path / "scaled.data").stat().st_size == data.stat().st_size
+    data.write_bytes((tmp_path / "scaled.data").read_bytes())
+
+    with pytest.raises(InputError, match="different model"):
+        score(external, tmp_path / "c.npz", steps=3, out=tmp_path / "run", settings=settings)
+    again = score(external, tmp_path / "c.npz", steps=3, out=tmp_path / "run", settings=settings, resume=False)
+    assert again.meta["model"]["sha256"] != first.meta["model"]["sha256"]
+    assert again.meta["nominal_norm_sq"] != first.meta["nominal_norm_sq"]
+    assert len(list((tmp_path / "run").glob("overridable-*.onnx"))) == 1  # the same graph: one session file, reused

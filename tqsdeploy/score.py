@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import onnx
 import polars as pl
 
 import graph_ops
@@ -267,14 +268,13 @@ def prepare(
     rebuild = cuts = None
     if streamed:  # feeding is the only strategy that needs no weights in memory
         cuts = StreamedCuts(graph_ops.model_bytes(session_proto), runtime, data_dir)  # and cuts, read from the files too
-        source = _session_file(loaded, names, workdir, "overridable" if runtime_keeps_weights else "fed")
-        if not source.exists():  # the graph only: tensors stay references into the model's files
-            if runtime_keeps_weights:  # the units declared inputs too
-                session_proto.MergeFromString(b"".join(declarations.values()))
-                graph_ops.save_model(session_proto, source, external_data=False)
-            else:  # the units plain inputs
-                unit_names = set(names)
-                graph_ops.save_model(graph_ops.io.weights_as_inputs(session_proto, lambda t: t.name not in unit_names), source, external_data=False)
+        if runtime_keeps_weights:  # the graph only: tensors stay references into the model's files; the units declared inputs too
+            session_proto.MergeFromString(b"".join(declarations.values()))
+            graph = session_proto
+        else:  # the units plain inputs
+            unit_names = set(names)
+            graph = graph_ops.io.weights_as_inputs(session_proto, lambda t: t.name not in unit_names)
+        source = _graph_file(graph, workdir, "overridable" if runtime_keeps_weights else "fed")
         weights = graph_ops.FileWeights(loaded.proto, names, data_dir)
         factory = partial(runtime.open, source, external_data_dir=data_dir) if runtime_keeps_weights else partial(open_fed, runtime, source, data_dir, weights)
     elif graph_ops.io.stored_bytes(session_proto) < graph_ops.io.PROTOBUF_LIMIT:
@@ -343,12 +343,25 @@ def open_fed(runtime: OrtRuntime, source: Path, data_dir: Path, weights) -> Sess
     return WithDefaults(runtime.open(source, external_data_dir=data_dir), weights)
 
 
-def _session_file(loaded: graph_ops.LoadedModel, names: list[str], workdir: Path | None, kind: str = "session") -> Path:
-    """Where the runtime's copy of this model (with these units overridable) lives: the run folder, or a
-    temporary one. `kind` keeps a graph-only copy (pointing into the model's data files) apart from a full one."""
+def _session_file(loaded: graph_ops.LoadedModel, names: list[str], workdir: Path | None) -> Path:
+    """Where the runtime's full copy of this model (with these units overridable) lives: the run folder, or a
+    temporary one; named by the model's digest, so a resumed score and export reuse it."""
     key = hashlib.sha256((loaded.sha256 + "\x1f".join(sorted(names))).encode()).hexdigest()[:12]
-    folder = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tqs-session-"))
-    return folder / f"{kind}-{key}.onnx"
+    return _session_folder(workdir) / f"session-{key}.onnx"
+
+
+def _graph_file(graph: onnx.ModelProto, workdir: Path | None, kind: str) -> Path:
+    """A graph-only session file (its tensors references into the model's data files), named by its own
+    bytes: written when missing, and found again without waiting for the model's digest."""
+    data = graph.SerializeToString()
+    path = _session_folder(workdir) / f"{kind}-{hashlib.sha256(data).hexdigest()[:12]}.onnx"
+    if not path.exists():
+        graph_ops.save_model(graph, path, external_data=False)
+    return path
+
+
+def _session_folder(workdir: Path | None) -> Path:
+    return Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tqs-session-"))
 
 
 def _fingerprint(prepared: Prepared, settings: ScoreSettings, runtime: OrtRuntime) -> str:
