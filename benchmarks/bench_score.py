@@ -12,7 +12,7 @@ batch where the model's batch axis is dynamic, auto):
 Strategies are run interleaved (round-robin, `--rounds` times) and medians
 quoted, because the machine is shared.
 
-    python benchmarks/bench_score.py [--models etth1_patchtst,...,bert] [--probes 2] [--rounds 2] [--threads 1]
+    python benchmarks/bench_score.py [--models etth1_patchtst,...,bert] [--probes 4] [--rounds 2] [--threads 1]
 
 `--threads N` (default 1) gives every session N threads and runs the sweep on one lane: the strategies
 compared core for core. `--threads 0` measures the whole machine: score with its defaults (one lane
@@ -232,7 +232,7 @@ def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSe
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(EXAMPLES + ("bert",)))
-    parser.add_argument("--probes", type=int, default=2, help="Gaussian draws per unit (N)")
+    parser.add_argument("--probes", type=int, default=ScoreSettings().gauss_draws, help="Gaussian draws per unit (N; default: score's own)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians are reported")
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads for every session, one lane (0: the whole machine, see --help)")
     parser.add_argument("--bert-contexts", type=int, default=2)

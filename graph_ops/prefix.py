@@ -201,6 +201,8 @@ class CutPlan:
     """Unit names per cut, in the order the sweep should run them."""
     seconds: float
     """The planned sweep's estimated seconds (builds, each cut's nominal run, every probe run)."""
+    group_seconds: tuple[float, ...] = ()
+    """The same, per group (what a lane taking that cut spends on it)."""
 
     @property
     def order(self) -> list[str]:
@@ -273,6 +275,11 @@ def plan_cuts(model: onnx.ModelProto, units: dict[str, list[str]], costs: list[f
                 best[end], split[end] = seconds, start
     groups, end = [], len(order)
     while end > 0:
-        groups.append(tuple(order[split[end]:end]))
+        groups.append((split[end], end))
         end = split[end]
-    return CutPlan(groups=tuple(reversed(groups)), seconds=float(best[-1]))
+    groups.reverse()
+    return CutPlan(
+        groups=tuple(tuple(order[a:b]) for a, b in groups),
+        seconds=float(best[-1]),
+        group_seconds=tuple(float(best[b] - best[a]) for a, b in groups),
+    )

@@ -169,6 +169,9 @@ def test_units_share_a_cut_only_when_its_build_costs_more_than_the_runs_it_saves
     layer = (costs[0] + costs[1]) / sum(costs)
     expected = sum(1e-3 * (0.3 + 0.7 * (4 - i) / 4) + 6 * layer * (4 - i) for i in range(4))
     assert cheap.seconds == pytest.approx(expected, rel=1e-9)
+    # per cut: its own build and runs, what a lane taking it spends (the first cut, over the whole chain, costs most)
+    assert cheap.group_seconds == pytest.approx([1e-3 * (0.3 + 0.7 * (4 - i) / 4) + 6 * layer * (4 - i) for i in range(4)], rel=1e-9)
+    assert costly.group_seconds == pytest.approx([costly.seconds], rel=1e-12)
     assert cheap.order == ["W0", "W1", "W2", "W3"] and costly.group_of("W2") == 0
     # with 3 probes the first two units tie on runs (W1 in W0's cut: 3 runs of a layer more, one nominal run fewer)
     assert graph_ops.prefix.plan_cuts(proto, units, costs, 1.0, 1e-3, 3, 0.0).groups[0] == ("W0", "W1")
@@ -282,3 +285,16 @@ def test_the_calibration_session_sleeps_between_calls(tmp_path):
     calibrator = Calibrator(loaded.proto, layouts, contexts, spec, OrtRuntime(threads=2), weights=graph_ops.read_weights(loaded.proto, names))
     assert calibrator._open_args[1].config == (entry,) and calibrator._open_args[1].threads == 2
     calibrator.close()
+
+
+def test_auto_weighs_each_strategy_on_the_lanes_the_sweep_will_run():
+    """Pieces of work go to the lane that frees first, in order: fine pieces share the lanes evenly, one coarse
+    piece (a plan of one cut, a unit session) keeps a lane busy while the others idle."""
+    from tqsdeploy.sweep import _makespan
+
+    assert _makespan([1.0] * 15, 2) == 8.0  # 15 tasks on 2 lanes: the last runs alone
+    assert _makespan([1.0] * 16, 2) == 8.0
+    assert _makespan([12.0], 2) == 12.0  # one cut of everything: one lane
+    assert _makespan([6.0, 2.0, 2.0, 2.0], 2) == 6.0
+    assert _makespan([2.0, 2.0, 2.0, 6.0], 2) == 8.0  # the big piece last finishes late (6 alone would allow 6)
+    assert _makespan([3.0, 1.0], 1) == 4.0

@@ -23,6 +23,27 @@ def test_dead_unit_gets_sentinel_and_ranks_last(two_branch, tmp_path, strategy):
     assert not rows["Wmain"]["dead"] and not rows["Wsmall"]["dead"]
 
 
+@pytest.mark.parametrize("strategy, steps", [("rebuild", 1), ("rebuild", 8), ("unit", 8), ("feed", 8), ("auto", 1), ("auto", 8)])
+def test_a_nominal_begun_from_an_earlier_run_of_its_first_step_equals_a_fresh_rollout(two_branch, strategy, steps):
+    """The batching decision (and auto's timing) already ran the first step of the one chunk: the nominal starts
+    from that run when the same session makes it, and must equal, bit for bit, a rollout made afresh."""
+    from tqsdeploy.score import prepare
+
+    model, contexts = two_branch
+    runner = prepare(model, contexts, steps=steps, strategy=strategy).open_runner()
+    try:
+        made = [r for r in (runner._first_step, runner.engine.first_run) if r is not None and r.session is runner.engine.session]
+        if strategy != "auto" or runner.strategy in ("rebuild", "unit", "batch"):  # auto's feed runs on a session it did not time
+            assert made
+        fresh = [list(outs) for outs in runner.engine.steps(None)]
+        assert len(fresh) == len(runner.nominal.trajectory) == steps
+        for ours, theirs in zip(runner.nominal.trajectory, fresh):
+            for a, b in zip(ours, theirs):
+                assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+    finally:
+        runner.close()
+
+
 def test_direct_path_outranks_contracting_branch(two_branch, tmp_path):
     model, contexts = two_branch
     frame = score(model, contexts, steps=8, out=tmp_path / "run").frame

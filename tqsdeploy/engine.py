@@ -11,6 +11,7 @@ and kept. Per-step outputs come back per chunk; `window_sq` and
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
@@ -20,6 +21,15 @@ from runtimes import Session, kept
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import RolloutSpec, next_feeds, rollout
+
+
+@dataclass(frozen=True)
+class FirstRun:
+    """One step of the first chunk, as a rollout on `session` would make it, and how long it took."""
+
+    session: Session
+    outputs: dict[str, np.ndarray]
+    seconds: float
 
 
 @dataclass
@@ -32,6 +42,8 @@ class RolloutEngine:
     max_batch: int = 64
     _chunks: list[tuple[int, dict[str, np.ndarray]]] | None = field(default=None, init=False, repr=False)
     batched: bool = field(default=False, init=False)
+    first_run: "FirstRun | None" = field(default=None, init=False, repr=False)
+    """The batching decision's run (the first step of the first chunk), for whoever would make it again."""
 
     @property
     def inputs(self):
@@ -58,9 +70,12 @@ class RolloutEngine:
             chunks = self._chunked(True)
             count, feeds = chunks[0]
             try:
+                started = time.perf_counter()
                 produced = self.session.run(feeds, self.spec.run_outputs)
+                seconds = time.perf_counter() - started
                 if all(np.ndim(v) > 0 and np.shape(v)[0] % count == 0 for v in produced.values()):
                     self.batched = True
+                    self.first_run = FirstRun(self.session, produced, seconds)
                     return chunks
             except Exception:  # a model whose batch axis is dynamic in name only
                 pass

@@ -325,6 +325,7 @@ def prepare(
         rebuild_factory=rebuild,
         cut_factory=cuts,
         session_build_s=build_seconds,
+        lanes=lanes,
         strategy=strategy,
         rows=gather_rows(loaded.proto, units, ctx.arrays, resolved.fed_inputs),
         unit_factory=rebuild.overridable if rebuild is not None else None,

@@ -10,6 +10,7 @@ task finishes, and tasks already in the table are never run again.
 from __future__ import annotations
 
 import copy
+import heapq
 import json
 import math
 import os
@@ -29,7 +30,7 @@ import graph_ops
 from graph_ops.io import GraphError, OutputError
 from runtimes import Session, SessionFactory, kept
 from tqsdeploy.contexts import Contexts
-from tqsdeploy.engine import RolloutEngine
+from tqsdeploy.engine import FirstRun, RolloutEngine
 from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.probes import Perturbation, UnitProbes
 from tqsdeploy.rollout import RolloutSpec, next_feeds, rollout
@@ -195,6 +196,8 @@ class SweepJob:
     cut_factory: object | None = None
     """Opens the sessions 'prefix' runs (`score.CutSessions`: of the model in memory, or read from its files)."""
     session_build_s: float = 0.0
+    lanes: int = 1
+    """Tasks the sweep will run at once (`run_local`): auto weighs each strategy's pieces of work on that many lanes."""
     """Seconds the overridable session took to build (what 'auto' weighs cut builds against when it has no other)."""
 
     def open(self, session: Session | None = None, nominal: "Nominal | None" = None) -> "SweepRunner":
@@ -264,6 +267,14 @@ def _moved(nominal: np.ndarray, produced: np.ndarray, reference: np.ndarray) -> 
     if np.issubdtype(nominal.dtype, np.floating):
         return nominal + (produced - reference)
     return produced  # integers and booleans: no rounding to carry
+
+
+def _makespan(pieces: Sequence[float], lanes: int) -> float:
+    """When the last of `lanes` lanes finishes, each taking the next piece (in order) as it frees."""
+    free = [0.0] * max(1, lanes)
+    for seconds in pieces:
+        heapq.heapreplace(free, free[0] + seconds)
+    return max(free)
 
 
 def _best_time(call: Callable[[], object], repeats: int = 3) -> float:
@@ -460,6 +471,11 @@ class SweepRunner:
         self._batch_results: tuple[str, dict[str, TaskResult]] = ("", {})
         self._reference: tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]] | None = None
         self._constant: Session | None = None
+        self._constant_build = 0.0
+        self._prefix_pieces: tuple[float, list[float]] | None = None
+        """auto's 'prefix' estimate split: the serial set-up, then the seconds of each cut (a lane's piece of work)."""
+        self._first_step: FirstRun | None = None
+        """auto's timed run of one real step on a single-chunk sweep: the nominal's first step if its session makes the nominal."""
         self._cut = None
         self._activations: list[dict[str, np.ndarray]] | None = None
         self._first: list[dict[str, np.ndarray]] = []
@@ -529,18 +545,26 @@ class SweepRunner:
         prefix = self._prefix_possible
         if job.rebuild_factory is None and not prefix:
             return "feed"
+        if job.rebuild_factory is not None:  # the constant session decides the batching: its run is the scale run too
+            started = time.perf_counter()
+            self._constant = job.rebuild_factory({})
+            self._constant_build = time.perf_counter() - started
+            self.engine.session = self._constant
         try:
             chunks = self.engine.chunks
             one = next(iter(job.contexts.chunks(self.inputs, False, 1)))[1]
         except Exception:
             return "feed"  # let the nominal rollout report what is wrong
+        finally:
+            self.engine.session = self.overridable
         names = job.spec.run_outputs
         unit = max(job.units.values(), key=lambda u: u.params)
         weights = {n: job.weights[n] for n in unit.tensor_names}
         try:
             t_feed = _best_time(lambda: self.overridable.run({**one, **weights}, names))
             if job.rebuild_factory is None:  # swept from its files: feed, or cuts read from the files
-                scale = _best_time(lambda: self.overridable.run({**chunks[0][1], **weights}, names), 1) / max(t_feed, 1e-9)
+                full = self._first_step_seconds(self.overridable, chunks)
+                scale = full / max(t_feed, 1e-9)
                 calls = job.spec.steps * len(chunks) * scale
                 estimates = {"feed": len(job.units) * max(1, job.tasks_per_unit) * calls * t_feed}
                 packed = sum(t.params * np.dtype(t.dtype).itemsize for u in job.units.values() for t in u.tensors if set(t.op_types) & PRE_PACKED)
@@ -553,9 +577,41 @@ class SweepRunner:
                 estimates = self._estimate_rebuilt(unit, one, chunks, t_feed, prefix)
         except Exception:
             return "feed"
+        estimates = self._on_lanes(estimates)
         self.timings = {k: round(v, 4) for k, v in estimates.items()}
         best = min(estimates, key=estimates.get)
         return best if estimates[best] < 0.95 * estimates["feed"] else "feed"
+
+    def _on_lanes(self, estimates: dict[str, float]) -> dict[str, float]:
+        """Each strategy's sweep seconds on `job.lanes` lanes: the pieces lanes take (`work_items`: a task, a unit,
+        or a cut's units) scheduled in order on the lane that frees first. Coarse pieces finish unevenly: a
+        plan of one cut runs on one lane however many there are."""
+        job = self.job
+        if job.lanes <= 1:
+            return estimates
+        units, tasks = len(job.units), len(job.units) * max(1, job.tasks_per_unit)
+        walls = {}
+        for name, seconds in estimates.items():
+            if name == "prefix" and self._prefix_pieces is not None:
+                serial, pieces = self._prefix_pieces
+                walls[name] = serial + _makespan(pieces, job.lanes)
+            else:
+                count = tasks if name in ("feed", "rebuild") else units
+                walls[name] = _makespan([seconds / count] * count, job.lanes)
+        return walls
+
+    def _first_step_seconds(self, session: Session, chunks) -> float:
+        """Seconds of one real step (the first chunk) on `session`: the batching decision's run when that session
+        made it, else a run made now. A single-chunk sweep keeps its outputs as the nominal's first step
+        (`_continued`), used when `session` goes on to make the nominal."""
+        made = self.engine.first_run
+        if made is None or made.session is not session:
+            started = time.perf_counter()
+            outputs = session.run(chunks[0][1], self.job.spec.run_outputs)
+            made = FirstRun(session, outputs, time.perf_counter() - started)
+        if len(chunks) == 1:
+            self._first_step = made
+        return made.seconds
 
     def _estimate_rebuilt(self, unit: Unit, one: dict[str, np.ndarray], chunks, t_feed: float, prefix: bool) -> dict[str, float]:
         """Every strategy's sweep seconds for a model held in memory (its sessions can be rebuilt): the
@@ -565,12 +621,9 @@ class SweepRunner:
         weights = {n: job.weights[n] for n in unit.tensor_names}
         tasks_per_unit, units = max(1, job.tasks_per_unit), len(job.units)
         estimates = {}
-        started = time.perf_counter()
-        constant = job.rebuild_factory({})
-        constant_build = time.perf_counter() - started
-        self._constant = constant
+        constant, constant_build = self._constant, self._constant_build
         t_const = _best_time(lambda: constant.run(one, names))
-        scale = _best_time(lambda: constant.run(chunks[0][1], names), 1) / max(t_const, 1e-9)
+        scale = self._first_step_seconds(constant, chunks) / max(t_const, 1e-9)
         step = len(chunks) * scale  # one step of every chunk, in one-window calls
         calls = job.spec.steps * step
         estimates["feed"] = units * tasks_per_unit * calls * t_feed
@@ -662,8 +715,12 @@ class SweepRunner:
         """Sweep seconds of 'prefix': the whole model's session with its activations as outputs (a build and
         a first step), then the planned cuts (`_plan_cuts`); with more steps, `rest_s` (steps 2..T on the
         overridable session) once for the nominal and once per task."""
-        tasks = len(self.job.units) * max(1, self.job.tasks_per_unit)
-        return build_s + call_s + (1 + tasks) * rest_s + self._plan_cuts(call_s, build_s, feeds, fed_slowdown).seconds
+        tasks_per_unit = max(1, self.job.tasks_per_unit)
+        tasks = len(self.job.units) * tasks_per_unit
+        plan = self._plan_cuts(call_s, build_s, feeds, fed_slowdown)
+        serial = build_s + call_s + rest_s  # the whole model's session, its first step and the nominal's later steps
+        self._prefix_pieces = (serial, [seconds + len(group) * tasks_per_unit * rest_s for group, seconds in zip(plan.groups, plan.group_seconds)])
+        return build_s + call_s + (1 + tasks) * rest_s + plan.seconds
 
     def _start_prefix(self) -> Nominal:
         """'prefix': one step of the whole model gives the nominal's first step and the activations at every
@@ -938,10 +995,24 @@ class SweepRunner:
                 return self.engine.steps(weights, steps, session=session)
         return self.engine.steps(None, steps, session=self.job.rebuild_factory(weights))
 
+    def _continued(self, first: dict[str, np.ndarray]) -> list[list[dict[str, np.ndarray]]]:
+        """The nominal rollout's steps ([step][chunk]) of a single-chunk sweep whose first step `first` already ran
+        on the engine's session (the same call the rollout would make: the same values)."""
+        job = self.job
+        steps = [[{n: first[n] for n in job.spec.trajectory}]]
+        if job.spec.steps > 1:
+            start = next_feeds(self.engine.chunks[0][1], first, job.spec)
+            steps += [list(outs) for outs in self.engine.steps(None, job.spec.steps - 1, starts=[start])]
+        return steps
+
     def _nominal(self, steps: list[list[dict[str, np.ndarray]]] | None = None) -> Nominal:
-        """The nominal rollout's summary: of `steps` ([step][chunk] outputs) when given, else of a rollout made now."""
+        """The nominal rollout's summary: of `steps` ([step][chunk] outputs) when given, else of a rollout made now
+        (on a single chunk, from the first step the batching decision or auto's timing already ran on the same session)."""
         try:
-            steps = steps if steps is not None else [list(outs) for outs in self._steps()]
+            if steps is None:
+                chunks = self.engine.chunks  # the batching decision (a run of the first chunk), unless made
+                made = next((r for r in (self._first_step, self.engine.first_run) if r is not None and r.session is self.engine.session), None)
+                steps = self._continued(made.outputs) if made is not None and len(chunks) == 1 else [list(outs) for outs in self._steps()]
         except RolloutError as exc:
             raise RolloutError(f"the model failed to run on the contexts: {exc}") from None
         norm_sq, abs_sum = [], {name: 0.0 for name in self.job.spec.trajectory}
