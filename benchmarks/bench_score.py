@@ -183,26 +183,28 @@ def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSe
     scaling = plain_rollout(tiles=width) / (width * plain) if batched else None
     strategies = [s for s in ["feed", "rebuild", "unit", "prefix", "batch", "auto"] if s not in skip]
     walls: dict[str, list[float]] = {s: [] for s in strategies}
+    ratios: dict[str, list[float]] = {s: [] for s in strategies}
     picks, estimates, sweep_phase, refused, ran_as, lanes_seen = [], None, [], {}, {}, set()
     with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(rounds):
-            if round_:  # the denominator is timed in every round too: this machine's speed drifts between minutes
-                plains.append(plain_rollout())
+        for _ in range(rounds):
             for strategy in [s for s in strategies if s not in refused]:
+                # paired: the denominator is timed just before each sweep, as this machine's speed drifts between minutes
+                plains.append(plain_rollout())
                 started = time.perf_counter()
                 try:
                     table = score(model, prepared.contexts, spec=prepared.spec, out=Path(tmp) / strategy, settings=settings, runtime=runtime, resume=False, strategy=strategy, lanes=lanes)
                 except TqsError as exc:  # 'batch' refuses static-batch models and models whose rows mix
                     refused[strategy] = str(exc)
-                    del walls[strategy]
+                    del walls[strategy], ratios[strategy]
                     continue
                 walls[strategy].append(time.perf_counter() - started)
+                ratios[strategy].append(walls[strategy][-1] / (tasks * plains[-1]))
                 ran_as.setdefault(strategy, set()).add(table.meta["strategy"])  # a streamed model runs every strategy as feed
                 lanes_seen.add((table.meta.get("lanes"), table.meta.get("threads_per_lane")))
                 if strategy == "auto":
                     picks.append(table.meta["strategy"])
                     estimates = table.meta.get("strategy_estimates_s")
-                    sweep_phase.append(table.meta["timings_s"]["sweep"])
+                    sweep_phase.append(table.meta["timings_s"]["sweep"] / (tasks * plains[-1]))
     wall = {s: statistics.median(v) for s, v in walls.items()}
     plain = statistics.median(plains)
     return {
@@ -218,13 +220,14 @@ def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSe
         "bound": "launch" if scaling is not None and scaling <= 0.8 else "compute",
         "target": 0.8 if scaling is not None and scaling <= 0.8 else 1.02,
         "wall_s": {s: round(v, 3) for s, v in wall.items()},
-        "ratio": {s: round(v / (tasks * plain), 3) for s, v in wall.items()},
+        "ratio": {s: round(statistics.median(v), 3) for s, v in ratios.items()},
+        "ratio_range": {s: [round(min(v), 3), round(max(v), 3)] for s, v in ratios.items()},
         "speedup_vs_feed": {s: round(wall["feed"] / v, 2) for s, v in wall.items()},
         "refused": refused,
         "ran_as": {s: sorted(v) for s, v in ran_as.items() if s != "auto" and v != {s}},
         "auto_picks": picks,
         "auto_estimates_s": estimates,
-        "auto_sweep_phase_ratio": round(statistics.median(sweep_phase) / (tasks * plain), 3) if sweep_phase else None,
+        "auto_sweep_phase_ratio": round(statistics.median(sweep_phase), 3) if sweep_phase else None,
         "lanes_x_threads": sorted(f"{lanes}x{threads or 'default'}" for lanes, threads in lanes_seen),
     }
 
@@ -274,14 +277,14 @@ def main() -> None:
         "",
         f"Note: {meta['note']}.",
         "",
-        "ratio = score wall (end to end: load, session builds, auto's timing, nominal, every task) / (L·(1+N) rollouts × one plain ONNX Runtime rollout, the best of 3 timed in each round, median over rounds); "
+        "ratio = score wall (end to end: load, session builds, auto's timing, nominal, every task) / (L·(1+N) rollouts × one plain ONNX Runtime rollout, the best of 3 timed just before that sweep), median over rounds (auto's range over the rounds in its own column); "
         "speed-up = feed wall / strategy wall. The last column is auto's task loop alone (the `sweep` timing in run.json) over the same denominator. "
         "batch scaling = a plain rollout with every window repeated P + 1 times (what a probe-batched call carries) / (P + 1) plain rollouts: "
         "at most 0.8 the model is launch-bound and the issue's target is ratio ≤ 0.8, otherwise it is compute-bound and the target is ≤ 1.02 "
         "(a model without a batch axis runs window by window and cannot be batched).",
         "",
-        "| model | units | params | T | windows | rollouts | plain rollout ms | batch scaling (bound, target) | " + " | ".join(f"{s} s (ratio, ×)" for s in names) + " | auto's pick | auto, task loop only: ratio | lanes × threads |",
-        "|" + "---|" * (11 + len(names)),
+        "| model | units | params | T | windows | rollouts | plain rollout ms | batch scaling (bound, target) | " + " | ".join(f"{s} s (ratio, ×)" for s in names) + " | auto's pick | auto's ratio, range over rounds | target met by auto (median) | auto, task loop only: ratio | lanes × threads |",
+        "|" + "---|" * (13 + len(names)),
     ]
     for r in rows:
         cells = [
@@ -292,7 +295,8 @@ def main() -> None:
         lines.append(
             f"| {r['model']} | {r['units']} | {r['params'] / 1e6:.2f}M | {r['steps']} | {r['windows']} | {r['rollouts']} | {r['plain_rollout_s'] * 1e3:.1f} | "
             f"{r['batch_scaling'] if r['batch_scaling'] is not None else 'no batch axis'} ({r['bound']}, ≤ {r['target']}) | "
-            + " | ".join(cells) + f" | {', '.join(r['auto_picks'])} | {r['auto_sweep_phase_ratio']} | {', '.join(r['lanes_x_threads'])} |"
+            + " | ".join(cells) + f" | {', '.join(r['auto_picks'])} | {r['ratio_range']['auto'][0]}–{r['ratio_range']['auto'][1]} | "
+            + ("yes" if r["ratio"]["auto"] <= r["target"] else "no") + f" | {r['auto_sweep_phase_ratio']} | {', '.join(r['lanes_x_threads'])} |"
         )
     lines += ["", "auto's own estimates of each sweep (s), from one window, one step and one build:", ""]
     lines += [f"- {r['model']}: " + ", ".join(f"{k} {v}" for k, v in (r["auto_estimates_s"] or {}).items()) for r in rows]
