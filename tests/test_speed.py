@@ -59,12 +59,20 @@ def test_prefix_keeps_dead_units_exactly_dead(two_branch, tmp_path, steps):
     np.testing.assert_allclose(table.frame.sort("unit")["gamma"].to_numpy(), feed["gamma"].to_numpy(), rtol=1e-5)
 
 
-def test_auto_estimates_every_strategy_and_records_its_pick(two_branch, tmp_path):
+def test_auto_estimates_every_strategy_and_records_its_pick(two_branch, tmp_path, monkeypatch):
+    import tqsdeploy.sweep
+
     model, contexts = two_branch
+    # a sweep this small runs on feed untimed: its bound (every window its own call) is all auto records
+    small = score(model, contexts, steps=3, out=tmp_path / "small", settings=SETTINGS)
+    assert small.meta["strategy"] == "feed" and set(small.meta["strategy_estimates_s"]) == {"feed"}
+    assert 0 < small.meta["strategy_estimates_s"]["feed"] < tqsdeploy.sweep.SMALL_SWEEP_S * small.meta["lanes"]
+    monkeypatch.setattr(tqsdeploy.sweep, "SMALL_SWEEP_S", 0.0)  # as if it were large
     table = score(model, contexts, steps=3, out=tmp_path / "run", settings=SETTINGS)
     estimates = table.meta["strategy_estimates_s"]
     assert set(estimates) == {"feed", "rebuild", "unit", "prefix", "batch"} and all(v > 0 for v in estimates.values())
     assert table.meta["strategy"] in estimates
+    assert small.frame.drop("seconds").equals(score(model, contexts, steps=3, out=tmp_path / "feed", settings=SETTINGS, strategy="feed").frame.drop("seconds"))
 
 
 def test_a_unit_session_only_overrides_its_own_weights(tmp_path):
@@ -192,7 +200,9 @@ def test_prefix_sweeps_a_model_from_its_files_with_feeds_scores(tmp_path):
     try:
         feed = score(folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "feed", settings=SETTINGS, strategy="feed")
         prefix = score(folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "prefix", settings=SETTINGS, strategy="prefix")
-        auto = score(folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "auto", settings=SETTINGS)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("tqsdeploy.sweep.SMALL_SWEEP_S", 0.0)  # time the strategies even on a sweep this small
+            auto = score(folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "auto", settings=SETTINGS)
     finally:
         folder.chmod(0o755)
     assert prefix.meta["strategy"] == "prefix" and not prefix.meta["warnings"]

@@ -269,6 +269,11 @@ def _moved(nominal: np.ndarray, produced: np.ndarray, reference: np.ndarray) -> 
     return produced  # integers and booleans: no rounding to carry
 
 
+SMALL_SWEEP_S = 0.1
+"""auto runs a sweep that 'feed' would finish within this many seconds (on its lanes, at most) as 'feed' without
+timing the others: a session build and a dozen calls would cost a tenth of it or more, more than they could save."""
+
+
 def _makespan(pieces: Sequence[float], lanes: int) -> float:
     """When the last of `lanes` lanes finishes, each taking the next piece (in order) as it frees."""
     free = [0.0] * max(1, lanes)
@@ -539,11 +544,25 @@ class SweepRunner:
 
         The one-window times are scaled to the real chunks by one real step of
         the constant session; a strategy other than 'feed' must beat it by 5%
-        (timing noise).
+        (timing noise). A sweep 'feed' would finish within `SMALL_SWEEP_S` runs
+        on feed untimed.
         """
         job = self.job
         prefix = self._prefix_possible
         if job.rebuild_factory is None and not prefix:
+            return "feed"
+        names = job.spec.run_outputs
+        unit = max(job.units.values(), key=lambda u: u.params)
+        weights = {n: job.weights[n] for n in unit.tensor_names}
+        try:
+            one = next(iter(job.contexts.chunks(self.inputs, False, 1)))[1]
+            t_feed = _best_time(lambda: self.overridable.run({**one, **weights}, names))
+        except Exception:
+            return "feed"  # let the nominal rollout report what is wrong
+        # every window its own call bounds the feed sweep from above (a batched call costs at most its windows' calls)
+        bound = len(job.units) * max(1, job.tasks_per_unit) * job.spec.steps * job.contexts.count * t_feed
+        if bound / max(1, job.lanes) < SMALL_SWEEP_S:
+            self.timings = {"feed": round(bound, 4)}
             return "feed"
         if job.rebuild_factory is not None:  # the constant session decides the batching: its run is the scale run too
             started = time.perf_counter()
@@ -552,16 +571,11 @@ class SweepRunner:
             self.engine.session = self._constant
         try:
             chunks = self.engine.chunks
-            one = next(iter(job.contexts.chunks(self.inputs, False, 1)))[1]
         except Exception:
             return "feed"  # let the nominal rollout report what is wrong
         finally:
             self.engine.session = self.overridable
-        names = job.spec.run_outputs
-        unit = max(job.units.values(), key=lambda u: u.params)
-        weights = {n: job.weights[n] for n in unit.tensor_names}
         try:
-            t_feed = _best_time(lambda: self.overridable.run({**one, **weights}, names))
             if job.rebuild_factory is None:  # swept from its files: feed, or cuts read from the files
                 full = self._first_step_seconds(self.overridable, chunks)
                 scale = full / max(t_feed, 1e-9)
