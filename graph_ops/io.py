@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -90,25 +91,25 @@ class LoadedModel:
             raise GraphError(f"cannot read {self.path}: {exc.strerror or exc}") from None
 
 
-_HASHER: ThreadPoolExecutor | None = None
-
-
 def _sha256_files(paths: list[Path]) -> Future:
     """Hash `paths` on a background thread: reading and hashing release the GIL, so a large model's
-    digest (about 0.6 ms per MB) overlaps its session build and the checks that follow the load."""
-    global _HASHER
-    if _HASHER is None:
-        _HASHER = ThreadPoolExecutor(1, thread_name_prefix="tqs-sha256")
+    digest (about 0.6 ms per MB) overlaps its session build and the checks that follow the load.
+    A daemon thread: a command that never asks for the digest (or is interrupted) does not wait for it at exit."""
+    future: Future = Future()
 
-    def digest() -> str:
-        value = hashlib.sha256()
-        for path in paths:
-            with open(path, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 20), b""):
-                    value.update(block)
-        return value.hexdigest()
+    def digest() -> None:
+        try:
+            value = hashlib.sha256()
+            for path in paths:
+                with open(path, "rb") as handle:
+                    for block in iter(lambda: handle.read(1 << 20), b""):
+                        value.update(block)
+            future.set_result(value.hexdigest())
+        except BaseException as exc:  # noqa: BLE001 - raised where the digest is asked for
+            future.set_exception(exc)
 
-    return _HASHER.submit(digest)
+    threading.Thread(target=digest, name="tqs-sha256", daemon=True).start()
+    return future
 
 
 def iter_tensors(graph: onnx.GraphProto):
