@@ -232,54 +232,66 @@ constant weights), when no measurement says: about 0.3 for MatMul, 0.8 for Conv 
 
 def plan_cuts(model: onnx.ModelProto, units: dict[str, list[str]], costs: list[float], call_s: float, build_s: float, runs_per_unit: int,
               fed_penalty: float = FED_PENALTY) -> CutPlan:
-    """Group units, taken in the order their cuts start, so that the sweep costs least.
+    """Group units, taken in the order their cuts start, so that the sweep costs least (`CutPlanner.plan`)."""
+    return CutPlanner(model, units, costs).plan(call_s, build_s, runs_per_unit, fed_penalty)
 
-    A cut shared by several units starts at the earliest of them: every probe of a later unit then
-    runs more of the graph, but one build serves them all. Estimated with a run of the whole model
-    costing `call_s` and its build `build_s`: a cut's run costs its share of `costs`, plus
-    `fed_penalty` of the share of the nodes that read its units' weights (overridable, so not
-    pre-packed), its build a fixed part plus its share of the weights it reads; `runs_per_unit` runs
-    per unit plus the cut's own nominal run. Exact over contiguous groupings (dynamic programming,
-    quadratic in units).
-    """
-    walk = GraphWalk(model.graph)
-    nodes = walk.nodes
-    sizes = {t.name: float(np.prod(t.dims, dtype=np.float64)) for t in model.graph.initializer}
-    readers = {name: len(walk.readers.get(name, ())) for name in sizes}
-    weight = np.array([sum(sizes[n] / readers[n] for n in reads & sizes.keys()) for reads in walk.reads])
-    cost = np.asarray(costs, np.float64)
-    total_cost, total_weight = max(cost.sum(), 1e-30), max(weight.sum(), 1e-30)
-    masks, fed = {}, {}
-    for name, tensors in units.items():
-        mask = np.zeros(len(nodes), bool)
-        mask[walk.downstream(set(tensors))[0]] = True
-        masks[name] = mask
-        fed[name] = np.zeros(len(nodes), bool)
-        fed[name][[i for t in tensors for i in walk.readers.get(t, ())]] = True
-    order = cut_order(walk, units)
 
-    def group_seconds(mask: np.ndarray, reading: np.ndarray, members: int) -> float:
-        run = call_s * (float(cost[mask].sum()) + fed_penalty * float(cost[reading].sum())) / total_cost
-        build = build_s * (BUILD_FIXED + (1 - BUILD_FIXED) * float(weight[mask].sum()) / total_weight)
-        return build + run * (1 + members * runs_per_unit)
+class CutPlanner:
+    """What planning cuts needs from the graph (each unit's downstream nodes, the weights each node reads),
+    worked out once: a sweep plans from auto's estimate and again from the whole model's measured run."""
 
-    best = [0.0] + [np.inf] * len(order)
-    split = [0] * (len(order) + 1)
-    for end in range(1, len(order) + 1):
-        mask, reading = np.zeros(len(nodes), bool), np.zeros(len(nodes), bool)
-        for start in range(end - 1, -1, -1):
-            mask |= masks[order[start]]
-            reading |= fed[order[start]]
-            seconds = best[start] + group_seconds(mask, reading, end - start)
-            if seconds < best[end]:
-                best[end], split[end] = seconds, start
-    groups, end = [], len(order)
-    while end > 0:
-        groups.append((split[end], end))
-        end = split[end]
-    groups.reverse()
-    return CutPlan(
-        groups=tuple(tuple(order[a:b]) for a, b in groups),
-        seconds=float(best[-1]),
-        group_seconds=tuple(float(best[b] - best[a]) for a, b in groups),
-    )
+    def __init__(self, model: onnx.ModelProto, units: dict[str, list[str]], costs: list[float]):
+        walk = GraphWalk(model.graph)
+        self.nodes = len(walk.nodes)
+        sizes = {t.name: float(np.prod(t.dims, dtype=np.float64)) for t in model.graph.initializer}
+        readers = {name: len(walk.readers.get(name, ())) for name in sizes}
+        self.weight = np.array([sum(sizes[n] / readers[n] for n in reads & sizes.keys()) for reads in walk.reads])
+        self.cost = np.asarray(costs, np.float64)
+        self.masks, self.fed = {}, {}
+        for name, tensors in units.items():
+            mask = np.zeros(self.nodes, bool)
+            mask[walk.downstream(set(tensors))[0]] = True
+            self.masks[name] = mask
+            self.fed[name] = np.zeros(self.nodes, bool)
+            self.fed[name][[i for t in tensors for i in walk.readers.get(t, ())]] = True
+        self.order = cut_order(walk, units)
+
+    def plan(self, call_s: float, build_s: float, runs_per_unit: int, fed_penalty: float = FED_PENALTY) -> CutPlan:
+        """Group units, taken in the order their cuts start, so that the sweep costs least.
+
+        A cut shared by several units starts at the earliest of them: every probe of a later unit then
+        runs more of the graph, but one build serves them all. Estimated with a run of the whole model
+        costing `call_s` and its build `build_s`: a cut's run costs its share of `costs`, plus
+        `fed_penalty` of the share of the nodes that read its units' weights (overridable, so not
+        pre-packed), its build a fixed part plus its share of the weights it reads; `runs_per_unit` runs
+        per unit plus the cut's own nominal run. Exact over contiguous groupings (dynamic programming,
+        quadratic in units).
+        """
+        cost, weight, masks, fed, order = self.cost, self.weight, self.masks, self.fed, self.order
+        total_cost, total_weight = max(cost.sum(), 1e-30), max(weight.sum(), 1e-30)
+
+        def group_seconds(mask: np.ndarray, reading: np.ndarray, members: int) -> float:
+            run = call_s * (float(cost[mask].sum()) + fed_penalty * float(cost[reading].sum())) / total_cost
+            build = build_s * (BUILD_FIXED + (1 - BUILD_FIXED) * float(weight[mask].sum()) / total_weight)
+            return build + run * (1 + members * runs_per_unit)
+
+        best = [0.0] + [np.inf] * len(order)
+        split = [0] * (len(order) + 1)
+        for end in range(1, len(order) + 1):
+            mask, reading = np.zeros(self.nodes, bool), np.zeros(self.nodes, bool)
+            for start in range(end - 1, -1, -1):
+                mask |= masks[order[start]]
+                reading |= fed[order[start]]
+                seconds = best[start] + group_seconds(mask, reading, end - start)
+                if seconds < best[end]:
+                    best[end], split[end] = seconds, start
+        groups, end = [], len(order)
+        while end > 0:
+            groups.append((split[end], end))
+            end = split[end]
+        groups.reverse()
+        return CutPlan(
+            groups=tuple(tuple(order[a:b]) for a, b in groups),
+            seconds=float(best[-1]),
+            group_seconds=tuple(float(best[b] - best[a]) for a, b in groups),
+        )

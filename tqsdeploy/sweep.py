@@ -471,6 +471,7 @@ class SweepRunner:
         self.cut_plan: graph_ops.prefix.CutPlan | None = None
         """'prefix': which units share a cut, and the order to run them in."""
         self._node_costs: list[float] | None = None
+        self._cut_planner: graph_ops.prefix.CutPlanner | None = None
         self._fed_penalty = graph_ops.prefix.FED_PENALTY
         self._batched: tuple[str, Session | None] | None = None
         self._batch_results: tuple[str, dict[str, TaskResult]] = ("", {})
@@ -549,8 +550,8 @@ class SweepRunner:
         """
         job = self.job
         prefix = self._prefix_possible
-        if job.rebuild_factory is None and not prefix:
-            return "feed"
+        if job.rebuild_factory is None:
+            return self._choose_streamed() if prefix else "feed"
         names = job.spec.run_outputs
         unit = max(job.units.values(), key=lambda u: u.params)
         weights = {n: job.weights[n] for n in unit.tensor_names}
@@ -564,11 +565,10 @@ class SweepRunner:
         if bound / max(1, job.lanes) < SMALL_SWEEP_S:
             self.timings = {"feed": round(bound, 4)}
             return "feed"
-        if job.rebuild_factory is not None:  # the constant session decides the batching: its run is the scale run too
-            started = time.perf_counter()
-            self._constant = job.rebuild_factory({})
-            self._constant_build = time.perf_counter() - started
-            self.engine.session = self._constant
+        started = time.perf_counter()  # the constant session decides the batching: its run is the scale run too
+        self._constant = job.rebuild_factory({})
+        self._constant_build = time.perf_counter() - started
+        self.engine.session = self._constant
         try:
             chunks = self.engine.chunks
         except Exception:
@@ -576,21 +576,34 @@ class SweepRunner:
         finally:
             self.engine.session = self.overridable
         try:
-            if job.rebuild_factory is None:  # swept from its files: feed, or cuts read from the files
-                full = self._first_step_seconds(self.overridable, chunks)
-                scale = full / max(t_feed, 1e-9)
-                calls = job.spec.steps * len(chunks) * scale
-                estimates = {"feed": len(job.units) * max(1, job.tasks_per_unit) * calls * t_feed}
-                packed = sum(t.params * np.dtype(t.dtype).itemsize for u in job.units.values() for t in u.tensors if set(t.op_types) & PRE_PACKED)
-                build_s = job.session_build_s + packed / CONSTANT_BUILD_BYTES_PER_S  # the fed session packs no weight as it builds
-                try:  # the fed session's calls bound the constant ones
-                    estimates["prefix"] = self._estimate_prefix(calls * t_feed, build_s, chunks[0][1])
-                except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
-                    pass
-            else:
-                estimates = self._estimate_rebuilt(unit, one, chunks, t_feed, prefix)
+            estimates = self._estimate_rebuilt(unit, one, chunks, t_feed, prefix)
         except Exception:
             return "feed"
+        return self._pick(estimates)
+
+    def _choose_streamed(self) -> str:
+        """auto for a model swept from its files: feed, or cuts read from the files. Both are priced from one real
+        step on the fed session (the batching decision's run): no one-window timing."""
+        job = self.job
+        try:
+            chunks = self.engine.chunks
+            step = len(chunks) * self._first_step_seconds(self.overridable, chunks)  # one step of every chunk
+        except Exception:
+            return "feed"  # let the nominal rollout report what is wrong
+        estimates = {"feed": len(job.units) * max(1, job.tasks_per_unit) * job.spec.steps * step}
+        if estimates["feed"] / max(1, job.lanes) < SMALL_SWEEP_S:
+            self.timings = {"feed": round(estimates["feed"], 4)}
+            return "feed"
+        packed = sum(t.params * np.dtype(t.dtype).itemsize for u in job.units.values() for t in u.tensors if set(t.op_types) & PRE_PACKED)
+        build_s = job.session_build_s + packed / CONSTANT_BUILD_BYTES_PER_S  # the fed session packs no weight as it builds
+        try:  # the fed session's calls bound the constant ones
+            estimates["prefix"] = self._estimate_prefix(job.spec.steps * step, build_s, chunks[0][1])
+        except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
+            pass
+        return self._pick(estimates)
+
+    def _pick(self, estimates: dict[str, float]) -> str:
+        """The cheapest strategy on the sweep's lanes (recorded in `timings`); another than feed must win by 5%."""
         estimates = self._on_lanes(estimates)
         self.timings = {k: round(v, 4) for k, v in estimates.items()}
         best = min(estimates, key=estimates.get)
@@ -722,8 +735,10 @@ class SweepRunner:
         if fed_slowdown is not None:  # the nodes reading unit weights account for all of the slowdown
             share = graph_ops.prefix.reading_share(graph, set(self._unit_of), self._node_costs)
             self._fed_penalty = max(0.0, fed_slowdown - 1) / max(share, 1e-3)
-        units = {u.name: list(u.tensor_names) for u in job.units.values()}
-        return graph_ops.prefix.plan_cuts(graph, units, self._node_costs, call_s, build_s, max(1, job.tasks_per_unit), self._fed_penalty)
+        if self._cut_planner is None:  # the graph's part of planning, once for auto's estimate and the sweep's plan
+            units = {u.name: list(u.tensor_names) for u in job.units.values()}
+            self._cut_planner = graph_ops.prefix.CutPlanner(graph, units, self._node_costs)
+        return self._cut_planner.plan(call_s, build_s, max(1, job.tasks_per_unit), self._fed_penalty)
 
     def _estimate_prefix(self, call_s: float, build_s: float, feeds: dict[str, np.ndarray], fed_slowdown: float | None = None, rest_s: float = 0.0) -> float:
         """Sweep seconds of 'prefix': the whole model's session with its activations as outputs (a build and
