@@ -1,7 +1,6 @@
 """Help shows every choice and the text rich would eat; gate reports carry numbers with units, escaped once."""
 
 import json
-import shutil
 import xml.etree.ElementTree as ET
 
 import numpy as np
