@@ -264,3 +264,18 @@ def shared_weight_case(folder: Path, steps: int = 4):
 
     contexts = Contexts({"x": np.random.default_rng(1).standard_normal((4, 2, 32)).astype(np.float32)}, source="test")
     return mlp_forecaster(Path(folder) / "mlp.onnx"), contexts, RolloutSpec.from_dict({"steps": steps, "feedback": [{"output": "y", "input": "x"}]})
+
+
+class Interrupt(Exception):
+    """What a user's Ctrl-C stands in for: raised from a sweep's progress callback."""
+
+
+def interrupt_after(count: int, seen: list):
+    """An `on_result` callback that records each result's key in `seen` and interrupts once `count` have landed."""
+
+    def record(result):
+        seen.append(result.key)
+        if len(seen) == count:
+            raise Interrupt
+
+    return record

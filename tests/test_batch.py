@@ -143,22 +143,13 @@ def test_the_rewrite_runs_probe_p_with_weight_p(tmp_path):
     assert "Transpose" in graph_ops.batch.refusal(onnx.load(models.assorted_ops(tmp_path / "a.onnx")), ["conv_t"])
 
 
-class Interrupt(Exception):
-    pass
-
-
 def test_an_interrupted_batch_sweep_resumes_mid_unit(two_branch, tmp_path):
     model, contexts = two_branch
     settings = ScoreSettings(gauss_draws=3)
     whole = score(model, contexts, steps=5, out=tmp_path / "whole", settings=settings, strategy="batch").frame
 
-    def stop_after_two(result, seen=[]):
-        seen.append(result.key)
-        if len(seen) == 2:
-            raise Interrupt
-
-    with pytest.raises(Interrupt):
-        score(model, contexts, steps=5, out=tmp_path / "cut", settings=settings, strategy="batch", on_result=stop_after_two)
+    with pytest.raises(models.Interrupt):
+        score(model, contexts, steps=5, out=tmp_path / "cut", settings=settings, strategy="batch", on_result=models.interrupt_after(2, []))
     resumed = score(model, contexts, steps=5, out=tmp_path / "cut", settings=settings)  # finishes the way it started
     assert resumed.meta["strategy"] == "batch"
     assert resumed.frame.drop("seconds").equals(whole.drop("seconds"))

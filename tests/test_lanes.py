@@ -41,21 +41,11 @@ def test_three_lanes_give_the_one_lane_table(tmp_path, case, strategy):
     assert len((tmp_path / f"{strategy}-3" / "sweep.jsonl").read_text().splitlines()) == 3 * three.frame.height
 
 
-class Interrupt(Exception):
-    pass
-
-
 def test_an_interrupted_sweep_on_lanes_resumes_without_rerunning_what_landed(tmp_path):
     whole = _table(models.shared_weight_case, tmp_path, "feed", 1)
     landed = []
-
-    def stop_after_four(result):
-        landed.append(result.key)
-        if len(landed) == 4:
-            raise Interrupt
-
-    with pytest.raises(Interrupt):
-        _table(models.shared_weight_case, tmp_path, "feed", 2, on_result=stop_after_four)
+    with pytest.raises(models.Interrupt):
+        _table(models.shared_weight_case, tmp_path, "feed", 2, on_result=models.interrupt_after(4, landed))
     assert len((tmp_path / "feed-2" / "sweep.jsonl").read_text().splitlines()) == 4  # only this thread writes the log
     rerun = []
     resumed = _table(models.shared_weight_case, tmp_path, "feed", 2, on_result=lambda r: rerun.append(r.key))

@@ -6,6 +6,7 @@ import numpy as np
 import polars as pl
 import pytest
 
+import models
 from tqsdeploy import SENTINEL_GAMMA, ScoreSettings, score
 from tqsdeploy.errors import InputError
 
@@ -66,23 +67,13 @@ def test_outputs_written(two_branch, tmp_path):
         np.testing.assert_array_equal(saved["x"], given["x"])
 
 
-class Interrupt(Exception):
-    pass
-
-
 def test_resume_after_interruption_matches_uninterrupted_run(two_branch, tmp_path):
     model, contexts = two_branch
     settings = ScoreSettings(gauss_draws=3)
     reference = score(model, contexts, steps=6, out=tmp_path / "whole", settings=settings).frame
     seen = []
-
-    def stop_after_five(result):
-        seen.append(result.key)
-        if len(seen) == 5:
-            raise Interrupt
-
-    with pytest.raises(Interrupt):
-        score(model, contexts, steps=6, out=tmp_path / "cut", settings=settings, on_result=stop_after_five)
+    with pytest.raises(models.Interrupt):
+        score(model, contexts, steps=6, out=tmp_path / "cut", settings=settings, on_result=models.interrupt_after(5, seen))
     lines = (tmp_path / "cut" / "sweep.jsonl").read_text().splitlines()
     assert len(lines) == 5
     with open(tmp_path / "cut" / "sweep.jsonl", "a") as handle:

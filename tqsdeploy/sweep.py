@@ -196,9 +196,9 @@ class SweepJob:
     cut_factory: object | None = None
     """Opens the sessions 'prefix' runs (`score.CutSessions`: of the model in memory, or read from its files)."""
     session_build_s: float = 0.0
+    """Seconds the overridable session took to build (what 'auto' weighs cut builds against when it has no other)."""
     lanes: int = 1
     """Tasks the sweep will run at once (`run_local`): auto weighs each strategy's pieces of work on that many lanes."""
-    """Seconds the overridable session took to build (what 'auto' weighs cut builds against when it has no other)."""
 
     def open(self, session: Session | None = None, nominal: "Nominal | None" = None) -> "SweepRunner":
         """A runner; `session` is an already open overridable session to reuse, `nominal` the nominal
@@ -745,11 +745,11 @@ class SweepRunner:
         a first step), then the planned cuts (`_plan_cuts`); with more steps, `rest_s` (steps 2..T on the
         overridable session) once for the nominal and once per task."""
         tasks_per_unit = max(1, self.job.tasks_per_unit)
-        tasks = len(self.job.units) * tasks_per_unit
         plan = self._plan_cuts(call_s, build_s, feeds, fed_slowdown)
         serial = build_s + call_s + rest_s  # the whole model's session, its first step and the nominal's later steps
-        self._prefix_pieces = (serial, [seconds + len(group) * tasks_per_unit * rest_s for group, seconds in zip(plan.groups, plan.group_seconds)])
-        return build_s + call_s + (1 + tasks) * rest_s + plan.seconds
+        pieces = [seconds + len(group) * tasks_per_unit * rest_s for group, seconds in zip(plan.groups, plan.group_seconds)]
+        self._prefix_pieces = (serial, pieces)
+        return serial + sum(pieces)
 
     def _start_prefix(self) -> Nominal:
         """'prefix': one step of the whole model gives the nominal's first step and the activations at every
@@ -1299,7 +1299,6 @@ class Lanes:
         self._stop = threading.Event()
         self._results: queue.Queue = queue.Queue()
         self._pool: ThreadPoolExecutor | None = None
-        self._futures: list[Future] = []
 
     def _lane(self, runner: SweepRunner) -> None:
         try:
@@ -1319,11 +1318,12 @@ class Lanes:
 
     def __enter__(self) -> "Lanes":
         self._pool = ThreadPoolExecutor(len(self._runners), thread_name_prefix="tqs-lane")
-        self._futures = [self._pool.submit(self._lane, runner) for runner in self._runners]
+        for runner in self._runners:
+            self._pool.submit(self._lane, runner)  # a lane reports its end and its errors on the result queue
         return self
 
     def __iter__(self) -> Iterator[object]:
-        running = len(self._futures)
+        running = len(self._runners)
         while running:
             try:
                 error, result = self._results.get(timeout=0.5)  # a timeout keeps Ctrl-C prompt on every platform
