@@ -4,7 +4,7 @@ ONNX Runtime is the default; TensorRT is imported lazily so CPU-only installs
 work without it.
 """
 
-from runtimes.base import IOSpec, ModelSource, RuntimeUnavailable, Session, SessionFactory, WithDefaults, kept
+from runtimes.base import DerivedFeeds, IOSpec, ModelSource, RuntimeUnavailable, Session, SessionFactory, WithDefaults, kept
 from runtimes.ort import PROVIDERS, OrtRuntime, OrtSession, available_providers, release_freed_memory, return_large_allocations
 
 
@@ -18,6 +18,7 @@ def make_runtime(provider: str, threads: int | None = None):
 
 __all__ = [
     "PROVIDERS",
+    "DerivedFeeds",
     "IOSpec",
     "ModelSource",
     "OrtRuntime",

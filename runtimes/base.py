@@ -9,6 +9,7 @@ TensorRT engines sit behind the same sweep, locally or on Ray workers.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence, Union
@@ -100,6 +101,43 @@ class WithDefaults:
         return self._session.run({**feeds, **missing} if missing else feeds, output_names)
 
     def close(self) -> None:
+        self._session.close()
+
+
+class DerivedFeeds:
+    """A session of a graph whose initializers are the model's weights rearranged (ONNX Runtime's own
+    optimized graph, `graph_ops.derived`): it takes the model's weights as feeds and feeds the session
+    the initializers `derive` makes of them. A rollout feeds the same weights on every step, so each
+    thread (a sweep lane) keeps the initializers of the last weights it fed, for as long as it feeds
+    those very arrays (held here, so no other array can take their identity)."""
+
+    def __init__(self, session: Session, weights: frozenset[str], derive: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]):
+        self._session, self._derive = session, derive
+        self.name = session.name
+        self.weights = frozenset(weights)
+        self.inputs = [s for s in session.inputs if s.name not in session.weights]
+        self.outputs = session.outputs
+        self._local = threading.local()
+
+    def keep(self, values: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        return values
+
+    def _derived(self, fed: list[tuple[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        last, made = getattr(self._local, "last", ([], {}))
+        if len(last) != len(fed) or any(a != c or b is not d for (a, b), (c, d) in zip(last, fed)):
+            made = self._derive(dict(fed))
+            self._local.last = (fed, made)
+        return made
+
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        fed = [(name, value) for name, value in feeds.items() if name in self.weights]
+        if not fed:
+            return self._session.run(feeds, output_names)
+        inputs = {name: value for name, value in feeds.items() if name not in self.weights}
+        return self._session.run({**inputs, **self._derived(fed)}, output_names)
+
+    def close(self) -> None:
+        self._local = threading.local()
         self._session.close()
 
 

@@ -231,6 +231,41 @@ def conv_forecaster(path: Path, channels: int = 4, size: int = 6, seed: int = 0)
     return _model(nodes, io[:1], io[1:], init, path)
 
 
+def conv_stack(path: Path, channels: int = 5, hidden: int = 16, size: int = 8, seed: int = 0, batch_norm: bool = False) -> Path:
+    """y = x + 0.1 * Conv(relu(Conv(relu(Conv(x))))) on x [batch, channels, size, size], channels 5 -> hidden ->
+    hidden -> 5: wide enough for ONNX Runtime's NCHWc Conv kernels (which pad the 5 channels to their block).
+    `batch_norm`: a BatchNormalization after the first Conv (ONNX Runtime folds it into that Conv's weight)."""
+    rng = np.random.default_rng(seed)
+    init = {
+        "W1": (rng.standard_normal((hidden, channels, 3, 3)) / 6).astype(np.float32),
+        "W2": (rng.standard_normal((hidden, hidden, 3, 3)) / 12).astype(np.float32),
+        "W3": (rng.standard_normal((channels, hidden, 3, 3)) / 12).astype(np.float32),
+        "b2": (0.1 * rng.standard_normal(hidden)).astype(np.float32),
+        "gain": np.full((1,), 0.1, np.float32),
+    }
+    first = "h"
+    nodes = [helper.make_node("Conv", ["x", "W1"], ["h"], pads=[1, 1, 1, 1])]
+    if batch_norm:
+        init.update(
+            bn_scale=(1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32),
+            bn_bias=(0.1 * rng.standard_normal(hidden)).astype(np.float32),
+            bn_mean=(0.1 * rng.standard_normal(hidden)).astype(np.float32),
+            bn_var=(1 + 0.1 * rng.random(hidden)).astype(np.float32),
+        )
+        nodes.append(helper.make_node("BatchNormalization", ["h", "bn_scale", "bn_bias", "bn_mean", "bn_var"], ["hn"]))
+        first = "hn"
+    nodes += [
+        helper.make_node("Relu", [first], ["a"]),
+        helper.make_node("Conv", ["a", "W2", "b2"], ["h2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["h2"], ["a2"]),
+        helper.make_node("Conv", ["a2", "W3"], ["d"], pads=[1, 1, 1, 1]),
+        helper.make_node("Mul", ["d", "gain"], ["s"]),
+        helper.make_node("Add", ["x", "s"], ["y"]),
+    ]
+    io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", channels, size, size]) for name in ("x", "y")]
+    return _model(nodes, io[:1], io[1:], init, path)
+
+
 def batch_mean(path: Path, n: int = 32, seed: int = 0) -> Path:
     """y = tanh(x @ W) - 0.1 * mean over the batch of tanh(x @ W): the rows of a batch are not independent."""
     rng = np.random.default_rng(seed)

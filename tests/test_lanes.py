@@ -1,6 +1,7 @@
 """Lanes: a sweep's tasks run side by side in one process and give the one-lane table bit for bit."""
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -158,3 +159,32 @@ def test_export_prices_and_refines_on_lanes_as_on_one(tmp_path):
     assert outcomes[1][0] == 1 and outcomes[3][0] == 3
     assert len(outcomes[3][1]) >= 6 and len(set(outcomes[3][2].values())) > 1  # a mixed allocation, from real prices
     assert outcomes[3][1:] == outcomes[1][1:]
+
+
+@pytest.mark.parametrize("hold", [0, None])
+def test_the_nominal_made_on_a_lane_gives_the_one_lane_table(tmp_path, monkeypatch, hold):
+    """On lanes the nominal rollout is a lane's first work item while the others start on tasks, holding their
+    outputs until it is made (`hold` 0: none held, each waits for it at its first step)."""
+    import sys
+
+    sweep = sys.modules["tqsdeploy.sweep"]
+    if hold is not None:
+        monkeypatch.setattr(sweep, "HOLD_BYTES", hold)
+    made_on = []
+    make = sweep.SweepRunner._make_nominal
+    monkeypatch.setattr(sweep.SweepRunner, "_make_nominal", lambda self, *a, **k: (made_on.append(threading.current_thread().name), make(self, *a, **k))[1])
+    one = _table(models.shared_weight_case, tmp_path, "rebuild", 1)
+    made_on.clear()
+    two = _table(models.shared_weight_case, tmp_path, "rebuild", 2)
+    assert len(made_on) == 1 and made_on[0].startswith("tqs-lane")
+    assert two.meta["lanes"] == 2 and two.frame.drop("seconds").equals(one.frame.drop("seconds"))
+
+
+def test_a_nominal_that_fails_on_a_lane_ends_the_sweep_with_its_message(tmp_path):
+    model = models.nan_model(tmp_path / "nan.onnx")
+    contexts = np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32)
+    np.savez(tmp_path / "c.npz", x=contexts)
+    with pytest.raises(RolloutError, match="NaN or Inf"):
+        score(model, tmp_path / "c.npz", steps=3, out=tmp_path / "run", settings=SETTINGS, runtime=ONE_THREAD, strategy="rebuild", lanes=2)
+    log = tmp_path / "run" / "sweep.jsonl"
+    assert not log.exists() or log.read_text() == ""  # no task finished without the nominal to compare with

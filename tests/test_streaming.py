@@ -179,9 +179,9 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
     score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=2))
     outcomes, passes, opened, rolled = [], [], [], []
-    runner_init, nominal = SweepRunner.__init__, SweepRunner._nominal
+    runner_init, nominal = SweepRunner.__init__, SweepRunner._make_nominal
     monkeypatch.setattr(SweepRunner, "__init__", lambda self, *a, **k: (opened.append(1), runner_init(self, *a, **k))[1])
-    monkeypatch.setattr(SweepRunner, "_nominal", lambda self, *a, **k: (rolled.append(1), nominal(self, *a, **k))[1])
+    monkeypatch.setattr(SweepRunner, "_make_nominal", lambda self, *a, **k: (rolled.append(1), nominal(self, *a, **k))[1])
     for limit in (1 << 40, 0):
         monkeypatch.setattr(export_module, "ONE_SESSION_BYTES", limit)
         opened.clear(), rolled.clear()

@@ -25,7 +25,7 @@ import onnx
 import polars as pl
 
 import graph_ops
-from runtimes import OrtRuntime, Session, WithDefaults
+from runtimes import DerivedFeeds, OrtRuntime, Session, WithDefaults
 from tqsdeploy import __version__
 from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
@@ -156,6 +156,42 @@ class RebuildFactory(CutSessions):
 
 
 @dataclass
+class DerivedFeed:
+    """Opens ONNX Runtime's own optimized graph of the model with the initializers it rearranged the scored
+    weights into overridable, fed from those weights (`graph_ops.derived`): the fed session then runs the
+    kernels a constant one runs (NCHWc Conv), with no build per perturbation. Picklable."""
+
+    model: bytes
+    runtime: OrtRuntime
+    weight_map: graph_ops.derived.WeightMap
+    weights: tuple[str, ...]
+
+    def __call__(self) -> Session:
+        return DerivedFeeds(self.runtime.open(self.model), frozenset(self.weights), self.weight_map.derive)
+
+
+def derived_feed(rebuild: RebuildFactory, units: list[Unit], weights: dict[str, np.ndarray]) -> tuple[DerivedFeed | None, str]:
+    """The fed session of the runtime's optimized graph when it keeps kernels a fed weight loses, else None;
+    and what the sweep feeds, for run.json. Tried where it pays: a 2-D Conv reads a scored weight (ONNX
+    Runtime's CPU NCHWc kernels need the weight constant, or in their own layout as here)."""
+    runtime = rebuild.runtime
+    if runtime.provider != "cpu" or runtime.optimization != "all":
+        return None, "weights as stored"
+    if not any("Conv" in t.op_types and len(t.shape) == 4 for u in units for t in u.tensors):
+        return None, "weights as stored"
+    try:
+        nominal = onnx.load_model_from_string(runtime.optimized(rebuild.model))
+        marked = graph_ops.derived.marked(rebuild.graph(), weights)
+        mapped = graph_ops.derived.weight_map(nominal, onnx.load_model_from_string(runtime.optimized(graph_ops.model_bytes(marked))), weights)
+        model = graph_ops.model_bytes(graph_ops.derived.fed_graph(nominal, mapped))
+    except graph_ops.GraphError as exc:
+        return None, f"weights as stored ({exc})"
+    except Exception as exc:  # the runtime cannot save or reload its optimized graph
+        return None, f"weights as stored (ONNX Runtime's optimized graph: {str(exc).splitlines()[0]})"
+    return DerivedFeed(model, dataclasses.replace(runtime, optimization="disable"), mapped, tuple(weights)), "the runtime's optimized graph (weights in its layouts)"
+
+
+@dataclass
 class StreamedCuts(CutSessions):
     """Cut sessions of a model swept from its files: `model` is its graph alone, its tensors references
     into the model's own data files (in `data_dir`), which ONNX Runtime reads as it builds each session."""
@@ -187,6 +223,8 @@ class Prepared:
     """Tasks the sweep runs at once in this process (`sweep.run_lanes`); the sessions' threads are split for them."""
     threads: int | None = None
     """ONNX Runtime intra-op threads per session (None: its default, every core)."""
+    fed_as: str = "weights as stored"
+    """What the fed session is a graph of (`derived_feed`), for run.json."""
 
     def open_runner(self, nominal: "Nominal | None" = None) -> SweepRunner:
         """A runner of the sweep; `nominal`: the rollout an earlier runner of this job made (not made again)."""
@@ -266,6 +304,7 @@ def prepare(
     declarations = {n: graph_ops.input_declarations(session_proto, [n]) for n in names}
     source: bytes | Path
     rebuild = cuts = None
+    fed_as = "weights as stored"
     if streamed:  # feeding is the only strategy that needs no weights in memory
         cuts = StreamedCuts(graph_ops.model_bytes(session_proto), runtime, data_dir)  # and cuts, read from the files too
         if runtime_keeps_weights:  # the graph only: tensors stay references into the model's files; the units declared inputs too
@@ -279,7 +318,9 @@ def prepare(
         factory = partial(runtime.open, source, external_data_dir=data_dir) if runtime_keeps_weights else partial(open_fed, runtime, source, data_dir, weights)
     elif graph_ops.io.stored_bytes(session_proto) < graph_ops.io.PROTOBUF_LIMIT:
         rebuild = cuts = RebuildFactory(graph_ops.model_bytes(session_proto), runtime, declarations)  # the one serialisation
-        factory = partial(rebuild.overridable, tuple(names))
+        stored = graph_ops.read_weights(session_proto, names)
+        derived, fed_as = derived_feed(rebuild, units, {n: stored[n] for n in names})
+        factory = derived or partial(rebuild.overridable, tuple(names))
         source = rebuild.model
     else:  # over 2 GiB: hand the runtime a file with external data; feeding is the only sane strategy
         session_proto.MergeFromString(b"".join(declarations.values()))
@@ -334,7 +375,7 @@ def prepare(
     )
     return Prepared(
         model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session,
-        session_file=source if isinstance(source, Path) else None, data_dir=data_dir, lanes=lanes, threads=getattr(runtime, "threads", None),
+        session_file=source if isinstance(source, Path) else None, data_dir=data_dir, lanes=lanes, threads=getattr(runtime, "threads", None), fed_as=fed_as,
     )
 
 
@@ -499,6 +540,7 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
     runner = prepared.open_runner()
     nominal_seconds = time.perf_counter() - nominal_started
     meta["strategy"] = runner.strategy
+    meta["fed_session"] = prepared.fed_as
     if prepared.job.strategy not in ("auto", runner.strategy):
         meta["warnings"].append(
             f"strategy '{prepared.job.strategy}' ran as 'feed': it rebuilds the model in memory, and this one is swept from its "

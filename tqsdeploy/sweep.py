@@ -206,6 +206,37 @@ class SweepJob:
         return SweepRunner(self, session, nominal)
 
 
+class Made:
+    """A value made once, by the first thread that asks (or given made): the others wait for it, and an
+    error in the making is raised to each of them."""
+
+    def __init__(self, value):
+        self._make = value if callable(value) else None
+        self._value = None if callable(value) else value
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def ready(self) -> bool:
+        return self._value is not None
+
+    def get(self):
+        if self._value is None:
+            with self._lock:
+                if self._value is None and self._error is None:
+                    try:
+                        self._value = self._make()
+                    except BaseException as exc:
+                        self._error = exc
+                if self._error is not None:
+                    raise self._error
+        return self._value
+
+
+HOLD_BYTES = 64 << 20
+"""A lane holds at most this much of a task's outputs while the nominal it is compared with is being made."""
+
+
 @dataclass
 class Nominal:
     """The unperturbed rollout every task is compared with."""
@@ -509,14 +540,16 @@ class SweepRunner:
                 self.session = None if self.strategy == "prefix" else (self._constant or job.rebuild_factory({}))  # prefix opens its own
                 self._constant = None
         if self.strategy == "prefix":
-            self.nominal = self._start_prefix()
+            self._nominal = Made(self._start_prefix())
         elif nominal is not None:  # the same job and strategy made it: same sessions, same values
             self.engine.session = self.session
             self.engine.assume(nominal.batched)
-            self.nominal = nominal
+            self._nominal = Made(nominal)
         else:
             self.engine.session = self.session
-            self.nominal = self._nominal()
+            self._nominal = Made(self._make_nominal)
+            if job.lanes <= 1 or self.strategy == "batch":
+                self._nominal.get()  # nothing to run beside it (or 'batch' checks against it): made now
         if self.strategy == "batch" and job.strategy == "batch":
             self._check_batch()
         self.probes.depth = self._probe_depth()
@@ -544,7 +577,8 @@ class SweepRunner:
         """Estimate each strategy's sweep from one step of one window and one build; pick the cheapest.
 
         The one-window times are scaled to the real chunks by one real step of
-        the constant session; a strategy other than 'feed' must beat it by 5%
+        the fed session (the batching decision's run, kept as the nominal's first
+        step if feed wins); a strategy other than 'feed' must beat it by 5%
         (timing noise). A sweep 'feed' would finish within `SMALL_SWEEP_S` runs
         on feed untimed.
         """
@@ -565,16 +599,13 @@ class SweepRunner:
         if bound / max(1, job.lanes) < SMALL_SWEEP_S:
             self.timings = {"feed": round(bound, 4)}
             return "feed"
-        started = time.perf_counter()  # the constant session decides the batching: its run is the scale run too
-        self._constant = job.rebuild_factory({})
-        self._constant_build = time.perf_counter() - started
-        self.engine.session = self._constant
-        try:
+        try:  # the fed session decides the batching: its run is the scale run, and the nominal's first step if feed wins
             chunks = self.engine.chunks
         except Exception:
             return "feed"  # let the nominal rollout report what is wrong
-        finally:
-            self.engine.session = self.overridable
+        started = time.perf_counter()
+        self._constant = job.rebuild_factory({})
+        self._constant_build = time.perf_counter() - started
         try:
             estimates = self._estimate_rebuilt(unit, one, chunks, t_feed, prefix)
         except Exception:
@@ -650,7 +681,7 @@ class SweepRunner:
         estimates = {}
         constant, constant_build = self._constant, self._constant_build
         t_const = _best_time(lambda: constant.run(one, names))
-        scale = self._first_step_seconds(constant, chunks) / max(t_const, 1e-9)
+        scale = self._first_step_seconds(self.overridable, chunks) / max(t_feed, 1e-9)  # a real chunk over one window
         step = len(chunks) * scale  # one step of every chunk, in one-window calls
         calls = job.spec.steps * step
         estimates["feed"] = units * tasks_per_unit * calls * t_feed
@@ -785,7 +816,7 @@ class SweepRunner:
         if job.spec.steps > 1:
             starts = [next_feeds(feeds, run, job.spec) for (_, feeds), run in zip(chunks, self._first)]
             steps += [list(outs) for outs in self.engine.steps(None, job.spec.steps - 1, self.overridable, starts)]
-        nominal = self._nominal(steps)
+        nominal = self._make_nominal(steps)
         self.cut_plan = self._plan_cuts(call_s, build_s, chunks[0][1])
         needed = set()
         for group in self.cut_plan.groups:
@@ -1034,7 +1065,34 @@ class SweepRunner:
             steps += [list(outs) for outs in self.engine.steps(None, job.spec.steps - 1, starts=[start])]
         return steps
 
-    def _nominal(self, steps: list[list[dict[str, np.ndarray]]] | None = None) -> Nominal:
+    @property
+    def nominal(self) -> Nominal:
+        """The nominal rollout; on lanes it may still be in the making (`run_lanes` makes it on a lane while
+        the others start on tasks): this waits for it, or makes it when no lane has."""
+        return self._nominal.get()
+
+    @property
+    def nominal_made(self) -> bool:
+        return self._nominal.ready
+
+    def _past_nominal(self, steps: Iterable[list[dict[str, np.ndarray]]]) -> Iterator[list[dict[str, np.ndarray]]]:
+        """`steps` as they come once the nominal is made; before that they are held (up to `HOLD_BYTES`,
+        then this waits for it), so a lane's first task runs while another lane makes the nominal."""
+        held: list[list[dict[str, np.ndarray]]] = []
+        size = 0
+        for outs in steps:
+            if not self._nominal.ready and size < HOLD_BYTES:
+                held.append(outs)
+                size += sum(np.asarray(v).nbytes for chunk_out in outs for v in chunk_out.values())
+                continue
+            self._nominal.get()
+            yield from held
+            held = []
+            yield outs
+        self._nominal.get()
+        yield from held
+
+    def _make_nominal(self, steps: list[list[dict[str, np.ndarray]]] | None = None) -> Nominal:
         """The nominal rollout's summary: of `steps` ([step][chunk] outputs) when given, else of a rollout made now
         (on a single chunk, from the first step the batching decision or auto's timing already ran on the same session)."""
         try:
@@ -1092,7 +1150,10 @@ class SweepRunner:
 
         Early stopping (when the job asks for it and `early_stop`) needs `delta_sq`.
         """
-        return self._accumulate((self._step_total(t, outs) for t, outs in enumerate(self._steps(weights))), delta_sq, early_stop)
+        steps = self._steps(weights)
+        if not self.nominal_made:
+            steps = self._past_nominal(steps)
+        return self._accumulate((self._step_total(t, outs) for t, outs in enumerate(steps)), delta_sq, early_stop)
 
     def _step_total(self, t: int, outs: list[dict[str, np.ndarray]]) -> float:
         """Squared divergence of step `t` (from 0), summed over every window of every chunk."""
@@ -1193,16 +1254,17 @@ def run_local(
     runner = runner or job.open()
     try:
         items = runner.work_items(tasks)
-        lanes = max(1, min(lanes, len(items)))
+        lanes = max(1, min(lanes, len(items) + (not runner.nominal_made)))  # the nominal is a lane's work too
         if lanes > 1:
             run_lanes(runner, items, lanes, log, on_result)
-            return lanes
-        runner.expect(tasks)
-        for i, task in enumerate(tasks):
-            result = runner.run(task, tasks[i + 1] if i + 1 < len(tasks) else None)
-            log.append(result)
-            if on_result:
-                on_result(result)
+        else:
+            runner.expect(tasks)
+            for i, task in enumerate(tasks):
+                result = runner.run(task, tasks[i + 1] if i + 1 < len(tasks) else None)
+                log.append(result)
+                if on_result:
+                    on_result(result)
+        runner.nominal  # noqa: B018 - made even when no task was left to run (a resumed, finished sweep)
         return lanes
     finally:
         log.close()
@@ -1265,12 +1327,15 @@ def run_lanes(runner: SweepRunner, items: Sequence[Sequence[Task]], lanes: int, 
     runner.expect(interleaved(items, lanes))
 
     def work(lane: SweepRunner, item: Sequence[Task]) -> Iterator[TaskResult]:
+        if item is _NOMINAL:
+            lane.nominal  # noqa: B018 - made here, on the first lane free, while the others run tasks
+            return
         for i, task in enumerate(item):
             yield lane.run(task, item[i + 1] if i + 1 < len(item) else None)
 
     runners = [runner] + [runner.lane() for _ in range(lanes - 1)]
     try:
-        with Lanes(runners, items, work) as results:
+        with Lanes(runners, ([_NOMINAL] if not runner.nominal_made else []) + list(items), work) as results:
             for result in results:
                 log.append(result)
                 if on_result:
@@ -1280,6 +1345,8 @@ def run_lanes(runner: SweepRunner, items: Sequence[Sequence[Task]], lanes: int, 
             lane.close()
 
 
+_NOMINAL = object()
+"""The work item that makes the nominal rollout on a lane (`run_lanes`)."""
 _LANE_DONE = object()
 """What a lane puts on the result queue as it ends."""
 
