@@ -147,9 +147,9 @@ def weight_map(nominal: onnx.ModelProto, marked_model: onnx.ModelProto, weights:
         parts = []
         for w in np.unique(which):
             rows = held[which == w]
-            indices = (element[rows] - starts[w]).astype(np.intp)
+            indices = (element[rows] - starts[w]).astype(np.int32)  # below 2^24: half the memory of intp
             whole = rows.size == flat.size
-            parts.append(Part(order[w], indices, None if whole else rows))
+            parts.append(Part(order[w], indices, None if whole else rows.astype(np.int32)))
         made = Copy(target, tuple(expected.shape), parts)
         if len(parts) > 1 or parts[0].positions is not None:
             made.nominal = np.zeros(expected.shape, np.float32)

@@ -1,6 +1,7 @@
 """The fed session of ONNX Runtime's own optimized graph: weights fed in the layouts its kernels use."""
 
 import json
+import pickle
 
 import numpy as np
 import onnx
@@ -27,7 +28,7 @@ def _factory(path):
     names = [n for u in units for n in u.tensor_names]
     proto = graph_ops.lift_constants(loaded.proto, names)
     stored = graph_ops.read_weights(proto, names)
-    rebuild = RebuildFactory(graph_ops.model_bytes(proto), ONE_THREAD)
+    rebuild = RebuildFactory(graph_ops.model_bytes(proto), ONE_THREAD, {n: graph_ops.input_declarations(proto, [n]) for n in names})
     return rebuild, units, {n: np.array(stored[n]) for n in names}
 
 
@@ -39,14 +40,16 @@ def test_fed_weights_run_the_kernels_of_a_constant_session(tmp_path):
     """Fed a perturbation of each weight in turn (and the nominal again after it), the session of the optimized
     graph gives, to the bit, what a session with that perturbation baked in as a constant gives."""
     rebuild, units, weights = _factory(models.conv_stack(tmp_path / "stack.onnx"))
-    feed, fed_as = derived_feed(rebuild, units, weights)
+    feed, fed_as = derived_feed(rebuild, units, list(weights))
     assert feed is not None and fed_as.startswith("the runtime's optimized graph")
     optimized = onnx.load_model_from_string(rebuild.runtime.optimized(rebuild.model))
     if not any(n.domain == "com.microsoft.nchwc" for n in optimized.graph.node):
         pytest.skip("this CPU's ONNX Runtime has no NCHWc Conv kernels: nothing is rearranged")
-    assert any(part.positions is not None for c in feed.weight_map.copies for part in c.parts)  # W3's 5 channels padded to a block
-    assert feed.weight_map.weights == set(weights)
+    mapped = feed.made()[1]
+    assert any(part.positions is not None for c in mapped.copies for part in c.parts)  # W3's 5 channels padded to a block
+    assert mapped.weights == set(weights)
     session = feed()
+    assert pickle.loads(pickle.dumps(feed))._made is None  # another process maps its own runtime's layouts
     x = _x()
     rng = np.random.default_rng(0)
     for name, w in weights.items():
@@ -62,7 +65,7 @@ def test_a_weight_folded_with_other_values_is_fed_as_stored(tmp_path):
     rearranged, so the sweep feeds the weights as stored, says why in run.json, and scores as a rebuild does."""
     path = models.conv_stack(tmp_path / "bn.onnx", batch_norm=True)
     rebuild, units, weights = _factory(path)
-    feed, fed_as = derived_feed(rebuild, units, weights)
+    feed, fed_as = derived_feed(rebuild, units, list(weights))
     assert feed is None and "computed from the weights" in fed_as
     contexts = Contexts({"x": _x()[:, None]}, source="test")  # 3 windows of one state each
     settings = ScoreSettings(gauss_draws=1)
@@ -108,3 +111,17 @@ def test_element_numbers_stay_exact_in_float32(tmp_path):
         onnx.load_model_from_string(rebuild.runtime.optimized(graph_ops.model_bytes(marked(rebuild.graph(), weights)))),
         weights,
     )).ir_version <= 13
+
+
+def test_workers_map_their_own_layouts_and_score_alike(tmp_path):
+    """A worker process receives the fed session's recipe, not this process's layouts, maps its own, and
+    gives the one-process table."""
+    path = models.conv_stack(tmp_path / "stack.onnx")
+    contexts = Contexts({"x": _x(4)[:, None]}, source="test")
+    settings = ScoreSettings(gauss_draws=1)
+    tables = [
+        score(path, contexts, spec=STATE, out=tmp_path / f"w{workers}", settings=settings, runtime=ONE_THREAD, strategy="feed", selection=SELECTION, workers=workers, lanes=None if workers > 1 else 1)
+        for workers in (1, 2)
+    ]
+    assert tables[1].meta["workers"] == 2
+    np.testing.assert_allclose(tables[1].frame["gamma"].to_numpy(), tables[0].frame["gamma"].to_numpy(), rtol=1e-9)

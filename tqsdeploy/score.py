@@ -159,18 +159,40 @@ class RebuildFactory(CutSessions):
 class DerivedFeed:
     """Opens ONNX Runtime's own optimized graph of the model with the initializers it rearranged the scored
     weights into overridable, fed from those weights (`graph_ops.derived`): the fed session then runs the
-    kernels a constant one runs (NCHWc Conv), with no build per perturbation. Picklable."""
+    kernels a constant one runs (NCHWc Conv), with no build per perturbation. The layouts are this machine's
+    (its CPU's block size), so each process maps its own: a worker of another kind that cannot gets the
+    weights fed as stored. Picklable."""
 
-    model: bytes
-    runtime: OrtRuntime
-    weight_map: graph_ops.derived.WeightMap
+    rebuild: RebuildFactory
     weights: tuple[str, ...]
 
+    def __post_init__(self):
+        self._made: tuple[bytes, graph_ops.derived.WeightMap] | None = None
+
+    def made(self) -> tuple[bytes, graph_ops.derived.WeightMap]:
+        """The fed graph and the weights' map into it; GraphError when the runtime does more than rearrange them."""
+        if self._made is None:
+            runtime, derived = self.rebuild.runtime, graph_ops.derived
+            stored = graph_ops.read_weights(self.rebuild.graph(), self.weights)
+            values = {name: stored[name] for name in self.weights}
+            nominal = onnx.load_model_from_string(runtime.optimized(self.rebuild.model))
+            marked = onnx.load_model_from_string(runtime.optimized(graph_ops.model_bytes(derived.marked(self.rebuild.graph(), values))))
+            mapped = derived.weight_map(nominal, marked, values)
+            self._made = (graph_ops.model_bytes(derived.fed_graph(nominal, mapped)), mapped)
+        return self._made
+
     def __call__(self) -> Session:
-        return DerivedFeeds(self.runtime.open(self.model), frozenset(self.weights), self.weight_map.derive)
+        try:
+            model, mapped = self.made()
+        except Exception:  # this process's runtime lays the weights out otherwise: fed as stored
+            return self.rebuild.overridable(self.weights)
+        return DerivedFeeds(dataclasses.replace(self.rebuild.runtime, optimization="disable").open(model), frozenset(self.weights), mapped.derive)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_made": None}  # another process (or machine) maps its own runtime's layouts
 
 
-def derived_feed(rebuild: RebuildFactory, units: list[Unit], weights: dict[str, np.ndarray]) -> tuple[DerivedFeed | None, str]:
+def derived_feed(rebuild: RebuildFactory, units: list[Unit], names: list[str]) -> tuple[DerivedFeed | None, str]:
     """The fed session of the runtime's optimized graph when it keeps kernels a fed weight loses, else None;
     and what the sweep feeds, for run.json. Tried where it pays: a 2-D Conv reads a scored weight (ONNX
     Runtime's CPU NCHWc kernels need the weight constant, or in their own layout as here)."""
@@ -179,16 +201,14 @@ def derived_feed(rebuild: RebuildFactory, units: list[Unit], weights: dict[str, 
         return None, "weights as stored"
     if not any("Conv" in t.op_types and len(t.shape) == 4 for u in units for t in u.tensors):
         return None, "weights as stored"
+    feed = DerivedFeed(rebuild, tuple(names))
     try:
-        nominal = onnx.load_model_from_string(runtime.optimized(rebuild.model))
-        marked = graph_ops.derived.marked(rebuild.graph(), weights)
-        mapped = graph_ops.derived.weight_map(nominal, onnx.load_model_from_string(runtime.optimized(graph_ops.model_bytes(marked))), weights)
-        model = graph_ops.model_bytes(graph_ops.derived.fed_graph(nominal, mapped))
+        feed.made()
     except graph_ops.GraphError as exc:
         return None, f"weights as stored ({exc})"
     except Exception as exc:  # the runtime cannot save or reload its optimized graph
         return None, f"weights as stored (ONNX Runtime's optimized graph: {str(exc).splitlines()[0]})"
-    return DerivedFeed(model, dataclasses.replace(runtime, optimization="disable"), mapped, tuple(weights)), "the runtime's optimized graph (weights in its layouts)"
+    return feed, "the runtime's optimized graph (weights in its layouts)"
 
 
 @dataclass
@@ -318,8 +338,7 @@ def prepare(
         factory = partial(runtime.open, source, external_data_dir=data_dir) if runtime_keeps_weights else partial(open_fed, runtime, source, data_dir, weights)
     elif graph_ops.io.stored_bytes(session_proto) < graph_ops.io.PROTOBUF_LIMIT:
         rebuild = cuts = RebuildFactory(graph_ops.model_bytes(session_proto), runtime, declarations)  # the one serialisation
-        stored = graph_ops.read_weights(session_proto, names)
-        derived, fed_as = derived_feed(rebuild, units, {n: stored[n] for n in names})
+        derived, fed_as = derived_feed(rebuild, units, names)
         factory = derived or partial(rebuild.overridable, tuple(names))
         source = rebuild.model
     else:  # over 2 GiB: hand the runtime a file with external data; feeding is the only sane strategy
@@ -539,6 +558,7 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
     nominal_started = time.perf_counter()
     runner = prepared.open_runner()
     nominal_seconds = time.perf_counter() - nominal_started
+    nominal_on_lane = not runner.nominal_made  # made by the sweep's first lane, beside the first tasks
     meta["strategy"] = runner.strategy
     meta["fed_session"] = prepared.fed_as
     if prepared.job.strategy not in ("auto", runner.strategy):
@@ -587,7 +607,8 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
             "dead_units": int(frame["dead"].sum()),
             "spearman_quant_gauss": spearman(alive["gamma_quant"], alive["gamma_gauss"]) if settings.quant_probe and settings.gauss_draws else None,
             "timings_s": {
-                "prepare_and_nominal": round(nominal_started - started + nominal_seconds, 4),
+                "prepare": round(nominal_started - started + nominal_seconds, 4),  # with the nominal rollout when it ran alone
+                "nominal_on_a_lane": nominal_on_lane,
                 "sweep": round(sweep_seconds, 4),
                 "resumed_tasks": len(tasks) - len(pending),
                 "total": round(time.perf_counter() - started, 4),
