@@ -300,6 +300,9 @@ def _moved(nominal: np.ndarray, produced: np.ndarray, reference: np.ndarray) -> 
     return produced  # integers and booleans: no rounding to carry
 
 
+PICK_MARGIN = 0.95
+"""auto picks a strategy other than 'feed' only when its estimate is below this share of feed's (timing noise)."""
+
 SMALL_SWEEP_S = 0.1
 """auto runs a sweep that 'feed' would finish within this many seconds (on its lanes, at most) as 'feed' without
 timing the others: a session build and a dozen calls would cost a tenth of it or more, more than they could save."""
@@ -638,7 +641,7 @@ class SweepRunner:
         estimates = self._on_lanes(estimates)
         self.timings = {k: round(v, 4) for k, v in estimates.items()}
         best = min(estimates, key=estimates.get)
-        return best if estimates[best] < 0.95 * estimates["feed"] else "feed"
+        return best if estimates[best] < PICK_MARGIN * estimates["feed"] else "feed"
 
     def _on_lanes(self, estimates: dict[str, float]) -> dict[str, float]:
         """Each strategy's sweep seconds on `job.lanes` lanes: the pieces lanes take (`work_items`: a task, a unit,
@@ -686,8 +689,9 @@ class SweepRunner:
         calls = job.spec.steps * step
         estimates["feed"] = units * tasks_per_unit * calls * t_feed
         # A unit session costs at least a plain build per unit and a rebuild one per task, and
-        # neither runs faster than the constant session: each is timed only when that bound could win.
-        if job.unit_factory is not None and units * (constant_build + tasks_per_unit * calls * t_const) < estimates["feed"]:
+        # neither runs faster than the constant session: each is timed only when that bound could be picked.
+        to_beat = lambda: min(PICK_MARGIN * estimates["feed"], *estimates.values())  # noqa: E731
+        if job.unit_factory is not None and units * (constant_build + tasks_per_unit * calls * t_const) < to_beat():
             started = time.perf_counter()
             grouped = job.unit_factory(unit.tensor_names)
             unit_build = time.perf_counter() - started
@@ -696,7 +700,7 @@ class SweepRunner:
             estimates["unit"] = units * (unit_build + tasks_per_unit * calls * t_unit)
         elif job.unit_factory is not None:
             estimates["unit"] = units * (constant_build + tasks_per_unit * calls * t_const)  # a lower bound, already too slow
-        if units * tasks_per_unit * (constant_build + calls * t_const) < min(estimates.values()):
+        if units * tasks_per_unit * (constant_build + calls * t_const) < to_beat():
             started = time.perf_counter()
             job.rebuild_factory(weights).close()
             estimates["rebuild"] = units * tasks_per_unit * (time.perf_counter() - started + calls * t_const)
@@ -709,7 +713,7 @@ class SweepRunner:
                 pass
         if self._batch_refusal() is None:
             try:
-                batch = self._estimate_batch(constant, constant_build, estimates.get("unit", estimates["rebuild"]) / units, min(estimates.values()), scale, chunks[0][0], t_const)
+                batch = self._estimate_batch(constant, constant_build, estimates.get("unit", estimates["rebuild"]) / units, to_beat(), scale, chunks[0][0], t_const)
             except Exception:  # a rewritten graph the runtime cannot run: no batch
                 batch = None
             if batch is not None:
@@ -727,17 +731,20 @@ class SweepRunner:
         `chunk_windows`), already put batch behind `best`: then that estimate is returned."""
         job, factory = self.job, self.job.rebuild_factory
         units = list(job.units.values())
+        probes = self._batch_width
+        per_call = min(job.contexts.count, max(1, job.max_batch_windows // probes))
+        calls = job.spec.steps * math.ceil(job.contexts.count / per_call)
+        per_window = t_const * max(0.0, scale - 1) / max(1, chunk_windows - 1)  # what a window more adds to a call
+        per_unit = constant_build + calls * (t_const + per_window * (probes * per_call - 1))
+        if len(units) * min(fallback, per_unit) >= best:  # however many it can batch, already too slow: no rewrite tried
+            return len(units) * min(fallback, per_unit)
         batchable = [u for u in units if factory.batch_refusal(u.tensor_names) is None]
         if not batchable:
             return None
         refused = (len(units) - len(batchable)) * fallback
         if refused + len(batchable) * constant_build >= best:  # a lower bound, already too slow
             return refused + len(batchable) * constant_build
-        probes = self._batch_width
-        per_call = min(job.contexts.count, max(1, job.max_batch_windows // probes))
-        calls = job.spec.steps * math.ceil(job.contexts.count / per_call)
-        per_window = t_const * max(0.0, scale - 1) / max(1, chunk_windows - 1)  # what a window more adds to a call
-        modelled = refused + len(batchable) * (constant_build + calls * (t_const + per_window * (probes * per_call - 1)))
+        modelled = refused + len(batchable) * per_unit
         if modelled >= best:  # compute-bound: a call of P + 1 slots costs about P + 1 calls
             return modelled
         unit = max(batchable, key=lambda u: u.params)
