@@ -106,6 +106,12 @@ class RolloutEngine:
         """Squared norm per window of a chunk's trajectory outputs (or of their difference from `reference`)."""
         return row_sq(self.spec.trajectory, outputs, reference, self.chunks[chunk][0])
 
+    def total_sq(self, outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> float:
+        """Squared norm of a chunk's trajectory outputs' difference from `reference`, summed over its windows
+        (`window_sq(...).sum()` in one float64 dot product per output: a sweep of a model run window by window
+        makes this call for every step of every window)."""
+        return diff_sq(self.spec.trajectory, outputs, reference)
+
     def trajectories(self, weights: Mapping[str, np.ndarray] | None = None, session: Session | None = None) -> dict[str, np.ndarray]:
         """Every trajectory output as (windows, steps, *per-window shape), float64."""
         collected: dict[str, list[list[np.ndarray]]] = {name: [[] for _ in self.chunks] for name in self.spec.trajectory}
@@ -140,6 +146,22 @@ class RolloutEngine:
         return collected
 
 
+def _difference(values: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """values - other in the outputs' own float precision (exact for nearby values)."""
+    if values.dtype == other.dtype and values.dtype.kind == "f" and values.dtype.itemsize >= 4:
+        return values - other  # the common case, without working out a result type on every step
+    return np.subtract(values, other, dtype=np.result_type(values.dtype, other.dtype, np.float32))
+
+
+def diff_sq(trajectory: Sequence[str], outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> float:
+    """Sum over the trajectory outputs of ||output - reference||^2, accumulated in float64."""
+    total = 0.0
+    for name in trajectory:
+        values = _difference(np.asarray(outputs[name]), np.asarray(reference[name])).reshape(-1).astype(np.float64, copy=False)
+        total += float(values @ values)
+    return total
+
+
 def row_sq(trajectory: Sequence[str], outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None, rows: int) -> np.ndarray:
     """Squared norm per row (window, or probe x window of a probe-batched call) of the trajectory
     outputs, or of their difference from `reference`, summed over the outputs."""
@@ -149,11 +171,7 @@ def row_sq(trajectory: Sequence[str], outputs: Mapping[str, np.ndarray], referen
         # float64 by one einsum: 8x faster than three float64 copies, the host's share of a GPU sweep
         values = np.asarray(outputs[name])
         if reference is not None:
-            other = np.asarray(reference[name])
-            if values.dtype == other.dtype and values.dtype.kind == "f" and values.dtype.itemsize >= 4:
-                values = values - other  # the common case, without working out a result type on every step
-            else:
-                values = np.subtract(values, other, dtype=np.result_type(values.dtype, other.dtype, np.float32))
+            values = _difference(values, np.asarray(reference[name]))
         values = values.reshape(rows, -1)
         part = np.einsum("ij,ij->i", values, values, dtype=np.float64)
         total = part if total is None else total + part

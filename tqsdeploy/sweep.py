@@ -1164,7 +1164,8 @@ class SweepRunner:
 
     def _step_total(self, t: int, outs: list[dict[str, np.ndarray]]) -> float:
         """Squared divergence of step `t` (from 0), summed over every window of every chunk."""
-        return sum(self.engine.window_sq(c, outs[c], self.nominal.trajectory[t][c]).sum() for c in range(len(outs)))
+        nominal = self.nominal.trajectory[t]
+        return sum(self.engine.total_sq(outs[c], nominal[c]) for c in range(len(outs)))
 
     def _accumulate(self, totals: Iterable[float], delta_sq: float, early_stop: bool) -> tuple[list[float], bool]:
         """Per-step mean divergence from per-step totals over windows, stopped early once γ settles
