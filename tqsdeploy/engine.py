@@ -154,11 +154,13 @@ def _difference(values: np.ndarray, other: np.ndarray) -> np.ndarray:
 
 
 def diff_sq(trajectory: Sequence[str], outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> float:
-    """Sum over the trajectory outputs of ||output - reference||^2, accumulated in float64."""
+    """Sum over the trajectory outputs of ||output - reference||^2, accumulated in float64. By einsum, not a
+    BLAS dot: OpenBLAS's own threads would fight the sweep's lanes for the cores (era5_downscale's rebuild
+    sweep ran 1.4x slower with `@`)."""
     total = 0.0
     for name in trajectory:
-        values = _difference(np.asarray(outputs[name]), np.asarray(reference[name])).reshape(-1).astype(np.float64, copy=False)
-        total += float(values @ values)
+        values = _difference(np.asarray(outputs[name]), np.asarray(reference[name])).reshape(-1)
+        total += float(np.einsum("i,i->", values, values, dtype=np.float64))
     return total
 
 

@@ -9,6 +9,7 @@ makes sweeps resumable and distributable.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -125,7 +126,8 @@ class UnitProbes:
         """w plus Gaussian noise of the reference norm (on the probed rows of a table), and ||change||²."""
         w, rows = self.weights[name], self.rows.get(name)
         noise = rng.standard_normal(w.shape if rows is None else (len(rows), *w.shape[1:]), dtype=np.float32)
-        noise *= np.float32(self.reference_norm(name) / max(float(np.linalg.norm(noise)), 1e-30))
+        flat = noise.reshape(-1)  # its norm by a float64 einsum: no BLAS threads fighting the sweep's lanes for the cores
+        noise *= np.float32(self.reference_norm(name) / max(math.sqrt(float(np.einsum("i,i->", flat, flat, dtype=np.float64))), 1e-30))
         if rows is None:
             new = np.add(w, noise, out=noise) if w.dtype == np.float32 else (w + noise).astype(w.dtype)
             return np.ascontiguousarray(new), _squared_difference(new, w)
