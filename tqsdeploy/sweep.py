@@ -28,7 +28,7 @@ from onnx import helper
 
 import graph_ops
 from graph_ops.io import GraphError, OutputError
-from runtimes import Session, SessionFactory, kept
+from runtimes import DerivedFeeds, Session, SessionFactory, kept
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.engine import FirstRun, RolloutEngine
 from tqsdeploy.errors import InputError, RolloutError
@@ -728,7 +728,10 @@ class SweepRunner:
             estimates["rebuild"] = units * tasks_per_unit * (constant_build + calls * t_const)  # a lower bound, already too slow
         if prefix:
             try:
-                estimates["prefix"] = self._estimate_prefix(step * t_const, constant_build, chunks[0][1], t_feed / max(t_const, 1e-9), (job.spec.steps - 1) * step * t_feed)
+                # the cuts feed their weights as stored: the fed session's slowdown says what that costs, unless
+                # it is the runtime's optimized graph (as fast as a constant one), when the planner's default does
+                slowdown = None if isinstance(self.overridable, DerivedFeeds) else t_feed / max(t_const, 1e-9)
+                estimates["prefix"] = self._estimate_prefix(step * t_const, constant_build, chunks[0][1], slowdown, (job.spec.steps - 1) * step * t_feed)
             except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
                 pass
         if self._batch_refusal() is None:
