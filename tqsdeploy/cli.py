@@ -324,6 +324,9 @@ def score(
     meta = table.meta
     rho = meta.get("spearman_quant_gauss")
     cuts = f" ({len(meta['prefix_cuts'])} cuts)" if meta.get("prefix_cuts") else ""
+    fed_runs = meta["strategy"] == "feed" or (meta["strategy"] == "prefix" and meta["rollout"]["steps"] > 1)  # prefix: steps 2..T
+    if fed_runs and meta.get("fed_session", "").startswith("the runtime's optimized graph"):
+        cuts += ", weights fed in ONNX Runtime's layouts"
     out.print(
         f"{meta['units']} units, {meta['dead_units']} dead; rollout {meta['rollout']['steps']} steps ({meta['rollout']['origin']}); "
         f"{meta['contexts']['windows']} context windows; strategy {meta['strategy']}{cuts}{_lanes(meta)}; Spearman(γ_quant, γ_gauss) = {_fmt(rho)}; "
