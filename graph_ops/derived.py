@@ -84,11 +84,24 @@ class Copy:
         return flat.reshape(self.shape)
 
 
+UNPACKED_READERS = frozenset({("com.microsoft.nchwc", "Conv"), ("", "Gather"), ("", "Add"), ("", "Sub"), ("", "Mul"), ("", "Div")})
+"""(domain, op) of the nodes whose CPU kernels read a weight at run time, pre-packing nothing: fed, it runs as fast as
+constant (NCHWc Conv takes its weight in its own layout, which a fed copy already is; a table lookup and elementwise
+arithmetic have nothing to pack). MatMul, Gemm and their fusions pre-pack a constant weight and not a fed one."""
+
+
 @dataclass
 class WeightMap:
     """Where each weight's elements sit in the optimized graph's initializers."""
 
     copies: list[Copy]
+    readers: frozenset[tuple[str, str]] = frozenset()
+    """(domain, op) of every node of the optimized graph that reads a copy."""
+
+    @property
+    def keeps_kernels(self) -> bool:
+        """Whether every copy is read only by kernels that run a fed weight as fast as a constant one."""
+        return self.readers <= UNPACKED_READERS
 
     def derive(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The copies to feed for `values` (weight name -> array): those holding any of these weights."""
@@ -160,7 +173,9 @@ def weight_map(nominal: onnx.ModelProto, marked_model: onnx.ModelProto, weights:
     missing = set(order) - {p.weight for c in copies for p in c.parts}
     if missing:
         raise GraphError(f"weight '{sorted(missing)[0]}' is in no initializer of the optimized graph")
-    return WeightMap(copies)
+    held = {c.name for c in copies}
+    readers = frozenset((n.domain, n.op_type) for n in nominal.graph.node if held.intersection(n.input))
+    return WeightMap(copies, readers)
 
 
 def fed_graph(nominal: onnx.ModelProto, weight_map: WeightMap) -> onnx.ModelProto:

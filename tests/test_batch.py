@@ -106,11 +106,11 @@ def test_rows_mixed_across_the_batch_refuse_batch_and_auto_skips_it(tmp_path):
 def _batch_estimate(model, contexts):
     """What auto estimates for 'batch' when no other strategy's estimate is in the way."""
     runner = prepare(model, contexts, STATE, settings=SETTINGS).open_runner()
-    constant = runner.job.rebuild_factory({})
     try:
-        return runner._estimate_batch(constant, 0.0, 0.0, math.inf, 1.0, 1, 0.0)
+        return runner._estimate_batch(0.0, 0.0, math.inf, 1.0, 1, 0.0)
     finally:
-        constant.close()
+        if runner._constant is not None:  # built for the check
+            runner._constant.close()
         runner.close()
 
 

@@ -186,7 +186,7 @@ class DerivedFeed:
             model, mapped = self.made()
         except Exception:  # this process's runtime lays the weights out otherwise: fed as stored
             return self.rebuild.overridable(self.weights)
-        return DerivedFeeds(dataclasses.replace(self.rebuild.runtime, optimization="disable").open(model), frozenset(self.weights), mapped.derive)
+        return DerivedFeeds(dataclasses.replace(self.rebuild.runtime, optimization="disable").open(model), frozenset(self.weights), mapped.derive, mapped.keeps_kernels)
 
     def __getstate__(self):
         return {**self.__dict__, "_made": None}  # another process (or machine) maps its own runtime's layouts

@@ -626,9 +626,6 @@ class SweepRunner:
             chunks = self.engine.chunks
         except Exception:
             return "feed"  # let the nominal rollout report what is wrong
-        started = time.perf_counter()
-        self._constant = job.rebuild_factory({})
-        self._constant_build = time.perf_counter() - started
         try:
             estimates = self._estimate_rebuilt(unit, one, chunks, t_feed, prefix)
         except Exception:
@@ -697,13 +694,18 @@ class SweepRunner:
     def _estimate_rebuilt(self, unit: Unit, one: dict[str, np.ndarray], chunks, t_feed: float, prefix: bool) -> dict[str, float]:
         """Every strategy's sweep seconds for a model held in memory (its sessions can be rebuilt): the
         constant session is built and timed (kept as the nominal session of every strategy but feed and
-        prefix), a unit session and a rebuild only when a lower bound says they could win."""
+        prefix), a unit session and a rebuild only when a lower bound says they could win. A fed session that
+        runs the constant session's kernels (`DerivedFeeds.keeps_kernels`) stands in for it: no rebuilt
+        session can then beat feed, and none is built."""
         job, names = self.job, self.job.spec.run_outputs
         weights = {n: job.weights[n] for n in unit.tensor_names}
         tasks_per_unit, units = max(1, job.tasks_per_unit), len(job.units)
         estimates = {}
-        constant, constant_build = self._constant, self._constant_build
-        t_const = _best_time(lambda: constant.run(one, names))
+        if getattr(self.overridable, "keeps_kernels", False):  # the constant session's kernels already: its times stand in
+            t_const, constant_build = t_feed, job.session_build_s
+        else:
+            constant, constant_build = self._constant_session(), self._constant_build
+            t_const = _best_time(lambda: constant.run(one, names))
         scale = self._first_step_seconds(self.overridable, chunks) / max(t_feed, 1e-9)  # a real chunk over one window
         step = len(chunks) * scale  # one step of every chunk, in one-window calls
         calls = job.spec.steps * step
@@ -736,14 +738,23 @@ class SweepRunner:
                 pass
         if self._batch_refusal() is None:
             try:
-                batch = self._estimate_batch(constant, constant_build, estimates.get("unit", estimates["rebuild"]) / units, to_beat(), scale, chunks[0][0], t_const)
+                batch = self._estimate_batch(constant_build, estimates.get("unit", estimates["rebuild"]) / units, to_beat(), scale, chunks[0][0], t_const)
             except Exception:  # a rewritten graph the runtime cannot run: no batch
                 batch = None
             if batch is not None:
                 estimates["batch"] = batch
         return estimates
 
-    def _estimate_batch(self, constant: Session, constant_build: float, fallback: float, best: float, scale: float, chunk_windows: int, t_const: float) -> float | None:
+    def _constant_session(self) -> Session:
+        """The session of the model with its weights constant, built once (auto's timing; the nominal session
+        of every strategy but feed and prefix)."""
+        if self._constant is None:
+            started = time.perf_counter()
+            self._constant = self.job.rebuild_factory({})
+            self._constant_build = time.perf_counter() - started
+        return self._constant
+
+    def _estimate_batch(self, constant_build: float, fallback: float, best: float, scale: float, chunk_windows: int, t_const: float) -> float | None:
         """Sweep seconds of 'batch': per unit it can batch, a batched build, its check and one batched
         rollout (the nominal slot and the probes), timed on the largest such unit with a batched call of
         one window, scaled to a real call's windows as the constant session scales from one window to its
@@ -776,7 +787,7 @@ class SweepRunner:
         build = time.perf_counter() - started
         try:
             started = time.perf_counter()
-            if self._batch_mismatch(unit, session, constant) is not None:
+            if self._batch_mismatch(unit, session, self._constant_session()) is not None:
                 return None
             check = time.perf_counter() - started
             feeds = _tiled(self._reference[0], probes)  # the check's one window
