@@ -111,10 +111,8 @@ class DerivedFeeds:
     thread (a sweep lane) keeps the initializers of the last weights it fed, for as long as it feeds
     those very arrays (held here, so no other array can take their identity)."""
 
-    def __init__(self, session: Session, weights: frozenset[str], derive: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]], keeps_kernels: bool = False):
+    def __init__(self, session: Session, weights: frozenset[str], derive: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]):
         self._session, self._derive = session, derive
-        self.keeps_kernels = keeps_kernels
-        """Whether a fed weight runs on the kernels a constant one would (nothing of it is pre-packed when constant)."""
         self.name = session.name
         self.weights = frozenset(weights)
         self.inputs = [s for s in session.inputs if s.name not in session.weights]

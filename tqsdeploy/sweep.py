@@ -199,6 +199,9 @@ class SweepJob:
     """Seconds the overridable session took to build (what 'auto' weighs cut builds against when it has no other)."""
     lanes: int = 1
     """Tasks the sweep will run at once (`run_local`): auto weighs each strategy's pieces of work on that many lanes."""
+    fed_keeps_kernels: bool = False
+    """The overridable session runs every scored weight on the kernels a constant session would (`score.fed_as_fast`,
+    `graph_ops.derived.WeightMap.keeps_kernels`): no rebuilt session can beat it, and auto builds none to time."""
 
     def open(self, session: Session | None = None, nominal: "Nominal | None" = None) -> "SweepRunner":
         """A runner; `session` is an already open overridable session to reuse, `nominal` the nominal
@@ -695,13 +698,13 @@ class SweepRunner:
         """Every strategy's sweep seconds for a model held in memory (its sessions can be rebuilt): the
         constant session is built and timed (kept as the nominal session of every strategy but feed and
         prefix), a unit session and a rebuild only when a lower bound says they could win. A fed session that
-        runs the constant session's kernels (`DerivedFeeds.keeps_kernels`) stands in for it: no rebuilt
+        runs the constant session's kernels (`SweepJob.fed_keeps_kernels`) stands in for it: no rebuilt
         session can then beat feed, and none is built."""
         job, names = self.job, self.job.spec.run_outputs
         weights = {n: job.weights[n] for n in unit.tensor_names}
         tasks_per_unit, units = max(1, job.tasks_per_unit), len(job.units)
         estimates = {}
-        if getattr(self.overridable, "keeps_kernels", False):  # the constant session's kernels already: its times stand in
+        if job.fed_keeps_kernels:  # the constant session's kernels already: its times stand in
             t_const, constant_build = t_feed, job.session_build_s
         else:
             constant, constant_build = self._constant_session(), self._constant_build
