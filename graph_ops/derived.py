@@ -38,19 +38,25 @@ MARKER_LIMIT = 1 << 24
 """Element numbers are exact in float32 up to here: the weights mapped together hold fewer elements."""
 
 
+def _numbering(weights: Mapping[str, np.ndarray]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The weights in the order given, and where each one's element numbers start (0-based) and end."""
+    order = list(weights)
+    sizes = np.array([int(np.size(weights[n])) for n in order], np.int64)
+    ends = np.cumsum(sizes)
+    return order, ends - sizes, ends
+
+
 def marked(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
     """A copy of `model` with each of `weights` holding the numbers of its elements, counted on across them
     in the order given (the first weight's first element is 1)."""
-    total = sum(int(np.size(w)) for w in weights.values())
+    order, starts, ends = _numbering(weights)
+    total = int(ends[-1]) if order else 0
     if total >= MARKER_LIMIT:
         raise GraphError(f"{total} weight elements: element numbers past 2^24 are not exact in float32")
-    offsets, start = {}, 0
-    for name, value in weights.items():
-        if np.asarray(value).dtype != np.float32:
-            raise GraphError(f"weight '{name}' is {np.asarray(value).dtype}, not float32")
-        offsets[name] = start
-        start += int(np.size(value))
-    return replace_weights(model, {name: np.arange(offsets[name] + 1, offsets[name] + 1 + np.size(w), dtype=np.float32).reshape(np.shape(w)) for name, w in weights.items()})
+    for name in order:
+        if np.asarray(weights[name]).dtype != np.float32:
+            raise GraphError(f"weight '{name}' is {np.asarray(weights[name]).dtype}, not float32")
+    return replace_weights(model, {name: np.arange(start + 1, end + 1, dtype=np.float32).reshape(np.shape(weights[name])) for name, start, end in zip(order, starts, ends)})
 
 
 @dataclass
@@ -137,9 +143,7 @@ def weight_map(nominal: onnx.ModelProto, marked_model: onnx.ModelProto, weights:
     graph of the model, found in `marked_model`, its optimized graph of `marked(model, weights)`."""
     names = _aligned(nominal.graph, marked_model.graph)
     nominal_inits = {t.name: t for t in nominal.graph.initializer}
-    order = list(weights)
-    ends = np.cumsum([int(np.size(weights[n])) for n in order])
-    starts = ends - np.array([int(np.size(weights[n])) for n in order])
+    order, starts, ends = _numbering(weights)
     copies: list[Copy] = []
     for tensor in marked_model.graph.initializer:
         target = names.get(tensor.name)
@@ -163,12 +167,12 @@ def weight_map(nominal: onnx.ModelProto, marked_model: onnx.ModelProto, weights:
             indices = (element[rows] - starts[w]).astype(np.int32)  # below 2^24: half the memory of intp
             whole = rows.size == flat.size
             parts.append(Part(order[w], indices, None if whole else rows.astype(np.int32)))
-        made = Copy(target, tuple(expected.shape), parts)
-        if len(parts) > 1 or parts[0].positions is not None:
-            made.nominal = np.zeros(expected.shape, np.float32)
-            made.nominal = made.filled(weights)  # padding zeros and every weight's elements: must be the runtime's copy
-        if not np.array_equal(made.filled(weights), expected):
+        partial = len(parts) > 1 or parts[0].positions is not None
+        made = Copy(target, tuple(expected.shape), parts, np.zeros(expected.shape, np.float32) if partial else None)
+        if not np.array_equal(made.filled(weights), expected):  # padding zeros and every weight's elements
             raise GraphError(f"initializer '{target}' of the optimized graph is not the weights' elements rearranged")
+        if partial:
+            made.nominal = expected  # what a fed weight that fills only part of it leaves in the rest
         copies.append(made)
     missing = set(order) - {p.weight for c in copies for p in c.parts}
     if missing:

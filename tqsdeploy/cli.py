@@ -258,7 +258,7 @@ def score(
 ):
     """Score every weight tensor's quantization sensitivity by perturbed rollouts (TQS)."""
     from runtimes import make_runtime
-    from tqsdeploy.score import ContextOptions, score as run_score
+    from tqsdeploy.score import FED_OPTIMIZED, ContextOptions, score as run_score
     from tqsdeploy.scoring import ScoreSettings
     from tqsdeploy.units import UnitSelection
 
@@ -325,7 +325,7 @@ def score(
     rho = meta.get("spearman_quant_gauss")
     cuts = f" ({len(meta['prefix_cuts'])} cuts)" if meta.get("prefix_cuts") else ""
     fed_runs = meta["strategy"] == "feed" or (meta["strategy"] == "prefix" and meta["rollout"]["steps"] > 1)  # prefix: steps 2..T
-    if fed_runs and meta.get("fed_session", "").startswith("the runtime's optimized graph"):
+    if fed_runs and meta.get("fed_session") == FED_OPTIMIZED:
         cuts += ", weights fed in ONNX Runtime's layouts"
     out.print(
         f"{meta['units']} units, {meta['dead_units']} dead; rollout {meta['rollout']['steps']} steps ({meta['rollout']['origin']}); "

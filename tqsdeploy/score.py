@@ -192,12 +192,21 @@ class DerivedFeed:
         return {**self.__dict__, "_made": None}  # another process (or machine) maps its own runtime's layouts
 
 
+FED_OPTIMIZED = "the runtime's optimized graph (weights in its layouts)"
+"""run.json's `fed_session` when the fed session is ONNX Runtime's own optimized graph (`DerivedFeed`)."""
+
+
+def _nchwc_conv(tensor) -> bool:
+    """Whether a 2-D Conv reads this weight: the Conv ONNX Runtime's CPU NCHWc layout takes, when the weight is constant."""
+    return "Conv" in tensor.op_types and len(tensor.shape) == 4
+
+
 def fed_as_fast(tensor) -> bool:
     """Whether ONNX Runtime's CPU kernels run this weight fed as fast as constant: read only by Gather or by a Conv
     the NCHWc layout does not take (1-D, 3-D), which pre-pack nothing (a fed MatMul, Gemm or recurrent weight is
     not pre-packed; a fed 2-D Conv weight misses NCHWc). Measured: the same outputs to the bit, calls within 1-4%
     (the feeding itself) on lorenz96 and pangu_lorenz96."""
-    return bool(tensor.op_types) and all(op == "Gather" or (op == "Conv" and len(tensor.shape) != 4) for op in tensor.op_types)
+    return bool(tensor.op_types) and not _nchwc_conv(tensor) and set(tensor.op_types) <= {"Gather", "Conv"}
 
 
 def derived_feed(rebuild: RebuildFactory, units: list[Unit], names: list[str]) -> tuple[DerivedFeed | None, str]:
@@ -207,7 +216,7 @@ def derived_feed(rebuild: RebuildFactory, units: list[Unit], names: list[str]) -
     runtime = rebuild.runtime
     if runtime.provider != "cpu" or runtime.optimization != "all":
         return None, "weights as stored"
-    if not any("Conv" in t.op_types and len(t.shape) == 4 for u in units for t in u.tensors):
+    if not any(_nchwc_conv(t) for u in units for t in u.tensors):
         return None, "weights as stored"
     feed = DerivedFeed(rebuild, tuple(names))
     try:
@@ -216,7 +225,7 @@ def derived_feed(rebuild: RebuildFactory, units: list[Unit], names: list[str]) -
         return None, f"weights as stored ({exc})"
     except Exception as exc:  # the runtime cannot save or reload its optimized graph
         return None, f"weights as stored (ONNX Runtime's optimized graph: {str(exc).splitlines()[0]})"
-    return feed, "the runtime's optimized graph (weights in its layouts)"
+    return feed, FED_OPTIMIZED
 
 
 @dataclass

@@ -622,8 +622,7 @@ class SweepRunner:
             return "feed"  # let the nominal rollout report what is wrong
         # every window its own call bounds the feed sweep from above (a batched call costs at most its windows' calls)
         bound = len(job.units) * max(1, job.tasks_per_unit) * job.spec.steps * job.contexts.count * t_feed
-        if bound / max(1, job.lanes) < SMALL_SWEEP_S:
-            self.timings = {"feed": round(bound, 4)}
+        if self._small(bound):
             return "feed"
         try:  # the fed session decides the batching: its run is the scale run, and the nominal's first step if feed wins
             chunks = self.engine.chunks
@@ -645,8 +644,7 @@ class SweepRunner:
         except Exception:
             return "feed"  # let the nominal rollout report what is wrong
         estimates = {"feed": len(job.units) * max(1, job.tasks_per_unit) * job.spec.steps * step}
-        if estimates["feed"] / max(1, job.lanes) < SMALL_SWEEP_S:
-            self.timings = {"feed": round(estimates["feed"], 4)}
+        if self._small(estimates["feed"]):
             return "feed"
         packed = sum(t.params * np.dtype(t.dtype).itemsize for u in job.units.values() for t in u.tensors if set(t.op_types) & PRE_PACKED)
         build_s = job.session_build_s + packed / CONSTANT_BUILD_BYTES_PER_S  # the fed session packs no weight as it builds
@@ -655,6 +653,14 @@ class SweepRunner:
         except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
             pass
         return self._pick(estimates)
+
+    def _small(self, feed_s: float) -> bool:
+        """Whether a 'feed' sweep of `feed_s` seconds (one lane) finishes within `SMALL_SWEEP_S` on the sweep's lanes:
+        then it runs untimed, that estimate its only one."""
+        if feed_s / max(1, self.job.lanes) >= SMALL_SWEEP_S:
+            return False
+        self.timings = {"feed": round(feed_s, 4)}
+        return True
 
     def _pick(self, estimates: dict[str, float]) -> str:
         """The cheapest strategy on the sweep's lanes (recorded in `timings`); another than feed must win by 5%."""
