@@ -56,9 +56,18 @@ class GraphWalk:
             for name in names:
                 self.readers.setdefault(name, []).append(i)
         self.initializers = {t.name for t in graph.initializer}
+        self._downstream: dict[frozenset, tuple[list[int], set[str]]] = {}
 
     def downstream(self, weights: set[str]) -> tuple[list[int], set[str]]:
-        """Indices (graph order) of the nodes that transitively read any of `weights`, and every tensor they affect."""
+        """Indices (graph order) of the nodes that transitively read any of `weights`, and every tensor they
+        affect; kept per set of weights (planning asks again for each unit: its cut's start, its mask, its
+        boundary). Callers do not modify what they get."""
+        key = frozenset(weights)
+        if key not in self._downstream:
+            self._downstream[key] = self._walk_down(key)
+        return self._downstream[key]
+
+    def _walk_down(self, weights: frozenset) -> tuple[list[int], set[str]]:
         affected, found = set(weights), set()
         frontier = [i for name in weights for i in self.readers.get(name, ())]
         heapq.heapify(frontier)
@@ -240,8 +249,8 @@ class CutPlanner:
     """What planning cuts needs from the graph (each unit's downstream nodes, the weights each node reads),
     worked out once: a sweep plans from auto's estimate and again from the whole model's measured run."""
 
-    def __init__(self, model: onnx.ModelProto, units: dict[str, list[str]], costs: list[float]):
-        walk = GraphWalk(model.graph)
+    def __init__(self, model: onnx.ModelProto, units: dict[str, list[str]], costs: list[float], walk: GraphWalk | None = None):
+        walk = walk or GraphWalk(model.graph)
         self.nodes = len(walk.nodes)
         sizes = {t.name: float(np.prod(t.dims, dtype=np.float64)) for t in model.graph.initializer}
         readers = {name: len(walk.readers.get(name, ())) for name in sizes}

@@ -529,10 +529,12 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         model, contexts, spec, steps, selection=selection, settings=settings, runtime=runtime, context_options=context_options, strategy=strategy,
         workdir=run_dir, stream=True, lanes=lanes,
     )
-    fingerprint = _fingerprint(prepared, settings, runtime)
     meta_path = run_dir / "run.json"
     existing = json.loads(meta_path.read_text()) if meta_path.exists() else None
-    matches = existing is not None and existing.get("fingerprint") == fingerprint
+    # Only a folder that may be resumed needs the fingerprint before the sweep opens; a fresh run works it
+    # out after `open_runner`, so the model's digest (a background thread) runs beside the session builds.
+    fingerprint = _fingerprint(prepared, settings, runtime) if existing is not None and resume is not False else None
+    matches = fingerprint is not None and existing.get("fingerprint") == fingerprint
     if existing is not None and not matches and resume is not False:
         raise InputError(
             f"{run_dir} holds a score run with a different model, contexts or settings",
@@ -557,9 +559,14 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
     pending = [t for t in tasks if t.key not in done]
     write_text(run_dir / "rollout.toml", prepared.spec.to_toml())
     write_npz(run_dir / "contexts.npz", prepared.contexts.arrays)
+
+    nominal_started = time.perf_counter()
+    runner = prepared.open_runner()
+    nominal_seconds = time.perf_counter() - nominal_started
+    nominal_on_lane = not runner.nominal_made  # made by the sweep's first lane, beside the first tasks
     meta = {
         "status": "running",
-        "fingerprint": fingerprint,
+        "fingerprint": fingerprint or _fingerprint(prepared, settings, runtime),
         "model": {"path": str(prepared.model.path.resolve()), "sha256": prepared.model.sha256, "bytes": prepared.model.file_bytes},
         "rollout": prepared.spec.to_dict(),
         "contexts": prepared.contexts.describe(),
@@ -572,12 +579,6 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         "versions": _versions(),
         "warnings": list(prepared.contexts.warnings),
     }
-    write_json(meta_path, meta)
-
-    nominal_started = time.perf_counter()
-    runner = prepared.open_runner()
-    nominal_seconds = time.perf_counter() - nominal_started
-    nominal_on_lane = not runner.nominal_made  # made by the sweep's first lane, beside the first tasks
     meta["strategy"] = runner.strategy
     meta["fed_session"] = prepared.fed_as
     if prepared.job.strategy not in ("auto", runner.strategy):
