@@ -156,6 +156,40 @@ def test_grid_search_in_row_blocks_equals_the_whole_matrix_search(monkeypatch):
         assert np.array_equal(grid.find_grid(rows, spec).scale, blocked.scale)
 
 
+def test_float32_screened_search_finds_the_exact_float64_grids():
+    """The search prices every shrink in float32 and works out float64 sums only for the shrinks that
+    float32's rounding could make the least: the grids must be the exact search's, bit for bit, also
+    where shrinks tie or nearly tie (weights already on a grid), on heavy tails and outliers, on rows of
+    extreme magnitude (searched exactly) and on all-zero rows."""
+    from tiers import grid
+
+    rng = np.random.default_rng(11)
+    cases = [
+        rng.standard_normal((64, 1024)) / 30,
+        rng.standard_t(3, (48, 1024)),
+        np.rint(rng.standard_normal((48, 1024)) * 3).clip(-8, 7) * 0.05,  # already 4-bit: exact ties
+        np.rint(rng.uniform(0, 15, (48, 1024))) * 0.1 - 0.3,
+        rng.standard_normal((48, 1024)) * 10.0 ** rng.uniform(-14, 14, (48, 1)),  # some rows past the screened range
+        np.vstack([np.zeros((8, 2048)), rng.standard_normal((8, 2048)) * (rng.uniform(size=(8, 2048)) < 0.05)]),
+        np.hstack([rng.standard_normal((32, 1023)), np.full((32, 1), 1e3)]),
+    ]
+    # short float32 rows where float32's least shrink is not float64's for a row or two (int2: rows 1164 and
+    # 3835 of the first, int3: row 4049 of the second): without the screen's slack the grids would differ
+    cases += [(np.random.default_rng(seed).standard_normal((4096, k)) * 1e-3).astype(np.float32).astype(np.float64) for seed, k in ((4, 4), (7, 6))]
+    for rows in cases:
+        assert rows.size >= grid.SCREEN_FROM
+        for bits, symmetric in ((2, False), (3, True), (4, False), (8, False)):
+            spec = grid.GridSpec("int", bits, symmetric=symmetric, search=True)
+            lo, hi = np.minimum(rows.min(axis=1), 0.0), np.maximum(rows.max(axis=1), 0.0)
+            empty = (lo == 0) & (hi == 0)
+            lo, hi = np.where(empty, -1.0, lo), np.where(empty, 1.0, hi)
+            exact = [np.zeros(len(rows)), np.zeros(len(rows))]
+            grid._exact(rows, grid._trials(lo, hi, spec), spec, *exact, None)
+            screened = [np.zeros(len(rows)), np.zeros(len(rows))]
+            grid._search(rows, lo, hi, spec, *screened)
+            assert np.array_equal(exact[0], screened[0]) and np.array_equal(exact[1], screened[1]), (bits, symmetric)
+
+
 def test_fp16_tier_keeps_sign_and_finiteness():
     """Past float16's range a weight saturates (never Inf); below its smallest subnormal it keeps its sign (never 0)."""
     from tiers.quantizer import to_float16

@@ -33,10 +33,15 @@ import numpy as np
 SEARCH_NORM, SEARCH_STEPS, SEARCH_STEP = 2.4, 80, 0.01
 """GPTQ `Quantizer` defaults for the MSE clip search (norm 2.4, grid 100, maxshrink 0.8)."""
 FP8_MAX = 448.0
-SEARCH_BLOCK = 1 << 15
-"""Elements per row block of the search (256 KiB of float64 per temporary: about cache-sized)."""
+SEARCH_BLOCK = 1 << 18
+"""Elements per row block of the search at most (2 MiB of float64 per temporary, a core's L2 here). Each
+block is ~10 numpy calls per shrink step, and every call hands the GIL over: with 32 K-element blocks
+two threads searched a 2048 x 2048 weight in 1.68 s against 1.93 s on one; with 256 K, 0.94 s."""
 SEARCH_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 """Threads the search spreads its row blocks over (the cores this process may use, at most 8)."""
+SEARCH_SPLIT = 1 << 16
+"""Weights of at least this many elements are split over the threads (smaller ones in one block: the
+threads would cost more than they save)."""
 SEARCH_CACHE = 256
 """Searched grids remembered (by the rows' bytes and the grid spec): a few KiB each."""
 _SEARCHED: "OrderedDict[tuple, Grid]" = OrderedDict()
@@ -135,7 +140,9 @@ def find_grid(rows: np.ndarray, spec: GridSpec) -> Grid:
         found = _SEARCHED[key]
         return Grid(found.scale.copy(), found.zero.copy())
     block = max(1, SEARCH_BLOCK // rows.shape[1])
-    parts = [slice(start, start + block) for start in range(0, n, block)]  # row blocks small enough to stay in cache: the same result, faster and in bounded memory
+    if rows.size >= SEARCH_SPLIT:
+        block = min(block, -(-n // SEARCH_THREADS))  # a block per thread at least
+    parts = [slice(start, start + block) for start in range(0, n, block)]  # rows in blocks: the same result, in bounded memory
 
     def search(part: slice) -> None:
         _search(rows[part], lo[part], hi[part], spec, scale[part], zero[part])
@@ -153,29 +160,103 @@ def find_grid(rows: np.ndarray, spec: GridSpec) -> Grid:
     return Grid(scale, zero)
 
 
+SCREEN_RANGE = (1e-10, 1e12)
+"""Rows whose largest magnitude lies in this range are screened in float32 first (`_search`): there every
+element's error, floored at `SCREEN_FLOOR`, and its power stay normal float32 numbers."""
+SCREEN_FROM = 1 << 14
+"""Blocks of fewer elements take the exact search alone (the two passes' per-step overhead would outweigh it)."""
+SCREEN_FLOOR = 1e-15
+SCREEN_REL, SCREEN_ABS = 1e-4, 16 * float(np.finfo(np.float32).eps)
+"""A shrink stays a candidate while its float32 error is within SCREEN_REL of the row's least plus
+SCREEN_ABS·Σ(2|w| + s)^2.4 (twice the bound on float32's rounding of each element's error, s the widest scale)."""
+
+
 def _search(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, spec: GridSpec, scale: np.ndarray, zero: np.ndarray) -> None:
     """GPTQ's shrink search on a block of rows, writing the best (scale, zero) into the given views.
 
-    The arithmetic of `values(codes(...)) - rows` done in place in one buffer: the same
-    operations in the same order, so the same grids, without a temporary per operation.
+    The exact search works in float64 and raises each element's error to the power 2.4 at every one
+    of 80 shrinks. Here a float32 pass (2.4·log2 and exp2, ~4x cheaper than float64's power) first
+    prices every shrink; a shrink whose float32 price is further from the row's least than float32's
+    rounding can move it cannot be the float64 minimum, so the exact float64 sums are only worked out
+    for the few that remain (1-5 per row): the same grids as the exact search, in ~0.55 of its time.
+    Rows of extreme magnitude take the exact search alone.
     """
-    best = np.full(rows.shape[0], np.inf)
+    if rows.size < SCREEN_FROM:
+        _exact(rows, _trials(lo, hi, spec), spec, scale, zero, None)
+        return
+    peak = np.maximum(-lo, hi)
+    screened = (peak >= SCREEN_RANGE[0]) & (peak <= SCREEN_RANGE[1])
+    if not screened.all():
+        plain = np.flatnonzero(~screened)
+        part_scale, part_zero = scale[plain], zero[plain]
+        _exact(rows[plain], _trials(lo[plain], hi[plain], spec), spec, part_scale, part_zero, None)
+        scale[plain], zero[plain] = part_scale, part_zero
+        if not screened.any():
+            return
+        kept = np.flatnonzero(screened)
+        part_scale, part_zero = scale[kept], zero[kept]
+        _search(rows[kept], lo[kept], hi[kept], spec, part_scale, part_zero)
+        scale[kept], zero[kept] = part_scale, part_zero
+        return
+    trials = _trials(lo, hi, spec)
+    _exact(rows, trials, spec, scale, zero, _candidates(rows, trials, spec))
+
+
+def _trials(lo: np.ndarray, hi: np.ndarray, spec: GridSpec) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(scale, zero) per row at each shrink factor 1, 0.99, ..., in the search's order."""
+    return [_candidate((1 - i * SEARCH_STEP) * lo, (1 - i * SEARCH_STEP) * hi, spec) for i in range(SEARCH_STEPS)]
+
+
+def _residual(rows: np.ndarray, scale: np.ndarray, zero: np.ndarray, spec: GridSpec, buffer: np.ndarray) -> np.ndarray:
+    """|values(codes(rows)) − rows| into `buffer`, in the rows' own float type, one buffer for every step."""
     low, high = spec.code_range
+    column_scale, column_zero = scale[:, None].astype(rows.dtype), zero[:, None].astype(rows.dtype)
+    np.divide(rows, np.where(column_scale > 0, column_scale, 1), out=buffer)
+    np.rint(buffer, out=buffer)
+    buffer += column_zero
+    np.clip(buffer, low, high, out=buffer)
+    buffer -= column_zero
+    np.multiply(column_scale, buffer, out=buffer)
+    buffer -= rows
+    np.abs(buffer, out=buffer)
+    return buffer
+
+
+def _candidates(rows: np.ndarray, trials, spec: GridSpec) -> np.ndarray:
+    """(steps, rows) mask of the shrinks that may be a row's exact minimum, from a float32 pass."""
+    rows32 = rows.astype(np.float32)
+    buffer = np.empty_like(rows32)
+    approx = np.empty((len(trials), rows.shape[0]))
+    for i, (trial_scale, trial_zero) in enumerate(trials):
+        error = _residual(rows32, trial_scale, trial_zero, spec, buffer)
+        np.maximum(error, np.float32(SCREEN_FLOOR), out=error)  # log2 and exp2 of normal numbers only
+        np.log2(error, out=error)
+        error *= np.float32(SEARCH_NORM)
+        np.exp2(error, out=error)
+        approx[i] = error.sum(axis=1, dtype=np.float64)
+    reach = np.abs(rows) * 2 + trials[0][0][:, None]  # no element's error exceeds 2|w| + s (the first shrink's s is the widest)
+    np.power(reach, SEARCH_NORM, out=reach)
+    slack = SCREEN_ABS * reach.sum(axis=1) + 2 * rows.shape[1] * SCREEN_FLOOR**SEARCH_NORM
+    return approx <= approx.min(axis=0) * (1 + SCREEN_REL) + slack
+
+
+def _exact(rows: np.ndarray, trials, spec: GridSpec, scale: np.ndarray, zero: np.ndarray, candidates: np.ndarray | None) -> None:
+    """The exact search (float64, Σ|ŵ − w|^2.4, the first least shrink kept) over every shrink, or per
+    shrink over the rows `candidates` leaves to it; writes the winners into `scale` and `zero`."""
+    best = np.full(rows.shape[0], np.inf)
     buffer = np.empty_like(rows)
-    for i in range(SEARCH_STEPS):
-        shrink = 1 - i * SEARCH_STEP
-        trial_scale, trial_zero = _candidate(shrink * lo, shrink * hi, spec)
-        column_scale, column_zero = trial_scale[:, None], trial_zero[:, None]
-        np.divide(rows, np.where(column_scale > 0, column_scale, 1.0), out=buffer)
-        np.rint(buffer, out=buffer)
-        buffer += column_zero
-        np.clip(buffer, low, high, out=buffer)
-        buffer -= column_zero
-        np.multiply(column_scale, buffer, out=buffer)
-        buffer -= rows
-        np.abs(buffer, out=buffer)
-        np.power(buffer, SEARCH_NORM, out=buffer)
-        error = buffer.sum(axis=1)
-        better = error < best
-        best[better] = error[better]
-        scale[better], zero[better] = trial_scale[better], trial_zero[better]
+    for i, (trial_scale, trial_zero) in enumerate(trials):
+        if candidates is None:
+            picked, part = slice(None), rows
+        else:
+            picked = np.flatnonzero(candidates[i])
+            if picked.size == 0:
+                continue
+            part = rows[picked]
+        error = _residual(part, trial_scale[picked], trial_zero[picked], spec, buffer[: part.shape[0]])
+        np.power(error, SEARCH_NORM, out=error)
+        error = error.sum(axis=1)
+        better = error < best[picked]
+        rows_better = np.arange(rows.shape[0])[picked][better]
+        best[rows_better] = error[better]
+        scale[rows_better], zero[rows_better] = trial_scale[rows_better], trial_zero[rows_better]
