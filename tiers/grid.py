@@ -34,7 +34,7 @@ SEARCH_NORM, SEARCH_STEPS, SEARCH_STEP = 2.4, 80, 0.01
 """GPTQ `Quantizer` defaults for the MSE clip search (norm 2.4, grid 100, maxshrink 0.8)."""
 FP8_MAX = 448.0
 SEARCH_BLOCK = 1 << 18
-"""Elements per row block of the search at most (2 MiB of float64 per temporary, a core's L2 here). Each
+"""Elements per row block of the search at most (2 MiB of float64 per temporary). Each
 block is ~10 numpy calls per shrink step, and every call hands the GIL over: with 32 K-element blocks
 two threads searched a 2048 x 2048 weight in 1.68 s against 1.93 s on one; with 256 K, 0.94 s."""
 SEARCH_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
