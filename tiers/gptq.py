@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tiers.grid import Grid, GridSpec, codes_on, column_rounder, find_grid
+from tiers.grid import Grid, GridSpec, codes_on, find_grid, round_to_grid
 
 ROUND_BLOCK = 1 << 20
 """Elements rounded at a time (8 MiB per float64 temporary)."""
@@ -204,7 +204,7 @@ def _solve(Wt, U, spec: GridSpec, group_size: int, block_size: int, perm, static
     codes = np.zeros((N, K), np.float32)
     grids: dict[int, Grid] = {}
     grid = find_grid(Wt, spec) if group_size <= 0 else None
-    rounder = column_rounder(grid, spec) if grid is not None else None
+    divisor = grid.divisor() if grid is not None else None  # once per grid, not per column
     scratch = np.empty((min(block_size, K), N))
     for b0 in range(0, K, block_size):
         b1 = min(b0 + block_size, K)
@@ -217,12 +217,12 @@ def _solve(Wt, U, spec: GridSpec, group_size: int, block_size: int, perm, static
                 if static_grids is not None:
                     chosen = static_grids[(perm[c] if perm is not None else c) // group_size]
                     if chosen is not grid:
-                        grid, rounder = chosen, column_rounder(chosen, spec)
+                        grid, divisor = chosen, chosen.divisor()
                 elif c % group_size == 0:
                     grid = find_grid(_current(Wt, W1t.T, E1t.T, U, P, b0, b1, i, min(c + group_size, K)), spec)
                     grids[c // group_size] = grid
-                    rounder = column_rounder(grid, spec)
-            block_codes[i], value = rounder(w)
+                    divisor = grid.divisor()
+            block_codes[i], value = round_to_grid(w, grid, spec, divisor)
             e = (w - value) / U[c, c]
             E1t[i] = e
             update = scratch[: b1 - c]

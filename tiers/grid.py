@@ -78,6 +78,11 @@ class Grid:
     scale: np.ndarray
     zero: np.ndarray
 
+    def divisor(self) -> np.ndarray:
+        """The scale to divide by: 1 where a row's scale is 0 (a row of zeros), so its codes stay its zero point.
+        A caller rounding many columns on one grid works it out once and passes it to `codes_on`."""
+        return np.where(self.scale > 0, self.scale, 1.0)
+
 
 def _f32(x) -> np.ndarray:
     return np.asarray(x, np.float64).astype(np.float32).astype(np.float64)
@@ -92,16 +97,19 @@ def _candidate(lo: np.ndarray, hi: np.ndarray, spec: GridSpec) -> tuple[np.ndarr
     return scale, np.rint(-lo / np.where(scale > 0, scale, 1.0))
 
 
-def codes_on(w: np.ndarray, grid: Grid, spec: GridSpec) -> np.ndarray:
-    """Codes of w ((N,) column or (N, k) rows) on the grid, as float64 integers (fp8: fp8 values / scale)."""
-    scale, zero = (grid.scale[:, None], grid.zero[:, None]) if np.ndim(w) == 2 else (grid.scale, grid.zero)
+def codes_on(w: np.ndarray, grid: Grid, spec: GridSpec, divisor: np.ndarray | None = None) -> np.ndarray:
+    """Codes of w ((N,) column or (N, k) rows) on the grid, as float64 integers (fp8: fp8 values / scale);
+    `divisor`: the grid's `Grid.divisor()`, when the caller already has it."""
     if spec.kind == "sign":
         return np.where(w >= 0, 1.0, -1.0)
-    safe = np.where(scale > 0, scale, 1.0)
+    safe = grid.divisor() if divisor is None else divisor
+    safe, zero = (safe[:, None], grid.zero[:, None]) if np.ndim(w) == 2 else (safe, grid.zero)
     if spec.kind == "fp8":
         return (w / safe).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
     low, high = spec.code_range
-    return np.clip(np.rint(w / safe) + zero, low, high)
+    q = np.rint(w / safe)  # in place from here: GPTQ's loop rounds every column through this
+    q += zero
+    return np.clip(q, low, high, out=q)
 
 
 def values(q: np.ndarray, grid: Grid) -> np.ndarray:
@@ -110,27 +118,10 @@ def values(q: np.ndarray, grid: Grid) -> np.ndarray:
     return scale * (q - zero)
 
 
-def round_to_grid(w: np.ndarray, grid: Grid, spec: GridSpec) -> tuple[np.ndarray, np.ndarray]:
-    """(codes, dequantized values) of w on the grid."""
-    q = codes_on(w, grid, spec)
+def round_to_grid(w: np.ndarray, grid: Grid, spec: GridSpec, divisor: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, dequantized values) of w on the grid (`divisor` as for `codes_on`)."""
+    q = codes_on(w, grid, spec, divisor)
     return q, values(q, grid)
-
-
-def column_rounder(grid: Grid, spec: GridSpec):
-    """`round_to_grid` for one column at a time on a fixed grid (GPTQ's loop calls it per column): the
-    same operations, with the grid's safe divisor worked out once instead of on every call."""
-    if spec.kind != "int":
-        return lambda w: round_to_grid(w, grid, spec)
-    safe = np.where(grid.scale > 0, grid.scale, 1.0)
-    low, high = spec.code_range
-
-    def rounded(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        q = np.rint(w / safe)
-        q += grid.zero
-        np.clip(q, low, high, out=q)
-        return q, grid.scale * (q - grid.zero)
-
-    return rounded
 
 
 def find_grid(rows: np.ndarray, spec: GridSpec) -> Grid:
