@@ -189,25 +189,15 @@ def _search(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, spec: GridSpec, sc
     for the few that remain (1-5 per row): the same grids as the exact search, in ~0.55 of its time.
     Rows of extreme magnitude take the exact search alone.
     """
-    if rows.size < SCREEN_FROM:
-        _exact(rows, _trials(lo, hi, spec), spec, scale, zero, None)
-        return
-    peak = np.maximum(-lo, hi)
-    screened = (peak >= SCREEN_RANGE[0]) & (peak <= SCREEN_RANGE[1])
-    if not screened.all():
-        plain = np.flatnonzero(~screened)
-        part_scale, part_zero = scale[plain], zero[plain]
-        _exact(rows[plain], _trials(lo[plain], hi[plain], spec), spec, part_scale, part_zero, None)
-        scale[plain], zero[plain] = part_scale, part_zero
-        if not screened.any():
-            return
-        kept = np.flatnonzero(screened)
-        part_scale, part_zero = scale[kept], zero[kept]
-        _search(rows[kept], lo[kept], hi[kept], spec, part_scale, part_zero)
-        scale[kept], zero[kept] = part_scale, part_zero
-        return
     trials = _trials(lo, hi, spec)
-    _exact(rows, trials, spec, scale, zero, _candidates(rows, trials, spec))
+    peak = np.maximum(-lo, hi)
+    extreme = (peak < SCREEN_RANGE[0]) | (peak > SCREEN_RANGE[1])
+    candidates = None
+    if rows.size >= SCREEN_FROM and not extreme.all():
+        with np.errstate(all="ignore"):  # rows past float32's range overflow there; they are searched exactly below
+            candidates = _candidates(rows, trials, spec)
+        candidates[:, extreme] = True
+    _exact(rows, trials, spec, scale, zero, candidates)
 
 
 def _trials(lo: np.ndarray, hi: np.ndarray, spec: GridSpec) -> list[tuple[np.ndarray, np.ndarray]]:
