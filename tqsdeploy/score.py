@@ -560,9 +560,8 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
     write_text(run_dir / "rollout.toml", prepared.spec.to_toml())
     write_npz(run_dir / "contexts.npz", prepared.contexts.arrays)
 
-    nominal_started = time.perf_counter()
     runner = prepared.open_runner()
-    nominal_seconds = time.perf_counter() - nominal_started
+    prepared_s = time.perf_counter() - started  # with the nominal rollout when it ran alone
     nominal_on_lane = not runner.nominal_made  # made by the sweep's first lane, beside the first tasks
     meta = {
         "status": "running",
@@ -627,7 +626,7 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
             "dead_units": int(frame["dead"].sum()),
             "spearman_quant_gauss": spearman(alive["gamma_quant"], alive["gamma_gauss"]) if settings.quant_probe and settings.gauss_draws else None,
             "timings_s": {
-                "prepare": round(nominal_started - started + nominal_seconds, 4),  # with the nominal rollout when it ran alone
+                "prepare": round(prepared_s, 4),
                 "nominal_on_a_lane": nominal_on_lane,
                 "sweep": round(sweep_seconds, 4),
                 "resumed_tasks": len(tasks) - len(pending),
