@@ -174,12 +174,12 @@ def weight_map(nominal: onnx.ModelProto, marked_model: onnx.ModelProto, weights:
         if partial:
             made.nominal = expected  # what a fed weight that fills only part of it leaves in the rest
         copies.append(made)
-    missing = set(order) - {p.weight for c in copies for p in c.parts}
+    held = {c.name for c in copies}
+    mapped = WeightMap(copies, frozenset((n.domain, n.op_type) for n in nominal.graph.node if held.intersection(n.input)))
+    missing = set(order) - mapped.weights
     if missing:
         raise GraphError(f"weight '{sorted(missing)[0]}' is in no initializer of the optimized graph")
-    held = {c.name for c in copies}
-    readers = frozenset((n.domain, n.op_type) for n in nominal.graph.node if held.intersection(n.input))
-    return WeightMap(copies, readers)
+    return mapped
 
 
 def fed_graph(nominal: onnx.ModelProto, weight_map: WeightMap) -> onnx.ModelProto:
