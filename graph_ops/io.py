@@ -61,11 +61,20 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def check_writable(folder: str | os.PathLike) -> None:
-    """Fail now, before any work, when `folder` cannot take new files."""
-    folder = Path(folder)
-    with atomic_output(folder / ".tqs-write-check") as probe:
-        probe.write_bytes(b"")
-    (folder / ".tqs-write-check").unlink(missing_ok=True)
+    """Fail now, before any work, when `folder` cannot take new files.
+
+    Folders the check had to create are removed again, so a command that then
+    fails on its input leaves no empty output folder behind."""
+    folder = Path(folder).absolute()
+    created = [parent for parent in (folder, *folder.parents) if not parent.exists()]
+    try:
+        with atomic_output(folder / ".tqs-write-check") as probe:
+            probe.write_bytes(b"")
+        (folder / ".tqs-write-check").unlink(missing_ok=True)
+    finally:
+        for parent in created:  # deepest first
+            with contextlib.suppress(OSError):
+                parent.rmdir()
 
 
 @dataclass

@@ -55,3 +55,12 @@ def test_failed_gate_exits_1(two_branch, tmp_path):
     result, _ = _run(["gate", model, "--reference", model, "--contexts", ctx, "--min-compression", "1000", "--report-dir", tmp_path / "gate"])
     assert result.exit_code == 1, result.output
     assert (tmp_path / "gate" / "gate.json").exists()
+
+
+def test_a_refused_gate_leaves_no_empty_report_folder(two_branch, tmp_path):
+    """The write check runs before the inputs are read; the folders it made must not outlive a refusal."""
+    model, ctx = two_branch
+    report_dir = tmp_path / "reports" / "gate"
+    result, lines = _run(["gate", model, "--reference", tmp_path / "missing.onnx", "--contexts", ctx, "--report-dir", report_dir])
+    assert result.exit_code == 2 and "missing.onnx" in lines[0], lines
+    assert not (tmp_path / "reports").exists()

@@ -75,6 +75,7 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
             shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
             raise InputError(f"{folder} is not a tqsdeploy run folder and not empty (it holds {shown})", hint="choose a new or empty folder with --out")
     check_writable(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(folder / LOCK_NAME))
     try:
         lock.acquire(timeout=0)
