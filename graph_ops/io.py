@@ -87,6 +87,8 @@ class LoadedModel:
     """The SHA-256 of the model's files, worked out on a background thread (`sha256` waits for it)."""
     file_bytes: int
     external_files: tuple[Path, ...]
+    weights_declared_as_inputs: tuple[str, ...] = ()
+    """Float initializers the file also lists as graph inputs; they are treated as weights (`undeclare_weight_inputs`)."""
 
     @property
     def stem(self) -> str:
@@ -308,7 +310,31 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedMod
         digest=_sha256_files([path, *externals]),
         file_bytes=path.stat().st_size + sum(f.stat().st_size for f in externals),
         external_files=tuple(externals),
+        weights_declared_as_inputs=undeclare_weight_inputs(proto),
     )
+
+
+def undeclare_weight_inputs(proto: onnx.ModelProto) -> tuple[str, ...]:
+    """Drop, in place, the graph inputs that only restate a float initializer, and name them.
+
+    Exporters that keep initializers as inputs (`torch.onnx.export(keep_initializers_as_inputs=True)`,
+    older converters) list every weight as an input too. From IR 4 on that makes each an input the
+    caller may override, so nothing would count as a weight and the rollout would look for contexts
+    of them. They are the model's weights: this process's copy treats them so (ONNX Runtime still
+    accepts them fed), and a model written from it no longer declares them. Below IR 4 every
+    initializer must be listed, so those models are left as they are."""
+    if proto.ir_version < 4:
+        return ()
+    from graph_ops.layout import FLOAT_TYPES
+
+    weights = {t.name for t in proto.graph.initializer if t.data_type in FLOAT_TYPES}
+    declared = [value for value in proto.graph.input if value.name in weights]
+    if not declared:
+        return ()
+    kept = [value for value in proto.graph.input if value.name not in weights]
+    del proto.graph.input[:]
+    proto.graph.input.extend(kept)
+    return tuple(value.name for value in declared)
 
 
 def runtime_compatible(proto: onnx.ModelProto) -> onnx.ModelProto:

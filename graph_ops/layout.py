@@ -156,6 +156,18 @@ def constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return found
 
 
+def read_in_subgraphs(graph: onnx.GraphProto) -> set[str]:
+    """Names read by nodes inside the bodies of `graph`'s control-flow nodes (Scan, Loop, If), at any depth:
+    a main-graph weight read only there has no consumer `weight_layouts` sees."""
+    names: set[str] = set()
+    for node in graph.node:
+        for attribute in node.attribute:
+            for body in (*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs):
+                names.update(name for inner in body.node for name in inner.input if name)
+                names.update(read_in_subgraphs(body))
+    return names
+
+
 def stored_tensors(graph: onnx.GraphProto) -> dict[str, tuple[onnx.TensorProto, str]]:
     """Initializers and Constant values by name, with where they live."""
     stored = {t.name: (t, "initializer") for t in graph.initializer}

@@ -81,3 +81,68 @@ def test_csv_univariate_and_multivariate(tmp_path):
     assert abs(float(multi.arrays["x"][..., 0].mean())) < 2
     with pytest.raises(InputError, match="cannot cut CSV"):
         load_csv(csv, [IOSpec("x", ("batch", 50, 4), np.dtype(np.float32))], windows=2, zscore=False)
+
+
+def test_weights_kept_as_inputs_are_scored_as_weights(tmp_path):
+    """torch's keep_initializers_as_inputs lists every weight as a graph input too: the same γ as the
+    plain model, and an exported model that no longer declares them (the input file untouched)."""
+    from tqsdeploy import ScoreSettings, score
+    from tqsdeploy.export import ExportSettings, Planner
+    from runtimes import OrtRuntime
+
+    plain = models.mlp_forecaster(tmp_path / "plain.onnx")
+    proto = onnx.load(str(plain))
+    proto.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in proto.graph.initializer)
+    kept = tmp_path / "kept.onnx"
+    onnx.save(proto, str(kept))
+    before = kept.read_bytes()
+    loaded = graph_ops.load_model(kept)
+    assert set(loaded.weights_declared_as_inputs) == {t.name for t in proto.graph.initializer}
+    assert [v.name for v in loaded.proto.graph.input] == ["x"]
+    contexts = tmp_path / "ctx.npz"
+    np.savez(contexts, x=np.random.default_rng(1).standard_normal((3, 2, 32)).astype(np.float32))
+    settings = ScoreSettings(gauss_draws=1)
+    want = score(plain, contexts, steps=3, out=tmp_path / "plain-run", settings=settings)
+    got = score(kept, contexts, steps=3, out=tmp_path / "kept-run", settings=settings)
+    assert sorted(got.frame["unit"]) == sorted(want.frame["unit"]) == ["W1", "W3", "Wshared"]
+    np.testing.assert_allclose(got.frame.sort("unit")["gamma_quant"].to_numpy(), want.frame.sort("unit")["gamma_quant"].to_numpy(), rtol=1e-6)
+    assert any("listed as graph inputs" in w for w in got.meta["warnings"])
+    planner = Planner(tmp_path / "kept-run", settings=ExportSettings(objective="paper", rounding="rtn", refine=0, fallback=False))
+    outcome = planner.export(4, tmp_path / "kept.C4.onnx")
+    planner.close()
+    exported = onnx.load(str(outcome.path))
+    assert [v.name for v in exported.graph.input] == ["x"] and outcome.compression >= 4
+    y = OrtRuntime().open(outcome.path).run({"x": np.ones((2, 32), np.float32)})["y"]
+    assert y.shape == (2, 32) and np.all(np.isfinite(y))
+    assert kept.read_bytes() == before
+
+
+def test_weights_read_only_in_a_loop_body_are_named(tmp_path):
+    """A weight a Scan body reads has no consumer in the main graph: it is no unit, and the user is told which."""
+    from tqsdeploy.units import selection_notes
+
+    rng = np.random.default_rng(0)
+    h = onnx.helper
+    body = h.make_graph(
+        [h.make_node("MatMul", ["s_in", "W"], ["m"]), h.make_node("Tanh", ["m"], ["s_out"]), h.make_node("Identity", ["s_out"], ["scan_out"])],
+        "body", [h.make_tensor_value_info("s_in", onnx.TensorProto.FLOAT, [1, 32]), h.make_tensor_value_info("x_t", onnx.TensorProto.FLOAT, [1, 32])],
+        [h.make_tensor_value_info("s_out", onnx.TensorProto.FLOAT, [1, 32]), h.make_tensor_value_info("scan_out", onnx.TensorProto.FLOAT, [1, 32])],
+    )
+    nodes = [
+        h.make_node("Scan", ["x0", "xs"], ["last", "all"], body=body, num_scan_inputs=1),
+        h.make_node("MatMul", ["last", "W2"], ["y"]),
+    ]
+    graph = h.make_graph(
+        nodes, "scan", [h.make_tensor_value_info("x0", onnx.TensorProto.FLOAT, [1, 32]), h.make_tensor_value_info("xs", onnx.TensorProto.FLOAT, [4, 1, 32])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 32])],
+        [onnx.numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), n) for n in ("W", "W2")],
+    )
+    path = tmp_path / "scan.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=9), str(path))
+    loaded = graph_ops.load_model(path)
+    tensors = graph_ops.find_weight_tensors(loaded.proto)
+    units = select_units(tensors, UnitSelection())
+    assert [u.name for u in units] == ["W2"]
+    (note,) = selection_notes(loaded, tensors, units, UnitSelection())
+    assert "(W; 1,024 params)" in note and "--include" in note
+    assert selection_notes(loaded, tensors, select_units(tensors, UnitSelection(include="^W$")), UnitSelection()) == []

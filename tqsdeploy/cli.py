@@ -185,6 +185,8 @@ def inspect(
 
     units = pl.DataFrame([{**u, "op_types": ";".join(u["op_types"]), "nodes": ";".join(u["nodes"])} for u in info["units"]])
     out.print(_table(units, f"{units.height} units, {info['unit_params']:,} params ({info['unit_share']:.1%} of float weights)", ["unit", "shape", "params", "op_types", "nodes"]))
+    for note in info["notes"]:
+        out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     rollout = info["rollout"]
     if "error" in rollout:
         out.print(f"[yellow]rollout:[/] {escape(rollout['error'])}")

@@ -12,7 +12,7 @@ from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.files import write_text
 from tqsdeploy.rollout import AmbiguousRollout, RolloutSpec, detect_rollout
 from tqsdeploy.score import DEFAULT_STEPS, resolve_spec
-from tqsdeploy.units import UnitSelection, select_units
+from tqsdeploy.units import UnitSelection, select_units, selection_notes
 
 
 def _io(specs) -> list[dict]:
@@ -57,6 +57,7 @@ def inspect_model(
         "unit_params": unit_params,
         "unit_share": unit_params / float_params if float_params else 0.0,
         "rollout": rollout,
+        "notes": selection_notes(loaded, tensors, units, selection),
     }
 
 

@@ -33,7 +33,7 @@ from tqsdeploy.files import claim_run_folder, write_json, write_npz, write_table
 from tqsdeploy.rollout import RolloutSpec, detect
 from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
 from tqsdeploy.sweep import EarlyStop, Nominal, ResultLog, SweepJob, SweepRunner, TaskResult, plan_tasks, run_local, run_parallel, run_ray, sweep_lanes, usable_cores
-from tqsdeploy.units import Unit, UnitSelection, check_finite, gather_rows, select_units
+from tqsdeploy.units import Unit, UnitSelection, check_finite, gather_rows, select_units, selection_notes
 
 DEFAULT_STEPS = 8
 RUN_FILES = ("run.json", "sweep.jsonl", "measured.jsonl", "scores.parquet", "scores.csv", "rollout.toml", "contexts.npz")
@@ -262,6 +262,8 @@ class Prepared:
     """ONNX Runtime intra-op threads per session (None: its default, every core)."""
     fed_as: str = "weights as stored"
     """What the fed session is a graph of (`derived_feed`), for run.json."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know about the unit selection (`units.selection_notes`)."""
 
     def open_runner(self, nominal: "Nominal | None" = None) -> SweepRunner:
         """A runner of the sweep; `nominal`: the rollout an earlier runner of this job made (not made again)."""
@@ -335,7 +337,9 @@ def prepare(
     lanes = sweep_lanes(lanes, runtime.provider, getattr(runtime, "threads", None), loaded.file_bytes)  # native TensorRT has no threads: one lane
     if lanes > 1 and isinstance(runtime, OrtRuntime) and runtime.threads is None:
         runtime = dataclasses.replace(runtime, threads=max(1, usable_cores() // lanes))
-    units = select_units(graph_ops.find_weight_tensors(loaded.proto), selection)
+    tensors = graph_ops.find_weight_tensors(loaded.proto)
+    units = select_units(tensors, selection)
+    notes = selection_notes(loaded, tensors, units, selection)
     names = [n for u in units for n in u.tensor_names]
     session_proto = graph_ops.lift_constants(loaded.proto, names)
     declarations = {n: graph_ops.input_declarations(session_proto, [n]) for n in names}
@@ -414,6 +418,7 @@ def prepare(
     return Prepared(
         model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session,
         session_file=source if isinstance(source, Path) else None, data_dir=data_dir, lanes=lanes, threads=getattr(runtime, "threads", None), fed_as=fed_as,
+        notes=notes,
     )
 
 
@@ -576,7 +581,7 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         "params": sum(u.params for u in prepared.units),
         "tasks": len(tasks),
         "versions": _versions(),
-        "warnings": list(prepared.contexts.warnings),
+        "warnings": [*prepared.notes, *prepared.contexts.warnings],
     }
     meta["strategy"] = runner.strategy
     meta["fed_session"] = prepared.fed_as

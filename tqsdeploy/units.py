@@ -13,6 +13,8 @@ from tqsdeploy.errors import InputError
 if TYPE_CHECKING:
     import numpy as np
 
+    from graph_ops import LoadedModel
+
 
 @dataclass(frozen=True)
 class UnitSelection:
@@ -100,6 +102,29 @@ def select_units(tensors: list[WeightTensor], selection: UnitSelection) -> list[
         key = (match.group(1) if match.groups() else match.group(0)) if match else tensor.name
         blocks.setdefault(key, []).append(tensor)
     return [Unit(name=key, tensors=tuple(group)) for key, group in blocks.items()]
+
+
+def selection_notes(loaded: "LoadedModel", tensors: list[WeightTensor], units: list[Unit], selection: UnitSelection) -> list[str]:
+    """What a user should know about which tensors became units, beyond the unit list itself."""
+    from graph_ops.layout import read_in_subgraphs
+
+    notes = []
+    declared = loaded.weights_declared_as_inputs
+    if declared:
+        notes.append(
+            f"{len(declared)} weight(s) are also listed as graph inputs (as keep_initializers_as_inputs exports write them): "
+            "they are treated as the model's weights, and compressed models no longer list them as inputs"
+        )
+    chosen = {name for unit in units for name in unit.tensor_names}
+    inner = read_in_subgraphs(loaded.proto.graph)
+    hidden = [t for t in tensors if t.name in inner and t.name not in chosen and not t.is_operand_weight and t.params >= selection.min_params]
+    if hidden:
+        shown = ", ".join(t.name for t in hidden[:4]) + (", ..." if len(hidden) > 4 else "")
+        notes.append(
+            f"{len(hidden)} weight(s) read only inside Scan/Loop/If bodies are not units ({shown}; "
+            f"{sum(t.params for t in hidden):,} params): name them with --include to score and quantize them"
+        )
+    return notes
 
 
 def check_finite(weights: dict) -> None:
