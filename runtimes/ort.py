@@ -106,7 +106,7 @@ class OrtRuntime:
 
         self.check()
         options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = 4  # fatal only: a failed run raises, and its message becomes the one error line
         options.graph_optimization_level = {
             "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
             "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,

@@ -144,3 +144,18 @@ def test_export_refuses_nonfinite_weights(tmp_path, bad):
     np.savez(tmp_path / "ctx.npz", x=np.ones((2, 1, 32), np.float32))
     scored = runner.invoke(app, ["score", str(model), "-c", str(tmp_path / "ctx.npz"), "-o", str(tmp_path / "run")])  # not gamma = inf
     assert scored.exit_code == 2 and f"weight '{weight.name}' contains NaN or Inf" in " ".join(scored.output.split()), scored.output
+
+
+def test_a_model_that_fails_to_run_is_one_stderr_line(tmp_path):
+    """ONNX Runtime logs a failed kernel itself before raising: only the error line may reach stderr."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((4, 32, 32)).astype(np.float32)
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 4, 32]) for n in ("x", "y")]
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "bcast", io[:1], io[1:], [numpy_helper.from_array(w, "W")])
+    model = tmp_path / "bcast.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(model))
+    np.savez(tmp_path / "ctx.npz", x=np.ones((3, 2, 4, 32), np.float32))  # batch 2 cannot broadcast against W's 4
+    result = _cli("score", model, "-c", tmp_path / "ctx.npz", "--steps", "2", "-o", tmp_path / "run")
+    _one_line(result, "failed to run")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
