@@ -159,3 +159,12 @@ def test_a_model_that_fails_to_run_is_one_stderr_line(tmp_path):
     result = _cli("score", model, "-c", tmp_path / "ctx.npz", "--steps", "2", "-o", tmp_path / "run")
     _one_line(result, "failed to run")
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_export_stdout_holds_only_its_own_output(scored, tmp_path):
+    """HiGHS prints a banner from C++ even with msg=False; it must not land in export's stdout."""
+    model, _, run = scored
+    result = _cli("export", model, "--run", run, "--C", "4", "--rounding", "rtn", "--refine", "0", "--no-fallback", "--out-dir", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert "HiGHS" not in result.stdout and "THIRD_PARTY" not in result.stdout, result.stdout
+    assert "compression" in result.stdout

@@ -20,7 +20,10 @@ Objectives (loss of unit l at tier k, minimised in sum):
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 
 
@@ -90,6 +93,21 @@ def max_compression(choices: list[Choice], reference_bits: int, fixed_bits: int)
     return reference_bits / (fixed_bits + unit_cost_floor(choices))
 
 
+@contextlib.contextmanager
+def _native_stdout_silenced():
+    """File descriptor 1 on /dev/null: HiGHS prints its banner from C++ whatever `msg` says, which would land in
+    the middle of a command's tables or its --json output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as sink:
+            os.dup2(sink.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _solve_mckp(choices: list[Choice], budget: int) -> tuple[dict[str, str], str]:
     """Exact multiple-choice knapsack with pulp: HiGHS first, then CBC."""
     import pulp
@@ -111,7 +129,8 @@ def _solve_mckp(choices: list[Choice], budget: int) -> tuple[dict[str, str], str
     attempts.append(("mckp-cbc", lambda: pulp.PULP_CBC_CMD(msg=False, timeLimit=120, gapRel=1e-9)))
     for label, make in attempts:
         try:
-            status = problem.solve(make())
+            with _native_stdout_silenced():
+                status = problem.solve(make())
         except pulp.PulpSolverError:
             continue
         if pulp.LpStatus[status] == "Optimal":
