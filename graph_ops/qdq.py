@@ -62,7 +62,7 @@ def _form_opset(value: StoredWeight) -> int:
         return 13 if value.values.dtype.name == "bfloat16" else 6
     if value.form == "packed_sign":
         return 18  # BitwiseAnd
-    needed = 13 if value.dtype == "float32" else 19  # float16 scales
+    needed = 19 if value.dtype == "float16" else 13  # float16 scales; float64 weights dequantize in float32
     name = np.dtype(value.values.dtype).name
     if name in ("int4", "uint4") or value.block_size:
         needed = max(needed, 21)
@@ -125,9 +125,17 @@ def _cast(name: str, value: StoredWeight):
     return [stored], [helper.make_node("Cast", [stored.name], [name], to=to, name=f"{name}__cast")]
 
 
+DEQUANTIZED_TYPES = ("float32", "float16")
+"""Weight types DequantizeLinear can produce here (its output takes the scale's type; bfloat16 aside, which
+numpy cannot hold). A float64 weight is dequantized in float32 and Cast, as `tiers.Encoded.dequantize` computes it."""
+
+
 def _dequantize(name: str, value: StoredWeight):
+    dtype = np.dtype(value.dtype)
+    through = dtype if dtype.name in DEQUANTIZED_TYPES else np.dtype(np.float32)
+    produced = name if through == dtype else f"{name}__dq_{through.name}"
     codes = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__q")
-    scale = numpy_helper.from_array(np.ascontiguousarray(value.scale, dtype=np.dtype(value.dtype)), f"{name}__scale")
+    scale = numpy_helper.from_array(np.ascontiguousarray(value.scale, dtype=through), f"{name}__scale")
     attributes = {}
     if value.axis is not None and np.ndim(value.scale) > 0:
         attributes["axis"] = int(value.axis)
@@ -138,7 +146,10 @@ def _dequantize(name: str, value: StoredWeight):
         zero = numpy_helper.from_array(np.ascontiguousarray(value.zero_point), f"{name}__zero")
         initializers.append(zero)
         inputs.append(zero.name)
-    return initializers, [helper.make_node("DequantizeLinear", inputs, [name], name=f"{name}__dq", **attributes)]
+    nodes = [helper.make_node("DequantizeLinear", inputs, [produced], name=f"{name}__dq", **attributes)]
+    if produced != name:
+        nodes.append(helper.make_node("Cast", [produced], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{name}__to_{dtype.name}"))
+    return initializers, nodes
 
 
 def _packed_sign(name: str, value: StoredWeight):
@@ -499,14 +510,18 @@ def _build(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], sink: Cal
     missing = set(stored) - present
     if missing:
         raise GraphError(f"no weight named '{sorted(missing)[0]}' in the model")
-    new_nodes = []
+    new_nodes, emitted, replaced = [], [], []
     for tensor in list(model.graph.initializer) + list(lifted.values()):
         if tensor.name in stored:
             initializers, nodes = _emit(tensor.name, stored[tensor.name])
+            if nodes:
+                emitted += [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in initializers]
+                replaced.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
             skeleton.graph.initializer.extend(sink(t) for t in initializers)
             new_nodes.extend(nodes)
         else:
             skeleton.graph.initializer.append(sink(tensor))
+    _check_emitted(new_nodes, emitted, replaced, skeleton)
     inputs = [i for i in skeleton.graph.input if i.name not in stored]  # old-style models list initializers as inputs
     del skeleton.graph.input[:]
     skeleton.graph.input.extend(inputs)
@@ -516,6 +531,21 @@ def _build(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], sink: Cal
     minimum_ir = helper.find_min_ir_version_for(list(skeleton.opset_import), ignore_unknown=True)
     skeleton.ir_version = min(max(skeleton.ir_version, minimum_ir), MAX_IR_VERSION)
     return skeleton
+
+
+def _check_emitted(nodes: list[onnx.NodeProto], stored: list[onnx.ValueInfoProto], weights: list[onnx.ValueInfoProto], model: onnx.ModelProto) -> None:
+    """Type-check the nodes that now produce the weights, alone (their stored tensors declared, not copied):
+    each must be valid at the model's opset and yield its weight's original type and shape. A form a runtime
+    cannot load must fail here, not when the user opens the file."""
+    if not nodes:
+        return
+    graph = helper.make_graph(nodes, "emitted", stored, weights)
+    check = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    try:
+        onnx.checker.check_model(check, full_check=True)
+    except Exception as exc:
+        kinds = sorted({onnx.helper.tensor_dtype_to_np_dtype(w.type.tensor_type.elem_type).name for w in weights})
+        raise GraphError(f"the quantized weights cannot be written as valid ONNX for this model's {'/'.join(kinds)} weights: {str(exc).strip().splitlines()[0]}") from None
 
 
 def apply_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], source: Path | None = None) -> onnx.ModelProto:

@@ -142,13 +142,13 @@ def mlp_forecaster(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> 
     return _state_model(nodes, init, path, n)
 
 
-def fp16_mlp(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> Path:
-    """A float16 model end to end: y = x + 0.3 * tanh(x @ W1) @ W2, all in fp16."""
+def fp16_mlp(path: Path, n: int = 32, hidden: int = 64, seed: int = 0, dtype=np.float16) -> Path:
+    """A float16 (or `dtype`) model end to end: y = x + 0.3 * tanh(x @ W1) @ W2, all in that type."""
     rng = np.random.default_rng(seed)
     init = {
-        "W1": (rng.standard_normal((n, hidden)) / np.sqrt(n)).astype(np.float16),
-        "W2": (rng.standard_normal((hidden, n)) / np.sqrt(hidden)).astype(np.float16),
-        "gain": np.array([0.3], np.float16),
+        "W1": (rng.standard_normal((n, hidden)) / np.sqrt(n)).astype(dtype),
+        "W2": (rng.standard_normal((hidden, n)) / np.sqrt(hidden)).astype(dtype),
+        "gain": np.array([0.3], dtype),
     }
     nodes = [
         helper.make_node("MatMul", ["x", "W1"], ["h"]),
@@ -157,7 +157,7 @@ def fp16_mlp(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> Path:
         helper.make_node("Mul", ["d", "gain"], ["s"]),
         helper.make_node("Add", ["x", "s"], ["y"]),
     ]
-    return _state_model(nodes, init, path, n, dtype=TensorProto.FLOAT16)
+    return _state_model(nodes, init, path, n, dtype=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
 
 
 def gather_forecaster(path: Path, rows: int = 100, n: int = 32, seed: int = 0, cast_ids: bool = False) -> Path:

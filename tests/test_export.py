@@ -1,6 +1,7 @@
 """export, eval and gate end to end on real ONNX files and real sessions."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -244,6 +245,46 @@ def test_float16_models_keep_their_type(tmp_path, tier):
         assert outcome.compression == pytest.approx(1.0)
         assert all(e.form == "raw" for e in outcome.encodings.values())
     planner.close()
+
+
+@pytest.mark.parametrize("tier", ["fp32", "fp16", "int8", "int4", "int2", "int1", "int4-asym"])
+def test_float64_models_export_loadable_float64_weights(tmp_path, tier):
+    """DequantizeLinear cannot produce float64: a float64 model's codes dequantize in float32 and are Cast,
+    as the numpy fake-quantized model computes them, and the file loads in ONNX Runtime."""
+    model = models.fp16_mlp(tmp_path / "double.onnx", dtype=np.float64)
+    np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)))
+    score(model, tmp_path / "c.npz", steps=3, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
+    planner = Planner(tmp_path / "run", settings=ExportSettings(tiers=("fp32", "fp16", "int8", "int4", "int2", "int1", "int4-asym"), rounding="rtn", refine=0))
+    outcome = planner.export(None, tmp_path / f"double.{tier}.onnx", uniform_tier=tier)
+    onnx.checker.check_model(onnx.load(str(outcome.path)), full_check=True)
+    x = np.load(tmp_path / "c.npz")["x"][0]
+    got = OrtRuntime(exact_qdq=True).open(outcome.path).run({"x": x})["y"]
+    fake = graph_ops.replace_weights(planner.model.proto, outcome.fake_quantized())
+    want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.io.runtime_compatible(fake))).run({"x": x})["y"]
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert outcome.compression == pytest.approx(1.0) if tier == "fp32" else outcome.compression > 1.9  # fp32: the weights as stored
+    planner.close()
+
+
+def test_an_emitted_weight_of_the_wrong_type_is_refused_before_writing(tmp_path):
+    """The safety net: DequantizeLinear with a float64 scale (what export once wrote for float64 models) fails the
+    type check of the emitted nodes, and no file appears."""
+    from graph_ops import qdq
+
+    model = onnx.load(str(models.fp16_mlp(tmp_path / "double.onnx", dtype=np.float64)))
+    w1 = onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "W1"))
+    scale = np.abs(w1).max(axis=0) / 127
+    bad = ([onnx.numpy_helper.from_array(np.round(w1 / scale).astype(np.int8), "W1__q"), onnx.numpy_helper.from_array(scale, "W1__scale")],
+           [onnx.helper.make_node("DequantizeLinear", ["W1__q", "W1__scale"], ["W1"], axis=1)])
+    original = qdq.EMITTERS["raw"]
+    qdq.EMITTERS["raw"] = lambda name, value: bad
+    try:
+        with pytest.raises(graph_ops.GraphError, match="float64 weights"):
+            qdq.write_storage(model, {"W1": SimpleNamespace(form="raw", expand=lambda: None)}, tmp_path / "out.onnx")
+    finally:
+        qdq.EMITTERS["raw"] = original
+    assert not list(tmp_path.glob("out*"))
 
 
 @pytest.mark.parametrize("method,bits", [("rtn", 2), ("gptq", 4), ("qep", 8)])

@@ -124,6 +124,8 @@ class Encoded:
 
     def dequantize(self) -> np.ndarray:
         """The weight the runtime computes from the stored form (exact dequantization), as `dtype`."""
+        if self.form == "raw":  # stored as it is: a float64 weight is not to pass through float32
+            return np.asarray(self.values).astype(self.dtype, copy=False)
         return self._dequantize().astype(self.dtype, copy=False)
 
     def _dequantize(self) -> np.ndarray:
