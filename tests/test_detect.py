@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
-from runtimes import OrtRuntime
+from runtimes import IOSpec, OrtRuntime
 from tqsdeploy.cli import app
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.engine import RolloutEngine
@@ -250,3 +250,25 @@ def test_calibration_states_move_the_mask(tmp_path):
     assert len(states) == 3  # one batched chunk of 2 windows x 3 steps
     np.testing.assert_array_equal(states[2]["masks"][:, :16], 1)
     np.testing.assert_array_equal(states[2]["masks"][:, 16:], 0)
+
+
+@pytest.mark.parametrize("covariate,side", [("time_features", "quantiles"), ("x_mark_enc", "forecast_std"), ("calendar", "q")])
+def test_shapes_that_fit_by_coincidence_feed_no_covariate_and_no_side_head(tmp_path, covariate, side):
+    """3 quantiles over the horizon fit 3 time features over context + horizon: a shift by shape alone. Side heads
+    (quantiles, spreads) feed nothing and covariates receive nothing unless their names share a stem."""
+    rng = np.random.default_rng(6)
+    nodes = [
+        helper.make_node("MatMul", ["context", "Wf"], ["forecast"]),
+        helper.make_node("Reshape", [covariate, "flat"], ["cov_flat"]),
+        helper.make_node("MatMul", ["cov_flat", "Wc"], ["cov_h"]),
+        helper.make_node("MatMul", ["context", "Wq"], ["q_flat"]),
+        helper.make_node("Add", ["q_flat", "cov_h"], ["q_sum"]),
+        helper.make_node("Reshape", ["q_sum", "shape"], [side]),
+    ]
+    inits = {"Wf": _w(rng, 64, 8), "Wc": _w(rng, 216, 24), "Wq": _w(rng, 64, 24), "flat": np.array([0, -1], np.int64), "shape": np.array([0, 3, 8], np.int64)}
+    path = _model(nodes, [_vi("context", F, ["b", 64]), _vi(covariate, F, ["b", 3, 72])], [_vi("forecast", F, ["b", 8]), _vi(side, F, ["b", 3, 8])], inits, tmp_path / "m.onnx")
+    found = detect_rollout(*_signature(path))
+    assert found.spec.feedback == (Feedback("forecast", "context", "shift", -1),)
+    assert found.unused_outputs == (side,) and found.constant_inputs == (covariate,)
+    same_stem = detect_rollout([IOSpec("quantiles_in", (None, 3, 8), np.dtype(np.float32))], [IOSpec("quantiles_out", (None, 3, 8), np.dtype(np.float32))])
+    assert same_stem.spec.feedback == (Feedback("quantiles_out", "quantiles_in"),)  # a stem in common still pairs

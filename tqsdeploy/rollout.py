@@ -244,6 +244,16 @@ ROLE_WORDS = {"input", "inputs", "in", "output", "outputs", "out", "next", "new"
 FORECAST_WORDS = {"forecast", "forecasts", "point", "mean", "median", "prediction", "predictions", "pred", "y", "yhat"}
 CONTEXT_WORDS = {"inputs", "input", "context", "past", "values", "x", "history", "series", "observations"}
 MASK_WORDS = ("mask", "pad", "observed")
+SIDE_OUTPUT_WORDS = {
+    "quantile", "quantiles", "std", "stddev", "sigma", "var", "variance", "logvar", "scale", "lower", "upper", "interval",
+    "prob", "probs", "probability", "logits", "uncertainty", "confidence", "attention", "attn",
+}
+"""Output names of heads that describe a forecast rather than continue it (quantiles, spreads, attention)."""
+COVARIATE_WORDS = {
+    "covariate", "covariates", "exog", "exogenous", "time", "timestamp", "timestamps", "calendar", "date", "dates", "mark",
+    "static", "known", "forcing", "forcings",
+}
+"""Input names of what a forecaster is told about the horizon (time features, Informer's x_mark, forcings), not its state."""
 
 
 def _tokens(name: str) -> list[str]:
@@ -265,6 +275,16 @@ def _affinity(output: str, input: str) -> tuple[int, str]:
     return 0, "names say nothing"
 
 
+def _side_output(name: str) -> bool:
+    return bool(set(_tokens(name)) & SIDE_OUTPUT_WORDS)
+
+
+def _covariate(name: str) -> bool:
+    """Covariate words and no word that names a series ('time_features' and 'x_mark_enc', not 'time_series')."""
+    tokens = set(_tokens(name))
+    return bool(tokens & COVARIATE_WORDS) and not tokens & (CONTEXT_WORDS - {"x", "input", "inputs", "values"})
+
+
 def mask_like(name: str) -> bool:
     """A padding/observation mask by name; such inputs move with their context instead of being fed."""
     return any(word in name.lower() for word in MASK_WORDS)
@@ -277,6 +297,8 @@ def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
     differing = [i for i, (a, b) in enumerate(zip(output.shape, input.shape)) if isinstance(a, int) and isinstance(b, int) and a != b]
     exact = all(a == b for i, (a, b) in enumerate(zip(output.shape, input.shape)) if i not in differing)
     affinity, why = _affinity(output.name, input.name)
+    if affinity < 3 and (_side_output(output.name) or _covariate(input.name)):
+        return None  # a shape that fits by coincidence (3 quantiles and 3 time features) must not become the rollout
     if not differing:
         score, edge = 105, Feedback(output.name, input.name, "replace")
         reason = f"same shape {_fmt(input.shape)} → replace" if exact else f"{_fmt(output.shape)} and {_fmt(input.shape)} agree where known → replace"
