@@ -156,6 +156,19 @@ def constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return found
 
 
+UNFED_FLOAT_TYPES = {onnx.TensorProto.BFLOAT16: "bfloat16"}
+"""Float weights ONNX Runtime's Python API cannot be fed from numpy: they cannot be perturbed, so never units."""
+
+
+def unfed_float_tensors(graph: onnx.GraphProto) -> dict[str, tuple[str, int]]:
+    """Stored tensors of a float type numpy cannot feed (`UNFED_FLOAT_TYPES`): name -> (type, element count)."""
+    return {
+        name: (UNFED_FLOAT_TYPES[tensor.data_type], int(np.prod(tensor.dims, dtype=np.int64)))
+        for name, (tensor, _) in stored_tensors(graph).items()
+        if tensor.data_type in UNFED_FLOAT_TYPES
+    }
+
+
 def read_in_subgraphs(graph: onnx.GraphProto) -> set[str]:
     """Names read by nodes inside the bodies of `graph`'s control-flow nodes (Scan, Loop, If), at any depth:
     a main-graph weight read only there has no consumer `weight_layouts` sees."""

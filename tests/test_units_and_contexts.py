@@ -146,3 +146,30 @@ def test_weights_read_only_in_a_loop_body_are_named(tmp_path):
     (note,) = selection_notes(loaded, tensors, units, UnitSelection())
     assert "(W; 1,024 params)" in note and "--include" in note
     assert selection_notes(loaded, tensors, select_units(tensors, UnitSelection(include="^W$")), UnitSelection()) == []
+
+
+def test_bfloat16_weights_are_named_not_counted_as_missing(tmp_path):
+    """bfloat16 weights cannot be fed from numpy: with nothing else to score the error says so; beside float32
+    weights they are a note, not silently dropped."""
+    from graph_ops.layout import unfed_float_tensors
+    from tqsdeploy.units import selection_notes
+
+    h, rng = onnx.helper, np.random.default_rng(0)
+    bf16 = h.make_tensor("Wb", onnx.TensorProto.BFLOAT16, [32, 32], (rng.standard_normal(32 * 32) / 6).tolist())
+    nodes = [h.make_node("Cast", ["Wb"], ["W"], to=onnx.TensorProto.FLOAT), h.make_node("MatMul", ["x", "W"], ["h"]), h.make_node("MatMul", ["h", "Wf"], ["y"])]
+    io = [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, ["b", 32]) for n in ("x", "y")]
+    for with_float in (False, True):
+        inits = [bf16] + ([onnx.numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), "Wf")] if with_float else [])
+        graph = h.make_graph(nodes if with_float else nodes[:2] + [h.make_node("Identity", ["h"], ["y"])], "bf", io[:1], io[1:], inits)
+        path = tmp_path / f"bf16-{with_float}.onnx"
+        onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=9), str(path))
+        loaded = graph_ops.load_model(path)
+        tensors, unfed = graph_ops.find_weight_tensors(loaded.proto), unfed_float_tensors(loaded.proto.graph)
+        assert unfed == {"Wb": ("bfloat16", 1024)}
+        if not with_float:
+            with pytest.raises(InputError, match=r"bfloat16 \(Wb\)"):
+                select_units(tensors, UnitSelection(), unfed)
+            continue
+        units = select_units(tensors, UnitSelection(), unfed)
+        assert [u.name for u in units] == ["Wf"]
+        assert any("bfloat16 weight(s) are not units (Wb)" in n for n in selection_notes(loaded, tensors, units, UnitSelection()))

@@ -28,7 +28,7 @@ def inspect_model(
     """Signature, op census, quantizable units and the rollout, as plain data."""
     loaded = graph_ops.load_model(model, load_external=False)  # shapes and types only; the runtime reads the weights
     tensors = graph_ops.find_weight_tensors(loaded.proto)
-    units = select_units(tensors, selection)
+    units = select_units(tensors, selection, graph_ops.layout.unfed_float_tensors(loaded.proto.graph))
     source = graph_ops.io.runnable_path(loaded)
     if source is None:  # IR too new: the runtime gets a clamped copy (in a temporary folder when over 2 GiB)
         loaded = graph_ops.load_model(model)

@@ -338,7 +338,7 @@ def prepare(
     if lanes > 1 and isinstance(runtime, OrtRuntime) and runtime.threads is None:
         runtime = dataclasses.replace(runtime, threads=max(1, usable_cores() // lanes))
     tensors = graph_ops.find_weight_tensors(loaded.proto)
-    units = select_units(tensors, selection)
+    units = select_units(tensors, selection, graph_ops.layout.unfed_float_tensors(loaded.proto.graph))
     notes = selection_notes(loaded, tensors, units, selection)
     names = [n for u in units for n in u.tensor_names]
     session_proto = graph_ops.lift_constants(loaded.proto, names)

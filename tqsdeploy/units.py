@@ -70,8 +70,9 @@ def _compile(pattern: str | None, option: str) -> re.Pattern | None:
         raise InputError(f"{option} '{pattern}' is not a valid regular expression: {exc}") from None
 
 
-def select_units(tensors: list[WeightTensor], selection: UnitSelection) -> list[Unit]:
-    """Apply the size threshold, include/exclude patterns and grouping."""
+def select_units(tensors: list[WeightTensor], selection: UnitSelection, unfed: dict[str, tuple[str, int]] | None = None) -> list[Unit]:
+    """Apply the size threshold, include/exclude patterns and grouping. `unfed`: weights of a type that cannot
+    be fed (`graph_ops.layout.unfed_float_tensors`), named when they leave nothing to score."""
     include = _compile(selection.include, "--include")
     exclude = _compile(selection.exclude, "--exclude")
     chosen = []
@@ -83,6 +84,14 @@ def select_units(tensors: list[WeightTensor], selection: UnitSelection) -> list[
             wanted = False
         if wanted:
             chosen.append(tensor)
+    large_unfed = {name: kind for name, (kind, size) in (unfed or {}).items() if size >= selection.min_params}
+    if not chosen and large_unfed:
+        kinds = "/".join(sorted(set(large_unfed.values())))
+        raise InputError(
+            f"no quantizable tensors: the model's {len(large_unfed)} large weights are {kinds} ({_names(large_unfed)}), "
+            "which ONNX Runtime cannot be fed from numpy, so they cannot be perturbed",
+            hint="save the model with float32 or float16 weights",
+        )
     if not chosen:
         raise InputError(
             f"no quantizable tensors: none of the model's {len(tensors)} float tensors feeds a MatMul/Gemm/Conv/Gather/Einsum/RNN weight "
@@ -104,11 +113,22 @@ def select_units(tensors: list[WeightTensor], selection: UnitSelection) -> list[
     return [Unit(name=key, tensors=tuple(group)) for key, group in blocks.items()]
 
 
+def _names(names) -> str:
+    names = list(names)
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
 def selection_notes(loaded: "LoadedModel", tensors: list[WeightTensor], units: list[Unit], selection: UnitSelection) -> list[str]:
     """What a user should know about which tensors became units, beyond the unit list itself."""
-    from graph_ops.layout import read_in_subgraphs
+    from graph_ops.layout import read_in_subgraphs, unfed_float_tensors
 
     notes = []
+    unfed = {name: kind for name, (kind, size) in unfed_float_tensors(loaded.proto.graph).items() if size >= selection.min_params}
+    if unfed:
+        notes.append(
+            f"{len(unfed)} {'/'.join(sorted(set(unfed.values())))} weight(s) are not units ({_names(unfed)}): ONNX Runtime cannot be fed "
+            "them from numpy, so they are neither scored nor quantized"
+        )
     declared = loaded.weights_declared_as_inputs
     if declared:
         notes.append(
@@ -119,9 +139,8 @@ def selection_notes(loaded: "LoadedModel", tensors: list[WeightTensor], units: l
     inner = read_in_subgraphs(loaded.proto.graph)
     hidden = [t for t in tensors if t.name in inner and t.name not in chosen and not t.is_operand_weight and t.params >= selection.min_params]
     if hidden:
-        shown = ", ".join(t.name for t in hidden[:4]) + (", ..." if len(hidden) > 4 else "")
         notes.append(
-            f"{len(hidden)} weight(s) read only inside Scan/Loop/If bodies are not units ({shown}; "
+            f"{len(hidden)} weight(s) read only inside Scan/Loop/If bodies are not units ({_names(t.name for t in hidden)}; "
             f"{sum(t.params for t in hidden):,} params): name them with --include to score and quantize them"
         )
     return notes
