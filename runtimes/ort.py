@@ -66,6 +66,8 @@ class OrtRuntime:
     config: tuple[tuple[str, str], ...] = field(default=())
     optimized_model_path: str | None = None
     """Where ONNX Runtime should save the graph it really runs (for reports)."""
+    disabled_optimizers: tuple[str, ...] = ()
+    """Graph optimizers ONNX Runtime must skip (`for_model`)."""
 
     name = "onnxruntime"
 
@@ -85,6 +87,19 @@ class OrtRuntime:
         slower: 24.5 s against 10.9 s, Hessian products of 0.4 ms taking 50)."""
         entry = ("session.intra_op.allow_spinning", "0")
         return self if entry in self.config else dataclasses.replace(self, config=self.config + (entry,))
+
+    def for_model(self, proto) -> "OrtRuntime":
+        """This runtime made safe for `proto`. On the CPU, ONNX Runtime 1.32's NCHWc layout pass crashes the
+        process (a segmentation fault while the session is built, no message) on some float16 graphs, a torch
+        float16 TransformerEncoderLayer among them. Its kernels are float32 only, so a model that computes in
+        float16 (a float16 graph input or output) loses nothing without it."""
+        import onnx
+
+        half = onnx.TensorProto.FLOAT16
+        computes_in_half = any(v.type.tensor_type.elem_type == half for v in (*proto.graph.input, *proto.graph.output))
+        if self.provider != "cpu" or not computes_in_half or "NchwcTransformer" in self.disabled_optimizers:
+            return self
+        return dataclasses.replace(self, disabled_optimizers=self.disabled_optimizers + ("NchwcTransformer",))
 
     def providers(self) -> list:
         """The provider list for ONNX Runtime, with the CUDA provider's TF32 choice spelled out."""
@@ -125,7 +140,7 @@ class OrtRuntime:
         for key, value in self.config:
             options.add_session_config_entry(key, value)
         source = model if isinstance(model, bytes) else os.fspath(model)
-        session = ort.InferenceSession(source, sess_options=options, providers=self.providers())
+        session = ort.InferenceSession(source, sess_options=options, providers=self.providers(), disabled_optimizers=list(self.disabled_optimizers) or None)
         wanted, got = PROVIDERS[self.provider][0], session.get_providers()[0]
         if got != wanted:
             # ONNX Runtime logs the failure and carries on with the next provider in the list (a TensorRT

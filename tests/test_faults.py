@@ -168,3 +168,13 @@ def test_export_stdout_holds_only_its_own_output(scored, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "HiGHS" not in result.stdout and "THIRD_PARTY" not in result.stdout, result.stdout
     assert "compression" in result.stdout
+
+
+def test_a_float16_graph_that_crashes_the_nchwc_pass_opens():
+    """tests/data/nchwc_fp16_crash.onnx: the shape arithmetic of a torch float16 TransformerEncoderLayer
+    (20 KB, cut from the export). ONNX Runtime 1.32's NCHWc layout pass kills the process on it (SIGSEGV while
+    the session is built); its float32 twin opens. Sessions of float16 models skip that pass (`for_model`)."""
+    model = REPO / "tests" / "data" / "nchwc_fp16_crash.onnx"
+    result = _cli("inspect", model, "--min-params", "1")
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert "onnx::MatMul_217" in result.stdout

@@ -92,6 +92,7 @@ def quantize_baseline(
         raise InputError(f"rounding settings are for '{rounding.method}', not '{method}'")
     runtime.check()
     loaded, data_dir = _load(model_path)
+    runtime = runtime.for_model(loaded.proto)
     units = select_units(graph_ops.find_weight_tensors(loaded.proto), UnitSelection(min_params=min_params))
     names = [n for u in units for n in u.tensor_names]
     layouts = graph_ops.weight_layouts(loaded.proto, names)

@@ -61,7 +61,7 @@ def _load(path: Path) -> "graph_ops.LoadedModel":
 def _open(loaded: "graph_ops.LoadedModel", settings: EvalSettings, optimized: str | None = None) -> Session:
     if not any(n.op_type == "DequantizeLinear" for n in loaded.proto.graph.node):
         optimized = None  # nothing to fuse: no need for ONNX Runtime to write out a whole copy of the model
-    runtime = OrtRuntime(provider=settings.provider, exact_qdq=settings.exact, optimized_model_path=optimized)
+    runtime = OrtRuntime(provider=settings.provider, exact_qdq=settings.exact, optimized_model_path=optimized).for_model(loaded.proto)
     source = graph_ops.io.runnable_path(loaded)  # the file itself: no serialised copy, any size
     if source is None:  # an IR the runtime refuses: a clamped copy (bytes, or a temporary file past 2 GiB)
         source = graph_ops.io.session_source(graph_ops.io.runtime_compatible(graph_ops.load_model(loaded.path).proto))

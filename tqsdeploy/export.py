@@ -209,6 +209,7 @@ class Planner:
             # a model measured on sessions of its own (one_session) runs one lane: its sessions keep every thread
             lanes=settings.lanes if settings.lanes is not None or meta["model"].get("bytes", 0) < ONE_SESSION_BYTES else 1,
         )
+        runtime = runtime.for_model(self.prepared.model.proto)
         if self.prepared.model.sha256 != meta["model"]["sha256"]:
             raise InputError(
                 f"the score run in {self.run_dir} was made for a different model ({meta['model']['path']}) than {model} (hash mismatch)",

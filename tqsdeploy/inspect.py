@@ -33,9 +33,9 @@ def inspect_model(
     if source is None:  # IR too new: the runtime gets a clamped copy (in a temporary folder when over 2 GiB)
         loaded = graph_ops.load_model(model)
         with tempfile.TemporaryDirectory(prefix="tqs-inspect-") as folder:
-            session = OrtRuntime().open(graph_ops.io.session_source(graph_ops.io.runtime_compatible(loaded.proto), folder))
+            session = OrtRuntime().for_model(loaded.proto).open(graph_ops.io.session_source(graph_ops.io.runtime_compatible(loaded.proto), folder))
     else:
-        session = OrtRuntime().open(source)
+        session = OrtRuntime().for_model(loaded.proto).open(source)
     rollout = _rollout(spec, steps, session.inputs, session.outputs)
     unit_params = sum(u.params for u in units)
     float_params = sum(t.params for t in tensors)

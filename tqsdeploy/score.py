@@ -332,6 +332,7 @@ def prepare(
     """
     runtime.check()
     loaded = graph_ops.load_model(model, load_external=not stream)  # large single files come as a skeleton
+    runtime = runtime.for_model(loaded.proto)
     data_dir = loaded.path.parent.resolve() if stream and graph_ops.io.has_external_data(loaded.proto) else None
     streamed = data_dir is not None
     lanes = sweep_lanes(lanes, runtime.provider, getattr(runtime, "threads", None), loaded.file_bytes)  # native TensorRT has no threads: one lane
