@@ -33,6 +33,10 @@ CASES = {
     "export-C-negative": lambda m, c, t, s: ["export", m, "--C", "-1"],
     "export-C-junk": lambda m, c, t, s: ["export", m, "--C", "4,abc"],
     "export-no-run": lambda m, c, t, s: ["export", m, "--C", "4", "--run", t / "no-run"],
+    "export-C-empty": lambda m, c, t, s: ["export", m, "--C", ""],
+    "export-C-repeated": lambda m, c, t, s: ["export", m, "--C", "4,4.0"],
+    "export-tiers-empty": lambda m, c, t, s: ["export", m, "--C", "4", "--tiers", ","],
+    "export-o-and-out-dir": lambda m, c, t, s: ["export", m, "--C", "4", "-o", t / "a.onnx", "--out-dir", t],
     "baseline-bits": lambda m, c, t, s: ["baseline", m, "--method", "rtn", "--bits", "5"],
     "frontier-contexts": lambda m, c, t, s: ["frontier", m, "-c", t / "nope.npz"],
     "engine-not-onnx": lambda m, c, t, s: ["engine", c],
@@ -64,3 +68,26 @@ def test_a_refused_gate_leaves_no_empty_report_folder(two_branch, tmp_path):
     result, lines = _run(["gate", model, "--reference", tmp_path / "missing.onnx", "--contexts", ctx, "--report-dir", report_dir])
     assert result.exit_code == 2 and "missing.onnx" in lines[0], lines
     assert not (tmp_path / "reports").exists()
+
+
+@pytest.mark.parametrize("command", ["export", "baseline", "inspect"])
+def test_the_input_model_is_never_an_output_even_with_force(two_branch, tmp_path, command):
+    model, ctx = two_branch
+    before = model.read_bytes()
+    if command == "export":
+        assert _run(["score", model, "-c", ctx, "--probe", "quant", "--steps", 2, "-o", tmp_path / "run"])[0].exit_code == 0
+        args = ["export", model, "--run", tmp_path / "run", "--C", "4", "--rounding", "rtn", "--refine", "0", "-o", model, "--force"]
+    elif command == "baseline":
+        args = ["baseline", model, "--method", "rtn", "--bits", "4", "-o", model, "--force"]
+    else:
+        args = ["inspect", model, "--emit-spec", model, "--force"]
+    result, lines = _run(args)
+    assert result.exit_code == 2 and len(lines) == 1 and "never overwritten" in lines[0], lines
+    assert model.read_bytes() == before
+
+
+def test_an_output_named_as_a_folder_is_refused(two_branch, tmp_path):
+    model, _ = two_branch
+    result, lines = _run(["baseline", model, "--method", "rtn", "--bits", "4", "-o", f"{tmp_path / 'newdir'}/"])
+    assert result.exit_code == 2 and "is a folder" in lines[0], lines
+    assert not (tmp_path / "newdir").exists()

@@ -354,6 +354,9 @@ def _floats(text: str, option: str) -> list[float]:
         raise typer.BadParameter(f"{option} takes comma-separated numbers, e.g. 2,4,8") from None
     if not values or any(not math.isfinite(v) or v <= 0 for v in values):
         raise typer.BadParameter(f"{option} needs positive finite numbers, not {text!r}")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise typer.BadParameter(f"{option} lists {', '.join(f'{v:g}' for v in repeated)} more than once")
     return values
 
 
@@ -362,6 +365,15 @@ def _refuse_overwrite(*paths) -> None:
     for path in paths:
         if Path(path).exists():
             raise InputError(f"{path} already exists", hint="pass --force to overwrite it, or choose another name with -o / --out-dir")
+
+
+def _check_output_file(path: Path, given: str | None, inputs) -> None:
+    """An output must be a file name, and never one of the input model's files, --force or not."""
+    if (given or "").endswith(("/", os.sep)) or path.is_dir():
+        raise InputError(f"output {given or path} is a folder; name the file (or use --out-dir where the command has it)")
+    for source in inputs:
+        if source is not None and Path(source).exists() and path.exists() and os.path.samefile(path, source):
+            raise InputError(f"output {path} is the input model's own file {source}; the input is never overwritten", hint="choose another name")
 
 
 @app.command()
@@ -383,7 +395,7 @@ def export(
     lanes: Optional[int] = typer.Option(None, "--lanes", min=1, help="Rollouts priced side by side (CPU provider; default: one per core, up to 8 and 1 + 512 MiB / model size, sessions of cores/lanes threads)."),
     split: float = typer.Option(0.02, "--split", min=0.0, max=0.99, help="Split units holding more than this share of the parameters into output-channel groups (0: never)."),
     basis: str = typer.Option("file", "--basis", metavar="file|units", help="What --C counts: file (every stored tensor) or units (the scored units only)."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output file (single target only)."),
+    output_given: Optional[str] = typer.Option(None, "-o", "--output", help="Output file (single target only)."),
     out_dir: Path = typer.Option(Path("."), "--out-dir", help="Folder for <stem>.C<C>.onnx files (a model named model.onnx adds its folder's name: <folder>_model.C<C>.onnx)."),
     provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="Execution provider for the measurement rollouts."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing output files (default: refuse before any work)."),
@@ -396,11 +408,18 @@ def export(
     from runtimes import OrtRuntime
     from tqsdeploy.export import ExportSettings, Planner, find_run
 
+    output = Path(output_given) if output_given is not None else None  # the text kept: a trailing '/' means a folder
     if (compression is None) == (uniform_tier is None):
         raise typer.BadParameter("give exactly one of --C and --uniform")
-    targets = _floats(compression, "--C") if compression else [None]
+    targets = _floats(compression, "--C") if compression is not None else [None]
     if output is not None and len(targets) > 1:
         raise typer.BadParameter("-o names one file; use --out-dir with several --C values")
+    if output is not None and out_dir != Path("."):
+        raise typer.BadParameter("give -o (one file) or --out-dir (a folder), not both")
+    if tiers is not None and not [t for t in tiers.split(",") if t.strip()]:
+        raise typer.BadParameter(f"--tiers names no tier: {tiers!r}")
+    if tiers is not None and uniform_tier is not None:
+        raise typer.BadParameter("--tiers is for --C (the tiers the allocation picks from); --uniform names its one tier")
     settings = ExportSettings(
         tiers=tuple(t.strip() for t in tiers.split(",") if t.strip()) if tiers else None,
         target=target,
@@ -426,6 +445,8 @@ def export(
 
     stem = model_label(planner.model.path)
     paths = [output or out_dir / f"{stem}.{f'C{value:g}' if value is not None else uniform_tier.lower()}.onnx" for value in targets]
+    for path in paths:
+        _check_output_file(path, output_given, (planner.model.path, *planner.model.external_files))
     if not force:
         for path in paths:
             _refuse_overwrite(path, f"{path.with_suffix('')}.allocation.json")
@@ -510,13 +531,13 @@ def baseline(
     symmetric: bool = typer.Option(False, "--symmetric", help="Symmetric grid (INT codes, no zero point) instead of the asymmetric default."),
     act_order: bool = typer.Option(False, "--act-order", help="GPTQ column order by decreasing Hessian diagonal (static groups)."),
     min_params: int = typer.Option(1024, "--min-params", help="Smallest tensor that is quantized."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output ONNX (default <stem>.<method>-w<bits>.onnx; a model named model.onnx adds its folder's name)."),
+    output_given: Optional[str] = typer.Option(None, "-o", "--output", help="Output ONNX (default <stem>.<method>-w<bits>.onnx; a model named model.onnx adds its folder's name)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output file."),
 ):
     """Quantize every unit uniformly with RTN, GPTQ, GPTAQ or QEP (numpy, calibrated on ONNX Runtime)."""
     from tiers import Rounding
     from tqsdeploy.baselines import quantize_baseline, write_baseline
-    from tqsdeploy.files import write_json
+    from tqsdeploy.files import check_writable, write_json
 
     if method not in METHODS:
         raise typer.BadParameter(f"--method must be one of {', '.join(METHODS)}")
@@ -524,7 +545,9 @@ def baseline(
         raise typer.BadParameter("--bits must be 1, 2, 3, 4 or 8")
     from tqsdeploy.score import model_label
 
-    path = output or Path(f"{model_label(model)}.{method}-w{bits}.onnx")
+    path = Path(output_given) if output_given is not None else Path(f"{model_label(model)}.{method}-w{bits}.onnx")
+    _check_output_file(path, output_given, (model,))
+    check_writable(path.parent)  # before the calibration, not after it
     if not force:
         _refuse_overwrite(path, str(path.with_suffix("")) + ".baseline.json")
     with _progress(f"{method} W{bits}", "weights") as progress:

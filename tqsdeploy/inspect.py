@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -88,6 +89,8 @@ def emit_spec(info: dict, path: str | Path, force: bool = False) -> str:
     Ambiguous candidates are all written commented out: the user picks one.
     """
     path = Path(path)
+    if path.exists() and os.path.samefile(path, info["model"]):
+        raise InputError(f"--emit-spec {path} is the model file itself; the input is never overwritten", hint="name a .toml file")
     if path.exists() and not force:
         raise InputError(f"{path} already exists; pass --force to overwrite it")
     rollout = info["rollout"]
