@@ -213,3 +213,52 @@ def test_nodes_in_a_cycle_are_refused(tmp_path, ctx):
     onnx.save(model, str(tmp_path / "cycle.onnx"))
     message = _fails(["score", tmp_path / "cycle.onnx", "-c", ctx, "-o", tmp_path / "run"], "cycle.onnx", "cannot be sorted")
     assert "[C]" not in message and "[W]" not in message  # onnx-graphsurgeon's own log lines stay quiet
+
+
+SCORE_SETTINGS = {
+    "--probe-bits 1": (["--probe-bits", "1"], "--probe-bits must be 2 to 16"),
+    "--probe-bits 64": (["--probe-bits", "64"], "--probe-bits must be 2 to 16"),
+    "--probes -1": (["--probes", "-1"], "--probes must be 0 or more"),
+    "--eps nan": (["--eps", "nan"], "--eps must be a positive finite"),
+    "--eps -1": (["--eps", "-1"], "--eps must be a positive finite"),
+    "--dead-rtol nan": (["--dead-rtol", "nan"], "--dead-rtol must be"),
+    "--seed -1": (["--seed", "-1"], "--seed must be 0 or more"),
+    "--early-stop-window 0": (["--early-stop", "--early-stop-window", "0"], "--early-stop-window must be 1"),
+    "--horizons 0,1": (["--horizons", "0,1"], "--horizons are steps from 1"),
+    "--horizons past T": (["--steps", "2", "--horizons", "5"], "beyond the rollout's 2 steps"),
+    "--random-contexts with -c": (["--random-contexts"], "exclude each other"),
+}
+
+
+@pytest.mark.parametrize("case", SCORE_SETTINGS)
+def test_score_settings_out_of_range_are_refused(tmp_path, ctx, case):
+    """Each of these once gave a wrong table with exit 0 (all units dead, NaN γ, horizons dropped)."""
+    model = models.two_branch(tmp_path / "m.onnx")
+    args, phrase = SCORE_SETTINGS[case]
+    _fails(["score", model, "-c", ctx, "-o", tmp_path / "run", *args], phrase)
+    assert not (tmp_path / "run" / "scores.csv").exists()
+
+
+def _int_input_model(path):
+    """y = x + embedding[hour]: an int64 input beside the float state."""
+    from onnx import TensorProto, helper
+
+    table = np.random.default_rng(0).standard_normal((24, 32)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["table", "hour"], ["offset"]), helper.make_node("Add", ["x", "offset"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 32]), helper.make_tensor_value_info("hour", TensorProto.INT64, ["b"])]
+    return models._model(nodes, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 32])], {"table": table}, path)
+
+
+@pytest.mark.parametrize("hour,phrase", [
+    (np.full((3, 1), 5.7), "holds fractions"),
+    (np.full((3, 1), np.nan), "contains NaN or Inf"),
+    (np.full((3, 1), True), "cannot take as it is"),
+    (np.full((3, 1), 1e30), "outside int64's range"),
+])
+def test_context_values_the_cast_would_change_are_refused(tmp_path, hour, phrase):
+    model = _int_input_model(tmp_path / "m.onnx")
+    path = tmp_path / "c.npz"
+    np.savez(path, x=np.zeros((3, 1, 32), np.float32), hour=hour)
+    _fails(["score", model, "-c", path, "--steps", "1", "--min-params", "1", "-o", tmp_path / "run"], phrase)
+    np.savez(path, x=np.zeros((3, 1, 32), np.complex64), hour=np.full((3, 1), 5))
+    _fails(["score", model, "-c", path, "--steps", "1", "--min-params", "1", "-o", tmp_path / "run"], "complex64")

@@ -108,3 +108,13 @@ def test_wrong_context_files_say_what_was_expected(series, tmp_path):
         for command in ("eval", "gate"):
             code, text = _invoke(command, candidate, "-r", model, "-c", path, "--steps", 2, *extra, *(["--min-compression", 1] if command == "gate" else []))
             assert code == 2 and phrase in text and "contains pickled data" not in text, text
+
+
+def test_more_windows_than_the_csv_holds_are_refused(series, tmp_path):
+    """120 rows, windows of 16 and 4 rows of truth after them: 101 distinct windows. Asking for more once
+    repeated windows silently, and --windows 100000 ran out of memory."""
+    model, candidate, csv, _ = series
+    code, text = _invoke("eval", candidate, "-r", model, "-c", csv, "--steps", 1, "--columns", "a", "--windows", 102, "--report", tmp_path / "r")
+    assert code == 2 and "holds 101 distinct windows" in text and "--windows 101 or fewer" in text, text
+    code, text = _invoke("eval", candidate, "-r", model, "-c", csv, "--steps", 1, "--columns", "a", "--windows", 101, "--report", tmp_path / "r")
+    assert code == 0, text

@@ -75,6 +75,23 @@ def _fmt(shape) -> str:
     return "[" + ", ".join(str(d) if d is not None else "?" for d in shape) + "]"
 
 
+def _check_kind(name: str, windows: np.ndarray, spec: IOSpec) -> None:
+    """Values the cast to the input's type would change without a word: complex parts dropped, booleans
+    read as numbers, fractions (or NaN) truncated into an integer input."""
+    kind, want = windows.dtype.kind, spec.dtype.kind
+    if kind == "c" or (kind == "b") != (want == "b") or kind not in "biufc":
+        raise InputError(f"contexts array '{name}' is {windows.dtype}, which model input '{name}' ({spec.dtype}) cannot take as it is")
+    if want in "iu" and kind == "f":
+        if not np.all(np.isfinite(windows)):
+            raise InputError(f"contexts array '{name}' contains NaN or Inf, and model input '{name}' is {spec.dtype}")
+        if not np.array_equal(windows, np.round(windows)):
+            raise InputError(f"contexts array '{name}' holds fractions, and model input '{name}' is {spec.dtype} (they would be truncated)")
+    if want in "iu" and kind in "iuf" and windows.size:
+        low, high = np.iinfo(spec.dtype).min, np.iinfo(spec.dtype).max
+        if float(windows.min()) < low or float(windows.max()) > high:
+            raise InputError(f"contexts array '{name}' holds values outside {spec.dtype}'s range, the type of model input '{name}'")
+
+
 def _as_windows(name: str, array: np.ndarray, spec: IOSpec) -> np.ndarray:
     """Accept (N, *input_shape), or an input-shaped array whose axis 0 lists windows."""
     if array.ndim == spec.rank + 1 and _shape_fits(array.shape[1:], spec):
@@ -88,6 +105,7 @@ def _as_windows(name: str, array: np.ndarray, spec: IOSpec) -> np.ndarray:
         )
     if windows.shape[0] == 0:
         raise InputError(f"contexts array '{name}' holds no windows")
+    _check_kind(name, windows, spec)
     if spec.dtype.kind == "f" and not np.all(np.isfinite(windows)):
         raise InputError(f"contexts array '{name}' contains NaN or Inf")
     with np.errstate(over="ignore", invalid="ignore"):
@@ -226,6 +244,12 @@ def load_csv(path: Path, inputs: Sequence[IOSpec], windows: int, zscore: bool, c
     if rows < length + following:
         need = f"the model's window length {length}" + (f" plus the {following} rows of truth a rollout forecasts" if following else "")
         raise InputError(f"contexts file {path} has {rows} rows, fewer than {need}")
+    distinct = rows - length - following + 1
+    if windows > distinct:
+        raise InputError(
+            f"contexts file {path} holds {distinct} distinct windows of {length} rows" + (f" (plus {following} rows of truth)" if following else "")
+            + f"; --windows {windows} would repeat them", hint=f"use --windows {distinct} or fewer",
+        )
     starts = np.linspace(0, rows - length - following, num=windows).round().astype(int)
     cut = np.stack([data[s : s + length] for s in starts])  # (N, L, C)
     result = Contexts(arrays={spec.name: _as_windows(spec.name, _arrange(cut, layout, spec, count), spec)}, source=str(path))
@@ -277,6 +301,8 @@ def random_contexts(inputs: Sequence[IOSpec], windows: int, seed: int) -> Contex
 def load_contexts(path: Path | None, inputs: Sequence[IOSpec], *, windows: int, zscore: bool, random: bool, seed: int,
                   columns: Sequence[str] | None = None, following: int = 0) -> Contexts:
     """Dispatch on the file type; random contexts only when asked."""
+    if path is not None and random:
+        raise InputError("--random-contexts and --contexts exclude each other", hint="drop one")
     if path is None:
         if not random:
             raise InputError("no contexts given", hint="pass --contexts FILE (.npz or .csv), or --random-contexts to score on noise")

@@ -379,6 +379,7 @@ def prepare(
         raise InputError(f"ONNX Runtime cannot load {loaded.path}: {str(exc).splitlines()[0]}") from None
     inputs = [s for s in probe_session.inputs if s.name not in probe_session.weights]
     resolved = resolve_spec(spec, steps, inputs, probe_session.outputs)
+    settings.check_horizons(resolved.steps)
     if isinstance(contexts, Contexts):
         ctx = contexts
     else:

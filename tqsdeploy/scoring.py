@@ -43,6 +43,42 @@ class ScoreSettings:
     early_stop_tol: float = 0.01
     early_stop_window: int = 3
 
+    def __post_init__(self) -> None:
+        """Settings outside these ranges give a wrong table, not an error, so they are refused here:
+        a 1-bit symmetric probe has no grid, one of 17 bits or more sits below float32's resolution
+        (every unit 'dead'), and a non-finite or non-positive ε makes every γ NaN or the floor."""
+        from tqsdeploy.errors import InputError
+
+        problems = []
+        if not 2 <= self.probe_bits <= 16:
+            problems.append(f"--probe-bits must be 2 to 16, not {self.probe_bits}")
+        if self.gauss_draws < 0:
+            problems.append(f"--probes must be 0 or more, not {self.gauss_draws}")
+        if not self.quant_probe and self.gauss_draws == 0:
+            problems.append("no probe left: the quantization probe is off and --probes is 0")
+        if self.seed < 0:
+            problems.append(f"--seed must be 0 or more, not {self.seed}")
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            problems.append(f"--eps must be a positive finite number, not {self.eps}")
+        if not (math.isfinite(self.dead_rtol) and self.dead_rtol >= 0):
+            problems.append(f"--dead-rtol must be a finite number >= 0, not {self.dead_rtol}")
+        if self.horizons is not None and any(h < 1 for h in self.horizons):
+            problems.append(f"--horizons are steps from 1, not {','.join(map(str, self.horizons))}")
+        if not (math.isfinite(self.early_stop_tol) and self.early_stop_tol > 0):
+            problems.append(f"--early-stop-tol must be a positive finite number, not {self.early_stop_tol}")
+        if self.early_stop_window < 1:
+            problems.append(f"--early-stop-window must be 1 or more, not {self.early_stop_window}")
+        if problems:
+            raise InputError("; ".join(problems))
+
+    def check_horizons(self, steps: int) -> None:
+        """Horizons past the rollout's T would be dropped from the table without a word."""
+        from tqsdeploy.errors import InputError
+
+        beyond = [h for h in self.horizons or () if h > steps]
+        if beyond:
+            raise InputError(f"--horizons {','.join(map(str, beyond))} lie beyond the rollout's {steps} steps", hint="lower them or raise --steps")
+
     def schedule(self, steps: int) -> tuple[int, ...]:
         """Horizons at which gamma is reported: given, or 1, 2, 4, ... up to T (T included)."""
         if self.horizons:
