@@ -262,3 +262,72 @@ def test_context_values_the_cast_would_change_are_refused(tmp_path, hour, phrase
     _fails(["score", model, "-c", path, "--steps", "1", "--min-params", "1", "-o", tmp_path / "run"], phrase)
     np.savez(path, x=np.zeros((3, 1, 32), np.complex64), hour=np.full((3, 1), 5))
     _fails(["score", model, "-c", path, "--steps", "1", "--min-params", "1", "-o", tmp_path / "run"], "complex64")
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """A reference, a candidate, contexts and a truth that fit them (y = x @ W, T = 2)."""
+    model = models.two_branch(tmp_path / "m.onnx")
+    ctx = tmp_path / "ctx.npz"
+    np.savez(ctx, x=np.random.default_rng(0).standard_normal((3, 1, 32)).astype(np.float32))
+    truth = np.zeros((3, 2, 1, 32))
+    return model, ctx, truth
+
+
+@pytest.mark.parametrize("command", ["eval", "gate"])
+def test_a_nan_truth_is_bad_input_not_a_failed_gate(tmp_path, pair, command):
+    model, ctx, truth = pair
+    truth[0, 0, 0, 3] = np.nan
+    np.savez(tmp_path / "t.npz", y=truth)
+    extra = ["--max-degradation", "5%", "--report-dir", tmp_path / "g"] if command == "gate" else ["--report", tmp_path / "r"]
+    _fails([command, model, "-r", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / "t.npz", *extra], "truth 'y'", "contains NaN or Inf")
+
+
+def test_a_reference_that_produces_nan_is_bad_input(tmp_path, pair):
+    model, ctx, _ = pair
+    proto = onnx.load(str(model))
+    tiny = next(t for t in proto.graph.initializer if t.name == "tiny")  # below --min-params: not checked as a unit
+    tiny.CopyFrom(onnx.numpy_helper.from_array(np.array([np.nan], np.float32), "tiny"))
+    onnx.save(proto, str(tmp_path / "nan.onnx"))
+    _fails(["gate", model, "-r", tmp_path / "nan.onnx", "-c", ctx, "--steps", 2, "--max-degradation", "5%", "--report-dir", tmp_path / "g"],
+           "the reference model", "produces NaN or Inf")
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (["--min-compression", "nan"], "--min-compression must be a positive finite"),
+    (["--max-degradation-output", "y=1%", "--max-degradation-output", "y=50%"], "gives output 'y' twice"),
+    (["--max-degradation", "1.2.3%"], "takes a percentage"),
+])
+def test_gate_bounds_that_cannot_be_meant_are_refused(tmp_path, pair, args, phrase):
+    model, ctx, _ = pair
+    _fails(["gate", model, "-r", model, "-c", ctx, "--steps", 2, *args, "--report-dir", tmp_path / "g"], phrase)
+
+
+def test_eval_refuses_a_variable_axis_the_outputs_lack(tmp_path, pair):
+    model, ctx, _ = pair
+    _fails(["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--variable-axis", "7", "--report", tmp_path / "r"], "--variable-axis 7 is not an axis")
+
+
+@pytest.mark.parametrize("edge,phrase", [
+    ({"fill": float("nan")}, "fill must be a finite number"),
+    ({"fill": 1e40}, "beyond float32's range"),
+    ({"fill": 0.0, "length": 100}, "appends 100 entries per step along axis -1, which holds 16"),
+])
+def test_mask_edges_whose_fill_or_length_cannot_be_meant_are_refused(edge, phrase):
+    from runtimes import IOSpec
+    from tqsdeploy.errors import RolloutError
+    from tqsdeploy.rollout import RolloutSpec
+
+    f32 = np.dtype(np.float32)
+    inputs = [IOSpec("x", ("b", 16), f32), IOSpec("mask", ("b", 16), f32)]
+    data = {"steps": 2, "feedback": [{"output": "y", "input": "x", "mode": "shift", "axis": -1}, {"input": "mask", "mode": "shift", "axis": -1, **edge}]}
+    with pytest.raises(RolloutError, match=phrase):
+        RolloutSpec.from_dict(data).check(inputs, [IOSpec("y", ("b", 4), f32)])
+
+
+def test_a_trajectory_naming_an_output_twice_is_refused():
+    from tqsdeploy.errors import RolloutError
+    from tqsdeploy.rollout import RolloutSpec
+
+    with pytest.raises(RolloutError, match="lists y more than once"):
+        RolloutSpec.from_dict({"steps": 2, "trajectory": ["y", "y"], "feedback": [{"output": "y", "input": "x"}]})

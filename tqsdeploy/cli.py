@@ -672,7 +672,11 @@ def _bounds_from_options(max_degradation, min_compression, max_size, per_output)
         name, sep, value = item.partition("=")
         if not sep:
             raise typer.BadParameter("--max-degradation-output takes OUTPUT=PERCENT, e.g. y=2%")
+        if name in per:
+            raise typer.BadParameter(f"--max-degradation-output gives output '{name}' twice")
         per[name] = parse_percent(value, "--max-degradation-output")
+    if min_compression is not None and not (math.isfinite(min_compression) and min_compression > 0):
+        raise typer.BadParameter(f"--min-compression must be a positive finite number, not {min_compression}")
     return Bounds(
         max_degradation=parse_percent(max_degradation, "--max-degradation") if max_degradation else None,
         min_compression=min_compression,

@@ -219,6 +219,8 @@ def load_truth(path: Path, spec: RolloutSpec, shapes: dict[str, tuple]) -> dict[
         if array.shape[0] != want[0] or array.shape[2:] != want[2:] or array.shape[1] < want[1]:
             raise InputError(f"truth '{name}' has shape {list(array.shape)}; expected {list(want)} (windows, steps, *output)")
         truth[name] = array[:, : want[1]].astype(np.float64)
+        if not np.all(np.isfinite(truth[name])):
+            raise InputError(f"truth '{name}' in {path} contains NaN or Inf")
     return truth
 
 
@@ -251,6 +253,13 @@ def evaluate(
     session = _open(ref_model, settings)
     ref = trajectories(session, ctx, resolved, settings.max_batch_windows)
     _closed(session)
+    for name, values in ref.items():  # a reference that cannot be compared against is an input error, not a failed gate
+        if not np.all(np.isfinite(values)):
+            raise InputError(f"the reference model {reference} produces NaN or Inf on these contexts (output '{name}'); there is nothing to compare against")
+    if settings.variable_axis is not None:
+        per_step = min(v.ndim for v in ref.values()) - 2  # (windows, steps, *output)
+        if not -per_step <= settings.variable_axis < per_step:
+            raise InputError(f"--variable-axis {settings.variable_axis} is not an axis of the per-step outputs (they have {per_step})")
     shapes = {k: v.shape for k, v in ref.items()}
     truth_source = str(truth) if truth else None
     if truth:

@@ -21,14 +21,14 @@ SIZE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib"
 def parse_percent(text: str, option: str) -> float:
     """'1%' or '1' -> 1.0 (percent); '0.5%' -> 0.5."""
     match = re.fullmatch(r"\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)\s*%?\s*", text)
-    if not match:
+    if not match or match.group(1).count(".") > 1 or match.group(1) == ".":
         raise InputError(f"{option} takes a percentage such as 1% or 0.5, not '{text}'")
     return float(match.group(1))
 
 
 def parse_size(text: str) -> float:
     match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in SIZE_UNITS:
+    if not match or match.group(1).count(".") > 1 or match.group(1) == "." or match.group(2).lower() not in SIZE_UNITS:
         raise InputError(f"--max-size takes a size such as 12MB or 500KiB, not '{text}'")
     return float(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
 

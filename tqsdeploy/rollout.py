@@ -127,6 +127,8 @@ class RolloutSpec:
             fill = e.get("fill")
             if fill is not None and (isinstance(fill, bool) or not isinstance(fill, (int, float))):
                 raise RolloutError(f"{where} fill must be a number, not {fill!r}")
+            if fill is not None and not np.isfinite(fill):
+                raise RolloutError(f"{where} fill must be a finite number, not {fill!r}")
             edges.append(
                 Feedback(
                     output=output,
@@ -140,6 +142,9 @@ class RolloutSpec:
         feedback = tuple(edges)
         if trajectory is None:
             trajectory = [e.output for e in feedback if e.output is not None]
+        repeated = sorted({t for t in trajectory if trajectory.count(t) > 1})
+        if repeated:
+            raise RolloutError(f"`trajectory` lists {', '.join(repeated)} more than once")
         return cls(steps=steps, feedback=feedback, trajectory=tuple(trajectory), origin=str(data.get("origin", origin)))
 
     @classmethod
@@ -187,6 +192,10 @@ class RolloutSpec:
             if edge.mode == "shift" and not -len(target) <= edge.axis < len(target):
                 raise RolloutError(f"feedback edge for input '{edge.input}' {_fmt(target)} shifts along axis {edge.axis}, which it does not have")
             if edge.output is None:
+                _check_fill(edge, ins[edge.input])
+                size = target[edge.axis] if edge.mode == "shift" and -len(target) <= edge.axis < len(target) else None
+                if edge.length is not None and isinstance(size, int) and edge.length > size:
+                    raise RolloutError(f"feedback edge for input '{edge.input}' {_fmt(target)} appends {edge.length} entries per step along axis {edge.axis}, which holds {size}")
                 if edge.length is None and not _siblings(self, edge, len(target), {e.input: ins[e.input].rank for e in self.feedback if e.input in ins}):
                     raise RolloutError(
                         f"feedback edge for input '{edge.input}' has no output and no `length`, and no shift edge with an output "
@@ -209,6 +218,14 @@ class RolloutSpec:
             raise RolloutError(
                 f"the rollout feeds nothing back, so all {self.steps} steps would repeat step 1; a model without feedback is single-step: use steps = 1 (--steps 1)"
             )
+
+
+def _check_fill(edge: "Feedback", spec: IOSpec) -> None:
+    """The fill must survive the cast to the input's type (1e40 is inf in float32; 0.5 is 0 in an int mask)."""
+    if spec.dtype.kind == "f" and abs(edge.fill) > float(np.finfo(spec.dtype).max):
+        raise RolloutError(f"feedback edge for input '{edge.input}' appends fill {edge.fill:g}, beyond {spec.dtype}'s range, the input's type")
+    if spec.dtype.kind in "iub" and edge.fill != round(edge.fill):
+        raise RolloutError(f"feedback edge for input '{edge.input}' appends fill {edge.fill:g} into a {spec.dtype} input; it must be a whole number")
 
 
 def _known_keys(data: Mapping, allowed: Sequence[str], where: str) -> None:
