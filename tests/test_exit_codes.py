@@ -91,3 +91,11 @@ def test_an_output_named_as_a_folder_is_refused(two_branch, tmp_path):
     result, lines = _run(["baseline", model, "--method", "rtn", "--bits", "4", "-o", f"{tmp_path / 'newdir'}/"])
     assert result.exit_code == 2 and "is a folder" in lines[0], lines
     assert not (tmp_path / "newdir").exists()
+
+
+def test_a_score_refused_before_writing_leaves_no_run_folder(two_branch, tmp_path):
+    """The run folder is created and locked before the inputs are read; a refusal must not leave it (lock file and all)."""
+    _, ctx = two_branch
+    result, lines = _run(["score", tmp_path / "typo.onnx", "-c", ctx, "-o", tmp_path / "runs" / "x"])
+    assert result.exit_code == 2 and "does not exist" in lines[0], lines
+    assert not (tmp_path / "runs").exists()
