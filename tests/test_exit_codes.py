@@ -39,6 +39,10 @@ CASES = {
     "export-o-and-out-dir": lambda m, c, t, s: ["export", m, "--C", "4", "-o", t / "a.onnx", "--out-dir", t],
     "baseline-bits": lambda m, c, t, s: ["baseline", m, "--method", "rtn", "--bits", "5"],
     "frontier-contexts": lambda m, c, t, s: ["frontier", m, "-c", t / "nope.npz"],
+    "frontier-bits": lambda m, c, t, s: ["frontier", m, "-c", c, "--bits", "5", "-o", t / "fr"],
+    "frontier-tiers": lambda m, c, t, s: ["frontier", m, "-c", c, "--tiers", "int5", "-o", t / "fr"],
+    "frontier-buckets": lambda m, c, t, s: ["frontier", m, "-c", c, "--buckets", "junk", "-o", t / "fr"],
+    "frontier-eval-truth-alone": lambda m, c, t, s: ["frontier", m, "-c", c, "--eval-truth", c, "-o", t / "fr"],
     "engine-not-onnx": lambda m, c, t, s: ["engine", c],
     "eval-not-onnx": lambda m, c, t, s: ["eval", c, "--reference", m, "--contexts", c],
     "gate-bound": lambda m, c, t, s: ["gate", m, "--reference", m, "--contexts", c, "--max-degradation", "abc"],
@@ -99,3 +103,15 @@ def test_a_score_refused_before_writing_leaves_no_run_folder(two_branch, tmp_pat
     result, lines = _run(["score", tmp_path / "typo.onnx", "-c", ctx, "-o", tmp_path / "runs" / "x"])
     assert result.exit_code == 2 and "does not exist" in lines[0], lines
     assert not (tmp_path / "runs").exists()
+
+
+def test_frontier_checks_its_truth_before_any_work(two_branch, tmp_path):
+    """A truth of the wrong shape once failed (exit 3) after the score, every export and every eval had run."""
+    import numpy as np
+
+    model, ctx = two_branch
+    windows = len(np.load(ctx)["x"])
+    np.savez(tmp_path / "t.npz", y=np.zeros((windows, 1, 1, 32)))
+    result, lines = _run(["frontier", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / "t.npz", "--C", "4", "-o", tmp_path / "fr"])
+    assert result.exit_code == 2 and "truth 'y' has shape" in lines[0], lines
+    assert not (tmp_path / "fr").exists()

@@ -604,10 +604,18 @@ def frontier(
     from tqsdeploy.frontier import FrontierSettings, run_frontier
     from tqsdeploy.report import build_report
 
+    from tiers import get_tiers
+
     patterns = None
     if buckets:
-        patterns = dict(item.split("=", 1) for item in buckets.split(",") if "=" in item)
+        items = [item.strip() for item in buckets.split(",") if item.strip()]
+        if not items or any("=" not in item for item in items):
+            raise typer.BadParameter(f"--buckets takes ROLE=REGEX items, e.g. 'input=embed|patch,output=head', not {buckets!r}")
+        patterns = dict(item.split("=", 1) for item in items)
     tier_names = tuple(t.strip() for t in tiers.split(",") if t.strip())
+    get_tiers(tier_names, "ort", group_size)  # unknown names fail now, not after the score
+    if baselines.strip() and any(b not in (1, 2, 3, 4, 8) for b in _floats(bits, "--bits")):
+        raise typer.BadParameter(f"--bits takes 1, 2, 3, 4 and 8, not {bits!r}")
     base = ExportSettings(tiers=tier_names, group_size=group_size, rounding=rounding, objective=objective)
     variants = []
     for item in (also or "").split(","):

@@ -150,9 +150,13 @@ def run_frontier(
 
     `progress` (a `tqsdeploy.progress.Progress`) counts the steps: the score, each baseline, export and evaluation."""
     model, out_dir = Path(model), Path(out_dir)
+    if eval_truth is not None and eval_contexts is None:
+        raise InputError("--eval-truth is the truth of --eval-contexts, which is missing")
+    splits = ([("held-out", eval_contexts, eval_truth)] if eval_contexts else []) + [("scoring", contexts, truth)]
+    for _, split_contexts, split_truth in splits:  # the reference against itself: contexts, truth and spec are checked before any work
+        evaluate(model, model, split_contexts, spec=spec, steps=steps, truth=split_truth, settings=settings.evaluation)
     models_dir = out_dir / "models"
     models_dir.mkdir(parents=True, exist_ok=True)
-    splits = ([("held-out", eval_contexts, eval_truth)] if eval_contexts else []) + [("scoring", contexts, truth)]
     lines_count = 1 + len(settings.variants)
     baselines_count = len(settings.bits) * len(settings.baselines)
 
