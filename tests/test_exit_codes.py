@@ -46,6 +46,8 @@ CASES = {
     "engine-not-onnx": lambda m, c, t, s: ["engine", c],
     "eval-not-onnx": lambda m, c, t, s: ["eval", c, "--reference", m, "--contexts", c],
     "gate-bound": lambda m, c, t, s: ["gate", m, "--reference", m, "--contexts", c, "--max-degradation", "abc"],
+    "gate-bound-twice": lambda m, c, t, s: ["gate", m, "-r", m, "-c", c, "--max-degradation", "1%", "--max-degradation=50%"],
+    "score-steps-twice": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "-T", "3"],
 }
 
 

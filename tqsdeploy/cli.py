@@ -35,6 +35,7 @@ class _OneLineErrors(typer.core.TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
+            self._refuse_repeated_options(list(sys.argv[1:] if args is None else args))
             result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click_exceptions.NoArgsIsHelpError as exc:
             exc.show()
@@ -49,6 +50,27 @@ class _OneLineErrors(typer.core.TyperGroup):
         if not standalone_mode:
             return result
         sys.exit(result if isinstance(result, int) else 0)
+
+    def _refuse_repeated_options(self, args: list[str]) -> None:
+        """An option given twice keeps its last value in click, silently: `gate --max-degradation 1%
+        --max-degradation 50%` would pass at 50%. Options that take one value must be given once."""
+        name = next((a for a in args if not a.startswith("-")), None)
+        command = self.commands.get(name) if name else None
+        if command is None:
+            return
+        single = {flag: param for param in command.params if getattr(param, "opts", None) and not getattr(param, "multiple", False)
+                  for flag in (*param.opts, *getattr(param, "secondary_opts", ()))}
+        seen: dict[str, int] = {}
+        for arg in args[args.index(name) + 1:]:
+            if arg == "--":
+                break
+            param = single.get(arg.split("=", 1)[0])
+            if param is not None and param.param_type_name == "option":
+                flag = max(param.opts, key=len)
+                seen[flag] = seen.get(flag, 0) + 1
+        repeated = [flag for flag, count in seen.items() if count > 1]
+        if repeated:
+            raise click_exceptions.UsageError(f"{', '.join(repeated)} given more than once; give {'it' if len(repeated) == 1 else 'each'} once")
 
 
 app = typer.Typer(
