@@ -332,3 +332,15 @@ def test_measured_prices_use_the_full_horizon_after_an_early_stopped_score(tmp_p
     measured = planner.measured()
     assert measured and all(len(result.div_sq) == 12 for result in measured.values())
     planner.close()
+
+
+def test_int1_is_priced_as_written_when_its_unit_is_split(scored, tmp_path):
+    """INT1's unpack constants are emitted once per stored run, not once per priced channel group: a uniform
+    INT1 allocation of split units once priced 17x for a file of 21.7x, so targets were overshot unannounced."""
+    model, _, folder = scored
+    planner = Planner(folder / "run", settings=ExportSettings(tiers=("fp32", "int8-asym", "int1"), rounding="rtn", refine=0, fallback=False, split_fraction=0.02))
+    assert len(planner.slots) > len(planner.units)  # channel groups
+    priced = planner.uniform("int1")
+    outcome = planner.export(None, tmp_path / "int1.onnx", uniform_tier="int1")
+    assert outcome.compression == pytest.approx(priced.compression, rel=2e-3)
+    planner.close()

@@ -284,13 +284,24 @@ class Planner:
         return self.reference_bits if self.settings.basis == "file" else self.unit_reference_bits
 
     def cost(self, slot: Slot, tier: Tier | str) -> int:
-        """Bits the slot's stored form puts in the file at `tier` (the same for every rounding method)."""
+        """Bits the slot's stored form puts in the file at `tier` (the same for every rounding method).
+
+        A slot pays its own codes, scales and zero points, and its share (by channels) of what the form
+        emits once per stored run beside them (INT1's unpack constants: 65 bytes). The writer joins a
+        tensor's neighbouring slots of one tier into one run, so a unit at one tier costs exactly what is
+        written; charging each slot the whole overhead priced a split INT1 unit 15% above its file."""
         tier = TIERS[tier] if isinstance(tier, str) else tier
         key = (slot.name, tier.name)
         if key not in self._costs:  # every slot of the unit at once: one stored form per tensor
             forms = self.encoder.stored_forms(slot.unit, tier)
+            overhead = {n: emitted_bits(n, e) - e.payload_bits for n, e in forms.items()}
             for other in self.slots_of[slot.unit]:
-                self._costs[(other.name, tier.name)] = sum(emitted_bits(n, self.encoder.channels(n, e, other.rows)) for n, e in forms.items())
+                bits = 0.0
+                for name, encoded in forms.items():
+                    part = self.encoder.channels(name, encoded, other.rows)
+                    share = 1.0 if other.rows is None else (other.rows[1] - other.rows[0]) / self.encoder.layouts[name].channels
+                    bits += part.payload_bits + overhead[name] * share
+                self._costs[(other.name, tier.name)] = math.ceil(bits)
         return self._costs[key]
 
     def costs(self) -> dict[str, dict[str, int]]:
