@@ -79,8 +79,9 @@ def quantize_baseline(
     Defaults follow the official code (asymmetric per channel, percdamp 0.01,
     block 128, α = 0.25 for GPTAQ and 0.5 with percdampqep 1.0 for QEP on
     GPTQ); the grid is the tier's (`tiers.grid`). RTN needs no calibration;
-    the others take windows in the contexts format. Without `spec` the
-    calibration is the windows themselves (one step).
+    the others take windows in the contexts format. Without `spec` and `steps`
+    the calibration is the windows themselves (one step); `steps` alone rolls
+    out the detected rollout.
     """
     started = perf_counter()
     try:
@@ -112,7 +113,7 @@ def quantize_baseline(
         inputs, outputs = [i for i in session.inputs if i.name not in layouts], list(session.outputs)
         session.close()
         contexts = calib if isinstance(calib, Contexts) else load_contexts(Path(calib), inputs, windows=8, zscore=False, random=False, seed=0)
-        if spec is None:  # the windows themselves, one step
+        if spec is None and steps is None:  # the windows themselves, one step
             resolved = RolloutSpec(steps=1, feedback=(), trajectory=tuple(o.name for o in outputs if o.dtype.kind == "f"))
         else:
             resolved = resolve_spec(spec, steps, inputs, outputs)

@@ -382,11 +382,11 @@ def _floats(text: str, option: str) -> list[float]:
     return values
 
 
-def _refuse_overwrite(*paths) -> None:
+def _refuse_overwrite(*paths, elsewhere: str = "-o / --out-dir") -> None:
     """Fail before any work when an output exists (--force overwrites)."""
     for path in paths:
         if Path(path).exists():
-            raise InputError(f"{path} already exists", hint="pass --force to overwrite it, or choose another name with -o / --out-dir")
+            raise InputError(f"{path} already exists", hint=f"pass --force to overwrite it, or choose another name with {elsewhere}")
 
 
 def _check_output_file(path: Path, given: str | None, inputs) -> None:
@@ -571,7 +571,7 @@ def baseline(
     _check_output_file(path, output_given, (model,))
     check_writable(path.parent)  # before the calibration, not after it
     if not force:
-        _refuse_overwrite(path, str(path.with_suffix("")) + ".baseline.json")
+        _refuse_overwrite(path, str(path.with_suffix("")) + ".baseline.json", elsewhere="-o")
     with _progress(f"{method} W{bits}", "weights") as progress:
         result = quantize_baseline(
             model, method, bits, calib, spec=spec, steps=steps, group_size=group_size, symmetric=symmetric,
