@@ -413,3 +413,18 @@ def test_a_float16_model_rebuilds_its_weights_from_codes_exactly(tmp_path, tier)
         np.testing.assert_array_equal(got[name], encoded.dequantize())
     want = OrtRuntime().open(light.SerializeToString()).run({"x": x, **{n: e.dequantize() for n, e in stored.items()}})["y"]
     np.testing.assert_allclose(got["y"].astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
+def test_steps_without_a_spec_calibrates_on_the_detected_rollout(tmp_path):
+    """`--steps` alone once left the calibration at the windows (one step) without a word."""
+    import models
+    from tqsdeploy.rollout import RolloutSpec
+
+    model = models.mlp_forecaster(tmp_path / "mlp.onnx")
+    ctx = tmp_path / "ctx.npz"
+    np.savez(ctx, x=np.random.default_rng(3).standard_normal((4, 2, 32)).astype(np.float32))
+    spec = RolloutSpec.from_dict({"steps": 4, "feedback": [{"output": "y", "input": "x", "mode": "replace"}]})
+    codes = lambda result: {n: e.values.tobytes() for n, e in result.encoded.items()}  # noqa: E731
+    with_steps = codes(quantize_baseline(model, "gptq", 2, ctx, steps=4))
+    assert with_steps == codes(quantize_baseline(model, "gptq", 2, ctx, spec=spec))
+    assert with_steps != codes(quantize_baseline(model, "gptq", 2, ctx))
