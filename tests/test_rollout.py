@@ -98,3 +98,35 @@ def test_bad_mode_and_steps():
         RolloutSpec.from_dict({"steps": 2, "feedback": [{"output": "y", "input": "x", "mode": "append"}]})
     with pytest.raises(RolloutError, match="at least 1 step"):
         RolloutSpec.from_dict({"steps": 0, "feedback": [{"output": "y", "input": "x"}]})
+
+
+def test_a_dynamic_leading_axis_that_is_time_is_not_batched(tmp_path):
+    """A time-first LSTM ([seq, batch, F], torch's default layout): concatenating windows along the dynamic
+    axis 0 keeps every shape right while the LSTM carries its state from one window into the next. The engine
+    must notice (a window run alone disagrees with its rows of the batched run) and go window by window."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from runtimes import OrtRuntime
+    from tqsdeploy.contexts import Contexts
+    from tqsdeploy.engine import RolloutEngine
+
+    rng = np.random.default_rng(1)
+    init = {"Wl": rng.standard_normal((1, 128, 8)) * 0.3, "Rl": rng.standard_normal((1, 128, 32)) * 0.15, "Wo": rng.standard_normal((32, 8)) * 0.1}
+    nodes = [helper.make_node("LSTM", ["x", "Wl", "Rl"], ["Y"], hidden_size=32), helper.make_node("Squeeze", ["Y", "one"], ["Ys"]),
+             helper.make_node("MatMul", ["Ys", "Wo"], ["d"]), helper.make_node("Add", ["x", "d"], ["y"])]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["seq", "batch", 8]) for n in ("x", "y")]
+    tensors = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in init.items()] + [numpy_helper.from_array(np.array([1]), "one")]
+    path = tmp_path / "lstm.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes, "lstm", io[:1], io[1:], tensors), opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
+    x = rng.standard_normal((3, 16, 1, 8)).astype(np.float32)
+    session = OrtRuntime().open(path)
+    spec = RolloutSpec.from_dict({"steps": 3, "feedback": [{"output": "y", "input": "x", "mode": "replace"}]})
+    engine = RolloutEngine(session, Contexts({"x": x}, source="test"), spec)
+    got = engine.trajectories()["y"]
+    assert not engine.batched
+    for w in range(3):
+        state = x[w]
+        for t in range(3):
+            state = session.run({"x": state})["y"]
+            np.testing.assert_allclose(got[w, t], state, rtol=1e-5, atol=1e-6)

@@ -73,7 +73,7 @@ class RolloutEngine:
                 started = time.perf_counter()
                 produced = self.session.run(feeds, self.spec.run_outputs)
                 seconds = time.perf_counter() - started
-                if all(np.ndim(v) > 0 and np.shape(v)[0] % count == 0 for v in produced.values()):
+                if all(np.ndim(v) > 0 and np.shape(v)[0] % count == 0 for v in produced.values()) and self._rows_independent(count, produced):
                     self.batched = True
                     self.first_run = FirstRun(self.session, produced, seconds)
                     return chunks
@@ -81,6 +81,26 @@ class RolloutEngine:
                 pass
         self.batched = False
         return self._chunked(False)
+
+    def _rows_independent(self, count: int, produced: Mapping[str, np.ndarray]) -> bool:
+        """Whether the last window of the batched chunk, run alone, gives its rows of the batched outputs.
+        A leading axis that is dynamic but is not a batch (a time-first LSTM's [seq, batch, F]) keeps the
+        shapes right while carrying state from one window into the next."""
+        last = next(feeds for index, (_, feeds) in enumerate(self._chunked(False)) if index == count - 1)
+        alone = self.session.run(last, self.spec.run_outputs)
+        for name, values in produced.items():
+            rows = np.shape(values)[0] // count
+            batched = np.asarray(values)[(count - 1) * rows:]
+            single = np.asarray(alone[name])
+            if batched.shape != single.shape:
+                return False
+            if batched.dtype.kind == "f":
+                scale = float(np.max(np.abs(np.where(np.isfinite(single), single, 0)))) if single.size else 0.0
+                if not np.allclose(batched, single, rtol=1e-4, atol=1e-5 * scale + 1e-30, equal_nan=True):
+                    return False
+            elif not np.array_equal(batched, single):
+                return False
+        return True
 
     def steps(
         self,
