@@ -227,7 +227,7 @@ def test_spec_free_score_of_a_timesfm_shaped_model(tmp_path):
     result = runner.invoke(app, ["score", str(path), "--contexts", str(tmp_path / "ctx.npz"), "--steps", "3", "--probes", "1", "--out", str(tmp_path / "run")])
     text = " ".join((result.output + (result.stderr or "")).split())
     assert result.exit_code == 0, text
-    assert "fill 0.0 → masks (shift, axis -1)" in text
+    assert "fill 0.0 = not padded → masks (shift, axis -1)" in text
     stored = RolloutSpec.from_toml(tmp_path / "run" / "rollout.toml")
     assert stored.feedback[1] == Feedback(None, "masks", "shift", -1, fill=0.0)
 
@@ -272,3 +272,64 @@ def test_shapes_that_fit_by_coincidence_feed_no_covariate_and_no_side_head(tmp_p
     assert found.unused_outputs == (side,) and found.constant_inputs == (covariate,)
     same_stem = detect_rollout([IOSpec("quantiles_in", (None, 3, 8), np.dtype(np.float32))], [IOSpec("quantiles_out", (None, 3, 8), np.dtype(np.float32))])
     assert same_stem.spec.feedback == (Feedback("quantiles_out", "quantiles_in"),)  # a stem in common still pairs
+
+
+def _sig(inputs, outputs):
+    """IOSpecs from (name, shape[, dtype]) tuples."""
+    make = lambda items: [IOSpec(i[0], tuple(i[1]), np.dtype(i[2] if len(i) > 2 else np.float32)) for i in items]  # noqa: E731
+    return make(inputs), make(outputs)
+
+
+def test_a_fixed_length_output_into_a_dynamic_length_input_shifts():
+    found = detect_rollout(*_sig([("past_values", ("batch", "seq_len", 7))], [("prediction", ("batch", 96, 7))]))
+    assert found.spec.feedback == (Feedback("prediction", "past_values", "shift", -2),)
+
+
+def test_a_state_stacked_with_forcings_is_not_shifted_along_its_channels():
+    """[B, 6, H, W] in (4 variables + 2 forcings), [B, 4, H, W] out: a shift along the channels would move the
+    forcings into the variables' places every step. Refused with the candidate written out, not adopted."""
+    with pytest.raises(AmbiguousRollout, match="replacing 4 of its 6 entries") as info:
+        detect_rollout(*_sig([("surface", ("batch", 6, 32, 64))], [("surface_next", ("batch", 4, 32, 64))]))
+    assert len(info.value.candidates) == 1
+    history = detect_rollout(*_sig([("state", ("batch", 2, 4, 8, 8))], [("next_state", ("batch", 1, 4, 8, 8))]))
+    assert history.spec.feedback == (Feedback("next_state", "state", "shift", -4),)  # a history takes half of itself
+
+
+@pytest.mark.parametrize("mask,dtype,shape,fill", [
+    ("attention_mask", np.float32, ("batch", 64), 1.0),  # Hugging Face: 1 = attend
+    ("past_observed_mask", np.bool_, ("batch", 64), 1.0),
+    ("attention_mask", np.int64, ("batch", 64), 1.0),
+    ("input_padding", np.float32, ("batch", 80), 0.0),  # TimesFM: context + horizon long, 1 = padded
+    ("masks", np.float32, ("batch", 64), 0.0),
+])
+def test_masks_of_any_type_and_length_move_with_their_context(mask, dtype, shape, fill):
+    found = detect_rollout(*_sig([("context", ("batch", 64)), (mask, shape, dtype)], [("forecast", ("batch", 16))]))
+    assert Feedback(None, mask, "shift", -1, fill=fill) in found.spec.feedback
+    assert found.spec.trajectory == ("forecast",)
+
+
+def test_observed_data_is_a_series_not_a_mask_and_hidden_state_is_fed_but_not_forecast():
+    csdi = detect_rollout(*_sig([("observed_data", ("b", 7, 96)), ("observed_mask", ("b", 7, 96))], [("forecast", ("b", 7, 24))]))
+    assert Feedback("forecast", "observed_data", "shift", -1) in csdi.spec.feedback
+    assert Feedback(None, "observed_mask", "shift", -1, fill=1.0) in csdi.spec.feedback
+    rnn = detect_rollout(*_sig([("obs", ("b", 8)), ("h_in", (1, "b", 32)), ("c_in", (1, "b", 32))], [("y", ("b", 8)), ("h_out", (1, "b", 32)), ("c_out", (1, "b", 32))]))
+    assert {e.input for e in rnn.spec.feedback} == {"obs", "h_in", "c_in"} and rnn.spec.trajectory == ("y",)
+
+
+def test_time_features_are_covariates_even_when_named_past():
+    found = detect_rollout(*_sig([("past_values", ("b", 96, 4)), ("past_time_features", ("b", 96, 4))], [("prediction", ("b", 24, 4))]))
+    assert found.spec.feedback == (Feedback("prediction", "past_values", "shift", -2),)
+    assert "past_time_features" in found.constant_inputs
+
+
+def test_no_feedback_runs_after_the_last_step(tmp_path):
+    """A replace edge whose shapes never agree fails at the second step, not after the only one."""
+    from tqsdeploy.rollout import rollout
+
+    rng = np.random.default_rng(7)
+    path = _model([helper.make_node("MatMul", ["x", "W"], ["y"])], [_vi("x", F, [2, 5])], [_vi("y", F, [2, 3])], {"W": _w(rng, 5, 3)}, tmp_path / "m.onnx")
+    session = OrtRuntime().open(path)
+    spec = RolloutSpec.from_dict({"steps": 1, "feedback": [{"output": "y", "input": "x"}]})
+    assert len(list(rollout(session, {"x": np.zeros((2, 5), np.float32)}, spec))) == 1
+    with pytest.raises(RolloutError, match="needs equal shapes"):
+        list(rollout(session, {"x": np.zeros((2, 5), np.float32)}, spec, steps=2))

@@ -260,7 +260,11 @@ def _fmt(shape) -> str:
 ROLE_WORDS = {"input", "inputs", "in", "output", "outputs", "out", "next", "new", "prev", "previous", "past", "current", "curr", "cur", "pred", "hat"}
 FORECAST_WORDS = {"forecast", "forecasts", "point", "mean", "median", "prediction", "predictions", "pred", "y", "yhat"}
 CONTEXT_WORDS = {"inputs", "input", "context", "past", "values", "x", "history", "series", "observations"}
-MASK_WORDS = ("mask", "pad", "observed")
+MASK_WORDS = {"mask", "masks", "pad", "padding", "paddings", "padded"}
+"""Names of padding/observation masks; 'observed' alone too, but not 'observed_data' (CSDI's series)."""
+SERIES_WORDS = {"data", "values", "series", "target", "targets", "x", "input", "inputs"}
+HIDDEN_WORDS = {"h", "c", "hn", "cn", "hidden", "cell", "carry", "memory", "present", "cache", "kv"}
+"""Output names of recurrent state (an RNN's h/c, a key-value cache): fed back, but not what is forecast."""
 SIDE_OUTPUT_WORDS = {
     "quantile", "quantiles", "std", "stddev", "sigma", "var", "variance", "logvar", "scale", "lower", "upper", "interval",
     "prob", "probs", "probability", "logits", "uncertainty", "confidence", "attention", "attn",
@@ -299,12 +303,20 @@ def _side_output(name: str) -> bool:
 def _covariate(name: str) -> bool:
     """Covariate words and no word that names a series ('time_features' and 'x_mark_enc', not 'time_series')."""
     tokens = set(_tokens(name))
-    return bool(tokens & COVARIATE_WORDS) and not tokens & (CONTEXT_WORDS - {"x", "input", "inputs", "values"})
+    return bool(tokens & COVARIATE_WORDS) and not tokens & {"context", "history", "series", "observations"}
 
 
 def mask_like(name: str) -> bool:
     """A padding/observation mask by name; such inputs move with their context instead of being fed."""
-    return any(word in name.lower() for word in MASK_WORDS)
+    tokens = set(_tokens(name))
+    return bool(tokens & MASK_WORDS) or ("observed" in tokens and not tokens & SERIES_WORDS)
+
+
+def mask_fill(name: str) -> float:
+    """What a mask appends for a forecast entry: 1 where 1 means present (observed, Hugging Face's
+    attention_mask: 1 = attend), else 0 (TimesFM's padding: 1 = padded)."""
+    tokens = set(_tokens(name))
+    return 1.0 if tokens & {"observed", "attention", "attend", "valid"} else 0.0
 
 
 def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
@@ -312,6 +324,8 @@ def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
     if output.rank != input.rank:
         return None
     differing = [i for i, (a, b) in enumerate(zip(output.shape, input.shape)) if isinstance(a, int) and isinstance(b, int) and a != b]
+    if not differing:  # a fixed-length output against a dynamic input length: the window grows by it, a shift
+        differing = [i for i, (a, b) in enumerate(zip(output.shape, input.shape)) if i > 0 and isinstance(a, int) and not isinstance(b, int)]
     exact = all(a == b for i, (a, b) in enumerate(zip(output.shape, input.shape)) if i not in differing)
     affinity, why = _affinity(output.name, input.name)
     if affinity < 3 and (_side_output(output.name) or _covariate(input.name)):
@@ -319,6 +333,10 @@ def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
     if not differing:
         score, edge = 105, Feedback(output.name, input.name, "replace")
         reason = f"same shape {_fmt(input.shape)} → replace" if exact else f"{_fmt(output.shape)} and {_fmt(input.shape)} agree where known → replace"
+    elif len(differing) == 1 and not isinstance(input.shape[differing[0]], int):
+        axis = differing[0] - input.rank
+        score, edge = 100, Feedback(output.name, input.name, "shift", axis)
+        reason = f"{_fmt(output.shape)} appends to {_fmt(input.shape)} along axis {axis} (a fixed length into a dynamic one) → shift"
     elif len(differing) == 1 and output.shape[differing[0]] < input.shape[differing[0]]:
         axis = differing[0] - input.rank
         score, edge = 100, Feedback(output.name, input.name, "shift", axis)
@@ -410,6 +428,13 @@ def detect_rollout(inputs: Sequence[IOSpec], outputs: Sequence[IOSpec], steps: i
         options.append(found)
     _, ways = _best_assignments(options)
     candidates = [_complete(chosen, inputs, floats_out, steps, default_steps) for chosen in ways]
+    doubt = _doubtful_shift(candidates[0], inputs, outputs) if len(candidates) == 1 else None
+    if doubt:
+        raise AmbiguousRollout(
+            f"cannot detect the rollout: {doubt}; if that is the rollout, copy it into rollout.toml and pass --spec rollout.toml, "
+            f"else write the spec that is (run 'tqsdeploy inspect MODEL --emit-spec rollout.toml'):\n# --- candidate 1 ---\n{candidates[0].spec.to_toml(candidates[0].reasons)}",
+            candidates,
+        )
     if len(candidates) > 1:
         blocks = "\n".join(f"# --- candidate {i} ---\n{c.spec.to_toml(c.reasons)}" for i, c in enumerate(candidates, 1))
         raise AmbiguousRollout(
@@ -427,17 +452,19 @@ def _complete(chosen: list[tuple[Feedback, str]], inputs: Sequence[IOSpec], floa
     shapes = {s.name: s.shape for s in inputs}
     shifted = [e for e in edges if e.mode == "shift"]
     for spec in inputs:
-        if spec.name in reasons or spec.dtype.kind != "f" or not mask_like(spec.name):
+        if spec.name in reasons or spec.dtype.kind not in "fiub" or not mask_like(spec.name):
             continue
-        partners = {e.axis for e in shifted if shapes[e.input] == spec.shape}
-        if len(partners) == 1:
-            fill = 1.0 if "observed" in spec.name.lower() else 0.0
-            partner = next(e.input for e in shifted if shapes[e.input] == spec.shape)
-            edges.append(Feedback(None, spec.name, "shift", partners.pop(), fill=fill))
-            meaning = "1 = observed" if fill else "1 = padded (TimesFM), so 0 = observed"
-            reasons[spec.name] = f"mask-like name, same shape as '{partner}': shifts with it, appending {fill!r} ({meaning}); edit fill if your mask means the opposite"
+        fitting = [e for e in shifted if _same_but(shapes[e.input], spec.shape, e.axis)]
+        if len({e.axis for e in fitting}) == 1:
+            fill, partner = mask_fill(spec.name), fitting[0]
+            edges.append(Feedback(None, spec.name, "shift", partner.axis, fill=fill))
+            meaning = "1 = observed or attended: observed masks, Hugging Face's attention_mask" if fill else "1 = padded (TimesFM), so 0 = observed"
+            size = "same shape as" if shapes[partner.input] == spec.shape else f"shaped like (but for axis {partner.axis})"
+            reasons[spec.name] = f"mask-like name, {size} '{partner.input}': shifts with it, appending {fill!r} ({meaning}); edit fill if your mask means the opposite"
     if edges:
-        trajectory = tuple(e.output for e, _ in chosen)
+        fed = tuple(e.output for e, _ in chosen)
+        forecast = tuple(name for name in fed if not set(_tokens(name)) & HIDDEN_WORDS)
+        trajectory = forecast or fed  # recurrent state is fed back but is not the forecast
         spec = RolloutSpec(steps=steps or default_steps, feedback=tuple(edges), trajectory=trajectory, origin="detected")
     else:
         if steps not in (None, 1):
@@ -453,6 +480,31 @@ def _complete(chosen: list[tuple[Feedback, str]], inputs: Sequence[IOSpec], floa
         unused_outputs=tuple(s.name for s in floats_out if s.name not in fed_outputs) if edges else (),
         constant_inputs=tuple(s.name for s in inputs if s.name not in reasons),
     )
+
+
+def _same_but(a: tuple, b: tuple, axis: int) -> bool:
+    """Two shapes of one rank that agree on every axis but `axis` (unknown dims agree with anything)."""
+    if len(a) != len(b):
+        return False
+    skip = axis % len(a)
+    return all(i == skip or x == y or not isinstance(x, int) or not isinstance(y, int) for i, (x, y) in enumerate(zip(a, b)))
+
+
+def _doubtful_shift(detection: Detection, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]) -> str | None:
+    """Why a detected shift looks like a coincidence: an output that would replace more than half of its input
+    along the axis each step. A state stacked with forcings or static fields ([B, 6, H, W] in, [B, 4, H, W]
+    out) has that shape; a history or a context window takes at most half of itself per step."""
+    ins, outs = {s.name: s.shape for s in inputs}, {s.name: s.shape for s in outputs}
+    for edge in detection.spec.feedback:
+        if edge.output is None or edge.mode != "shift":
+            continue
+        have, put = ins[edge.input][edge.axis], outs[edge.output][edge.axis]
+        if isinstance(have, int) and isinstance(put, int) and 2 * put > have:
+            return (
+                f"output '{edge.output}' {_fmt(outs[edge.output])} would shift into input '{edge.input}' {_fmt(ins[edge.input])} along axis {edge.axis}, "
+                f"replacing {put} of its {have} entries every step: more like a state with extra channels (forcings, static fields) than a history"
+            )
+    return None
 
 
 def detect(inputs: Sequence[IOSpec], outputs: Sequence[IOSpec], steps: int | None = None, default_steps: int = 8) -> RolloutSpec:
@@ -522,7 +574,9 @@ def rollout(
     state = dict(feeds)
     extra = dict(kept(session, weights)) if weights else {}  # on a GPU: copied to the device once, not every step
     names = spec.run_outputs
-    for _ in range(steps or spec.steps):
+    total = steps or spec.steps
+    for step in range(total):
         produced = session.run({**state, **extra}, names)
         yield {name: produced[name] for name in spec.trajectory}
-        state = next_feeds(state, produced, spec)
+        if step + 1 < total:  # no feedback after the last step: it would only fail or cost
+            state = next_feeds(state, produced, spec)

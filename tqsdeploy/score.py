@@ -543,8 +543,9 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
     fingerprint = _fingerprint(prepared, settings, runtime) if existing is not None and resume is not False else None
     matches = fingerprint is not None and existing.get("fingerprint") == fingerprint
     if existing is not None and not matches and resume is not False:
+        unfinished = " (an unfinished one: interrupted, or it failed)" if existing.get("status") != "complete" else ""
         raise InputError(
-            f"{run_dir} holds a score run with a different model, contexts or settings",
+            f"{run_dir} holds a score run{unfinished} with a different model, contexts or settings",
             hint="pass --fresh to replace it, or --out DIR for a new run",
         )
     if resume is True and not matches:
