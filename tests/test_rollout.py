@@ -130,3 +130,48 @@ def test_a_dynamic_leading_axis_that_is_time_is_not_batched(tmp_path):
         for t in range(3):
             state = session.run({"x": state})["y"]
             np.testing.assert_allclose(got[w, t], state, rtol=1e-5, atol=1e-6)
+
+
+def _saved(tmp_path, name, nodes, inputs, outputs, weights):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    io = lambda items: [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in items]  # noqa: E731
+    graph = helper.make_graph(nodes, name, io(inputs), io(outputs), [numpy_helper.from_array(v, k) for k, v in weights.items()])
+    path = tmp_path / f"{name}.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
+    return path
+
+
+@pytest.mark.parametrize("case", ["history", "singleton"])
+def test_outputs_one_rank_off_their_input_shift_into_it(tmp_path, case):
+    """A state into a two-frame history ([B, 3] into [B, 2, 3], FuXi/FengWu-style) and a forecast with a
+    trailing singleton ([B, 2, 1] into [B, 8]): detected as shifts and rolled out as a hand-written loop would."""
+    from onnx import helper
+
+    from runtimes import OrtRuntime
+    from tqsdeploy.contexts import Contexts
+    from tqsdeploy.engine import RolloutEngine
+    from tqsdeploy.rollout import detect_rollout
+
+    rng = np.random.default_rng(2)
+    if case == "history":
+        path = _saved(tmp_path, case, [helper.make_node("ReduceMean", ["state"], ["m"], axes=[1], keepdims=0), helper.make_node("MatMul", ["m", "W"], ["next_state"])],
+                      [("state", ["b", 2, 3])], [("next_state", ["b", 3])], {"W": rng.standard_normal((3, 3)).astype(np.float32) * 0.9})
+        x = rng.standard_normal((3, 1, 2, 3)).astype(np.float32)
+    else:
+        path = _saved(tmp_path, case, [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Unsqueeze", ["h", "axes"], ["y"])],
+                      [("x", ["b", 8])], [("y", ["b", 2, 1])], {"W": rng.standard_normal((8, 2)).astype(np.float32) * 0.4, "axes": np.array([2])})
+        x = rng.standard_normal((3, 1, 8)).astype(np.float32)
+    session = OrtRuntime().open(path)
+    spec = detect_rollout(session.inputs, session.outputs, steps=4).spec
+    (edge,) = spec.feedback
+    assert edge.mode == "shift" and edge.axis == {"history": -2, "singleton": -1}[case]
+    got = RolloutEngine(session, Contexts({session.inputs[0].name: x}, source="test"), spec).trajectories()[spec.trajectory[0]]
+    for w in range(3):
+        state = x[w]
+        for t in range(4):
+            out = session.run({session.inputs[0].name: state})[spec.trajectory[0]]
+            np.testing.assert_allclose(got[w, t], out, rtol=1e-5, atol=1e-6)
+            step = out[:, None] if case == "history" else out[..., 0]
+            state = np.concatenate([state, step], axis=1)[:, -state.shape[1]:]

@@ -259,14 +259,18 @@ def load_csv(path: Path, inputs: Sequence[IOSpec], windows: int, zscore: bool, c
     return result
 
 
-def continuation_rows(spec, outputs: Sequence[IOSpec]) -> int:
+def continuation_rows(spec, outputs: Sequence[IOSpec], inputs: Sequence[IOSpec]) -> int:
     """Rows of a CSV a rollout forecasts after its window (steps × horizon), or 0 when the
     rollout is not a forecast of the file's own series (one output shifted into the input)."""
+    from tqsdeploy.rollout import aligned_shape
+
     edges = [e for e in spec.feedback if e.mode == "shift"]
     if len(edges) != 1 or len(spec.feedback) != 1 or list(spec.trajectory) != [edges[0].output]:
         return 0
     out = next((o for o in outputs if o.name == edges[0].output), None)
-    horizon = out.shape[edges[0].axis] if out is not None and -out.rank <= edges[0].axis < out.rank else None
+    into = next((i for i in inputs if i.name == edges[0].input), None)
+    shape = aligned_shape(out.shape, into.shape, edges[0].axis) if out is not None and into is not None else None
+    horizon = shape[edges[0].axis] if shape is not None and -len(shape) <= edges[0].axis < len(shape) else None
     return spec.steps * horizon if isinstance(horizon, int) else 0
 
 
@@ -280,6 +284,8 @@ def truth_from_csv(contexts: Contexts, spec, inputs: Sequence[IOSpec], shapes: d
     columns = following.shape[2]
     steps = [_arrange(following[:, t * horizon : (t + 1) * horizon], layout, inputs[0], columns) for t in range(spec.steps)]
     truth = np.stack(steps, axis=1)
+    if truth.shape != tuple(want) and truth.size == int(np.prod(want)) and [d for d in truth.shape if d != 1] == [d for d in want if d != 1]:
+        truth = truth.reshape(want)  # a forecast with a singleton axis more ([B, 24, 1] into [B, 96])
     if truth.shape != tuple(want):
         raise InputError(f"the rows after the CSV windows make a truth of shape {list(truth.shape)}, not the forecasts' {list(want)}", hint="pass --truth")
     return {name: truth.astype(np.float64)}

@@ -245,7 +245,7 @@ def evaluate(
     inputs = [s for s in session.inputs if s.name not in session.weights]
     resolved = resolve_spec(spec, steps, inputs, session.outputs)
     csv = Path(contexts).suffix.lower() == ".csv"
-    following = continuation_rows(resolved, session.outputs) if csv and not truth else 0
+    following = continuation_rows(resolved, session.outputs, inputs) if csv and not truth else 0
     ctx = load_contexts(Path(contexts), inputs, windows=settings.windows, zscore=settings.zscore, random=False, seed=settings.seed,
                         columns=settings.columns, following=following)
     cand = trajectories(session, ctx, resolved, settings.max_batch_windows)

@@ -203,6 +203,8 @@ class RolloutSpec:
                     )
                 continue
             source = outs[edge.output].shape
+            if edge.mode == "shift" and len(source) != len(target):
+                source = aligned_shape(source, target, edge.axis) or source
             if len(source) != len(target):
                 raise RolloutError(
                     f"output '{edge.output}' has rank {len(source)} but input '{edge.input}' has rank {len(target)}; they cannot feed each other"
@@ -249,6 +251,24 @@ def _siblings(spec: RolloutSpec, edge: Feedback, rank: int, ranks: Mapping[str, 
         e for e in spec.feedback
         if e.output is not None and e.mode == "shift" and ranks.get(e.input) == rank and e.axis % rank == axis
     ]
+
+
+def aligned_shape(output: Sequence, target: Sequence, axis: int) -> tuple | None:
+    """An output's shape as a shift along `axis` of an input of shape `target` appends it: the same rank,
+    one axis fewer (one entry along `axis`: a state into a history [B, 2, C, H, W]), or one singleton axis
+    more, squeezed (a forecast [B, 24, 1] into a context [B, 96]). None when the ranks cannot meet."""
+    output, rank = tuple(output), len(target)
+    if len(output) == rank:
+        return output
+    if len(output) == rank - 1:
+        at = axis % rank
+        return output[:at] + (1,) + output[at:]
+    if len(output) == rank + 1:
+        for k in reversed(range(len(output))):
+            squeezed = output[:k] + output[k + 1:]
+            if output[k] == 1 and _same_but(squeezed, tuple(target), axis):
+                return squeezed
+    return None
 
 
 def _fmt(shape) -> str:
@@ -321,6 +341,26 @@ def mask_fill(name: str) -> float:
 
 def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
     """Score and edge for feeding `output` into `input`, or None when the shapes cannot."""
+    if output.rank == input.rank - 1:  # one state into a history: the axis it fits along, if only one
+        fits = [i for i in range(1, input.rank) if isinstance(input.shape[i], int) and input.shape[i] > 1
+                and _same_but(aligned_shape(output.shape, input.shape, i), input.shape, i)
+                and all(a == b for j, (a, b) in enumerate(zip(aligned_shape(output.shape, input.shape, i), input.shape)) if j != i and isinstance(a, int) and isinstance(b, int))]
+        if len(fits) != 1:
+            return None
+        axis = fits[0] - input.rank
+        affinity, why = _affinity(output.name, input.name)
+        if affinity < 3 and (_side_output(output.name) or _covariate(input.name)):
+            return None
+        reason = f"{_fmt(output.shape)} is one entry of the history {_fmt(input.shape)} along axis {axis} → shift"
+        return 100 + affinity, Feedback(output.name, input.name, "shift", axis), f"{reason}; {why}"
+    if output.rank == input.rank + 1:  # a singleton axis more ([B, 24, 1] into [B, 96]): paired as squeezed
+        for k in reversed(range(output.rank)):
+            if output.shape[k] == 1:
+                squeezed = IOSpec(output.name, output.shape[:k] + output.shape[k + 1:], output.dtype)
+                pair = _pairing(squeezed, input)
+                if pair is not None and pair[1].mode == "shift":
+                    return pair[0], pair[1], pair[2].replace(" → shift", f" once its singleton axis {k} is dropped → shift", 1)
+        return None
     if output.rank != input.rank:
         return None
     differing = [i for i, (a, b) in enumerate(zip(output.shape, input.shape)) if isinstance(a, int) and isinstance(b, int) and a != b]
@@ -498,7 +538,10 @@ def _doubtful_shift(detection: Detection, inputs: Sequence[IOSpec], outputs: Seq
     for edge in detection.spec.feedback:
         if edge.output is None or edge.mode != "shift":
             continue
-        have, put = ins[edge.input][edge.axis], outs[edge.output][edge.axis]
+        aligned = aligned_shape(outs[edge.output], ins[edge.input], edge.axis)
+        if aligned is None:
+            continue
+        have, put = ins[edge.input][edge.axis], aligned[edge.axis]
         if isinstance(have, int) and isinstance(put, int) and 2 * put > have:
             return (
                 f"output '{edge.output}' {_fmt(outs[edge.output])} would shift into input '{edge.input}' {_fmt(ins[edge.input])} along axis {edge.axis}, "
@@ -528,6 +571,8 @@ def next_feeds(feeds: Mapping[str, np.ndarray], produced: Mapping[str, np.ndarra
             new[edge.input] = output.astype(current.dtype, copy=False)
             continue
         axis = edge.axis % current.ndim
+        if output.ndim != current.ndim and aligned_shape(output.shape, current.shape, edge.axis) is not None:
+            output = output.reshape(aligned_shape(output.shape, current.shape, edge.axis))
         if output.ndim != current.ndim or any(o != c for i, (o, c) in enumerate(zip(output.shape, current.shape)) if i != axis):
             raise RolloutError(
                 f"output '{edge.output}' of shape {list(output.shape)} cannot be appended to input '{edge.input}' of shape {list(current.shape)} along axis {edge.axis}"
