@@ -342,9 +342,8 @@ def mask_fill(name: str) -> float:
 def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
     """Score and edge for feeding `output` into `input`, or None when the shapes cannot."""
     if output.rank == input.rank - 1:  # one state into a history: the axis it fits along, if only one
-        fits = [i for i in range(1, input.rank) if isinstance(input.shape[i], int) and input.shape[i] > 1
-                and _same_but(aligned_shape(output.shape, input.shape, i), input.shape, i)
-                and all(a == b for j, (a, b) in enumerate(zip(aligned_shape(output.shape, input.shape, i), input.shape)) if j != i and isinstance(a, int) and isinstance(b, int))]
+        fits = [i for i in range(1, input.rank)
+                if isinstance(input.shape[i], int) and input.shape[i] > 1 and _same_but(aligned_shape(output.shape, input.shape, i), input.shape, i)]
         if len(fits) != 1:
             return None
         axis = fits[0] - input.rank
