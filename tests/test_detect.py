@@ -227,7 +227,7 @@ def test_spec_free_score_of_a_timesfm_shaped_model(tmp_path):
     result = runner.invoke(app, ["score", str(path), "--contexts", str(tmp_path / "ctx.npz"), "--steps", "3", "--probes", "1", "--out", str(tmp_path / "run")])
     text = " ".join((result.output + (result.stderr or "")).split())
     assert result.exit_code == 0, text
-    assert "fill 0.0 = not padded → masks (shift, axis -1)" in text
+    assert "fill 0.0 = not padded/missing → masks (shift, axis -1)" in text
     stored = RolloutSpec.from_toml(tmp_path / "run" / "rollout.toml")
     assert stored.feedback[1] == Feedback(None, "masks", "shift", -1, fill=0.0)
 
@@ -333,3 +333,24 @@ def test_no_feedback_runs_after_the_last_step(tmp_path):
     assert len(list(rollout(session, {"x": np.zeros((2, 5), np.float32)}, spec))) == 1
     with pytest.raises(RolloutError, match="needs equal shapes"):
         list(rollout(session, {"x": np.zeros((2, 5), np.float32)}, spec, steps=2))
+
+
+@pytest.mark.parametrize("inputs,outputs,feedback,trajectory", [
+    # lengths that may differ: a fixed horizon into a named context, named into named; shifts only with names that say so
+    ([("past_values", ("B", 96, 7)), ("future_time_features", ("B", "horizon", 4))], [("prediction", ("B", "horizon", 7))],
+     [Feedback("prediction", "past_values", "shift", -2)], ("prediction",)),
+    ([("context", ("B", "seq_len"))], [("forecast", ("B", "pred_len"))], [Feedback("forecast", "context", "shift", -1)], ("forecast",)),
+    ([("decoder_input_ids", ("batch", "dec_len"), np.int64), ("encoder_hidden_states", ("batch", "enc_len", 32))],
+     [("logits", ("batch", "dec_len", 64)), ("last_hidden_state", ("batch", "dec_len", 32))], [], ("logits", "last_hidden_state")),
+    # one axis fewer: one entry along the dynamic time axis, or the input's singleton axis added
+    ([("x", ("batch", "seq", 7))], [("y", ("batch", 7))], [Feedback("y", "x", "shift", -2)], ("y",)),
+    ([("x", ("B", 96, 1))], [("y", ("B", 24))], [Feedback("y", "x", "shift", -2)], ("y",)),
+    # forecast variables named like recurrent state stay in the trajectory; a land-sea mask is a static field
+    ([("cell_temperature", ("B", 1, 16, 16)), ("memory", ("B", 1, 16, 16))], [("cell_temperature_next", ("B", 1, 16, 16)), ("memory_next", ("B", 1, 16, 16))],
+     [Feedback("cell_temperature_next", "cell_temperature"), Feedback("memory_next", "memory")], ("cell_temperature_next", "memory_next")),
+    ([("radar", ("B", 4, 16, 16)), ("land_sea_mask", ("B", 1, 16, 16))], [("radar_next", ("B", 1, 16, 16))],
+     [Feedback("radar_next", "radar", "shift", -3)], ("radar_next",)),
+])
+def test_detection_on_signatures_the_second_audit_found(inputs, outputs, feedback, trajectory):
+    found = detect_rollout(*_sig(inputs, outputs))
+    assert list(found.spec.feedback) == feedback and found.spec.trajectory == trajectory

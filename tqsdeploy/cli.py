@@ -233,7 +233,7 @@ def _describe_rollout(rollout: dict) -> str:
         return f"rollout ({rollout['origin']}): single-step model, nothing fed back: T = {rollout['steps']}, trajectory = its float outputs {rollout['trajectory']}"
 
     def edge(e: dict) -> str:
-        meaning = "" if e.get("output") or rollout["origin"] != "detected" else (" = observed/attended" if e.get("fill") else " = not padded")
+        meaning = "" if e.get("output") or rollout["origin"] != "detected" else (" = observed/attended" if e.get("fill") else " = not padded/missing")
         source = e.get("output") or f"fill {e.get('fill')}{meaning}"
         extra = f", axis {e['axis']}" if e["mode"] == "shift" else ""
         extra += f", length {e['length']}" if e.get("length") else ""

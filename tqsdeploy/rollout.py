@@ -262,7 +262,12 @@ def aligned_shape(output: Sequence, target: Sequence, axis: int) -> tuple | None
         return output
     if len(output) == rank - 1:
         at = axis % rank
-        return output[:at] + (1,) + output[at:]
+        if _same_but(output[:at] + (1,) + output[at:], tuple(target), axis):
+            return output[:at] + (1,) + output[at:]
+        for k in reversed(range(rank)):  # a forecast missing the input's singleton axis ([B, 24] into [B, 96, 1])
+            if target[k] == 1 and k != at and _same_but(output[:k] + (1,) + output[k:], tuple(target), axis):
+                return output[:k] + (1,) + output[k:]
+        return None
     if len(output) == rank + 1:
         for k in reversed(range(len(output))):
             squeezed = output[:k] + output[k + 1:]
@@ -283,8 +288,11 @@ CONTEXT_WORDS = {"inputs", "input", "context", "past", "values", "x", "history",
 MASK_WORDS = {"mask", "masks", "pad", "padding", "paddings", "padded"}
 """Names of padding/observation masks; 'observed' alone too, but not 'observed_data' (CSDI's series)."""
 SERIES_WORDS = {"data", "values", "series", "target", "targets", "x", "input", "inputs"}
-HIDDEN_WORDS = {"h", "c", "hn", "cn", "hidden", "cell", "carry", "memory", "present", "cache", "kv"}
-"""Output names of recurrent state (an RNN's h/c, a key-value cache): fed back, but not what is forecast."""
+HIDDEN_WORDS = {"h", "c", "hn", "cn", "hidden", "cell", "carry", "present", "cache", "kv"}
+"""Recurrent state (an RNN's h/c, a key-value cache): fed back, but not what is forecast. Only an edge whose
+output and input share a stem made of these words (and 'state') counts: 'cell_temperature' is a forecast."""
+STATIC_WORDS = {"land", "sea", "lsm", "orography", "topography", "soil", "lake", "static", "constant", "constants"}
+"""Static fields that are masks by name (a land-sea mask), not padding that moves with the context."""
 SIDE_OUTPUT_WORDS = {
     "quantile", "quantiles", "std", "stddev", "sigma", "var", "variance", "logvar", "scale", "lower", "upper", "interval",
     "prob", "probs", "probability", "logits", "uncertainty", "confidence", "attention", "attn",
@@ -341,48 +349,72 @@ def mask_fill(name: str) -> float:
 
 def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
     """Score and edge for feeding `output` into `input`, or None when the shapes cannot."""
-    if output.rank == input.rank - 1:  # one state into a history: the axis it fits along, if only one
-        fits = [i for i in range(1, input.rank)
-                if isinstance(input.shape[i], int) and input.shape[i] > 1 and _same_but(aligned_shape(output.shape, input.shape, i), input.shape, i)]
-        if len(fits) != 1:
-            return None
-        axis = fits[0] - input.rank
-        affinity, why = _affinity(output.name, input.name)
-        if affinity < 3 and (_side_output(output.name) or _covariate(input.name)):
-            return None
-        reason = f"{_fmt(output.shape)} is one entry of the history {_fmt(input.shape)} along axis {axis} → shift"
-        return 100 + affinity, Feedback(output.name, input.name, "shift", axis), f"{reason}; {why}"
+    if output.rank == input.rank - 1:
+        return _one_axis_fewer(output, input)
     if output.rank == input.rank + 1:  # a singleton axis more ([B, 24, 1] into [B, 96]): paired as squeezed
         for k in reversed(range(output.rank)):
             if output.shape[k] == 1:
-                squeezed = IOSpec(output.name, output.shape[:k] + output.shape[k + 1:], output.dtype)
-                pair = _pairing(squeezed, input)
+                pair = _pairing(IOSpec(output.name, output.shape[:k] + output.shape[k + 1:], output.dtype), input)
                 if pair is not None and pair[1].mode == "shift":
                     return pair[0], pair[1], pair[2].replace(" → shift", f" once its singleton axis {k} is dropped → shift", 1)
         return None
     if output.rank != input.rank:
         return None
-    differing = [i for i, (a, b) in enumerate(zip(output.shape, input.shape)) if isinstance(a, int) and isinstance(b, int) and a != b]
-    if not differing:  # a fixed-length output against a dynamic input length: the window grows by it, a shift
-        differing = [i for i, (a, b) in enumerate(zip(output.shape, input.shape)) if i > 0 and isinstance(a, int) and not isinstance(b, int)]
+    both_ints = lambda a, b: isinstance(a, int) and isinstance(b, int)  # noqa: E731
+    differing = [i for i, (a, b) in enumerate(zip(output.shape, input.shape)) if both_ints(a, b) and a != b]
+    # a named length against a number or another name (seq_len vs 96, pred_len vs seq_len): lengths that may differ;
+    # the batch axis aside (exporters name it per tensor), and unnamed dims agree with anything
+    uncertain = [i for i, (a, b) in enumerate(zip(output.shape, input.shape)) if i > 0 and not both_ints(a, b) and None not in (a, b) and a != b]
     exact = all(a == b for i, (a, b) in enumerate(zip(output.shape, input.shape)) if i not in differing)
     affinity, why = _affinity(output.name, input.name)
     if affinity < 3 and (_side_output(output.name) or _covariate(input.name)):
         return None  # a shape that fits by coincidence (3 quantiles and 3 time features) must not become the rollout
-    if not differing:
+    if not differing and not uncertain:
         score, edge = 105, Feedback(output.name, input.name, "replace")
         reason = f"same shape {_fmt(input.shape)} → replace" if exact else f"{_fmt(output.shape)} and {_fmt(input.shape)} agree where known → replace"
-    elif len(differing) == 1 and not isinstance(input.shape[differing[0]], int):
-        axis = differing[0] - input.rank
+    elif not differing and len(uncertain) == 1:
+        if affinity < 2:  # a decoder's hidden state [B, dec_len, D] is not the next encoder memory [B, enc_len, D]
+            return None
+        axis = uncertain[0] - input.rank
         score, edge = 100, Feedback(output.name, input.name, "shift", axis)
-        reason = f"{_fmt(output.shape)} appends to {_fmt(input.shape)} along axis {axis} (a fixed length into a dynamic one) → shift"
-    elif len(differing) == 1 and output.shape[differing[0]] < input.shape[differing[0]]:
+        reason = f"{_fmt(output.shape)} appends to {_fmt(input.shape)} along axis {axis}, whose lengths may differ → shift"
+    elif len(differing) == 1 and not uncertain and output.shape[differing[0]] < input.shape[differing[0]]:
         axis = differing[0] - input.rank
         score, edge = 100, Feedback(output.name, input.name, "shift", axis)
         reason = f"{_fmt(output.shape)} appends to {_fmt(input.shape)} along axis {axis} ({output.shape[differing[0]]} < {input.shape[differing[0]]}) → shift"
     else:
         return None
     return score + (1 if exact else 0) + affinity, edge, f"{reason}; {why}"
+
+
+def _matches_but(a: tuple, b: tuple, axis: int) -> bool:
+    """Shapes equal on every axis but `axis`: the same numbers or the same names (unnamed dims and the batch
+    axis agree with anything). Stricter than `_same_but`: a name never matches a number."""
+    return len(a) == len(b) and all(
+        i == axis % len(a) or x == y or x is None or y is None or (i == 0 and not (isinstance(x, int) and isinstance(y, int)))
+        for i, (x, y) in enumerate(zip(a, b))
+    )
+
+
+def _one_axis_fewer(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
+    """An output with one axis fewer than its input: one entry of a history ([B, C, H, W] into [B, 2, C, H, W];
+    [B, 7] into [B, seq, 7]) along the one axis it fits, or a forecast missing the input's singleton axis
+    ([B, 24] into [B, 96, 1])."""
+    affinity, why = _affinity(output.name, input.name)
+    if affinity < 3 and (_side_output(output.name) or _covariate(input.name)):
+        return None
+    fits = [i for i in range(1, input.rank)
+            if input.shape[i] != 1 and _matches_but(output.shape[:i] + (1,) + output.shape[i:], input.shape, i)]
+    if len(fits) == 1:
+        axis = fits[0] - input.rank
+        reason = f"{_fmt(output.shape)} is one entry of the history {_fmt(input.shape)} along axis {axis} → shift"
+        return 100 + affinity, Feedback(output.name, input.name, "shift", axis), f"{reason}; {why}"
+    for k in reversed(range(1, input.rank)):
+        if input.shape[k] == 1:
+            pair = _pairing(IOSpec(output.name, output.shape[:k] + (1,) + output.shape[k:], output.dtype), input)
+            if pair is not None and pair[1].mode == "shift":
+                return pair[0], pair[1], pair[2].replace(" → shift", f" with the input's singleton axis {k} added → shift", 1)
+    return None
 
 
 def _best_assignments(options: list[list[tuple[int, int, Feedback, str]]], limit: int = 4) -> tuple[int, list[list]]:
@@ -491,9 +523,11 @@ def _complete(chosen: list[tuple[Feedback, str]], inputs: Sequence[IOSpec], floa
     shapes = {s.name: s.shape for s in inputs}
     shifted = [e for e in edges if e.mode == "shift"]
     for spec in inputs:
-        if spec.name in reasons or spec.dtype.kind not in "fiub" or not mask_like(spec.name):
+        tokens = set(_tokens(spec.name))
+        masked = mask_like(spec.name) or (spec.dtype.kind == "b" and "observed" in tokens)  # Moirai's bool past_observed_target
+        if spec.name in reasons or spec.dtype.kind not in "fiub" or not masked or tokens & STATIC_WORDS:
             continue
-        fitting = [e for e in shifted if _same_but(shapes[e.input], spec.shape, e.axis)]
+        fitting = [e for e in shifted if _same_but(shapes[e.input], spec.shape, e.axis) and _covers(spec.shape, shapes[e.input], e.axis)]
         if len({e.axis for e in fitting}) == 1:
             fill, partner = mask_fill(spec.name), fitting[0]
             edges.append(Feedback(None, spec.name, "shift", partner.axis, fill=fill))
@@ -502,7 +536,8 @@ def _complete(chosen: list[tuple[Feedback, str]], inputs: Sequence[IOSpec], floa
             reasons[spec.name] = f"mask-like name, {size} '{partner.input}': shifts with it, appending {fill!r} ({meaning}); edit fill if your mask means the opposite"
     if edges:
         fed = tuple(e.output for e, _ in chosen)
-        forecast = tuple(name for name in fed if not set(_tokens(name)) & HIDDEN_WORDS)
+        recurrent = {e.output for e, _ in chosen if _recurrent(e)}
+        forecast = tuple(name for name in fed if name not in recurrent)
         trajectory = forecast or fed  # recurrent state is fed back but is not the forecast
         spec = RolloutSpec(steps=steps or default_steps, feedback=tuple(edges), trajectory=trajectory, origin="detected")
     else:
@@ -519,6 +554,21 @@ def _complete(chosen: list[tuple[Feedback, str]], inputs: Sequence[IOSpec], floa
         unused_outputs=tuple(s.name for s in floats_out if s.name not in fed_outputs) if edges else (),
         constant_inputs=tuple(s.name for s in inputs if s.name not in reasons),
     )
+
+
+def _recurrent(edge: Feedback) -> bool:
+    """An edge carrying recurrent state: output and input share a stem of state words (h_out → h_in,
+    hidden_state_out → hidden_state_in), as opposed to a forecast variable fed back."""
+    out_stem = [t for t in _tokens(edge.output or "") if t not in ROLE_WORDS]
+    in_stem = [t for t in _tokens(edge.input) if t not in ROLE_WORDS]
+    return bool(out_stem) and out_stem == in_stem and bool(set(out_stem) & HIDDEN_WORDS) and set(out_stem) <= HIDDEN_WORDS | {"state", "states"}
+
+
+def _covers(mask: tuple, context: tuple, axis: int) -> bool:
+    """A mask at least as long as its context along the shift axis (TimesFM's padding spans context and horizon);
+    a one-entry 'mask' beside a multi-frame history is a static field."""
+    have, need = mask[axis], context[axis]
+    return not (isinstance(have, int) and isinstance(need, int)) or have >= need
 
 
 def _same_but(a: tuple, b: tuple, axis: int) -> bool:
