@@ -324,6 +324,12 @@ def _affinity(output: str, input: str) -> tuple[int, str]:
     return 0, "names say nothing"
 
 
+def _coincidental(output: str, input: str, affinity: int) -> bool:
+    """A side head into an input, or an output into a covariate, without a stem in common: a shape that fits
+    by coincidence (3 quantiles over the horizon and 3 time features) must not become the rollout."""
+    return affinity < 3 and (_side_output(output) or _covariate(input))
+
+
 def _side_output(name: str) -> bool:
     return bool(set(_tokens(name)) & SIDE_OUTPUT_WORDS)
 
@@ -367,8 +373,8 @@ def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
     uncertain = [i for i, (a, b) in enumerate(zip(output.shape, input.shape)) if i > 0 and not both_ints(a, b) and None not in (a, b) and a != b]
     exact = all(a == b for i, (a, b) in enumerate(zip(output.shape, input.shape)) if i not in differing)
     affinity, why = _affinity(output.name, input.name)
-    if affinity < 3 and (_side_output(output.name) or _covariate(input.name)):
-        return None  # a shape that fits by coincidence (3 quantiles and 3 time features) must not become the rollout
+    if _coincidental(output.name, input.name, affinity):
+        return None
     if not differing and not uncertain:
         score, edge = 105, Feedback(output.name, input.name, "replace")
         reason = f"same shape {_fmt(input.shape)} → replace" if exact else f"{_fmt(output.shape)} and {_fmt(input.shape)} agree where known → replace"
@@ -401,7 +407,7 @@ def _one_axis_fewer(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] 
     [B, 7] into [B, seq, 7]) along the one axis it fits, or a forecast missing the input's singleton axis
     ([B, 24] into [B, 96, 1])."""
     affinity, why = _affinity(output.name, input.name)
-    if affinity < 3 and (_side_output(output.name) or _covariate(input.name)):
+    if _coincidental(output.name, input.name, affinity):
         return None
     fits = [i for i in range(1, input.rank)
             if input.shape[i] != 1 and _matches_but(output.shape[:i] + (1,) + output.shape[i:], input.shape, i)]
