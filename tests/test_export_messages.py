@@ -34,7 +34,8 @@ def test_damaged_export_warns_in_percent_and_max_drift_fails_without_writing(run
     allocation = json.loads((tmp_path / "emb.int2.allocation.json").read_text())
     drift = allocation["drift_pct"]
     assert code == 0 and drift > 5
-    assert f"drift from the original on the scoring contexts: {drift:.4g}%" in text
+    assert f"drift from the original on the scoring contexts (exact dequantization): {drift:.4g}%" in text
+    assert "MatMulNBits with int8 activations" in text and "`tqsdeploy eval` measures what it runs" in text
     assert f"warning: {tmp_path / 'emb.int2.onnx'} drifts {drift:.4g}% " in text and "may be badly damaged" in text
 
     code, text = _invoke("export", model, "--run", folder / "run", "--C", "3", "--max-drift", "0.000001", "--out-dir", tmp_path)

@@ -57,6 +57,23 @@ class CalibrationLog:
     """Weights that saw fewer rows than twice their input width (rank-deficient Hessians)."""
 
 
+IM2COL_BYTES = 32 << 20
+"""A Conv's calibration rows (im2col: a row per output position, C·k² columns, float64 in the Hessian) are built
+this many bytes at a time, a few samples of the batch at once: for all the windows of a step at once a
+0.5 MB conv emulator's export peaked at 1.75 GB with 32 windows."""
+
+
+def _sample_chunks(use, value: np.ndarray) -> list:
+    """Index slices of the activation's leading (batch) axis whose im2col rows fit `IM2COL_BYTES`; the whole
+    activation for a use that is not a Conv (its rows are the activation itself)."""
+    value = np.asarray(value)
+    if use.conv is None or value.ndim < 2 or value.shape[0] <= 1:
+        return [...]
+    per_sample = int(np.prod(value.shape[1:], dtype=np.int64)) * int(np.prod(use.conv.kernel, dtype=np.int64)) * 8
+    step = max(1, IM2COL_BYTES // max(per_sample, 1))
+    return [slice(start, start + step) for start in range(0, value.shape[0], step)]
+
+
 class Calibrator:
     """Collects statistics and quantizes weights in wave order; reusable across passes."""
 
@@ -122,12 +139,13 @@ class Calibrator:
                 quantized = self._run(session, feeds, fetch)
                 full = self._full(index, feeds, fetch) if cross and encoded else quantized
                 for key, (use, groups) in uses.items():
-                    xs = layer_inputs(use, quantized[use.x], groups)
-                    xf = layer_inputs(use, full[use.x], groups) if cross else [None] * groups
-                    if stats[key] is None:
-                        stats[key] = [Hessian(x.shape[1], cross) for x in xs]
-                    for part, x, x_fp in zip(stats[key], xs, xf):
-                        part.add(x, x_fp)
+                    for samples in _sample_chunks(use, quantized[use.x]):
+                        xs = layer_inputs(use, quantized[use.x][samples], groups)
+                        xf = layer_inputs(use, full[use.x][samples], groups) if cross else [None] * groups
+                        if stats[key] is None:
+                            stats[key] = [Hessian(x.shape[1], cross) for x in xs]
+                        for part, x, x_fp in zip(stats[key], xs, xf):
+                            part.add(x, x_fp)
         finally:
             if session is not None:
                 session.close()  # its arena holds activations, not weights: freed with it, no trim needed

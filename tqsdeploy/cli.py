@@ -390,6 +390,17 @@ def _refuse_overwrite(*paths, elsewhere: str = "-o / --out-dir") -> None:
             raise InputError(f"{path} already exists", hint=f"pass --force to overwrite it, or choose another name with {elsewhere}")
 
 
+def _feeds_matmul_integer_codes(encodings, layouts) -> bool:
+    """Whether an export stores integer codes (DequantizeLinear) for a weight a MatMul reads: what ONNX
+    Runtime fuses into MatMulNBits with int8 activations."""
+    def integer(encoded) -> bool:
+        if encoded.form == "split":
+            return any(integer(part) for part in encoded.parts)
+        return encoded.form == "dequantize" and not str(encoded.expand().values.dtype).startswith("float")
+
+    return any("MatMul" in layouts[name].op_types and integer(encoded) for name, encoded in encodings.items() if name in layouts)
+
+
 def _check_output_file(path: Path, given: str | None, inputs) -> None:
     """An output must be a file name, and never one of the input model's files, --force or not."""
     if (given or "").endswith(("/", os.sep)) or path.is_dir():
@@ -422,7 +433,7 @@ def export(
     out_dir: Path = typer.Option(Path("."), "--out-dir", help="Folder for <stem>.C<C>.onnx files (a model named model.onnx adds its folder's name: <folder>_model.C<C>.onnx)."),
     provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="Execution provider for the measurement rollouts."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing output files (default: refuse before any work)."),
-    max_drift: Optional[float] = typer.Option(None, "--max-drift", min=0.0, help="Largest drift (%, as eval reports it) on the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate."),
+    max_drift: Optional[float] = typer.Option(None, "--max-drift", min=0.0, help="Largest drift (%, as eval --exact reports it: exact dequantization) on the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate."),
 ):
     """Allocate precision tiers under a compression target and write mixed-precision ONNX.
 
@@ -500,8 +511,9 @@ def export(
     try:
         for index, (value, path) in enumerate(zip(targets, paths)):
             outcome = planner.export(value, path, uniform_tier=uniform_tier, on_result=on_result, max_drift_pct=max_drift, final=index == len(targets) - 1)
+            fused = _feeds_matmul_integer_codes(outcome.encodings, planner.layouts)
             outcome.encodings = {}  # written: the table and the record are what is left to show
-            rows.append((value, outcome))
+            rows.append((value, outcome, fused))
     finally:
         progress.stop()
         for bar in encoding:
@@ -511,7 +523,7 @@ def export(
 
     from tqsdeploy.export import WARN_DRIFT_PCT
 
-    for value, outcome in rows:
+    for value, outcome, fused in rows:
         if outcome.refused:
             err.print(f"[bold red]drift too large:[/] {escape(outcome.refused)}", soft_wrap=True)
             continue
@@ -526,7 +538,10 @@ def export(
         out.print(_table(summary, "", ["tier", "slots", "params", "bytes"]))
         if outcome.drift is not None:
             compared = ", ".join(f"{c['label']}: {c['drift_pct']:.4g}%" for c in outcome.compared[1:])
-            out.print(f"  drift from the original on the scoring contexts: {outcome.drift_pct:.4g}%" + (f" (compared: {escape(compared)})" if compared else ""))
+            out.print(f"  drift from the original on the scoring contexts (exact dequantization): {outcome.drift_pct:.4g}%" + (f" (compared: {escape(compared)})" if compared else ""))
+            if fused:
+                out.print("  note: ONNX Runtime runs its DequantizeLinear→MatMul pairs as MatMulNBits with int8 activations by default, which can drift more: "
+                          "`tqsdeploy eval` measures what it runs (`--exact` for this number)")
         for note in outcome.notes:
             out.print(f"  [yellow]note:[/] {escape(note)}")
         if outcome.drift_pct is not None and not outcome.drift_pct <= WARN_DRIFT_PCT:
@@ -535,7 +550,7 @@ def export(
                 f"(above {WARN_DRIFT_PCT:g}%): it may be badly damaged; check it with `tqsdeploy eval`, or pass --max-drift PCT to fail instead",
                 soft_wrap=True,
             )
-    written = [o for _, o in rows if not o.refused]
+    written = [o for _, o, _ in rows if not o.refused]
     out.print(f"wrote {len(written)} model(s) with .allocation.parquet/.json beside each")
     if len(written) < len(rows):
         raise typer.Exit(1)
