@@ -60,21 +60,31 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
             temporary.unlink()
 
 
+def missing_folders(folder: str | os.PathLike) -> list[Path]:
+    """`folder` and those of its parents that do not exist yet, deepest first (what creating it would make)."""
+    folder = Path(folder).absolute()
+    return [parent for parent in (folder, *folder.parents) if not parent.exists()]
+
+
+def remove_empty_folders(folders: list[Path]) -> None:
+    """Remove the folders (deepest first) that are still empty; a folder that gained files stays."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
 def check_writable(folder: str | os.PathLike) -> None:
     """Fail now, before any work, when `folder` cannot take new files.
 
     Folders the check had to create are removed again, so a command that then
     fails on its input leaves no empty output folder behind."""
-    folder = Path(folder).absolute()
-    created = [parent for parent in (folder, *folder.parents) if not parent.exists()]
+    created = missing_folders(folder)
     try:
-        with atomic_output(folder / ".tqs-write-check") as probe:
+        with atomic_output(Path(folder) / ".tqs-write-check") as probe:
             probe.write_bytes(b"")
-        (folder / ".tqs-write-check").unlink(missing_ok=True)
+        (Path(folder) / ".tqs-write-check").unlink(missing_ok=True)
     finally:
-        for parent in created:  # deepest first
-            with contextlib.suppress(OSError):
-                parent.rmdir()
+        remove_empty_folders(created)
 
 
 @dataclass

@@ -172,4 +172,4 @@ def test_bfloat16_weights_are_named_not_counted_as_missing(tmp_path):
             continue
         units = select_units(tensors, UnitSelection(), unfed)
         assert [u.name for u in units] == ["Wf"]
-        assert any("bfloat16 weight(s) are not units (Wb)" in n for n in selection_notes(loaded, tensors, units, UnitSelection()))
+        assert any("bfloat16 weight(s) are not units (Wb)" in n for n in selection_notes(loaded, tensors, units, UnitSelection(), unfed))

@@ -396,7 +396,7 @@ def _feeds_matmul_integer_codes(encodings, layouts) -> bool:
     def integer(encoded) -> bool:
         if encoded.form == "split":
             return any(integer(part) for part in encoded.parts)
-        return encoded.form == "dequantize" and not str(encoded.expand().values.dtype).startswith("float")
+        return encoded.form == "dequantize" and not np.dtype(encoded.values.dtype).name.startswith("float")  # packed codes keep their type: no unpacking
 
     return any("MatMul" in layouts[name].op_types and integer(encoded) for name, encoded in encodings.items() if name in layouts)
 

@@ -86,7 +86,7 @@ class RolloutEngine:
         """Whether the last window of the batched chunk, run alone, gives its rows of the batched outputs.
         A leading axis that is dynamic but is not a batch (a time-first LSTM's [seq, batch, F]) keeps the
         shapes right while carrying state from one window into the next."""
-        last = next(feeds for index, (_, feeds) in enumerate(self._chunked(False)) if index == count - 1)
+        _, last = self._chunked(False)[count - 1]
         alone = self.session.run(last, self.spec.run_outputs)
         for name, values in produced.items():
             rows = np.shape(values)[0] // count

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import numpy as np
 
-from graph_ops.io import atomic_output, check_writable
+from graph_ops.io import atomic_output, check_writable, missing_folders, remove_empty_folders
 
 __all__ = ["atomic_output", "check_writable", "claim_run_folder", "write_json", "write_npz", "write_table", "write_text"]
 
@@ -75,7 +75,7 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
             shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
             raise InputError(f"{folder} is not a tqsdeploy run folder and not empty (it holds {shown})", hint="choose a new or empty folder with --out")
     check_writable(folder)
-    made = [parent for parent in (folder.absolute(), *folder.absolute().parents) if not parent.exists()]
+    made = missing_folders(folder)
     folder.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(folder / LOCK_NAME))
     try:
@@ -88,6 +88,4 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
         lock.release()
         if made and [p.name for p in folder.iterdir()] == [LOCK_NAME]:  # refused before writing anything: leave no trace
             (folder / LOCK_NAME).unlink(missing_ok=True)
-            for parent in made:  # deepest first
-                with contextlib.suppress(OSError):
-                    parent.rmdir()
+            remove_empty_folders(made)

@@ -28,15 +28,16 @@ def inspect_model(
 ) -> dict:
     """Signature, op census, quantizable units and the rollout, as plain data."""
     loaded = graph_ops.load_model(model, load_external=False)  # shapes and types only; the runtime reads the weights
-    tensors = graph_ops.find_weight_tensors(loaded.proto)
-    units = select_units(tensors, selection, graph_ops.layout.unfed_float_tensors(loaded.proto.graph))
+    tensors, unfed = graph_ops.find_weight_tensors(loaded.proto), graph_ops.layout.unfed_float_tensors(loaded.proto.graph)
+    units = select_units(tensors, selection, unfed)
+    runtime = OrtRuntime().for_model(loaded.proto)
     source = graph_ops.io.runnable_path(loaded)
     if source is None:  # IR too new: the runtime gets a clamped copy (in a temporary folder when over 2 GiB)
         loaded = graph_ops.load_model(model)
         with tempfile.TemporaryDirectory(prefix="tqs-inspect-") as folder:
-            session = OrtRuntime().for_model(loaded.proto).open(graph_ops.io.session_source(graph_ops.io.runtime_compatible(loaded.proto), folder))
+            session = runtime.open(graph_ops.io.session_source(graph_ops.io.runtime_compatible(loaded.proto), folder))
     else:
-        session = OrtRuntime().for_model(loaded.proto).open(source)
+        session = runtime.open(source)
     rollout = _rollout(spec, steps, session.inputs, session.outputs)
     unit_params = sum(u.params for u in units)
     float_params = sum(t.params for t in tensors)
@@ -58,7 +59,7 @@ def inspect_model(
         "unit_params": unit_params,
         "unit_share": unit_params / float_params if float_params else 0.0,
         "rollout": rollout,
-        "notes": selection_notes(loaded, tensors, units, selection),
+        "notes": selection_notes(loaded, tensors, units, selection, unfed),
     }
 
 

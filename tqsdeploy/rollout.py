@@ -359,10 +359,9 @@ def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
         return _one_axis_fewer(output, input)
     if output.rank == input.rank + 1:  # a singleton axis more ([B, 24, 1] into [B, 96]): paired as squeezed
         for k in reversed(range(output.rank)):
-            if output.shape[k] == 1:
-                pair = _pairing(IOSpec(output.name, output.shape[:k] + output.shape[k + 1:], output.dtype), input)
-                if pair is not None and pair[1].mode == "shift":
-                    return pair[0], pair[1], pair[2].replace(" → shift", f" once its singleton axis {k} is dropped → shift", 1)
+            pair = _shift_as(output, output.shape[:k] + output.shape[k + 1:], input, f"once its singleton axis {k} is dropped") if output.shape[k] == 1 else None
+            if pair is not None:
+                return pair
         return None
     if output.rank != input.rank:
         return None
@@ -416,11 +415,18 @@ def _one_axis_fewer(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] 
         reason = f"{_fmt(output.shape)} is one entry of the history {_fmt(input.shape)} along axis {axis} → shift"
         return 100 + affinity, Feedback(output.name, input.name, "shift", axis), f"{reason}; {why}"
     for k in reversed(range(1, input.rank)):
-        if input.shape[k] == 1:
-            pair = _pairing(IOSpec(output.name, output.shape[:k] + (1,) + output.shape[k:], output.dtype), input)
-            if pair is not None and pair[1].mode == "shift":
-                return pair[0], pair[1], pair[2].replace(" → shift", f" with the input's singleton axis {k} added → shift", 1)
+        pair = _shift_as(output, output.shape[:k] + (1,) + output.shape[k:], input, f"with the input's singleton axis {k} added") if input.shape[k] == 1 else None
+        if pair is not None:
+            return pair
     return None
+
+
+def _shift_as(output: IOSpec, shape: tuple, input: IOSpec, how: str) -> tuple[int, Feedback, str] | None:
+    """The pairing of `output` read as `shape` (one singleton axis added or dropped), when it is a shift."""
+    pair = _pairing(IOSpec(output.name, shape, output.dtype), input)
+    if pair is None or pair[1].mode != "shift":
+        return None
+    return pair[0], pair[1], pair[2].replace(" → shift", f" {how} → shift", 1)
 
 
 def _best_assignments(options: list[list[tuple[int, int, Feedback, str]]], limit: int = 4) -> tuple[int, list[list]]:
@@ -626,8 +632,9 @@ def next_feeds(feeds: Mapping[str, np.ndarray], produced: Mapping[str, np.ndarra
             new[edge.input] = output.astype(current.dtype, copy=False)
             continue
         axis = edge.axis % current.ndim
-        if output.ndim != current.ndim and aligned_shape(output.shape, current.shape, edge.axis) is not None:
-            output = output.reshape(aligned_shape(output.shape, current.shape, edge.axis))
+        aligned = aligned_shape(output.shape, current.shape, edge.axis) if output.ndim != current.ndim else None
+        if aligned is not None:
+            output = output.reshape(aligned)
         if output.ndim != current.ndim or any(o != c for i, (o, c) in enumerate(zip(output.shape, current.shape)) if i != axis):
             raise RolloutError(
                 f"output '{edge.output}' of shape {list(output.shape)} cannot be appended to input '{edge.input}' of shape {list(current.shape)} along axis {edge.axis}"

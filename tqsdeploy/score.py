@@ -338,9 +338,9 @@ def prepare(
     lanes = sweep_lanes(lanes, runtime.provider, getattr(runtime, "threads", None), loaded.file_bytes)  # native TensorRT has no threads: one lane
     if lanes > 1 and isinstance(runtime, OrtRuntime) and runtime.threads is None:
         runtime = dataclasses.replace(runtime, threads=max(1, usable_cores() // lanes))
-    tensors = graph_ops.find_weight_tensors(loaded.proto)
-    units = select_units(tensors, selection, graph_ops.layout.unfed_float_tensors(loaded.proto.graph))
-    notes = selection_notes(loaded, tensors, units, selection)
+    tensors, unfed = graph_ops.find_weight_tensors(loaded.proto), graph_ops.layout.unfed_float_tensors(loaded.proto.graph)
+    units = select_units(tensors, selection, unfed)
+    notes = selection_notes(loaded, tensors, units, selection, unfed)
     names = [n for u in units for n in u.tensor_names]
     session_proto = graph_ops.lift_constants(loaded.proto, names)
     declarations = {n: graph_ops.input_declarations(session_proto, [n]) for n in names}

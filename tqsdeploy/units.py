@@ -84,7 +84,7 @@ def select_units(tensors: list[WeightTensor], selection: UnitSelection, unfed: d
             wanted = False
         if wanted:
             chosen.append(tensor)
-    large_unfed = {name: kind for name, (kind, size) in (unfed or {}).items() if size >= selection.min_params}
+    large_unfed = _large(unfed, selection)
     if not chosen and large_unfed:
         kinds = "/".join(sorted(set(large_unfed.values())))
         raise InputError(
@@ -113,17 +113,25 @@ def select_units(tensors: list[WeightTensor], selection: UnitSelection, unfed: d
     return [Unit(name=key, tensors=tuple(group)) for key, group in blocks.items()]
 
 
+def _large(unfed: dict[str, tuple[str, int]] | None, selection: UnitSelection) -> dict[str, str]:
+    """The unfed weights (`graph_ops.layout.unfed_float_tensors`) that would be units by size: name -> type."""
+    return {name: kind for name, (kind, size) in (unfed or {}).items() if size >= selection.min_params}
+
+
 def _names(names) -> str:
     names = list(names)
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
-def selection_notes(loaded: "LoadedModel", tensors: list[WeightTensor], units: list[Unit], selection: UnitSelection) -> list[str]:
-    """What a user should know about which tensors became units, beyond the unit list itself."""
-    from graph_ops.layout import read_in_subgraphs, unfed_float_tensors
+def selection_notes(
+    loaded: "LoadedModel", tensors: list[WeightTensor], units: list[Unit], selection: UnitSelection, unfed: dict[str, tuple[str, int]] | None = None
+) -> list[str]:
+    """What a user should know about which tensors became units, beyond the unit list itself (`unfed` as
+    `select_units` took it)."""
+    from graph_ops.layout import read_in_subgraphs
 
     notes = []
-    unfed = {name: kind for name, (kind, size) in unfed_float_tensors(loaded.proto.graph).items() if size >= selection.min_params}
+    unfed = _large(unfed, selection)
     if unfed:
         notes.append(
             f"{len(unfed)} {'/'.join(sorted(set(unfed.values())))} weight(s) are not units ({_names(unfed)}): ONNX Runtime cannot be fed "
