@@ -102,3 +102,46 @@ def test_paper_weights_keep_order_and_stay_positive():
     assert weights["b"] > weights["c"] > weights["a"] > 0
     assert paper_weights({"a": 0.5, "b": 0.2}, set()) == {"a": 0.5, "b": 0.2}
     assert math.isfinite(paper_weights({"a": math.inf, "b": 0.2}, set())["a"])
+
+
+def _pulp_solver_labels():
+    import pulp
+
+    from tqsdeploy.allocate import _milp_solvers
+
+    return [label for label, _ in _milp_solvers(pulp)]
+
+
+def test_highs_is_available_on_this_pulp():
+    """highspy is a dependency: whatever PuLP major is installed (3.x on Python 3.11, 4.x on >= 3.12), HiGHS
+    must be among its exact solvers, or every export silently falls back to greedy."""
+    assert _pulp_solver_labels()[0] == "mckp-highs"
+
+
+@pytest.mark.parametrize("label", _pulp_solver_labels())
+def test_each_exact_solver_finds_the_brute_force_optimum(label, monkeypatch):
+    """The solver call itself on this PuLP's API (its solve() return type changed between 3.x and 4.x): unequal
+    sizes and three tiers, where ranking alone is not optimal; the answer must equal exhaustive search."""
+    import itertools
+
+    import pulp
+
+    from tqsdeploy import allocate as allocate_module
+
+    solvers = dict(allocate_module._milp_solvers(pulp))
+    monkeypatch.setattr(allocate_module, "_milp_solvers", lambda _pulp: [(label, solvers[label])])
+    tiers = get_tiers(["fp32", "int8", "int2"])
+    rng = np.random.default_rng(7)
+    choices = []
+    for unit, size in enumerate([16, 64, 256, 16, 64, 256]):
+        cost = {t.name: _cost(t, size) for t in tiers}
+        loss = {t.name: float(rng.uniform(0.1, 2.0)) * size * 2.0 ** (-t.bits) for t in tiers}
+        choices.append(Choice(unit, size * 64, float(rng.normal()), False, cost, loss))
+    budget = int(0.45 * sum(c.cost["fp32"] for c in choices))
+    best = min(
+        (combo for combo in itertools.product(*(list(c.cost) for c in choices)) if sum(c.cost[t] for c, t in zip(choices, combo)) <= budget),
+        key=lambda combo: sum(c.loss[t] for c, t in zip(choices, combo)),
+    )
+    chosen, used = allocate_module._solve_mckp(choices, budget)
+    assert used == label
+    assert [chosen[c.unit] for c in choices] == list(best)

@@ -3,7 +3,7 @@
 Algorithm 1 of the paper: budget B = reference bits / C; dead units go to the
 cheapest tier; the most sensitive units go to FP32 until the FP32 share of the
 units' FP32 size reaches `fp32_fraction`; the rest is a multiple-choice
-knapsack (pulp with HiGHS, falling back to CBC) or the paper's greedy
+knapsack (pulp with HiGHS, falling back to PuLP 3's bundled CBC) or the paper's greedy
 promotion. Compression counts the whole model's stored weights: tensors that
 are not units stay at their stored size and use up budget.
 
@@ -21,6 +21,7 @@ Objectives (loss of unit l at tier k, minimised in sum):
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import os
 import sys
@@ -108,8 +109,29 @@ def _native_stdout_silenced():
         os.close(saved)
 
 
+def _milp_solvers(pulp) -> list[tuple[str, object]]:
+    """(label, factory) of each exact solver this PuLP can run, best first. HiGHS comes with highspy, a
+    dependency; CBC is bundled with PuLP 3 only (PuLP 4, the release on Python >= 3.12, runs it where a cbc
+    binary is installed)."""
+    solvers = []
+    if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
+        solvers.append(("mckp-highs", lambda: pulp.HiGHS(msg=False, timeLimit=120, gapRel=1e-9)))
+    if hasattr(pulp, "PULP_CBC_CMD"):
+        solvers.append(("mckp-cbc", lambda: pulp.PULP_CBC_CMD(msg=False, timeLimit=120, gapRel=1e-9)))
+    elif pulp.COIN_CMD(msg=False).available():  # PuLP 4 with a cbc binary (pip install pulp[cbc])
+        solvers.append(("mckp-cbc", lambda: pulp.COIN_CMD(msg=False, timeLimit=120, gapRel=1e-9)))
+    return solvers
+
+
+def _solve_status(pulp, result) -> str:
+    """The status name of what LpProblem.solve returned: PuLP 3 returns a status code (named in
+    pulp.LpStatus), PuLP 4 an LpSolveStats whose .status is the LpSolveStatus enum."""
+    status = getattr(result, "status", result)
+    return status.name if isinstance(status, enum.Enum) else pulp.LpStatus[status]
+
+
 def _solve_mckp(choices: list[Choice], budget: int) -> tuple[dict[str, str], str]:
-    """Exact multiple-choice knapsack with pulp: HiGHS first, then CBC."""
+    """Exact multiple-choice knapsack with pulp: HiGHS first, then CBC where PuLP bundles it."""
     import pulp
 
     if not choices:
@@ -123,17 +145,13 @@ def _solve_mckp(choices: list[Choice], budget: int) -> tuple[dict[str, str], str
         problem += pulp.lpSum(variables[choice.unit, t] for t in choice.cost) == 1
     problem += pulp.lpSum(choice.cost[t] * variables[choice.unit, t] for choice in choices for t in choice.cost) <= budget
     problem += pulp.lpSum(min(choice.loss[t] / scale, 1e6) * variables[choice.unit, t] for choice in choices for t in choice.cost)
-    attempts = []
-    if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
-        attempts.append(("mckp-highs", lambda: pulp.HiGHS(msg=False, timeLimit=120, gapRel=1e-9)))
-    attempts.append(("mckp-cbc", lambda: pulp.PULP_CBC_CMD(msg=False, timeLimit=120, gapRel=1e-9)))
-    for label, make in attempts:
+    for label, make in _milp_solvers(pulp):
         try:
             with _native_stdout_silenced():
-                status = problem.solve(make())
+                result = problem.solve(make())
         except pulp.PulpSolverError:
             continue
-        if pulp.LpStatus[status] == "Optimal":
+        if _solve_status(pulp, result) == "Optimal":
             chosen = {}
             for choice in choices:
                 chosen[choice.unit] = max(choice.cost, key=lambda t: variables[choice.unit, t].value() or 0.0)
