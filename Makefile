@@ -1,6 +1,7 @@
-# Two commands do all the set-up on a fresh machine (Python >= 3.11 with venv):
+# Two commands do all the set-up on a fresh machine (Python 3.11, 3.12 or 3.13 with venv):
 #   make demo   # installs into .venv, then scores, exports, evaluates and gates the bundled ETTh1 forecaster
 #   make test   # installs into .venv, then runs the test suite
+# Another interpreter, in a venv of its own: make test PYTHON=python3.13 VENV=.venv-3.13
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -14,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,plots,ray]'
 	touch $(STAMP)
 
-RUN := tqs-runs/$(notdir $(EXAMPLE))
+RUN ?= tqs-runs/$(notdir $(EXAMPLE))
 
 demo: $(STAMP)
 	$(BIN)/tqsdeploy inspect $(EXAMPLE)/model.onnx --spec $(EXAMPLE)/rollout.toml
