@@ -89,3 +89,26 @@ def test_infeasible_hint_says_when_tensors_below_min_params_cap_c(tmp_path):
     assert code == 0, text
     code, text = _invoke("export", model, "--run", tmp_path / "run", "--C", "5", "--out-dir", tmp_path)
     assert code == 2 and "largest reachable is" in text and "smaller than --min-params 2000" in text and "alone caps C at" in text, text
+
+
+def test_file_basis_that_crushes_the_units_says_so_and_what_basis_units_gives(tmp_path):
+    """Two thirds of the file below --min-params: C 2 of the file takes the one unit to ~4x. Export says
+    so in its output and the allocation's notes, with what --basis units gives at the same C (the file
+    compression such an export then reaches), and says nothing when the ratios agree."""
+    model = models.mlp_forecaster(tmp_path / "mlp.onnx", n=32, hidden=128)
+    np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(2).standard_normal((3, 1, 32)).astype(np.float32))
+    code, text = _invoke("score", model, "-c", tmp_path / "ctx.npz", "--steps", "2", "--probes", "1", "--min-params", "8192", "--out", tmp_path / "run")
+    assert code == 0, text
+    common = ("--run", tmp_path / "run", "--refine", "0", "--rounding", "rtn")
+    code, text = _invoke("export", model, *common, "--C", "2", "--out-dir", tmp_path)
+    meta = json.loads((tmp_path / "mlp.C2.allocation.json").read_text())
+    assert code == 0 and meta["unit_compression"] > 1.5 * meta["compression"], text
+    note = meta["notes"][0]
+    assert note.startswith(f"compression {meta['compression']:.3g}x of the file took the units to {meta['unit_compression']:.3g}x"), note
+    assert "are not units and stay at full size" in note and "4 tensors smaller than --min-params 8192" in note
+    said = float(note.split("--basis units --C 2 compresses the units 2x and the file about ")[1].split("x")[0])
+    assert " ".join(note.split()) in text
+    code, text = _invoke("export", model, *common, "--C", "2", "--basis", "units", "-o", tmp_path / "units.onnx")
+    units = json.loads((tmp_path / "units.allocation.json").read_text())
+    assert code == 0 and units["notes"] == [] and "took the units" not in text, text
+    assert said == pytest.approx(units["compression"], rel=0.05)

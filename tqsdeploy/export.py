@@ -49,11 +49,13 @@ from tqsdeploy.units import Unit, UnitSelection
 
 BASES = ("file", "units")
 WARN_DRIFT_PCT = 5.0
+"""Drift (percent, as `eval` reports it) above which export warns that the model it wrote may be damaged."""
+BASIS_GAP = 1.5
+"""Export notes when the units are compressed more than this many times as much as the file (see `Planner._basis_note`)."""
 ONE_SESSION_BYTES = 64 << 20
 """Models with this many bytes of weights or more keep one ONNX Runtime session of themselves at a
 time: measuring and calibrating take turns (a session build and a nominal rollout per turn, on
 a model this size far cheaper than holding a second copy of it)."""
-"""Drift (percent, as `eval` reports it) above which export warns that the model it wrote may be damaged."""
 
 
 @dataclass(frozen=True)
@@ -642,6 +644,24 @@ class Planner:
             return f"{achieved}: no finer tier fits: the cheapest one-tier promotion costs {cheapest / 8:,.0f} bytes and {max(spare, 0) / 8:,.0f} bytes of budget are left"
         return f"{achieved}: the promotions that fit the budget did not lower the measured loss"
 
+    def _basis_note(self, target: float, compression: float, unit_compression: float, allocation: Allocation) -> str:
+        """Why C of the file pushed the units much further: the tensors that are not units stay at full
+        size and take the budget; what they cost and what `--basis units` gives at the same C."""
+        names = {n for u in self.units for n in u.tensor_names}
+        others = [n for n in graph_ops.io.tensor_sizes(self.model.proto) if n not in names]
+        fixed = self.reference_bits - self.unit_reference_bits
+        min_params = self.scores.meta.get("selection", {}).get("min_params")
+        order = [t.name for t in self.tiers]
+        lowest = max(allocation.tiers.values(), key=order.index)
+        count = sum(t == lowest for t in allocation.tiers.values())
+        units_file = self.reference_bits / (fixed + self.unit_reference_bits / target)
+        return (
+            f"compression {compression:.3g}x of the file took the units to {unit_compression:.3g}x ({lowest} on {count} of {len(allocation.tiers)} slots): "
+            f"{fixed / self.reference_bits:.1%} of the stored bits ({fixed / 8:,.0f} bytes in {len(others)} tensors smaller than --min-params {min_params} "
+            f"or not weight operands) are not units and stay at full size; --basis units --C {target:g} compresses the units {target:g}x "
+            f"and the file about {units_file:.3g}x (check the drift of both), or score with a lower --min-params (or --include) to quantize those tensors"
+        )
+
     # -- writing ---------------------------------------------------------------
 
     def table(self, allocation: Allocation) -> pl.DataFrame:
@@ -719,6 +739,8 @@ class Planner:
         unit_bits = sum(emitted_bits(n, e) for n, e in chosen.encodings.items())
         compression = self.reference_bits / bits
         unit_compression = self.unit_reference_bits / unit_bits
+        if target is not None and uniform_tier is None and self.settings.basis == "file" and unit_compression > BASIS_GAP * compression:
+            notes.insert(0, self._basis_note(target, compression, unit_compression, chosen.allocation))
         table = self.table(chosen.allocation)
         summary = {
             "model": str(self.model.path),
