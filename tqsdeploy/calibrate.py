@@ -99,31 +99,69 @@ class Calibrator:
         calibrated = {n for wave in self.waves for n in wave}
         self.first = [n for n in self.layouts if n not in calibrated]
         self._open_args = (proto, runtime.yielding(), workdir, data_dir)  # its runs alternate with BLAS-heavy statistics
+        self._rollout = (contexts, spec, max_batch)
         self._graph = None
         """The model with the scored weights as graph inputs and every layer input an output (no weight data)."""
+        self._graph_inputs: set[str] | None = None
         self._full_cache: list[dict[str, np.ndarray]] | None = None
-        self._session = self._open()
-        engine = RolloutEngine(self.session, contexts, spec, max_batch)
-        self.samples = engine.states() if self.waves else []
-        graph_ops.release_pages(self.weights)  # the nominal rollout read every original weight
+        self._session = None
+        self._samples: list | None = None
 
-    def run(self, encode: EncodeFn, cross: bool, log: CalibrationLog | None = None) -> dict[str, Encoded]:
+    @property
+    def groups(self) -> list[list[str]]:
+        """The weights in the order they are encoded: the uncalibratable ones, then each wave."""
+        return [self.first, *self.waves]
+
+    @property
+    def samples(self) -> list:
+        """The inputs of every step of the nominal rollout: made by the first pass that collects
+        statistics (a pass read whole from checkpoints opens no session)."""
+        if self._samples is None:
+            contexts, spec, max_batch = self._rollout
+            self._samples = RolloutEngine(self.session, contexts, spec, max_batch).states() if self.waves else []
+            graph_ops.release_pages(self.weights)  # the nominal rollout read every original weight
+        return self._samples
+
+    def run(self, encode: EncodeFn, cross: bool, log: CalibrationLog | None = None, checkpoints=None,
+            found: Mapping[str, tuple] | None = None) -> dict[str, Encoded]:
         """Encode every weight: uncalibratable ones first, then wave by wave on statistics
-        collected with all earlier weights at their encodings."""
+        collected with all earlier weights at their encodings. With `checkpoints`
+        (`tqsdeploy.checkpoints.PassCheckpoints`) each finished weight is saved, and a weight saved
+        before (in `found`, from its `resume`, or found now) is read instead; a wave's statistics
+        are collected only for the weights it still has to encode."""
         log = log if log is not None else CalibrationLog()
         started = perf_counter()
         encoded: dict[str, Encoded] = {}
-        for name in self.first:
-            encoded[name] = encode(name, None)
-        for wave in self.waves:
-            stats = self._collect(wave, encoded, cross)
-            for name in wave:
-                layout = self.layouts[name]
-                merged = [Hessian.merge([stats[use.key][g] for use in layout.uses]) for g in range(layout.row_groups)]
-                log.rows[name] = merged[0].count
-                if any(m.count < 2 * m.H.shape[0] for m in merged):
+        found = dict(found or {})
+        for index, names in enumerate(self.groups):
+            if checkpoints is not None:
+                for name in names:
+                    if name not in found and (loaded := checkpoints.load(name)) is not None:
+                        found[name] = loaded
+            missing = [n for n in names if n not in found]
+            stats = self._collect(missing, encoded, cross) if index and missing else None
+            digests = []
+            for name in names:
+                if name in found:
+                    encoded[name], meta = found.pop(name)
+                    rows, thin = meta.get("rows"), meta.get("thin", False)
+                    digests.append(meta["digest"])
+                else:
+                    merged = rows = None
+                    thin = False
+                    if stats is not None:
+                        layout = self.layouts[name]
+                        merged = [Hessian.merge([stats[use.key][g] for use in layout.uses]) for g in range(layout.row_groups)]
+                        rows, thin = merged[0].count, any(m.count < 2 * m.H.shape[0] for m in merged)
+                    encoded[name] = encode(name, merged)
+                    if checkpoints is not None:
+                        digests.append(checkpoints.save(name, encoded[name], rows, thin))
+                if rows is not None:
+                    log.rows[name] = rows
+                if thin:
                     log.thin.append(name)
-                encoded[name] = encode(name, merged)
+            if checkpoints is not None:
+                checkpoints.advance(digests)
             stats = merged = None  # K x K float64 per use: gone before the next wave collects its own
             graph_ops.release_pages(self.weights)
         log.seconds += perf_counter() - started
@@ -154,7 +192,7 @@ class Calibrator:
     def _wave_session(self, fetch: list[str], encoded: Mapping[str, Encoded]):
         """A session computing only `fetch`, every weight of `encoded` it reads rebuilt from fed codes
         (or fed dequantized, for forms kept as floats); the other weights fed as they are."""
-        proto, fed = fed_codes_model(self._graph, encoded, fetch)
+        proto, fed = fed_codes_model(self.graph, encoded, fetch)
         source = graph_ops.io.session_source(proto, self._open_args[2])
         del proto
         return WithDefaults(self._open_source(source), fed, self.weights)
@@ -197,12 +235,22 @@ class Calibrator:
     def _open(self):
         """A session of the model with every scored weight a plain input (fed from `weights` unless a
         run feeds its own) and every layer input an output."""
+        source = graph_ops.io.session_source(self.graph, self._open_args[2])
+        return WithDefaults(self._open_source(source), self.weights)
+
+    @property
+    def graph(self):
         if self._graph is None:
             proto = self._open_args[0]
             self._graph = expose_tensors(graph_ops.weights_as_graph_inputs(proto, list(self.layouts)), layer_tensors(proto, self.layouts))
-            self.graph_inputs = {v.name for v in self._graph.graph.input}
-        source = graph_ops.io.session_source(self._graph, self._open_args[2])
-        return WithDefaults(self._open_source(source), self.weights)
+        return self._graph
+
+    @property
+    def graph_inputs(self) -> set[str]:
+        """What the calibration graph takes as inputs: the model's inputs and the scored weights."""
+        if self._graph_inputs is None:
+            self._graph_inputs = {v.name for v in self.graph.graph.input}
+        return self._graph_inputs
 
     def _open_source(self, source):
         return open_graph(self._open_args[1], source, self._open_args[3], "the calibration graph")

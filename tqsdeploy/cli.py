@@ -106,8 +106,18 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+INTERRUPTED = {
+    "score": "finished rollouts are saved in the run folder (sweep.jsonl); run the same command again to resume",
+    "export": "the run folder keeps the measured tier prices (measured.jsonl) and every weight a calibration pass finished "
+              "(export-checkpoints/); run the same command again to resume from them",
+    "frontier": "its score run keeps the finished rollouts, the measured tier prices and every weight a calibration pass finished; "
+                "run the same command again to resume from them",
+}
+"""What an interrupted command kept, by command; the others write each output whole or not at all."""
+
+
 def user_errors(command):
-    """Turn user errors into one line + exit 2, bugs into exit 3."""
+    """Turn user errors into one line + exit 2, bugs into exit 3, Ctrl-C into what it kept and exit 130."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -121,7 +131,8 @@ def user_errors(command):
             where = f" {exc.filename}" if exc.filename else ""
             fail(f"cannot use{where}: {exc.strerror or exc}")
         except KeyboardInterrupt:
-            err.print("interrupted: finished work is saved; run the same command again to resume")
+            kept = INTERRUPTED.get(command.__name__, "no partial output was left (every file is written whole or not at all)")
+            err.print(f"interrupted: {kept}", soft_wrap=True)
             raise typer.Exit(130)
         except Exception as exc:
             if os.environ.get("TQS_DEBUG"):
@@ -495,10 +506,14 @@ def export(
 
     encoding = []
 
-    def on_pass(label: str, count: int) -> None:  # one display at a time: the tier measurements are over or not begun
+    def on_pass(label: str, count: int, done: int) -> None:  # one display at a time: the tier measurements are over or not begun
         progress.stop()
+        if done:
+            err.print(f"encoding ({label}): resuming, {done} of {count} weights read from the checkpoints of an interrupted export")
         encoding[:] = [_progress(f"encoding ({label})", "weights")]
-        encoding[0].start(count)
+        encoding[0].start(count, done)
+        if done >= count:
+            encoding[0].stop()
 
     def on_weight(name: str) -> None:
         encoding[0].advance(detail=name[-40:])
@@ -514,6 +529,7 @@ def export(
             fused = _feeds_matmul_integer_codes(outcome.encodings, planner.layouts)
             outcome.encodings = {}  # written: the table and the record are what is left to show
             rows.append((value, outcome, fused))
+        planner.discard_checkpoints()  # every model is written (or refused by --max-drift): nothing left to resume
     finally:
         progress.stop()
         for bar in encoding:

@@ -37,6 +37,7 @@ import graph_ops
 from graph_ops.qdq import Written, conversion_overhead_bits, emitted_bits, fed_codes_model, write_storage
 from runtimes import OrtRuntime, WithDefaults, release_freed_memory
 from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS, Encoded, Rounding, Tier, get_tiers
+from tqsdeploy import checkpoints
 from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, paper_weights
 from tqsdeploy.calibrate import Calibrator, open_graph
 from tqsdeploy.errors import InfeasibleError, InputError
@@ -241,6 +242,7 @@ class Planner:
             settings.group_size,
             calibrator=lambda: Calibrator(proto, self.layouts, self.prepared.contexts, self.prepared.spec, runtime, workdir=self.run_dir, data_dir=self.prepared.data_dir,
                                           weights=self.weights),
+            checkpoints=(self.run_dir / checkpoints.FOLDER, self._checkpoint_identity(runtime)),
         )
         sizes = graph_ops.io.tensor_sizes(proto)
         self.reference_bits = graph_ops.weight_bits(proto)
@@ -262,6 +264,21 @@ class Planner:
         self.runtime = runtime
         self._choices: dict[str, list[Choice]] = {}
         self.timings: dict[str, float] = {"pricing": 0.0, "refine": 0.0, "compare": 0.0}
+
+    def _checkpoint_identity(self, runtime: OrtRuntime) -> str:
+        """What every calibration pass of this export depends on besides its tiers and rounding: the score
+        run's fingerprint (model, contexts, rollout, settings), the model's hash, the target, the runtime
+        computing the statistics and the versions computing the codes."""
+        from tqsdeploy.score import _versions
+
+        meta = self.scores.meta
+        return json.dumps({"fingerprint": meta.get("fingerprint"), "model": meta["model"]["sha256"], "contexts": meta["contexts"].get("sha256"),
+                           "rollout": meta.get("rollout"), "target": self.settings.target, "runtime": repr(runtime),
+                           "versions": {k: v for k, v in _versions().items() if k != "platform"}}, sort_keys=True, default=str)
+
+    def discard_checkpoints(self) -> None:
+        """The export finished: its calibration checkpoints have nothing left to resume."""
+        checkpoints.discard(self.run_dir)
 
     # -- sizes ------------------------------------------------------------------
 
@@ -763,6 +780,7 @@ class Planner:
             "relative_rms_drift": chosen.drift.relative_rms if chosen.drift else None,
             "compared": [c.record() for c in compared],
             "notes": notes,
+            "checkpointed_weights_reused": self.encoder.log.reused,
             "timings_s": {**{k: round(v, 3) for k, v in self.timings.items()}, "calibration": round(self.encoder.log.calibration_s, 3), "total": round(time.perf_counter() - started, 3)},
             "tiers": table.rows(named=True),
         }

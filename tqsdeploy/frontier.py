@@ -221,6 +221,7 @@ def run_frontier(
             timings = {"sweep": sweep_s, "export": time.perf_counter() - started}  # the first export also prices every slot once
             details = {"shipped": outcome.shipped, "drift_pct": outcome.drift_pct, "compared": outcome.compared, "tiers": dict(zip(outcome.table["slot"], outcome.table["tier"]))}
             candidates.append(Candidate("tqs", label, setting, target, path, outcome.compression, outcome.file_bytes, timings, details=details))
+    planner.discard_checkpoints()  # every export is written: no calibration pass is left to resume
     for _, line in lines:
         line.close()
 

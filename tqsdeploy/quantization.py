@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -76,6 +77,12 @@ def make_slots(units: Sequence[Unit], layouts: Mapping[str, WeightLayout], split
     return slots
 
 
+def _grid(tier: Tier) -> str:
+    """What a tier's codes depend on, in words that are the same in every process (a frozenset's
+    repr is not: string hashes are salted per process)."""
+    return f"{tier.name}: {tier.family} {tier.bits} bits, {'symmetric' if tier.symmetric else 'asymmetric'}"
+
+
 @dataclass
 class EncoderLog:
     """What the encoder did, for allocation records."""
@@ -90,6 +97,8 @@ class EncoderLog:
     """‖X̂W − X̂Q‖_F per calibrated weight (with `track_errors`)."""
     rtn_errors: dict[str, float] = field(default_factory=dict)
     """The same for round to nearest on the same grid."""
+    reused: int = 0
+    """Weights of calibrated passes read from checkpoints instead of encoded (a resumed export)."""
 
 
 class Encoder:
@@ -103,7 +112,11 @@ class Encoder:
         group_size: int | None = None,
         calibrator: Callable[[], object] | None = None,
         track_errors: bool = False,
+        checkpoints: tuple[Path, str] | None = None,
     ):
+        """`checkpoints`: (folder, identity of what the encodings depend on besides the pass): calibrated
+        passes save each finished weight there and read back what an interrupted run saved
+        (`tqsdeploy.checkpoints`)."""
         self.units = {u.name: u for u in units}
         self.graph_layouts = dict(layouts)
         self.layouts = {n: Layout(l.shape, l.perm, l.row_groups) for n, l in layouts.items()}
@@ -115,9 +128,11 @@ class Encoder:
         self._uniform: dict[tuple[str, Rounding], dict[str, Encoded]] = {}
         self._single: dict[tuple[str, str], Encoded] = {}
         self._mixed: dict[tuple, dict[str, Encoded]] = {}
+        self.checkpoints = checkpoints
         self.log = EncoderLog()
-        self.on_pass: Callable[[str, int], None] | None = None
-        """Called as a pass begins, with its label and how many weights it encodes (progress)."""
+        self.on_pass: Callable[[str, int, int], None] | None = None
+        """Called as a pass begins, with its label, how many weights it has and how many of them it
+        reads from checkpoints (progress)."""
         self.on_weight: Callable[[str], None] | None = None
         """Called after each weight of a pass is encoded (progress)."""
         self.before_calibration: Callable[[], None] | None = None
@@ -152,12 +167,22 @@ class Encoder:
             blocks = [slice(g * rows, (g + 1) * rows) for g in range(len(stats))]
             target[name] = float(np.sqrt(sum(output_error(original[b], values[b], s) ** 2 for b, s in zip(blocks, stats))))
 
-    def _pass(self, encode_one: Callable[[str, list[Hessian] | None], Encoded], rounding: Rounding, label: str) -> dict[str, Encoded]:
-        """Encode every unit tensor: directly, or sequentially on calibration statistics.
+    def _pass(self, encode_one: Callable[[str, list[Hessian] | None], Encoded], rounding: Rounding, label: str, identity: str) -> dict[str, Encoded]:
+        """Encode every unit tensor: directly, or sequentially on calibration statistics (checkpointed,
+        see `checkpoints`; `identity` names what this pass's codes depend on besides the model).
         What a pass returns is kept compact (sub-byte codes packed as on disk) from the first weight on."""
         self.log.passes.append(label)
+        calibrated = rounding.needs_stats and any(layout.calibratable for layout in self.graph_layouts.values())
+        saved, found = None, {}
+        if calibrated and self.checkpoints is not None:
+            from tqsdeploy.checkpoints import PassCheckpoints
+
+            folder, base = self.checkpoints
+            saved = PassCheckpoints(folder, f"{base}\n{identity}\ngroup size {self.group_size}", self.weights)
+            found = saved.resume(self.calibrator.groups)
+            self.log.reused += len(found)
         if self.on_pass is not None:
-            self.on_pass(label, len(self.layouts))
+            self.on_pass(label, len(self.layouts), len(found))
         report = self.on_weight
 
         def encode_kept(name, stats):
@@ -166,7 +191,7 @@ class Encoder:
                 report(name)
             return encoded
 
-        if not rounding.needs_stats or not any(layout.calibratable for layout in self.graph_layouts.values()):
+        if not calibrated:
             started = time.perf_counter()
             result = {name: encode_kept(name, None) for name in self.layouts}
             self.log.encode_s += time.perf_counter() - started
@@ -176,7 +201,7 @@ class Encoder:
         log = CalibrationLog()
         if self.before_calibration is not None:
             self.before_calibration()
-        result = self.calibrator.run(encode_kept, rounding.needs_cross, log)
+        result = self.calibrator.run(encode_kept, rounding.needs_cross, log, saved, found)
         self.log.calibration_s += log.seconds
         self.log.thin.update(log.thin)
         return result
@@ -188,7 +213,8 @@ class Encoder:
             return {name: self.tensor(name, tier, rounding) for name in self.layouts}
         key = (tier.name, rounding)
         if key not in self._uniform:
-            self._uniform[key] = self._pass(lambda name, stats: self._encode(name, tier, rounding, stats), rounding, f"uniform {tier.name} {rounding.method}")
+            self._uniform[key] = self._pass(lambda name, stats: self._encode(name, tier, rounding, stats), rounding, f"uniform {tier.name} {rounding.method}",
+                                            f"uniform {_grid(tier)} {rounding!r}")
         return self._uniform[key]
 
     def forget(self, tier: Tier | str, rounding: Rounding) -> None:
@@ -314,7 +340,7 @@ class Encoder:
 
                 return self._join(name, runs, pick)
 
-            self._mixed[key] = self._pass(encode_one, rounding, f"mixed {rounding.method}")
+            self._mixed[key] = self._pass(encode_one, rounding, f"mixed {rounding.method}", f"mixed {key!r} {list(slots)!r} {[_grid(TIERS[t]) for t in sorted(set(assignment.values()))]}")
         return self._mixed[key]
 
     def close(self) -> None:

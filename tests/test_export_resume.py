@@ -1,0 +1,110 @@
+"""An interrupted export resumes: calibration passes are checkpointed weight by weight in the run folder,
+and the rerun writes the same bytes as an uninterrupted export."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import models
+from tqsdeploy import ScoreSettings, score
+from tqsdeploy.checkpoints import FOLDER
+from tqsdeploy.export import ExportSettings, Planner
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory):
+    """A residual MLP with the shared weight split into channel groups, and a finished score run."""
+    folder = tmp_path_factory.mktemp("resume")
+    model = models.mlp_forecaster(folder / "mlp.onnx", n=32, hidden=64)
+    np.savez(folder / "ctx.npz", x=np.random.default_rng(3).standard_normal((4, 2, 32)).astype(np.float32))
+    score(model, folder / "ctx.npz", steps=3, out=folder / "run", settings=ScoreSettings(gauss_draws=1))
+    return model, folder
+
+
+def _export(run, path, on_weight=None):
+    """Export C 4 with QEP rounding (every pass calibrated); the weights it encoded itself, in order."""
+    planner = Planner(run, settings=ExportSettings(refine=1))
+    encoded = []
+
+    def count(name):
+        encoded.append(name)
+        if on_weight is not None:
+            on_weight(len(encoded))
+
+    planner.encoder.on_weight = count
+    try:
+        outcome = planner.export(4, path, final=True)
+        planner.discard_checkpoints()
+    finally:
+        planner.close()
+    return outcome, encoded
+
+
+def test_an_interrupted_export_resumes_from_its_checkpoints_and_writes_the_same_bytes(scored, tmp_path):
+    model, folder = scored
+    for name in ("whole", "cut"):
+        shutil.copytree(folder / "run", tmp_path / name)
+    whole, all_encoded = _export(tmp_path / "whole", tmp_path / "whole.onnx")
+    assert not (tmp_path / "whole" / FOLDER).exists()  # a finished export leaves no checkpoints
+
+    def interrupt(count):
+        if count == 5:
+            raise KeyboardInterrupt  # what Ctrl-C raises, here between the 5th weight's encoding and its checkpoint
+
+    with pytest.raises(KeyboardInterrupt):
+        _export(tmp_path / "cut", tmp_path / "cut.onnx", interrupt)
+    assert not (tmp_path / "cut.onnx").exists()
+    assert len(list((tmp_path / "cut" / FOLDER).rglob("*.npz"))) == 4
+    resumed, encoded = _export(tmp_path / "cut", tmp_path / "cut.onnx")
+    assert len(encoded) == len(all_encoded) - 4 and len(all_encoded) > 8  # the four finished weights are read, not encoded again
+    assert (tmp_path / "cut.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes()
+    assert resumed.notes == whole.notes  # what calibration said of the reused weights comes back with them
+    assert not (tmp_path / "cut" / FOLDER).exists()
+
+
+def test_checkpoints_of_other_settings_are_not_used(scored, tmp_path):
+    """A checkpoint's key covers the rounding settings: GPTQ's saved weights are not read by a QEP pass."""
+    model, folder = scored
+    shutil.copytree(folder / "run", tmp_path / "run")
+    from tiers import TIERS, Rounding
+
+    planner = Planner(tmp_path / "run")
+    planner.encoder.uniform(TIERS["int4-asym"], Rounding("gptq"))
+    planner.close()
+    saved = len(list((tmp_path / "run" / FOLDER).rglob("*.npz")))
+    assert saved == len(planner.layouts)
+    again = Planner(tmp_path / "run")
+    again.encoder.uniform(TIERS["int4-asym"], Rounding("qep"))
+    assert again.encoder.log.reused == 0
+    again.encoder.uniform(TIERS["int4-asym"], Rounding("gptq"))
+    assert again.encoder.log.reused == saved
+    again.close()
+
+
+def test_ctrl_c_during_export_says_what_is_kept_and_the_rerun_resumes(scored, tmp_path):
+    """The command line, interrupted by a real SIGINT once the first checkpoint is on disk."""
+    model, folder = scored
+    shutil.copytree(folder / "run", tmp_path / "run")
+    command = [sys.executable, "-m", "tqsdeploy", "export", str(model), "--run", str(tmp_path / "run"), "--C", "4", "-o", str(tmp_path / "q.onnx")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TQS_PROGRESS_INTERVAL": "0.05"})
+    while process.poll() is None and not list((tmp_path / "run" / FOLDER).rglob("*.npz")):
+        time.sleep(0.005)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130, stdout + stderr
+    text = " ".join(stderr.split())
+    assert "interrupted: the run folder keeps the measured tier prices (measured.jsonl) and every weight a calibration pass finished (export-checkpoints/)" in text
+    assert not (tmp_path / "q.onnx").exists()
+    kept = len(list((tmp_path / "run" / FOLDER).rglob("*.npz")))
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    text = " ".join(rerun.stderr.split())
+    assert sum(int(n) for n in re.findall(r"resuming, (\d+) of \d+ weights read from the checkpoints", text)) == kept > 0, text
+    assert (tmp_path / "q.onnx").exists() and not (tmp_path / "run" / FOLDER).exists()
