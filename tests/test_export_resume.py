@@ -108,3 +108,21 @@ def test_ctrl_c_during_export_says_what_is_kept_and_the_rerun_resumes(scored, tm
     text = " ".join(rerun.stderr.split())
     assert sum(int(n) for n in re.findall(r"resuming, (\d+) of \d+ weights read from the checkpoints", text)) == kept > 0, text
     assert (tmp_path / "q.onnx").exists() and not (tmp_path / "run" / FOLDER).exists()
+
+
+def test_interrupted_exports_keep_at_most_max_passes(scored, tmp_path, monkeypatch):
+    """Checkpoints do not pile up: beyond MAX_PASSES the least recently used pass is dropped."""
+    from tiers import TIERS, Rounding
+    from tqsdeploy import checkpoints
+
+    model, folder = scored
+    shutil.copytree(folder / "run", tmp_path / "run")
+    monkeypatch.setattr(checkpoints, "MAX_PASSES", 2)
+    planner = Planner(tmp_path / "run")
+    passes = []
+    for method in ("gptq", "gptaq", "qep"):
+        planner.encoder.uniform(TIERS["int4-asym"], Rounding(method))
+        passes.append({p.name for p in (tmp_path / "run" / FOLDER).iterdir()})
+    planner.close()
+    assert [len(p) for p in passes] == [1, 2, 2]
+    assert passes[0] < passes[1] and not passes[0] & passes[2]  # the oldest (gptq) went when the third began

@@ -199,7 +199,7 @@ class Encoder:
         from tqsdeploy.calibrate import CalibrationLog
 
         log = CalibrationLog()
-        if self.before_calibration is not None:
+        if self.before_calibration is not None and len(found) < len(self.layouts):  # a pass read whole from checkpoints opens nothing
             self.before_calibration()
         result = self.calibrator.run(encode_kept, rounding.needs_cross, log, saved, found)
         self.log.calibration_s += log.seconds
