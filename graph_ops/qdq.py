@@ -575,21 +575,24 @@ def write_storage(
 ) -> Written:
     """Write `model` with `stored` weights to `path`, atomically (external data together with its model).
 
-    Small models are built in memory. Large ones (or `external_data=True`) are
-    written tensor by tensor into `<name>.data`: each emitted or kept tensor
+    Small models are built in memory into one file (`external_data=False` insists on one file, and
+    fails when it would pass protobuf's 2 GiB). Large ones (or `external_data=True`) are
+    written tensor by tensor into `<name>.<token>.data`: each emitted or kept tensor
     goes to disk before the next, kept tensors straight from the input's
     bytes, so peak memory stays near the input model's own copy plus one tensor.
     A `model` loaded without its external data names its folder in `source`:
     kept tensors are then read from the input's data files one at a time.
     """
-    from graph_ops.io import atomic_output, data_location, drop_stale_data, save_model, stored_bytes, weight_bits
+    from graph_ops.io import PROTOBUF_LIMIT, OutputError, atomic_output, data_location, drop_stale_data, save_model, stored_bytes, weight_bits
 
     path = Path(path)
     if external_data is None:  # an input that keeps its weights outside gets an output that does too
         external_data = source is not None or stored_bytes(model) >= STREAM_THRESHOLD
     if not external_data:
         built = apply_storage(model, stored, source)
-        return Written((save_model(built, path),), weight_bits(built))
+        if stored_bytes(built) >= PROTOBUF_LIMIT:  # only when one file was asked for: the default streams from 1 GiB
+            raise OutputError(f"cannot write {path} as one file: it holds {stored_bytes(built) / 2**30:.2f} GiB, past protobuf's 2 GiB limit")
+        return Written((save_model(built, path, external_data=False),), weight_bits(built))
     location = data_location(path)
     with atomic_output(path.with_name(location)) as partial:  # the data lands under its final name first ...
         data = _DataFile(partial, location, source)

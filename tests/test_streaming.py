@@ -288,3 +288,40 @@ def test_a_streamed_model_whose_data_file_changed_is_a_different_run(tmp_path):
     assert again.meta["model"]["sha256"] != first.meta["model"]["sha256"]
     assert again.meta["nominal_norm_sq"] != first.meta["nominal_norm_sq"]
     assert len(list((tmp_path / "run").glob("overridable-*.onnx"))) == 1  # the same graph: one session file, reused
+
+
+def test_export_names_its_external_data_file_and_single_file_writes_one(tmp_path):
+    """An external-data input gives `q.onnx` + `q.onnx.<token>.data`: the summary and the JSON name both
+    (the .onnx alone does not load). `--single-file` writes one .onnx that runs on its own, the same model."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from tqsdeploy.cli import app
+
+    inline = models.mlp_forecaster(tmp_path / "inline.onnx")
+    external = _external_copy(inline, tmp_path / "ext")
+    np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
+    score(external, tmp_path / "c.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=0))
+    invoke = lambda *args: CliRunner().invoke(app, ["export", str(external), "--run", str(tmp_path / "run"), "--C", "4", "--rounding", "rtn", *map(str, args)])  # noqa: E731
+    result = invoke("-o", tmp_path / "two" / "q.onnx")
+    text = " ".join(result.output.split())
+    meta = json.loads((tmp_path / "two" / "q.allocation.json").read_text())
+    data = [p for p in (tmp_path / "two").iterdir() if p.suffix == ".data"]
+    assert result.exit_code == 0 and len(data) == 1, text
+    assert meta["files"] == [str(tmp_path / "two" / "q.onnx"), str(data[0])] and meta["external_data"] == str(data[0])
+    assert f"external data: {tmp_path / 'two' / 'q.onnx'} + {data[0]}: the .onnx reads its weights from the .data file, so ship and keep both together" in text
+    assert "(--single-file writes one file)" in text and "1 of them with an external-data file" in text
+
+    result = invoke("--single-file", "-o", tmp_path / "one" / "q.onnx")
+    meta = json.loads((tmp_path / "one" / "q.allocation.json").read_text())
+    assert result.exit_code == 0 and "external data" not in result.output, result.output
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["q.allocation.json", "q.allocation.parquet", "q.onnx"]
+    assert meta["files"] == [str(tmp_path / "one" / "q.onnx")] and meta["external_data"] is None and meta["settings"]["single_file"]
+    (tmp_path / "shipped").mkdir()
+    shutil.copy(tmp_path / "one" / "q.onnx", tmp_path / "shipped" / "q.onnx")  # shipped alone, it runs
+    x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
+    alone = OrtRuntime(exact_qdq=True).open(tmp_path / "shipped" / "q.onnx").run({"x": x})["y"]
+    pair = OrtRuntime(exact_qdq=True).open(tmp_path / "two" / "q.onnx", external_data_dir=tmp_path / "two").run({"x": x})["y"]
+    np.testing.assert_array_equal(alone, pair)

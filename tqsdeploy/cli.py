@@ -444,6 +444,7 @@ def export(
     out_dir: Path = typer.Option(Path("."), "--out-dir", help="Folder for <stem>.C<C>.onnx files (a model named model.onnx adds its folder's name: <folder>_model.C<C>.onnx)."),
     provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="Execution provider for the measurement rollouts."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing output files (default: refuse before any work)."),
+    single_file: bool = typer.Option(False, "--single-file", help="Write every tensor inside the .onnx, no external-data file beside it (up to protobuf's 2 GiB; default: one file unless the input keeps its weights in external-data files or the output reaches 1 GiB)."),
     max_drift: Optional[float] = typer.Option(None, "--max-drift", min=0.0, help="Largest drift (%, as eval --exact reports it: exact dequantization) on the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate."),
 ):
     """Allocate precision tiers under a compression target and write mixed-precision ONNX.
@@ -478,6 +479,7 @@ def export(
         split_fraction=split,
         basis=basis,
         lanes=lanes,
+        single_file=single_file,
     )
     from tqsdeploy.files import check_writable
 
@@ -486,6 +488,7 @@ def export(
     planner = Planner(run_dir, model, settings, OrtRuntime(provider=provider))
     if compression:
         planner.check_targets(targets)
+    planner.check_single_file(targets, uniform_tier)
     from tqsdeploy.score import model_label
 
     stem = model_label(planner.model.path)
@@ -551,6 +554,9 @@ def export(
             f"{outcome.file_bytes / 1e6:.3f} MB on disk; shipped {outcome.shipped}"
         )
         out.print(escape(title))
+        if len(outcome.files) > 1:
+            out.print(f"  [yellow]external data:[/] {escape(' + '.join(str(f) for f in outcome.files))}: the .onnx reads its weights from the .data file, "
+                      f"so ship and keep both together in one folder" + (" (--single-file writes one file)" if outcome.file_bytes < 2**31 else ""), soft_wrap=True)
         out.print(_table(summary, "", ["tier", "slots", "params", "bytes"]))
         if outcome.drift is not None:
             compared = ", ".join(f"{c['label']}: {c['drift_pct']:.4g}%" for c in outcome.compared[1:])
@@ -567,7 +573,8 @@ def export(
                 soft_wrap=True,
             )
     written = [o for _, o, _ in rows if not o.refused]
-    out.print(f"wrote {len(written)} model(s) with .allocation.parquet/.json beside each")
+    sidecars = sum(len(o.files) > 1 for o in written)
+    out.print(f"wrote {len(written)} model(s) with .allocation.parquet/.json beside each" + (f", {sidecars} of them with an external-data file (listed above)" if sidecars else ""))
     if len(written) < len(rows):
         raise typer.Exit(1)
 

@@ -80,6 +80,9 @@ class ExportSettings:
     """Units holding more than this share of the unit parameters are split into channel groups of about this share."""
     basis: str = "file"
     """What --C divides: 'file' (every stored tensor) or 'units' (the scored units only)."""
+    single_file: bool = False
+    """Write every tensor inside the .onnx (refused past protobuf's 2 GiB); False: one file unless the input keeps
+    its weights in external-data files or the output reaches 1 GiB (`graph_ops.qdq.write_storage`)."""
     lanes: int | None = None
     """Rollouts that do not depend on each other (pricing, refinement's trials) run this many at once
     (`sweep.Lanes`); None: as `score` decides (`sweep.sweep_lanes`), the sessions' threads split between them,
@@ -154,6 +157,8 @@ class Outcome:
     encodings: dict[str, Encoded] = field(default_factory=dict)
     """What the file stores per unit tensor."""
     notes: list[str] = field(default_factory=list)
+    files: tuple[Path, ...] = ()
+    """What was written: the model, then its external-data file when it has one (ship them together)."""
     refused: str | None = None
     """Why nothing was written (the drift exceeded `max_drift_pct`); None when the model was written."""
 
@@ -703,7 +708,24 @@ class Planner:
     def write(self, encodings: dict[str, Encoded], path: Path, external_data: bool | None = None) -> Written:
         """Write the model atomically (large ones stream into external data)."""
         stored = {name: e for name, e in encodings.items() if not (e.form == "raw" and e.values is self.weights.get(name))}
+        if external_data is None and self.settings.single_file:
+            external_data = False
         return write_storage(self.model.proto, stored, path, external_data=external_data, source=self.prepared.data_dir)
+
+    def check_single_file(self, targets: list[float | None], uniform_tier: str | None = None) -> None:
+        """With `single_file`, refuse before any work an output that cannot fit one file (protobuf's 2 GiB):
+        its size estimated from the budget, or for a uniform tier from the tier's bits."""
+        if not self.settings.single_file:
+            return
+        fixed = self.reference_bits - self.unit_reference_bits
+        for target in targets:
+            if target is None:
+                bits = fixed + sum(u.params for u in self.units) * get_tiers([uniform_tier], self.settings.target, self.settings.group_size)[0].bits
+            else:
+                bits = self.basis_bits / target + (fixed if self.settings.basis == "units" else 0)
+            if bits / 8 >= graph_ops.io.PROTOBUF_LIMIT:
+                raise InputError(f"--single-file: the model would hold about {bits / 8 / 2**30:.2f} GiB, past protobuf's 2 GiB limit for one .onnx file",
+                                 hint="drop --single-file: the weights then go to an external-data file beside it")
 
     def export(self, target: float | None, path: Path | str, uniform_tier: str | None = None, rounding: str | None = None, on_result=None,
                max_drift_pct: float | None = None, final: bool = False) -> Outcome:
@@ -747,7 +769,7 @@ class Planner:
         if max_drift_pct is not None and chosen.drift is not None and not chosen.drift.worst_pct <= max_drift_pct:
             refused = f"{path} not written: it drifts {chosen.drift.worst_pct:.4g}% from the original on the scoring contexts, above --max-drift {max_drift_pct:g}%"
             return Outcome(chosen.allocation, path, 0, math.nan, math.nan, chosen.drift, chosen.label, [c.record() for c in compared], self.table(chosen.allocation),
-                           chosen.encodings, notes, refused)
+                           chosen.encodings, notes, refused=refused)
         stem = path.with_suffix("")
         for record in (Path(f"{stem}.allocation.json"), Path(f"{stem}.allocation.parquet")):
             record.unlink(missing_ok=True)  # a kill before the new record lands leaves a model without one, never a mismatched pair
@@ -770,6 +792,8 @@ class Planner:
             "reference_bits": self.reference_bits,
             "weight_bits": bits,
             "file_bytes": size,
+            "files": [str(f) for f in written.files],
+            "external_data": str(written.files[1]) if len(written.files) > 1 else None,
             "objective": chosen.allocation.objective,
             "rounding": chosen.label.split()[-1] if uniform_tier is not None else self.rounding.method,
             "solver": chosen.allocation.solver,
@@ -786,7 +810,8 @@ class Planner:
         }
         write_table(table, f"{stem}.allocation.parquet")
         write_json(f"{stem}.allocation.json", summary)
-        return Outcome(chosen.allocation, path, size, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table, chosen.encodings, notes)
+        return Outcome(chosen.allocation, path, size, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table, chosen.encodings, notes,
+                       written.files)
 
     def close(self) -> None:
         self._release_runner()
