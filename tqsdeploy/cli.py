@@ -733,7 +733,7 @@ def engine(
     out.print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
 
 
-def _bounds_from_options(max_degradation, min_compression, max_size, per_output):
+def _bounds_from_options(max_degradation, min_compression, max_size, per_output, min_cosine=None):
     from tqsdeploy.gate import Bounds, parse_percent, parse_size
 
     per = {}
@@ -746,7 +746,10 @@ def _bounds_from_options(max_degradation, min_compression, max_size, per_output)
         per[name] = parse_percent(value, "--max-degradation-output")
     if min_compression is not None and not (math.isfinite(min_compression) and min_compression > 0):
         raise typer.BadParameter(f"--min-compression must be a positive finite number, not {min_compression}")
+    if min_cosine is not None and not -1 <= min_cosine <= 1:
+        raise typer.BadParameter(f"--min-cosine is a cosine similarity between -1 and 1, not {min_cosine}")
     return Bounds(
+        min_cosine=min_cosine,
         max_degradation=parse_percent(max_degradation, "--max-degradation") if max_degradation else None,
         min_compression=min_compression,
         max_size=parse_size(max_size) if max_size else None,
@@ -768,6 +771,7 @@ def eval_command(
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps."),
     exact: bool = typer.Option(False, "--exact", help="Exact dequantization instead of ONNX Runtime's default int8-activation MatMulNBits."),
     variable_axis: Optional[int] = typer.Option(None, "--variable-axis", help="Axis of each per-step output to report per variable."),
+    cosine: Optional[bool] = typer.Option(None, "--cosine/--no-cosine", help="Cosine similarity and nearest-neighbour agreement of the output vectors (last axis): --cosine for every output, --no-cosine for none (default: outputs named like embeddings, e.g. embedding, pooled, sentence, last_hidden_state, shaped [batch, dim] or [batch, tokens, dim])."),
     provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="cpu, cuda or tensorrt."),
     report: Optional[Path] = typer.Option(None, "--report", help="Report prefix (writes PREFIX.json and PREFIX.md; default <candidate stem>.eval)."),
 ):
@@ -775,7 +779,7 @@ def eval_command(
     from tqsdeploy.evaluate import EvalSettings, evaluate, markdown, write_report
     from tqsdeploy.files import check_writable
 
-    settings = EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis, windows=windows, zscore=zscore, columns=_columns(columns))
+    settings = EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis, windows=windows, zscore=zscore, columns=_columns(columns), cosine=cosine)
     report = report or candidate.with_suffix("").with_name(candidate.stem + ".eval")
     check_writable(report.parent)  # before the rollouts, so a bad --report throws no results away
     result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
@@ -800,6 +804,8 @@ def gate(
     per_output: Optional[list[str]] = typer.Option(None, "--max-degradation-output", help="Per-output bound OUTPUT=PERCENT (repeatable)."),
     min_compression: Optional[float] = typer.Option(None, "--min-compression", help="Smallest allowed compression (reference / candidate weight bytes)."),
     max_size: Optional[str] = typer.Option(None, "--max-size", help="Largest allowed candidate file, e.g. 12MB."),
+    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Smallest allowed cosine similarity of any output vector to its reference (outputs with cosine metrics, see --cosine), e.g. 0.99."),
+    cosine: Optional[bool] = typer.Option(None, "--cosine/--no-cosine", help="Cosine similarity and nearest-neighbour agreement of the output vectors (last axis): --cosine for every output, --no-cosine for none (default: outputs named like embeddings, e.g. embedding, pooled, sentence, last_hidden_state, shaped [batch, dim] or [batch, tokens, dim])."),
     exact: bool = typer.Option(False, "--exact", help="Exact dequantization instead of what ONNX Runtime runs by default."),
     provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="cpu, cuda or tensorrt."),
     report_dir: Path = typer.Option(Path("gate-report"), "--report-dir", help="Where gate.json, gate.md and junit.xml go."),
@@ -810,8 +816,8 @@ def gate(
 
     from tqsdeploy.files import check_writable
 
-    bounds = _bounds_from_options(max_degradation, min_compression, max_size, per_output)
-    settings = EvalSettings(exact=exact, provider=provider, windows=windows, zscore=zscore, columns=_columns(columns))
+    bounds = _bounds_from_options(max_degradation, min_compression, max_size, per_output, min_cosine)
+    settings = EvalSettings(exact=exact, provider=provider, windows=windows, zscore=zscore, columns=_columns(columns), cosine=cosine)
     check_writable(report_dir)  # before the rollouts
     result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
     checks = check(result, bounds)

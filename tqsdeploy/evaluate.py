@@ -9,12 +9,18 @@ nodes the optimised graph holds.
 Degradation: with ground truth, the paper's (MAE_q - MAE_ref) / MAE_ref against
 the truth; without it, the candidate's MAE against the reference relative to
 the reference's mean absolute value ("drift"). Both in percent.
+
+Embeddings are read as vectors, not values: for an output that looks like one
+(`looks_like_embedding`) or when asked, the report adds the cosine similarity of
+each candidate vector to its reference vector and how often a vector's nearest
+neighbour among the others stays the same (`_vector_metrics`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +53,45 @@ class EvalSettings:
     zscore: bool = False
     columns: tuple[str, ...] | None = None
     """CSV columns (series) to use; default every numeric column."""
+    cosine: bool | None = None
+    """Cosine and nearest-neighbour metrics: None for the outputs that look like embeddings, True for
+    every trajectory output (its last axis the vector), False for none."""
+
+
+EMBEDDING_NAME = re.compile(r"embed|pool|sentence|hidden_state", re.IGNORECASE)
+"""Output names that say their values are vectors: embedding(s), pooled/pooler_output, sentence_embedding,
+last_hidden_state."""
+NEIGHBOUR_VECTORS = 4096
+"""Nearest neighbours are compared among at most this many vectors (the first ones): N² similarities."""
+
+
+def looks_like_embedding(name: str, dims: list | None) -> bool:
+    """An output read as vectors by default: named like an embedding (`EMBEDDING_NAME`) and shaped
+    [batch, dim] or [batch, tokens, dim] with a fixed dim above 1."""
+    return bool(EMBEDDING_NAME.search(name)) and dims is not None and len(dims) in (2, 3) and isinstance(dims[-1], int) and dims[-1] > 1
+
+
+def _vector_metrics(candidate: np.ndarray, reference: np.ndarray) -> dict:
+    """Cosine similarity of every candidate vector (the last axis) to its reference vector, and for the
+    first `NEIGHBOUR_VECTORS` vectors whether each one's nearest neighbour (by cosine, itself excluded)
+    is the same vector in both models."""
+    dim = reference.shape[-1]
+    c, r = (np.asarray(a, np.float64).reshape(-1, dim) for a in (candidate, reference))
+    unit_c, unit_r = (a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-300) for a in (c, r))
+    cosine = np.sum(unit_c * unit_r, axis=1)
+    result = {"vectors": int(cosine.size), "dim": int(dim), "mean": float(cosine.mean()), "min": float(cosine.min())}
+    count = min(len(c), NEIGHBOUR_VECTORS)
+    if count >= 3:  # with two vectors each is the other's neighbour whatever the models do
+        same = sum(int(np.sum(_nearest(unit_c[:count], start) == _nearest(unit_r[:count], start))) for start in range(0, count, 512))
+        result.update({"same_neighbour": same, "neighbour_vectors": count})
+    return result
+
+
+def _nearest(unit: np.ndarray, start: int, rows: int = 512) -> np.ndarray:
+    """Index of each of rows start..start+rows' nearest other vector among `unit` (unit-norm rows)."""
+    similarity = unit[start:start + rows] @ unit.T
+    similarity[np.arange(similarity.shape[0]), np.arange(start, start + similarity.shape[0])] = -np.inf
+    return np.argmax(similarity, axis=1)
 
 
 def trajectories(session: Session, contexts: Contexts, spec: RolloutSpec, max_batch: int) -> dict[str, np.ndarray]:
@@ -270,11 +315,17 @@ def evaluate(
     else:
         truths = {}
     outputs = {}
+    declared = {name: dims for name, (dims, _) in _signature(ref_model.proto)[1].items()}
     for name in resolved.trajectory:
+        vectors = settings.cosine or (settings.cosine is None and looks_like_embedding(name, declared.get(name)))
         if not np.all(np.isfinite(cand[name])):
             outputs[name] = {"nonfinite": True, "degradation_pct": math.inf, "degradation_basis": "non-finite output"}
+            if vectors:  # no similarity to speak of: a --min-cosine bound fails
+                outputs[name]["cosine"] = {"vectors": int(cand[name].size // cand[name].shape[-1]), "dim": int(cand[name].shape[-1]), "mean": math.nan, "min": math.nan}
             continue
         entry = _metrics(cand[name], ref[name], truths.get(name), settings)
+        if vectors:
+            entry["cosine"] = _vector_metrics(cand[name], ref[name])
         if settings.variable_axis is not None:
             axis = 2 + settings.variable_axis % (cand[name].ndim - 2)
             entry["variables"] = {
@@ -323,6 +374,12 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {name} | {r['mae']:.5g} | {r['rmse']:.5g} | [{r['mae_ci95'][0]:.4g}, {r['mae_ci95'][1]:.4g}] | {r['drift_pct']:.3f} | {growth} | {truth_cells} |"
         )
+    vectors = {name: o["cosine"] for name, o in report["outputs"].items() if "cosine" in o}
+    if vectors:
+        lines += ["", "| output (vectors) | cosine mean | cosine min | same nearest neighbour |", "|---|---|---|---|"]
+        for name, v in vectors.items():
+            same = f"{v['same_neighbour']}/{v['neighbour_vectors']}" if "same_neighbour" in v else "- (fewer than 3 vectors)"
+            lines.append(f"| {name} ({v['vectors']} × {v['dim']}) | {v['mean']:.6f} | {v['min']:.6f} | {same} |")
     return "\n".join(lines) + "\n"
 
 

@@ -42,6 +42,8 @@ class Bounds:
     """Bytes of the candidate file (external data included)."""
     per_output: dict[str, float] = field(default_factory=dict)
     """Output name -> max degradation percent."""
+    min_cosine: float | None = None
+    """Smallest cosine similarity of any vector, on every output with cosine metrics."""
 
 
 @dataclass
@@ -73,6 +75,12 @@ def check(report: dict, bounds: Bounds) -> list[Check]:
         if limit is not None:
             value = output["degradation_pct"]
             checks.append(Check(f"degradation[{name}] ({output['degradation_basis']})", value <= limit, value, f"<= {limit:g}%", limit, "<=", "%"))
+    if bounds.min_cosine is not None:
+        vectors = {name: output["cosine"] for name, output in report["outputs"].items() if "cosine" in output}
+        if not vectors:
+            raise InputError(f"--min-cosine: no output of {report['candidate']} was read as vectors", hint="pass --cosine to read every output's last axis as a vector")
+        for name, v in vectors.items():
+            checks.append(Check(f"cosine_min[{name}]", v["min"] >= bounds.min_cosine, v["min"], f">= {bounds.min_cosine:g}", bounds.min_cosine, ">="))
     if bounds.min_compression is not None:
         checks.append(Check("compression", report["compression"] >= bounds.min_compression, report["compression"], f">= {bounds.min_compression:g}x",
                             bounds.min_compression, ">=", "x"))
@@ -80,7 +88,7 @@ def check(report: dict, bounds: Bounds) -> list[Check]:
         size = report["candidate_file_bytes"]
         checks.append(Check("size_bytes", size <= bounds.max_size, size, f"<= {bounds.max_size:.0f} bytes", bounds.max_size, "<=", "bytes"))
     if not checks:
-        raise InputError("gate has no bounds to check", hint="pass --max-degradation, --min-compression or --max-size")
+        raise InputError("gate has no bounds to check", hint="pass --max-degradation, --min-compression, --max-size or --min-cosine")
     return checks
 
 
