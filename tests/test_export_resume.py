@@ -89,10 +89,14 @@ def test_checkpoints_of_other_settings_are_not_used(scored, tmp_path):
 
 
 def test_ctrl_c_during_export_says_what_is_kept_and_the_rerun_resumes(scored, tmp_path):
-    """The command line, interrupted by a real SIGINT once the first checkpoint is on disk."""
+    """The command line, interrupted by a real SIGINT once the first checkpoint is on disk; the rerun, in
+    another process, writes what an uninterrupted export writes."""
     model, folder = scored
-    shutil.copytree(folder / "run", tmp_path / "run")
-    command = [sys.executable, "-m", "tqsdeploy", "export", str(model), "--run", str(tmp_path / "run"), "--C", "4", "-o", str(tmp_path / "q.onnx")]
+    for name in ("run", "whole"):
+        shutil.copytree(folder / "run", tmp_path / name)
+    export = lambda run, output: [sys.executable, "-m", "tqsdeploy", "export", str(model), "--run", str(run), "--C", "4", "-o", str(output)]  # noqa: E731
+    assert subprocess.run(export(tmp_path / "whole", tmp_path / "whole.onnx"), capture_output=True, timeout=300).returncode == 0
+    command = export(tmp_path / "run", tmp_path / "q.onnx")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TQS_PROGRESS_INTERVAL": "0.05"})
     while process.poll() is None and not list((tmp_path / "run" / FOLDER).rglob("*.npz")):
         time.sleep(0.005)
@@ -107,7 +111,7 @@ def test_ctrl_c_during_export_says_what_is_kept_and_the_rerun_resumes(scored, tm
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     text = " ".join(rerun.stderr.split())
     assert sum(int(n) for n in re.findall(r"resuming, (\d+) of \d+ weights read from the checkpoints", text)) == kept > 0, text
-    assert (tmp_path / "q.onnx").exists() and not (tmp_path / "run" / FOLDER).exists()
+    assert (tmp_path / "q.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes() and not (tmp_path / "run" / FOLDER).exists()
 
 
 def test_interrupted_exports_keep_at_most_max_passes(scored, tmp_path, monkeypatch):

@@ -673,8 +673,7 @@ class Planner:
         others = [n for n in graph_ops.io.tensor_sizes(self.model.proto) if n not in names]
         fixed = self.reference_bits - self.unit_reference_bits
         min_params = self.scores.meta.get("selection", {}).get("min_params")
-        order = [t.name for t in self.tiers]
-        lowest = max(allocation.tiers.values(), key=order.index)
+        lowest = min(allocation.tiers.values(), key=lambda tier: TIERS[tier].bits)
         count = sum(t == lowest for t in allocation.tiers.values())
         units_file = self.reference_bits / (fixed + self.unit_reference_bits / target)
         return (
