@@ -5,7 +5,7 @@ collected with every earlier wave at its codes: the slow part of an export (a 22
 user's model). Each weight it finishes is written at once to the run folder
 (`export-checkpoints/<pass>/<key>.npz`) under a key that hashes everything its codes depend on: the
 pass's identity (the score run's fingerprint of model, contexts, rollout and settings; the tier or
-the allocation; the rounding settings; group size; runtime; versions) and the codes of every weight
+the allocation; the rounding settings; group size; runtime; versions and sources) and the codes of every weight
 of the earlier waves. A rerun finds them, skips those weights and the statistics only they needed,
 and writes the same bytes; a weight whose inputs changed gets another key and is encoded again.
 
@@ -156,6 +156,17 @@ class PassCheckpoints:
         passes = sorted((p for p in self.folder.parent.glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime) if self.folder.parent.is_dir() else []
         for old in passes[: max(0, len(passes) - (MAX_PASSES - 1))]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def code_hash() -> str:
+    """A hash of the toolkit's own sources: a pass resumed after tqsdeploy changed (its version number
+    may not have) encodes afresh instead of joining codes of two versions."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for package in ("graph_ops", "runtimes", "tiers", "tqsdeploy"):
+        for source in sorted((root / package).rglob("*.py")):
+            digest.update(source.relative_to(root).as_posix().encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()
 
 
 def discard(run_dir: Path) -> None:

@@ -279,7 +279,7 @@ class Planner:
         meta = self.scores.meta
         return json.dumps({"fingerprint": meta.get("fingerprint"), "model": meta["model"]["sha256"], "contexts": meta["contexts"].get("sha256"),
                            "rollout": meta.get("rollout"), "target": self.settings.target, "runtime": repr(runtime),
-                           "versions": {k: v for k, v in _versions().items() if k != "platform"}}, sort_keys=True, default=str)
+                           "versions": {k: v for k, v in _versions().items() if k != "platform"}, "code": checkpoints.code_hash()}, sort_keys=True, default=str)
 
     def discard_checkpoints(self) -> None:
         """The export finished: its calibration checkpoints have nothing left to resume."""
