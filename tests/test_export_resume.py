@@ -30,7 +30,7 @@ def scored(tmp_path_factory):
 
 def _export(run, path, on_weight=None):
     """Export C 4 with QEP rounding (every pass calibrated); the weights it encoded itself, in order."""
-    planner = Planner(run, settings=ExportSettings(refine=1))
+    planner = Planner(run, settings=ExportSettings(refine=1), resumable=True)
     encoded = []
 
     def count(name):
@@ -75,12 +75,12 @@ def test_checkpoints_of_other_settings_are_not_used(scored, tmp_path):
     shutil.copytree(folder / "run", tmp_path / "run")
     from tiers import TIERS, Rounding
 
-    planner = Planner(tmp_path / "run")
+    planner = Planner(tmp_path / "run", resumable=True)
     planner.encoder.uniform(TIERS["int4-asym"], Rounding("gptq"))
     planner.close()
     saved = len(list((tmp_path / "run" / FOLDER).rglob("*.npz")))
     assert saved == len(planner.layouts)
-    again = Planner(tmp_path / "run")
+    again = Planner(tmp_path / "run", resumable=True)
     again.encoder.uniform(TIERS["int4-asym"], Rounding("qep"))
     assert again.encoder.log.reused == 0
     again.encoder.uniform(TIERS["int4-asym"], Rounding("gptq"))
@@ -122,7 +122,7 @@ def test_interrupted_exports_keep_at_most_max_passes(scored, tmp_path, monkeypat
     model, folder = scored
     shutil.copytree(folder / "run", tmp_path / "run")
     monkeypatch.setattr(checkpoints, "MAX_PASSES", 2)
-    planner = Planner(tmp_path / "run")
+    planner = Planner(tmp_path / "run", resumable=True)
     passes = []
     for method in ("gptq", "gptaq", "qep"):
         planner.encoder.uniform(TIERS["int4-asym"], Rounding(method))

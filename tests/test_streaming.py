@@ -103,11 +103,23 @@ def test_baselines_of_external_data_models_read_the_files_and_match_in_memory_on
         assert np.array_equal(a.encoded[name].values, b.encoded[name].values) and np.array_equal(a.encoded[name].scale, b.encoded[name].scale)
     written = {"inline": write_baseline(inline, a, tmp_path / "out_inline" / "q.onnx"), "ext": write_baseline(external, b, tmp_path / "out_ext" / "q.onnx")}
     assert written["inline"]["compression"] == written["ext"]["compression"]
-    assert list((tmp_path / "out_ext").glob("q.onnx.*.data")) and not list((tmp_path / "out_inline").glob("*.data"))
+    data = list((tmp_path / "out_ext").glob("q.onnx.*.data"))
+    assert len(data) == 1 and not list((tmp_path / "out_inline").glob("*.data"))
+    assert written["ext"]["files"] == [str(tmp_path / "out_ext" / "q.onnx"), str(data[0])] and written["ext"]["external_data"] == str(data[0])
+    assert written["inline"]["files"] == [str(tmp_path / "out_inline" / "q.onnx")] and written["inline"]["external_data"] is None
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
     run = lambda path: OrtRuntime(exact_qdq=True).open(path, external_data_dir=path.parent).run({"x": x})["y"]
     assert np.array_equal(run(tmp_path / "out_inline" / "q.onnx"), run(tmp_path / "out_ext" / "q.onnx"))
     assert sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in external.parent.iterdir()) == before
+
+    from typer.testing import CliRunner
+
+    from tqsdeploy.cli import app
+
+    result = CliRunner().invoke(app, ["baseline", str(external), "--method", "rtn", "--bits", "4", "--min-params", "64", "-o", str(tmp_path / "cli" / "q.onnx")])
+    data = list((tmp_path / "cli").glob("q.onnx.*.data"))
+    assert result.exit_code == 0 and len(data) == 1, result.output
+    assert f"external data: {tmp_path / 'cli' / 'q.onnx'} + {data[0]}: the .onnx reads its weights from the .data file" in " ".join(result.output.split())
 
 
 def test_large_single_file_models_are_streamed_from_the_file_itself(tmp_path, monkeypatch):

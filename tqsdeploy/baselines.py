@@ -162,6 +162,8 @@ def write_baseline(model_path: str | Path, result: BaselineResult, output: str |
         "tier": result.tier,
         "output": str(path),
         "file_bytes": written.bytes,
+        "files": [str(f) for f in written.files],
+        "external_data": str(written.files[1]) if len(written.files) > 1 else None,
         "compression": reference / bits,
         "unit_compression": unit_reference / unit_bits,
         "weight_bits": bits,

@@ -394,6 +394,13 @@ def _floats(text: str, option: str) -> list[float]:
     return values
 
 
+def _say_sidecar(files, size: int, alternative: str | None = None) -> None:
+    """Name a model's external-data file: shipped without it, the .onnx does not load."""
+    if len(files) > 1:
+        out.print(f"  [yellow]external data:[/] {escape(' + '.join(str(f) for f in files))}: the .onnx reads its weights from the .data file, "
+                  f"so ship and keep both together in one folder" + (f" ({alternative})" if alternative and size < 2**31 else ""), soft_wrap=True)
+
+
 def _refuse_overwrite(*paths, elsewhere: str = "-o / --out-dir") -> None:
     """Fail before any work when an output exists (--force overwrites)."""
     for path in paths:
@@ -485,7 +492,7 @@ def export(
 
     check_writable(output.parent if output is not None else out_dir)  # before the work, not after it
     run_dir = find_run(model, run)
-    planner = Planner(run_dir, model, settings, OrtRuntime(provider=provider))
+    planner = Planner(run_dir, model, settings, OrtRuntime(provider=provider), resumable=True)
     if compression:
         planner.check_targets(targets)
     planner.check_single_file(targets, uniform_tier)
@@ -554,9 +561,7 @@ def export(
             f"{outcome.file_bytes / 1e6:.3f} MB on disk; shipped {outcome.shipped}"
         )
         out.print(escape(title))
-        if len(outcome.files) > 1:
-            out.print(f"  [yellow]external data:[/] {escape(' + '.join(str(f) for f in outcome.files))}: the .onnx reads its weights from the .data file, "
-                      f"so ship and keep both together in one folder" + (" (--single-file writes one file)" if outcome.file_bytes < 2**31 else ""), soft_wrap=True)
+        _say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
         out.print(_table(summary, "", ["tier", "slots", "params", "bytes"]))
         if outcome.drift is not None:
             compared = ", ".join(f"{c['label']}: {c['drift_pct']:.4g}%" for c in outcome.compared[1:])
@@ -624,6 +629,7 @@ def baseline(
         f"{path}: {method} W{bits} ({summary['tier']}), {summary['tensors']} tensors, compression {summary['compression']:.3f}x of the file "
         f"({summary['unit_compression']:.3f}x of the units), {summary['file_bytes'] / 1e6:.3f} MB; calibration {timings['calibration']:.2f} s"
     )
+    _say_sidecar(summary["files"], summary["file_bytes"])
     if summary["layer_error"]:
         ratio = [summary["layer_error"][k] / summary["rtn_layer_error"][k] for k in summary["layer_error"] if summary["rtn_layer_error"].get(k)]
         if ratio:

@@ -191,7 +191,11 @@ def find_run(model: Path | None, run: Path | None) -> Path:
 class Planner:
     """Everything needed to allocate and export for one score run."""
 
-    def __init__(self, run_dir: Path | str, model: Path | str | None = None, settings: ExportSettings = ExportSettings(), runtime: OrtRuntime = OrtRuntime()):
+    def __init__(self, run_dir: Path | str, model: Path | str | None = None, settings: ExportSettings = ExportSettings(), runtime: OrtRuntime = OrtRuntime(),
+                 resumable: bool = False):
+        """`resumable`: checkpoint every weight a calibration pass finishes in the run folder, and read back
+        those an interrupted export left (`tqsdeploy.checkpoints`; the command line's export and frontier);
+        `discard_checkpoints` once the export is done."""
         self.run_dir = Path(run_dir)
         self.scores = ScoreTable.load(self.run_dir)
         if not self.scores.complete:
@@ -247,7 +251,7 @@ class Planner:
             settings.group_size,
             calibrator=lambda: Calibrator(proto, self.layouts, self.prepared.contexts, self.prepared.spec, runtime, workdir=self.run_dir, data_dir=self.prepared.data_dir,
                                           weights=self.weights),
-            checkpoints=(self.run_dir / checkpoints.FOLDER, self._checkpoint_identity(runtime)),
+            checkpoints=(self.run_dir / checkpoints.FOLDER, self._checkpoint_identity(runtime)) if resumable else None,
         )
         sizes = graph_ops.io.tensor_sizes(proto)
         self.reference_bits = graph_ops.weight_bits(proto)

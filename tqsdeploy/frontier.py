@@ -189,7 +189,7 @@ def run_frontier(
     sweep_s = table.meta["timings_s"]["sweep"]
     candidates: list[Candidate] = []
 
-    planner = Planner(out_dir / "score", model, settings.export, runtime)
+    planner = Planner(out_dir / "score", model, settings.export, runtime, resumable=True)
     for bits in settings.bits:
         tier = tier_for_bits(bits, settings.symmetric_baselines)
         for method in settings.baselines:
@@ -204,7 +204,7 @@ def run_frontier(
             timings = {"sweep": 0.0, "export": time.perf_counter() - started}
             candidates.append(Candidate("baseline", LABELS[method], f"W{bits}", None, path, outcome.compression, outcome.file_bytes, timings, details={"drift_pct": outcome.drift_pct}))
 
-    lines = [(TQS_LABEL, planner)] + [(label, Planner(out_dir / "score", model, variant, runtime)) for label, variant in settings.variants]
+    lines = [(TQS_LABEL, planner)] + [(label, Planner(out_dir / "score", model, variant, runtime, resumable=True)) for label, variant in settings.variants]
     targets = _targets(settings, [c for c in candidates if c.family == "baseline"])
     if progress is not None:
         progress.start(planned(len(targets) * lines_count), progress.done)
