@@ -725,7 +725,7 @@ class Planner:
             if target is None:
                 bits = fixed + sum(u.params for u in self.units) * get_tiers([uniform_tier], self.settings.target, self.settings.group_size)[0].bits
             else:
-                bits = self.basis_bits / target + (fixed if self.settings.basis == "units" else 0)
+                bits = min(self.reference_bits, self.basis_bits / target + (fixed if self.settings.basis == "units" else 0))
             if bits / 8 >= graph_ops.io.PROTOBUF_LIMIT:
                 raise InputError(f"--single-file: the model would hold about {bits / 8 / 2**30:.2f} GiB, past protobuf's 2 GiB limit for one .onnx file",
                                  hint="drop --single-file: the weights then go to an external-data file beside it")
