@@ -99,6 +99,28 @@ def test_contexts_wrong_shape(two_branch, tmp_path):
     _fails(["score", model, "-c", tmp_path / "wrong.npz", "-o", tmp_path / "run"], "does not fit model input 'x' [batch, 32]")
 
 
+def test_a_refused_score_of_a_streamed_model_leaves_nothing_that_blocks_the_next_run(tmp_path):
+    """A model swept from its files (external data here; an .onnx of 64 MiB or more goes the same way) gets a
+    session file in its run folder before the contexts are read: a refusal must take it away again, or the
+    corrected command finds 'not a tqsdeploy run folder and not empty' (issue 34, item 1)."""
+    folder = tmp_path / "ext"
+    folder.mkdir()
+    proto = onnx.load(str(models.mlp_forecaster(tmp_path / "inline.onnx")))
+    model = folder / "big.onnx"
+    onnx.save_model(proto, str(model), save_as_external_data=True, all_tensors_to_one_file=True, location="big.onnx.data", size_threshold=0)
+    np.savez(tmp_path / "wrong.npz", x=np.ones((2, 1, 31), np.float32))
+    np.savez(tmp_path / "right.npz", x=np.random.default_rng(0).standard_normal((2, 1, 32)).astype(np.float32))
+    run = tmp_path / "runs" / "big"
+    _fails(["score", model, "-c", tmp_path / "wrong.npz", "-o", run, "--steps", 2], "does not fit model input 'x'")
+    assert not run.exists() and not (tmp_path / "runs").exists()
+    result = runner.invoke(app, [str(a) for a in ["score", model, "-c", tmp_path / "right.npz", "-o", run, "--steps", 2, "--probes", 1]])
+    assert result.exit_code == 0, result.output
+    run.joinpath("keep.txt").write_text("the user's")  # a refusal in a finished run folder removes only what it made
+    before = sorted(p.name for p in run.iterdir())
+    _fails(["score", model, "-c", tmp_path / "wrong.npz", "-o", run, "--steps", 3, "--fresh"], "does not fit model input 'x'")
+    assert sorted(p.name for p in run.iterdir()) == before
+
+
 def test_contexts_beyond_float32_are_named_not_turned_into_inf(two_branch, tmp_path):
     """A float64 context of 1e39 is finite, but not as the model's float32 input."""
     model, _ = two_branch

@@ -53,6 +53,15 @@ RUN_MARKER = "run.json"
 LOCK_NAME = ".tqsdeploy.lock"
 
 
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """What tells a rewritten file from the one that was there (atomic writes replace the inode)."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
 @contextlib.contextmanager
 def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
     """Hold a run folder for this process while the block writes into it.
@@ -60,7 +69,10 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
     The folder must be new, empty, or a tqsdeploy run folder (it holds
     run.json): a folder of the user's own files is refused rather than
     overwritten. A second process that wants the same folder is refused at
-    once instead of mixing its results into this run.
+    once instead of mixing its results into this run. A command that fails
+    before it records its run (run.json) removes the files it made there (a
+    large model's session file, say), which would otherwise make the folder
+    "not a run folder and not empty" and block the next, correct command.
     """
     from filelock import FileLock, Timeout
 
@@ -82,8 +94,15 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
         lock.acquire(timeout=0)
     except Timeout:
         raise InputError(f"another tqsdeploy command is writing to {folder}", hint="wait for it to finish, or use another folder") from None
+    before, recorded = {p.name for p in folder.iterdir()}, _identity(folder / RUN_MARKER)
     try:
         yield folder
+    except BaseException:
+        if _identity(folder / RUN_MARKER) in (None, recorded):  # refused (or stopped) before recording a run: what it made goes
+            for path in folder.iterdir():
+                if path.name not in before and path.name != LOCK_NAME and path.is_file():
+                    path.unlink(missing_ok=True)
+        raise
     finally:
         lock.release()
         if made and [p.name for p in folder.iterdir()] == [LOCK_NAME]:  # refused before writing anything: leave no trace
