@@ -112,3 +112,18 @@ def test_file_basis_that_crushes_the_units_says_so_and_what_basis_units_gives(tm
     units = json.loads((tmp_path / "units.allocation.json").read_text())
     assert code == 0 and units["notes"] == [] and "took the units" not in text, text
     assert said == pytest.approx(units["compression"], rel=0.05)
+
+
+def test_another_models_file_with_this_run_is_named_as_the_wrong_model(tmp_path):
+    """Whatever fails first on another model (its outputs, its weights, its inputs), the message says the model is
+    not the one the run was scored on (run.json keeps its SHA-256) rather than what that mismatch breaks."""
+    model = models.mlp_forecaster(tmp_path / "a.onnx")
+    np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(0).standard_normal((2, 1, 32)).astype(np.float32))
+    score(model, tmp_path / "ctx.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
+    others = [models.shift_model(tmp_path / "shift.onnx", length=32, horizon=4),  # was: output 'y' [batch, 4] does not fit input 'x'
+              models.small_weights_model(tmp_path / "small.onnx"),  # was: no quantizable tensors
+              models.gather_forecaster(tmp_path / "emb.onnx")]  # was: contexts have no array for model input 'ids'
+    for other in others:
+        code, text = _invoke("export", other, "--run", tmp_path / "run", "--C", 2, "--out-dir", tmp_path)
+        assert code == 2 and f"{other} is not the model the run in {tmp_path / 'run'} was scored on" in text, text
+        assert f"made for a different model ({model})" in text and "Traceback" not in text

@@ -40,7 +40,7 @@ from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS, Encoded, Rounding, T
 from tqsdeploy import checkpoints
 from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, paper_weights
 from tqsdeploy.calibrate import Calibrator, open_graph
-from tqsdeploy.errors import InfeasibleError, InputError
+from tqsdeploy.errors import USER_ERRORS, InfeasibleError, InputError
 from tqsdeploy.files import write_json, write_table
 from tqsdeploy.quantization import Encoder, Slot, make_slots
 from tqsdeploy.score import Prepared, ScoreTable, default_run_dir, prepare
@@ -188,6 +188,16 @@ def find_run(model: Path | None, run: Path | None) -> Path:
     return runs[0]
 
 
+def _same_model(model: Path, sha256: str, run_dir: Path, meta: dict) -> None:
+    """Refuse a model other than the one the run scored (run.json keeps its SHA-256)."""
+    if sha256 != meta["model"]["sha256"]:
+        raise InputError(
+            f"{model} is not the model the run in {run_dir} was scored on: that run was made for a different model ({meta['model']['path']}), "
+            "their SHA-256 differ",
+            hint="score this model first, or pass --run DIR of its own run",
+        )
+
+
 class Planner:
     """Everything needed to allocate and export for one score run."""
 
@@ -207,26 +217,26 @@ class Planner:
         self.rounding = Rounding(settings.rounding)
         probe = dict(meta["probe"])
         probe["horizons"] = tuple(probe["horizons"]) if probe.get("horizons") else None
-        self.prepared: Prepared = prepare(
-            model,
-            self.run_dir / "contexts.npz",
-            self.run_dir / "rollout.toml",
-            selection=UnitSelection(**meta["selection"]),
-            settings=ScoreSettings(**probe),
-            runtime=runtime,
-            strategy={"prefix": "unit"}.get(meta.get("strategy", "auto"), meta.get("strategy", "auto")),  # candidates are whole models: no cuts
-            workdir=self.run_dir,
-            stream=True,
-            runtime_keeps_weights=False,  # candidates run in sessions beside this one: it holds no copy of the weights
-            # a model measured on sessions of its own (one_session) runs one lane: its sessions keep every thread
-            lanes=settings.lanes if settings.lanes is not None or meta["model"].get("bytes", 0) < ONE_SESSION_BYTES else 1,
-        )
-        runtime = runtime.for_model(self.prepared.model.proto)
-        if self.prepared.model.sha256 != meta["model"]["sha256"]:
-            raise InputError(
-                f"the score run in {self.run_dir} was made for a different model ({meta['model']['path']}) than {model} (hash mismatch)",
-                hint="score this model first, or pass --run DIR of its run",
+        try:
+            self.prepared: Prepared = prepare(
+                model,
+                self.run_dir / "contexts.npz",
+                self.run_dir / "rollout.toml",
+                selection=UnitSelection(**meta["selection"]),
+                settings=ScoreSettings(**probe),
+                runtime=runtime,
+                strategy={"prefix": "unit"}.get(meta.get("strategy", "auto"), meta.get("strategy", "auto")),  # candidates are whole models: no cuts
+                workdir=self.run_dir,
+                stream=True,
+                runtime_keeps_weights=False,  # candidates run in sessions beside this one: it holds no copy of the weights
+                # a model measured on sessions of its own (one_session) runs one lane: its sessions keep every thread
+                lanes=settings.lanes if settings.lanes is not None or meta["model"].get("bytes", 0) < ONE_SESSION_BYTES else 1,
             )
+        except USER_ERRORS:  # another model's shapes or weights fail first ('y' is not an output, no units): say which is wrong
+            _same_model(model, graph_ops.load_model(model, load_external=False).sha256, self.run_dir, meta)
+            raise
+        _same_model(model, self.prepared.model.sha256, self.run_dir, meta)
+        runtime = runtime.for_model(self.prepared.model.proto)
         self.model = self.prepared.model
         self.units: list[Unit] = self.prepared.units
         self.units_by_name = {u.name: u for u in self.units}
