@@ -354,3 +354,23 @@ def test_no_feedback_runs_after_the_last_step(tmp_path):
 def test_detection_on_signatures_the_second_audit_found(inputs, outputs, feedback, trajectory):
     found = detect_rollout(*_sig(inputs, outputs))
     assert list(found.spec.feedback) == feedback and found.spec.trajectory == trajectory
+
+
+def test_reason_lines_name_the_output_and_the_input_and_one_step_is_singular(tmp_path):
+    """inspect's reason line, keyed by the input, names whose shape is whose; a single-step rollout reads '1 step'
+    in score's and eval's summaries (issue 34, item 10)."""
+    import models
+
+    shift = models.shift_model(tmp_path / "s.onnx", length=16, horizon=4)
+    result = runner.invoke(app, ["inspect", str(shift)])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0 and "x: 'y' [batch, 4] appends to 'x' [batch, 16] along axis -1 (4 < 16) → shift" in text, text
+    single = models.assorted_ops(tmp_path / "a.onnx")
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "c.npz", ids=rng.integers(0, 100, (2, 3)), img=rng.standard_normal((2, 3, 4, 8, 8)).astype(np.float32))
+    result = runner.invoke(app, ["score", str(single), "-c", str(tmp_path / "c.npz"), "--probes", "1", "--out", str(tmp_path / "run")])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0 and "rollout 1 step (detected)" in text and "1 steps" not in text, text
+    result = runner.invoke(app, ["eval", str(single), "--reference", str(single), "-c", str(tmp_path / "c.npz"), "--report", str(tmp_path / "e")])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0 and "2 context windows × 1 step;" in text, text

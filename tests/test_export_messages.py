@@ -127,3 +127,18 @@ def test_another_models_file_with_this_run_is_named_as_the_wrong_model(tmp_path)
         code, text = _invoke("export", other, "--run", tmp_path / "run", "--C", 2, "--out-dir", tmp_path)
         assert code == 2 and f"{other} is not the model the run in {tmp_path / 'run'} was scored on" in text, text
         assert f"made for a different model ({model})" in text and "Traceback" not in text
+
+
+def test_too_little_calibration_data_is_said_in_plain_words(tmp_path):
+    """Two windows of a 2-step rollout give each weight 4 input vectors against 32 or 64 inputs: the note says what
+    calibration data is, how little there was (the worst weight's numbers) and what to do (issue 34, item 10)."""
+    model = models.mlp_forecaster(tmp_path / "a.onnx")
+    np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(0).standard_normal((2, 1, 32)).astype(np.float32))
+    score(model, tmp_path / "ctx.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
+    code, text = _invoke("export", model, "--run", tmp_path / "run", "--C", 4, "--out-dir", tmp_path)
+    assert code == 0, text
+    assert "3 weight(s) had too little calibration data for qep" in text and "one vector per window, step and position of the contexts" in text
+    assert "fewer vectors than twice their input size (fewest: 'W3', 4 for 64 inputs)" in text
+    assert "score with more context windows (or more --steps)" in text and "--rounding rtn, which needs none" in text
+    code, text = _invoke("baseline", model, "--method", "gptq", "--bits", 4, "--calib", tmp_path / "ctx.npz", "-o", tmp_path / "b.onnx")
+    assert code == 0 and "had too little calibration data for gptq" in text and "give --calib more windows" in text, text

@@ -23,7 +23,7 @@ import graph_ops
 from graph_ops.qdq import emitted_bits, write_storage
 from runtimes.ort import OrtRuntime
 from tiers import Encoded, Rounding, TierError, tier_for_bits
-from tqsdeploy.calibrate import Calibrator
+from tqsdeploy.calibrate import Calibrator, thin_note
 from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
 from tqsdeploy.quantization import Encoder
@@ -135,11 +135,9 @@ def quantize_baseline(
         rtn_errors=dict(encoder.log.rtn_errors),
         rtn_only=dict(encoder.log.rtn_only) if rounding.needs_stats else {},
     )
-    if encoder.log.thin:
-        result.notes.append(
-            f"{len(encoder.log.thin)} weight(s) saw fewer calibration rows than 2x their input width, so their Hessians are "
-            f"rank-deficient (damping hides it): {', '.join(sorted(encoder.log.thin))}"
-        )
+    thin = thin_note(encoder.log.thin, method, f"give --calib more windows (or a longer --steps rollout): {', '.join(sorted(encoder.log.thin))}")
+    if thin:
+        result.notes.append(thin)
     if bits == 3:
         result.notes.append("3-bit codes travel in 4-bit containers: W3 is no smaller on disk than W4")
     encoder.close()

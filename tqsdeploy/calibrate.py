@@ -57,6 +57,19 @@ class CalibrationLog:
     """Weights that saw fewer rows than twice their input width (rank-deficient Hessians)."""
 
 
+def thin_note(thin: Mapping[str, tuple[int, int]], method: str, remedy: str) -> str | None:
+    """Weights that saw too few calibration rows (`EncoderLog.thin`: name -> (rows, input width)) in a
+    newcomer's words: what the rows are, how few, and what to do (`remedy`); None when there are none."""
+    if not thin:
+        return None
+    name, (rows, width) = min(thin.items(), key=lambda item: item[1][0] / item[1][1])
+    return (
+        f"{len(thin)} weight(s) had too little calibration data for {method}: it fits each weight's rounding to the inputs "
+        f"the weight saw (one vector per window, step and position of the contexts), and these saw fewer vectors than twice "
+        f"their input size (fewest: '{name}', {rows} for {width} inputs), so their rounding rests on thin statistics; {remedy}"
+    )
+
+
 IM2COL_BYTES = 32 << 20
 """A Conv's calibration rows (im2col: a row per output position, C·k² columns, float64 in the Hessian) are built
 this many bytes at a time, a few samples of the batch at once: for all the windows of a step at once a

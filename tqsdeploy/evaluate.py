@@ -33,6 +33,7 @@ from runtimes import OrtRuntime, Session, release_freed_memory
 from tqsdeploy.contexts import Contexts, continuation_rows, load_contexts, truth_from_csv
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import write_json, write_text
+from tqsdeploy.progress import counted
 from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.score import resolve_spec
@@ -356,7 +357,7 @@ def markdown(report: dict) -> str:
     lines = [
         f"### Evaluation of `{Path(report['candidate']).name}` against `{Path(report['reference']).name}`",
         "",
-        f"{report['windows']} context windows × {report['steps']} steps; compression {report['compression']:.2f}×; "
+        f"{counted(report['windows'], 'context window')} × {counted(report['steps'], 'step')}; compression {report['compression']:.2f}×; "
         f"{report['candidate_file_bytes'] / 1e6:.3f} MB vs {report['reference_file_bytes'] / 1e6:.3f} MB.",
         f"Runtime: {report['runtime']['provider']}, {report['runtime']['mode']}; MatMulNBits nodes: {report['runtime']['matmulnbits_nodes']}.",
         f"Truth: {report['truth']}." if report.get("truth") else "No truth: degradation is the drift from the reference.",

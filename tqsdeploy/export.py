@@ -39,7 +39,7 @@ from runtimes import OrtRuntime, WithDefaults, release_freed_memory
 from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS, Encoded, Rounding, Tier, get_tiers
 from tqsdeploy import checkpoints
 from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, paper_weights
-from tqsdeploy.calibrate import Calibrator, open_graph
+from tqsdeploy.calibrate import Calibrator, open_graph, thin_note
 from tqsdeploy.errors import USER_ERRORS, InfeasibleError, InputError
 from tqsdeploy.files import write_json, write_table
 from tqsdeploy.quantization import Encoder, Slot, make_slots
@@ -777,8 +777,9 @@ class Planner:
         for name, reason in sorted(self.encoder.log.rtn_only.items()):
             if self.rounding.needs_stats:
                 notes.append(f"'{name}' is rounded to nearest whatever the method: {reason}")
-        if self.encoder.log.thin and self.rounding.needs_stats:
-            notes.append(f"{len(self.encoder.log.thin)} weight(s) saw fewer calibration rows than twice their input width (rank-deficient Hessians, damping hides it)")
+        thin = thin_note(self.encoder.log.thin, self.settings.rounding, "score with more context windows (or more --steps) to give it more, or export with --rounding rtn, which needs none")
+        if thin and self.rounding.needs_stats:
+            notes.append(thin)
         if max_drift_pct is not None and chosen.drift is not None and not chosen.drift.worst_pct <= max_drift_pct:
             refused = f"{path} not written: it drifts {chosen.drift.worst_pct:.4g}% from the original on the scoring contexts, above --max-drift {max_drift_pct:g}%"
             return Outcome(chosen.allocation, path, 0, math.nan, math.nan, chosen.drift, chosen.label, [c.record() for c in compared], self.table(chosen.allocation),

@@ -22,6 +22,11 @@ INTERVAL_S = float(os.environ.get("TQS_PROGRESS_INTERVAL", 10.0))
 """Seconds between plain progress lines when the output is not a terminal."""
 
 
+def counted(count: int, noun: str) -> str:
+    """'1 step', '8 steps': a count with its noun in the right number."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     if seconds < 60:

@@ -92,7 +92,8 @@ class EncoderLog:
     passes: list[str] = field(default_factory=list)
     rtn_only: dict[str, str] = field(default_factory=dict)
     """Weights rounded to nearest whatever the method, and why."""
-    thin: set[str] = field(default_factory=set)
+    thin: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Weights calibrated on too few rows: (rows, input width) (`calibrate.thin_note`)."""
     errors: dict[str, float] = field(default_factory=dict)
     """‖X̂W − X̂Q‖_F per calibrated weight (with `track_errors`)."""
     rtn_errors: dict[str, float] = field(default_factory=dict)
@@ -203,7 +204,9 @@ class Encoder:
             self.before_calibration()
         result = self.calibrator.run(encode_kept, rounding.needs_cross, log, saved, found)
         self.log.calibration_s += log.seconds
-        self.log.thin.update(log.thin)
+        for name in log.thin:  # with what the note says: the rows it saw against its input width (Wt [N, K]: K)
+            layout = self.layouts[name]
+            self.log.thin[name] = (log.rows.get(name, 0), int(np.prod(layout.shape)) // (layout.shape[layout.perm[0]] if layout.perm else 1))
         return result
 
     def uniform(self, tier: Tier | str, rounding: Rounding) -> dict[str, Encoded]:

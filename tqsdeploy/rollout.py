@@ -376,20 +376,25 @@ def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
         return None
     if not differing and not uncertain:
         score, edge = 105, Feedback(output.name, input.name, "replace")
-        reason = f"same shape {_fmt(input.shape)} → replace" if exact else f"{_fmt(output.shape)} and {_fmt(input.shape)} agree where known → replace"
+        reason = f"{_named(output)} has the shape of {_named(input)} → replace" if exact else f"{_named(output)} and {_named(input)} agree where known → replace"
     elif not differing and len(uncertain) == 1:
         if affinity < 2:  # a decoder's hidden state [B, dec_len, D] is not the next encoder memory [B, enc_len, D]
             return None
         axis = uncertain[0] - input.rank
         score, edge = 100, Feedback(output.name, input.name, "shift", axis)
-        reason = f"{_fmt(output.shape)} appends to {_fmt(input.shape)} along axis {axis}, whose lengths may differ → shift"
+        reason = f"{_named(output)} appends to {_named(input)} along axis {axis}, whose lengths may differ → shift"
     elif len(differing) == 1 and not uncertain and output.shape[differing[0]] < input.shape[differing[0]]:
         axis = differing[0] - input.rank
         score, edge = 100, Feedback(output.name, input.name, "shift", axis)
-        reason = f"{_fmt(output.shape)} appends to {_fmt(input.shape)} along axis {axis} ({output.shape[differing[0]]} < {input.shape[differing[0]]}) → shift"
+        reason = f"{_named(output)} appends to {_named(input)} along axis {axis} ({output.shape[differing[0]]} < {input.shape[differing[0]]}) → shift"
     else:
         return None
     return score + (1 if exact else 0) + affinity, edge, f"{reason}; {why}"
+
+
+def _named(spec: IOSpec) -> str:
+    """A tensor in a reason: its name and shape, so a line keyed by the input never shows the output's shape as the input's."""
+    return f"'{spec.name}' {_fmt(spec.shape)}"
 
 
 def _matches_but(a: tuple, b: tuple, axis: int) -> bool:
@@ -412,7 +417,7 @@ def _one_axis_fewer(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] 
             if input.shape[i] != 1 and _matches_but(output.shape[:i] + (1,) + output.shape[i:], input.shape, i)]
     if len(fits) == 1:
         axis = fits[0] - input.rank
-        reason = f"{_fmt(output.shape)} is one entry of the history {_fmt(input.shape)} along axis {axis} → shift"
+        reason = f"{_named(output)} is one entry of the history {_named(input)} along axis {axis} → shift"
         return 100 + affinity, Feedback(output.name, input.name, "shift", axis), f"{reason}; {why}"
     for k in reversed(range(1, input.rank)):
         pair = _shift_as(output, output.shape[:k] + (1,) + output.shape[k:], input, f"with the input's singleton axis {k} added") if input.shape[k] == 1 else None
