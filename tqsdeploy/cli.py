@@ -27,6 +27,7 @@ try:  # typer >= 0.29 carries its own copy of click
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exceptions
 from tqsdeploy.errors import USER_ERRORS, InputError
+from tqsdeploy.progress import counted
 
 ABORT = getattr(click_exceptions, "Abort", None) or typer.Abort  # typer 0.29's click copy keeps Abort in typer itself
 
@@ -157,6 +158,19 @@ def _columns(text: Optional[str]) -> Optional[tuple[str, ...]]:
     return names or None
 
 
+def _dims(items: Optional[list[str]]) -> tuple[tuple[str, int], ...]:
+    """--dim seq=128 (repeatable) as ((name, size), ...); each name once, each size a positive integer."""
+    sizes: dict[str, int] = {}
+    for item in items or []:
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not name or not value.isdigit() or int(value) < 1:
+            raise typer.BadParameter(f"--dim takes NAME=SIZE with a positive integer size, e.g. seq=128, not {item!r}")
+        if name in sizes:
+            raise typer.BadParameter(f"--dim gives axis '{name}' twice")
+        sizes[name] = int(value)
+    return tuple(sizes.items())
+
+
 COLUMNS_HELP = "CSV contexts: comma-separated columns (series) to use, e.g. OT,HUFL (default every numeric column)."
 
 
@@ -251,7 +265,7 @@ def _describe_rollout(rollout: dict) -> str:
         return f"{source} → {e['input']} ({e['mode']}{extra})"
 
     edges = "; ".join(edge(e) for e in rollout["feedback"])
-    return f"rollout ({rollout['origin']}): {rollout['steps']} steps; {edges}; trajectory {rollout['trajectory']}"
+    return f"rollout ({rollout['origin']}): {counted(rollout['steps'], 'step')}; {edges}; trajectory {rollout['trajectory']}"
 
 
 @app.command()
@@ -280,7 +294,8 @@ def score(
     windows: int = typer.Option(8, "--windows", min=1, help="Windows cut from a CSV (or random contexts)."),
     zscore: bool = typer.Option(False, "--zscore", help="Standardise CSV columns before cutting windows."),
     columns: Optional[str] = typer.Option(None, "--columns", help=COLUMNS_HELP),
-    random_contexts: bool = typer.Option(False, "--random-contexts", help="Score on standard-normal noise instead of data (warns)."),
+    random_contexts: bool = typer.Option(False, "--random-contexts", help="Score on random windows instead of data (warns): float inputs standard normal, ids uniform over the rows of the table they index, masks all present."),
+    dims: Optional[list[str]] = typer.Option(None, "--dim", metavar="NAME=SIZE", help="Size of a named dynamic input axis for --random-contexts, e.g. --dim seq=128 (repeatable)."),
     batch_windows: int = typer.Option(64, "--batch-windows", min=1, help="Most windows run as one batch."),
     provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt|trt-engine", help="cpu, cuda or tensorrt (ONNX Runtime execution providers), or trt-engine (native TensorRT, weights refitted)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="ONNX Runtime intra-op threads."),
@@ -337,7 +352,8 @@ def score(
             selection=selection,
             settings=settings,
             runtime=make_runtime(provider, threads),
-            context_options=ContextOptions(windows=windows, zscore=zscore, random=random_contexts, seed=seed, max_batch_windows=batch_windows, columns=_columns(columns)),
+            context_options=ContextOptions(windows=windows, zscore=zscore, random=random_contexts, seed=seed, max_batch_windows=batch_windows, columns=_columns(columns),
+                                           dims=_dims(dims)),
             resume=False if fresh else (True if resume else None),
             strategy=strategy,
             workers=workers,
@@ -364,7 +380,7 @@ def score(
     if fed_runs and meta.get("fed_session") == FED_OPTIMIZED:
         cuts += ", weights fed in ONNX Runtime's layouts"
     out.print(
-        f"{meta['units']} units, {meta['dead_units']} dead; rollout {meta['rollout']['steps']} steps ({meta['rollout']['origin']}); "
+        f"{meta['units']} units, {meta['dead_units']} dead; rollout {counted(meta['rollout']['steps'], 'step')} ({meta['rollout']['origin']}); "
         f"{meta['contexts']['windows']} context windows; strategy {meta['strategy']}{cuts}{_lanes(meta)}; Spearman(γ_quant, γ_gauss) = {_fmt(rho)}; "
         f"sweep {meta['timings_s']['sweep']:.2f} s"
     )

@@ -12,7 +12,7 @@ import hashlib
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -291,28 +291,63 @@ def truth_from_csv(contexts: Contexts, spec, inputs: Sequence[IOSpec], shapes: d
     return {name: truth.astype(np.float64)}
 
 
-def random_contexts(inputs: Sequence[IOSpec], windows: int, seed: int) -> Contexts:
-    """Standard-normal windows; dynamic dimensions become 1. Only on explicit request."""
+def random_contexts(inputs: Sequence[IOSpec], windows: int, seed: int, dims: Mapping[str, int] | None = None, rows: Mapping[str, int] | None = None) -> Contexts:
+    """Random windows, only on explicit request: float inputs standard-normal; integer inputs that index a Gather
+    table (`rows`: input -> table rows, `units.index_rows`) uniform over its rows, integer or boolean masks at the
+    value that means present (all ones for an attention mask, zeros for a padding mask). `dims` sizes named dynamic
+    axes (`--dim seq=128`); an unnamed dynamic batch axis is 1."""
+    from tqsdeploy.rollout import mask_fill, mask_like
+
+    dims, rows = dict(dims or {}), dict(rows or {})
+    named = {d for spec in inputs for d in spec.shape if isinstance(d, str)}
+    unknown = sorted(set(dims) - named)
+    if unknown:
+        raise InputError(f"--dim {unknown[0]}: no input of the model has an axis named '{unknown[0]}'",
+                         hint=f"its dynamic axes are named: {', '.join(sorted(named)) or 'none'}")
     rng = np.random.default_rng(seed)
-    arrays = {}
+    arrays, drawn = {}, []
     for spec in inputs:
-        if any(not isinstance(d, int) for d in spec.shape[1:]):
-            raise InputError(f"cannot make random contexts for input '{spec.name}' {_fmt(spec.shape)}: only the batch axis may be dynamic")
-        shape = tuple(d if isinstance(d, int) else 1 for d in spec.shape)
-        arrays[spec.name] = rng.standard_normal((windows, *shape)).astype(spec.dtype)
-    warning = "contexts are random standard-normal noise, not data: the scores describe the model off its data distribution"
+        shape = []
+        for axis, d in enumerate(spec.shape):
+            size = d if isinstance(d, int) else dims.get(d, 1 if axis == 0 else None)
+            if size is None:
+                raise InputError(
+                    f"cannot make random contexts for input '{spec.name}' {_fmt(spec.shape)}: its axis {axis} is dynamic"
+                    + (f" ('{d}') and no --dim gives its size" if d else " and unnamed"),
+                    hint=(f"pass --dim {d}=N, e.g. --dim {d}=128, or " if d else "") + "write the windows to an .npz with arrays " + _npz_layout(inputs),
+                )
+            shape.append(size)
+        shape = (windows, *shape)
+        if spec.dtype.kind in "iu" and spec.name in rows:
+            arrays[spec.name] = rng.integers(0, rows[spec.name], shape).astype(spec.dtype)
+            drawn.append(f"'{spec.name}' uniform over the {rows[spec.name]} rows of the table it indexes")
+        elif spec.dtype.kind in "iub" and mask_like(spec.name):
+            arrays[spec.name] = np.full(shape, mask_fill(spec.name)).astype(spec.dtype)
+            drawn.append(f"'{spec.name}' all {mask_fill(spec.name):g} (every position present)")
+        else:
+            arrays[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
+            drawn.append(f"'{spec.name}' standard-normal noise")
+    warning = f"contexts are random, not data ({'; '.join(drawn)}): the scores describe the model off its data distribution"
     return Contexts(arrays=arrays, source=f"random(seed={seed})", warnings=[warning])
 
 
+def _npz_layout(inputs: Sequence[IOSpec]) -> str:
+    """What an .npz of windows for these inputs holds, e.g. "input_ids (windows, batch, seq) int64"."""
+    return ", ".join(f"'{s.name}' ({', '.join(['windows', *(str(d) if d is not None else '?' for d in s.shape)])}) {s.dtype}" for s in inputs)
+
+
 def load_contexts(path: Path | None, inputs: Sequence[IOSpec], *, windows: int, zscore: bool, random: bool, seed: int,
-                  columns: Sequence[str] | None = None, following: int = 0) -> Contexts:
-    """Dispatch on the file type; random contexts only when asked."""
+                  columns: Sequence[str] | None = None, following: int = 0, dims: Mapping[str, int] | None = None,
+                  rows: Mapping[str, int] | None = None) -> Contexts:
+    """Dispatch on the file type; random contexts (sized by `dims`, ids within `rows`) only when asked."""
     if path is not None and random:
         raise InputError("--random-contexts and --contexts exclude each other", hint="drop one")
+    if dims and not random:
+        raise InputError("--dim sizes the axes of random contexts; a contexts file gives its own shapes", hint="drop --dim, or use --random-contexts")
     if path is None:
         if not random:
             raise InputError("no contexts given", hint="pass --contexts FILE (.npz or .csv), or --random-contexts to score on noise")
-        return random_contexts(inputs, windows, seed)
+        return random_contexts(inputs, windows, seed, dims, rows)
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix == ".csv":

@@ -33,7 +33,7 @@ from tqsdeploy.files import claim_run_folder, write_json, write_npz, write_table
 from tqsdeploy.rollout import RolloutSpec, detect
 from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
 from tqsdeploy.sweep import EarlyStop, Nominal, ResultLog, SweepJob, SweepRunner, TaskResult, plan_tasks, run_local, run_parallel, run_ray, sweep_lanes, usable_cores
-from tqsdeploy.units import Unit, UnitSelection, check_finite, gather_rows, select_units, selection_notes
+from tqsdeploy.units import Unit, UnitSelection, check_finite, gather_rows, index_rows, select_units, selection_notes
 
 DEFAULT_STEPS = 8
 RUN_FILES = ("run.json", "sweep.jsonl", "measured.jsonl", "scores.parquet", "scores.csv", "rollout.toml", "contexts.npz")
@@ -50,6 +50,8 @@ class ContextOptions:
     max_batch_windows: int = 64
     columns: tuple[str, ...] | None = None
     """CSV columns (series) to use; default every numeric column."""
+    dims: tuple[tuple[str, int], ...] = ()
+    """Sizes of named dynamic axes for random contexts, e.g. (("seq", 128),)."""
 
 
 @dataclass
@@ -391,6 +393,8 @@ def prepare(
             random=context_options.random,
             seed=context_options.seed,
             columns=context_options.columns,
+            dims=dict(context_options.dims),
+            rows=index_rows(loaded.proto) if context_options.random else None,
         )
     if not streamed:
         weights = graph_ops.read_weights(loaded.proto, names)

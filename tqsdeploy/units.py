@@ -171,6 +171,32 @@ INDEX_PRESERVING = ("Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flat
 """Ops that pass index values through unchanged (only their layout or integer type changes)."""
 
 
+def _index_source(proto):
+    """name -> the tensor whose values it carries unchanged (through casts and reshapes): for an index, the model input."""
+    producer = {name: node for node in proto.graph.node for name in node.output}
+
+    def source(name: str) -> str:
+        while name in producer and producer[name].op_type in INDEX_PRESERVING:
+            name = producer[name].input[0]
+        return name
+
+    return source
+
+
+def index_rows(proto) -> dict[str, int]:
+    """Model inputs that index a Gather table (axis 0; token, station or series ids), each with the rows of the
+    smallest table it indexes: the ids random contexts may draw without reading past a table."""
+    shapes = {t.name: tuple(t.dims) for t in proto.graph.initializer}
+    shapes.update({node.output[0]: tuple(a.t.dims) for node in proto.graph.node if node.op_type == "Constant" for a in node.attribute if a.name == "value"})
+    inputs, source, rows = {i.name for i in proto.graph.input}, _index_source(proto), {}
+    for node in proto.graph.node:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if node.op_type == "Gather" and axis == 0 and shapes.get(node.input[0]) and source(node.input[1]) in inputs:
+            index = source(node.input[1])
+            rows[index] = min(rows.get(index, shapes[node.input[0]][0]), shapes[node.input[0]][0])
+    return rows
+
+
 def gather_rows(proto, units: list[Unit], contexts: dict, fed_inputs: set[str]) -> dict[str, "np.ndarray"]:
     """Rows of each Gather table (embedding) the contexts read, by tensor name.
 
@@ -185,19 +211,10 @@ def gather_rows(proto, units: list[Unit], contexts: dict, fed_inputs: set[str]) 
     import numpy as np
 
     consumers: dict[str, list] = {}
-    producer = {}
     for node in proto.graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
-        for name in node.output:
-            producer[name] = node
-
-    def source(name: str) -> str:
-        """The model input whose values an index tensor carries unchanged (through casts and reshapes)."""
-        while name in producer and producer[name].op_type in INDEX_PRESERVING:
-            name = producer[name].input[0]
-        return name
-
+    source = _index_source(proto)
     rows = {}
     for unit in units:
         for tensor in unit.tensors:
