@@ -70,3 +70,27 @@ def test_a_long_step_still_prints_on_time():
         time.sleep(0.7)  # no advance: the timer keeps the log alive
     lines = stream.getvalue().splitlines()
     assert len(lines) >= 3 and all(line.startswith("frontier: 1/10 steps") for line in lines[1:]), lines
+
+
+def test_every_plain_line_carries_elapsed_time_and_an_eta_from_an_estimate_until_an_item_ends():
+    """`scoring: 0/50 rollouts (0%)` ten times over 110 s looked dead (issue 34, item 7): before any item ends a line
+    still says how long it has run, and the caller's estimate as the ETA; after one ends, the pace does."""
+    stream = io.StringIO()
+    with Progress(Console(file=stream, width=200), "scoring", 50, "rollouts", interval=0) as bar:
+        bar.advance(0)  # a line with nothing finished (what the heartbeat prints during a long first rollout)
+        bar.estimate(110)
+        bar.advance(0)
+        bar.advance()
+    lines = stream.getvalue().splitlines()
+    assert re.fullmatch(r"scoring: 0/50 rollouts \(0%\), \d+ s elapsed", lines[0]), lines
+    assert re.fullmatch(r"scoring: 0/50 rollouts \(0%\), \d+ s elapsed, ETA about 1 min [45]\d s \(estimated\)", lines[1]), lines
+    assert re.fullmatch(r"scoring: 1/50 rollouts \(2%\), \d+ s elapsed, ETA \d+ s", lines[2]), lines
+
+
+def test_score_hands_auto_s_sweep_estimate_to_the_progress(two_branch, tmp_path):
+    from tqsdeploy import ScoreSettings, score
+
+    model, contexts = two_branch
+    estimates = []
+    table = score(model, contexts, steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1), on_estimate=estimates.append)
+    assert len(estimates) == 1 and estimates[0] > 0 and table.meta["strategy_estimates_s"][table.meta["strategy"]] == estimates[0]

@@ -361,6 +361,7 @@ def score(
             on_start=on_start,
             on_result=on_result,
             lanes=lanes,
+            on_estimate=progress.estimate,
         )
     finally:
         progress.stop()

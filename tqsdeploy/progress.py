@@ -3,8 +3,9 @@
 On a terminal: a rich bar with counts, elapsed time and ETA. Anywhere else
 (CI logs, files, pipes) a bar prints nothing useful, so one plain line is
 printed every `interval` seconds or each tenth of the work, whichever comes
-first, with the ETA: an 18-minute score in CI shows it is alive and when it
-will end. A step that runs longer than the interval still gets its line (a
+first, with the time elapsed and the ETA (from an estimate until the first item
+ends, if the caller has one): an 18-minute score in CI shows it is alive and
+when it will end. A step that runs longer than the interval still gets its line (a
 background timer), so a log never goes quiet for long.
 """
 
@@ -53,6 +54,7 @@ class Progress:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._timer: threading.Thread | None = None
+        self._estimate: tuple[float, float] | None = None
 
     def __enter__(self) -> "Progress":
         if self.total is not None:
@@ -84,6 +86,11 @@ class Progress:
                 self._task = self._bar.add_task(escape(self.description), total=total, completed=done)
             else:
                 self._bar.update(self._task, total=total, completed=done)
+
+    def estimate(self, seconds: float) -> None:
+        """What the remaining work should take, measured before any of it finished (auto's timing of the sweep):
+        the ETA shown until the first item ends, after which the items' own pace takes over."""
+        self._estimate = (seconds, time.monotonic())
 
     def _tenth(self) -> int:
         return int(10 * self.done / self.total) if self.total else 0
@@ -121,6 +128,11 @@ class Progress:
                 text += f", done in {_duration(elapsed)}"
             elif fresh > 0:
                 text += f", {_duration(elapsed)} elapsed, ETA {_duration(elapsed / fresh * (self.total - self.done))}"
+            elif self._estimate is not None:  # nothing finished yet: the estimate, less the time since it was made
+                seconds, made = self._estimate
+                text += f", {_duration(elapsed)} elapsed, ETA about {_duration(max(0.0, seconds - (now - made)))} (estimated)"
+            else:
+                text += f", {_duration(elapsed)} elapsed"
         else:
             text += f" {self.unit}, {_duration(elapsed)} elapsed"
         if self.detail:

@@ -509,12 +509,14 @@ def score(
     on_start: Callable[[int, int], None] | None = None,
     on_result: Callable[[TaskResult], None] | None = None,
     lanes: int | None = None,
+    on_estimate: Callable[[float], None] | None = None,
 ) -> ScoreTable:
     """Run the TQS sweep on an ONNX model and return the ranked score table.
 
     `resume=None` continues a matching interrupted run in `out` and refuses to
     overwrite a different one; `True` requires a match; `False` starts afresh.
-    `on_start(total, done)` and `on_result(result)` report progress.
+    `on_start(total, done)` and `on_result(result)` report progress; `on_estimate(seconds)`, the sweep's
+    estimated time when `auto` timed it, before any task ends (so a slow first rollout still shows an ETA).
     `workers` > 1 runs the sweep in that many processes (one session each);
     with `ray_address` ('local', 'auto' or a cluster address) on that many Ray actors.
     `lanes` runs that many tasks at once in this process (None: `sweep.sweep_lanes` decides).
@@ -531,10 +533,12 @@ def score(
         runtime = dataclasses.replace(runtime, threads=max(1, cores // workers))  # N workers x threads <= cores
     run_dir = Path(out) if out else default_run_dir(model)
     with claim_run_folder(run_dir):
-        return _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, context_options, resume, strategy, workers, ray_address, on_start, on_result, started, lanes)
+        return _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, context_options, resume, strategy, workers, ray_address, on_start, on_result, started, lanes,
+                      on_estimate)
 
 
-def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, context_options, resume, strategy, workers, ray_address, on_start, on_result, started, lanes) -> ScoreTable:
+def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, context_options, resume, strategy, workers, ray_address, on_start, on_result, started, lanes,
+           on_estimate) -> ScoreTable:
     """`score` inside its claimed run folder."""
     prepared = prepare(
         model, contexts, spec, steps, selection=selection, settings=settings, runtime=runtime, context_options=context_options, strategy=strategy,
@@ -606,6 +610,9 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
     write_json(meta_path, meta)
     if on_start:
         on_start(len(tasks), len(tasks) - len(pending))
+    estimate = runner.timings.get(runner.strategy)
+    if on_estimate and estimate and pending and ray_address is None and workers == 1:  # auto timed the sweep on these lanes
+        on_estimate(estimate * len(pending) / len(tasks))
     sweep_started = time.perf_counter()
     record = lambda r: (done.__setitem__(r.key, r), on_result and on_result(r))  # noqa: E731
     meta["workers"] = 1
