@@ -118,3 +118,34 @@ def test_more_windows_than_the_csv_holds_are_refused(series, tmp_path):
     assert code == 2 and "holds 101 distinct windows" in text and "--windows 101 or fewer" in text, text
     code, text = _invoke("eval", candidate, "-r", model, "-c", csv, "--steps", 1, "--columns", "a", "--windows", 101, "--report", tmp_path / "r")
     assert code == 0, text
+
+
+def test_a_univariate_model_fed_every_column_says_what_it_multiplies_and_a_fixed_series_axis_is_refused(tmp_path):
+    """A model taking [batch, L] gets each CSV column as a series: 3 columns are 3x the work, which the summary and
+    a warning now say (naming --columns); a model whose series axis is fixed at 1 cannot take 3 columns and says
+    which to pick instead of a shape puzzle (issue 34, item 5)."""
+    from onnx import TensorProto, helper
+
+    model = models.shift_model(tmp_path / "shift.onnx")  # x [batch, 16] -> y [batch, 4]
+    t = np.arange(120)
+    csv = tmp_path / "three.csv"
+    csv.write_text("date,a,b,c\n" + "\n".join(f"2020-01-{i % 28 + 1:02d},{np.sin(i / 5)},{np.cos(i / 7)},{i / 120}" for i in t) + "\n")
+    code, text = _invoke("score", model, "-c", csv, "--windows", 4, "--steps", 2, "--probes", 1, "--min-params", 16, "-o", tmp_path / "all")
+    assert code == 0, text
+    assert "4 context windows × 3 series each (CSV columns a, b, c): 3x the work of one series" in text
+    assert "each of the 3 numeric columns of" in text and "3 series per window, 3x the work of one; pass --columns to score fewer (e.g. --columns c" in text
+    assert any("3x the work of one" in w for w in json.loads((tmp_path / "all" / "run.json").read_text())["warnings"])
+    code, text = _invoke("score", model, "-c", csv, "--columns", "c", "--windows", 4, "--steps", 2, "--probes", 1, "--min-params", 16, "-o", tmp_path / "one")
+    assert code == 0 and "4 context windows;" in text and "series" not in text, text
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Reshape", ["x", "flat"], ["x2"]), helper.make_node("MatMul", ["x2", "W"], ["h"]),
+             helper.make_node("Unsqueeze", ["h", "last"], ["y"])]
+    fixed = models._model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16, 1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 1])],
+                          {"flat": np.array([-1, 16]), "W": rng.standard_normal((16, 4)).astype(np.float32), "last": np.array([2])}, tmp_path / "fixed.onnx")
+    code, text = _invoke("score", fixed, "-c", csv, "--windows", 4, "--steps", 2, "--min-params", 16, "-o", tmp_path / "fixed")
+    assert code == 2 and "model input 'x' [batch, 16, 1] takes 1 series per window, and" in text and "has 3 numeric columns (a, b, c)" in text, text
+    assert "pick 1 with --columns, e.g. --columns c" in text and not (tmp_path / "fixed").exists()
+    code, text = _invoke("score", fixed, "-c", csv, "--columns", "b", "--windows", 4, "--steps", 2, "--probes", 1, "--min-params", 16, "-o", tmp_path / "fixed")
+    assert code == 0, text

@@ -309,6 +309,7 @@ def score(
 ):
     """Score every weight tensor's quantization sensitivity by perturbed rollouts (TQS)."""
     from runtimes import make_runtime
+    from tqsdeploy.contexts import describe_windows
     from tqsdeploy.score import FED_OPTIMIZED, ContextOptions, score as run_score
     from tqsdeploy.scoring import ScoreSettings
     from tqsdeploy.units import UnitSelection
@@ -382,7 +383,7 @@ def score(
         cuts += ", weights fed in ONNX Runtime's layouts"
     out.print(
         f"{meta['units']} units, {meta['dead_units']} dead; rollout {counted(meta['rollout']['steps'], 'step')} ({meta['rollout']['origin']}); "
-        f"{meta['contexts']['windows']} context windows; strategy {meta['strategy']}{cuts}{_lanes(meta)}; Spearman(γ_quant, γ_gauss) = {_fmt(rho)}; "
+        f"{describe_windows(meta['contexts'])}; strategy {meta['strategy']}{cuts}{_lanes(meta)}; Spearman(γ_quant, γ_gauss) = {_fmt(rho)}; "
         f"sweep {meta['timings_s']['sweep']:.2f} s"
     )
     out.print(_describe_rollout(meta["rollout"]), highlight=False)

@@ -197,18 +197,38 @@ def read_csv_columns(path: Path, columns: Sequence[str] | None = None) -> tuple[
     return data, used
 
 
-def csv_layout(spec: IOSpec, columns: int) -> tuple[int, str]:
-    """Window length and layout ('univariate', 'time-major', 'channel-major') of a CSV for a model input."""
-    shape = spec.shape
+def csv_layout(spec: IOSpec, names: Sequence[str], path: Path | str = "the CSV") -> tuple[int, str]:
+    """Window length and layout ('univariate', 'time-major', 'channel-major') of a CSV's columns `names` for a model input."""
+    shape, columns = spec.shape, len(names)
     if spec.rank == 2 and isinstance(shape[1], int):
         return shape[1], "univariate"
     if spec.rank == 3 and shape[2] == columns and isinstance(shape[1], int):
         return shape[1], "time-major"
     if spec.rank == 3 and shape[1] == columns and isinstance(shape[2], int):
         return shape[2], "channel-major"
+    fewer = [d for d in shape[1:] if isinstance(d, int) and d < columns] if spec.rank == 3 else []
+    if fewer:  # a fixed series axis: the model cannot take every column, so which ones is the user's choice
+        k = min(fewer)
+        raise InputError(
+            f"model input '{spec.name}' {_fmt(shape)} takes {k} series per window, and {path} has {columns} numeric columns ({', '.join(names)})",
+            hint=f"pick {k} with --columns, e.g. --columns {','.join(names[-k:])}",
+        )
     raise InputError(
         f"cannot cut CSV columns ({columns}) into model input '{spec.name}' {_fmt(shape)}; expected [batch, L], [batch, L, {columns}] or [batch, {columns}, L]"
     )
+
+
+def describe_windows(described: dict) -> str:
+    """'8 context windows', or for a univariate model fed several CSV columns what that multiplies:
+    '8 context windows × 7 series each (CSV columns a, …, g): 7x the work of one series' (`Contexts.describe()`)."""
+    windows, csv = described["windows"], described.get("csv") or {}
+    series = len(csv.get("columns", ())) if csv.get("layout") == "univariate" else 1
+    if series <= 1:
+        return f"{windows} context window{'s' if windows != 1 else ''}"
+    names = ", ".join(csv["columns"]) if series <= 4 else f"{', '.join(csv['columns'][:2])}, …, {csv['columns'][-1]}"
+    cuts = len(csv["starts"])
+    shape = f"{windows} context windows × {series} series each" if windows == cuts else f"{windows} context windows ({cuts} cuts × {series} series)"
+    return f"{shape} (CSV columns {names}): {series}x the work of one series"
 
 
 def _arrange(cut: np.ndarray, layout: str, spec: IOSpec, columns: int) -> np.ndarray:
@@ -240,7 +260,7 @@ def load_csv(path: Path, inputs: Sequence[IOSpec], windows: int, zscore: bool, c
     if zscore:
         data = (data - data.mean(axis=0)) / (data.std(axis=0) + 1e-8)
     rows, count = data.shape
-    length, layout = csv_layout(spec, count)
+    length, layout = csv_layout(spec, names, path)
     if rows < length + following:
         need = f"the model's window length {length}" + (f" plus the {following} rows of truth a rollout forecasts" if following else "")
         raise InputError(f"contexts file {path} has {rows} rows, fewer than {need}")
@@ -254,6 +274,12 @@ def load_csv(path: Path, inputs: Sequence[IOSpec], windows: int, zscore: bool, c
     cut = np.stack([data[s : s + length] for s in starts])  # (N, L, C)
     result = Contexts(arrays={spec.name: _as_windows(spec.name, _arrange(cut, layout, spec, count), spec)}, source=str(path))
     result.csv = {"layout": layout, "columns": names, "starts": starts.tolist(), "length": length}
+    if layout == "univariate" and count > 1 and not columns:
+        result.warnings.append(
+            f"model input '{spec.name}' {_fmt(spec.shape)} takes one series per batch row, and each of the {count} numeric columns of {path} "
+            f"({', '.join(names)}) was taken as a series: {count} series per window, {count}x the work of one; "
+            f"pass --columns to score fewer (e.g. --columns {names[-1]}, the series you forecast)"
+        )
     if following:
         result.following = np.stack([data[s + length : s + length + following] for s in starts])
     return result
