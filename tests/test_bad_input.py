@@ -99,15 +99,22 @@ def test_contexts_wrong_shape(two_branch, tmp_path):
     _fails(["score", model, "-c", tmp_path / "wrong.npz", "-o", tmp_path / "run"], "does not fit model input 'x' [batch, 32]")
 
 
-def test_a_refused_score_of_a_streamed_model_leaves_nothing_that_blocks_the_next_run(tmp_path):
-    """A model swept from its files (external data here; an .onnx of 64 MiB or more goes the same way) gets a
-    session file in its run folder before the contexts are read: a refusal must take it away again, or the
-    corrected command finds 'not a tqsdeploy run folder and not empty' (issue 34, item 1)."""
+@pytest.mark.parametrize("layout", ["external data", "one file of SKELETON_BYTES or more"])
+def test_a_refused_score_of_a_streamed_model_leaves_nothing_that_blocks_the_next_run(tmp_path, monkeypatch, layout):
+    """A model swept from its files (external data, or an .onnx of 64 MiB or more: the threshold lowered to 0 here,
+    as in test_streaming) gets a session file in its run folder before the contexts are read: a refusal must take it
+    away again, or the corrected command finds 'not a tqsdeploy run folder and not empty' (issue 34, item 1)."""
+    import sys
+
     folder = tmp_path / "ext"
     folder.mkdir()
     proto = onnx.load(str(models.mlp_forecaster(tmp_path / "inline.onnx")))
     model = folder / "big.onnx"
-    onnx.save_model(proto, str(model), save_as_external_data=True, all_tensors_to_one_file=True, location="big.onnx.data", size_threshold=0)
+    if layout == "external data":
+        onnx.save_model(proto, str(model), save_as_external_data=True, all_tensors_to_one_file=True, location="big.onnx.data", size_threshold=0)
+    else:
+        onnx.save_model(proto, str(model))
+        monkeypatch.setattr(sys.modules["graph_ops.io"], "SKELETON_BYTES", 0)
     np.savez(tmp_path / "wrong.npz", x=np.ones((2, 1, 31), np.float32))
     np.savez(tmp_path / "right.npz", x=np.random.default_rng(0).standard_normal((2, 1, 32)).astype(np.float32))
     run = tmp_path / "runs" / "big"
