@@ -352,7 +352,7 @@ def random_contexts(inputs: Sequence[IOSpec], windows: int, seed: int, dims: Map
             drawn.append(f"'{spec.name}' all {mask_fill(spec.name):g} (every position present)")
         else:
             arrays[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
-            drawn.append(f"'{spec.name}' standard-normal noise")
+            drawn.append(f"'{spec.name}' standard-normal noise" + (" truncated to integers" if spec.dtype.kind in "iu" else ""))
     warning = f"contexts are random, not data ({'; '.join(drawn)}): the scores describe the model off its data distribution"
     return Contexts(arrays=arrays, source=f"random(seed={seed})", warnings=[warning])
 
