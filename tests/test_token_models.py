@@ -42,6 +42,12 @@ def test_without_a_size_for_seq_the_error_names_dim_and_the_npz_layout(tmp_path)
     assert not (tmp_path / "run").exists()
 
 
+def test_inspect_says_what_contexts_to_write_and_what_random_ones_need():
+    code, text = _invoke("inspect", MODEL)
+    assert code == 0 and "contexts: an .npz with arrays 'input_ids' (windows, batch, seq) int64, 'attention_mask' (windows, batch, seq) int64" in text, text
+    assert "--random-contexts needs --dim seq=N; 'input_ids' indexes a table of 1000 rows" in text
+
+
 @pytest.mark.parametrize("args, phrase", [
     (["--dim", "seq"], "--dim takes NAME=SIZE with a positive integer size"),
     (["--dim", "seq=0"], "--dim takes NAME=SIZE with a positive integer size"),

@@ -247,6 +247,12 @@ def inspect(
             out.print(f"  outputs that feed nothing (listed, not in the trajectory): {', '.join(rollout['unused_outputs'])}")
         if rollout.get("constant_inputs") and not rollout.get("single_step"):
             out.print(f"  inputs held constant: {', '.join(rollout['constant_inputs'])}")
+    contexts = info["contexts"]
+    line = f"contexts: an .npz with arrays {contexts['npz']}"
+    if contexts["dynamic_axes"]:
+        line += f"; --random-contexts needs {' '.join(f'--dim {d}=N' for d in contexts['dynamic_axes'])}"
+    line += "".join(f"; '{name}' indexes a table of {rows} rows (random ids are drawn over them)" for name, rows in contexts["index_rows"].items())
+    out.print(escape(line), highlight=False)
     if emit_spec is not None:
         write_spec(info, emit_spec, force)
         out.print(f"wrote {emit_spec}" + (" (ambiguous: uncomment one candidate)" if "candidates" in rollout else ""))

@@ -340,7 +340,7 @@ def random_contexts(inputs: Sequence[IOSpec], windows: int, seed: int, dims: Map
                 raise InputError(
                     f"cannot make random contexts for input '{spec.name}' {_fmt(spec.shape)}: its axis {axis} is dynamic"
                     + (f" ('{d}') and no --dim gives its size" if d else " and unnamed"),
-                    hint=(f"pass --dim {d}=N, e.g. --dim {d}=128, or " if d else "") + "write the windows to an .npz with arrays " + _npz_layout(inputs),
+                    hint=(f"pass --dim {d}=N, e.g. --dim {d}=128, or " if d else "") + "write the windows to an .npz with arrays " + npz_layout(inputs),
                 )
             shape.append(size)
         shape = (windows, *shape)
@@ -357,7 +357,7 @@ def random_contexts(inputs: Sequence[IOSpec], windows: int, seed: int, dims: Map
     return Contexts(arrays=arrays, source=f"random(seed={seed})", warnings=[warning])
 
 
-def _npz_layout(inputs: Sequence[IOSpec]) -> str:
+def npz_layout(inputs: Sequence[IOSpec]) -> str:
     """What an .npz of windows for these inputs holds, e.g. "input_ids (windows, batch, seq) int64"."""
     return ", ".join(f"'{s.name}' ({', '.join(['windows', *(str(d) if d is not None else '?' for d in s.shape)])}) {s.dtype}" for s in inputs)
 

@@ -13,7 +13,8 @@ from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.files import write_text
 from tqsdeploy.rollout import AmbiguousRollout, RolloutSpec, detect_rollout
 from tqsdeploy.score import DEFAULT_STEPS, resolve_spec
-from tqsdeploy.units import UnitSelection, select_units, selection_notes
+from tqsdeploy.contexts import npz_layout
+from tqsdeploy.units import UnitSelection, index_rows, select_units, selection_notes
 
 
 def _io(specs) -> list[dict]:
@@ -60,6 +61,11 @@ def inspect_model(
         "unit_share": unit_params / float_params if float_params else 0.0,
         "rollout": rollout,
         "notes": selection_notes(loaded, tensors, units, selection, unfed),
+        "contexts": {
+            "npz": npz_layout(session.inputs),
+            "dynamic_axes": sorted({d for s in session.inputs for d in s.shape[1:] if isinstance(d, str)}),
+            "index_rows": index_rows(loaded.proto),
+        },
     }
 
 
