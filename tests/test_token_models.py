@@ -95,7 +95,8 @@ def test_the_token_example_goes_inspect_score_export_eval_gate(tmp_path, monkeyp
     assert 4 <= allocation["compression"] <= 4 * 1.05
     sentences = REPO / "examples" / "token_embedder" / "contexts.npz"
     code, text = _invoke("eval", "token_embedder_model.C4.onnx", "--reference", MODEL, "--contexts", sentences)
-    assert code == 0 and "16 context windows × 1 step" in text, text
-    code, text = _invoke("gate", "token_embedder_model.C4.onnx", "--reference", MODEL, "--contexts", sentences, "--max-degradation", "2%", "--min-compression", 4)
+    assert code == 0 and "16 context windows × 1 step" in text and "| embedding (16 × 48) |" in text, text
+    code, text = _invoke("gate", "token_embedder_model.C4.onnx", "--reference", MODEL, "--contexts", sentences, "--max-degradation", "2%", "--min-cosine", 0.99,
+                         "--min-compression", 4)
     assert code == 0, text
     assert MODEL.read_bytes() == before
