@@ -20,12 +20,13 @@ EXTRA = {
     "etth1_patchtst": ["--variable-axis", "0"],
     "lorenz96": ["--variable-axis", "1", "--min-params", str(MIN_PARAMS["lorenz96"])],
     "era5_emulator": ["--min-params", str(MIN_PARAMS["era5_emulator"])],
+    "tied_mixer_etth1": ["--variable-axis", "0"],
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--examples", default="etth1_patchtst,era5_emulator,lorenz96")
+    parser.add_argument("--examples", default="etth1_patchtst,era5_emulator,lorenz96,tied_mixer_etth1")
     args = parser.parse_args()
     for example in args.examples.split(","):
         folder = Path("examples") / example

@@ -232,7 +232,7 @@ def test_spec_free_score_of_a_timesfm_shaped_model(tmp_path):
     assert stored.feedback[1] == Feedback(None, "masks", "shift", -1, fill=0.0)
 
 
-@pytest.mark.parametrize("example", ["etth1_patchtst", "era5_emulator", "lorenz96", "timesfm_etth1", "pangu_lorenz96", "era5_downscale", "token_embedder"])
+@pytest.mark.parametrize("example", ["etth1_patchtst", "era5_emulator", "lorenz96", "timesfm_etth1", "pangu_lorenz96", "era5_downscale", "token_embedder", "tied_mixer_etth1"])
 def test_examples_detect_their_committed_spec(example):
     folder = REPO / "examples" / example
     found = detect(*_signature(folder / "model.onnx"))

@@ -23,7 +23,7 @@ def _run(*args):
     return result.exit_code, result.output + (result.stderr or "")
 
 
-@pytest.mark.parametrize("example", ["etth1_patchtst", "era5_emulator", "lorenz96"])
+@pytest.mark.parametrize("example", ["etth1_patchtst", "era5_emulator", "lorenz96", "tied_mixer_etth1"])
 def test_score_export_eval_gate(example, tmp_path):
     folder = REPO / "examples" / example
     model = tmp_path / f"{example}.onnx"

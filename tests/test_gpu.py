@@ -140,7 +140,7 @@ def _alive_gammas(table):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("example", ["etth1_patchtst", "era5_emulator", "lorenz96", "timesfm_etth1", "pangu_lorenz96", "era5_downscale"])
+@pytest.mark.parametrize("example", ["etth1_patchtst", "era5_emulator", "lorenz96", "timesfm_etth1", "pangu_lorenz96", "era5_downscale", "tied_mixer_etth1"])
 def test_cuda_scores_rank_units_as_cpu_does_on_every_example(example, tmp_path):
     from scipy.stats import spearmanr
 
