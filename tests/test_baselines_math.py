@@ -179,3 +179,29 @@ def test_cholesky_guard_raises_damping_instead_of_failing():
     upper = inverse_cholesky(h, percdamp=0.0)
     assert np.all(np.isfinite(upper)) and np.allclose(upper, np.triu(upper))
     assert np.all(np.isfinite(gptq(np.ones((2, 10)), h, asym(4), percdamp=0.0).values))
+
+
+@pytest.mark.parametrize("method", ["gptq", "gptaq", "qep"])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_each_channel_keeps_the_grid_its_solve_does_best_on(method, bits):
+    """On a clip-searched tier a calibrated solve runs on the searched and on the min-max grid, and each
+    output channel keeps the result with the lower objective ‖X̂q − X_α·w‖², X_α = X̂ + α(X_fp − X̂) with the
+    method's α (GPTQ 0, GPTAQ 0.25, QEP 0.5), computed here from X̂ and X_fp themselves. Thin statistics (40 rows for 64
+    inputs, as a forecaster's heads get) are where the searched grid alone lost on some channels."""
+    from tiers import TIERS, Layout, Rounding, quantize
+
+    x, x_fp, wt, stats = _problem(seed=3, n=40, k=64, rows=48, drift=0.2)
+    spec, layout, tier = asym(bits, search=True), Layout((48, 64), (0, 1)), TIERS[f"int{bits}-asym"]
+    target = x + {"gptq": 0.0, "gptaq": 0.25, "qep": 0.5}[method] * (x_fp - x)
+
+    def objective(q):
+        return np.sum((x @ q.T - target @ wt.T) ** 2, axis=0)
+
+    searched = {"gptq": lambda: gptq(wt, stats.H, spec), "gptaq": lambda: gptaq(wt, stats.H, stats.G, spec),
+                "qep": lambda: gptq(qep_correct(wt, stats.H, stats.G), stats.H, spec)}[method]().values
+    plain = quantize(wt, layout, tier, Rounding(method), [stats], search=False).values
+    chosen = quantize(wt, layout, tier, Rounding(method), [stats]).values
+    assert (objective(plain) < objective(searched)).any() and (objective(searched) < objective(plain)).any()
+    best = np.minimum(objective(plain), objective(searched))
+    np.testing.assert_allclose(objective(chosen), best, rtol=1e-9)
+    assert all(np.array_equal(c, p) or np.array_equal(c, s) for c, p, s in zip(chosen, plain, searched))

@@ -415,16 +415,26 @@ class Hessian:
 
 
 ERROR_ROWS = 512
-"""Rows of ΔW per product with H in `output_error` (bounds its temporaries to two ERROR_ROWS x K arrays)."""
+"""Rows of ΔW per product with H in `row_objective` (bounds its temporaries to two ERROR_ROWS x K arrays)."""
+
+
+def row_objective(Wt: np.ndarray, Q: np.ndarray, stats: Hessian, strength: float = 0.0) -> np.ndarray:
+    """Per output channel, (2/n)·‖X̂·q − X_α·w‖² from the statistics alone, X_α = X̂ + α·(X_fp − X̂) the
+    inputs a method aims at (α = 0: the calibration inputs themselves, GPTQ's aim; GPTAQ and QEP move
+    α of the way to the full-precision ones), less the part that is the same for every q of the row.
+    With d = q − w it is d·H·dᵀ − 2α·d·Gᵀ·wᵀ; ΔW·H through BLAS a block of rows at a time (a
+    three-operand einsum loops in plain C)."""
+    rows = np.zeros(Wt.shape[0])
+    for start in range(0, Wt.shape[0], ERROR_ROWS):
+        w = np.asarray(Wt[start : start + ERROR_ROWS], np.float64)
+        delta = np.asarray(Q[start : start + ERROR_ROWS], np.float64) - w
+        rows[start : start + len(w)] = np.einsum("ij,ij->i", delta @ stats.H, delta)
+        if strength and stats.G is not None:
+            rows[start : start + len(w)] -= 2 * strength * np.einsum("ij,ij->i", delta @ stats.G.T, w)
+    return rows
 
 
 def output_error(Wt: np.ndarray, Q: np.ndarray, stats: Hessian) -> float:
-    """‖X·Wtᵀ − X·Qᵀ‖_F on the samples behind `stats`, from H alone (XᵀX = n/2·H): Σ (ΔW·H) ⊙ ΔW,
-    ΔW·H through BLAS a block of rows at a time (a three-operand einsum loops in plain C: minutes
-    per 4096-wide layer)."""
-    squared = 0.0
-    for start in range(0, Wt.shape[0], ERROR_ROWS):
-        delta = np.asarray(Wt[start : start + ERROR_ROWS], np.float64) - np.asarray(Q[start : start + ERROR_ROWS], np.float64)
-        squared += float(np.einsum("ij,ij->", delta @ stats.H, delta))
-    squared *= stats.count / 2
+    """‖X·Wtᵀ − X·Qᵀ‖_F on the samples behind `stats`, from H alone (XᵀX = n/2·H)."""
+    squared = float(row_objective(Wt, Q, stats).sum()) * stats.count / 2
     return float(np.sqrt(max(squared, 0.0)))
