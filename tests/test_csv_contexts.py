@@ -133,6 +133,7 @@ def test_a_univariate_model_fed_every_column_says_what_it_multiplies_and_a_fixed
     code, text = _invoke("score", model, "-c", csv, "--windows", 4, "--steps", 2, "--probes", 1, "--min-params", 16, "-o", tmp_path / "all")
     assert code == 0, text
     assert "4 context windows × 3 series each (CSV columns a, b, c): 3x the work of one series" in text
+    assert "model input 'x' [batch, 16] takes one series per batch row" in text, text  # the shape printed, not eaten as markup
     assert "each of the 3 numeric columns of" in text and "3 series per window, 3x the work of one; pass --columns to score fewer (e.g. --columns c" in text
     assert any("3x the work of one" in w for w in json.loads((tmp_path / "all" / "run.json").read_text())["warnings"])
     code, text = _invoke("score", model, "-c", csv, "--columns", "c", "--windows", 4, "--steps", 2, "--probes", 1, "--min-params", 16, "-o", tmp_path / "one")

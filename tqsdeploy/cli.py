@@ -373,7 +373,7 @@ def score(
     finally:
         progress.stop()
     for warning in table.meta.get("warnings", []):
-        err.print(f"[yellow]warning:[/] {warning}")
+        err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     frame = table.frame
     columns = ["rank", "unit", "shape", "params", "gamma", "gamma_quant", "gamma_gauss", "a_max", "dead"]
     if frame.height <= 2 * top:
