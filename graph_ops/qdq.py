@@ -152,6 +152,68 @@ def _dequantize(name: str, value: StoredWeight):
     return initializers, nodes
 
 
+def _widened(prefix: str, array: np.ndarray, value: StoredWeight, shared: str) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto], str]:
+    """A scale or zero point stored with its own elements and bytes, only reshaped, and the nodes that make it
+    float32 and broadcastable against the weight: per axis it is stored as [1, n, 1, ...]; per block as
+    [..., blocks, 1, ...], then Expanded to [..., blocks, block_size, ...], Reshaped to the blocked axis and
+    Sliced to its length (DequantizeLinear's last block may be partial); those shape constants are named from
+    `shared`, so a scale and a zero point store them once."""
+    shape, axis = list(value.shape), (value.axis or 0) % max(len(value.shape), 1)
+    array = np.asarray(array)
+    stored, tensors, nodes = array, [], []
+    if array.ndim and value.block_size:
+        blocks, size = array.shape[axis], int(value.block_size)
+        stored = array.reshape(shape[:axis] + [blocks, 1] + shape[axis + 1:])
+        tensors += [numpy_helper.from_array(np.array(shape[:axis] + [blocks, size] + shape[axis + 1:], np.int64), shared + "expand"),
+                    numpy_helper.from_array(np.array(shape[:axis] + [blocks * size] + shape[axis + 1:], np.int64), shared + "blocked")]
+    elif array.ndim:
+        stored = array.reshape([shape[i] if i == axis else 1 for i in range(len(shape))])
+    tensors.insert(0, numpy_helper.from_array(np.ascontiguousarray(stored), prefix + "stored"))
+    current = prefix + "stored"
+    if stored.dtype != np.float32:
+        nodes.append(helper.make_node("Cast", [current], [prefix + "float"], to=onnx.TensorProto.FLOAT, name=prefix + "float"))
+        current = prefix + "float"
+    if array.ndim and value.block_size:
+        nodes += [helper.make_node("Expand", [current, shared + "expand"], [prefix + "expanded"], name=prefix + "expand"),
+                  helper.make_node("Reshape", [prefix + "expanded", shared + "blocked"], [prefix + "full"], name=prefix + "reshape")]
+        current = prefix + "full"
+        if array.shape[axis] * int(value.block_size) != shape[axis]:
+            tensors += [numpy_helper.from_array(np.array([0], np.int64), shared + "start"), numpy_helper.from_array(np.array([shape[axis]], np.int64), shared + "stop"),
+                        numpy_helper.from_array(np.array([axis], np.int64), shared + "axis")]
+            nodes.append(helper.make_node("Slice", [current, shared + "start", shared + "stop", shared + "axis"], [prefix + "sliced"], name=prefix + "slice"))
+            current = prefix + "sliced"
+    return tensors, nodes, current
+
+
+def _dequantize_at_load(name: str, value: StoredWeight):
+    """The same codes, scales and zero points as `_dequantize`, rebuilt into the weight by plain ops (Cast, Sub,
+    Mul; Expand/Reshape/Slice for blocks) instead of DequantizeLinear. ONNX Runtime constant-folds such nodes on
+    initializers when a session is created, and leaves DequantizeLinear alone (to fuse it into MatMulNBits, or
+    to run it on every call): this layout runs the original's float kernels from the small file. The arithmetic
+    is `tiers.Encoded.dequantize`'s in float32 (exact small integers, one rounding at the Mul, then a Cast to
+    the weight's type), so the folded weight equals the numpy fake-quantized one to the bit."""
+    dtype = np.dtype(value.dtype)
+    p = f"{name}__"
+    codes = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__q")
+    tensors = [codes]
+    nodes = [helper.make_node("Cast", [codes.name], [p + "codes"], to=onnx.TensorProto.FLOAT, name=p + "codes")]
+    current = p + "codes"
+    if value.zero_point is not None:
+        zero_tensors, zero_nodes, zero = _widened(p + "zero_", value.zero_point, value, p + "block_")
+        tensors, nodes = tensors + zero_tensors, nodes + zero_nodes
+        nodes.append(helper.make_node("Sub", [current, zero], [p + "centred"], name=p + "centre"))
+        current = p + "centred"
+    scale_type = dtype if dtype.name in DEQUANTIZED_TYPES else np.dtype(np.float32)  # stored as `_dequantize` stores it
+    scale_tensors, scale_nodes, scale = _widened(p + "scale_", np.asarray(value.scale, dtype=scale_type), value, p + "block_")
+    tensors += [t for t in scale_tensors if t.name not in {known.name for known in tensors}]
+    nodes += scale_nodes
+    scaled = name if dtype == np.float32 else p + "scaled"
+    nodes.append(helper.make_node("Mul", [current, scale], [scaled], name=p + "scale"))
+    if scaled != name:
+        nodes.append(helper.make_node("Cast", [scaled], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{name}__to_{dtype.name}"))
+    return tensors, nodes
+
+
 def _packed_sign(name: str, value: StoredWeight):
     """packed uint8 -> bits (MSB first, as numpy.packbits) -> {-1, +1} * scale."""
     shape = list(value.shape)
@@ -189,12 +251,12 @@ def _packed_sign(name: str, value: StoredWeight):
     return initializers, nodes
 
 
-def _split(name: str, value: StoredWeight):
+def _split(name: str, value: StoredWeight, layout: str = "fused"):
     """Each channel group by its own form, joined along the output-channel axis."""
     initializers, nodes, pieces = [], [], []
     for index, part in enumerate(value.parts):
         piece = f"{name}__part{index}"
-        tensors, producers = _emit(piece, part)
+        tensors, producers = _emit(piece, part, layout)
         initializers += tensors
         nodes += producers
         pieces.append(piece)
@@ -212,10 +274,26 @@ EMITTERS: dict[str, Callable[[str, StoredWeight], tuple[list[onnx.TensorProto], 
 """Stored form -> emitter of the initializers and nodes that produce the weight."""
 
 
-def _emit(name: str, value: StoredWeight) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]]:
-    """Initializers and nodes that produce tensor `name` from its stored form."""
+LAYOUTS = ("dequantized", "fused")
+"""How integer and FP8 codes reach their consumers (`export --runtime-layout`):
+- 'fused': DequantizeLinear, which ONNX Runtime fuses with a MatMul into MatMulNBits (weights stay compressed in
+  memory; fast for few rows, slower than float for batched calls; DequantizeLinear before other ops runs on every
+  call) and which TensorRT's explicit quantization reads;
+- 'dequantized': plain ops that ONNX Runtime folds into a float weight when the session is created (the small
+  file, the original's kernels and speed, float-size weights in memory after load).
+Float16/bfloat16 Casts and INT1's unpack subgraph are folded at load in both."""
+
+
+def _emit(name: str, value: StoredWeight, layout: str = "fused") -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]]:
+    """Initializers and nodes that produce tensor `name` from its stored form, in `layout` (see `LAYOUTS`)."""
     if value.form not in EMITTERS:
         raise GraphError(f"unknown stored form '{value.form}' for '{name}'")
+    if layout not in LAYOUTS:
+        raise GraphError(f"unknown runtime layout '{layout}'; choose one of {', '.join(LAYOUTS)}")
+    if value.form == "split":
+        return _split(name, value.expand(), layout)
+    if layout == "dequantized" and value.form == "dequantize":
+        return _dequantize_at_load(name, value.expand())
     return EMITTERS[value.form](name, value.expand())
 
 
@@ -374,9 +452,9 @@ def fed_codes_model(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], 
     return result, feeds
 
 
-def emitted_bits(name: str, value: StoredWeight) -> int:
+def emitted_bits(name: str, value: StoredWeight, layout: str = "fused") -> int:
     """Bits of every tensor the weight's stored form puts in the file (what eval and gate count)."""
-    return sum(tensor_bits(t) for t in _emit(name, value)[0])
+    return sum(tensor_bits(t) for t in _emit(name, value, layout)[0])
 
 
 STREAM_THRESHOLD = 1 << 30
@@ -503,8 +581,8 @@ def conversion_overhead_bits(model: onnx.ModelProto, opset: int) -> int:
     return max(0, weight_bits(after) - weight_bits(before))
 
 
-def _build(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], sink: Callable[[onnx.TensorProto], onnx.TensorProto]) -> onnx.ModelProto:
-    """The model with `stored` weights; every initializer passes through `sink` (kept, or moved to external data)."""
+def _build(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], sink: Callable[[onnx.TensorProto], onnx.TensorProto], layout: str = "fused") -> onnx.ModelProto:
+    """The model with `stored` weights in `layout`; every initializer passes through `sink` (kept, or moved to external data)."""
     skeleton, lifted = _skeleton(model, set(stored), max(_opset(model), required_opset(stored)))
     present = {t.name for t in model.graph.initializer} | set(lifted)
     missing = set(stored) - present
@@ -513,7 +591,7 @@ def _build(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], sink: Cal
     new_nodes, emitted, replaced = [], [], []
     for tensor in list(model.graph.initializer) + list(lifted.values()):
         if tensor.name in stored:
-            initializers, nodes = _emit(tensor.name, stored[tensor.name])
+            initializers, nodes = _emit(tensor.name, stored[tensor.name], layout)
             if nodes:
                 emitted += [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in initializers]
                 replaced.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
@@ -548,10 +626,10 @@ def _check_emitted(nodes: list[onnx.NodeProto], stored: list[onnx.ValueInfoProto
         raise GraphError(f"the quantized weights cannot be written as valid ONNX for this model's {'/'.join(kinds)} weights: {str(exc).strip().splitlines()[0]}") from None
 
 
-def apply_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], source: Path | None = None) -> onnx.ModelProto:
-    """A new model whose named weights are stored as given, every tensor inside it (kept ones that
-    point into the input's external data, in folder `source`, are read in). Input untouched."""
-    return _build(model, stored, lambda tensor: _loaded(tensor, source))
+def apply_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], source: Path | None = None, layout: str = "fused") -> onnx.ModelProto:
+    """A new model whose named weights are stored as given, in `layout` (`LAYOUTS`), every tensor inside it (kept
+    ones that point into the input's external data, in folder `source`, are read in). Input untouched."""
+    return _build(model, stored, lambda tensor: _loaded(tensor, source), layout)
 
 
 @dataclass(frozen=True)
@@ -571,7 +649,8 @@ class Written:
 
 
 def write_storage(
-    model: onnx.ModelProto, stored: Mapping[str, StoredWeight], path: str | os.PathLike, *, external_data: bool | None = None, source: Path | None = None
+    model: onnx.ModelProto, stored: Mapping[str, StoredWeight], path: str | os.PathLike, *, external_data: bool | None = None, source: Path | None = None,
+    layout: str = "fused",
 ) -> Written:
     """Write `model` with `stored` weights to `path`, atomically (external data together with its model).
 
@@ -589,7 +668,7 @@ def write_storage(
     if external_data is None:  # an input that keeps its weights outside gets an output that does too
         external_data = source is not None or stored_bytes(model) >= STREAM_THRESHOLD
     if not external_data:
-        built = apply_storage(model, stored, source)
+        built = apply_storage(model, stored, source, layout)
         if stored_bytes(built) >= PROTOBUF_LIMIT:  # only when one file was asked for: the default streams from 1 GiB
             raise OutputError(f"cannot write {path} as one file: it holds {stored_bytes(built) / 2**30:.2f} GiB, past protobuf's 2 GiB limit")
         return Written((save_model(built, path, external_data=False),), weight_bits(built))
@@ -597,10 +676,27 @@ def write_storage(
     with atomic_output(path.with_name(location)) as partial:  # the data lands under its final name first ...
         data = _DataFile(partial, location, source)
         try:
-            built = _build(model, stored, data.reference)
+            built = _build(model, stored, data.reference, layout)
         finally:
             data.close()
     with atomic_output(path) as temporary:  # ... then the model that points to it replaces the old one
         onnx.save_model(built, str(temporary))
     drop_stale_data(path, location)
     return Written((path, path.with_name(location)), weight_bits(built))
+
+
+CODE_TYPES = {onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.INT2, onnx.TensorProto.UINT2,
+              onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ, onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ}
+"""Element types of stored codes (MatMulNBits' packed weights are UINT8)."""
+
+
+def per_call_dequantization(optimized: onnx.ModelProto) -> dict[str, int]:
+    """Nodes of the graph a runtime saved after optimizing (`SessionOptions.optimized_model_filepath`) that read
+    stored codes, by op type: dequantization that runs on every call. Empty when every weight was folded into a
+    float initializer at load (the 'dequantized' layout, fp16/bf16 Casts, INT1's unpacking)."""
+    codes = {t.name for t in optimized.graph.initializer if t.data_type in CODE_TYPES}
+    found: dict[str, int] = {}
+    for node in optimized.graph.node:
+        if any(i in codes for i in node.input):
+            found[node.op_type] = found.get(node.op_type, 0) + 1
+    return found

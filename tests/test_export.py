@@ -241,6 +241,8 @@ def test_float16_models_keep_their_type(tmp_path, tier):
     want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.io.runtime_compatible(fake))).run({"x": x})["y"]
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
+    assert outcome.layout == "dequantized"  # the default for ort-cpu: ONNX Runtime's default session runs the fake-quantized weights exactly
+    np.testing.assert_array_equal(OrtRuntime().open(outcome.path).run({"x": x})["y"], want)
     if tier in ("fp32", "fp16", "bf16"):  # no float tier narrower than fp16: the weights stay as they are
         assert outcome.compression == pytest.approx(1.0)
         assert all(e.form == "raw" for e in outcome.encodings.values())
@@ -263,6 +265,7 @@ def test_float64_models_export_loadable_float64_weights(tmp_path, tier):
     want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.io.runtime_compatible(fake))).run({"x": x})["y"]
     assert got.dtype == np.float64
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(OrtRuntime().open(outcome.path).run({"x": x})["y"], want)  # the dequantized layout, as ORT runs it by default
     assert outcome.compression == pytest.approx(1.0) if tier == "fp32" else outcome.compression > 1.9  # fp32: the weights as stored
     planner.close()
 

@@ -35,8 +35,17 @@ def test_damaged_export_warns_in_percent_and_max_drift_fails_without_writing(run
     drift = allocation["drift_pct"]
     assert code == 0 and drift > 5
     assert f"drift from the original on the scoring contexts (exact dequantization): {drift:.4g}%" in text
-    assert "MatMulNBits with int8 activations" in text and "`tqsdeploy eval` measures what it runs" in text
+    assert "runtime layout: dequantized (auto for --target ort-cpu): ONNX Runtime rebuilds the float weights once" in text
+    assert "MatMulNBits with int8 activations" not in text  # nothing runs as MatMulNBits in this layout
+    assert allocation["runtime_layout"] == "dequantized" and allocation["weights_in_memory_bytes"] > allocation["file_bytes"]
+
     assert f"warning: {tmp_path / 'emb.int2.onnx'} drifts {drift:.4g}% " in text and "may be badly damaged" in text
+
+    code, text = _invoke("export", model, "--run", folder / "run", "--uniform", "int2", "--out-dir", tmp_path / "fused", "--runtime-layout", "fused")
+    assert code == 0 and "runtime layout: fused: DequantizeLinear nodes" in text, text
+    assert "MatMulNBits with int8 activations" in text and "`tqsdeploy eval` measures what it runs" in text
+    code, text = _invoke("export", model, "--run", folder / "run", "--uniform", "int2", "--out-dir", tmp_path / "trt", "--target", "gpu")
+    assert code == 2 and "unknown target 'gpu'; choose one of ort-cpu, ort-cuda, trt" in text and "Traceback" not in text, text
 
     code, text = _invoke("export", model, "--run", folder / "run", "--C", "3", "--max-drift", "0.000001", "--out-dir", tmp_path)
     assert code == 1 and "not written" in text and "above --max-drift 1e-06%" in text, text

@@ -31,7 +31,7 @@ def _invoke(*args):
 
 def test_baseline_command_writes_a_runnable_dequantizelinear_model(small):
     model, contexts, folder = small
-    code, text = _invoke("baseline", model, "--method", "gptq", "--bits", "4", "--calib", contexts, "-o", folder / "gptq4.onnx")
+    code, text = _invoke("baseline", model, "--method", "gptq", "--bits", "4", "--calib", contexts, "-o", folder / "gptq4.onnx", "--runtime-layout", "fused")
     assert code == 0, text
     exported = onnx.load(str(folder / "gptq4.onnx"))
     assert sum(n.op_type == "DequantizeLinear" for n in exported.graph.node) == 3

@@ -251,3 +251,67 @@ def test_full_precision_layer_inputs_are_kept_across_waves_with_the_same_codes(e
         coder.close()
     for name in codes[0]:
         np.testing.assert_array_equal(codes[0][name], codes[1][name])
+
+
+def _single_weight_model(encoded, layout) -> tuple[onnx.ModelProto, np.ndarray]:
+    """y = x @ W (channels on axis 1) or Gemm(x, W, transB=1) (channels on axis 0), W stored as `encoded`,
+    and a batch of 5 rows of x."""
+    from onnx import TensorProto, helper
+
+    transposed = layout.perm is not None and layout.channel_axis == 0
+    k = W.shape[1] if transposed else W.shape[0]
+    node = helper.make_node("Gemm", ["x", "W"], ["y"], transB=1) if transposed else helper.make_node("MatMul", ["x", "W"], ["y"])
+    graph = helper.make_graph([node], "one", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", k])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 64 if transposed else 48])],
+                              [onnx.numpy_helper.from_array(W, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    return model, np.random.default_rng(3).standard_normal((5, k)).astype(np.float32)
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("layout,group", [(LAYOUTS[0], None), (LAYOUTS[0], 16), (LAYOUTS[0], 20), (LAYOUTS[1], None), (LAYOUTS[1], 24), (LAYOUTS[2], None)])
+def test_dequantized_layout_folds_at_load_and_equals_the_fake_quantized_model(tmp_path, tier, layout, group):
+    """The 'dequantized' runtime layout: ONNX Runtime's default session folds every stored weight into a float
+    initializer (its optimized graph reads no codes: nothing dequantizes per call, where the 'fused' layout's
+    integer codes run as MatMulNBits or DequantizeLinear on every call), its outputs equal the numpy
+    fake-quantized model's to the bit, and the file stores the same codes, scales and zero points (blocks add
+    a few shape constants)."""
+    from graph_ops.qdq import per_call_dequantization
+
+    encoded = encode(W, layout, TIERS[tier], group_size=group)
+    model, x = _single_weight_model(encoded, layout)
+    fake = graph_ops.replace_weights(model, {"W": encoded.dequantize()})
+    want = OrtRuntime().open(graph_ops.model_bytes(fake)).run({"x": x})["y"]
+    seen = {}
+    for layout_name in ("dequantized", "fused"):
+        exported = apply_storage(model, {"W": encoded}, layout=layout_name)
+        onnx.checker.check_model(exported, full_check=True)
+        assert exported.ir_version <= 13 and all(o.version <= 26 for o in exported.opset_import)
+        optimized = tmp_path / f"{layout_name}.optimized.onnx"
+        got = OrtRuntime(optimized_model_path=str(optimized)).open(graph_ops.model_bytes(exported)).run({"x": x})["y"]
+        seen[layout_name] = (got, per_call_dequantization(onnx.load(str(optimized))), graph_ops.weight_bits(exported))
+    got, per_call, bits = seen["dequantized"]
+    assert per_call == {}
+    np.testing.assert_array_equal(got, want)
+    if encoded.form == "dequantize" and TIERS[tier].family == "int":  # what the fused layout leaves to every call
+        assert seen["fused"][1], seen["fused"][1]
+    extra = bits - seen["fused"][2]
+    assert extra == 0 if not group else 0 <= extra <= 8 * 8 * 8  # blocks: two shapes of rank 3 and 2, maybe a slice's three scalars
+    assert emitted_bits("W", encoded, "dequantized") - emitted_bits("W", encoded) == extra
+
+
+def test_a_split_weight_in_the_dequantized_layout_folds_every_part():
+    """Channel groups at different tiers (one Concat of their parts) fold into one float weight too."""
+    from graph_ops.qdq import per_call_dequantization
+
+    layout = LAYOUTS[0]
+    parts = split([encode(W, layout, TIERS["int2-asym"]).take_channels(0, 20, 1), encode(W, layout, TIERS["int4"], group_size=16).take_channels(20, 48, 1)], layout)
+    model, x = _single_weight_model(parts, layout)
+    want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.replace_weights(model, {"W": parts.dequantize()}))).run({"x": x})["y"]
+    exported = apply_storage(model, {"W": parts}, layout="dequantized")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        optimized = f"{folder}/optimized.onnx"
+        got = OrtRuntime(optimized_model_path=optimized).open(graph_ops.model_bytes(exported)).run({"x": x})["y"]
+        assert per_call_dequantization(onnx.load(optimized)) == {}
+    np.testing.assert_array_equal(got, want)

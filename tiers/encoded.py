@@ -149,7 +149,8 @@ class Encoded:
         del values
         if self.zero_point is not None:
             codes -= broadcast_scale(self.zero_point.astype(np.float32), self.shape, self.axis, self.block_size)
-        codes *= broadcast_scale(self.scale, self.shape, self.axis, self.block_size)
+        written = np.asarray(self.scale).astype(np.float16) if self.dtype == "float16" else self.scale  # a float16 model's scales are written as float16
+        codes *= broadcast_scale(written, self.shape, self.axis, self.block_size)
         return codes
 
     @property

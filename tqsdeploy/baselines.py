@@ -145,15 +145,16 @@ def quantize_baseline(
     return result
 
 
-def write_baseline(model_path: str | Path, result: BaselineResult, output: str | Path) -> dict:
-    """Write the baseline as the same deployable DequantizeLinear ONNX that `export` emits."""
+def write_baseline(model_path: str | Path, result: BaselineResult, output: str | Path, layout: str = "dequantized") -> dict:
+    """Write the baseline as the same deployable ONNX that `export` emits, in runtime `layout` (`graph_ops.qdq.LAYOUTS`;
+    export's default for ort-cpu)."""
     loaded, data_dir = _load(model_path)
     started = perf_counter()
-    written = write_storage(loaded.proto, result.encoded, output, source=data_dir)  # kept tensors read from the input's files
+    written = write_storage(loaded.proto, result.encoded, output, source=data_dir, layout=layout)  # kept tensors read from the input's files
     path, bits = written.path, written.weight_bits
     reference = graph_ops.weight_bits(loaded.proto)
     unit_reference = sum(bits_ for name, bits_ in graph_ops.io.tensor_sizes(loaded.proto).items() if name in result.encoded)
-    unit_bits = sum(emitted_bits(n, e) for n, e in result.encoded.items())
+    unit_bits = sum(emitted_bits(n, e, layout) for n, e in result.encoded.items())
     return {
         "method": result.method,
         "bits": result.bits,
@@ -162,6 +163,7 @@ def write_baseline(model_path: str | Path, result: BaselineResult, output: str |
         "file_bytes": written.bytes,
         "files": [str(f) for f in written.files],
         "external_data": str(written.files[1]) if len(written.files) > 1 else None,
+        "runtime_layout": layout,
         "compression": reference / bits,
         "unit_compression": unit_reference / unit_bits,
         "weight_bits": bits,

@@ -443,6 +443,17 @@ def _feeds_matmul_integer_codes(encodings, layouts) -> bool:
     return any("MatMul" in layouts[name].op_types and integer(encoded) for name, encoded in encodings.items() if name in layouts)
 
 
+def _layout_cost(outcome, settings) -> str:
+    """What the written layout costs at run time, in one line."""
+    memory = f"about {outcome.memory_bytes / 1e6:.3f} MB of weights in memory after load"
+    chosen = f"{outcome.layout}" + (f" (auto for --target {settings.target})" if settings.runtime_layout == "auto" else "")
+    if outcome.layout == "dequantized":
+        return (f"{chosen}: ONNX Runtime rebuilds the float weights once when the session is created and runs the original's "
+                f"kernels at its speed, exactly (no dequantization per call); {memory} (the original's float size; the file stays {outcome.file_bytes / 1e6:.3f} MB)")
+    return (f"{chosen}: DequantizeLinear nodes; ONNX Runtime runs those before a MatMul as MatMulNBits (fast for few rows, "
+            f"slower than float for batched calls) and the others on every call; {memory}")
+
+
 def _check_output_file(path: Path, given: str | None, inputs) -> None:
     """An output must be a file name, and never one of the input model's files, --force or not."""
     if (given or "").endswith(("/", os.sep)) or path.is_dir():
@@ -461,7 +472,8 @@ def export(
     run: Optional[Path] = typer.Option(None, "--run", help="Score run folder (default: the model's run in tqs-runs/; without a model, the only run there)."),
     tiers: Optional[str] = typer.Option(None, "--tiers", help=f"Tiers to choose from ({', '.join(TIERS)}); default {','.join(DEFAULT_TIERS)} (--target trt: {','.join(TRT_TIERS)})."),
     rounding: str = typer.Option("qep", "--rounding", metavar="|".join(METHODS), help="How codes are chosen on each tier's grid: rtn, gptq, gptaq or qep (calibrated on the run's contexts)."),
-    target: str = typer.Option("ort", "--target", metavar="ort|trt", help="Runtime the model is for: ort or trt (restricts tiers; trt uses symmetric grids)."),
+    target: str = typer.Option("ort-cpu", "--target", metavar="ort-cpu|ort-cuda|trt", help="Runtime the model is for: ort-cpu (default; 'ort' too), ort-cuda or trt (restricts tiers, trt uses symmetric grids; decides --runtime-layout auto)."),
+    runtime_layout: str = typer.Option("auto", "--runtime-layout", metavar="auto|dequantized|fused", help="dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed and memory, the small file); fused: DequantizeLinear (MatMulNBits on ORT, fast for few rows; what TensorRT needs); auto (default): dequantized for ort-cpu/ort-cuda, fused for trt."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer quantization along the reduction axis (e.g. 32, 64, 128)."),
     objective: str = typer.Option("measured", "--objective", metavar="measured|response|paper", help="Allocation objective: measured, response or paper."),
     allocator: str = typer.Option("mckp", "--allocator", metavar="mckp|greedy", help="mckp (pulp, HiGHS then CBC) or greedy."),
@@ -500,6 +512,7 @@ def export(
     settings = ExportSettings(
         tiers=tuple(t.strip() for t in tiers.split(",") if t.strip()) if tiers else None,
         target=target,
+        runtime_layout=runtime_layout,
         group_size=group_size,
         objective=objective,
         rounding=rounding,
@@ -560,7 +573,7 @@ def export(
     try:
         for index, (value, path) in enumerate(zip(targets, paths)):
             outcome = planner.export(value, path, uniform_tier=uniform_tier, on_result=on_result, max_drift_pct=max_drift, final=index == len(targets) - 1)
-            fused = _feeds_matmul_integer_codes(outcome.encodings, planner.layouts)
+            fused = settings.layout == "fused" and _feeds_matmul_integer_codes(outcome.encodings, planner.layouts)
             outcome.encodings = {}  # written: the table and the record are what is left to show
             rows.append((value, outcome, fused))
         planner.discard_checkpoints()  # every model is written (or refused by --max-drift): nothing left to resume
@@ -587,6 +600,7 @@ def export(
         out.print(escape(title))
         _say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
         out.print(_table(summary, "", ["tier", "slots", "params", "bytes"]))
+        out.print(f"  runtime layout: {_layout_cost(outcome, settings)}")
         if outcome.drift is not None:
             compared = ", ".join(f"{c['label']}: {c['drift_pct']:.4g}%" for c in outcome.compared[1:])
             out.print(f"  drift from the original on the scoring contexts (exact dequantization): {outcome.drift_pct:.4g}%" + (f" (compared: {escape(compared)})" if compared else ""))
@@ -622,6 +636,7 @@ def baseline(
     act_order: bool = typer.Option(False, "--act-order", help="GPTQ column order by decreasing Hessian diagonal (static groups)."),
     min_params: int = typer.Option(1024, "--min-params", min=1, help="Smallest tensor that is quantized."),
     output_given: Optional[str] = typer.Option(None, "-o", "--output", help="Output ONNX (default <stem>.<method>-w<bits>.onnx; a model named model.onnx adds its folder's name)."),
+    runtime_layout: str = typer.Option("dequantized", "--runtime-layout", metavar="dequantized|fused", help="As export's: dequantized (default, export's pick for ort-cpu: float weights rebuilt at load) or fused (DequantizeLinear)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output file."),
 ):
     """Quantize every unit uniformly with RTN, GPTQ, GPTAQ or QEP (numpy, calibrated on ONNX Runtime)."""
@@ -633,6 +648,8 @@ def baseline(
         raise typer.BadParameter(f"--method must be one of {', '.join(METHODS)}")
     if bits not in (1, 2, 3, 4, 8):
         raise typer.BadParameter("--bits must be 1, 2, 3, 4 or 8")
+    if runtime_layout not in ("dequantized", "fused"):
+        raise typer.BadParameter("--runtime-layout must be dequantized or fused")
     from tqsdeploy.score import model_label
 
     path = Path(output_given) if output_given is not None else Path(f"{model_label(model)}.{method}-w{bits}.onnx")
@@ -646,7 +663,7 @@ def baseline(
             rounding=Rounding(method, act_order=act_order), min_params=min_params,
             on_start=progress.start, on_weight=lambda name: progress.advance(detail=name[-40:]),
         )
-    summary = write_baseline(model, result, path)
+    summary = write_baseline(model, result, path, runtime_layout)
     write_json(str(path.with_suffix("")) + ".baseline.json", summary)
     timings = summary["timings_s"]
     out.print(

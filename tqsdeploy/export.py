@@ -49,6 +49,14 @@ from tqsdeploy.sweep import Drift, Lanes, ResultLog, SweepRunner, Task, TaskResu
 from tqsdeploy.units import Unit, UnitSelection
 
 BASES = ("file", "units")
+TARGETS = ("ort-cpu", "ort-cuda", "trt")
+"""Where the exported model will run (`--target`); 'ort' is read as 'ort-cpu'."""
+RUNTIME_LAYOUTS = ("auto", "dequantized", "fused")
+AUTO_LAYOUT = {"ort-cpu": "dequantized", "ort-cuda": "dequantized", "trt": "fused"}
+"""What `--runtime-layout auto` writes for each target. ONNX Runtime runs float weights with its fastest kernels
+on CPU and CUDA, while its MatMulNBits (what DequantizeLinear→MatMul becomes) pays only for few rows: the
+examples' batched windows ran 1.4-2.5x slower than FP32 on CPU and 1.1-1.8x on CUDA (issue 33), so ORT targets
+dequantize once at load. TensorRT builds its INT8/INT4 kernels from DequantizeLinear nodes: 'fused' keeps them."""
 WARN_DRIFT_PCT = 5.0
 """Drift (percent, as `eval` reports it) above which export warns that the model it wrote may be damaged."""
 BASIS_GAP = 1.5
@@ -65,7 +73,10 @@ class ExportSettings:
 
     tiers: tuple[str, ...] | None = None
     """Tier names; None: the default ladder of the target (asymmetric grids for ort, symmetric for trt)."""
-    target: str = "ort"
+    target: str = "ort-cpu"
+    """ort-cpu, ort-cuda or trt ('ort': ort-cpu): the runtime the model is written for (tiers, `runtime_layout`)."""
+    runtime_layout: str = "auto"
+    """How codes reach their consumers (`graph_ops.qdq.LAYOUTS`); 'auto': `AUTO_LAYOUT` of the target."""
     group_size: int | None = None
     objective: str = "measured"
     rounding: str = "qep"
@@ -89,6 +100,12 @@ class ExportSettings:
     except for a model of `ONE_SESSION_BYTES` or more, whose candidates run one at a time on sessions of their own."""
 
     def __post_init__(self):
+        if self.target == "ort":
+            object.__setattr__(self, "target", "ort-cpu")
+        if self.target not in TARGETS:
+            raise InputError(f"unknown target '{self.target}'; choose one of {', '.join(TARGETS)}")
+        if self.runtime_layout not in RUNTIME_LAYOUTS:
+            raise InputError(f"unknown runtime layout '{self.runtime_layout}'; choose one of {', '.join(RUNTIME_LAYOUTS)}")
         if self.objective not in OBJECTIVES:
             raise InputError(f"unknown objective '{self.objective}'; choose one of {', '.join(OBJECTIVES)}")
         if self.rounding not in METHODS:
@@ -99,6 +116,16 @@ class ExportSettings:
             raise InputError(f"--refine takes a number of rounds >= 0, not {self.refine}")
         if not 0 <= self.split_fraction < 1:
             raise InputError(f"--split takes a fraction in [0, 1), not {self.split_fraction}")
+
+    @property
+    def layout(self) -> str:
+        """The runtime layout written: the one asked for, or the target's (`AUTO_LAYOUT`)."""
+        return AUTO_LAYOUT[self.target] if self.runtime_layout == "auto" else self.runtime_layout
+
+    @property
+    def runtime(self) -> str:
+        """The tier registry's name for the target's runtime ('ort' or 'trt')."""
+        return "trt" if self.target == "trt" else "ort"
 
     @property
     def tier_names(self) -> tuple[str, ...]:
@@ -161,6 +188,10 @@ class Outcome:
     """What was written: the model, then its external-data file when it has one (ship them together)."""
     refused: str | None = None
     """Why nothing was written (the drift exceeded `max_drift_pct`); None when the model was written."""
+    layout: str = "fused"
+    """The runtime layout written (`ExportSettings.layout`)."""
+    memory_bytes: int | None = None
+    """About the weight bytes a session holds after loading the file (`Planner.loaded_weight_bytes`)."""
 
     def fake_quantized(self) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the file (exact dequantization)."""
@@ -213,7 +244,7 @@ class Planner:
         meta = self.scores.meta
         model = Path(model) if model is not None else Path(meta["model"]["path"])
         self.settings = settings
-        self.tiers: list[Tier] = get_tiers(list(settings.tier_names), settings.target, settings.group_size)
+        self.tiers: list[Tier] = get_tiers(list(settings.tier_names), settings.runtime, settings.group_size)
         self.rounding = Rounding(settings.rounding)
         probe = dict(meta["probe"])
         probe["horizons"] = tuple(probe["horizons"]) if probe.get("horizons") else None
@@ -723,7 +754,7 @@ class Planner:
         stored = {name: e for name, e in encodings.items() if not (e.form == "raw" and e.values is self.weights.get(name))}
         if external_data is None and self.settings.single_file:
             external_data = False
-        return write_storage(self.model.proto, stored, path, external_data=external_data, source=self.prepared.data_dir)
+        return write_storage(self.model.proto, stored, path, external_data=external_data, source=self.prepared.data_dir, layout=self.settings.layout)
 
     def check_single_file(self, targets: list[float | None], uniform_tier: str | None = None) -> None:
         """With `single_file`, refuse before any work an output that cannot fit one file (protobuf's 2 GiB):
@@ -733,7 +764,7 @@ class Planner:
         fixed = self.reference_bits - self.unit_reference_bits
         for target in targets:
             if target is None:
-                bits = fixed + sum(u.params for u in self.units) * get_tiers([uniform_tier], self.settings.target, self.settings.group_size)[0].bits
+                bits = fixed + sum(u.params for u in self.units) * get_tiers([uniform_tier], self.settings.runtime, self.settings.group_size)[0].bits
             else:
                 bits = min(self.reference_bits, self.basis_bits / target + (fixed if self.settings.basis == "units" else 0))
             if bits / 8 >= graph_ops.io.PROTOBUF_LIMIT:
@@ -750,7 +781,7 @@ class Planner:
         path = Path(path)
         notes: list[str] = []
         if uniform_tier is not None:
-            tier = get_tiers([uniform_tier], self.settings.target, self.settings.group_size)[0]
+            tier = get_tiers([uniform_tier], self.settings.runtime, self.settings.group_size)[0]
             method = Rounding(rounding) if rounding else self.rounding
             allocation = self.uniform(tier.name)
             allocation.target = target
@@ -789,7 +820,7 @@ class Planner:
             record.unlink(missing_ok=True)  # a kill before the new record lands leaves a model without one, never a mismatched pair
         written = self.write(chosen.encodings, path)
         size, bits = written.bytes, written.weight_bits
-        unit_bits = sum(emitted_bits(n, e) for n, e in chosen.encodings.items())
+        unit_bits = sum(emitted_bits(n, e, self.settings.layout) for n, e in chosen.encodings.items())
         compression = self.reference_bits / bits
         unit_compression = self.unit_reference_bits / unit_bits
         if target is not None and uniform_tier is None and self.settings.basis == "file" and unit_compression > BASIS_GAP * compression:
@@ -808,6 +839,9 @@ class Planner:
             "file_bytes": size,
             "files": [str(f) for f in written.files],
             "external_data": str(written.files[1]) if len(written.files) > 1 else None,
+            "runtime_layout": self.settings.layout,
+            "target": self.settings.target,
+            "weights_in_memory_bytes": self.loaded_weight_bytes(chosen.encodings),
             "objective": chosen.allocation.objective,
             "rounding": chosen.label.split()[-1] if uniform_tier is not None else self.rounding.method,
             "solver": chosen.allocation.solver,
@@ -825,7 +859,20 @@ class Planner:
         write_table(table, f"{stem}.allocation.parquet")
         write_json(f"{stem}.allocation.json", summary)
         return Outcome(chosen.allocation, path, size, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table, chosen.encodings, notes,
-                       written.files)
+                       written.files, layout=self.settings.layout, memory_bytes=summary["weights_in_memory_bytes"])
+
+    def loaded_weight_bytes(self, encodings: dict[str, Encoded]) -> int:
+        """About how many bytes of weights an ONNX Runtime session of the written model holds after load: it
+        folds fp16/bf16 Casts, INT1's unpacking and, in the 'dequantized' layout, every dequantization into a
+        float weight of the original's type; 'fused' keeps DequantizeLinear's codes (MatMulNBits repacks them)."""
+        def held(encoded: Encoded) -> int:
+            if encoded.form == "split":
+                return sum(held(part) for part in encoded.parts)
+            if encoded.form == "dequantize" and self.settings.layout == "fused":
+                return encoded.payload_bits // 8
+            return math.prod(encoded.shape) * np.dtype(encoded.dtype).itemsize
+
+        return (self.reference_bits - self.unit_reference_bits) // 8 + sum(held(e) for e in encodings.values())
 
     def close(self) -> None:
         self._release_runner()
