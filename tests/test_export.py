@@ -126,7 +126,7 @@ def test_export_bad_input(scored, tmp_path):
 def test_eval_and_gate(scored, tmp_path, monkeypatch):
     model, contexts, folder = scored
     candidate = folder / "mlp.gate.onnx"
-    Planner(folder / "run").export(None, candidate, uniform_tier="int8")
+    Planner(folder / "run", settings=ExportSettings(runtime_layout="fused")).export(None, candidate, uniform_tier="int8")  # DequantizeLinear, run as MatMulNBits
     truth = tmp_path / "truth.npz"
     reference = OrtRuntime().open(model)
     x = np.load(contexts)["x"]
@@ -369,3 +369,40 @@ def test_conv_calibration_rows_are_built_a_few_samples_at_a_time(tmp_path, monke
     assert whole.keys() == chunked.keys() and whole
     for name in whole:
         np.testing.assert_allclose(chunked[name], whole[name], rtol=0, atol=1e-6 * np.abs(whole[name]).max())
+
+
+def test_eval_and_gate_time_candidate_and_reference(scored, tmp_path):
+    """eval reports both models' latency (median and spread at each requested batch, paired rounds), their memory
+    and the runtime mode: the default export (the dequantized layout) is folded at load, its optimized graph
+    reading no codes; `gate --max-slowdown` is a bound like the others (exit 1 when exceeded), and `--no-latency`
+    turns the timing off (asking for both is bad input)."""
+    model, contexts, folder = scored
+    candidate = tmp_path / "mlp.int4.onnx"
+    planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", refine=0))
+    planner.export(None, candidate, uniform_tier="int4-asym")
+    planner.close()
+    code, text = _invoke(["eval", candidate, "-r", model, "-c", contexts, "--steps", 2, "--latency-batches", "1,4", "--report", tmp_path / "ev"])
+    assert code == 0, text
+    report = json.loads((tmp_path / "ev.json").read_text())
+    assert report["runtime"]["per_call_dequantization"] == {} and report["runtime"]["matmulnbits_nodes"] == 0
+    assert "folded into float initializers when the session is created (its optimized graph reads no codes)" in report["runtime"]["mode"]
+    rows = report["latency"]["batches"]
+    assert [r["windows"] for r in rows] == [1, 4] and [r["rows"] for r in rows] == [2, 8]  # 2 series per window
+    for row in rows:
+        assert row["rounds"] >= 10 and row["candidate"]["median_ms"] > 0 and row["slowdown"] == row["candidate"]["median_ms"] / row["reference"]["median_ms"]
+        assert row["candidate"]["p10_ms"] <= row["candidate"]["median_ms"] <= row["candidate"]["p90_ms"]
+    assert set(report["latency"]["memory_bytes"]) == {"candidate", "reference"}
+    assert "| 4 | " in (tmp_path / "ev.md").read_text() and "paired slowdown" in text
+
+    code, text = _invoke(["eval", candidate, "-r", model, "-c", contexts, "--steps", 2, "--no-latency", "--report", tmp_path / "quiet"])
+    assert code == 0 and json.loads((tmp_path / "quiet.json").read_text())["latency"] is None, text
+    code, text = _invoke(["gate", candidate, "-r", model, "-c", contexts, "--steps", 2, "--max-slowdown", "1e-6", "--report-dir", tmp_path / "slow"])
+    assert code == 1 and "slowdown[6 windows]" in text, text  # the eval's own batch: all 6 windows in one call
+    checks = json.loads((tmp_path / "slow" / "gate.json").read_text())["checks"]
+    assert [c["name"] for c in checks] == ["slowdown[6 windows]"] and not checks[0]["passed"]
+    code, text = _invoke(["gate", candidate, "-r", model, "-c", contexts, "--steps", 2, "--max-slowdown", "1000", "--report-dir", tmp_path / "fast"])
+    assert code == 0, text
+    code, text = _invoke(["gate", candidate, "-r", model, "-c", contexts, "--max-slowdown", "1.1", "--no-latency"])
+    assert code == 2 and "--max-slowdown needs the latency measurement" in text and "Traceback" not in text, text
+    code, text = _invoke(["eval", candidate, "-r", model, "-c", contexts, "--latency-batches", "0,8"])
+    assert code == 2 and "--latency-batches takes positive window counts" in text, text

@@ -804,6 +804,25 @@ def _bounds_from_options(max_degradation, min_compression, max_size, per_output,
     )
 
 
+LATENCY_HELP = ("Skip timing candidate and reference (by default both are open at once and called in alternation at the eval's batch: "
+                "3 warm-up calls each, then at least 10 paired rounds and 1 s; median, p10/p90 and memory in the report).")
+BATCHES_HELP = "Windows per call to time, e.g. 1,8 (default: the eval's own batch, every window in one call)."
+
+
+def _latency(off: bool, batches: Optional[str]):
+    """The latency settings the options ask for (None: not measured)."""
+    from tqsdeploy.latency import LatencySettings
+
+    sizes = _csv_ints(batches, "--latency-batches")
+    if sizes is not None and (not sizes or min(sizes) < 1):
+        raise typer.BadParameter("--latency-batches takes positive window counts, e.g. 1,8")
+    if off:
+        if sizes is not None:
+            raise typer.BadParameter("--latency-batches asks for the timing that --no-latency turns off")
+        return None
+    return LatencySettings(batches=sizes)
+
+
 @app.command("eval")
 @user_errors
 def eval_command(
@@ -821,12 +840,15 @@ def eval_command(
     cosine: Optional[bool] = typer.Option(None, "--cosine/--no-cosine", help="Cosine similarity and nearest-neighbour agreement of the output vectors (last axis): --cosine for every output, --no-cosine for none (default: outputs named like embeddings, e.g. embedding, pooled, sentence, last_hidden_state, shaped [batch, dim] or [batch, tokens, dim])."),
     provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="cpu, cuda or tensorrt."),
     report: Optional[Path] = typer.Option(None, "--report", help="Report prefix (writes PREFIX.json and PREFIX.md; default <candidate stem>.eval)."),
+    no_latency: bool = typer.Option(False, "--no-latency", help=LATENCY_HELP),
+    latency_batches: Optional[str] = typer.Option(None, "--latency-batches", help=BATCHES_HELP),
 ):
-    """Roll out candidate and reference from the same contexts and compare them (and the truth)."""
+    """Roll out candidate and reference from the same contexts and compare them (and the truth), and time both."""
     from tqsdeploy.evaluate import EvalSettings, evaluate, markdown, write_report
     from tqsdeploy.files import check_writable
 
-    settings = EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis, windows=windows, zscore=zscore, columns=_columns(columns), cosine=cosine)
+    settings = EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis, windows=windows, zscore=zscore, columns=_columns(columns), cosine=cosine,
+                            latency=_latency(no_latency, latency_batches))
     report = report or candidate.with_suffix("").with_name(candidate.stem + ".eval")
     check_writable(report.parent)  # before the rollouts, so a bad --report throws no results away
     result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
@@ -856,6 +878,9 @@ def gate(
     exact: bool = typer.Option(False, "--exact", help="Exact dequantization instead of what ONNX Runtime runs by default."),
     provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="cpu, cuda or tensorrt."),
     report_dir: Path = typer.Option(Path("gate-report"), "--report-dir", help="Where gate.json, gate.md and junit.xml go."),
+    max_slowdown: Optional[float] = typer.Option(None, "--max-slowdown", help="Largest allowed candidate/reference median latency at every measured batch, e.g. 1.1."),
+    no_latency: bool = typer.Option(False, "--no-latency", help=LATENCY_HELP),
+    latency_batches: Optional[str] = typer.Option(None, "--latency-batches", help=BATCHES_HELP),
 ):
     """Exit 1 when the candidate violates any bound, 0 when it meets them all."""
     from tqsdeploy.evaluate import EvalSettings, evaluate
@@ -864,7 +889,13 @@ def gate(
     from tqsdeploy.files import check_writable
 
     bounds = _bounds_from_options(max_degradation, min_compression, max_size, per_output, min_cosine)
-    settings = EvalSettings(exact=exact, provider=provider, windows=windows, zscore=zscore, columns=_columns(columns), cosine=cosine)
+    if max_slowdown is not None:
+        if not (math.isfinite(max_slowdown) and max_slowdown > 0):
+            raise typer.BadParameter(f"--max-slowdown must be a positive finite ratio, not {max_slowdown}")
+        if no_latency:
+            raise typer.BadParameter("--max-slowdown needs the latency measurement that --no-latency turns off")
+        bounds.max_slowdown = max_slowdown
+    settings = EvalSettings(exact=exact, provider=provider, windows=windows, zscore=zscore, columns=_columns(columns), cosine=cosine, latency=_latency(no_latency, latency_batches))
     check_writable(report_dir)  # before the rollouts
     result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
     checks = check(result, bounds)

@@ -29,12 +29,14 @@ import numpy as np
 import onnx
 
 import graph_ops
+import graph_ops.qdq
 from runtimes import OrtRuntime, Session, release_freed_memory
 from tqsdeploy.contexts import Contexts, continuation_rows, load_contexts, truth_from_csv
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import write_json, write_text
 from tqsdeploy.progress import counted
 from tqsdeploy.engine import RolloutEngine
+from tqsdeploy.latency import LatencySettings
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.score import resolve_spec
 
@@ -57,6 +59,8 @@ class EvalSettings:
     cosine: bool | None = None
     """Cosine and nearest-neighbour metrics: None for the outputs that look like embeddings, True for
     every trajectory output (its last axis the vector), False for none."""
+    latency: LatencySettings | None = None
+    """Time candidate and reference (`tqsdeploy.latency`); None: not measured (the CLI measures by default)."""
 
 
 EMBEDDING_NAME = re.compile(r"embed|pool|sentence|hidden_state", re.IGNORECASE)
@@ -104,9 +108,21 @@ def _load(path: Path) -> "graph_ops.LoadedModel":
     return graph_ops.load_model(path, load_external=False)  # sizes need shapes only; the runtime reads the weights
 
 
+CHECKED_FOLDING_BYTES = 256 << 20
+"""Largest file whose dequantized layout eval has ONNX Runtime write out folded (float-size) to check that no
+dequantization runs per call; past it the check would write gigabytes."""
+
+
+def _reads_codes(proto) -> bool:
+    """Whether any node reads stored codes (integer or FP8 initializers): DequantizeLinear, or the
+    'dequantized' layout's Casts."""
+    return bool(graph_ops.qdq.per_call_dequantization(proto))
+
+
 def _open(loaded: "graph_ops.LoadedModel", settings: EvalSettings, optimized: str | None = None) -> Session:
-    if not any(n.op_type == "DequantizeLinear" for n in loaded.proto.graph.node):
-        optimized = None  # nothing to fuse: no need for ONNX Runtime to write out a whole copy of the model
+    dequantizes = any(n.op_type == "DequantizeLinear" for n in loaded.proto.graph.node)
+    if not dequantizes and not (loaded.file_bytes < CHECKED_FOLDING_BYTES and _reads_codes(loaded.proto)):
+        optimized = None  # nothing to fuse or fold: no need for ONNX Runtime to write out a whole copy of the model
     runtime = OrtRuntime(provider=settings.provider, exact_qdq=settings.exact, optimized_model_path=optimized).for_model(loaded.proto)
     source = graph_ops.io.runnable_path(loaded)  # the file itself: no serialised copy, any size
     if source is None:  # an IR the runtime refuses: a clamped copy (bytes, or a temporary file past 2 GiB)
@@ -121,18 +137,23 @@ def _closed(session: Session) -> None:
     release_freed_memory()
 
 
-def _runtime_mode(settings: EvalSettings, optimized_path: str) -> dict:
-    fused = 0
+def _runtime_mode(settings: EvalSettings, optimized_path: str, proto) -> dict:
+    fused, per_call = 0, None
     if os.path.exists(optimized_path):
-        graph = graph_ops.wire.skeleton(optimized_path).graph  # node types only: the weights stay in the file
-        fused = sum(1 for n in graph.node if n.op_type == "MatMulNBits")
-    if settings.exact:
+        optimized = graph_ops.wire.skeleton(optimized_path)  # node types only: the weights stay in the file
+        fused = sum(1 for n in optimized.graph.node if n.op_type == "MatMulNBits")
+        per_call = graph_ops.qdq.per_call_dequantization(optimized)
+    if not any(n.op_type == "DequantizeLinear" for n in proto.graph.node) and _reads_codes(proto):
+        checked = "its optimized graph reads no codes" if per_call == {} else ("not checked: a large file" if per_call is None else f"yet its optimized graph still reads codes: {per_call}")
+        mode = (f"ONNX Runtime default on {settings.provider}: weights stored dequantized-at-load, folded into float initializers when the session is created "
+                f"({checked}); float kernels, exact")
+    elif settings.exact:
         mode = "exact dequantization (session.qdq_matmulnbits_accuracy_level=0)"
     elif settings.provider == "cpu":
         mode = "ONNX Runtime default: DequantizeLinear->MatMul fused into MatMulNBits with accuracy_level 4 (int8 activations)"
     else:  # the CUDA kernel: the demo export drifted 0.076% there on an H100, 0.117% with the CPU's int8 activations
         mode = f"ONNX Runtime default on {settings.provider}: DequantizeLinear->MatMul fused into MatMulNBits, run by the GPU kernel (float activations; accuracy_level is the CPU kernel's setting)"
-    return {"provider": settings.provider, "mode": mode, "matmulnbits_nodes": fused, "exact": settings.exact}
+    return {"provider": settings.provider, "mode": mode, "matmulnbits_nodes": fused, "exact": settings.exact, "per_call_dequantization": per_call}
 
 
 def _bootstrap(samples: tuple[np.ndarray, ...], statistic, rounds: int, seed: int) -> list[float]:
@@ -287,14 +308,15 @@ def evaluate(
     with tempfile.TemporaryDirectory() as tmp:
         optimized = os.path.join(tmp, "optimized.onnx")
         session = _open(cand_model, settings, optimized)
-        mode = _runtime_mode(settings, optimized)
+        mode = _runtime_mode(settings, optimized, cand_model.proto)
     inputs = [s for s in session.inputs if s.name not in session.weights]
     resolved = resolve_spec(spec, steps, inputs, session.outputs)
     csv = Path(contexts).suffix.lower() == ".csv"
     following = continuation_rows(resolved, session.outputs, inputs) if csv and not truth else 0
     ctx = load_contexts(Path(contexts), inputs, windows=settings.windows, zscore=settings.zscore, random=False, seed=settings.seed,
                         columns=settings.columns, following=following)
-    cand = trajectories(session, ctx, resolved, settings.max_batch_windows)
+    engine = RolloutEngine(session, ctx, resolved, settings.max_batch_windows)
+    cand = engine.trajectories()
     _closed(session)
     session = _open(ref_model, settings)
     ref = trajectories(session, ctx, resolved, settings.max_batch_windows)
@@ -334,6 +356,12 @@ def evaluate(
                 for i in range(cand[name].shape[axis])
             }
         outputs[name] = entry
+    latency = None
+    if settings.latency is not None:
+        from tqsdeploy import latency as timing
+
+        latency = timing.measure(lambda: _open(cand_model, settings), lambda: _open(ref_model, settings), ctx, inputs, engine.batched,
+                                 min(ctx.count, settings.max_batch_windows), settings.latency)
     ref_bits, cand_bits = graph_ops.weight_bits(ref_model.proto), graph_ops.weight_bits(cand_model.proto)
     return {
         "candidate": str(candidate),
@@ -350,6 +378,7 @@ def evaluate(
         "candidate_weight_bits": cand_bits,
         "outputs": outputs,
         "degradation_pct": max(o["degradation_pct"] for o in outputs.values()),
+        "latency": latency,
     }
 
 
@@ -381,6 +410,10 @@ def markdown(report: dict) -> str:
         for name, v in vectors.items():
             same = f"{v['same_neighbour']}/{v['neighbour_vectors']}" if "same_neighbour" in v else "- (fewer than 3 vectors)"
             lines.append(f"| {name} ({v['vectors']} × {v['dim']}) | {v['mean']:.6f} | {v['min']:.6f} | {same} |")
+    if report.get("latency"):
+        from tqsdeploy.latency import markdown as latency_lines
+
+        lines += latency_lines(report["latency"], f"{report['runtime']['provider']}, {report['runtime']['mode']}")
     return "\n".join(lines) + "\n"
 
 

@@ -44,6 +44,8 @@ class Bounds:
     """Output name -> max degradation percent."""
     min_cosine: float | None = None
     """Smallest cosine similarity of any vector, on every output with cosine metrics."""
+    max_slowdown: float | None = None
+    """Largest candidate/reference median latency, at every batch size measured."""
 
 
 @dataclass
@@ -87,8 +89,12 @@ def check(report: dict, bounds: Bounds) -> list[Check]:
     if bounds.max_size is not None:
         size = report["candidate_file_bytes"]
         checks.append(Check("size_bytes", size <= bounds.max_size, size, f"<= {bounds.max_size:.0f} bytes", bounds.max_size, "<=", "bytes"))
+    if bounds.max_slowdown is not None:
+        for row in (report.get("latency") or {}).get("batches", []):
+            checks.append(Check(f"slowdown[{row['windows']} windows]", row["slowdown"] <= bounds.max_slowdown, row["slowdown"], f"<= {bounds.max_slowdown:g}x",
+                                bounds.max_slowdown, "<=", "x"))
     if not checks:
-        raise InputError("gate has no bounds to check", hint="pass --max-degradation, --min-compression, --max-size or --min-cosine")
+        raise InputError("gate has no bounds to check", hint="pass --max-degradation, --min-compression, --max-size, --min-cosine or --max-slowdown")
     return checks
 
 
