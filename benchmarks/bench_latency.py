@@ -9,11 +9,12 @@ FP32 with `tqsdeploy.latency.measure` (both sessions open, paired rounds, order 
 at batch 1 and at the example's batch (its context windows in one call; the BERT: 16 sequences), on ONNX
 Runtime's CPU provider with its default threads; the held-out drift (eval as ONNX Runtime runs the variant)
 is reported beside. The examples export with the tool's defaults; the generated models, which have no
-trained weights, score with the quantization probe alone and export with RTN and no refinement.
+trained weights, score with the quantization probe alone and export with RTN, no refinement and no comparison
+with uniform baselines (whose calibrated roundings take minutes on the BERT, tens of minutes at 1 GB on 2 cores).
 
     python benchmarks/bench_latency.py [--models etth1_patchtst,...,bert] [--stack-gb 1.0] [--rounds 20]
 
-Writes benchmarks/results/latency.csv and latency.md. CUDA is measured only where a GPU is present (`--provider cuda`).
+Writes benchmarks/results/latency.csv and latency.md (`--out STEM`: STEM.csv/.md). CUDA is measured only where a GPU is present (`--provider cuda`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import json
 import platform
 import sys
 import tempfile
@@ -51,7 +53,7 @@ BERT_TOKENS, BERT_BATCH = 128, 16
 def case(name: str, tmp: Path, stack_gb: float) -> dict:
     """Model, scoring contexts, held-out contexts and truth (None for generated models: fresh random windows), spec."""
     if name == "bert":
-        model = bert(tmp / "bert.onnx", tokens=BERT_TOKENS)
+        model = tmp / "bert.onnx" if (tmp / "bert.onnx").exists() else bert(tmp / "bert.onnx", tokens=BERT_TOKENS)
         rng = np.random.default_rng(1)
         np.savez(tmp / "bert_ctx.npz", ids=rng.integers(0, 30522, (2, 1, BERT_TOKENS)).astype(np.int64))
         np.savez(tmp / "bert_heldout.npz", ids=rng.integers(0, 30522, (BERT_BATCH, 1, BERT_TOKENS)).astype(np.int64))
@@ -59,8 +61,8 @@ def case(name: str, tmp: Path, stack_gb: float) -> dict:
         return {"model": model, "contexts": tmp / "bert_ctx.npz", "heldout": tmp / "bert_heldout.npz", "truth": None, "spec": spec, "batch": BERT_BATCH, "generated": True}
     if name == "stack":
         folder = tmp / "stack"
-        folder.mkdir()
-        model = build_stack(folder, stack_gb)
+        folder.mkdir(exist_ok=True)
+        model = folder / "chain.onnx" if (folder / "chain.onnx").exists() else build_stack(folder, stack_gb)
         width = onnx.load(str(model), load_external_data=False).graph.input[0].type.tensor_type.shape.dim[1].dim_value
         rng = np.random.default_rng(1)
         np.savez(tmp / "stack_ctx.npz", x=rng.standard_normal((2, 4, width)).astype(np.float32))
@@ -83,14 +85,18 @@ def fp16_copy(model: Path, out: Path) -> Path:
 
 
 def variants(name: str, item: dict, tmp: Path, provider: str) -> tuple[dict[str, Path], dict]:
-    """FP16, and the `--C 4` export in each runtime layout (one allocation, written twice)."""
+    """FP16, and the `--C 4` export in each runtime layout (one allocation, written twice); reused from `tmp`
+    when an earlier run with `--workdir` left them there (timing again costs no score or export)."""
+    labels = {"fp16": tmp / f"{name}.fp16.onnx", "C4 dequantized (auto for ort-cpu)": tmp / f"{name}.C4.dequantized.onnx", "C4 fused": tmp / f"{name}.C4.fused.onnx"}
+    if (tmp / "meta.json").exists():
+        return {k: v for k, v in labels.items() if v.exists()}, json.loads((tmp / "meta.json").read_text())
     run = tmp / f"{name}_run"
     light = item["generated"]
     settings = ScoreSettings(gauss_draws=0 if light else 1)
     started = time.perf_counter()
     score(item["model"], item["contexts"], spec=item["spec"], out=run, settings=settings, runtime=OrtRuntime(provider=provider))
     scored = time.perf_counter() - started
-    export = ExportSettings(target="ort-cpu", rounding="rtn" if light else "qep", refine=0 if light else 2)
+    export = ExportSettings(target="ort-cpu", rounding="rtn" if light else "qep", refine=0 if light else 2, fallback=not light)
     planner = Planner(run, item["model"], export, OrtRuntime(provider=provider))
     started = time.perf_counter()
     files = {"fp16": fp16_copy(item["model"], tmp / f"{name}.fp16.onnx") if not name == "stack" else None}
@@ -101,6 +107,7 @@ def variants(name: str, item: dict, tmp: Path, provider: str) -> tuple[dict[str,
     files.update({"C4 dequantized (auto for ort-cpu)": tmp / f"{name}.C4.dequantized.onnx", "C4 fused": tmp / f"{name}.C4.fused.onnx"})
     meta = {"score_s": scored, "export_s": time.perf_counter() - started, "compression": outcome.compression, "shipped": outcome.shipped,
             "scoring_drift_pct": outcome.drift_pct, "memory_after_load_mb": outcome.memory_bytes / 1e6}
+    (tmp / "meta.json").write_text(json.dumps(meta))
     return {k: v for k, v in files.items() if v is not None}, meta
 
 
@@ -146,7 +153,7 @@ def bench(name: str, tmp: Path, args) -> list[dict]:
 def write(rows: list[dict], args) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     columns = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
-    with open(RESULTS / "latency.csv", "w", newline="") as handle:
+    with open(RESULTS / f"{args.out}.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
@@ -180,7 +187,7 @@ def write(rows: list[dict], args) -> None:
     if worst:
         lines += ["", f"Done-when check: the default layout for `--target ort-cpu` (dequantized) is at most {worst['ratio']:.3f}x FP32 "
                       f"(worst: {worst['model']} at {worst['windows_per_call']} windows/call); target <= 1.05."]
-    (RESULTS / "latency.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -190,16 +197,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20, help="Paired rounds at least per batch size.")
     parser.add_argument("--seconds", type=float, default=2.0, help="Seconds of paired rounds at least per batch size.")
     parser.add_argument("--provider", default="cpu")
+    parser.add_argument("--workdir", default=None, help="Keep the scored and exported models here (default: a temporary folder); a second run times them again without scoring or exporting.")
+    parser.add_argument("--out", default="latency", help="Stem of the result files in benchmarks/results/ (e.g. latency-stack for a --models '' --stack-gb 1 run).")
     args = parser.parse_args()
     names = [n for n in args.models.split(",") if n] + (["stack"] if args.stack_gb else [])
     rows = []
     with tempfile.TemporaryDirectory(prefix="tqs-bench-latency-") as tmp:
         for name in names:
-            folder = Path(tmp) / name
-            folder.mkdir()
+            folder = Path(args.workdir or tmp) / name
+            folder.mkdir(parents=True, exist_ok=True)
             rows += bench(name, folder, args)
             write(rows, args)  # after every model: a long run keeps what it measured
-    print((RESULTS / "latency.md").read_text())
+    print((RESULTS / f"{args.out}.md").read_text())
 
 
 if __name__ == "__main__":

@@ -406,3 +406,17 @@ def test_eval_and_gate_time_candidate_and_reference(scored, tmp_path):
     assert code == 2 and "--max-slowdown needs the latency measurement" in text and "Traceback" not in text, text
     code, text = _invoke(["eval", candidate, "-r", model, "-c", contexts, "--latency-batches", "0,8"])
     assert code == 2 and "--latency-batches takes positive window counts" in text, text
+
+
+def test_prices_count_the_layout_written(scored, tmp_path):
+    """Blocks in the dequantized layout store a few shape constants beside the codes: the allocator prices them,
+    so the compression it aims at is the file's."""
+    from graph_ops.qdq import emitted_bits
+
+    _, _, folder = scored
+    planner = Planner(folder / "run", settings=ExportSettings(group_size=24, rounding="rtn", refine=0))  # 128 rows: a partial last block
+    outcome = planner.export(None, tmp_path / "blocks.onnx", uniform_tier="int4-asym")
+    written = sum(emitted_bits(n, e, "dequantized") for n, e in outcome.encodings.items())
+    assert written > sum(emitted_bits(n, e, "fused") for n, e in outcome.encodings.items())
+    assert sum(planner.cost(s, "int4-asym") for s in planner.slots) == written
+    planner.close()

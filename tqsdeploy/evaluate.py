@@ -36,7 +36,7 @@ from tqsdeploy.errors import InputError
 from tqsdeploy.files import write_json, write_text
 from tqsdeploy.progress import counted
 from tqsdeploy.engine import RolloutEngine
-from tqsdeploy.latency import LatencySettings
+from tqsdeploy.latency import LatencySettings, measure as measure_latency
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.score import resolve_spec
 
@@ -358,10 +358,8 @@ def evaluate(
         outputs[name] = entry
     latency = None
     if settings.latency is not None:
-        from tqsdeploy import latency as timing
-
-        latency = timing.measure(lambda: _open(cand_model, settings), lambda: _open(ref_model, settings), ctx, inputs, engine.batched,
-                                 min(ctx.count, settings.max_batch_windows), settings.latency)
+        latency = measure_latency(lambda: _open(cand_model, settings), lambda: _open(ref_model, settings), ctx, inputs, engine.batched,
+                                  min(ctx.count, settings.max_batch_windows), settings.latency)
     ref_bits, cand_bits = graph_ops.weight_bits(ref_model.proto), graph_ops.weight_bits(cand_model.proto)
     return {
         "candidate": str(candidate),

@@ -363,7 +363,7 @@ class Planner:
         key = (slot.name, tier.name)
         if key not in self._costs:  # every slot of the unit at once: one stored form per tensor
             forms = self.encoder.stored_forms(slot.unit, tier)
-            overhead = {n: emitted_bits(n, e) - e.payload_bits for n, e in forms.items()}
+            overhead = {n: emitted_bits(n, e, self.settings.layout) - e.payload_bits for n, e in forms.items()}
             for other in self.slots_of[slot.unit]:
                 bits = 0.0
                 for name, encoded in forms.items():
