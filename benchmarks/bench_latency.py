@@ -166,7 +166,7 @@ def write(rows: list[dict], args) -> None:
         "",
         "ratio = variant median / FP32 median over the same paired rounds; paired = median of the rounds' ratios. "
         "Held-out drift: mean |variant − FP32| / mean |FP32| on the held-out windows (generated models: fresh random windows), "
-        "as ONNX Runtime runs the variant (`eval`'s default). Memory: resident-memory growth of the session's creation and first call.",
+        "as ONNX Runtime runs the variant (`eval`'s default). Memory: resident-memory growth of the session's creation and first call, the heap freed meanwhile returned first.",
         "",
         "| model | variant | windows/call | FP32 ms | variant ms | ratio | paired | file MB (FP32) | memory MB (FP32) | held-out drift % | per-call dequantization |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
