@@ -381,7 +381,8 @@ def fed_weight(name: str, value: StoredWeight) -> tuple[list[onnx.ValueInfoProto
         feeds = {f"{prefix}_codes": codes}
         nodes = [helper.make_node("Cast", [f"{prefix}_codes"], [f"{prefix}_float"], to=onnx.TensorProto.FLOAT, name=f"{prefix}_cast")]
         centred = f"{prefix}_float"
-    feeds[f"{prefix}_scale"] = np.asarray(value.scale, np.float32).reshape(view)
+    written = np.asarray(value.scale).astype(np.float16) if dtype == np.float16 else value.scale  # a float16 weight's scale as the file stores it
+    feeds[f"{prefix}_scale"] = np.asarray(written, np.float32).reshape(view)
     if value.zero_point is not None:
         feeds[f"{prefix}_zero"] = np.asarray(value.zero_point).astype(np.float32).reshape(view)
         nodes.append(helper.make_node("Sub", [centred, f"{prefix}_zero"], [f"{prefix}_centred"], name=f"{prefix}_sub"))
