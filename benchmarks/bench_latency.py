@@ -73,7 +73,9 @@ def case(name: str, tmp: Path, stack_gb: float) -> dict:
         return {"model": model, "contexts": tmp / "stack_ctx.npz", "heldout": tmp / "stack_heldout.npz", "truth": None, "spec": spec, "batch": 8, "generated": True}
     folder = REPO / "examples" / name
     count = int(next(iter(np.load(folder / "contexts.npz").values())).shape[0])
-    return {"model": folder / "model.onnx", "contexts": folder / "contexts.npz", "heldout": folder / "heldout.npz", "truth": folder / "heldout_truth.npz",
+    heldout = folder / "heldout.npz" if (folder / "heldout.npz").exists() else folder / "contexts.npz"  # the token embedder has no held-out windows
+    truth = folder / "heldout_truth.npz" if (folder / "heldout_truth.npz").exists() else None
+    return {"model": folder / "model.onnx", "contexts": folder / "contexts.npz", "heldout": heldout, "truth": truth,
             "spec": RolloutSpec.from_toml(folder / "rollout.toml"), "batch": count, "generated": False}
 
 
