@@ -135,8 +135,14 @@ def bench(name: str, tmp: Path, args) -> list[dict]:
     timing = LatencySettings(batches=(1, batch), min_rounds=args.rounds, min_seconds=args.seconds)
     rows = []
     for label, path in files.items():
-        latency = measure(lambda p=path: runtime.open(p, external_data_dir=p.parent), lambda: runtime.open(fp32, external_data_dir=fp32.parent),
-                          heldout, inputs, batched, batch, timing)
+        try:
+            latency = measure(lambda p=path: runtime.open(p, external_data_dir=p.parent), lambda: runtime.open(fp32, external_data_dir=fp32.parent),
+                              heldout, inputs, batched, batch, timing)
+        except Exception as exc:  # onnxconverter-common's copy of some graphs does not load (a float16 output it left behind)
+            if label != "fp16":
+                raise
+            print(f"{name} {label}: skipped, ONNX Runtime refuses the converted model: {str(exc).splitlines()[0][:200]}", flush=True)
+            continue
         report = evaluate(path, fp32, item["heldout"], spec=item["spec"], truth=item["truth"], settings=EvalSettings(provider=args.provider))
         drift = max(o["vs_reference"]["drift_pct"] for o in report["outputs"].values() if "vs_reference" in o)
         for entry in latency["batches"]:
