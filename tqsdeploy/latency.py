@@ -11,6 +11,7 @@ them into float weights.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -37,8 +38,6 @@ def _resident_bytes() -> int:
     """The process's resident set size (Linux /proc; 0 elsewhere)."""
     try:
         with open("/proc/self/statm") as handle:
-            import os
-
             return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
