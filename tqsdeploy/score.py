@@ -612,7 +612,7 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         on_start(len(tasks), len(tasks) - len(pending))
     estimate = runner.timings.get(runner.strategy)
     if on_estimate and estimate and pending and ray_address is None and workers == 1:  # auto timed the sweep on these lanes
-        on_estimate(estimate * len(pending) / len(tasks))
+        on_estimate(estimate * (len(pending) / len(tasks)))  # the share first: a whole sweep pending hands on the estimate exactly
     sweep_started = time.perf_counter()
     record = lambda r: (done.__setitem__(r.key, r), on_result and on_result(r))  # noqa: E731
     meta["workers"] = 1
