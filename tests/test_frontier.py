@@ -63,6 +63,7 @@ def test_frontier_end_to_end(small):
     ok = overall.filter(pl.col("status") == "ok")
     assert ok["mae_ref"].is_not_null().all() and (ok["achieved_C"] > 1.9).all()
     assert set(frame["variable"].drop_nulls()) == {"all", "0", "1"}
+    assert "slowdown" not in frame.columns  # timing is asked for (--latency)
     for name in ("frontier.png", "gamma_ranking.png", "gamma_buckets.png", "concentration.png", "error_growth.png"):
         assert (out / name).stat().st_size > 5000
     report = (out / "report.md").read_text()
@@ -80,3 +81,15 @@ def test_baseline_of_a_float16_model_stays_float16(tmp_path):
     got = OrtRuntime(exact_qdq=True).open(tmp_path / "g.onnx").run({"x": x})["y"]
     want = OrtRuntime().open(model).run({"x": x})["y"]
     assert got.dtype == np.float16 and np.abs(got.astype(np.float32) - want).max() < 0.1
+
+
+def test_frontier_latency_times_every_point_against_the_original(small):
+    """frontier --latency (issue 33): each evaluated point carries its median latency beside the original's, the
+    slowdown being their ratio; the default frontier times nothing."""
+    model, contexts, folder = small
+    out = folder / "timed"
+    code, text = _invoke("frontier", model, "-c", contexts, "--steps", "2", "--C", "4", "--baselines", "rtn", "--bits", "4", "--latency", "-o", out)
+    assert code == 0, text
+    ok = pl.read_parquet(out / "frontier.parquet").filter(pl.col("status") == "ok")
+    assert ok.height >= 2 and (ok["latency_ms"] > 0).all() and (ok["reference_latency_ms"] > 0).all()
+    assert ((ok["slowdown"] - ok["latency_ms"] / ok["reference_latency_ms"]).abs() < 1e-9).all()

@@ -704,6 +704,7 @@ def frontier(
     buckets: Optional[str] = typer.Option(None, "--buckets", help="Role buckets by name, e.g. 'input=embed|patch,output=head' (default: from the graph structure)."),
     exact: bool = typer.Option(False, "--exact", help="Evaluate with exact dequantization."),
     columns: Optional[str] = typer.Option(None, "--columns", help=COLUMNS_HELP),
+    latency: bool = typer.Option(False, "--latency", help="Also time every model against the original (as eval does, on the first split's windows): latency_ms, reference_latency_ms and slowdown columns; about 1 s and two sessions per point."),
     out_dir: Path = typer.Option(None, "--out", "-o", help="Output folder (default tqs-frontier/<model stem>; <folder>_model for a file named model.onnx)."),
 ):
     """Score once, export TQS-PTQ at every C, run the uniform baselines, evaluate all, and report."""
@@ -737,7 +738,7 @@ def frontier(
         bits=tuple(int(b) for b in _floats(bits, "--bits")) if baselines.strip() else (),
         export=base,
         variants=tuple(variants),
-        evaluation=EvalSettings(exact=exact, variable_axis=variable_axis, columns=_columns(columns)),
+        evaluation=EvalSettings(exact=exact, variable_axis=variable_axis, columns=_columns(columns), latency=_latency(not latency, None)),
         min_params=min_params,
     )
     for method in settings.baselines:

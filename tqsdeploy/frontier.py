@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -90,6 +90,9 @@ def _rows(candidate: Candidate, split: str, report: dict | None) -> list[dict]:
     }
     if report is None:
         return [{**base, "output": None, "variable": None}]
+    timed = (report.get("latency") or {}).get("batches")
+    if timed:  # frontier --latency: the first batch size, candidate beside the reference
+        base |= {"latency_ms": timed[0]["candidate"]["median_ms"], "reference_latency_ms": timed[0]["reference"]["median_ms"], "slowdown": timed[0]["slowdown"]}
     rows = []
     for output, metrics in report["outputs"].items():
         entries = [("all", metrics)] + list(metrics.get("variables", {}).items())
@@ -154,7 +157,7 @@ def run_frontier(
         raise InputError("--eval-truth is the truth of --eval-contexts, which is missing")
     splits = ([("held-out", eval_contexts, eval_truth)] if eval_contexts else []) + [("scoring", contexts, truth)]
     for _, split_contexts, split_truth in splits:  # the reference against itself: contexts, truth and spec are checked before any work
-        evaluate(model, model, split_contexts, spec=spec, steps=steps, truth=split_truth, settings=settings.evaluation)
+        evaluate(model, model, split_contexts, spec=spec, steps=steps, truth=split_truth, settings=replace(settings.evaluation, latency=None))
     models_dir = out_dir / "models"
     models_dir.mkdir(parents=True, exist_ok=True)
     lines_count = 1 + len(settings.variants)
@@ -236,7 +239,8 @@ def run_frontier(
             begin(f"eval {candidate.method} {candidate.setting} on {split}")
             started = time.perf_counter()
             try:
-                report = evaluate(candidate.path, model, split_contexts, spec=spec_path, truth=split_truth, settings=settings.evaluation)
+                timing = settings.evaluation if split == splits[0][0] else replace(settings.evaluation, latency=None)  # timed once, on the first split
+                report = evaluate(candidate.path, model, split_contexts, spec=spec_path, truth=split_truth, settings=timing)
             except TqsError as exc:
                 candidate.status = f"eval failed: {exc}"
                 rows.extend(_rows(candidate, split, None))
