@@ -53,8 +53,8 @@ class CalibrationLog:
     seconds: float = 0.0
     rows: dict[str, int] = field(default_factory=dict)
     """Calibration rows (samples) behind each weight's statistics."""
-    thin: list[str] = field(default_factory=list)
-    """Weights that saw fewer rows than twice their input width (rank-deficient Hessians)."""
+    thin: dict[str, int] = field(default_factory=dict)
+    """Weights that saw fewer rows than twice their input width (rank-deficient Hessians), with that width."""
 
 
 def thin_note(thin: Mapping[str, tuple[int, int]], method: str, remedy: str) -> str | None:
@@ -157,22 +157,22 @@ class Calibrator:
             for name in names:
                 if name in found:
                     encoded[name], meta = found.pop(name)
-                    rows, thin = meta.get("rows"), meta.get("thin", False)
+                    rows, thin = meta.get("rows"), meta.get("thin")
                     digests.append(meta["digest"])
                 else:
-                    merged = rows = None
-                    thin = False
+                    merged = rows = thin = None
                     if stats is not None:
                         layout = self.layouts[name]
                         merged = [Hessian.merge([stats[use.key][g] for use in layout.uses]) for g in range(layout.row_groups)]
-                        rows, thin = merged[0].count, any(m.count < 2 * m.H.shape[0] for m in merged)
+                        rows = merged[0].count
+                        thin = merged[0].H.shape[0] if any(m.count < 2 * m.H.shape[0] for m in merged) else None  # its input width
                     encoded[name] = encode(name, merged)
                     if checkpoints is not None:
                         digests.append(checkpoints.save(name, encoded[name], rows, thin))
                 if rows is not None:
                     log.rows[name] = rows
                 if thin:
-                    log.thin.append(name)
+                    log.thin[name] = thin
             if checkpoints is not None:
                 checkpoints.advance(digests)
             stats = merged = None  # K x K float64 per use: gone before the next wave collects its own

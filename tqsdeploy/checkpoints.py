@@ -135,8 +135,9 @@ class PassCheckpoints:
         meta["digest"] = bytes.fromhex(meta["digest"])
         return encoded, meta
 
-    def save(self, name: str, encoded: Encoded, rows: int | None = None, thin: bool = False) -> bytes:
-        """Write one finished weight (with the calibration rows behind it); its digest for the chain."""
+    def save(self, name: str, encoded: Encoded, rows: int | None = None, thin: int | None = None) -> bytes:
+        """Write one finished weight (with the calibration rows behind it and, when they were too few, its
+        input width); its digest for the chain."""
         arrays: list[np.ndarray] = []
         fields = _flatten(encoded, self.weights.get(name), arrays)
         digest = _digest(name, fields, arrays)

@@ -204,9 +204,8 @@ class Encoder:
             self.before_calibration()
         result = self.calibrator.run(encode_kept, rounding.needs_cross, log, saved, found)
         self.log.calibration_s += log.seconds
-        for name in log.thin:  # with what the note says: the rows it saw against its input width (Wt [N, K]: K)
-            layout = self.layouts[name]
-            self.log.thin[name] = (log.rows.get(name, 0), int(np.prod(layout.shape)) // (layout.shape[layout.perm[0]] if layout.perm else 1))
+        for name, width in log.thin.items():  # with what the note says: the rows it saw against its input width
+            self.log.thin[name] = (log.rows.get(name, 0), width)
         return result
 
     def uniform(self, tier: Tier | str, rounding: Rounding) -> dict[str, Encoded]:
