@@ -1,6 +1,6 @@
 """TQS-PTQ: pick one precision tier per unit under a compression target.
 
-Algorithm 1 of the paper: budget B = reference bits / C; dead units go to the
+Algorithm 1 of the paper: budget B = reference bits / C (`tqsdeploy.size`); dead units go to the
 cheapest tier; the most sensitive units go to FP32 until the FP32 share of the
 units' FP32 size reaches `fp32_fraction`; the rest is a multiple-choice
 knapsack (pulp with HiGHS, falling back to PuLP 3's bundled CBC) or the paper's greedy
@@ -29,9 +29,18 @@ from dataclasses import dataclass, field
 
 
 from tiers import Tier
-from tqsdeploy.errors import InfeasibleError
+from tqsdeploy.errors import InputError
+from tqsdeploy.size import SizeBudget
 
 OBJECTIVES = ("paper", "response", "measured")
+ALLOCATORS = ("mckp", "greedy")
+"""mckp: the exact multiple-choice knapsack (HiGHS, then CBC; greedy when both fail); greedy: the paper's promotion."""
+
+
+def check_allocator(solver: str) -> str:
+    if solver not in ALLOCATORS:
+        raise InputError(f"unknown allocator '{solver}'; choose one of {', '.join(ALLOCATORS)}")
+    return solver
 
 
 @dataclass(frozen=True)
@@ -52,8 +61,8 @@ class Allocation:
 
     tiers: dict[str, str]
     cost_bits: dict[str, int]
-    reference_bits: int
-    fixed_bits: int
+    size: SizeBudget
+    """What C divides and what stays outside the slots (`tqsdeploy.size`)."""
     target: float | None
     solver: str
     objective: str
@@ -62,11 +71,11 @@ class Allocation:
 
     @property
     def total_bits(self) -> int:
-        return self.fixed_bits + sum(self.cost_bits.values())
+        return self.size.fixed_bits + sum(self.cost_bits.values())
 
     @property
     def compression(self) -> float:
-        return self.reference_bits / self.total_bits
+        return self.size.compression(sum(self.cost_bits.values()))
 
     def tier_of(self, unit: str) -> str:
         return self.tiers[unit]
@@ -91,7 +100,7 @@ def unit_cost_floor(choices: list[Choice]) -> int:
 
 
 def max_compression(choices: list[Choice], reference_bits: int, fixed_bits: int) -> float:
-    return reference_bits / (fixed_bits + unit_cost_floor(choices))
+    return SizeBudget(reference_bits, fixed_bits).compression(unit_cost_floor(choices))
 
 
 @contextlib.contextmanager
@@ -206,17 +215,13 @@ def allocate(
     fp32_fraction: float = 0.10,
     solver: str = "mckp",
 ) -> Allocation:
-    """Algorithm 1 with the chosen objective and solver."""
-    if target <= 0:
-        raise InfeasibleError(f"compression target must be positive, got {target}")
-    budget = reference_bits / target - fixed_bits
+    """Algorithm 1 with the chosen objective and solver; C on the basis whose stored bits are `reference_bits`,
+    `fixed_bits` of them outside the choices."""
+    check_allocator(solver)
+    size = SizeBudget(reference_bits, fixed_bits)
     floor = unit_cost_floor(choices)
-    if floor > budget:
-        best = max_compression(choices, reference_bits, fixed_bits)
-        raise InfeasibleError(
-            f"compression {target:g} is out of reach with tiers {', '.join(t.name for t in tiers)}: the largest reachable is {best:.3g}",
-            hint="lower --C or add a cheaper tier",
-        )
+    size.check(target, floor, [t.name for t in tiers])
+    budget = max(size.slot_bits(target), floor)  # a target within the size owner's tolerance of the largest C is that C
     bits = {t.name: t.bits for t in tiers}
     chosen: dict[str, str] = {}
     for choice in choices:
@@ -243,10 +248,8 @@ def allocate(
         solved, label = _solve_mckp(rest, int(remaining))
         if label == "failed":
             solved, label = _greedy(rest, tiers, remaining), "greedy (MCKP solver failed)"
-    elif solver == "greedy":
-        solved = _greedy(rest, tiers, remaining)
     else:
-        raise InfeasibleError(f"unknown allocator '{solver}'; choose mckp or greedy")
+        solved = _greedy(rest, tiers, remaining)
     chosen.update(solved)
     if objective == "paper":
         chosen = _monotone_repair(choices, chosen, bits)
@@ -254,24 +257,9 @@ def allocate(
     return Allocation(
         tiers=chosen,
         cost_bits={u: by_unit[u].cost[t] for u, t in chosen.items()},
-        reference_bits=reference_bits,
-        fixed_bits=fixed_bits,
+        size=size,
         target=target,
         solver=label,
         objective=objective,
         predicted_loss=float(sum(by_unit[u].loss[t] for u, t in chosen.items())),
-    )
-
-
-def uniform(choices: list[Choice], tier: str, reference_bits: int, fixed_bits: int) -> Allocation:
-    """Every unit at one tier: the round-to-nearest baseline."""
-    return Allocation(
-        tiers={c.unit: tier for c in choices},
-        cost_bits={c.unit: c.cost[tier] for c in choices},
-        reference_bits=reference_bits,
-        fixed_bits=fixed_bits,
-        target=None,
-        solver="uniform",
-        objective="uniform",
-        predicted_loss=float(sum(c.loss.get(tier, 0.0) for c in choices)),
     )

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 import graph_ops
-from graph_ops.qdq import emitted_bits, write_storage
+from graph_ops.qdq import write_storage
 from runtimes.ort import OrtRuntime
 from tiers import Encoded, Rounding, TierError, tier_for_bits
 from tqsdeploy.calibrate import Calibrator, thin_note
@@ -28,6 +28,7 @@ from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
 from tqsdeploy.quantization import Encoder
 from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.size import ModelSize
 from tqsdeploy.units import UnitSelection, check_finite, select_units
 
 
@@ -152,9 +153,8 @@ def write_baseline(model_path: str | Path, result: BaselineResult, output: str |
     started = perf_counter()
     written = write_storage(loaded.proto, result.encoded, output, source=data_dir, layout=layout)  # kept tensors read from the input's files
     path, bits = written.path, written.weight_bits
-    reference = graph_ops.weight_bits(loaded.proto)
-    unit_reference = sum(bits_ for name, bits_ in graph_ops.io.tensor_sizes(loaded.proto).items() if name in result.encoded)
-    unit_bits = sum(emitted_bits(n, e, layout) for n, e in result.encoded.items())
+    sizes = ModelSize.of(loaded.proto, result.encoded)
+    compression, unit_compression = sizes.written(bits, result.encoded, layout)
     return {
         "method": result.method,
         "bits": result.bits,
@@ -164,10 +164,10 @@ def write_baseline(model_path: str | Path, result: BaselineResult, output: str |
         "files": [str(f) for f in written.files],
         "external_data": str(written.files[1]) if len(written.files) > 1 else None,
         "runtime_layout": layout,
-        "compression": reference / bits,
-        "unit_compression": unit_reference / unit_bits,
+        "compression": compression,
+        "unit_compression": unit_compression,
         "weight_bits": bits,
-        "reference_bits": reference,
+        "reference_bits": sizes.reference_bits,
         "timings_s": {**{k: round(v, 4) for k, v in result.timings.items()}, "write": round(perf_counter() - started, 4)},
         "tensors": len(result.encoded),
         "rtn_only": result.rtn_only,

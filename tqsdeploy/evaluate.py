@@ -39,6 +39,7 @@ from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.latency import LatencySettings, measure as measure_latency
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.score import resolve_spec
+from tqsdeploy.size import compression
 
 
 @dataclass(frozen=True)
@@ -371,7 +372,7 @@ def evaluate(
         "runtime": mode,
         "candidate_file_bytes": cand_model.file_bytes,
         "reference_file_bytes": ref_model.file_bytes,
-        "compression": ref_bits / max(cand_bits, 1),
+        "compression": compression(ref_bits, cand_bits),
         "reference_weight_bits": ref_bits,
         "candidate_weight_bits": cand_bits,
         "outputs": outputs,

@@ -38,17 +38,17 @@ from graph_ops.qdq import Written, conversion_overhead_bits, emitted_bits, fed_c
 from runtimes import OrtRuntime, WithDefaults, release_freed_memory
 from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS, Encoded, Rounding, Tier, get_tiers
 from tqsdeploy import checkpoints
-from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, paper_weights
+from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, check_allocator, paper_weights
 from tqsdeploy.calibrate import Calibrator, open_graph, thin_note
-from tqsdeploy.errors import USER_ERRORS, InfeasibleError, InputError
+from tqsdeploy.errors import USER_ERRORS, InputError
 from tqsdeploy.files import write_json, write_table
 from tqsdeploy.quantization import Encoder, Slot, make_slots
 from tqsdeploy.score import Prepared, ScoreTable, default_run_dir, prepare
 from tqsdeploy.scoring import ScoreSettings
+from tqsdeploy.size import ModelSize, SizeBudget, check_basis, split_bits
 from tqsdeploy.sweep import Drift, Lanes, ResultLog, SweepRunner, Task, TaskResult
 from tqsdeploy.units import Unit, UnitSelection
 
-BASES = ("file", "units")
 TARGETS = ("ort-cpu", "ort-cuda", "trt")
 """Where the exported model will run (`--target`); 'ort' is read as 'ort-cpu'."""
 RUNTIME_LAYOUTS = ("auto", "dequantized", "fused")
@@ -110,8 +110,8 @@ class ExportSettings:
             raise InputError(f"unknown objective '{self.objective}'; choose one of {', '.join(OBJECTIVES)}")
         if self.rounding not in METHODS:
             raise InputError(f"unknown rounding '{self.rounding}'; choose one of {', '.join(METHODS)}")
-        if self.basis not in BASES:
-            raise InputError(f"--C basis must be 'file' or 'units', not '{self.basis}'")
+        check_basis(self.basis)
+        check_allocator(self.allocator)
         if self.refine < 0:
             raise InputError(f"--refine takes a number of rounds >= 0, not {self.refine}")
         if not 0 <= self.split_fraction < 1:
@@ -294,9 +294,8 @@ class Planner:
                                           weights=self.weights),
             checkpoints=(self.run_dir / checkpoints.FOLDER, self._checkpoint_identity(runtime)) if resumable else None,
         )
-        sizes = graph_ops.io.tensor_sizes(proto)
-        self.reference_bits = graph_ops.weight_bits(proto)
-        self.unit_reference_bits = sum(sizes[n] for n in names)
+        self.sizes = ModelSize.of(proto, names)
+        self.reference_bits, self.unit_reference_bits = self.sizes.reference_bits, self.sizes.unit_reference_bits
         self.model_opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
         self._overhead: dict[int, int] = {}
         self._costs: dict[tuple[str, str], int] = {}
@@ -341,67 +340,66 @@ class Planner:
         return self._overhead[opset]
 
     @property
-    def fixed_bits(self) -> int:
-        """Stored bits outside the units (worst case over the tier set's opsets), on the --C basis."""
-        if self.settings.basis == "units":
-            return 0
+    def budget(self) -> SizeBudget:
+        """C on the --C basis: the stored bits outside the units count at their size plus what the opset
+        conversion adds (worst case over the tier set's opsets)."""
         opset = max([self.model_opset] + [t.opset for t in self.tiers])
-        return self.reference_bits - self.unit_reference_bits + self.overhead_bits(opset)
-
-    @property
-    def basis_bits(self) -> int:
-        return self.reference_bits if self.settings.basis == "file" else self.unit_reference_bits
+        return self.sizes.budget(self.settings.basis, self.overhead_bits(opset))
 
     def cost(self, slot: Slot, tier: Tier | str) -> int:
         """Bits the slot's stored form puts in the file at `tier` (the same for every rounding method).
 
         A slot pays its own codes, scales and zero points, and its share (by channels) of what the form
         emits once per stored run beside them (INT1's unpack constants: 65 bytes). The writer joins a
-        tensor's neighbouring slots of one tier into one run, so a unit at one tier costs exactly what is
-        written; charging each slot the whole overhead priced a split INT1 unit 15% above its file."""
+        tensor's neighbouring slots of one tier into one run, so the slots' prices are scaled to sum to
+        exactly what the unit at one tier writes (`size.split_bits`): charging each slot the whole overhead
+        priced a split INT1 unit 15% above its file, and channel groups of a blockwise grid priced 20 bits
+        above it, which made the largest reachable C smaller than the uniform file of the lowest tier."""
         tier = TIERS[tier] if isinstance(tier, str) else tier
         key = (slot.name, tier.name)
         if key not in self._costs:  # every slot of the unit at once: one stored form per tensor
             forms = self.encoder.stored_forms(slot.unit, tier)
-            overhead = {n: emitted_bits(n, e, self.settings.layout) - e.payload_bits for n, e in forms.items()}
-            for other in self.slots_of[slot.unit]:
+            written = {n: emitted_bits(n, e, self.settings.layout) for n, e in forms.items()}
+            slots = self.slots_of[slot.unit]
+            shares = []
+            for other in slots:
                 bits = 0.0
                 for name, encoded in forms.items():
                     part = self.encoder.channels(name, encoded, other.rows)
                     share = 1.0 if other.rows is None else (other.rows[1] - other.rows[0]) / self.encoder.layouts[name].channels
-                    bits += part.payload_bits + overhead[name] * share
-                self._costs[(other.name, tier.name)] = math.ceil(bits)
+                    bits += part.payload_bits + (written[name] - encoded.payload_bits) * share
+                shares.append(bits)
+            for other, bits in zip(slots, split_bits(shares, sum(written.values()))):
+                self._costs[(other.name, tier.name)] = bits
         return self._costs[key]
 
     def costs(self) -> dict[str, dict[str, int]]:
         """Every slot's cost at every tier of the set."""
         return {slot.name: {tier.name: self.cost(slot, tier) for tier in self.tiers} for slot in self.slots}
 
+    def floor_bits(self) -> int:
+        """The slots' bits with every slot at its cheapest tier: the uniform file of the lowest tier's units."""
+        return sum(min(c.values()) for c in self.costs().values())
+
     def max_compression(self) -> float:
         """The largest compression reachable with these tiers (every slot at its cheapest)."""
-        cheapest = sum(min(c.values()) for c in self.costs().values())
-        return self.basis_bits / (self.fixed_bits + cheapest)
+        return self.budget.compression(self.floor_bits())
+
+    def reachable(self, target: float) -> bool:
+        return self.budget.reachable(self.floor_bits(), target)
 
     def check_targets(self, targets: list[float]) -> None:
         """Fail before any work when a target cannot be met."""
-        best = self.max_compression()
+        budget, floor = self.budget, self.floor_bits()
+        hint = "lower --C or add a cheaper tier"
+        if budget.fixed_bits > 0 and budget.basis_bits / floor > 1.25 * budget.compression(floor):  # the tensors outside the units bind
+            min_params = self.scores.meta.get("selection", {}).get("min_params")
+            hint += (
+                f"; {budget.fixed_bits / budget.basis_bits:.1%} of the stored bits are in tensors that are not units (smaller than --min-params {min_params} "
+                f"or not weight operands), which alone caps C at {budget.basis_bits / budget.fixed_bits:.3g}: score with a lower --min-params (or --include) to quantize them, or use --basis units"
+            )
         for target in targets:
-            if not math.isfinite(target) or target <= 0:
-                raise InputError(f"compression target must be a positive number, not {target}")
-            if target > best:
-                hint = "lower --C or add a cheaper tier"
-                cheapest = sum(min(c.values()) for c in self.costs().values())
-                if self.fixed_bits > 0 and self.basis_bits / cheapest > 1.25 * best:  # the tensors outside the units bind
-                    cap = self.basis_bits / self.fixed_bits
-                    min_params = self.scores.meta.get("selection", {}).get("min_params")
-                    hint += (
-                        f"; {self.fixed_bits / self.basis_bits:.1%} of the stored bits are in tensors that are not units (smaller than --min-params {min_params} "
-                        f"or not weight operands), which alone caps C at {cap:.3g}: score with a lower --min-params (or --include) to quantize them, or use --basis units"
-                    )
-                raise InfeasibleError(
-                    f"compression {target:g} is out of reach with tiers {', '.join(t.name for t in self.tiers)}: the largest reachable is {best:.3g}",
-                    hint=hint,
-                )
+            budget.check(target, floor, [t.name for t in self.tiers], hint)
 
     # -- pricing -----------------------------------------------------------------
 
@@ -542,7 +540,7 @@ class Planner:
 
     def _allocation(self, tiers: dict[str, str], target: float | None, solver: str, objective: str) -> Allocation:
         slots = {s.name: s for s in self.slots}
-        return Allocation(dict(tiers), {s: self.cost(slots[s], t) for s, t in tiers.items()}, self.basis_bits, self.fixed_bits, target, solver, objective)
+        return Allocation(dict(tiers), {s: self.cost(slots[s], t) for s, t in tiers.items()}, self.budget, target, solver, objective)
 
     def uniform(self, tier: str) -> Allocation:
         return self._allocation({s.name: tier for s in self.slots}, None, "uniform", "uniform")
@@ -590,8 +588,8 @@ class Planner:
             self.choices(self.settings.objective, on_result),
             self.tiers,
             target,
-            self.basis_bits,
-            self.fixed_bits,
+            self.budget.basis_bits,
+            self.budget.fixed_bits,
             objective=self.settings.objective,
             fp32_fraction=self.settings.fp32_share,
             solver=self.settings.allocator,
@@ -628,7 +626,8 @@ class Planner:
             for slot in self.slots:
                 options = {best.tiers[slot.name]: 0.0} | {tier: losses[(name, tier)] for name, tier in trials if name == slot.name}
                 choices.append(Choice(slot.name, slot.params, 0.0, False, {t: costs[slot.name][t] for t in options}, options))
-            step = allocate(choices, self.tiers, best.target, self.basis_bits, self.fixed_bits, objective="measured", fp32_fraction=0.0, solver=self.settings.allocator)
+            step = allocate(choices, self.tiers, best.target, self.budget.basis_bits, self.budget.fixed_bits, objective="measured", fp32_fraction=0.0,
+                            solver=self.settings.allocator)
             if step.tiers == best.tiers:
                 break
             drift = self.measure(self.encodings(step))
@@ -648,8 +647,7 @@ class Planner:
             allocation, drift = self.refine(allocation)
         label = f"TQS-PTQ {self.settings.objective}/{self.rounding.method}"
         mixed = self.encodings(allocation)
-        budget = self.basis_bits / target
-        fitting = [t for t in self.tiers if self.uniform(t.name).total_bits <= budget] if self.settings.fallback else []
+        fitting = [t for t in self.tiers if self.budget.fits(sum(self.uniform(t.name).cost_bits.values()), target)] if self.settings.fallback else []
         if self.one_session:  # the mixed model holds what it uses; the rest of the price list can be rebuilt (the fallback's tier is next)
             self.encoder.forget_uniform(keep=fitting[0].name if fitting else None, calibrated=final)
         found = [Candidate(label, allocation, mixed, drift if drift is not None else self.measure(mixed))]
@@ -693,14 +691,13 @@ class Planner:
         """Why the shipped model is more than 5% smaller than asked."""
         achieved = f"achieved {chosen.allocation.compression:.3g}x, more than 5% above the target {target:g}x"
         order = [t.name for t in self.tiers]
-        budget = self.basis_bits / target
         if chosen.allocation.solver.startswith("uniform"):
             tier = chosen.label.split()[1]
             finer = order[order.index(tier) - 1] if order.index(tier) > 0 else None
             if finer is None:
                 return f"{achieved}: {chosen.label} is the finest tier in the set"
             return f"{achieved}: the next finer uniform tier ({finer}) reaches only {self.uniform(finer).compression:.3g}x, and {chosen.label} drifted least of the candidates"
-        spare = budget - chosen.allocation.total_bits
+        spare = self.budget.slot_bits(target) - sum(chosen.allocation.cost_bits.values())
         slots = {s.name: s for s in self.slots}
         steps = [self.cost(slots[name], order[order.index(tier) - 1]) - self.cost(slots[name], tier)
                  for name, tier in chosen.allocation.tiers.items() if order.index(tier) > 0]
@@ -716,11 +713,11 @@ class Planner:
         size and take the budget; what they cost and what `--basis units` gives at the same C."""
         names = {n for u in self.units for n in u.tensor_names}
         others = [n for n in graph_ops.io.tensor_sizes(self.model.proto) if n not in names]
-        fixed = self.reference_bits - self.unit_reference_bits
+        fixed = self.sizes.outside_bits
         min_params = self.scores.meta.get("selection", {}).get("min_params")
         lowest = min(allocation.tiers.values(), key=lambda tier: TIERS[tier].bits)
         count = sum(t == lowest for t in allocation.tiers.values())
-        units_file = self.reference_bits / (fixed + self.unit_reference_bits / target)
+        units_file = self.sizes.file_compression(self.sizes.file_bits(target, "units"))
         return (
             f"compression {compression:.3g}x of the file took the units to {unit_compression:.3g}x ({lowest} on {count} of {len(allocation.tiers)} slots): "
             f"{fixed / self.reference_bits:.1%} of the stored bits ({fixed / 8:,.0f} bytes in {len(others)} tensors smaller than --min-params {min_params} "
@@ -761,12 +758,11 @@ class Planner:
         its size estimated from the budget, or for a uniform tier from the tier's bits."""
         if not self.settings.single_file:
             return
-        fixed = self.reference_bits - self.unit_reference_bits
         for target in targets:
             if target is None:
-                bits = fixed + sum(u.params for u in self.units) * get_tiers([uniform_tier], self.settings.runtime, self.settings.group_size)[0].bits
+                bits = self.sizes.outside_bits + sum(u.params for u in self.units) * get_tiers([uniform_tier], self.settings.runtime, self.settings.group_size)[0].bits
             else:
-                bits = min(self.reference_bits, self.basis_bits / target + (fixed if self.settings.basis == "units" else 0))
+                bits = min(self.reference_bits, self.sizes.file_bits(target, self.settings.basis))
             if bits / 8 >= graph_ops.io.PROTOBUF_LIMIT:
                 raise InputError(f"--single-file: the model would hold about {bits / 8 / 2**30:.2f} GiB, past protobuf's 2 GiB limit for one .onnx file",
                                  hint="drop --single-file: the weights then go to an external-data file beside it")
@@ -820,9 +816,7 @@ class Planner:
             record.unlink(missing_ok=True)  # a kill before the new record lands leaves a model without one, never a mismatched pair
         written = self.write(chosen.encodings, path)
         size, bits = written.bytes, written.weight_bits
-        unit_bits = sum(emitted_bits(n, e, self.settings.layout) for n, e in chosen.encodings.items())
-        compression = self.reference_bits / bits
-        unit_compression = self.unit_reference_bits / unit_bits
+        compression, unit_compression = self.sizes.written(bits, chosen.encodings, self.settings.layout)
         if target is not None and uniform_tier is None and self.settings.basis == "file" and unit_compression > BASIS_GAP * compression:
             notes.insert(0, self._basis_note(target, compression, unit_compression, chosen.allocation))
         table = self.table(chosen.allocation)
@@ -872,7 +866,7 @@ class Planner:
                 return encoded.payload_bits // 8
             return math.prod(encoded.shape) * np.dtype(encoded.dtype).itemsize
 
-        return (self.reference_bits - self.unit_reference_bits) // 8 + sum(held(e) for e in encodings.values())
+        return self.sizes.outside_bits // 8 + sum(held(e) for e in encodings.values())
 
     def close(self) -> None:
         self._release_runner()

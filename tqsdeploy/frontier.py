@@ -31,6 +31,7 @@ from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.files import write_json, write_table
 from tqsdeploy.score import ContextOptions, ScoreTable, score
 from tqsdeploy.scoring import ScoreSettings
+from tqsdeploy.size import reachable_label
 from tqsdeploy.units import UnitSelection
 
 MATCH_SLACK = 0.01
@@ -212,10 +213,9 @@ def run_frontier(
     if progress is not None:
         progress.start(planned(len(targets) * lines_count), progress.done)
     for label, line in lines:
-        best = line.max_compression()
         for target, setting in targets:
-            if target > best:
-                candidates.append(Candidate("tqs", label, setting, target, None, None, None, {}, f"infeasible: largest reachable C is {best:.3g}"))
+            if not line.reachable(target):
+                candidates.append(Candidate("tqs", label, setting, target, None, None, None, {}, f"infeasible: largest reachable C is {reachable_label(line.max_compression())}"))
                 continue
             begin(f"export {label} {setting}")
             started = time.perf_counter()
