@@ -152,22 +152,11 @@ def write_baseline(model_path: str | Path, result: BaselineResult, output: str |
     loaded, data_dir = _load(model_path)
     started = perf_counter()
     written = write_storage(loaded.proto, result.encoded, output, source=data_dir, layout=layout)  # kept tensors read from the input's files
-    path, bits = written.path, written.weight_bits
-    sizes = ModelSize.of(loaded.proto, result.encoded)
-    compression, unit_compression = sizes.written(bits, result.encoded, layout)
     return {
         "method": result.method,
         "bits": result.bits,
         "tier": result.tier,
-        "output": str(path),
-        "file_bytes": written.bytes,
-        "files": [str(f) for f in written.files],
-        "external_data": str(written.files[1]) if len(written.files) > 1 else None,
-        "runtime_layout": layout,
-        "compression": compression,
-        "unit_compression": unit_compression,
-        "weight_bits": bits,
-        "reference_bits": sizes.reference_bits,
+        **ModelSize.of(loaded.proto, result.encoded).record(written, result.encoded, layout),
         "timings_s": {**{k: round(v, 4) for k, v in result.timings.items()}, "write": round(perf_counter() - started, 4)},
         "tensors": len(result.encoded),
         "rtn_only": result.rtn_only,

@@ -18,7 +18,9 @@ contexts, unit selection, scores) and, for each requested compression:
    finest tier that fits, rounded by every method, and ships the best;
 5. writes the model and its allocation record.
 
-Every encoding comes from one `Encoder`, so what is measured is what is written.
+Every encoding comes from one `Encoder`, so what is measured is what is written. Steps 1-2 (planning) are
+this module, 3-4 `export_candidates`, 5 `export_writing`; the settings are `export_settings`, and what C
+means in bits is `tqsdeploy.size`'s.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,172 +35,29 @@ import polars as pl
 from filelock import FileLock
 
 import graph_ops
-from graph_ops.qdq import Written, conversion_overhead_bits, emitted_bits, fed_codes_model, write_storage
+from graph_ops.qdq import conversion_overhead_bits, emitted_bits, fed_codes_model
 from runtimes import OrtRuntime, WithDefaults, release_freed_memory
-from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS, Encoded, Rounding, Tier, get_tiers
+from tiers import TIERS, Encoded, Rounding, Tier, get_tiers
 from tqsdeploy import checkpoints
-from tqsdeploy.allocate import OBJECTIVES, Allocation, Choice, allocate, check_allocator, paper_weights
-from tqsdeploy.calibrate import Calibrator, open_graph, thin_note
+from tqsdeploy.allocate import Allocation, Choice, allocate, paper_weights
+from tqsdeploy.calibrate import Calibrator, open_graph
 from tqsdeploy.errors import USER_ERRORS, InputError
-from tqsdeploy.files import write_json, write_table
+from tqsdeploy.export_candidates import Candidate, CandidateBuilding
+from tqsdeploy.export_settings import AUTO_LAYOUT, RUNTIME_LAYOUTS, TARGETS, ExportSettings
+from tqsdeploy.export_writing import BASIS_GAP, WARN_DRIFT_PCT, Outcome, Writing
 from tqsdeploy.quantization import Encoder, Slot, make_slots
 from tqsdeploy.score import Prepared, ScoreTable, default_run_dir, prepare
 from tqsdeploy.scoring import ScoreSettings
-from tqsdeploy.size import ModelSize, SizeBudget, check_basis, split_bits
+from tqsdeploy.size import ModelSize, SizeBudget, split_bits
 from tqsdeploy.sweep import Drift, Lanes, ResultLog, SweepRunner, Task, TaskResult
 from tqsdeploy.units import Unit, UnitSelection
 
-TARGETS = ("ort-cpu", "ort-cuda", "trt")
-"""Where the exported model will run (`--target`); 'ort' is read as 'ort-cpu'."""
-RUNTIME_LAYOUTS = ("auto", "dequantized", "fused")
-AUTO_LAYOUT = {"ort-cpu": "dequantized", "ort-cuda": "dequantized", "trt": "fused"}
-"""What `--runtime-layout auto` writes for each target. ONNX Runtime runs float weights with its fastest kernels
-on CPU and CUDA, while its MatMulNBits (what DequantizeLinear→MatMul becomes) pays only for few rows: the
-examples' batched windows ran 1.4-2.5x slower than FP32 on CPU and 1.1-1.8x on CUDA (issue 33), so ORT targets
-dequantize once at load. TensorRT builds its INT8/INT4 kernels from DequantizeLinear nodes: 'fused' keeps them."""
-WARN_DRIFT_PCT = 5.0
-"""Drift (percent, as `eval` reports it) above which export warns that the model it wrote may be damaged."""
-BASIS_GAP = 1.5
-"""Export notes when the units are compressed more than this many times as much as the file (see `Planner._basis_note`)."""
+__all__ = ["AUTO_LAYOUT", "BASIS_GAP", "RUNTIME_LAYOUTS", "TARGETS", "WARN_DRIFT_PCT", "Candidate", "ExportSettings", "Outcome", "Planner", "find_run"]
+
 ONE_SESSION_BYTES = 64 << 20
 """Models with this many bytes of weights or more keep one ONNX Runtime session of themselves at a
 time: measuring and calibrating take turns (a session build and a nominal rollout per turn, on
 a model this size far cheaper than holding a second copy of it)."""
-
-
-@dataclass(frozen=True)
-class ExportSettings:
-    """How to allocate, round and store."""
-
-    tiers: tuple[str, ...] | None = None
-    """Tier names; None: the default ladder of the target (asymmetric grids for ort, symmetric for trt)."""
-    target: str = "ort-cpu"
-    """ort-cpu, ort-cuda or trt ('ort': ort-cpu): the runtime the model is written for (tiers, `runtime_layout`)."""
-    runtime_layout: str = "auto"
-    """How codes reach their consumers (`graph_ops.qdq.LAYOUTS`); 'auto': `AUTO_LAYOUT` of the target."""
-    group_size: int | None = None
-    objective: str = "measured"
-    rounding: str = "qep"
-    """How codes are chosen on each tier's grid: rtn, gptq, gptaq or qep."""
-    fp32_fraction: float | None = None
-    """Share of the units' FP32 size forced to FP32 (Algorithm 1); None: 0.10 for the paper objective, 0 otherwise."""
-    allocator: str = "mckp"
-    fallback: bool = True
-    refine: int = 2
-    """Rounds of joint re-pricing (2 joint rollouts per live slot per round); 0 turns it off."""
-    split_fraction: float = 0.02
-    """Units holding more than this share of the unit parameters are split into channel groups of about this share."""
-    basis: str = "file"
-    """What --C divides: 'file' (every stored tensor) or 'units' (the scored units only)."""
-    single_file: bool = False
-    """Write every tensor inside the .onnx (refused past protobuf's 2 GiB); False: one file unless the input keeps
-    its weights in external-data files or the output reaches 1 GiB (`graph_ops.qdq.write_storage`)."""
-    lanes: int | None = None
-    """Rollouts that do not depend on each other (pricing, refinement's trials) run this many at once
-    (`sweep.Lanes`); None: as `score` decides (`sweep.sweep_lanes`), the sessions' threads split between them,
-    except for a model of `ONE_SESSION_BYTES` or more, whose candidates run one at a time on sessions of their own."""
-
-    def __post_init__(self):
-        if self.target == "ort":
-            object.__setattr__(self, "target", "ort-cpu")
-        if self.target not in TARGETS:
-            raise InputError(f"unknown target '{self.target}'; choose one of {', '.join(TARGETS)}")
-        if self.runtime_layout not in RUNTIME_LAYOUTS:
-            raise InputError(f"unknown runtime layout '{self.runtime_layout}'; choose one of {', '.join(RUNTIME_LAYOUTS)}")
-        if self.objective not in OBJECTIVES:
-            raise InputError(f"unknown objective '{self.objective}'; choose one of {', '.join(OBJECTIVES)}")
-        if self.rounding not in METHODS:
-            raise InputError(f"unknown rounding '{self.rounding}'; choose one of {', '.join(METHODS)}")
-        check_basis(self.basis)
-        check_allocator(self.allocator)
-        if self.refine < 0:
-            raise InputError(f"--refine takes a number of rounds >= 0, not {self.refine}")
-        if not 0 <= self.split_fraction < 1:
-            raise InputError(f"--split takes a fraction in [0, 1), not {self.split_fraction}")
-
-    @property
-    def layout(self) -> str:
-        """The runtime layout written: the one asked for, or the target's (`AUTO_LAYOUT`)."""
-        return AUTO_LAYOUT[self.target] if self.runtime_layout == "auto" else self.runtime_layout
-
-    @property
-    def runtime(self) -> str:
-        """The tier registry's name for the target's runtime ('ort' or 'trt')."""
-        return "trt" if self.target == "trt" else "ort"
-
-    @property
-    def tier_names(self) -> tuple[str, ...]:
-        if self.tiers:
-            return tuple(self.tiers)
-        return TRT_TIERS if self.target == "trt" else DEFAULT_TIERS
-
-    @property
-    def fp32_share(self) -> float:
-        if self.fp32_fraction is not None:
-            return self.fp32_fraction
-        return 0.10 if self.objective == "paper" else 0.0
-
-
-def _rank(candidate: "Candidate") -> tuple[float, float]:
-    return candidate.drift.worst_pct, candidate.drift.relative_rms
-
-
-@dataclass
-class Candidate:
-    """One model export considered for a target: its encodings, size and measured drift."""
-
-    label: str
-    allocation: Allocation
-    encodings: dict[str, Encoded]
-    drift: Drift | None = None
-    cached: tuple[str, Rounding] | None = None
-    """For a uniform baseline: the encoder's (tier, rounding) cache its encodings are."""
-    calibrated: bool = False
-    """The mixed allocation calibrated as itself (its encodings are the encoder's mixed cache)."""
-
-    def record(self) -> dict:
-        return {
-            "label": self.label,
-            "compression": round(self.allocation.compression, 6),
-            "drift_pct": None if self.drift is None else self.drift.worst_pct,
-            "relative_rms": None if self.drift is None else self.drift.relative_rms,
-        }
-
-
-@dataclass
-class Outcome:
-    """One exported model and how it was chosen."""
-
-    allocation: Allocation
-    path: Path
-    file_bytes: int
-    compression: float
-    """Reference stored-tensor bits / exported stored-tensor bits, counted on the file (what eval and gate report)."""
-    unit_compression: float
-    """The same over the scored units only (the paper's C)."""
-    drift: Drift | None
-    shipped: str
-    compared: list[dict]
-    table: pl.DataFrame
-    encodings: dict[str, Encoded] = field(default_factory=dict)
-    """What the file stores per unit tensor."""
-    notes: list[str] = field(default_factory=list)
-    files: tuple[Path, ...] = ()
-    """What was written: the model, then its external-data file when it has one (ship them together)."""
-    refused: str | None = None
-    """Why nothing was written (the drift exceeded `max_drift_pct`); None when the model was written."""
-    layout: str = "fused"
-    """The runtime layout written (`ExportSettings.layout`)."""
-    memory_bytes: int | None = None
-    """About the weight bytes a session holds after loading the file (`Planner.loaded_weight_bytes`)."""
-
-    def fake_quantized(self) -> dict[str, np.ndarray]:
-        """The weights the runtime computes from the file (exact dequantization)."""
-        return {name: e.dequantize() for name, e in self.encodings.items()}
-
-    @property
-    def drift_pct(self) -> float | None:
-        return None if self.drift is None else self.drift.worst_pct
 
 
 def find_run(model: Path | None, run: Path | None) -> Path:
@@ -229,8 +87,9 @@ def _same_model(model: Path, sha256: str, run_dir: Path, meta: dict) -> None:
         )
 
 
-class Planner:
-    """Everything needed to allocate and export for one score run."""
+class Planner(CandidateBuilding, Writing):
+    """Everything needed to allocate and export for one score run: this module prices and allocates,
+    `export_candidates` compares the candidates for a target, `export_writing` writes the chosen one."""
 
     def __init__(self, run_dir: Path | str, model: Path | str | None = None, settings: ExportSettings = ExportSettings(), runtime: OrtRuntime = OrtRuntime(),
                  resumable: bool = False):
@@ -594,279 +453,6 @@ class Planner:
             fp32_fraction=self.settings.fp32_share,
             solver=self.settings.allocator,
         )
-
-    def refine(self, allocation: Allocation, rounds: int | None = None) -> tuple[Allocation, Drift]:
-        """Re-price every live slot one tier up and one down in the context of the whole
-        allocation (joint rollouts), re-solve, keep the result only if its joint drift drops."""
-        rounds = self.settings.refine if rounds is None else rounds
-        started = time.perf_counter()
-        order = [t.name for t in self.tiers]
-        costs = self.costs()
-        best, best_drift = allocation, self.measure(self.encodings(allocation))
-        for _ in range(rounds):
-            base = sum(best_drift.div_sq)
-            trials = [
-                (slot.name, order[other])
-                for slot in self.slots if slot.unit not in self.dead
-                for other in (order.index(best.tiers[slot.name]) - 1, order.index(best.tiers[slot.name]) + 1) if 0 <= other < len(order)
-            ]
-
-            for tier in {tier for _, tier in trials} | set(best.tiers.values()):
-                if TIERS[tier].calibratable:  # each tier's pass before the lanes start: they only read encodings
-                    self.encoder.uniform(TIERS[tier], self.rounding)
-
-            def trial(lane: SweepRunner, item, tiers=best.tiers, base=base):
-                for name, tier in item:
-                    drift = self.measure(self.encoder.assemble(self.slots, {**tiers, name: tier}, self.rounding), lane)
-                    yield (name, tier), sum(drift.div_sq) - base if math.isfinite(drift.relative_rms) else math.inf
-
-            with Lanes(self.lanes, [[t] for t in trials], trial) as results:  # every trial changes the whole model: one each
-                losses = dict(results)
-            choices = []
-            for slot in self.slots:
-                options = {best.tiers[slot.name]: 0.0} | {tier: losses[(name, tier)] for name, tier in trials if name == slot.name}
-                choices.append(Choice(slot.name, slot.params, 0.0, False, {t: costs[slot.name][t] for t in options}, options))
-            step = allocate(choices, self.tiers, best.target, self.budget.basis_bits, self.budget.fixed_bits, objective="measured", fp32_fraction=0.0,
-                            solver=self.settings.allocator)
-            if step.tiers == best.tiers:
-                break
-            drift = self.measure(self.encodings(step))
-            if sum(drift.div_sq) >= base:
-                break
-            step.solver, step.objective = best.solver + "+refine", best.objective
-            best, best_drift = step, drift
-        self.timings["refine"] += time.perf_counter() - started
-        return best, best_drift
-
-    def candidates(self, target: float, on_result=None, final: bool = False) -> list[Candidate]:
-        """Every model considered for `target`, each with its measured drift, best first.
-        `final`: no other target follows, so a large model's price list is not kept for one."""
-        allocation = self.allocate(target, on_result)
-        drift = None
-        if self.settings.refine:
-            allocation, drift = self.refine(allocation)
-        label = f"TQS-PTQ {self.settings.objective}/{self.rounding.method}"
-        mixed = self.encodings(allocation)
-        fitting = [t for t in self.tiers if self.budget.fits(sum(self.uniform(t.name).cost_bits.values()), target)] if self.settings.fallback else []
-        if self.one_session:  # the mixed model holds what it uses; the rest of the price list can be rebuilt (the fallback's tier is next)
-            self.encoder.forget_uniform(keep=fitting[0].name if fitting else None, calibrated=final)
-        found = [Candidate(label, allocation, mixed, drift if drift is not None else self.measure(mixed))]
-        del mixed
-        started = time.perf_counter()
-        if self.rounding.needs_stats and any(TIERS[t].calibratable for t in allocation.tiers.values()):
-            encodings = self.encodings(allocation, calibrated=True)
-            found.append(Candidate(label + ", calibrated as allocated", allocation, encodings, self.measure(encodings), calibrated=True))
-            del encodings
-            self._keep_best(found)
-        if self.settings.fallback:
-            if fitting:
-                tier = fitting[0]
-                methods = METHODS if tier.calibratable else ("rtn",)
-                for method in methods:
-                    rounding = Rounding(method)
-                    uniform = self.uniform(tier.name)
-                    uniform.target, uniform.solver = target, f"uniform {tier.name} {method}"
-                    encodings = self.encoder.uniform(tier, rounding)
-                    found.append(Candidate(f"uniform {tier.name} {method}", uniform, encodings, self.measure(encodings), (tier.name, rounding)))
-                    del encodings
-                    self._keep_best(found)
-        self.timings["compare"] += time.perf_counter() - started
-        return sorted(found, key=_rank)
-
-    def _keep_best(self, found: list[Candidate]) -> None:
-        """Only the best candidate is ever written: for a large model, drop the others' codes as soon as
-        they are beaten (up to a byte per weight each) before the next calibration pass runs."""
-        if not self.one_session:
-            return
-        best = min(found, key=_rank)
-        for candidate in found:
-            if candidate is not best and candidate.encodings:
-                candidate.encodings = {}
-                if candidate.cached and (candidate.cached[1] != self.rounding or not candidate.cached[1].needs_stats):
-                    self.encoder.forget(*candidate.cached)  # cheap to make again, or not this export's own rounding
-                if candidate.calibrated:
-                    self.encoder.forget_mixed()
-
-    def _overshoot(self, chosen: Candidate, target: float) -> str:
-        """Why the shipped model is more than 5% smaller than asked."""
-        achieved = f"achieved {chosen.allocation.compression:.3g}x, more than 5% above the target {target:g}x"
-        order = [t.name for t in self.tiers]
-        if chosen.allocation.solver.startswith("uniform"):
-            tier = chosen.label.split()[1]
-            finer = order[order.index(tier) - 1] if order.index(tier) > 0 else None
-            if finer is None:
-                return f"{achieved}: {chosen.label} is the finest tier in the set"
-            return f"{achieved}: the next finer uniform tier ({finer}) reaches only {self.uniform(finer).compression:.3g}x, and {chosen.label} drifted least of the candidates"
-        spare = self.budget.slot_bits(target) - sum(chosen.allocation.cost_bits.values())
-        slots = {s.name: s for s in self.slots}
-        steps = [self.cost(slots[name], order[order.index(tier) - 1]) - self.cost(slots[name], tier)
-                 for name, tier in chosen.allocation.tiers.items() if order.index(tier) > 0]
-        cheapest = min(steps, default=None)
-        if cheapest is None:
-            return f"{achieved}: every slot is already at the finest tier"
-        if cheapest > spare:
-            return f"{achieved}: no finer tier fits: the cheapest one-tier promotion costs {cheapest / 8:,.0f} bytes and {max(spare, 0) / 8:,.0f} bytes of budget are left"
-        return f"{achieved}: the promotions that fit the budget did not lower the measured loss"
-
-    def _basis_note(self, target: float, compression: float, unit_compression: float, allocation: Allocation) -> str:
-        """Why C of the file pushed the units much further: the tensors that are not units stay at full
-        size and take the budget; what they cost and what `--basis units` gives at the same C."""
-        names = {n for u in self.units for n in u.tensor_names}
-        others = [n for n in graph_ops.io.tensor_sizes(self.model.proto) if n not in names]
-        fixed = self.sizes.outside_bits
-        min_params = self.scores.meta.get("selection", {}).get("min_params")
-        lowest = min(allocation.tiers.values(), key=lambda tier: TIERS[tier].bits)
-        count = sum(t == lowest for t in allocation.tiers.values())
-        units_file = self.sizes.file_compression(self.sizes.file_bits(target, "units"))
-        return (
-            f"compression {compression:.3g}x of the file took the units to {unit_compression:.3g}x ({lowest} on {count} of {len(allocation.tiers)} slots): "
-            f"{fixed / self.reference_bits:.1%} of the stored bits ({fixed / 8:,.0f} bytes in {len(others)} tensors smaller than --min-params {min_params} "
-            f"or not weight operands) are not units and stay at full size; --basis units --C {target:g} compresses the units {target:g}x "
-            f"and the file about {units_file:.3g}x (check the drift of both), or score with a lower --min-params (or --include) to quantize those tensors"
-        )
-
-    # -- writing ---------------------------------------------------------------
-
-    def table(self, allocation: Allocation) -> pl.DataFrame:
-        rows = []
-        for slot in self.slots:
-            tier = allocation.tiers[slot.name]
-            rows.append(
-                {
-                    "slot": slot.name,
-                    "unit": slot.unit,
-                    "channels": None if slot.rows is None else f"{slot.rows[0]}:{slot.rows[1]}",
-                    "tier": tier,
-                    "bits": TIERS[tier].bits,
-                    "params": slot.params,
-                    "bytes": -(-allocation.cost_bits[slot.name] // 8),
-                    "gamma": self.gamma.get(slot.unit),
-                    "dead": slot.unit in self.dead,
-                }
-            )
-        return pl.DataFrame(rows)
-
-    def write(self, encodings: dict[str, Encoded], path: Path, external_data: bool | None = None) -> Written:
-        """Write the model atomically (large ones stream into external data)."""
-        stored = {name: e for name, e in encodings.items() if not (e.form == "raw" and e.values is self.weights.get(name))}
-        if external_data is None and self.settings.single_file:
-            external_data = False
-        return write_storage(self.model.proto, stored, path, external_data=external_data, source=self.prepared.data_dir, layout=self.settings.layout)
-
-    def check_single_file(self, targets: list[float | None], uniform_tier: str | None = None) -> None:
-        """With `single_file`, refuse before any work an output that cannot fit one file (protobuf's 2 GiB):
-        its size estimated from the budget, or for a uniform tier from the tier's bits."""
-        if not self.settings.single_file:
-            return
-        for target in targets:
-            if target is None:
-                bits = self.sizes.outside_bits + sum(u.params for u in self.units) * get_tiers([uniform_tier], self.settings.runtime, self.settings.group_size)[0].bits
-            else:
-                bits = min(self.reference_bits, self.sizes.file_bits(target, self.settings.basis))
-            if bits / 8 >= graph_ops.io.PROTOBUF_LIMIT:
-                raise InputError(f"--single-file: the model would hold about {bits / 8 / 2**30:.2f} GiB, past protobuf's 2 GiB limit for one .onnx file",
-                                 hint="drop --single-file: the weights then go to an external-data file beside it")
-
-    def export(self, target: float | None, path: Path | str, uniform_tier: str | None = None, rounding: str | None = None, on_result=None,
-               max_drift_pct: float | None = None, final: bool = False) -> Outcome:
-        """Write the model for `target` (or every unit at `uniform_tier`, codes chosen by `rounding`,
-        default the planner's) and its allocation record beside it; write nothing when its drift on the
-        scoring contexts exceeds `max_drift_pct` (percent, as `eval` reports drift). `final`: no other
-        target follows (see `candidates`)."""
-        started = time.perf_counter()
-        path = Path(path)
-        notes: list[str] = []
-        if uniform_tier is not None:
-            tier = get_tiers([uniform_tier], self.settings.runtime, self.settings.group_size)[0]
-            method = Rounding(rounding) if rounding else self.rounding
-            allocation = self.uniform(tier.name)
-            allocation.target = target
-            label = f"uniform {tier.name} {method.method if tier.calibratable else 'rtn'}"
-            encodings = self.encoder.uniform(tier, method)
-            compared = [Candidate(label, allocation, encodings, self.measure(encodings))]
-        else:
-            compared = self.candidates(target, on_result, final)
-        chosen = compared[0]
-        if not chosen.label.startswith("TQS-PTQ") and uniform_tier is None:
-            mixed = next(c for c in compared if c.label.startswith("TQS-PTQ"))
-            notes.append(
-                f"shipped {chosen.label} instead of the mixed allocation: at this budget it drifts less on the scoring contexts "
-                f"({chosen.drift.worst_pct:.4g}% vs {mixed.drift.worst_pct:.4g}% for the mixed one at {mixed.allocation.compression:.3g}x); --no-fallback ships the mixed one"
-            )
-        if target is not None and uniform_tier is None and chosen.allocation.compression > 1.05 * target:
-            notes.append(self._overshoot(chosen, target))
-        for name, touched in sorted(self.prepared.job.rows.items()):
-            tier = next((chosen.allocation.tiers[s.name] for s in self.slots if name in self.units_by_name[s.unit].tensor_names), None)
-            notes.append(
-                f"'{name}': the scoring contexts read {len(touched)} of its {self.weights[name].shape[0]} rows; it was scored and measured on those, "
-                f"and the other rows are stored at the same tier ({tier}) untested: rows a deployment reads that the contexts never did may be hurt more"
-            )
-        for name, reason in sorted(self.encoder.log.rtn_only.items()):
-            if self.rounding.needs_stats:
-                notes.append(f"'{name}' is rounded to nearest whatever the method: {reason}")
-        thin = thin_note(self.encoder.log.thin, self.settings.rounding, "score with more context windows (or more --steps) to give it more, or export with --rounding rtn, which needs none")
-        if thin and self.rounding.needs_stats:
-            notes.append(thin)
-        if max_drift_pct is not None and chosen.drift is not None and not chosen.drift.worst_pct <= max_drift_pct:
-            refused = f"{path} not written: it drifts {chosen.drift.worst_pct:.4g}% from the original on the scoring contexts, above --max-drift {max_drift_pct:g}%"
-            return Outcome(chosen.allocation, path, 0, math.nan, math.nan, chosen.drift, chosen.label, [c.record() for c in compared], self.table(chosen.allocation),
-                           chosen.encodings, notes, refused=refused)
-        stem = path.with_suffix("")
-        for record in (Path(f"{stem}.allocation.json"), Path(f"{stem}.allocation.parquet")):
-            record.unlink(missing_ok=True)  # a kill before the new record lands leaves a model without one, never a mismatched pair
-        written = self.write(chosen.encodings, path)
-        size, bits = written.bytes, written.weight_bits
-        compression, unit_compression = self.sizes.written(bits, chosen.encodings, self.settings.layout)
-        if target is not None and uniform_tier is None and self.settings.basis == "file" and unit_compression > BASIS_GAP * compression:
-            notes.insert(0, self._basis_note(target, compression, unit_compression, chosen.allocation))
-        table = self.table(chosen.allocation)
-        summary = {
-            "model": str(self.model.path),
-            "run": str(self.run_dir),
-            "output": str(path),
-            "target_compression": target,
-            "basis": self.settings.basis,
-            "compression": compression,
-            "unit_compression": unit_compression,
-            "reference_bits": self.reference_bits,
-            "weight_bits": bits,
-            "file_bytes": size,
-            "files": [str(f) for f in written.files],
-            "external_data": str(written.files[1]) if len(written.files) > 1 else None,
-            "runtime_layout": self.settings.layout,
-            "target": self.settings.target,
-            "weights_in_memory_bytes": self.loaded_weight_bytes(chosen.encodings),
-            "objective": chosen.allocation.objective,
-            "rounding": chosen.label.split()[-1] if uniform_tier is not None else self.rounding.method,
-            "solver": chosen.allocation.solver,
-            "shipped": chosen.label,
-            "settings": asdict(self.settings),
-            "drift_pct": chosen.drift.worst_pct if chosen.drift else None,
-            "drift_pct_by_output": chosen.drift.pct if chosen.drift else None,
-            "relative_rms_drift": chosen.drift.relative_rms if chosen.drift else None,
-            "compared": [c.record() for c in compared],
-            "notes": notes,
-            "checkpointed_weights_reused": self.encoder.log.reused,
-            "timings_s": {**{k: round(v, 3) for k, v in self.timings.items()}, "calibration": round(self.encoder.log.calibration_s, 3), "total": round(time.perf_counter() - started, 3)},
-            "tiers": table.rows(named=True),
-        }
-        write_table(table, f"{stem}.allocation.parquet")
-        write_json(f"{stem}.allocation.json", summary)
-        return Outcome(chosen.allocation, path, size, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table, chosen.encodings, notes,
-                       written.files, layout=self.settings.layout, memory_bytes=summary["weights_in_memory_bytes"])
-
-    def loaded_weight_bytes(self, encodings: dict[str, Encoded]) -> int:
-        """About how many bytes of weights an ONNX Runtime session of the written model holds after load: it
-        folds fp16/bf16 Casts, INT1's unpacking and, in the 'dequantized' layout, every dequantization into a
-        float weight of the original's type; 'fused' keeps DequantizeLinear's codes (MatMulNBits repacks them)."""
-        def held(encoded: Encoded) -> int:
-            if encoded.form == "split":
-                return sum(held(part) for part in encoded.parts)
-            if encoded.form == "dequantize" and self.settings.layout == "fused":
-                return encoded.payload_bits // 8
-            return math.prod(encoded.shape) * np.dtype(encoded.dtype).itemsize
-
-        return self.sizes.outside_bits // 8 + sum(held(e) for e in encodings.values())
 
     def close(self) -> None:
         self._release_runner()

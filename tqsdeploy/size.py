@@ -131,8 +131,19 @@ class ModelSize:
             return self.reference_bits / check_target(target)
         return self.outside_bits + self.unit_reference_bits / check_target(target)
 
-    def written(self, weight_bits: int, encodings: dict, layout: str) -> tuple[float, float]:
-        """(C of the file, C of its units) for a file holding `encodings` (unit tensor name -> stored form) in `layout`."""
+    def record(self, written, encodings: dict, layout: str) -> dict:
+        """What the record of a written file (`graph_ops.qdq.Written`) holding `encodings` (unit tensor name ->
+        stored form) in runtime `layout` says about its size: export's and baseline's alike."""
         from graph_ops.qdq import emitted_bits
 
-        return self.file_compression(weight_bits), self.unit_compression(sum(emitted_bits(n, e, layout) for n, e in encodings.items()))
+        return {
+            "output": str(written.path),
+            "file_bytes": written.bytes,
+            "files": [str(f) for f in written.files],
+            "external_data": str(written.files[1]) if len(written.files) > 1 else None,
+            "runtime_layout": layout,
+            "compression": self.file_compression(written.weight_bits),
+            "unit_compression": self.unit_compression(sum(emitted_bits(n, e, layout) for n, e in encodings.items())),
+            "weight_bits": written.weight_bits,
+            "reference_bits": self.reference_bits,
+        }

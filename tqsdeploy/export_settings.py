@@ -1,0 +1,92 @@
+"""`export`'s settings: how to allocate, round and store, validated once when made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiers import DEFAULT_TIERS, METHODS, TRT_TIERS
+from tqsdeploy.allocate import OBJECTIVES, check_allocator
+from tqsdeploy.errors import InputError
+from tqsdeploy.size import check_basis
+
+TARGETS = ("ort-cpu", "ort-cuda", "trt")
+"""Where the exported model will run (`--target`); 'ort' is read as 'ort-cpu'."""
+RUNTIME_LAYOUTS = ("auto", "dequantized", "fused")
+AUTO_LAYOUT = {"ort-cpu": "dequantized", "ort-cuda": "dequantized", "trt": "fused"}
+"""What `--runtime-layout auto` writes for each target. ONNX Runtime runs float weights with its fastest kernels
+on CPU and CUDA, while its MatMulNBits (what DequantizeLinear→MatMul becomes) pays only for few rows: the
+examples' batched windows ran 1.4-2.5x slower than FP32 on CPU and 1.1-1.8x on CUDA (issue 33), so ORT targets
+dequantize once at load. TensorRT builds its INT8/INT4 kernels from DequantizeLinear nodes: 'fused' keeps them."""
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """How to allocate, round and store."""
+
+    tiers: tuple[str, ...] | None = None
+    """Tier names; None: the default ladder of the target (asymmetric grids for ort, symmetric for trt)."""
+    target: str = "ort-cpu"
+    """ort-cpu, ort-cuda or trt ('ort': ort-cpu): the runtime the model is written for (tiers, `runtime_layout`)."""
+    runtime_layout: str = "auto"
+    """How codes reach their consumers (`graph_ops.qdq.LAYOUTS`); 'auto': `AUTO_LAYOUT` of the target."""
+    group_size: int | None = None
+    objective: str = "measured"
+    rounding: str = "qep"
+    """How codes are chosen on each tier's grid: rtn, gptq, gptaq or qep."""
+    fp32_fraction: float | None = None
+    """Share of the units' FP32 size forced to FP32 (Algorithm 1); None: 0.10 for the paper objective, 0 otherwise."""
+    allocator: str = "mckp"
+    fallback: bool = True
+    refine: int = 2
+    """Rounds of joint re-pricing (2 joint rollouts per live slot per round); 0 turns it off."""
+    split_fraction: float = 0.02
+    """Units holding more than this share of the unit parameters are split into channel groups of about this share."""
+    basis: str = "file"
+    """What --C divides: 'file' (every stored tensor) or 'units' (the scored units only)."""
+    single_file: bool = False
+    """Write every tensor inside the .onnx (refused past protobuf's 2 GiB); False: one file unless the input keeps
+    its weights in external-data files or the output reaches 1 GiB (`graph_ops.qdq.write_storage`)."""
+    lanes: int | None = None
+    """Rollouts that do not depend on each other (pricing, refinement's trials) run this many at once
+    (`sweep.Lanes`); None: as `score` decides (`sweep.sweep_lanes`), the sessions' threads split between them,
+    except for a model of `ONE_SESSION_BYTES` or more, whose candidates run one at a time on sessions of their own."""
+
+    def __post_init__(self):
+        if self.target == "ort":
+            object.__setattr__(self, "target", "ort-cpu")
+        if self.target not in TARGETS:
+            raise InputError(f"unknown target '{self.target}'; choose one of {', '.join(TARGETS)}")
+        if self.runtime_layout not in RUNTIME_LAYOUTS:
+            raise InputError(f"unknown runtime layout '{self.runtime_layout}'; choose one of {', '.join(RUNTIME_LAYOUTS)}")
+        if self.objective not in OBJECTIVES:
+            raise InputError(f"unknown objective '{self.objective}'; choose one of {', '.join(OBJECTIVES)}")
+        if self.rounding not in METHODS:
+            raise InputError(f"unknown rounding '{self.rounding}'; choose one of {', '.join(METHODS)}")
+        check_basis(self.basis)
+        check_allocator(self.allocator)
+        if self.refine < 0:
+            raise InputError(f"--refine takes a number of rounds >= 0, not {self.refine}")
+        if not 0 <= self.split_fraction < 1:
+            raise InputError(f"--split takes a fraction in [0, 1), not {self.split_fraction}")
+
+    @property
+    def layout(self) -> str:
+        """The runtime layout written: the one asked for, or the target's (`AUTO_LAYOUT`)."""
+        return AUTO_LAYOUT[self.target] if self.runtime_layout == "auto" else self.runtime_layout
+
+    @property
+    def runtime(self) -> str:
+        """The tier registry's name for the target's runtime ('ort' or 'trt')."""
+        return "trt" if self.target == "trt" else "ort"
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        if self.tiers:
+            return tuple(self.tiers)
+        return TRT_TIERS if self.target == "trt" else DEFAULT_TIERS
+
+    @property
+    def fp32_share(self) -> float:
+        if self.fp32_fraction is not None:
+            return self.fp32_fraction
+        return 0.10 if self.objective == "paper" else 0.0

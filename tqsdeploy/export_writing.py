@@ -1,0 +1,214 @@
+"""`export`'s writing: the shipped candidate to an ONNX file and its allocation record, with its notes.
+
+`Writing` is a part of `Planner`: it writes what the planner's `candidates` chose (or one uniform candidate)
+and reports the file's compression as the size owner counts it (`tqsdeploy.size`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+import graph_ops
+from graph_ops.qdq import Written, write_storage
+from tiers import TIERS, Encoded, Rounding, get_tiers
+from tqsdeploy.allocate import Allocation
+from tqsdeploy.calibrate import thin_note
+from tqsdeploy.errors import InputError
+from tqsdeploy.files import write_json, write_table
+from tqsdeploy.sweep import Drift
+
+WARN_DRIFT_PCT = 5.0
+"""Drift (percent, as `eval` reports it) above which export warns that the model it wrote may be damaged."""
+BASIS_GAP = 1.5
+"""Export notes when the units are compressed more than this many times as much as the file (see `Planner._basis_note`)."""
+
+
+@dataclass
+class Outcome:
+    """One exported model and how it was chosen."""
+
+    allocation: Allocation
+    path: Path
+    file_bytes: int
+    compression: float
+    """Reference stored-tensor bits / exported stored-tensor bits, counted on the file (what eval and gate report)."""
+    unit_compression: float
+    """The same over the scored units only (the paper's C)."""
+    drift: Drift | None
+    shipped: str
+    compared: list[dict]
+    table: pl.DataFrame
+    encodings: dict[str, Encoded] = field(default_factory=dict)
+    """What the file stores per unit tensor."""
+    notes: list[str] = field(default_factory=list)
+    files: tuple[Path, ...] = ()
+    """What was written: the model, then its external-data file when it has one (ship them together)."""
+    refused: str | None = None
+    """Why nothing was written (the drift exceeded `max_drift_pct`); None when the model was written."""
+    layout: str = "fused"
+    """The runtime layout written (`ExportSettings.layout`)."""
+    memory_bytes: int | None = None
+    """About the weight bytes a session holds after loading the file (`Planner.loaded_weight_bytes`)."""
+
+    def fake_quantized(self) -> dict[str, np.ndarray]:
+        """The weights the runtime computes from the file (exact dequantization)."""
+        return {name: e.dequantize() for name, e in self.encodings.items()}
+
+    @property
+    def drift_pct(self) -> float | None:
+        return None if self.drift is None else self.drift.worst_pct
+
+
+class Writing:
+    """The planner's output (see the module docstring)."""
+
+    def _basis_note(self, target: float, compression: float, unit_compression: float, allocation: Allocation) -> str:
+        """Why C of the file pushed the units much further: the tensors that are not units stay at full
+        size and take the budget; what they cost and what `--basis units` gives at the same C."""
+        names = {n for u in self.units for n in u.tensor_names}
+        others = [n for n in graph_ops.io.tensor_sizes(self.model.proto) if n not in names]
+        fixed = self.sizes.outside_bits
+        min_params = self.scores.meta.get("selection", {}).get("min_params")
+        lowest = min(allocation.tiers.values(), key=lambda tier: TIERS[tier].bits)
+        count = sum(t == lowest for t in allocation.tiers.values())
+        units_file = self.sizes.file_compression(self.sizes.file_bits(target, "units"))
+        return (
+            f"compression {compression:.3g}x of the file took the units to {unit_compression:.3g}x ({lowest} on {count} of {len(allocation.tiers)} slots): "
+            f"{fixed / self.reference_bits:.1%} of the stored bits ({fixed / 8:,.0f} bytes in {len(others)} tensors smaller than --min-params {min_params} "
+            f"or not weight operands) are not units and stay at full size; --basis units --C {target:g} compresses the units {target:g}x "
+            f"and the file about {units_file:.3g}x (check the drift of both), or score with a lower --min-params (or --include) to quantize those tensors"
+        )
+
+    def table(self, allocation: Allocation) -> pl.DataFrame:
+        rows = []
+        for slot in self.slots:
+            tier = allocation.tiers[slot.name]
+            rows.append(
+                {
+                    "slot": slot.name,
+                    "unit": slot.unit,
+                    "channels": None if slot.rows is None else f"{slot.rows[0]}:{slot.rows[1]}",
+                    "tier": tier,
+                    "bits": TIERS[tier].bits,
+                    "params": slot.params,
+                    "bytes": -(-allocation.cost_bits[slot.name] // 8),
+                    "gamma": self.gamma.get(slot.unit),
+                    "dead": slot.unit in self.dead,
+                }
+            )
+        return pl.DataFrame(rows)
+
+    def write(self, encodings: dict[str, Encoded], path: Path, external_data: bool | None = None) -> Written:
+        """Write the model atomically (large ones stream into external data)."""
+        stored = {name: e for name, e in encodings.items() if not (e.form == "raw" and e.values is self.weights.get(name))}
+        if external_data is None and self.settings.single_file:
+            external_data = False
+        return write_storage(self.model.proto, stored, path, external_data=external_data, source=self.prepared.data_dir, layout=self.settings.layout)
+
+    def check_single_file(self, targets: list[float | None], uniform_tier: str | None = None) -> None:
+        """With `single_file`, refuse before any work an output that cannot fit one file (protobuf's 2 GiB):
+        its size estimated from the budget, or for a uniform tier from the tier's bits."""
+        if not self.settings.single_file:
+            return
+        for target in targets:
+            if target is None:
+                bits = self.sizes.outside_bits + sum(u.params for u in self.units) * get_tiers([uniform_tier], self.settings.runtime, self.settings.group_size)[0].bits
+            else:
+                bits = min(self.reference_bits, self.sizes.file_bits(target, self.settings.basis))
+            if bits / 8 >= graph_ops.io.PROTOBUF_LIMIT:
+                raise InputError(f"--single-file: the model would hold about {bits / 8 / 2**30:.2f} GiB, past protobuf's 2 GiB limit for one .onnx file",
+                                 hint="drop --single-file: the weights then go to an external-data file beside it")
+
+    def export(self, target: float | None, path: Path | str, uniform_tier: str | None = None, rounding: str | None = None, on_result=None,
+               max_drift_pct: float | None = None, final: bool = False) -> Outcome:
+        """Write the model for `target` (or every unit at `uniform_tier`, codes chosen by `rounding`,
+        default the planner's) and its allocation record beside it; write nothing when its drift on the
+        scoring contexts exceeds `max_drift_pct` (percent, as `eval` reports drift). `final`: no other
+        target follows (see `candidates`)."""
+        started = time.perf_counter()
+        path = Path(path)
+        notes: list[str] = []
+        if uniform_tier is not None:
+            tier = get_tiers([uniform_tier], self.settings.runtime, self.settings.group_size)[0]
+            compared = [self.uniform_candidate(tier, Rounding(rounding) if rounding else self.rounding, target)]
+        else:
+            compared = self.candidates(target, on_result, final)
+        chosen = compared[0]
+        if not chosen.label.startswith("TQS-PTQ") and uniform_tier is None:
+            mixed = next(c for c in compared if c.label.startswith("TQS-PTQ"))
+            notes.append(
+                f"shipped {chosen.label} instead of the mixed allocation: at this budget it drifts less on the scoring contexts "
+                f"({chosen.drift.worst_pct:.4g}% vs {mixed.drift.worst_pct:.4g}% for the mixed one at {mixed.allocation.compression:.3g}x); --no-fallback ships the mixed one"
+            )
+        if target is not None and uniform_tier is None and chosen.allocation.compression > 1.05 * target:
+            notes.append(self._overshoot(chosen, target))
+        for name, touched in sorted(self.prepared.job.rows.items()):
+            tier = next((chosen.allocation.tiers[s.name] for s in self.slots if name in self.units_by_name[s.unit].tensor_names), None)
+            notes.append(
+                f"'{name}': the scoring contexts read {len(touched)} of its {self.weights[name].shape[0]} rows; it was scored and measured on those, "
+                f"and the other rows are stored at the same tier ({tier}) untested: rows a deployment reads that the contexts never did may be hurt more"
+            )
+        for name, reason in sorted(self.encoder.log.rtn_only.items()):
+            if self.rounding.needs_stats:
+                notes.append(f"'{name}' is rounded to nearest whatever the method: {reason}")
+        thin = thin_note(self.encoder.log.thin, self.settings.rounding, "score with more context windows (or more --steps) to give it more, or export with --rounding rtn, which needs none")
+        if thin and self.rounding.needs_stats:
+            notes.append(thin)
+        if max_drift_pct is not None and chosen.drift is not None and not chosen.drift.worst_pct <= max_drift_pct:
+            refused = f"{path} not written: it drifts {chosen.drift.worst_pct:.4g}% from the original on the scoring contexts, above --max-drift {max_drift_pct:g}%"
+            return Outcome(chosen.allocation, path, 0, math.nan, math.nan, chosen.drift, chosen.label, [c.record() for c in compared], self.table(chosen.allocation),
+                           chosen.encodings, notes, refused=refused)
+        stem = path.with_suffix("")
+        for record in (Path(f"{stem}.allocation.json"), Path(f"{stem}.allocation.parquet")):
+            record.unlink(missing_ok=True)  # a kill before the new record lands leaves a model without one, never a mismatched pair
+        written = self.write(chosen.encodings, path)
+        record = self.sizes.record(written, chosen.encodings, self.settings.layout)
+        compression, unit_compression = record["compression"], record["unit_compression"]
+        if target is not None and uniform_tier is None and self.settings.basis == "file" and unit_compression > BASIS_GAP * compression:
+            notes.insert(0, self._basis_note(target, compression, unit_compression, chosen.allocation))
+        table = self.table(chosen.allocation)
+        summary = {
+            "model": str(self.model.path),
+            "run": str(self.run_dir),
+            "target_compression": target,
+            "basis": self.settings.basis,
+            **record,
+            "target": self.settings.target,
+            "weights_in_memory_bytes": self.loaded_weight_bytes(chosen.encodings),
+            "objective": chosen.allocation.objective,
+            "rounding": chosen.label.split()[-1] if uniform_tier is not None else self.rounding.method,
+            "solver": chosen.allocation.solver,
+            "shipped": chosen.label,
+            "settings": asdict(self.settings),
+            "drift_pct": chosen.drift.worst_pct if chosen.drift else None,
+            "drift_pct_by_output": chosen.drift.pct if chosen.drift else None,
+            "relative_rms_drift": chosen.drift.relative_rms if chosen.drift else None,
+            "compared": [c.record() for c in compared],
+            "notes": notes,
+            "checkpointed_weights_reused": self.encoder.log.reused,
+            "timings_s": {**{k: round(v, 3) for k, v in self.timings.items()}, "calibration": round(self.encoder.log.calibration_s, 3), "total": round(time.perf_counter() - started, 3)},
+            "tiers": table.rows(named=True),
+        }
+        write_table(table, f"{stem}.allocation.parquet")
+        write_json(f"{stem}.allocation.json", summary)
+        return Outcome(chosen.allocation, path, written.bytes, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table, chosen.encodings, notes,
+                       written.files, layout=self.settings.layout, memory_bytes=summary["weights_in_memory_bytes"])
+
+    def loaded_weight_bytes(self, encodings: dict[str, Encoded]) -> int:
+        """About how many bytes of weights an ONNX Runtime session of the written model holds after load: it
+        folds fp16/bf16 Casts, INT1's unpacking and, in the 'dequantized' layout, every dequantization into a
+        float weight of the original's type; 'fused' keeps DequantizeLinear's codes (MatMulNBits repacks them)."""
+        def held(encoded: Encoded) -> int:
+            if encoded.form == "split":
+                return sum(held(part) for part in encoded.parts)
+            if encoded.form == "dequantize" and self.settings.layout == "fused":
+                return encoded.payload_bits // 8
+            return math.prod(encoded.shape) * np.dtype(encoded.dtype).itemsize
+
+        return self.sizes.outside_bits // 8 + sum(held(e) for e in encodings.values())
