@@ -1,0 +1,139 @@
+"""`engine`, `eval` and `gate`: a TensorRT engine from a model, and a candidate measured against its reference."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from tqsdeploy.cli.app import (CANDIDATE, COLUMNS, COSINE, CSV_WINDOWS, EVAL_CONTEXTS, EVAL_PROVIDER, LATENCY_BATCHES, NO_LATENCY, REFERENCE, ZSCORE, app, err,
+                               latency_settings, out, parse_columns, user_errors)
+
+
+@app.command()
+@user_errors
+def engine(
+    model: Path = typer.Argument(..., help="ONNX model, e.g. one exported with --target trt."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Engine file (default <stem>.plan)."),
+    max_batch: int = typer.Option(64, "--max-batch", min=1, help="Largest batch of the optimisation profile."),
+    opt_batch: int = typer.Option(8, "--opt-batch", min=1, help="Batch TensorRT tunes for."),
+    fp16: bool = typer.Option(False, "--fp16", help="Allow FP16 kernels."),
+):
+    """Build a TensorRT engine from an ONNX model (needs a GPU and the gpu extra)."""
+    from runtimes.trt import build_engine
+
+    import graph_ops
+
+    graph_ops.load_model(model)  # same input checks as everywhere
+    path = build_engine(model, output or model.with_suffix(".plan"), max_batch=max_batch, opt_batch=opt_batch, fp16=fp16)
+    out.print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
+
+
+def _bounds_from_options(max_degradation, min_compression, max_size, per_output, min_cosine=None):
+    from tqsdeploy.gate import Bounds, parse_percent, parse_size
+
+    per = {}
+    for item in per_output or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter("--max-degradation-output takes OUTPUT=PERCENT, e.g. y=2%")
+        if name in per:
+            raise typer.BadParameter(f"--max-degradation-output gives output '{name}' twice")
+        per[name] = parse_percent(value, "--max-degradation-output")
+    if min_compression is not None and not (math.isfinite(min_compression) and min_compression > 0):
+        raise typer.BadParameter(f"--min-compression must be a positive finite number, not {min_compression}")
+    if min_cosine is not None and not -1 <= min_cosine <= 1:
+        raise typer.BadParameter(f"--min-cosine is a cosine similarity between -1 and 1, not {min_cosine}")
+    return Bounds(
+        min_cosine=min_cosine,
+        max_degradation=parse_percent(max_degradation, "--max-degradation") if max_degradation else None,
+        min_compression=min_compression,
+        max_size=parse_size(max_size) if max_size else None,
+        per_output=per,
+    )
+
+
+@app.command("eval")
+@user_errors
+def eval_command(
+    candidate: Path = CANDIDATE,
+    reference: Path = REFERENCE,
+    contexts: Path = EVAL_CONTEXTS,
+    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth (.npz, one array per trajectory output, (windows, steps, *output)); CSV contexts default to the rows after each window."),
+    windows: int = CSV_WINDOWS,
+    zscore: bool = ZSCORE,
+    columns: Optional[str] = COLUMNS,
+    spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected when omitted."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps."),
+    exact: bool = typer.Option(False, "--exact", help="Exact dequantization instead of ONNX Runtime's default int8-activation MatMulNBits."),
+    variable_axis: Optional[int] = typer.Option(None, "--variable-axis", help="Axis of each per-step output to report per variable."),
+    cosine: Optional[bool] = COSINE,
+    provider: str = EVAL_PROVIDER,
+    report: Optional[Path] = typer.Option(None, "--report", help="Report prefix (writes PREFIX.json and PREFIX.md; default <candidate stem>.eval)."),
+    no_latency: bool = NO_LATENCY,
+    latency_batches: Optional[str] = LATENCY_BATCHES,
+):
+    """Roll out candidate and reference from the same contexts and compare them (and the truth), and time both."""
+    from tqsdeploy.evaluate import EvalSettings, evaluate, markdown, write_report
+    from tqsdeploy.files import check_writable
+
+    settings = EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis, windows=windows, zscore=zscore, columns=parse_columns(columns), cosine=cosine,
+                            latency=latency_settings(no_latency, latency_batches))
+    report = report or candidate.with_suffix("").with_name(candidate.stem + ".eval")
+    check_writable(report.parent)  # before the rollouts, so a bad --report throws no results away
+    result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
+    json_path, md_path = write_report(result, report)
+    out.print(markdown(result), markup=False)
+    out.print(f"wrote {json_path} and {md_path}")
+
+
+@app.command()
+@user_errors
+def gate(
+    candidate: Path = CANDIDATE,
+    reference: Path = REFERENCE,
+    contexts: Path = EVAL_CONTEXTS,
+    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth (.npz); CSV contexts default to the rows after each window; without any, degradation is the drift from the reference."),
+    windows: int = CSV_WINDOWS,
+    zscore: bool = ZSCORE,
+    columns: Optional[str] = COLUMNS,
+    spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML)."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps."),
+    max_degradation: Optional[str] = typer.Option(None, "--max-degradation", help="Largest allowed degradation on every output, e.g. 1%."),
+    per_output: Optional[list[str]] = typer.Option(None, "--max-degradation-output", help="Per-output bound OUTPUT=PERCENT (repeatable)."),
+    min_compression: Optional[float] = typer.Option(None, "--min-compression", help="Smallest allowed compression (reference / candidate weight bytes)."),
+    max_size: Optional[str] = typer.Option(None, "--max-size", help="Largest allowed candidate file, e.g. 12MB."),
+    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Smallest allowed cosine similarity of any output vector to its reference (outputs with cosine metrics, see --cosine), e.g. 0.99."),
+    cosine: Optional[bool] = COSINE,
+    exact: bool = typer.Option(False, "--exact", help="Exact dequantization instead of what ONNX Runtime runs by default."),
+    provider: str = EVAL_PROVIDER,
+    report_dir: Path = typer.Option(Path("gate-report"), "--report-dir", help="Where gate.json, gate.md and junit.xml go."),
+    max_slowdown: Optional[float] = typer.Option(None, "--max-slowdown", help="Largest allowed candidate/reference median latency at every measured batch, e.g. 1.1."),
+    no_latency: bool = NO_LATENCY,
+    latency_batches: Optional[str] = LATENCY_BATCHES,
+):
+    """Exit 1 when the candidate violates any bound, 0 when it meets them all."""
+    from tqsdeploy.evaluate import EvalSettings, evaluate
+    from tqsdeploy.gate import check, gate_markdown, write_outputs
+
+    from tqsdeploy.files import check_writable
+
+    bounds = _bounds_from_options(max_degradation, min_compression, max_size, per_output, min_cosine)
+    if max_slowdown is not None:
+        if not (math.isfinite(max_slowdown) and max_slowdown > 0):
+            raise typer.BadParameter(f"--max-slowdown must be a positive finite ratio, not {max_slowdown}")
+        if no_latency:
+            raise typer.BadParameter("--max-slowdown needs the latency measurement that --no-latency turns off")
+        bounds.max_slowdown = max_slowdown
+    settings = EvalSettings(exact=exact, provider=provider, windows=windows, zscore=zscore, columns=parse_columns(columns), cosine=cosine, latency=latency_settings(no_latency, latency_batches))
+    check_writable(report_dir)  # before the rollouts
+    result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
+    checks = check(result, bounds)
+    paths = write_outputs(result, checks, report_dir)
+    out.print(gate_markdown(result, checks), markup=False)
+    out.print(f"wrote {paths['json']}, {paths['markdown']}, {paths['junit']}")
+    if not all(c.passed for c in checks):
+        err.print("gate failed: " + "; ".join(f"{c.name} = {c.shown} violates {c.bound}" for c in checks if not c.passed), markup=False)
+        raise typer.Exit(1)

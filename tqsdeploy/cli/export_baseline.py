@@ -1,0 +1,278 @@
+"""`export` and `baseline`: mixed-precision and uniform models written from the library's planner and baselines."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import typer
+from rich.markup import escape
+
+from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS
+from tqsdeploy.cli.app import app, err, frame_table, out, parse_floats, progress_bar, user_errors
+from tqsdeploy.errors import InputError
+
+
+def _say_sidecar(files, size: int, alternative: str | None = None) -> None:
+    """Name a model's external-data file: shipped without it, the .onnx does not load."""
+    if len(files) > 1:
+        out.print(f"  [yellow]external data:[/] {escape(' + '.join(str(f) for f in files))}: the .onnx reads its weights from the .data file, "
+                  f"so ship and keep both together in one folder" + (f" ({alternative})" if alternative and size < 2**31 else ""), soft_wrap=True)
+
+
+def _refuse_overwrite(*paths, elsewhere: str = "-o / --out-dir") -> None:
+    """Fail before any work when an output exists (--force overwrites)."""
+    for path in paths:
+        if Path(path).exists():
+            raise InputError(f"{path} already exists", hint=f"pass --force to overwrite it, or choose another name with {elsewhere}")
+
+
+def _feeds_matmul_integer_codes(encodings, layouts) -> bool:
+    """Whether an export stores integer codes (DequantizeLinear) for a weight a MatMul reads: what ONNX
+    Runtime fuses into MatMulNBits with int8 activations."""
+    def integer(encoded) -> bool:
+        if encoded.form == "split":
+            return any(integer(part) for part in encoded.parts)
+        return encoded.form == "dequantize" and not np.dtype(encoded.values.dtype).name.startswith("float")  # packed codes keep their type: no unpacking
+
+    return any("MatMul" in layouts[name].op_types and integer(encoded) for name, encoded in encodings.items() if name in layouts)
+
+
+def _layout_cost(outcome, settings) -> str:
+    """What the written layout costs at run time, in one line."""
+    memory = f"about {outcome.memory_bytes / 1e6:.3f} MB of weights in memory after load"
+    chosen = f"{outcome.layout}" + (f" (auto for --target {settings.target})" if settings.runtime_layout == "auto" else "")
+    if outcome.layout == "dequantized":
+        return (f"{chosen}: ONNX Runtime rebuilds the float weights once when the session is created and runs the original's "
+                f"kernels at its speed, exactly (no dequantization per call); {memory} (the original's float size; the file stays {outcome.file_bytes / 1e6:.3f} MB)")
+    return (f"{chosen}: DequantizeLinear nodes; ONNX Runtime runs those before a MatMul as MatMulNBits (fast for few rows, "
+            f"slower than float for batched calls) and the others on every call; {memory}")
+
+
+def _check_output_file(path: Path, given: str | None, inputs) -> None:
+    """An output must be a file name, and never one of the input model's files, --force or not."""
+    if (given or "").endswith(("/", os.sep)) or path.is_dir():
+        raise InputError(f"output {given or path} is a folder; name the file (or use --out-dir where the command has it)")
+    for source in inputs:
+        if source is not None and Path(source).exists() and path.exists() and os.path.samefile(path, source):
+            raise InputError(f"output {path} is the input model's own file {source}; the input is never overwritten", hint="choose another name")
+
+
+@app.command()
+@user_errors
+def export(
+    model: Optional[Path] = typer.Argument(None, help="The scored ONNX model (default: the model of the run)."),
+    compression: Optional[str] = typer.Option(None, "--C", help="Target compression(s), e.g. 4 or 2,4,8,16 (reference stored bits / exported stored bits; see --basis)."),
+    uniform_tier: Optional[str] = typer.Option(None, "--uniform", metavar="TIER", help=f"Store every unit at this tier instead (a uniform baseline): {', '.join(TIERS)}."),
+    run: Optional[Path] = typer.Option(None, "--run", help="Score run folder (default: the model's run in tqs-runs/; without a model, the only run there)."),
+    tiers: Optional[str] = typer.Option(None, "--tiers", help=f"Tiers to choose from ({', '.join(TIERS)}); default {','.join(DEFAULT_TIERS)} (--target trt: {','.join(TRT_TIERS)})."),
+    rounding: str = typer.Option("qep", "--rounding", metavar="|".join(METHODS), help="How codes are chosen on each tier's grid: rtn, gptq, gptaq or qep (calibrated on the run's contexts)."),
+    target: str = typer.Option("ort-cpu", "--target", metavar="ort-cpu|ort-cuda|trt", help="Runtime the model is for: ort-cpu (default; 'ort' too), ort-cuda or trt (restricts tiers, trt uses symmetric grids; decides --runtime-layout auto)."),
+    runtime_layout: str = typer.Option("auto", "--runtime-layout", metavar="auto|dequantized|fused", help="dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed and memory, the small file); fused: DequantizeLinear (MatMulNBits on ORT, fast for few rows; what TensorRT needs); auto (default): dequantized for ort-cpu/ort-cuda, fused for trt."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer quantization along the reduction axis (e.g. 32, 64, 128)."),
+    objective: str = typer.Option("measured", "--objective", metavar="measured|response|paper", help="Allocation objective: measured, response or paper."),
+    allocator: str = typer.Option("mckp", "--allocator", metavar="mckp|greedy", help="mckp (pulp, HiGHS then CBC) or greedy."),
+    fp32_fraction: Optional[float] = typer.Option(None, "--fp32-fraction", min=0.0, max=1.0, help="Share of the units' FP32 size forced to FP32 for the most sensitive units (default 0.10 with --objective paper, else 0)."),
+    no_fallback: bool = typer.Option(False, "--no-fallback", help="Ship the mixed allocation even if a uniform baseline within budget drifts less."),
+    refine: int = typer.Option(2, "--refine", min=0, help="Rounds of joint re-pricing against interactions between units (2 joint rollouts per slot per round; 0: off)."),
+    lanes: Optional[int] = typer.Option(None, "--lanes", min=1, help="Rollouts priced side by side (CPU provider; default: one per core, up to 8 and 1 + 512 MiB / model size, sessions of cores/lanes threads)."),
+    split: float = typer.Option(0.02, "--split", min=0.0, max=0.99, help="Split units holding more than this share of the parameters into output-channel groups (0: never)."),
+    basis: str = typer.Option("file", "--basis", metavar="file|units", help="What --C counts: file (every stored tensor) or units (the scored units only)."),
+    output_given: Optional[str] = typer.Option(None, "-o", "--output", help="Output file (single target only)."),
+    out_dir: Path = typer.Option(Path("."), "--out-dir", help="Folder for <stem>.C<C>.onnx files (a model named model.onnx adds its folder's name: <folder>_model.C<C>.onnx)."),
+    provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="Execution provider for the measurement rollouts."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing output files (default: refuse before any work)."),
+    single_file: bool = typer.Option(False, "--single-file", help="Write every tensor inside the .onnx, no external-data file beside it (up to protobuf's 2 GiB; default: one file unless the input keeps its weights in external-data files or the output reaches 1 GiB)."),
+    max_drift: Optional[float] = typer.Option(None, "--max-drift", min=0.0, help="Largest drift (%, as eval --exact reports it: exact dequantization) on the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate."),
+):
+    """Allocate precision tiers under a compression target and write mixed-precision ONNX.
+
+    Prints each model's drift from the original on the scoring contexts in percent (eval's unit) and warns above 5%.
+    Exit codes: 0 written, 1 a model exceeded --max-drift (nothing written for it), 2 bad input."""
+    from runtimes import OrtRuntime
+    from tqsdeploy.export import ExportSettings, Planner, find_run
+
+    output = Path(output_given) if output_given is not None else None  # the text kept: a trailing '/' means a folder
+    if (compression is None) == (uniform_tier is None):
+        raise typer.BadParameter("give exactly one of --C and --uniform")
+    targets = parse_floats(compression, "--C") if compression is not None else [None]
+    if output is not None and len(targets) > 1:
+        raise typer.BadParameter("-o names one file; use --out-dir with several --C values")
+    if output is not None and out_dir != Path("."):
+        raise typer.BadParameter("give -o (one file) or --out-dir (a folder), not both")
+    if tiers is not None and not [t for t in tiers.split(",") if t.strip()]:
+        raise typer.BadParameter(f"--tiers names no tier: {tiers!r}")
+    if tiers is not None and uniform_tier is not None:
+        raise typer.BadParameter("--tiers is for --C (the tiers the allocation picks from); --uniform names its one tier")
+    settings = ExportSettings(
+        tiers=tuple(t.strip() for t in tiers.split(",") if t.strip()) if tiers else None,
+        target=target,
+        runtime_layout=runtime_layout,
+        group_size=group_size,
+        objective=objective,
+        rounding=rounding,
+        fp32_fraction=fp32_fraction,
+        allocator=allocator,
+        fallback=not no_fallback,
+        refine=refine,
+        split_fraction=split,
+        basis=basis,
+        lanes=lanes,
+        single_file=single_file,
+    )
+    from tqsdeploy.files import check_writable
+
+    check_writable(output.parent if output is not None else out_dir)  # before the work, not after it
+    run_dir = find_run(model, run)
+    planner = Planner(run_dir, model, settings, OrtRuntime(provider=provider), resumable=True)
+    if compression:
+        planner.check_targets(targets)
+    planner.check_single_file(targets, uniform_tier)
+    from tqsdeploy.score import model_label
+
+    stem = model_label(planner.model.path)
+    paths = [output or out_dir / f"{stem}.{f'C{value:g}' if value is not None else uniform_tier.lower()}.onnx" for value in targets]
+    for path in paths:
+        _check_output_file(path, output_given, (planner.model.path, *planner.model.external_files))
+    if not force:
+        for path in paths:
+            _refuse_overwrite(path, f"{path.with_suffix('')}.allocation.json")
+    progress = progress_bar("measuring tiers", "rollouts")
+
+    pending = planner.pending_measurements() if compression else 0
+
+    def on_result(result) -> None:
+        if progress.total is None:
+            progress.start(pending)
+        progress.advance(detail=result.unit[-40:])
+
+    encoding = []
+
+    def on_pass(label: str, count: int, done: int) -> None:  # one display at a time: the tier measurements are over or not begun
+        progress.stop()
+        if done:
+            err.print(f"encoding ({label}): resuming, {done} of {count} weights read from the checkpoints of an interrupted export")
+        encoding[:] = [progress_bar(f"encoding ({label})", "weights")]
+        encoding[0].start(count, done)
+        if done >= count:
+            encoding[0].stop()
+
+    def on_weight(name: str) -> None:
+        encoding[0].advance(detail=name[-40:])
+        if encoding[0].done >= encoding[0].total:
+            encoding[0].stop()
+
+    planner.encoder.on_pass, planner.encoder.on_weight = on_pass, on_weight
+
+    rows = []
+    try:
+        for index, (value, path) in enumerate(zip(targets, paths)):
+            outcome = planner.export(value, path, uniform_tier=uniform_tier, on_result=on_result, max_drift_pct=max_drift, final=index == len(targets) - 1)
+            fused = settings.layout == "fused" and _feeds_matmul_integer_codes(outcome.encodings, planner.layouts)
+            outcome.encodings = {}  # written: the table and the record are what is left to show
+            rows.append((value, outcome, fused))
+        planner.discard_checkpoints()  # every model is written (or refused by --max-drift): nothing left to resume
+    finally:
+        progress.stop()
+        for bar in encoding:
+            bar.stop()
+        planner.close()
+    import polars as pl
+
+    from tqsdeploy.export import WARN_DRIFT_PCT
+
+    for value, outcome, fused in rows:
+        if outcome.refused:
+            err.print(f"[bold red]drift too large:[/] {escape(outcome.refused)}", soft_wrap=True)
+            continue
+        summary = outcome.table.group_by("tier").agg(pl.len().alias("slots"), pl.col("params").sum(), pl.col("bytes").sum())
+        summary = summary.sort("bytes", descending=True)
+        wanted = "uniform" if value is None else f"{value:g}x of the {settings.basis}"
+        title = (
+            f"{outcome.path}: target {wanted}; compression {outcome.compression:.3f}x of the file, {outcome.unit_compression:.3f}x of the units; "
+            f"{outcome.file_bytes / 1e6:.3f} MB on disk; shipped {outcome.shipped}"
+        )
+        out.print(escape(title))
+        _say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
+        out.print(frame_table(summary, "", ["tier", "slots", "params", "bytes"]))
+        out.print(f"  runtime layout: {_layout_cost(outcome, settings)}")
+        if outcome.drift is not None:
+            compared = ", ".join(f"{c['label']}: {c['drift_pct']:.4g}%" for c in outcome.compared[1:])
+            out.print(f"  drift from the original on the scoring contexts (exact dequantization): {outcome.drift_pct:.4g}%" + (f" (compared: {escape(compared)})" if compared else ""))
+            if fused:
+                out.print("  note: ONNX Runtime runs its DequantizeLinear→MatMul pairs as MatMulNBits with int8 activations by default, which can drift more: "
+                          "`tqsdeploy eval` measures what it runs (`--exact` for this number)")
+        for note in outcome.notes:
+            out.print(f"  [yellow]note:[/] {escape(note)}")
+        if outcome.drift_pct is not None and not outcome.drift_pct <= WARN_DRIFT_PCT:
+            err.print(
+                f"[bold yellow]warning:[/] {escape(str(outcome.path))} drifts {outcome.drift_pct:.4g}% from the original on the scoring contexts "
+                f"(above {WARN_DRIFT_PCT:g}%): it may be badly damaged; check it with `tqsdeploy eval`, or pass --max-drift PCT to fail instead",
+                soft_wrap=True,
+            )
+    written = [o for _, o, _ in rows if not o.refused]
+    sidecars = sum(len(o.files) > 1 for o in written)
+    out.print(f"wrote {len(written)} model(s) with .allocation.parquet/.json beside each" + (f", {sidecars} of them with an external-data file (listed above)" if sidecars else ""))
+    if len(written) < len(rows):
+        raise typer.Exit(1)
+
+
+@app.command()
+@user_errors
+def baseline(
+    model: Path = typer.Argument(..., help="ONNX model file (never modified)."),
+    method: str = typer.Option(..., "--method", metavar="|".join(METHODS), help="rtn, gptq, gptaq or qep."),
+    bits: int = typer.Option(..., "--bits", metavar="1|2|3|4|8", help="Bits per weight: 1, 2, 3, 4 or 8 (1 = sign(w)·mean|w|; 3-bit codes travel in 4-bit containers)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration windows (.npz in the contexts format, or a .csv cut into 8 windows); not needed for rtn."),
+    spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec: calibrate on every step of the windows' nominal rollout (default: the windows alone)."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps calibrated on (overrides the spec)."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Input features per quantization group (default: per channel)."),
+    symmetric: bool = typer.Option(False, "--symmetric", help="Symmetric grid (INT codes, no zero point) instead of the asymmetric default."),
+    act_order: bool = typer.Option(False, "--act-order", help="GPTQ column order by decreasing Hessian diagonal (static groups)."),
+    min_params: int = typer.Option(1024, "--min-params", min=1, help="Smallest tensor that is quantized."),
+    output_given: Optional[str] = typer.Option(None, "-o", "--output", help="Output ONNX (default <stem>.<method>-w<bits>.onnx; a model named model.onnx adds its folder's name)."),
+    runtime_layout: str = typer.Option("dequantized", "--runtime-layout", metavar="dequantized|fused", help="As export's: dequantized (default, export's pick for ort-cpu: float weights rebuilt at load) or fused (DequantizeLinear)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing output file."),
+):
+    """Quantize every unit uniformly with RTN, GPTQ, GPTAQ or QEP (numpy, calibrated on ONNX Runtime)."""
+    from tiers import Rounding
+    from tqsdeploy.baselines import quantize_baseline, write_baseline
+    from tqsdeploy.files import check_writable, write_json
+
+    if method not in METHODS:
+        raise typer.BadParameter(f"--method must be one of {', '.join(METHODS)}")
+    if bits not in (1, 2, 3, 4, 8):
+        raise typer.BadParameter("--bits must be 1, 2, 3, 4 or 8")
+    if runtime_layout not in ("dequantized", "fused"):
+        raise typer.BadParameter("--runtime-layout must be dequantized or fused")
+    from tqsdeploy.score import model_label
+
+    path = Path(output_given) if output_given is not None else Path(f"{model_label(model)}.{method}-w{bits}.onnx")
+    _check_output_file(path, output_given, (model,))
+    check_writable(path.parent)  # before the calibration, not after it
+    if not force:
+        _refuse_overwrite(path, str(path.with_suffix("")) + ".baseline.json", elsewhere="-o")
+    with progress_bar(f"{method} W{bits}", "weights") as progress:
+        result = quantize_baseline(
+            model, method, bits, calib, spec=spec, steps=steps, group_size=group_size, symmetric=symmetric,
+            rounding=Rounding(method, act_order=act_order), min_params=min_params,
+            on_start=progress.start, on_weight=lambda name: progress.advance(detail=name[-40:]),
+        )
+    summary = write_baseline(model, result, path, runtime_layout)
+    write_json(str(path.with_suffix("")) + ".baseline.json", summary)
+    timings = summary["timings_s"]
+    out.print(
+        f"{path}: {method} W{bits} ({summary['tier']}), {summary['tensors']} tensors, compression {summary['compression']:.3f}x of the file "
+        f"({summary['unit_compression']:.3f}x of the units), {summary['file_bytes'] / 1e6:.3f} MB; calibration {timings['calibration']:.2f} s"
+    )
+    _say_sidecar(summary["files"], summary["file_bytes"])
+    if summary["layer_error"]:
+        ratio = [summary["layer_error"][k] / summary["rtn_layer_error"][k] for k in summary["layer_error"] if summary["rtn_layer_error"].get(k)]
+        if ratio:
+            out.print(f"  layer reconstruction error vs round to nearest on the calibration data: median {float(np.median(ratio)):.3f}x")
+    for name, reason in summary["rtn_only"].items():
+        out.print(f"  note: '{escape(name)}' is rounded to nearest whatever the method: {escape(reason)}")
+    for note in summary["notes"]:
+        out.print(f"  note: {escape(note)}")

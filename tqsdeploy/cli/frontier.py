@@ -1,0 +1,92 @@
+"""`frontier`: TQS-PTQ and the uniform baselines on one chart (`tqsdeploy.frontier`), then the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from tiers import DEFAULT_TIERS, METHODS
+from tqsdeploy.cli.app import COLUMNS, app, frame_table, latency_settings, out, parse_columns, parse_floats, progress_bar, user_errors
+
+
+@app.command()
+@user_errors
+def frontier(
+    model: Path = typer.Argument(..., help="ONNX model file (never modified)."),
+    contexts: Path = typer.Option(..., "--contexts", "-c", help="Scoring contexts (.npz or .csv): TQS scores and calibration both use them."),
+    spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected when omitted."),
+    steps: Optional[int] = typer.Option(None, "--steps", "-T", min=1, help="Rollout steps."),
+    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth for the contexts (.npz); CSV contexts default to the rows after each window."),
+    eval_contexts: Optional[Path] = typer.Option(None, "--eval-contexts", help="Held-out contexts: the report leads with them (scores on the scoring contexts flatter)."),
+    eval_truth: Optional[Path] = typer.Option(None, "--eval-truth", help="Ground truth for the held-out contexts."),
+    targets: str = typer.Option("2,4,8,12,16", "--C", help="TQS-PTQ compression targets (points matched to every baseline are added)."),
+    baselines: str = typer.Option(",".join(METHODS), "--baselines", help="Uniform baselines ('' for none)."),
+    bits: str = typer.Option("2,4,8", "--bits", help="Baseline bit widths."),
+    tiers: str = typer.Option(",".join(DEFAULT_TIERS), "--tiers", help="TQS-PTQ tiers."),
+    rounding: str = typer.Option("qep", "--rounding", metavar="|".join(METHODS), help="TQS-PTQ's rounding method."),
+    objective: str = typer.Option("measured", "--objective", metavar="measured|response|paper", help="TQS-PTQ's allocation objective."),
+    also: Optional[str] = typer.Option(None, "--also", help="Extra TQS-PTQ lines as objective/rounding, e.g. paper/rtn,measured/gptq."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer tiers."),
+    variable_axis: Optional[int] = typer.Option(None, "--variable-axis", help="Per-step output axis to report per variable (win counts)."),
+    min_params: int = typer.Option(1024, "--min-params", min=1, help="Smallest tensor quantized (by every method alike)."),
+    buckets: Optional[str] = typer.Option(None, "--buckets", help="Role buckets by name, e.g. 'input=embed|patch,output=head' (default: from the graph structure)."),
+    exact: bool = typer.Option(False, "--exact", help="Evaluate with exact dequantization."),
+    columns: Optional[str] = COLUMNS,
+    latency: bool = typer.Option(False, "--latency", help="Also time every model against the original (as eval does, on the first split's windows): latency_ms, reference_latency_ms and slowdown columns; about 1 s and two sessions per point."),
+    out_dir: Path = typer.Option(None, "--out", "-o", help="Output folder (default tqs-frontier/<model stem>; <folder>_model for a file named model.onnx)."),
+):
+    """Score once, export TQS-PTQ at every C, run the uniform baselines, evaluate all, and report."""
+    from tqsdeploy.evaluate import EvalSettings
+    from tqsdeploy.export import ExportSettings
+    from tqsdeploy.frontier import FrontierSettings, run_frontier
+    from tqsdeploy.report import build_report
+
+    from tiers import get_tiers
+
+    patterns = None
+    if buckets:
+        items = [item.strip() for item in buckets.split(",") if item.strip()]
+        if not items or any("=" not in item for item in items):
+            raise typer.BadParameter(f"--buckets takes ROLE=REGEX items, e.g. 'input=embed|patch,output=head', not {buckets!r}")
+        patterns = dict(item.split("=", 1) for item in items)
+    tier_names = tuple(t.strip() for t in tiers.split(",") if t.strip())
+    get_tiers(tier_names, "ort", group_size)  # unknown names fail now, not after the score
+    if baselines.strip() and any(b not in (1, 2, 3, 4, 8) for b in parse_floats(bits, "--bits")):
+        raise typer.BadParameter(f"--bits takes 1, 2, 3, 4 and 8, not {bits!r}")
+    base = ExportSettings(tiers=tier_names, group_size=group_size, rounding=rounding, objective=objective)
+    variants = []
+    for item in (also or "").split(","):
+        if item.strip():
+            chosen_objective, _, chosen_rounding = item.strip().partition("/")
+            variant = ExportSettings(tiers=tier_names, group_size=group_size, objective=chosen_objective, rounding=chosen_rounding or rounding)
+            variants.append((f"TQS-PTQ {variant.objective}/{variant.rounding}", variant))
+    settings = FrontierSettings(
+        targets=tuple(parse_floats(targets, "--C")),
+        baselines=tuple(b.strip() for b in baselines.split(",") if b.strip()),
+        bits=tuple(int(b) for b in parse_floats(bits, "--bits")) if baselines.strip() else (),
+        export=base,
+        variants=tuple(variants),
+        evaluation=EvalSettings(exact=exact, variable_axis=variable_axis, columns=parse_columns(columns), latency=latency_settings(not latency, None)),
+        min_params=min_params,
+    )
+    for method in settings.baselines:
+        if method not in METHODS:
+            raise typer.BadParameter(f"--baselines takes {', '.join(METHODS)}, not '{method}'")
+    from tqsdeploy.score import model_label
+
+    folder = out_dir or Path("tqs-frontier") / model_label(model)
+    with progress_bar("frontier", "steps") as progress:
+        frame = run_frontier(
+            model, contexts, folder, spec=spec, steps=steps, truth=truth, eval_contexts=eval_contexts, eval_truth=eval_truth,
+            settings=settings, progress=progress,
+        )
+    md, page = build_report(folder, model, patterns)
+    import polars as pl
+
+    split = "held-out" if eval_contexts else "scoring"
+    shown = frame.filter((pl.col("variable") == "all") | pl.col("variable").is_null()).filter(pl.col("split") == split)
+    metric = "degradation_pct"
+    out.print(frame_table(shown.sort(["family", "method", "achieved_C"]), f"Frontier ({split} contexts)", ["method", "setting", "achieved_C", "file_bytes", "mae_ref", "mae_truth", metric, "status"]))
+    out.print(f"wrote {folder}/frontier.parquet, {md}, {page} and plots")
