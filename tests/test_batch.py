@@ -107,10 +107,10 @@ def _batch_estimate(model, contexts):
     """What auto estimates for 'batch' when no other strategy's estimate is in the way."""
     runner = prepare(model, contexts, STATE, settings=SETTINGS).open_runner()
     try:
-        return runner._estimate_batch(0.0, 0.0, math.inf, 1.0, 1, 0.0)
+        return runner.choice.estimate_batch(0.0, 0.0, math.inf, 1.0, 1, 0.0)
     finally:
-        if runner._constant is not None:  # built for the check
-            runner._constant.close()
+        if runner.rig.constant is not None and not runner.chosen.needs_constant:  # built for the check
+            runner.rig.constant.close()
         runner.close()
 
 

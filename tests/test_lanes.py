@@ -169,7 +169,7 @@ def test_the_nominal_made_on_a_lane_gives_the_one_lane_table(tmp_path, monkeypat
 
     sweep = sys.modules["tqsdeploy.sweep"]
     if hold is not None:
-        monkeypatch.setattr(sweep, "HOLD_BYTES", hold)
+        monkeypatch.setattr(sys.modules["tqsdeploy.sweep.nominal"], "HOLD_BYTES", hold)
     made_on = []
     make = sweep.SweepRunner._make_nominal
     monkeypatch.setattr(sweep.SweepRunner, "_make_nominal", lambda self, *a, **k: (made_on.append(threading.current_thread().name), make(self, *a, **k))[1])

@@ -60,14 +60,14 @@ def test_prefix_keeps_dead_units_exactly_dead(two_branch, tmp_path, steps):
 
 
 def test_auto_estimates_every_strategy_and_records_its_pick(two_branch, tmp_path, monkeypatch):
-    import tqsdeploy.sweep
+    import tqsdeploy.sweep.choice
 
     model, contexts = two_branch
     # a sweep this small runs on feed untimed: its bound (every window its own call) is all auto records
     small = score(model, contexts, steps=3, out=tmp_path / "small", settings=SETTINGS)
     assert small.meta["strategy"] == "feed" and set(small.meta["strategy_estimates_s"]) == {"feed"}
-    assert 0 < small.meta["strategy_estimates_s"]["feed"] < tqsdeploy.sweep.SMALL_SWEEP_S * small.meta["lanes"]
-    monkeypatch.setattr(tqsdeploy.sweep, "SMALL_SWEEP_S", 0.0)  # as if it were large
+    assert 0 < small.meta["strategy_estimates_s"]["feed"] < tqsdeploy.sweep.choice.SMALL_SWEEP_S * small.meta["lanes"]
+    monkeypatch.setattr(tqsdeploy.sweep.choice, "SMALL_SWEEP_S", 0.0)  # as if it were large
     table = score(model, contexts, steps=3, out=tmp_path / "run", settings=SETTINGS)
     estimates = table.meta["strategy_estimates_s"]
     assert set(estimates) == {"feed", "rebuild", "unit", "prefix", "batch"} and all(v > 0 for v in estimates.values())
@@ -201,7 +201,7 @@ def test_prefix_sweeps_a_model_from_its_files_with_feeds_scores(tmp_path):
         feed = score(folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "feed", settings=SETTINGS, strategy="feed")
         prefix = score(folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "prefix", settings=SETTINGS, strategy="prefix")
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("tqsdeploy.sweep.SMALL_SWEEP_S", 0.0)  # time the strategies even on a sweep this small
+            patch.setattr("tqsdeploy.sweep.choice.SMALL_SWEEP_S", 0.0)  # time the strategies even on a sweep this small
             auto = score(folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "auto", settings=SETTINGS)
     finally:
         folder.chmod(0o755)
@@ -300,7 +300,7 @@ def test_the_calibration_session_sleeps_between_calls(tmp_path):
 def test_auto_weighs_each_strategy_on_the_lanes_the_sweep_will_run():
     """Pieces of work go to the lane that frees first, in order: fine pieces share the lanes evenly, one coarse
     piece (a plan of one cut, a unit session) keeps a lane busy while the others idle."""
-    from tqsdeploy.sweep import _makespan
+    from tqsdeploy.sweep.choice import _makespan
 
     assert _makespan([1.0] * 15, 2) == 8.0  # 15 tasks on 2 lanes: the last runs alone
     assert _makespan([1.0] * 16, 2) == 8.0

@@ -33,7 +33,7 @@ def test_a_nominal_begun_from_an_earlier_run_of_its_first_step_equals_a_fresh_ro
     model, contexts = two_branch
     runner = prepare(model, contexts, steps=steps, strategy=strategy).open_runner()
     try:
-        made = [r for r in (runner._first_step, runner.engine.first_run) if r is not None and r.session is runner.engine.session]
+        made = [r for r in (runner.rig.first_step, runner.engine.first_run) if r is not None and r.session is runner.engine.session]
         if strategy != "auto" or runner.strategy in ("rebuild", "unit", "batch"):  # auto's feed runs on a session it did not time
             assert made
         fresh = [list(outs) for outs in runner.engine.steps(None)]

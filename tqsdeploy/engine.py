@@ -7,13 +7,20 @@ outputs' leading axis is a multiple of the window count), and one window at
 a time otherwise; the decision is made on the first step of the first chunk
 and kept. Per-step outputs come back per chunk; `window_sq` and
 `trajectories` turn them into per-window numbers.
+
+What a perturbed rollout is compared with lives here too, once for every
+sweep strategy and for export's measurements: the nominal rollout
+(`RolloutEngine.nominal`, `Nominal`), a step's divergence from it
+(`step_total`), the per-step series with its early stopping (`Divergence`)
+and the drift reports use (`drift`, `Drift`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -21,6 +28,99 @@ from runtimes import Session, kept
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import RolloutSpec, next_feeds, rollout
+
+
+@dataclass(frozen=True)
+class EarlyStop:
+    """Stop a rollout once gamma(t) varies by at most `tol` over `window` consecutive steps."""
+
+    tol: float = 0.01
+    window: int = 3
+
+
+class Divergence:
+    """One perturbed rollout's per-step mean squared divergence from the nominal, fed each step's total over
+    the windows as it comes: it ends at the first non-finite step (the steps left count as inf) or, with
+    `stop` and a perturbation of `delta_sq` > 0, once gamma settles. Every strategy stops the same way."""
+
+    def __init__(self, windows: int, steps: int, delta_sq: float = 0.0, eps: float = 0.0, stop: EarlyStop | None = None):
+        self.windows, self.steps = windows, steps
+        self.delta_sq, self.eps, self.stop = delta_sq, eps, stop
+        self.div_sq: list[float] = []
+        """Per step: mean over windows of ||Y_pert(t) - Y_nom(t)||^2."""
+        self.nonfinite = False
+        self._gammas: list[float] = []
+        self._cumulative = 0.0
+
+    def add(self, total: float) -> bool:
+        """Records the next step's squared divergence summed over windows; True once the series has ended."""
+        t = len(self.div_sq) + 1
+        value = float(total / self.windows)
+        if not math.isfinite(value):
+            self.div_sq.extend([math.inf] * (self.steps - t + 1))
+            self.nonfinite = True
+            return True
+        self.div_sq.append(value)
+        self._cumulative += value
+        return self._settled(t)
+
+    def _settled(self, t: int) -> bool:
+        """Early stopping: records step t's gamma; True once the last `window` + 1 of them vary by at most `tol`."""
+        stop = self.stop
+        if stop is None or self.delta_sq <= 0:
+            return False
+        self._gammas.append(math.log(max(self._cumulative, 1e-300) / (self.delta_sq + self.eps)) / t)
+        window = self._gammas[-(stop.window + 1):]
+        return len(window) == stop.window + 1 and max(window) - min(window) <= stop.tol
+
+
+STACK_BYTES = 1 << 20
+"""A model run window by window has its step's divergence taken over all windows at once when the step's
+outputs hold at most this much: numpy's per-call cost, not the arithmetic, is then what a window costs
+(pangu_lorenz96: 64 small calls per rollout), and it holds the GIL the other lanes wait for."""
+
+
+@dataclass
+class Nominal:
+    """The unperturbed rollout every perturbed one is compared with."""
+
+    trajectory: list[list[dict[str, np.ndarray]]]
+    """[step][chunk] -> trajectory outputs."""
+    norm_sq: list[float] = field(default_factory=list)
+    """Per step: mean over windows of ||Y_nom(t)||^2."""
+    abs_sum: dict[str, float] = field(default_factory=dict)
+    """Per trajectory output: sum of |Y_nom| over windows and steps (the scale of drift %)."""
+    batched: bool = False
+    _stacked: dict[int, dict[str, np.ndarray] | None] = field(default_factory=dict, repr=False)
+
+    def stacked(self, t: int) -> dict[str, np.ndarray] | None:
+        """Step t's trajectory outputs of every chunk stacked into one array per output (made once), or None
+        when they are too large to copy for so little (`STACK_BYTES`) or differ in shape."""
+        if t not in self._stacked:
+            outs, stacked = self.trajectory[t], None
+            if sum(np.asarray(v).nbytes for o in outs for v in o.values()) <= STACK_BYTES:
+                try:
+                    stacked = {name: np.stack([o[name] for o in outs]) for name in outs[0]}
+                except ValueError:  # windows whose outputs differ in shape
+                    pass
+            self._stacked[t] = stacked
+        return self._stacked[t]
+
+
+@dataclass(frozen=True)
+class Drift:
+    """How far a perturbed model's rollout strays from the nominal one."""
+
+    relative_rms: float
+    """RMS trajectory divergence over all steps relative to the RMS nominal trajectory."""
+    pct: dict[str, float]
+    """Per trajectory output: mean |divergence| / mean |nominal| in percent (what `eval` reports as drift)."""
+    div_sq: list[float]
+    """Per step: mean over windows of ||Y(t) - Y_nom(t)||^2 (additive, what the knapsack prices)."""
+
+    @property
+    def worst_pct(self) -> float:
+        return max(self.pct.values()) if self.pct else 0.0
 
 
 @dataclass(frozen=True)
@@ -151,6 +251,79 @@ class RolloutEngine:
                 parts.append(stacked)
             result[name] = np.concatenate(parts).astype(np.float64)
         return result
+
+    def nominal(self, earlier: Sequence[FirstRun | None] = ()) -> Nominal:
+        """The nominal rollout on the engine's session; on a single chunk it goes on from a first step already
+        run on that session (`earlier`, or the batching decision's run): the same call, so the same values."""
+        try:
+            chunks = self.chunks  # the batching decision (a run of the first chunk), unless made
+            made = next((r for r in (*earlier, self.first_run) if r is not None and r.session is self.session), None)
+            steps = self._continued(made.outputs) if made is not None and len(chunks) == 1 else [list(outs) for outs in self.steps()]
+        except RolloutError as exc:
+            raise RolloutError(f"the model failed to run on the contexts: {exc}") from None
+        return self.summarize(steps)
+
+    def _continued(self, first: dict[str, np.ndarray]) -> list[list[dict[str, np.ndarray]]]:
+        """The nominal rollout's steps ([step][chunk]) of a single-chunk sweep whose first step `first` already ran."""
+        steps = [[{n: first[n] for n in self.spec.trajectory}]]
+        if self.spec.steps > 1:
+            start = next_feeds(self.chunks[0][1], first, self.spec)
+            steps += [list(outs) for outs in self.steps(None, self.spec.steps - 1, starts=[start])]
+        return steps
+
+    def summarize(self, steps: list[list[dict[str, np.ndarray]]]) -> Nominal:
+        """The nominal rollout of these [step][chunk] outputs, with the norms scores and drift are relative to."""
+        norm_sq, abs_sum = [], {name: 0.0 for name in self.spec.trajectory}
+        for t, outs in enumerate(steps):
+            for name in self.spec.trajectory:
+                for chunk_out in outs:
+                    if not np.all(np.isfinite(chunk_out[name])):
+                        raise RolloutError(f"the nominal rollout produced NaN or Inf in output '{name}' at step {t + 1}")
+                    abs_sum[name] += float(np.abs(chunk_out[name].astype(np.float64)).sum())
+            total = sum(self.window_sq(c, outs[c]).sum() for c in range(len(outs)))
+            norm_sq.append(float(total / self.contexts.count))
+        return Nominal(trajectory=steps, norm_sq=norm_sq, abs_sum=abs_sum, batched=self.batched)
+
+    def step_total(self, nominal: Nominal, t: int, outs: list[dict[str, np.ndarray]]) -> float:
+        """Squared divergence of step `t` (from 0) from the nominal, summed over every window of every chunk."""
+        stacked = nominal.stacked(t) if len(outs) > 1 and not self.batched else None
+        if stacked is not None:  # window by window: one difference over all the step's windows
+            try:
+                return self.total_sq({name: np.stack([o[name] for o in outs]) for name in stacked}, stacked)
+            except ValueError:  # this rollout's windows differ in shape from the nominal's
+                pass
+        return sum(self.total_sq(outs[c], nominal.trajectory[t][c]) for c in range(len(outs)))
+
+    def series(self, delta_sq: float = 0.0, eps: float = 0.0, stop: EarlyStop | None = None) -> Divergence:
+        """An empty per-step divergence series over these contexts and steps."""
+        return Divergence(self.contexts.count, self.spec.steps, delta_sq, eps, stop)
+
+    def divergence(self, totals: Iterable[float], delta_sq: float = 0.0, eps: float = 0.0, stop: EarlyStop | None = None) -> tuple[list[float], bool]:
+        """Per-step mean divergence of the per-step totals over windows, and whether it went non-finite;
+        the totals are read no further than the series goes (`Divergence`: early stopping)."""
+        series = self.series(delta_sq, eps, stop)
+        for total in totals:
+            if series.add(total):
+                break
+        return series.div_sq, series.nonfinite
+
+    def drift(self, nominal: Nominal, steps: Iterable[list[dict[str, np.ndarray]]]) -> Drift:
+        """Divergence of the rollout `steps` ([step][chunk] outputs) from the nominal, over every step, in every unit reports use."""
+        div_sq: list[float] = []
+        abs_diff = {name: 0.0 for name in self.spec.trajectory}
+        for t, outs in enumerate(steps, start=1):
+            reference = nominal.trajectory[t - 1]
+            total = 0.0
+            for c, chunk_out in enumerate(outs):
+                total += self.window_sq(c, chunk_out, reference[c]).sum()
+                for name in abs_diff:
+                    abs_diff[name] += float(np.abs(chunk_out[name].astype(np.float64) - reference[c][name]).sum())
+            div_sq.append(float(total / self.contexts.count))
+        if not all(math.isfinite(v) for v in div_sq):
+            return Drift(math.inf, {name: math.inf for name in abs_diff}, div_sq)
+        relative = math.sqrt(sum(div_sq) / max(sum(nominal.norm_sq), 1e-300))
+        pct = {name: 100 * value / max(nominal.abs_sum[name], 1e-300) for name, value in abs_diff.items()}
+        return Drift(relative, pct, div_sq)
 
     def states(self, steps: int | None = None) -> list[dict[str, np.ndarray]]:
         """The feeds of every chunk at every step of the nominal rollout (teacher-forced inputs)."""

@@ -270,7 +270,7 @@ class Prepared:
     def open_runner(self, nominal: "Nominal | None" = None) -> SweepRunner:
         """A runner of the sweep; `nominal`: the rollout an earlier runner of this job made (not made again)."""
         session, self.session = self.session, None
-        return self.job.open(session, nominal)
+        return SweepRunner(self.job, session, nominal)
 
 
 def _versions() -> dict:

@@ -1,0 +1,63 @@
+"""What a sweep runs: the job every runner, lane, worker process or Ray actor is opened from (picklable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from runtimes import Session, SessionFactory
+from tqsdeploy.contexts import Contexts
+from tqsdeploy.engine import EarlyStop
+from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.units import Unit
+
+STRATEGIES = ("auto", "feed", "rebuild", "unit", "prefix", "batch")
+"""How perturbed weights reach the runtime: fed to one session with every scored
+weight overridable ('feed'), baked into a fresh session per perturbation
+('rebuild'), or fed to a session per unit in which only that unit's weights are
+overridable ('unit'), or, for the first step, fed to a session of just
+the part of the graph downstream of the unit ('prefix'), or all of a unit's
+probes run in one rollout of a session per unit with the batch tiled per probe
+('batch'); 'auto' times them and picks the cheapest sweep."""
+
+
+@dataclass
+class SweepJob:
+    """Everything a worker needs to run tasks; picklable by design.
+
+    `session_factory` opens the session whose scored weights are overridable
+    feeds; `rebuild_factory(weights)` opens a session with those weights baked
+    in as constants (all nominal when empty); `unit_factory(names)` opens one
+    in which only `names` are overridable.
+    """
+
+    session_factory: SessionFactory
+    contexts: Contexts
+    spec: RolloutSpec
+    units: dict[str, Unit]
+    weights: dict[str, np.ndarray]
+    probe_bits: int
+    seed: int
+    eps: float
+    max_batch_windows: int = 64
+    early_stop: EarlyStop | None = None
+    rebuild_factory: Callable[[dict[str, np.ndarray]], Session] | None = None
+    strategy: str = "auto"
+    rows: dict[str, np.ndarray] = field(default_factory=dict)
+    """Gather tables' rows the contexts read: the probes perturb only these (`units.gather_rows`)."""
+    unit_factory: Callable[[Sequence[str]], Session] | None = None
+    tasks_per_unit: int = 5
+    """Probe draws per unit (what 'auto' weighs a unit session's build against)."""
+    quant_probe: bool = True
+    """Whether a unit's tasks include the quant probe (the rest are Gaussian draws), for 'batch'."""
+    cut_factory: object | None = None
+    """Opens the sessions 'prefix' runs (`score.CutSessions`: of the model in memory, or read from its files)."""
+    session_build_s: float = 0.0
+    """Seconds the overridable session took to build (what 'auto' weighs cut builds against when it has no other)."""
+    lanes: int = 1
+    """Tasks the sweep will run at once (`run_local`): auto weighs each strategy's pieces of work on that many lanes."""
+    fed_keeps_kernels: bool = False
+    """The overridable session runs every scored weight on the kernels a constant session would (`score.fed_as_fast`,
+    `graph_ops.derived.WeightMap.keeps_kernels`): no rebuilt session can beat it, and auto builds none to time."""
