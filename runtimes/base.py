@@ -66,6 +66,39 @@ class Session(Protocol):
         ...
 
 
+class Runtime(Protocol):
+    """How to open sessions of one inference engine (ONNX Runtime with its providers, native TensorRT):
+    what every command holds instead of a concrete class, made by `runtimes.for_provider`. Immutable and
+    picklable, so sweep workers and Ray actors receive it as it is."""
+
+    name: str
+    """The engine, for reports ('onnxruntime', 'tensorrt')."""
+    provider: str
+    """The `--provider` name it serves."""
+    threads: int | None
+    """CPU threads per session; None: the engine's default (always None where CPU threads do not apply)."""
+
+    def check(self) -> None:
+        """Raise RuntimeUnavailable when this engine or provider cannot run here."""
+        ...
+
+    def for_model(self, proto) -> "Runtime":
+        """This runtime made safe for the model `proto` (itself when nothing needs changing)."""
+        ...
+
+    def with_threads(self, threads: int) -> "Runtime":
+        """This runtime with `threads` CPU threads per session, for sessions sharing the cores (itself where they do not apply)."""
+        ...
+
+    def yielding(self) -> "Runtime":
+        """This runtime with sessions whose idle threads sleep instead of spinning, for calls that alternate with numpy work."""
+        ...
+
+    def open(self, model: "ModelSource", external_data_dir: Path | None = None) -> Session:
+        """A session of `model` (serialised bytes or a file; `external_data_dir`: where its external data files are)."""
+        ...
+
+
 def kept(session: Session, values: Mapping[str, np.ndarray]) -> Mapping[str, object]:
     """`session.keep(values)`, or the values themselves for a session without `keep`."""
     keep = getattr(session, "keep", None)

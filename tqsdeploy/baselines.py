@@ -27,7 +27,7 @@ from tqsdeploy.calibrate import Calibrator, thin_note
 from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
 from tqsdeploy.quantization import Encoder
-from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.rollout import RolloutSpec, resolve_spec
 from tqsdeploy.size import ModelSize
 from tqsdeploy.units import UnitSelection, check_finite, select_units
 
@@ -106,7 +106,6 @@ def quantize_baseline(
         if calib is None:
             raise InputError(f"{method} needs calibration windows", hint="pass a contexts .npz (or use method 'rtn')")
         from tqsdeploy.calibrate import open_graph
-        from tqsdeploy.score import resolve_spec
 
         graph = graph_ops.weights_as_graph_inputs(loaded.proto, names)  # the signature, without loading the weights into the runtime
         session = open_graph(runtime, graph_ops.io.session_source(graph), data_dir, str(loaded.path))

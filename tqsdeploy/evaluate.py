@@ -37,8 +37,7 @@ from tqsdeploy.files import write_json, write_text
 from tqsdeploy.progress import counted
 from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.latency import LatencySettings, measure as measure_latency
-from tqsdeploy.rollout import RolloutSpec
-from tqsdeploy.score import resolve_spec
+from tqsdeploy.rollout import RolloutSpec, resolve_spec
 from tqsdeploy.size import compression
 
 

@@ -11,8 +11,7 @@ import graph_ops
 from runtimes import OrtRuntime
 from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.files import write_text
-from tqsdeploy.rollout import AmbiguousRollout, RolloutSpec, detect_rollout
-from tqsdeploy.score import DEFAULT_STEPS, resolve_spec
+from tqsdeploy.rollout import DEFAULT_STEPS, AmbiguousRollout, RolloutSpec, detect_rollout, resolve_spec
 from tqsdeploy.contexts import npz_layout
 from tqsdeploy.units import UnitSelection, index_rows, select_units, selection_notes
 

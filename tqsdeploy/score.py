@@ -25,17 +25,18 @@ import onnx
 import polars as pl
 
 import graph_ops
-from runtimes import DerivedFeeds, OrtRuntime, Session, WithDefaults
+from runtimes import OrtRuntime, Session
+from runtimes.derived import FED_OPTIMIZED, derived_feed, fed_as_fast  # noqa: F401  (FED_OPTIMIZED: the CLI's summary reads it here)
+from runtimes.factories import RebuildFactory, StreamedCuts, open_fed
 from tqsdeploy import __version__
 from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import claim_run_folder, write_json, write_npz, write_table, write_text
-from tqsdeploy.rollout import RolloutSpec, detect
+from tqsdeploy.rollout import RolloutSpec, resolve_spec
 from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
 from tqsdeploy.sweep import EarlyStop, Nominal, ResultLog, SweepJob, SweepRunner, TaskResult, plan_tasks, run_local, run_parallel, run_ray, sweep_lanes, usable_cores
 from tqsdeploy.units import Unit, UnitSelection, check_finite, gather_rows, index_rows, select_units, selection_notes
 
-DEFAULT_STEPS = 8
 RUN_FILES = ("run.json", "sweep.jsonl", "measured.jsonl", "scores.parquet", "scores.csv", "rollout.toml", "contexts.npz")
 
 
@@ -79,168 +80,6 @@ class ScoreTable:
         if not meta_path.exists() or not scores.exists():
             raise InputError(f"{run_dir} is not a finished score run (no run.json / scores.parquet)")
         return cls(frame=pl.read_parquet(scores), run_dir=run_dir, meta=json.loads(meta_path.read_text()))
-
-
-class CutSessions:
-    """Sessions of parts of a model for the 'prefix' strategy: the whole model with some activations
-    as extra outputs, or the part downstream of some weights (those weights overridable)."""
-
-    model: bytes
-    """The serialised model the sessions are cut from."""
-
-    def _open(self, model: bytes) -> Session:
-        raise NotImplementedError
-
-    def graph(self):
-        """The model proto, parsed once per process."""
-        import onnx
-
-        if not hasattr(self, "_proto"):
-            self._proto = onnx.load_model_from_string(self.model)
-        return self._proto
-
-    def activations(self, names) -> Session:
-        """A session that also outputs the named intermediate tensors."""
-        if not hasattr(self, "_types"):
-            self._types = graph_ops.prefix.element_types(self.graph())
-        return self._open(self.model + graph_ops.prefix.activation_outputs(self.graph(), names, self._types))
-
-    def downstream(self, weights, outputs, types) -> tuple[Session | None, "graph_ops.prefix.Cut"]:
-        """A session of the part downstream of `weights` (fed as overridable), or None when no output depends on them."""
-        cut = graph_ops.prefix.cut_downstream(self.graph(), list(weights), list(outputs), types)
-        return (self._open(graph_ops.model_bytes(cut.model)) if cut.outputs else None), cut
-
-    def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k not in ("_proto", "_types", "_ranks")}  # workers parse their own
-
-
-@dataclass
-class RebuildFactory(CutSessions):
-    """Opens sessions of the original model from its one serialisation.
-
-    Called with weights: a session with those weights replaced as constants.
-    `overridable(names)`: a session in which just those weights can be fed
-    (the rest stay constant, so the runtime pre-packs them). Picklable: it
-    carries the serialized model (Constant-node weights lifted to
-    initializers), one input declaration per scored weight, and the runtime.
-    """
-
-    model: bytes
-    runtime: OrtRuntime
-    declarations: dict[str, bytes] = field(default_factory=dict)
-
-    def __call__(self, weights: dict[str, np.ndarray]):
-        # Not SessionOptions.add_initializer: ONNX Runtime constant-folds a Transpose
-        # of a stored weight from the stored value, ignoring the added one.
-        if not weights:
-            return self.runtime.open(self.model)
-        proto = graph_ops.replace_weights(self.graph(), weights) if weights else self.graph()
-        return self.runtime.open(graph_ops.model_bytes(proto))
-
-    def _open(self, model: bytes) -> Session:
-        return self.runtime.open(model)
-
-    def overridable(self, names) -> Session:
-        return self.runtime.open(self.model + b"".join(self.declarations[n] for n in sorted(set(names))))
-
-    def batch_refusal(self, weights) -> str | None:
-        """Why `batched` cannot batch these weights' probes, or None when it can."""
-        return graph_ops.batch.refusal(self.graph(), weights, self._tensor_ranks())
-
-    def batched(self, weights, probes: int) -> Session:
-        """A session running `probes` probes of `weights` in one call (`graph_ops.batch`); raises BatchError when it cannot."""
-        return self.runtime.open(graph_ops.model_bytes(graph_ops.batch.batch_probes(self.graph(), weights, probes, self._tensor_ranks())))
-
-    def _tensor_ranks(self) -> dict[str, int]:
-        if not hasattr(self, "_ranks"):
-            self._ranks = graph_ops.batch.tensor_ranks(self.graph())
-        return self._ranks
-
-
-@dataclass
-class DerivedFeed:
-    """Opens ONNX Runtime's own optimized graph of the model with the initializers it rearranged the scored
-    weights into overridable, fed from those weights (`graph_ops.derived`): the fed session then runs the
-    kernels a constant one runs (NCHWc Conv), with no build per perturbation. The layouts are this machine's
-    (its CPU's block size), so each process maps its own: a worker of another kind that cannot gets the
-    weights fed as stored. Picklable."""
-
-    rebuild: RebuildFactory
-    weights: tuple[str, ...]
-
-    def __post_init__(self):
-        self._made: tuple[bytes, graph_ops.derived.WeightMap] | None = None
-
-    def made(self) -> tuple[bytes, graph_ops.derived.WeightMap]:
-        """The fed graph and the weights' map into it; GraphError when the runtime does more than rearrange them."""
-        if self._made is None:
-            runtime, derived = self.rebuild.runtime, graph_ops.derived
-            stored = graph_ops.read_weights(self.rebuild.graph(), self.weights)
-            values = {name: stored[name] for name in self.weights}
-            nominal = onnx.load_model_from_string(runtime.optimized(self.rebuild.model))
-            marked = onnx.load_model_from_string(runtime.optimized(graph_ops.model_bytes(derived.marked(self.rebuild.graph(), values))))
-            mapped = derived.weight_map(nominal, marked, values)
-            self._made = (graph_ops.model_bytes(derived.fed_graph(nominal, mapped)), mapped)
-        return self._made
-
-    def __call__(self) -> Session:
-        try:
-            model, mapped = self.made()
-        except Exception:  # this process's runtime lays the weights out otherwise: fed as stored
-            return self.rebuild.overridable(self.weights)
-        return DerivedFeeds(dataclasses.replace(self.rebuild.runtime, optimization="disable").open(model), frozenset(self.weights), mapped.derive)
-
-    def __getstate__(self):
-        return {**self.__dict__, "_made": None}  # another process (or machine) maps its own runtime's layouts
-
-
-FED_OPTIMIZED = "the runtime's optimized graph (weights in its layouts)"
-"""run.json's `fed_session` when the fed session is ONNX Runtime's own optimized graph (`DerivedFeed`)."""
-
-
-def _nchwc_conv(tensor) -> bool:
-    """Whether a 2-D Conv reads this weight: the Conv ONNX Runtime's CPU NCHWc layout takes, when the weight is constant."""
-    return "Conv" in tensor.op_types and len(tensor.shape) == 4
-
-
-def fed_as_fast(tensor) -> bool:
-    """Whether ONNX Runtime's CPU kernels run this weight fed as fast as constant: read only by Gather or by a Conv
-    the NCHWc layout does not take (1-D, 3-D), which pre-pack nothing (a fed MatMul, Gemm or recurrent weight is
-    not pre-packed; a fed 2-D Conv weight misses NCHWc). Measured: the same outputs to the bit, calls within 1-4%
-    (the feeding itself) on lorenz96 and pangu_lorenz96."""
-    return bool(tensor.op_types) and not _nchwc_conv(tensor) and set(tensor.op_types) <= {"Gather", "Conv"}
-
-
-def derived_feed(rebuild: RebuildFactory, units: list[Unit], names: list[str]) -> tuple[DerivedFeed | None, str]:
-    """The fed session of the runtime's optimized graph when it keeps kernels a fed weight loses, else None;
-    and what the sweep feeds, for run.json. Tried where it pays: a 2-D Conv reads a scored weight (ONNX
-    Runtime's CPU NCHWc kernels need the weight constant, or in their own layout as here)."""
-    runtime = rebuild.runtime
-    if runtime.provider != "cpu" or runtime.optimization != "all":
-        return None, "weights as stored"
-    if not any(_nchwc_conv(t) for u in units for t in u.tensors):
-        return None, "weights as stored"
-    feed = DerivedFeed(rebuild, tuple(names))
-    try:
-        feed.made()
-    except graph_ops.GraphError as exc:
-        return None, f"weights as stored ({exc})"
-    except Exception as exc:  # the runtime cannot save or reload its optimized graph
-        return None, f"weights as stored (ONNX Runtime's optimized graph: {str(exc).splitlines()[0]})"
-    return feed, FED_OPTIMIZED
-
-
-@dataclass
-class StreamedCuts(CutSessions):
-    """Cut sessions of a model swept from its files: `model` is its graph alone, its tensors references
-    into the model's own data files (in `data_dir`), which ONNX Runtime reads as it builds each session."""
-
-    model: bytes
-    runtime: OrtRuntime
-    data_dir: Path
-
-    def _open(self, model: bytes) -> Session:
-        return self.runtime.open(model, external_data_dir=self.data_dir)
 
 
 @dataclass
@@ -287,17 +126,6 @@ def _versions() -> dict:
         "platform": platform.platform(),
     }
 
-
-def resolve_spec(spec: RolloutSpec | str | Path | None, steps: int | None, inputs, outputs) -> RolloutSpec:
-    """A given spec (file or object, `steps` overriding its steps) or a detected one."""
-    if spec is None:
-        resolved = detect(inputs, outputs, steps, DEFAULT_STEPS)
-    else:
-        resolved = spec if isinstance(spec, RolloutSpec) else RolloutSpec.from_toml(spec)
-        if steps:
-            resolved = resolved.with_steps(steps)
-    resolved.check(inputs, outputs)
-    return resolved
 
 
 def prepare(
@@ -427,11 +255,6 @@ def prepare(
         notes=notes,
     )
 
-
-def open_fed(runtime: OrtRuntime, source: Path, data_dir: Path, weights) -> Session:
-    """A session of a graph whose weights are plain inputs, fed from `weights` (views of the
-    model's own files) unless a run feeds its own: the runtime holds no copy of them."""
-    return WithDefaults(runtime.open(source, external_data_dir=data_dir), weights)
 
 
 def _session_file(loaded: graph_ops.LoadedModel, names: list[str], workdir: Path | None) -> Path:
