@@ -41,7 +41,7 @@ from scipy.stats import spearmanr
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_score import EXAMPLES, _plain_rollout, case, sweep_shape  # noqa: E402
 
-from runtimes import OrtRuntime  # noqa: E402
+from runtimes import Runtime, for_provider  # noqa: E402
 from tqsdeploy import ScoreSettings, score  # noqa: E402
 
 STRATEGIES = ("feed", "batch", "prefix", "auto")
@@ -87,7 +87,7 @@ def _agreement(cpu, gpu) -> dict:
 
 
 def sweep_row(name: str, model, contexts, spec, settings: ScoreSettings, rounds: int) -> dict:
-    cpu_runtime, cuda_runtime = OrtRuntime(provider="cpu"), OrtRuntime(provider="cuda")
+    cpu_runtime, cuda_runtime = for_provider("cpu"), for_provider("cuda")
     prepared, batched, tasks = sweep_shape(model, contexts, spec, settings, cpu_runtime)
     width = int(settings.quant_probe) + settings.gauss_draws + 1
     walls: dict[str, list[float]] = {}
@@ -99,7 +99,7 @@ def sweep_row(name: str, model, contexts, spec, settings: ScoreSettings, rounds:
             plain_cpu.append(_plain_rollout(model, prepared.contexts, prepared.spec, None, batched))
             runs = [("cpu auto", cpu_runtime, "auto")] + [(f"cuda {s}", cuda_runtime, s) for s in STRATEGIES]
             if round_ == 0:
-                runs.append(("cuda feed tf32", OrtRuntime(provider="cuda", tf32=True), "feed"))
+                runs.append(("cuda feed tf32", for_provider("cuda", tf32=True), "feed"))
             for label, runtime, strategy in runs:
                 if label in refused:
                     continue
@@ -144,7 +144,7 @@ def sweep_row(name: str, model, contexts, spec, settings: ScoreSettings, rounds:
     }
 
 
-def _latency(path: Path, feeds: dict, runtime: OrtRuntime, repeats: int = 50) -> float:
+def _latency(path: Path, feeds: dict, runtime: Runtime, repeats: int = 50) -> float:
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(str(path), options, providers=runtime.providers())
@@ -174,7 +174,7 @@ def latency_rows(exported: dict[str, Path], tmp: Path) -> list[dict]:
             row = {"example": name, "model": label, "bytes": model.stat().st_size}
             for provider in ("cuda", "cpu"):
                 try:
-                    row[f"{provider}_ms"] = round(_latency(model, feeds, OrtRuntime(provider=provider)) * 1e3, 3)
+                    row[f"{provider}_ms"] = round(_latency(model, feeds, for_provider(provider)) * 1e3, 3)
                 except Exception as exc:  # noqa: BLE001 - recorded, not fatal
                     row[f"{provider}_ms"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)

@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graph_ops
 from graph_ops.qdq import apply_storage
-from runtimes import OrtRuntime
+from runtimes import for_provider
 from tiers import TIERS, Encoded, Layout, encode
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -69,7 +69,7 @@ def main() -> None:
         exact = x @ packed.dequantize()
         for label, stored in variants.items():
             data = graph_ops.model_bytes(apply_storage(model, {"W": stored}))
-            runtime = OrtRuntime(threads=1)
+            runtime = for_provider("cpu", threads=1)
             build = _time(lambda: runtime.open(data), 3)
             session = runtime.open(data)
             run = _time(lambda: session.run({"x": x}), 20)

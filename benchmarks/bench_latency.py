@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_memory import build as build_stack  # noqa: E402
 from bench_score import bert  # noqa: E402
 
-from runtimes import OrtRuntime  # noqa: E402
+from runtimes import for_provider  # noqa: E402
 from tqsdeploy import ScoreSettings, score  # noqa: E402
 from tqsdeploy.contexts import Contexts, load_contexts  # noqa: E402
 from tqsdeploy.engine import RolloutEngine  # noqa: E402
@@ -98,10 +98,10 @@ def variants(name: str, item: dict, tmp: Path, provider: str) -> tuple[dict[str,
     light = item["generated"]
     settings = ScoreSettings(gauss_draws=0 if light else 1)
     started = time.perf_counter()
-    score(item["model"], item["contexts"], spec=item["spec"], out=run, settings=settings, runtime=OrtRuntime(provider=provider))
+    score(item["model"], item["contexts"], spec=item["spec"], out=run, settings=settings, runtime=for_provider(provider))
     scored = time.perf_counter() - started
     export = ExportSettings(target="ort-cpu", rounding="rtn" if light else "qep", refine=0 if light else 2, fallback=not light)
-    planner = Planner(run, item["model"], export, OrtRuntime(provider=provider))
+    planner = Planner(run, item["model"], export, for_provider(provider))
     started = time.perf_counter()
     files = {"fp16": fp16_copy(item["model"], tmp / f"{name}.fp16.onnx") if not name == "stack" else None}
     outcome = planner.export(4, tmp / f"{name}.C4.dequantized.onnx")
@@ -122,7 +122,7 @@ def file_mb(path: Path) -> float:
 def bench(name: str, tmp: Path, args) -> list[dict]:
     item = case(name, tmp, args.stack_gb)
     files, meta = variants(name, item, tmp, args.provider)
-    runtime = OrtRuntime(provider=args.provider)
+    runtime = for_provider(args.provider)
     fp32 = item["model"]
     probe = runtime.open(fp32)
     inputs = [s for s in probe.inputs if s.name not in probe.weights]

@@ -80,6 +80,9 @@ class OrtRuntime:
                 f"(available: {', '.join(available_providers())}); install the GPU extra: pip install 'tqsdeploy[gpu]'"
             )
 
+    def with_threads(self, threads: int) -> "OrtRuntime":
+        return dataclasses.replace(self, threads=threads)
+
     def yielding(self) -> "OrtRuntime":
         """This runtime with its sessions' intra-op threads sleeping between calls instead of spinning. For a
         session whose calls alternate with numpy work: ONNX Runtime's idle threads otherwise spin for a while
@@ -157,6 +160,11 @@ class OrtRuntime:
             session.disable_fallback()
             session._model_bytes = None
         return OrtSession(session, self.provider)
+
+
+def make(provider: str, threads: int | None = None, **options) -> OrtRuntime:
+    """`runtimes.for_provider` for ONNX Runtime's providers; `options`: OrtRuntime's other fields."""
+    return OrtRuntime(provider=provider, threads=threads, **options)
 
 
 DEVICES = {"cuda": "cuda", "tensorrt": "cuda"}

@@ -13,6 +13,7 @@ not exercised by CI, which has no GPU (see tests/test_gpu.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,9 +60,20 @@ class TrtRuntime:
     provider: str = "trt-engine"
 
     name = "tensorrt"
+    threads = None
+    """CPU threads do not apply: TensorRT runs on the GPU."""
 
     def check(self) -> None:
         _import()
+
+    def for_model(self, proto) -> "TrtRuntime":
+        return self
+
+    def with_threads(self, threads: int) -> "TrtRuntime":
+        return self
+
+    def yielding(self) -> "TrtRuntime":
+        return self
 
     def open(self, model: ModelSource, external_data_dir: Path | None = None) -> "TrtSession":
         trt, poly = _import()
@@ -79,6 +91,15 @@ class TrtRuntime:
         config = poly.CreateConfig(refittable=True, fp16=self.fp16, profiles=[profile])
         engine = poly.engine_from_network((builder, net, parser), config=config)
         return TrtSession(engine, lifted, trt)
+
+
+def make(provider: str, threads: int | None = None, **options) -> TrtRuntime:
+    """`runtimes.for_provider` for 'trt-engine'; `threads` does not apply (TensorRT runs on the GPU), `options`
+    are TrtRuntime's fields, and another engine's settings (ONNX Runtime's `exact_qdq`) are refused."""
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(TrtRuntime)})
+    if unknown:
+        raise RuntimeUnavailable(f"native TensorRT ('{provider}') has no setting {', '.join(unknown)}; choose an ONNX Runtime provider (cpu, cuda or tensorrt)")
+    return TrtRuntime(provider=provider, **options)
 
 
 class TrtSession:

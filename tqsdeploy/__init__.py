@@ -2,7 +2,8 @@
 mixed-precision post-training quantization for ONNX forecasting models.
 
 Library entry points (the CLI is a thin layer over these):
-    score(model, contexts, ...) -> ScoreTable
+    score(model, contexts, ...) -> ScoreRun (also named ScoreTable)
+    ScoreRun.load(run_dir) -> ScoreRun
     inspect_model(model, ...) -> dict
 """
 
@@ -12,7 +13,9 @@ from tqsdeploy.errors import InputError, RolloutError, TqsError  # noqa: E402
 from tqsdeploy.rollout import Feedback, RolloutSpec  # noqa: E402
 from tqsdeploy.scoring import SENTINEL_GAMMA, ScoreSettings  # noqa: E402
 from tqsdeploy.units import Unit, UnitSelection  # noqa: E402
-from tqsdeploy.score import ContextOptions, ScoreTable, score  # noqa: E402
+from tqsdeploy.prepare import ContextOptions  # noqa: E402
+from tqsdeploy.runs import ScoreRun, ScoreTable  # noqa: E402
+from tqsdeploy.score import score  # noqa: E402
 from tqsdeploy.inspect import inspect_model  # noqa: E402
 
 __all__ = [
@@ -22,6 +25,7 @@ __all__ = [
     "InputError",
     "RolloutError",
     "RolloutSpec",
+    "ScoreRun",
     "ScoreSettings",
     "ScoreTable",
     "TqsError",

@@ -21,7 +21,7 @@ import numpy as np
 
 import graph_ops
 from graph_ops.qdq import write_storage
-from runtimes.ort import OrtRuntime
+from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import Encoded, Rounding, TierError, tier_for_bits
 from tqsdeploy.calibrate import Calibrator, thin_note
 from tqsdeploy.contexts import Contexts, load_contexts
@@ -71,7 +71,7 @@ def quantize_baseline(
     rounding: Rounding | None = None,
     min_params: int = 1024,
     max_batch_windows: int = 32,
-    runtime: OrtRuntime = OrtRuntime(),
+    runtime: Runtime = DEFAULT_RUNTIME,
     on_start: Callable[[int], None] | None = None,
     on_weight: Callable[[str], None] | None = None,
 ) -> BaselineResult:

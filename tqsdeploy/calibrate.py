@@ -29,7 +29,7 @@ import graph_ops
 from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, waves
 from graph_ops.layout import WeightLayout
 from graph_ops.qdq import fed_codes_model
-from runtimes import OrtRuntime, WithDefaults, release_freed_memory
+from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.engine import RolloutEngine
@@ -96,7 +96,7 @@ class Calibrator:
         layouts: Mapping[str, WeightLayout],
         contexts: Contexts,
         spec: RolloutSpec,
-        runtime: OrtRuntime = OrtRuntime(),
+        runtime: Runtime = DEFAULT_RUNTIME,
         max_batch: int = 64,
         workdir: Path | None = None,
         data_dir: Path | None = None,
@@ -287,7 +287,7 @@ class Calibrator:
 
 
 
-def open_graph(runtime: OrtRuntime, source: bytes | Path, data_dir: Path | None, what: str):
+def open_graph(runtime: Runtime, source: bytes | Path, data_dir: Path | None, what: str):
     """A session of a graph made here (`graph_ops.io.session_source`); `data_dir`: the folder of the data
     files its tensors point into (a streamed model's own), else a written copy's folder."""
     try:

@@ -30,7 +30,7 @@ import onnx
 
 import graph_ops
 import graph_ops.qdq
-from runtimes import OrtRuntime, Session, release_freed_memory
+from runtimes import Session, for_provider, release_freed_memory
 from tqsdeploy.contexts import Contexts, continuation_rows, load_contexts, truth_from_csv
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import write_json, write_text
@@ -123,7 +123,7 @@ def _open(loaded: "graph_ops.LoadedModel", settings: EvalSettings, optimized: st
     dequantizes = any(n.op_type == "DequantizeLinear" for n in loaded.proto.graph.node)
     if not dequantizes and not (loaded.file_bytes < CHECKED_FOLDING_BYTES and _reads_codes(loaded.proto)):
         optimized = None  # nothing to fuse or fold: no need for ONNX Runtime to write out a whole copy of the model
-    runtime = OrtRuntime(provider=settings.provider, exact_qdq=settings.exact, optimized_model_path=optimized).for_model(loaded.proto)
+    runtime = for_provider(settings.provider, exact_qdq=settings.exact, optimized_model_path=optimized).for_model(loaded.proto)
     source = graph_ops.io.runnable_path(loaded)  # the file itself: no serialised copy, any size
     if source is None:  # an IR the runtime refuses: a clamped copy (bytes, or a temporary file past 2 GiB)
         source = graph_ops.io.session_source(graph_ops.io.runtime_compatible(graph_ops.load_model(loaded.path).proto))

@@ -36,7 +36,7 @@ from filelock import FileLock
 
 import graph_ops
 from graph_ops.qdq import conversion_overhead_bits, emitted_bits, fed_codes_model
-from runtimes import OrtRuntime, WithDefaults, release_freed_memory
+from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import TIERS, Encoded, Rounding, Tier, get_tiers
 from tqsdeploy import checkpoints
 from tqsdeploy.allocate import Allocation, Choice, allocate, paper_weights
@@ -46,11 +46,11 @@ from tqsdeploy.export_candidates import Candidate, CandidateBuilding
 from tqsdeploy.export_settings import AUTO_LAYOUT, RUNTIME_LAYOUTS, TARGETS, ExportSettings
 from tqsdeploy.export_writing import BASIS_GAP, WARN_DRIFT_PCT, Outcome, Writing
 from tqsdeploy.quantization import Encoder, Slot, make_slots
-from tqsdeploy.score import Prepared, ScoreTable, default_run_dir, prepare
-from tqsdeploy.scoring import ScoreSettings
+from tqsdeploy.prepare import Prepared
+from tqsdeploy.runs import ScoreRun, current_versions, default_run_dir, score_runs
 from tqsdeploy.size import ModelSize, SizeBudget, split_bits
 from tqsdeploy.sweep import Drift, Lanes, ResultLog, SweepRunner, Task, TaskResult
-from tqsdeploy.units import Unit, UnitSelection
+from tqsdeploy.units import Unit
 
 __all__ = ["AUTO_LAYOUT", "BASIS_GAP", "RUNTIME_LAYOUTS", "TARGETS", "WARN_DRIFT_PCT", "Candidate", "ExportSettings", "Outcome", "Planner", "find_run"]
 
@@ -68,7 +68,7 @@ def find_run(model: Path | None, run: Path | None) -> Path:
         return run
     if model is not None:
         return default_run_dir(model)
-    runs = sorted(p.parent for p in Path("tqs-runs").glob("*/run.json"))
+    runs = score_runs(Path("tqs-runs"))
     if not runs:
         raise InputError("no score run found in tqs-runs/", hint="run `tqsdeploy score MODEL` first or pass --run DIR")
     if len(runs) > 1:
@@ -77,55 +77,36 @@ def find_run(model: Path | None, run: Path | None) -> Path:
     return runs[0]
 
 
-def _same_model(model: Path, sha256: str, run_dir: Path, meta: dict) -> None:
-    """Refuse a model other than the one the run scored (run.json keeps its SHA-256)."""
-    if sha256 != meta["model"]["sha256"]:
-        raise InputError(
-            f"{model} is not the model the run in {run_dir} was scored on: that run was made for a different model ({meta['model']['path']}), "
-            "their SHA-256 differ",
-            hint="score this model first, or pass --run DIR of its own run",
-        )
-
-
 class Planner(CandidateBuilding, Writing):
     """Everything needed to allocate and export for one score run: this module prices and allocates,
     `export_candidates` compares the candidates for a target, `export_writing` writes the chosen one."""
 
-    def __init__(self, run_dir: Path | str, model: Path | str | None = None, settings: ExportSettings = ExportSettings(), runtime: OrtRuntime = OrtRuntime(),
+    def __init__(self, run_dir: Path | str, model: Path | str | None = None, settings: ExportSettings = ExportSettings(), runtime: Runtime = DEFAULT_RUNTIME,
                  resumable: bool = False):
         """`resumable`: checkpoint every weight a calibration pass finishes in the run folder, and read back
         those an interrupted export left (`tqsdeploy.checkpoints`; the command line's export and frontier);
         `discard_checkpoints` once the export is done."""
         self.run_dir = Path(run_dir)
-        self.scores = ScoreTable.load(self.run_dir)
-        if not self.scores.complete:
+        self.scores = run = ScoreRun.load(self.run_dir)
+        if not run.complete:
             raise InputError(f"the score run in {self.run_dir} did not finish", hint="run the same score command again to resume it")
-        meta = self.scores.meta
-        model = Path(model) if model is not None else Path(meta["model"]["path"])
+        model = Path(model) if model is not None else run.model.path
         self.settings = settings
         self.tiers: list[Tier] = get_tiers(list(settings.tier_names), settings.runtime, settings.group_size)
         self.rounding = Rounding(settings.rounding)
-        probe = dict(meta["probe"])
-        probe["horizons"] = tuple(probe["horizons"]) if probe.get("horizons") else None
         try:
-            self.prepared: Prepared = prepare(
+            self.prepared: Prepared = run.prepare(
                 model,
-                self.run_dir / "contexts.npz",
-                self.run_dir / "rollout.toml",
-                selection=UnitSelection(**meta["selection"]),
-                settings=ScoreSettings(**probe),
-                runtime=runtime,
-                strategy={"prefix": "unit"}.get(meta.get("strategy", "auto"), meta.get("strategy", "auto")),  # candidates are whole models: no cuts
-                workdir=self.run_dir,
-                stream=True,
+                runtime,
+                strategy={"prefix": "unit"}.get(run.strategy, run.strategy),  # candidates are whole models: no cuts
                 runtime_keeps_weights=False,  # candidates run in sessions beside this one: it holds no copy of the weights
                 # a model measured on sessions of its own (one_session) runs one lane: its sessions keep every thread
-                lanes=settings.lanes if settings.lanes is not None or meta["model"].get("bytes", 0) < ONE_SESSION_BYTES else 1,
+                lanes=settings.lanes if settings.lanes is not None or run.model.bytes < ONE_SESSION_BYTES else 1,
             )
         except USER_ERRORS:  # another model's shapes or weights fail first ('y' is not an output, no units): say which is wrong
-            _same_model(model, graph_ops.load_model(model, load_external=False).sha256, self.run_dir, meta)
+            run.check_model(model, graph_ops.load_model(model, load_external=False).sha256)
             raise
-        _same_model(model, self.prepared.model.sha256, self.run_dir, meta)
+        run.check_model(model, self.prepared.model.sha256)
         runtime = runtime.for_model(self.prepared.model.proto)
         self.model = self.prepared.model
         self.units: list[Unit] = self.prepared.units
@@ -173,16 +154,14 @@ class Planner(CandidateBuilding, Writing):
         self._choices: dict[str, list[Choice]] = {}
         self.timings: dict[str, float] = {"pricing": 0.0, "refine": 0.0, "compare": 0.0}
 
-    def _checkpoint_identity(self, runtime: OrtRuntime) -> str:
+    def _checkpoint_identity(self, runtime: Runtime) -> str:
         """What every calibration pass of this export depends on besides its tiers and rounding: the score
         run's fingerprint (model, contexts, rollout, settings), the model's hash, the target, the runtime
         computing the statistics and the versions computing the codes."""
-        from tqsdeploy.score import _versions
-
-        meta = self.scores.meta
-        return json.dumps({"fingerprint": meta.get("fingerprint"), "model": meta["model"]["sha256"], "contexts": meta["contexts"].get("sha256"),
-                           "rollout": meta.get("rollout"), "target": self.settings.target, "runtime": repr(runtime),
-                           "versions": {k: v for k, v in _versions().items() if k != "platform"}, "code": checkpoints.code_hash()}, sort_keys=True, default=str)
+        run = self.scores
+        return json.dumps({"fingerprint": run.fingerprint, "model": run.model.sha256, "contexts": run.contexts_sha256,
+                           "rollout": run.spec.to_dict(), "target": self.settings.target, "runtime": repr(runtime),
+                           "versions": {k: v for k, v in current_versions().items() if k != "platform"}, "code": checkpoints.code_hash()}, sort_keys=True, default=str)
 
     def discard_checkpoints(self) -> None:
         """The export finished: its calibration checkpoints have nothing left to resume."""
@@ -252,7 +231,7 @@ class Planner(CandidateBuilding, Writing):
         budget, floor = self.budget, self.floor_bits()
         hint = "lower --C or add a cheaper tier"
         if budget.fixed_bits > 0 and budget.basis_bits / floor > 1.25 * budget.compression(floor):  # the tensors outside the units bind
-            min_params = self.scores.meta.get("selection", {}).get("min_params")
+            min_params = self.scores.selection.min_params
             hint += (
                 f"; {budget.fixed_bits / budget.basis_bits:.1%} of the stored bits are in tensors that are not units (smaller than --min-params {min_params} "
                 f"or not weight operands), which alone caps C at {budget.basis_bits / budget.fixed_bits:.3g}: score with a lower --min-params (or --include) to quantize them, or use --basis units"

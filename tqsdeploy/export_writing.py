@@ -74,7 +74,7 @@ class Writing:
         names = {n for u in self.units for n in u.tensor_names}
         others = [n for n in graph_ops.io.tensor_sizes(self.model.proto) if n not in names]
         fixed = self.sizes.outside_bits
-        min_params = self.scores.meta.get("selection", {}).get("min_params")
+        min_params = self.scores.selection.min_params
         lowest = min(allocation.tiers.values(), key=lambda tier: TIERS[tier].bits)
         count = sum(t == lowest for t in allocation.tiers.values())
         units_file = self.sizes.file_compression(self.sizes.file_bits(target, "units"))

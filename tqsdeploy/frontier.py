@@ -23,13 +23,15 @@ from typing import Callable
 
 import polars as pl
 
-from runtimes import OrtRuntime
+from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import METHODS, tier_for_bits
 from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.evaluate import EvalSettings, evaluate
 from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.files import write_json, write_table
-from tqsdeploy.score import ContextOptions, ScoreTable, score
+from tqsdeploy.prepare import ContextOptions
+from tqsdeploy.runs import ScoreRun
+from tqsdeploy.score import score
 from tqsdeploy.scoring import ScoreSettings
 from tqsdeploy.size import reachable_label
 from tqsdeploy.units import UnitSelection
@@ -146,7 +148,7 @@ def run_frontier(
     eval_truth: str | Path | None = None,
     settings: FrontierSettings = FrontierSettings(),
     score_settings: ScoreSettings = ScoreSettings(),
-    runtime: OrtRuntime = OrtRuntime(),
+    runtime: Runtime = DEFAULT_RUNTIME,
     log: Callable[[str], None] = lambda message: None,
     progress=None,
 ) -> pl.DataFrame:
@@ -186,11 +188,11 @@ def run_frontier(
     arguments = dict(spec=spec, steps=steps, out=out_dir / "score", settings=score_settings, selection=selection, runtime=runtime,
                      context_options=ContextOptions(columns=settings.evaluation.columns))
     try:
-        table: ScoreTable = score(model, contexts, **arguments)
+        table: ScoreRun = score(model, contexts, **arguments)
     except InputError:  # the folder's run is for other settings; it belongs to this frontier, so replace it
         table = score(model, contexts, resume=False, **arguments)
-    spec_path = out_dir / "score" / "rollout.toml"
-    sweep_s = table.meta["timings_s"]["sweep"]
+    spec_path = table.spec_file
+    sweep_s = table.timings_s["sweep"]
     candidates: list[Candidate] = []
 
     planner = Planner(out_dir / "score", model, settings.export, runtime, resumable=True)

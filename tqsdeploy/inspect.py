@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import graph_ops
-from runtimes import OrtRuntime
+from runtimes import DEFAULT_RUNTIME
 from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.files import write_text
 from tqsdeploy.rollout import DEFAULT_STEPS, AmbiguousRollout, RolloutSpec, detect_rollout, resolve_spec
@@ -30,7 +30,7 @@ def inspect_model(
     loaded = graph_ops.load_model(model, load_external=False)  # shapes and types only; the runtime reads the weights
     tensors, unfed = graph_ops.find_weight_tensors(loaded.proto), graph_ops.layout.unfed_float_tensors(loaded.proto.graph)
     units = select_units(tensors, selection, unfed)
-    runtime = OrtRuntime().for_model(loaded.proto)
+    runtime = DEFAULT_RUNTIME.for_model(loaded.proto)
     source = graph_ops.io.runnable_path(loaded)
     if source is None:  # IR too new: the runtime gets a clamped copy (in a temporary folder when over 2 GiB)
         loaded = graph_ops.load_model(model)

@@ -91,7 +91,7 @@ def export(
 
     Prints each model's drift from the original on the scoring contexts in percent (eval's unit) and warns above 5%.
     Exit codes: 0 written, 1 a model exceeded --max-drift (nothing written for it), 2 bad input."""
-    from runtimes import OrtRuntime
+    from runtimes import for_provider
     from tqsdeploy.export import ExportSettings, Planner, find_run
 
     output = Path(output_given) if output_given is not None else None  # the text kept: a trailing '/' means a folder
@@ -126,7 +126,7 @@ def export(
 
     check_writable(output.parent if output is not None else out_dir)  # before the work, not after it
     run_dir = find_run(model, run)
-    planner = Planner(run_dir, model, settings, OrtRuntime(provider=provider), resumable=True)
+    planner = Planner(run_dir, model, settings, for_provider(provider), resumable=True)
     if compression:
         planner.check_targets(targets)
     planner.check_single_file(targets, uniform_tier)

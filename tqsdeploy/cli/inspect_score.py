@@ -125,7 +125,7 @@ def score(
     top: int = typer.Option(10, "--top", min=0, help="Rows shown of the most and least sensitive units."),
 ):
     """Score every weight tensor's quantization sensitivity by perturbed rollouts (TQS)."""
-    from runtimes import make_runtime
+    from runtimes import for_provider
     from tqsdeploy.contexts import describe_windows
     from tqsdeploy.score import FED_OPTIMIZED, ContextOptions, score as run_score
     from tqsdeploy.scoring import ScoreSettings
@@ -169,7 +169,7 @@ def score(
             out=out_dir,
             selection=selection,
             settings=settings,
-            runtime=make_runtime(provider, threads),
+            runtime=for_provider(provider, threads),
             context_options=ContextOptions(windows=windows, zscore=zscore, random=random_contexts, seed=seed, max_batch_windows=batch_windows, columns=parse_columns(columns),
                                            dims=parse_dims(dims)),
             resume=False if fresh else (True if resume else None),

@@ -1,0 +1,205 @@
+"""Score runs: the folder `score` fills, read back as one typed object by the stages after it.
+
+A run folder is self-sufficient: besides the scores it keeps the resolved
+rollout spec (rollout.toml) and the contexts (contexts.npz), so later steps
+(export, frontier) need nothing else. It is also the resume point: `run.json`
+carries a fingerprint of everything that determines the results, and
+`sweep.jsonl` the finished tasks. `ScoreRun` is the only reader of run.json:
+later stages take the model, spec, settings and selection from its fields,
+and `ScoreRun.prepare` makes the run's sweep ready again for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from runtimes import Runtime
+from tqsdeploy import __version__
+from tqsdeploy.errors import InputError
+from tqsdeploy.prepare import Prepared, prepare
+from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.scoring import ScoreSettings
+from tqsdeploy.units import UnitSelection
+
+RUN_FORMAT = 1
+"""The layout of run.json this version writes and reads; a run of a newer layout is refused, not misread."""
+RUN_FILES = ("run.json", "sweep.jsonl", "measured.jsonl", "scores.parquet", "scores.csv", "rollout.toml", "contexts.npz")
+GENERIC_STEMS = ("model",)
+"""File names exporters give every model; default output names add the folder's name to them."""
+
+
+@dataclass(frozen=True)
+class ScoredModel:
+    """The model a run scored, as run.json keeps it."""
+
+    path: Path
+    sha256: str
+    bytes: int = 0
+    """The model file's size (0 in runs that did not record it)."""
+
+
+@dataclass
+class ScoreRun:
+    """One score run: the ranked score table, and run.json as typed fields (`meta` keeps it as written,
+    for reports). Made by `score` and by `ScoreRun.load`; a record this version cannot read is refused
+    with one line."""
+
+    frame: pl.DataFrame
+    run_dir: Path
+    meta: dict = field(default_factory=dict)
+    model: ScoredModel = field(init=False)
+    spec: RolloutSpec = field(init=False)
+    """The rollout the run scored with (also in rollout.toml)."""
+    settings: ScoreSettings = field(init=False)
+    """The probe settings."""
+    selection: UnitSelection = field(init=False)
+    strategy: str = field(init=False)
+    """How the sweep ran ('feed', 'prefix', ...; 'auto' in runs that did not record it)."""
+    fingerprint: str | None = field(init=False)
+    contexts_sha256: str | None = field(init=False)
+    versions: dict[str, str] = field(init=False)
+    """The versions of tqsdeploy and its libraries that made the run."""
+    timings_s: dict = field(init=False)
+    """Seconds per phase ('prepare', 'sweep', 'total'; empty while the run is unfinished)."""
+
+    def __post_init__(self):
+        self.run_dir = Path(self.run_dir)
+        meta, where = self.meta, self.run_dir / "run.json"
+        found = meta.get("format", 1)
+        if not isinstance(found, int) or found > RUN_FORMAT:
+            raise InputError(f"{where} is from a newer tqsdeploy (run format {found}; this version reads {RUN_FORMAT})",
+                             hint="upgrade tqsdeploy, or score the model again with --fresh")
+        try:
+            probe = dict(meta["probe"])
+            probe["horizons"] = tuple(probe["horizons"]) if probe.get("horizons") else None
+            self.model = ScoredModel(Path(meta["model"]["path"]), meta["model"]["sha256"], meta["model"].get("bytes", 0))
+            self.spec = RolloutSpec.from_dict(meta["rollout"])
+            self.settings = ScoreSettings(**probe)
+            self.selection = UnitSelection(**meta["selection"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{where} is not a score run this version of tqsdeploy can read ({type(exc).__name__}: {exc})",
+                             hint="score the model again with --fresh") from None
+        self.strategy = meta.get("strategy", "auto")
+        self.fingerprint = meta.get("fingerprint")
+        self.contexts_sha256 = meta.get("contexts", {}).get("sha256")
+        self.versions = meta.get("versions", {})
+        self.timings_s = meta.get("timings_s", {})
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> "ScoreRun":
+        """A finished run's folder read back; InputError (one line) for a folder without a run this version reads."""
+        run_dir = Path(run_dir)
+        meta, scores = read_record(run_dir), run_dir / "scores.parquet"
+        if meta is None or not scores.exists():
+            raise InputError(f"{run_dir} is not a finished score run (no run.json / scores.parquet)")
+        return cls(frame=pl.read_parquet(scores), run_dir=run_dir, meta=meta)
+
+    @property
+    def complete(self) -> bool:
+        return self.meta.get("status") == "complete"
+
+    @property
+    def contexts_file(self) -> Path:
+        return self.run_dir / "contexts.npz"
+
+    @property
+    def spec_file(self) -> Path:
+        return self.run_dir / "rollout.toml"
+
+    def top(self, k: int = 5) -> pl.DataFrame:
+        return self.frame.head(k)
+
+    def bottom(self, k: int = 5) -> pl.DataFrame:
+        return self.frame.tail(k)
+
+    def check_model(self, model: Path, sha256: str) -> None:
+        """Refuse a model other than the one the run scored (run.json keeps its SHA-256)."""
+        if sha256 != self.model.sha256:
+            raise InputError(
+                f"{model} is not the model the run in {self.run_dir} was scored on: that run was made for a different model ({self.model.path}), "
+                "their SHA-256 differ",
+                hint="score this model first, or pass --run DIR of its own run",
+            )
+
+    def prepare(self, model: Path, runtime: Runtime, *, strategy: str, lanes: int | None, runtime_keeps_weights: bool) -> Prepared:
+        """This run's sweep made ready again on `model` and `runtime` for a later stage: the run's own contexts,
+        rollout, units and probe settings, its session files kept in the run folder (see `prepare.prepare`)."""
+        return prepare(model, self.contexts_file, self.spec_file, selection=self.selection, settings=self.settings, runtime=runtime, strategy=strategy,
+                       workdir=self.run_dir, stream=True, runtime_keeps_weights=runtime_keeps_weights, lanes=lanes)
+
+
+ScoreTable = ScoreRun
+"""The name `score` has returned since its first version."""
+
+
+def read_record(run_dir: Path) -> dict | None:
+    """run.json of the folder as written, or None when it has none."""
+    path = Path(run_dir) / "run.json"
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path} is not valid JSON ({exc})", hint="score the model again with --fresh") from None
+
+
+def score_runs(folder: Path) -> list[Path]:
+    """The run folders directly inside `folder`, sorted."""
+    return sorted(p.parent for p in Path(folder).glob("*/run.json"))
+
+
+def run_fingerprint(prepared: Prepared, settings: ScoreSettings, runtime: Runtime) -> str:
+    """What determines a run's results (model, rollout, contexts, settings, units, provider): a run resumes only into its own."""
+    spec = prepared.spec.to_dict()
+    spec.pop("origin")
+    identity = {
+        "model": prepared.model.sha256,
+        "spec": spec,
+        "contexts": prepared.contexts.sha256,
+        "settings": asdict(settings),
+        "units": [u.tensor_names for u in prepared.units],
+        "provider": runtime.provider,
+    }
+    if getattr(runtime, "tf32", False):  # TF32 moves γ by up to nats/step on a GPU: never resumed into an exact run
+        identity["tf32"] = True
+    if prepared.job.rows:
+        identity["gather_rows"] = {name: rows.tolist() for name, rows in sorted(prepared.job.rows.items())}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def current_versions() -> dict:
+    """The versions of tqsdeploy and its libraries in this process, as run.json records them."""
+    import onnx
+    import onnxruntime
+
+    return {
+        "tqsdeploy": __version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "numpy": np.__version__,
+        "polars": pl.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+    }
+
+
+def model_label(model: str | Path) -> str:
+    """The name default outputs use: the file's stem, prefixed by its folder's name when the stem is
+    generic, so examples/a/model.onnx and examples/b/model.onnx get different runs and exports."""
+    path = Path(model)
+    if path.stem.lower() in GENERIC_STEMS:
+        folder = path.resolve().parent.name
+        return f"{folder}_{path.stem}" if folder else path.stem
+    return path.stem
+
+
+def default_run_dir(model: str | Path) -> Path:
+    return Path("tqs-runs") / model_label(model)
