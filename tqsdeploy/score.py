@@ -26,11 +26,10 @@ from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
 from tqsdeploy.sweep import ResultLog, TaskResult, plan_tasks, run_local, run_parallel, run_ray, usable_cores
 from tqsdeploy.units import UnitSelection
 
-# Names imported from here before score.py was split into runs, prepare and runtimes/ (the CLI, the tests)
-from runtimes.derived import FED_OPTIMIZED, derived_feed  # noqa: E402,F401
+# Names the tests import from here since before score.py was split into runs, prepare and runtimes/
+from runtimes.derived import derived_feed  # noqa: E402,F401
 from runtimes.factories import RebuildFactory  # noqa: E402,F401
-from tqsdeploy.prepare import Prepared  # noqa: E402,F401
-from tqsdeploy.runs import ScoreTable, model_label  # noqa: E402,F401
+from tqsdeploy.runs import ScoreTable  # noqa: E402,F401
 
 
 def score(

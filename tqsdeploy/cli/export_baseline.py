@@ -130,7 +130,7 @@ def export(
     if compression:
         planner.check_targets(targets)
     planner.check_single_file(targets, uniform_tier)
-    from tqsdeploy.score import model_label
+    from tqsdeploy.runs import model_label
 
     stem = model_label(planner.model.path)
     paths = [output or out_dir / f"{stem}.{f'C{value:g}' if value is not None else uniform_tier.lower()}.onnx" for value in targets]
@@ -247,7 +247,7 @@ def baseline(
         raise typer.BadParameter("--bits must be 1, 2, 3, 4 or 8")
     if runtime_layout not in ("dequantized", "fused"):
         raise typer.BadParameter("--runtime-layout must be dequantized or fused")
-    from tqsdeploy.score import model_label
+    from tqsdeploy.runs import model_label
 
     path = Path(output_given) if output_given is not None else Path(f"{model_label(model)}.{method}-w{bits}.onnx")
     _check_output_file(path, output_given, (model,))

@@ -74,7 +74,7 @@ def frontier(
     for method in settings.baselines:
         if method not in METHODS:
             raise typer.BadParameter(f"--baselines takes {', '.join(METHODS)}, not '{method}'")
-    from tqsdeploy.score import model_label
+    from tqsdeploy.runs import model_label
 
     folder = out_dir or Path("tqs-frontier") / model_label(model)
     with progress_bar("frontier", "steps") as progress:

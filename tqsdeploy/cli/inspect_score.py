@@ -126,8 +126,10 @@ def score(
 ):
     """Score every weight tensor's quantization sensitivity by perturbed rollouts (TQS)."""
     from runtimes import for_provider
+    from runtimes.derived import FED_OPTIMIZED
     from tqsdeploy.contexts import describe_windows
-    from tqsdeploy.score import FED_OPTIMIZED, ContextOptions, score as run_score
+    from tqsdeploy.prepare import ContextOptions
+    from tqsdeploy.score import score as run_score
     from tqsdeploy.scoring import ScoreSettings
     from tqsdeploy.units import UnitSelection
 
