@@ -18,8 +18,9 @@ from onnx import helper
 from graph_ops.io import GraphError, runtime_compatible, weights_as_inputs
 
 
-def _lift_in_place(graph: onnx.GraphProto, wanted: set[str]) -> bool:
-    """Turn the Constant nodes holding any of `wanted` into initializers; whether any was."""
+def lift_in_place(graph: onnx.GraphProto, wanted: set[str]) -> bool:
+    """Turn the Constant nodes holding any of `wanted` into initializers, in place; whether any was.
+    The one place Constant weights become initializers (overridable ones, and those a file stores quantized)."""
     kept_nodes = []
     for node in graph.node:
         if node.op_type == "Constant" and node.output[0] in wanted:
@@ -52,7 +53,7 @@ def lift_constants(model: onnx.ModelProto, names: list[str] | set[str]) -> onnx.
     nodes lifted), nothing declared overridable yet, IR >= 4 so any of them can be."""
     wanted = set(names)
     result = copy.deepcopy(model)
-    _lift_in_place(result.graph, wanted)
+    lift_in_place(result.graph, wanted)
     return _checked(result, wanted, {t.name for t in result.graph.initializer})
 
 
@@ -63,7 +64,7 @@ def weights_as_graph_inputs(model: onnx.ModelProto, names: list[str] | set[str])
     wanted = set(names)
     keep = lambda t: t.name not in wanted  # noqa: E731
     light = weights_as_inputs(model, keep)
-    if _lift_in_place(light.graph, wanted):  # Constant weights: initializers first, then inputs like the rest
+    if lift_in_place(light.graph, wanted):  # Constant weights: initializers first, then inputs like the rest
         light = weights_as_inputs(light, keep)
     return _checked(light, wanted, {v.name for v in light.graph.input})
 

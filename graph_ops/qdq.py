@@ -1,22 +1,17 @@
 """Write quantized weights into a graph as standard ONNX ops.
 
-Each replaced weight keeps its tensor name; what produces it changes, by the
-stored form (`tiers.Encoded`), one emitter per form in `EMITTERS`:
-- 'raw': a float initializer (unchanged precision);
-- 'cast': a float16/bfloat16 initializer + Cast to the weight's type;
-- 'dequantize': integer or FP8 codes + DequantizeLinear (per tensor, per axis,
-  or blockwise with `block_size`, opset 21+), zero points when asymmetric;
-- 'packed_sign': sign bits packed 8 per byte (uint8) + an unpack subgraph of
-  standard ops (BitShift, BitwiseAnd, Cast, Mul, Sub) and the scale;
-- 'split': each output-channel group emitted by its own form, then a Concat.
-New nodes go first in the node list: they read only initializers, so the
-graph stays topologically sorted, and every consumer keeps reading the same
-name. Consumers are never edited, so shared weights are stored once.
+Each replaced weight keeps its tensor name; what produces it changes. The
+stored weight says how (`StoredWeight.emit`: its stored format's emitter, see
+`tiers.formats`), this module only builds the file around it: the opset
+conversion, Constant weights lifted, the emitted nodes type-checked, tensors
+streamed to external data. New nodes go first in the node list: they read
+only initializers, so the graph stays topologically sorted, and every
+consumer keeps reading the same name. Consumers are never edited, so shared
+weights are stored once.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from dataclasses import dataclass
@@ -27,55 +22,35 @@ import onnx
 from onnx import external_data_helper, helper, numpy_helper, version_converter
 
 from graph_ops.io import MAX_IR_VERSION, MAX_OPSET, GraphError, tensor_bits
+from graph_ops.overridable import lift_in_place
 
 
 class StoredWeight(Protocol):
     """What `tiers.Encoded` provides; graph_ops needs nothing else from a tier."""
 
     form: str
-    values: np.ndarray | None
-    shape: tuple[int, ...]
-    scale: np.ndarray | None
-    axis: int | None
-    block_size: int | None
-    zero_point: np.ndarray | None
+    values: object
+    """Stored payload (floats or codes; 'raw' form: the weight itself)."""
     dtype: str
     """numpy name of the float type consumers expect ('float32', 'float16')."""
-    parts: tuple
 
-    def expand(self) -> "StoredWeight":
-        """The same stored form with `values` an array (a cached encoding may hold its codes packed:
-        then `values` has `data`, uint8 with 8 // bits codes per byte, the first in the low bits, as ONNX
-        stores INT4/INT2, and the codes' `dtype` and `shape`)."""
+    @property
+    def opset(self) -> int:
+        """Lowest default-domain opset the emitted nodes need."""
+
+    def emit(self, name: str, layout: str) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]]:
+        """Initializers and nodes that produce tensor `name`, in runtime `layout` (`LAYOUTS`)."""
+
+    def fed(self, name: str) -> tuple[list[onnx.ValueInfoProto], dict[str, np.ndarray], list[onnx.NodeProto]] | None:
+        """Graph inputs, their values and the nodes that rebuild the weight from its codes; None: fed as floats."""
 
     def dequantize(self) -> np.ndarray:
         """The weight the runtime computes from the stored form, as `dtype`."""
 
 
-def _form_opset(value: StoredWeight) -> int:
-    """Lowest default-domain opset that expresses one stored form."""
-    if value.form == "split":
-        return max([11] + [_form_opset(p) for p in value.parts])
-    if value.form == "raw":
-        return 1
-    if value.form == "cast":
-        return 13 if value.values.dtype.name == "bfloat16" else 6
-    if value.form == "packed_sign":
-        return 18  # BitwiseAnd
-    needed = 19 if value.dtype == "float16" else 13  # float16 scales; float64 weights dequantize in float32
-    name = np.dtype(value.values.dtype).name
-    if name in ("int4", "uint4") or value.block_size:
-        needed = max(needed, 21)
-    if name.startswith("float8"):
-        needed = max(needed, 19)
-    if name in ("int2", "uint2"):
-        needed = max(needed, 25)
-    return needed
-
-
 def required_opset(stored: Mapping[str, StoredWeight]) -> int:
     """Lowest default-domain opset that can express every stored form."""
-    return max([1] + [_form_opset(value) for value in stored.values()])
+    return max([1] + [value.opset for value in stored.values()])
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -96,184 +71,6 @@ def upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     return converted
 
 
-def _lift_constants(model: onnx.ModelProto, names: set[str]) -> None:
-    """Turn Constant nodes that hold any of `names` into initializers, in place."""
-    kept = []
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.output[0] in names:
-            value = next(a.t for a in node.attribute if a.name == "value")
-            tensor = copy.deepcopy(value)
-            tensor.name = node.output[0]
-            model.graph.initializer.append(tensor)
-        else:
-            kept.append(node)
-    if len(kept) != len(model.graph.node):
-        del model.graph.node[:]
-        model.graph.node.extend(kept)
-
-
-def _raw(name: str, value: StoredWeight):
-    dtype = np.dtype(value.dtype)
-    return [numpy_helper.from_array(np.ascontiguousarray(value.values.astype(dtype, copy=False)), name)], []
-
-
-def _cast(name: str, value: StoredWeight):
-    if value.values.dtype == np.dtype(value.dtype):
-        return _raw(name, value)
-    stored = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__{value.values.dtype.name}")
-    to = helper.np_dtype_to_tensor_dtype(np.dtype(value.dtype))
-    return [stored], [helper.make_node("Cast", [stored.name], [name], to=to, name=f"{name}__cast")]
-
-
-DEQUANTIZED_TYPES = ("float32", "float16")
-"""Weight types DequantizeLinear can produce here (its output takes the scale's type; bfloat16 aside, which
-numpy cannot hold). A float64 weight is dequantized in float32 and Cast, as `tiers.Encoded.dequantize` computes it."""
-
-
-def _dequantize(name: str, value: StoredWeight):
-    dtype = np.dtype(value.dtype)
-    through = dtype if dtype.name in DEQUANTIZED_TYPES else np.dtype(np.float32)
-    produced = name if through == dtype else f"{name}__dq_{through.name}"
-    codes = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__q")
-    scale = numpy_helper.from_array(np.ascontiguousarray(value.scale, dtype=through), f"{name}__scale")
-    attributes = {}
-    if value.axis is not None and np.ndim(value.scale) > 0:
-        attributes["axis"] = int(value.axis)
-    if value.block_size:
-        attributes["block_size"] = int(value.block_size)
-    initializers, inputs = [codes, scale], [codes.name, scale.name]
-    if value.zero_point is not None:
-        zero = numpy_helper.from_array(np.ascontiguousarray(value.zero_point), f"{name}__zero")
-        initializers.append(zero)
-        inputs.append(zero.name)
-    nodes = [helper.make_node("DequantizeLinear", inputs, [produced], name=f"{name}__dq", **attributes)]
-    if produced != name:
-        nodes.append(helper.make_node("Cast", [produced], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{name}__to_{dtype.name}"))
-    return initializers, nodes
-
-
-def _widened(prefix: str, array: np.ndarray, value: StoredWeight, shared: str) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto], str]:
-    """A scale or zero point stored with its own elements and bytes, only reshaped, and the nodes that make it
-    float32 and broadcastable against the weight: per axis it is stored as [1, n, 1, ...]; per block as
-    [..., blocks, 1, ...], then Expanded to [..., blocks, block_size, ...], Reshaped to the blocked axis and
-    Sliced to its length (DequantizeLinear's last block may be partial); those shape constants are named from
-    `shared`, so a scale and a zero point store them once."""
-    shape, axis = list(value.shape), (value.axis or 0) % max(len(value.shape), 1)
-    array = np.asarray(array)
-    stored, tensors, nodes = array, [], []
-    if array.ndim and value.block_size:
-        blocks, size = array.shape[axis], int(value.block_size)
-        stored = array.reshape(shape[:axis] + [blocks, 1] + shape[axis + 1:])
-        tensors += [numpy_helper.from_array(np.array(shape[:axis] + [blocks, size] + shape[axis + 1:], np.int64), shared + "expand"),
-                    numpy_helper.from_array(np.array(shape[:axis] + [blocks * size] + shape[axis + 1:], np.int64), shared + "blocked")]
-    elif array.ndim:
-        stored = array.reshape([shape[i] if i == axis else 1 for i in range(len(shape))])
-    tensors.insert(0, numpy_helper.from_array(np.ascontiguousarray(stored), prefix + "stored"))
-    current = prefix + "stored"
-    if stored.dtype != np.float32:
-        nodes.append(helper.make_node("Cast", [current], [prefix + "float"], to=onnx.TensorProto.FLOAT, name=prefix + "float"))
-        current = prefix + "float"
-    if array.ndim and value.block_size:
-        nodes += [helper.make_node("Expand", [current, shared + "expand"], [prefix + "expanded"], name=prefix + "expand"),
-                  helper.make_node("Reshape", [prefix + "expanded", shared + "blocked"], [prefix + "full"], name=prefix + "reshape")]
-        current = prefix + "full"
-        if array.shape[axis] * int(value.block_size) != shape[axis]:
-            tensors += [numpy_helper.from_array(np.array([0], np.int64), shared + "start"), numpy_helper.from_array(np.array([shape[axis]], np.int64), shared + "stop"),
-                        numpy_helper.from_array(np.array([axis], np.int64), shared + "axis")]
-            nodes.append(helper.make_node("Slice", [current, shared + "start", shared + "stop", shared + "axis"], [prefix + "sliced"], name=prefix + "slice"))
-            current = prefix + "sliced"
-    return tensors, nodes, current
-
-
-def _dequantize_at_load(name: str, value: StoredWeight):
-    """The same codes, scales and zero points as `_dequantize`, rebuilt into the weight by plain ops (Cast, Sub,
-    Mul; Expand/Reshape/Slice for blocks) instead of DequantizeLinear. ONNX Runtime constant-folds such nodes on
-    initializers when a session is created, and leaves DequantizeLinear alone (to fuse it into MatMulNBits, or
-    to run it on every call): this layout runs the original's float kernels from the small file. The arithmetic
-    is `tiers.Encoded.dequantize`'s in float32 (exact small integers, one rounding at the Mul, then a Cast to
-    the weight's type), so the folded weight equals the numpy fake-quantized one to the bit."""
-    dtype = np.dtype(value.dtype)
-    p = f"{name}__"
-    codes = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__q")
-    tensors = [codes]
-    nodes = [helper.make_node("Cast", [codes.name], [p + "codes"], to=onnx.TensorProto.FLOAT, name=p + "codes")]
-    current = p + "codes"
-    if value.zero_point is not None:
-        zero_tensors, zero_nodes, zero = _widened(p + "zero_", value.zero_point, value, p + "block_")
-        tensors, nodes = tensors + zero_tensors, nodes + zero_nodes
-        nodes.append(helper.make_node("Sub", [current, zero], [p + "centred"], name=p + "centre"))
-        current = p + "centred"
-    scale_type = dtype if dtype.name in DEQUANTIZED_TYPES else np.dtype(np.float32)  # stored as `_dequantize` stores it
-    scale_tensors, scale_nodes, scale = _widened(p + "scale_", np.asarray(value.scale, dtype=scale_type), value, p + "block_")
-    tensors += [t for t in scale_tensors if t.name not in {known.name for known in tensors}]
-    nodes += scale_nodes
-    scaled = name if dtype == np.float32 else p + "scaled"
-    nodes.append(helper.make_node("Mul", [current, scale], [scaled], name=p + "scale"))
-    if scaled != name:
-        nodes.append(helper.make_node("Cast", [scaled], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{name}__to_{dtype.name}"))
-    return tensors, nodes
-
-
-def _packed_sign(name: str, value: StoredWeight):
-    """packed uint8 -> bits (MSB first, as numpy.packbits) -> {-1, +1} * scale."""
-    shape = list(value.shape)
-    size = int(np.prod(shape, dtype=np.int64))
-    p = f"{name}__"
-    dtype = np.dtype(value.dtype)
-    scale = np.asarray(value.scale, dtype=dtype)
-    if scale.ndim == 1:  # per axis: reshape for broadcasting against the weight
-        view = [1] * len(shape)
-        view[value.axis] = shape[value.axis]
-        scale = scale.reshape(view)
-    initializers = [
-        numpy_helper.from_array(np.ascontiguousarray(value.values).reshape(-1, 1), p + "bits"),
-        numpy_helper.from_array(np.arange(7, -1, -1, dtype=np.uint8).reshape(1, 8), p + "shifts"),
-        numpy_helper.from_array(np.array([1], np.uint8), p + "one"),
-        numpy_helper.from_array(np.array([-1], np.int64), p + "flat"),
-        numpy_helper.from_array(np.array([0], np.int64), p + "start"),
-        numpy_helper.from_array(np.array([size], np.int64), p + "stop"),
-        numpy_helper.from_array(np.array(shape, np.int64), p + "shape"),
-        numpy_helper.from_array(np.array(2.0, dtype), p + "two"),
-        numpy_helper.from_array(np.array(1.0, dtype), p + "unit"),
-        numpy_helper.from_array(scale, p + "scale"),
-    ]
-    nodes = [
-        helper.make_node("BitShift", [p + "bits", p + "shifts"], [p + "shifted"], direction="RIGHT"),
-        helper.make_node("BitwiseAnd", [p + "shifted", p + "one"], [p + "bit"]),
-        helper.make_node("Reshape", [p + "bit", p + "flat"], [p + "flat_bits"]),
-        helper.make_node("Slice", [p + "flat_bits", p + "start", p + "stop"], [p + "used"]),
-        helper.make_node("Reshape", [p + "used", p + "shape"], [p + "shaped"]),
-        helper.make_node("Cast", [p + "shaped"], [p + "float"], to=helper.np_dtype_to_tensor_dtype(dtype)),
-        helper.make_node("Mul", [p + "float", p + "two"], [p + "double"]),
-        helper.make_node("Sub", [p + "double", p + "unit"], [p + "sign"]),
-        helper.make_node("Mul", [p + "sign", p + "scale"], [name], name=p + "unpack"),
-    ]
-    return initializers, nodes
-
-
-def _split(name: str, value: StoredWeight, layout: str = "fused"):
-    """Each channel group by its own form, joined along the output-channel axis."""
-    initializers, nodes, pieces = [], [], []
-    for index, part in enumerate(value.parts):
-        piece = f"{name}__part{index}"
-        tensors, producers = _emit(piece, part, layout)
-        initializers += tensors
-        nodes += producers
-        pieces.append(piece)
-    nodes.append(helper.make_node("Concat", pieces, [name], axis=int(value.axis), name=f"{name}__concat"))
-    return initializers, nodes
-
-
-EMITTERS: dict[str, Callable[[str, StoredWeight], tuple[list[onnx.TensorProto], list[onnx.NodeProto]]]] = {
-    "raw": _raw,
-    "cast": _cast,
-    "dequantize": _dequantize,
-    "packed_sign": _packed_sign,
-    "split": _split,
-}
-"""Stored form -> emitter of the initializers and nodes that produce the weight."""
-
-
 LAYOUTS = ("dequantized", "fused")
 """How integer and FP8 codes reach their consumers (`export --runtime-layout`):
 - 'fused': DequantizeLinear, which ONNX Runtime fuses with a MatMul into MatMulNBits (weights stay compressed in
@@ -286,113 +83,16 @@ Float16/bfloat16 Casts and INT1's unpack subgraph are folded at load in both."""
 
 def _emit(name: str, value: StoredWeight, layout: str = "fused") -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]]:
     """Initializers and nodes that produce tensor `name` from its stored form, in `layout` (see `LAYOUTS`)."""
-    if value.form not in EMITTERS:
-        raise GraphError(f"unknown stored form '{value.form}' for '{name}'")
     if layout not in LAYOUTS:
         raise GraphError(f"unknown runtime layout '{layout}'; choose one of {', '.join(LAYOUTS)}")
-    if value.form == "split":
-        return _split(name, value.expand(), layout)
-    if layout == "dequantized" and value.form == "dequantize":
-        return _dequantize_at_load(name, value.expand())
-    return EMITTERS[value.form](name, value.expand())
-
-
-FED_CODES = {"int8": np.int8, "uint8": np.uint8, "int4": np.int8, "uint4": np.uint8, "int2": np.int8, "uint2": np.uint8}
-"""Code containers a calibration feeds as bytes (numpy has no sub-byte type ONNX Runtime reads)."""
-
-
-PACKED_BITS = {"int4": 4, "uint4": 4, "int2": 2, "uint2": 2}
-"""Bits per code of the types a cache keeps packed, as ONNX stores them."""
-
-
-def _unpacked_codes(prefix: str, packed, signed: bool) -> tuple[dict[str, np.ndarray], list[onnx.NodeProto], str]:
-    """Feeds and nodes turning sub-byte codes packed as on disk (`packed.data`, 8 // bits per byte, the
-    first in the low bits) into their values as float32, shaped like the weight: every byte cast to
-    float, digit i = floor(byte / 2^(bits·i)) - 2^bits · floor(byte / 2^(bits·(i+1))), two's complement
-    for signed codes; all small integers, so exact. The name of the result is returned."""
-    bits = PACKED_BITS[np.dtype(packed.dtype).name]
-    per, base = 8 // bits, float(2**bits)
-    feeds = {f"{prefix}_packed": packed.data, f"{prefix}_column": np.array([-1, 1], np.int64), f"{prefix}_shape": np.array(packed.shape, np.int64)}
-    feeds.update({f"{prefix}_div{i}": np.array(base**i, np.float32) for i in range(1, per + 1)})
-    feeds[f"{prefix}_base"] = np.array(base, np.float32)
-    nodes = [helper.make_node("Cast", [f"{prefix}_packed"], [f"{prefix}_q0"], to=onnx.TensorProto.FLOAT, name=f"{prefix}_bytes")]
-    for i in range(1, per + 1):  # q_i = floor(byte / base^i)
-        nodes.append(helper.make_node("Div", [f"{prefix}_q0", f"{prefix}_div{i}"], [f"{prefix}_d{i}"], name=f"{prefix}_div{i}"))
-        nodes.append(helper.make_node("Floor", [f"{prefix}_d{i}"], [f"{prefix}_q{i}"], name=f"{prefix}_floor{i}"))
-    digits = []
-    for i in range(per):  # digit i = q_i - base · q_{i+1}, a column of the [bytes, per] table
-        nodes.append(helper.make_node("Mul", [f"{prefix}_q{i + 1}", f"{prefix}_base"], [f"{prefix}_h{i}"], name=f"{prefix}_high{i}"))
-        nodes.append(helper.make_node("Sub", [f"{prefix}_q{i}", f"{prefix}_h{i}"], [f"{prefix}_x{i}"], name=f"{prefix}_digit{i}"))
-        nodes.append(helper.make_node("Reshape", [f"{prefix}_x{i}", f"{prefix}_column"], [f"{prefix}_c{i}"], name=f"{prefix}_column{i}"))
-        digits.append(f"{prefix}_c{i}")
-    nodes.append(helper.make_node("Concat", digits, [f"{prefix}_table"], axis=1, name=f"{prefix}_table"))
-    nodes.append(helper.make_node("Reshape", [f"{prefix}_table", f"{prefix}_shape"], [f"{prefix}_digits"], name=f"{prefix}_reshape"))
-    if not signed:
-        return feeds, nodes, f"{prefix}_digits"
-    feeds[f"{prefix}_half"] = np.array(base / 2, np.float32)
-    nodes += [  # two's complement: a digit of base / 2 or more stands for digit - base
-        helper.make_node("Div", [f"{prefix}_digits", f"{prefix}_half"], [f"{prefix}_sd"], name=f"{prefix}_signdiv"),
-        helper.make_node("Floor", [f"{prefix}_sd"], [f"{prefix}_neg"], name=f"{prefix}_sign"),
-        helper.make_node("Mul", [f"{prefix}_neg", f"{prefix}_base"], [f"{prefix}_wrap"], name=f"{prefix}_wrap"),
-        helper.make_node("Sub", [f"{prefix}_digits", f"{prefix}_wrap"], [f"{prefix}_signed"], name=f"{prefix}_signed"),
-    ]
-    return feeds, nodes, f"{prefix}_signed"
+    return value.emit(name, layout)
 
 
 def fed_weight(name: str, value: StoredWeight) -> tuple[list[onnx.ValueInfoProto], dict[str, np.ndarray], list[onnx.NodeProto]] | None:
-    """Graph inputs, their values and the nodes that rebuild weight `name` from its codes at run time:
-    Cast, Sub the zero point, Mul the scale, DequantizeLinear's arithmetic in float32 (so the same
-    values as `dequantize`, at any opset). What a calibration run feeds instead of a float copy of
-    every weight quantized so far: a byte per weight, or the packed bytes of INT4/INT2 codes as a
-    cache keeps them (half or a quarter of a byte, unpacked in the graph). None for a form better fed
-    as floats (raw, FP8, packed signs, blockwise scales, bfloat16)."""
-    prefix = f"{name}__fed"
-    dtype = np.dtype(value.dtype)
-    packed = value.values if value.form == "dequantize" and not isinstance(value.values, np.ndarray) and not value.block_size else None
-    if packed is not None and packed.data.size * (8 // PACKED_BITS[np.dtype(packed.dtype).name]) != int(np.prod(packed.shape, dtype=np.int64)):
-        packed = None  # codes that do not fill their last byte: fed unpacked
-    if packed is None and value.form != "split":  # a split weight's parts each decide
-        value = value.expand()
-    if value.form == "split":
-        pieces = [fed_weight(f"{name}__part{i}", part) for i, part in enumerate(value.parts)]
-        if any(piece is None for piece in pieces):
-            return None
-        inputs, feeds, nodes = [], {}, []
-        for piece_inputs, piece_feeds, piece_nodes in pieces:
-            inputs += piece_inputs
-            feeds.update(piece_feeds)
-            nodes += piece_nodes
-        nodes.append(helper.make_node("Concat", [f"{name}__part{i}" for i in range(len(pieces))], [name], axis=int(value.axis), name=f"{prefix}_concat"))
-        return inputs, feeds, nodes
-    if value.form == "cast" and value.values.dtype == np.float16:
-        feeds = {f"{prefix}_half": value.values}
-        nodes = [helper.make_node("Cast", [f"{prefix}_half"], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{prefix}_cast")]
-        return [helper.make_tensor_value_info(f"{prefix}_half", onnx.TensorProto.FLOAT16, list(value.shape))], feeds, nodes
-    view = [1] * len(value.shape)
-    if value.axis is not None and np.ndim(value.scale) > 0:
-        view[value.axis] = value.shape[value.axis]
-    if packed is not None:
-        feeds, nodes, centred = _unpacked_codes(prefix, packed, np.dtype(packed.dtype).name.startswith("int"))
-    else:
-        container = FED_CODES.get(np.dtype(value.values.dtype).name) if value.form == "dequantize" else None
-        if container is None or value.block_size:
-            return None
-        codes = value.values if value.values.dtype == container else value.values.astype(container)
-        feeds = {f"{prefix}_codes": codes}
-        nodes = [helper.make_node("Cast", [f"{prefix}_codes"], [f"{prefix}_float"], to=onnx.TensorProto.FLOAT, name=f"{prefix}_cast")]
-        centred = f"{prefix}_float"
-    written = np.asarray(value.scale).astype(np.float16) if dtype == np.float16 else value.scale  # a float16 weight's scale as the file stores it
-    feeds[f"{prefix}_scale"] = np.asarray(written, np.float32).reshape(view)
-    if value.zero_point is not None:
-        feeds[f"{prefix}_zero"] = np.asarray(value.zero_point).astype(np.float32).reshape(view)
-        nodes.append(helper.make_node("Sub", [centred, f"{prefix}_zero"], [f"{prefix}_centred"], name=f"{prefix}_sub"))
-        centred = f"{prefix}_centred"
-    scaled = name if dtype == np.float32 else f"{prefix}_scaled"
-    nodes.append(helper.make_node("Mul", [centred, f"{prefix}_scale"], [scaled], name=f"{prefix}_mul"))
-    if scaled != name:
-        nodes.append(helper.make_node("Cast", [scaled], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{prefix}_to_{dtype.name}"))
-    inputs = [helper.make_tensor_value_info(key, helper.np_dtype_to_tensor_dtype(array.dtype), list(array.shape)) for key, array in feeds.items()]
-    return inputs, feeds, nodes
+    """Graph inputs, their values and the nodes that rebuild weight `name` from its codes at run time (the
+    stored format's `fed`): what a calibration run feeds instead of a float copy of every weight quantized so
+    far. None for a form better fed as floats."""
+    return value.fed(name)
 
 
 def _node_reads(node: onnx.NodeProto) -> set[str]:
@@ -555,7 +255,7 @@ def _skeleton(model: onnx.ModelProto, lift: set[str], opset: int) -> tuple[onnx.
     meanwhile.
     """
     skeleton = _copy_without_initializers(model)
-    _lift_constants(skeleton, lift)
+    lift_in_place(skeleton.graph, lift)
     lifted = {t.name: t for t in skeleton.graph.initializer}  # weights that were Constant nodes
     del skeleton.graph.initializer[:]
     declared = {i.name for i in skeleton.graph.input}

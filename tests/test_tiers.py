@@ -192,7 +192,7 @@ def test_float32_screened_search_finds_the_exact_float64_grids():
 
 def test_fp16_tier_keeps_sign_and_finiteness():
     """Past float16's range a weight saturates (never Inf); below its smallest subnormal it keeps its sign (never 0)."""
-    from tiers.quantizer import to_float16
+    from tiers.formats.floats import to_float16
 
     weight = np.array([1e6, -1e6, 1e-10, -1e-10, 0.0, 0.1234, -3.5], np.float32)
     narrow = to_float16(weight)

@@ -1,15 +1,17 @@
 """Precision tiers: grids, rounding methods, and the stored forms they emit.
 
-A `Tier` says what is stored and on which grid; a `Rounding` says how codes
-are chosen on that grid (round to nearest, GPTQ, GPTAQ, QEP); `encode` turns a
-weight into the one container, `Encoded`, that pricing, measurement and the
-ONNX writer all read.
+A `Tier` is an instance of its stored format (`tiers.formats`: one class per
+format, owning its grid, encoder, ONNX emitters, opset and bit count); a
+`Rounding` says how codes are chosen on the grid (round to nearest, GPTQ,
+GPTAQ, QEP); `encode` turns a weight into the one container, `Encoded`, that
+pricing, measurement and the ONNX writer all read through its format.
 """
 
+from graph_ops.layout import Layout
 from tiers.encoded import Encoded
+from tiers.formats.base import StoredForm, register_form
 from tiers.gptq import Hessian, Quantized
 from tiers.grid import GridSpec
-from tiers.layout import Layout
 from tiers.quantizer import METHODS, RTN, Rounding, encode, quantize, split, to_encoded
 from tiers.registry import DEFAULT_TIERS, TIERS, TRT_TIERS, Tier, TierError, get_tiers, tier_for_bits
 
@@ -25,11 +27,13 @@ __all__ = [
     "Layout",
     "Quantized",
     "Rounding",
+    "StoredForm",
     "Tier",
     "TierError",
     "encode",
     "get_tiers",
     "quantize",
+    "register_form",
     "split",
     "tier_for_bits",
     "to_encoded",

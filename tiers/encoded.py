@@ -9,16 +9,24 @@ reproduce, in numpy, the floats the runtime computes from it:
 - 'packed_sign': sign bits packed 8 per byte + an unpack subgraph, one scale per channel;
 - 'split': consecutive output-channel groups, each its own Encoded, joined by
   a Concat along `axis` (a weight whose channel groups sit on different tiers).
+The container is the same for every form; what a form means (its numpy
+dequantization, its ONNX emitters, its opset, how channels are cut out of it)
+is the business of the stored format registered for it (`tiers.formats`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import ml_dtypes
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-FORMS = ("raw", "cast", "dequantize", "packed_sign", "split")
+from graph_ops.io import element_bits
+from tiers.formats.base import form_of
+
+if TYPE_CHECKING:
+    from tiers.formats.base import Emission, Fed
 
 
 def broadcast_scale(scale: np.ndarray, shape, axis: int | None, block_size: int | None) -> np.ndarray:
@@ -35,17 +43,13 @@ def broadcast_scale(scale: np.ndarray, shape, axis: int | None, block_size: int 
 
 
 def storage_bits(dtype) -> int:
-    """Bits one element of `dtype` takes on disk (INT4/UINT4 and INT2/UINT2 are packed)."""
-    dtype = np.dtype(dtype)
-    if dtype in (np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)):
-        return 4
-    if dtype in (np.dtype(ml_dtypes.int2), np.dtype(ml_dtypes.uint2)):
-        return 2
-    return dtype.itemsize * 8
+    """Bits one element of `dtype` takes on disk (sub-byte codes are packed)."""
+    return element_bits(np.dtype(dtype))
 
 
-SUB_BYTE = {np.dtype(ml_dtypes.int4): 4, np.dtype(ml_dtypes.uint4): 4, np.dtype(ml_dtypes.int2): 2, np.dtype(ml_dtypes.uint2): 2}
-"""Code types numpy holds one per byte though they need fewer bits (ml_dtypes keeps the bits masked)."""
+def sub_byte(dtype) -> bool:
+    """Code types numpy holds one per byte though they need fewer bits (ml_dtypes keeps the bits masked)."""
+    return storage_bits(dtype) < 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,7 +63,7 @@ class PackedCodes:
 
     @classmethod
     def pack(cls, values: np.ndarray) -> "PackedCodes":
-        bits = SUB_BYTE[values.dtype]
+        bits = storage_bits(values.dtype)
         per = 8 // bits
         raw = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
         raw = np.concatenate([raw, np.zeros(-raw.size % per, np.uint8)]).reshape(-1, per)
@@ -69,7 +73,7 @@ class PackedCodes:
         return cls(data, values.dtype, values.shape)
 
     def unpack(self) -> np.ndarray:
-        bits = SUB_BYTE[self.dtype]
+        bits = self.bits
         per, mask = 8 // bits, np.uint8((1 << bits) - 1)
         raw = np.empty((self.data.size, per), np.uint8)
         for i in range(per):
@@ -79,6 +83,11 @@ class PackedCodes:
     @property
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def bits(self) -> int:
+        """Bits per code as ONNX stores them (8 // bits codes per byte)."""
+        return storage_bits(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -103,14 +112,13 @@ class Encoded:
     """'split' only: the channel groups in order along `axis`."""
 
     def __post_init__(self):
-        if self.form not in FORMS:
-            raise ValueError(f"unknown stored form '{self.form}'")
+        form_of(self.form)  # an unknown form fails here, not when written
 
     def compact(self) -> "Encoded":
         """The same encoding with sub-byte codes packed (`PackedCodes`), for keeping; `expand` undoes it."""
         if self.form == "split":
             return replace(self, parts=tuple(p.compact() for p in self.parts))
-        if self.form == "dequantize" and isinstance(self.values, np.ndarray) and self.values.dtype in SUB_BYTE:
+        if isinstance(self.values, np.ndarray) and sub_byte(self.values.dtype):
             return replace(self, values=PackedCodes.pack(self.values))
         return self
 
@@ -126,39 +134,32 @@ class Encoded:
         """The weight the runtime computes from the stored form (exact dequantization), as `dtype`."""
         if self.form == "raw":  # stored as it is: a float64 weight is not to pass through float32
             return np.asarray(self.values).astype(self.dtype, copy=False)
-        return self._dequantize().astype(self.dtype, copy=False)
+        return self.as_float32().astype(self.dtype, copy=False)
 
-    def _dequantize(self) -> np.ndarray:
-        """float32, computed in place: one weight-sized array, however large the weight."""
-        if self.form == "split":
-            out = np.empty(self.shape, np.float32)
-            start, index = 0, [slice(None)] * len(self.shape)
-            for part in self.parts:
-                index[self.axis] = slice(start, start + part.shape[self.axis])
-                out[tuple(index)] = part._dequantize()
-                start += part.shape[self.axis]
-            return out
-        if self.form in ("raw", "cast"):
-            return self.values.astype(np.float32)
-        if self.form == "packed_sign":
-            size = int(np.prod(self.shape, dtype=np.int64))
-            bits = np.unpackbits(self.values)[:size].reshape(self.shape).astype(np.float32)
-            return (bits * 2 - 1) * broadcast_scale(self.scale, self.shape, self.axis, None)
-        values = self.values.unpack() if isinstance(self.values, PackedCodes) else self.values
-        codes = values.astype(np.float32)
-        del values
-        if self.zero_point is not None:
-            codes -= broadcast_scale(self.zero_point.astype(np.float32), self.shape, self.axis, self.block_size)
-        written = np.asarray(self.scale).astype(np.float16) if self.dtype == "float16" else self.scale  # a float16 model's scales are written as float16
-        codes *= broadcast_scale(written, self.shape, self.axis, self.block_size)
-        return codes
+    def as_float32(self) -> np.ndarray:
+        """The dequantized weight in float32, computed in place: one weight-sized array, however large the weight."""
+        return form_of(self.form).dequantized(self)
+
+    def emit(self, name: str, layout: str) -> "Emission":
+        """Initializers and nodes that produce tensor `name` in the file, in runtime `layout` (`graph_ops.qdq.LAYOUTS`)."""
+        return form_of(self.form).emit(name, self.expand(), layout)
+
+    @property
+    def opset(self) -> int:
+        """Lowest default-domain opset the emitted nodes need."""
+        return form_of(self.form).form_opset(self)
+
+    def fed(self, name: str) -> "Fed | None":
+        """Graph inputs, values and nodes that rebuild the weight from what a calibration run feeds (its codes);
+        None when it is better fed as the floats it stands for."""
+        return form_of(self.form).fed(name, self)
 
     @property
     def payload_bits(self) -> int:
         """Bits of values, scales and zero points (what the weight itself costs on disk)."""
         if self.form == "split":
             return sum(p.payload_bits for p in self.parts)
-        bits = int(self.values.nbytes) * 8 if self.form == "packed_sign" else int(self.values.size) * storage_bits(self.values.dtype)
+        bits = int(self.values.size) * storage_bits(self.values.dtype)
         if self.scale is not None:
             bits += int(np.asarray(self.scale).size) * storage_bits(self.dtype)
         if self.zero_point is not None:
@@ -167,22 +168,6 @@ class Encoded:
 
     def take_channels(self, start: int, stop: int, channel_axis: int) -> "Encoded":
         """Output channels start..stop (along `channel_axis` of the stored weight) in the same form."""
-        index = np.arange(start, stop)
         shape = list(self.shape)
         shape[channel_axis] = stop - start
-        if self.form == "split":
-            raise ValueError("take channels of a weight before splitting it")
-        if self.form in ("raw", "cast"):
-            return replace(self, values=np.take(self.values, index, axis=channel_axis), shape=tuple(shape))
-        if self.form == "packed_sign":
-            size = int(np.prod(self.shape, dtype=np.int64))
-            signs = np.unpackbits(self.values)[:size].reshape(self.shape)
-            packed = np.packbits(np.take(signs, index, axis=channel_axis).reshape(-1))
-            return replace(self, values=packed, shape=tuple(shape), scale=np.take(self.scale, index, axis=0))
-        values = np.take(self.values, index, axis=channel_axis)
-        scale, zero = self.scale, self.zero_point
-        if self.axis is not None and np.ndim(scale) > 0:
-            along = 0 if np.ndim(scale) == 1 else channel_axis  # per-axis vector, or blockwise (weight rank)
-            scale = np.take(scale, index, axis=along)
-            zero = None if zero is None else np.take(zero, index, axis=along)
-        return replace(self, values=values, shape=tuple(shape), scale=scale, zero_point=zero)
+        return form_of(self.form).take_channels(self, np.arange(start, stop), tuple(shape), channel_axis)

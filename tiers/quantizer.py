@@ -16,25 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-import ml_dtypes
 import numpy as np
 
+from graph_ops.layout import Layout
 from tiers import gptq as solvers
 from tiers.encoded import Encoded
+from tiers.formats.base import Tier
 from tiers.gptq import Hessian, Quantized
-from tiers.layout import Layout
-from tiers.registry import Tier
 
 METHODS = ("rtn", "gptq", "gptaq", "qep")
 DEFAULT_ALPHA = {"gptaq": 0.25, "qep": 0.5}
 """GPTAQ's hard-coded α and the QEP CLI's perccorr."""
-
-CONTAINERS = {
-    True: {8: np.int8, 4: ml_dtypes.int4, 3: ml_dtypes.int4, 2: ml_dtypes.int2},
-    False: {8: np.uint8, 4: ml_dtypes.uint4, 3: ml_dtypes.uint4, 2: ml_dtypes.uint2},
-}
-"""Narrowest ONNX integer type that holds b-bit codes (no 3-bit type exists)."""
-
 
 @dataclass(frozen=True)
 class Rounding:
@@ -100,7 +92,7 @@ def quantize(
     if not tier.quantized:
         raise ValueError(f"tier '{tier.name}' stores floats, not codes")
     spec = tier.grid if search else replace(tier.grid, search=False)
-    group = _group(layout, group_size) if tier.family == "int" else -1
+    group = _group(layout, group_size) if tier.blockwise else -1
     wt = layout.to_wt(np.asarray(weight, np.float64))
     if stats is None or not rounding.needs_stats or not tier.calibratable or layout.perm is None:
         return solvers.rtn(wt, spec, group)
@@ -155,54 +147,8 @@ def _better_rows(rounding: Rounding, original, wt, stats: Hessian, spec, group: 
 
 
 def to_encoded(quantized: Quantized, layout: Layout, tier: Tier, dtype: str = "float32") -> Encoded:
-    """The DequantizeLinear (or packed-sign) form of Wt-level codes, in the stored layout."""
-    codes = layout.from_wt(quantized.codes)
-    scale, zero = quantized.scale, quantized.zero
-    axis, block = None, None
-    if layout.perm is None:
-        scale, zero = scale.reshape(()), zero.reshape(())
-    elif quantized.group_size <= 0:
-        axis, scale, zero = layout.perm[0], scale[:, 0], zero[:, 0]
-    else:  # blocks along the stored reduction axis of a rank-2 weight
-        axis, block = layout.perm[1], quantized.group_size
-        if layout.perm == (1, 0):
-            scale, zero = scale.T, zero.T
-    scale = np.array(scale, np.float32, order="C")  # ascontiguousarray would turn a 0-d scale into 1-d
-    if tier.family == "binary":
-        signs = np.packbits((codes > 0).astype(np.uint8).reshape(-1))
-        return Encoded(tier.name, "packed_sign", signs, layout.shape, scale, None, axis, None, dtype)
-    if tier.family == "fp8":
-        return Encoded(tier.name, "dequantize", codes.astype(ml_dtypes.float8_e4m3fn), layout.shape, scale, None, axis, None, dtype)
-    container = CONTAINERS[tier.symmetric][tier.bits]
-    zero_point = None if tier.symmetric else np.array(zero, order="C").astype(container)
-    return Encoded(tier.name, "dequantize", np.ascontiguousarray(codes.astype(container)), layout.shape, scale, zero_point, axis, block, dtype)
-
-
-def to_float16(weight: np.ndarray) -> np.ndarray:
-    """float16 of `weight` keeping every value's sign and finiteness (onnxconverter-common's
-    conversion): magnitudes past 65504 saturate instead of becoming Inf, nonzero ones below
-    the smallest subnormal stay nonzero instead of flushing to zero."""
-    import warnings
-
-    from onnxconverter_common.float16 import convert_np_to_float16
-
-    limits = np.finfo(np.float16)
-    with warnings.catch_warnings():  # it warns for each saturated value; the tier's error accounts for them
-        warnings.simplefilter("ignore")
-        return convert_np_to_float16(np.asarray(weight, np.float32), min_positive_val=float(limits.smallest_subnormal), max_finite_val=float(limits.max))
-
-
-def float_encoded(weight: np.ndarray, tier: Tier) -> Encoded:
-    """A float tier: the weight itself when the tier is at least as wide as its type, else a narrower float + Cast."""
-    weight = np.asarray(weight)
-    dtype = weight.dtype.name if weight.dtype.kind == "f" else "float32"
-    if tier.bits >= 8 * weight.dtype.itemsize or tier.name == "fp32":
-        return Encoded(tier.name, "raw", weight, weight.shape, dtype=dtype)
-    if tier.name == "bf16":
-        narrow = weight.astype(np.float32).astype(ml_dtypes.bfloat16)
-    else:
-        narrow = to_float16(weight)
-    return Encoded(tier.name, "cast", narrow, weight.shape, dtype=dtype)
+    """The stored form of Wt-level codes (the tier's format decides it), in the stored layout."""
+    return tier.stored(quantized, layout, dtype)
 
 
 def encode(
@@ -218,7 +164,7 @@ def encode(
     """`weight` stored at `tier`, its codes chosen by `rounding`; produces the weight's own float type."""
     weight = np.asarray(weight)
     if not tier.quantized:
-        return float_encoded(weight, tier)
+        return tier.float_copy(weight)
     dtype = weight.dtype.name if weight.dtype.kind == "f" else "float32"
     return to_encoded(quantize(weight, layout, tier, rounding, stats, group_size, correct, search), layout, tier, dtype)
 

@@ -1,80 +1,41 @@
-"""The precision tiers: what each stores, on which grid, for which runtimes.
+"""The precision tiers: each a named instance of its stored format (`tiers.formats`).
 
-A tier is a frozen spec. Float tiers keep the weight as a float (narrower
-float + Cast); integer tiers store codes on the tier's grid (`tiers.grid`)
-behind DequantizeLinear, symmetric (INT codes, no zero point: what TensorRT
-runs) or asymmetric (UINT codes + zero points: the grid every GPTQ-family
-reference uses, and the better one at 2 to 4 bits); fp8 stores E4M3 codes;
-int1 stores packed sign bits. How the codes are chosen (round to nearest,
-GPTQ, GPTAQ, QEP) is a separate axis: `tiers.quantizer`.
+Float tiers keep the weight as a float (narrower float + Cast); integer tiers
+store codes on the tier's grid behind DequantizeLinear, symmetric (INT codes,
+no zero point: what TensorRT runs) or asymmetric (UINT codes + zero points:
+the grid every GPTQ-family reference uses, and the better one at 2 to 4 bits);
+fp8 stores E4M3 codes; int1 stores packed sign bits. How the codes are chosen
+(round to nearest, GPTQ, GPTAQ, QEP) is a separate axis: `tiers.quantizer`.
+A new tier is its format's file in `tiers/formats/` and one line in `TIERS`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from tiers.formats.base import Tier
+from tiers.formats.floats import FloatTier
+from tiers.formats.fp8 import Fp8Tier
+from tiers.formats.integer import IntegerTier
+from tiers.formats.sign import SignTier
+from tiers.formats.split import Split  # noqa: F401 - registers the 'split' form
 
-from tiers.grid import GridSpec
-
-
-@dataclass(frozen=True)
-class Tier:
-    """One precision tier."""
-
-    name: str
-    bits: int
-    family: str
-    """'float' (fp32/bf16/fp16), 'int', 'fp8' or 'binary'."""
-    runtimes: frozenset[str]
-    opset: int
-    """Lowest ONNX opset its stored form needs."""
-    symmetric: bool = True
-    """Integer tiers: signed codes without zero point; False: unsigned codes with a zero point per scale."""
-
-    @property
-    def quantized(self) -> bool:
-        """Stores codes on a grid (as opposed to a float copy of the weight)."""
-        return self.family != "float"
-
-    @property
-    def calibratable(self) -> bool:
-        """GPTQ, GPTAQ and QEP can choose its codes (integer and sign grids)."""
-        return self.family in ("int", "binary")
-
-    @property
-    def grid(self) -> GridSpec:
-        if self.family == "binary":
-            return GridSpec("sign", 1)
-        if self.family == "fp8":
-            return GridSpec("fp8", 8)
-        return GridSpec("int", self.bits, self.symmetric, search=self.bits <= 4)
-
-    @property
-    def container_bits(self) -> int:
-        """Bits each code takes on disk (3-bit codes travel in 4-bit containers)."""
-        return {3: 4}.get(self.bits, self.bits)
-
-
-def _int(bits: int, symmetric: bool, runtimes: set[str]) -> Tier:
-    name = f"int{bits}" + ("" if symmetric else "-asym")
-    return Tier(name, bits, "int", frozenset(runtimes), {8: 13, 4: 21, 3: 21, 2: 25}[bits], symmetric)
-
+BOTH, ORT = {"ort", "trt"}, {"ort"}
 
 TIERS: dict[str, Tier] = {
     t.name: t
     for t in (
-        Tier("fp32", 32, "float", frozenset({"ort", "trt"}), 1),
-        Tier("bf16", 16, "float", frozenset({"ort", "trt"}), 13),
-        Tier("fp16", 16, "float", frozenset({"ort", "trt"}), 1),
-        Tier("fp8", 8, "fp8", frozenset({"ort", "trt"}), 19),
-        _int(8, True, {"ort", "trt"}),
-        _int(8, False, {"ort"}),
-        _int(4, True, {"ort", "trt"}),
-        _int(4, False, {"ort"}),
-        _int(3, True, {"ort"}),
-        _int(3, False, {"ort"}),
-        _int(2, True, {"ort"}),
-        _int(2, False, {"ort"}),
-        Tier("int1", 1, "binary", frozenset({"ort"}), 18),
+        FloatTier("fp32", 32, frozenset(BOTH), 1),
+        FloatTier("bf16", 16, frozenset(BOTH), 13, narrow="bfloat16"),
+        FloatTier("fp16", 16, frozenset(BOTH), 1, narrow="float16"),
+        Fp8Tier("fp8", 8, frozenset(BOTH), 19),
+        IntegerTier.make(8, True, BOTH),
+        IntegerTier.make(8, False, ORT),
+        IntegerTier.make(4, True, BOTH),
+        IntegerTier.make(4, False, ORT),
+        IntegerTier.make(3, True, ORT),
+        IntegerTier.make(3, False, ORT),
+        IntegerTier.make(2, True, ORT),
+        IntegerTier.make(2, False, ORT),
+        SignTier("int1", 1, frozenset(ORT), 18),
     )
 }
 """Built-in tiers by name, from most to least precise."""

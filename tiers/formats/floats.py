@@ -1,0 +1,89 @@
+"""Float tiers (fp32, bf16, fp16): the weight kept as a float, narrower ones behind a Cast.
+
+Forms: 'raw' (the weight as it is, its own type) and 'cast' (a bfloat16/float16
+copy + Cast to the weight's type, which every runtime folds at load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from tiers.encoded import Encoded
+from tiers.formats.base import Emission, Fed, Tier, register_form
+
+
+def to_float16(weight: np.ndarray) -> np.ndarray:
+    """float16 of `weight` keeping every value's sign and finiteness (onnxconverter-common's
+    conversion): magnitudes past 65504 saturate instead of becoming Inf, nonzero ones below
+    the smallest subnormal stay nonzero instead of flushing to zero."""
+    import warnings
+
+    from onnxconverter_common.float16 import convert_np_to_float16
+
+    limits = np.finfo(np.float16)
+    with warnings.catch_warnings():  # it warns for each saturated value; the tier's error accounts for them
+        warnings.simplefilter("ignore")
+        return convert_np_to_float16(np.asarray(weight, np.float32), min_positive_val=float(limits.smallest_subnormal), max_finite_val=float(limits.max))
+
+
+NARROWERS = {"bfloat16": lambda w: np.asarray(w).astype(np.float32).astype(ml_dtypes.bfloat16), "float16": to_float16}
+"""How a weight becomes each narrower float type a tier can store."""
+
+
+@register_form
+@dataclass(frozen=True)
+class FloatTier(Tier):
+    """A float copy of the weight: as it is when the tier is at least as wide as the weight's type, else narrowed."""
+
+    narrow: str | None = None
+    """numpy name of the stored type when narrower than the weight's (None: never narrowed, fp32)."""
+
+    family: ClassVar[str] = "float"
+    quantized: ClassVar[bool] = False
+    forms: ClassVar[tuple[str, ...]] = ("raw", "cast")
+
+    def float_copy(self, weight: np.ndarray) -> Encoded:
+        weight = np.asarray(weight)
+        dtype = weight.dtype.name if weight.dtype.kind == "f" else "float32"
+        if self.narrow is None or self.bits >= 8 * weight.dtype.itemsize:
+            return Encoded(self.name, "raw", weight, weight.shape, dtype=dtype)
+        return Encoded(self.name, "cast", NARROWERS[self.narrow](weight), weight.shape, dtype=dtype)
+
+    @classmethod
+    def emit(cls, name: str, value: Encoded, layout: str) -> Emission:
+        """'raw': the float initializer; 'cast': the narrow one + Cast (the same in both layouts)."""
+        if value.form == "raw" or value.values.dtype == np.dtype(value.dtype):
+            return [numpy_helper.from_array(np.ascontiguousarray(value.values.astype(np.dtype(value.dtype), copy=False)), name)], []
+        stored = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__{value.values.dtype.name}")
+        to = helper.np_dtype_to_tensor_dtype(np.dtype(value.dtype))
+        return [stored], [helper.make_node("Cast", [stored.name], [name], to=to, name=f"{name}__cast")]
+
+    @classmethod
+    def form_opset(cls, value: Encoded) -> int:
+        if value.form == "raw":
+            return 1
+        return 13 if value.values.dtype.name == "bfloat16" else 6
+
+    @classmethod
+    def dequantized(cls, value: Encoded) -> np.ndarray:
+        return value.values.astype(np.float32)
+
+    @classmethod
+    def take_channels(cls, value: Encoded, index: np.ndarray, shape: tuple[int, ...], channel_axis: int) -> Encoded:
+        return replace(value, values=np.take(value.values, index, axis=channel_axis), shape=shape)
+
+    @classmethod
+    def fed(cls, name: str, value: Encoded) -> Fed | None:
+        """A float16 copy is fed as it is stored (half the bytes) and Cast in the graph; others as floats."""
+        if value.form != "cast" or value.values.dtype != np.float16:
+            return None
+        prefix = f"{name}__fed"
+        feeds = {f"{prefix}_half": value.values}
+        nodes = [helper.make_node("Cast", [f"{prefix}_half"], [name], to=helper.np_dtype_to_tensor_dtype(np.dtype(value.dtype)), name=f"{prefix}_cast")]
+        return [helper.make_tensor_value_info(f"{prefix}_half", onnx.TensorProto.FLOAT16, list(value.shape))], feeds, nodes

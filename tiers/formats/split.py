@@ -1,0 +1,62 @@
+"""A weight whose output-channel groups sit on different tiers ('split'): each group in its own stored
+form, joined by a Concat along the output-channel axis. Not a tier: a container of other forms."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+from onnx import helper
+
+from tiers.encoded import Encoded
+from tiers.formats.base import Emission, Fed, StoredForm, register_form
+
+
+@register_form
+class Split(StoredForm):
+    forms: ClassVar[tuple[str, ...]] = ("split",)
+
+    @classmethod
+    def emit(cls, name: str, value: Encoded, layout: str) -> Emission:
+        """Each channel group by its own form, joined along the output-channel axis."""
+        initializers, nodes, pieces = [], [], []
+        for index, part in enumerate(value.parts):
+            piece = f"{name}__part{index}"
+            tensors, producers = part.emit(piece, layout)
+            initializers += tensors
+            nodes += producers
+            pieces.append(piece)
+        nodes.append(helper.make_node("Concat", pieces, [name], axis=int(value.axis), name=f"{name}__concat"))
+        return initializers, nodes
+
+    @classmethod
+    def form_opset(cls, value: Encoded) -> int:
+        return max([11] + [p.opset for p in value.parts])
+
+    @classmethod
+    def dequantized(cls, value: Encoded) -> np.ndarray:
+        out = np.empty(value.shape, np.float32)
+        start, index = 0, [slice(None)] * len(value.shape)
+        for part in value.parts:
+            index[value.axis] = slice(start, start + part.shape[value.axis])
+            out[tuple(index)] = part.as_float32()
+            start += part.shape[value.axis]
+        return out
+
+    @classmethod
+    def take_channels(cls, value: Encoded, index: np.ndarray, shape: tuple[int, ...], channel_axis: int) -> Encoded:
+        raise ValueError("take channels of a weight before splitting it")
+
+    @classmethod
+    def fed(cls, name: str, value: Encoded) -> Fed | None:
+        """Each part fed by its own form (all of them rebuilt, or the weight fed as floats), then a Concat."""
+        pieces = [part.fed(f"{name}__part{i}") for i, part in enumerate(value.parts)]
+        if any(piece is None for piece in pieces):
+            return None
+        inputs, feeds, nodes = [], {}, []
+        for piece_inputs, piece_feeds, piece_nodes in pieces:
+            inputs += piece_inputs
+            feeds.update(piece_feeds)
+            nodes += piece_nodes
+        nodes.append(helper.make_node("Concat", [f"{name}__part{i}" for i in range(len(pieces))], [name], axis=int(value.axis), name=f"{name}__fed_concat"))
+        return inputs, feeds, nodes
