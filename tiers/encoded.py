@@ -138,7 +138,7 @@ class Encoded:
 
     def as_float32(self) -> np.ndarray:
         """The dequantized weight in float32, computed in place: one weight-sized array, however large the weight."""
-        return form_of(self.form).dequantized(self)
+        return form_of(self.form).dequantized(self if self.form == "split" else self.expand())  # a split's parts expand one by one
 
     def emit(self, name: str, layout: str) -> "Emission":
         """Initializers and nodes that produce tensor `name` in the file, in runtime `layout` (`graph_ops.qdq.LAYOUTS`)."""
@@ -157,17 +157,10 @@ class Encoded:
     @property
     def payload_bits(self) -> int:
         """Bits of values, scales and zero points (what the weight itself costs on disk)."""
-        if self.form == "split":
-            return sum(p.payload_bits for p in self.parts)
-        bits = int(self.values.size) * storage_bits(self.values.dtype)
-        if self.scale is not None:
-            bits += int(np.asarray(self.scale).size) * storage_bits(self.dtype)
-        if self.zero_point is not None:
-            bits += int(self.zero_point.size) * storage_bits(self.zero_point.dtype)
-        return bits
+        return form_of(self.form).payload_bits(self)
 
     def take_channels(self, start: int, stop: int, channel_axis: int) -> "Encoded":
         """Output channels start..stop (along `channel_axis` of the stored weight) in the same form."""
         shape = list(self.shape)
         shape[channel_axis] = stop - start
-        return form_of(self.form).take_channels(self, np.arange(start, stop), tuple(shape), channel_axis)
+        return form_of(self.form).take_channels(self.expand(), np.arange(start, stop), tuple(shape), channel_axis)

@@ -11,8 +11,8 @@ method fills it (the grid is the tier's business, not the method's).
 - symmetric (INT codes −2^(b−1)..2^(b−1)−1, zero point 0): s = 2·max|w| / (2^b−1),
   GPTQ's symmetric grid, which uses the whole two's-complement range
   (INT2 = {−2, −1, 0, 1}·s rather than ternary);
-- sign (1 bit): ±mean|w| per row, the L2-optimal binary scale;
-- fp8 (E4M3): s = max|w| / 448, values rounded to FLOAT8E4M3FN.
+- other kinds are registered by the stored format that owns them (`register_grid`):
+  sign (1 bit, `tiers.formats.sign`), fp8 (E4M3, `tiers.formats.fp8`).
 
 At 4 bits and fewer the range is shrunk per row by GPTQ's `mse` search (shrink
 factors 1, 0.99, ..., 0.21; keep the one with the least Σ|ŵ − w|^2.4): plain
@@ -27,12 +27,12 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import ml_dtypes
+from typing import Callable, NamedTuple
+
 import numpy as np
 
 SEARCH_NORM, SEARCH_STEPS, SEARCH_STEP = 2.4, 80, 0.01
 """GPTQ `Quantizer` defaults for the MSE clip search (norm 2.4, grid 100, maxshrink 0.8)."""
-FP8_MAX = 448.0
 SEARCH_BLOCK = 1 << 18
 """Elements per row block of the search at most (2 MiB of float64 per temporary). Each
 block is ~10 numpy calls per shrink step, and every call hands the GIL over: with 32 K-element blocks
@@ -52,7 +52,7 @@ class GridSpec:
     """What a tier says about its grid."""
 
     kind: str
-    """'int' (integer codes), 'sign' (1-bit ±s) or 'fp8'."""
+    """'int' (integer codes), or a kind a stored format registered ('sign', 'fp8')."""
     bits: int
     symmetric: bool = True
     search: bool = False
@@ -63,8 +63,6 @@ class GridSpec:
 
     @property
     def code_range(self) -> tuple[int, int]:
-        if self.kind == "sign":
-            return -1, 1
         if self.symmetric:
             half = 2 ** (self.bits - 1)
             return -half, half - 1
@@ -84,28 +82,45 @@ class Grid:
         return np.where(self.scale > 0, self.scale, 1.0)
 
 
-def _f32(x) -> np.ndarray:
+def f32(x) -> np.ndarray:
+    """Values rounded to float32 and held as float64 (the scales every grid stores)."""
     return np.asarray(x, np.float64).astype(np.float32).astype(np.float64)
+
+
+class GridKind(NamedTuple):
+    """A grid other than the integer min-max one, as its stored format defines it."""
+
+    fit: Callable[[np.ndarray], Grid]
+    """rows [N, k] (k > 0) -> each row's grid, set by its values alone (no clip search)."""
+    codes: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    """(w, divisor broadcast against w) -> the codes of w, float64."""
+
+
+GRID_KINDS: dict[str, GridKind] = {}
+"""Grid kind name -> its fit and rounding, registered by the stored formats that own them."""
+
+
+def register_grid(kind: str, fit: Callable[[np.ndarray], Grid], codes: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+    GRID_KINDS[kind] = GridKind(fit, codes)
 
 
 def _candidate(lo: np.ndarray, hi: np.ndarray, spec: GridSpec) -> tuple[np.ndarray, np.ndarray]:
     """(scale, zero) for per-row ranges lo <= 0 <= hi."""
     if spec.symmetric:
         peak = np.maximum(-lo, hi)
-        return _f32(2 * peak / spec.maxq), np.zeros_like(peak)
-    scale = _f32((hi - lo) / spec.maxq)
+        return f32(2 * peak / spec.maxq), np.zeros_like(peak)
+    scale = f32((hi - lo) / spec.maxq)
     return scale, np.rint(-lo / np.where(scale > 0, scale, 1.0))
 
 
 def codes_on(w: np.ndarray, grid: Grid, spec: GridSpec, divisor: np.ndarray | None = None) -> np.ndarray:
     """Codes of w ((N,) column or (N, k) rows) on the grid, as float64 integers (fp8: fp8 values / scale);
     `divisor`: the grid's `Grid.divisor()`, when the caller already has it."""
-    if spec.kind == "sign":
-        return np.where(w >= 0, 1.0, -1.0)
+    other = GRID_KINDS.get(spec.kind)
     safe = grid.divisor() if divisor is None else divisor
     safe, zero = (safe[:, None], grid.zero[:, None]) if np.ndim(w) == 2 else (safe, grid.zero)
-    if spec.kind == "fp8":
-        return (w / safe).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    if other is not None:
+        return other.codes(w, safe)
     low, high = spec.code_range
     q = np.rint(w / safe)  # in place from here: GPTQ's loop rounds every column through this
     q += zero
@@ -130,11 +145,8 @@ def find_grid(rows: np.ndarray, spec: GridSpec) -> Grid:
     n = rows.shape[0]
     if rows.shape[1] == 0:
         return Grid(np.ones(n), np.zeros(n))
-    if spec.kind == "sign":
-        return Grid(_f32(np.abs(rows).mean(axis=1)), np.zeros(n))
-    if spec.kind == "fp8":
-        peak = np.abs(rows).max(axis=1)
-        return Grid(_f32(np.where(peak > 0, peak / FP8_MAX, 1.0)), np.zeros(n))
+    if spec.kind in GRID_KINDS:
+        return GRID_KINDS[spec.kind].fit(rows)
     lo = np.minimum(rows.min(axis=1), 0.0)
     hi = np.maximum(rows.max(axis=1), 0.0)
     empty = (lo == 0) & (hi == 0)

@@ -18,8 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
+import tiers.gptq as solvers
 from graph_ops.layout import Layout
-from tiers import gptq as solvers
 from tiers.encoded import Encoded
 from tiers.formats.base import Tier
 from tiers.gptq import Hessian, Quantized

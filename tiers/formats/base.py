@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import onnx
 
+from graph_ops.io import element_bits
 from tiers.grid import GridSpec
 
 if TYPE_CHECKING:
@@ -51,13 +52,23 @@ class StoredForm:
 
     @classmethod
     def dequantized(cls, value: "Encoded") -> np.ndarray:
-        """The weight the runtime computes from `value`, float32 (exact dequantization)."""
+        """The weight the runtime computes from `value` (codes expanded), float32 (exact dequantization)."""
         raise NotImplementedError
 
     @classmethod
     def take_channels(cls, value: "Encoded", index: np.ndarray, shape: tuple[int, ...], channel_axis: int) -> "Encoded":
         """Output channels `index` (along `channel_axis` of the stored weight, new `shape`) in the same form."""
         raise NotImplementedError
+
+    @classmethod
+    def payload_bits(cls, value: "Encoded") -> int:
+        """Bits of values, scales (priced in the weight's type) and zero points: what the weight itself costs on disk."""
+        bits = int(value.values.size) * element_bits(value.values.dtype)
+        if value.scale is not None:
+            bits += int(np.asarray(value.scale).size) * element_bits(value.dtype)
+        if value.zero_point is not None:
+            bits += int(value.zero_point.size) * element_bits(value.zero_point.dtype)
+        return bits
 
     @classmethod
     def fed(cls, name: str, value: "Encoded") -> Fed | None:

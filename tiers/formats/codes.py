@@ -62,9 +62,7 @@ class CodesTier(Tier):
     @classmethod
     def dequantized(cls, value: Encoded) -> np.ndarray:
         """float32, computed in place: one weight-sized array, however large the weight."""
-        values = value.values.unpack() if isinstance(value.values, PackedCodes) else value.values
-        codes = values.astype(np.float32)
-        del values
+        codes = value.values.astype(np.float32)
         if value.zero_point is not None:
             codes -= broadcast_scale(value.zero_point.astype(np.float32), value.shape, value.axis, value.block_size)
         written = np.asarray(value.scale).astype(np.float16) if value.dtype == "float16" else value.scale  # a float16 model's scales are written as float16

@@ -11,7 +11,15 @@ from onnx import helper, numpy_helper
 
 from tiers.encoded import Encoded, broadcast_scale
 from tiers.formats.base import Emission, Tier, placed, register_form
-from tiers.grid import GridSpec
+from tiers.grid import Grid, GridSpec, f32, register_grid
+
+
+def _fit(rows: np.ndarray) -> Grid:
+    """±mean|w| per row: the L2-optimal binary scale."""
+    return Grid(f32(np.abs(rows).mean(axis=1)), np.zeros(rows.shape[0]))
+
+
+register_grid("sign", _fit, lambda w, divisor: np.where(w >= 0, 1.0, -1.0))
 
 
 @register_form

@@ -34,6 +34,10 @@ class Split(StoredForm):
         return max([11] + [p.opset for p in value.parts])
 
     @classmethod
+    def payload_bits(cls, value: Encoded) -> int:
+        return sum(p.payload_bits for p in value.parts)
+
+    @classmethod
     def dequantized(cls, value: Encoded) -> np.ndarray:
         out = np.empty(value.shape, np.float32)
         start, index = 0, [slice(None)] * len(value.shape)
