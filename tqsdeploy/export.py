@@ -41,7 +41,7 @@ from tiers import TIERS, Encoded, Rounding, Tier, get_tiers
 from tqsdeploy import checkpoints
 from tqsdeploy.allocate import Allocation, Choice, allocate, paper_weights
 from tqsdeploy.calibrate import Calibrator, open_graph
-from tqsdeploy.errors import USER_ERRORS, InputError
+from tqsdeploy.errors import USER_ERRORS, InfeasibleError, InputError
 from tqsdeploy.export_candidates import Candidate, CandidateBuilding
 from tqsdeploy.export_settings import AUTO_LAYOUT, RUNTIME_LAYOUTS, TARGETS, ExportSettings
 from tqsdeploy.export_writing import BASIS_GAP, WARN_DRIFT_PCT, Outcome, Writing
@@ -53,6 +53,10 @@ from tqsdeploy.sweep import Drift, Lanes, ResultLog, SweepRunner, Task, TaskResu
 from tqsdeploy.units import Unit
 
 __all__ = ["AUTO_LAYOUT", "BASIS_GAP", "RUNTIME_LAYOUTS", "TARGETS", "WARN_DRIFT_PCT", "Candidate", "ExportSettings", "Outcome", "Planner", "find_run"]
+
+REFITS = 16
+"""Most times an allocation is solved again with its budget shrunk by what its stretches write beyond their
+prices (`Planner.fitted`); past that, every slot goes to its cheapest tier (exactly priced, and reachable)."""
 
 ONE_SESSION_BYTES = 64 << 20
 """Models with this many bytes of weights or more keep one ONNX Runtime session of themselves at a
@@ -139,6 +143,7 @@ class Planner(CandidateBuilding, Writing):
         self.model_opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
         self._overhead: dict[int, int] = {}
         self._costs: dict[tuple[str, str], int] = {}
+        self._stretch_bits: dict[tuple[str, str, tuple[int, int]], int] = {}
         self._runner: SweepRunner | None = None
         self._lanes: list[SweepRunner] = []
         self._nominal = None
@@ -210,6 +215,64 @@ class Planner(CandidateBuilding, Writing):
             for other, bits in zip(slots, split_bits(shares, sum(written.values()))):
                 self._costs[(other.name, tier.name)] = bits
         return self._costs[key]
+
+    def stretches(self, tiers: dict[str, str]) -> list[tuple[str, str, list[Slot]]]:
+        """(unit, tier, slots) of every stretch the writer stores: a unit's neighbouring slots at one tier, joined."""
+        found = []
+        for unit, slots in self.slots_of.items():
+            for slot in sorted(slots, key=lambda s: (s.rows or (0, 0))[0]):
+                if found and found[-1][0] == unit and found[-1][1] == tiers[slot.name]:
+                    found[-1][2].append(slot)
+                else:
+                    found.append((unit, tiers[slot.name], [slot]))
+        return found
+
+    def written_costs(self, tiers: dict[str, str]) -> dict[str, int]:
+        """Each slot's bits in the file that the assignment `tiers` writes, summing to exactly what it writes.
+
+        `cost` shares by channels what a unit stores once per stretch at one tier (the block-index shape
+        constants of a blockwise grid's dequantized layout, about 512 bits; INT1's unpack constants): exact for
+        a unit at one tier, but a unit split over several tiers writes those once per stretch, which no
+        additive price can know (it depends on the neighbours' tiers). Here each stretch's slots share what the
+        stretch writes (`size.split_bits`)."""
+        costs = {}
+        stretches = self.stretches(tiers)
+        units = [unit for unit, _, _ in stretches]
+        forms: dict[tuple[str, str], dict[str, Encoded]] = {}
+        for unit, tier, slots in stretches:
+            if units.count(unit) == 1:  # one stretch: the whole unit at one tier, as `cost` priced it
+                costs.update({slot.name: self.cost(slot, tier) for slot in slots})
+                continue
+            rows = (slots[0].rows[0], slots[-1].rows[1])
+            key = (unit, tier, rows)
+            if key not in self._stretch_bits:
+                if (unit, tier) not in forms:
+                    forms[(unit, tier)] = self.encoder.stored_forms(unit, tier)
+                self._stretch_bits[key] = sum(emitted_bits(n, self.encoder.channels(n, e, rows), self.settings.layout) for n, e in forms[(unit, tier)].items())
+            costs.update(zip([slot.name for slot in slots], split_bits([self.cost(slot, tier) for slot in slots], self._stretch_bits[key])))
+        return costs
+
+    def fitted(self, solve, target: float) -> Allocation:
+        """The allocation `solve(fixed_bits)` makes for `target`, priced as written (`written_costs`), solved again
+        with the slots' budget shrunk by what its stretches wrote beyond their prices until the file meets
+        `target`: the knapsack's additive prices cannot see how many stretches a split unit is cut into, and
+        an allocation they fit could write a file below C. Past `REFITS` tries, or when the shrunk budget is out
+        of reach, every slot at its cheapest tier (one stretch per unit: priced as written)."""
+        budget, excess = self.budget, 0
+        floor = self.floor_bits()
+        for _ in range(REFITS):
+            try:
+                allocation = solve(budget.fixed_bits + excess)
+            except InfeasibleError:
+                break
+            allocation.size, allocation.cost_bits = budget, self.written_costs(allocation.tiers)
+            over = sum(allocation.cost_bits.values()) - max(budget.slot_bits(target), floor)
+            if over <= 0:
+                return allocation
+            excess += math.ceil(over)
+        cheapest = self._allocation({s.name: min(c, key=c.get) for s, c in zip(self.slots, self.costs().values())}, target, "cheapest (the allocations missed C)", self.settings.objective)
+        cheapest.notes.append(f"every slot at its cheapest tier: the allocations for {target:g}x wrote more than their prices")
+        return cheapest
 
     def costs(self) -> dict[str, dict[str, int]]:
         """Every slot's cost at every tier of the set."""
@@ -377,8 +440,7 @@ class Planner(CandidateBuilding, Writing):
     # -- allocation ----------------------------------------------------------------
 
     def _allocation(self, tiers: dict[str, str], target: float | None, solver: str, objective: str) -> Allocation:
-        slots = {s.name: s for s in self.slots}
-        return Allocation(dict(tiers), {s: self.cost(slots[s], t) for s, t in tiers.items()}, self.budget, target, solver, objective)
+        return Allocation(dict(tiers), self.written_costs(tiers), self.budget, target, solver, objective)
 
     def uniform(self, tier: str) -> Allocation:
         return self._allocation({s.name: tier for s in self.slots}, None, "uniform", "uniform")
@@ -421,17 +483,10 @@ class Planner(CandidateBuilding, Writing):
         return self.measure(self.encodings(allocation)).relative_rms
 
     def allocate(self, target: float, on_result=None) -> Allocation:
-        """Algorithm 1 on the additive prices."""
-        return allocate(
-            self.choices(self.settings.objective, on_result),
-            self.tiers,
-            target,
-            self.budget.basis_bits,
-            self.budget.fixed_bits,
-            objective=self.settings.objective,
-            fp32_fraction=self.settings.fp32_share,
-            solver=self.settings.allocator,
-        )
+        """Algorithm 1 on the additive prices, priced as written and meeting `target` (`fitted`)."""
+        choices = self.choices(self.settings.objective, on_result)
+        return self.fitted(lambda fixed_bits: allocate(choices, self.tiers, target, self.budget.basis_bits, fixed_bits, objective=self.settings.objective,
+                                                       fp32_fraction=self.settings.fp32_share, solver=self.settings.allocator), target)
 
     def close(self) -> None:
         self._release_runner()

@@ -76,8 +76,8 @@ class CandidateBuilding:
             for slot in self.slots:
                 options = {best.tiers[slot.name]: 0.0} | {tier: losses[(name, tier)] for name, tier in trials if name == slot.name}
                 choices.append(Choice(slot.name, slot.params, 0.0, False, {t: costs[slot.name][t] for t in options}, options))
-            step = allocate(choices, self.tiers, best.target, self.budget.basis_bits, self.budget.fixed_bits, objective="measured", fp32_fraction=0.0,
-                            solver=self.settings.allocator)
+            step = self.fitted(lambda fixed_bits: allocate(choices, self.tiers, best.target, self.budget.basis_bits, fixed_bits, objective="measured", fp32_fraction=0.0,
+                                                           solver=self.settings.allocator), best.target)
             if step.tiers == best.tiers:
                 break
             drift = self.measure(self.encodings(step))
