@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 import graph_ops
 import models
 from tqsdeploy import ScoreSettings, score
+from tqsdeploy.allocate import allocate
 from tqsdeploy.cli import app
 from tqsdeploy.errors import InfeasibleError, InputError
 from tqsdeploy.export import ExportSettings, Planner
@@ -106,6 +107,20 @@ def test_mixed_int1_and_blockwise_files_meet_c_on_each_basis(odd_run, basis):
         reached = outcome.compression if basis == "file" else outcome.unit_compression
         assert reached == outcome.allocation.compression >= target
         assert len(planner.stretches(outcome.allocation.tiers)) > len(planner.slots_of)
+    planner.close()
+
+
+def test_an_allocation_that_never_fits_its_written_size_falls_back_to_the_cheapest_tiers(odd_run):
+    """A solver that ignores the shrunk budget keeps writing more than C allows: after `REFITS` tries every slot
+    goes to its cheapest tier, which is priced as written and meets C."""
+    model, folder = odd_run
+    planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", objective="paper", refine=0, group_size=32, fallback=False))
+    budget, choices = planner.budget, planner.choices()
+    unshrunk = allocate(choices, planner.tiers, 6, budget.basis_bits, budget.fixed_bits, objective="paper")
+    assert sum(planner.written_costs(unshrunk.tiers).values()) > budget.slot_bits(6)  # the additive prices fit, the file would not
+    allocation = planner.fitted(lambda fixed_bits: allocate(choices, planner.tiers, 6, budget.basis_bits, budget.fixed_bits, objective="paper"), 6)
+    assert allocation.solver.startswith("cheapest") and set(allocation.tiers.values()) == {planner.tiers[-1].name}
+    assert allocation.compression == planner.max_compression() >= 6
     planner.close()
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -197,7 +198,8 @@ class Planner(CandidateBuilding, Writing):
         tensor's neighbouring slots of one tier into one run, so the slots' prices are scaled to sum to
         exactly what the unit at one tier writes (`size.split_bits`): charging each slot the whole overhead
         priced a split INT1 unit 15% above its file, and channel groups of a blockwise grid priced 20 bits
-        above it, which made the largest reachable C smaller than the uniform file of the lowest tier."""
+        above it, which made the largest reachable C smaller than the uniform file of the lowest tier. A unit split
+        over several tiers writes that overhead once per stretch: `written_costs` prices an allocation as written."""
         tier = TIERS[tier] if isinstance(tier, str) else tier
         key = (slot.name, tier.name)
         if key not in self._costs:  # every slot of the unit at once: one stored form per tensor
@@ -237,10 +239,10 @@ class Planner(CandidateBuilding, Writing):
         stretch writes (`size.split_bits`)."""
         costs = {}
         stretches = self.stretches(tiers)
-        units = [unit for unit, _, _ in stretches]
+        count = Counter(unit for unit, _, _ in stretches)
         forms: dict[tuple[str, str], dict[str, Encoded]] = {}
         for unit, tier, slots in stretches:
-            if units.count(unit) == 1:  # one stretch: the whole unit at one tier, as `cost` priced it
+            if count[unit] == 1:  # one stretch: the whole unit at one tier, as `cost` priced it
                 costs.update({slot.name: self.cost(slot, tier) for slot in slots})
                 continue
             rows = (slots[0].rows[0], slots[-1].rows[1])
@@ -270,9 +272,8 @@ class Planner(CandidateBuilding, Writing):
             if over <= 0:
                 return allocation
             excess += math.ceil(over)
-        cheapest = self._allocation({s.name: min(c, key=c.get) for s, c in zip(self.slots, self.costs().values())}, target, "cheapest (the allocations missed C)", self.settings.objective)
-        cheapest.notes.append(f"every slot at its cheapest tier: the allocations for {target:g}x wrote more than their prices")
-        return cheapest
+        costs = self.costs()
+        return self._allocation({s.name: min(costs[s.name], key=costs[s.name].get) for s in self.slots}, target, "cheapest (the allocations missed C)", self.settings.objective)
 
     def costs(self) -> dict[str, dict[str, int]]:
         """Every slot's cost at every tier of the set."""
