@@ -14,7 +14,7 @@ DequantizeLinear reproduces, so the fake-quantized weights equal their
 encoding bit for bit.
 
 Memory: a K x K float64 matrix is 134 MB at K = 4096, so the solvers work in
-place where the arithmetic allows (LAPACK potrf/potri/potrs through scipy,
+place where the arithmetic allows (LAPACK potrf/trtri/potrs through scipy,
 lower-triangle zeroing row by row, updates in column blocks) and keep codes as
 float32; a solve holds the weight, U, GPTAQ's P and the codes beside the
 caller's statistics.
@@ -22,8 +22,11 @@ caller's statistics.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -117,13 +120,41 @@ def _dead(Wt: np.ndarray, H: np.ndarray, own: bool = False) -> tuple[np.ndarray,
     return Wt, H, dead
 
 
+_THREAD_CAP: int | None = None
+"""BLAS threads each solve may use while solves run side by side (`shared_cores`); None: no cap."""
+
+
+def solver_threads() -> int:
+    """Cores the solvers may use: numpy's BLAS threads as threadpoolctl sees them now (the core count, or
+    what OMP_NUM_THREADS / threadpool_limits set), so parallel solves never exceed a limit the user set."""
+    from threadpoolctl import threadpool_info
+
+    counts = [lib["num_threads"] for lib in threadpool_info() if lib.get("user_api") == "blas"]
+    return max(1, min(counts) if counts else 1)
+
+
+@contextmanager
+def shared_cores(workers: int) -> Iterator[None]:
+    """`workers` solves at once, each on cores // workers BLAS threads (no more threads than cores)."""
+    global _THREAD_CAP
+    from threadpoolctl import threadpool_limits
+
+    each = max(1, solver_threads() // max(1, workers))
+    previous, _THREAD_CAP = _THREAD_CAP, each
+    try:
+        with threadpool_limits(limits=each, user_api="blas"):
+            yield
+    finally:
+        _THREAD_CAP = previous
+
+
 LAPACK_THREADS_FROM = 2048
 """Matrix order from which scipy's own OpenBLAS (when it has one) runs LAPACK on all its threads."""
 _LAPACK: tuple | None = None
 
 
 def _lapack(order: int):
-    """scipy's LAPACK (in-place potrf/potri/potrs, which numpy lacks), imported on first use (0.15 s).
+    """scipy's LAPACK (in-place potrf/trtri/potrs, which numpy lacks), imported on first use (0.15 s).
 
     Where scipy brings its own OpenBLAS beside numpy's, its threads spin after each call and fight
     numpy's for the cores: a calibration of small layers ran 1.4x slower on 2 cores. So that copy
@@ -142,6 +173,8 @@ def _lapack(order: int):
     lapack, own = _LAPACK
     for lib, threads in own:
         wanted = threads if order >= LAPACK_THREADS_FROM else 1
+        if _THREAD_CAP is not None:
+            wanted = min(wanted, _THREAD_CAP)
         if lib.num_threads != wanted:
             lib.set_num_threads(wanted)
     return lapack
@@ -150,26 +183,26 @@ def _lapack(order: int):
 def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
     """Upper U with UᵀU = (H + λI)⁻¹, λ = percdamp·mean(diag H).
 
-    The official sequence (Cholesky, its inverse as torch's cholesky_inverse, Cholesky of
-    that) as LAPACK potrf/potri/potrf in one K x K buffer. Guard (not in the official
-    code): when a Cholesky fails, the damping is multiplied by 10 and tried again, so a
-    rank-deficient H from too little calibration data degrades gracefully instead of
-    stopping an export.
+    The official sequence (Cholesky, its inverse as torch's cholesky_inverse, Cholesky of that:
+    potrf/potri/potrf, 4/3·K³ flops) gives the same U as one Cholesky of H with its rows and columns
+    reversed and the inverse of that triangle (potrf/trtri, 2/3·K³): with J the reversal, JHJ = LLᵀ
+    makes H = (JLJ)(JLJ)ᵀ with JLJ upper, so U = (JLJ)⁻¹ = J·L⁻¹·J, equal to the official U up to
+    rounding, in half the time. Guard (not in the official code): when a Cholesky fails, the
+    damping is multiplied by 10 and tried again, so a rank-deficient H from too little calibration
+    data degrades gracefully instead of stopping an export.
     """
     lapack = _lapack(H.shape[0])
     mean = float(np.mean(np.diag(H))) if H.size else 1.0
     damp = percdamp * mean
     for _ in range(CHOLESKY_RETRIES + 1):
-        work = _damped(H, damp)
-        # work is symmetric and C-ordered, so work.T is the same matrix in Fortran order and LAPACK
-        # works on it in place; the lower factor L2 of (H + λI)⁻¹ it leaves there, read as C-ordered, is U = L2ᵀ.
+        work = _damped(H[::-1, ::-1], damp)
+        # work is symmetric and C-ordered, so work.T is the same matrix in Fortran order and LAPACK works on it in place
         factor, info = lapack.dpotrf(work.T, lower=1, clean=1, overwrite_a=1)
         if info == 0:
-            factor, info = lapack.dpotri(factor, lower=1, overwrite_c=1)
+            factor, info = lapack.dtrtri(factor, lower=1, overwrite_c=1)
         if info == 0:
-            factor, info = lapack.dpotrf(factor, lower=1, clean=1, overwrite_a=1)
-        if info == 0:
-            upper = factor.T  # work itself, as LAPACK ran in place on it
+            upper = np.ascontiguousarray(factor[::-1, ::-1])  # J·L⁻¹·J, lower reversed into upper
+            del work, factor
             if np.all(np.isfinite(upper)):
                 return upper
         damp = max(damp, 1e-6 * abs(mean) or 1e-12) * 10
@@ -181,6 +214,17 @@ def _damped(H: np.ndarray, damp: float) -> np.ndarray:
     damped = np.array(H, np.float64, copy=True, order="C")
     damped[np.diag_indices_from(damped)] += damp
     return damped
+
+
+def _cached(cache: "Hessian | None", key: tuple, make):
+    """make(), kept in `cache.factors` under `key` when the statistic is given: solves on one Hessian
+    (both grids of `_better_rows`, sibling weights such as q/k/v, every tier of a mixed pass) factor it once."""
+    if cache is None:
+        return make()
+    with cache.lock:
+        if key not in cache.factors:
+            cache.factors[key] = make()
+        return cache.factors[key]
 
 
 def _update(Wt: np.ndarray, start: int, E1: np.ndarray, U: np.ndarray, W1: np.ndarray, P: np.ndarray | None, b0: int, b1: int) -> None:
@@ -280,15 +324,17 @@ def gptq(
     act_order: bool = False,
     static_groups: bool = False,
     own: bool = False,
+    cache: "Hessian | None" = None,
 ) -> Quantized:
     """GPTQ (Frantar et al., IST-DASLab/gptq `fasterquant`) on Wt with Hessian H = (2/n)XᵀX.
 
     With act_order and groups, static groups are forced: groups must stay
     contiguous in the original column order for a DequantizeLinear encoding.
     `own`: Wt is the caller's to overwrite (no weight-sized copy of it is made).
+    `cache`: the statistic H is from; its factorization is kept there for the next solve on it.
     """
     Wt, H, _, perm, static_grids = _prepare(Wt, H, spec, group_size, act_order, static_groups, own)
-    U = inverse_cholesky(H, percdamp)
+    U = _cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
     return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, None)
 
 
@@ -304,27 +350,34 @@ def gptaq(
     static_groups: bool = False,
     alpha: float = 0.25,
     own: bool = False,
+    cache: "Hessian | None" = None,
 ) -> Quantized:
     """GPTAQ (GPTQv2): GPTQ plus the asymmetric-calibration terms of P = α·triu(G Uᵀ, 1)·U.
 
     G = (2/n)(X_fp − X̂)ᵀX̂ on the same rows as H = (2/n)X̂ᵀX̂; α = 0.25 is the
-    official hard-coded value. α = 0 is exactly GPTQ. `own` as for `gptq`.
+    official hard-coded value. α = 0 is exactly GPTQ. `own` and `cache` as for `gptq`.
     """
     Wt, H, dead, perm, static_grids = _prepare(Wt, H, spec, group_size, act_order, static_groups, own)
+    U = _cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
+    P = _cached(cache, ("P", percdamp, act_order, alpha), lambda: _asymmetric_terms(G, U, dead, perm, alpha))
+    return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, P)
+
+
+def _asymmetric_terms(G: np.ndarray, U: np.ndarray, dead: np.ndarray, perm, alpha: float) -> np.ndarray:
+    """GPTAQ's P = α·triu(G Uᵀ, 1)·U (two K x K products: kept with the statistic like U)."""
     G = np.asarray(G, np.float64)
     if dead.any():
         G = np.array(G)
         G[:, dead] = 0
     if perm is not None:
         G = G[perm][:, perm]
-    U = inverse_cholesky(H, percdamp)
     M = G @ U.T
     del G
     _keep_above_diagonal(M)
     M *= alpha
     P = M @ U
     del M
-    return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, P)
+    return P
 
 
 def _keep_above_diagonal(M: np.ndarray) -> None:
@@ -333,33 +386,43 @@ def _keep_above_diagonal(M: np.ndarray) -> None:
         M[i, : i + 1] = 0
 
 
-def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float = 0.5, percdampqep: float = 1.0, own: bool = False) -> np.ndarray:
+def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float = 0.5, percdampqep: float = 1.0, own: bool = False,
+                cache: "Hessian | None" = None) -> np.ndarray:
     """QEP's weight correction Wt + α·Wt·H_δ·(H + λI)⁻¹ (FujitsuResearch/qep `run_weight_correct`).
 
     Any base method then quantizes the returned weights with the same H.
     α = 0 skips the correction entirely, as the official script does for the
     layers it excludes. The solve is a Cholesky one (the damped H is symmetric
-    positive definite), in place on Wt·H_δ; `own`: Wt is the caller's to overwrite.
+    positive definite), in place on Wt·H_δ; `own`: Wt is the caller's to overwrite; `cache` as for
+    `gptq` (sibling weights share the factor of the damped H).
     """
     lapack = _lapack(H.shape[0])
     if alpha == 0:
         return np.asarray(Wt, np.float64) if own else np.array(Wt, np.float64)
     Wt, H, _ = _dead(Wt, H, own)
+    factor = _cached(cache, ("qep", percdampqep), lambda: _damped_cholesky(H, percdampqep))
+    rhs = Wt @ np.asarray(H_delta, np.float64)
+    solved, info = lapack.dpotrs(factor, rhs.T, lower=1, overwrite_b=1)  # rhs.T is (K, N) in Fortran order: solved in place
+    if info != 0:
+        raise np.linalg.LinAlgError(f"the triangular solve of QEP's correction failed (LAPACK info {info})")
+    if not np.shares_memory(solved, rhs):
+        rhs = np.ascontiguousarray(solved.T)
+    del solved
+    rhs *= alpha
+    Wt += rhs
+    return Wt
+
+
+def _damped_cholesky(H: np.ndarray, percdampqep: float) -> np.ndarray:
+    """Lower Cholesky factor (Fortran order) of H + λI, λ = percdampqep·mean(diag H), damping raised 10x on failure."""
+    lapack = _lapack(H.shape[0])
     mean = float(np.mean(np.diag(H)))
     damp = percdampqep * mean
-    rhs = Wt @ np.asarray(H_delta, np.float64)
     for _ in range(CHOLESKY_RETRIES + 1):
         damped = _damped(H, damp)
         factor, info = lapack.dpotrf(damped.T, lower=1, overwrite_a=1)  # symmetric: its transpose is itself, in Fortran order
         if info == 0:
-            solved, info = lapack.dpotrs(factor, rhs.T, lower=1, overwrite_b=1)  # rhs.T is (K, N) in Fortran order: solved in place
-            if info == 0:
-                if not np.shares_memory(solved, rhs):
-                    rhs = np.ascontiguousarray(solved.T)
-                del damped, factor, solved
-                rhs *= alpha
-                Wt += rhs
-                return Wt
+            return factor
         damp = max(damp, 1e-6 * abs(mean) or 1e-12) * 10
     raise np.linalg.LinAlgError(f"damped Hessian is not positive definite even with damping {damp / 10:.3g}")
 
@@ -370,34 +433,75 @@ def _scaled(product: np.ndarray, factor: float) -> np.ndarray:
     return product
 
 
+STATS_BATCH_BYTES = 32 << 20
+"""Calibration rows (as float64) gathered before they enter a statistic: one XᵀX of a few thousand rows
+runs several times faster than one per sample of a few dozen (BLAS's fixed costs, and a K x K rescale each)."""
+
+
 class Hessian:
     """Running averages H = (2/n)·X̂ᵀX̂ and, with `cross`, G = (2/n)·(X_fp − X̂)ᵀX̂.
 
     Both share one sample count n, which GPTAQ's P needs (its scale relative
     to H matters, H's own scale does not). Rows are samples (tokens, patches);
-    X is never stored.
+    X is never stored beyond a batch of rows (`STATS_BATCH_BYTES`), folded in
+    when the batch is full or the statistic is read. Factorizations of H that
+    the solvers need are kept with it (`factors`), so every weight, tier and
+    grid solved on the same statistic pays for them once.
     """
 
     def __init__(self, columns: int, cross: bool = False):
-        self.H = np.zeros((columns, columns))
-        self.G = np.zeros((columns, columns)) if cross else None
+        self._H = np.zeros((columns, columns))
+        self._G = np.zeros((columns, columns)) if cross else None
         self.count = 0
+        self._pending: list[tuple[np.ndarray, np.ndarray | None]] = []
+        self._pending_rows = 0
+        self.factors: dict = {}
+        """Solver-side products of H (and G), by what they depend on: filled by `tiers.gptq.factor`."""
+        self.lock = threading.Lock()
+        """Held while a factor is computed: weights solved in parallel on one statistic compute it once."""
+
+    @property
+    def H(self) -> np.ndarray:
+        self._fold()
+        return self._H
+
+    @property
+    def G(self) -> np.ndarray | None:
+        self._fold()
+        return self._G
 
     def add(self, x: np.ndarray, x_fp: np.ndarray | None = None) -> None:
-        x = np.asarray(x, np.float64).reshape(-1, self.H.shape[0])
-        rows = x.shape[0]
-        if rows == 0:
+        """Rows x (and their full-precision counterparts; `x_fp is x` says they are the same, G gains nothing)."""
+        columns = self._H.shape[0]
+        x = np.asarray(x).reshape(-1, columns)
+        if x.shape[0] == 0:
             return
-        keep = self.count / (self.count + rows)
-        self.count += rows
-        self.H *= keep
-        self.H += _scaled(x.T @ x, 2.0 / self.count)
-        if self.G is not None:
+        if self._G is not None:
             if x_fp is None:
                 raise ValueError("a cross statistic needs the full-precision inputs too")
-            delta = np.asarray(x_fp, np.float64).reshape(x.shape) - x
-            self.G *= keep
-            self.G += _scaled(delta.T @ x, 2.0 / self.count)
+            x_fp = None if x_fp is x else np.asarray(x_fp).reshape(x.shape)
+        self._pending.append((x, x_fp))
+        self._pending_rows += x.shape[0]
+        if self._pending_rows * columns * 8 >= STATS_BATCH_BYTES:
+            self._fold()
+
+    def _fold(self) -> None:
+        """The pending rows into H (and G) in one product each."""
+        if not self._pending:
+            return
+        pending, self._pending, rows, self._pending_rows = self._pending, [], self._pending_rows, 0
+        x = np.concatenate([np.asarray(p[0], np.float64) for p in pending]) if len(pending) > 1 else np.asarray(pending[0][0], np.float64)
+        keep = self.count / (self.count + rows)
+        self.count += rows
+        self._H *= keep
+        self._H += _scaled(x.T @ x, 2.0 / self.count)
+        if self._G is not None:
+            self._G *= keep
+            if any(p[1] is not None for p in pending):
+                delta = np.concatenate([np.asarray(p[1], np.float64) - p[0] if p[1] is not None else np.zeros(p[0].shape) for p in pending]) if len(pending) > 1 \
+                    else np.asarray(pending[0][1], np.float64) - x
+                self._G += _scaled(delta.T @ x, 2.0 / self.count)
+        self.factors.clear()
 
     @classmethod
     def merge(cls, parts: list["Hessian"]) -> "Hessian":
@@ -405,12 +509,14 @@ class Hessian:
         if len(parts) == 1:
             return parts[0]
         merged = cls(parts[0].H.shape[0], parts[0].G is not None)
+        for part in parts:
+            part._fold()
         merged.count = sum(p.count for p in parts)
         for part in parts:
             if part.count:
-                merged.H += part.H * (part.count / merged.count)
-                if merged.G is not None:
-                    merged.G += part.G * (part.count / merged.count)
+                merged._H += part.H * (part.count / merged.count)
+                if merged._G is not None:
+                    merged._G += part.G * (part.count / merged.count)
         return merged
 
 

@@ -110,7 +110,7 @@ def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: b
     """`wt` is this call's own: every solver works on it in place."""
     original = np.array(wt) if spec.search else None
     if rounding.method == "qep":
-        wt = solvers.qep_correct(wt, stats.H, stats.G, alpha=rounding.strength if correct else 0.0, percdampqep=rounding.percdampqep, own=True)
+        wt = solvers.qep_correct(wt, stats.H, stats.G, alpha=rounding.strength if correct else 0.0, percdampqep=rounding.percdampqep, own=True, cache=stats)
     if original is None:
         return _solve(rounding, wt, stats, spec, group)
     return _better_rows(rounding, original, wt, stats, spec, group)
@@ -118,7 +118,7 @@ def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: b
 
 def _solve(rounding: Rounding, wt, stats: Hessian, spec, group: int) -> Quantized:
     """The base solve on `wt` (QEP's already corrected), in place."""
-    solver = dict(group_size=group, percdamp=rounding.percdamp, block_size=rounding.block_size, act_order=rounding.act_order, own=True)
+    solver = dict(group_size=group, percdamp=rounding.percdamp, block_size=rounding.block_size, act_order=rounding.act_order, own=True, cache=stats)
     if rounding.method == "gptaq":
         return solvers.gptaq(wt, stats.H, stats.G, spec, alpha=rounding.strength, **solver)
     if rounding.method == "qep" and rounding.qep_base == "rtn":

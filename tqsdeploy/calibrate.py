@@ -18,6 +18,8 @@ be rebuilt are quantized first, without statistics.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -31,9 +33,11 @@ from graph_ops.layout import WeightLayout
 from graph_ops.qdq import fed_codes_model
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
+from tiers.gptq import shared_cores, solver_threads
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.errors import InputError, TqsError
+from tqsdeploy.profiling import Profile
 from tqsdeploy.rollout import RolloutSpec
 
 FULL_CACHE_SHARE = 0.25
@@ -119,6 +123,8 @@ class Calibrator:
         self._full_cache: list[dict[str, np.ndarray]] | None = None
         self._session = None
         self._samples: list | None = None
+        self.profile = Profile()
+        """Where calibration's time goes (the encoder hands over its own)."""
 
     @property
     def groups(self) -> list[list[str]]:
@@ -131,7 +137,8 @@ class Calibrator:
         statistics (a pass read whole from checkpoints opens no session)."""
         if self._samples is None:
             contexts, spec, max_batch = self._rollout
-            self._samples = RolloutEngine(self.session, contexts, spec, max_batch).states() if self.waves else []
+            with self.profile.section("calibration_rollouts"):
+                self._samples = RolloutEngine(self.session, contexts, spec, max_batch).states() if self.waves else []
             graph_ops.release_pages(self.weights)  # the nominal rollout read every original weight
         return self._samples
 
@@ -153,6 +160,8 @@ class Calibrator:
                         found[name] = loaded
             missing = [n for n in names if n not in found]
             stats = self._collect(missing, encoded, cross) if index and missing else None
+            with self.profile.section("solver"):  # the solves' own sections are in their threads when they run in parallel
+                solved = self._solve(missing, stats, encode)
             digests = []
             for name in names:
                 if name in found:
@@ -160,13 +169,7 @@ class Calibrator:
                     rows, thin = meta.get("rows"), meta.get("thin")
                     digests.append(meta["digest"])
                 else:
-                    merged = rows = thin = None
-                    if stats is not None:
-                        layout = self.layouts[name]
-                        merged = [Hessian.merge([stats[use.key][g] for use in layout.uses]) for g in range(layout.row_groups)]
-                        rows = merged[0].count
-                        thin = merged[0].H.shape[0] if any(m.count < 2 * m.H.shape[0] for m in merged) else None  # its input width
-                    encoded[name] = encode(name, merged)
+                    encoded[name], rows, thin = solved.pop(name)
                     if checkpoints is not None:
                         digests.append(checkpoints.save(name, encoded[name], rows, thin))
                 if rows is not None:
@@ -175,31 +178,71 @@ class Calibrator:
                     log.thin[name] = thin
             if checkpoints is not None:
                 checkpoints.advance(digests)
-            stats = merged = None  # K x K float64 per use: gone before the next wave collects its own
+            stats = None  # K x K float64 per use: gone before the next wave collects its own
             graph_ops.release_pages(self.weights)
         log.seconds += perf_counter() - started
         return encoded
+
+    def _solve(self, names: list[str], stats: dict | None, encode: EncodeFn) -> dict[str, tuple[Encoded, int | None, int | None]]:
+        """Encode the wave's weights (on `stats`, when collected): (encoding, rows, input width when thin) by
+        name. Weights of a wave are independent, so they are solved side by side in threads (numpy and
+        LAPACK release the GIL), the cores' BLAS threads split between them (`tiers.gptq.shared_cores`).
+        A statistic's factorizations go as soon as the last weight reading it is done."""
+        readers: dict[tuple, int] = {}
+        for name in names:
+            for use in {u.key for u in self.layouts[name].uses}:
+                readers[use] = readers.get(use, 0) + 1
+        done = threading.Lock()
+
+        def one(name: str) -> tuple[Encoded, int | None, int | None]:
+            merged = rows = thin = None
+            layout = self.layouts[name]
+            if stats is not None:
+                merged = [Hessian.merge([stats[use.key][g] for use in layout.uses]) for g in range(layout.row_groups)]
+                rows = merged[0].count
+                thin = merged[0].H.shape[0] if any(m.count < 2 * m.H.shape[0] for m in merged) else None  # its input width
+            result = encode(name, merged)
+            if stats is not None:
+                with done:
+                    for key in {u.key for u in layout.uses}:
+                        readers[key] -= 1
+                        if not readers[key]:
+                            for part in stats[key]:
+                                part.factors.clear()
+            return result, rows, thin
+
+        workers = min(len(names), solver_threads())
+        if workers <= 1:
+            return {name: one(name) for name in names}
+        with shared_cores(workers), ThreadPoolExecutor(workers, thread_name_prefix="tqs-solve") as pool:
+            return dict(zip(names, pool.map(one, names)))
 
     def _collect(self, wave: list[str], encoded: Mapping[str, Encoded], cross: bool) -> dict:
         uses = {u.key: (u, self.layouts[name].row_groups) for name in wave for u in self.layouts[name].uses}
         stats: dict = {key: None for key in uses}
         fetch = sorted({u.x for u, _ in uses.values()} - self.graph_inputs)
-        session = self._wave_session(fetch, encoded) if fetch else None
+        with self.profile.section("calibration_rollouts"):
+            session = self._wave_session(fetch, encoded) if fetch else None
         try:
             for index, feeds in enumerate(self.samples):
                 quantized = self._run(session, feeds, fetch)
                 full = self._full(index, feeds, fetch) if cross and encoded else quantized
-                for key, (use, groups) in uses.items():
-                    for samples in _sample_chunks(use, quantized[use.x]):
-                        xs = layer_inputs(use, quantized[use.x][samples], groups)
-                        xf = layer_inputs(use, full[use.x][samples], groups) if cross else [None] * groups
-                        if stats[key] is None:
-                            stats[key] = [Hessian(x.shape[1], cross) for x in xs]
-                        for part, x, x_fp in zip(stats[key], xs, xf):
-                            part.add(x, x_fp)
+                with self.profile.section("statistics"):
+                    for key, (use, groups) in uses.items():
+                        for samples in _sample_chunks(use, quantized[use.x]):
+                            xs = layer_inputs(use, quantized[use.x][samples], groups)
+                            xf = (xs if full is quantized else layer_inputs(use, full[use.x][samples], groups)) if cross else [None] * groups
+                            if stats[key] is None:
+                                stats[key] = [Hessian(x.shape[1], cross) for x in xs]
+                            for part, x, x_fp in zip(stats[key], xs, xf):
+                                part.add(x, x_fp)  # x_fp is x before any weight is quantized: no cross term to add
         finally:
             if session is not None:
                 session.close()  # its arena holds activations, not weights: freed with it, no trim needed
+        with self.profile.section("statistics"):
+            for parts in stats.values():
+                for part in parts or ():
+                    part.H  # the last rows folded in here, not inside a solve's timing
         return stats
 
     def _wave_session(self, fetch: list[str], encoded: Mapping[str, Encoded]):
@@ -239,7 +282,8 @@ class Calibrator:
     def _run(self, session, feeds, fetch) -> dict[str, np.ndarray]:
         values = dict(feeds)
         if fetch:
-            values.update(session.run(feeds, fetch))
+            with self.profile.section("calibration_rollouts"):
+                values.update(session.run(feeds, fetch))
         for name in fetch:
             if np.issubdtype(values[name].dtype, np.floating) and not np.all(np.isfinite(values[name])):
                 raise CalibrationError(f"layer input '{name}' is not finite on the calibration windows")

@@ -382,7 +382,7 @@ class Planner(CandidateBuilding, Writing):
                     yield TaskResult(slot.name, self._probe(tier), 0, 0.0, div_sq, nonfinite, time.perf_counter() - tick)
 
             lanes = self.lanes
-            with Lanes(lanes, lanes[0].work_items(pending, lambda task: task[0].unit), price) as results:
+            with self.encoder.profile.section("measurement_rollouts"), Lanes(lanes, lanes[0].work_items(pending, lambda task: task[0].unit), price) as results:
                 for result in results:
                     log.append(result)
                     done[result.key] = result
@@ -460,6 +460,10 @@ class Planner(CandidateBuilding, Writing):
         `lanes`, when given). A large model's candidate runs on a session that rebuilds each quantized weight
         from its codes just before it is used (`graph_ops.qdq.fed_codes_model`): a byte per weight fed
         instead of a float copy of the whole model, the same values computed."""
+        with self.encoder.profile.section("measurement_rollouts"):
+            return self._measure(encodings, runner)
+
+    def _measure(self, encodings: dict[str, Encoded], runner: SweepRunner | None) -> Drift:
         runner = runner or self.runner  # opening it rolls out the original, reading every weight
         graph_ops.release_pages(self.weights)  # the originals of what is fed are not read by this run
         if not self.one_session:

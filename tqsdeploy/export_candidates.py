@@ -70,7 +70,7 @@ class CandidateBuilding:
                     drift = self.measure(self.encoder.assemble(self.slots, {**tiers, name: tier}, self.rounding), lane)
                     yield (name, tier), sum(drift.div_sq) - base if math.isfinite(drift.relative_rms) else math.inf
 
-            with Lanes(self.lanes, [[t] for t in trials], trial) as results:  # every trial changes the whole model: one each
+            with self.encoder.profile.section("measurement_rollouts"), Lanes(self.lanes, [[t] for t in trials], trial) as results:  # every trial changes the whole model: one each
                 losses = dict(results)
             choices = []
             for slot in self.slots:
@@ -108,6 +108,7 @@ class CandidateBuilding:
             found.append(Candidate(label + ", calibrated as allocated", allocation, encodings, self.measure(encodings), calibrated=True))
             del encodings
             self._keep_best(found)
+        uniform_started = time.perf_counter()
         if fitting:
             for method in METHODS if fitting[0].calibratable else ("rtn",):
                 uniform = self.uniform_candidate(fitting[0], Rounding(method), target)
@@ -115,6 +116,7 @@ class CandidateBuilding:
                 found.append(uniform)
                 self._keep_best(found)
         self.timings["compare"] += time.perf_counter() - started
+        self.timings["uniform_comparison"] = self.timings.get("uniform_comparison", 0.0) + time.perf_counter() - uniform_started
         return sorted(found, key=_rank)
 
     def uniform_candidate(self, tier: Tier, rounding: Rounding, target: float | None) -> Candidate:

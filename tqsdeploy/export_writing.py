@@ -55,6 +55,8 @@ class Outcome:
     """The runtime layout written (`ExportSettings.layout`)."""
     memory_bytes: int | None = None
     """About the weight bytes a session holds after loading the file (`Planner.loaded_weight_bytes`)."""
+    profile: dict[str, float] = field(default_factory=dict)
+    """Seconds of this export by kind of work (`tqsdeploy.profiling`), as its allocation record keeps them."""
 
     def fake_quantized(self) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the file (exact dequantization)."""
@@ -109,7 +111,8 @@ class Writing:
         stored = {name: e for name, e in encodings.items() if not (e.form == "raw" and e.values is self.weights.get(name))}
         if external_data is None and self.settings.single_file:
             external_data = False
-        return write_storage(self.model.proto, stored, path, external_data=external_data, source=self.prepared.data_dir, layout=self.settings.layout)
+        with self.encoder.profile.section("write"):
+            return write_storage(self.model.proto, stored, path, external_data=external_data, source=self.prepared.data_dir, layout=self.settings.layout)
 
     def check_single_file(self, targets: list[float | None], uniform_tier: str | None = None) -> None:
         """With `single_file`, refuse before any work an output that cannot fit one file (protobuf's 2 GiB):
@@ -132,6 +135,7 @@ class Writing:
         scoring contexts exceeds `max_drift_pct` (percent, as `eval` reports drift). `final`: no other
         target follows (see `candidates`)."""
         started = time.perf_counter()
+        profiled = self.encoder.profile.snapshot()
         path = Path(path)
         notes: list[str] = []
         if uniform_tier is not None:
@@ -193,12 +197,13 @@ class Writing:
             "notes": notes,
             "checkpointed_weights_reused": self.encoder.log.reused,
             "timings_s": {**{k: round(v, 3) for k, v in self.timings.items()}, "calibration": round(self.encoder.log.calibration_s, 3), "total": round(time.perf_counter() - started, 3)},
+            "profile_s": self.encoder.profile.split(profiled, time.perf_counter() - started),
             "tiers": table.rows(named=True),
         }
         write_table(table, f"{stem}.allocation.parquet")
         write_json(f"{stem}.allocation.json", summary)
         return Outcome(chosen.allocation, path, written.bytes, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table, chosen.encodings, notes,
-                       written.files, layout=self.settings.layout, memory_bytes=summary["weights_in_memory_bytes"])
+                       written.files, layout=self.settings.layout, memory_bytes=summary["weights_in_memory_bytes"], profile=summary["profile_s"])
 
     def loaded_weight_bytes(self, encodings: dict[str, Encoded]) -> int:
         """About how many bytes of weights an ONNX Runtime session of the written model holds after load: it

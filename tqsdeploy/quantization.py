@@ -26,6 +26,7 @@ assigned on its own and written as its own DequantizeLinear joined by Concat.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ import graph_ops
 from graph_ops.layout import WeightLayout
 from tiers import TIERS, Encoded, Hessian, Layout, Rounding, Tier, encode, split
 from tiers.gptq import output_error
+from tqsdeploy.profiling import Profile
 from tqsdeploy.units import Unit
 
 MAX_PARTS = 64
@@ -131,6 +133,8 @@ class Encoder:
         self._mixed: dict[tuple, dict[str, Encoded]] = {}
         self.checkpoints = checkpoints
         self.log = EncoderLog()
+        self.profile = Profile()
+        """Where the time goes (`tqsdeploy.profiling`): the encoder times its solves, its calibrator the rest."""
         self.on_pass: Callable[[str, int, int], None] | None = None
         """Called as a pass begins, with its label, how many weights it has and how many of them it
         reads from checkpoints (progress)."""
@@ -148,12 +152,14 @@ class Encoder:
             if self._make_calibrator is None:
                 raise ValueError("this encoder has no calibration data; only round-to-nearest is available")
             self._calibrator = self._make_calibrator()
+            self._calibrator.profile = self.profile
         return self._calibrator
 
     def _encode(self, name: str, tier: Tier, rounding: Rounding, stats: list[Hessian] | None) -> Encoded:
-        encoded = encode(self.weights[name], self.layouts[name], tier, rounding, stats, self.group_size)
-        if self.track_errors and stats is not None and tier.calibratable:
-            self._errors(name, tier, encoded, stats)
+        with self.profile.section("solver"):
+            encoded = encode(self.weights[name], self.layouts[name], tier, rounding, stats, self.group_size)
+            if self.track_errors and stats is not None and tier.calibratable:
+                self._errors(name, tier, encoded, stats)
         graph_ops.release_pages(self.weights, [name])  # read once per encoding: a pass would otherwise end with the whole model resident
         return encoded
 
@@ -185,11 +191,13 @@ class Encoder:
         if self.on_pass is not None:
             self.on_pass(label, len(self.layouts), len(found))
         report = self.on_weight
+        reporting = threading.Lock()  # a wave's weights are encoded in threads side by side
 
         def encode_kept(name, stats):
             encoded = encode_one(name, stats).compact()
             if report is not None:
-                report(name)
+                with reporting:
+                    report(name)
             return encoded
 
         if not calibrated:
@@ -267,7 +275,8 @@ class Encoder:
         """The unit's tensors at `tier` as the file stores them, codes on the unsearched grid and not
         kept: their sizes are those of every rounding method's, at a fraction of the work."""
         tier = TIERS[tier] if isinstance(tier, str) else tier
-        forms = {name: encode(self.weights[name], self.layouts[name], tier, Rounding(), None, self.group_size, search=False) for name in self.units[unit].tensor_names}
+        with self.profile.section("solver"):
+            forms = {name: encode(self.weights[name], self.layouts[name], tier, Rounding(), None, self.group_size, search=False) for name in self.units[unit].tensor_names}
         graph_ops.release_pages(self.weights, list(forms))
         return forms
 

@@ -86,6 +86,7 @@ def export(
     force: bool = typer.Option(False, "--force", help="Overwrite existing output files (default: refuse before any work)."),
     single_file: bool = typer.Option(False, "--single-file", help="Write every tensor inside the .onnx, no external-data file beside it (up to protobuf's 2 GiB; default: one file unless the input keeps its weights in external-data files or the output reaches 1 GiB)."),
     max_drift: Optional[float] = typer.Option(None, "--max-drift", min=0.0, help="Largest drift (%, as eval --exact reports it: exact dequantization) on the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate."),
+    verbose: bool = typer.Option(False, "--verbose", help="Also print where each export's time went: solver, statistics, calibration and measurement rollouts, write (the allocation JSON's profile_s)."),
 ):
     """Allocate precision tiers under a compression target and write mixed-precision ONNX.
 
@@ -206,6 +207,10 @@ def export(
                           "`tqsdeploy eval` measures what it runs (`--exact` for this number)")
         for note in outcome.notes:
             out.print(f"  [yellow]note:[/] {escape(note)}")
+        if verbose and outcome.profile:
+            from tqsdeploy.profiling import describe
+
+            out.print(f"  time: {describe(outcome.profile)}")
         if outcome.drift_pct is not None and not outcome.drift_pct <= WARN_DRIFT_PCT:
             err.print(
                 f"[bold yellow]warning:[/] {escape(str(outcome.path))} drifts {outcome.drift_pct:.4g}% from the original on the scoring contexts "
