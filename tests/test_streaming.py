@@ -210,7 +210,7 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
             assert len(opened) > 1 and len(rolled) == 1  # reopened after each calibration pass without rolling the original out again
         planner.close()
     assert [c for c in outcomes[0].compared] == [c for c in outcomes[1].compared]
-    assert any("gptq" in p for p in passes[1])  # the fallback's calibration passes ran, in turns with measuring
+    assert any(p.startswith("mixed") for p in passes[1])  # a calibration pass after measuring began (the mixed one; a QEP export runs no GPTQ/GPTAQ fallback), in turns with it
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
     ys = [OrtRuntime(exact_qdq=True).open(o.path).run({"x": x})["y"] for o in outcomes]
     assert np.array_equal(ys[0], ys[1])

@@ -11,8 +11,9 @@ import math
 import time
 from dataclasses import dataclass
 
-from tiers import METHODS, TIERS, Encoded, Rounding, Tier
+from tiers import TIERS, Encoded, Rounding, Tier
 from tqsdeploy.allocate import Allocation, Choice, allocate
+from tqsdeploy.quantization import comparison_methods
 from tqsdeploy.sweep import Drift, Lanes, SweepRunner
 
 
@@ -110,7 +111,7 @@ class CandidateBuilding:
             self._keep_best(found)
         uniform_started = time.perf_counter()
         if fitting:
-            for method in METHODS if fitting[0].calibratable else ("rtn",):
+            for method in comparison_methods(self.rounding, fitting[0]):
                 uniform = self.uniform_candidate(fitting[0], Rounding(method), target)
                 uniform.allocation.solver = uniform.label
                 found.append(uniform)

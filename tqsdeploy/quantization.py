@@ -36,13 +36,18 @@ import numpy as np
 
 import graph_ops
 from graph_ops.layout import WeightLayout
-from tiers import TIERS, Encoded, Hessian, Layout, Rounding, Tier, encode, split
+from tiers import METHODS, TIERS, Encoded, Hessian, Layout, Rounding, Tier, encode, split
 from tiers.gptq import output_error
 from tqsdeploy.profiling import Profile
 from tqsdeploy.units import Unit
 
 MAX_PARTS = 64
 """Most channel groups one unit is split into."""
+DOMINATED_BY = {"qep": ("gptq", "gptaq")}
+"""Roundings whose uniform baseline never drifted less than the key's own at the same grid: QEP is GPTQ
+plus a correction of the weights (α = 0 is GPTQ) and GPTAQ the same aim without it, and on every
+example's held-out windows (benchmarks/results/frontier: four examples, W2/W4/W8) uniform QEP drifted
+less than uniform GPTAQ, which drifted less than GPTQ. Export compares only what can still win."""
 UNCACHED_FORMS = ("raw", "cast")
 """Stored forms made again when asked for, not kept: the weight itself, or a cast of it, costs a
 read (of a file, for a streamed model) and holding them would keep up to 1.5 copies of the model."""
@@ -77,6 +82,15 @@ def make_slots(units: Sequence[Unit], layouts: Mapping[str, WeightLayout], split
             name = unit.name if parts == 1 else f"{unit.name}[{a}:{b}]"
             slots.append(Slot(name, unit.name, per_channel * (b - a), None if parts == 1 else (int(a), int(b))))
     return slots
+
+
+def comparison_methods(rounding: Rounding, tier: Tier) -> tuple[str, ...]:
+    """Rounding methods whose uniform encodings at `tier` an export with `rounding` compares against: every
+    one but those its own dominates (`DOMINATED_BY`: each would cost a calibration pass to lose); RTN
+    alone where the tier takes no calibration."""
+    if not tier.calibratable:
+        return ("rtn",)
+    return tuple(m for m in METHODS if m not in DOMINATED_BY.get(rounding.method, ()))
 
 
 def _grid(tier: Tier) -> str:
