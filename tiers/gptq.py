@@ -22,6 +22,7 @@ caller's statistics.
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +32,55 @@ from typing import Iterator
 import numpy as np
 
 from tiers.grid import Grid, GridSpec, codes_on, find_grid, round_to_grid
+
+_ARRAY_MODULE = None
+
+
+def array_module():
+    """The array library the heavy products run in: CuPy when the optional `gpu` extra installed it and a
+    CUDA device is visible, else numpy (TQS_ARRAYS=numpy forces numpy). Same calls either way (CuPy
+    mirrors numpy's API), so CI runs this code under numpy. Written against CuPy's documented API
+    (cupy.asarray/asnumpy, cupy.linalg.cholesky, cupyx.scipy.linalg.solve_triangular); not yet run on a GPU."""
+    global _ARRAY_MODULE
+    if _ARRAY_MODULE is None:
+        _ARRAY_MODULE = np
+        if os.environ.get("TQS_ARRAYS", "auto") != "numpy":
+            try:
+                import cupy
+
+                if cupy.cuda.runtime.getDeviceCount() > 0:
+                    _ARRAY_MODULE = cupy
+            except Exception:  # noqa: BLE001 - not installed, no driver, no device: numpy
+                pass
+    return _ARRAY_MODULE
+
+
+def _on_host(value) -> np.ndarray:
+    """A result of `array_module()` as a numpy array (a copy off the device for CuPy)."""
+    return value if isinstance(value, np.ndarray) else array_module().asnumpy(value)
+
+
+def _gram(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """aᵀ·b (float64), on the device when there is one: the statistics' K x K products."""
+    xp = array_module()
+    if xp is np:
+        return a.T @ b
+    a_dev = xp.asarray(a)
+    return _on_host(a_dev.T @ (a_dev if b is a else xp.asarray(b)))
+
+
+def _device_inverse_cholesky(damped_reversed: np.ndarray) -> np.ndarray | None:
+    """`inverse_cholesky`'s J·L⁻¹·J on the device (None: numpy's LAPACK path applies, or the factor failed)."""
+    xp = array_module()
+    if xp is np:
+        return None
+    from cupyx.scipy.linalg import solve_triangular
+
+    lower = xp.linalg.cholesky(xp.asarray(damped_reversed))
+    inverse = solve_triangular(lower, xp.eye(lower.shape[0]), lower=True)
+    upper = _on_host(xp.ascontiguousarray(inverse[::-1, ::-1]))
+    return upper if np.all(np.isfinite(upper)) else None
+
 
 ROUND_BLOCK = 1 << 20
 """Elements rounded at a time (8 MiB per float64 temporary)."""
@@ -196,6 +246,8 @@ def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
     damp = percdamp * mean
     for _ in range(CHOLESKY_RETRIES + 1):
         work = _damped(H[::-1, ::-1], damp)
+        if (upper := _device_inverse_cholesky(work)) is not None:
+            return upper
         # work is symmetric and C-ordered, so work.T is the same matrix in Fortran order and LAPACK works on it in place
         factor, info = lapack.dpotrf(work.T, lower=1, clean=1, overwrite_a=1)
         if info == 0:
@@ -452,13 +504,23 @@ class Hessian:
     def __init__(self, columns: int, cross: bool = False):
         self._H = np.zeros((columns, columns))
         self._G = np.zeros((columns, columns)) if cross else None
-        self.count = 0
+        self._count = 0
         self._pending: list[tuple[np.ndarray, np.ndarray | None]] = []
         self._pending_rows = 0
         self.factors: dict = {}
         """Solver-side products of H (and G), by what they depend on: filled by `tiers.gptq.factor`."""
         self.lock = threading.Lock()
         """Held while a factor is computed: weights solved in parallel on one statistic compute it once."""
+
+    @property
+    def count(self) -> int:
+        """Rows seen (n), pending ones included."""
+        return self._count + self._pending_rows
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self._fold()
+        self._count = value
 
     @property
     def H(self) -> np.ndarray:
@@ -491,16 +553,16 @@ class Hessian:
             return
         pending, self._pending, rows, self._pending_rows = self._pending, [], self._pending_rows, 0
         x = np.concatenate([np.asarray(p[0], np.float64) for p in pending]) if len(pending) > 1 else np.asarray(pending[0][0], np.float64)
-        keep = self.count / (self.count + rows)
-        self.count += rows
+        keep = self._count / (self._count + rows)
+        self._count += rows
         self._H *= keep
-        self._H += _scaled(x.T @ x, 2.0 / self.count)
+        self._H += _scaled(_gram(x, x), 2.0 / self._count)
         if self._G is not None:
             self._G *= keep
             if any(p[1] is not None for p in pending):
                 delta = np.concatenate([np.asarray(p[1], np.float64) - p[0] if p[1] is not None else np.zeros(p[0].shape) for p in pending]) if len(pending) > 1 \
                     else np.asarray(pending[0][1], np.float64) - x
-                self._G += _scaled(delta.T @ x, 2.0 / self.count)
+                self._G += _scaled(_gram(delta, x), 2.0 / self._count)
         self.factors.clear()
 
     @classmethod

@@ -1,0 +1,139 @@
+"""Export's speed-ups change no result: shared factorizations, batched statistics, parallel solves, the profile."""
+
+import json
+
+import numpy as np
+import pytest
+from scipy.linalg import lapack
+from typer.testing import CliRunner
+
+import models
+import tiers.gptq as solvers
+from tiers import TIERS, Hessian, Rounding
+from tiers.layout import Layout
+from tiers.quantizer import quantize
+from tqsdeploy import ScoreSettings, score
+from tqsdeploy.cli import app
+from tqsdeploy.export import ExportSettings, Planner
+from tqsdeploy.profiling import KINDS, Profile
+from tqsdeploy.quantization import comparison_methods
+from test_export import scored  # noqa: F401 - the export tests' scored MLP, a fixture
+
+
+def _official_inverse_cholesky(H, percdamp):
+    """potrf / potri / potrf, as the reference implementations run it."""
+    damped = H + percdamp * np.mean(np.diag(H)) * np.eye(len(H))
+    lower, _ = lapack.dpotrf(damped, lower=1, clean=1)
+    inverse, _ = lapack.dpotri(lower, lower=1)
+    inverse = np.tril(inverse) + np.tril(inverse, -1).T
+    return np.linalg.cholesky(inverse).T
+
+
+@pytest.mark.parametrize("rows", [400, 40])  # well-posed, and rank-deficient (damping carries it)
+def test_inverse_cholesky_is_the_official_one(rows):
+    x = np.random.default_rng(0).standard_normal((rows, 96))
+    H = 2 / rows * x.T @ x
+    U = solvers.inverse_cholesky(H, 0.01)
+    np.testing.assert_allclose(U, _official_inverse_cholesky(H, 0.01), rtol=1e-7, atol=1e-9 * np.abs(U).max())
+    assert np.allclose(np.tril(U, -1), 0)
+
+
+def test_batched_statistics_equal_the_formula(monkeypatch):
+    monkeypatch.setattr(solvers, "STATS_BATCH_BYTES", 8 * 16 * 30)  # a fold every few adds
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((n, 16)).astype(np.float32) for n in (7, 13, 1, 25, 9)]
+    fulls = [x + 0.1 * rng.standard_normal(x.shape).astype(np.float32) for x in xs]
+    stats = Hessian(16, cross=True)
+    for x, full in zip(xs, fulls):
+        stats.add(x, full)
+    X, F = np.concatenate(xs).astype(np.float64), np.concatenate(fulls).astype(np.float64)
+    np.testing.assert_allclose(stats.H, 2 / len(X) * X.T @ X, rtol=1e-12)
+    np.testing.assert_allclose(stats.G, 2 / len(X) * (F - X).T @ X, rtol=1e-10, atol=1e-14)
+    same = Hessian(16, cross=True)
+    same.add(xs[0], xs[0])  # nothing quantized yet: no cross term
+    assert same.count == 7 and not same.G.any()
+
+
+@pytest.mark.parametrize("method", ["gptq", "gptaq", "qep"])
+def test_a_shared_factorization_gives_the_same_codes(method):
+    rng = np.random.default_rng(2)
+    weight = rng.standard_normal((48, 64)).astype(np.float32)
+    x = rng.standard_normal((300, 64))
+    layout = Layout((48, 64), (0, 1))
+    rounding = Rounding(method)
+
+    def statistic():
+        stats = Hessian(64, cross=True)
+        stats.add(x, x + 0.05 * rng.standard_normal(x.shape) if method != "gptq" else x)
+        return stats
+
+    stats = statistic()
+    for tier in ("int4-asym", "int2-asym", "int8-asym"):  # every tier of one weight on one statistic, as a mixed pass solves it
+        alone = quantize(weight, layout, TIERS[tier], rounding, [_copy(stats)])
+        shared = quantize(weight, layout, TIERS[tier], rounding, [stats])
+        np.testing.assert_array_equal(shared.codes, alone.codes)
+        np.testing.assert_array_equal(shared.scale, alone.scale)
+    assert ("U", 0.01, False) in stats.factors
+
+
+def _copy(stats: Hessian) -> Hessian:
+    fresh = Hessian(stats.H.shape[0], stats.G is not None)
+    fresh.add(np.zeros((0, stats.H.shape[0])))
+    fresh._H, fresh._G, fresh.count = stats.H.copy(), None if stats.G is None else stats.G.copy(), stats.count
+    return fresh
+
+
+def test_parallel_wave_solves_equal_one_at_a_time(tmp_path, monkeypatch):
+    model = models.two_branch(tmp_path / "two.onnx", n=64)  # three weights reading x: one wave, solved side by side
+    contexts = tmp_path / "ctx.npz"
+    np.savez(contexts, x=np.random.default_rng(3).standard_normal((4, 2, 64)).astype(np.float32))
+    score(model, contexts, steps=3, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
+    encoded = {}
+    for threads in (1, 3):
+        monkeypatch.setattr("tqsdeploy.calibrate.solver_threads", lambda threads=threads: threads)
+        planner = Planner(tmp_path / "run", model, ExportSettings())
+        assert max(len(wave) for wave in planner.encoder.calibrator.waves) == 3
+        encoded[threads] = planner.encoder.uniform("int4-asym", Rounding("qep"))
+        planner.close()
+    assert encoded[1].keys() == encoded[3].keys() and len(encoded[1]) == 3
+    for name in encoded[1]:
+        np.testing.assert_array_equal(encoded[1][name].dequantize(), encoded[3][name].dequantize())
+
+
+def test_export_records_and_prints_where_its_time_went(scored):
+    model, _, folder = scored
+    result = CliRunner().invoke(app, ["export", str(model), "--run", str(folder / "run"), "--C", "4", "--out-dir", str(folder), "--force", "--verbose", "--refine", "0"])
+    assert result.exit_code == 0, result.output
+    assert "time:" in result.output and "solver" in result.output
+    record = json.loads((folder / "mlp.C4.allocation.json").read_text())
+    profile = record["profile_s"]
+    assert set(profile) == {*KINDS, "other", "total"}
+    assert sum(profile[k] for k in KINDS) <= profile["total"] + 0.01
+    assert profile["solver"] > 0 and profile["measurement_rollouts"] > 0 and profile["write"] > 0
+    assert profile["total"] == record["timings_s"]["total"]
+    labels = [c["label"] for c in record["compared"]]
+    assert not any("gptq" in label or "gptaq" in label for label in labels)  # dominated by QEP: never computed
+
+
+def test_nested_sections_count_their_own_time():
+    profile = Profile()
+    with profile.section("solver"):
+        with profile.section("write"):
+            pass
+    assert set(profile.seconds) == {"solver", "write"}
+    split = profile.split({}, wall=1.0)
+    assert split["total"] == 1.0 and split["other"] == pytest.approx(1.0 - split["solver"] - split["write"], abs=2e-3)
+
+
+def test_only_what_can_still_win_is_compared():
+    assert comparison_methods(Rounding("qep"), TIERS["int4-asym"]) == ("rtn", "qep")
+    assert comparison_methods(Rounding("gptq"), TIERS["int4-asym"]) == ("rtn", "gptq", "gptaq", "qep")
+    assert comparison_methods(Rounding("qep"), TIERS["fp8"]) == ("rtn",)
+
+
+def test_the_array_module_is_numpy_without_a_device(monkeypatch):
+    monkeypatch.setattr(solvers, "_ARRAY_MODULE", None)
+    monkeypatch.setenv("TQS_ARRAYS", "numpy")
+    assert solvers.array_module() is np
+    x = np.arange(12.0).reshape(4, 3)
+    np.testing.assert_array_equal(solvers._gram(x, x), x.T @ x)
