@@ -1,104 +1,134 @@
-"""Export quality and speed on the bundled examples (run on demand).
+"""Time to result: `export` against the uniform QEP baseline, per model (run on demand; minutes).
 
-For each example: one score run, then TQS-PTQ at C ~ 8 and C ~ 16 with each
-objective (paper, response, measured) next to uniform INT4 and INT2 (every
-unit at one tier, same tool), each evaluated against the truth with ONNX
-Runtime's default optimisations. Also the export throughput (parameters per
-second of quantize + write) and the peak memory of an export.
+For every bundled example (examples/*/model.onnx), a BERT-size encoder (22.6M parameters, 128 tokens,
+random weights, built here with numpy + onnx by benchmarks/bench_score.py) and, with `--stack-gb G`, a
+MatMul stack of G GB (benchmarks/bench_memory.py's generator): `tqsdeploy score` with its defaults, then
+`tqsdeploy export --C C --verbose` (C = 4 for the examples, 8 for the BERT and the stack) and `tqsdeploy
+baseline --method qep` at the uniform grid nearest that C (32 / bits: W8 for C 4, W4 for C 8) on the same
+contexts and rollout, each a process of its own timed from outside. Reported: export wall, the ONNX Runtime
+time inside it (calibration and measurement rollouts), its solver and statistics time (the allocation
+JSON's `profile_s`), and the ratio export / baseline.
 
-    python benchmarks/bench_export.py
+    python benchmarks/bench_export.py [--models etth1_patchtst,...,bert] [--stack-gb 1.0] [--out export]
 
-Writes benchmarks/results/export.json and export.md.
+Writes benchmarks/results/export.json and export.md (`--out STEM`: STEM.json/.md). The machine this runs on
+is usually shared: ratios matter more than absolute times.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import platform
-import resource
+import subprocess
+import sys
 import tempfile
 import time
-import tracemalloc
 from pathlib import Path
 
-from tqsdeploy import score
-from tqsdeploy.errors import InfeasibleError
-from tqsdeploy.evaluate import evaluate
-from tqsdeploy.export import ExportSettings, Planner
+import numpy as np
+import onnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_score import bert  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-EXAMPLES = ("etth1_patchtst", "era5_emulator", "lorenz96")
-DEFAULT = ("fp32", "bf16", "int8", "int4", "int2")
-WITH_INT1 = DEFAULT + ("int1",)
+EVERY_EXAMPLE = tuple(sorted(p.parent.name for p in (REPO / "examples").glob("*/model.onnx")))
+BERT_TOKENS = 128
+TQS = [sys.executable, "-m", "tqsdeploy"]
 
 
-def _degradation(path: Path, folder: Path) -> float:
-    report = evaluate(path, folder / "model.onnx", folder / "contexts.npz", spec=folder / "rollout.toml", truth=folder / "truth.npz")
-    return report["degradation_pct"]
+def case(name: str, tmp: Path, stack_gb: float) -> dict:
+    """Model, contexts and rollout spec (files), and the compression target."""
+    if name == "bert":
+        model = bert(tmp / "bert.onnx", tokens=BERT_TOKENS)
+        np.savez(tmp / "bert_ctx.npz", ids=np.random.default_rng(1).integers(0, 30522, (2, 1, BERT_TOKENS)).astype(np.int64))
+        (tmp / "bert.toml").write_text('steps = 1\ntrajectory = ["hidden"]\n')
+        return {"model": model, "contexts": tmp / "bert_ctx.npz", "spec": tmp / "bert.toml", "C": 8}
+    if name == "stack":
+        from bench_memory import build as build_stack
+
+        folder = tmp / "stack"
+        folder.mkdir(exist_ok=True)
+        model = build_stack(folder, stack_gb)
+        width = onnx.load(str(model), load_external_data=False).graph.input[0].type.tensor_type.shape.dim[1].dim_value
+        np.savez(tmp / "stack_ctx.npz", x=np.random.default_rng(1).standard_normal((2, 4, width)).astype(np.float32))
+        (tmp / "stack.toml").write_text('steps = 2\ntrajectory = ["y"]\n[[feedback]]\noutput = "y"\ninput = "x"\n')
+        return {"model": model, "contexts": tmp / "stack_ctx.npz", "spec": tmp / "stack.toml", "C": 8}
+    folder = REPO / "examples" / name
+    return {"model": folder / "model.onnx", "contexts": folder / "contexts.npz", "spec": folder / "rollout.toml", "C": 4}
 
 
-def bench(example: str, tmp: Path) -> list[dict]:
-    folder = REPO / "examples" / example
-    run = tmp / example
-    score(folder / "model.onnx", folder / "contexts.npz", spec=folder / "rollout.toml", out=run)
-    rows = []
-    for tier in ("int4", "int2"):
-        planner = Planner(run, settings=ExportSettings(tiers=DEFAULT))
-        path = tmp / f"{example}.{tier}.onnx"
-        outcome = planner.export(None, path, uniform_tier=tier)
-        rows.append({"example": example, "method": f"uniform {tier.upper()}", "target": None, "tiers": tier, "C": outcome.allocation.compression, "bytes": outcome.file_bytes, "degradation_pct": _degradation(path, folder), "fell_back_to": None})
-        planner.close()
-    for objective in ("paper", "response", "measured"):
-        for target in (8, 16):
-            for tiers in (DEFAULT, WITH_INT1):
-                planner = Planner(run, settings=ExportSettings(tiers=tiers, objective=objective))
-                path = tmp / f"{example}.{objective}.C{target}.{len(tiers)}.onnx"
-                try:
-                    outcome = planner.export(target, path)
-                except InfeasibleError as exc:
-                    rows.append({"example": example, "method": f"TQS-PTQ {objective}", "target": target, "tiers": "+int1" if tiers == WITH_INT1 else "default", "C": None, "bytes": None, "degradation_pct": None, "fell_back_to": "infeasible, largest reachable C " + str(exc).split("largest reachable is ")[-1].split()[0]})
-                    continue
-                finally:
-                    planner.close()
-                rows.append({"example": example, "method": f"TQS-PTQ {objective}", "target": target, "tiers": "+int1" if tiers == WITH_INT1 else "default", "C": outcome.allocation.compression, "bytes": outcome.file_bytes, "degradation_pct": _degradation(path, folder), "fell_back_to": outcome.fell_back_to})
-    return rows
-
-
-def throughput(example: str, tmp: Path) -> dict:
-    """Quantize + write every unit at INT4 (no rollouts), timed and memory-traced."""
-    planner = Planner(tmp / example, settings=ExportSettings())
-    allocation = planner.uniform("int4")
-    params = sum(u.params for u in planner.units)
-    tracemalloc.start()
+def timed(command: list[str], log: Path) -> float:
+    """Wall seconds of one process; its output appended to `log`, a failure raised with the log's tail."""
     started = time.perf_counter()
-    planner.write(allocation, tmp / f"{example}.throughput.onnx")
+    with log.open("a") as sink:
+        done = subprocess.run(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "TQS_PROGRESS_INTERVAL": "60"})
     seconds = time.perf_counter() - started
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    planner.close()
-    return {"example": example, "params": params, "seconds": round(seconds, 4), "params_per_s": round(params / seconds), "peak_traced_mb": round(peak / 1e6, 2), "model_mb": round(planner.model.file_bytes / 1e6, 2)}
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, command))} exited {done.returncode}:\n" + "\n".join(log.read_text().splitlines()[-15:]))
+    return seconds
+
+
+def bench(name: str, tmp: Path, stack_gb: float) -> dict:
+    item = case(name, tmp, stack_gb)
+    run, log = tmp / f"{name}_run", tmp / f"{name}.log"
+    common = ["--contexts", str(item["contexts"]), "--spec", str(item["spec"])]
+    score_s = timed([*TQS, "score", str(item["model"]), *common, "--out", str(run)], log)
+    export_s = timed([*TQS, "export", str(item["model"]), "--run", str(run), "--C", f"{item['C']:g}", "-o", str(tmp / f"{name}.export.onnx"), "--force", "--verbose"], log)
+    record = json.loads((tmp / f"{name}.export.allocation.json").read_text())
+    profile = record.get("profile_s", {})
+    bits = min((8, 4, 2), key=lambda b: abs(32 / b - item["C"]))
+    baseline_s = timed([*TQS, "baseline", str(item["model"]), "--method", "qep", "--bits", str(bits), "--calib", str(item["contexts"]), "--spec", str(item["spec"]),
+                        "-o", str(tmp / f"{name}.qep-w{bits}.onnx"), "--force"], log)
+    params = sum(int(np.prod(t.dims)) for t in onnx.load(str(item["model"]), load_external_data=False).graph.initializer)
+    return {
+        "model": name, "params": params, "C": item["C"], "score_s": round(score_s, 2), "export_s": round(export_s, 2),
+        "export_inside_s": profile.get("total"), "onnxruntime_s": round(profile.get("calibration_rollouts", 0.0) + profile.get("measurement_rollouts", 0.0), 2),
+        "solver_s": profile.get("solver"), "statistics_s": profile.get("statistics"), "profile_s": profile,
+        "baseline": f"qep W{bits}", "baseline_s": round(baseline_s, 2), "ratio": round(export_s / baseline_s, 2),
+        "shipped": record.get("shipped"), "compression": round(record.get("compression", 0.0), 3), "drift_pct": record.get("drift_pct"),
+    }
+
+
+def write(rows: list[dict], stem: str, note: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"), "note": note}
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = [f"Export time to result, {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs. {note}", "",
+             "Each figure is one process timed from outside (wall seconds); 'inside' is export's own total, split by its `profile_s`",
+             "(ONNX Runtime = calibration + measurement rollouts). Ratio = export / `baseline --method qep` at the nearest uniform grid.", "",
+             "| model | params | C | export s | inside s | ONNX Runtime s | solver s | statistics s | baseline | baseline s | ratio | shipped | drift % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | | | failed: {r['error'].splitlines()[0][:120]} | | | | | | | | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['params']:,} | {r['C']} | {r['export_s']:.1f} | {r['export_inside_s']:.1f} | {r['onnxruntime_s']:.1f} | {r['solver_s']:.1f} | "
+                     f"{r['statistics_s']:.1f} | {r['baseline']} | {r['baseline_s']:.1f} | {r['ratio']:.2f} | {r['shipped']} | {r['drift_pct']:.4g} |")
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(EVERY_EXAMPLE + ("bert",)), help="examples, 'bert', 'stack' (comma-separated)")
+    parser.add_argument("--stack-gb", type=float, default=0.0, help="also time a MatMul stack of this many GB")
+    parser.add_argument("--out", default="export", help="result file stem under benchmarks/results/")
+    parser.add_argument("--note", default="", help="said beside the machine (e.g. that it was shared)")
+    args = parser.parse_args()
+    names = [n for n in args.models.split(",") if n] + (["stack"] if args.stack_gb > 0 and "stack" not in args.models else [])
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        rows = [row for example in EXAMPLES for row in bench(example, tmp)]
-        speed = [throughput(example, tmp) for example in EXAMPLES]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.platform(), "date": time.strftime("%Y-%m-%d"), "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3}
-    (RESULTS / "export.json").write_text(json.dumps({"meta": meta, "quality": rows, "throughput": speed}, indent=2))
-    lines = [f"Export benchmark, {meta['date']}, {meta['machine']}", "", "Degradation: (MAE_q - MAE_fp32) / MAE_fp32 against the truth, ONNX Runtime default optimisations.", ""]
-    lines += ["| example | method | target C | tiers | achieved C | bytes | degradation % | note |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        c = f"{r['C']:.2f}" if r["C"] else "-"
-        d = f"{r['degradation_pct']:.3f}" if r["degradation_pct"] is not None else "-"
-        note = f"fell back to uniform {r['fell_back_to']}" if r["fell_back_to"] and r["C"] else (r["fell_back_to"] or "")
-        lines.append(f"| {r['example']} | {r['method']} | {r['target'] or '-'} | {r['tiers']} | {c} | {r['bytes'] or '-'} | {d} | {note} |")
-    lines += ["", "| example | params | export s | params/s | peak traced MB | model MB |", "|---|---|---|---|---|---|"]
-    lines += [f"| {s['example']} | {s['params']} | {s['seconds']} | {s['params_per_s']} | {s['peak_traced_mb']} | {s['model_mb']} |" for s in speed]
-    (RESULTS / "export.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        for name in names:
+            try:
+                rows.append(bench(name, Path(tmp), args.stack_gb))
+            except RuntimeError as exc:
+                rows.append({"model": name, "error": str(exc)})
+            print(json.dumps(rows[-1]), flush=True)
+    write(rows, args.out, args.note)
 
 
 if __name__ == "__main__":
