@@ -22,65 +22,15 @@ caller's statistics.
 
 from __future__ import annotations
 
-import os
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
+from tiers import solver_backend as backend
+from tiers.solver_backend import device_inverse_cholesky, gram
 from tiers.grid import Grid, GridSpec, codes_on, find_grid, round_to_grid
-
-_ARRAY_MODULE = None
-
-
-def array_module():
-    """The array library the heavy products run in: CuPy when the optional `gpu` extra installed it and a
-    CUDA device is visible, else numpy (TQS_ARRAYS=numpy forces numpy). Same calls either way (CuPy
-    mirrors numpy's API), so CI runs this code under numpy. Written against CuPy's documented API
-    (cupy.asarray/asnumpy, cupy.linalg.cholesky, cupyx.scipy.linalg.solve_triangular); not yet run on a GPU."""
-    global _ARRAY_MODULE
-    if _ARRAY_MODULE is None:
-        _ARRAY_MODULE = np
-        if os.environ.get("TQS_ARRAYS", "auto") != "numpy":
-            try:
-                import cupy
-
-                if cupy.cuda.runtime.getDeviceCount() > 0:
-                    _ARRAY_MODULE = cupy
-            except Exception:  # noqa: BLE001 - not installed, no driver, no device: numpy
-                pass
-    return _ARRAY_MODULE
-
-
-def _on_host(value) -> np.ndarray:
-    """A result of `array_module()` as a numpy array (a copy off the device for CuPy)."""
-    return value if isinstance(value, np.ndarray) else array_module().asnumpy(value)
-
-
-def _gram(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """aᵀ·b (float64), on the device when there is one: the statistics' K x K products."""
-    xp = array_module()
-    if xp is np:
-        return a.T @ b
-    a_dev = xp.asarray(a)
-    return _on_host(a_dev.T @ (a_dev if b is a else xp.asarray(b)))
-
-
-def _device_inverse_cholesky(damped_reversed: np.ndarray) -> np.ndarray | None:
-    """`inverse_cholesky`'s J·L⁻¹·J on the device (None: numpy's LAPACK path applies, or the factor failed)."""
-    xp = array_module()
-    if xp is np:
-        return None
-    from cupyx.scipy.linalg import solve_triangular
-
-    lower = xp.linalg.cholesky(xp.asarray(damped_reversed))
-    inverse = solve_triangular(lower, xp.eye(lower.shape[0]), lower=True)
-    upper = _on_host(xp.ascontiguousarray(inverse[::-1, ::-1]))
-    return upper if np.all(np.isfinite(upper)) else None
-
 
 ROUND_BLOCK = 1 << 20
 """Elements rounded at a time (8 MiB per float64 temporary)."""
@@ -170,34 +120,6 @@ def _dead(Wt: np.ndarray, H: np.ndarray, own: bool = False) -> tuple[np.ndarray,
     return Wt, H, dead
 
 
-_THREAD_CAP: int | None = None
-"""BLAS threads each solve may use while solves run side by side (`shared_cores`); None: no cap."""
-
-
-def solver_threads() -> int:
-    """Cores the solvers may use: numpy's BLAS threads as threadpoolctl sees them now (the core count, or
-    what OMP_NUM_THREADS / threadpool_limits set), so parallel solves never exceed a limit the user set."""
-    from threadpoolctl import threadpool_info
-
-    counts = [lib["num_threads"] for lib in threadpool_info() if lib.get("user_api") == "blas"]
-    return max(1, min(counts) if counts else 1)
-
-
-@contextmanager
-def shared_cores(workers: int) -> Iterator[None]:
-    """`workers` solves at once, each on cores // workers BLAS threads (no more threads than cores)."""
-    global _THREAD_CAP
-    from threadpoolctl import threadpool_limits
-
-    each = max(1, solver_threads() // max(1, workers))
-    previous, _THREAD_CAP = _THREAD_CAP, each
-    try:
-        with threadpool_limits(limits=each, user_api="blas"):
-            yield
-    finally:
-        _THREAD_CAP = previous
-
-
 LAPACK_THREADS_FROM = 2048
 """Matrix order from which scipy's own OpenBLAS (when it has one) runs LAPACK on all its threads."""
 _LAPACK: tuple | None = None
@@ -223,8 +145,8 @@ def _lapack(order: int):
     lapack, own = _LAPACK
     for lib, threads in own:
         wanted = threads if order >= LAPACK_THREADS_FROM else 1
-        if _THREAD_CAP is not None:
-            wanted = min(wanted, _THREAD_CAP)
+        if backend.THREAD_CAP is not None:
+            wanted = min(wanted, backend.THREAD_CAP)
         if lib.num_threads != wanted:
             lib.set_num_threads(wanted)
     return lapack
@@ -246,7 +168,7 @@ def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
     damp = percdamp * mean
     for _ in range(CHOLESKY_RETRIES + 1):
         work = _damped(H[::-1, ::-1], damp)
-        if (upper := _device_inverse_cholesky(work)) is not None:
+        if (upper := device_inverse_cholesky(work)) is not None:
             return upper
         # work is symmetric and C-ordered, so work.T is the same matrix in Fortran order and LAPACK works on it in place
         factor, info = lapack.dpotrf(work.T, lower=1, clean=1, overwrite_a=1)
@@ -556,13 +478,13 @@ class Hessian:
         keep = self._count / (self._count + rows)
         self._count += rows
         self._H *= keep
-        self._H += _scaled(_gram(x, x), 2.0 / self._count)
+        self._H += _scaled(gram(x, x), 2.0 / self._count)
         if self._G is not None:
             self._G *= keep
             if any(p[1] is not None for p in pending):
                 delta = np.concatenate([np.asarray(p[1], np.float64) - p[0] if p[1] is not None else np.zeros(p[0].shape) for p in pending]) if len(pending) > 1 \
                     else np.asarray(pending[0][1], np.float64) - x
-                self._G += _scaled(_gram(delta, x), 2.0 / self._count)
+                self._G += _scaled(gram(delta, x), 2.0 / self._count)
         self.factors.clear()
 
     @classmethod

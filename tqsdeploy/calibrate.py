@@ -33,7 +33,7 @@ from graph_ops.layout import WeightLayout
 from graph_ops.qdq import fed_codes_model
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
-from tiers.gptq import shared_cores, solver_threads
+from tiers.solver_backend import shared_cores, solver_threads
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.errors import InputError, TqsError
@@ -186,7 +186,7 @@ class Calibrator:
     def _solve(self, names: list[str], stats: dict | None, encode: EncodeFn) -> dict[str, tuple[Encoded, int | None, int | None]]:
         """Encode the wave's weights (on `stats`, when collected): (encoding, rows, input width when thin) by
         name. Weights of a wave are independent, so they are solved side by side in threads (numpy and
-        LAPACK release the GIL), the cores' BLAS threads split between them (`tiers.gptq.shared_cores`).
+        LAPACK release the GIL), the cores' BLAS threads split between them (`tiers.solver_backend.shared_cores`).
         A statistic's factorizations go as soon as the last weight reading it is done."""
         readers: dict[tuple, int] = {}
         for name in names:

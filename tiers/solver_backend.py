@@ -1,0 +1,91 @@
+"""Where the rounding solvers' arrays and threads come from.
+
+`array_module` picks the array library of the heavy products (CuPy on a CUDA device when the `gpu` extra
+is installed, numpy otherwise): the same calls run in CI under numpy. `shared_cores` splits the cores'
+BLAS threads between solves that run side by side (`tqsdeploy.calibrate`), so parallel solves never
+ask for more threads than threadpoolctl says numpy may use.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+import numpy as np
+
+_ARRAY_MODULE = None
+
+
+def array_module():
+    """The array library the heavy products run in: CuPy when the optional `gpu` extra installed it and a
+    CUDA device is visible, else numpy (TQS_ARRAYS=numpy forces numpy). Same calls either way (CuPy
+    mirrors numpy's API), so CI runs this code under numpy. Written against CuPy's documented API
+    (cupy.asarray/asnumpy, cupy.linalg.cholesky, cupyx.scipy.linalg.solve_triangular); not yet run on a GPU."""
+    global _ARRAY_MODULE
+    if _ARRAY_MODULE is None:
+        _ARRAY_MODULE = np
+        if os.environ.get("TQS_ARRAYS", "auto") != "numpy":
+            try:
+                import cupy
+
+                if cupy.cuda.runtime.getDeviceCount() > 0:
+                    _ARRAY_MODULE = cupy
+            except Exception:  # noqa: BLE001 - not installed, no driver, no device: numpy
+                pass
+    return _ARRAY_MODULE
+
+
+def _on_host(value) -> np.ndarray:
+    """A result of `array_module()` as a numpy array (a copy off the device for CuPy)."""
+    return value if isinstance(value, np.ndarray) else array_module().asnumpy(value)
+
+
+def gram(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """aᵀ·b (float64), on the device when there is one: the statistics' K x K products."""
+    xp = array_module()
+    if xp is np:
+        return a.T @ b
+    a_dev = xp.asarray(a)
+    return _on_host(a_dev.T @ (a_dev if b is a else xp.asarray(b)))
+
+
+def device_inverse_cholesky(damped_reversed: np.ndarray) -> np.ndarray | None:
+    """`inverse_cholesky`'s J·L⁻¹·J on the device (None: numpy's LAPACK path applies, or the factor failed)."""
+    xp = array_module()
+    if xp is np:
+        return None
+    from cupyx.scipy.linalg import solve_triangular
+
+    lower = xp.linalg.cholesky(xp.asarray(damped_reversed))
+    inverse = solve_triangular(lower, xp.eye(lower.shape[0]), lower=True)
+    upper = _on_host(xp.ascontiguousarray(inverse[::-1, ::-1]))
+    return upper if np.all(np.isfinite(upper)) else None
+
+
+THREAD_CAP: int | None = None
+"""BLAS threads each solve may use while solves run side by side (`shared_cores`); None: no cap."""
+
+
+def solver_threads() -> int:
+    """Cores the solvers may use: numpy's BLAS threads as threadpoolctl sees them now (the core count, or
+    what OMP_NUM_THREADS / threadpool_limits set), so parallel solves never exceed a limit the user set."""
+    from threadpoolctl import threadpool_info
+
+    counts = [lib["num_threads"] for lib in threadpool_info() if lib.get("user_api") == "blas"]
+    return max(1, min(counts) if counts else 1)
+
+
+@contextmanager
+def shared_cores(workers: int) -> Iterator[None]:
+    """`workers` solves at once, each on cores // workers BLAS threads (no more threads than cores)."""
+    global THREAD_CAP
+    from threadpoolctl import threadpool_limits
+
+    each = max(1, solver_threads() // max(1, workers))
+    previous, THREAD_CAP = THREAD_CAP, each
+    try:
+        with threadpool_limits(limits=each, user_api="blas"):
+            yield
+    finally:
+        THREAD_CAP = previous
