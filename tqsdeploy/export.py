@@ -46,7 +46,7 @@ from tqsdeploy.errors import USER_ERRORS, InfeasibleError, InputError
 from tqsdeploy.export_candidates import Candidate, CandidateBuilding
 from tqsdeploy.export_settings import AUTO_LAYOUT, RUNTIME_LAYOUTS, TARGETS, ExportSettings
 from tqsdeploy.export_writing import BASIS_GAP, WARN_DRIFT_PCT, Outcome, Writing
-from tqsdeploy.quantization import Encoder, Slot, make_slots
+from tqsdeploy.quantization import AnyRounding, Encoder, Slot, make_slots, rounding_at
 from tqsdeploy.prepare import Prepared
 from tqsdeploy.runs import ScoreRun, current_versions, default_run_dir, score_runs
 from tqsdeploy.size import ModelSize, SizeBudget, split_bits
@@ -98,7 +98,11 @@ class Planner(CandidateBuilding, Writing):
         model = Path(model) if model is not None else run.model.path
         self.settings = settings
         self.tiers: list[Tier] = get_tiers(list(settings.tier_names), settings.runtime, settings.group_size)
-        self.rounding = Rounding(settings.rounding)
+        self._rounding: AnyRounding | None = None if settings.rounding == "auto" else Rounding(settings.rounding)
+        self.rounding_choice: dict[str, dict[str, float]] = {}
+        """With --rounding auto: per calibratable tier, each method's uniform drift (percent) on the scoring contexts."""
+        self._uniform_drifts: dict[tuple[str, Rounding], Drift] = {}
+        """Uniform candidates' drifts already measured (a uniform model is measured once per export)."""
         try:
             self.prepared: Prepared = run.prepare(
                 model,
@@ -158,7 +162,19 @@ class Planner(CandidateBuilding, Writing):
         """The model with its unit weights as plain inputs (no weight data): what large candidates run on."""
         self.runtime = runtime
         self._choices: dict[str, list[Choice]] = {}
-        self.timings: dict[str, float] = {"pricing": 0.0, "refine": 0.0, "compare": 0.0}
+        self.timings: dict[str, float] = {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0}
+
+    @property
+    def rounding(self) -> AnyRounding:
+        """The rounding every encoding of this export uses: the one asked for, or with 'auto' one method per
+        tier, chosen by measurement the first time it is needed (`choose_roundings`)."""
+        if self._rounding is None:
+            self._rounding = self.choose_roundings()
+        return self._rounding
+
+    def rounding_at(self, tier: str) -> Rounding:
+        """The method that rounds `tier`'s codes in this export."""
+        return rounding_at(self.rounding, tier)
 
     def _checkpoint_identity(self, runtime: Runtime) -> str:
         """What every calibration pass of this export depends on besides its tiers and rounding: the score
@@ -336,7 +352,7 @@ class Planner(CandidateBuilding, Writing):
 
     def _probe(self, tier: Tier) -> str:
         group = f"/g{self.settings.group_size}" if self.settings.group_size else ""
-        method = self.rounding.method if tier.calibratable else "rtn"
+        method = self.rounding_at(tier.name).method if tier.calibratable else "rtn"
         return f"tier:{tier.name}{group}/{method}"
 
     def measured_tasks(self) -> list[tuple[Slot, Tier]]:
@@ -371,7 +387,7 @@ class Planner(CandidateBuilding, Writing):
         try:
             for tier in {tier.name: tier for slot, tier in self.measured_tasks() if Task(slot.name, self._probe(tier)).key not in done}.values():
                 if tier.calibratable:  # each tier's encoding pass before the first rollout, so the rollouts' ETA is theirs
-                    self.encoder.uniform(tier, self.rounding)
+                    self.encoder.uniform(tier, self.rounding_at(tier.name))
             pending = [(slot, tier) for slot, tier in self.measured_tasks() if Task(slot.name, self._probe(tier)).key not in done]
 
             def price(lane: SweepRunner, item):
@@ -446,7 +462,7 @@ class Planner(CandidateBuilding, Writing):
     def uniform(self, tier: str) -> Allocation:
         return self._allocation({s.name: tier for s in self.slots}, None, "uniform", "uniform")
 
-    def encodings(self, allocation: Allocation, calibrated: bool = False, rounding: Rounding | None = None) -> dict[str, Encoded]:
+    def encodings(self, allocation: Allocation, calibrated: bool = False, rounding: AnyRounding | None = None) -> dict[str, Encoded]:
         rounding = rounding or self.rounding
         if calibrated:
             return self.encoder.calibrated(self.slots, allocation.tiers, rounding)

@@ -13,8 +13,11 @@ from dataclasses import dataclass
 
 from tiers import TIERS, Encoded, Rounding, Tier
 from tqsdeploy.allocate import Allocation, Choice, allocate
-from tqsdeploy.quantization import comparison_methods
+from tqsdeploy.quantization import TierRoundings, comparison_methods
 from tqsdeploy.sweep import Drift, Lanes, SweepRunner
+
+AUTO_METHODS = ("qep", "gptaq", "gptq")
+"""What `--rounding auto` chooses from on a calibratable tier (listed first wins a tie)."""
 
 
 def _rank(candidate: "Candidate") -> tuple[float, float]:
@@ -64,7 +67,7 @@ class CandidateBuilding:
 
             for tier in {tier for _, tier in trials} | set(best.tiers.values()):
                 if TIERS[tier].calibratable:  # each tier's pass before the lanes start: they only read encodings
-                    self.encoder.uniform(TIERS[tier], self.rounding)
+                    self.encoder.uniform(TIERS[tier], self.rounding_at(tier))
 
             def trial(lane: SweepRunner, item, tiers=best.tiers, base=base):
                 for name, tier in item:
@@ -122,12 +125,39 @@ class CandidateBuilding:
 
     def uniform_candidate(self, tier: Tier, rounding: Rounding, target: float | None) -> Candidate:
         """Every slot at `tier`, codes chosen by `rounding` (to nearest on a tier that takes no calibration),
-        measured: the one way a uniform baseline is built, for the fallback, `export --uniform` and `frontier`."""
+        measured: the one way a uniform baseline is built, for the fallback, `export --uniform` and `frontier`.
+        Measured once per export: `choose_roundings` measured these models already, the comparison reuses it."""
         allocation = self.uniform(tier.name)
         allocation.target = target
         encodings = self.encoder.uniform(tier, rounding)
         label = f"uniform {tier.name} {rounding.method if tier.calibratable else 'rtn'}"
-        return Candidate(label, allocation, encodings, self.measure(encodings), (tier.name, rounding))
+        key = (tier.name, rounding if tier.calibratable else Rounding())
+        if key not in self._uniform_drifts:
+            self._uniform_drifts[key] = self.measure(encodings)
+        return Candidate(label, allocation, encodings, self._uniform_drifts[key], (tier.name, rounding))
+
+    def choose_roundings(self) -> TierRoundings:
+        """`--rounding auto`: per calibratable tier of the set, the method (`AUTO_METHODS`) whose uniform model at
+        that tier drifts least on the scoring contexts. The best method differs per grid and per model (on a real
+        model GPTAQ drifted least at 8 bits and QEP at 4), and a uniform model is where a method's codes at a
+        tier meet the rollout as they will in the mixed one. Every tier is chosen before pricing, so a slot's
+        price, the mixed model and its calibration as itself all use the same codes; the uniform models measured
+        here are among the candidates the export compares."""
+        started = time.perf_counter()
+        chosen = []
+        for tier in self.tiers:
+            if not tier.calibratable:
+                continue
+            measured = {method: self.uniform_candidate(tier, Rounding(method), None) for method in AUTO_METHODS}
+            best = min(measured, key=lambda method: _rank(measured[method]))
+            self.rounding_choice[tier.name] = {method: candidate.drift.worst_pct for method, candidate in measured.items()}
+            chosen.append((tier.name, Rounding(best)))
+            if self.one_session:  # a byte per weight each: keep only what the export goes on to read
+                for method in measured:
+                    if method != best:
+                        self.encoder.forget(tier, Rounding(method))
+        self.timings["rounding"] += time.perf_counter() - started
+        return TierRoundings(tuple(chosen))
 
     def _keep_best(self, found: list[Candidate]) -> None:
         """Only the best candidate is ever written: for a large model, drop the others' codes as soon as
@@ -138,7 +168,7 @@ class CandidateBuilding:
         for candidate in found:
             if candidate is not best and candidate.encodings:
                 candidate.encodings = {}
-                if candidate.cached and (candidate.cached[1] != self.rounding or not candidate.cached[1].needs_stats):
+                if candidate.cached and (candidate.cached[1] != self.rounding_at(candidate.cached[0]) or not candidate.cached[1].needs_stats):
                     self.encoder.forget(*candidate.cached)  # cheap to make again, or not this export's own rounding
                 if candidate.calibrated:
                     self.encoder.forget_mixed()

@@ -9,6 +9,9 @@ from tqsdeploy.allocate import OBJECTIVES, check_allocator
 from tqsdeploy.errors import InputError
 from tqsdeploy.size import check_basis
 
+ROUNDINGS = (*METHODS, "auto")
+"""`--rounding`: one method for every tier, or 'auto': per tier the method whose uniform model at that tier
+drifts least on the scoring contexts (`CandidateBuilding.choose_roundings`)."""
 TARGETS = ("ort-cpu", "ort-cuda", "trt")
 """Where the exported model will run (`--target`); 'ort' is read as 'ort-cpu'."""
 RUNTIME_LAYOUTS = ("auto", "dequantized", "fused")
@@ -32,7 +35,7 @@ class ExportSettings:
     group_size: int | None = None
     objective: str = "measured"
     rounding: str = "qep"
-    """How codes are chosen on each tier's grid: rtn, gptq, gptaq or qep."""
+    """How codes are chosen on each tier's grid: rtn, gptq, gptaq, qep, or auto (chosen per tier by measurement)."""
     fp32_fraction: float | None = None
     """Share of the units' FP32 size forced to FP32 (Algorithm 1); None: 0.10 for the paper objective, 0 otherwise."""
     allocator: str = "mckp"
@@ -60,8 +63,8 @@ class ExportSettings:
             raise InputError(f"unknown runtime layout '{self.runtime_layout}'; choose one of {', '.join(RUNTIME_LAYOUTS)}")
         if self.objective not in OBJECTIVES:
             raise InputError(f"unknown objective '{self.objective}'; choose one of {', '.join(OBJECTIVES)}")
-        if self.rounding not in METHODS:
-            raise InputError(f"unknown rounding '{self.rounding}'; choose one of {', '.join(METHODS)}")
+        if self.rounding not in ROUNDINGS:
+            raise InputError(f"unknown rounding '{self.rounding}'; choose one of {', '.join(ROUNDINGS)}")
         check_basis(self.basis)
         check_allocator(self.allocator)
         if self.refine < 0:

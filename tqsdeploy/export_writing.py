@@ -57,6 +57,8 @@ class Outcome:
     """About the weight bytes a session holds after loading the file (`Planner.loaded_weight_bytes`)."""
     profile: dict[str, float] = field(default_factory=dict)
     """Seconds of this export by kind of work (`tqsdeploy.profiling`), as its allocation record keeps them."""
+    rounding: dict[str, str] = field(default_factory=dict)
+    """The rounding method of each calibratable tier the file stores."""
 
     def fake_quantized(self) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the file (exact dequantization)."""
@@ -140,7 +142,7 @@ class Writing:
         notes: list[str] = []
         if uniform_tier is not None:
             tier = get_tiers([uniform_tier], self.settings.runtime, self.settings.group_size)[0]
-            compared = [self.uniform_candidate(tier, Rounding(rounding) if rounding else self.rounding, target)]
+            compared = [self.uniform_candidate(tier, Rounding(rounding) if rounding else self.rounding_at(tier.name), target)]
         else:
             compared = self.candidates(target, on_result, final)
         chosen = compared[0]
@@ -177,6 +179,7 @@ class Writing:
         if target is not None and uniform_tier is None and self.settings.basis == "file" and unit_compression > BASIS_GAP * compression:
             notes.insert(0, self._basis_note(target, compression, unit_compression, chosen.allocation))
         table = self.table(chosen.allocation)
+        rounding = self._rounding_by_tier(chosen)
         summary = {
             "model": str(self.model.path),
             "run": str(self.run_dir),
@@ -187,6 +190,8 @@ class Writing:
             "weights_in_memory_bytes": self.loaded_weight_bytes(chosen.encodings),
             "objective": chosen.allocation.objective,
             "rounding": chosen.label.split()[-1] if uniform_tier is not None else self.rounding.method,
+            "rounding_by_tier": rounding,
+            "rounding_choice": self.rounding_choice,
             "solver": chosen.allocation.solver,
             "shipped": chosen.label,
             "settings": asdict(self.settings),
@@ -203,7 +208,15 @@ class Writing:
         write_table(table, f"{stem}.allocation.parquet")
         write_json(f"{stem}.allocation.json", summary)
         return Outcome(chosen.allocation, path, written.bytes, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table, chosen.encodings, notes,
-                       written.files, layout=self.settings.layout, memory_bytes=summary["weights_in_memory_bytes"], profile=summary["profile_s"])
+                       written.files, layout=self.settings.layout, memory_bytes=summary["weights_in_memory_bytes"], profile=summary["profile_s"],
+                       rounding=rounding)
+
+    def _rounding_by_tier(self, chosen) -> dict[str, str]:
+        """The method that rounded each calibratable tier of the shipped candidate: a uniform one's own, else the export's."""
+        if chosen.cached is not None:
+            tier, rounding = chosen.cached
+            return {tier: rounding.method} if TIERS[tier].calibratable else {}
+        return {tier: self.rounding_at(tier).method for tier in sorted(set(chosen.allocation.tiers.values())) if TIERS[tier].calibratable}
 
     def loaded_weight_bytes(self, encodings: dict[str, Encoded]) -> int:
         """About how many bytes of weights an ONNX Runtime session of the written model holds after load: it

@@ -84,10 +84,44 @@ def make_slots(units: Sequence[Unit], layouts: Mapping[str, WeightLayout], split
     return slots
 
 
-def comparison_methods(rounding: Rounding, tier: Tier) -> tuple[str, ...]:
+@dataclass(frozen=True)
+class TierRoundings:
+    """A rounding method per tier (`export --rounding auto`): the best rounding differs per grid (on a real
+    model GPTAQ drifted least at 8 bits and QEP at 4, where GPTQ drifted 9x more), so each tier's codes
+    come from the method chosen for it; `default` serves the tiers not named."""
+
+    by_tier: tuple[tuple[str, Rounding], ...]
+    default: Rounding = Rounding("qep")
+    label: str = "auto"
+
+    def at(self, tier: str) -> Rounding:
+        return dict(self.by_tier).get(tier, self.default)
+
+    @property
+    def method(self) -> str:
+        return self.label
+
+    @property
+    def needs_stats(self) -> bool:
+        return self.default.needs_stats or any(r.needs_stats for _, r in self.by_tier)
+
+    @property
+    def needs_cross(self) -> bool:
+        return self.default.needs_cross or any(r.needs_cross for _, r in self.by_tier)
+
+
+AnyRounding = Rounding | TierRoundings
+
+
+def rounding_at(rounding: AnyRounding, tier: str) -> Rounding:
+    """The one method that rounds `tier`'s codes."""
+    return rounding.at(tier) if isinstance(rounding, TierRoundings) else rounding
+
+
+def comparison_methods(rounding: AnyRounding, tier: Tier) -> tuple[str, ...]:
     """Rounding methods whose uniform encodings at `tier` an export with `rounding` compares against: every
-    one but those its own dominates (`DOMINATED_BY`: each would cost a calibration pass to lose); RTN
-    alone where the tier takes no calibration."""
+    one but those its own dominates (`DOMINATED_BY`: each would cost a calibration pass to lose; auto dominates
+    none, it measured them to choose); RTN alone where the tier takes no calibration."""
     if not tier.calibratable:
         return ("rtn",)
     return tuple(m for m in METHODS if m not in DOMINATED_BY.get(rounding.method, ()))
@@ -188,7 +222,7 @@ class Encoder:
             blocks = [slice(g * rows, (g + 1) * rows) for g in range(len(stats))]
             target[name] = float(np.sqrt(sum(output_error(original[b], values[b], s) ** 2 for b, s in zip(blocks, stats))))
 
-    def _pass(self, encode_one: Callable[[str, list[Hessian] | None], Encoded], rounding: Rounding, label: str, identity: str) -> dict[str, Encoded]:
+    def _pass(self, encode_one: Callable[[str, list[Hessian] | None], Encoded], rounding: AnyRounding, label: str, identity: str) -> dict[str, Encoded]:
         """Encode every unit tensor: directly, or sequentially on calibration statistics (checkpointed,
         see `checkpoints`; `identity` names what this pass's codes depend on besides the model).
         What a pass returns is kept compact (sub-byte codes packed as on disk) from the first weight on."""
@@ -263,12 +297,12 @@ class Encoder:
         if self._calibrator is not None:
             self._calibrator.release()
 
-    def tensor(self, name: str, tier: Tier | str, rounding: Rounding) -> Encoded:
+    def tensor(self, name: str, tier: Tier | str, rounding: AnyRounding) -> Encoded:
         """One unit tensor's entry of `uniform(tier, rounding)`; a tier that needs no calibration
         encodes just this tensor (kept unless its form is the weight itself or a cast of it)."""
         tier = TIERS[tier] if isinstance(tier, str) else tier
         if tier.calibratable:
-            return self.uniform(tier, rounding)[name]
+            return self.uniform(tier, rounding_at(rounding, tier.name))[name]
         if (tier.name, name) in self._single:
             return self._single[(tier.name, name)]
         encoded = self._encode(name, tier, Rounding(), None).compact()
@@ -294,11 +328,11 @@ class Encoder:
         graph_ops.release_pages(self.weights, list(forms))
         return forms
 
-    def slot(self, slot: Slot, tier: Tier | str, rounding: Rounding) -> dict[str, Encoded]:
+    def slot(self, slot: Slot, tier: Tier | str, rounding: AnyRounding) -> dict[str, Encoded]:
         """The slot's own encodings at `tier` (its channel group only, for a split unit)."""
         return {name: self.channels(name, self.tensor(name, tier, rounding), slot.rows) for name in self.units[slot.unit].tensor_names}
 
-    def slot_weights(self, slot: Slot, tier: Tier | str, rounding: Rounding) -> dict[str, np.ndarray]:
+    def slot_weights(self, slot: Slot, tier: Tier | str, rounding: AnyRounding) -> dict[str, np.ndarray]:
         """Full tensors of the slot's unit with only the slot at `tier` (the rest at full precision)."""
         weights = {}
         for name, encoded in self.slot(slot, tier, rounding).items():
@@ -339,7 +373,7 @@ class Encoder:
             parts.append(self.channels(name, expanded[tier], rows))
         return split(parts, self.layouts[name]).compact()
 
-    def assemble(self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: Rounding) -> dict[str, Encoded]:
+    def assemble(self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: AnyRounding) -> dict[str, Encoded]:
         """A mixed allocation from the uniform encodings (each slot as it was priced)."""
         result = {}
         for name in self.layouts:
@@ -347,7 +381,7 @@ class Encoder:
             result[name] = self._join(name, runs, lambda tier: self.tensor(name, tier, rounding))
         return result
 
-    def calibrated(self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: Rounding) -> dict[str, Encoded]:
+    def calibrated(self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: AnyRounding) -> dict[str, Encoded]:
         """A mixed allocation calibrated as itself: every earlier wave at its own tier."""
         if not rounding.needs_stats:
             return self.assemble(slots, assignment, rounding)
@@ -360,7 +394,7 @@ class Encoder:
 
                 def pick(tier: str) -> Encoded:
                     if tier not in cache:
-                        cache[tier] = self._encode(name, TIERS[tier], rounding if TIERS[tier].calibratable else Rounding(), stats)
+                        cache[tier] = self._encode(name, TIERS[tier], rounding_at(rounding, tier) if TIERS[tier].calibratable else Rounding(), stats)
                     return cache[tier]
 
                 return self._join(name, runs, pick)

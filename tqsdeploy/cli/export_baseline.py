@@ -68,7 +68,7 @@ def export(
     uniform_tier: Optional[str] = typer.Option(None, "--uniform", metavar="TIER", help=f"Store every unit at this tier instead (a uniform baseline): {', '.join(TIERS)}."),
     run: Optional[Path] = typer.Option(None, "--run", help="Score run folder (default: the model's run in tqs-runs/; without a model, the only run there)."),
     tiers: Optional[str] = typer.Option(None, "--tiers", help=f"Tiers to choose from ({', '.join(TIERS)}); default {','.join(DEFAULT_TIERS)} (--target trt: {','.join(TRT_TIERS)})."),
-    rounding: str = typer.Option("qep", "--rounding", metavar="|".join(METHODS), help="How codes are chosen on each tier's grid: rtn, gptq, gptaq or qep (calibrated on the run's contexts)."),
+    rounding: str = typer.Option("qep", "--rounding", metavar="|".join((*METHODS, "auto")), help="How codes are chosen on each tier's grid: rtn, gptq, gptaq or qep (calibrated on the run's contexts); auto: per tier the method whose uniform model drifts least on them."),
     target: str = typer.Option("ort-cpu", "--target", metavar="ort-cpu|ort-cuda|trt", help="Runtime the model is for: ort-cpu (default; 'ort' too), ort-cuda or trt (restricts tiers, trt uses symmetric grids; decides --runtime-layout auto)."),
     runtime_layout: str = typer.Option("auto", "--runtime-layout", metavar="auto|dequantized|fused", help="dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed and memory, the small file); fused: DequantizeLinear (MatMulNBits on ORT, fast for few rows; what TensorRT needs); auto (default): dequantized for ort-cpu/ort-cuda, fused for trt."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer quantization along the reduction axis (e.g. 32, 64, 128)."),
@@ -142,8 +142,6 @@ def export(
             _refuse_overwrite(path, f"{path.with_suffix('')}.allocation.json")
     progress = progress_bar("measuring tiers", "rollouts")
 
-    pending = planner.pending_measurements() if compression else 0
-
     def on_result(result) -> None:
         if progress.total is None:
             progress.start(pending)
@@ -166,6 +164,7 @@ def export(
             encoding[0].stop()
 
     planner.encoder.on_pass, planner.encoder.on_weight = on_pass, on_weight
+    pending = planner.pending_measurements() if compression else 0  # with --rounding auto, after the passes that choose it (shown as they run)
 
     rows = []
     try:
@@ -199,6 +198,10 @@ def export(
         _say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
         out.print(frame_table(summary, "", ["tier", "slots", "params", "bytes"]))
         out.print(f"  runtime layout: {_layout_cost(outcome, settings)}")
+        if settings.rounding == "auto":
+            choice = "; ".join(f"{tier} {planner.rounding_at(tier).method} (" + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items()) + ")"
+                               for tier, drifts in planner.rounding_choice.items())
+            out.print(f"  rounding auto, per tier the method whose uniform model drifted least on the scoring contexts ({escape(choice)})")
         if outcome.drift is not None:
             compared = ", ".join(f"{c['label']}: {c['drift_pct']:.4g}%" for c in outcome.compared[1:])
             out.print(f"  drift from the original on the scoring contexts (exact dequantization): {outcome.drift_pct:.4g}%" + (f" (compared: {escape(compared)})" if compared else ""))

@@ -25,7 +25,7 @@ def frontier(
     baselines: str = typer.Option(",".join(METHODS), "--baselines", help="Uniform baselines ('' for none)."),
     bits: str = typer.Option("2,4,8", "--bits", help="Baseline bit widths."),
     tiers: str = typer.Option(",".join(DEFAULT_TIERS), "--tiers", help="TQS-PTQ tiers."),
-    rounding: str = typer.Option("qep", "--rounding", metavar="|".join(METHODS), help="TQS-PTQ's rounding method."),
+    rounding: str = typer.Option("qep", "--rounding", metavar="|".join((*METHODS, "auto")), help="TQS-PTQ's rounding method (auto: chosen per tier by measurement)."),
     objective: str = typer.Option("measured", "--objective", metavar="measured|response|paper", help="TQS-PTQ's allocation objective."),
     also: Optional[str] = typer.Option(None, "--also", help="Extra TQS-PTQ lines as objective/rounding, e.g. paper/rtn,measured/gptq."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer tiers."),
