@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 import models
 import tiers.gptq as solvers
 from tiers import TIERS, Hessian, Rounding
-from tiers.layout import Layout
+from graph_ops.layout import Layout
 from tiers.quantizer import quantize
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app

@@ -3,7 +3,7 @@
 Everything works on Wt [N, K]: one row per output channel, one column per
 input feature, the layout every official implementation uses (IST-DASLab/gptq,
 GPTAQ, FujitsuResearch/qep; the methods are summarised in docs/baselines.md).
-Callers map their stored weight to Wt and back (`tiers.layout`). The grid is
+Callers map their stored weight to Wt and back (`graph_ops.layout.Layout`). The grid is
 the tier's (`tiers.grid`): these functions only decide which grid point each
 weight lands on. Each returns codes, per-row (or per row-group) scales and zero
 points, and the fake-quantized Wt.
