@@ -43,7 +43,7 @@ from tqsdeploy import ScoreSettings, score
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.errors import TqsError
 from tqsdeploy.rollout import RolloutSpec, rollout
-from tqsdeploy.score import prepare
+from tqsdeploy.prepare import prepare
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"

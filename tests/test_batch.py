@@ -14,7 +14,7 @@ from tqsdeploy import SENTINEL_GAMMA, ScoreSettings, score
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import RolloutSpec
-from tqsdeploy.score import prepare
+from tqsdeploy.prepare import prepare
 from tqsdeploy.units import UnitSelection
 
 SETTINGS = ScoreSettings(gauss_draws=2)

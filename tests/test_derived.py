@@ -11,10 +11,11 @@ import graph_ops
 import models
 from graph_ops.derived import fed_graph, marked, weight_map
 from runtimes import OrtRuntime
+from runtimes.derived import derived_feed
+from runtimes.factories import RebuildFactory
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.rollout import RolloutSpec
-from tqsdeploy.score import RebuildFactory, derived_feed
 from tqsdeploy.units import UnitSelection, select_units
 
 ONE_THREAD = OrtRuntime(threads=1)

@@ -12,7 +12,7 @@ import models
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
 from tqsdeploy.probes import perturb
-from tqsdeploy.score import prepare
+from tqsdeploy.prepare import prepare
 
 
 def test_gather_table_scored_on_the_rows_the_contexts_read(tmp_path):

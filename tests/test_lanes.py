@@ -73,7 +73,7 @@ def test_lanes_taking_units_out_of_plan_order_build_each_perturbation_once(tmp_p
     """With per-unit work items two lanes ask for two units' tasks at once, not in the plan's order:
     a task asked for before its build started is built by the asker and never again."""
     model, contexts, spec = models.assorted_case(tmp_path)
-    from tqsdeploy.score import prepare
+    from tqsdeploy.prepare import prepare
 
     job = prepare(model, contexts, spec, settings=SETTINGS, selection=UnitSelection(min_params=100)).job
     tasks = plan_tasks(list(job.units.values()), True, 2)

@@ -8,8 +8,9 @@ from tqsdeploy import ScoreSettings, score
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.probes import UnitProbes, perturb, quantization_probe
+from tqsdeploy.prepare import prepare
 from tqsdeploy.rollout import RolloutSpec
-from tqsdeploy.score import ScoreTable, prepare
+from tqsdeploy.runs import ScoreTable
 from tqsdeploy.units import UnitSelection
 
 SETTINGS = ScoreSettings(gauss_draws=2)

@@ -26,11 +26,6 @@ from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
 from tqsdeploy.sweep import ResultLog, TaskResult, plan_tasks, run_local, run_parallel, run_ray, usable_cores
 from tqsdeploy.units import UnitSelection
 
-# Names the tests import from here since before score.py was split into runs, prepare and runtimes/
-from runtimes.derived import derived_feed  # noqa: E402,F401
-from runtimes.factories import RebuildFactory  # noqa: E402,F401
-from tqsdeploy.runs import ScoreTable  # noqa: E402,F401
-
 
 def score(
     model: str | Path,
