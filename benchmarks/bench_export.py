@@ -10,6 +10,11 @@ time inside it (calibration and measurement rollouts), its solver and statistics
 JSON's `profile_s`), and the ratio export / baseline.
 
     python benchmarks/bench_export.py [--models etth1_patchtst,...,bert] [--stack-gb 1.0] [--out export]
+                                      [--provider cuda] [--arrays numpy] [--results-dir DIR]
+
+`--provider` runs score's and export's measurement rollouts on that ONNX Runtime provider (calibration rollouts
+and the baseline stay on the CPU); `--arrays numpy` sets TQS_ARRAYS=numpy, keeping the solvers' products on the
+host where CuPy would take them to a GPU (tiers.solver_backend).
 
 Writes benchmarks/results/export.json and export.md (`--out STEM`: STEM.json/.md). The machine this runs on
 is usually shared: ratios matter more than absolute times.
@@ -61,23 +66,28 @@ def case(name: str, tmp: Path, stack_gb: float) -> dict:
     return {"model": folder / "model.onnx", "contexts": folder / "contexts.npz", "spec": folder / "rollout.toml", "C": 4}
 
 
+EXTRA_ENV: dict[str, str] = {}
+"""Set by `--arrays` for every timed process."""
+
+
 def timed(command: list[str], log: Path) -> float:
     """Wall seconds of one process; its output appended to `log`, a failure raised with the log's tail."""
     started = time.perf_counter()
     with log.open("a") as sink:
-        done = subprocess.run(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "TQS_PROGRESS_INTERVAL": "60"})
+        done = subprocess.run(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "TQS_PROGRESS_INTERVAL": "60", **EXTRA_ENV})
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, command))} exited {done.returncode}:\n" + "\n".join(log.read_text().splitlines()[-15:]))
     return seconds
 
 
-def bench(name: str, tmp: Path, stack_gb: float) -> dict:
+def bench(name: str, tmp: Path, stack_gb: float, provider: str = "cpu") -> dict:
     item = case(name, tmp, stack_gb)
     run, log = tmp / f"{name}_run", tmp / f"{name}.log"
     common = ["--contexts", str(item["contexts"]), "--spec", str(item["spec"])]
-    score_s = timed([*TQS, "score", str(item["model"]), *common, "--out", str(run)], log)
-    export_s = timed([*TQS, "export", str(item["model"]), "--run", str(run), "--C", f"{item['C']:g}", "-o", str(tmp / f"{name}.export.onnx"), "--force", "--verbose"], log)
+    on = ["--provider", provider]
+    score_s = timed([*TQS, "score", str(item["model"]), *common, "--out", str(run), *on], log)
+    export_s = timed([*TQS, "export", str(item["model"]), "--run", str(run), "--C", f"{item['C']:g}", "-o", str(tmp / f"{name}.export.onnx"), "--force", "--verbose", *on], log)
     record = json.loads((tmp / f"{name}.export.allocation.json").read_text())
     profile = record.get("profile_s", {})
     bits = min((8, 4, 2), key=lambda b: abs(32 / b - item["C"]))
@@ -87,16 +97,17 @@ def bench(name: str, tmp: Path, stack_gb: float) -> dict:
     return {
         "model": name, "params": params, "C": item["C"], "score_s": round(score_s, 2), "export_s": round(export_s, 2),
         "export_inside_s": profile.get("total"), "onnxruntime_s": round(profile.get("calibration_rollouts", 0.0) + profile.get("measurement_rollouts", 0.0), 2),
-        "solver_s": profile.get("solver"), "statistics_s": profile.get("statistics"), "profile_s": profile,
+        "solver_s": profile.get("solver"), "statistics_s": profile.get("statistics"), "profile_s": profile, "solver_arrays": record.get("solver_arrays"),
         "baseline": f"qep W{bits}", "baseline_s": round(baseline_s, 2), "ratio": round(export_s / baseline_s, 2),
         "shipped": record.get("shipped"), "compression": round(record.get("compression", 0.0), 3), "drift_pct": record.get("drift_pct"),
     }
 
 
-def write(rows: list[dict], stem: str, note: str) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"), "note": note}
-    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+def write(rows: list[dict], stem: str, note: str, results: Path = RESULTS) -> None:
+    results.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"), "note": note,
+            "provider": rows[0].get("provider", "cpu") if rows else "cpu", "arrays": EXTRA_ENV.get("TQS_ARRAYS", "auto")}
+    (results / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [f"Export time to result, {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs. {note}", "",
              "Each figure is one process timed from outside (wall seconds); 'inside' is export's own total, split by its `profile_s`",
              "(ONNX Runtime = calibration + measurement rollouts). Ratio = export / `baseline --method qep` at the nearest uniform grid.", "",
@@ -108,7 +119,7 @@ def write(rows: list[dict], stem: str, note: str) -> None:
             continue
         lines.append(f"| {r['model']} | {r['params']:,} | {r['C']} | {r['export_s']:.1f} | {r['export_inside_s']:.1f} | {r['onnxruntime_s']:.1f} | {r['solver_s']:.1f} | "
                      f"{r['statistics_s']:.1f} | {r['baseline']} | {r['baseline_s']:.1f} | {r['ratio']:.2f} | {r['shipped']} | {r['drift_pct']:.4g} |")
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (results / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -118,17 +129,22 @@ def main() -> None:
     parser.add_argument("--stack-gb", type=float, default=0.0, help="also time a MatMul stack of this many GB")
     parser.add_argument("--out", default="export", help="result file stem under benchmarks/results/")
     parser.add_argument("--note", default="", help="said beside the machine (e.g. that it was shared)")
+    parser.add_argument("--provider", default="cpu", help="ONNX Runtime provider of score's and export's measurement rollouts (cpu, cuda)")
+    parser.add_argument("--arrays", default="auto", choices=("auto", "numpy"), help="numpy: keep the solvers' products on the host (TQS_ARRAYS=numpy)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS, help="where STEM.json/.md are written")
     args = parser.parse_args()
+    if args.arrays == "numpy":
+        EXTRA_ENV["TQS_ARRAYS"] = "numpy"
     names = [n for n in args.models.split(",") if n] + (["stack"] if args.stack_gb > 0 and "stack" not in args.models else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             try:
-                rows.append(bench(name, Path(tmp), args.stack_gb))
+                rows.append({**bench(name, Path(tmp), args.stack_gb, args.provider), "provider": args.provider})
             except RuntimeError as exc:
                 rows.append({"model": name, "error": str(exc)})
             print(json.dumps(rows[-1]), flush=True)
-    write(rows, args.out, args.note)
+    write(rows, args.out, args.note, args.results_dir)
 
 
 if __name__ == "__main__":

@@ -194,3 +194,51 @@ def test_tensorrt_provider_that_fails_to_load_is_refused_not_run_on_cuda(two_bra
     assert result.exit_code == 2, result.output
     message = result.output + (result.stderr or "")
     assert "'tensorrt' failed to load" in message and "Traceback" not in message
+
+
+def _cupy_device() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - not installed, no driver, no device
+        return False
+
+
+needs_cupy = pytest.mark.skipif(not _cupy_device(), reason="needs CuPy with a CUDA device (the gpu extra)")
+
+
+def _solve_on(module: str, method: str, monkeypatch):
+    """One solve with tiers.solver_backend's products on `module` (numpy or cupy), from the same statistics."""
+    from tiers import solver_backend
+    from tiers.gptq import Hessian, gptaq, gptq, qep_correct
+    from tiers.grid import GridSpec
+
+    monkeypatch.setenv("TQS_ARRAYS", "numpy" if module == "numpy" else "auto")
+    monkeypatch.setattr(solver_backend, "_ARRAY_MODULE", None)
+    assert solver_backend.array_module().__name__ == module
+    rng = np.random.default_rng(3)
+    k, n = 256, 96
+    x = rng.standard_normal((2048, k)) @ rng.standard_normal((k, k)) / np.sqrt(k)
+    x_hat = x + 0.05 * rng.standard_normal(x.shape)
+    stats = Hessian(k, cross=True)
+    stats.add(x_hat, x)
+    wt = rng.standard_normal((n, k))
+    spec = GridSpec("int", 4, symmetric=False)
+    if method == "gptq":
+        return stats.H, gptq(wt, stats.H, spec).codes
+    if method == "gptaq":
+        return stats.H, gptaq(wt, stats.H, stats.G, spec).codes
+    return stats.H, gptq(qep_correct(wt, stats.H, stats.G), stats.H, spec).codes
+
+
+@pytest.mark.gpu
+@needs_cupy
+@pytest.mark.parametrize("method", ["gptq", "gptaq", "qep"])
+def test_device_statistics_and_factors_give_the_host_codes(method, monkeypatch):
+    """The CuPy path (statistics' products, inverse Cholesky on the device) lands on the host's codes: the same
+    float64 arithmetic in another order, so at most a handful of ties may round the other way."""
+    h_host, codes_host = _solve_on("numpy", method, monkeypatch)
+    h_device, codes_device = _solve_on("cupy", method, monkeypatch)
+    np.testing.assert_allclose(h_device, h_host, rtol=1e-10, atol=1e-12)
+    assert np.mean(codes_device == codes_host) >= 0.999

@@ -17,6 +17,7 @@ import polars as pl
 import graph_ops
 from graph_ops.qdq import Written, write_storage
 from tiers import TIERS, Encoded, Rounding, get_tiers
+from tiers.solver_backend import array_module
 from tqsdeploy.allocate import Allocation
 from tqsdeploy.calibrate import thin_note
 from tqsdeploy.errors import InputError
@@ -203,6 +204,7 @@ class Writing:
             "checkpointed_weights_reused": self.encoder.log.reused,
             "timings_s": {**{k: round(v, 3) for k, v in self.timings.items()}, "calibration": round(self.encoder.log.calibration_s, 3), "total": round(time.perf_counter() - started, 3)},
             "profile_s": self.encoder.profile.split(profiled, time.perf_counter() - started),
+            "solver_arrays": array_module().__name__,
             "tiers": table.rows(named=True),
         }
         write_table(table, f"{stem}.allocation.parquet")
