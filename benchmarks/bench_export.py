@@ -81,9 +81,9 @@ def timed(command: list[str], log: Path) -> float:
     return seconds
 
 
-def bench(name: str, tmp: Path, stack_gb: float, provider: str = "cpu") -> dict:
+def bench(name: str, tmp: Path, stack_gb: float, provider: str = "cpu", logs: Path | None = None) -> dict:
     item = case(name, tmp, stack_gb)
-    run, log = tmp / f"{name}_run", tmp / f"{name}.log"
+    run, log = tmp / f"{name}_run", (logs or tmp) / f"{name}.log"
     common = ["--contexts", str(item["contexts"]), "--spec", str(item["spec"])]
     on = ["--provider", provider]
     score_s = timed([*TQS, "score", str(item["model"]), *common, "--out", str(run), *on], log)
@@ -132,15 +132,18 @@ def main() -> None:
     parser.add_argument("--provider", default="cpu", help="ONNX Runtime provider of score's and export's measurement rollouts (cpu, cuda)")
     parser.add_argument("--arrays", default="auto", choices=("auto", "numpy"), help="numpy: keep the solvers' products on the host (TQS_ARRAYS=numpy)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="where STEM.json/.md are written")
+    parser.add_argument("--logs", type=Path, default=None, help="keep each model's score/export/baseline output here (default: a temporary folder)")
     args = parser.parse_args()
     if args.arrays == "numpy":
         EXTRA_ENV["TQS_ARRAYS"] = "numpy"
     names = [n for n in args.models.split(",") if n] + (["stack"] if args.stack_gb > 0 and "stack" not in args.models else [])
     rows = []
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             try:
-                rows.append({**bench(name, Path(tmp), args.stack_gb, args.provider), "provider": args.provider})
+                rows.append({**bench(name, Path(tmp), args.stack_gb, args.provider, args.logs), "provider": args.provider})
             except RuntimeError as exc:
                 rows.append({"model": name, "error": str(exc)})
             print(json.dumps(rows[-1]), flush=True)
