@@ -205,3 +205,31 @@ def test_each_channel_keeps_the_grid_its_solve_does_best_on(method, bits):
     best = np.minimum(objective(plain), objective(searched))
     np.testing.assert_allclose(objective(chosen), best, rtol=1e-9)
     assert all(np.array_equal(c, p) or np.array_equal(c, s) for c, p, s in zip(chosen, plain, searched))
+
+
+@pytest.mark.parametrize("case", ["per-channel", "groups", "static-groups", "act-order", "gptaq"])
+def test_the_device_column_loop_gives_the_host_codes_under_numpy(case):
+    """tiers.device_solve is the column loop a GPU runs (CuPy); under numpy it must land on exactly the host
+    loop's codes and grids, so only the array library differs between CI and a GPU."""
+    from tiers import device_solve
+    from tiers.gptq import _prepare, _solve, inverse_cholesky
+
+    rng = np.random.default_rng(11)
+    k, n = 96, 40
+    x = rng.standard_normal((600, k)) @ rng.standard_normal((k, k))
+    stats = Hessian(k, cross=True)
+    stats.add(x + 0.1 * rng.standard_normal(x.shape), x)
+    group_size = -1 if case in ("per-channel", "gptaq") else 16
+    Wt, H, dead, perm, static_grids = _prepare(rng.standard_normal((n, k)), stats.H, asym(3, search=True), group_size,
+                                               act_order=case == "act-order", static_groups=case == "static-groups")
+    U = inverse_cholesky(H, 0.01)
+    P = None
+    if case == "gptaq":
+        from tiers.gptq import _asymmetric_terms
+
+        P = _asymmetric_terms(stats.G, U, dead, perm, 0.25)
+    host = _solve(Wt.copy(), U, asym(3, search=True), group_size, 32, perm, static_grids, P)
+    codes, grids = device_solve.solve(np, Wt.copy(), U, asym(3, search=True), group_size, 32, perm, static_grids, P)
+    np.testing.assert_array_equal(codes, host.codes)
+    np.testing.assert_array_equal(np.stack([g.scale for g in grids], axis=1), host.scale)
+    np.testing.assert_array_equal(np.stack([g.zero for g in grids], axis=1), host.zero)

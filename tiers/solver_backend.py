@@ -1,7 +1,8 @@
 """Where the rounding solvers' arrays and threads come from.
 
 `array_module` picks the array library of the heavy products (CuPy on a CUDA device when the `gpu` extra
-is installed, numpy otherwise): the same calls run in CI under numpy. `shared_cores` splits the cores'
+is installed, numpy otherwise): the same calls run in CI under numpy. On CuPy the statistics' products, the
+inverse Cholesky and GPTQ's column loop on integer grids (`tiers.device_solve`) run on the device. `shared_cores` splits the cores'
 BLAS threads between solves that run side by side (`tqsdeploy.calibrate`), so parallel solves never
 ask for more threads than threadpoolctl says numpy may use.
 """
@@ -20,8 +21,8 @@ _ARRAY_MODULE = None
 def array_module():
     """The array library the heavy products run in: CuPy when the optional `gpu` extra installed it and a
     CUDA device is visible, else numpy (TQS_ARRAYS=numpy forces numpy). Same calls either way (CuPy
-    mirrors numpy's API), so CI runs this code under numpy. Written against CuPy's documented API
-    (cupy.asarray/asnumpy, cupy.linalg.cholesky, cupyx.scipy.linalg.solve_triangular); not yet run on a GPU."""
+    mirrors numpy's API), so CI runs this code under numpy. Run on an H100 (CuPy 14.2): codes equal to numpy's
+    (tests/test_gpu.py, benchmarks/results/solver_backend-h100.md)."""
     global _ARRAY_MODULE
     if _ARRAY_MODULE is None:
         _ARRAY_MODULE = np
