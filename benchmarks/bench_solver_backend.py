@@ -26,8 +26,10 @@ from tiers.grid import GridSpec  # noqa: E402
 
 
 def use(module: str) -> None:
+    """Every step on `module`, whatever the size (the thresholds that route small work to the host are off)."""
     os.environ["TQS_ARRAYS"] = "numpy" if module == "numpy" else "auto"
     solver_backend._ARRAY_MODULE = None
+    solver_backend.DEVICE_FROM_ORDER = solver_backend.DEVICE_LOOP_FROM = 0
     if solver_backend.array_module().__name__ != module:
         raise SystemExit(f"{module} is not available here")
 

@@ -216,6 +216,8 @@ def _solve_on(module: str, method: str, monkeypatch):
 
     monkeypatch.setenv("TQS_ARRAYS", "numpy" if module == "numpy" else "auto")
     monkeypatch.setattr(solver_backend, "_ARRAY_MODULE", None)
+    monkeypatch.setattr(solver_backend, "DEVICE_FROM_ORDER", 0)  # every product, factor and loop on the device, whatever its size
+    monkeypatch.setattr(solver_backend, "DEVICE_LOOP_FROM", 0)
     assert solver_backend.array_module().__name__ == module
     rng = np.random.default_rng(3)
     k, n = 256, 96

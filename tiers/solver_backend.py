@@ -37,6 +37,27 @@ def array_module():
     return _ARRAY_MODULE
 
 
+DEVICE_FROM_ORDER = 1024
+"""K from which the statistics' products and the inverse Cholesky go to the device. Measured on an H100
+(benchmarks/results/solver_backend-h100.md): at K = 1024 the device is already 2-3x faster; below it the
+copies and launches cost more than the host's BLAS call."""
+DEVICE_LOOP_FROM = 2048 * 2048
+"""Weight elements (N·K) from which GPTQ's column loop runs on the device (`tiers.device_solve`). Its K
+columns are each a dozen small kernel launches: on an H100 the device loop was as fast as the host's at
+1024 x 1024, 1.7x faster at 2048 x 2048 and 3.6x at 4096 x 4096, and a BERT-size export whose weights are
+768 wide ran its passes slower than on a 2-core CPU with every weight on the device."""
+
+
+def on_device(order: int) -> bool:
+    """Whether a K x K statistic of this order goes to the device."""
+    return order >= DEVICE_FROM_ORDER and array_module() is not np
+
+
+def loop_on_device(rows: int, columns: int) -> bool:
+    """Whether GPTQ's column loop over an N x K weight runs on the device."""
+    return rows * columns >= DEVICE_LOOP_FROM and array_module() is not np
+
+
 def _on_host(value) -> np.ndarray:
     """A result of `array_module()` as a numpy array (a copy off the device for CuPy)."""
     return value if isinstance(value, np.ndarray) else array_module().asnumpy(value)
@@ -44,18 +65,18 @@ def _on_host(value) -> np.ndarray:
 
 def gram(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """aᵀ·b (float64), on the device when there is one: the statistics' K x K products."""
-    xp = array_module()
-    if xp is np:
+    if not on_device(a.shape[1]):
         return a.T @ b
+    xp = array_module()
     a_dev = xp.asarray(a)
     return _on_host(a_dev.T @ (a_dev if b is a else xp.asarray(b)))
 
 
 def device_inverse_cholesky(damped_reversed: np.ndarray) -> np.ndarray | None:
     """`inverse_cholesky`'s J·L⁻¹·J on the device (None: numpy's LAPACK path applies, or the factor failed)."""
-    xp = array_module()
-    if xp is np:
+    if not on_device(damped_reversed.shape[0]):
         return None
+    xp = array_module()
     from cupyx.scipy.linalg import solve_triangular
 
     lower = xp.linalg.cholesky(xp.asarray(damped_reversed))
