@@ -207,29 +207,17 @@ def test_each_channel_keeps_the_grid_its_solve_does_best_on(method, bits):
     assert all(np.array_equal(c, p) or np.array_equal(c, s) for c, p, s in zip(chosen, plain, searched))
 
 
-@pytest.mark.parametrize("case", ["per-channel", "groups", "static-groups", "act-order", "gptaq"])
-def test_the_device_column_loop_gives_the_host_codes_under_numpy(case):
-    """tiers.device_solve is the column loop a GPU runs (CuPy); under numpy it must land on exactly the host
-    loop's codes and grids, so only the array library differs between CI and a GPU."""
-    from tiers import device_solve
-    from tiers.gptq import _prepare, _solve, inverse_cholesky
 
-    rng = np.random.default_rng(11)
-    k, n = 96, 40
+def test_error_feedback_past_the_fp8_range_saturates_instead_of_writing_nan():
+    """GPTQ's feedback can push a weight beyond its row's max|w| = 448·s; E4M3FN has no infinity, so an
+    unclipped cast made NaN codes (seed 2 here gave 76 of them) that a fp8 tier would have shipped."""
+    rng = np.random.default_rng(2)
+    k, n = 160, 48
     x = rng.standard_normal((600, k)) @ rng.standard_normal((k, k))
     stats = Hessian(k, cross=True)
     stats.add(x + 0.1 * rng.standard_normal(x.shape), x)
-    group_size = -1 if case in ("per-channel", "gptaq") else 16
-    Wt, H, dead, perm, static_grids = _prepare(rng.standard_normal((n, k)), stats.H, asym(3, search=True), group_size,
-                                               act_order=case == "act-order", static_groups=case == "static-groups")
-    U = inverse_cholesky(H, 0.01)
-    P = None
-    if case == "gptaq":
-        from tiers.gptq import _asymmetric_terms
-
-        P = _asymmetric_terms(stats.G, U, dead, perm, 0.25)
-    host = _solve(Wt.copy(), U, asym(3, search=True), group_size, 32, perm, static_grids, P)
-    codes, grids = device_solve.solve(np, Wt.copy(), U, asym(3, search=True), group_size, 32, perm, static_grids, P)
-    np.testing.assert_array_equal(codes, host.codes)
-    np.testing.assert_array_equal(np.stack([g.scale for g in grids], axis=1), host.scale)
-    np.testing.assert_array_equal(np.stack([g.zero for g in grids], axis=1), host.zero)
+    w = rng.standard_normal((n, k))
+    quantized = gptq(w, stats.H, GridSpec("fp8", 8))
+    assert np.isfinite(quantized.codes).all()
+    assert np.abs(quantized.codes).max() <= 448
+    assert np.abs(quantized.values - w).max() < 0.5

@@ -22,7 +22,14 @@ def _fit(rows: np.ndarray) -> Grid:
     return Grid(f32(np.where(peak > 0, peak / FP8_MAX, 1.0)), np.zeros(rows.shape[0]))
 
 
-register_grid("fp8", _fit, lambda w, divisor: (w / divisor).astype(ml_dtypes.float8_e4m3fn).astype(np.float64))
+def _codes(w: np.ndarray, divisor: np.ndarray) -> np.ndarray:
+    """E4M3 values of w / s, saturated at ±448 as QuantizeLinear's saturate=1 does. Round to nearest never
+    leaves the grid's range, but GPTQ-style error feedback can push a later weight past max|w|, and E4M3FN
+    has no infinity: an unclipped cast above 464 is NaN, which would ship as a NaN weight."""
+    return np.clip(w / divisor, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+register_grid("fp8", _fit, _codes)
 
 
 class Fp8Tier(CodesTier):
