@@ -2,7 +2,7 @@
 
 `array_module` picks the array library of the heavy products (CuPy on a CUDA device when the `gpu` extra
 is installed, numpy otherwise): the same calls run in CI under numpy. On CuPy the statistics' products, the
-inverse Cholesky and GPTQ's column loop on integer grids (`tiers.device_solve`) run on the device. `shared_cores` splits the cores'
+inverse Cholesky and GPTQ's column loop on integer grids (`tiers.column_loop`) run on the device. `shared_cores` splits the cores'
 BLAS threads between solves that run side by side (`tqsdeploy.calibrate`), so parallel solves never
 ask for more threads than threadpoolctl says numpy may use.
 """
@@ -42,7 +42,7 @@ DEVICE_FROM_ORDER = 1024
 (benchmarks/results/solver_backend-h100.md): at K = 1024 the device is already 2-3x faster; below it the
 copies and launches cost more than the host's BLAS call."""
 DEVICE_LOOP_FROM = 2048 * 2048
-"""Weight elements (N·K) from which GPTQ's column loop runs on the device (`tiers.device_solve`). Its K
+"""Weight elements (N·K) from which GPTQ's column loop runs on the device (`tiers.column_loop`). Its K
 columns are each a dozen small kernel launches: on an H100 the device loop was as fast as the host's at
 1024 x 1024, 1.7x faster at 2048 x 2048 and 3.6x at 4096 x 4096, and a BERT-size export whose weights are
 768 wide ran its passes slower than on a 2-core CPU with every weight on the device."""

@@ -1,0 +1,125 @@
+"""GPTQ's column loop with lazy batch updates, on numpy or, for large integer-grid weights, on CuPy.
+
+One loop for both array libraries (`xp`): on the host it is tuned for numpy (a block's columns held as
+contiguous rows, one scratch buffer for the rank-one updates); on a GPU the weight, U (and GPTAQ's P), the
+codes and the block updates stay on the device and only the grids cross, fitted on the host where the clip
+search lives. `tiers.solver_backend.loop_on_device` says which: the device pays a dozen kernel launches per
+column, so it wins only on large weights. Same float64 operations in the same order either way, so the
+device's codes differ from the host's only where another summation order tips a rounding tie
+(tests/test_gpu.py holds it to ≥ 99.9% equal codes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tiers.grid import GRID_KINDS, Grid, GridSpec, find_grid, round_to_grid
+
+UPDATE_BLOCK = 1 << 20
+"""Elements of a lazy-batch update computed at a time (8 MiB of float64), not the rest of the weight at once."""
+
+
+def supported_on_device(spec: GridSpec) -> bool:
+    """Integer grids (every int tier's min-max kind); sign and fp8 grids round through their formats' numpy code."""
+    return spec.kind not in GRID_KINDS
+
+
+class _Rounder:
+    """A grid ready to round columns on: scale, zero point and divisor in the loop's array library, made once."""
+
+    def __init__(self, grid: Grid, spec: GridSpec, xp):
+        self.grid, self.spec, self.xp = grid, spec, xp
+        self.scale, self.zero, self.divisor = (xp.asarray(a) for a in (grid.scale, grid.zero, grid.divisor()))
+
+    def __call__(self, w):
+        """(codes, dequantized values) of the column w: `tiers.grid.round_to_grid`, written out for integer grids
+        so that it runs in any array library."""
+        if self.spec.kind in GRID_KINDS:
+            return round_to_grid(w, self.grid, self.spec, self.divisor)
+        low, high = self.spec.code_range
+        q = self.xp.rint(w / self.divisor)
+        q += self.zero
+        self.xp.clip(q, low, high, out=q)
+        return q, self.scale * (q - self.zero)
+
+
+def column_loop(xp, Wt: np.ndarray, U: np.ndarray, spec: GridSpec, group_size: int, block_size: int, perm, static_grids, P) -> tuple[np.ndarray, list[Grid]]:
+    """The GPTQ column loop; P adds GPTAQ's asymmetric terms. Returns the codes ([N, K] float32, on the host, in the
+    caller's column order) and the grids in column order. With numpy it works on Wt in place.
+
+    A block's columns are held as rows (W1ᵀ, E1ᵀ), so each column's rank-one update runs over contiguous
+    memory into one scratch buffer: the same operations on the same values as the official
+    `W1[:, i:] -= outer(e, U[c, c:])`, 2.7x faster on a 2048-row block."""
+    N, K = Wt.shape
+    W, Ud = xp.asarray(Wt, dtype=xp.float64), xp.asarray(U, dtype=xp.float64)
+    Pd = None if P is None else xp.asarray(P, dtype=xp.float64)
+    codes = xp.zeros((N, K), xp.float32)
+    fitted: dict[int, Grid] = {}
+    ready: dict[int, _Rounder] = {}
+    rounder = _Rounder(find_grid(Wt, spec), spec, xp) if group_size <= 0 else None
+    scratch = xp.empty((min(block_size, K), N))
+    for b0 in range(0, K, block_size):
+        b1 = min(b0 + block_size, K)
+        W1t, E1t = W[:, b0:b1].T.copy(), xp.zeros((b1 - b0, N))
+        block_codes = xp.empty((b1 - b0, N), xp.float32)
+        for i in range(b1 - b0):
+            c = b0 + i
+            w = W1t[i].copy()
+            if group_size > 0:
+                if static_grids is not None:
+                    index = (perm[c] if perm is not None else c) // group_size
+                    if index not in ready:
+                        ready[index] = _Rounder(static_grids[index], spec, xp)
+                    rounder = ready[index]
+                elif c % group_size == 0:
+                    grid = find_grid(_host(xp, _current(xp, W, W1t.T, E1t.T, Ud, Pd, b0, b1, i, min(c + group_size, K))), spec)
+                    fitted[c // group_size] = grid
+                    rounder = _Rounder(grid, spec, xp)
+            block_codes[i], value = rounder(w)
+            e = (w - value) / Ud[c, c]
+            E1t[i] = e
+            update = scratch[: b1 - c]
+            xp.multiply(Ud[c, c:b1, None], e, out=update)
+            if Pd is not None:
+                update -= Pd[c, c:b1, None] * w
+            W1t[i:] -= update
+        codes[:, b0:b1] = block_codes.T
+        _update(W, b1, E1t.T, Ud, W1t.T, Pd, b0, b1)
+    codes = _host(xp, codes)
+    if perm is not None:
+        codes = codes[:, np.argsort(perm)]
+    if group_size <= 0:
+        return codes, [rounder.grid]
+    return codes, static_grids if static_grids is not None else [fitted[g] for g in sorted(fitted)]
+
+
+def _update(Wt, start: int, E1, U, W1, P, b0: int, b1: int) -> None:
+    """Wt[:, start:] −= E1·U[b0:b1, start:] (− W1·P[b0:b1, start:] for GPTAQ), a block of columns at a time."""
+    step = max(1, UPDATE_BLOCK // max(1, Wt.shape[0]))
+    for c0 in range(start, Wt.shape[1], step):
+        c1 = min(c0 + step, Wt.shape[1])
+        tail = E1 @ U[b0:b1, c0:c1]
+        if P is not None:
+            tail -= W1 @ P[b0:b1, c0:c1]
+        Wt[:, c0:c1] -= tail
+
+
+def _current(xp, Wt, W1, E1, U, P, b0, b1, i, end):
+    """Columns c..end as they stand now, the block's pending lazy update applied.
+
+    The official code reads the global W here, which misses the updates from
+    the current block's earlier columns when a group straddles a block; this
+    keeps group grids (and so Q) independent of block_size.
+    """
+    c = b0 + i
+    inside = W1[:, i : min(end, b1) - b0]
+    if end <= b1:
+        return inside
+    pending = E1[:, :i] @ U[b0:c, b1:end]
+    if P is not None:
+        pending -= W1[:, :i] @ P[b0:c, b1:end]
+    return xp.concatenate([inside, Wt[:, b1:end] - pending], axis=1)
+
+
+def _host(xp, value) -> np.ndarray:
+    return value if xp is np else xp.asnumpy(value)
