@@ -225,6 +225,25 @@ def test_refine_never_raises_the_drift_and_keeps_the_budget(scored):
     planner.close()
 
 
+def test_joint_candidates_are_the_assembled_ones_each_measured_once(scored):
+    """Refinement's trials feed each tensor dequantized once per distinct channel runs (the base kept, the moved
+    slot's tensor made per trial): the same weights as the assembled encodings, the same drift, rolled out once."""
+    _, _, folder = scored
+    planner = Planner(folder / "run", settings=ExportSettings(refine=0))
+    base = planner.allocate(4)
+    planner.joint_weights(base.tiers, keep=True)
+    order = [t.name for t in planner.tiers]
+    slot = next(s for s in planner.slots if s.rows is not None)  # a channel group: its tensor joins two tiers
+    moved = {**base.tiers, slot.name: order[order.index(base.tiers[slot.name]) - 1]}
+    want = planner.weights_of(planner.encoder.assemble(planner.slots, moved, planner.rounding))
+    got = planner.joint_weights(moved)
+    assert got.keys() == want.keys() and all(np.array_equal(got[n], want[n]) for n in want)
+    drift = planner.measure_tiers(moved)
+    assert drift == planner.measure(planner.encoder.assemble(planner.slots, moved, planner.rounding))
+    assert planner.measure_tiers(dict(reversed(moved.items()))) is drift  # measured once, whatever the order
+    planner.close()
+
+
 @pytest.mark.parametrize("tier", ["fp32", "bf16", "fp16", "int8", "int4", "int2", "int1", "int4-asym"])
 def test_float16_models_keep_their_type(tmp_path, tier):
     """Weights of an fp16 model come back as fp16 (fp16 scales, Casts to fp16), and

@@ -194,12 +194,13 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
     runner_init, nominal = SweepRunner.__init__, SweepRunner._make_nominal
     monkeypatch.setattr(SweepRunner, "__init__", lambda self, *a, **k: (opened.append(1), runner_init(self, *a, **k))[1])
     monkeypatch.setattr(SweepRunner, "_make_nominal", lambda self, *a, **k: (rolled.append(1), nominal(self, *a, **k))[1])
-    for limit in (1 << 40, 0):
+    for limit, floats in ((1 << 40, 1 << 40), (0, 1 << 40), (0, 0)):  # refinement's trials fed as floats, then as codes
         monkeypatch.setattr(export_module, "ONE_SESSION_BYTES", limit)
+        monkeypatch.setattr(export_module, "FED_FLOATS_BYTES", floats)
         opened.clear(), rolled.clear()
         planner = Planner(tmp_path / "run", model)
-        assert planner.one_session == (limit == 0)
-        outcomes.append(planner.export(4, tmp_path / f"out{limit}" / "q.onnx"))
+        assert planner.one_session == (limit == 0) and planner.feeds_floats == (floats > 0)
+        outcomes.append(planner.export(4, tmp_path / f"out{limit}-{floats}" / "q.onnx"))
         passes.append(list(planner.encoder.log.passes))
         if planner.one_session:  # the calibrator's session is closed while measuring, and the losers' codes are gone
             assert planner._runner is not None and planner.encoder._calibrator._session is None
@@ -209,11 +210,11 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
             assert len([k for k in planner.encoder._uniform if not k[1].needs_stats]) <= 1  # the price list's RTN codes went, but the fallback's
             assert len(opened) > 1 and len(rolled) == 1  # reopened after each calibration pass without rolling the original out again
         planner.close()
-    assert [c for c in outcomes[0].compared] == [c for c in outcomes[1].compared]
+    assert outcomes[0].compared == outcomes[1].compared == outcomes[2].compared
     assert any(p.startswith("mixed") for p in passes[1])  # a calibration pass after measuring began (the mixed one; a QEP export runs no GPTQ/GPTAQ fallback), in turns with it
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
     ys = [OrtRuntime(exact_qdq=True).open(o.path).run({"x": x})["y"] for o in outcomes]
-    assert np.array_equal(ys[0], ys[1])
+    assert np.array_equal(ys[0], ys[1]) and np.array_equal(ys[0], ys[2])
 
 
 def test_the_checker_still_judges_a_large_single_file_model_read_as_a_skeleton(tmp_path, monkeypatch):

@@ -59,6 +59,12 @@ REFITS = 16
 """Most times an allocation is solved again with its budget shrunk by what its stretches write beyond their
 prices (`Planner.fitted`); past that, every slot goes to its cheapest tier (exactly priced, and reachable)."""
 
+FED_FLOATS_BYTES = 1 << 30
+"""A model measured on sessions of its own (`ONE_SESSION_BYTES`) up to this many bytes of weights has its
+joint candidates (refinement's trials) fed as float weights to one session with every unit overridable,
+one float copy of its weights held beside it: a session built per candidate with its codes rebuilt in the
+graph on every call cost the 22M BERT 0.26 s per trial, 3.5x the rollout itself. Past this size a float copy
+is what a byte per weight avoids, and candidates keep their sessions of codes."""
 ONE_SESSION_BYTES = 64 << 20
 """Models with this many bytes of weights or more keep one ONNX Runtime session of themselves at a
 time: measuring and calibrating take turns (a session build and a nominal rollout per turn, on
@@ -160,6 +166,14 @@ class Planner(CandidateBuilding, Writing):
         self._measured: dict[str, TaskResult] | None = None
         self._fed_graph = None
         """The model with its unit weights as plain inputs (no weight data): what large candidates run on."""
+        self.feeds_floats = not self.one_session or self.reference_bits // 8 < FED_FLOATS_BYTES
+        """Joint candidates are fed as float weights (`FED_FLOATS_BYTES`), not as codes rebuilt in the graph."""
+        self._fed_session = None
+        """A one-session model's session with every unit overridable, for joint candidates fed as floats."""
+        self._base_floats: dict[str, tuple[tuple, np.ndarray | None]] = {}
+        """Per unit tensor: its channel runs in the allocation refinement starts a round from, and its float values."""
+        self._joint_drifts: dict[tuple[tuple[str, str], ...], Drift] = {}
+        """Allocations (as priced) already measured, by their tiers: each distinct one is rolled out once."""
         self.runtime = runtime
         self._choices: dict[str, list[Choice]] = {}
         self.timings: dict[str, float] = {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0}
@@ -341,6 +355,9 @@ class Planner(CandidateBuilding, Writing):
 
     def _release_runner(self) -> None:
         """Close the measuring session for a calibration pass; it opens again the way it ran."""
+        if self._fed_session is not None:
+            self._fed_session.close()
+            self._fed_session = None
         if self._runner is not None:
             for lane in self._lanes[1:]:
                 lane.close()
@@ -495,13 +512,58 @@ class Planner(CandidateBuilding, Writing):
         finally:
             session.close()
 
+    def measure_tiers(self, tiers: dict[str, str], runner: SweepRunner | None = None, keep: bool = False) -> Drift:
+        """Joint drift of the allocation `tiers` as priced (`assemble`), measured once per distinct allocation.
+        Its float weights come from `joint_weights` (`keep`: held as the base later allocations differ from);
+        a large model's (`FED_FLOATS_BYTES`) from a session of its codes, as `measure` runs them."""
+        key = tuple(sorted(tiers.items()))
+        if key in self._joint_drifts:
+            return self._joint_drifts[key]
+        with self.encoder.profile.section("measurement_rollouts"):
+            if not self.feeds_floats:
+                drift = self._measure(self.encoder.assemble(self.slots, tiers, self.rounding), runner)
+            else:
+                weights = self.joint_weights(tiers, keep)
+                runner = runner or self.runner
+                graph_ops.release_pages(self.weights)
+                drift = runner.drift(weights, session=self.fed_session if self.one_session else None)
+        self._joint_drifts[key] = drift
+        return drift
+
+    def joint_weights(self, tiers: dict[str, str], keep: bool = False) -> dict[str, np.ndarray]:
+        """The float weights of the allocation `tiers` as priced (the tensors not stored as themselves): what
+        `measure` feeds for `assemble`'s encodings, the same values. A tensor whose channel runs are those of
+        the base (the last allocation asked with `keep`) is not dequantized again: refinement's trials each
+        move one slot, and dequantizing every tensor per trial cost the 22M BERT 0.1 s a trial."""
+        weights = {}
+        for name in self.layouts:
+            runs = tuple(self.encoder.runs(name, self.slots, tiers))
+            cached = self._base_floats.get(name)
+            if cached is not None and cached[0] == runs:
+                values = cached[1]
+            else:
+                encoded = self.encoder.joined(name, runs, self.rounding)
+                values = None if encoded.form == "raw" else encoded.dequantize()
+                if keep:
+                    self._base_floats[name] = (runs, values)
+            if values is not None:
+                weights[name] = values
+        return weights
+
+    @property
+    def fed_session(self):
+        """A one-session model's session with every unit weight overridable (the originals as defaults)."""
+        if self._fed_session is None:
+            self._fed_session = self.prepared.job.session_factory()
+        return self._fed_session
+
     def fake_quantized(self, allocation: Allocation) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the allocation's stored forms (as priced)."""
         return {name: e.dequantize() for name, e in self.encodings(allocation).items()}
 
     def drift(self, allocation: Allocation) -> float:
         """Relative RMS trajectory drift of the allocation (as priced) on the scoring contexts."""
-        return self.measure(self.encodings(allocation)).relative_rms
+        return self.measure_tiers(allocation.tiers).relative_rms
 
     def allocate(self, target: float, on_result=None) -> Allocation:
         """Algorithm 1 on the additive prices, priced as written and meeting `target` (`fitted`)."""

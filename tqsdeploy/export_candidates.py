@@ -56,7 +56,7 @@ class CandidateBuilding:
         started = time.perf_counter()
         order = [t.name for t in self.tiers]
         costs = self.costs()
-        best, best_drift = allocation, self.measure(self.encodings(allocation))
+        best, best_drift = allocation, self.measure_tiers(allocation.tiers, keep=True)
         for _ in range(rounds):
             base = sum(best_drift.div_sq)
             trials = [
@@ -71,7 +71,7 @@ class CandidateBuilding:
 
             def trial(lane: SweepRunner, item, tiers=best.tiers, base=base):
                 for name, tier in item:
-                    drift = self.measure(self.encoder.assemble(self.slots, {**tiers, name: tier}, self.rounding), lane)
+                    drift = self.measure_tiers({**tiers, name: tier}, lane)
                     yield (name, tier), sum(drift.div_sq) - base if math.isfinite(drift.relative_rms) else math.inf
 
             with self.encoder.profile.section("measurement_rollouts"), Lanes(self.lanes, [[t] for t in trials], trial) as results:  # every trial changes the whole model: one each
@@ -84,11 +84,12 @@ class CandidateBuilding:
                                                            solver=self.settings.allocator), best.target)
             if step.tiers == best.tiers:
                 break
-            drift = self.measure(self.encodings(step))
+            drift = self.measure_tiers(step.tiers, keep=True)
             if sum(drift.div_sq) >= base:
                 break
             step.solver, step.objective = best.solver + "+refine", best.objective
             best, best_drift = step, drift
+        self._base_floats.clear()  # a float copy of the weights
         self.timings["refine"] += time.perf_counter() - started
         return best, best_drift
 
@@ -104,7 +105,7 @@ class CandidateBuilding:
         fitting = [t for t in self.tiers if self.budget.fits(sum(self.uniform(t.name).cost_bits.values()), target)] if self.settings.fallback else []
         if self.one_session:  # the mixed model holds what it uses; the rest of the price list can be rebuilt (the fallback's tier is next)
             self.encoder.forget_uniform(keep=fitting[0].name if fitting else None, calibrated=final)
-        found = [Candidate(label, allocation, mixed, drift if drift is not None else self.measure(mixed))]
+        found = [Candidate(label, allocation, mixed, drift if drift is not None else self.measure_tiers(allocation.tiers))]
         del mixed
         started = time.perf_counter()
         if self.rounding.needs_stats and any(TIERS[t].calibratable for t in allocation.tiers.values()):

@@ -346,8 +346,9 @@ class Encoder:
             weights[name] = values
         return weights
 
-    def _runs(self, name: str, slots: Sequence[Slot], assignment: Mapping[str, str]) -> list[tuple[tuple[int, int] | None, str]]:
-        """Consecutive channel ranges of one tensor that share a tier."""
+    def runs(self, name: str, slots: Sequence[Slot], assignment: Mapping[str, str]) -> list[tuple[tuple[int, int] | None, str]]:
+        """Consecutive channel ranges of one tensor that share a tier: what the tensor's entry of an
+        allocation depends on (two allocations with the same runs store it the same)."""
         ordered = sorted((s for s in slots if name in self.units[s.unit].tensor_names), key=lambda s: (s.rows or (0, 0))[0])
         runs: list[tuple[tuple[int, int] | None, str]] = []
         for s in ordered:
@@ -373,13 +374,13 @@ class Encoder:
             parts.append(self.channels(name, expanded[tier], rows))
         return split(parts, self.layouts[name]).compact()
 
+    def joined(self, name: str, runs, rounding: AnyRounding) -> Encoded:
+        """Tensor `name` of a mixed allocation whose channel `runs` (`runs`) take the uniform encodings."""
+        return self._join(name, runs, lambda tier: self.tensor(name, tier, rounding))
+
     def assemble(self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: AnyRounding) -> dict[str, Encoded]:
         """A mixed allocation from the uniform encodings (each slot as it was priced)."""
-        result = {}
-        for name in self.layouts:
-            runs = self._runs(name, slots, assignment)
-            result[name] = self._join(name, runs, lambda tier: self.tensor(name, tier, rounding))
-        return result
+        return {name: self.joined(name, self.runs(name, slots, assignment), rounding) for name in self.layouts}
 
     def calibrated(self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: AnyRounding) -> dict[str, Encoded]:
         """A mixed allocation calibrated as itself: every earlier wave at its own tier."""
@@ -389,7 +390,7 @@ class Encoder:
         if key not in self._mixed:
 
             def encode_one(name: str, stats) -> Encoded:
-                runs = self._runs(name, slots, assignment)
+                runs = self.runs(name, slots, assignment)
                 cache: dict[str, Encoded] = {}
 
                 def pick(tier: str) -> Encoded:
