@@ -39,6 +39,7 @@ import graph_ops
 from graph_ops.qdq import conversion_overhead_bits, emitted_bits, fed_codes_model
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import TIERS, Encoded, Rounding, Tier, get_tiers
+from tiers.solver_backend import solver_dtype
 from tqsdeploy import checkpoints
 from tqsdeploy.allocate import Allocation, Choice, allocate, paper_weights
 from tqsdeploy.calibrate import Calibrator, open_graph
@@ -196,7 +197,7 @@ class Planner(CandidateBuilding, Writing):
         computing the statistics and the versions computing the codes."""
         run = self.scores
         return json.dumps({"fingerprint": run.fingerprint, "model": run.model.sha256, "contexts": run.contexts_sha256,
-                           "rollout": run.spec.to_dict(), "target": self.settings.target, "runtime": repr(runtime),
+                           "rollout": run.spec.to_dict(), "target": self.settings.target, "runtime": repr(runtime), "solver_dtype": solver_dtype(),
                            "versions": {k: v for k, v in current_versions().items() if k != "platform"}, "code": checkpoints.code_hash()}, sort_keys=True, default=str)
 
     def discard_checkpoints(self) -> None:
@@ -370,7 +371,8 @@ class Planner(CandidateBuilding, Writing):
     def _probe(self, tier: Tier) -> str:
         group = f"/g{self.settings.group_size}" if self.settings.group_size else ""
         method = self.rounding_at(tier.name).method if tier.calibratable else "rtn"
-        return f"tier:{tier.name}{group}/{method}"
+        narrow = "/f32" if tier.calibratable and method != "rtn" and solver_dtype() != "float64" else ""  # its own prices in the run's cache
+        return f"tier:{tier.name}{group}/{method}{narrow}"
 
     def measured_tasks(self) -> list[tuple[Slot, Tier]]:
         """(slot, tier) pairs the measured objective rolls out: live slots at every tier that changes the weight."""
