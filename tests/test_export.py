@@ -225,6 +225,27 @@ def test_refine_never_raises_the_drift_and_keeps_the_budget(scored):
     planner.close()
 
 
+def test_float_copies_priced_when_picked_give_the_fully_priced_allocations(tmp_path):
+    """bf16 is priced only when an allocation picks it (a loss of 0 bounds it until then): the allocations are
+    those of a planner that priced every slot at every tier, with fewer rollouts where bf16 is not wanted."""
+    model = models.mlp_forecaster(tmp_path / "m.onnx", n=64, hidden=128)
+    np.savez(tmp_path / "c.npz", x=np.random.default_rng(2).standard_normal((4, 2, 64)).astype(np.float32))
+    score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "lazy", settings=ScoreSettings(gauss_draws=0))
+    import shutil
+
+    shutil.copytree(tmp_path / "lazy", tmp_path / "full")
+    full = Planner(tmp_path / "full", settings=ExportSettings(refine=0))
+    full.measured()
+    lazy = Planner(tmp_path / "lazy", settings=ExportSettings(refine=0))
+    for target in (6, 1.6):  # the second wants float copies
+        assert lazy.allocate(target).tiers == full.allocate(target).tiers
+        priced = set(lazy.measured(tasks=[]))
+        if target == 6:
+            assert not any("bf16" in key for key in priced) and len(priced) < len(full.measured_tasks())
+    assert any("bf16" in key for key in priced)
+    full.close(), lazy.close()
+
+
 def test_joint_candidates_are_the_assembled_ones_each_measured_once(scored):
     """Refinement's trials feed each tensor dequantized once per distinct channel runs (the base kept, the moved
     slot's tensor made per trial): the same weights as the assembled encodings, the same drift, rolled out once."""

@@ -56,6 +56,8 @@ from tqsdeploy.units import Unit
 
 __all__ = ["AUTO_LAYOUT", "BASIS_GAP", "RUNTIME_LAYOUTS", "TARGETS", "WARN_DRIFT_PCT", "Candidate", "ExportSettings", "Outcome", "Planner", "find_run"]
 
+LAZY_BITS = 16
+"""Tiers of at least this many bits (float copies: bf16, fp16) are priced only when an allocation picks them (`Planner.allocate`)."""
 REFITS = 16
 """Most times an allocation is solved again with its budget shrunk by what its stretches write beyond their
 prices (`Planner.fitted`); past that, every slot goes to its cheapest tier (exactly priced, and reachable)."""
@@ -183,6 +185,8 @@ class Planner(CandidateBuilding, Writing):
         """Allocations (as priced) already measured, by their tiers: each distinct one is rolled out once."""
         self.runtime = runtime
         self._choices: dict[str, list[Choice]] = {}
+        self._unpriced: set[tuple[str, str]] = set()
+        """(slot, tier) pairs the measured prices bound by 0, not measured yet (`allocate`)."""
         self.timings: dict[str, float] = {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0}
 
     @property
@@ -397,12 +401,18 @@ class Planner(CandidateBuilding, Writing):
                     done.add(Task(record["unit"], record["probe"], record["draw"]).key)
                 except (ValueError, KeyError, TypeError):
                     break
-        return sum(Task(s.name, self._probe(t)).key not in done for s, t in self.measured_tasks())
+        return sum(Task(s.name, self._probe(t)).key not in done for s, t in self.eager_tasks())
 
-    def measured(self, on_result=None) -> dict[str, TaskResult]:
-        """Per slot and tier, the rollout divergence with only that slot at that tier.
-        Cached in the run folder, so every C and every export reuses it."""
-        if self._measured is not None:
+    def eager_tasks(self) -> list[tuple[Slot, Tier]]:
+        """The (slot, tier) pairs priced before the first allocation: all but float copies (`LAZY_BITS`)."""
+        return [(s, t) for s, t in self.measured_tasks() if t.bits < LAZY_BITS]
+
+    def measured(self, on_result=None, tasks: list[tuple[Slot, Tier]] | None = None) -> dict[str, TaskResult]:
+        """Per slot and tier, the rollout divergence with only that slot at that tier: of every (slot, tier) of
+        `tasks` (default all, `measured_tasks`), and whatever else was measured before. Cached in the run
+        folder, so every C and every export reuses it."""
+        tasks = self.measured_tasks() if tasks is None else tasks
+        if self._measured is not None and all(Task(slot.name, self._probe(tier)).key in self._measured for slot, tier in tasks):
             return self._measured
         started = time.perf_counter()
         log = ResultLog(self.run_dir / "measured.jsonl")
@@ -410,10 +420,10 @@ class Planner(CandidateBuilding, Writing):
         lock.acquire()  # another export of this run prices the same slots: wait, then reuse what it measured
         done = log.load()
         try:
-            for tier in {tier.name: tier for slot, tier in self.measured_tasks() if Task(slot.name, self._probe(tier)).key not in done}.values():
+            for tier in {tier.name: tier for slot, tier in tasks if Task(slot.name, self._probe(tier)).key not in done}.values():
                 if tier.calibratable:  # each tier's encoding pass before the first rollout, so the rollouts' ETA is theirs
                     self.encoder.uniform(tier, self.rounding_at(tier.name))
-            pending = [(slot, tier) for slot, tier in self.measured_tasks() if Task(slot.name, self._probe(tier)).key not in done]
+            pending = [(slot, tier) for slot, tier in tasks if Task(slot.name, self._probe(tier)).key not in done]
 
             def price(lane: SweepRunner, item):
                 for slot, tier in item:
@@ -445,9 +455,11 @@ class Planner(CandidateBuilding, Writing):
 
     def _price(self, objective: str, on_result=None) -> list[Choice]:
         weights = paper_weights(self.gamma, self.dead)
-        measured = self.measured(on_result) if objective == "measured" else None
+        measured = self.measured(on_result, self.eager_tasks()) if objective == "measured" else None
         costs = self.costs()
         choices = []
+        if objective == "measured":
+            self._unpriced = set()
         for slot in self.slots:
             dead = slot.unit in self.dead
             loss = {}
@@ -462,7 +474,11 @@ class Planner(CandidateBuilding, Writing):
                     loss[tier.name] = gain * sum(self._read_sq(n, slot, e.dequantize().astype(np.float64) - self._original(n, slot)) for n, e in change.items())
                 else:
                     result = measured.get(Task(slot.name, self._probe(tier)).key)
-                    loss[tier.name] = math.inf if result.nonfinite else float(sum(result.div_sq))
+                    if result is None:  # a float copy not priced yet: 0 bounds its loss from below (`allocate`)
+                        self._unpriced.add((slot.name, tier.name))
+                        loss[tier.name] = 0.0
+                    else:
+                        loss[tier.name] = math.inf if result.nonfinite else float(sum(result.div_sq))
             choices.append(Choice(slot.name, slot.params, self.gamma.get(slot.unit, 0.0), dead, costs[slot.name], loss))
         return choices
 
@@ -578,10 +594,23 @@ class Planner(CandidateBuilding, Writing):
         return self.measure_tiers(allocation.tiers).relative_rms
 
     def allocate(self, target: float, on_result=None) -> Allocation:
-        """Algorithm 1 on the additive prices, priced as written and meeting `target` (`fitted`)."""
-        choices = self.choices(self.settings.objective, on_result)
-        return self.fitted(lambda fixed_bits: allocate(choices, self.tiers, target, self.budget.basis_bits, fixed_bits, objective=self.settings.objective,
-                                                       fp32_fraction=self.settings.fp32_share, solver=self.settings.allocator), target)
+        """Algorithm 1 on the additive prices, priced as written and meeting `target` (`fitted`).
+
+        Float copies (bf16, fp16) are priced lazily: solved with a loss of 0 (a lower bound) where not yet
+        measured, and when the allocation picks one, that one is measured and the allocation solved again.
+        An allocation that picks none is optimal for the true losses too (each pick's loss is exact, and no
+        other allocation's true loss is below its bounded one), and at C 4 it is the usual case: every example
+        priced a float copy of each slot (a quarter of the pricing rollouts) that no allocation took."""
+        objective = self.settings.objective
+        while True:
+            choices = self.choices(objective, on_result)
+            allocation = self.fitted(lambda fixed_bits: allocate(choices, self.tiers, target, self.budget.basis_bits, fixed_bits, objective=objective,
+                                                                 fp32_fraction=self.settings.fp32_share, solver=self.settings.allocator), target)
+            picked = [(slot, TIERS[allocation.tiers[slot.name]]) for slot in self.slots if (slot.name, allocation.tiers[slot.name]) in self._unpriced]
+            if objective != "measured" or not picked:
+                return allocation
+            self.measured(None, picked)
+            del self._choices[objective]
 
     def close(self) -> None:
         self._release_runner()
