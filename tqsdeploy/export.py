@@ -36,15 +36,16 @@ import polars as pl
 from filelock import FileLock
 
 import graph_ops
-from graph_ops.qdq import conversion_overhead_bits, emitted_bits, fed_codes_model
-from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
+from graph_ops.qdq import conversion_overhead_bits, emitted_bits
+from runtimes import DEFAULT_RUNTIME, Runtime, release_freed_memory
 from tiers import TIERS, Encoded, Rounding, Tier, get_tiers
 from tiers.solver_backend import solver_dtype
 from tqsdeploy import checkpoints
 from tqsdeploy.allocate import Allocation, Choice, allocate, paper_weights
-from tqsdeploy.calibrate import Calibrator, open_graph
+from tqsdeploy.calibrate import Calibrator
 from tqsdeploy.errors import USER_ERRORS, InfeasibleError, InputError
 from tqsdeploy.export_candidates import Candidate, CandidateBuilding
+from tqsdeploy.export_measuring import Measuring
 from tqsdeploy.export_settings import AUTO_LAYOUT, RUNTIME_LAYOUTS, TARGETS, ExportSettings
 from tqsdeploy.export_writing import BASIS_GAP, WARN_DRIFT_PCT, Outcome, Writing
 from tqsdeploy.quantization import AnyRounding, Encoder, Slot, make_slots, rounding_at
@@ -91,9 +92,10 @@ def find_run(model: Path | None, run: Path | None) -> Path:
     return runs[0]
 
 
-class Planner(CandidateBuilding, Writing):
+class Planner(CandidateBuilding, Measuring, Writing):
     """Everything needed to allocate and export for one score run: this module prices and allocates,
-    `export_candidates` compares the candidates for a target, `export_writing` writes the chosen one."""
+    `export_candidates` compares the candidates for a target, `export_measuring` measures them, `export_writing`
+    writes the chosen one."""
 
     def __init__(self, run_dir: Path | str, model: Path | str | None = None, settings: ExportSettings = ExportSettings(), runtime: Runtime = DEFAULT_RUNTIME,
                  resumable: bool = False):
@@ -508,82 +510,6 @@ class Planner(CandidateBuilding, Writing):
         if calibrated:
             return self.encoder.calibrated(self.slots, allocation.tiers, rounding)
         return self.encoder.assemble(self.slots, allocation.tiers, rounding)
-
-    def weights_of(self, encodings: dict[str, Encoded]) -> dict[str, np.ndarray]:
-        return {name: e.dequantize() for name, e in encodings.items() if e.form != "raw"}
-
-    def measure(self, encodings: dict[str, Encoded], runner: SweepRunner | None = None) -> Drift:
-        """Joint drift of the model with these encodings on the scoring contexts (on `runner`, one of the
-        `lanes`, when given). A large model's candidate runs on a session that rebuilds each quantized weight
-        from its codes just before it is used (`graph_ops.qdq.fed_codes_model`): a byte per weight fed
-        instead of a float copy of the whole model, the same values computed."""
-        with self.encoder.profile.section("measurement_rollouts"):
-            return self._measure(encodings, runner)
-
-    def _measure(self, encodings: dict[str, Encoded], runner: SweepRunner | None) -> Drift:
-        runner = runner or self.runner  # opening it rolls out the original, reading every weight
-        graph_ops.release_pages(self.weights)  # the originals of what is fed are not read by this run
-        if not self.one_session:
-            return runner.drift(self.weights_of(encodings))
-        if self._fed_graph is None:
-            self._fed_graph = graph_ops.weights_as_graph_inputs(self.model.proto, list(self.layouts))
-        proto, feeds = fed_codes_model(self._fed_graph, encodings)
-        source = graph_ops.io.session_source(proto, self.run_dir)
-        del proto
-        session = WithDefaults(open_graph(self.runtime, source, self.prepared.data_dir, "the quantized candidate"), feeds, self.weights)
-        try:
-            return runner.drift({}, session=session)
-        finally:
-            session.close()
-
-    def measure_tiers(self, tiers: dict[str, str], runner: SweepRunner | None = None, keep: bool = False) -> Drift:
-        """Joint drift of the allocation `tiers` as priced (`assemble`), measured once per distinct allocation.
-        Its float weights come from `joint_weights` (`keep`: held as the base later allocations differ from);
-        a large model's (`FED_FLOATS_BYTES`) from a session of its codes, as `measure` runs them."""
-        key = tuple(sorted(tiers.items()))
-        if key in self._joint_drifts:
-            return self._joint_drifts[key]
-        with self.encoder.profile.section("measurement_rollouts"):
-            if not self.feeds_floats:
-                drift = self._measure(self.encoder.assemble(self.slots, tiers, self.rounding), runner)
-            else:
-                weights = self.joint_weights(tiers, keep)
-                runner = runner or self.runner
-                graph_ops.release_pages(self.weights)
-                drift = runner.drift(self.fed(weights), session=self.fed_session if self.one_session else None)
-        self._joint_drifts[key] = drift
-        return drift
-
-    def joint_weights(self, tiers: dict[str, str], keep: bool = False) -> dict[str, np.ndarray]:
-        """The float weights of the allocation `tiers` as priced (the tensors not stored as themselves): what
-        `measure` feeds for `assemble`'s encodings, the same values. A tensor whose channel runs are those of
-        the base (the last allocation asked with `keep`) is not dequantized again: refinement's trials each
-        move one slot, and dequantizing every tensor per trial cost the 22M BERT 0.1 s a trial."""
-        weights = {}
-        for name in self.layouts:
-            runs = tuple(self.encoder.runs(name, self.slots, tiers))
-            cached = self._base_floats.get(name)
-            if cached is not None and cached[0] == runs:
-                values = cached[1]
-            else:
-                encoded = self.encoder.joined(name, runs, self.rounding)
-                values = None if encoded.form == "raw" else encoded.dequantize()
-                if keep:
-                    self._base_floats[name] = (runs, values)
-            if values is not None:
-                weights[name] = values
-        return weights
-
-    def fed(self, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """What a measuring run feeds for `weights`: with `resident` weights every unit weight (the rest as they are)."""
-        return {**self.weights, **weights} if self.resident else weights
-
-    @property
-    def fed_session(self):
-        """A one-session model's session with every unit weight overridable (the originals as defaults)."""
-        if self._fed_session is None:
-            self._fed_session = self.prepared.job.session_factory()
-        return self._fed_session
 
     def fake_quantized(self, allocation: Allocation) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the allocation's stored forms (as priced)."""
