@@ -1,12 +1,16 @@
 """Held-out drift of the uniform baselines over several calibration sets (run on demand; minutes).
 
-W4 and W2 drift of a weight-reusing model can swing between nearly equal codes, so one calibration set says
-little: this draws 5 random sets of 8 windows from the ETTh1 rows the example's contexts come from, adds
-the example's own contexts.npz, runs `baseline` on each (with any checkout's CLI, so two versions compare
-on the same sets) and prints the held-out drift, mean |candidate − original| of the standardised forecasts
-over the 4-step rollout of heldout.npz (exact dequantization), as mean ± sd over the 6 sets.
+W4 and W2 drift of a weight-reusing or chaotic model can swing between nearly equal codes, so one calibration
+set says little: this draws 5 seeded random sets of as many windows as the example's contexts.npz holds, adds
+contexts.npz itself, runs `baseline` on each with every checkout's CLI given (so two versions compare on the
+same sets) and prints the held-out drift as bench_versions.py measures it (mean drift % over the trajectory
+outputs of heldout.npz's rollout, exact dequantization), mean ± sd over the 6 sets.
 
-    python benchmarks/bench_calib_spread.py [--cli PATH/TO/tqsdeploy] [--methods qep,gptq] [--bits 4,2]
+Where the windows come from: the tied mixer's from the ETTh1 rows its contexts span (shift rollout); a model
+whose rollout feeds its outputs back by replacement (lorenz96, pangu_lorenz96) from the states of truth.npz,
+the scoring trajectories' later states (never the held-out ones).
+
+    python benchmarks/bench_calib_spread.py [--example lorenz96] [--cli new=PATH,old=PATH] [--methods qep] [--bits 4,2]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import shutil
 import subprocess
 import tempfile
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -23,15 +28,15 @@ import numpy as np
 from tqsdeploy.evaluate import EvalSettings, evaluate
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "tied_mixer_etth1"
 DATA = REPO.parent / "shared" / "data" / "ETTh1.csv"
 L, FIRST, LAST, SETS = 2048, 9472, 12160, 5
-"""Context length and the window starts contexts.npz spans (targets in the test rows)."""
+"""The tied mixer's context length and the window starts its contexts.npz spans (targets in the test rows)."""
+MIN_PARAMS = {"lorenz96": 256, "era5_emulator": 256}  # as bench_versions.py and run_frontiers.py
 
 
-def calibration_sets(folder: Path) -> list[Path]:
-    """5 seeded random sets of 8 windows (seeds 100..104), then the example's own contexts."""
-    norm = json.loads((EXAMPLE / "norm.json").read_text())
+def etth1_sets(folder: Path, example: Path) -> list[Path]:
+    """The tied mixer: 5 seeded random sets of 8 ETTh1 windows (seeds 100..104)."""
+    norm = json.loads((example / "norm.json").read_text())
     raw = np.loadtxt(DATA, delimiter=",", skiprows=1, usecols=range(1, 8), dtype=np.float64)
     data = ((raw - np.array(norm["mean"])) / np.array(norm["std"])).astype(np.float32)
     paths = []
@@ -39,29 +44,58 @@ def calibration_sets(folder: Path) -> list[Path]:
         starts = np.random.default_rng(100 + k).integers(FIRST, LAST, 8)
         paths.append(folder / f"calib{k}.npz")
         np.savez(paths[-1], x=np.stack([data[s : s + L].T for s in starts]))
-    return paths + [EXAMPLE / "contexts.npz"]
+    return paths
+
+
+def trajectory_sets(folder: Path, example: Path) -> list[Path]:
+    """A replace-feedback rollout: 5 seeded sets of truth.npz states (seeds 100..104), fed back as its spec says."""
+    spec = tomllib.loads((example / "rollout.toml").read_text())
+    pairs = {f["output"]: f["input"] for f in spec["feedback"] if f["mode"] == "replace"}
+    contexts, truth = np.load(example / "contexts.npz"), np.load(example / "truth.npz")
+    if set(pairs.values()) != set(contexts.files):
+        raise SystemExit(f"{example.name}: not every input is fed back by replacement; no calibration states to draw")
+    n = len(contexts[contexts.files[0]])
+    trajectories, steps = truth[next(iter(pairs))].shape[:2]
+    paths = []
+    for k in range(SETS):
+        pick = np.random.default_rng(100 + k).choice(trajectories * steps, n, replace=False)
+        paths.append(folder / f"calib{k}.npz")
+        np.savez(paths[-1], **{pairs[o]: truth[o][pick // steps, pick % steps] for o in pairs})
+    return paths
+
+
+def held_out_drift(candidate: Path, example: Path) -> float:
+    """Mean drift % over the trajectory outputs on heldout.npz, exact dequantization (as bench_versions.py)."""
+    report = evaluate(candidate, example / "model.onnx", example / "heldout.npz", spec=example / "rollout.toml", settings=EvalSettings(exact=True))
+    drifts = [o["vs_reference"]["drift_pct"] for o in report["outputs"].values()]
+    return sum(drifts) / len(drifts)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cli", default=shutil.which("tqsdeploy") or "tqsdeploy", help="the tqsdeploy executable of the checkout to measure")
+    parser.add_argument("--example", default="tied_mixer_etth1")
+    parser.add_argument("--cli", default=f"new={shutil.which('tqsdeploy') or 'tqsdeploy'}", help="LABEL=PATH of each checkout's tqsdeploy, comma-separated")
     parser.add_argument("--methods", default="qep,gptq,gptaq")
     parser.add_argument("--bits", default="4,2")
     args = parser.parse_args()
+    example = REPO / "examples" / args.example
+    clis = dict(item.split("=", 1) for item in args.cli.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        sets = calibration_sets(folder)
+        drawn = etth1_sets(folder, example) if (example / "norm.json").exists() else trajectory_sets(folder, example)
+        sets = drawn + [example / "contexts.npz"]
         for method in args.methods.split(","):
             for bits in args.bits.split(","):
-                drifts = []
-                for k, calib in enumerate(sets):
-                    out = folder / f"{method}{bits}.{k}.onnx"
-                    subprocess.run([args.cli, "baseline", str(EXAMPLE / "model.onnx"), "--method", method, "--bits", bits, "--calib", str(calib), "-o", str(out)],
-                                   check=True, capture_output=True, cwd=folder)
-                    report = evaluate(out, EXAMPLE / "model.onnx", EXAMPLE / "heldout.npz", spec=EXAMPLE / "rollout.toml", settings=EvalSettings(exact=True))
-                    drifts.append(report["outputs"]["forecast"]["vs_reference"]["mae"])
-                values = " ".join(f"{d:.4f}" for d in drifts)
-                print(f"{method} W{bits}: held-out drift {np.mean(drifts):.4f} ± {np.std(drifts):.4f} (sets: {values})", flush=True)
+                for label, cli in clis.items():
+                    drifts = []
+                    for k, calib in enumerate(sets):
+                        out = folder / f"{method}{bits}.{label}.{k}.onnx"
+                        command = [cli, "baseline", str(example / "model.onnx"), "--method", method, "--bits", bits, "--calib", str(calib), "-o", str(out)]
+                        command += ["--min-params", str(MIN_PARAMS[args.example])] if args.example in MIN_PARAMS else []
+                        subprocess.run(command, check=True, capture_output=True, cwd=folder)
+                        drifts.append(held_out_drift(out, example))
+                    values = " ".join(f"{d:.4g}" for d in drifts)
+                    print(f"{args.example} {method} W{bits} {label}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {values}; last = contexts.npz)", flush=True)
 
 
 if __name__ == "__main__":
