@@ -6,7 +6,7 @@ user types; each version calibrates as it does by default) and evaluates every f
 `evaluate` in exact dequantization on the example's held-out windows and rollout spec, so only the codes
 differ. Prints a table and writes benchmarks/results/versions.csv and .md.
 
-    python benchmarks/bench_versions.py --old /path/to/old/checkout/.venv/bin/tqsdeploy [--methods qep] [--bits 4,2]
+    python benchmarks/bench_versions.py --old /path/to/old/checkout/.venv/bin/tqsdeploy [--methods qep] [--bits 4,2] [--stem versions]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--examples", default=",".join(sorted(p.parent.name for p in (REPO / "examples").glob("*/heldout.npz"))))
     parser.add_argument("--methods", default="qep")
     parser.add_argument("--bits", default="4,2")
+    parser.add_argument("--stem", default="versions", help="results file names: benchmarks/results/STEM.csv and .md")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -58,10 +59,10 @@ def main() -> None:
                     rows.append(row)
     frame = pl.DataFrame(rows).with_columns((pl.col("drift_pct_new") / pl.col(f"drift_pct_{args.old_label}")).alias("ratio"))
     results = REPO / "benchmarks" / "results"
-    frame.write_csv(results / "versions.csv")
+    frame.write_csv(results / f"{args.stem}.csv")
     header = f"| example | method | bits | held-out drift % {args.old_label} | held-out drift % new | new / old |\n|---|---|---|---|---|---|\n"
     lines = [f"| {r['example']} | {r['method']} | W{r['bits']} | {r[f'drift_pct_{args.old_label}']:.4g} | {r['drift_pct_new']:.4g} | {r['ratio']:.3f} |" for r in frame.iter_rows(named=True)]
-    (results / "versions.md").write_text(__doc__.splitlines()[0] + "\n\n" + header + "\n".join(lines) + "\n")
+    (results / f"{args.stem}.md").write_text(__doc__.splitlines()[0] + "\n\n" + header + "\n".join(lines) + "\n")
     print(header + "\n".join(lines))
 
 
