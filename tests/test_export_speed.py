@@ -144,7 +144,8 @@ def test_the_array_module_is_numpy_without_a_device(monkeypatch):
 def test_float32_solves_give_the_float64_codes_on_a_trained_models_layers(tmp_path, monkeypatch):
     """TQS_SOLVER_DTYPE=float32 (the column loop in float32): on the ETTh1 example's trained weights and the
     statistics of its own contexts (a sequential QEP pass, every weight solved both ways on the same statistics),
-    >= 99.9% of the codes are float64's and each layer's reconstruction error is within 1% of float64's."""
+    >= 99.9% of the codes are float64's (rows whose per-channel grid choice flips aside, at most 1% of rows) and
+    each layer's reconstruction error is within 1% of float64's."""
     from pathlib import Path
 
     from tiers.gptq import output_error
@@ -169,7 +170,11 @@ def test_float32_solves_give_the_float64_codes_on_a_trained_models_layers(tmp_pa
     encoder.calibrator.run(both, rounding.needs_cross)
     planner.close()
     assert len(solved) >= 12
-    same = sum(int(np.sum(r["float32"][0] == r["float64"][0])) for r in solved.values())
-    assert same >= 0.999 * sum(r["float64"][0].size for r in solved.values())
+    # a row whose grid choice (clip-searched or min-max) is a near tie may land on the other grid: all its codes
+    # differ (one 2048-wide head row on this model, the head's error 0.07% lower in float32); count such rows apart
+    flipped = [np.mean(r["float32"][0] != r["float64"][0], axis=1) > 0.25 for r in solved.values()]
+    assert sum(int(f.sum()) for f in flipped) <= 0.01 * sum(len(f) for f in flipped)
+    same = sum(int(np.sum(r["float32"][0][~f] == r["float64"][0][~f])) for r, f in zip(solved.values(), flipped))
+    assert same >= 0.999 * sum(r["float64"][0][~f].size for r, f in zip(solved.values(), flipped))
     for name, r in solved.items():
         assert r["float32"][1] == pytest.approx(r["float64"][1], rel=0.01), name
