@@ -52,7 +52,7 @@ class ExportSettings:
     lanes: int | None = None
     """Rollouts that do not depend on each other (pricing, refinement's trials) run this many at once
     (`sweep.Lanes`); None: as `score` decides (`sweep.sweep_lanes`), the sessions' threads split between them,
-    except for a model of `ONE_SESSION_BYTES` or more, whose candidates run one at a time on sessions of their own."""
+    except for a model past `export.FED_FLOATS_BYTES`, whose candidates run one at a time on sessions of their codes."""
 
     def __post_init__(self):
         if self.target == "ort":
