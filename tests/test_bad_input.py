@@ -360,3 +360,13 @@ def test_a_trajectory_naming_an_output_twice_is_refused():
 
     with pytest.raises(RolloutError, match="lists y more than once"):
         RolloutSpec.from_dict({"steps": 2, "trajectory": ["y", "y"], "feedback": [{"output": "y", "input": "x"}]})
+
+
+@pytest.mark.parametrize("variable, value", [("TQS_SOLVER_DTYPE", "half"), ("TQS_ARRAYS", "cupyy")])
+def test_a_mistyped_solver_variable_is_refused_before_any_work(two_branch, tmp_path, monkeypatch, variable, value):
+    model, contexts = two_branch
+    monkeypatch.setenv(variable, value)
+    result = runner.invoke(app, ["score", str(model), "-c", str(contexts), "-o", str(tmp_path / "run")])
+    assert result.exit_code == 2
+    assert variable in result.output and value in result.output
+    assert not (tmp_path / "run").exists()

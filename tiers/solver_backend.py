@@ -86,6 +86,19 @@ def device_inverse_cholesky(damped_reversed: np.ndarray) -> np.ndarray | None:
 
 
 SOLVER_DTYPES = ("float64", "float32")
+ARRAY_CHOICES = ("auto", "numpy")
+
+
+def environment_problem() -> str | None:
+    """What is wrong with the solver's environment variables (TQS_ARRAYS, TQS_SOLVER_DTYPE), in one line, or
+    None: commands check it before any work, so a typo is an input error, not a failure half-way through."""
+    arrays = os.environ.get("TQS_ARRAYS", "auto")
+    if arrays not in ARRAY_CHOICES:
+        return f"TQS_ARRAYS must be one of {', '.join(ARRAY_CHOICES)}, not '{arrays}'"
+    dtype = os.environ.get("TQS_SOLVER_DTYPE", "float64")
+    if dtype not in SOLVER_DTYPES:
+        return f"TQS_SOLVER_DTYPE must be one of {', '.join(SOLVER_DTYPES)}, not '{dtype}'"
+    return None
 
 
 def solver_dtype() -> str:

@@ -114,6 +114,10 @@ def user_errors(command):
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        from tiers.solver_backend import environment_problem
+
+        if problem := environment_problem():
+            fail(problem)
         try:
             return command(*args, **kwargs)
         except (typer.Exit, click_exceptions.ClickException):
