@@ -26,7 +26,7 @@ def array_module():
     global _ARRAY_MODULE
     if _ARRAY_MODULE is None:
         _ARRAY_MODULE = np
-        if os.environ.get("TQS_ARRAYS", "auto") != "numpy":
+        if _setting("TQS_ARRAYS", ARRAY_CHOICES)[0] != "numpy":
             try:
                 import cupy
 
@@ -89,16 +89,16 @@ SOLVER_DTYPES = ("float64", "float32")
 ARRAY_CHOICES = ("auto", "numpy")
 
 
+def _setting(variable: str, choices: tuple[str, ...]) -> tuple[str, str | None]:
+    """An environment variable's value (the first choice when unset) and what is wrong with it, if anything."""
+    value = os.environ.get(variable, choices[0])
+    return value, None if value in choices else f"{variable} must be one of {', '.join(choices)}, not '{value}'"
+
+
 def environment_problem() -> str | None:
     """What is wrong with the solver's environment variables (TQS_ARRAYS, TQS_SOLVER_DTYPE), in one line, or
     None: commands check it before any work, so a typo is an input error, not a failure half-way through."""
-    arrays = os.environ.get("TQS_ARRAYS", "auto")
-    if arrays not in ARRAY_CHOICES:
-        return f"TQS_ARRAYS must be one of {', '.join(ARRAY_CHOICES)}, not '{arrays}'"
-    dtype = os.environ.get("TQS_SOLVER_DTYPE", "float64")
-    if dtype not in SOLVER_DTYPES:
-        return f"TQS_SOLVER_DTYPE must be one of {', '.join(SOLVER_DTYPES)}, not '{dtype}'"
-    return None
+    return _setting("TQS_ARRAYS", ARRAY_CHOICES)[1] or _setting("TQS_SOLVER_DTYPE", SOLVER_DTYPES)[1]
 
 
 def solver_dtype() -> str:
@@ -107,9 +107,9 @@ def solver_dtype() -> str:
     the row objectives stay float64. float32 gave the same codes on 99.96-100% of a BERT-size layer's entries
     (tests/test_export_speed.py) but ran the loop at most 1.5x faster (only where K is large: the loop is
     numpy's per-call cost below that), too little to change every frontier for; so it is an option."""
-    chosen = os.environ.get("TQS_SOLVER_DTYPE", "float64")
-    if chosen not in SOLVER_DTYPES:
-        raise ValueError(f"TQS_SOLVER_DTYPE must be one of {', '.join(SOLVER_DTYPES)}, not '{chosen}'")
+    chosen, problem = _setting("TQS_SOLVER_DTYPE", SOLVER_DTYPES)
+    if problem:
+        raise ValueError(problem)
     return chosen
 
 
