@@ -455,6 +455,34 @@ def row_objective(Wt: np.ndarray, Q: np.ndarray, stats: Hessian, strength: float
     return rows
 
 
+def second_lower(Wt: np.ndarray, first: Quantized, second: Quantized, stats: Hessian, strength: float = 0.0) -> np.ndarray:
+    """Per output channel, whether `second`'s `row_objective` is below `first`'s (ties keep `first`).
+
+    Worked out from their difference, not as two objectives: with e = q₂ − q₁ and dᵢ = qᵢ − w,
+    obj₂ − obj₁ = e·H·(d₁ + d₂)ᵀ − 2α·e·Gᵀ·wᵀ (H symmetric), one product with H (and one with G)
+    where the two objectives took two each: half the flops of the per-channel grid choice, which at
+    K = 4096 cost as much as a column loop. Rows whose values are the same on both (e = 0) tie and
+    skip the products."""
+    better = np.zeros(Wt.shape[0], bool)
+    for start in range(0, Wt.shape[0], ERROR_ROWS):
+        stop = min(start + ERROR_ROWS, Wt.shape[0])
+        one, two = first.rows(start, stop).values, second.rows(start, stop).values
+        e = two - one
+        differ = np.flatnonzero((e != 0).any(axis=1))
+        if differ.size == 0:
+            continue
+        w = np.asarray(Wt[start:stop], np.float64)[differ]
+        e, one, two = e[differ], one[differ], two[differ]
+        one -= w
+        two -= w
+        one += two  # d₁ + d₂
+        change = np.einsum("ij,ij->i", e @ stats.H, one)
+        if strength and stats.G is not None:
+            change -= 2 * strength * np.einsum("ij,ij->i", e @ stats.G.T, w)
+        better[start + differ] = change < 0
+    return better
+
+
 def output_error(Wt: np.ndarray, Q: np.ndarray, stats: Hessian) -> float:
     """‖X·Wtᵀ − X·Qᵀ‖_F on the samples behind `stats`, from H alone (XᵀX = n/2·H)."""
     squared = float(row_objective(Wt, Q, stats).sum()) * stats.count / 2

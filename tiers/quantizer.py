@@ -144,7 +144,7 @@ def _better_rows(rounding: Rounding, original, wt, stats: Hessian, spec, group: 
     searched = _solve(rounding, np.array(wt), stats, spec, group)
     plain = _solve(rounding, wt, stats, replace(spec, search=False), group)
     aim = 1.0 if rounding.needs_cross and rounding.strength else 0.0
-    better = solvers.row_objective(original, plain.values, stats, aim) < solvers.row_objective(original, searched.values, stats, aim)
+    better = solvers.second_lower(original, searched, plain, stats, aim)
     if not better.any():
         return searched
     return Quantized(*(np.where(better[:, None], getattr(plain, f), getattr(searched, f)) for f in ("codes", "scale", "zero")), spec, searched.group_size)

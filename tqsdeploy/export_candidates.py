@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tiers import TIERS, Encoded, Rounding, Tier
 from tqsdeploy.allocate import Allocation, Choice, allocate
-from tqsdeploy.quantization import TierRoundings, comparison_methods
+from tqsdeploy.quantization import TierRoundings, can_still_win, comparison_methods
 from tqsdeploy.sweep import Drift, Lanes, SweepRunner
 
 AUTO_METHODS = ("qep", "gptaq", "gptq")
@@ -116,6 +116,9 @@ class CandidateBuilding:
         uniform_started = time.perf_counter()
         if fitting:
             for method in comparison_methods(self.rounding, fitting[0]):
+                best = min(found, key=_rank).drift.worst_pct
+                if not can_still_win(method, lambda rival: self.uniform_candidate(fitting[0], Rounding(rival), target).drift.worst_pct, best):
+                    continue
                 uniform = self.uniform_candidate(fitting[0], Rounding(method), target)
                 uniform.allocation.solver = uniform.label
                 found.append(uniform)

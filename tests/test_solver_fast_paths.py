@@ -1,0 +1,114 @@
+"""The solver's shortcuts give the codes of the long way round: the per-channel grid choice from one product per
+statistic, the clip search's screen stopping early, and the uniform GPTAQ pass run only while it can still win."""
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import tiers.gptq as solvers
+from tiers import grid, quantizer
+from tiers.gptq import Hessian, Quantized
+from tiers.grid import GridSpec
+from tqsdeploy.quantization import can_still_win
+
+GRIDS = [GridSpec("int", 4, False, True), GridSpec("int", 2, False, True), GridSpec("int", 3, True, True)]
+
+
+def _problem(seed: int, n: int, k: int, rows: int):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, k)) * rng.uniform(0.1, 3, k)
+    stats = Hessian(k, cross=True)
+    stats.add(x, x + 0.2 * rng.standard_normal(x.shape))
+    wt = rng.standard_normal((rows, k)) * rng.uniform(0.5, 2, (rows, 1))
+    wt[:, :3] *= 6  # outlying inputs: the clip search shrinks those rows
+    return wt, stats
+
+
+def _two_objectives(rounding, original, wt, stats, spec):
+    """`_better_rows` as it was: both grids solved, each row's objective worked out on each, the lower kept."""
+    searched = quantizer._solve(rounding, np.array(wt), stats, spec, -1)
+    plain = quantizer._solve(rounding, np.array(wt), stats, replace(spec, search=False), -1)
+    aim = 1.0 if rounding.needs_cross and rounding.strength else 0.0
+    better = solvers.row_objective(original, plain.values, stats, aim) < solvers.row_objective(original, searched.values, stats, aim)
+    fields = (np.where(better[:, None], getattr(plain, f), getattr(searched, f)) for f in ("codes", "scale", "zero"))
+    return Quantized(*fields, spec, -1), better
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("method", ["gptq", "gptaq", "qep"])
+def test_the_grid_choice_from_the_objectives_difference_keeps_every_code(seed, method):
+    n, k, rows = [(40, 64, 48), (300, 96, 130), (1000, 200, 600)][seed % 3]  # thin statistics to well-posed ones
+    wt, stats = _problem(seed, n, k, rows)
+    rounding = quantizer.Rounding(method)
+    solved = solvers.qep_correct(np.array(wt), stats.H, stats.G, alpha=rounding.strength) if method == "qep" else np.array(wt)
+    for spec in GRIDS:
+        slow, better = _two_objectives(rounding, wt, solved, stats, spec)
+        fast = quantizer._better_rows(rounding, wt, np.array(solved), stats, spec, -1)
+        np.testing.assert_array_equal(fast.codes, slow.codes)
+        np.testing.assert_array_equal(fast.scale, slow.scale)
+        np.testing.assert_array_equal(fast.zero, slow.zero)
+        if seed % 3:  # where the statistics are not thin both grids win rows: the choice is exercised either way
+            assert 0 < better.sum() < rows
+
+
+def test_rows_on_the_same_values_keep_the_first():
+    wt, stats = _problem(0, 300, 32, 20)
+    one = solvers.rtn(wt, GridSpec("int", 4, False, False))
+    assert not solvers.second_lower(wt, one, one, stats, 1.0).any()
+
+
+def _exhaustive(rows, trials, spec, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(grid, "FLOOR_FROM_BITS", 99)  # no floors: every shrink of every row priced
+        return grid._candidates(rows, trials, spec)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_screen_stopping_early_leaves_the_same_candidates_and_grids(seed, monkeypatch):
+    rng = np.random.default_rng(seed)
+    n, k = [(300, 64), (200, 768), (64, 3072), (100, 200)][seed % 4]
+    rows = rng.standard_normal((n, k)) * rng.uniform(0.01, 10, (n, 1))
+    if seed % 2:
+        rows += rng.standard_t(3, (n, k)) * 0.3  # heavy tails
+    rows[::7] *= 1e-11  # rows of extreme magnitude take the exact search
+    for spec in GRIDS + [GridSpec("int", 4, True, True)]:
+        lo, hi = np.minimum(rows.min(1), 0), np.maximum(rows.max(1), 0)
+        trials = grid._trials(lo, hi, spec)
+        np.testing.assert_array_equal(grid._candidates(rows, trials, spec), _exhaustive(rows, trials, spec, monkeypatch))
+        fast = [np.empty(n), np.empty(n)]
+        grid._search(rows, lo, hi, spec, *fast)
+        with monkeypatch.context() as patch:
+            patch.setattr(grid, "FLOOR_FROM_BITS", 99)
+            slow = [np.empty(n), np.empty(n)]
+            grid._search(rows, lo, hi, spec, *slow)
+        np.testing.assert_array_equal(fast[0], slow[0])
+        np.testing.assert_array_equal(fast[1], slow[1])
+
+
+def test_the_screen_stops_early_at_four_bits(monkeypatch):
+    """Gaussian rows of 1024 at 4 bits: most rows leave the screen well before the last of its 80 shrinks."""
+    rows = np.random.default_rng(0).standard_normal((64, 1024))
+    spec = GridSpec("int", 4, False, True)
+    trials = grid._trials(np.minimum(rows.min(1), 0), np.maximum(rows.max(1), 0), spec)
+    priced = []
+    residual = grid._residual
+    monkeypatch.setattr(grid, "_residual", lambda work, *rest: priced.append(len(work)) or residual(work, *rest))
+    grid._candidates(rows, trials, spec)
+    assert sum(priced) < 0.75 * 80 * len(rows)
+
+
+def test_uniform_gptaq_is_run_only_while_it_can_still_win():
+    asked = []
+
+    def rival(method):
+        asked.append(method)
+        return drift[method]
+
+    drift = {"qep": 10.0}
+    assert can_still_win("rtn", rival, 1.0) and can_still_win("qep", rival, 1.0) and not asked  # no rival: nothing measured
+    assert not can_still_win("gptaq", rival, 4.9) and asked == ["qep"]  # QEP's uniform model at more than 2x the best
+    assert can_still_win("gptaq", rival, 5.0)
+    drift["qep"] = math.nan  # a failed rival rules nothing out
+    assert can_still_win("gptaq", rival, 1.0)
