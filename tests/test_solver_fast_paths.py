@@ -112,3 +112,20 @@ def test_uniform_gptaq_is_run_only_while_it_can_still_win():
     assert can_still_win("gptaq", rival, 5.0)
     drift["qep"] = math.nan  # a failed rival rules nothing out
     assert can_still_win("gptaq", rival, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_screens_residual_is_the_grids_own_rounding(dtype):
+    """|values(codes(w)) − w| as `codes_on` and `values` work it out, the zero point folded into the clip's bounds."""
+    rng = np.random.default_rng(5)
+    rows = (rng.standard_normal((40, 300)) * rng.uniform(0.01, 5, (40, 1))).astype(dtype)
+    rows[3] = 0  # a row of zeros: scale 0, divisor 1
+    for spec in GRIDS:
+        lo, hi = np.minimum(rows.min(1), 0).astype(np.float64), np.maximum(rows.max(1), 0).astype(np.float64)
+        for scale, zero in grid._trials(lo, hi, spec)[::7]:
+            scale, zero = scale.astype(dtype).astype(np.float64), zero
+            column_scale, column_zero = scale[:, None].astype(dtype), zero[:, None].astype(dtype)
+            low, high = spec.code_range
+            q = np.clip(np.rint(rows / np.where(column_scale > 0, column_scale, 1)) + column_zero, low, high)
+            expected = np.abs(column_scale * (q - column_zero) - rows)
+            np.testing.assert_array_equal(grid._residual(rows, scale, zero, spec, np.empty_like(rows)), expected)

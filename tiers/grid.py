@@ -223,9 +223,7 @@ def _residual(rows: np.ndarray, scale: np.ndarray, zero: np.ndarray, spec: GridS
     column_scale, column_zero = scale[:, None].astype(rows.dtype), zero[:, None].astype(rows.dtype)
     np.divide(rows, np.where(column_scale > 0, column_scale, 1), out=buffer)
     np.rint(buffer, out=buffer)
-    buffer += column_zero
-    np.clip(buffer, low, high, out=buffer)
-    buffer -= column_zero
+    np.clip(buffer, low - column_zero, high - column_zero, out=buffer)  # clip(q + z, low, high) − z in one pass: all small exact integers
     np.multiply(column_scale, buffer, out=buffer)
     buffer -= rows
     np.abs(buffer, out=buffer)
