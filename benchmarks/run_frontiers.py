@@ -26,7 +26,7 @@ EXTRA = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--examples", default="etth1_patchtst,era5_emulator,lorenz96,tied_mixer_etth1")
+    parser.add_argument("--examples", default="etth1_patchtst,era5_emulator,lorenz96,tied_mixer_etth1,pangu_lorenz96,timesfm_etth1,era5_downscale")
     args = parser.parse_args()
     for example in args.examples.split(","):
         folder = Path("examples") / example

@@ -12,9 +12,10 @@ contexts, unit selection, scores) and, for each requested compression:
    not add up when units interact, so each round re-prices moving every slot
    one tier up or down *with all other slots at their allocated tiers* (joint
    rollouts) and re-solves, keeping the new allocation only if its joint drift
-   is lower;
+   is lower and, calibrated as itself (what ships), lower too;
 4. compares, by measured drift on the scoring contexts, the mixed model (as
-   priced, and calibrated as itself) with the uniform allocations at the
+   priced, and calibrated as itself; near the lowest tier's size also one
+   allocated with the int1 tier below it) with the uniform allocations at the
    finest tier that fits, rounded by every method, and ships the best;
 5. writes the model and its allocation record.
 
@@ -183,6 +184,8 @@ class Planner(CandidateBuilding, Measuring, Writing):
         """A one-session model's session with every unit overridable, for joint candidates fed as floats."""
         self._base_floats: dict[str, tuple[tuple, np.ndarray | None]] = {}
         """Per unit tensor: its channel runs in the allocation refinement starts a round from, and its float values."""
+        self._calibrated_drifts: dict[tuple[tuple[str, str], ...], Drift] = {}
+        """Allocations calibrated as themselves already measured, by their tiers (`calibrated_drift`)."""
         self._joint_drifts: dict[tuple[tuple[str, str], ...], Drift] = {}
         """Allocations (as priced) already measured, by their tiers: each distinct one is rolled out once."""
         self.runtime = runtime

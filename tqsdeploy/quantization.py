@@ -297,9 +297,13 @@ class Encoder:
         """Drop the cached uniform encodings of (tier, rounding): 1 byte per weight."""
         self._uniform.pop((tier if isinstance(tier, str) else tier.name, rounding), None)
 
-    def forget_mixed(self) -> None:
-        """Drop the mixed allocations calibrated as themselves (remade by a calibration pass if asked again)."""
-        self._mixed.clear()
+    def forget_mixed(self, assignment: Mapping[str, str] | None = None) -> None:
+        """Drop the mixed allocations calibrated as themselves, or only `assignment`'s (remade by a calibration pass if asked again)."""
+        if assignment is None:
+            self._mixed.clear()
+        else:
+            for key in [k for k in self._mixed if k[0] == tuple(sorted(assignment.items()))]:
+                del self._mixed[key]
 
     def forget_uniform(self, keep: str | None = None, calibrated: bool = False) -> None:
         """Drop the cached uniform encodings of every tier but `keep`: those that need no calibration
