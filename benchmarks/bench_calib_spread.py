@@ -12,7 +12,7 @@ the scoring trajectories' later states (never the held-out ones).
 
     python benchmarks/bench_calib_spread.py [--example lorenz96] [--cli new=PATH,old=PATH] [--methods qep] [--bits 4,2]
 
-With `--tqs C[,C...] --uniform TIER` it measures TQS-PTQ instead: per set, `score` on the set (the frontier's
+With `--tqs C[,C...] --uniform TIER[,TIER...]` it measures TQS-PTQ instead: per set, `score` on the set (the frontier's
 settings), `export --C C` and `export --uniform TIER` (the rollout-calibrated uniform model the export compares),
 both from that run, each set's held-out drift of both and their paired ratio, mean ± sd.
 """
@@ -76,27 +76,32 @@ def held_out_drift(candidate: Path, example: Path) -> float:
 
 
 def tqs_spread(args, example: Path, folder: Path, sets: list[Path], clis: dict[str, str]) -> None:
-    """`--tqs`: per set a score run, TQS-PTQ at each C and the uniform model from it, held-out drift of each."""
+    """`--tqs`: per set a score run, TQS-PTQ at each C and the uniform model of its grid (`--uniform`, one tier
+    per C) from that run, held-out drift of each."""
     cli = next(iter(clis.values()))
     extra = ["--min-params", str(MIN_PARAMS[args.example])] if args.example in MIN_PARAMS else []
-    uniform, tqs = [], {c: [] for c in args.tqs.split(",")}
+    targets, tiers = args.tqs.split(","), args.uniform.split(",")
+    tiers = tiers * len(targets) if len(tiers) == 1 else tiers
+    uniform, tqs = {t: [] for t in tiers}, {c: [] for c in targets}
     for k, calib in enumerate(sets):
         run = folder / f"run{k}"
         subprocess.run([cli, "score", str(example / "model.onnx"), "--contexts", str(calib), "--spec", str(example / "rollout.toml"), "--out", str(run), *extra],
                        check=True, capture_output=True, cwd=folder)
-        out = folder / f"uniform{k}.onnx"
-        subprocess.run([cli, "export", str(example / "model.onnx"), "--run", str(run), "--uniform", args.uniform, "-o", str(out)], check=True, capture_output=True, cwd=folder)
-        uniform.append(held_out_drift(out, example))
+        for tier in uniform:
+            out = folder / f"uniform{k}.{tier}.onnx"
+            subprocess.run([cli, "export", str(example / "model.onnx"), "--run", str(run), "--uniform", tier, "-o", str(out)], check=True, capture_output=True, cwd=folder)
+            uniform[tier].append(held_out_drift(out, example))
         for c in tqs:
             out = folder / f"tqs{k}.C{c}.onnx"
             subprocess.run([cli, "export", str(example / "model.onnx"), "--run", str(run), "--C", c, "-o", str(out)], check=True, capture_output=True, cwd=folder)
             tqs[c].append(held_out_drift(out, example))
-        print(f"set {k}: uniform {args.uniform} {uniform[-1]:.4g}, " + ", ".join(f"TQS-PTQ C{c} {d[-1]:.4g}" for c, d in tqs.items()), flush=True)
-    print(f"{args.example} uniform {args.uniform}: held-out drift % {np.mean(uniform):.4g} ± {np.std(uniform):.2g} (sets: {' '.join(f'{d:.4g}' for d in uniform)}; last = contexts.npz)")
-    for c, drifts in tqs.items():
-        ratios = np.array(drifts) / np.array(uniform)
+        print(f"set {k}: " + ", ".join(f"uniform {t} {d[-1]:.4g}" for t, d in uniform.items()) + ", " + ", ".join(f"TQS-PTQ C{c} {d[-1]:.4g}" for c, d in tqs.items()), flush=True)
+    for tier, drifts in uniform.items():
+        print(f"{args.example} uniform {tier}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {' '.join(f'{d:.4g}' for d in drifts)}; last = contexts.npz)")
+    for (c, drifts), tier in zip(tqs.items(), tiers):
+        ratios = np.array(drifts) / np.array(uniform[tier])
         print(f"{args.example} TQS-PTQ C{c}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {' '.join(f'{d:.4g}' for d in drifts)}); "
-              f"/ uniform per set {ratios.mean():.3f} ± {ratios.std():.2g}, below it on {int((ratios < 1).sum())} of {len(ratios)}")
+              f"/ uniform {tier} per set {ratios.mean():.3f} ± {ratios.std():.2g}, below it on {int((ratios < 1).sum())} of {len(ratios)}")
 
 
 def main() -> None:
@@ -106,7 +111,7 @@ def main() -> None:
     parser.add_argument("--methods", default="qep,gptq,gptaq")
     parser.add_argument("--bits", default="4,2")
     parser.add_argument("--tqs", default="", help="compressions: measure TQS-PTQ export at each against --uniform over the sets")
-    parser.add_argument("--uniform", default="int4-asym", help="the uniform tier --tqs compares with")
+    parser.add_argument("--uniform", default="int4-asym", help="the uniform tier --tqs compares with: one, or one per C")
     args = parser.parse_args()
     example = REPO / "examples" / args.example
     clis = dict(item.split("=", 1) for item in args.cli.split(","))
