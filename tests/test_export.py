@@ -16,7 +16,7 @@ from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
 from tiers import METHODS, Rounding
 from tqsdeploy.export import ExportSettings, Planner
-from tqsdeploy.export_candidates import AUTO_METHODS
+from tqsdeploy.export_candidates import AUTO_METHODS, NEAR_LOWEST_SPLIT
 
 runner = CliRunner()
 
@@ -528,3 +528,19 @@ def test_a_target_near_the_int2_size_also_allocates_with_int1(scored, tmp_path):
     explicit = Planner(folder / "run", settings=ExportSettings(tiers=("fp32", "int8-asym", "int4-asym", "int2-asym"), refine=0))
     assert explicit.below_lowest(0.99 * int2) is None
     explicit.close()
+
+
+def test_near_the_int2_size_the_units_are_cut_finer_and_the_file_meets_the_target(scored, tmp_path):
+    """At the W2 size a 2% channel group cannot be promoted within the 1% of bits left: the slots are cut at
+    NEAR_LOWEST_SPLIT there (more of them), back at the setting's elsewhere, and what is written meets C."""
+    _, _, folder = scored
+    planner = Planner(folder / "run", settings=ExportSettings(refine=0))
+    far = len(planner.slots)
+    int2 = planner.uniform("int2-asym").compression
+    outcome = planner.export(0.99 * int2, tmp_path / "w2.onnx")
+    assert len(planner.slots) > far and planner.split_fraction == NEAR_LOWEST_SPLIT
+    assert set(outcome.allocation.tiers) == {s.name for s in planner.slots}
+    assert outcome.compression >= 0.99 * int2
+    planner.candidates(4)
+    assert len(planner.slots) == far and planner.split_fraction == 0.02
+    planner.close()

@@ -142,10 +142,11 @@ class Planner(CandidateBuilding, Measuring, Writing):
         names = [n for u in self.units for n in u.tensor_names]
         proto = self.model.proto
         self.layouts = graph_ops.weight_layouts(proto, names)
-        self.slots: list[Slot] = make_slots(self.units, self.layouts, settings.split_fraction)
+        self.slots: list[Slot] = []
         self.slots_of: dict[str, list[Slot]] = {}
-        for slot in self.slots:
-            self.slots_of.setdefault(slot.unit, []).append(slot)
+        self.split_fraction = settings.split_fraction
+        """The share the slots are cut at now (`use_split`): the setting's, or finer near the lowest tier's size."""
+        self.use_split(settings.split_fraction)
         self.encoder = Encoder(
             self.units,
             self.layouts,
@@ -193,6 +194,16 @@ class Planner(CandidateBuilding, Measuring, Writing):
         self._unpriced: set[tuple[str, str]] = set()
         """(slot, tier) pairs the measured prices bound by 0, not measured yet (`allocate`)."""
         self.timings: dict[str, float] = {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0}
+
+    def use_split(self, fraction: float) -> None:
+        """Cut the units into slots at `fraction` (`make_slots`); what was priced stays cached by slot name."""
+        self.split_fraction = fraction
+        self.slots = make_slots(self.units, self.layouts, fraction)
+        self.slots_of = {}
+        for slot in self.slots:
+            self.slots_of.setdefault(slot.unit, []).append(slot)
+        self._choices = {}
+        self._unpriced = set()
 
     @property
     def rounding(self) -> AnyRounding:

@@ -26,6 +26,13 @@ also allocates with `BELOW_LOWEST` added: a few slots at one bit pay for others 
 windows at the W2 size: etth1 5.65 -> 4.47% (uniform INT2 QEP 5.65%); on lorenz96 the mixed model with int1
 drifted more (29.9%) than the one without (12.8%), and the scoring contexts chose the latter."""
 
+NEAR_LOWEST_SPLIT = 0.005
+"""Near the lowest tier's size (`NEAR_LOWEST`) large units are cut into channel groups of this share of the unit
+parameters (the setting's 0.02 elsewhere): at the W2 size 1% of the bits is left, and a 2% group costs 2% more
+promoted from INT2 to INT4, so the allocation could only be uniform INT2. Held-out at the W2 size (single runs,
+the mixed model calibrated as itself): pangu_lorenz96 27.18 -> 24.58% (uniform INT2 QEP 27.18), timesfm_etth1
+6.31 -> 5.83% (6.31), etth1 4.63 -> 4.35% (5.65); four times the slots to price, at those targets only."""
+
 AUTO_METHODS = ("qep", "gptaq", "gptq")
 """What `--rounding auto` chooses from on a calibratable tier (listed first wins a tie)."""
 
@@ -148,6 +155,11 @@ class CandidateBuilding:
     def candidates(self, target: float, on_result=None, final: bool = False) -> list[Candidate]:
         """Every model considered for `target`, each with its measured drift, best first.
         `final`: no other target follows, so a large model's price list is not kept for one."""
+        fraction = self.settings.split_fraction
+        if fraction > 0 and self.near_lowest(target):
+            fraction = min(fraction, NEAR_LOWEST_SPLIT)
+        if fraction != self.split_fraction:
+            self.use_split(fraction)
         allocation = self.allocate(target, on_result)
         drift = None
         if self.settings.refine:
@@ -190,9 +202,14 @@ class CandidateBuilding:
         if self.settings.tiers or self.settings.runtime not in below.runtimes or any(t.bits <= below.bits for t in self.tiers):
             return None
         lowest = min(self.tiers, key=lambda t: t.bits)
-        if not (lowest.calibratable and self.calibrates(self.uniform(lowest.name))) or target < NEAR_LOWEST * self.uniform(lowest.name).compression:
+        if not (lowest.calibratable and self.calibrates(self.uniform(lowest.name))) or not self.near_lowest(target):
             return None
         return below
+
+    def near_lowest(self, target: float) -> bool:
+        """`target` is at or past `NEAR_LOWEST` of the lowest tier's uniform compression."""
+        lowest = min(self.tiers, key=lambda t: t.bits)
+        return target >= NEAR_LOWEST * self.uniform(lowest.name).compression
 
     def _with_tier_below(self, below: Tier, target: float, label: str) -> Candidate | None:
         """The mixed model allocated with `below` added to the tiers (its slots priced once, in the run's
