@@ -544,3 +544,22 @@ def test_near_the_int2_size_the_units_are_cut_finer_and_the_file_meets_the_targe
     planner.candidates(4)
     assert len(planner.slots) == far and planner.split_fraction == 0.02
     planner.close()
+
+
+def test_the_progress_counts_the_rollouts_the_finer_cut_runs(scored, tmp_path):
+    """Near the INT2 size the slots are cut finer only once the export has begun: the progress display takes its
+    total from the measurements about to run, so it never says 351/162 (what an era5_downscale --C 4 export printed)."""
+    import re
+    import shutil
+
+    model, _, folder = scored
+    run = tmp_path / "run"
+    shutil.copytree(folder / "run", run, ignore=shutil.ignore_patterns("measured.jsonl", ".measured.lock", "checkpoints*"))
+    planner = Planner(run, settings=ExportSettings(refine=0))
+    target = 0.99 * planner.uniform("int2-asym").compression
+    planner.close()
+    result = runner.invoke(app, [str(a) for a in ("export", model, "--run", run, "--C", f"{target:.4f}", "--refine", 0, "--out-dir", tmp_path)])
+    assert result.exit_code == 0, result.output
+    counts = [(int(done), int(total)) for done, total in re.findall(r"measuring tiers: (\d+)/(\d+) rollouts", result.output)]
+    assert counts and all(done <= total for done, total in counts), counts
+    assert counts[-1][0] == counts[-1][1]

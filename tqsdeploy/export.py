@@ -31,6 +31,7 @@ import math
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import polars as pl
@@ -194,6 +195,9 @@ class Planner(CandidateBuilding, Measuring, Writing):
         self._unpriced: set[tuple[str, str]] = set()
         """(slot, tier) pairs the measured prices bound by 0, not measured yet (`allocate`)."""
         self.timings: dict[str, float] = {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0}
+        self.on_measuring: Callable[[int], None] | None = None
+        """Told how many rollouts a batch of reported measurements (`measured` with `on_result`) is about to run:
+        the count is known only then (near the lowest tier's size the slots are cut finer first)."""
 
     def use_split(self, fraction: float) -> None:
         """Cut the units into slots at `fraction` (`make_slots`); what was priced stays cached by slot name."""
@@ -406,21 +410,6 @@ class Planner(CandidateBuilding, Measuring, Writing):
         """(slot, tier) pairs the measured objective rolls out: live slots at every tier that changes the weight."""
         return [(s, t) for s in self.slots if s.unit not in self.dead for t in self.tiers if t.name != "fp32"]
 
-    def pending_measurements(self) -> int:
-        """Measured-objective rollouts not yet in the run's cache (what a progress bar counts)."""
-        if self.settings.objective != "measured" or self._measured is not None:
-            return 0
-        done = set()
-        path = self.run_dir / "measured.jsonl"
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                    done.add(Task(record["unit"], record["probe"], record["draw"]).key)
-                except (ValueError, KeyError, TypeError):
-                    break
-        return sum(Task(s.name, self._probe(t)).key not in done for s, t in self.eager_tasks())
-
     def eager_tasks(self) -> list[tuple[Slot, Tier]]:
         """The (slot, tier) pairs priced before the first allocation: all but float copies (`LAZY_BITS`)."""
         return [(s, t) for s, t in self.measured_tasks() if t.bits < LAZY_BITS]
@@ -442,6 +431,8 @@ class Planner(CandidateBuilding, Measuring, Writing):
                 if tier.calibratable:  # each tier's encoding pass before the first rollout, so the rollouts' ETA is theirs
                     self.encoder.uniform(tier, self.rounding_at(tier.name))
             pending = [(slot, tier) for slot, tier in tasks if Task(slot.name, self._probe(tier)).key not in done]
+            if on_result and pending and self.on_measuring:
+                self.on_measuring(len(pending))
 
             def price(lane: SweepRunner, item):
                 for slot, tier in item:

@@ -140,17 +140,22 @@ def export(
     if not force:
         for path in paths:
             _refuse_overwrite(path, f"{path.with_suffix('')}.allocation.json")
-    progress = progress_bar("measuring tiers", "rollouts")
+    measuring = []
+
+    def on_measuring(count: int) -> None:  # a batch of tier measurements begins: one display per batch, its own ETA
+        for bar in measuring:
+            bar.stop()
+        measuring[:] = [progress_bar("measuring tiers", "rollouts")]
+        measuring[0].start(count)
 
     def on_result(result) -> None:
-        if progress.total is None:
-            progress.start(pending)
-        progress.advance(detail=result.unit[-40:])
+        measuring[0].advance(detail=result.unit[-40:])
 
     encoding = []
 
     def on_pass(label: str, count: int, done: int) -> None:  # one display at a time: the tier measurements are over or not begun
-        progress.stop()
+        for bar in measuring:
+            bar.stop()
         if done:
             err.print(f"encoding ({label}): resuming, {done} of {count} weights read from the checkpoints of an interrupted export")
         encoding[:] = [progress_bar(f"encoding ({label})", "weights")]
@@ -164,7 +169,7 @@ def export(
             encoding[0].stop()
 
     planner.encoder.on_pass, planner.encoder.on_weight = on_pass, on_weight
-    pending = planner.pending_measurements() if compression else 0  # with --rounding auto, after the passes that choose it (shown as they run)
+    planner.on_measuring = on_measuring
 
     rows = []
     try:
@@ -175,8 +180,7 @@ def export(
             rows.append((value, outcome, fused))
         planner.discard_checkpoints()  # every model is written (or refused by --max-drift): nothing left to resume
     finally:
-        progress.stop()
-        for bar in encoding:
+        for bar in measuring + encoding:
             bar.stop()
         planner.close()
     import polars as pl
