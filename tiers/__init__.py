@@ -13,7 +13,7 @@ from tiers.formats.base import StoredForm, register_form
 from tiers.gptq import Hessian, Quantized
 from tiers.grid import GridSpec
 from tiers.quantizer import METHODS, RTN, Rounding, encode, quantize, split, to_encoded
-from tiers.registry import DEFAULT_TIERS, TIERS, TRT_TIERS, Tier, TierError, get_tiers, tier_for_bits
+from tiers.registry import DEFAULT_TIERS, TIERS, TRT_TIERS, Tier, TierError, get_tiers, precision_order, tier_for_bits
 
 __all__ = [
     "DEFAULT_TIERS",
@@ -32,6 +32,7 @@ __all__ = [
     "TierError",
     "encode",
     "get_tiers",
+    "precision_order",
     "quantize",
     "register_form",
     "split",

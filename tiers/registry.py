@@ -65,6 +65,11 @@ def tier_for_bits(bits: int, symmetric: bool = False) -> Tier:
     return TIERS[name]
 
 
+def precision_order(tier: Tier) -> tuple[int, int]:
+    """Sort key of a tier set, most precise first (more bits, then the registry's order)."""
+    return -tier.bits, list(TIERS).index(tier.name)
+
+
 def get_tiers(names: list[str] | tuple[str, ...], target: str = "ort", group_size: int | None = None) -> list[Tier]:
     """Resolve tier names, most precise first, checking the target runtime takes them."""
     tiers = []
@@ -80,5 +85,4 @@ def get_tiers(names: list[str] | tuple[str, ...], target: str = "ort", group_siz
         tiers.append(tier)
     if not tiers:
         raise TierError("no tiers given")
-    order = list(TIERS)
-    return sorted(dict.fromkeys(tiers), key=lambda t: (-t.bits, order.index(t.name)))
+    return sorted(dict.fromkeys(tiers), key=precision_order)

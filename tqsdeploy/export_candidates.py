@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from tiers import TIERS, Encoded, Rounding, Tier
+from tiers import TIERS, Encoded, Rounding, Tier, precision_order
 from tqsdeploy.allocate import Allocation, Choice, allocate
 from tqsdeploy.quantization import TierRoundings, can_still_win, comparison_methods
 from tqsdeploy.sweep import Drift, Lanes, SweepRunner
@@ -39,11 +39,6 @@ AUTO_METHODS = ("qep", "gptaq", "gptq")
 
 def _rank(candidate: "Candidate") -> tuple[float, float]:
     return _order(candidate.drift)
-
-
-def _ladder(tier: Tier) -> tuple[int, int]:
-    """Most precise first, as `tiers.get_tiers` orders a tier set."""
-    return -tier.bits, list(TIERS).index(tier.name)
 
 
 def _order(drift: Drift) -> tuple[float, float]:
@@ -215,7 +210,7 @@ class CandidateBuilding:
         """The mixed model allocated with `below` added to the tiers (its slots priced once, in the run's
         cache), calibrated as itself; None when the allocation does not use it (it is then the mixed one)."""
         saved = self.tiers, self._choices, self._unpriced
-        self.tiers = sorted([*self.tiers, below], key=_ladder)
+        self.tiers = sorted([*self.tiers, below], key=precision_order)
         self._choices = {}
         try:
             allocation = self.allocate(target)
@@ -279,7 +274,7 @@ class CandidateBuilding:
     def _overshoot(self, chosen: Candidate, target: float) -> str:
         """Why the shipped model is more than 5% smaller than asked."""
         achieved = f"achieved {chosen.allocation.compression:.3g}x, more than 5% above the target {target:g}x"
-        order = [t.name for t in sorted({t.name: t for t in [*self.tiers, *(TIERS[n] for n in chosen.allocation.tiers.values())]}.values(), key=_ladder)]
+        order = [t.name for t in sorted({t.name: t for t in [*self.tiers, *(TIERS[n] for n in chosen.allocation.tiers.values())]}.values(), key=precision_order)]
         if chosen.allocation.solver.startswith("uniform"):
             tier = chosen.label.split()[1]
             finer = order[order.index(tier) - 1] if order.index(tier) > 0 else None

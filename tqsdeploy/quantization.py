@@ -145,6 +145,11 @@ def can_still_win(method: str, rival_drift: Callable[[str], float], best_drift: 
     return not rival_drift(rival) > factor * best_drift
 
 
+def _assignment_key(assignment: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """An allocation's slot -> tier map as a key of the calibrated-encodings cache (`Encoder.calibrated`)."""
+    return tuple(sorted(assignment.items()))
+
+
 def _grid(tier: Tier) -> str:
     """What a tier's codes depend on, in words that are the same in every process (a frozenset's
     repr is not: string hashes are salted per process)."""
@@ -302,7 +307,8 @@ class Encoder:
         if assignment is None:
             self._mixed.clear()
         else:
-            for key in [k for k in self._mixed if k[0] == tuple(sorted(assignment.items()))]:
+            dropped = _assignment_key(assignment)
+            for key in [k for k in self._mixed if k[0] == dropped]:
                 del self._mixed[key]
 
     def forget_uniform(self, keep: str | None = None, calibrated: bool = False) -> None:
@@ -408,7 +414,7 @@ class Encoder:
         """A mixed allocation calibrated as itself: every earlier wave at its own tier."""
         if not rounding.needs_stats:
             return self.assemble(slots, assignment, rounding)
-        key = (tuple(sorted(assignment.items())), rounding)
+        key = (_assignment_key(assignment), rounding)
         if key not in self._mixed:
 
             def encode_one(name: str, stats) -> Encoded:
