@@ -25,7 +25,6 @@ from tiers import TIERS
 from tiers.quantizer import encode
 from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.score import score
-from tqsdeploy.sweep import Task
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -57,8 +56,8 @@ def compare(example: str, target: float, folder: Path) -> dict:
     prices = {way: planner.measured() for way, planner in (("per_tier", per_tier), ("shared", shared))}
     row = {"example": example, "C": target}
     for tier in [t for t in per_tier.tiers if t.calibratable]:
-        keys = [Task(slot.name, per_tier._probe(tier)).key for slot in per_tier.slots if slot.unit not in per_tier.dead]
-        a, b = (np.array([sum(prices[way][k].div_sq) for k in keys]) for way in ("per_tier", "shared"))
+        keys = {way: [planner.price_task(slot, tier).key for slot in planner.slots if slot.unit not in planner.dead] for way, planner in (("per_tier", per_tier), ("shared", shared))}
+        a, b = (np.array([sum(prices[way][k].div_sq) for k in keys[way]]) for way in ("per_tier", "shared"))
         row[tier.name] = {"spearman": round(float(spearmanr(a, b)[0]), 3), "median_shared_over_per_tier": round(float(np.median(b / np.maximum(a, 1e-300))), 3)}
     row["slots_allocated_differently"] = sum(allocations["per_tier"].tiers[s] != allocations["shared"].tiers[s] for s in allocations["per_tier"].tiers)
     row["slots"] = len(per_tier.slots)

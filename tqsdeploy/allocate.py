@@ -124,11 +124,11 @@ def _milp_solvers(pulp) -> list[tuple[str, object]]:
     binary is installed)."""
     solvers = []
     if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
-        solvers.append(("mckp-highs", lambda: pulp.HiGHS(msg=False, timeLimit=120, gapRel=1e-9)))
+        solvers.append(("mckp-highs", lambda: pulp.HiGHS(msg=False, timeLimit=120, gapRel=1e-9, gapAbs=0, mip_feasibility_tolerance=1e-9, dual_feasibility_tolerance=1e-10, primal_feasibility_tolerance=1e-10)))
     if hasattr(pulp, "PULP_CBC_CMD"):
-        solvers.append(("mckp-cbc", lambda: pulp.PULP_CBC_CMD(msg=False, timeLimit=120, gapRel=1e-9)))
+        solvers.append(("mckp-cbc", lambda: pulp.PULP_CBC_CMD(msg=False, timeLimit=120, gapRel=1e-9, gapAbs=0)))
     elif pulp.COIN_CMD(msg=False).available():  # PuLP 4 with a cbc binary (pip install pulp[cbc])
-        solvers.append(("mckp-cbc", lambda: pulp.COIN_CMD(msg=False, timeLimit=120, gapRel=1e-9)))
+        solvers.append(("mckp-cbc", lambda: pulp.COIN_CMD(msg=False, timeLimit=120, gapRel=1e-9, gapAbs=0)))
     return solvers
 
 
@@ -139,13 +139,23 @@ def _solve_status(pulp, result) -> str:
     return status.name if isinstance(status, enum.Enum) else pulp.LpStatus[status]
 
 
+def _loss_scale(choices: list[Choice]) -> float:
+    """What the losses are divided by in the solver: their geometric mean (nonzero, finite). Measured prices span
+    ten orders of magnitude (a slot's INT2 rollout against another's bf16 one); divided by the largest, the small
+    ones fell below the solver's tolerances and the choices among fp32, bf16 and INT8 at a low C were left to
+    them: the solution lost to exhaustive search by up to 450x on such losses, and at C 2 HiGHS and CBC disagreed on
+    lorenz96 and timesfm_etth1 (both find the optimum after this scale)."""
+    logs = [math.log(abs(v)) for c in choices for v in c.loss.values() if math.isfinite(v) and v != 0]
+    return math.exp(sum(logs) / len(logs)) if logs else 1.0
+
+
 def _solve_mckp(choices: list[Choice], budget: int) -> tuple[dict[str, str], str]:
     """Exact multiple-choice knapsack with pulp: HiGHS first, then CBC where PuLP bundles it."""
     import pulp
 
     if not choices:
         return {}, "none"
-    scale = max((abs(v) for c in choices for v in c.loss.values() if math.isfinite(v)), default=1.0) or 1.0
+    scale = _loss_scale(choices)
     problem = pulp.LpProblem("tqs_ptq", pulp.LpMinimize)
     variables = {}
     for i, choice in enumerate(choices):
@@ -153,7 +163,8 @@ def _solve_mckp(choices: list[Choice], budget: int) -> tuple[dict[str, str], str
             variables[choice.unit, tier] = problem.add_variable(f"x_{i}_{j}", cat="Binary")
         problem += pulp.lpSum(variables[choice.unit, t] for t in choice.cost) == 1
     problem += pulp.lpSum(choice.cost[t] * variables[choice.unit, t] for choice in choices for t in choice.cost) <= budget
-    problem += pulp.lpSum(min(choice.loss[t] / scale, 1e6) * variables[choice.unit, t] for choice in choices for t in choice.cost)
+    cap = 1e3 * max((abs(v) / scale for c in choices for v in c.loss.values() if math.isfinite(v)), default=1.0)  # a non-finite rollout: never worth it
+    problem += pulp.lpSum(min(choice.loss[t] / scale, cap) * variables[choice.unit, t] for choice in choices for t in choice.cost)
     for label, make in _milp_solvers(pulp):
         try:
             with _native_stdout_silenced():
