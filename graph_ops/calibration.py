@@ -19,6 +19,7 @@ from onnx import helper
 
 from graph_ops.io import GraphError
 from graph_ops.layout import ConvGeometry, WeightLayout, WeightUse
+from graph_ops.qdq import _node_reads
 
 
 def waves(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> list[list[str]]:
@@ -70,22 +71,63 @@ def expose_tensors(model: onnx.ModelProto, names: list[str] | set[str]) -> onnx.
     normal outputs.
     """
     result = copy.deepcopy(model)
-    graph = result.graph
-    present = {v.name for v in graph.output} | {v.name for v in graph.input}
+    present = {v.name for v in result.graph.output} | {v.name for v in result.graph.input}
     wanted = [n for n in dict.fromkeys(names) if n not in present]
-    if not wanted:
-        return result
-    infos = _value_infos(result)
-    if any(n not in infos for n in wanted):
+    result.graph.output.extend(tensor_infos(model, wanted).values())
+    return result
+
+
+def tensor_infos(model: onnx.ModelProto, names, required: bool = True) -> dict[str, onnx.ValueInfoProto]:
+    """Value infos of the named tensors that declare only the element type (from value_info, or shape
+    inference when missing): a stale static shape could clash with the batch a calibration run feeds.
+    With `required`, a tensor whose type cannot be told is an error; else it is left out."""
+    infos = _value_infos(model)
+    if any(n not in infos for n in names):
         try:
             infos = {**_value_infos(onnx.shape_inference.infer_shapes(model)), **infos}
         except Exception:  # inference is best effort; the check below names what is missing
             pass
-    for name in wanted:
+    found = {}
+    for name in dict.fromkeys(names):
         if name not in infos:
-            raise GraphError(f"cannot tell the element type of tensor '{name}' to expose it as an output")
-        graph.output.append(helper.make_tensor_value_info(name, infos[name].type.tensor_type.elem_type, None))
-    return result
+            if required:
+                raise GraphError(f"cannot tell the element type of tensor '{name}' to expose it as an output")
+            continue
+        found[name] = helper.make_tensor_value_info(name, infos[name].type.tensor_type.elem_type, None)
+    return found
+
+
+def inferred_shapes(model: onnx.ModelProto) -> dict[str, onnx.TensorShapeProto]:
+    """Shapes of the graph's tensors as shape inference derives them from its inputs alone (the model's own
+    value_info dropped: it may be stale), symbolic axes kept symbolic; {} if inference fails. A session cut
+    at an activation declares its shape so that ONNX Runtime fuses what it fused when it derived it (a
+    LayerNormalization after an Add of two inputs without shapes is not fused, and rounds differently)."""
+    bare = onnx.ModelProto()
+    bare.CopyFrom(model)
+    bare.graph.ClearField("value_info")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(bare)
+    except Exception:  # best effort: unshaped inputs are only slower to fuse, never wrong
+        return {}
+    values = list(inferred.graph.value_info) + list(inferred.graph.output)  # a tensor the graph outputs is inferred there
+    return {v.name: v.type.tensor_type.shape for v in values if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
+
+
+def tensor_graph(model: onnx.ModelProto, weights) -> tuple[dict[str, frozenset[str]], dict[str, set[int]]]:
+    """For every tensor the nodes make: the `weights` upstream of it; and for every tensor: the indices of
+    the nodes that read it. What a calibration wave needs to know whether an activation kept from an
+    earlier wave still holds (no weight upstream of it was quantized since) and whether a later node still reads it."""
+    weights = set(weights)
+    upstream: dict[str, frozenset[str]] = {}
+    readers: dict[str, set[int]] = defaultdict(set)
+    for index, node in enumerate(model.graph.node):
+        reads = _node_reads(node)
+        above = frozenset(reads & weights).union(*(upstream.get(name, frozenset()) for name in reads))
+        for name in reads:
+            readers[name].add(index)
+        for output in node.output:
+            upstream[output] = above
+    return upstream, dict(readers)
 
 
 def im2col(x: np.ndarray, geometry: ConvGeometry) -> np.ndarray:
@@ -127,4 +169,4 @@ def layer_tensors(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> l
     return sorted({u.x for layout in layouts.values() if layout.calibratable for u in layout.uses} - graph_inputs)
 
 
-__all__ = ["ConvGeometry", "WeightUse", "expose_tensors", "im2col", "layer_inputs", "layer_tensors", "waves"]
+__all__ = ["ConvGeometry", "WeightUse", "expose_tensors", "im2col", "layer_inputs", "layer_tensors", "inferred_shapes", "tensor_graph", "tensor_infos", "waves"]

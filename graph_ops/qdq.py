@@ -106,7 +106,23 @@ def _node_reads(node: onnx.NodeProto) -> set[str]:
     return names
 
 
-def fed_codes_model(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], outputs: list[str] | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def needed_nodes(model: onnx.ModelProto, outputs: list[str], given: Mapping[str, object] | set[str] = frozenset()) -> list[int]:
+    """Indices (in graph order) of the nodes that compute `outputs` from the graph's inputs and the `given`
+    tensors: a walk back from the outputs that stops at a given tensor."""
+    given = set(given) - set(outputs)
+    needed = set(outputs)
+    kept = []
+    for index in range(len(model.graph.node) - 1, -1, -1):
+        node = model.graph.node[index]
+        if any(o in needed for o in node.output):
+            kept.append(index)
+            needed |= _node_reads(node) - given
+    kept.reverse()
+    return kept
+
+
+def fed_codes_model(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], outputs: list[str] | None = None,
+                    given: Mapping[str, onnx.ValueInfoProto] | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """`model` (weights as graph inputs) cut down to what computes `outputs` (default: its own outputs),
     with every weight of `stored` it reads rebuilt from its codes (`fed_weight`). Returns the model
     and what to feed for the weights of `stored` it reads: their codes, or the floats they stand for
@@ -116,16 +132,17 @@ def fed_codes_model(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], 
     a calibration wave (ONNX Runtime runs the whole graph whatever a run fetches, so the cut also
     skips the layers after the wave) and a large model's measured candidates. The rebuilding nodes
     go first in the node list, which ONNX Runtime's default order runs just before each consumer
-    (measured: 18 weights rebuilt up front would hold 18 float copies at once)."""
+    (measured: 18 weights rebuilt up front would hold 18 float copies at once).
+
+    `given`: intermediate tensors the caller feeds (name -> their value info, e.g. a calibration wave's
+    activations kept from the wave before): they become inputs, and what only computes them is cut too.
+    An output may be any tensor the kept nodes compute when `given` holds its value info."""
     graph = model.graph
+    given = dict(given or {})
     outputs = list(outputs) if outputs is not None else [v.name for v in graph.output]
-    needed = set(outputs)
-    kept = []
-    for node in reversed(graph.node):
-        if any(o in needed for o in node.output):
-            kept.append(node)
-            needed |= _node_reads(node)
-    kept.reverse()
+    kept_indices = needed_nodes(model, outputs, given)
+    kept = [graph.node[i] for i in kept_indices]
+    needed = set(outputs).union(*(_node_reads(node) for node in kept))
     rebuilt, feeds, inputs = [], {}, []
     for value in graph.input:
         form = stored.get(value.name) if value.name in needed else None  # an unused input stays declared (ONNX Runtime wants every input fed; it reads no unused one)
@@ -139,13 +156,15 @@ def fed_codes_model(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], 
         inputs += new_inputs
         feeds.update(new_feeds)
         rebuilt += nodes
-    infos = {v.name: v for v in graph.output}
+    made = {o for node in kept for o in node.output}  # a given tensor that a kept node makes anyway is not fed
+    inputs += [given[name] for name in given if name in needed and name not in made]
+    infos = {**given, **{v.name: v for v in graph.output}}
     missing = [name for name in outputs if name not in infos]
     if missing:
         raise GraphError(f"tensors {missing[:3]} are not outputs of the graph")
     cut = helper.make_graph(
         rebuilt + kept, graph.name, inputs, [infos[name] for name in dict.fromkeys(outputs)],
-        [t for t in graph.initializer if t.name in needed], value_info=[v for v in graph.value_info if v.name in needed],
+        [t for t in graph.initializer if t.name in needed], value_info=[v for v in graph.value_info if v.name in needed and v.name not in given],
     )
     cut.sparse_initializer.extend(t for t in graph.sparse_initializer if t.values.name in needed)
     result = helper.make_model(cut, opset_imports=list(model.opset_import), ir_version=model.ir_version)

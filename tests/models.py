@@ -314,3 +314,32 @@ def interrupt_after(count: int, seen: list):
             raise Interrupt
 
     return record
+
+
+def deep_residual_stack(path: Path, depth: int = 8, n: int = 16, hidden: int = 32, tokens: int = 4, seed: int = 0) -> Path:
+    """x [batch, tokens, n] -> y, `depth` pre-norm-free transformer-like blocks h = LayerNorm(h + relu(h @ U_i) @ V_i),
+    with `S` read by the blocks 1 and 3 (added to their residual: a weight shared across levels, so the
+    activations after block 1 hold it at full precision until its wave) and `T` by every block's output
+    (h @ T added before the norm: one weight reused depth times, quantized last). Add + LayerNormalization is
+    what ONNX Runtime fuses when it knows both shapes: what a calibration wave cut at its inputs must not change."""
+    rng = np.random.default_rng(seed)
+    init = {"ln_scale": np.ones(n, np.float32), "ln_bias": np.zeros(n, np.float32),
+            "S": (rng.standard_normal((n, n)) / np.sqrt(n) * 0.5).astype(np.float32),
+            "T": (rng.standard_normal((n, n)) / np.sqrt(n) * 0.3).astype(np.float32)}
+    nodes, h = [], "x"
+    for i in range(depth):
+        init[f"U{i}"] = (rng.standard_normal((n, hidden)) / np.sqrt(n)).astype(np.float32)
+        init[f"V{i}"] = (rng.standard_normal((hidden, n)) / np.sqrt(hidden)).astype(np.float32)
+        nodes += [helper.make_node("MatMul", [h, f"U{i}"], [f"a{i}"]), helper.make_node("Relu", [f"a{i}"], [f"r{i}"]),
+                  helper.make_node("MatMul", [f"r{i}", f"V{i}"], [f"d{i}"])]
+        branch = f"d{i}"
+        if i in (1, 3):
+            nodes += [helper.make_node("MatMul", [h, "S"], [f"e{i}"]), helper.make_node("Add", [f"d{i}", f"e{i}"], [f"de{i}"])]
+            branch = f"de{i}"
+        nodes += [helper.make_node("MatMul", [h, "T"], [f"t{i}"]), helper.make_node("Add", [branch, f"t{i}"], [f"b{i}"]),
+                  helper.make_node("Add", [h, f"b{i}"], [f"s{i}"]),
+                  helper.make_node("LayerNormalization", [f"s{i}", "ln_scale", "ln_bias"], [f"h{i}"], axis=-1)]
+        h = f"h{i}"
+    nodes.append(helper.make_node("Identity", [h], ["y"]))
+    io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", tokens, n]) for name in ("x", "y")]
+    return _model(nodes, io[:1], io[1:], init, path)

@@ -7,7 +7,12 @@ the full-precision activations. Each wave's quantized-prefix activations come
 from a session of the graph cut down to that wave's inputs, in which every
 weight quantized so far is rebuilt from its codes, fed as they are
 (`graph_ops.qdq.fed_codes_model`): a byte per weight rather than a float
-copy of each, and no layer after the wave is run. Calibration samples are the
+copy of each, and no layer after the wave is run. Nor any layer before the
+wave's own: each wave's session also outputs the activations that later
+layers read, and the next wave's session starts from them (fed as inputs)
+instead of the model input, so a pass runs the model about once, not once
+per wave (quadratic in depth). An activation is kept only while no weight
+upstream of it has been quantized since it was computed. Calibration samples are the
 inputs of every step of the nominal rollout from the run's context windows
 (teacher-forced: the rollout the score measured, not just its first step).
 For each wave (`graph_ops.calibration.waves`: weights whose inputs depend only
@@ -26,11 +31,12 @@ from time import perf_counter
 from typing import Callable, Mapping
 
 import numpy as np
+import onnx
 
 import graph_ops
-from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, waves
+from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, tensor_graph, tensor_infos, waves
 from graph_ops.layout import WeightLayout
-from graph_ops.qdq import fed_codes_model
+from graph_ops.qdq import fed_codes_model, needed_nodes
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
 from tiers.solver_backend import shared_cores, solver_threads
@@ -47,6 +53,11 @@ FULL_CACHE_FLOOR = 64 << 20
 """Bytes of full-precision layer inputs kept whatever the weights' size: a small model's activations outweigh its weights
 (the ETTh1 example's 21 MB against 1 MB of weights), and without them every wave of every pass ran the original once per
 sample again (288 of its export's 289 full runs)."""
+KEPT_SHARE = FULL_CACHE_SHARE
+"""Activations kept from one wave for the next (`Calibrator._kept`) take at most this share of the weights' bytes
+(or `FULL_CACHE_FLOOR`); past it the pass runs each wave from the model input, as before."""
+UNKNOWN_DIM = "unk__"
+"""How onnx shape inference names an axis it cannot tell (`Calibrator._infos`)."""
 EncodeFn = Callable[[str, "list[Hessian] | None"], Encoded]
 """(weight name, its statistics per row group or None) -> the weight's encoding."""
 
@@ -125,9 +136,20 @@ class Calibrator:
         self._graph = None
         """The model with the scored weights as graph inputs and every layer input an output (no weight data)."""
         self._graph_inputs: set[str] | None = None
+        self._value_infos: dict | None = None
+        self._kept_infos: dict = {}
+        """Value infos of the kept activations (`_infos`)."""
         self._full_cache: list[dict[str, np.ndarray]] | None = None
         self._session = None
         self._samples: list | None = None
+        self.keep_activations = True
+        """Start each wave from the activations kept from the waves before (False: from the model input, every wave)."""
+        self._kept: list[dict[str, np.ndarray]] | None = None
+        """Per sample, the activations of this pass's last waves that later layers read (valid now)."""
+        self._ran: set[int] = set()
+        """Indices of the nodes this pass's wave sessions ran."""
+        self._tensors = None
+        """(weights upstream of each tensor, nodes reading each tensor) of the calibration graph."""
         self.profile = Profile()
         """Where calibration's time goes (the encoder hands over its own)."""
 
@@ -148,25 +170,30 @@ class Calibrator:
         return self._samples
 
     def run(self, encode: EncodeFn, cross: bool, log: CalibrationLog | None = None, checkpoints=None,
-            found: Mapping[str, tuple] | None = None) -> dict[str, Encoded]:
+            found: Mapping[str, tuple] | None = None, same: Callable[[Callable[[str], frozenset]], Mapping[str, Encoded]] | None = None) -> dict[str, Encoded]:
         """Encode every weight: uncalibratable ones first, then wave by wave on statistics
         collected with all earlier weights at their encodings. With `checkpoints`
         (`tqsdeploy.checkpoints.PassCheckpoints`) each finished weight is saved, and a weight saved
         before (in `found`, from its `resume`, or found now) is read instead; a wave's statistics
-        are collected only for the weights it still has to encode."""
+        are collected only for the weights it still has to encode. `same(upstream)`: encodings an
+        earlier pass made that this one would make again (`upstream(name)`: the weights whose
+        encodings its statistics depend on), taken as they are, not solved."""
         log = log if log is not None else CalibrationLog()
         started = perf_counter()
         encoded: dict[str, Encoded] = {}
+        self._kept, self._ran = ([] if self.keep_activations else None), set()  # another pass's activations are not this one's
         found = dict(found or {})
+        reused = dict(same(self.upstream)) if same is not None else {}
         for index, names in enumerate(self.groups):
             if checkpoints is not None:
                 for name in names:
                     if name not in found and (loaded := checkpoints.load(name)) is not None:
                         found[name] = loaded
-            missing = [n for n in names if n not in found]
-            stats = self._collect(missing, encoded, cross) if index and missing else None
+            missing = [n for n in names if n not in found and n not in reused]
+            stats = self._collect(missing, encoded, cross, names) if index and missing else None
             with self.profile.section("solver"):  # the solves' own sections are in their threads when they run in parallel
                 solved = self._solve(missing, stats, encode)
+            solved.update({n: (reused.pop(n), None, None) for n in names if n in reused and n not in found})
             digests = []
             for name in names:
                 if name in found:
@@ -183,9 +210,11 @@ class Calibrator:
                     log.thin[name] = thin
             if checkpoints is not None:
                 checkpoints.advance(digests)
+            self._forget(names)
             stats = None  # K x K float64 per use: gone before the next wave collects its own
             graph_ops.release_pages(self.weights)
         log.seconds += perf_counter() - started
+        self._kept = None
         return encoded
 
     def _solve(self, names: list[str], stats: dict | None, encode: EncodeFn) -> dict[str, tuple[Encoded, int | None, int | None]]:
@@ -222,15 +251,22 @@ class Calibrator:
         with shared_cores(workers), ThreadPoolExecutor(workers, thread_name_prefix="tqs-solve") as pool:
             return dict(zip(names, pool.map(one, names)))
 
-    def _collect(self, wave: list[str], encoded: Mapping[str, Encoded], cross: bool) -> dict:
+    def _collect(self, wave: list[str], encoded: Mapping[str, Encoded], cross: bool, group: list[str] | None = None) -> dict:
+        """Statistics of the `wave`'s weights (of `group`, the weights quantized next)."""
         uses = {u.key: (u, self.layouts[name].row_groups) for name in wave for u in self.layouts[name].uses}
         stats: dict = {key: None for key in uses}
         fetch = sorted({u.x for u, _ in uses.values()} - self.graph_inputs)
+        if self._kept == []:
+            self._kept = [{} for _ in self.samples]
+        kept = self._kept  # what this wave's session reads, even if keeping stops during the wave
+        compute = [name for name in fetch if not kept or name not in kept[0]]
         with self.profile.section("calibration_rollouts"):
-            session = self._wave_session(fetch, encoded) if fetch else None
+            session, outputs = self._wave_session(compute, encoded, group or wave) if compute else (None, [])
         try:
             for index, feeds in enumerate(self.samples):
-                quantized = self._run(session, feeds, fetch)
+                quantized = self._run(session, {**feeds, **kept[index]} if kept else feeds, outputs, compute)
+                if self._kept is not None:
+                    self._keep(index, quantized, outputs)
                 full = self._full(index, feeds, fetch) if cross and encoded else quantized
                 with self.profile.section("statistics"):
                     for key, (use, groups) in uses.items():
@@ -250,13 +286,88 @@ class Calibrator:
                     part.H  # the last rows folded in here, not inside a solve's timing
         return stats
 
-    def _wave_session(self, fetch: list[str], encoded: Mapping[str, Encoded]):
-        """A session computing only `fetch`, every weight of `encoded` it reads rebuilt from fed codes
-        (or fed dequantized, for forms kept as floats); the other weights fed as they are."""
-        proto, fed = fed_codes_model(self.graph, encoded, fetch)
+    def _wave_session(self, fetch: list[str], encoded: Mapping[str, Encoded], group: list[str]):
+        """A session computing only `fetch` from the model's inputs and the activations kept from earlier
+        waves, every weight of `encoded` it reads rebuilt from fed codes (or fed dequantized, for forms kept
+        as floats); the other weights fed as they are. Returns it and what it outputs: `fetch`, then the
+        activations it computes that later nodes read and that `group` (quantized next) leaves valid."""
+        given = {}
+        outputs = list(fetch)
+        if self._kept is not None:
+            upstream, readers = self.tensors
+            kept = self._kept[0] if self._kept else {}
+            given = {name: self._kept_infos[name] for name in kept if name in self._kept_infos}
+            nodes = needed_nodes(self.graph, fetch, given)
+            inside, changed = set(nodes), set(group)
+            made = [o for i in nodes for o in self.graph.graph.node[i].output if o]
+            outputs += [o for o in made if o not in set(fetch) and not readers.get(o, set()) <= inside and not upstream.get(o, frozenset()) & changed]
+            self._kept_infos.update(self._infos(outputs, encoded))
+            outputs = [o for o in outputs if o in set(fetch) or o in self._kept_infos]  # a tensor whose type cannot be told is not kept
+            self._ran |= inside
+        proto, fed = fed_codes_model(self.graph, encoded, outputs, {**given, **{o: self._kept_infos[o] for o in outputs if o in self._kept_infos}})
         source = graph_ops.io.session_source(proto, self._open_args[2])
         del proto
-        return WithDefaults(self._open_source(source), fed, self.weights)
+        return WithDefaults(self._open_source(source), fed, self.weights), outputs
+
+    def _infos(self, names: list[str], encoded: Mapping[str, Encoded]) -> dict:
+        """Value infos of the named activations as the session that computes them from the model input
+        knows them (onnx shape inference on it): a wave cut at them declares what ONNX Runtime would have
+        known had it computed them itself, so it fuses the same (a LayerNormalization after an Add is fused
+        only where both shapes are known, and the fused kernel rounds differently). Those whose element
+        type cannot be told are left out."""
+        if self._value_infos is None:
+            upstream, _ = self.tensors
+            self._value_infos = tensor_infos(self.graph, list(upstream), required=False)
+        names = [name for name in names if name in self._value_infos]
+        proto, _ = fed_codes_model(self.graph, encoded, names, {name: self._value_infos[name] for name in names})
+        try:
+            inferred = onnx.shape_inference.infer_shapes(proto)
+        except Exception:  # best effort: the type alone, as the graph declares it
+            inferred = proto
+        infos = {}
+        for value in inferred.graph.output:
+            if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
+                infos[value.name] = onnx.ValueInfoProto()
+                infos[value.name].CopyFrom(value)
+                for dim in infos[value.name].type.tensor_type.shape.dim:
+                    if dim.dim_param.startswith(UNKNOWN_DIM):  # a name inference made up: unknown to the runtime, not equal to another's
+                        dim.ClearField("dim_param")
+        return infos
+
+    def upstream(self, name: str) -> frozenset:
+        """The weights whose encodings weight `name`'s statistics depend on: those upstream of its inputs."""
+        upstream, _ = self.tensors
+        return frozenset().union(*(upstream.get(use.x, frozenset()) for use in self.layouts[name].uses))
+
+    @property
+    def tensors(self):
+        """(weights upstream of each tensor, indices of the nodes reading each) of the calibration graph."""
+        if self._tensors is None:
+            self._tensors = tensor_graph(self.graph, self.layouts)
+        return self._tensors
+
+    def _keep(self, index: int, values: Mapping[str, np.ndarray], outputs: list[str]) -> None:
+        """Keep sample `index`'s activations that later waves read (`outputs` past `fetch`, and `fetch`
+        itself: the wave's weights read it when the next wave runs them), and drop those no node still to
+        run reads; past `KEPT_SHARE` of the weights' bytes nothing is kept any more this pass."""
+        _, readers = self.tensors
+        kept = self._kept[index]
+        kept.update({name: values[name] for name in outputs})
+        for name in [n for n in kept if readers.get(n, set()) <= self._ran]:
+            del kept[name]
+        budget = max(FULL_CACHE_FLOOR, KEPT_SHARE * sum(4 * int(np.prod(layout.shape, dtype=np.int64)) for layout in self.layouts.values()))
+        if sum(v.nbytes for sample in self._kept for v in sample.values()) > budget:
+            self._kept = None
+
+    def _forget(self, names: list[str]) -> None:
+        """Drop the kept activations computed with any of `names` (just quantized) upstream at full precision."""
+        if not self._kept:
+            return
+        upstream, _ = self.tensors
+        changed = set(names)
+        for kept in self._kept:
+            for name in [n for n in kept if upstream.get(n, frozenset()) & changed]:
+                del kept[name]
 
     def _full(self, index: int, feeds, fetch) -> dict[str, np.ndarray]:
         """Full-precision layer inputs of sample `index`. They are the same for every wave and every
@@ -284,15 +395,23 @@ class Calibrator:
             cached.append(values)
         return cached
 
-    def _run(self, session, feeds, fetch) -> dict[str, np.ndarray]:
+    def _run(self, session, feeds, outputs, fetch=None) -> dict[str, np.ndarray]:
+        """`feeds` with what `session` makes of them (`outputs`); the layer inputs among them (`fetch`,
+        default all) checked finite."""
         values = dict(feeds)
-        if fetch:
+        if outputs:
             with self.profile.section("calibration_rollouts"):
-                values.update(session.run(feeds, fetch))
-        for name in fetch:
+                values.update(session.run({name: feeds[name] for name in self._inputs(session, feeds)}, outputs))
+        for name in outputs if fetch is None else fetch:
             if np.issubdtype(values[name].dtype, np.floating) and not np.all(np.isfinite(values[name])):
                 raise CalibrationError(f"layer input '{name}' is not finite on the calibration windows")
         return values
+
+    @staticmethod
+    def _inputs(session, feeds) -> list[str]:
+        """The names of `feeds` that `session` takes (a wave's session takes only the kept activations it reads)."""
+        taken = {spec.name for spec in session.inputs}
+        return [name for name in feeds if name in taken]
 
     def _open(self):
         """A session of the model with every scored weight a plain input (fed from `weights` unless a

@@ -202,6 +202,8 @@ class Encoder:
         self._uniform: dict[tuple[str, Rounding], dict[str, Encoded]] = {}
         self._single: dict[tuple[str, str], Encoded] = {}
         self._mixed: dict[tuple, dict[str, Encoded]] = {}
+        self._mixed_made: dict[tuple, tuple] = {}
+        """(slots, assignment, rounding) of each `_mixed` entry: how it encoded each weight (`_same`)."""
         self.checkpoints = checkpoints
         self.log = EncoderLog()
         self.profile = Profile()
@@ -245,10 +247,13 @@ class Encoder:
             blocks = [slice(g * rows, (g + 1) * rows) for g in range(len(stats))]
             target[name] = float(np.sqrt(sum(output_error(original[b], values[b], s) ** 2 for b, s in zip(blocks, stats))))
 
-    def _pass(self, encode_one: Callable[[str, list[Hessian] | None], Encoded], rounding: AnyRounding, label: str, identity: str) -> dict[str, Encoded]:
+    def _pass(self, encode_one: Callable[[str, list[Hessian] | None], Encoded], rounding: AnyRounding, label: str, identity: str,
+              signature: Callable[[str], tuple] | None = None) -> dict[str, Encoded]:
         """Encode every unit tensor: directly, or sequentially on calibration statistics (checkpointed,
         see `checkpoints`; `identity` names what this pass's codes depend on besides the model).
-        What a pass returns is kept compact (sub-byte codes packed as on disk) from the first weight on."""
+        What a pass returns is kept compact (sub-byte codes packed as on disk) from the first weight on.
+        `signature(name)`: how this pass encodes the weight (`_signatures`): a weight that a cached pass
+        encoded the same way, on statistics from weights all encoded the same way, is taken from it."""
         self.log.passes.append(label)
         calibrated = rounding.needs_stats and any(layout.calibratable for layout in self.graph_layouts.values())
         saved, found = None, {}
@@ -281,11 +286,48 @@ class Encoder:
         log = CalibrationLog()
         if self.before_calibration is not None and len(found) < len(self.layouts):  # a pass read whole from checkpoints opens nothing
             self.before_calibration()
-        result = self.calibrator.run(encode_kept, rounding.needs_cross, log, saved, found)
+        result = self.calibrator.run(encode_kept, rounding.needs_cross, log, saved, found, self._same(signature) if signature is not None else None)
         self.log.calibration_s += log.seconds
         for name, width in log.thin.items():  # with what the note says: the rows it saw against its input width
             self.log.thin[name] = (log.rows.get(name, 0), width)
         return result
+
+    def _signatures(self) -> list[tuple[Callable[[str], tuple], dict[str, Encoded]]]:
+        """The cached calibrated passes, each as (how it encoded a weight, its encodings): the channel runs of
+        the weight with each run's tier and rounding (a uniform pass: one run)."""
+        found: list[tuple[Callable[[str], tuple], dict[str, Encoded]]] = []
+        for (tier, rounding), result in self._uniform.items():
+            found.append((lambda name, tier=tier, rounding=rounding: ((None, tier, rounding),), result))
+        for key, result in self._mixed.items():
+            slots, assignment, rounding = self._mixed_made[key]
+            found.append((self._mixed_signature(slots, assignment, rounding), result))
+        return found
+
+    def _mixed_signature(self, slots, assignment, rounding) -> Callable[[str], tuple]:
+        """How a mixed pass encodes each weight: its channel runs, each with its tier and that tier's rounding."""
+        return lambda name: tuple((rows, tier, rounding_at(rounding, tier) if TIERS[tier].calibratable else Rounding())
+                                  for rows, tier in self.runs(name, slots, assignment))
+
+    def _same(self, signature: Callable[[str], tuple]) -> Callable[[Callable[[str], frozenset]], dict[str, Encoded]]:
+        """For `Calibrator.run`: the encodings cached passes made that a pass encoding each weight as
+        `signature` says would make again, bit for bit: the weight encoded the same way there, and every
+        weight its statistics depend on (`upstream`) too (a refinement round that changes the last layers
+        re-solves only those; the runtime sees the same graphs, `tqsdeploy.calibrate`)."""
+        sources = self._signatures()
+
+        def same(upstream: Callable[[str], frozenset]) -> dict[str, Encoded]:
+            if not sources:
+                return {}
+            wanted = {name: signature(name) for name in self.layouts}
+            taken: dict[str, Encoded] = {}
+            for how, result in sources:
+                differ = {name for name in self.layouts if name not in result or how(name) != wanted[name]}
+                for name in self.layouts:
+                    if name not in taken and name not in differ and not upstream(name) & differ:
+                        taken[name] = result[name]
+            return taken
+
+        return same
 
     def uniform(self, tier: Tier | str, rounding: Rounding) -> dict[str, Encoded]:
         """Every unit tensor at `tier`, codes chosen by `rounding` (its uniform baseline)."""
@@ -295,7 +337,7 @@ class Encoder:
         key = (tier.name, rounding)
         if key not in self._uniform:
             self._uniform[key] = self._pass(lambda name, stats: self._encode(name, tier, rounding, stats), rounding, f"uniform {tier.name} {rounding.method}",
-                                            f"uniform {_grid(tier)} {rounding!r}")
+                                            f"uniform {_grid(tier)} {rounding!r}", lambda name: ((None, tier.name, rounding),))
         return self._uniform[key]
 
     def forget(self, tier: Tier | str, rounding: Rounding) -> None:
@@ -428,7 +470,10 @@ class Encoder:
 
                 return self._join(name, runs, pick)
 
-            self._mixed[key] = self._pass(encode_one, rounding, f"mixed {rounding.method}", f"mixed {key!r} {list(slots)!r} {[_grid(TIERS[t]) for t in sorted(set(assignment.values()))]}")
+            made = (list(slots), dict(assignment), rounding)
+            self._mixed[key] = self._pass(encode_one, rounding, f"mixed {rounding.method}", f"mixed {key!r} {list(slots)!r} {[_grid(TIERS[t]) for t in sorted(set(assignment.values()))]}",
+                                          self._mixed_signature(*made))
+            self._mixed_made[key] = made
         return self._mixed[key]
 
     def close(self) -> None:
