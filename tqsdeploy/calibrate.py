@@ -40,6 +40,7 @@ from graph_ops.qdq import fed_codes_model, needed_nodes
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
 from tiers.solver_backend import shared_cores, solver_threads
+from tqsdeploy.checkpoints import digest
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.errors import InputError, TqsError
@@ -150,6 +151,12 @@ class Calibrator:
         """Indices of the nodes this pass's wave sessions ran."""
         self._tensors = None
         """(weights upstream of each tensor, nodes reading each tensor) of the calibration graph."""
+        self._stats_cache: dict[tuple, list[Hessian]] = {}
+        """Statistics by `_stats_key`, kept across passes (within `_budget`): a pass whose weights upstream of a
+        use are encoded as an earlier pass's were collects the same rows (the ERA5 emulator's first conv: every pass)."""
+        self._stats_bytes = 0
+        self._digests: dict[str, bytes] = {}
+        """This pass's encodings' digests (`tqsdeploy.checkpoints.digest`), by weight."""
         self.profile = Profile()
         """Where calibration's time goes (the encoder hands over its own)."""
 
@@ -182,6 +189,7 @@ class Calibrator:
         started = perf_counter()
         encoded: dict[str, Encoded] = {}
         self._kept, self._ran = ([] if self.keep_activations else None), set()  # another pass's activations are not this one's
+        self._digests = {}
         found = dict(found or {})
         reused = dict(same(self.upstream)) if same is not None else {}
         for index, names in enumerate(self.groups):
@@ -252,8 +260,14 @@ class Calibrator:
             return dict(zip(names, pool.map(one, names)))
 
     def _collect(self, wave: list[str], encoded: Mapping[str, Encoded], cross: bool, group: list[str] | None = None) -> dict:
-        """Statistics of the `wave`'s weights (of `group`, the weights quantized next)."""
-        uses = {u.key: (u, self.layouts[name].row_groups) for name in wave for u in self.layouts[name].uses}
+        """Statistics of the `wave`'s weights (of `group`, the weights quantized next): those an earlier pass
+        collected on the same encodings of every weight upstream come from `_stats_cache`."""
+        every = {u.key: (u, self.layouts[name].row_groups) for name in wave for u in self.layouts[name].uses}
+        keys = {key: self._stats_key(use, groups, cross, encoded) for key, (use, groups) in every.items()}
+        cached = {key: self._stats_cache[keys[key]] for key in every if keys[key] in self._stats_cache}
+        uses = {key: value for key, value in every.items() if key not in cached}
+        if not uses:
+            return cached
         stats: dict = {key: None for key in uses}
         fetch = sorted({u.x for u, _ in uses.values()} - self.graph_inputs)
         if self._kept == []:
@@ -284,7 +298,26 @@ class Calibrator:
             for parts in stats.values():
                 for part in parts or ():
                     part.H  # the last rows folded in here, not inside a solve's timing
-        return stats
+        for key, parts in stats.items():
+            size = sum(p.H.nbytes + (p.G.nbytes if p.G is not None else 0) for p in parts or ())
+            if parts and self._stats_bytes + size <= self._budget():
+                self._stats_cache[keys[key]] = parts
+                self._stats_bytes += size
+        return {**stats, **cached}
+
+    def _stats_key(self, use, groups: int, cross: bool, encoded: Mapping[str, Encoded]) -> tuple:
+        """What a use's statistics depend on: the use, and the encoding of every weight upstream of its
+        input (None: still at full precision)."""
+        upstream, _ = self.tensors
+        above = sorted(upstream.get(use.x, frozenset()))
+        for name in above:
+            if name in encoded and name not in self._digests:
+                self._digests[name] = digest(name, encoded[name], self.weights.get(name) if hasattr(self.weights, "get") else None)
+        return (use.key, groups, cross, tuple((name, self._digests.get(name) if name in encoded else None) for name in above))
+
+    def _budget(self) -> float:
+        """Bytes of kept activations, and of statistics kept across passes, each: `KEPT_SHARE` of the weights' bytes, at least `FULL_CACHE_FLOOR`."""
+        return max(FULL_CACHE_FLOOR, KEPT_SHARE * sum(4 * int(np.prod(layout.shape, dtype=np.int64)) for layout in self.layouts.values()))
 
     def _wave_session(self, fetch: list[str], encoded: Mapping[str, Encoded], group: list[str]):
         """A session computing only `fetch` from the model's inputs and the activations kept from earlier
@@ -355,8 +388,7 @@ class Calibrator:
         kept.update({name: values[name] for name in outputs})
         for name in [n for n in kept if readers.get(n, set()) <= self._ran]:
             del kept[name]
-        budget = max(FULL_CACHE_FLOOR, KEPT_SHARE * sum(4 * int(np.prod(layout.shape, dtype=np.int64)) for layout in self.layouts.values()))
-        if sum(v.nbytes for sample in self._kept for v in sample.values()) > budget:
+        if sum(v.nbytes for sample in self._kept for v in sample.values()) > self._budget():
             self._kept = None
 
     def _forget(self, names: list[str]) -> None:
