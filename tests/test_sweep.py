@@ -234,3 +234,26 @@ def test_a_sweep_on_ray_actors_gives_the_same_table(two_branch, tmp_path):
         ray.shutdown()
     assert spread.meta["workers"] == "ray:2"
     assert spread.frame.drop("seconds").equals(local.drop("seconds"))
+
+
+def test_a_folder_probed_with_other_perturbations_is_measured_again_not_resumed(two_branch, tmp_path):
+    """A run folder an older version left (its probe made another residual: here Wmain's recorded ||δθ||² is
+    off by 10%) resumes only into what this version measures: that unit is probed again, the others are kept,
+    and the scores equal a fresh run's."""
+    model, contexts = two_branch
+    settings = ScoreSettings(gauss_draws=2)
+    reference = score(model, contexts, steps=6, out=tmp_path / "fresh", settings=settings).frame
+    score(model, contexts, steps=6, out=tmp_path / "old", settings=settings)
+    log = tmp_path / "old" / "sweep.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    for record in records:
+        if record["unit"] == "Wmain" and record["probe"] == "quant":
+            record["delta_sq"] *= 1.1
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    rerun = []
+    resumed = score(model, contexts, steps=6, out=tmp_path / "old", settings=settings, on_result=lambda r: rerun.append((r.unit, r.probe)))
+    assert sorted(rerun) == [("Wmain", "gauss"), ("Wmain", "gauss"), ("Wmain", "quant")]
+    assert any("measured again (Wmain)" in w for w in resumed.meta["warnings"])
+    assert resumed.frame.drop("seconds").equals(reference.drop("seconds"))
+    untouched = score(model, contexts, steps=6, out=tmp_path / "old", settings=settings, on_result=lambda r: rerun.append(r.unit))
+    assert len(rerun) == 3 and not any("measured again" in w for w in untouched.meta["warnings"])

@@ -23,7 +23,7 @@ from tqsdeploy.prepare import ContextOptions, prepare
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.runs import RUN_FILES, RUN_FORMAT, ScoreRun, current_versions, default_run_dir, read_record, run_fingerprint
 from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
-from tqsdeploy.sweep import ResultLog, TaskResult, plan_tasks, run_local, run_parallel, run_ray, usable_cores
+from tqsdeploy.sweep import ResultLog, TaskResult, plan_tasks, run_local, run_parallel, run_ray, stale_units, usable_cores
 from tqsdeploy.units import UnitSelection
 
 
@@ -105,6 +105,8 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
 
     log = ResultLog(run_dir / "sweep.jsonl")
     done = log.load() if matches else {}
+    remeasured = stale_units(prepared.job, done) if done else set()
+    done = {key: r for key, r in done.items() if r.unit not in remeasured}
     if done and existing.get("strategy"):
         prepared.job.strategy = existing["strategy"]  # finish the way it started
     tasks = plan_tasks(prepared.units, settings.quant_probe, settings.gauss_draws)
@@ -131,6 +133,11 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         "versions": current_versions(),
         "warnings": [*prepared.notes, *prepared.contexts.warnings],
     }
+    if remeasured:
+        meta["warnings"].append(
+            f"{len(remeasured)} unit(s) finished in this folder were probed with other perturbations than this version makes "
+            f"(an older tqsdeploy?): measured again ({', '.join(sorted(remeasured)[:3])}{', ...' if len(remeasured) > 3 else ''})"
+        )
     meta["strategy"] = runner.strategy
     meta["fed_session"] = prepared.fed_as
     if prepared.job.strategy not in ("auto", runner.strategy):

@@ -5,17 +5,47 @@ from __future__ import annotations
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import graph_ops
 from tqsdeploy.probes import Perturbation, UnitProbes
 from tqsdeploy.sweep.job import SweepJob
-from tqsdeploy.sweep.tasks import Task
+from tqsdeploy.sweep.tasks import Task, TaskResult
 
 PROBE_DEPTH_MAX = 4
 """At most this many perturbations are built ahead of the rollout that will use them."""
 PROBE_DEPTH_BYTES = 256 << 20
 """...and together they hold at most this many bytes (each is a copy of a unit's weights)."""
+
+
+STALE_RTOL = {"quant": 1e-6, "gauss": 1e-3}
+"""How far a finished task's recorded ||δθ||² may sit from what this version's probe gives before the task counts
+as measured on another perturbation: the quantization residual is recomputed exactly (float32 rounding only);
+a Gaussian draw's squared norm differs from its reference by float32 sums over the tensor."""
+
+
+def stale_units(job: SweepJob, done: Mapping[str, TaskResult]) -> set[str]:
+    """Units with a finished task whose recorded ||δθ||² is not what this version's probes give: a run folder
+    an older version left (another probe grid, other rows perturbed) resumes only into what this version would
+    have measured, so those units are measured again. Costs one probe quantization per finished unit."""
+    recorded: dict[str, list[TaskResult]] = {}
+    for result in done.values():
+        recorded.setdefault(result.unit, []).append(result)
+    stale = set()
+    for name, results in recorded.items():
+        unit = job.units.get(name)
+        if unit is None:
+            stale.add(name)
+            continue
+        probes = UnitProbes(unit, job.weights, job.probe_bits, job.rows)
+        expected = {
+            "quant": sum(probes.residual_sq(t) for t in probes.weights),
+            "gauss": sum(probes.reference_norm(t) ** 2 for t in probes.weights),
+        }
+        if any(r.probe not in expected or abs(r.delta_sq - expected[r.probe]) > STALE_RTOL[r.probe] * max(expected[r.probe], 1e-30) for r in results):
+            stale.add(name)
+        graph_ops.release_pages(job.weights, unit.tensor_names)
+    return stale
 
 
 class ProbeSource:
