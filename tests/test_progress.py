@@ -94,3 +94,24 @@ def test_score_hands_auto_s_sweep_estimate_to_the_progress(two_branch, tmp_path)
     estimates = []
     table = score(model, contexts, steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1), on_estimate=estimates.append)
     assert len(estimates) == 1 and estimates[0] > 0 and table.meta["strategy_estimates_s"][table.meta["strategy"]] == estimates[0]
+
+
+def test_every_encoding_pass_of_an_export_runs_to_its_end_and_no_display_outlives_the_command(two_branch, tmp_path):
+    """A calibrated pass that takes weights from an earlier pass (refinement's check of the mixed model) counts them
+    as done: before, they were never reported, the pass's display never reached its total and was never stopped,
+    and its timer went on printing "encoding (mixed qep): 2/3 weights" into whatever ran next in the process."""
+    import threading
+
+    from tqsdeploy.progress import HEARTBEAT_THREAD
+
+    model, contexts = two_branch
+    runner = CliRunner()
+    result = runner.invoke(app, [str(a) for a in ("score", model, "-c", contexts, "--steps", 4, "--out", tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    for target in (3, 6):
+        result = runner.invoke(app, [str(a) for a in ("export", model, "--run", tmp_path / "run", "--C", target, "--out-dir", tmp_path, "--force")])
+        assert result.exit_code == 0, result.output
+        begun = re.findall(r"^encoding \(([^)]*)\): \d+/\d+ weights", result.output, re.M)
+        ended = re.findall(r"^encoding \(([^)]*)\): (\d+)/\2 weights \(100%\), done in", result.output, re.M)
+        assert begun and set(begun) == {label for label, _ in ended}, result.output
+        assert not [t for t in threading.enumerate() if t.name == HEARTBEAT_THREAD]

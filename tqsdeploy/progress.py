@@ -21,6 +21,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgres
 
 INTERVAL_S = float(os.environ.get("TQS_PROGRESS_INTERVAL", 10.0))
 """Seconds between plain progress lines when the output is not a terminal."""
+HEARTBEAT_THREAD = "tqs-progress"
+"""The name of a display's timer thread: one still alive after a command is a display nobody stopped."""
 
 
 def counted(count: int, noun: str) -> str:
@@ -74,7 +76,7 @@ class Progress:
             self._last_tenth = self._tenth()
         if not self.tty and self._timer is None and self.interval > 0:
             self._stopped.clear()  # a display stopped before it began (or between uses) beats again
-            self._timer = threading.Thread(target=self._heartbeat, daemon=True)
+            self._timer = threading.Thread(target=self._heartbeat, daemon=True, name=HEARTBEAT_THREAD)
             self._timer.start()
         if self.tty:
             if self._bar is None:

@@ -264,8 +264,9 @@ class Encoder:
             saved = PassCheckpoints(folder, f"{base}\n{identity}\ngroup size {self.group_size}", self.weights)
             found = saved.resume(self.calibrator.groups)
             self.log.reused += len(found)
-        if self.on_pass is not None:
-            self.on_pass(label, len(self.layouts), len(found))
+        taken = self._same(signature)(self.calibrator.upstream) if calibrated and signature is not None else {}
+        if self.on_pass is not None:  # taken from a cached pass or read from a checkpoint: done before the pass begins
+            self.on_pass(label, len(self.layouts), len(found) + len(taken.keys() - found.keys()))
         report = self.on_weight
         reporting = threading.Lock()  # a wave's weights are encoded in threads side by side
 
@@ -286,7 +287,7 @@ class Encoder:
         log = CalibrationLog()
         if self.before_calibration is not None and len(found) < len(self.layouts):  # a pass read whole from checkpoints opens nothing
             self.before_calibration()
-        result = self.calibrator.run(encode_kept, rounding.needs_cross, log, saved, found, self._same(signature) if signature is not None else None)
+        result = self.calibrator.run(encode_kept, rounding.needs_cross, log, saved, found, (lambda upstream: taken) if taken else None)
         self.log.calibration_s += log.seconds
         for name, width in log.thin.items():  # with what the note says: the rows it saw against its input width
             self.log.thin[name] = (log.rows.get(name, 0), width)

@@ -154,7 +154,7 @@ def export(
     encoding = []
 
     def on_pass(label: str, count: int, done: int) -> None:  # one display at a time: the tier measurements are over or not begun
-        for bar in measuring:
+        for bar in measuring + encoding:  # a display left running would print its line every interval for the rest of the process
             bar.stop()
         if done:
             err.print(f"encoding ({label}): resuming, {done} of {count} weights read from the checkpoints of an interrupted export")
