@@ -97,22 +97,6 @@ def tensor_infos(model: onnx.ModelProto, names, required: bool = True) -> dict[s
     return found
 
 
-def inferred_shapes(model: onnx.ModelProto) -> dict[str, onnx.TensorShapeProto]:
-    """Shapes of the graph's tensors as shape inference derives them from its inputs alone (the model's own
-    value_info dropped: it may be stale), symbolic axes kept symbolic; {} if inference fails. A session cut
-    at an activation declares its shape so that ONNX Runtime fuses what it fused when it derived it (a
-    LayerNormalization after an Add of two inputs without shapes is not fused, and rounds differently)."""
-    bare = onnx.ModelProto()
-    bare.CopyFrom(model)
-    bare.graph.ClearField("value_info")
-    try:
-        inferred = onnx.shape_inference.infer_shapes(bare)
-    except Exception:  # best effort: unshaped inputs are only slower to fuse, never wrong
-        return {}
-    values = list(inferred.graph.value_info) + list(inferred.graph.output)  # a tensor the graph outputs is inferred there
-    return {v.name: v.type.tensor_type.shape for v in values if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
-
-
 def tensor_graph(model: onnx.ModelProto, weights) -> tuple[dict[str, frozenset[str]], dict[str, set[int]]]:
     """For every tensor the nodes make: the `weights` upstream of it; and for every tensor: the indices of
     the nodes that read it. What a calibration wave needs to know whether an activation kept from an
@@ -169,4 +153,4 @@ def layer_tensors(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> l
     return sorted({u.x for layout in layouts.values() if layout.calibratable for u in layout.uses} - graph_inputs)
 
 
-__all__ = ["ConvGeometry", "WeightUse", "expose_tensors", "im2col", "layer_inputs", "layer_tensors", "inferred_shapes", "tensor_graph", "tensor_infos", "waves"]
+__all__ = ["ConvGeometry", "WeightUse", "expose_tensors", "im2col", "layer_inputs", "layer_tensors", "tensor_graph", "tensor_infos", "waves"]

@@ -177,21 +177,20 @@ class Calibrator:
         return self._samples
 
     def run(self, encode: EncodeFn, cross: bool, log: CalibrationLog | None = None, checkpoints=None,
-            found: Mapping[str, tuple] | None = None, same: Callable[[Callable[[str], frozenset]], Mapping[str, Encoded]] | None = None) -> dict[str, Encoded]:
+            found: Mapping[str, tuple] | None = None, reused: Mapping[str, Encoded] | None = None) -> dict[str, Encoded]:
         """Encode every weight: uncalibratable ones first, then wave by wave on statistics
         collected with all earlier weights at their encodings. With `checkpoints`
         (`tqsdeploy.checkpoints.PassCheckpoints`) each finished weight is saved, and a weight saved
         before (in `found`, from its `resume`, or found now) is read instead; a wave's statistics
-        are collected only for the weights it still has to encode. `same(upstream)`: encodings an
-        earlier pass made that this one would make again (`upstream(name)`: the weights whose
-        encodings its statistics depend on), taken as they are, not solved."""
+        are collected only for the weights it still has to encode. `reused`: encodings an earlier
+        pass made that this one would make again (`Encoder._same`), taken as they are, not solved."""
         log = log if log is not None else CalibrationLog()
         started = perf_counter()
         encoded: dict[str, Encoded] = {}
         self._kept, self._ran = ([] if self.keep_activations else None), set()  # another pass's activations are not this one's
         self._digests = {}
         found = dict(found or {})
-        reused = dict(same(self.upstream)) if same is not None else {}
+        reused = dict(reused or {})
         for index, names in enumerate(self.groups):
             if checkpoints is not None:
                 for name in names:

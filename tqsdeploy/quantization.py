@@ -264,7 +264,7 @@ class Encoder:
             saved = PassCheckpoints(folder, f"{base}\n{identity}\ngroup size {self.group_size}", self.weights)
             found = saved.resume(self.calibrator.groups)
             self.log.reused += len(found)
-        taken = self._same(signature)(self.calibrator.upstream) if calibrated and signature is not None else {}
+        taken = self._same(signature) if calibrated and signature is not None else {}
         if self.on_pass is not None:  # taken from a cached pass or read from a checkpoint: done before the pass begins
             self.on_pass(label, len(self.layouts), len(found) + len(taken.keys() - found.keys()))
         report = self.on_weight
@@ -287,7 +287,7 @@ class Encoder:
         log = CalibrationLog()
         if self.before_calibration is not None and len(found) < len(self.layouts):  # a pass read whole from checkpoints opens nothing
             self.before_calibration()
-        result = self.calibrator.run(encode_kept, rounding.needs_cross, log, saved, found, (lambda upstream: taken) if taken else None)
+        result = self.calibrator.run(encode_kept, rounding.needs_cross, log, saved, found, taken)
         self.log.calibration_s += log.seconds
         for name, width in log.thin.items():  # with what the note says: the rows it saw against its input width
             self.log.thin[name] = (log.rows.get(name, 0), width)
@@ -309,26 +309,23 @@ class Encoder:
         return lambda name: tuple((rows, tier, rounding_at(rounding, tier) if TIERS[tier].calibratable else Rounding())
                                   for rows, tier in self.runs(name, slots, assignment))
 
-    def _same(self, signature: Callable[[str], tuple]) -> Callable[[Callable[[str], frozenset]], dict[str, Encoded]]:
-        """For `Calibrator.run`: the encodings cached passes made that a pass encoding each weight as
-        `signature` says would make again, bit for bit: the weight encoded the same way there, and every
-        weight its statistics depend on (`upstream`) too (a refinement round that changes the last layers
-        re-solves only those; the runtime sees the same graphs, `tqsdeploy.calibrate`)."""
+    def _same(self, signature: Callable[[str], tuple]) -> dict[str, Encoded]:
+        """The encodings cached passes made that a pass encoding each weight as `signature` says would make
+        again, bit for bit: the weight encoded the same way there, and every weight its statistics depend on
+        (`Calibrator.upstream`) too (a refinement round that changes the last layers re-solves only those; the
+        runtime sees the same graphs, `tqsdeploy.calibrate`)."""
         sources = self._signatures()
-
-        def same(upstream: Callable[[str], frozenset]) -> dict[str, Encoded]:
-            if not sources:
-                return {}
-            wanted = {name: signature(name) for name in self.layouts}
-            taken: dict[str, Encoded] = {}
-            for how, result in sources:
-                differ = {name for name in self.layouts if name not in result or how(name) != wanted[name]}
-                for name in self.layouts:
-                    if name not in taken and name not in differ and not upstream(name) & differ:
-                        taken[name] = result[name]
-            return taken
-
-        return same
+        if not sources:
+            return {}
+        upstream = self.calibrator.upstream
+        wanted = {name: signature(name) for name in self.layouts}
+        taken: dict[str, Encoded] = {}
+        for how, result in sources:
+            differ = {name for name in self.layouts if name not in result or how(name) != wanted[name]}
+            for name in self.layouts:
+                if name not in taken and name not in differ and not upstream(name) & differ:
+                    taken[name] = result[name]
+        return taken
 
     def uniform(self, tier: Tier | str, rounding: Rounding) -> dict[str, Encoded]:
         """Every unit tensor at `tier`, codes chosen by `rounding` (its uniform baseline)."""
