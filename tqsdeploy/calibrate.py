@@ -314,9 +314,10 @@ class Calibrator:
                 self._digests[name] = digest(name, encoded[name], self.weights.get(name) if hasattr(self.weights, "get") else None)
         return (use.key, groups, cross, tuple((name, self._digests.get(name) if name in encoded else None) for name in above))
 
-    def _budget(self) -> float:
-        """Bytes of kept activations, and of statistics kept across passes, each: `KEPT_SHARE` of the weights' bytes, at least `FULL_CACHE_FLOOR`."""
-        return max(FULL_CACHE_FLOOR, KEPT_SHARE * sum(4 * int(np.prod(layout.shape, dtype=np.int64)) for layout in self.layouts.values()))
+    def _budget(self, share: float = KEPT_SHARE) -> float:
+        """Bytes a cache may hold: `share` of the weights' bytes (default `KEPT_SHARE`: kept activations, and statistics
+        kept across passes, each), at least `FULL_CACHE_FLOOR`."""
+        return max(FULL_CACHE_FLOOR, share * sum(4 * int(np.prod(layout.shape, dtype=np.int64)) for layout in self.layouts.values()))
 
     def _wave_session(self, fetch: list[str], encoded: Mapping[str, Encoded], group: list[str]):
         """A session computing only `fetch` from the model's inputs and the activations kept from earlier
@@ -415,7 +416,7 @@ class Calibrator:
 
     def _cache_full(self) -> list[dict[str, np.ndarray]]:
         every = sorted({use.x for wave in self.waves for name in wave for use in self.layouts[name].uses} - self.graph_inputs)
-        budget = max(FULL_CACHE_FLOOR, FULL_CACHE_SHARE * sum(4 * int(np.prod(layout.shape, dtype=np.int64)) for layout in self.layouts.values()))
+        budget = self._budget(FULL_CACHE_SHARE)
         cached, size = [], 0
         for feeds in self.samples:
             values = self._run(self.session, feeds, every)
