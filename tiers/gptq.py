@@ -141,6 +141,7 @@ def _lapack(order: int):
         own = [lib for lib in ThreadpoolController().lib_controllers  # loaded with scipy, or scipy's wheel's own (scipy imported earlier)
                if lib.user_api == "blas" and (lib.filepath not in before or Path(lib.filepath).parent.name == "scipy.libs")]
         _LAPACK = (lapack, [(lib, lib.num_threads) for lib in own])
+        backend.MANAGED_BLAS.update(lib.filepath for lib in own)
     lapack, own = _LAPACK
     for lib, threads in own:
         wanted = threads if order >= LAPACK_THREADS_FROM else 1
