@@ -48,6 +48,13 @@ CASES = {
     "gate-bound": lambda m, c, t, s: ["gate", m, "--reference", m, "--contexts", c, "--max-degradation", "abc"],
     "gate-bound-twice": lambda m, c, t, s: ["gate", m, "-r", m, "-c", c, "--max-degradation", "1%", "--max-degradation=50%"],
     "score-steps-twice": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "-T", "3"],
+    # an empty item in a list once dropped silently ('1,,8' ran as '1,8'; '--columns ,' meant every column)
+    "export-C-empty-item": lambda m, c, t, s: ["export", m, "--C", "4,,8"],
+    "export-tiers-empty-item": lambda m, c, t, s: ["export", m, "--C", "4", "--tiers", "int8,int4,"],
+    "score-horizons-empty-item": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "4", "--horizons", "1,,4", "-o", t / "run"],
+    "score-columns-empty": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "--columns", ",", "-o", t / "run"],
+    "score-columns-twice": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "--columns", "OT,OT", "-o", t / "run"],
+    "eval-latency-batches-empty-item": lambda m, c, t, s: ["eval", m, "-r", m, "-c", c, "--steps", "2", "--latency-batches", "1,,2", "--report", t / "r"],
 }
 
 

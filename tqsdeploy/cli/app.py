@@ -139,19 +139,34 @@ def user_errors(command):
     return wrapper
 
 
+def split_list(text: str, option: str) -> list[str]:
+    """A comma-separated option's items, stripped; an empty item ('4,,8', '4,') is refused: a typo
+    there once dropped a value silently."""
+    items = [item.strip() for item in text.split(",")]
+    if "" in items:
+        raise typer.BadParameter(f"{option} has an empty item in {text!r} (a doubled, leading or trailing comma)")
+    return items
+
+
 def parse_ints(text: Optional[str], option: str) -> Optional[tuple[int, ...]]:
     if not text:
         return None
+    items = split_list(text, option)
     try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
+        return tuple(int(v) for v in items)
     except ValueError:
         raise typer.BadParameter(f"{option} takes comma-separated integers, e.g. 1,2,4,8") from None
 
 
 def parse_columns(text: Optional[str]) -> Optional[tuple[str, ...]]:
-    """--columns a,b,c as a tuple of CSV column names."""
-    names = tuple(c.strip() for c in (text or "").split(",") if c.strip())
-    return names or None
+    """--columns a,b,c as a tuple of CSV column names, each once."""
+    if text is None:
+        return None
+    names = tuple(split_list(text, "--columns"))
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise typer.BadParameter(f"--columns names '{repeated[0]}' more than once")
+    return names
 
 
 def parse_dims(items: Optional[list[str]]) -> tuple[tuple[str, int], ...]:
@@ -199,8 +214,9 @@ def frame_table(frame, title: str, columns: list[str]) -> Table:
 
 
 def parse_floats(text: str, option: str) -> list[float]:
+    items = split_list(text, option) if text.strip() else []
     try:
-        values = [float(v) for v in text.split(",") if v.strip()]
+        values = [float(v) for v in items]
     except ValueError:
         raise typer.BadParameter(f"{option} takes comma-separated numbers, e.g. 2,4,8") from None
     if not values or any(not math.isfinite(v) or v <= 0 for v in values):

@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 
 from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS
-from tqsdeploy.cli.app import app, err, frame_table, out, parse_floats, progress_bar, user_errors
+from tqsdeploy.cli.app import app, err, frame_table, out, parse_floats, progress_bar, split_list, user_errors
 from tqsdeploy.errors import InputError
 
 
@@ -103,12 +103,11 @@ def export(
         raise typer.BadParameter("-o names one file; use --out-dir with several --C values")
     if output is not None and out_dir != Path("."):
         raise typer.BadParameter("give -o (one file) or --out-dir (a folder), not both")
-    if tiers is not None and not [t for t in tiers.split(",") if t.strip()]:
-        raise typer.BadParameter(f"--tiers names no tier: {tiers!r}")
+    tier_names = tuple(split_list(tiers, "--tiers")) if tiers is not None else None
     if tiers is not None and uniform_tier is not None:
         raise typer.BadParameter("--tiers is for --C (the tiers the allocation picks from); --uniform names its one tier")
     settings = ExportSettings(
-        tiers=tuple(t.strip() for t in tiers.split(",") if t.strip()) if tiers else None,
+        tiers=tier_names,
         target=target,
         runtime_layout=runtime_layout,
         group_size=group_size,

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from tiers import DEFAULT_TIERS, METHODS
-from tqsdeploy.cli.app import COLUMNS, app, frame_table, latency_settings, out, parse_columns, parse_floats, progress_bar, user_errors
+from tqsdeploy.cli.app import COLUMNS, app, frame_table, latency_settings, out, parse_columns, parse_floats, progress_bar, split_list, user_errors
 
 
 @app.command()
@@ -51,7 +51,7 @@ def frontier(
         if not items or any("=" not in item for item in items):
             raise typer.BadParameter(f"--buckets takes ROLE=REGEX items, e.g. 'input=embed|patch,output=head', not {buckets!r}")
         patterns = dict(item.split("=", 1) for item in items)
-    tier_names = tuple(t.strip() for t in tiers.split(",") if t.strip())
+    tier_names = tuple(split_list(tiers, "--tiers"))
     get_tiers(tier_names, "ort", group_size)  # unknown names fail now, not after the score
     if baselines.strip() and any(b not in (1, 2, 3, 4, 8) for b in parse_floats(bits, "--bits")):
         raise typer.BadParameter(f"--bits takes 1, 2, 3, 4 and 8, not {bits!r}")
@@ -64,7 +64,7 @@ def frontier(
             variants.append((f"TQS-PTQ {variant.objective}/{variant.rounding}", variant))
     settings = FrontierSettings(
         targets=tuple(parse_floats(targets, "--C")),
-        baselines=tuple(b.strip() for b in baselines.split(",") if b.strip()),
+        baselines=tuple(split_list(baselines, "--baselines")) if baselines.strip() else (),
         bits=tuple(int(b) for b in parse_floats(bits, "--bits")) if baselines.strip() else (),
         export=base,
         variants=tuple(variants),
