@@ -5,6 +5,7 @@ exits 1; never a traceback."""
 import pytest
 from typer.testing import CliRunner
 
+import models
 from tqsdeploy.cli import app
 
 runner = CliRunner()
@@ -124,3 +125,14 @@ def test_frontier_checks_its_truth_before_any_work(two_branch, tmp_path):
     result, lines = _run(["frontier", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / "t.npz", "--C", "4", "-o", tmp_path / "fr"])
     assert result.exit_code == 2 and "truth 'y' has shape" in lines[0], lines
     assert not (tmp_path / "fr").exists()
+
+
+def test_a_candidate_that_outputs_nan_fails_any_gate(two_branch, tmp_path):
+    """A gate on size alone once passed (exit 0) a candidate whose rollout was NaN: non-finite outputs fail every gate."""
+    model, ctx = two_branch
+    broken = models.nan_model(tmp_path / "broken.onnx")  # same signature as two_branch: x, y [batch, 32]
+    result, lines = _run(["gate", broken, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--min-compression", "0.5", "--report-dir", tmp_path / "g"])
+    assert result.exit_code == 1, result.output
+    assert lines[-1].startswith("gate failed: finite[y]"), lines
+    result, lines = _run(["gate", broken, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--max-degradation", "1e400", "--report-dir", tmp_path / "g"])
+    assert result.exit_code == 2 and "finite percentage" in lines[0], lines  # '1e400' is inf: a bound everything passes

@@ -6,6 +6,7 @@ test case, so CI systems show which one failed.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -23,7 +24,10 @@ def parse_percent(text: str, option: str) -> float:
     match = re.fullmatch(r"\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)\s*%?\s*", text)
     if not match or match.group(1).count(".") > 1 or match.group(1) == ".":
         raise InputError(f"{option} takes a percentage such as 1% or 0.5, not '{text}'")
-    return float(match.group(1))
+    value = float(match.group(1))
+    if not math.isfinite(value):  # '1e400' reads as inf: a bound every model passes
+        raise InputError(f"{option} takes a finite percentage, not '{text}'")
+    return value
 
 
 def parse_size(text: str) -> float:
@@ -95,6 +99,9 @@ def check(report: dict, bounds: Bounds) -> list[Check]:
                                 bounds.max_slowdown, "<=", "x"))
     if not checks:
         raise InputError("gate has no bounds to check", hint="pass --max-degradation, --min-compression, --max-size, --min-cosine or --max-slowdown")
+    for name, output in report["outputs"].items():  # NaN or Inf out of the candidate fails whatever was bounded (size alone once passed it)
+        if output.get("nonfinite") and bounds.per_output.get(name, bounds.max_degradation) is None:
+            checks.append(Check(f"finite[{name}]", False, math.inf, "finite (no NaN or Inf)", None, "finite"))
     return checks
 
 
