@@ -275,9 +275,11 @@ def test_conv_model_quantizes_per_output_channel(tmp_path):
     model = _conv(tmp_path / "conv.onnx", GEOMETRIES[0])
     calib = tmp_path / "c.npz"
     np.savez(calib, x=np.random.default_rng(4).standard_normal((8, 1, 6, 9, 10)).astype(np.float32))
-    result = quantize_baseline(model, "gptaq", 8, calib, min_params=1, group_size=4)
+    with pytest.raises(InputError, match="--group-size 4 would change nothing"):  # blocks need a 2-D weight: none here
+        quantize_baseline(model, "gptaq", 8, calib, min_params=1, group_size=4)
+    result = quantize_baseline(model, "gptaq", 8, calib, min_params=1)
     encoded = result.encoded["Wc"]
-    assert encoded.axis == 0 and encoded.block_size is None and encoded.scale.shape == (12,)  # blocks need a 2-D weight
+    assert encoded.axis == 0 and encoded.block_size is None and encoded.scale.shape == (12,)
     np.testing.assert_array_equal(encoded.dequantize(), result.weights["Wc"])
     x = np.random.default_rng(5).standard_normal((2, 6, 9, 10)).astype(np.float32)
     reference, quantized = _outputs(model, result, x)

@@ -51,7 +51,7 @@ from tqsdeploy.export_candidates import Candidate, CandidateBuilding
 from tqsdeploy.export_measuring import Measuring
 from tqsdeploy.export_settings import AUTO_LAYOUT, RUNTIME_LAYOUTS, TARGETS, ExportSettings
 from tqsdeploy.export_writing import BASIS_GAP, WARN_DRIFT_PCT, Outcome, Writing
-from tqsdeploy.quantization import AnyRounding, Encoder, Slot, make_slots, rounding_at
+from tqsdeploy.quantization import AnyRounding, Encoder, Slot, check_group_size, make_slots, rounding_at
 from tqsdeploy.prepare import Prepared
 from tqsdeploy.runs import ScoreRun, current_versions, default_run_dir, score_runs
 from tqsdeploy.size import ModelSize, SizeBudget, split_bits
@@ -144,6 +144,7 @@ class Planner(CandidateBuilding, Measuring, Writing):
         names = [n for u in self.units for n in u.tensor_names]
         proto = self.model.proto
         self.layouts = graph_ops.weight_layouts(proto, names)
+        check_group_size(settings.group_size, self.layouts, self.tiers)
         self.slots: list[Slot] = []
         self.slots_of: dict[str, list[Slot]] = {}
         self.split_fraction = settings.split_fraction

@@ -38,6 +38,7 @@ import graph_ops
 from graph_ops.layout import WeightLayout
 from tiers import METHODS, TIERS, Encoded, Hessian, Layout, Rounding, Tier, encode, split
 from tiers.gptq import output_error
+from tqsdeploy.errors import InputError
 from tqsdeploy.profiling import Profile
 from tqsdeploy.units import Unit
 
@@ -154,6 +155,20 @@ def _grid(tier: Tier) -> str:
     """What a tier's codes depend on, in words that are the same in every process (a frozenset's
     repr is not: string hashes are salted per process)."""
     return f"{tier.name}: {tier.family} {tier.bits} bits, {'symmetric' if tier.symmetric else 'asymmetric'}"
+
+
+def check_group_size(group_size: int | None, layouts: Mapping[str, WeightLayout], tiers: Sequence[Tier]) -> None:
+    """Refuse a --group-size nothing would use: only integer tiers take blocks, and only on rank-2 weights
+    (Conv kernels keep a scale per output channel), so it was once ignored without a word."""
+    if not group_size:
+        return
+    if not any(t.blockwise for t in tiers):
+        raise InputError(f"--group-size {group_size} would change nothing: no tier here ({', '.join(t.name for t in tiers)}) takes blocks",
+                         hint="only the integer tiers int2 to int8 do; int1, fp8 and the float tiers keep one scale per output channel")
+    if not any(Layout(l.shape, l.perm, l.row_groups).block_axis is not None for l in layouts.values()):
+        raise InputError(f"--group-size {group_size} would change nothing: none of this model's {len(layouts)} quantized weights is a rank-2 "
+                         f"weight with known layout (MatMul, Gemm); e.g. '{next(iter(layouts), '')}' keeps one scale per output channel",
+                         hint="leave --group-size out for this model")
 
 
 @dataclass
