@@ -388,3 +388,26 @@ def test_a_group_size_nothing_can_take_is_refused_not_ignored(tmp_path, args, ph
         assert result.exit_code == 0, result.output
     _fails([a.format(conv=conv, mlp=mlp, tmp=tmp_path) for a in args], "--group-size", phrase)
     assert not list(tmp_path.glob("*.onnx.*")) and not (tmp_path / "b.onnx").exists() and not (tmp_path / "q.onnx").exists()
+
+
+def _csv(path, header, rows=40):
+    values = np.random.default_rng(0).standard_normal((rows, len(header) - 1))
+    path.write_text(",".join(header) + "\n" + "".join(f"2020-01-01 {i:02d}:00," + ",".join(f"{v:.4f}" for v in row) + "\n" for i, row in enumerate(values)))
+    return path
+
+
+@pytest.mark.parametrize("columns", [["--columns", "OT"], []])
+def test_a_csv_with_two_columns_of_one_name_is_refused(tmp_path, columns):
+    """polars renames the second 'OT' to 'OT_duplicated_0', so --columns OT once scored whichever came first, exit 0."""
+    model = models.shift_model(tmp_path / "m.onnx")
+    csv = _csv(tmp_path / "series.csv", ["date", "OT", "OT"])
+    _fails(["score", model, "-c", csv, "--windows", 2, "--steps", 2, "--min-params", 1, *columns, "-o", tmp_path / "run"], "more than one column named 'OT'")
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # the command line prints them; pytest would only collect them
+def test_a_csv_without_rows_says_so_without_numpy_warnings(tmp_path):
+    """--zscore of a header-only CSV once printed numpy's 'Mean of empty slice' warnings above the error."""
+    model = models.shift_model(tmp_path / "m.onnx")
+    csv = _csv(tmp_path / "series.csv", ["date", "OT"], rows=0)
+    message = _fails(["score", model, "-c", csv, "--columns", "OT", "--zscore", "--steps", 2, "--min-params", 1, "-o", tmp_path / "run"], "has 0 rows")
+    assert "Warning" not in message and "empty slice" not in message, message

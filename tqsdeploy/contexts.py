@@ -160,6 +160,11 @@ def read_csv_columns(path: Path, columns: Sequence[str] | None = None) -> tuple[
         raise InputError(f"contexts file {path} does not exist") from None
     except Exception as exc:
         raise InputError(f"contexts file {path} is not a readable CSV ({str(exc).splitlines()[0]})") from None
+    header = _header(path)
+    repeated = sorted({name for name in header if header.count(name) > 1})
+    if repeated:  # polars renames the second 'OT' to 'OT_duplicated_0': --columns OT would read whichever came first
+        raise InputError(f"contexts file {path} has more than one column named '{repeated[0]}' (its header: {', '.join(header)})",
+                         hint="give each column its own name")
     if columns:
         missing = [c for c in columns if c not in frame.columns]
         if missing:
@@ -195,6 +200,14 @@ def read_csv_columns(path: Path, columns: Sequence[str] | None = None) -> tuple[
             raise InputError(f"contexts file {path}, line {line}, column '{name}': {why}{more}")
         data[:, j] = values
     return data, used
+
+
+def _header(path: Path) -> list[str]:
+    """The CSV's column names as written (polars renames repeated ones)."""
+    import csv
+
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as handle:
+        return [name.strip() for name in next(csv.reader(handle), [])]
 
 
 def csv_layout(spec: IOSpec, names: Sequence[str], path: Path | str = "the CSV") -> tuple[int, str]:
@@ -257,8 +270,6 @@ def load_csv(path: Path, inputs: Sequence[IOSpec], windows: int, zscore: bool, c
         raise InputError(f"a CSV can only fill a model with one input; this model has {len(inputs)} (use an .npz)")
     spec = inputs[0]
     data, names = read_csv_columns(path, columns)
-    if zscore:
-        data = (data - data.mean(axis=0)) / (data.std(axis=0) + 1e-8)
     rows, count = data.shape
     length, layout = csv_layout(spec, names, path)
     if rows < length + following:
@@ -270,6 +281,8 @@ def load_csv(path: Path, inputs: Sequence[IOSpec], windows: int, zscore: bool, c
             f"contexts file {path} holds {distinct} distinct windows of {length} rows" + (f" (plus {following} rows of truth)" if following else "")
             + f"; --windows {windows} would repeat them", hint=f"use --windows {distinct} or fewer",
         )
+    if zscore:  # after the row checks: an empty column's mean is numpy's warnings, not an answer
+        data = (data - data.mean(axis=0)) / (data.std(axis=0) + 1e-8)
     starts = np.linspace(0, rows - length - following, num=windows).round().astype(int)
     cut = np.stack([data[s : s + length] for s in starts])  # (N, L, C)
     result = Contexts(arrays={spec.name: _as_windows(spec.name, _arrange(cut, layout, spec, count), spec)}, source=str(path))
