@@ -143,12 +143,17 @@ def _runtime_mode(settings: EvalSettings, optimized_path: str, proto) -> dict:
         optimized = graph_ops.wire.skeleton(optimized_path)  # node types only: the weights stay in the file
         fused = sum(1 for n in optimized.graph.node if n.op_type == "MatMulNBits")
         per_call = graph_ops.qdq.per_call_dequantization(optimized)
-    if not any(n.op_type == "DequantizeLinear" for n in proto.graph.node) and _reads_codes(proto):
+    dequantizes = any(n.op_type == "DequantizeLinear" for n in proto.graph.node)
+    if not dequantizes and not _reads_codes(proto):  # the original, or an fp16 copy: nothing to fuse or fold
+        mode = f"ONNX Runtime default on {settings.provider}: float weights (no stored codes, nothing to fuse or fold); float kernels"
+    elif not dequantizes:
         checked = "its optimized graph reads no codes" if per_call == {} else ("not checked: a large file" if per_call is None else f"yet its optimized graph still reads codes: {per_call}")
         mode = (f"ONNX Runtime default on {settings.provider}: weights stored dequantized-at-load, folded into float initializers when the session is created "
                 f"({checked}); float kernels, exact")
     elif settings.exact:
         mode = "exact dequantization (session.qdq_matmulnbits_accuracy_level=0)"
+    elif settings.provider == "cpu" and fused == 0 and per_call is not None:  # say, Conv kernels: no MatMul to fuse with
+        mode = "ONNX Runtime default on cpu: DequantizeLinear runs on every call (no MatMul it fuses with into MatMulNBits); float kernels, exact"
     elif settings.provider == "cpu":
         mode = "ONNX Runtime default: DequantizeLinear->MatMul fused into MatMulNBits with accuracy_level 4 (int8 activations)"
     else:  # the CUDA kernel: the demo export drifted 0.076% there on an H100, 0.117% with the CPU's int8 activations
