@@ -411,3 +411,16 @@ def test_a_csv_without_rows_says_so_without_numpy_warnings(tmp_path):
     csv = _csv(tmp_path / "series.csv", ["date", "OT"], rows=0)
     message = _fails(["score", model, "-c", csv, "--columns", "OT", "--zscore", "--steps", 2, "--min-params", 1, "-o", tmp_path / "run"], "has 0 rows")
     assert "Warning" not in message and "empty slice" not in message, message
+
+
+def test_eval_names_the_input_the_two_models_disagree_on(tmp_path, pair):
+    """A candidate of another model once got 'differ in inputs or outputs: ({...}, {...}) vs ({...}, {...})'."""
+    model, ctx, _ = pair
+    other = onnx.load(str(models.two_branch(tmp_path / "other.onnx")))
+    other.graph.input[0].name = "state"
+    for node in other.graph.node:
+        node.input[:] = ["state" if i == "x" else i for i in node.input]
+    onnx.save(other, str(tmp_path / "renamed.onnx"))
+    message = _fails(["eval", tmp_path / "renamed.onnx", "-r", model, "-c", ctx, "--steps", 2, "--no-latency"],
+                     "the candidate has input 'state', the reference does not (its inputs: x)")
+    assert "{" not in message, message

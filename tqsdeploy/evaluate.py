@@ -267,8 +267,20 @@ def _fits(a: tuple, b: tuple) -> bool:
 def _check_same_signature(candidate, reference) -> None:
     """Read off the graphs, before either model runs (one may declare shapes the other leaves open)."""
     cand, ref = _signature(candidate), _signature(reference)
-    if any(c.keys() != r.keys() or not all(_fits(c[k], r[k]) for k in c) for c, r in zip(cand, ref)):
-        raise InputError(f"candidate and reference differ in inputs or outputs: {cand} vs {ref}")
+    for kind, c, r in zip(("input", "output"), cand, ref):  # name the first difference, not two dicts
+        for name in [*c, *(k for k in r if k not in c)]:
+            if name not in r or name not in c:
+                which, other = ("candidate", "reference") if name in c else ("reference", "candidate")
+                raise InputError(f"candidate and reference differ: the {which} has {kind} '{name}', the {other} does not "
+                                 f"(its {kind}s: {', '.join(r if name in c else c) or 'none'})")
+            if not _fits(c[name], r[name]):
+                raise InputError(f"candidate and reference differ: {kind} '{name}' is {_shown(c[name])} in the candidate, {_shown(r[name])} in the reference")
+
+
+def _shown(described) -> str:
+    """'[?, 40] float' from a `_signature` entry."""
+    dims, dtype = described
+    return ("[" + ", ".join(map(str, dims)) + "]" if dims is not None else "[no declared shape]") + f" {dtype}"
 
 
 def load_truth(path: Path, spec: RolloutSpec, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
