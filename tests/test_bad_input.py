@@ -424,3 +424,14 @@ def test_eval_names_the_input_the_two_models_disagree_on(tmp_path, pair):
     message = _fails(["eval", tmp_path / "renamed.onnx", "-r", model, "-c", ctx, "--steps", 2, "--no-latency"],
                      "the candidate has input 'state', the reference does not (its inputs: x)")
     assert "{" not in message, message
+
+
+def test_a_mistyped_feedback_output_is_named_as_the_user_wrote_it(tmp_path):
+    """A typo in [[feedback]] output was reported as 'trajectory output ... is not a model output', a key the spec never had."""
+    model = models.shift_model(tmp_path / "shift.onnx")
+    np.savez(tmp_path / "c.npz", x=np.ones((2, 1, 16), np.float32))
+    spec = tmp_path / "spec.toml"
+    spec.write_text('steps = 3\n[[feedback]]\noutput = "yy"\ninput = "x"\nmode = "shift"\n')
+    message = _fails(["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--min-params", "1"],
+                     "feedback output 'yy' is not a model output (outputs: y); did you mean 'y'?")
+    assert "trajectory" not in message, message

@@ -176,14 +176,15 @@ class RolloutSpec:
         """Fail with a clear message when the spec does not fit the model's signature."""
         ins = {s.name: s for s in inputs}
         outs = {s.name: s for s in outputs}
+        for edge in self.feedback:  # before the trajectory, which defaults to these outputs: name what the user wrote
+            if edge.output is not None and edge.output not in outs:
+                raise RolloutError(f"feedback output '{edge.output}' is not a model output (outputs: {', '.join(outs)}){_guess(edge.output, outs)}")
+            if edge.input not in ins:
+                raise RolloutError(f"feedback input '{edge.input}' is not a model input (inputs: {', '.join(ins)}){_guess(edge.input, ins)}")
         for name in self.trajectory:
             if name not in outs:
-                raise RolloutError(f"trajectory output '{name}' is not a model output (outputs: {', '.join(outs)})")
+                raise RolloutError(f"trajectory output '{name}' is not a model output (outputs: {', '.join(outs)}){_guess(name, outs)}")
         for edge in self.feedback:
-            if edge.output is not None and edge.output not in outs:
-                raise RolloutError(f"feedback output '{edge.output}' is not a model output (outputs: {', '.join(outs)})")
-            if edge.input not in ins:
-                raise RolloutError(f"feedback input '{edge.input}' is not a model input (inputs: {', '.join(ins)})")
             target = ins[edge.input].shape
             if edge.mode == "shift" and not -len(target) <= edge.axis < len(target):
                 raise RolloutError(f"feedback edge for input '{edge.input}' {shape_text(target)} shifts along axis {edge.axis}, which it does not have")
@@ -282,3 +283,11 @@ def same_but(a: tuple, b: tuple, axis: int) -> bool:
         return False
     skip = axis % len(a)
     return all(i == skip or x == y or not isinstance(x, int) or not isinstance(y, int) for i, (x, y) in enumerate(zip(a, b)))
+
+
+def _guess(name: str, known) -> str:
+    """'; did you mean 'x_next'?' for a near miss of a known name, else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
