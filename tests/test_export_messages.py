@@ -151,3 +151,17 @@ def test_too_little_calibration_data_is_said_in_plain_words(tmp_path):
     assert "score with more context windows (or more --steps)" in text and "--rounding rtn, which needs none" in text
     code, text = _invoke("baseline", model, "--method", "gptq", "--bits", 4, "--calib", tmp_path / "ctx.npz", "-o", tmp_path / "b.onnx")
     assert code == 0 and "had too little calibration data for gptq" in text and "give --calib more windows" in text, text
+
+
+def test_the_rtn_export_the_note_advises_runs_no_calibration_and_ships_rtn_codes(tmp_path):
+    """The thin-statistics note says to export with --rounding rtn, 'which needs none'; such an export still
+    calibrated uniform GPTQ, GPTAQ and QEP models on those few windows to compare with, and shipped one
+    (lorenz96: 'shipped uniform int4-asym gptaq' after --rounding rtn). It compares uniform RTN alone."""
+    model = models.mlp_forecaster(tmp_path / "a.onnx")
+    np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(0).standard_normal((2, 1, 32)).astype(np.float32))
+    score(model, tmp_path / "ctx.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
+    code, text = _invoke("export", model, "--run", tmp_path / "run", "--C", 4, "--rounding", "rtn", "--out-dir", tmp_path)
+    assert code == 0, text
+    meta = json.loads((tmp_path / "a.C4.allocation.json").read_text())
+    assert [c["label"].split()[-1].split("/")[-1] for c in meta["compared"]] == ["rtn"] * len(meta["compared"]), meta["compared"]
+    assert meta["profile_s"]["calibration_rollouts"] == 0 and "too little calibration data" not in text, text

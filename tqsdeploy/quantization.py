@@ -130,8 +130,10 @@ def rounding_at(rounding: AnyRounding, tier: str) -> Rounding:
 def comparison_methods(rounding: AnyRounding, tier: Tier) -> tuple[str, ...]:
     """Rounding methods whose uniform encodings at `tier` an export with `rounding` compares against: every
     one but those its own dominates (`DOMINATED_BY`: each would cost a calibration pass to lose; auto dominates
-    none, it measured them to choose); RTN alone where the tier takes no calibration."""
-    if not tier.calibratable:
+    none, it measured them to choose); RTN alone where the tier takes no calibration, and for an RTN export, which
+    asked for none (export's thin-statistics note offers it as the way out: comparing calibrated uniform models
+    would run the passes it avoids and could ship their codes)."""
+    if not tier.calibratable or rounding.method == "rtn":
         return ("rtn",)
     return tuple(m for m in METHODS if m not in DOMINATED_BY.get(rounding.method, ()))
 

@@ -85,7 +85,7 @@ def export(
     provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="Execution provider for the measurement rollouts."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing output files (default: refuse before any work)."),
     single_file: bool = typer.Option(False, "--single-file", help="Write every tensor inside the .onnx, no external-data file beside it (up to protobuf's 2 GiB; default: one file unless the input keeps its weights in external-data files or the output reaches 1 GiB)."),
-    max_drift: Optional[float] = typer.Option(None, "--max-drift", min=0.0, help="Largest drift (%, as eval --exact reports it: exact dequantization) on the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate."),
+    max_drift: Optional[str] = typer.Option(None, "--max-drift", metavar="PCT", help="Largest drift (a percentage such as 1% or 0.5; as eval --exact reports it: exact dequantization) on the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate."),
     verbose: bool = typer.Option(False, "--verbose", help="Also print where each export's time went: solver, statistics, calibration and measurement rollouts, write (the allocation JSON's profile_s)."),
 ):
     """Allocate precision tiers under a compression target and write mixed-precision ONNX.
@@ -95,7 +95,10 @@ def export(
     from runtimes import for_provider
     from tqsdeploy.export import ExportSettings, Planner, find_run
 
+    from tqsdeploy.gate import parse_percent
+
     output = Path(output_given) if output_given is not None else None  # the text kept: a trailing '/' means a folder
+    max_drift_pct = parse_percent(max_drift, "--max-drift") if max_drift is not None else None  # '5%' as gate's bounds take it
     if (compression is None) == (uniform_tier is None):
         raise typer.BadParameter("give exactly one of --C and --uniform")
     targets = parse_floats(compression, "--C") if compression is not None else [None]
@@ -173,7 +176,7 @@ def export(
     rows = []
     try:
         for index, (value, path) in enumerate(zip(targets, paths)):
-            outcome = planner.export(value, path, uniform_tier=uniform_tier, on_result=on_result, max_drift_pct=max_drift, final=index == len(targets) - 1)
+            outcome = planner.export(value, path, uniform_tier=uniform_tier, on_result=on_result, max_drift_pct=max_drift_pct, final=index == len(targets) - 1)
             fused = settings.layout == "fused" and _feeds_matmul_integer_codes(outcome.encodings, planner.layouts)
             outcome.encodings = {}  # written: the table and the record are what is left to show
             rows.append((value, outcome, fused))
