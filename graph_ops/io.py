@@ -49,8 +49,10 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputError(f"cannot create folder {path.parent}: {exc.strerror or exc}") from None
+    except OSError as exc:  # 'File exists' / 'Not a directory' alone do not say which path is the file in the way
+        blocker = next((p for p in (path.parent, *path.parent.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker is not None else exc.strerror or exc
+        raise OutputError(f"cannot create folder {path.parent}: {why}") from None
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
     try:
         yield temporary
@@ -83,7 +85,10 @@ def check_writable(folder: str | os.PathLike) -> None:
     created = missing_folders(folder)
     try:
         with atomic_output(Path(folder) / ".tqs-write-check") as probe:
-            probe.write_bytes(b"")
+            try:
+                probe.write_bytes(b"")
+            except OSError as exc:  # the folder, not the probe's own name, is what the user can act on
+                raise OutputError(f"cannot write into folder {folder}: {exc.strerror or exc}") from None
         (Path(folder) / ".tqs-write-check").unlink(missing_ok=True)
     finally:
         remove_empty_folders(created)

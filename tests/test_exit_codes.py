@@ -136,3 +136,16 @@ def test_a_candidate_that_outputs_nan_fails_any_gate(two_branch, tmp_path):
     assert lines[-1].startswith("gate failed: finite[y]"), lines
     result, lines = _run(["gate", broken, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--max-degradation", "1e400", "--report-dir", tmp_path / "g"])
     assert result.exit_code == 2 and "finite percentage" in lines[0], lines  # '1e400' is inf: a bound everything passes
+
+
+@pytest.mark.parametrize("command", ["baseline", "eval", "gate"])
+def test_an_output_under_a_plain_file_names_the_file_in_the_way(two_branch, tmp_path, command):
+    """'cannot create folder blk: File exists' left the user to work out that blk was a file."""
+    model, ctx = two_branch
+    blocker = tmp_path / "blk"
+    blocker.write_text("")
+    args = {"baseline": ["baseline", model, "--method", "rtn", "--bits", "4", "-o", blocker / "q" / "b.onnx"],
+            "eval": ["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--report", blocker / "r"],
+            "gate": ["gate", model, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--max-degradation", "5%", "--report-dir", blocker / "g"]}[command]
+    result, lines = _run(args)
+    assert result.exit_code == 2 and len(lines) == 1 and f"{blocker} is a file, not a folder" in lines[0], lines
