@@ -55,6 +55,9 @@ CASES = {
     "score-horizons-empty-item": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "4", "--horizons", "1,,4", "-o", t / "run"],
     "score-columns-empty": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "--columns", ",", "-o", t / "run"],
     "score-columns-twice": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "--columns", "OT,OT", "-o", t / "run"],
+    # --zscore on an .npz was ignored without a word: the model ran on windows the user believed standardised
+    "score-zscore-npz": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "--zscore", "-o", t / "run"],
+    "eval-zscore-npz": lambda m, c, t, s: ["eval", m, "-r", m, "-c", c, "--steps", "2", "--zscore", "--no-latency", "--report", t / "r"],
     "eval-latency-batches-empty-item": lambda m, c, t, s: ["eval", m, "-r", m, "-c", c, "--steps", "2", "--latency-batches", "1,,2", "--report", t / "r"],
 }
 

@@ -393,6 +393,8 @@ def load_contexts(path: Path | None, inputs: Sequence[IOSpec], *, windows: int, 
         return load_csv(path, inputs, windows, zscore, columns, following)
     if columns:
         raise InputError("--columns picks series of a CSV; an .npz holds one array per model input")
+    if zscore:  # once ignored without a word: the model then ran on unstandardised windows
+        raise InputError("--zscore standardises the columns of a CSV; an .npz is used as it is", hint="standardise the arrays before saving them, or drop --zscore")
     if suffix != ".npz":
         raise InputError(f"contexts file {path} is not an .npz or a .csv", hint="expected an .npz with one array per model input (leading axis = windows) or a CSV of numeric columns")
     return load_npz(path, inputs)
