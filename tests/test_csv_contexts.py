@@ -134,7 +134,7 @@ def test_a_univariate_model_fed_every_column_says_what_it_multiplies_and_a_fixed
     assert code == 0, text
     assert "4 context windows × 3 series each (CSV columns a, b, c): 3x the work of one series" in text
     assert "model input 'x' [batch, 16] takes one series per batch row" in text, text  # the shape printed, not eaten as markup
-    assert "each of the 3 numeric columns of" in text and "3 series per window, 3x the work of one; pass --columns to score fewer (e.g. --columns c" in text
+    assert "each of the 3 numeric columns of" in text and "3 series per window, 3x the work of one; pass --columns to use fewer (e.g. --columns c" in text
     assert any("3x the work of one" in w for w in json.loads((tmp_path / "all" / "run.json").read_text())["warnings"])
     code, text = _invoke("score", model, "-c", csv, "--columns", "c", "--windows", 4, "--steps", 2, "--probes", 1, "--min-params", 16, "-o", tmp_path / "one")
     assert code == 0 and "4 context windows;" in text and "series" not in text, text
@@ -150,3 +150,18 @@ def test_a_univariate_model_fed_every_column_says_what_it_multiplies_and_a_fixed
     assert "pick 1 with --columns, e.g. --columns c" in text and not (tmp_path / "fixed").exists()
     code, text = _invoke("score", fixed, "-c", csv, "--columns", "b", "--windows", 4, "--steps", 2, "--probes", 1, "--min-params", 16, "-o", tmp_path / "fixed")
     assert code == 0, text
+
+
+def test_eval_of_every_csv_column_says_so_as_score_does(tmp_path):
+    """eval on a CSV of three series for a univariate model averaged its metrics over all three under the heading
+    '4 context windows' and no warning; it now says the series and warns, naming --columns."""
+    model = models.shift_model(tmp_path / "shift.onnx")  # x [batch, 16] -> y [batch, 4]
+    t = np.arange(120)
+    csv = tmp_path / "three.csv"
+    csv.write_text("date,a,b,c\n" + "\n".join(f"2020-01-{i % 28 + 1:02d},{np.sin(i / 5)},{np.cos(i / 7)},{i / 120}" for i in t) + "\n")
+    code, text = _invoke("eval", model, "-r", model, "-c", csv, "--windows", 4, "--steps", 2, "--no-latency", "--report", tmp_path / "r")
+    assert code == 0, text
+    assert "4 context windows × 3 series each (CSV columns a, b, c) × 2 steps" in text
+    assert "warning: model input 'x' [batch, 16] takes one series per batch row" in text and "pass --columns to use fewer" in text
+    code, text = _invoke("eval", model, "-r", model, "-c", csv, "--columns", "c", "--windows", 4, "--steps", 2, "--no-latency", "--report", tmp_path / "r")
+    assert code == 0 and "4 context windows × 2 steps" in text and "warning" not in text, text

@@ -291,7 +291,7 @@ def load_csv(path: Path, inputs: Sequence[IOSpec], windows: int, zscore: bool, c
         result.warnings.append(
             f"model input '{spec.name}' {_fmt(spec.shape)} takes one series per batch row, and each of the {count} numeric columns of {path} "
             f"({', '.join(names)}) was taken as a series: {count} series per window, {count}x the work of one; "
-            f"pass --columns to score fewer (e.g. --columns {names[-1]}, the series you forecast)"
+            f"pass --columns to use fewer (e.g. --columns {names[-1]}, the series you forecast)"
         )
     if following:
         result.following = np.stack([data[s + length : s + length + following] for s in starts])

@@ -384,6 +384,8 @@ def evaluate(
         "contexts": str(contexts),
         "truth": truth_source,
         "windows": ctx.count,
+        "series": list(ctx.csv["columns"]) if ctx.csv and ctx.csv["layout"] == "univariate" else None,
+        "warnings": list(ctx.warnings),
         "steps": resolved.steps,
         "runtime": mode,
         "candidate_file_bytes": cand_model.file_bytes,
@@ -397,11 +399,17 @@ def evaluate(
     }
 
 
+def _series(columns: list[str] | None) -> str:
+    """' × 2 series each (CSV columns HUFL, OT)' where a univariate model read several CSV columns: every metric
+    averages over them, which '8 context windows' alone once hid."""
+    return f" × {len(columns)} series each (CSV columns {', '.join(columns)})" if columns and len(columns) > 1 else ""
+
+
 def markdown(report: dict) -> str:
     lines = [
         f"### Evaluation of `{Path(report['candidate']).name}` against `{Path(report['reference']).name}`",
         "",
-        f"{counted(report['windows'], 'context window')} × {counted(report['steps'], 'step')}; compression {report['compression']:.2f}×; "
+        f"{counted(report['windows'], 'context window')}{_series(report.get('series'))} × {counted(report['steps'], 'step')}; compression {report['compression']:.2f}×; "
         f"{report['candidate_file_bytes'] / 1e6:.3f} MB vs {report['reference_file_bytes'] / 1e6:.3f} MB.",
         f"Runtime: {report['runtime']['provider']}, {report['runtime']['mode']}; MatMulNBits nodes: {report['runtime']['matmulnbits_nodes']}.",
         f"Truth: {report['truth']}." if report.get("truth") else "No truth: degradation is the drift from the reference.",
