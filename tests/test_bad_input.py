@@ -435,3 +435,16 @@ def test_a_mistyped_feedback_output_is_named_as_the_user_wrote_it(tmp_path):
     message = _fails(["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--min-params", "1"],
                      "feedback output 'yy' is not a model output (outputs: y); did you mean 'y'?")
     assert "trajectory" not in message, message
+
+
+def test_a_truth_of_the_wrong_length_says_longer_ones_are_fine(tmp_path, pair):
+    """'expected [3, 2, 1, 32]' for a truth of 4 windows read as if a truth of 40 steps would be refused too;
+    a longer truth is cut to the rollout."""
+    model, ctx, truth = pair
+    np.savez(tmp_path / "t.npz", y=np.zeros((4, 2, 1, 32)))
+    _fails(["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / "t.npz", "--no-latency"],
+           "truth 'y' has shape [4, 2, 1, 32]; expected [3, 2 or more, 1, 32]")
+    np.savez(tmp_path / "long.npz", y=np.zeros((3, 9, 1, 32)))
+    result = runner.invoke(app, [str(a) for a in ["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / "long.npz", "--no-latency",
+                                                  "--report", tmp_path / "r"]])
+    assert result.exit_code == 0, result.output

@@ -301,7 +301,8 @@ def load_truth(path: Path, spec: RolloutSpec, shapes: dict[str, tuple]) -> dict[
         array = stored[name]
         want = shapes[name]
         if array.shape[0] != want[0] or array.shape[2:] != want[2:] or array.shape[1] < want[1]:
-            raise InputError(f"truth '{name}' has shape {list(array.shape)}; expected {list(want)} (windows, steps, *output)")
+            expected = ", ".join([str(want[0]), f"{want[1]} or more", *map(str, want[2:])])  # longer truths are cut to the rollout
+            raise InputError(f"truth '{name}' has shape {list(array.shape)}; expected [{expected}] (windows, steps, *output)")
         truth[name] = array[:, : want[1]].astype(np.float64)
         if not np.all(np.isfinite(truth[name])):
             raise InputError(f"truth '{name}' in {path} contains NaN or Inf")
