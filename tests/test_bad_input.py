@@ -448,3 +448,25 @@ def test_a_truth_of_the_wrong_length_says_longer_ones_are_fine(tmp_path, pair):
     result = runner.invoke(app, [str(a) for a in ["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / "long.npz", "--no-latency",
                                                   "--report", tmp_path / "r"]])
     assert result.exit_code == 0, result.output
+
+
+def test_feedback_edges_one_per_input_and_an_output_may_feed_two(tmp_path):
+    """Two edges into one input were refused as "`trajectory` lists y more than once" (a key the spec did not
+    have), and so was a legitimate spec whose one output feeds two inputs: the first is refused naming the
+    edges, the second runs with y once in the trajectory."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    init = {"W": (0.5 * rng.standard_normal((32, 32)) / np.sqrt(32)).astype(np.float32), "V": (0.5 * rng.standard_normal((32, 32)) / np.sqrt(32)).astype(np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["a"]), helper.make_node("MatMul", ["prev", "V"], ["b"]), helper.make_node("Add", ["a", "b"], ["y"])]
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", 32]) for name in ("x", "prev")]
+    model = models._model(nodes, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32])], init, tmp_path / "two_in.onnx")
+    np.savez(tmp_path / "c.npz", x=rng.standard_normal((2, 1, 32)).astype(np.float32), prev=rng.standard_normal((2, 1, 32)).astype(np.float32))
+    spec = tmp_path / "spec.toml"
+    spec.write_text('steps = 3\n[[feedback]]\noutput = "y"\ninput = "x"\n[[feedback]]\noutput = "y"\ninput = "x"\n')
+    message = _fails(["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run"], "[[feedback]] #2 feeds input 'x', which #1 already feeds")
+    assert "trajectory" not in message, message
+    spec.write_text('steps = 3\n[[feedback]]\noutput = "y"\ninput = "x"\n[[feedback]]\noutput = "y"\ninput = "prev"\n')
+    result = runner.invoke(app, [str(a) for a in ["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--probes", 1]])
+    assert result.exit_code == 0, result.output
+    assert "trajectory ['y']" in result.output

@@ -136,8 +136,13 @@ class RolloutSpec:
                 )
             )
         feedback = tuple(edges)
-        if trajectory is None:
-            trajectory = [e.output for e in feedback if e.output is not None]
+        fed = [e.input for e in feedback]
+        again = next((i for i, name in enumerate(fed) if name in fed[:i]), None)
+        if again is not None:  # once reported as "`trajectory` lists x_next more than once", a key the spec may not have
+            raise RolloutError(f"[[feedback]] #{again + 1} feeds input '{fed[again]}', which #{fed.index(fed[again]) + 1} already feeds; "
+                               "an input takes one edge")
+        if trajectory is None:  # each output once, even where it feeds two inputs
+            trajectory = list(dict.fromkeys(e.output for e in feedback if e.output is not None))
         repeated = sorted({t for t in trajectory if trajectory.count(t) > 1})
         if repeated:
             raise RolloutError(f"`trajectory` lists {', '.join(repeated)} more than once")
