@@ -54,7 +54,10 @@ def test_ci_workflow_runs_literally_on_the_bundled_model(tmp_path):
     job = workflow["jobs"]["compress"]
     env = dict(os.environ, **job["env"])
     example = REPO / "examples" / "etth1_patchtst"
-    for variable, source in (("MODEL", "model.onnx"), ("CONTEXTS", "contexts.npz"), ("TRUTH", "truth.npz"), ("SPEC", "rollout.toml")):
+    gate_step = next(step["run"] for step in job["steps"] if "tqsdeploy gate" in step.get("run", ""))
+    assert '"$HELDOUT"' in gate_step and '"$HELDOUT_TRUTH"' in gate_step, gate_step  # the gate judges on windows the score never saw
+    for variable, source in (("MODEL", "model.onnx"), ("CONTEXTS", "contexts.npz"), ("TRUTH", "truth.npz"), ("HELDOUT", "heldout.npz"),
+                             ("HELDOUT_TRUTH", "heldout_truth.npz"), ("SPEC", "rollout.toml")):
         target = tmp_path / env[variable]
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(example / source, target)
@@ -80,3 +83,13 @@ def test_qep_w2_on_the_weight_tied_example_stays_within_the_min_max_grids_drift(
     assert code == 0, text
     report = evaluate(tmp_path / "qep.onnx", folder / "model.onnx", folder / "heldout.npz", spec=folder / "rollout.toml", settings=EvalSettings(exact=True))
     assert report["outputs"]["forecast"]["vs_reference"]["mae"] <= 0.197
+
+
+def test_the_demo_evaluates_and_gates_on_windows_the_score_never_saw():
+    """make demo gated the C = 4 model on contexts.npz, the windows it was scored, calibrated and measured on."""
+    demo = (REPO / "Makefile").read_text().split("\ndemo:")[1].split("\n\n")[0]
+    lines = {line.split()[1]: line for line in demo.splitlines() if "tqsdeploy " in line}
+    assert "$(EXAMPLE)/contexts.npz" in lines["score"]
+    for command in ("eval", "gate"):
+        assert "--contexts $(EXAMPLE)/heldout.npz" in lines[command] and "--truth $(EXAMPLE)/heldout_truth.npz" in lines[command], lines[command]
+    assert (REPO / "examples" / "etth1_patchtst" / "heldout_truth.npz").exists()
