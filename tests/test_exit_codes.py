@@ -58,6 +58,9 @@ CASES = {
     # --zscore on an .npz was ignored without a word: the model ran on windows the user believed standardised
     "score-zscore-npz": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "--zscore", "-o", t / "run"],
     "eval-zscore-npz": lambda m, c, t, s: ["eval", m, "-r", m, "-c", c, "--steps", "2", "--zscore", "--no-latency", "--report", t / "r"],
+    # --windows with an .npz was ignored without a word: every window of the file ran
+    "score-windows-npz": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "--windows", "1", "-o", t / "run"],
+    "gate-windows-npz": lambda m, c, t, s: ["gate", m, "-r", m, "-c", c, "--steps", "2", "--windows", "1", "--max-degradation", "5%", "--no-latency", "--report-dir", t / "g"],
     "eval-latency-batches-empty-item": lambda m, c, t, s: ["eval", m, "-r", m, "-c", c, "--steps", "2", "--latency-batches", "1,,2", "--report", t / "r"],
 }
 

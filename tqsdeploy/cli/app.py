@@ -8,6 +8,7 @@ import functools
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -169,6 +170,13 @@ def parse_columns(text: Optional[str]) -> Optional[tuple[str, ...]]:
     return names
 
 
+def csv_windows(windows: Optional[int], contexts: Optional[Path]) -> int:
+    """--windows as given, else 8; refused with an .npz, which holds its own windows (it was ignored without a word)."""
+    if windows is not None and contexts is not None and Path(contexts).suffix.lower() == ".npz":
+        raise typer.BadParameter(f"--windows cuts windows from a CSV (or sizes random contexts); {contexts} holds its own windows, all of which are used")
+    return 8 if windows is None else windows
+
+
 def parse_dims(items: Optional[list[str]]) -> tuple[tuple[str, int], ...]:
     """--dim seq=128 (repeatable) as ((name, size), ...); each name once, each size a positive integer."""
     sizes: dict[str, int] = {}
@@ -236,7 +244,7 @@ COSINE_HELP = ("Cosine similarity and nearest-neighbour agreement of the output 
 # Options several commands share, defined once (typer reads each as a description, so one may serve many commands).
 COLUMNS = typer.Option(None, "--columns", help=COLUMNS_HELP)
 ZSCORE = typer.Option(False, "--zscore", help="Standardise CSV columns before cutting windows.")
-CSV_WINDOWS = typer.Option(8, "--windows", min=1, help="Windows cut from a CSV.")
+CSV_WINDOWS = typer.Option(None, "--windows", min=1, help="Windows cut from a CSV (default 8).")
 CANDIDATE = typer.Argument(..., help="The compressed ONNX model.")
 REFERENCE = typer.Option(..., "--reference", "-r", help="The original ONNX model.")
 EVAL_CONTEXTS = typer.Option(..., "--contexts", "-c", help="Context windows: .npz (one array per input) or .csv (numeric columns, cut into --windows windows).")

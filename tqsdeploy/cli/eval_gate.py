@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from tqsdeploy.cli.app import (CANDIDATE, COLUMNS, COSINE, CSV_WINDOWS, EVAL_CONTEXTS, EVAL_PROVIDER, LATENCY_BATCHES, NO_LATENCY, REFERENCE, ZSCORE, app, err,
+from tqsdeploy.cli.app import (CANDIDATE, COLUMNS, COSINE, CSV_WINDOWS, EVAL_CONTEXTS, EVAL_PROVIDER, LATENCY_BATCHES, NO_LATENCY, REFERENCE, ZSCORE, app, csv_windows, err,
                                latency_settings, out, parse_columns, user_errors)
 
 
@@ -62,7 +62,7 @@ def eval_command(
     reference: Path = REFERENCE,
     contexts: Path = EVAL_CONTEXTS,
     truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth (.npz, one array per trajectory output, (windows, steps, *output)); CSV contexts default to the rows after each window."),
-    windows: int = CSV_WINDOWS,
+    windows: Optional[int] = CSV_WINDOWS,
     zscore: bool = ZSCORE,
     columns: Optional[str] = COLUMNS,
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected when omitted."),
@@ -79,7 +79,7 @@ def eval_command(
     from tqsdeploy.evaluate import EvalSettings, evaluate, markdown, write_report
     from tqsdeploy.files import check_writable
 
-    settings = EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis, windows=windows, zscore=zscore, columns=parse_columns(columns), cosine=cosine,
+    settings = EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis, windows=csv_windows(windows, contexts), zscore=zscore, columns=parse_columns(columns), cosine=cosine,
                             latency=latency_settings(no_latency, latency_batches))
     report = report or candidate.with_suffix("").with_name(candidate.stem + ".eval")
     check_writable(report.parent)  # before the rollouts, so a bad --report throws no results away
@@ -97,7 +97,7 @@ def gate(
     reference: Path = REFERENCE,
     contexts: Path = EVAL_CONTEXTS,
     truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth (.npz); CSV contexts default to the rows after each window; without any, degradation is the drift from the reference."),
-    windows: int = CSV_WINDOWS,
+    windows: Optional[int] = CSV_WINDOWS,
     zscore: bool = ZSCORE,
     columns: Optional[str] = COLUMNS,
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML)."),
@@ -128,7 +128,7 @@ def gate(
         if no_latency:
             raise typer.BadParameter("--max-slowdown needs the latency measurement that --no-latency turns off")
         bounds.max_slowdown = max_slowdown
-    settings = EvalSettings(exact=exact, provider=provider, windows=windows, zscore=zscore, columns=parse_columns(columns), cosine=cosine, latency=latency_settings(no_latency, latency_batches))
+    settings = EvalSettings(exact=exact, provider=provider, windows=csv_windows(windows, contexts), zscore=zscore, columns=parse_columns(columns), cosine=cosine, latency=latency_settings(no_latency, latency_batches))
     check_writable(report_dir)  # before the rollouts
     result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
     _warn(result)

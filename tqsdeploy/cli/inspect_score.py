@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from tqsdeploy.cli.app import COLUMNS, ZSCORE, app, err, fmt, frame_table, out, parse_columns, parse_dims, parse_ints, progress_bar, user_errors
+from tqsdeploy.cli.app import COLUMNS, ZSCORE, app, csv_windows, err, fmt, frame_table, out, parse_columns, parse_dims, parse_ints, progress_bar, user_errors
 from tqsdeploy.progress import counted
 
 
@@ -108,7 +108,7 @@ def score(
     exclude: Optional[str] = typer.Option(None, "--exclude", help="Regex: tensors that are never units."),
     granularity: str = typer.Option("tensor", "--granularity", metavar="tensor|block", help="tensor or block."),
     block_pattern: Optional[str] = typer.Option(None, "--block-pattern", help="Regex whose first group names a tensor's block."),
-    windows: int = typer.Option(8, "--windows", min=1, help="Windows cut from a CSV (or random contexts)."),
+    windows: Optional[int] = typer.Option(None, "--windows", min=1, help="Windows cut from a CSV (or random contexts); default 8."),
     zscore: bool = ZSCORE,
     columns: Optional[str] = COLUMNS,
     random_contexts: bool = typer.Option(False, "--random-contexts", help="Score on random windows instead of data (warns): float inputs standard normal, ids uniform over the rows of the table they index, masks all present."),
@@ -172,7 +172,7 @@ def score(
             selection=selection,
             settings=settings,
             runtime=for_provider(provider, threads),
-            context_options=ContextOptions(windows=windows, zscore=zscore, random=random_contexts, seed=seed, max_batch_windows=batch_windows, columns=parse_columns(columns),
+            context_options=ContextOptions(windows=csv_windows(windows, contexts), zscore=zscore, random=random_contexts, seed=seed, max_batch_windows=batch_windows, columns=parse_columns(columns),
                                            dims=parse_dims(dims)),
             resume=False if fresh else (True if resume else None),
             strategy=strategy,
