@@ -68,6 +68,8 @@ def test_frontier_end_to_end(small):
         assert (out / name).stat().st_size > 5000
     report = (out / "report.md").read_text()
     assert "W4 grid" in report and "Time per Pareto point" in report and "Win counts" in report and "| 2 |" in report
+    # how the models ran, as eval saw it: the default (dequantized) layout is folded to float weights at load, no MatMulNBits
+    assert "Evaluated with ONNX Runtime default on cpu: weights stored dequantized-at-load" in report and "accuracy_level 4" not in report
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 5
 

@@ -233,6 +233,9 @@ def run_frontier(
     if progress is not None:  # failed and infeasible candidates are not evaluated
         progress.start(progress.done + 1 + sum(c.path is not None for c in candidates) * len(splits), progress.done)
     rows: list[dict] = []
+    modes: dict[str, None] = {}
+    """How ONNX Runtime ran the candidates, as eval says it (a fixed 'MatMulNBits, accuracy_level 4' once stood
+    here for models it folded to float weights at load, Conv models included)."""
     for candidate in candidates:
         for split, split_contexts, split_truth in splits:
             if candidate.path is None:
@@ -248,6 +251,7 @@ def run_frontier(
                 rows.extend(_rows(candidate, split, None))
                 continue
             candidate.timings["eval"] = candidate.timings.get("eval", 0.0) + time.perf_counter() - started
+            modes[report["runtime"]["mode"]] = None
             if any(not math.isfinite(o.get("degradation_pct", 0.0)) for o in report["outputs"].values()):
                 candidate.status = "non-finite outputs"
             rows.extend(_rows(candidate, split, report))
@@ -269,7 +273,7 @@ def run_frontier(
             "tqs_settings": asdict(settings.export),
             "splits": [s for s, _, _ in splits],
             "candidates": [{k: v for k, v in asdict(c).items() if k != "path"} | {"path": str(c.path) if c.path else None} for c in candidates],
-            "runtime": "ONNX Runtime " + ("exact dequantization" if settings.evaluation.exact else "default optimisations (MatMulNBits, accuracy_level 4)"),
+            "runtime": "; ".join(modes) or "ONNX Runtime " + ("exact dequantization" if settings.evaluation.exact else "default session options"),
         },
     )
     return frame
