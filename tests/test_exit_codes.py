@@ -155,3 +155,11 @@ def test_an_output_under_a_plain_file_names_the_file_in_the_way(two_branch, tmp_
             "gate": ["gate", model, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--max-degradation", "5%", "--report-dir", blocker / "g"]}[command]
     result, lines = _run(args)
     assert result.exit_code == 2 and len(lines) == 1 and f"{blocker} is a file, not a folder" in lines[0], lines
+
+
+def test_a_report_named_like_its_json_is_that_json_not_r_json_json(two_branch, tmp_path):
+    """eval --report r.json wrote r.json.json and r.json.md."""
+    model, ctx = two_branch
+    result, _ = _run(["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--report", tmp_path / "r.json"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.glob("r.*")) == ["r.json", "r.md"]

@@ -442,6 +442,11 @@ def markdown(report: dict) -> str:
 
 
 def write_report(report: dict, prefix: Path) -> tuple[Path, Path]:
+    """PREFIX.json and PREFIX.md; a prefix named like either file (--report r.json) is taken as that file's
+    prefix, not written as r.json.json and r.json.md."""
+    prefix = Path(prefix)
+    if prefix.suffix.lower() in (".json", ".md"):
+        prefix = prefix.with_suffix("")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = Path(f"{prefix}.json"), Path(f"{prefix}.md")
     write_json(json_path, report)
