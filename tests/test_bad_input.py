@@ -376,11 +376,12 @@ def test_a_mistyped_solver_variable_is_refused_before_any_work(two_branch, tmp_p
     (["baseline", "{conv}", "--method", "rtn", "--bits", "4", "--group-size", "4", "-o", "{tmp}/b.onnx"], "none of this model's"),
     (["baseline", "{mlp}", "--method", "rtn", "--bits", "1", "--group-size", "8", "-o", "{tmp}/b.onnx"], "no tier here (int1) takes blocks"),
     (["export", "{conv}", "--run", "{tmp}/run", "--C", "4", "--group-size", "4", "-o", "{tmp}/q.onnx"], "none of this model's"),
+    (["frontier", "{conv}", "-c", "{tmp}/c.npz", "--steps", "2", "--C", "4", "--group-size", "4", "-o", "{tmp}/fr"], "none of this model's"),
 ])
 def test_a_group_size_nothing_can_take_is_refused_not_ignored(tmp_path, args, phrase):
     """--group-size on a Conv-only model or with --bits 1 once wrote per-channel scales with exit 0, as if it had been applied."""
     conv, mlp = models.conv_stack(tmp_path / "conv.onnx"), models.mlp_forecaster(tmp_path / "mlp.onnx")
-    if "export" in args:
+    if "export" in args or "frontier" in args:
         contexts = tmp_path / "c.npz"
         shape = [d.dim_value or 2 for d in onnx.load(str(conv)).graph.input[0].type.tensor_type.shape.dim]
         np.savez(contexts, **{onnx.load(str(conv)).graph.input[0].name: np.random.default_rng(0).standard_normal([2, *shape]).astype(np.float32)})
@@ -388,6 +389,7 @@ def test_a_group_size_nothing_can_take_is_refused_not_ignored(tmp_path, args, ph
         assert result.exit_code == 0, result.output
     _fails([a.format(conv=conv, mlp=mlp, tmp=tmp_path) for a in args], "--group-size", phrase)
     assert not list(tmp_path.glob("*.onnx.*")) and not (tmp_path / "b.onnx").exists() and not (tmp_path / "q.onnx").exists()
+    assert not (tmp_path / "fr").exists()  # frontier refuses before its score
 
 
 def _csv(path, header, rows=40):
