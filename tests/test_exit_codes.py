@@ -47,6 +47,7 @@ CASES = {
     "engine-not-onnx": lambda m, c, t, s: ["engine", c],
     "eval-not-onnx": lambda m, c, t, s: ["eval", c, "--reference", m, "--contexts", c],
     "gate-bound": lambda m, c, t, s: ["gate", m, "--reference", m, "--contexts", c, "--max-degradation", "abc"],
+    "gate-max-size-0": lambda m, c, t, s: ["gate", m, "-r", m, "-c", c, "--steps", "2", "--max-size", "0MB", "--no-latency", "--report-dir", t / "g"],  # was a failed gate
     "gate-bound-twice": lambda m, c, t, s: ["gate", m, "-r", m, "-c", c, "--max-degradation", "1%", "--max-degradation=50%"],
     "score-steps-twice": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "-T", "3"],
     # an empty item in a list once dropped silently ('1,,8' ran as '1,8'; '--columns ,' meant every column)

@@ -34,7 +34,10 @@ def parse_size(text: str) -> float:
     match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(1).count(".") > 1 or match.group(1) == "." or match.group(2).lower() not in SIZE_UNITS:
         raise InputError(f"--max-size takes a size such as 12MB or 500KiB, not '{text}'")
-    return float(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
+    size = float(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
+    if not 0 < size < math.inf:  # as --min-compression 0: a bound no model can be meant to meet
+        raise InputError(f"--max-size must be a positive finite size, not '{text}'")
+    return size
 
 
 @dataclass
