@@ -164,3 +164,14 @@ def test_a_report_named_like_its_json_is_that_json_not_r_json_json(two_branch, t
     result, _ = _run(["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--report", tmp_path / "r.json"])
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in tmp_path.glob("r.*")) == ["r.json", "r.md"]
+
+
+def test_export_max_drift_takes_a_percentage_as_gate_bounds_do(two_branch, tmp_path):
+    """--max-drift 5% was refused ('Input should be a valid number') though gate's bounds take '5%' and README writes PCT."""
+    model, ctx = two_branch
+    assert _run(["score", model, "-c", ctx, "--probe", "quant", "--steps", 2, "-o", tmp_path / "run"])[0].exit_code == 0
+    common = ["export", model, "--run", tmp_path / "run", "--C", "4", "--rounding", "rtn", "--refine", "0"]
+    result, lines = _run([*common, "--max-drift", "50%", "-o", tmp_path / "a.onnx"])
+    assert result.exit_code == 0 and (tmp_path / "a.onnx").exists(), lines
+    result, lines = _run([*common, "--max-drift", "-1%", "-o", tmp_path / "b.onnx"])
+    assert result.exit_code == 2 and "--max-drift takes a percentage" in lines[0], lines
