@@ -10,9 +10,8 @@ ask for more threads than threadpoolctl says numpy may use.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Callable, Iterator, TypeVar
+from typing import Iterator
 
 import numpy as np
 
@@ -149,18 +148,3 @@ def shared_cores(workers: int) -> Iterator[None]:
     finally:
         THREAD_CAP = previous
 
-
-Result = TypeVar("Result")
-
-
-def side_by_side(*solves: Callable[[], Result]) -> list[Result]:
-    """The results of independent solves, in order: run at once, each on its share of the cores, when no other
-    solve holds them (a calibration wave of one weight: every wave of a stack of MatMuls, three of four of a
-    BERT layer's), else one after the other. Each solve computes what it would alone, in the same order, so
-    the results are the same either way. Measured on the 2-core machine, the two solves of one 4096 x 4096
-    weight (`tiers.quantizer._better_rows`) took 9.8 s side by side against 13.4 s in turn."""
-    if len(solves) < 2 or THREAD_CAP is not None or solver_threads() < 2:
-        return [solve() for solve in solves]
-    with shared_cores(len(solves)), ThreadPoolExecutor(len(solves), thread_name_prefix="tqs-solve") as pool:
-        running = [pool.submit(solve) for solve in solves]
-        return [future.result() for future in running]
