@@ -430,3 +430,17 @@ def test_steps_without_a_spec_calibrates_on_the_detected_rollout(tmp_path):
     with_steps = codes(quantize_baseline(model, "gptq", 2, ctx, steps=4))
     assert with_steps == codes(quantize_baseline(model, "gptq", 2, ctx, spec=spec))
     assert with_steps != codes(quantize_baseline(model, "gptq", 2, ctx))
+
+
+def test_rtn_baseline_says_it_read_no_calibration_options(tmp_path):
+    """`baseline --method rtn --calib c.npz --steps 3` used neither, without a word."""
+    from typer.testing import CliRunner
+
+    import models
+    from tqsdeploy.cli import app
+
+    model = models.two_branch(tmp_path / "m.onnx")
+    ctx = tmp_path / "missing-but-unread.npz"
+    result = CliRunner().invoke(app, ["baseline", str(model), "--method", "rtn", "--bits", "4", "--calib", str(ctx), "--steps", "3", "-o", str(tmp_path / "q.onnx")])
+    assert result.exit_code == 0, result.output
+    assert "--calib, --steps not used" in " ".join(result.output.split())

@@ -62,6 +62,9 @@ CASES = {
     # --windows with an .npz was ignored without a word: every window of the file ran
     "score-windows-npz": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "--windows", "1", "-o", t / "run"],
     "gate-windows-npz": lambda m, c, t, s: ["gate", m, "-r", m, "-c", c, "--steps", "2", "--windows", "1", "--max-degradation", "5%", "--no-latency", "--report-dir", t / "g"],
+    # an ONNX model was written under whatever name -o gave it
+    "baseline-o-not-onnx": lambda m, c, t, s: ["baseline", m, "--method", "rtn", "--bits", "4", "-o", t / "q.npz"],
+    "baseline-o-no-suffix": lambda m, c, t, s: ["baseline", m, "--method", "rtn", "--bits", "4", "-o", t / "q"],
     "eval-latency-batches-empty-item": lambda m, c, t, s: ["eval", m, "-r", m, "-c", c, "--steps", "2", "--latency-batches", "1,,2", "--report", t / "r"],
 }
 
@@ -175,3 +178,12 @@ def test_export_max_drift_takes_a_percentage_as_gate_bounds_do(two_branch, tmp_p
     assert result.exit_code == 0 and (tmp_path / "a.onnx").exists(), lines
     result, lines = _run([*common, "--max-drift", "-1%", "-o", tmp_path / "b.onnx"])
     assert result.exit_code == 2 and "--max-drift takes a percentage" in lines[0], lines
+
+
+def test_export_refuses_an_output_that_is_not_named_onnx(two_branch, tmp_path):
+    """`export -o q.npz` wrote an ONNX model named q.npz (and q.allocation.json beside it)."""
+    model, ctx = two_branch
+    assert _run(["score", model, "-c", ctx, "--probe", "quant", "--steps", 2, "-o", tmp_path / "run"])[0].exit_code == 0
+    result, lines = _run(["export", model, "--run", tmp_path / "run", "--C", "4", "--rounding", "rtn", "--refine", "0", "-o", tmp_path / "q.npz"])
+    assert result.exit_code == 2 and len(lines) == 1 and "does not end in .onnx" in lines[0] and "q.onnx" in lines[0], lines
+    assert not (tmp_path / "q.npz").exists() and not list(tmp_path.glob("q.*"))

@@ -55,6 +55,8 @@ def _check_output_file(path: Path, given: str | None, inputs) -> None:
     """An output must be a file name, and never one of the input model's files, --force or not."""
     if (given or "").endswith(("/", os.sep)) or path.is_dir():
         raise InputError(f"output {given or path} is a folder; name the file (or use --out-dir where the command has it)")
+    if path.suffix.lower() != ".onnx":  # an ONNX model under any name was written (-o q.npz), its records beside it as q.allocation.json
+        raise InputError(f"output {path} does not end in .onnx: the command writes an ONNX model", hint=f"name it {path.with_suffix('.onnx').name}")
     for source in inputs:
         if source is not None and Path(source).exists() and path.exists() and os.path.samefile(path, source):
             raise InputError(f"output {path} is the input model's own file {source}; the input is never overwritten", hint="choose another name")
@@ -290,3 +292,6 @@ def baseline(
         out.print(f"  note: '{escape(name)}' is rounded to nearest whatever the method: {escape(reason)}")
     for note in summary["notes"]:
         out.print(f"  note: {escape(note)}")
+    unused = [option for option, given in (("--calib", calib), ("--spec", spec), ("--steps", steps)) if given is not None]
+    if method == "rtn" and unused:  # a script looping over methods passes them to all: said, not refused
+        out.print(f"  note: rtn rounds each weight to nearest and reads no calibration data: {', '.join(unused)} not used")
