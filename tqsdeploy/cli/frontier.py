@@ -24,7 +24,7 @@ def frontier(
     targets: str = typer.Option("2,4,8,12,16", "--C", help="TQS-PTQ compression targets (points matched to every baseline are added)."),
     baselines: str = typer.Option(",".join(METHODS), "--baselines", help="Uniform baselines ('' for none)."),
     bits: str = typer.Option("2,4,8", "--bits", help="Baseline bit widths."),
-    tiers: str = typer.Option(",".join(DEFAULT_TIERS), "--tiers", help="TQS-PTQ tiers."),
+    tiers: Optional[str] = typer.Option(None, "--tiers", help=f"TQS-PTQ tiers (default: export's, {','.join(DEFAULT_TIERS)}, with int1 added near the INT2 size)."),
     rounding: str = typer.Option("qep", "--rounding", metavar="|".join((*METHODS, "auto")), help="TQS-PTQ's rounding method (auto: chosen per tier by measurement)."),
     objective: str = typer.Option("measured", "--objective", metavar="measured|response|paper", help="TQS-PTQ's allocation objective."),
     also: Optional[str] = typer.Option(None, "--also", help="Extra TQS-PTQ lines as objective/rounding, e.g. paper/rtn,measured/gptq."),
@@ -51,8 +51,8 @@ def frontier(
         if not items or any("=" not in item for item in items):
             raise typer.BadParameter(f"--buckets takes ROLE=REGEX items, e.g. 'input=embed|patch,output=head', not {buckets!r}")
         patterns = dict(item.split("=", 1) for item in items)
-    tier_names = tuple(split_list(tiers, "--tiers"))
-    tier_set = get_tiers(tier_names, "ort", group_size)  # unknown names fail now, not after the score
+    tier_names = tuple(split_list(tiers, "--tiers")) if tiers is not None else None  # None: export's defaults, int1 near INT2 included
+    tier_set = get_tiers(tier_names or DEFAULT_TIERS, "ort", group_size)  # unknown names fail now, not after the score
     if group_size:  # and a --group-size nothing could take (it once failed after the score)
         import graph_ops
         from tqsdeploy.quantization import check_group_size
