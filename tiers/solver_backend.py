@@ -147,4 +147,3 @@ def shared_cores(workers: int) -> Iterator[None]:
             yield
     finally:
         THREAD_CAP = previous
-
