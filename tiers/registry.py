@@ -40,11 +40,14 @@ TIERS: dict[str, Tier] = {
 }
 """Built-in tiers by name, from most to least precise."""
 
-DEFAULT_TIERS = ("fp32", "bf16", "int8-asym", "int4-asym", "int2-asym")
+DEFAULT_TIERS = ("fp32", "fp16", "bf16", "int8-asym", "int4-asym", "int2-asym")
 """The paper's five-tier ladder (FP32, BF16, INT8, INT4, INT2) on asymmetric grids, which beat
-symmetric ones at 2-4 bits on every example (benchmarks/results/grids.md)."""
+symmetric ones at 2-4 bits on every example (benchmarks/results/grids.md), with fp16 beside bf16:
+at the same 16 bits fp16 keeps 3 more mantissa bits (an 8x smaller rounding error on every weight
+inside its range), bf16 stays for weights past fp16's range. Both are priced only when an
+allocation picks one (`Export.allocate`), so the extra tier costs a rollout only where it is used."""
 
-TRT_TIERS = ("fp32", "bf16", "int8", "int4")
+TRT_TIERS = ("fp32", "fp16", "bf16", "int8", "int4")
 """The same ladder for TensorRT: symmetric integer grids, INT4 blockwise."""
 
 TRT_BLOCK_SIZES = (64, 128)
