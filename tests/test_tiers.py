@@ -202,6 +202,28 @@ def test_fp16_tier_keeps_sign_and_finiteness():
     assert np.array_equal(narrow[5:], weight[5:].astype(np.float16))
 
 
+def test_fp16_tier_is_onnxconverter_commons_conversion_bit_for_bit_without_its_warnings():
+    """`to_float16` writes out onnxconverter-common's conversion (which warns for every saturated tensor,
+    past what `warnings.catch_warnings` can silence under threads): the same bits for every float32."""
+    import warnings
+
+    from onnxconverter_common.float16 import convert_np_to_float16
+
+    from tiers.formats.floats import to_float16
+
+    rng = np.random.default_rng(0)
+    weight = np.concatenate([rng.standard_normal(4000) * 10.0 ** rng.uniform(-12, 7, 4000),
+                             [0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65520, 1e9, 2.9e-8, 3e-8, -6e-8, 1e-40]]).astype(np.float32)
+    limits = np.finfo(np.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = convert_np_to_float16(weight, min_positive_val=float(limits.smallest_subnormal), max_finite_val=float(limits.max))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        narrow = to_float16(weight)
+    assert np.array_equal(narrow.view(np.uint16), expected.view(np.uint16))
+
+
 @pytest.mark.parametrize("tier", ["int2", "int2-asym", "int4", "int4-asym", "int8-asym", "fp8", "int1"])
 @pytest.mark.parametrize("layout,group", [(LAYOUTS[0], None), (LAYOUTS[0], 16), (LAYOUTS[1], None), (LAYOUTS[2], None)])
 def test_compact_encodings_pack_sub_byte_codes_and_store_the_same(tier, layout, group):

@@ -19,17 +19,18 @@ from tiers.formats.base import Emission, Fed, Tier, register_form
 
 
 def to_float16(weight: np.ndarray) -> np.ndarray:
-    """float16 of `weight` keeping every value's sign and finiteness (onnxconverter-common's
-    conversion): magnitudes past 65504 saturate instead of becoming Inf, nonzero ones below
-    the smallest subnormal stay nonzero instead of flushing to zero."""
-    import warnings
-
-    from onnxconverter_common.float16 import convert_np_to_float16
-
+    """float16 of `weight` keeping every value's sign and finiteness, as onnxconverter-common's
+    `convert_np_to_float16` does: magnitudes past 65504 saturate instead of becoming Inf, nonzero ones
+    below the smallest subnormal stay nonzero instead of flushing to zero. Written out because that
+    function warns once per saturated tensor, and `warnings.catch_warnings` cannot silence it while
+    other threads price or export (the frontier printed its warnings between progress lines)."""
+    weight = np.asarray(weight, np.float32)
     limits = np.finfo(np.float16)
-    with warnings.catch_warnings():  # it warns for each saturated value; the tier's error accounts for them
-        warnings.simplefilter("ignore")
-        return convert_np_to_float16(np.asarray(weight, np.float32), min_positive_val=float(limits.smallest_subnormal), max_finite_val=float(limits.max))
+    tiny, big = np.float32(limits.smallest_subnormal), np.float32(limits.max)
+    magnitude = np.abs(weight)
+    kept = np.where((magnitude > 0) & (magnitude < tiny), np.copysign(tiny, weight), weight)
+    kept = np.where(np.isfinite(weight) & (magnitude > big), np.copysign(big, weight), kept)
+    return kept.astype(np.float16)
 
 
 NARROWERS = {"bfloat16": lambda w: np.asarray(w).astype(np.float32).astype(ml_dtypes.bfloat16), "float16": to_float16}
