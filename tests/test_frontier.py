@@ -113,3 +113,34 @@ def test_frontier_points_are_what_export_gives_int1_near_the_int2_size(small):
     assert code == 0, text
     exported = json.loads(alone.with_suffix(".allocation.json").read_text())
     assert sorted(c["label"] for c in exported["compared"]) == labels and exported["tiers"] == record["tiers"]
+
+
+def test_a_win_by_a_uniform_fallback_is_not_counted_as_the_allocators(small):
+    """A frontier run with RTN baselines alone counted TQS-PTQ's point as a win when export had shipped a uniform
+    GPTAQ model there (its fallback beat RTN): a uniform model is not the allocator's win. The report now counts it
+    apart, names the model in the win table, and says in the matched table what TQS-PTQ shipped."""
+    from tqsdeploy.report import build_report
+
+    model, contexts, folder = small
+    out = folder / "front-fallback"
+    code, text = _invoke("frontier", model, "-c", contexts, "--steps", "4", "--C", "2", "--baselines", "rtn", "--bits", "4", "-o", out)
+    assert code == 0, text
+    frame = pl.read_parquet(out / "frontier.parquet")
+    assert "shipped" in frame.columns and frame.filter(pl.col("family") == "tqs")["shipped"].drop_nulls().len() > 0
+    matched = frame.filter((pl.col("family") == "tqs") & pl.col("setting").str.ends_with("@W4"))
+    assert matched.height
+    rtn_best = frame.filter(pl.col("method") == "RTN")["mae_ref"].min()
+    is_matched = (pl.col("family") == "tqs") & pl.col("setting").str.ends_with("@W4")
+    # the allocator's own model beating RTN counts as its win
+    mixed = frame.with_columns(pl.when(is_matched).then(pl.lit(rtn_best / 2)).otherwise(pl.col("mae_ref")).alias("mae_ref"),
+                               pl.when(is_matched).then(pl.lit("TQS-PTQ measured/qep")).otherwise(pl.col("shipped")).alias("shipped"))
+    mixed.write_parquet(out / "frontier.parquet")
+    build_report(out, model)
+    assert "| TQS-PTQ | 1 |" in (out / "report.md").read_text()
+    # the same numbers from a uniform GPTAQ model export fell back to: not counted, and named
+    fallback = mixed.with_columns(pl.when(is_matched).then(pl.lit("uniform int4-asym gptaq")).otherwise(pl.col("shipped")).alias("shipped"))
+    fallback.write_parquet(out / "frontier.parquet")
+    build_report(out, model)
+    report = (out / "report.md").read_text()
+    assert "| TQS-PTQ | 0 (+1 by shipping uniform int4-asym gptaq, a method not among these baselines) |" in report, report
+    assert "@W4 (uniform int4-asym gptaq) |" in report

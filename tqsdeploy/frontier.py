@@ -89,6 +89,7 @@ def _rows(candidate: Candidate, split: str, report: dict | None) -> list[dict]:
         "file_bytes": candidate.file_bytes,
         "split": split,
         "status": candidate.status,
+        "shipped": candidate.details.get("shipped"),  # TQS-PTQ: its mixed allocation or a uniform model it fell back to
         **{f"{k}_s": v for k, v in candidate.timings.items()},
     }
     if report is None:

@@ -295,7 +295,8 @@ def build_report(out_dir: str | Path, model: str | Path, buckets_patterns: dict[
             for r in table.iter_rows(named=True):
                 tied = r[low] is not None and r[low] <= best_high
                 interval = f"{_fmt(r[value], 3)} [{_fmt(r[low], 3)}, {_fmt(r[high], 3)}]" if r[low] is not None else _fmt(r[value], 3)
-                rows.append([r["method"], r["setting"], _fmt(r["achieved_C"], 3), _fmt(r["file_bytes"]), ("**" + _fmt(r[metric]) + "**") if tied else _fmt(r[metric]),
+                fell_back = (r.get("shipped") or "").startswith("uniform ")  # TQS-PTQ shipped a uniform model: say which
+                rows.append([r["method"], r["setting"] + (f" ({r['shipped']})" if fell_back else ""), _fmt(r["achieved_C"], 3), _fmt(r["file_bytes"]), ("**" + _fmt(r[metric]) + "**") if tied else _fmt(r[metric]),
                              _fmt(r["rmse_truth"] if metric == "mae_truth" else r["rmse_ref"]), interval, _verdict(r[low], r[high], metric == "mae_truth")])
             blocks.append(("table", f"{setting} grid (C ≈ {grid_c:.2f})", header, rows))
         if variables.height:
@@ -311,14 +312,19 @@ def build_report(out_dir: str | Path, model: str | Path, buckets_patterns: dict[
                     if not (matched["method"] == method).any():
                         cells.append("n/a (no point within 5%)")
                         continue
-                    wins = 0
+                    wins, fallback_wins, fallbacks = 0, 0, set()
                     for output, variable in matched.select("output", "variable").unique().iter_rows():
                         v = matched.filter((pl.col("output") == output) & (pl.col("variable") == variable))
-                        mine = v.filter(pl.col("method") == method)[metric]
+                        mine = v.filter(pl.col("method") == method)
                         rivals = v.filter(pl.col("family") == "baseline")[metric].drop_nulls()
-                        if mine.len() and rivals.len() and mine[0] is not None and mine[0] < rivals.min():
-                            wins += 1
-                    cells.append(str(wins))
+                        if mine.height and rivals.len() and mine[metric][0] is not None and mine[metric][0] < rivals.min():
+                            shipped = mine["shipped"][0] if "shipped" in mine.columns else None
+                            if shipped and shipped.startswith("uniform "):
+                                fallback_wins += 1  # a uniform model of a method this frontier did not run: not the allocator's win
+                                fallbacks.add(shipped)
+                            else:
+                                wins += 1
+                    cells.append(str(wins) + (f" (+{fallback_wins} by shipping {', '.join(sorted(fallbacks))}, a method not among these baselines)" if fallbacks else ""))
                 rows.append([method, *cells, str(count)])
             blocks.append(("table", "TQS-PTQ beats the best uniform method at the nearest compression", header, rows))
 
