@@ -26,10 +26,10 @@ from tiers import Encoded, Rounding, TierError, tier_for_bits
 from tqsdeploy.calibrate import Calibrator, thin_note
 from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
-from tqsdeploy.quantization import Encoder, check_group_size
+from tqsdeploy.quantization import Encoder, checked_layouts
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
 from tqsdeploy.size import ModelSize
-from tqsdeploy.units import UnitSelection, check_finite, select_units
+from tqsdeploy.units import check_finite
 
 
 @dataclass
@@ -95,10 +95,7 @@ def quantize_baseline(
     runtime.check()
     loaded, data_dir = _load(model_path)
     runtime = runtime.for_model(loaded.proto)
-    units = select_units(graph_ops.find_weight_tensors(loaded.proto), UnitSelection(min_params=min_params))
-    names = [n for u in units for n in u.tensor_names]
-    layouts = graph_ops.weight_layouts(loaded.proto, names)
-    check_group_size(group_size, layouts, [tier])
+    units, names, layouts = checked_layouts(loaded.proto, min_params, group_size, [tier])
     weights = graph_ops.FileWeights(loaded.proto, names, data_dir) if data_dir is not None else graph_ops.read_weights(loaded.proto, names)
     check_finite(weights)
     graph_ops.release_pages(weights)  # the check read every weight; the encoder reads each again in turn

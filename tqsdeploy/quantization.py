@@ -40,7 +40,7 @@ from tiers import METHODS, TIERS, Encoded, Hessian, Layout, Rounding, Tier, enco
 from tiers.gptq import output_error
 from tqsdeploy.errors import InputError
 from tqsdeploy.profiling import Profile
-from tqsdeploy.units import Unit
+from tqsdeploy.units import Unit, UnitSelection, select_units
 
 MAX_PARTS = 64
 """Most channel groups one unit is split into."""
@@ -157,6 +157,16 @@ def _grid(tier: Tier) -> str:
     """What a tier's codes depend on, in words that are the same in every process (a frozenset's
     repr is not: string hashes are salted per process)."""
     return f"{tier.name}: {tier.family} {tier.bits} bits, {'symmetric' if tier.symmetric else 'asymmetric'}"
+
+
+def checked_layouts(proto, min_params: int, group_size: int | None, tiers: Sequence[Tier]) -> tuple[list[Unit], list[str], dict[str, WeightLayout]]:
+    """The weights a baseline or a frontier quantizes (units of at least `min_params`) and their layouts,
+    refusing a --group-size none of them would use (`check_group_size`) before any work starts."""
+    units = select_units(graph_ops.find_weight_tensors(proto), UnitSelection(min_params=min_params))
+    names = [n for u in units for n in u.tensor_names]
+    layouts = graph_ops.weight_layouts(proto, names)
+    check_group_size(group_size, layouts, tiers)
+    return units, names, layouts
 
 
 def check_group_size(group_size: int | None, layouts: Mapping[str, WeightLayout], tiers: Sequence[Tier]) -> None:

@@ -55,13 +55,9 @@ def frontier(
     tier_set = get_tiers(tier_names or DEFAULT_TIERS, "ort", group_size)  # unknown names fail now, not after the score
     if group_size:  # and a --group-size nothing could take (it once failed after the score)
         import graph_ops
-        from tqsdeploy.quantization import check_group_size
-        from tqsdeploy.units import UnitSelection, select_units
+        from tqsdeploy.quantization import checked_layouts
 
-        loaded = graph_ops.load_model(model, load_external=False)
-        units = select_units(graph_ops.find_weight_tensors(loaded.proto), UnitSelection(min_params=min_params))
-        check_group_size(group_size, graph_ops.weight_layouts(loaded.proto, [n for u in units for n in u.tensor_names]), tier_set)
-        del loaded
+        checked_layouts(graph_ops.load_model(model, load_external=False).proto, min_params, group_size, tier_set)
     if baselines.strip() and any(b not in (1, 2, 3, 4, 8) for b in parse_floats(bits, "--bits")):
         raise typer.BadParameter(f"--bits takes 1, 2, 3, 4 and 8, not {bits!r}")
     base = ExportSettings(tiers=tier_names, group_size=group_size, rounding=rounding, objective=objective)
