@@ -472,3 +472,29 @@ def test_feedback_edges_one_per_input_and_an_output_may_feed_two(tmp_path):
     result = runner.invoke(app, [str(a) for a in ["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--probes", 1]])
     assert result.exit_code == 0, result.output
     assert "trajectory ['y']" in result.output
+
+
+def test_inspect_says_which_weights_hold_nan_or_inf(tmp_path):
+    """score refuses a weight holding NaN or Inf; inspect, run first, said nothing of it."""
+    import json
+
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.ones((16, 16), np.float32)
+    weight[3, 4] = np.nan
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])], [numpy_helper.from_array(weight, "W")])
+    model = tmp_path / "nan_weight.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(model))
+    result = runner.invoke(app, ["inspect", str(model), "--min-params", "1"])
+    assert result.exit_code == 0, result.output
+    assert "1 weight(s) hold NaN or Inf (W): score, export and baseline refuse this model" in " ".join(result.output.split())
+    result = runner.invoke(app, ["inspect", str(model), "--min-params", "1", "--json"])
+    assert json.loads(result.output)["nonfinite_weights"] == ["W"]
+    clean = tmp_path / "clean.onnx"
+    weight[3, 4] = 1.0
+    graph.initializer[0].CopyFrom(numpy_helper.from_array(weight, "W"))
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(clean))
+    result = runner.invoke(app, ["inspect", str(clean), "--min-params", "1", "--json"])
+    assert json.loads(result.output)["nonfinite_weights"] == []

@@ -13,7 +13,7 @@ from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.files import write_text
 from tqsdeploy.rollout import DEFAULT_STEPS, AmbiguousRollout, RolloutSpec, detect_rollout, resolve_spec
 from tqsdeploy.contexts import npz_layout
-from tqsdeploy.units import UnitSelection, index_rows, select_units, selection_notes
+from tqsdeploy.units import UnitSelection, index_rows, nonfinite_weights, select_units, selection_notes
 
 
 def _io(specs) -> list[dict]:
@@ -39,6 +39,7 @@ def inspect_model(
     else:
         session = runtime.open(source)
     rollout = _rollout(spec, steps, session.inputs, session.outputs)
+    nonfinite = _nonfinite(loaded, units)
     unit_params = sum(u.params for u in units)
     float_params = sum(t.params for t in tensors)
     return {
@@ -59,13 +60,26 @@ def inspect_model(
         "unit_params": unit_params,
         "unit_share": unit_params / float_params if float_params else 0.0,
         "rollout": rollout,
-        "notes": selection_notes(loaded, tensors, units, selection, unfed),
+        "notes": selection_notes(loaded, tensors, units, selection, unfed) + ([
+            f"{len(nonfinite)} weight(s) hold NaN or Inf ({', '.join(nonfinite[:3])}{', ...' if len(nonfinite) > 3 else ''}): "
+            "score, export and baseline refuse this model as it is"] if nonfinite else []),
+        "nonfinite_weights": nonfinite,
         "contexts": {
             "npz": npz_layout(session.inputs),
             "dynamic_axes": sorted({d for s in session.inputs for d in s.shape[1:] if isinstance(d, str)}),
             "index_rows": index_rows(loaded.proto),
         },
     }
+
+
+def _nonfinite(loaded, units) -> list[str]:
+    """The units' weights holding NaN or Inf, which score refuses: said here, before anyone starts a sweep."""
+    names = [n for u in units for n in u.tensor_names]
+    if graph_ops.io.has_external_data(loaded.proto):
+        weights = graph_ops.FileWeights(loaded.proto, names, loaded.path.parent.resolve())
+    else:
+        weights = graph_ops.read_weights(loaded.proto, names)
+    return nonfinite_weights(weights)
 
 
 def _rollout(spec, steps, inputs, outputs) -> dict:

@@ -154,17 +154,27 @@ def selection_notes(
     return notes
 
 
-def check_finite(weights: dict) -> None:
-    """Refuse weights holding NaN or Inf: every score and quantizer of them would be meaningless.
-    Memory-mapped weights are read once and their pages handed back (the check reads the whole model)."""
+def nonfinite_weights(weights: dict, stop_at_first: bool = False) -> list[str]:
+    """Names of the float weights holding NaN or Inf. Memory-mapped weights are read once and their pages
+    handed back (the check reads the whole model)."""
     import numpy as np
 
     from graph_ops import release_pages
 
+    found = []
     for name, value in weights.items():
         if np.asarray(value).dtype.kind == "f" and not np.all(np.isfinite(value)):
-            raise InputError(f"weight '{name}' contains NaN or Inf; the model cannot be scored or quantized as it is")
+            found.append(name)
+            if stop_at_first:
+                break
         release_pages(weights, [name])
+    return found
+
+
+def check_finite(weights: dict) -> None:
+    """Refuse weights holding NaN or Inf: every score and quantizer of them would be meaningless."""
+    for name in nonfinite_weights(weights, stop_at_first=True):
+        raise InputError(f"weight '{name}' contains NaN or Inf; the model cannot be scored or quantized as it is")
 
 
 INDEX_PRESERVING = ("Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose")
