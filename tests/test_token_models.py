@@ -60,6 +60,14 @@ def test_dim_values_that_cannot_be_meant_are_refused(tmp_path, args, phrase):
     assert code == 2 and phrase in text and "Traceback" not in text, text
 
 
+def test_a_dim_past_the_position_table_is_named_in_the_error(tmp_path):
+    """--dim seq=500 on a model with 128 positions failed with ONNX Runtime's broadcast message alone, which names
+    an Add node, not the size the user gave."""
+    code, text = _invoke("score", MODEL, "--random-contexts", "--dim", "seq=500", "--windows", 2, "--out", tmp_path / "run")
+    assert code == 2 and "Traceback" not in text, text
+    assert "the model failed to run on the contexts" in text and "(hint: --dim seq=500 sized the random contexts" in text, text
+
+
 def test_dim_with_a_contexts_file_is_refused(tmp_path):
     code, text = _invoke("score", MODEL, "-c", REPO / "examples" / "token_embedder" / "contexts.npz", "--dim", "seq=8", "--out", tmp_path / "run")
     assert code == 2 and "--dim sizes the axes of random contexts; a contexts file gives its own shapes" in text, text

@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from tqsdeploy.cli.app import COLUMNS, ZSCORE, app, csv_windows, err, fmt, frame_table, out, parse_columns, parse_dims, parse_ints, progress_bar, user_errors
+from tqsdeploy.errors import RolloutError
 from tqsdeploy.progress import counted
 
 
@@ -183,6 +184,12 @@ def score(
             lanes=lanes,
             on_estimate=progress.estimate,
         )
+    except RolloutError as exc:
+        if not dims or exc.hint or "failed to run" not in str(exc):
+            raise
+        sizes = " ".join(f"--dim {d}" for d in dims)  # ONNX Runtime's own words name a node, not the size that broke it
+        raise RolloutError(str(exc), hint=f"{sizes} sized the random contexts; a size past what the model takes (a position table's rows, say) "
+                                          "fails like this: try a smaller one") from None
     finally:
         progress.stop()
     for warning in table.meta.get("warnings", []):
