@@ -111,14 +111,14 @@ def test_mixed_int1_and_blockwise_files_meet_c_on_each_basis(odd_run, basis):
 
 
 def test_an_allocation_that_never_fits_its_written_size_falls_back_to_the_cheapest_tiers(odd_run):
-    """A solver that ignores the shrunk budget keeps writing more than C allows: after `REFITS` tries every slot
-    goes to its cheapest tier, which is priced as written and meets C."""
+    """A solver that ignores the shrunk budget (and the whole units it is offered) keeps writing more than C allows:
+    after `REFITS` tries every slot goes to its cheapest tier, which is priced as written and meets C."""
     model, folder = odd_run
     planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", objective="paper", refine=0, group_size=32, fallback=False))
     budget, choices = planner.budget, planner.choices()
     unshrunk = allocate(choices, planner.tiers, 6, budget.basis_bits, budget.fixed_bits, objective="paper")
     assert sum(planner.written_costs(unshrunk.tiers).values()) > budget.slot_bits(6)  # the additive prices fit, the file would not
-    allocation = planner.fitted(lambda fixed_bits: allocate(choices, planner.tiers, 6, budget.basis_bits, budget.fixed_bits, objective="paper"), 6)
+    allocation = planner.fitted(lambda options, fixed_bits: allocate(choices, planner.tiers, 6, budget.basis_bits, budget.fixed_bits, objective="paper"), choices, 6)
     assert allocation.solver.startswith("cheapest") and set(allocation.tiers.values()) == {planner.tiers[-1].name}
     assert allocation.compression == planner.max_compression() >= 6
     planner.close()

@@ -48,6 +48,7 @@ from tqsdeploy.allocate import Allocation, Choice, allocate, paper_weights
 from tqsdeploy.calibrate import Calibrator
 from tqsdeploy.errors import USER_ERRORS, InfeasibleError, InputError
 from tqsdeploy.export_candidates import Candidate, CandidateBuilding
+from tqsdeploy.export_fitting import Fitting
 from tqsdeploy.export_measuring import Measuring
 from tqsdeploy.export_settings import AUTO_LAYOUT, RUNTIME_LAYOUTS, TARGETS, ExportSettings
 from tqsdeploy.export_writing import BASIS_GAP, WARN_DRIFT_PCT, Outcome, Writing
@@ -62,9 +63,6 @@ __all__ = ["AUTO_LAYOUT", "BASIS_GAP", "RUNTIME_LAYOUTS", "TARGETS", "WARN_DRIFT
 
 LAZY_BITS = 16
 """Tiers of at least this many bits (float copies: bf16, fp16) are priced only when an allocation picks them (`Planner.allocate`)."""
-REFITS = 16
-"""Most times an allocation is solved again with its budget shrunk by what its stretches write beyond their
-prices (`Planner.fitted`); past that, every slot goes to its cheapest tier (exactly priced, and reachable)."""
 
 FED_FLOATS_BYTES = 1 << 30
 """A model measured on sessions of its own (`ONE_SESSION_BYTES`) up to this many bytes of weights has its
@@ -95,7 +93,7 @@ def find_run(model: Path | None, run: Path | None) -> Path:
     return runs[0]
 
 
-class Planner(CandidateBuilding, Measuring, Writing):
+class Planner(CandidateBuilding, Fitting, Measuring, Writing):
     """Everything needed to allocate and export for one score run: this module prices and allocates,
     `export_candidates` compares the candidates for a target, `export_measuring` measures them, `export_writing`
     writes the chosen one."""
@@ -321,27 +319,6 @@ class Planner(CandidateBuilding, Measuring, Writing):
             costs.update(zip([slot.name for slot in slots], split_bits([self.cost(slot, tier) for slot in slots], self._stretch_bits[key])))
         return costs
 
-    def fitted(self, solve, target: float) -> Allocation:
-        """The allocation `solve(fixed_bits)` makes for `target`, priced as written (`written_costs`), solved again
-        with the slots' budget shrunk by what its stretches wrote beyond their prices until the file meets
-        `target`: the knapsack's additive prices cannot see how many stretches a split unit is cut into, and
-        an allocation they fit could write a file below C. Past `REFITS` tries, or when the shrunk budget is out
-        of reach, every slot at its cheapest tier (one stretch per unit: priced as written)."""
-        budget, excess = self.budget, 0
-        floor = self.floor_bits()
-        for _ in range(REFITS):
-            try:
-                allocation = solve(budget.fixed_bits + excess)
-            except InfeasibleError:
-                break
-            allocation.size, allocation.cost_bits = budget, self.written_costs(allocation.tiers)
-            over = sum(allocation.cost_bits.values()) - max(budget.slot_bits(target), floor)
-            if over <= 0:
-                return allocation
-            excess += math.ceil(over)
-        costs = self.costs()
-        return self._allocation({s.name: min(costs[s.name], key=costs[s.name].get) for s in self.slots}, target, "cheapest (the allocations missed C)", self.settings.objective)
-
     def costs(self) -> dict[str, dict[str, int]]:
         """Every slot's cost at every tier of the set."""
         return {slot.name: {tier.name: self.cost(slot, tier) for tier in self.tiers} for slot in self.slots}
@@ -559,8 +536,8 @@ class Planner(CandidateBuilding, Measuring, Writing):
         objective = self.settings.objective
         while True:
             choices = self.choices(objective, on_result)
-            allocation = self.fitted(lambda fixed_bits: allocate(choices, self.tiers, target, self.budget.basis_bits, fixed_bits, objective=objective,
-                                                                 fp32_fraction=self.settings.fp32_share, solver=self.settings.allocator), target)
+            allocation = self.fitted(lambda options, fixed_bits: allocate(options, self.tiers, target, self.budget.basis_bits, fixed_bits, objective=objective,
+                                                                          fp32_fraction=self.settings.fp32_share, solver=self.settings.allocator), choices, target)
             picked = [(slot, TIERS[allocation.tiers[slot.name]]) for slot in self.slots if (slot.name, allocation.tiers[slot.name]) in self._unpriced]
             if objective != "measured" or not picked:
                 return allocation

@@ -122,8 +122,8 @@ class CandidateBuilding:
             for slot in self.slots:
                 options = {best.tiers[slot.name]: 0.0} | {tier: losses[(name, tier)] for name, tier in trials if name == slot.name}
                 choices.append(Choice(slot.name, slot.params, 0.0, False, {t: costs[slot.name][t] for t in options}, options))
-            step = self.fitted(lambda fixed_bits: allocate(choices, self.tiers, best.target, self.budget.basis_bits, fixed_bits, objective="measured", fp32_fraction=0.0,
-                                                           solver=self.settings.allocator), best.target)
+            step = self.fitted(lambda options, fixed_bits: allocate(options, self.tiers, best.target, self.budget.basis_bits, fixed_bits, objective="measured",
+                                                                    fp32_fraction=0.0, solver=self.settings.allocator), choices, best.target)
             if step.tiers == best.tiers:
                 break
             drift = self.measure_tiers(step.tiers, keep=True)
