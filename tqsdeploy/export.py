@@ -468,6 +468,8 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
         choices = []
         if objective == "measured":
             self._unpriced = set()
+            labelled = {(r.unit, r.probe.split("#")[0]) for r in measured.values()}  # a float copy never measured is unpriced:
+            # known without its digest, which encodes the slot at the tier (fp16 of the 22M BERT's every slot: 3.5 s)
         for slot in self.slots:
             dead = slot.unit in self.dead
             loss = {}
@@ -481,7 +483,8 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
                     change = self.encoder.slot(slot, tier, self.rounding)
                     loss[tier.name] = gain * sum(self._read_sq(n, slot, e.dequantize().astype(np.float64) - self._original(n, slot)) for n, e in change.items())
                 else:
-                    result = measured.get(self.price_task(slot, tier).key)
+                    lazy = tier.bits >= LAZY_BITS and (slot.name, self._probe(tier)) not in labelled
+                    result = None if lazy else measured.get(self.price_task(slot, tier).key)
                     if result is None:  # a float copy not priced yet: 0 bounds its loss from below (`allocate`)
                         self._unpriced.add((slot.name, tier.name))
                         loss[tier.name] = 0.0
