@@ -59,7 +59,7 @@ def main() -> None:
                         report = evaluate(outcome.path, folder / "model.onnx", windows, spec=tmp / "run" / "rollout.toml")
                         uniform[tier, rounding] = (outcome.compression, _drift(report))
             mixed = {}
-            for tiers, label in ((None, "asymmetric tiers (default)"), (("fp32", "bf16", "int8", "int8-asym", "int4", "int4-asym", "int2", "int2-asym"), "both grids")):
+            for tiers, label in ((None, "asymmetric tiers (default)"), (("fp32", "fp16", "bf16", "int8", "int8-asym", "int4", "int4-asym", "int2", "int2-asym"), "both grids")):
                 chooser = Planner(tmp / "run", settings=ExportSettings(tiers=tiers))
                 for bits in (4, 2):
                     target = 0.99 * uniform[f"int{bits}-asym", "qep"][0]
