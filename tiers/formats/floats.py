@@ -23,9 +23,9 @@ def to_float16(weight: np.ndarray) -> np.ndarray:
     `convert_np_to_float16` does: magnitudes past 65504 saturate instead of becoming Inf, nonzero ones
     below the smallest subnormal stay nonzero instead of flushing to zero. Written out because that
     function warns once per saturated tensor, and `warnings.catch_warnings` cannot silence it while
-    other threads price or export (the frontier printed its warnings between progress lines); and it
-    is 30x faster: the plain cast, with only the values it would turn to Inf or to zero fixed after
-    (pricing the fp16 tier of the 22M BERT spent 4.7 s in a version that clamped every value first)."""
+    other threads price or export (the frontier printed its warnings between progress lines). It is
+    the plain cast with only the values it would turn to Inf or to zero fixed after: about 10x faster
+    than that function, 2x faster than clamping every value first (11 vs 133 and 20 ms for 768 x 3072)."""
     weight = np.asarray(weight, np.float32)
     with np.errstate(over="ignore"):
         narrow = weight.astype(np.float16)
