@@ -173,8 +173,8 @@ def nonfinite_weights(weights: dict, stop_at_first: bool = False) -> list[str]:
 
 def check_finite(weights: dict) -> None:
     """Refuse weights holding NaN or Inf: every score and quantizer of them would be meaningless."""
-    for name in nonfinite_weights(weights, stop_at_first=True):
-        raise InputError(f"weight '{name}' contains NaN or Inf; the model cannot be scored or quantized as it is")
+    if found := nonfinite_weights(weights, stop_at_first=True):
+        raise InputError(f"weight '{found[0]}' contains NaN or Inf; the model cannot be scored or quantized as it is")
 
 
 INDEX_PRESERVING = ("Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose")
