@@ -170,6 +170,12 @@ def parse_columns(text: Optional[str]) -> Optional[tuple[str, ...]]:
     return names
 
 
+def print_warnings(warnings) -> None:
+    """What the contexts (or the sweep) warned about, one line each on stderr: score, eval and gate say them alike."""
+    for warning in warnings:
+        err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+
+
 def csv_windows(windows: Optional[int], contexts: Optional[Path]) -> int:
     """--windows as given, else 8; refused with an .npz, which holds its own windows (it was ignored without a word)."""
     if windows is not None and contexts is not None and Path(contexts).suffix.lower() == ".npz":

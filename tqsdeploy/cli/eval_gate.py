@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from tqsdeploy.cli.app import (CANDIDATE, COLUMNS, COSINE, CSV_WINDOWS, EVAL_CONTEXTS, EVAL_PROVIDER, LATENCY_BATCHES, NO_LATENCY, REFERENCE, ZSCORE, app, csv_windows, err,
-                               latency_settings, out, parse_columns, user_errors)
+                               latency_settings, out, parse_columns, print_warnings, user_errors)
 
 
 @app.command()
@@ -84,7 +84,7 @@ def eval_command(
     report = report or candidate.with_suffix("").with_name(candidate.stem + ".eval")
     check_writable(report.parent)  # before the rollouts, so a bad --report throws no results away
     result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
-    _warn(result)
+    print_warnings(result.get("warnings", []))
     json_path, md_path = write_report(result, report)
     out.print(markdown(result), markup=False)
     out.print(f"wrote {json_path} and {md_path}")
@@ -131,7 +131,7 @@ def gate(
     settings = EvalSettings(exact=exact, provider=provider, windows=csv_windows(windows, contexts), zscore=zscore, columns=parse_columns(columns), cosine=cosine, latency=latency_settings(no_latency, latency_batches))
     check_writable(report_dir)  # before the rollouts
     result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
-    _warn(result)
+    print_warnings(result.get("warnings", []))
     checks = check(result, bounds)
     paths = write_outputs(result, checks, report_dir)
     out.print(gate_markdown(result, checks), markup=False)
@@ -139,11 +139,3 @@ def gate(
     if not all(c.passed for c in checks):
         err.print("gate failed: " + "; ".join(f"{c.name} = {c.shown} violates {c.bound}" for c in checks if not c.passed), markup=False)
         raise typer.Exit(1)
-
-
-def _warn(result: dict) -> None:
-    """What the contexts warned about (every numeric CSV column taken as a series), as score says it."""
-    from rich.markup import escape
-
-    for warning in result.get("warnings", []):
-        err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)

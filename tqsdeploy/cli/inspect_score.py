@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from tqsdeploy.cli.app import COLUMNS, ZSCORE, app, csv_windows, err, fmt, frame_table, out, parse_columns, parse_dims, parse_ints, progress_bar, user_errors
+from tqsdeploy.cli.app import COLUMNS, ZSCORE, app, csv_windows, err, fmt, frame_table, out, parse_columns, parse_dims, parse_ints, print_warnings, progress_bar, user_errors
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.progress import counted
 
@@ -192,8 +192,7 @@ def score(
                                           "fails like this: try a smaller one") from None
     finally:
         progress.stop()
-    for warning in table.meta.get("warnings", []):
-        err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+    print_warnings(table.meta.get("warnings", []))
     frame = table.frame
     columns = ["rank", "unit", "shape", "params", "gamma", "gamma_quant", "gamma_gauss", "a_max", "dead"]
     if frame.height <= 2 * top:
