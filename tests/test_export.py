@@ -16,7 +16,7 @@ from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
 from tiers import METHODS, Rounding
 from tqsdeploy.export import ExportSettings, Planner
-from tqsdeploy.export_candidates import AUTO_METHODS, NEAR_LOWEST_SPLIT
+from tqsdeploy.export_candidates import AUTO_METHODS, MIN_SPLIT, SLACK_PROMOTIONS
 
 runner = CliRunner()
 
@@ -530,15 +530,24 @@ def test_a_target_near_the_int2_size_also_allocates_with_int1(scored, tmp_path):
     explicit.close()
 
 
-def test_near_the_int2_size_the_units_are_cut_finer_and_the_file_meets_the_target(scored, tmp_path):
-    """At the W2 size a 2% channel group cannot be promoted within the 1% of bits left: the slots are cut at
-    NEAR_LOWEST_SPLIT there (more of them), back at the setting's elsewhere, and what is written meets C."""
+def test_near_a_uniform_size_the_units_are_cut_finer_and_the_file_meets_the_target(scored, tmp_path):
+    """1% past the INT2 (or INT8) size a 2% channel group cannot be promoted within the bits left: the slots are
+    cut so the slack buys SLACK_PROMOTIONS groups at the next tier up (more of them), back at the setting's
+    share where the slack is wide, and what is written meets C."""
     _, _, folder = scored
     planner = Planner(folder / "run", settings=ExportSettings(refine=0))
     far = len(planner.slots)
+    total = sum(s.params for s in planner.slots)
+    for tier, up in (("int2-asym", "int4-asym"), ("int8-asym", "fp16")):
+        target = 0.99 * planner.uniform(tier).compression
+        share = planner.slack_split(target)
+        slack = planner.budget.slot_bits(target) - sum(planner.uniform(tier).cost_bits.values())
+        promotion = (sum(planner.uniform(up).cost_bits.values()) - sum(planner.uniform(tier).cost_bits.values())) / total
+        assert MIN_SPLIT <= share < 0.02
+        assert share == MIN_SPLIT or slack >= SLACK_PROMOTIONS * share * total * promotion * 0.999
     int2 = planner.uniform("int2-asym").compression
     outcome = planner.export(0.99 * int2, tmp_path / "w2.onnx")
-    assert len(planner.slots) > far and planner.split_fraction == NEAR_LOWEST_SPLIT
+    assert len(planner.slots) > far and planner.split_fraction == planner.slack_split(0.99 * int2)
     assert set(outcome.allocation.tiers) == {s.name for s in planner.slots}
     assert outcome.compression >= 0.99 * int2
     planner.candidates(4)

@@ -26,12 +26,17 @@ also allocates with `BELOW_LOWEST` added: a few slots at one bit pay for others 
 windows at the W2 size: etth1 5.65 -> 4.47% (uniform INT2 QEP 5.65%); on lorenz96 the mixed model with int1
 drifted more (29.9%) than the one without (12.8%), and the scoring contexts chose the latter."""
 
-NEAR_LOWEST_SPLIT = 0.005
-"""Near the lowest tier's size (`NEAR_LOWEST`) large units are cut into channel groups of this share of the unit
-parameters (the setting's 0.02 elsewhere): at the W2 size 1% of the bits is left, and a 2% group costs 2% more
-promoted from INT2 to INT4, so the allocation could only be uniform INT2. Held-out at the W2 size (single runs,
-the mixed model calibrated as itself): pangu_lorenz96 27.18 -> 24.58% (uniform INT2 QEP 27.18), timesfm_etth1
-6.31 -> 5.83% (6.31), etth1 4.63 -> 4.35% (5.65); four times the slots to price, at those targets only."""
+SLACK_PROMOTIONS = 4
+"""How many channel groups the bits between a target and the best uniform model that meets it must be able to
+promote to the next tier up; where groups of the setting's share (0.02) are too large for that, units are cut
+finer (`slack_split`). A target 1% past a uniform size leaves 1% of the bits: promoting a 2% group from INT8 to
+FP16 costs twice that, so the allocation could only be the uniform model (pangu_lorenz96 at the W8 size shipped
+uniform INT8). Held-out at the frontier's 21 W8/W4/W2 points against a fixed 0.02 share (0.005 near INT2): 18
+moved, 14 down (pangu W8 0.4946 -> 0.4835, best uniform 0.4903; lorenz96 W4 3.046 -> 2.457; era5_emulator W8
+0.001724 -> 0.00162), 4 up and still below the best uniform (tied mixer W4 1.989 -> 2.115, lorenz96 W8 0.160 ->
+0.185); `benchmarks/results/versions-vs-tqs.md`."""
+MIN_SPLIT = 0.002
+"""The finest share `slack_split` cuts to: each halving doubles the slots to price."""
 
 AUTO_METHODS = ("qep", "gptaq", "gptq")
 """What `--rounding auto` chooses from on a calibratable tier (listed first wins a tie)."""
@@ -151,8 +156,8 @@ class CandidateBuilding:
         """Every model considered for `target`, each with its measured drift, best first.
         `final`: no other target follows, so a large model's price list is not kept for one."""
         fraction = self.settings.split_fraction
-        if fraction > 0 and self.near_lowest(target):
-            fraction = min(fraction, NEAR_LOWEST_SPLIT)
+        if fraction > 0:
+            fraction = min(fraction, self.slack_split(target))
         if fraction != self.split_fraction:
             self.use_split(fraction)
         allocation = self.allocate(target, on_result)
@@ -200,6 +205,21 @@ class CandidateBuilding:
         if not (lowest.calibratable and self.calibrates(self.uniform(lowest.name))) or not self.near_lowest(target):
             return None
         return below
+
+    def slack_split(self, target: float) -> float:
+        """The channel-group share at which the bits `target` leaves beyond the best uniform model meeting it
+        buy `SLACK_PROMOTIONS` groups promoted to the next tier up (at least `MIN_SPLIT`; 1 where no tier, or
+        every tier, meets it). Tier costs are per unit, so the uniform models cost the same at any share."""
+        ordered = sorted(self.tiers, key=precision_order)
+        bits = [sum(self.uniform(t.name).cost_bits.values()) for t in ordered]
+        fitting = [i for i, b in enumerate(bits) if self.budget.fits(b, target)]
+        if not fitting or fitting[0] == 0:
+            return 1.0
+        best = bits[fitting[0]]
+        above = [b for b in bits[:fitting[0]] if b > best]
+        if not above:
+            return 1.0
+        return max(MIN_SPLIT, (self.budget.slot_bits(target) - best) / (min(above) - best) / SLACK_PROMOTIONS)
 
     def near_lowest(self, target: float) -> bool:
         """`target` is at or past `NEAR_LOWEST` of the lowest tier's uniform compression."""
