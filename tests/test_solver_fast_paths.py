@@ -13,7 +13,7 @@ from tiers.gptq import Hessian, Quantized
 from tiers.grid import GridSpec
 from tqsdeploy.quantization import can_still_win
 
-GRIDS = [GridSpec("int", 4, False, True), GridSpec("int", 2, False, True), GridSpec("int", 3, True, True)]
+GRIDS = [GridSpec("int", 4, False, True), GridSpec("int", 2, False, True), GridSpec("int", 3, True, True), GridSpec("int", 8, False, True)]
 
 
 def _problem(seed: int, n: int, k: int, rows: int):
@@ -49,8 +49,27 @@ def test_the_grid_choice_from_the_objectives_difference_keeps_every_code(seed, m
         np.testing.assert_array_equal(fast.codes, slow.codes)
         np.testing.assert_array_equal(fast.scale, slow.scale)
         np.testing.assert_array_equal(fast.zero, slow.zero)
-        if seed % 3:  # where the statistics are not thin both grids win rows: the choice is exercised either way
+        if seed % 3 and spec.bits < 8:  # where the statistics are not thin both grids win rows: the choice is exercised either way
             assert 0 < better.sum() < rows
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rows_the_search_left_on_min_max_are_solved_once_and_keep_their_codes(bits, monkeypatch):
+    """A row whose clip search kept the min-max grid is not solved again on it; rows with a dead input (its
+    column zeroed before the grid is fitted) count as the solver fits them. Same codes as both grids solved whole."""
+    wt, stats = _problem(3, 300, 96, 130)
+    stats.H[5, :] = stats.H[:, 5] = 0  # a dead input
+    wt[7, 5] = 40.0  # the row's largest value sits on it: zeroed, its min-max grid is another
+    spec = GridSpec("int", bits, False, True)
+    rounding = quantizer.Rounding("gptaq")
+    slow, _ = _two_objectives(rounding, wt, np.array(wt), stats, spec)
+    solved_rows = []
+    solve = quantizer._solve
+    monkeypatch.setattr(quantizer, "_solve", lambda r, w, *a: solved_rows.append(w.shape[0]) or solve(r, w, *a))
+    fast = quantizer._better_rows(rounding, wt, np.array(wt), stats, spec, -1)
+    np.testing.assert_array_equal(fast.codes, slow.codes)
+    np.testing.assert_array_equal(fast.scale, slow.scale)
+    assert solved_rows[0] == 130 and (solved_rows[1:] == [] if bits == 8 else 0 < solved_rows[1] <= 130)
 
 
 def test_rows_on_the_same_values_keep_the_first():
