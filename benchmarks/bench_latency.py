@@ -100,7 +100,7 @@ def variants(name: str, item: dict, tmp: Path, provider: str) -> tuple[dict[str,
     started = time.perf_counter()
     score(item["model"], item["contexts"], spec=item["spec"], out=run, settings=settings, runtime=for_provider(provider))
     scored = time.perf_counter() - started
-    export = ExportSettings(target="ort-cpu", rounding="rtn" if light else "qep", refine=0 if light else 2, fallback=not light)
+    export = ExportSettings(target="ort-cpu", rounding="rtn" if light else "qep", refine=0, fallback=not light)
     planner = Planner(run, item["model"], export, for_provider(provider))
     started = time.perf_counter()
     files = {"fp16": fp16_copy(item["model"], tmp / f"{name}.fp16.onnx") if not name == "stack" else None}

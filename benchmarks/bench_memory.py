@@ -88,7 +88,7 @@ def timed(args: list[str], cwd: Path) -> dict:
 
 
 def export_flags(rounding: str | None, fallback: bool) -> list[str]:
-    """Export options: the tool's defaults (rounding None: QEP, 2 refinement rounds, the uniform-baseline
+    """Export options: the tool's defaults (rounding None: QEP, no refinement, the uniform-baseline
     comparison), or the light settings (`rounding`, no refinement, the comparison only with `fallback`)."""
     if rounding is None:
         return []
@@ -135,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", default="0.3,1.2,2.5", help="Model sizes in GB (comma-separated).")
     parser.add_argument("--rounding", default="rtn", help="Export rounding with --refine 0 (rtn keeps the run cheap; qep adds calibration).")
-    parser.add_argument("--defaults", action="store_true", help="Export with the tool's default settings instead (QEP, --refine 2, the uniform-baseline comparison: 7 calibration passes).")
+    parser.add_argument("--defaults", action="store_true", help="Export with the tool's default settings instead (QEP and the uniform-baseline comparison).")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--export-below", type=float, default=float("inf"), help="Skip export for models of this many GB and more (it takes the longest).")
     parser.add_argument("--fallback-below", type=float, default=float("inf"),

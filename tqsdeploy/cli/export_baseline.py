@@ -78,7 +78,7 @@ def export(
     allocator: str = typer.Option("mckp", "--allocator", metavar="mckp|greedy", help="mckp (pulp, HiGHS then CBC) or greedy."),
     fp32_fraction: Optional[float] = typer.Option(None, "--fp32-fraction", min=0.0, max=1.0, help="Share of the units' FP32 size forced to FP32 for the most sensitive units (default 0.10 with --objective paper, else 0)."),
     no_fallback: bool = typer.Option(False, "--no-fallback", help="Ship the mixed allocation even if a uniform baseline within budget drifts less."),
-    refine: int = typer.Option(2, "--refine", min=0, help="Rounds of joint re-pricing against interactions between units (2 joint rollouts per slot per round; 0: off)."),
+    refine: int = typer.Option(0, "--refine", min=0, help="Rounds of joint re-pricing against interactions between units (2 joint rollouts per slot per round and a calibration pass per kept round; default 0: off)."),
     lanes: Optional[int] = typer.Option(None, "--lanes", min=1, help="Rollouts priced side by side (CPU provider; default: one per core, up to 8 and 1 + 512 MiB / model size, sessions of cores/lanes threads)."),
     split: float = typer.Option(0.02, "--split", min=0.0, max=0.99, help="Split units holding more than this share of the parameters into output-channel groups (0: never)."),
     basis: str = typer.Option("file", "--basis", metavar="file|units", help="What --C counts: file (every stored tensor) or units (the scored units only)."),
