@@ -216,14 +216,11 @@ class CandidateBuilding:
         every tier, meets it). Tier costs are per unit, so the uniform models cost the same at any share."""
         ordered = sorted(self.tiers, key=precision_order)
         bits = [sum(self.uniform(t.name).cost_bits.values()) for t in ordered]
-        fitting = [i for i, b in enumerate(bits) if self.budget.fits(b, target)]
-        if not fitting or fitting[0] == 0:
-            return 1.0
-        best = bits[fitting[0]]
-        above = [b for b in bits[:fitting[0]] if b > best]
+        fitting = [b for b in bits if self.budget.fits(b, target)]
+        above = [b for b in bits if fitting and b > fitting[0]]
         if not above:
             return 1.0
-        return max(MIN_SPLIT, (self.budget.slot_bits(target) - best) / (min(above) - best) / SLACK_PROMOTIONS)
+        return max(MIN_SPLIT, (self.budget.slot_bits(target) - fitting[0]) / (min(above) - fitting[0]) / SLACK_PROMOTIONS)
 
     def near_lowest(self, target: float) -> bool:
         """`target` is at or past `NEAR_LOWEST` of the lowest tier's uniform compression."""
