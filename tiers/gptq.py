@@ -70,6 +70,10 @@ class Quantized:
         part = slice(start, stop)
         return Quantized(self.codes[part], self.scale[part], self.zero[part], self.spec, self.group_size)
 
+    def take(self, rows: np.ndarray) -> "Quantized":
+        """The output channels at the indices `rows` (copies)."""
+        return Quantized(self.codes[rows], self.scale[rows], self.zero[rows], self.spec, self.group_size)
+
     @staticmethod
     def stack(parts: list["Quantized"]) -> "Quantized":
         """Row blocks (Conv groups) back into one Wt."""

@@ -152,7 +152,7 @@ def _better_rows(rounding: Rounding, original, wt, stats: Hessian, spec, group: 
         return searched
     plain = _solve(rounding, wt[rows], stats, plain_spec, group)  # rows are independent in every solve
     aim = 1.0 if rounding.needs_cross and rounding.strength else 0.0
-    better = solvers.second_lower(original[rows], _rows_at(searched, rows), plain, stats, aim)
+    better = solvers.second_lower(original[rows], searched.take(rows), plain, stats, aim)
     chosen = rows[better]
     for field in ("codes", "scale", "zero"):
         getattr(searched, field)[chosen] = getattr(plain, field)[better]
@@ -168,10 +168,6 @@ def _off_min_max(wt: np.ndarray, stats: Hessian, plain_spec, searched: Quantized
         wt[:, dead] = 0
     grid = find_grid(wt, plain_spec)
     return np.flatnonzero((searched.scale[:, 0] != grid.scale) | (searched.zero[:, 0] != grid.zero))
-
-
-def _rows_at(quantized: Quantized, rows: np.ndarray) -> Quantized:
-    return Quantized(quantized.codes[rows], quantized.scale[rows], quantized.zero[rows], quantized.spec, quantized.group_size)
 
 
 def to_encoded(quantized: Quantized, layout: Layout, tier: Tier, dtype: str = "float32") -> Encoded:
