@@ -8,7 +8,7 @@ protos, paths and plain dataclasses.
 
 from graph_ops.io import GraphError, LoadedModel, load_model, model_bytes, save_model, weight_bits
 from graph_ops.layout import WeightLayout, WeightUse, weight_layouts
-from graph_ops.weights import FileWeights, WeightTensor, find_weight_tensors, read_weights, release_pages, replace_weights
+from graph_ops.weights import FileWeights, WeightTensor, find_weight_tensors, model_weights, read_weights, release_pages, replace_weights
 from graph_ops import batch, derived, prefix, wire
 from graph_ops.overridable import input_declarations, lift_constants, make_weights_overridable, weights_as_graph_inputs
 
@@ -29,6 +29,7 @@ __all__ = [
     "make_weights_overridable",
     "prefix",
     "model_bytes",
+    "model_weights",
     "read_weights",
     "release_pages",
     "replace_weights",

@@ -51,6 +51,12 @@ def read_weights(model: onnx.ModelProto, names: list[str] | set[str]) -> dict[st
     return {name: _view(stored[name][0]) for name in wanted}
 
 
+def model_weights(model: onnx.ModelProto, names: list[str] | set[str], data_dir: Path | None) -> Mapping[str, np.ndarray]:
+    """The named weights of a model loaded without its external data: read from the files in `data_dir` on
+    demand (`FileWeights`, never the whole model in memory) where it has some, else views of the proto."""
+    return FileWeights(model, names, data_dir) if data_dir is not None else read_weights(model, names)
+
+
 class FileWeights(Mapping):
     """Named tensors of a model loaded without its external data, each a read-only view
     of its file through a memory map (nothing read until used, nothing copied: the

@@ -96,7 +96,7 @@ def quantize_baseline(
     loaded, data_dir = _load(model_path)
     runtime = runtime.for_model(loaded.proto)
     units, names, layouts = checked_layouts(loaded.proto, min_params, group_size, [tier])
-    weights = graph_ops.FileWeights(loaded.proto, names, data_dir) if data_dir is not None else graph_ops.read_weights(loaded.proto, names)
+    weights = graph_ops.model_weights(loaded.proto, names, data_dir)
     check_finite(weights)
     graph_ops.release_pages(weights)  # the check read every weight; the encoder reads each again in turn
 

@@ -74,12 +74,8 @@ def inspect_model(
 
 def _nonfinite(loaded, units) -> list[str]:
     """The units' weights holding NaN or Inf, which score refuses: said here, before anyone starts a sweep."""
-    names = [n for u in units for n in u.tensor_names]
-    if graph_ops.io.has_external_data(loaded.proto):
-        weights = graph_ops.FileWeights(loaded.proto, names, loaded.path.parent.resolve())
-    else:
-        weights = graph_ops.read_weights(loaded.proto, names)
-    return nonfinite_weights(weights)
+    data_dir = loaded.path.parent.resolve() if graph_ops.io.has_external_data(loaded.proto) else None
+    return nonfinite_weights(graph_ops.model_weights(loaded.proto, [n for u in units for n in u.tensor_names], data_dir))
 
 
 def _rollout(spec, steps, inputs, outputs) -> dict:

@@ -162,8 +162,10 @@ class SweepRunner:
             totals = self._nominal.totals(self.engine, self.chosen.steps(weights))
             return self.engine.divergence(totals, delta_sq, self.job.eps, self.job.early_stop if early_stop else None)
         except RolloutError:
-            self.nominal  # noqa: B018 - a model that fails on the contexts fails its nominal rollout too, made on
-            raise  # another lane meanwhile: that error names the contexts, whichever lane failed first (same words every run)
+            # A model that fails on the contexts fails its nominal rollout too (made on another lane meanwhile):
+            # that error, which names the contexts, is raised whichever lane failed first (the same words every run).
+            self.nominal  # noqa: B018
+            raise
 
     def drift(self, weights: dict[str, np.ndarray], session: Session | None = None) -> Drift:
         """Divergence of the model with `weights` replaced over the full rollout, in every unit reports use;
