@@ -115,8 +115,10 @@ def test_export_records_and_prints_where_its_time_went(scored):
     assert not any("gptq" in label for label in labels)  # GPTQ dominated by QEP: never computed
     drifts = {c["label"]: c["drift_pct"] for c in record["compared"]}
     qep = next(d for label, d in drifts.items() if label.startswith("uniform") and label.endswith(" qep"))
-    before = min(d for label, d in drifts.items() if not (label.startswith("uniform") and label.endswith(("qep", "gptaq"))))
-    assert any("gptaq" in label for label in labels) == (qep <= 2 * before)  # GPTAQ only while it can still win (OUTRUN_BY)
+    mixed = min(d for label, d in drifts.items() if not label.startswith("uniform"))
+    rtn = [d for label, d in drifts.items() if label.startswith("uniform") and label.endswith(" rtn")]
+    assert bool(rtn) == (qep <= 2 * mixed)  # RTN, then GPTAQ, only while they can still win (OUTRUN_BY)
+    assert any("gptaq" in label for label in labels) == (qep <= 2 * min([mixed, *rtn]))
 
 
 def test_nested_sections_count_their_own_time():

@@ -1,5 +1,6 @@
 """The solver's shortcuts give the codes of the long way round: the per-channel grid choice from one product per
-statistic, the clip search's screen stopping early, and the uniform GPTAQ pass run only while it can still win."""
+statistic, the clip search's screen stopping early, a large solve split into row parts; and the uniform GPTAQ
+and RTN passes run only while they can still win."""
 
 import math
 from dataclasses import replace
@@ -118,7 +119,7 @@ def test_the_screen_stops_early_at_four_bits(monkeypatch):
     assert sum(priced) < 0.75 * 80 * len(rows)
 
 
-def test_uniform_gptaq_is_run_only_while_it_can_still_win():
+def test_uniform_gptaq_and_rtn_are_run_only_while_they_can_still_win():
     asked = []
 
     def rival(method):
@@ -126,11 +127,15 @@ def test_uniform_gptaq_is_run_only_while_it_can_still_win():
         return drift[method]
 
     drift = {"qep": 10.0}
-    assert can_still_win("rtn", rival, 1.0) and can_still_win("qep", rival, 1.0) and not asked  # no rival: nothing measured
-    assert not can_still_win("gptaq", rival, 4.9) and asked == ["qep"]  # QEP's uniform model at more than 2x the best
-    assert can_still_win("gptaq", rival, 5.0)
+    assert can_still_win("qep", rival, 1.0) and not asked  # QEP has no rival: nothing measured
+    for method in ("gptaq", "rtn"):
+        asked.clear()
+        assert not can_still_win(method, rival, 4.9) and asked == ["qep"]  # QEP's uniform model at more than 2x the best
+        assert can_still_win(method, rival, 5.0)
+    asked.clear()
+    assert can_still_win("rtn", rival, 1.0, compared=("rtn",)) and not asked  # an RTN export runs no QEP pass to rule RTN out
     drift["qep"] = math.nan  # a failed rival rules nothing out
-    assert can_still_win("gptaq", rival, 1.0)
+    assert can_still_win("gptaq", rival, 1.0) and can_still_win("rtn", rival, 1.0)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -163,3 +168,34 @@ def test_a_small_lapack_call_leaves_the_solvers_their_cores():
     if not numpy_blas or numpy_blas[0] < 2:
         pytest.skip("numpy's BLAS runs one thread here: nothing to share")
     assert solver_backend.solver_threads() == numpy_blas[0]
+
+
+@pytest.mark.parametrize("group_size, static", [(-1, False), (16, False), (16, True)])
+def test_a_solve_split_into_row_parts_gives_the_codes_of_the_whole_solve(monkeypatch, group_size, static):
+    """A weight solved alone in its wave runs its rows in parts on the idle cores (`_row_parts`): GPTQ and GPTAQ,
+    per channel and per group (grids fitted in the loop, or static), give the whole solve's codes and grids."""
+    wt, stats = _problem(7, 256, 64, 90)
+    spec = GridSpec("int", 4, False, True)
+    for method in ("gptq", "gptaq"):
+        run = (lambda w: solvers.gptq(w, stats.H, spec, group_size, static_groups=static)) if method == "gptq" else (
+            lambda w: solvers.gptaq(w, stats.H, stats.G, spec, group_size, static_groups=static))
+        monkeypatch.setattr(solvers, "ROW_PART", 1 << 40)
+        whole = run(np.array(wt))
+        monkeypatch.setattr(solvers, "ROW_PART", 1)
+        monkeypatch.setattr(solvers, "ROW_PART_ROWS", 1)
+        monkeypatch.setattr(solvers.backend, "THREAD_CAP", 3)  # three cores to itself, whatever this machine has
+        assert [(p.start, p.stop) for p in solvers._row_parts(90, 64)] == [(0, 30), (30, 60), (60, 90)]
+        parts = run(np.array(wt))
+        monkeypatch.setattr(solvers.backend, "THREAD_CAP", None)
+        np.testing.assert_array_equal(parts.codes, whole.codes)
+        np.testing.assert_array_equal(parts.scale, whole.scale)
+        np.testing.assert_array_equal(parts.zero, whole.zero)
+
+
+def test_only_a_large_weight_alone_in_its_wave_is_split():
+    assert len(solvers._row_parts(1536, 384)) == 1  # BERT-size: two parts ran no faster than one
+    solvers.backend.THREAD_CAP = 1  # its wave's weights already share the cores
+    try:
+        assert len(solvers._row_parts(4096, 4096)) == 1
+    finally:
+        solvers.backend.THREAD_CAP = None

@@ -187,9 +187,12 @@ class CandidateBuilding:
                 self._keep_best(found)
         uniform_started = time.perf_counter()
         if fitting:
-            for method in comparison_methods(self.rounding, fitting[0]):
+            compared = comparison_methods(self.rounding, fitting[0])
+            for method in compared:
                 best = min(found, key=_rank).drift.worst_pct
-                if not can_still_win(method, lambda rival: self.uniform_candidate(fitting[0], Rounding(rival), target).drift.worst_pct, best):
+                measured = (fitting[0].name, Rounding(method) if fitting[0].calibratable else Rounding()) in self._uniform_drifts
+                kept = measured and not self.one_session  # measured by `--rounding auto`, its codes still held: free to compare
+                if not kept and not can_still_win(method, lambda rival: self.uniform_candidate(fitting[0], Rounding(rival), target).drift.worst_pct, best, compared):
                     continue
                 uniform = self.uniform_candidate(fitting[0], Rounding(method), target)
                 uniform.allocation.solver = uniform.label
