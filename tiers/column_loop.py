@@ -44,9 +44,11 @@ class _Rounder:
         return q, self.scale * (q - self.zero)
 
 
-def column_loop(xp, Wt: np.ndarray, U: np.ndarray, spec: GridSpec, group_size: int, block_size: int, perm, static_grids, P) -> tuple[np.ndarray, list[Grid]]:
+def column_loop(xp, Wt: np.ndarray, U: np.ndarray, spec: GridSpec, group_size: int, block_size: int, perm, static_grids, P,
+                grid: Grid | None = None) -> tuple[np.ndarray, list[Grid]]:
     """The GPTQ column loop; P adds GPTAQ's asymmetric terms. Returns the codes ([N, K] float32, on the host, in the
-    caller's column order) and the grids in column order. With numpy it works on Wt in place.
+    caller's column order) and the grids in column order. With numpy it works on Wt in place. `grid`: each row's
+    per-channel grid, fitted by the caller (else fitted here to Wt).
 
     A block's columns are held as rows (W1ᵀ, E1ᵀ), so each column's rank-one update runs over contiguous
     memory into one scratch buffer: the same operations on the same values as the official
@@ -58,7 +60,7 @@ def column_loop(xp, Wt: np.ndarray, U: np.ndarray, spec: GridSpec, group_size: i
     codes = xp.zeros((N, K), xp.float32)
     fitted: dict[int, Grid] = {}
     ready: dict[int, _Rounder] = {}
-    rounder = _Rounder(find_grid(Wt, spec), spec, xp) if group_size <= 0 else None
+    rounder = _Rounder(find_grid(Wt, spec) if grid is None else grid, spec, xp) if group_size <= 0 else None
     scratch = xp.empty((min(block_size, K), N), dtype)
     for b0 in range(0, K, block_size):
         b1 = min(b0 + block_size, K)

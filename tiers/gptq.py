@@ -225,18 +225,19 @@ def _row_parts(rows: int, columns: int) -> list[slice]:
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
-def _solve(Wt, U, spec: GridSpec, group_size: int, block_size: int, perm, static_grids, P) -> Quantized:
+def _solve(Wt, U, spec: GridSpec, group_size: int, block_size: int, perm, static_grids, P, grid: Grid | None = None) -> Quantized:
     """The GPTQ column loop (`tiers.column_loop`), on the GPU where the weight is large enough to gain from it,
     else on the host in row parts over the idle cores (`_row_parts`)."""
     xp = backend.array_module() if backend.loop_on_device(*Wt.shape) and supported_on_device(spec) else np
     parts = _row_parts(*Wt.shape) if xp is np else [slice(None)]
     if len(parts) == 1:
-        codes, grids = column_loop(xp, Wt, U, spec, group_size, block_size, perm, static_grids, P)
+        codes, grids = column_loop(xp, Wt, U, spec, group_size, block_size, perm, static_grids, P, grid)
         return _pack(codes, grids, spec, group_size)
 
     def part(rows: slice):
         own_grids = None if static_grids is None else [Grid(g.scale[rows], g.zero[rows]) for g in static_grids]
-        return column_loop(xp, Wt[rows], U, spec, group_size, block_size, perm, own_grids, P)
+        own_grid = None if grid is None else Grid(grid.scale[rows], grid.zero[rows])
+        return column_loop(xp, Wt[rows], U, spec, group_size, block_size, perm, own_grids, P, own_grid)
 
     with backend.shared_cores(len(parts)), ThreadPoolExecutor(len(parts), thread_name_prefix="tqs-rows") as pool:
         solved = list(pool.map(part, parts))
@@ -267,6 +268,7 @@ def gptq(
     static_groups: bool = False,
     own: bool = False,
     cache: "Hessian | None" = None,
+    grid: Grid | None = None,
 ) -> Quantized:
     """GPTQ (Frantar et al., IST-DASLab/gptq `fasterquant`) on Wt with Hessian H = (2/n)XᵀX.
 
@@ -274,10 +276,12 @@ def gptq(
     contiguous in the original column order for a DequantizeLinear encoding.
     `own`: Wt is the caller's to overwrite (no weight-sized copy of it is made).
     `cache`: the statistic H is from; its factorization is kept there for the next solve on it.
+    `grid`: per channel (group_size <= 0), each row's grid as the caller fitted it to Wt with its dead inputs
+    zeroed, instead of the fit here: rows on different grids in one loop (`tiers.quantizer._better_rows`).
     """
     Wt, H, _, perm, static_grids = _prepare(Wt, H, spec, group_size, act_order, static_groups, own)
     U = _cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
-    return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, None)
+    return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, None, grid)
 
 
 def gptaq(
@@ -293,16 +297,17 @@ def gptaq(
     alpha: float = 0.25,
     own: bool = False,
     cache: "Hessian | None" = None,
+    grid: Grid | None = None,
 ) -> Quantized:
     """GPTAQ (GPTQv2): GPTQ plus the asymmetric-calibration terms of P = α·triu(G Uᵀ, 1)·U.
 
     G = (2/n)(X_fp − X̂)ᵀX̂ on the same rows as H = (2/n)X̂ᵀX̂; α = 0.25 is the
-    official hard-coded value. α = 0 is exactly GPTQ. `own` and `cache` as for `gptq`.
+    official hard-coded value. α = 0 is exactly GPTQ. `own`, `cache` and `grid` as for `gptq`.
     """
     Wt, H, dead, perm, static_grids = _prepare(Wt, H, spec, group_size, act_order, static_groups, own)
     U = _cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
     P = _cached(cache, ("P", percdamp, act_order, alpha), lambda: _asymmetric_terms(G, U, dead, perm, alpha))
-    return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, P)
+    return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, P, grid)
 
 
 def _asymmetric_terms(G: np.ndarray, U: np.ndarray, dead: np.ndarray, perm, alpha: float) -> np.ndarray:
