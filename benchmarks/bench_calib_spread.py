@@ -10,7 +10,9 @@ Where the windows come from: the tied mixer's from the ETTh1 rows its contexts s
 whose rollout feeds its outputs back by replacement (lorenz96, pangu_lorenz96) from the states of truth.npz,
 the scoring trajectories' later states (never the held-out ones).
 
-    python benchmarks/bench_calib_spread.py [--example lorenz96] [--cli new=PATH,old=PATH] [--methods qep] [--bits 4,2]
+    python benchmarks/bench_calib_spread.py [--example lorenz96] [--cli new=PATH,old=PATH] [--methods qep] [--bits 4,2] [--sets 5]
+
+A PATH ending in .py runs with this Python (benchmarks/cli_min_max_grids.py: today's code on 95188a9's min-max grids).
 
 With `--tqs C[,C...] --uniform TIER[,TIER...]` it measures TQS-PTQ instead: per set, `score` on the set (the frontier's
 settings), `export --C C` and `export --uniform TIER` (the rollout-calibrated uniform model the export compares),
@@ -23,6 +25,7 @@ import argparse
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 import tomllib
 from pathlib import Path
@@ -38,21 +41,21 @@ L, FIRST, LAST, SETS = 2048, 9472, 12160, 5
 MIN_PARAMS = {"lorenz96": 256, "era5_emulator": 256}  # as bench_versions.py and run_frontiers.py
 
 
-def etth1_sets(folder: Path, example: Path) -> list[Path]:
-    """The tied mixer: 5 seeded random sets of 8 ETTh1 windows (seeds 100..104)."""
+def etth1_sets(folder: Path, example: Path, count: int = SETS) -> list[Path]:
+    """The tied mixer: `count` seeded random sets of 8 ETTh1 windows (seeds 100, 101, ...)."""
     norm = json.loads((example / "norm.json").read_text())
     raw = np.loadtxt(DATA, delimiter=",", skiprows=1, usecols=range(1, 8), dtype=np.float64)
     data = ((raw - np.array(norm["mean"])) / np.array(norm["std"])).astype(np.float32)
     paths = []
-    for k in range(SETS):
+    for k in range(count):
         starts = np.random.default_rng(100 + k).integers(FIRST, LAST, 8)
         paths.append(folder / f"calib{k}.npz")
         np.savez(paths[-1], x=np.stack([data[s : s + L].T for s in starts]))
     return paths
 
 
-def trajectory_sets(folder: Path, example: Path) -> list[Path]:
-    """A replace-feedback rollout: 5 seeded sets of truth.npz states (seeds 100..104), fed back as its spec says."""
+def trajectory_sets(folder: Path, example: Path, count: int = SETS) -> list[Path]:
+    """A replace-feedback rollout: `count` seeded sets of truth.npz states (seeds 100, 101, ...), fed back as its spec says."""
     spec = tomllib.loads((example / "rollout.toml").read_text())
     pairs = {f["output"]: f["input"] for f in spec["feedback"] if f["mode"] == "replace"}
     contexts, truth = np.load(example / "contexts.npz"), np.load(example / "truth.npz")
@@ -61,7 +64,7 @@ def trajectory_sets(folder: Path, example: Path) -> list[Path]:
     n = len(contexts[contexts.files[0]])
     trajectories, steps = truth[next(iter(pairs))].shape[:2]
     paths = []
-    for k in range(SETS):
+    for k in range(count):
         pick = np.random.default_rng(100 + k).choice(trajectories * steps, n, replace=False)
         paths.append(folder / f"calib{k}.npz")
         np.savez(paths[-1], **{pairs[o]: truth[o][pick // steps, pick % steps] for o in pairs})
@@ -110,6 +113,7 @@ def main() -> None:
     parser.add_argument("--cli", default=f"new={shutil.which('tqsdeploy') or 'tqsdeploy'}", help="LABEL=PATH of each checkout's tqsdeploy, comma-separated")
     parser.add_argument("--methods", default="qep,gptq,gptaq")
     parser.add_argument("--bits", default="4,2")
+    parser.add_argument("--sets", type=int, default=SETS, help="seeded draws (seeds 100, 101, ...) besides contexts.npz")
     parser.add_argument("--tqs", default="", help="compressions: measure TQS-PTQ export at each against --uniform over the sets")
     parser.add_argument("--uniform", default="int4-asym", help="the uniform tier --tqs compares with: one, or one per C")
     args = parser.parse_args()
@@ -117,7 +121,7 @@ def main() -> None:
     clis = dict(item.split("=", 1) for item in args.cli.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        drawn = etth1_sets(folder, example) if (example / "norm.json").exists() else trajectory_sets(folder, example)
+        drawn = (etth1_sets if (example / "norm.json").exists() else trajectory_sets)(folder, example, args.sets)
         sets = drawn + [example / "contexts.npz"]
         if args.tqs:
             tqs_spread(args, example, folder, sets, clis)
@@ -128,7 +132,7 @@ def main() -> None:
                     drifts = []
                     for k, calib in enumerate(sets):
                         out = folder / f"{method}{bits}.{label}.{k}.onnx"
-                        command = [cli, "baseline", str(example / "model.onnx"), "--method", method, "--bits", bits, "--calib", str(calib), "-o", str(out)]
+                        command = [*([sys.executable] if cli.endswith(".py") else []), cli, "baseline", str(example / "model.onnx"), "--method", method, "--bits", bits, "--calib", str(calib), "-o", str(out)]
                         command += ["--min-params", str(MIN_PARAMS[args.example])] if args.example in MIN_PARAMS else []
                         subprocess.run(command, check=True, capture_output=True, cwd=folder)
                         drifts.append(held_out_drift(out, example))
