@@ -104,7 +104,7 @@ def rtn(Wt: np.ndarray, spec: GridSpec, group_size: int = -1) -> Quantized:
         step = max(1, ROUND_BLOCK // max(1, g1 - g0))
         for r0 in range(0, Wt.shape[0], step):  # rows in blocks: each temporary a block, not a copy of the weight
             rows = slice(r0, r0 + step)
-            codes[rows, g0:g1] = codes_on(Wt[rows, g0:g1], Grid(grid.scale[rows], grid.zero[rows]), spec)
+            codes[rows, g0:g1] = codes_on(Wt[rows, g0:g1], grid.rows(rows), spec)
         grids.append(grid)
     return _pack(codes, grids, spec, group_size)
 
@@ -235,13 +235,12 @@ def _solve(Wt, U, spec: GridSpec, group_size: int, block_size: int, perm, static
         return _pack(codes, grids, spec, group_size)
 
     def part(rows: slice):
-        own_grids = None if static_grids is None else [Grid(g.scale[rows], g.zero[rows]) for g in static_grids]
-        own_grid = None if grid is None else Grid(grid.scale[rows], grid.zero[rows])
-        return column_loop(xp, Wt[rows], U, spec, group_size, block_size, perm, own_grids, P, own_grid)
+        own_grids = None if static_grids is None else [g.rows(rows) for g in static_grids]
+        return column_loop(xp, Wt[rows], U, spec, group_size, block_size, perm, own_grids, P, None if grid is None else grid.rows(rows))
 
     with backend.shared_cores(len(parts)), ThreadPoolExecutor(len(parts), thread_name_prefix="tqs-rows") as pool:
         solved = list(pool.map(part, parts))
-    grids = [Grid(np.concatenate([s[1][g].scale for s in solved]), np.concatenate([s[1][g].zero for s in solved])) for g in range(len(solved[0][1]))]
+    grids = [Grid.stack([s[1][g] for s in solved]) for g in range(len(solved[0][1]))]
     return _pack(np.concatenate([s[0] for s in solved]), grids, spec, group_size)
 
 

@@ -76,6 +76,15 @@ class Grid:
     scale: np.ndarray
     zero: np.ndarray
 
+    def rows(self, part) -> "Grid":
+        """The grid of the rows `part` (a slice or indices) alone."""
+        return Grid(self.scale[part], self.zero[part])
+
+    @staticmethod
+    def stack(parts: "list[Grid]") -> "Grid":
+        """Grids of consecutive row blocks as one grid of all their rows."""
+        return Grid(np.concatenate([p.scale for p in parts]), np.concatenate([p.zero for p in parts]))
+
     def divisor(self) -> np.ndarray:
         """The scale to divide by: 1 where a row's scale is 0 (a row of zeros), so its codes stay its zero point.
         A caller rounding many columns on one grid works it out once and passes it to `codes_on`."""

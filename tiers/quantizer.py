@@ -180,8 +180,7 @@ def _both_grids(rounding: Rounding, wt: np.ndarray, stats: Hessian, spec, plain_
         return _solve(rounding, wt, stats, spec, -1, searched_grid), rows, None
     n = wt.shape[0]
     stacked = np.concatenate([wt, wt[rows]])
-    grid = Grid(np.concatenate([searched_grid.scale, plain_grid.scale[rows]]), np.concatenate([searched_grid.zero, plain_grid.zero[rows]]))
-    both = _solve(rounding, stacked, stats, spec, -1, grid)
+    both = _solve(rounding, stacked, stats, spec, -1, Grid.stack([searched_grid, plain_grid.rows(rows)]))
     return both.rows(0, n), rows, both.rows(n, n + rows.size)
 
 

@@ -146,7 +146,7 @@ def can_still_win(method: str, rival_drift: Callable[[str], float], best_drift: 
     model of method m at the same grid, asked only when m is among the `compared` methods (the export measures
     it anyway: an RTN export compares no calibrated model, so nothing rules its RTN out); `best_drift` is the
     best candidate's so far. A rival that failed (NaN) rules nothing out."""
-    if method not in OUTRUN_BY or OUTRUN_BY[method][0] not in compared or OUTRUN_BY[method][0] == method:
+    if method not in OUTRUN_BY or OUTRUN_BY[method][0] not in compared:
         return True
     rival, factor = OUTRUN_BY[method]
     return not rival_drift(rival) > factor * best_drift
