@@ -166,15 +166,10 @@ def _better_rows(rounding: Rounding, original, wt, stats: Hessian, spec, group: 
 def _both_grids(rounding: Rounding, wt: np.ndarray, stats: Hessian, spec, plain_spec) -> tuple[Quantized, np.ndarray, Quantized]:
     """(every row solved on its searched grid, the rows whose searched grid is not the min-max one, those rows
     solved on the min-max grid), from one column loop over both. The grids are fitted as the solver fits them,
-    to the weight with its dead inputs zeroed; one loop pays numpy's per-column calls once, not twice (at the
+    to the weight with its dead inputs zeroed (in place: `wt` is this call's own); one loop pays numpy's per-column calls once, not twice (at the
     BERT's 384-1536 rows they are most of a solve)."""
-    dead = np.diag(stats.H) == 0
-    fitted = wt
-    if dead.any():
-        fitted = np.array(wt)
-        fitted[:, dead] = 0
-    searched_grid, plain_grid = find_grid(fitted, spec), find_grid(fitted, plain_spec)
-    del fitted
+    wt[:, np.diag(stats.H) == 0] = 0  # as the solver zeroes them in `wt`, this call's own, before it solves
+    searched_grid, plain_grid = find_grid(wt, spec), find_grid(wt, plain_spec)
     rows = np.flatnonzero((searched_grid.scale != plain_grid.scale) | (searched_grid.zero != plain_grid.zero))
     if rows.size == 0:
         return _solve(rounding, wt, stats, spec, -1, searched_grid), rows, None

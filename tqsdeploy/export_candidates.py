@@ -50,6 +50,11 @@ def _rank(candidate: "Candidate") -> tuple[float, float]:
     return _order(candidate.drift)
 
 
+def _drift_key(tier: Tier, rounding: Rounding) -> tuple[str, Rounding]:
+    """A uniform model's key among the measured ones: a tier that takes no calibration is rounded to nearest by any method."""
+    return tier.name, rounding if tier.calibratable else Rounding()
+
+
 def _order(drift: Drift) -> tuple[float, float]:
     """How candidates are ordered: worst output drift, then relative RMS drift."""
     return drift.worst_pct, drift.relative_rms
@@ -190,8 +195,8 @@ class CandidateBuilding:
             compared = comparison_methods(self.rounding, fitting[0])
             for method in compared:
                 best = min(found, key=_rank).drift.worst_pct
-                measured = (fitting[0].name, Rounding(method) if fitting[0].calibratable else Rounding()) in self._uniform_drifts
-                kept = measured and not self.one_session  # measured by `--rounding auto`, its codes still held: free to compare
+                # measured by `--rounding auto` with its codes still held: free to compare
+                kept = _drift_key(fitting[0], Rounding(method)) in self._uniform_drifts and not self.one_session
                 if not kept and not can_still_win(method, lambda rival: self.uniform_candidate(fitting[0], Rounding(rival), target).drift.worst_pct, best, compared):
                     continue
                 uniform = self.uniform_candidate(fitting[0], Rounding(method), target)
@@ -253,7 +258,7 @@ class CandidateBuilding:
         allocation.target = target
         encodings = self.encoder.uniform(tier, rounding)
         label = f"uniform {tier.name} {rounding.method if tier.calibratable else 'rtn'}"
-        key = (tier.name, rounding if tier.calibratable else Rounding())
+        key = _drift_key(tier, rounding)
         if key not in self._uniform_drifts:
             self._uniform_drifts[key] = self.measure(encodings)
         return Candidate(label, allocation, encodings, self._uniform_drifts[key], (tier.name, rounding))
