@@ -207,6 +207,17 @@ def test_each_channel_keeps_the_grid_its_solve_does_best_on(method, bits):
     best = np.minimum(objective(plain), objective(searched))
     np.testing.assert_allclose(objective(chosen), best, rtol=1e-9)
     assert all(np.array_equal(c, p) or np.array_equal(c, s) for c, p, s in zip(chosen, plain, searched))
+    on_min_max = quantize(wt, layout, tier, Rounding(method, grids="min-max"), [stats])
+    np.testing.assert_array_equal(on_min_max.values, plain)  # the rounding's grids say it: the min-max grid alone
+    assert not np.array_equal(chosen, plain)
+
+
+def test_an_unknown_grid_choice_is_refused():
+    from tiers import Rounding
+
+    with pytest.raises(ValueError, match="unknown grids 'clipped'"):
+        Rounding("qep", grids="clipped")
+    assert Rounding("qep").label == "qep" and Rounding("gptq", grids="min-max").label == "gptq/min-max"
 
 
 

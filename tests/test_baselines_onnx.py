@@ -444,3 +444,33 @@ def test_rtn_baseline_says_it_read_no_calibration_options(tmp_path):
     result = CliRunner().invoke(app, ["baseline", str(model), "--method", "rtn", "--bits", "4", "--calib", str(ctx), "--steps", "3", "-o", str(tmp_path / "q.onnx")])
     assert result.exit_code == 0, result.output
     assert "--calib, --steps not used" in " ".join(result.output.split())
+
+
+def test_auto_grids_keep_the_grid_whose_model_drifts_less_on_the_calibration_windows(mlp):
+    """`--grids auto` (the default) builds a calibrated method's model on both grids of a clip-searched tier,
+    measures each on the calibration windows' rollout and keeps the one that drifts less: the same codes as
+    asking for that grid outright. An 8-bit tier has one grid: nothing is measured."""
+    from tiers import GRIDS
+    from tqsdeploy.calibrate import Calibrator
+
+    model, calib, _ = mlp
+    codes = lambda result: {n: e.values.tobytes() for n, e in result.encoded.items()}  # noqa: E731
+    chosen = quantize_baseline(model, "qep", 2, calib)
+    assert set(chosen.grid_drifts) == set(GRIDS) and chosen.grids in GRIDS
+    assert chosen.grid_drifts[chosen.grids] == min(chosen.grid_drifts.values())
+    each = {grids: quantize_baseline(model, "qep", 2, calib, grids=grids) for grids in GRIDS}
+    assert codes(chosen) == codes(each[chosen.grids]) and codes(each["per-channel"]) != codes(each["min-max"])
+    assert all(not result.grid_drifts for result in each.values())
+    assert chosen.errors == each[chosen.grids].errors  # the kept model's layer errors, not the last pass's
+    # each grid's drift as measured on its own: the calibration windows, one step, against the original
+    from tqsdeploy.contexts import Contexts
+    from tqsdeploy.rollout import RolloutSpec
+
+    proto = onnx.load(str(model))
+    layouts = weight_layouts(proto, ["W1", "W2", "W3"])
+    weights = read_weights(proto, ["W1", "W2", "W3"])
+    calibrator = Calibrator(proto, layouts, Contexts({"x": np.load(calib)["x"]}, "calib"), RolloutSpec(steps=1, feedback=(), trajectory=("y",)), OrtRuntime(), weights=weights)
+    for grids, result in each.items():
+        assert calibrator.drift(result.weights).worst_pct == pytest.approx(chosen.grid_drifts[grids], rel=1e-6)
+    calibrator.close()
+    assert not quantize_baseline(model, "qep", 8, calib).grid_drifts and not quantize_baseline(model, "rtn", 2).grid_drifts

@@ -327,9 +327,10 @@ def test_an_emitted_weight_of_the_wrong_type_is_refused_before_writing(tmp_path)
     assert not list(tmp_path.glob("out*"))
 
 
-@pytest.mark.parametrize("method,bits", [("rtn", 2), ("gptq", 4), ("qep", 8)])
+@pytest.mark.parametrize("method,bits", [("rtn", 2), ("gptq", 4), ("qep", 8), ("qep", 2)])
 def test_baseline_equals_a_uniform_export_with_that_rounding(scored, tmp_path, method, bits):
-    """`baseline --method X --bits b` on the run's windows and spec is `export --uniform <tier b> --rounding X`."""
+    """`baseline --method X --bits b` on the run's windows and spec is `export --uniform <tier b> --rounding X`: at 4 bits and
+    fewer both measure the grids (--grids auto) on that rollout and keep the same one."""
     model, _, folder = scored
     tier = {2: "int2-asym", 4: "int4-asym", 8: "int8-asym"}[bits]
     code, text = _invoke(["export", model, "--run", folder / "run", "--uniform", tier, "--rounding", method, "-o", tmp_path / "exported.onnx"])
@@ -343,9 +344,10 @@ def test_baseline_equals_a_uniform_export_with_that_rounding(scored, tmp_path, m
     assert first.keys() == second.keys()
     for name in first:
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
-    export_c = json.loads((tmp_path / "exported.allocation.json").read_text())["compression"]
-    baseline_c = json.loads((tmp_path / "baseline.baseline.json").read_text())["compression"]
-    assert export_c == baseline_c
+    exported, baseline = json.loads((tmp_path / "exported.allocation.json").read_text()), json.loads((tmp_path / "baseline.baseline.json").read_text())
+    assert exported["compression"] == baseline["compression"]
+    measured = {label.replace(method, "").lstrip("/") or "per-channel": drift for label, drift in exported["rounding_choice"].get(tier, {}).items()}
+    assert baseline["grid_drifts_pct"] == pytest.approx(measured, rel=1e-4) and (bits < 8 and method != "rtn") == bool(measured)
 
 
 def test_compression_is_one_number_in_export_eval_and_gate(scored, tmp_path):
@@ -469,7 +471,7 @@ def test_auto_picks_per_tier_the_method_that_drifts_least_and_records_it(scored)
     reference.close()
     assert set(least) == {"int8-asym", "int4-asym", "int2-asym"}
 
-    planner = Planner(folder / "run", settings=ExportSettings(rounding="auto", refine=0))
+    planner = Planner(folder / "run", settings=ExportSettings(rounding="auto", grids="per-channel", refine=0))  # the grids' own test is below
     assert {tier: planner.rounding_at(tier).method for tier in least} == least
     assert set(planner.rounding_choice) == set(least) and all(set(d) == set(AUTO_METHODS) for d in planner.rounding_choice.values())
     for tier, method in least.items():  # the mixed model's slots at a tier are that tier's chosen codes
@@ -486,12 +488,47 @@ def test_auto_picks_per_tier_the_method_that_drifts_least_and_records_it(scored)
     assert sum(label.startswith("uniform") for label in labels) >= len(AUTO_METHODS)
 
 
+def test_grids_auto_keeps_per_searched_tier_the_grid_whose_uniform_model_drifts_less(scored):
+    """The default export (QEP, --grids auto) measures the uniform model of each clip-searched tier (INT4,
+    INT2) on both grids on the scoring contexts and rounds that tier on the one that drifted less: its prices,
+    its mixed model and its records all use those codes. INT8 has one grid and is not measured."""
+    from tiers import GRIDS
+
+    _, _, folder = scored
+    reference = Planner(folder / "run", settings=ExportSettings(grids="per-channel", refine=0))
+    assert reference.rounding == Rounding("qep") and not reference.rounding_choice
+    less, drifts = {}, {}
+    for tier in (t for t in reference.tiers if t.calibratable and t.grid.search):
+        drifts[tier.name] = {g: reference.measure(reference.encoder.uniform(tier, Rounding("qep", grids=g))) for g in GRIDS}
+        less[tier.name] = min(GRIDS, key=lambda g: (drifts[tier.name][g].worst_pct, drifts[tier.name][g].relative_rms))
+    reference.close()
+    assert set(less) == {"int4-asym", "int2-asym"}
+
+    planner = Planner(folder / "run", settings=ExportSettings(refine=0))
+    assert {tier: planner.rounding_at(tier).grids for tier in less} == less and planner.rounding_at("int8-asym") == Rounding("qep")
+    assert planner.rounding_choice == {t: {Rounding("qep", grids=g).label: d.worst_pct for g, d in drifts[t].items()} for t in less}
+    name = next(iter(planner.layouts))
+    for tier, grids in less.items():  # the mixed model's slots at a tier are that tier's chosen codes
+        assert planner.encoder.tensor(name, tier, planner.rounding) is planner.encoder.uniform(tier, Rounding("qep", grids=grids))[name]
+    outcome = planner.export(4, folder / "mlp.grids.C4.onnx")
+    planner.close()
+    record = json.loads((folder / "mlp.grids.C4.allocation.json").read_text())
+    assert record["rounding"] == "qep" and record["settings"]["grids"] == "auto" and record["rounding_choice"] == planner.rounding_choice
+    if outcome.shipped.startswith("TQS-PTQ"):
+        used = {t for t in outcome.allocation.tiers.values() if t.startswith("int")}
+        assert record["rounding_by_tier"] == {t: planner.rounding_at(t).label for t in used}
+
+
 def test_a_bad_rounding_is_refused_in_one_line(scored):
     model, _, folder = scored
     result = CliRunner().invoke(app, ["export", str(model), "--run", str(folder / "run"), "--C", "4", "--rounding", "best"])
     text = result.output + (result.stderr or "")
     assert result.exit_code == 2 and "unknown rounding 'best'" in text and "auto" in text and "Traceback" not in text
     assert len([line for line in text.splitlines() if line.strip()]) <= 2, text
+    for command in (["export", str(model), "--run", str(folder / "run"), "--C", "4"], ["baseline", str(model), "--method", "qep", "--bits", "4"]):
+        result = CliRunner().invoke(app, [*command, "--grids", "clipped"])
+        text = result.output + (result.stderr or "")
+        assert result.exit_code == 2 and "unknown --grids 'clipped'" in text and "min-max" in text and "Traceback" not in text, text
 
 
 def test_refinement_keeps_a_round_only_if_the_calibrated_model_drifts_less(scored):

@@ -56,7 +56,7 @@ def test_score_export_baseline_and_frontier_print_progress_off_a_terminal(tmp_pa
     assert ("uniform", "int8-asym qep", "2") in passes and ("mixed", "qep", "2") in passes
     assert text.index("encoding (uniform int2-asym qep)") < text.index("measuring tiers")  # the tiers' passes come before the rollouts' ETA
     text = run("baseline", model, "--method", "gptq", "--bits", 4, "--calib", contexts, "-o", tmp_path / "b.onnx")
-    assert "gptq W4: 2/2 weights (100%), done in" in text
+    assert "gptq W4: 4/4 weights (100%), done in" in text  # a pass per grid (--grids auto): 2 weights each
     text = run("frontier", model, "-c", contexts, "--steps", 2, "--C", 2, "--baselines", "rtn", "--bits", 4, "--out", tmp_path / "f")
     assert re.search(r"frontier: (\d+)/\1 steps \(100%\), done in", text) and "ETA" in text
 

@@ -12,11 +12,12 @@ from tiers.encoded import Encoded
 from tiers.formats.base import StoredForm, register_form
 from tiers.gptq import Hessian, Quantized
 from tiers.grid import GridSpec
-from tiers.quantizer import METHODS, RTN, Rounding, encode, quantize, split, to_encoded
+from tiers.quantizer import GRIDS, METHODS, RTN, Rounding, encode, quantize, split, to_encoded
 from tiers.registry import DEFAULT_TIERS, TIERS, TRT_TIERS, Tier, TierError, get_tiers, precision_order, tier_for_bits
 
 __all__ = [
     "DEFAULT_TIERS",
+    "GRIDS",
     "METHODS",
     "RTN",
     "TIERS",

@@ -26,6 +26,13 @@ from tiers.gptq import Hessian, Quantized
 from tiers.grid import Grid, find_grid
 
 METHODS = ("rtn", "gptq", "gptaq", "qep")
+GRIDS = ("per-channel", "min-max")
+"""Which grid a clip-searched tier (4 bits and fewer) rounds onto: 'per-channel', each output channel on the
+clip-searched or the plain min-max grid, whichever gives it the lower calibration objective after the solve
+(`_better_rows`); 'min-max', the plain min-max grid alone. Neither wins everywhere: over 20 calibration sets
+uniform QEP on lorenz96 at W2 drifted 1.89 points more held-out with the per-channel choice than on min-max
+grids (t = 5.5), while at W4 (-0.85, t = -3.9) and on the tied mixer at W2 (-1.49, t = -3.8) it drifted less
+(benchmarks/results/calib_spread.md); `export` and `baseline` measure both (`--grids auto`)."""
 DEFAULT_ALPHA = {"gptaq": 0.25, "qep": 0.5}
 """GPTAQ's hard-coded α and the QEP CLI's perccorr."""
 
@@ -42,10 +49,14 @@ class Rounding:
     percdampqep: float = 1.0
     qep_base: str = "gptq"
     """QEP quantizes its corrected weights with 'gptq' or 'rtn'."""
+    grids: str = "per-channel"
+    """The grid a clip-searched tier rounds onto (`GRIDS`)."""
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown rounding '{self.method}'; choose one of {', '.join(METHODS)}")
+        if self.grids not in GRIDS:
+            raise ValueError(f"unknown grids '{self.grids}'; choose one of {', '.join(GRIDS)}")
         if self.qep_base not in ("gptq", "rtn"):
             raise ValueError(f"QEP runs on 'gptq' or 'rtn', not '{self.qep_base}'")
         if self.block_size < 1:
@@ -63,6 +74,11 @@ class Rounding:
     @property
     def strength(self) -> float:
         return DEFAULT_ALPHA.get(self.method, 0.0) if self.alpha is None else self.alpha
+
+    @property
+    def label(self) -> str:
+        """The method, and the grids where they are not the default: 'qep', 'qep/min-max'."""
+        return self.method if self.grids == GRIDS[0] else f"{self.method}/{self.grids}"
 
 
 RTN = Rounding()
@@ -88,11 +104,12 @@ def quantize(
     `stats` holds one Hessian per Conv row group (None: round to nearest).
     `correct=False` skips QEP's weight correction for this weight (the
     official script skips it on layers it excludes). `search=False` keeps the plain min-max
-    grid: the same tensors, types and shapes, without the clip search (what a size needs).
+    grid: the same tensors, types and shapes, without the clip search (what a size needs); so does
+    a rounding on 'min-max' grids (`GRIDS`).
     """
     if not tier.quantized:
         raise ValueError(f"tier '{tier.name}' stores floats, not codes")
-    spec = tier.grid if search else replace(tier.grid, search=False)
+    spec = tier.grid if search and rounding.grids != "min-max" else replace(tier.grid, search=False)
     group = _group(layout, group_size) if tier.blockwise else -1
     wt = layout.to_wt(np.asarray(weight, np.float64))
     if stats is None or not rounding.needs_stats or not tier.calibratable or layout.perm is None:

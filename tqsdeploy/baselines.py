@@ -11,7 +11,7 @@ run would, and calibrates on the given windows (and, with a rollout spec and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from time import perf_counter
@@ -26,7 +26,7 @@ from tiers import Encoded, Rounding, TierError, tier_for_bits
 from tqsdeploy.calibrate import Calibrator, thin_note
 from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
-from tqsdeploy.quantization import Encoder, checked_layouts
+from tqsdeploy.quantization import Encoder, check_grids, checked_layouts, grid_options, least_drift
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
 from tqsdeploy.size import ModelSize
 from tqsdeploy.units import check_finite
@@ -50,6 +50,10 @@ class BaselineResult:
     rtn_only: dict[str, str] = field(default_factory=dict)
     """Weights rounded to nearest whatever the method, and why."""
     notes: list[str] = field(default_factory=list)
+    grids: str = "per-channel"
+    """The grids the codes are on (`tiers.GRIDS`)."""
+    grid_drifts: dict[str, float] = field(default_factory=dict)
+    """With --grids auto where they differ: each grid's uniform model's drift (percent) on the calibration rollout."""
 
     @cached_property
     def weights(self) -> dict[str, np.ndarray]:
@@ -69,6 +73,7 @@ def quantize_baseline(
     group_size: int | None = None,
     symmetric: bool = False,
     rounding: Rounding | None = None,
+    grids: str = "auto",
     min_params: int = 1024,
     max_batch_windows: int = 32,
     runtime: Runtime = DEFAULT_RUNTIME,
@@ -82,7 +87,10 @@ def quantize_baseline(
     GPTQ); the grid is the tier's (`tiers.grid`). RTN needs no calibration;
     the others take windows in the contexts format. Without `spec` and `steps`
     the calibration is the windows themselves (one step); `steps` alone rolls
-    out the detected rollout.
+    out the detected rollout. `grids` (`quantization.GRID_CHOICES`): 'auto'
+    builds a calibrated method's model on both grids of a clip-searched tier and
+    keeps the one that drifts less on that calibration rollout (a pass and a
+    rollout more); the grids of `rounding` are then not used.
     """
     started = perf_counter()
     try:
@@ -92,6 +100,7 @@ def quantize_baseline(
         raise InputError(str(exc)) from None
     if rounding.method != method:
         raise InputError(f"rounding settings are for '{rounding.method}', not '{method}'")
+    check_grids(grids)
     runtime.check()
     loaded, data_dir = _load(model_path)
     runtime = runtime.for_model(loaded.proto)
@@ -120,8 +129,9 @@ def quantize_baseline(
     encoder = Encoder(units, layouts, weights, group_size, calibrator if rounding.needs_stats else None, track_errors=rounding.needs_stats)
     load_s = perf_counter() - started
     encoder.on_weight = on_weight
-    if on_start:
-        on_start(len(layouts))
+    if on_start:  # one pass per grid measured
+        on_start(len(layouts) * len(grid_options(tier, rounding.method, grids)))
+    rounding, grid_drifts, errors = _grids_measured(encoder, tier, rounding, grids)
     encoded = {name: e.expand() for name, e in encoder.uniform(tier, rounding).items()}  # a result's codes are arrays
     result = BaselineResult(
         method=method,
@@ -129,9 +139,11 @@ def quantize_baseline(
         tier=tier.name,
         encoded=encoded,
         timings={"load": load_s, "calibration": encoder.log.calibration_s + encoder.log.encode_s},
-        errors=dict(encoder.log.errors),
+        errors=errors,
         rtn_errors=dict(encoder.log.rtn_errors),
         rtn_only=dict(encoder.log.rtn_only) if rounding.needs_stats else {},
+        grids=rounding.grids,
+        grid_drifts=grid_drifts,
     )
     thin = thin_note(encoder.log.thin, method, f"give --calib more windows (or a longer --steps rollout): {', '.join(sorted(encoder.log.thin))}")
     if thin:
@@ -141,6 +153,25 @@ def quantize_baseline(
     encoder.close()
     result.timings["total"] = perf_counter() - started
     return result
+
+
+def _grids_measured(encoder: Encoder, tier, rounding: Rounding, grids: str) -> tuple[Rounding, dict[str, float], dict[str, float]]:
+    """The rounding on the grids `grids` asks for, encoded: with 'auto', where the grids differ (`grid_options`),
+    the uniform model on each grid measured on the calibration rollout (`Calibrator.drift`) and the one that drifts
+    less kept, as `export` keeps it on the scoring contexts. Returns (that rounding, each grid's drift in percent
+    where measured, its layer errors)."""
+    options = [replace(rounding, grids=option.grids) for option in grid_options(tier, rounding.method, grids)]
+    measured, errors = {}, {}
+    for option in options:
+        encodings = encoder.uniform(tier, option)
+        errors[option] = dict(encoder.log.errors)  # each pass logs its own over the last
+        if len(options) > 1:
+            measured[option] = encoder.calibrator.drift({name: e.dequantize() for name, e in encodings.items()})
+    chosen = least_drift(measured) if measured else options[0]
+    for option in options:
+        if option != chosen:
+            encoder.forget(tier, option)
+    return chosen, {option.grids: drift.worst_pct for option, drift in measured.items()}, errors[chosen]
 
 
 def write_baseline(model_path: str | Path, result: BaselineResult, output: str | Path, layout: str = "dequantized") -> dict:
@@ -159,6 +190,8 @@ def write_baseline(model_path: str | Path, result: BaselineResult, output: str |
         "rtn_only": result.rtn_only,
         "layer_error": result.errors,
         "rtn_layer_error": result.rtn_errors,
+        "grids": result.grids,
+        "grid_drifts_pct": result.grid_drifts,
         "notes": result.notes,
     }
 

@@ -42,7 +42,7 @@ from tiers import Encoded, Hessian
 from tiers.solver_backend import shared_cores, solver_threads
 from tqsdeploy.checkpoints import digest
 from tqsdeploy.contexts import Contexts
-from tqsdeploy.engine import RolloutEngine
+from tqsdeploy.engine import Drift, Nominal, RolloutEngine
 from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.profiling import Profile
 from tqsdeploy.rollout import RolloutSpec
@@ -143,6 +143,8 @@ class Calibrator:
         self._full_cache: list[dict[str, np.ndarray]] | None = None
         self._session = None
         self._samples: list | None = None
+        self._nominal: Nominal | None = None
+        """The original's calibration rollout, for `drift`."""
         self.keep_activations = True
         """Start each wave from the activations kept from the waves before (False: from the model input, every wave)."""
         self._kept: list[dict[str, np.ndarray]] | None = None
@@ -175,6 +177,17 @@ class Calibrator:
                 self._samples = RolloutEngine(self.session, contexts, spec, max_batch).states() if self.waves else []
             graph_ops.release_pages(self.weights)  # the nominal rollout read every original weight
         return self._samples
+
+    def drift(self, weights: Mapping[str, np.ndarray]) -> Drift:
+        """How far the model with `weights` fed strays from the original over the calibration rollout (the
+        windows and steps the statistics come from): a baseline's measure when it chooses between encodings
+        (`baselines.quantize_baseline`, `--grids auto`). The original's rollout is made once, on this session."""
+        contexts, spec, max_batch = self._rollout
+        engine = RolloutEngine(self.session, contexts, spec, max_batch)
+        with self.profile.section("calibration_rollouts"):
+            if self._nominal is None:
+                self._nominal = engine.nominal()
+            return engine.drift(self._nominal, engine.steps(dict(weights)))
 
     def run(self, encode: EncodeFn, cross: bool, log: CalibrationLog | None = None, checkpoints=None,
             found: Mapping[str, tuple] | None = None, reused: Mapping[str, Encoded] | None = None) -> dict[str, Encoded]:

@@ -52,7 +52,7 @@ from tqsdeploy.export_fitting import Fitting
 from tqsdeploy.export_measuring import Measuring
 from tqsdeploy.export_settings import AUTO_LAYOUT, RUNTIME_LAYOUTS, TARGETS, ExportSettings
 from tqsdeploy.export_writing import BASIS_GAP, WARN_DRIFT_PCT, Outcome, Writing
-from tqsdeploy.quantization import AnyRounding, Encoder, Slot, check_group_size, make_slots, rounding_at
+from tqsdeploy.quantization import AnyRounding, Encoder, Slot, check_group_size, grid_options, make_slots, plain_rounding, rounding_at
 from tqsdeploy.prepare import Prepared
 from tqsdeploy.runs import ScoreRun, current_versions, default_run_dir, score_runs
 from tqsdeploy.size import ModelSize, SizeBudget, split_bits
@@ -110,9 +110,13 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
         model = Path(model) if model is not None else run.model.path
         self.settings = settings
         self.tiers: list[Tier] = get_tiers(list(settings.tier_names), settings.runtime, settings.group_size)
-        self._rounding: AnyRounding | None = None if settings.rounding == "auto" else Rounding(settings.rounding)
+        measures = settings.rounding == "auto" or any(len(grid_options(t, settings.rounding, settings.grids)) > 1 for t in self.tiers)
+        self._rounding: AnyRounding | None = None if measures else plain_rounding(settings.rounding, settings.grids)
         self.rounding_choice: dict[str, dict[str, float]] = {}
-        """With --rounding auto: per calibratable tier, each method's uniform drift (percent) on the scoring contexts."""
+        """Per calibratable tier measured to choose its rounding (--rounding auto, --grids auto): each rounding's
+        uniform drift (percent) on the scoring contexts, by its label ('qep', 'qep/min-max')."""
+        self._grid_choice: dict[tuple[str, str], Rounding] = {}
+        """(tier, method) -> that method's rounding on the grids measured best there (`measured_rounding`)."""
         self._uniform_drifts: dict[tuple[str, Rounding], Drift] = {}
         """Uniform candidates' drifts already measured (a uniform model is measured once per export)."""
         try:
@@ -385,7 +389,7 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
 
     def _probe(self, tier: Tier) -> str:
         group = f"/g{self.settings.group_size}" if self.settings.group_size else ""
-        method = self.rounding_at(tier.name).method if tier.calibratable else "rtn"
+        method = self.rounding_at(tier.name).label if tier.calibratable else "rtn"
         narrow = "/f32" if tier.calibratable and method != "rtn" and solver_dtype() != "float64" else ""  # its own prices in the run's cache
         return f"tier:{tier.name}{group}/{method}{narrow}"
 

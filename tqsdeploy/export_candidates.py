@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tiers import TIERS, Encoded, Rounding, Tier, precision_order
 from tqsdeploy.allocate import Allocation, Choice, allocate
-from tqsdeploy.quantization import TierRoundings, can_still_win, comparison_methods
+from tqsdeploy.quantization import TierRoundings, can_still_win, comparison_methods, drift_order, grid_options, least_drift, plain_rounding
 from tqsdeploy.sweep import Drift, Lanes, SweepRunner
 
 BELOW_LOWEST = "int1"
@@ -55,9 +55,8 @@ def _drift_key(tier: Tier, rounding: Rounding) -> tuple[str, Rounding]:
     return tier.name, rounding if tier.calibratable else Rounding()
 
 
-def _order(drift: Drift) -> tuple[float, float]:
-    """How candidates are ordered: worst output drift, then relative RMS drift."""
-    return drift.worst_pct, drift.relative_rms
+_order = drift_order
+"""How candidates are ordered: worst output drift, then relative RMS drift."""
 
 
 @dataclass
@@ -196,10 +195,11 @@ class CandidateBuilding:
             for method in compared:
                 best = min(found, key=_rank).drift.worst_pct
                 # measured by `--rounding auto` with its codes still held: free to compare
-                kept = _drift_key(fitting[0], Rounding(method)) in self._uniform_drifts and not self.one_session
-                if not kept and not can_still_win(method, lambda rival: self.uniform_candidate(fitting[0], Rounding(rival), target).drift.worst_pct, best, compared):
+                kept = self._measured_already(fitting[0], method) and not self.one_session
+                if not kept and not can_still_win(method, lambda rival: self.uniform_candidate(fitting[0], self.measured_rounding(fitting[0], rival), target).drift.worst_pct,
+                                                  best, compared):
                     continue
-                uniform = self.uniform_candidate(fitting[0], Rounding(method), target)
+                uniform = self.uniform_candidate(fitting[0], self.measured_rounding(fitting[0], method), target)
                 uniform.allocation.solver = uniform.label
                 found.append(uniform)
                 self._keep_best(found)
@@ -257,34 +257,62 @@ class CandidateBuilding:
         allocation = self.uniform(tier.name)
         allocation.target = target
         encodings = self.encoder.uniform(tier, rounding)
-        label = f"uniform {tier.name} {rounding.method if tier.calibratable else 'rtn'}"
+        label = f"uniform {tier.name} {rounding.label if tier.calibratable else 'rtn'}"
         key = _drift_key(tier, rounding)
         if key not in self._uniform_drifts:
             self._uniform_drifts[key] = self.measure(encodings)
         return Candidate(label, allocation, encodings, self._uniform_drifts[key], (tier.name, rounding))
 
+    def measured_rounding(self, tier: Tier, method: str) -> Rounding:
+        """`method`'s rounding at `tier` on the grids the export asks for (`ExportSettings.grids`). With 'auto',
+        where the grids differ (`grid_options`), both grids' uniform models are measured on the scoring contexts and
+        the one that drifts less is kept, once per export: the better grid differs per model and tier (`tiers.GRIDS`),
+        and a uniform model is where a grid's codes meet the rollout as they will in the mixed one."""
+        options = grid_options(tier, method, self.settings.grids)
+        if len(options) == 1:
+            return options[0]
+        key = (tier.name, method)
+        if key not in self._grid_choice:
+            measured = {rounding: self.uniform_candidate(tier, rounding, None).drift for rounding in options}
+            self._grid_choice[key] = chosen = least_drift(measured)
+            self.rounding_choice.setdefault(tier.name, {}).update({rounding.label: drift.worst_pct for rounding, drift in measured.items()})
+            if self.one_session:  # a byte per weight each: keep only what the export goes on to read
+                for rounding in options:
+                    if rounding != chosen:
+                        self.encoder.forget(tier, rounding)
+        return self._grid_choice[key]
+
+    def _measured_already(self, tier: Tier, method: str) -> bool:
+        """Whether `method`'s uniform model at `tier` (on its measured grids) was measured: free to compare."""
+        options = grid_options(tier, method, self.settings.grids)
+        rounding = options[0] if len(options) == 1 else self._grid_choice.get((tier.name, method))
+        return rounding is not None and _drift_key(tier, rounding) in self._uniform_drifts
+
     def choose_roundings(self) -> TierRoundings:
-        """`--rounding auto`: per calibratable tier of the set, the method (`AUTO_METHODS`) whose uniform model at
-        that tier drifts least on the scoring contexts. The best method differs per grid and per model (on a real
-        model GPTAQ drifted least at 8 bits and QEP at 4), and a uniform model is where a method's codes at a
-        tier meet the rollout as they will in the mixed one. Every tier is chosen before pricing, so a slot's
-        price, the mixed model and its calibration as itself all use the same codes; the uniform models measured
-        here are among the candidates the export compares."""
+        """Per calibratable tier of the set, the rounding whose uniform model at that tier drifts least on the
+        scoring contexts: with `--rounding auto` among the methods (`AUTO_METHODS`), and with `--grids auto` among
+        the grids each method takes there (`measured_rounding`). The best method differs per grid and per model
+        (on a real model GPTAQ drifted least at 8 bits and QEP at 4), and so does the best grid. Every tier is
+        chosen before pricing, so a slot's price, the mixed model and its calibration as itself all use the same
+        codes; the uniform models measured here are among the candidates the export compares."""
         started = time.perf_counter()
+        asked = self.settings.rounding
+        methods = AUTO_METHODS if asked == "auto" else (asked,)
         chosen = []
         for tier in self.tiers:
-            if not tier.calibratable:
-                continue
-            measured = {method: self.uniform_candidate(tier, Rounding(method), None) for method in AUTO_METHODS}
+            if not tier.calibratable or (asked != "auto" and len(grid_options(tier, asked, self.settings.grids)) == 1):
+                continue  # one rounding to take: nothing to measure
+            measured = {method: self.uniform_candidate(tier, self.measured_rounding(tier, method), None) for method in methods}
             best = min(measured, key=lambda method: _rank(measured[method]))
-            self.rounding_choice[tier.name] = {method: candidate.drift.worst_pct for method, candidate in measured.items()}
-            chosen.append((tier.name, Rounding(best)))
-            if self.one_session:  # a byte per weight each: keep only what the export goes on to read
-                for method in measured:
+            self.rounding_choice.setdefault(tier.name, {}).update({c.cached[1].label: c.drift.worst_pct for c in measured.values()})
+            chosen.append((tier.name, measured[best].cached[1]))
+            if self.one_session:
+                for method, candidate in measured.items():
                     if method != best:
-                        self.encoder.forget(tier, Rounding(method))
+                        self.encoder.forget(tier, candidate.cached[1])
         self.timings["rounding"] += time.perf_counter() - started
-        return TierRoundings(tuple(chosen))
+        default = plain_rounding("qep" if asked == "auto" else asked, self.settings.grids)
+        return TierRoundings(tuple(chosen), default, asked)
 
     def _keep_best(self, found: list[Candidate]) -> None:
         """Only the best candidate is ever written: for a large model, drop the others' codes as soon as

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tiers import DEFAULT_TIERS, METHODS, TRT_TIERS
 from tqsdeploy.allocate import OBJECTIVES, check_allocator
 from tqsdeploy.errors import InputError
+from tqsdeploy.quantization import check_grids
 from tqsdeploy.size import check_basis
 
 ROUNDINGS = (*METHODS, "auto")
@@ -36,6 +37,9 @@ class ExportSettings:
     objective: str = "measured"
     rounding: str = "qep"
     """How codes are chosen on each tier's grid: rtn, gptq, gptaq, qep, or auto (chosen per tier by measurement)."""
+    grids: str = "auto"
+    """The grids a calibrated rounding takes on the clip-searched tiers (`quantization.GRID_CHOICES`): 'auto', per
+    tier the one whose uniform model drifts less on the scoring contexts (`CandidateBuilding.measured_rounding`)."""
     fp32_fraction: float | None = None
     """Share of the units' FP32 size forced to FP32 (Algorithm 1); None: 0.10 for the paper objective, 0 otherwise."""
     allocator: str = "mckp"
@@ -70,6 +74,7 @@ class ExportSettings:
             raise InputError(f"unknown objective '{self.objective}'; choose one of {', '.join(OBJECTIVES)}")
         if self.rounding not in ROUNDINGS:
             raise InputError(f"unknown rounding '{self.rounding}'; choose one of {', '.join(ROUNDINGS)}")
+        check_grids(self.grids)
         check_basis(self.basis)
         check_allocator(self.allocator)
         if self.refine < 0:

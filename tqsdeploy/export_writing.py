@@ -16,7 +16,7 @@ import polars as pl
 
 import graph_ops
 from graph_ops.qdq import Written, write_storage
-from tiers import TIERS, Encoded, Rounding, get_tiers
+from tiers import TIERS, Encoded, get_tiers
 from tiers.solver_backend import array_module
 from tqsdeploy.allocate import Allocation
 from tqsdeploy.calibrate import thin_note
@@ -143,7 +143,8 @@ class Writing:
         notes: list[str] = []
         if uniform_tier is not None:
             tier = get_tiers([uniform_tier], self.settings.runtime, self.settings.group_size)[0]
-            compared = [self.uniform_candidate(tier, Rounding(rounding) if rounding else self.rounding_at(tier.name), target)]
+            asked = rounding or self.settings.rounding
+            compared = [self.uniform_candidate(tier, self.rounding_at(tier.name) if asked == "auto" else self.measured_rounding(tier, asked), target)]
         else:
             compared = self.candidates(target, on_result, final)
         chosen = compared[0]
@@ -217,8 +218,8 @@ class Writing:
         """The method that rounded each calibratable tier of the shipped candidate: a uniform one's own, else the export's."""
         if chosen.cached is not None:
             tier, rounding = chosen.cached
-            return {tier: rounding.method} if TIERS[tier].calibratable else {}
-        return {tier: self.rounding_at(tier).method for tier in sorted(set(chosen.allocation.tiers.values())) if TIERS[tier].calibratable}
+            return {tier: rounding.label} if TIERS[tier].calibratable else {}
+        return {tier: self.rounding_at(tier).label for tier in sorted(set(chosen.allocation.tiers.values())) if TIERS[tier].calibratable}
 
     def loaded_weight_bytes(self, encodings: dict[str, Encoded]) -> int:
         """About how many bytes of weights an ONNX Runtime session of the written model holds after load: it

@@ -36,7 +36,7 @@ import numpy as np
 
 import graph_ops
 from graph_ops.layout import WeightLayout
-from tiers import METHODS, TIERS, Encoded, Hessian, Layout, Rounding, Tier, encode, split
+from tiers import GRIDS, METHODS, TIERS, Encoded, Hessian, Layout, Rounding, Tier, encode, split
 from tiers.gptq import output_error
 from tqsdeploy.errors import InputError
 from tqsdeploy.profiling import Profile
@@ -150,6 +150,46 @@ def can_still_win(method: str, rival_drift: Callable[[str], float], best_drift: 
         return True
     rival, factor = OUTRUN_BY[method]
     return not rival_drift(rival) > factor * best_drift
+
+
+GRID_CHOICES = ("auto", *GRIDS)
+"""`--grids`: 'auto' measures a calibrated method's uniform model on each of `tiers.GRIDS` at every clip-searched
+tier and keeps the one that drifts less on the data at hand (`grid_options`, `least_drift`); or one of them."""
+GRIDS_HELP = ("Grids of the 4-bit and 2-bit tiers for calibrated roundings: per-channel (each channel on the clip-searched or "
+              "the min-max grid, whichever its solve rounds better), min-max, or auto (default): both measured, the one whose uniform "
+              "model drifts less kept per tier.")
+
+
+def check_grids(grids: str) -> str:
+    if grids not in GRID_CHOICES:
+        raise InputError(f"unknown --grids '{grids}'; choose one of {', '.join(GRID_CHOICES)}")
+    return grids
+
+
+def grid_options(tier: Tier, method: str, grids: str) -> list[Rounding]:
+    """The roundings of `method` a uniform model at `tier` is built with to choose its grid by measurement: one per
+    grid of `tiers.GRIDS` with `grids` 'auto', where the method calibrates and the tier's grid is clip-searched (the
+    only place the two differ); else the one rounding asked for."""
+    if grids == "auto" and Rounding(method).needs_stats and tier.calibratable and tier.quantized and tier.grid.search:
+        return [Rounding(method, grids=g) for g in GRIDS]
+    return [plain_rounding(method, grids)]
+
+
+def plain_rounding(method: str, grids: str) -> Rounding:
+    """`method` on `grids`, where nothing is measured: 'auto' takes the first of `tiers.GRIDS` (on a tier that
+    is not clip-searched both are the same grid)."""
+    return Rounding(method, grids=GRIDS[0] if grids == "auto" else grids)
+
+
+def drift_order(drift) -> tuple[float, float]:
+    """How measured models are ordered, best first: worst output drift, then relative RMS drift."""
+    return drift.worst_pct, drift.relative_rms
+
+
+def least_drift(measured: Mapping[Rounding, object]) -> Rounding:
+    """The rounding whose measured drift (`tqsdeploy.engine.Drift`) is least (`drift_order`; listed first wins a tie):
+    how `export` and `baseline` choose a uniform model's grid, on the scoring contexts and the calibration windows."""
+    return min(measured, key=lambda rounding: drift_order(measured[rounding]))
 
 
 def _assignment_key(assignment: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -365,7 +405,7 @@ class Encoder:
             return {name: self.tensor(name, tier, rounding) for name in self.layouts}
         key = (tier.name, rounding)
         if key not in self._uniform:
-            self._uniform[key] = self._pass(lambda name, stats: self._encode(name, tier, rounding, stats), rounding, f"uniform {tier.name} {rounding.method}",
+            self._uniform[key] = self._pass(lambda name, stats: self._encode(name, tier, rounding, stats), rounding, f"uniform {tier.name} {rounding.label}",
                                             f"uniform {_grid(tier)} {rounding!r}", lambda name: ((None, tier.name, rounding),))
         return self._uniform[key]
 

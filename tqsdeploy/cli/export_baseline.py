@@ -13,6 +13,7 @@ from rich.markup import escape
 from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS
 from tqsdeploy.cli.app import app, err, frame_table, out, parse_floats, progress_bar, split_list, user_errors
 from tqsdeploy.errors import InputError
+from tqsdeploy.quantization import GRID_CHOICES, GRIDS_HELP
 
 
 def _say_sidecar(files, size: int, alternative: str | None = None) -> None:
@@ -71,6 +72,7 @@ def export(
     run: Optional[Path] = typer.Option(None, "--run", help="Score run folder (default: the model's run in tqs-runs/; without a model, the only run there)."),
     tiers: Optional[str] = typer.Option(None, "--tiers", help=f"Tiers to choose from ({', '.join(TIERS)}); default {','.join(DEFAULT_TIERS)} (--target trt: {','.join(TRT_TIERS)})."),
     rounding: str = typer.Option("qep", "--rounding", metavar="|".join((*METHODS, "auto")), help="How codes are chosen on each tier's grid: rtn, gptq, gptaq or qep (calibrated on the run's contexts); auto: per tier the method whose uniform model drifts least on them."),
+    grids: str = typer.Option("auto", "--grids", metavar="|".join(GRID_CHOICES), help=GRIDS_HELP),
     target: str = typer.Option("ort-cpu", "--target", metavar="ort-cpu|ort-cuda|trt", help="Runtime the model is for: ort-cpu (default; 'ort' too), ort-cuda or trt (restricts tiers, trt uses symmetric grids; decides --runtime-layout auto)."),
     runtime_layout: str = typer.Option("auto", "--runtime-layout", metavar="auto|dequantized|fused", help="dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed and memory, the small file); fused: DequantizeLinear (MatMulNBits on ORT, fast for few rows; what TensorRT needs); auto (default): dequantized for ort-cpu/ort-cuda, fused for trt."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer quantization along the reduction axis (e.g. 32, 64, 128)."),
@@ -118,6 +120,7 @@ def export(
         group_size=group_size,
         objective=objective,
         rounding=rounding,
+        grids=grids,
         fp32_fraction=fp32_fraction,
         allocator=allocator,
         fallback=not no_fallback,
@@ -206,10 +209,11 @@ def export(
         _say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
         out.print(frame_table(summary, "", ["tier", "slots", "params", "bytes"]))
         out.print(f"  runtime layout: {_layout_cost(outcome, settings)}")
-        if settings.rounding == "auto":
-            choice = "; ".join(f"{tier} {planner.rounding_at(tier).method} (" + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items()) + ")"
+        if planner.rounding_choice:
+            choice = "; ".join(f"{tier} {planner.rounding_at(tier).label} (" + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items()) + ")"
                                for tier, drifts in planner.rounding_choice.items())
-            out.print(f"  rounding auto, per tier the method whose uniform model drifted least on the scoring contexts ({escape(choice)})")
+            asked = " and ".join(f"--{option} auto" for option, value in (("rounding", settings.rounding), ("grids", settings.grids)) if value == "auto")
+            out.print(f"  {asked}: per tier the rounding whose uniform model drifted least on the scoring contexts ({escape(choice)})")
         if outcome.drift is not None:
             compared = ", ".join(f"{c['label']}: {c['drift_pct']:.4g}%" for c in outcome.compared[1:])
             out.print(f"  drift from the original on the scoring contexts (exact dequantization): {outcome.drift_pct:.4g}%" + (f" (compared: {escape(compared)})" if compared else ""))
@@ -247,6 +251,7 @@ def baseline(
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Input features per quantization group (default: per channel)."),
     symmetric: bool = typer.Option(False, "--symmetric", help="Symmetric grid (INT codes, no zero point) instead of the asymmetric default."),
     act_order: bool = typer.Option(False, "--act-order", help="GPTQ column order by decreasing Hessian diagonal (static groups)."),
+    grids: str = typer.Option("auto", "--grids", metavar="|".join(GRID_CHOICES), help=GRIDS_HELP),
     min_params: int = typer.Option(1024, "--min-params", min=1, help="Smallest tensor that is quantized."),
     output_given: Optional[str] = typer.Option(None, "-o", "--output", help="Output ONNX (default <stem>.<method>-w<bits>.onnx; a model named model.onnx adds its folder's name)."),
     runtime_layout: str = typer.Option("dequantized", "--runtime-layout", metavar="dequantized|fused", help="As export's: dequantized (default, export's pick for ort-cpu: float weights rebuilt at load) or fused (DequantizeLinear)."),
@@ -273,7 +278,7 @@ def baseline(
     with progress_bar(f"{method} W{bits}", "weights") as progress:
         result = quantize_baseline(
             model, method, bits, calib, spec=spec, steps=steps, group_size=group_size, symmetric=symmetric,
-            rounding=Rounding(method, act_order=act_order), min_params=min_params,
+            rounding=Rounding(method, act_order=act_order), grids=grids, min_params=min_params,
             on_start=progress.start, on_weight=lambda name: progress.advance(detail=name[-40:]),
         )
     summary = write_baseline(model, result, path, runtime_layout)
@@ -288,6 +293,9 @@ def baseline(
         ratio = [summary["layer_error"][k] / summary["rtn_layer_error"][k] for k in summary["layer_error"] if summary["rtn_layer_error"].get(k)]
         if ratio:
             out.print(f"  layer reconstruction error vs round to nearest on the calibration data: median {float(np.median(ratio)):.3f}x")
+    if summary["grid_drifts_pct"]:
+        drifts = ", ".join(f"{grids} {drift:.4g}%" for grids, drift in summary["grid_drifts_pct"].items())
+        out.print(f"  grids: {summary['grids']}, whose model drifted less on the calibration rollout ({drifts}; --grids auto)")
     for name, reason in summary["rtn_only"].items():
         out.print(f"  note: '{escape(name)}' is rounded to nearest whatever the method: {escape(reason)}")
     for note in summary["notes"]:

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from tiers import DEFAULT_TIERS, METHODS
+from tqsdeploy.quantization import GRID_CHOICES, GRIDS_HELP
 from tqsdeploy.cli.app import COLUMNS, app, frame_table, latency_settings, out, parse_columns, parse_floats, progress_bar, split_list, user_errors
 
 
@@ -26,6 +27,7 @@ def frontier(
     bits: str = typer.Option("2,4,8", "--bits", help="Baseline bit widths."),
     tiers: Optional[str] = typer.Option(None, "--tiers", help=f"TQS-PTQ tiers (default: export's, {','.join(DEFAULT_TIERS)}, with int1 added near the INT2 size)."),
     rounding: str = typer.Option("qep", "--rounding", metavar="|".join((*METHODS, "auto")), help="TQS-PTQ's rounding method (auto: chosen per tier by measurement)."),
+    grids: str = typer.Option("auto", "--grids", metavar="|".join(GRID_CHOICES), help=GRIDS_HELP + " TQS-PTQ's and the uniform baselines' alike."),
     objective: str = typer.Option("measured", "--objective", metavar="measured|response|paper", help="TQS-PTQ's allocation objective."),
     also: Optional[str] = typer.Option(None, "--also", help="Extra TQS-PTQ lines as objective/rounding, e.g. paper/rtn,measured/gptq."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer tiers."),
@@ -60,12 +62,12 @@ def frontier(
         checked_layouts(graph_ops.load_model(model, load_external=False).proto, min_params, group_size, tier_set)
     if baselines.strip() and any(b not in (1, 2, 3, 4, 8) for b in parse_floats(bits, "--bits")):
         raise typer.BadParameter(f"--bits takes 1, 2, 3, 4 and 8, not {bits!r}")
-    base = ExportSettings(tiers=tier_names, group_size=group_size, rounding=rounding, objective=objective)
+    base = ExportSettings(tiers=tier_names, group_size=group_size, rounding=rounding, grids=grids, objective=objective)
     variants = []
     for item in (also or "").split(","):
         if item.strip():
             chosen_objective, _, chosen_rounding = item.strip().partition("/")
-            variant = ExportSettings(tiers=tier_names, group_size=group_size, objective=chosen_objective, rounding=chosen_rounding or rounding)
+            variant = ExportSettings(tiers=tier_names, group_size=group_size, objective=chosen_objective, rounding=chosen_rounding or rounding, grids=grids)
             variants.append((f"TQS-PTQ {variant.objective}/{variant.rounding}", variant))
     settings = FrontierSettings(
         targets=tuple(parse_floats(targets, "--C")),
