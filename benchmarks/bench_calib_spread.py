@@ -36,21 +36,31 @@ from tqsdeploy.evaluate import EvalSettings, evaluate
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "ETTh1.csv"
-L, FIRST, LAST, SETS = 2048, 9472, 12160, 5
-"""The tied mixer's context length and the window starts its contexts.npz spans (targets in the test rows)."""
+SETS = 5
+SPANS = {"tied_mixer_etth1": (9472, 12160), "timesfm_etth1": (11520, 13376)}
+"""The ETTh1 rows each example's contexts.npz windows start in (its targets in the test rows)."""
 MIN_PARAMS = {"lorenz96": 256, "era5_emulator": 256}  # as bench_versions.py and run_frontiers.py
 
 
 def etth1_sets(folder: Path, example: Path, count: int = SETS) -> list[Path]:
-    """The tied mixer: `count` seeded random sets of 8 ETTh1 windows (seeds 100, 101, ...)."""
+    """An ETTh1 forecaster: `count` seeded random sets of as many windows as contexts.npz holds (seeds 100, 101, ...),
+    starting where its windows start (`SPANS`), standardized with its norm.json; its first input takes the windows, any
+    other (timesfm's masks) zeros: every row observed."""
+    if example.name not in SPANS:
+        raise SystemExit(f"{example.name}: no ETTh1 span known to draw calibration windows from (SPANS)")
+    first, last = SPANS[example.name]
+    contexts = np.load(example / "contexts.npz")
+    name = contexts.files[0]
+    n, length = contexts[name].shape[0], contexts[name].shape[-1]
     norm = json.loads((example / "norm.json").read_text())
     raw = np.loadtxt(DATA, delimiter=",", skiprows=1, usecols=range(1, 8), dtype=np.float64)
     data = ((raw - np.array(norm["mean"])) / np.array(norm["std"])).astype(np.float32)
     paths = []
     for k in range(count):
-        starts = np.random.default_rng(100 + k).integers(FIRST, LAST, 8)
+        starts = np.random.default_rng(100 + k).integers(first, last, n)
+        windows = np.stack([data[s : s + length].T for s in starts])
         paths.append(folder / f"calib{k}.npz")
-        np.savez(paths[-1], x=np.stack([data[s : s + L].T for s in starts]))
+        np.savez(paths[-1], **{name: windows}, **{other: np.zeros_like(windows) for other in contexts.files[1:]})
     return paths
 
 
