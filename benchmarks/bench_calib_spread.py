@@ -88,33 +88,41 @@ def held_out_drift(candidate: Path, example: Path) -> float:
     return sum(drifts) / len(drifts)
 
 
+def command_of(cli: str) -> list[str]:
+    """How a --cli PATH runs: a .py file with this Python."""
+    return [*([sys.executable] if cli.endswith(".py") else []), cli]
+
+
 def tqs_spread(args, example: Path, folder: Path, sets: list[Path], clis: dict[str, str]) -> None:
-    """`--tqs`: per set a score run, TQS-PTQ at each C and the uniform model of its grid (`--uniform`, one tier
-    per C) from that run, held-out drift of each."""
-    cli = next(iter(clis.values()))
+    """`--tqs`: per set a score run (the first CLI's), then with every CLI TQS-PTQ at each C and the uniform model of
+    its grid (`--uniform`, one tier per C) exported from that run, held-out drift of each."""
     extra = ["--min-params", str(MIN_PARAMS[args.example])] if args.example in MIN_PARAMS else []
     targets, tiers = args.tqs.split(","), args.uniform.split(",")
     tiers = tiers * len(targets) if len(tiers) == 1 else tiers
-    uniform, tqs = {t: [] for t in tiers}, {c: [] for c in targets}
+    uniform = {label: {t: [] for t in tiers} for label in clis}
+    tqs = {label: {c: [] for c in targets} for label in clis}
     for k, calib in enumerate(sets):
         run = folder / f"run{k}"
-        subprocess.run([cli, "score", str(example / "model.onnx"), "--contexts", str(calib), "--spec", str(example / "rollout.toml"), "--out", str(run), *extra],
-                       check=True, capture_output=True, cwd=folder)
-        for tier in uniform:
-            out = folder / f"uniform{k}.{tier}.onnx"
-            subprocess.run([cli, "export", str(example / "model.onnx"), "--run", str(run), "--uniform", tier, "-o", str(out)], check=True, capture_output=True, cwd=folder)
-            uniform[tier].append(held_out_drift(out, example))
-        for c in tqs:
-            out = folder / f"tqs{k}.C{c}.onnx"
-            subprocess.run([cli, "export", str(example / "model.onnx"), "--run", str(run), "--C", c, "-o", str(out)], check=True, capture_output=True, cwd=folder)
-            tqs[c].append(held_out_drift(out, example))
-        print(f"set {k}: " + ", ".join(f"uniform {t} {d[-1]:.4g}" for t, d in uniform.items()) + ", " + ", ".join(f"TQS-PTQ C{c} {d[-1]:.4g}" for c, d in tqs.items()), flush=True)
-    for tier, drifts in uniform.items():
-        print(f"{args.example} uniform {tier}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {' '.join(f'{d:.4g}' for d in drifts)}; last = contexts.npz)")
-    for (c, drifts), tier in zip(tqs.items(), tiers):
-        ratios = np.array(drifts) / np.array(uniform[tier])
-        print(f"{args.example} TQS-PTQ C{c}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {' '.join(f'{d:.4g}' for d in drifts)}); "
-              f"/ uniform {tier} per set {ratios.mean():.3f} ± {ratios.std():.2g}, below it on {int((ratios < 1).sum())} of {len(ratios)}")
+        subprocess.run([*command_of(next(iter(clis.values()))), "score", str(example / "model.onnx"), "--contexts", str(calib), "--spec", str(example / "rollout.toml"),
+                        "--out", str(run), *extra], check=True, capture_output=True, cwd=folder)
+        for label, cli in clis.items():
+            for tier in uniform[label]:
+                out = folder / f"uniform{k}.{label}.{tier}.onnx"
+                subprocess.run([*command_of(cli), "export", str(example / "model.onnx"), "--run", str(run), "--uniform", tier, "-o", str(out)], check=True, capture_output=True, cwd=folder)
+                uniform[label][tier].append(held_out_drift(out, example))
+            for c in tqs[label]:
+                out = folder / f"tqs{k}.{label}.C{c}.onnx"
+                subprocess.run([*command_of(cli), "export", str(example / "model.onnx"), "--run", str(run), "--C", c, "-o", str(out)], check=True, capture_output=True, cwd=folder)
+                tqs[label][c].append(held_out_drift(out, example))
+            print(f"set {k} {label}: " + ", ".join(f"uniform {t} {d[-1]:.4g}" for t, d in uniform[label].items()) + ", "
+                  + ", ".join(f"TQS-PTQ C{c} {d[-1]:.4g}" for c, d in tqs[label].items()), flush=True)
+    for label in clis:
+        for tier, drifts in uniform[label].items():
+            print(f"{args.example} {label} uniform {tier}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {' '.join(f'{d:.4g}' for d in drifts)}; last = contexts.npz)")
+        for (c, drifts), tier in zip(tqs[label].items(), tiers):
+            ratios = np.array(drifts) / np.array(uniform[label][tier])
+            print(f"{args.example} {label} TQS-PTQ C{c}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {' '.join(f'{d:.4g}' for d in drifts)}); "
+                  f"/ uniform {tier} per set {ratios.mean():.3f} ± {ratios.std():.2g}, below it on {int((ratios < 1).sum())} of {len(ratios)}")
 
 
 def main() -> None:
@@ -142,7 +150,7 @@ def main() -> None:
                     drifts = []
                     for k, calib in enumerate(sets):
                         out = folder / f"{method}{bits}.{label}.{k}.onnx"
-                        command = [*([sys.executable] if cli.endswith(".py") else []), cli, "baseline", str(example / "model.onnx"), "--method", method, "--bits", bits, "--calib", str(calib), "-o", str(out)]
+                        command = [*command_of(cli), "baseline", str(example / "model.onnx"), "--method", method, "--bits", bits, "--calib", str(calib), "-o", str(out)]
                         command += ["--min-params", str(MIN_PARAMS[args.example])] if args.example in MIN_PARAMS else []
                         subprocess.run(command, check=True, capture_output=True, cwd=folder)
                         drifts.append(held_out_drift(out, example))

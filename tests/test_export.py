@@ -348,6 +348,7 @@ def test_baseline_equals_a_uniform_export_with_that_rounding(scored, tmp_path, m
     assert exported["compression"] == baseline["compression"]
     measured = {label.replace(method, "").lstrip("/") or "per-channel": drift for label, drift in exported["rounding_choice"].get(tier, {}).items()}
     assert baseline["grid_drifts_pct"] == pytest.approx(measured, rel=1e-4) and (bits < 8 and method != "rtn") == bool(measured)
+    assert set(exported["rounding_choice"]) <= {tier}  # a uniform export measures its own tier's grids, no other tier's
 
 
 def test_compression_is_one_number_in_export_eval_and_gate(scored, tmp_path):

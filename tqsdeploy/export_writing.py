@@ -162,11 +162,12 @@ class Writing:
                 f"'{name}': the scoring contexts read {len(touched)} of its {self.weights[name].shape[0]} rows; it was scored and measured on those, "
                 f"and the other rows are stored at the same tier ({tier}) untested: rows a deployment reads that the contexts never did may be hurt more"
             )
+        calibrated = chosen.cached[1].needs_stats if chosen.cached else self.rounding.needs_stats  # a uniform model's own rounding: asking the export's could measure every tier
         for name, reason in sorted(self.encoder.log.rtn_only.items()):
-            if self.rounding.needs_stats:
+            if calibrated:
                 notes.append(f"'{name}' is rounded to nearest whatever the method: {reason}")
         thin = thin_note(self.encoder.log.thin, self.settings.rounding, "score with more context windows (or more --steps) to give it more, or export with --rounding rtn, which needs none")
-        if thin and self.rounding.needs_stats:
+        if thin and calibrated:
             notes.append(thin)
         if max_drift_pct is not None and chosen.drift is not None and not chosen.drift.worst_pct <= max_drift_pct:
             refused = f"{path} not written: it drifts {chosen.drift.worst_pct:.4g}% from the original on the scoring contexts, above --max-drift {max_drift_pct:g}%"

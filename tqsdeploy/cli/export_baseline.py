@@ -209,11 +209,11 @@ def export(
         _say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
         out.print(frame_table(summary, "", ["tier", "slots", "params", "bytes"]))
         out.print(f"  runtime layout: {_layout_cost(outcome, settings)}")
-        if planner.rounding_choice:
-            choice = "; ".join(f"{tier} {planner.rounding_at(tier).label} (" + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items()) + ")"
-                               for tier, drifts in planner.rounding_choice.items())
+        if planner.rounding_choice:  # what was measured so far, read as it is (asking the planner for a tier's rounding could measure more)
+            measured = "; ".join(f"{tier}: " + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items()) for tier, drifts in planner.rounding_choice.items())
+            used = ", ".join(f"{tier} {label}" for tier, label in outcome.rounding.items())
             asked = " and ".join(f"--{option} auto" for option, value in (("rounding", settings.rounding), ("grids", settings.grids)) if value == "auto")
-            out.print(f"  {asked}: per tier the rounding whose uniform model drifted least on the scoring contexts ({escape(choice)})")
+            out.print(f"  {asked}: each tier rounded as its uniform model drifted least on the scoring contexts ({escape(used)}; measured {escape(measured)})")
         if outcome.drift is not None:
             compared = ", ".join(f"{c['label']}: {c['drift_pct']:.4g}%" for c in outcome.compared[1:])
             out.print(f"  drift from the original on the scoring contexts (exact dequantization): {outcome.drift_pct:.4g}%" + (f" (compared: {escape(compared)})" if compared else ""))
