@@ -145,6 +145,7 @@ class Calibrator:
         self._samples: list | None = None
         self._nominal: Nominal | None = None
         """The original's calibration rollout, for `drift`."""
+        self._engine: RolloutEngine | None = None
         self.keep_activations = True
         """Start each wave from the activations kept from the waves before (False: from the model input, every wave)."""
         self._kept: list[dict[str, np.ndarray]] | None = None
@@ -182,12 +183,12 @@ class Calibrator:
         """How far the model with `weights` fed strays from the original over the calibration rollout (the
         windows and steps the statistics come from): a baseline's measure when it chooses between encodings
         (`baselines.quantize_baseline`, `--grids auto`). The original's rollout is made once, on this session."""
-        contexts, spec, max_batch = self._rollout
-        engine = RolloutEngine(self.session, contexts, spec, max_batch)
+        if self._engine is None:  # its batching decision is a run: made once per session (`release` drops it)
+            self._engine = RolloutEngine(self.session, *self._rollout)
         with self.profile.section("calibration_rollouts"):
             if self._nominal is None:
-                self._nominal = engine.nominal()
-            return engine.drift(self._nominal, engine.steps(dict(weights)))
+                self._nominal = self._engine.nominal()
+            return self._engine.drift(self._nominal, self._engine.steps(dict(weights)))
 
     def run(self, encode: EncodeFn, cross: bool, log: CalibrationLog | None = None, checkpoints=None,
             found: Mapping[str, tuple] | None = None, reused: Mapping[str, Encoded] | None = None) -> dict[str, Encoded]:
@@ -493,6 +494,7 @@ class Calibrator:
         if self._session is not None:
             self._session.close()
             self._session = None
+            self._engine = None
             release_freed_memory()
 
     def close(self) -> None:
