@@ -37,7 +37,7 @@ from tqsdeploy.evaluate import EvalSettings, evaluate
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "ETTh1.csv"
 SETS = 5
-SPANS = {"tied_mixer_etth1": (9472, 12160), "timesfm_etth1": (11520, 13376)}
+SPANS = {"tied_mixer_etth1": (9472, 12160), "timesfm_etth1": (11520, 13376), "etth1_patchtst": (11520, 13120)}
 """The ETTh1 rows each example's contexts.npz windows start in (its targets in the test rows)."""
 MIN_PARAMS = {"lorenz96": 256, "era5_emulator": 256}  # as bench_versions.py and run_frontiers.py
 
