@@ -26,7 +26,7 @@ from tiers import Encoded, Rounding, TierError, tier_for_bits
 from tqsdeploy.calibrate import Calibrator, thin_note
 from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
-from tqsdeploy.quantization import Encoder, check_grids, checked_layouts, grid_options, least_drift
+from tqsdeploy.quantization import Encoder, check_grids, checked_layouts, grid_options
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
 from tqsdeploy.size import ModelSize
 from tqsdeploy.units import check_finite
@@ -161,16 +161,17 @@ def _grids_measured(encoder: Encoder, tier, rounding: Rounding, grids: str) -> t
     less kept, as `export` keeps it on the scoring contexts. Returns (that rounding, each grid's drift in percent
     where measured, its layer errors)."""
     options = [replace(rounding, grids=option.grids) for option in grid_options(tier, rounding.method, grids)]
-    measured, errors = {}, {}
-    for option in options:
+    errors = {}
+
+    def measure(option: Rounding):
         encodings = encoder.uniform(tier, option)
         errors[option] = dict(encoder.log.errors)  # each pass logs its own over the last
-        if len(options) > 1:
-            measured[option] = encoder.calibrator.drift({name: e.dequantize() for name, e in encodings.items()})
-    chosen = least_drift(measured) if measured else options[0]
-    for option in options:
-        if option != chosen:
-            encoder.forget(tier, option)
+        return encoder.calibrator.drift({name: e.dequantize() for name, e in encodings.items()})
+
+    if len(options) == 1:
+        encoder.uniform(tier, options[0])
+        return options[0], {}, dict(encoder.log.errors)
+    chosen, measured = encoder.least_drifting(tier, options, measure)
     return chosen, {option.grids: drift.worst_pct for option, drift in measured.items()}, errors[chosen]
 
 

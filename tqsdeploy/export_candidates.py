@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tiers import TIERS, Encoded, Rounding, Tier, precision_order
 from tqsdeploy.allocate import Allocation, Choice, allocate
-from tqsdeploy.quantization import TierRoundings, can_still_win, comparison_methods, drift_order, grid_options, least_drift, plain_rounding
+from tqsdeploy.quantization import TierRoundings, can_still_win, comparison_methods, drift_order, grid_options, plain_rounding
 from tqsdeploy.sweep import Drift, Lanes, SweepRunner
 
 BELOW_LOWEST = "int1"
@@ -273,14 +273,15 @@ class CandidateBuilding:
             return options[0]
         key = (tier.name, method)
         if key not in self._grid_choice:
-            measured = {rounding: self.uniform_candidate(tier, rounding, None).drift for rounding in options}
-            self._grid_choice[key] = chosen = least_drift(measured)
-            self.rounding_choice.setdefault(tier.name, {}).update({rounding.label: drift.worst_pct for rounding, drift in measured.items()})
-            if self.one_session:  # a byte per weight each: keep only what the export goes on to read
-                for rounding in options:
-                    if rounding != chosen:
-                        self.encoder.forget(tier, rounding)
+            self._grid_choice[key] = self._least_drifting(tier, options)
         return self._grid_choice[key]
+
+    def _least_drifting(self, tier: Tier, options: list[Rounding]) -> Rounding:
+        """The rounding of `options` whose uniform model at `tier` drifts least on the scoring contexts, every one
+        recorded (`rounding_choice`); a large model keeps only the chosen one's codes (a byte per weight each)."""
+        chosen, measured = self.encoder.least_drifting(tier, options, lambda rounding: self.uniform_candidate(tier, rounding, None).drift, forget=self.one_session)
+        self.rounding_choice.setdefault(tier.name, {}).update({rounding.label: drift.worst_pct for rounding, drift in measured.items()})
+        return chosen
 
     def _measured_already(self, tier: Tier, method: str) -> bool:
         """Whether `method`'s uniform model at `tier` (on its measured grids) was measured: free to compare."""
@@ -302,14 +303,7 @@ class CandidateBuilding:
         for tier in self.tiers:
             if not tier.calibratable or (asked != "auto" and len(grid_options(tier, asked, self.settings.grids)) == 1):
                 continue  # one rounding to take: nothing to measure
-            measured = {method: self.uniform_candidate(tier, self.measured_rounding(tier, method), None) for method in methods}
-            best = min(measured, key=lambda method: _rank(measured[method]))
-            self.rounding_choice.setdefault(tier.name, {}).update({c.cached[1].label: c.drift.worst_pct for c in measured.values()})
-            chosen.append((tier.name, measured[best].cached[1]))
-            if self.one_session:
-                for method, candidate in measured.items():
-                    if method != best:
-                        self.encoder.forget(tier, candidate.cached[1])
+            chosen.append((tier.name, self._least_drifting(tier, [self.measured_rounding(tier, method) for method in methods])))
         self.timings["rounding"] += time.perf_counter() - started
         default = plain_rounding("qep" if asked == "auto" else asked, self.settings.grids)
         return TierRoundings(tuple(chosen), default, asked)

@@ -409,6 +409,18 @@ class Encoder:
                                             f"uniform {_grid(tier)} {rounding!r}", lambda name: ((None, tier.name, rounding),))
         return self._uniform[key]
 
+    def least_drifting(self, tier: Tier, options: Sequence[Rounding], measure: Callable[[Rounding], object], forget: bool = True) -> tuple[Rounding, dict]:
+        """(the rounding of `options` whose uniform model at `tier` drifts least by `measure`, each one's drift), measured
+        in the order given (`least_drift`); with `forget` the others' encodings are dropped (a byte per weight each): how
+        `export` picks a tier's grid and method and `baseline` its grid, whatever each measures on."""
+        measured = {rounding: measure(rounding) for rounding in options}
+        chosen = least_drift(measured)
+        if forget:
+            for rounding in options:
+                if rounding != chosen:
+                    self.forget(tier, rounding)
+        return chosen, measured
+
     def forget(self, tier: Tier | str, rounding: Rounding) -> None:
         """Drop the cached uniform encodings of (tier, rounding): 1 byte per weight."""
         self._uniform.pop((tier if isinstance(tier, str) else tier.name, rounding), None)
