@@ -10,7 +10,7 @@ time inside it (calibration and measurement rollouts), its solver and statistics
 JSON's `profile_s`), and the ratio export / baseline.
 
     python benchmarks/bench_export.py [--models etth1_patchtst,...,bert] [--stack-gb 1.0] [--out export]
-                                      [--provider cuda] [--arrays numpy] [--results-dir DIR]
+                                      [--provider cuda] [--arrays numpy] [--solver-dtype float64] [--results-dir DIR]
 
 `--provider` runs score's and export's measurement rollouts on that ONNX Runtime provider (calibration rollouts
 and the baseline stay on the CPU); `--arrays numpy` sets TQS_ARRAYS=numpy, keeping the solvers' products on the
@@ -97,7 +97,7 @@ def bench(name: str, tmp: Path, stack_gb: float, provider: str = "cpu", logs: Pa
     return {
         "model": name, "params": params, "C": item["C"], "score_s": round(score_s, 2), "export_s": round(export_s, 2),
         "export_inside_s": profile.get("total"), "onnxruntime_s": round(profile.get("calibration_rollouts", 0.0) + profile.get("measurement_rollouts", 0.0), 2),
-        "solver_s": profile.get("solver"), "statistics_s": profile.get("statistics"), "profile_s": profile, "solver_arrays": record.get("solver_arrays"),
+        "solver_s": profile.get("solver"), "statistics_s": profile.get("statistics"), "profile_s": profile, "solver_arrays": record.get("solver_arrays"), "solver_dtype": record.get("solver_dtype"),
         "baseline": f"qep W{bits}", "baseline_s": round(baseline_s, 2), "ratio": round(export_s / baseline_s, 2),
         "shipped": record.get("shipped"), "compression": round(record.get("compression", 0.0), 3), "drift_pct": record.get("drift_pct"),
     }
@@ -106,7 +106,8 @@ def bench(name: str, tmp: Path, stack_gb: float, provider: str = "cpu", logs: Pa
 def write(rows: list[dict], stem: str, note: str, results: Path = RESULTS) -> None:
     results.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"), "note": note,
-            "provider": rows[0].get("provider", "cpu") if rows else "cpu", "arrays": EXTRA_ENV.get("TQS_ARRAYS", "auto")}
+            "provider": rows[0].get("provider", "cpu") if rows else "cpu", "arrays": EXTRA_ENV.get("TQS_ARRAYS", "auto"),
+            "solver_dtype": EXTRA_ENV.get("TQS_SOLVER_DTYPE", "default")}
     (results / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [f"Export time to result, {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs. {note}", "",
              "Each figure is one process timed from outside (wall seconds); 'inside' is export's own total, split by its `profile_s`",
@@ -131,11 +132,14 @@ def main() -> None:
     parser.add_argument("--note", default="", help="said beside the machine (e.g. that it was shared)")
     parser.add_argument("--provider", default="cpu", help="ONNX Runtime provider of score's and export's measurement rollouts (cpu, cuda)")
     parser.add_argument("--arrays", default="auto", choices=("auto", "numpy"), help="numpy: keep the solvers' products on the host (TQS_ARRAYS=numpy)")
+    parser.add_argument("--solver-dtype", default=None, choices=("float32", "float64"), help="TQS_SOLVER_DTYPE for every timed process (default: unset, the solvers' default)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="where STEM.json/.md are written")
     parser.add_argument("--logs", type=Path, default=None, help="keep each model's score/export/baseline output here (default: a temporary folder)")
     args = parser.parse_args()
     if args.arrays == "numpy":
         EXTRA_ENV["TQS_ARRAYS"] = "numpy"
+    if args.solver_dtype:
+        EXTRA_ENV["TQS_SOLVER_DTYPE"] = args.solver_dtype
     names = [n for n in args.models.split(",") if n] + (["stack"] if args.stack_gb > 0 and "stack" not in args.models else [])
     rows = []
     if args.logs:

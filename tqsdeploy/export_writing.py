@@ -17,7 +17,7 @@ import polars as pl
 import graph_ops
 from graph_ops.qdq import Written, write_storage
 from tiers import TIERS, Encoded, get_tiers
-from tiers.solver_backend import array_module
+from tiers.solver_backend import array_module, solver_dtype
 from tqsdeploy.allocate import Allocation
 from tqsdeploy.calibrate import thin_note
 from tqsdeploy.errors import InputError
@@ -207,6 +207,7 @@ class Writing:
             "timings_s": {**{k: round(v, 3) for k, v in self.timings.items()}, "calibration": round(self.encoder.log.calibration_s, 3), "total": round(time.perf_counter() - started, 3)},
             "profile_s": self.encoder.profile.split(profiled, time.perf_counter() - started),
             "solver_arrays": array_module().__name__,
+            "solver_dtype": solver_dtype(),
             "tiers": table.rows(named=True),
         }
         write_table(table, f"{stem}.allocation.parquet")
