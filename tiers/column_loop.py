@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from tiers.grid import GRID_KINDS, Grid, GridSpec, find_grid, round_to_grid
-from tiers.solver_backend import solver_dtype
+from tiers.solver_backend import solve_dtype
 
 UPDATE_BLOCK = 1 << 20
 """Elements of a lazy-batch update computed at a time (8 MiB of float64), not the rest of the weight at once."""
@@ -54,7 +54,7 @@ def column_loop(xp, Wt: np.ndarray, U: np.ndarray, spec: GridSpec, group_size: i
     memory into one scratch buffer: the same operations on the same values as the official
     `W1[:, i:] -= outer(e, U[c, c:])`, 2.7x faster on a 2048-row block."""
     N, K = Wt.shape
-    dtype = xp.float32 if solver_dtype() == "float32" else xp.float64  # TQS_SOLVER_DTYPE: the loop's updates (the grids stay float64)
+    dtype = xp.float32 if solve_dtype(K) == "float32" else xp.float64  # TQS_SOLVER_DTYPE: the loop's updates (the grids stay float64)
     W, Ud = xp.asarray(Wt, dtype=dtype), xp.asarray(U, dtype=dtype)
     Pd = None if P is None else xp.asarray(P, dtype=dtype)
     codes = xp.zeros((N, K), xp.float32)

@@ -1,4 +1,4 @@
-"""RTN, GPTQ, GPTAQ and QEP rounding in numpy (the solves in float32 or float64, `solver_backend.solver_dtype`), on a tier's grid.
+"""RTN, GPTQ, GPTAQ and QEP rounding in numpy (the solves in float32 or float64, `solver_backend.solve_dtype`), on a tier's grid.
 
 Everything works on Wt [N, K]: one row per output channel, one column per
 input feature, the layout every official implementation uses (IST-DASLab/gptq,
@@ -157,9 +157,9 @@ def _lapack(order: int):
     return lapack
 
 
-def _working_dtype():
-    """What the factorizations and products with H and G compute in: `solver_dtype` (TQS_SOLVER_DTYPE)."""
-    return np.float32 if backend.solver_dtype() == "float32" else np.float64
+def _working_dtype(order: int):
+    """What QEP's correction and the grid choice's products with H and G compute in (`solver_backend.solve_dtype`)."""
+    return np.float32 if backend.solve_dtype(order) == "float32" else np.float64
 
 
 def _as_working(matrix: np.ndarray, dtype) -> np.ndarray:
@@ -168,8 +168,11 @@ def _as_working(matrix: np.ndarray, dtype) -> np.ndarray:
 
 
 def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
-    """Upper U with UᵀU = (H + λI)⁻¹, λ = percdamp·mean(diag H), in the solver's dtype (`solver_dtype`:
-    float32 as the official PyTorch code computes it, or float64).
+    """Upper U with UᵀU = (H + λI)⁻¹, λ = percdamp·mean(diag H), in float64 whatever `solver_dtype` says: at
+    GPTQ's 1% damping H + λI can be as ill-conditioned as 100·K, and a float32 U moved enough codes on the
+    lorenz96 example that its TQS-PTQ model at the W4 size drifted 5.4% on the scoring contexts against 2.9%
+    (benchmarks/results/solver-float32.md); it is one factorization per statistic, shared by every weight,
+    tier and grid solved on it.
 
     The official sequence (Cholesky, its inverse as torch's cholesky_inverse, Cholesky of that:
     potrf/potri/potrf, 4/3·K³ flops) gives the same U as one Cholesky of H with its rows and columns
@@ -180,20 +183,16 @@ def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
     data degrades gracefully instead of stopping an export.
     """
     lapack = _lapack(H.shape[0])
-    single = _working_dtype() == np.float32
-    potrf, trtri = (lapack.spotrf, lapack.strtri) if single else (lapack.dpotrf, lapack.dtrtri)
     mean = float(np.mean(np.diag(H))) if H.size else 1.0
     damp = percdamp * mean
     for _ in range(CHOLESKY_RETRIES + 1):
         work = _damped(H[::-1, ::-1], damp)
         if (upper := device_inverse_cholesky(work)) is not None:
             return upper
-        if single:
-            work = work.astype(np.float32)
         # work is symmetric and C-ordered, so work.T is the same matrix in Fortran order and LAPACK works on it in place
-        factor, info = potrf(work.T, lower=1, clean=1, overwrite_a=1)
+        factor, info = lapack.dpotrf(work.T, lower=1, clean=1, overwrite_a=1)
         if info == 0:
-            factor, info = trtri(factor, lower=1, overwrite_c=1)
+            factor, info = lapack.dtrtri(factor, lower=1, overwrite_c=1)
         if info == 0:
             upper = np.ascontiguousarray(factor[::-1, ::-1])  # J·L⁻¹·J, lower reversed into upper
             del work, factor
@@ -294,7 +293,7 @@ def gptq(
     zeroed, instead of the fit here: rows on different grids in one loop (`tiers.quantizer._better_rows`).
     """
     Wt, H, _, perm, static_grids = _prepare(Wt, H, spec, group_size, act_order, static_groups, own)
-    U = _cached(cache, ("U", percdamp, act_order, backend.solver_dtype()), lambda: inverse_cholesky(H, percdamp))
+    U = _cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
     return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, None, grid)
 
 
@@ -319,14 +318,14 @@ def gptaq(
     official hard-coded value. α = 0 is exactly GPTQ. `own`, `cache` and `grid` as for `gptq`.
     """
     Wt, H, dead, perm, static_grids = _prepare(Wt, H, spec, group_size, act_order, static_groups, own)
-    U = _cached(cache, ("U", percdamp, act_order, backend.solver_dtype()), lambda: inverse_cholesky(H, percdamp))
-    P = _cached(cache, ("P", percdamp, act_order, alpha, backend.solver_dtype()), lambda: _asymmetric_terms(G, U, dead, perm, alpha))
+    U = _cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
+    P = _cached(cache, ("P", percdamp, act_order, alpha), lambda: _asymmetric_terms(G, U, dead, perm, alpha))
     return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, P, grid)
 
 
 def _asymmetric_terms(G: np.ndarray, U: np.ndarray, dead: np.ndarray, perm, alpha: float) -> np.ndarray:
-    """GPTAQ's P = α·triu(G Uᵀ, 1)·U (two K x K products, in U's dtype: kept with the statistic like U)."""
-    G = np.asarray(G, U.dtype)
+    """GPTAQ's P = α·triu(G Uᵀ, 1)·U (two K x K products: kept with the statistic like U)."""
+    G = np.asarray(G, np.float64)
     if dead.any():
         G = np.array(G)
         G[:, dead] = 0
@@ -361,7 +360,7 @@ def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float
     if alpha == 0:
         return np.asarray(Wt, np.float64) if own else np.array(Wt, np.float64)
     Wt, H, _ = _dead(Wt, H, own)
-    dtype = _working_dtype()
+    dtype = _working_dtype(H.shape[0])
     factor = _cached(cache, ("qep", percdampqep, dtype.__name__), lambda: _damped_cholesky(H, percdampqep, dtype))
     if dtype == np.float64:
         rhs = Wt @ np.asarray(H_delta, np.float64)
@@ -526,8 +525,8 @@ def second_lower(Wt: np.ndarray, first: Quantized, second: Quantized, stats: Hes
     obj₂ − obj₁ = e·H·(d₁ + d₂)ᵀ − 2α·e·Gᵀ·wᵀ (H symmetric), one product with H (and one with G)
     where the two objectives took two each: half the flops of the per-channel grid choice, which at
     K = 4096 cost as much as a column loop. Rows whose values are the same on both (e = 0) tie and
-    skip the products. The products run in the solver's dtype (`solver_dtype`), the sums in float64."""
-    dtype = _working_dtype()
+    skip the products. The products run in `solver_backend.solve_dtype`, the sums in float64."""
+    dtype = _working_dtype(stats.H.shape[0])
     H = stats.H if dtype == np.float64 else _cached(stats, ("H", dtype.__name__), lambda: _as_working(stats.H, dtype))
     G = None if not strength or stats.G is None else stats.G if dtype == np.float64 else _cached(stats, ("G", dtype.__name__), lambda: _as_working(stats.G, dtype))
     better = np.zeros(Wt.shape[0], bool)

@@ -85,7 +85,7 @@ def device_inverse_cholesky(damped_reversed: np.ndarray) -> np.ndarray | None:
     return upper if np.all(np.isfinite(upper)) else None
 
 
-SOLVER_DTYPES = ("float32", "float64")
+SOLVER_DTYPES = ("auto", "float32", "float64")
 ARRAY_CHOICES = ("auto", "numpy")
 
 
@@ -101,22 +101,33 @@ def environment_problem() -> str | None:
     return _setting("TQS_ARRAYS", ARRAY_CHOICES)[1] or _setting("TQS_SOLVER_DTYPE", SOLVER_DTYPES)[1]
 
 
+FLOAT32_FROM = 1024
+"""Input width K from which `solve_dtype` is float32 under 'auto'. Below it a solve is numpy's per-call
+cost more than flops (float32 ran the BERT's 384-wide layers no faster), and float64 keeps the examples'
+codes, whose layers are all narrower, exactly as they were."""
+
+
 def solver_dtype() -> str:
-    """What the solvers compute in (TQS_SOLVER_DTYPE): float32 (the default, the precision of the official
-    PyTorch GPTQ, GPTAQ and QEP code) or float64. It covers GPTQ/GPTAQ's column loop (`tiers.column_loop`),
-    the inverse Cholesky and GPTAQ's P, QEP's correction (its Cholesky solve and product with G) and the
-    per-channel grid choice's products (`tiers.gptq.second_lower`); the statistics H and G are accumulated,
-    and the grids searched and sums taken, in float64 either way. float32 ran a 4096-wide min-max QEP solve
-    in 4.1 s against 8.2 s; on the ETTh1 example's layers it kept 98.5% of float64's codes outside rows whose
-    grid choice flipped (96.6% in all), each layer's reconstruction error 0.995-1.000x float64's
-    (tests/test_export_speed.py); over the seven examples' held-out frontiers
-    TQS-PTQ drifted 0.985x float64's (geometric mean of 44 points; 18 lower, 9 higher) and the uniform
-    methods 0.999x (benchmarks/results/solver-float32.md). float64 reproduces the methods' algebra to
-    rounding (the tests that check it against the formulas pin it)."""
+    """The solvers' precision setting (TQS_SOLVER_DTYPE): 'auto' (the default; `solve_dtype` picks per weight),
+    'float32' or 'float64'."""
     chosen, problem = _setting("TQS_SOLVER_DTYPE", SOLVER_DTYPES)
     if problem:
         raise ValueError(problem)
     return chosen
+
+
+def solve_dtype(order: int) -> str:
+    """What a solve on K = `order` inputs computes in: float32 (the precision of the official PyTorch GPTQ,
+    GPTAQ and QEP code) with 'float32', and with 'auto' from `FLOAT32_FROM` on; float64 otherwise. It covers
+    GPTQ/GPTAQ's column loop (`tiers.column_loop`), QEP's correction (its Cholesky solve at QEP's 100% damping
+    and its product with G) and the per-channel grid choice's products (`tiers.gptq.second_lower`). The
+    statistics H and G, GPTQ's inverse Cholesky (`tiers.gptq.inverse_cholesky`: in float32 it moved a chaotic
+    model's codes too far) and GPTAQ's P stay float64, and so do the grids and the sums. A 4096-wide QEP solve
+    took 10.5 s against 14.8 s (per-channel grids) and 4.4 s against 6.5 s (min-max); on the ETTh1 example's
+    layers float32 kept 99.5% of float64's codes, each layer's reconstruction error 0.9993-1.0000x float64's
+    (tests/test_export_speed.py); held-out quality: benchmarks/results/solver-float32.md."""
+    chosen = solver_dtype()
+    return "float32" if chosen == "float32" or (chosen == "auto" and order >= FLOAT32_FROM) else "float64"
 
 
 THREAD_CAP: int | None = None

@@ -390,7 +390,7 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
     def _probe(self, tier: Tier) -> str:
         group = f"/g{self.settings.group_size}" if self.settings.group_size else ""
         method = self.rounding_at(tier.name).label if tier.calibratable else "rtn"
-        narrow = "/f32" if tier.calibratable and method != "rtn" and solver_dtype() != "float64" else ""  # its own prices in the run's cache
+        narrow = f"/{solver_dtype()}" if tier.calibratable and method != "rtn" and solver_dtype() != "float64" else ""  # its own prices in the run's cache
         return f"tier:{tier.name}{group}/{method}{narrow}"
 
     def price_task(self, slot: Slot, tier: Tier) -> Task:
