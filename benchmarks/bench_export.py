@@ -37,6 +37,7 @@ import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_score import bert  # noqa: E402
+from tiers.solver_backend import SOLVER_DTYPES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -132,7 +133,7 @@ def main() -> None:
     parser.add_argument("--note", default="", help="said beside the machine (e.g. that it was shared)")
     parser.add_argument("--provider", default="cpu", help="ONNX Runtime provider of score's and export's measurement rollouts (cpu, cuda)")
     parser.add_argument("--arrays", default="auto", choices=("auto", "numpy"), help="numpy: keep the solvers' products on the host (TQS_ARRAYS=numpy)")
-    parser.add_argument("--solver-dtype", default=None, choices=("float32", "float64"), help="TQS_SOLVER_DTYPE for every timed process (default: unset, the solvers' default)")
+    parser.add_argument("--solver-dtype", default=None, choices=SOLVER_DTYPES, help="TQS_SOLVER_DTYPE for every timed process (default: unset, the solvers' default)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="where STEM.json/.md are written")
     parser.add_argument("--logs", type=Path, default=None, help="keep each model's score/export/baseline output here (default: a temporary folder)")
     args = parser.parse_args()

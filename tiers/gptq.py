@@ -162,9 +162,12 @@ def _working_dtype(order: int):
     return np.float32 if backend.solve_dtype(order) == "float32" else np.float64
 
 
-def _as_working(matrix: np.ndarray, dtype) -> np.ndarray:
-    """`matrix` in `dtype`, C-ordered (a copy unless it already is)."""
-    return np.ascontiguousarray(matrix, dtype=dtype)
+def _in_dtype(cache: "Hessian | None", name: str, matrix: np.ndarray, dtype) -> np.ndarray:
+    """The statistic's `matrix` (H or G) in `dtype`: itself in float64, else a copy kept with the statistic
+    (`cache`) under `name`, so QEP's correction and the grid choice cast it once."""
+    if dtype == np.float64:
+        return np.asarray(matrix, np.float64)
+    return _cached(cache, (name, dtype.__name__), lambda: np.ascontiguousarray(matrix, dtype=dtype))
 
 
 def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
@@ -362,10 +365,7 @@ def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float
     Wt, H, _ = _dead(Wt, H, own)
     dtype = _working_dtype(H.shape[0])
     factor = _cached(cache, ("qep", percdampqep, dtype.__name__), lambda: _damped_cholesky(H, percdampqep, dtype))
-    if dtype == np.float64:
-        rhs = Wt @ np.asarray(H_delta, np.float64)
-    else:
-        rhs = Wt.astype(dtype) @ _cached(cache, ("G", dtype.__name__), lambda: _as_working(H_delta, dtype))
+    rhs = Wt.astype(dtype, copy=False) @ _in_dtype(cache, "G", H_delta, dtype)
     potrs = lapack.spotrs if dtype == np.float32 else lapack.dpotrs
     solved, info = potrs(factor, rhs.T, lower=1, overwrite_b=1)  # rhs.T is (K, N) in Fortran order: solved in place
     if info != 0:
@@ -527,8 +527,8 @@ def second_lower(Wt: np.ndarray, first: Quantized, second: Quantized, stats: Hes
     K = 4096 cost as much as a column loop. Rows whose values are the same on both (e = 0) tie and
     skip the products. The products run in `solver_backend.solve_dtype`, the sums in float64."""
     dtype = _working_dtype(stats.H.shape[0])
-    H = stats.H if dtype == np.float64 else _cached(stats, ("H", dtype.__name__), lambda: _as_working(stats.H, dtype))
-    G = None if not strength or stats.G is None else stats.G if dtype == np.float64 else _cached(stats, ("G", dtype.__name__), lambda: _as_working(stats.G, dtype))
+    H = _in_dtype(stats, "H", stats.H, dtype)
+    G = _in_dtype(stats, "G", stats.G, dtype) if strength and stats.G is not None else None
     better = np.zeros(Wt.shape[0], bool)
     for start in range(0, Wt.shape[0], ERROR_ROWS):
         stop = min(start + ERROR_ROWS, Wt.shape[0])
