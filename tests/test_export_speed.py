@@ -210,3 +210,26 @@ def test_auto_precision_is_float64_below_its_width_and_float32_from_it(monkeypat
         np.testing.assert_array_equal(corrected["auto"], corrected[same])
         assert not np.array_equal(corrected["auto"], corrected[other])
         np.testing.assert_allclose(corrected["auto"], corrected[other], rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_swept_in_cuts_is_priced_in_cuts_at_the_same_prices(tmp_path):
+    """A one-step model whose score ran fastest in cuts ('prefix') prices each slot on the graph downstream of its
+    unit: the same prices as whole rollouts on a run scored whole ('feed'), the same codes priced."""
+    from tqsdeploy.units import UnitSelection
+
+    model, contexts, spec = models.shared_weight_case(tmp_path, 1)
+    planners = {}
+    for strategy in ("prefix", "feed"):
+        score(model, contexts, spec=spec, out=tmp_path / strategy, settings=ScoreSettings(gauss_draws=1), strategy=strategy, selection=UnitSelection(min_params=100))
+        planners[strategy] = Planner(tmp_path / strategy, settings=ExportSettings(rounding="rtn", tiers=("fp32", "int8", "int4", "int2")))
+    cut, whole = planners["prefix"], planners["feed"]
+    assert cut.prices_cut and not whole.prices_cut
+    priced = {}
+    for strategy, planner in planners.items():
+        measured = planner.measured()
+        priced[strategy] = {(slot.name, tier.name): measured[planner.price_task(slot, tier).key].div_sq for slot, tier in planner.measured_tasks()}
+        planner.close()
+    assert len(priced["prefix"]) >= 6 and priced["prefix"].keys() == priced["feed"].keys()
+    assert any(sum(v) > 0 for v in priced["feed"].values())
+    for key, div_sq in priced["feed"].items():
+        np.testing.assert_allclose(priced["prefix"][key], div_sq, rtol=1e-4, atol=1e-12, err_msg=str(key))

@@ -164,6 +164,13 @@ class SweepRunner:
             totals = self._nominal.totals(self.engine, self.chosen.steps(weights))
             return self.engine.divergence(totals, delta_sq, self.job.eps, self.job.early_stop if early_stop else None)
 
+    def unit_divergence(self, unit: str, weights: dict[str, np.ndarray]) -> tuple[list[float], bool]:
+        """`divergence` (no early stop) of weights that differ from the original only in `unit`'s tensors, rolled
+        out the strategy's own way: a 'prefix' cut runs only the graph downstream of the unit."""
+        with self._failing_as_the_nominal():
+            totals = self.chosen.totals(self.job.units[unit], weights)
+            return self.engine.divergence(totals, 0.0, self.job.eps, None)
+
     @contextmanager
     def _failing_as_the_nominal(self) -> Iterator[None]:
         """A rollout that fails waits for the nominal rollout's verdict first: a model that fails on the contexts
