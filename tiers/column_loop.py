@@ -45,10 +45,12 @@ class _Rounder:
 
 
 def column_loop(xp, Wt: np.ndarray, U: np.ndarray, spec: GridSpec, group_size: int, block_size: int, perm, static_grids, P,
-                grid: Grid | None = None) -> tuple[np.ndarray, list[Grid]]:
+                grid: Grid | None = None, losses: np.ndarray | None = None) -> tuple[np.ndarray, list[Grid]]:
     """The GPTQ column loop; P adds GPTAQ's asymmetric terms. Returns the codes ([N, K] float32, on the host, in the
     caller's column order) and the grids in column order. With numpy it works on Wt in place. `grid`: each row's
-    per-channel grid, fitted by the caller (else fitted here to Wt).
+    per-channel grid, fitted by the caller (else fitted here to Wt). `losses` ([N] float64, host): each row's
+    Σ eᵢ² added to it, eᵢ = (wᵢ − qᵢ)/Uᵢᵢ the column errors; without P it is (w − q)·(H + λI)·(w − q)ᵀ of the
+    weights the loop started from (the OBS identity behind GPTQ's `Losses`).
 
     A block's columns are held as rows (W1ᵀ, E1ᵀ), so each column's rank-one update runs over contiguous
     memory into one scratch buffer: the same operations on the same values as the official
@@ -88,6 +90,8 @@ def column_loop(xp, Wt: np.ndarray, U: np.ndarray, spec: GridSpec, group_size: i
                 update -= Pd[c, c:b1, None] * w
             W1t[i:] -= update
         codes[:, b0:b1] = block_codes.T
+        if losses is not None:
+            losses += _host(xp, xp.einsum("ij,ij->j", E1t, E1t, dtype=xp.float64))
         _update(W, b1, E1t.T, Ud, W1t.T, Pd, b0, b1)
     codes = _host(xp, codes)
     if perm is not None:

@@ -242,18 +242,20 @@ def _row_parts(rows: int, columns: int) -> list[slice]:
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
-def _solve(Wt, U, spec: GridSpec, group_size: int, block_size: int, perm, static_grids, P, grid: Grid | None = None) -> Quantized:
+def _solve(Wt, U, spec: GridSpec, group_size: int, block_size: int, perm, static_grids, P, grid: Grid | None = None,
+           losses: np.ndarray | None = None) -> Quantized:
     """The GPTQ column loop (`tiers.column_loop`), on the GPU where the weight is large enough to gain from it,
     else on the host in row parts over the idle cores (`_row_parts`)."""
     xp = backend.array_module() if backend.loop_on_device(*Wt.shape) and supported_on_device(spec) else np
     parts = _row_parts(*Wt.shape) if xp is np else [slice(None)]
     if len(parts) == 1:
-        codes, grids = column_loop(xp, Wt, U, spec, group_size, block_size, perm, static_grids, P, grid)
+        codes, grids = column_loop(xp, Wt, U, spec, group_size, block_size, perm, static_grids, P, grid, losses)
         return _pack(codes, grids, spec, group_size)
 
     def part(rows: slice):
         own_grids = None if static_grids is None else [g.rows(rows) for g in static_grids]
-        return column_loop(xp, Wt[rows], U, spec, group_size, block_size, perm, own_grids, P, None if grid is None else grid.rows(rows))
+        return column_loop(xp, Wt[rows], U, spec, group_size, block_size, perm, own_grids, P, None if grid is None else grid.rows(rows),
+                           None if losses is None else losses[rows])
 
     with backend.shared_cores(len(parts)), ThreadPoolExecutor(len(parts), thread_name_prefix="tqs-rows") as pool:
         solved = list(pool.map(part, parts))
@@ -285,6 +287,7 @@ def gptq(
     own: bool = False,
     cache: "Hessian | None" = None,
     grid: Grid | None = None,
+    losses: np.ndarray | None = None,
 ) -> Quantized:
     """GPTQ (Frantar et al., IST-DASLab/gptq `fasterquant`) on Wt with Hessian H = (2/n)XᵀX.
 
@@ -294,10 +297,11 @@ def gptq(
     `cache`: the statistic H is from; its factorization is kept there for the next solve on it.
     `grid`: per channel (group_size <= 0), each row's grid as the caller fitted it to Wt with its dead inputs
     zeroed, instead of the fit here: rows on different grids in one loop (`tiers.quantizer._better_rows`).
+    `losses`: each row's (w − q)·(H + λI)·(w − q)ᵀ added to it (`column_loop`), λ = `damping(cache, percdamp)`.
     """
     Wt, H, _, perm, static_grids = _prepare(Wt, H, spec, group_size, act_order, static_groups, own)
     U = _cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
-    return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, None, grid)
+    return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, None, grid, losses)
 
 
 def gptaq(
@@ -350,14 +354,15 @@ def _keep_above_diagonal(M: np.ndarray) -> None:
 
 
 def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float = 0.5, percdampqep: float = 1.0, own: bool = False,
-                cache: "Hessian | None" = None) -> np.ndarray:
+                cache: "Hessian | None" = None, product: dict | None = None) -> np.ndarray:
     """QEP's weight correction Wt + α·Wt·H_δ·(H + λI)⁻¹ (FujitsuResearch/qep `run_weight_correct`).
 
     Any base method then quantizes the returned weights with the same H.
     α = 0 skips the correction entirely, as the official script does for the
     layers it excludes. The solve is a Cholesky one (the damped H is symmetric
     positive definite), in place on Wt·H_δ; `own`: Wt is the caller's to overwrite; `cache` as for
-    `gptq` (sibling weights share the factor of the damped H).
+    `gptq` (sibling weights share the factor of the damped H). `product`: gets Wt·H_δ as "WG" (a copy, in
+    the solve's dtype) and the damping λ as "damping" (None where the factor needed more than the nominal).
     """
     lapack = _lapack(H.shape[0])
     if alpha == 0:
@@ -366,6 +371,8 @@ def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float
     dtype = _working_dtype(H.shape[0])
     factor = _cached(cache, ("qep", percdampqep, dtype.__name__), lambda: _damped_cholesky(H, percdampqep, dtype))
     rhs = Wt.astype(dtype, copy=False) @ _in_dtype(cache, "G", H_delta, dtype)
+    if product is not None:
+        product["WG"], product["damping"] = rhs.copy(), _nominal_damping(H, percdampqep, float(factor[0, 0]) ** 2 - float(H[0, 0]), 1e-4)
     potrs = lapack.spotrs if dtype == np.float32 else lapack.dpotrs
     solved, info = potrs(factor, rhs.T, lower=1, overwrite_b=1)  # rhs.T is (K, N) in Fortran order: solved in place
     if info != 0:
@@ -376,6 +383,23 @@ def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float
     rhs *= alpha
     Wt += rhs
     return Wt
+
+
+def _nominal_damping(H: np.ndarray, percent: float, used: float, tolerance: float) -> float | None:
+    """percent·mean(diag H), the damping a factorization of H + λI starts from, if `used` (what the factor's
+    corner entry says it was) is it within `tolerance` relative to H's corner; None where it was raised."""
+    nominal = percent * float(np.mean(np.diag(H)))
+    return nominal if abs(used - nominal) <= tolerance * (abs(float(H[-1, -1])) + abs(float(H[0, 0])) + nominal) else None
+
+
+def damping(cache: "Hessian", percdamp: float) -> float | None:
+    """The λ of the U that `gptq` factored from `cache`'s H (percdamp·mean diag H) when it is kept there and was
+    not raised by a failed Cholesky (its last diagonal entry is 1/√(H_KK + λ)); None otherwise."""
+    U = cache.factors.get(("U", percdamp, False))
+    if U is None:
+        return None
+    H = cache.H
+    return _nominal_damping(H, percdamp, 1.0 / float(U[-1, -1]) ** 2 - float(H[-1, -1]), 1e-9)
 
 
 def _damped_cholesky(H: np.ndarray, percdampqep: float, dtype=np.float64) -> np.ndarray:

@@ -127,24 +127,27 @@ def quantize(
 def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: bool) -> Quantized:
     """`wt` is this call's own: every solver works on it in place."""
     original = np.array(wt) if spec.search else None
+    product: dict | None = {} if original is not None else None
     if rounding.method == "qep":
-        wt = solvers.qep_correct(wt, stats.H, stats.G, alpha=rounding.strength if correct else 0.0, percdampqep=rounding.percdampqep, own=True, cache=stats)
+        wt = solvers.qep_correct(wt, stats.H, stats.G, alpha=rounding.strength if correct else 0.0, percdampqep=rounding.percdampqep, own=True, cache=stats,
+                                 product=product)
     if original is None:
         return _solve(rounding, wt, stats, spec, group)
-    return _better_rows(rounding, original, wt, stats, spec, group)
+    return _better_rows(rounding, original, wt, stats, spec, group, product)
 
 
-def _solve(rounding: Rounding, wt, stats: Hessian, spec, group: int, grid: Grid | None = None) -> Quantized:
-    """The base solve on `wt` (QEP's already corrected), in place; `grid` as for `solvers.gptq`."""
+def _solve(rounding: Rounding, wt, stats: Hessian, spec, group: int, grid: Grid | None = None, losses: np.ndarray | None = None) -> Quantized:
+    """The base solve on `wt` (QEP's already corrected), in place; `grid` as for `solvers.gptq`; `losses` filled
+    by a GPTQ loop (`solvers.gptq`), left alone by the others."""
     solver = dict(group_size=group, percdamp=rounding.percdamp, block_size=rounding.block_size, act_order=rounding.act_order, own=True, cache=stats, grid=grid)
     if rounding.method == "gptaq":
         return solvers.gptaq(wt, stats.H, stats.G, spec, alpha=rounding.strength, **solver)
     if rounding.method == "qep" and rounding.qep_base == "rtn":
         return solvers.rtn(wt, spec, group)
-    return solvers.gptq(wt, stats.H, spec, **solver)
+    return solvers.gptq(wt, stats.H, spec, losses=losses, **solver)
 
 
-def _better_rows(rounding: Rounding, original, wt, stats: Hessian, spec, group: int) -> Quantized:
+def _better_rows(rounding: Rounding, original, wt, stats: Hessian, spec, group: int, product: dict | None = None) -> Quantized:
     """Each output channel on whichever grid, clip-searched or plain min-max, gives it the lower
     calibration objective after the solve.
 
@@ -166,14 +169,20 @@ def _better_rows(rounding: Rounding, original, wt, stats: Hessian, spec, group: 
     plain_spec = replace(spec, search=False)
     if group > 0 or (rounding.method == "qep" and rounding.qep_base == "rtn"):
         searched = _solve(rounding, np.array(wt), stats, spec, group)
-        rows = np.arange(wt.shape[0])
+        rows, losses = np.arange(wt.shape[0]), None
         plain = _solve(rounding, wt, stats, plain_spec, group)
     else:
-        searched, rows, plain = _both_grids(rounding, wt, stats, spec, plain_spec)
+        searched, rows, plain, losses = _both_grids(rounding, wt, stats, spec, plain_spec)
         if rows.size == 0:
             return searched
     aim = 1.0 if rounding.needs_cross and rounding.strength else 0.0
-    better = solvers.second_lower(original[rows], searched.take(rows), plain, stats, aim)
+    better = None
+    if group <= 0 and losses is not None:
+        n = wt.shape[0]
+        better = _second_lower_by_losses(rounding, original[rows], wt[rows], searched.take(rows), plain, (losses[:n][rows], losses[n:]), stats, aim,
+                                         product or {}, rows)
+    if better is None:
+        better = solvers.second_lower(original[rows], searched.take(rows), plain, stats, aim)
     chosen = rows[better]
     for field in ("codes", "scale", "zero"):
         getattr(searched, field)[chosen] = getattr(plain, field)[better]
@@ -185,15 +194,49 @@ def _both_grids(rounding: Rounding, wt: np.ndarray, stats: Hessian, spec, plain_
     solved on the min-max grid), from one column loop over both. The grids are fitted as the solver fits them,
     to the weight with its dead inputs zeroed (in place: `wt` is this call's own); one loop pays numpy's per-column calls once, not twice (at the
     BERT's 384-1536 rows they are most of a solve)."""
-    wt[:, np.diag(stats.H) == 0] = 0  # as the solver zeroes them in `wt`, this call's own, before it solves
+    dead = np.diag(stats.H) == 0
+    wt[:, dead] = 0  # as the solver zeroes them in `wt`, this call's own, before it solves
     searched_grid, plain_grid = find_grid(wt, spec), find_grid(wt, plain_spec)
     rows = np.flatnonzero((searched_grid.scale != plain_grid.scale) | (searched_grid.zero != plain_grid.zero))
     if rows.size == 0:
-        return _solve(rounding, wt, stats, spec, -1, searched_grid), rows, None
+        return _solve(rounding, wt, stats, spec, -1, searched_grid), rows, None, None
     n = wt.shape[0]
     stacked = np.concatenate([wt, wt[rows]])
-    both = _solve(rounding, stacked, stats, spec, -1, Grid.stack([searched_grid, plain_grid.rows(rows)]))
-    return both.rows(0, n), rows, both.rows(n, n + rows.size)
+    losses = None if dead.any() or rounding.act_order else np.zeros(n + rows.size)
+    both = _solve(rounding, stacked, stats, spec, -1, Grid.stack([searched_grid, plain_grid.rows(rows)]), losses)
+    return both.rows(0, n), rows, both.rows(n, n + rows.size), losses
+
+
+def _second_lower_by_losses(rounding: Rounding, original, corrected, first: Quantized, second: Quantized, losses: tuple[np.ndarray, np.ndarray],
+                            stats: Hessian, aim: float, product: dict, rows: np.ndarray) -> np.ndarray | None:
+    """`solvers.second_lower` from what the solve already knows, without its products with H and G (as many flops
+    as a column loop at K = 4096): the loop's losses Lᵢ = aᵢ·(H + δI)·aᵢᵀ, aᵢ = qᵢ − w* (w* the weight it solved,
+    QEP-corrected), and QEP's W·G with its damping λ. With c = w* − w = α·W·G·(H + λI)⁻¹, c·H = α·W·G − λ·c, so
+
+        obj₂ − obj₁ = L₂ − L₁ − δ·(‖a₂‖² − ‖a₁‖²) + 2·e·((α − aim)·W·G − λ·c)ᵀ,   e = q₂ − q₁
+
+    (GPTQ and uncorrected QEP: c = 0, and aim 0). None where a term is missing (GPTAQ's loop has other terms; a
+    damping raised past the nominal one): the products decide then. `rows`: the weight's rows these are."""
+    if rounding.method not in ("gptq", "qep") or rounding.qep_base != "gptq":
+        return None
+    delta = solvers.damping(stats, rounding.percdamp)
+    product_of = product.get("WG")
+    if delta is None or (aim and product_of is None) or (product_of is not None and product["damping"] is None):
+        return None
+    better = np.zeros(original.shape[0], bool)
+    for start in range(0, original.shape[0], solvers.ERROR_ROWS):  # bounded temporaries, as `second_lower`
+        part = slice(start, min(start + solvers.ERROR_ROWS, original.shape[0]))
+        one, two = first.rows(part.start, part.stop).values, second.rows(part.start, part.stop).values
+        w_star = corrected[part]
+        e = two - one
+        one -= w_star
+        two -= w_star
+        change = losses[1][part] - losses[0][part] - delta * (np.einsum("ij,ij->i", two, two) - np.einsum("ij,ij->i", one, one))
+        if product_of is not None:
+            pull = (rounding.strength - aim) * np.asarray(product_of[rows[part]], np.float64) - product["damping"] * (w_star - original[part])
+            change += 2 * np.einsum("ij,ij->i", e, pull)
+        better[part] = change < 0
+    return better
 
 
 def to_encoded(quantized: Quantized, layout: Layout, tier: Tier, dtype: str = "float32") -> Encoded:
