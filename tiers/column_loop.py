@@ -91,7 +91,7 @@ def column_loop(xp, Wt: np.ndarray, U: np.ndarray, spec: GridSpec, group_size: i
             W1t[i:] -= update
         codes[:, b0:b1] = block_codes.T
         if losses is not None:
-            losses += _host(xp, xp.einsum("ij,ij->j", E1t, E1t, dtype=xp.float64))
+            losses += _host(xp, xp.square(E1t).sum(axis=0, dtype=xp.float64))  # in any array library
         _update(W, b1, E1t.T, Ud, W1t.T, Pd, b0, b1)
     codes = _host(xp, codes)
     if perm is not None:
