@@ -549,7 +549,8 @@ def second_lower(Wt: np.ndarray, first: Quantized, second: Quantized, stats: Hes
     obj₂ − obj₁ = e·H·(d₁ + d₂)ᵀ − 2α·e·Gᵀ·wᵀ (H symmetric), one product with H (and one with G)
     where the two objectives took two each: half the flops of the per-channel grid choice, which at
     K = 4096 cost as much as a column loop. Rows whose values are the same on both (e = 0) tie and
-    skip the products. The products run in `solver_backend.solve_dtype`, the sums in float64."""
+    skip the products. The products run in `solver_backend.solve_dtype`, the sums in float64. GPTQ and QEP
+    decide without them, from their column loop's losses (`tiers.quantizer._second_lower_by_losses`)."""
     dtype = _working_dtype(stats.H.shape[0])
     H = _in_dtype(stats, "H", stats.H, dtype)
     G = _in_dtype(stats, "G", stats.G, dtype) if strength and stats.G is not None else None

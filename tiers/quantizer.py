@@ -165,7 +165,9 @@ def _better_rows(rounding: Rounding, original, wt, stats: Hessian, spec, group: 
 
     Per channel, both grids are fitted first and the rows whose searched grid is the min-max one (13-20%
     of the INT4 rows of the ETTh1 examples) are solved once; the others are solved on both grids in one
-    column loop, the weight's rows followed by a copy of those rows on their min-max grids (`_both_grids`)."""
+    column loop, the weight's rows followed by a copy of those rows on their min-max grids (`_both_grids`). GPTQ and
+    QEP then compare the rows' objectives from that loop's own losses (`_second_lower_by_losses`); GPTAQ, and weights
+    with dead inputs, through products with H and G (`solvers.second_lower`)."""
     plain_spec = replace(spec, search=False)
     if group > 0 or (rounding.method == "qep" and rounding.qep_base == "rtn"):
         searched = _solve(rounding, np.array(wt), stats, spec, group)
