@@ -382,8 +382,13 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
     def _cut_lanes(self) -> list[SweepRunner]:
         """Runners that price a slot the way the score swept its units (`prices_cut`): each rollout runs only the
         part of the graph downstream of the slot's unit, fed the original's activations at the cut (`Prefix`)."""
-        lead = SweepRunner(replace(self.prepared.job, strategy="prefix"))
-        return [lead] + [lead.lane() for _ in range(self.prepared.lanes - 1)]
+        lanes = [SweepRunner(replace(self.prepared.job, strategy="prefix"))]
+        try:
+            lanes += [lanes[0].lane() for _ in range(self.prepared.lanes - 1)]
+        except BaseException:
+            lanes[0].close()
+            raise
+        return lanes
 
     def _release_runner(self) -> None:
         """Close the measuring session for a calibration pass; it opens again the way it ran."""
@@ -444,6 +449,7 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
         lock = FileLock(str(self.run_dir / ".measured.lock"))
         lock.acquire()  # another export of this run prices the same slots: wait, then reuse what it measured
         done = log.load()
+        cut_lanes: list[SweepRunner] = []
         try:
             pending = [(slot, tier) for slot, tier in tasks if keys[(slot.name, tier.name)] not in done]
             if on_result and pending and self.on_measuring:
@@ -453,11 +459,12 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
                 for slot, tier in item:
                     weights = self.encoder.slot_weights(slot, tier, self.rounding)
                     tick = time.perf_counter()
-                    div_sq, nonfinite = lane.unit_divergence(slot.unit, weights) if cut else lane.divergence(self.fed(weights), early_stop=False)
+                    div_sq, nonfinite = lane.unit_divergence(slot.unit, weights) if cut_lanes else lane.divergence(self.fed(weights), early_stop=False)
                     yield TaskResult(slot.name, self.price_task(slot, tier).probe, 0, 0.0, div_sq, nonfinite, time.perf_counter() - tick)
 
-            cut = self.prices_cut and bool(pending)
-            lanes = self._cut_lanes() if cut else self.lanes
+            if self.prices_cut and pending:
+                cut_lanes = self._cut_lanes()
+            lanes = cut_lanes or self.lanes
             with self.encoder.profile.section("measurement_rollouts"), Lanes(lanes, lanes[0].work_items(pending, lambda task: task[0].unit), price) as results:
                 for result in results:
                     log.append(result)
@@ -465,9 +472,8 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
                     if on_result:
                         on_result(result)
         finally:
-            if cut:
-                for lane in reversed(lanes):  # the lanes' own cut sessions, then the lead's
-                    lane.close()
+            for lane in reversed(cut_lanes):  # the lanes' own cut sessions, then the lead's
+                lane.close()
             log.close()
             lock.release()
         self._measured = done
