@@ -217,8 +217,9 @@ def _second_lower_by_losses(rounding: Rounding, original, corrected, first: Quan
 
         obj₂ − obj₁ = L₂ − L₁ − δ·(‖a₂‖² − ‖a₁‖²) + 2·e·((α − aim)·W·G − λ·c)ᵀ,   e = q₂ − q₁
 
-    (GPTQ and uncorrected QEP: c = 0, and aim 0). None where a term is missing (GPTAQ's loop has other terms; a
-    damping raised past the nominal one): the products decide then. `rows`: the weight's rows these are."""
+    (GPTQ: c = 0 and aim 0). None where a term is missing (GPTAQ's loop has other terms; a QEP weight left
+    uncorrected has no W·G; a damping raised past the nominal one): the products decide then. `rows`: the
+    weight's rows these are."""
     if rounding.method not in ("gptq", "qep") or rounding.qep_base != "gptq":
         return None
     delta = solvers.damping(stats, rounding.percdamp)
