@@ -179,7 +179,7 @@ def _better_rows(rounding: Rounding, original, wt, stats: Hessian, spec, group: 
             return searched
     aim = 1.0 if rounding.needs_cross and rounding.strength else 0.0
     better = None
-    if group <= 0 and losses is not None:
+    if losses is not None:  # one loop solved both grids (per channel)
         n = wt.shape[0]
         better = _second_lower_by_losses(rounding, original[rows], wt[rows], searched.take(rows), plain, (losses[:n][rows], losses[n:]), stats, aim,
                                          product or {}, rows)
