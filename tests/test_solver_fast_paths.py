@@ -142,7 +142,7 @@ def test_the_screen_stops_early_at_four_bits(monkeypatch):
     trials = grid._trials(np.minimum(rows.min(1), 0), np.maximum(rows.max(1), 0), spec)
     priced = []
     residual = grid._residual
-    monkeypatch.setattr(grid, "_residual", lambda work, *rest: priced.append(len(work)) or residual(work, *rest))
+    monkeypatch.setattr(grid, "_residual", lambda work, *rest, **named: priced.append(len(work)) or residual(work, *rest, **named))
     grid._candidates(rows, trials, spec)
     assert sum(priced) < 0.75 * 80 * len(rows)
 
