@@ -10,10 +10,35 @@ order `--help` lists them.
 from tqsdeploy.cli.app import _OneLineErrors, app
 from tqsdeploy.cli import inspect_score, export_baseline, frontier, eval_gate  # noqa: E402,F401  (registers the commands)
 
-__all__ = ["_OneLineErrors", "app", "main"]
+__all__ = ["_OneLineErrors", "app", "keep_freed_memory", "main"]
+
+
+HEAP_TRIM_BYTES = 256 << 20
+"""Freed memory glibc keeps at the top of the heap before giving it back (its default follows the largest freed
+block up to 64 MiB). Solvers and rollouts free and remake temporaries of a few MiB all the time; given back, each
+came back as fresh pages. The 22M BERT's `export --C 8`, paired, two rounds: 47.4, 48.5 -> 44.4, 44.3 s wall,
+10.4, 11.8 -> 7.6, 7.5 s in the kernel, peak resident 831 -> 917 MB, the same file."""
+HEAP_MMAP_BYTES = 64 << 20
+"""Blocks this large or larger are mapped on their own and returned when freed (setting the trim threshold fixes
+glibc's otherwise adaptive mapping threshold: without this it would stay at 128 KiB)."""
+
+
+def keep_freed_memory() -> None:
+    """Tune glibc's heap for a process that churns through large temporaries (`HEAP_TRIM_BYTES`); elsewhere nothing."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
+        mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_BYTES)
+        mallopt(M_TRIM_THRESHOLD, HEAP_TRIM_BYTES)
 
 
 def main() -> None:
+    keep_freed_memory()
     app()
 
 
