@@ -271,7 +271,8 @@ def _candidates(rows: np.ndarray, trials, spec: GridSpec) -> np.ndarray:
                 live, work = live[~done], work[~done]
         error = _residual(work, trial_scale[live], trial_zero[live], spec, buffer[: len(live)], signed=True)
         np.square(error, out=error)  # |e|^2.4 = exp2(1.2·log2 e²): no absolute value, and e = 0 gives exp2(−inf) = 0
-        np.log2(error, out=error)
+        with np.errstate(divide="ignore"):
+            np.log2(error, out=error)
         error *= np.float32(SEARCH_NORM / 2)
         np.exp2(error, out=error)
         approx[i, live] = error.sum(axis=1)  # float32's pairwise sum: within a few 1e-6 of the float64 one, far inside SCREEN_REL
