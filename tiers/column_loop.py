@@ -55,8 +55,8 @@ def column_loop(xp, Wt: np.ndarray, U: np.ndarray, spec: GridSpec, group_size: i
     A block's columns are held as rows (W1ᵀ, E1ᵀ). Where the official loop follows each column with a rank-one
     update of the block's later columns (`W1[:, i:] -= outer(e, U[c, c:])`), each column here takes the block's
     earlier errors in one matrix-vector product when its turn comes (`_column`): the same sums in another order,
-    so a code differs only where that order tips a rounding tie (float64: none of the BERT's or the examples'
-    codes moved)."""
+    so a code differs only where that order tips a rounding tie (float64: the same codes on every problem tried;
+    float32: a few per weight, about as close to float64's as before)."""
     N, K = Wt.shape
     dtype = xp.float32 if solve_dtype(K) == "float32" else xp.float64  # TQS_SOLVER_DTYPE: the loop's updates (the grids stay float64)
     W, Ud = xp.asarray(Wt, dtype=dtype), xp.asarray(U, dtype=dtype)
