@@ -9,7 +9,7 @@ recorded beside each per-channel pass and rolled out on the scoring contexts nex
 
     python benchmarks/bench_grid_proxy.py [--models era5_downscale,...] [--out grid-proxy]
 
-Writes benchmarks/results/STEM.md and STEM.json. It patches two private functions of the quantization path at run
+Writes benchmarks/results/STEM.json and the table of STEM.md (the text below the table is kept). It patches two private functions of the quantization path at run
 time (the proxy is not a feature): read it as a study, not as a test.
 """
 
@@ -101,7 +101,10 @@ def write(rows: list[dict], stem: str) -> None:
         flag = "" if r["chosen"] == r["proxy_chooses"] else " (differs)"
         lines.append(f"| {r['model']} | {r['tier']} | {r['method']} | {r['per_channel']:.4g} | {r['min_max']:.4g} | {r['proxy']:.4g} | {r['chosen']} | "
                      f"{r['proxy_chooses']}{flag} | {r['proxy_over_per_channel']:.3f} |")
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    path = RESULTS / f"{stem}.md"
+    old = path.read_text() if path.exists() else ""
+    notes = old[old.index("\n\n", old.index("| model |")):] if "| model |" in old else "\n"  # what was written below the table stays
+    path.write_text("\n".join(lines) + notes)
 
 
 def main() -> None:
