@@ -9,8 +9,9 @@ recorded beside each per-channel pass and rolled out on the scoring contexts nex
 
     python benchmarks/bench_grid_proxy.py [--models era5_downscale,...] [--out grid-proxy]
 
-Writes benchmarks/results/STEM.json and the table of STEM.md (the text below the table is kept). It patches two private functions of the quantization path at run
-time (the proxy is not a feature): read it as a study, not as a test.
+Writes benchmarks/results/STEM.json and the table of STEM.md (the text below the table is kept). It patches three
+private functions of the quantization path at run time (the proxy is not a feature): read it as a study, not as a
+test.
 """
 
 from __future__ import annotations
