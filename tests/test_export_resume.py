@@ -88,6 +88,25 @@ def test_checkpoints_of_other_settings_are_not_used(scored, tmp_path):
     again.close()
 
 
+def test_a_pass_asked_again_in_one_export_is_not_reported_as_resumed(scored, tmp_path):
+    """An export drops a uniform pass from memory and reads it back from its own checkpoints when asked again:
+    done at once, and not counted or announced as an interrupted export's weights."""
+    model, folder = scored
+    shutil.copytree(folder / "run", tmp_path / "run")
+    from tiers import TIERS, Rounding
+
+    planner = Planner(tmp_path / "run", resumable=True)
+    calls = []
+    planner.encoder.on_pass = lambda label, count, done, resumed: calls.append((count, done, resumed))
+    first = planner.encoder.uniform(TIERS["int4-asym"], Rounding("gptq"))
+    planner.encoder.forget("int4-asym", Rounding("gptq"))
+    again = planner.encoder.uniform(TIERS["int4-asym"], Rounding("gptq"))
+    planner.close()
+    count = len(planner.layouts)
+    assert calls == [(count, 0, 0), (count, count, 0)] and planner.encoder.log.reused == 0
+    assert all(np.array_equal(first[name].dequantize(), again[name].dequantize()) for name in first)
+
+
 def test_ctrl_c_during_export_says_what_is_kept_and_the_rerun_resumes(scored, tmp_path):
     """The command line, interrupted by a real SIGINT once the first checkpoint is on disk; the rerun, in
     another process, writes what an uninterrupted export writes."""

@@ -279,9 +279,12 @@ class Encoder:
         self.log = EncoderLog()
         self.profile = Profile()
         """Where the time goes (`tqsdeploy.profiling`): the encoder times its solves, its calibrator the rest."""
-        self.on_pass: Callable[[str, int, int], None] | None = None
-        """Called as a pass begins, with its label, how many weights it has and how many of them it
-        reads from checkpoints (progress)."""
+        self.on_pass: Callable[[str, int, int, int], None] | None = None
+        """Called as a pass begins, with its label, how many weights it has, how many of them are done already
+        (taken from a cached pass or read from checkpoints) and how many of those an earlier process left
+        (an interrupted export's checkpoints, not this export's own: progress)."""
+        self._checkpointed: set[str] = set()
+        """Identities of the passes this process checkpointed: what it finds under them it wrote itself."""
         self.on_weight: Callable[[str], None] | None = None
         """Called after each weight of a pass is encoded (progress)."""
         self.before_calibration: Callable[[], None] | None = None
@@ -334,10 +337,12 @@ class Encoder:
             folder, base = self.checkpoints
             saved = PassCheckpoints(folder, f"{base}\n{identity}\ngroup size {self.group_size}", self.weights)
             found = saved.resume(self.calibrator.groups)
-            self.log.reused += len(found)
+            resumed = 0 if identity in self._checkpointed else len(found)  # a pass dropped from memory and asked again reads back its own
+            self._checkpointed.add(identity)
+            self.log.reused += resumed
         taken = self._same(signature) if calibrated and signature is not None else {}
         if self.on_pass is not None:  # taken from a cached pass or read from a checkpoint: done before the pass begins
-            self.on_pass(label, len(self.layouts), len(found) + len(taken.keys() - found.keys()))
+            self.on_pass(label, len(self.layouts), len(found) + len(taken.keys() - found.keys()), resumed if saved is not None else 0)
         report = self.on_weight
         reporting = threading.Lock()  # a wave's weights are encoded in threads side by side
 

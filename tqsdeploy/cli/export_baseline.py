@@ -160,11 +160,11 @@ def export(
 
     encoding = []
 
-    def on_pass(label: str, count: int, done: int) -> None:  # one display at a time: the tier measurements are over or not begun
+    def on_pass(label: str, count: int, done: int, resumed: int) -> None:  # one display at a time: the tier measurements are over or not begun
         for bar in measuring + encoding:  # a display left running would print its line every interval for the rest of the process
             bar.stop()
-        if done:
-            err.print(f"encoding ({label}): resuming, {done} of {count} weights read from the checkpoints of an interrupted export")
+        if resumed:
+            err.print(f"encoding ({label}): resuming, {resumed} of {count} weights read from the checkpoints of an interrupted export")
         encoding[:] = [progress_bar(f"encoding ({label})", "weights")]
         encoding[0].start(count, done)
         if done >= count:
