@@ -1,6 +1,6 @@
 """The solver's shortcuts give the codes of the long way round: the per-channel grid choice from one product per
 statistic, the clip search's screen stopping early, a large solve split into row parts; and the uniform GPTAQ
-and RTN passes run only while they can still win."""
+and RTN passes run only while they can still win; strided matrices copied tile by tile."""
 
 import math
 from dataclasses import replace
@@ -227,3 +227,24 @@ def test_only_a_large_weight_alone_in_its_wave_is_split():
         assert len(solvers._row_parts(4096, 4096)) == 1
     finally:
         solvers.backend.THREAD_CAP = None
+
+
+@pytest.mark.parametrize("tile", [3, 256])
+def test_a_tiled_copy_has_the_bytes_of_numpys_copy(tile, monkeypatch):
+    """`c_order` (the Wt copy of a stored weight, GPTQ's U from LAPACK's factor, codes into their container): the
+    same dtype, values and C layout as numpy's own copy, on transposed, reversed and sliced views whose sides are
+    not multiples of the tile."""
+    import ml_dtypes
+
+    from tiers import solver_backend
+
+    monkeypatch.setattr(solver_backend, "COPY_TILE", tile)
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((517, 263)).astype(np.float32)
+    factor = np.asfortranarray(np.tril(rng.standard_normal((300, 300))))
+    codes = rng.integers(0, 16, (263, 517)).astype(np.float32)
+    for view, dtype in ((weight.T, np.float64), (weight[::-1, 5:], None), (factor[::-1, ::-1], None), (codes.T, ml_dtypes.uint4),
+                        (codes.T - 8, ml_dtypes.int4), (codes.T, np.uint8), (weight.T[:, 0], np.float64)):
+        mine, numpys = solver_backend.c_order(view, dtype), np.array(view, dtype or view.dtype, order="C")
+        assert mine.flags.c_contiguous and mine.dtype == numpys.dtype and mine.shape == numpys.shape
+        assert mine.tobytes() == numpys.tobytes()

