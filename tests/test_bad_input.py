@@ -498,3 +498,67 @@ def test_inspect_says_which_weights_hold_nan_or_inf(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(clean))
     result = runner.invoke(app, ["inspect", str(clean), "--min-params", "1", "--json"])
     assert json.loads(result.output)["nonfinite_weights"] == []
+
+
+def test_contexts_with_an_empty_axis(tmp_path):
+    """Windows of zero values (shape (3, 0, 32)) would score every unit dead and evaluate to NaN: refused at once."""
+    model = models.two_branch(tmp_path / "m.onnx")
+    empty = tmp_path / "empty.npz"
+    np.savez(empty, x=np.zeros((3, 0, 32), np.float32))
+    _fails(["score", model, "-c", empty, "-o", tmp_path / "run"], "contexts array 'x' has shape [3, 0, 32]: an empty axis")
+    _fails(["eval", model, "-r", model, "-c", empty, "--no-latency", "--report", tmp_path / "r"], "an empty axis")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "r.json").exists()
+
+
+def test_an_npz_member_that_is_no_array(tmp_path):
+    import zipfile
+
+    model = models.two_branch(tmp_path / "m.onnx")
+    junk = tmp_path / "junk.npz"
+    with zipfile.ZipFile(junk, "w") as archive:
+        archive.writestr("x.npy", b"junk")
+    _fails(["score", model, "-c", junk, "-o", tmp_path / "run"], f"contexts file {junk}: its member 'x' is not a numpy array")
+
+
+def test_a_failed_fresh_score_keeps_the_finished_run_it_would_replace(tmp_path, ctx):
+    """--fresh replaces a finished run only once the new one has a result: a nominal rollout that overflows leaves the
+    old run's files as they were (byte for byte), and a score that fails in a new folder leaves no folder behind."""
+    model = models.two_branch(tmp_path / "m.onnx")
+    run = tmp_path / "run"
+    assert runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run)]).exit_code == 0
+    kept = {path.name: _digest(path) for path in run.iterdir() if path.is_file() and not path.name.startswith(".")}
+    huge = tmp_path / "huge.npz"
+    np.savez(huge, x=np.full((3, 1, 32), 3e38, np.float32))
+    _fails(["score", model, "-c", huge, "-o", run, "--fresh"], "NaN or Inf")
+    assert {name: _digest(run / name) for name in kept} == kept and not (run / ".replaced").exists()
+    _fails(["score", model, "-c", huge, "-o", tmp_path / "new"], "NaN or Inf")
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_unknown_strategy_is_refused_before_a_finished_run_is_read(tmp_path, ctx):
+    model = models.two_branch(tmp_path / "m.onnx")
+    assert runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(tmp_path / "run")]).exit_code == 0
+    _fails(["score", model, "-c", ctx, "-o", tmp_path / "run", "--strategy", "fast"], "unknown strategy 'fast'")
+    _fails(["score", model, "-c", ctx, "-o", tmp_path / "run", "--steps", 10**20], "at most 100000 are taken")
+
+
+def test_an_unreachable_ray_cluster_is_refused_at_once(tmp_path, ctx):
+    model = models.two_branch(tmp_path / "m.onnx")
+    _fails(["score", model, "-c", ctx, "-o", tmp_path / "run", "--ray", "127.0.0.1:1"], "no Ray cluster answers at 127.0.0.1:1")
+    _fails(["score", model, "-c", ctx, "-o", tmp_path / "run", "--ray", "nohost"], "--ray takes 'local', 'auto' or a cluster address")
+
+
+def test_a_damaged_score_table(tmp_path, ctx):
+    model = models.two_branch(tmp_path / "m.onnx")
+    run = tmp_path / "run"
+    assert runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run)]).exit_code == 0
+    (run / "scores.parquet").write_bytes(b"")
+    _fails(["export", model, "--run", run, "--C", 4, "-o", tmp_path / "q.onnx"], "scores.parquet is not a readable score table")
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_a_bad_bucket_pattern_and_a_sub_byte_size(tmp_path, ctx):
+    model = models.two_branch(tmp_path / "m.onnx")
+    _fails(["frontier", model, "-c", ctx, "--C", 4, "--buckets", "input=[", "--out", tmp_path / "f"], "input='[' is not a regular expression")
+    assert not (tmp_path / "f").exists()
+    _fails(["gate", model, "-r", model, "-c", ctx, "--no-latency", "--max-size", "0.1B", "--report-dir", tmp_path / "g"], "at least 1 byte")

@@ -82,3 +82,17 @@ def test_an_abort_or_exit_passing_the_group_is_handled():
         pass
 
     assert typer.main.get_command(probe).main(["stop"], standalone_mode=False) == 130
+
+
+def test_no_help_text_is_eaten_by_rich_markup():
+    """Every option's help is shown whole: rich reads an unescaped '[batch, dim]' as a style tag and drops it."""
+    import typer
+
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        code, text = _invoke(name, "--help")
+        assert code == 0
+        shown = " ".join(text.replace("│", " ").split())
+        for param in command.params:
+            wanted = " ".join((getattr(param, "help", None) or "").replace("\\[", "[").split())
+            assert wanted in shown, f"{name} --help shows {param.name}'s help altered: {wanted!r}"

@@ -105,6 +105,8 @@ def _as_windows(name: str, array: np.ndarray, spec: IOSpec) -> np.ndarray:
         )
     if windows.shape[0] == 0:
         raise InputError(f"contexts array '{name}' holds no windows")
+    if windows.size == 0:  # a window with an empty axis: every rollout of it is empty, every score and drift NaN or nothing
+        raise InputError(f"contexts array '{name}' has shape {list(array.shape)}: an empty axis leaves its windows without values")
     _check_kind(name, windows, spec)
     if spec.dtype.kind == "f" and not np.all(np.isfinite(windows)):
         raise InputError(f"contexts array '{name}' contains NaN or Inf")
@@ -131,6 +133,8 @@ def load_npz(path: Path, inputs: Sequence[IOSpec]) -> Contexts:
         ) from None
     arrays = {}
     for spec in inputs:
+        if spec.name in stored and not isinstance(stored[spec.name], np.ndarray):  # numpy hands a member that is no .npy back as bytes
+            raise InputError(f"contexts file {path}: its member '{spec.name}' is not a numpy array (.npy)", hint="save the arrays with numpy.savez")
         if spec.name not in stored:
             raise InputError(f"contexts file {path} has no array for model input '{spec.name}' (it has: {', '.join(stored) or 'none'})")
         arrays[spec.name] = _as_windows(spec.name, stored[spec.name], spec)

@@ -300,7 +300,9 @@ def load_truth(path: Path, spec: RolloutSpec, shapes: dict[str, tuple]) -> dict[
             raise InputError(f"truth file {path} has no array for trajectory output '{name}'")
         array = stored[name]
         want = shapes[name]
-        if array.shape[0] != want[0] or array.shape[2:] != want[2:] or array.shape[1] < want[1]:
+        if not isinstance(array, np.ndarray):  # numpy hands a member that is no .npy back as bytes
+            raise InputError(f"truth file {path}: its member '{name}' is not a numpy array (.npy)", hint="save the arrays with numpy.savez")
+        if array.ndim != len(want) or array.shape[0] != want[0] or array.shape[2:] != want[2:] or array.shape[1] < want[1]:
             expected = ", ".join([str(want[0]), f"{want[1]} or more", *map(str, want[2:])])  # longer truths are cut to the rollout
             raise InputError(f"truth '{name}' has shape {list(array.shape)}; expected [{expected}] (windows, steps, *output)")
         truth[name] = array[:, : want[1]].astype(np.float64)

@@ -35,8 +35,8 @@ def parse_size(text: str) -> float:
     if not match or match.group(1).count(".") > 1 or match.group(1) == "." or match.group(2).lower() not in SIZE_UNITS:
         raise InputError(f"--max-size takes a size such as 12MB or 500KiB, not '{text}'")
     size = float(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
-    if not 0 < size < math.inf:  # as --min-compression 0: a bound no model can be meant to meet
-        raise InputError(f"--max-size must be a positive finite size, not '{text}'")
+    if not 1 <= size < math.inf:  # as --min-compression 0: a bound no model can be meant to meet (0.1B: no file has a fraction of a byte)
+        raise InputError(f"--max-size must be a finite size of at least 1 byte, not '{text}'")
     return size
 
 

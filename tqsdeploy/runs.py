@@ -36,6 +36,10 @@ GENERIC_STEMS = ("model",)
 """File names exporters give every model; default output names add the folder's name to them."""
 
 
+SCORE_COLUMNS = ("unit", "tensors", "params", "gamma", "dead")
+"""Columns of scores.parquet that allocation and export read: a table without them is not a score run's."""
+
+
 @dataclass(frozen=True)
 class ScoredModel:
     """The model a run scored, as run.json keeps it."""
@@ -100,7 +104,15 @@ class ScoreRun:
         meta, scores = read_record(run_dir), run_dir / "scores.parquet"
         if meta is None or not scores.exists():
             raise InputError(f"{run_dir} is not a finished score run (no run.json / scores.parquet)")
-        return cls(frame=pl.read_parquet(scores), run_dir=run_dir, meta=meta)
+        try:
+            frame = pl.read_parquet(scores)
+        except (pl.exceptions.PolarsError, OSError) as exc:
+            raise InputError(f"{scores} is not a readable score table ({str(exc).splitlines()[0]})", hint="score the model again with --fresh") from None
+        missing = [column for column in SCORE_COLUMNS if column not in frame.columns]
+        if missing:
+            raise InputError(f"{scores} is not a score table this version of tqsdeploy can read (no column '{missing[0]}')",
+                             hint="score the model again with --fresh")
+        return cls(frame=frame, run_dir=run_dir, meta=meta)
 
     @property
     def complete(self) -> bool:

@@ -8,6 +8,7 @@ processes or on Ray; the scores and run.json are written as they finish.
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -23,6 +24,8 @@ from tqsdeploy.prepare import ContextOptions, prepare
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.runs import RUN_FILES, RUN_FORMAT, ScoreRun, current_versions, default_run_dir, read_record, run_fingerprint
 from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
+from tqsdeploy.sweep.executors import check_ray_address
+from tqsdeploy.sweep.job import STRATEGIES
 from tqsdeploy.sweep import ResultLog, TaskResult, plan_tasks, run_local, run_parallel, run_ray, stale_units, usable_cores
 from tqsdeploy.units import UnitSelection
 
@@ -58,6 +61,10 @@ def score(
     `lanes` runs that many tasks at once in this process (None: `sweep.sweep_lanes` decides).
     """
     started = time.perf_counter()
+    if strategy not in STRATEGIES:  # now: a finished run in the folder would otherwise take its own and never read this one
+        raise InputError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
+    if ray_address is not None:
+        check_ray_address(None if ray_address == "local" else ray_address)  # before the model loads and the nominal rollout runs
     cores = usable_cores()
     if ray_address is None:
         workers = min(workers, cores)  # more local processes than cores only adds contention
@@ -86,6 +93,8 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
     # out after `open_runner`, so the model's digest (a background thread) runs beside the session builds.
     fingerprint = run_fingerprint(prepared, settings, runtime) if existing is not None and resume is not False else None
     matches = fingerprint is not None and existing.get("fingerprint") == fingerprint
+    if existing is not None and not matches and resume is None and _holds_nothing(run_dir, existing):
+        resume = False  # a run that failed or stopped before its first result: nothing to keep, nothing to refuse for
     if existing is not None and not matches and resume is not False:
         unfinished = " (an unfinished one: interrupted, or it failed)" if existing.get("status") != "complete" else ""
         raise InputError(
@@ -94,108 +103,155 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         )
     if resume is True and not matches:
         raise InputError(f"nothing to resume in {run_dir}")
-    if resume is False or not matches:
-        for name in RUN_FILES:
-            (run_dir / name).unlink(missing_ok=True)
+    fresh = resume is False or not matches
+    if fresh:
         in_use = {prepared.session_file.name} if prepared.session_file else set()
         for pattern in ("session-*.onnx*", "overridable-*.onnx", "fed-*.onnx", "graph-*.onnx", "weights-*.onnx*"):  # graph-*, weights-*: what older versions made
             for stale in run_dir.glob(pattern):
                 if not any(stale.name.startswith(name) for name in in_use):
                     stale.unlink()
 
-    log = ResultLog(run_dir / "sweep.jsonl")
-    done = log.load() if matches else {}
-    remeasured = stale_units(prepared.job, done) if done else set()
-    done = {key: r for key, r in done.items() if r.unit not in remeasured}
-    if done and existing.get("strategy"):
-        prepared.job.strategy = existing["strategy"]  # finish the way it started
-    tasks = plan_tasks(prepared.units, settings.quant_probe, settings.gauss_draws)
-    pending = [t for t in tasks if t.key not in done]
-    write_text(run_dir / "rollout.toml", prepared.spec.to_toml())
-    write_npz(run_dir / "contexts.npz", prepared.contexts.arrays)
+    with _Replacement(run_dir, fresh) as replacing:
+        log = ResultLog(run_dir / "sweep.jsonl")
+        done = log.load() if matches else {}
+        remeasured = stale_units(prepared.job, done) if done else set()
+        done = {key: r for key, r in done.items() if r.unit not in remeasured}
+        if done and existing.get("strategy"):
+            prepared.job.strategy = existing["strategy"]  # finish the way it started
+        tasks = plan_tasks(prepared.units, settings.quant_probe, settings.gauss_draws)
+        pending = [t for t in tasks if t.key not in done]
+        write_text(run_dir / "rollout.toml", prepared.spec.to_toml())
+        write_npz(run_dir / "contexts.npz", prepared.contexts.arrays)
 
-    runner = prepared.open_runner()
-    prepared_s = time.perf_counter() - started  # with the nominal rollout when it ran alone
-    nominal_on_lane = not runner.nominal_made  # made by the sweep's first lane, beside the first tasks
-    meta = {
-        "format": RUN_FORMAT,
-        "status": "running",
-        "fingerprint": fingerprint or run_fingerprint(prepared, settings, runtime),
-        "model": {"path": str(prepared.model.path.resolve()), "sha256": prepared.model.sha256, "bytes": prepared.model.file_bytes},
-        "rollout": prepared.spec.to_dict(),
-        "contexts": prepared.contexts.describe(),
-        "probe": asdict(settings),
-        "selection": asdict(selection),
-        "provider": runtime.provider,
-        "units": len(prepared.units),
-        "params": sum(u.params for u in prepared.units),
-        "tasks": len(tasks),
-        "versions": current_versions(),
-        "warnings": [*prepared.notes, *prepared.contexts.warnings],
-    }
-    if remeasured:
-        meta["warnings"].append(
-            f"{len(remeasured)} unit(s) finished in this folder were probed with other perturbations than this version makes "
-            f"(an older tqsdeploy?): measured again ({', '.join(sorted(remeasured)[:3])}{', ...' if len(remeasured) > 3 else ''})"
-        )
-    meta["strategy"] = runner.strategy
-    meta["fed_session"] = prepared.fed_as
-    if prepared.job.strategy not in ("auto", runner.strategy):
-        meta["warnings"].append(
-            f"strategy '{prepared.job.strategy}' ran as 'feed': it rebuilds the model in memory, and this one is swept from its "
-            "file (weights in external data, or a file of 64 MiB or more), where only 'feed' and 'prefix' run"
-        )
-    if runner.timings:
-        meta["strategy_estimates_s"] = runner.timings
-    if runner.cut_plan is not None:
-        meta["prefix_cuts"] = [list(group) for group in runner.cut_plan.groups]  # units sharing one cut session
-        position = {name: i for i, name in enumerate(runner.unit_order)}
-        pending.sort(key=lambda t: position[t.unit])  # a cut's units one after another (stable: probes keep their order)
-    write_json(meta_path, meta)
-    if on_start:
-        on_start(len(tasks), len(tasks) - len(pending))
-    estimate = runner.timings.get(runner.strategy)
-    if on_estimate and estimate and pending and ray_address is None and workers == 1:  # auto timed the sweep on these lanes
-        on_estimate(estimate * (len(pending) / len(tasks)))  # the share first: a whole sweep pending hands on the estimate exactly
-    sweep_started = time.perf_counter()
-    record = lambda r: (done.__setitem__(r.key, r), on_result and on_result(r))  # noqa: E731
-    meta["workers"] = 1
-    if ray_address is not None and pending:
-        meta["workers"] = f"ray:{max(1, min(workers, len(pending)))}"
-        runner.close()
-        address = None if ray_address == "local" else ray_address
-        run_ray(prepared.job, pending, log, max(1, min(workers, len(pending))), runner.strategy, address, on_result=record)
-    elif workers > 1 and len(pending) > 1:
-        meta["workers"] = min(workers, len(pending))
-        runner.close()
-        run_parallel(prepared.job, pending, log, min(workers, len(pending)), runner.strategy, on_result=record)
-    else:
-        meta["lanes"] = run_local(prepared.job, pending, log, on_result=record, runner=runner, lanes=prepared.lanes)
-        meta["threads_per_lane"] = prepared.threads
-        runner.close()
-    sweep_seconds = time.perf_counter() - sweep_started
-    if runner.fallbacks:
-        meta["batch_fallbacks"] = runner.fallbacks  # units 'batch' ran probe by probe, and why
-
-    frame = score_frame(prepared.units, done, runner.nominal.norm_sq, settings, prepared.spec.steps, prepared.job.rows)
-    write_table(frame, run_dir / "scores.parquet")
-    write_table(frame, run_dir / "scores.csv")
-    alive = frame.filter(~pl.col("dead"))
-    meta.update(
-        {
-            "status": "complete",
-            "nominal_norm_sq": runner.nominal.norm_sq,
-            "batched_windows": runner.nominal.batched,
-            "dead_units": int(frame["dead"].sum()),
-            "spearman_quant_gauss": spearman(alive["gamma_quant"], alive["gamma_gauss"]) if settings.quant_probe and settings.gauss_draws else None,
-            "timings_s": {
-                "prepare": round(prepared_s, 4),
-                "nominal_on_a_lane": nominal_on_lane,
-                "sweep": round(sweep_seconds, 4),
-                "resumed_tasks": len(tasks) - len(pending),
-                "total": round(time.perf_counter() - started, 4),
-            },
+        runner = prepared.open_runner()
+        prepared_s = time.perf_counter() - started  # with the nominal rollout when it ran alone
+        nominal_on_lane = not runner.nominal_made  # made by the sweep's first lane, beside the first tasks
+        meta = {
+            "format": RUN_FORMAT,
+            "status": "running",
+            "fingerprint": fingerprint or run_fingerprint(prepared, settings, runtime),
+            "model": {"path": str(prepared.model.path.resolve()), "sha256": prepared.model.sha256, "bytes": prepared.model.file_bytes},
+            "rollout": prepared.spec.to_dict(),
+            "contexts": prepared.contexts.describe(),
+            "probe": asdict(settings),
+            "selection": asdict(selection),
+            "provider": runtime.provider,
+            "units": len(prepared.units),
+            "params": sum(u.params for u in prepared.units),
+            "tasks": len(tasks),
+            "versions": current_versions(),
+            "warnings": [*prepared.notes, *prepared.contexts.warnings],
         }
-    )
-    write_json(meta_path, meta)
+        if remeasured:
+            meta["warnings"].append(
+                f"{len(remeasured)} unit(s) finished in this folder were probed with other perturbations than this version makes "
+                f"(an older tqsdeploy?): measured again ({', '.join(sorted(remeasured)[:3])}{', ...' if len(remeasured) > 3 else ''})"
+            )
+        meta["strategy"] = runner.strategy
+        meta["fed_session"] = prepared.fed_as
+        if prepared.job.strategy not in ("auto", runner.strategy):
+            meta["warnings"].append(
+                f"strategy '{prepared.job.strategy}' ran as 'feed': it rebuilds the model in memory, and this one is swept from its "
+                "file (weights in external data, or a file of 64 MiB or more), where only 'feed' and 'prefix' run"
+            )
+        if runner.timings:
+            meta["strategy_estimates_s"] = runner.timings
+        if runner.cut_plan is not None:
+            meta["prefix_cuts"] = [list(group) for group in runner.cut_plan.groups]  # units sharing one cut session
+            position = {name: i for i, name in enumerate(runner.unit_order)}
+            pending.sort(key=lambda t: position[t.unit])  # a cut's units one after another (stable: probes keep their order)
+        write_json(meta_path, meta)
+        if on_start:
+            on_start(len(tasks), len(tasks) - len(pending))
+        estimate = runner.timings.get(runner.strategy)
+        if on_estimate and estimate and pending and ray_address is None and workers == 1:  # auto timed the sweep on these lanes
+            on_estimate(estimate * (len(pending) / len(tasks)))  # the share first: a whole sweep pending hands on the estimate exactly
+        sweep_started = time.perf_counter()
+        record = lambda r: (replacing.recorded(), done.__setitem__(r.key, r), on_result and on_result(r))  # noqa: E731
+        meta["workers"] = 1
+        if ray_address is not None and pending:
+            meta["workers"] = f"ray:{max(1, min(workers, len(pending)))}"
+            runner.close()
+            address = None if ray_address == "local" else ray_address
+            run_ray(prepared.job, pending, log, max(1, min(workers, len(pending))), runner.strategy, address, on_result=record)
+        elif workers > 1 and len(pending) > 1:
+            meta["workers"] = min(workers, len(pending))
+            runner.close()
+            run_parallel(prepared.job, pending, log, min(workers, len(pending)), runner.strategy, on_result=record)
+        else:
+            meta["lanes"] = run_local(prepared.job, pending, log, on_result=record, runner=runner, lanes=prepared.lanes)
+            meta["threads_per_lane"] = prepared.threads
+            runner.close()
+        sweep_seconds = time.perf_counter() - sweep_started
+        if runner.fallbacks:
+            meta["batch_fallbacks"] = runner.fallbacks  # units 'batch' ran probe by probe, and why
+
+        frame = score_frame(prepared.units, done, runner.nominal.norm_sq, settings, prepared.spec.steps, prepared.job.rows)
+        write_table(frame, run_dir / "scores.parquet")
+        write_table(frame, run_dir / "scores.csv")
+        alive = frame.filter(~pl.col("dead"))
+        meta.update(
+            {
+                "status": "complete",
+                "nominal_norm_sq": runner.nominal.norm_sq,
+                "batched_windows": runner.nominal.batched,
+                "dead_units": int(frame["dead"].sum()),
+                "spearman_quant_gauss": spearman(alive["gamma_quant"], alive["gamma_gauss"]) if settings.quant_probe and settings.gauss_draws else None,
+                "timings_s": {
+                    "prepare": round(prepared_s, 4),
+                    "nominal_on_a_lane": nominal_on_lane,
+                    "sweep": round(sweep_seconds, 4),
+                    "resumed_tasks": len(tasks) - len(pending),
+                    "total": round(time.perf_counter() - started, 4),
+                },
+            }
+        )
+        write_json(meta_path, meta)
     return ScoreRun(frame=frame, run_dir=run_dir, meta=meta)
+
+
+def _holds_nothing(run_dir: Path, existing: dict) -> bool:
+    """An unfinished run without one finished task (it failed or was stopped before its first result)."""
+    return existing.get("status") != "complete" and not ResultLog(run_dir / "sweep.jsonl").load()
+
+
+class _Replacement:
+    """A new run in a folder, taking the place of whatever run it held only once it has a result.
+
+    On entry the previous run's files (`RUN_FILES`) move into `.replaced/`; a run that fails or is stopped
+    before its first task result (a nominal rollout that gives NaN, a model that fails on the contexts,
+    Ctrl-C) removes what it wrote and moves them back, so `--fresh` never costs a finished run for nothing
+    and the corrected command finds the folder as it was. The first result discards them."""
+
+    ASIDE = ".replaced"
+
+    def __init__(self, run_dir: Path, fresh: bool):
+        self.run_dir, self.fresh, self.aside = run_dir, fresh, run_dir / self.ASIDE
+        self.settled = not fresh
+
+    def __enter__(self) -> "_Replacement":
+        if self.fresh:
+            shutil.rmtree(self.aside, ignore_errors=True)  # left by a process killed mid-run: the run it held was replaced then
+            self.aside.mkdir()
+            for name in RUN_FILES:
+                if (self.run_dir / name).exists():
+                    (self.run_dir / name).replace(self.aside / name)
+        return self
+
+    def recorded(self) -> None:
+        """A result of the new run is in: the previous run is gone for good."""
+        if not self.settled:
+            self.settled = True
+            shutil.rmtree(self.aside, ignore_errors=True)
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if self.settled:
+            return
+        if kind is None:
+            self.recorded()
+            return
+        for name in RUN_FILES:
+            (self.run_dir / name).unlink(missing_ok=True)
+        for kept in self.aside.iterdir():
+            kept.replace(self.run_dir / kept.name)
+        self.aside.rmdir()

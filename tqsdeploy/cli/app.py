@@ -245,7 +245,7 @@ LATENCY_HELP = ("Skip timing candidate and reference (by default both are open a
                 "3 warm-up calls each, then at least 10 paired rounds and 1 s; median, p10/p90 and memory in the report).")
 BATCHES_HELP = "Windows per call to time, e.g. 1,8 (default: the eval's own batch, every window in one call)."
 COSINE_HELP = ("Cosine similarity and nearest-neighbour agreement of the output vectors (last axis): --cosine for every output, --no-cosine for none "
-               "(default: outputs named like embeddings, e.g. embedding, pooled, sentence, last_hidden_state, shaped [batch, dim] or [batch, tokens, dim]).")
+               "(default: outputs named like embeddings, e.g. embedding, pooled, sentence, last_hidden_state, shaped \\[batch, dim] or \\[batch, tokens, dim]).")
 
 # Options several commands share, defined once (typer reads each as a description, so one may serve many commands).
 COLUMNS = typer.Option(None, "--columns", help=COLUMNS_HELP)

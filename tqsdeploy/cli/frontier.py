@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -53,6 +54,11 @@ def frontier(
         if not items or any("=" not in item for item in items):
             raise typer.BadParameter(f"--buckets takes ROLE=REGEX items, e.g. 'input=embed|patch,output=head', not {buckets!r}")
         patterns = dict(item.split("=", 1) for item in items)
+        for role, pattern in patterns.items():  # now, not after the frontier has run
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise typer.BadParameter(f"--buckets: {role}={pattern!r} is not a regular expression ({exc})") from None
     tier_names = tuple(split_list(tiers, "--tiers")) if tiers is not None else None  # None: export's defaults, int1 near INT2 included
     tier_set = get_tiers(tier_names or DEFAULT_TIERS, "ort", group_size)  # unknown names fail now, not after the score
     if group_size:  # and a --group-size nothing could take (it once failed after the score)

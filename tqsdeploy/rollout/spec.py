@@ -21,6 +21,9 @@ from runtimes import IOSpec
 from tqsdeploy.errors import RolloutError
 
 MODES = ("replace", "shift")
+MAX_STEPS = 100_000
+"""Longest rollout taken: the trajectories of every window stay in memory (a 33 x 49 grid over 10⁵ steps: 0.6 GB a
+window), and a typo'd step count would otherwise run silently for hours; the paper's and the examples' are 1-64."""
 SPEC_KEYS = ("steps", "trajectory", "feedback", "origin")
 EDGE_KEYS = ("output", "input", "mode", "axis", "fill", "length")
 
@@ -59,6 +62,8 @@ class RolloutSpec:
     def __post_init__(self):
         if self.steps < 1:
             raise RolloutError(f"rollout needs at least 1 step, got {self.steps}")
+        if self.steps > MAX_STEPS:
+            raise RolloutError(f"rollout of {self.steps} steps: at most {MAX_STEPS} are taken (a rollout keeps every step's outputs in memory)")
         seen = set()
         for edge in self.feedback:
             if edge.mode not in MODES:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -240,6 +241,24 @@ class _RayWorker:
         return self.runner.run(task)
 
 
+RAY_CONNECT_S = 5.0
+"""How long a cluster address may take to accept a connection before the score gives up on it."""
+
+
+def check_ray_address(address: str | None) -> None:
+    """A cluster address ('HOST:PORT' or 'ray://HOST:PORT') must accept a connection within `RAY_CONNECT_S`:
+    ray.init retries an unreachable one for minutes, in silence."""
+    if address in (None, "auto", "local"):
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        raise InputError(f"--ray takes 'local', 'auto' or a cluster address HOST:PORT, not '{address}'")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_S).close()  # [::1]:6379: IPv6 in brackets
+    except OSError as exc:
+        raise InputError(f"no Ray cluster answers at {address} ({exc.strerror or exc})", hint="check the address ('ray status' on the head node prints it)") from None
+
+
 def run_ray(
     job: SweepJob,
     tasks: Sequence[Task],
@@ -261,7 +280,12 @@ def run_ray(
     except ImportError:
         raise RolloutError("Ray is not installed", hint="pip install 'tqsdeploy[ray]'") from None
     if not ray.is_initialized():
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
+        check_ray_address(address)
+        try:
+            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:  # 'auto' with no cluster running, a malformed address
+            raise RolloutError(f"could not join a Ray cluster at '{address}' ({str(exc).splitlines()[0]})",
+                               hint="start one with 'ray start --head', or pass --ray local for one on this machine") from None
     actor = ray.remote(_RayWorker)
     shared = ray.put(job)
     actors = [actor.remote(shared, strategy) for _ in range(workers)]
