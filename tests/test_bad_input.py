@@ -562,3 +562,19 @@ def test_a_bad_bucket_pattern_and_a_sub_byte_size(tmp_path, ctx):
     _fails(["frontier", model, "-c", ctx, "--C", 4, "--buckets", "input=[", "--out", tmp_path / "f"], "input='[' is not a regular expression")
     assert not (tmp_path / "f").exists()
     _fails(["gate", model, "-r", model, "-c", ctx, "--no-latency", "--max-size", "0.1B", "--report-dir", tmp_path / "g"], "at least 1 byte")
+
+
+def test_a_csv_that_is_not_utf8_and_a_compression_below_one(tmp_path, ctx):
+    """polars reads other encodings lossily (a Latin-1 header became 'temp\ufffdC'): refused, naming the byte. C < 1
+    asks for a file larger than the original: refused before the export's passes run, not written as 1x."""
+    model = models.two_branch(tmp_path / "m.onnx")
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("temp°C\n".encode("latin-1") + b"1\n" * 200)
+    _fails(["score", model, "-c", latin, "-o", tmp_path / "run"], f"contexts file {latin} is not UTF-8 text (byte 0xb0 at offset 4)")
+    wide = tmp_path / "wide.csv"
+    wide.write_bytes("a,b\n1,2\n".encode("utf-16"))
+    _fails(["score", model, "-c", wide, "-o", tmp_path / "run"], "is not UTF-8 text (a UTF-16 byte order mark)")
+    assert runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(tmp_path / "run")]).exit_code == 0
+    _fails(["export", model, "--run", tmp_path / "run", "--C", 0.5, "-o", tmp_path / "q.onnx"], "compression target 0.5 is below 1")
+    _fails(["score", model, "-c", ctx, "-o", tmp_path / "run2", "--probes", 0], "--probe both needs --probes >= 1")
+    assert not (tmp_path / "q.onnx").exists() and not (tmp_path / "run2").exists()

@@ -27,6 +27,8 @@ def test_budget_from_c_on_each_basis():
     for bad in (0, -1, float("nan"), float("inf")):
         with pytest.raises(InputError, match="positive number"):
             file.slot_bits(bad)
+    with pytest.raises(InputError, match="below 1"):
+        file.slot_bits(0.5)
     with pytest.raises(InputError, match="'file' or 'units'"):
         sizes.budget("layers")
 

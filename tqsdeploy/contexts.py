@@ -159,7 +159,10 @@ def read_csv_columns(path: Path, columns: Sequence[str] | None = None) -> tuple[
     import polars as pl
 
     try:
+        _check_utf8(path)
         frame = pl.read_csv(path, infer_schema=False)
+    except InputError:
+        raise
     except FileNotFoundError:
         raise InputError(f"contexts file {path} does not exist") from None
     except Exception as exc:
@@ -204,6 +207,19 @@ def read_csv_columns(path: Path, columns: Sequence[str] | None = None) -> tuple[
             raise InputError(f"contexts file {path}, line {line}, column '{name}': {why}{more}")
         data[:, j] = values
     return data, used
+
+
+def _check_utf8(path: Path) -> None:
+    """A CSV must be UTF-8: polars reads other encodings lossily (a Latin-1 '°C' header became 'temp\ufffdC', a
+    UTF-16 file 'no numeric columns'), so a column name or a cell would be silently something else."""
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+        raise InputError(f"contexts file {path} is not UTF-8 text ({'a UTF-16 byte order mark' if utf16 else f'byte 0x{raw[exc.start]:02x} at offset {exc.start}'})",
+                         hint="save it as UTF-8 (iconv -f ITS-ENCODING -t utf-8)") from None
 
 
 def _header(path: Path) -> list[str]:

@@ -132,6 +132,8 @@ def _targets(settings: FrontierSettings, baselines: list[Candidate]) -> list[tup
     for candidate in baselines:
         if candidate.compression:
             matched = round(candidate.compression * (1 - MATCH_SLACK), 3)
+            if matched < 1:  # a baseline no smaller than the original (a tiny model's scales and nodes): nothing to match
+                continue
             if not any(abs(math.log(matched / t)) < 0.005 for t, _ in targets):
                 targets.append((matched, f"C{matched:.3g}@{candidate.setting}"))
     return sorted(targets)

@@ -36,6 +36,8 @@ def check_basis(basis: str) -> str:
 def check_target(target: float) -> float:
     if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
         raise InputError(f"compression target must be a positive number, not {target}")
+    if target < 1:  # the original's bits over the export's: below 1 asks for a larger file, which no tier makes
+        raise InputError(f"compression target {target:g} is below 1: C is the original's size over the exported one (1 keeps it as it is)")
     return float(target)
 
 

@@ -150,8 +150,8 @@ def score(
         early_stop_tol=early_stop_tol,
         early_stop_window=early_stop_window,
     )
-    if probe == "gauss" and probes < 1:
-        raise typer.BadParameter("--probe gauss needs --probes >= 1")
+    if probe in ("gauss", "both") and probes < 1:  # both with none drawn left gamma_gauss empty without a word
+        raise typer.BadParameter(f"--probe {probe} needs --probes >= 1" + (" (--probe quant scores with the quantization probe alone)" if probe == "both" else ""))
     selection = UnitSelection(min_params=min_params, include=include, exclude=exclude, granularity=granularity, block_pattern=block_pattern)
     progress = progress_bar("scoring", "rollouts")
 
