@@ -578,3 +578,21 @@ def test_a_csv_that_is_not_utf8_and_a_compression_below_one(tmp_path, ctx):
     _fails(["export", model, "--run", tmp_path / "run", "--C", 0.5, "-o", tmp_path / "q.onnx"], "compression target 0.5 is below 1")
     _fails(["score", model, "-c", ctx, "-o", tmp_path / "run2", "--probes", 0], "--probe both needs --probes >= 1")
     assert not (tmp_path / "q.onnx").exists() and not (tmp_path / "run2").exists()
+
+
+def test_a_run_set_aside_by_a_killed_fresh_score_comes_back(tmp_path, ctx):
+    """kill -9 while --fresh replaced a run leaves the old run in .replaced/ and the new one without a result (the
+    state is written here as such a kill leaves it): the next score restores the old run and resumes it, whole."""
+    import shutil
+
+    model = models.two_branch(tmp_path / "m.onnx")
+    run = tmp_path / "run"
+    assert runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run)]).exit_code == 0
+    scores = _digest(run / "scores.parquet")
+    (run / ".replaced").mkdir()
+    for name in ("run.json", "sweep.jsonl", "scores.parquet", "scores.csv", "rollout.toml", "contexts.npz"):
+        shutil.move(run / name, run / ".replaced" / name)
+    (run / "run.json").write_text('{"format": 1, "status": "running", "fingerprint": "another"}')
+    result = runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "resuming" in " ".join(result.output.split()) and _digest(run / "scores.parquet") == scores and not (run / ".replaced").exists()

@@ -51,6 +51,8 @@ def write_table(frame, path: str | os.PathLike) -> Path:
 
 RUN_MARKER = "run.json"
 LOCK_NAME = ".tqsdeploy.lock"
+REPLACED = ".replaced"
+"""Where a run being replaced (score --fresh) waits until the new run has a result (`tqsdeploy.score`)."""
 
 
 def _identity(path: Path) -> tuple[int, int, int] | None:
@@ -81,7 +83,7 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"run folder {folder} is a file")
-    if folder.is_dir() and not (folder / RUN_MARKER).exists():
+    if folder.is_dir() and not (folder / RUN_MARKER).exists() and not (folder / REPLACED / RUN_MARKER).exists():
         foreign = sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME)
         if foreign:
             shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")

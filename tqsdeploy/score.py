@@ -19,7 +19,7 @@ import polars as pl
 from runtimes import DEFAULT_RUNTIME, Runtime
 from tqsdeploy.contexts import Contexts
 from tqsdeploy.errors import InputError
-from tqsdeploy.files import claim_run_folder, write_json, write_npz, write_table, write_text
+from tqsdeploy.files import REPLACED, claim_run_folder, write_json, write_npz, write_table, write_text
 from tqsdeploy.prepare import ContextOptions, prepare
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.runs import RUN_FILES, RUN_FORMAT, ScoreRun, current_versions, default_run_dir, read_record, run_fingerprint
@@ -88,6 +88,7 @@ def _score(run_dir, model, contexts, spec, steps, selection, settings, runtime, 
         workdir=run_dir, stream=True, lanes=lanes,
     )
     meta_path = run_dir / "run.json"
+    _Replacement.recover(run_dir)
     existing = read_record(run_dir)
     # Only a folder that may be resumed needs the fingerprint before the sweep opens; a fresh run works it
     # out after `open_runner`, so the model's digest (a background thread) runs beside the session builds.
@@ -223,15 +224,25 @@ class _Replacement:
     Ctrl-C) removes what it wrote and moves them back, so `--fresh` never costs a finished run for nothing
     and the corrected command finds the folder as it was. The first result discards them."""
 
-    ASIDE = ".replaced"
-
     def __init__(self, run_dir: Path, fresh: bool):
-        self.run_dir, self.fresh, self.aside = run_dir, fresh, run_dir / self.ASIDE
+        self.run_dir, self.fresh, self.aside = run_dir, fresh, run_dir / REPLACED
         self.settled = not fresh
+
+    @staticmethod
+    def recover(run_dir: Path) -> None:
+        """After a process killed while it replaced a run (kill -9: no `__exit__`): the run set aside comes back
+        unless the new one got a result."""
+        aside = run_dir / REPLACED
+        if not aside.is_dir():
+            return
+        replacing, new = _Replacement(run_dir, True), read_record(run_dir)
+        if new is not None and not _holds_nothing(run_dir, new):
+            replacing.recorded()
+        else:
+            replacing.restore()
 
     def __enter__(self) -> "_Replacement":
         if self.fresh:
-            shutil.rmtree(self.aside, ignore_errors=True)  # left by a process killed mid-run: the run it held was replaced then
             self.aside.mkdir()
             for name in RUN_FILES:
                 if (self.run_dir / name).exists():
@@ -249,7 +260,12 @@ class _Replacement:
             return
         if kind is None:
             self.recorded()
-            return
+        else:
+            self.restore()
+
+    def restore(self) -> None:
+        """The new run's files go, the set-aside run's come back."""
+        self.settled = True
         for name in RUN_FILES:
             (self.run_dir / name).unlink(missing_ok=True)
         for kept in self.aside.iterdir():
