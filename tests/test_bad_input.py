@@ -596,3 +596,18 @@ def test_a_run_set_aside_by_a_killed_fresh_score_comes_back(tmp_path, ctx):
     result = runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run)])
     assert result.exit_code == 0, result.output
     assert "resuming" in " ".join(result.output.split()) and _digest(run / "scores.parquet") == scores and not (run / ".replaced").exists()
+
+
+def test_a_score_killed_as_it_began_in_a_new_folder_does_not_block_the_rerun(tmp_path, ctx):
+    """kill -9 between the first file and the first result leaves the provisional run.json, an empty .replaced/,
+    the rollout and contexts and a half-written temporary (written here as such a kill leaves them): the rerun
+    scores, and no temporary or .replaced/ survives it."""
+    model = models.two_branch(tmp_path / "m.onnx")
+    run = tmp_path / "run"
+    (run / ".replaced").mkdir(parents=True)
+    (run / "run.json").write_text('{"format": 1, "status": "starting"}')
+    (run / "rollout.toml").write_text("steps = 1\n")
+    (run / ".contexts.npz.0123abcd.partial").write_bytes(b"PK")
+    result = runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run)])
+    assert result.exit_code == 0, result.output
+    assert (run / "scores.parquet").exists() and not list(run.glob(".*.partial")) and not (run / ".replaced").exists()

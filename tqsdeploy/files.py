@@ -83,7 +83,7 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"run folder {folder} is a file")
-    if folder.is_dir() and not (folder / RUN_MARKER).exists() and not (folder / REPLACED / RUN_MARKER).exists():
+    if folder.is_dir() and not (folder / RUN_MARKER).exists() and not (folder / REPLACED).is_dir():  # .replaced: a run killed as it began
         foreign = sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME)
         if foreign:
             shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
@@ -96,6 +96,8 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
         lock.acquire(timeout=0)
     except Timeout:
         raise InputError(f"another tqsdeploy command is writing to {folder}", hint="wait for it to finish, or use another folder") from None
+    for stale in folder.glob(".*.partial"):  # a write a killed command left (`atomic_output`): nobody else writes here now
+        stale.unlink(missing_ok=True)
     before, recorded = {p.name for p in folder.iterdir()}, _identity(folder / RUN_MARKER)
     try:
         yield folder

@@ -247,6 +247,7 @@ class _Replacement:
             for name in RUN_FILES:
                 if (self.run_dir / name).exists():
                     (self.run_dir / name).replace(self.aside / name)
+            write_json(self.run_dir / "run.json", {"format": RUN_FORMAT, "status": "starting"})  # a run folder from now on, whatever kills this
         return self
 
     def recorded(self) -> None:
