@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from tqsdeploy.files import atomic_output, write_text
+
 GRIDS_FOR_WINS = ("W2", "W4")
 MATCH_TOLERANCE = 0.05
 """A TQS-PTQ point is matched to a grid point when its compression is within 5%."""
@@ -77,6 +79,12 @@ def concentration(gammas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(1, shift.size + 1) / shift.size, share
 
 
+def _save(fig, path: Path) -> None:
+    """A figure written as every output is (`tqsdeploy.files`): an interrupted report leaves the old plot or none."""
+    with atomic_output(path) as temporary:
+        fig.savefig(temporary, dpi=110, format=path.suffix[1:])
+
+
 def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], folder: Path, metric: str) -> list[tuple[str, str]]:
     import matplotlib
 
@@ -118,7 +126,7 @@ def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], fol
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(folder / "frontier.png", dpi=110)
+    _save(fig, folder / "frontier.png")
     plt.close(fig)
     figures.append(("frontier.png", "Drift from the FP32 model" + (" (top) and error against the truth, in % of the FP32 model's own error (bottom)," if metric == "mae_truth" else "")
                     + " by compression on linear scales; one line per method through its best point at each size; shaded: 95% bootstrap interval over context windows."))
@@ -135,7 +143,7 @@ def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], fol
     ax.set_title("TQS ranking" + (": every γ < 0, each perturbation's effect shrinks over the rollout" if negative else ""))
     ax.legend(handles=[Patch(color=c, label=n) for n, c in colors.items()] + [Patch(color="black", label="dead")], fontsize=8)
     fig.tight_layout()
-    fig.savefig(folder / "gamma_ranking.png", dpi=110)
+    _save(fig, folder / "gamma_ranking.png")
     plt.close(fig)
     figures.append(("gamma_ranking.png", "γ per unit (growth rate of a perturbation's effect, nats per rollout step; below 0 it shrinks), most sensitive first; dead units drawn at the lowest live γ."))
 
@@ -150,7 +158,7 @@ def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], fol
     ax.set_ylabel("γ (nats/step)")
     ax.set_title("γ by role bucket (line: median)")
     fig.tight_layout()
-    fig.savefig(folder / "gamma_buckets.png", dpi=110)
+    _save(fig, folder / "gamma_buckets.png")
     plt.close(fig)
     figures.append(("gamma_buckets.png", "γ of live units by role bucket."))
 
@@ -164,7 +172,7 @@ def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], fol
         ax.set_title("Concentration of sensitivity")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(folder / "concentration.png", dpi=110)
+        _save(fig, folder / "concentration.png")
         plt.close(fig)
         figures.append(("concentration.png", "Share of the total γ shift (γ − min γ) carried by the most sensitive k% of units."))
 
@@ -198,7 +206,7 @@ def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], fol
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(folder / "error_growth.png", dpi=110)
+        _save(fig, folder / "error_growth.png")
         plt.close(fig)
         figures.append(("error_growth.png", f"Error by rollout step, baselines at {setting} and TQS-PTQ at the nearest compression (linear scale)."))
     return figures
@@ -347,8 +355,8 @@ def build_report(out_dir: str | Path, model: str | Path, buckets_patterns: dict[
     top = scores.head(10)
     blocks.append(("table", "Most sensitive units", ["rank", "unit", "role", "params", "γ", "γ gauss", "dead"], [[str(r["rank"]), r["unit"], roles.get(r["unit"], "body"), str(r["params"]), _fmt(r["gamma"]), _fmt(r.get("gamma_gauss")), str(r["dead"])] for r in top.iter_rows(named=True)]))
     md = _markdown(blocks)
-    (out_dir / "report.md").write_text(md)
-    (out_dir / "report.html").write_text(_html(blocks, out_dir))
+    write_text(out_dir / "report.md", md)
+    write_text(out_dir / "report.html", _html(blocks, out_dir))
     return out_dir / "report.md", out_dir / "report.html"
 
 
