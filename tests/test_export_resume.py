@@ -149,3 +149,26 @@ def test_interrupted_exports_keep_at_most_max_passes(scored, tmp_path, monkeypat
     planner.close()
     assert [len(p) for p in passes] == [1, 2, 2]
     assert passes[0] < passes[1] and not passes[0] & passes[2]  # the oldest (gptq) went when the third began
+
+
+def test_a_rerun_after_ctrl_c_between_two_targets_overwrites_what_the_interrupted_export_wrote(scored, tmp_path):
+    """`--C 4,8` interrupted once the C4 model is written: the same command again (no --force) resumes and writes
+    what an uninterrupted export writes; a file of the same name that no interrupted export began is still refused."""
+    model, folder = scored
+    for name in ("run", "whole"):
+        shutil.copytree(folder / "run", tmp_path / name)
+    export = lambda run, out: [sys.executable, "-m", "tqsdeploy", "export", str(model), "--run", str(run), "--C", "4,8", "--out-dir", str(out)]  # noqa: E731
+    assert subprocess.run(export(tmp_path / "whole", tmp_path / "w"), capture_output=True, timeout=300).returncode == 0
+    command = export(tmp_path / "run", tmp_path / "q")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while process.poll() is None and not list((tmp_path / "q").glob("*.C4.allocation.json")):
+        time.sleep(0.005)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130 and (tmp_path / "q" / "mlp.C4.onnx").exists(), stdout + stderr
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    for name in ("mlp.C4.onnx", "mlp.C8.onnx"):
+        assert (tmp_path / "q" / name).read_bytes() == (tmp_path / "w" / name).read_bytes()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)  # finished: nothing of it is left to resume
+    assert again.returncode == 2 and "already exists" in again.stderr

@@ -180,3 +180,32 @@ def code_hash() -> str:
 def discard(run_dir: Path) -> None:
     """Remove a run folder's checkpoints (the export they served has finished)."""
     shutil.rmtree(Path(run_dir) / FOLDER, ignore_errors=True)
+
+
+OUTPUTS = "outputs.json"
+"""In the checkpoints folder: the files an export began writing, under its identity (`record_output`)."""
+
+
+def record_output(run_dir: Path, identity: str, path: Path) -> None:
+    """Note, before an export writes `path`, that it is this export's: if the export is interrupted, its
+    rerun (the same command) may overwrite the file instead of refusing it as someone else's."""
+    from tqsdeploy.files import write_json
+
+    record = Path(run_dir) / FOLDER / OUTPUTS
+    known = _outputs(record)
+    mine = set(known.get(identity, [])) | {str(Path(path).resolve())}
+    record.parent.mkdir(parents=True, exist_ok=True)
+    write_json(record, {**known, identity: sorted(mine)})
+
+
+def interrupted_outputs(run_dir: Path, identity: str) -> set[Path]:
+    """The files an interrupted export with this identity began writing (see `record_output`)."""
+    return {Path(p) for p in _outputs(Path(run_dir) / FOLDER / OUTPUTS).get(identity, [])}
+
+
+def _outputs(record: Path) -> dict:
+    try:
+        found = json.loads(record.read_text())
+    except (OSError, ValueError):  # none yet, or damaged: no file is taken for this export's
+        return {}
+    return found if isinstance(found, dict) else {}

@@ -31,7 +31,7 @@ import json
 import math
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -243,6 +243,13 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
         return json.dumps({"fingerprint": run.fingerprint, "model": run.model.sha256, "contexts": run.contexts_sha256,
                            "rollout": run.spec.to_dict(), "target": self.settings.target, "runtime": repr(runtime), "solver_dtype": solver_dtype(),
                            "versions": {k: v for k, v in current_versions().items() if k != "platform"}, "code": checkpoints.code_hash()}, sort_keys=True, default=str)
+
+    def interrupted_outputs(self) -> set[Path]:
+        """Output files an interrupted export of this run with these settings began writing: its rerun overwrites them."""
+        return checkpoints.interrupted_outputs(self.run_dir, self.outputs_identity()) if self.encoder.checkpoints else set()
+
+    def outputs_identity(self) -> str:
+        return self.encoder.checkpoints[1] + json.dumps(asdict(self.settings), sort_keys=True, default=str)
 
     def discard_checkpoints(self) -> None:
         """The export finished: its calibration checkpoints have nothing left to resume."""

@@ -18,6 +18,7 @@ import graph_ops
 from graph_ops.qdq import Written, write_storage
 from tiers import TIERS, Encoded, get_tiers
 from tiers.solver_backend import array_module, solver_dtype
+from tqsdeploy import checkpoints
 from tqsdeploy.allocate import Allocation
 from tqsdeploy.calibrate import thin_note
 from tqsdeploy.errors import InputError
@@ -115,6 +116,8 @@ class Writing:
         if external_data is None and self.settings.single_file:
             external_data = False
         with self.encoder.profile.section("write"):
+            if self.encoder.checkpoints is not None:  # resumable: a rerun after an interruption may overwrite what this began
+                checkpoints.record_output(self.run_dir, self.outputs_identity(), path)
             return write_storage(self.model.proto, stored, path, external_data=external_data, source=self.prepared.data_dir, layout=self.settings.layout)
 
     def check_single_file(self, targets: list[float | None], uniform_tier: str | None = None) -> None:

@@ -145,8 +145,10 @@ def export(
     for path in paths:
         _check_output_file(path, output_given, (planner.model.path, *planner.model.external_files))
     if not force:
+        ours = planner.interrupted_outputs()  # an interrupted export of these settings wrote them: "run the same command again" resumes
         for path in paths:
-            _refuse_overwrite(path, f"{path.with_suffix('')}.allocation.json")
+            if path.resolve() not in ours:
+                _refuse_overwrite(path, f"{path.with_suffix('')}.allocation.json")
     measuring = []
 
     def on_measuring(count: int) -> None:  # a batch of tier measurements begins: one display per batch, its own ETA
