@@ -163,3 +163,36 @@ def test_an_allocation_that_cannot_fit_its_split_stretches_falls_back_to_whole_u
     for candidate in record["compared"]:
         if not candidate["label"].startswith("uniform"):
             assert candidate["compression"] < 1.05 * 11.388, record["compared"]
+
+
+def test_an_interrupted_frontier_keeps_its_finished_exports_and_evaluations(small, tmp_path):
+    """Ctrl-C once a few exports are recorded: the same command again takes those exports (their files untouched)
+    and evaluations as they were and writes the frontier an uninterrupted run writes, timing columns aside."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model, contexts, _ = small
+    command = lambda out: [sys.executable, "-m", "tqsdeploy", "frontier", str(model), "-c", str(contexts), "--steps", "3", "--C", "2,4",  # noqa: E731
+                           "--baselines", "rtn,gptq", "--bits", "4", "-o", str(out)]
+    assert subprocess.run(command(tmp_path / "whole"), capture_output=True, timeout=600).returncode == 0
+    out = tmp_path / "cut"
+    process = subprocess.Popen(command(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    progress = out / "frontier-progress.jsonl"
+    while process.poll() is None and (not progress.exists() or len(progress.read_text().splitlines()) < 3):
+        time.sleep(0.005)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130, stdout + stderr
+    recorded = [json.loads(line)["value"] for line in progress.read_text().splitlines()]
+    kept = {path: os.stat(path).st_mtime_ns for entry in recorded for path in entry.get("files", {})}
+    assert len(kept) >= 3
+    rerun = subprocess.run(command(out), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "kept from an interrupted run" in rerun.stdout + rerun.stderr
+    assert all(os.stat(path).st_mtime_ns == stamp for path, stamp in kept.items())
+    timing = [c for c in pl.read_csv(tmp_path / "whole" / "frontier.csv").columns if c.endswith("_s")]
+    whole, cut = (pl.read_csv(folder / "frontier.csv").drop(timing) for folder in (tmp_path / "whole", out))
+    assert whole.equals(cut)

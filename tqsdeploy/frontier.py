@@ -14,8 +14,10 @@ every slot once, in its first export) and the evaluation.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -25,6 +27,7 @@ import polars as pl
 
 from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import METHODS, tier_for_bits
+from tqsdeploy import checkpoints
 from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.evaluate import EvalSettings, evaluate
 from tqsdeploy.export import ExportSettings, Planner
@@ -139,6 +142,67 @@ def _targets(settings: FrontierSettings, baselines: list[Candidate]) -> list[tup
     return sorted(targets)
 
 
+PROGRESS = "frontier-progress.jsonl"
+"""In the frontier's folder: each finished export and evaluation, so a rerun after an interruption redoes none."""
+
+
+class _Progress:
+    """The frontier's finished work under an identity of everything it depends on (model, score run, settings,
+    contexts, runtime, code): entries of another identity are ignored, an export whose files changed since is
+    made again, and a half-written last line (a kill) is dropped."""
+
+    def __init__(self, path: Path, identity: dict):
+        self.path = path
+        self.identity = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+        self.entries: dict[str, dict] = {}
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            lines = []
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                break
+            if isinstance(entry, dict) and entry.get("identity") == self.identity:
+                self.entries[entry["key"]] = entry["value"]
+
+    def put(self, key: str, value: dict) -> None:
+        self.entries[key] = value
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"identity": self.identity, "key": key, "value": value}, default=str) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def candidate(self, key: str) -> Candidate | None:
+        """A finished export's candidate, if its files are still the ones it wrote."""
+        value = self.entries.get(key)
+        if value is None or any(_stamp(Path(f)) != stamp for f, stamp in value["files"].items()):
+            return None
+        fields = dict(value["candidate"])
+        fields["path"] = Path(fields["path"]) if fields["path"] else None
+        return Candidate(**fields)
+
+    def put_candidate(self, key: str, candidate: Candidate, files) -> None:
+        fields = asdict(candidate) | {"path": str(candidate.path) if candidate.path else None}
+        self.put(key, {"candidate": fields, "files": {str(f): _stamp(Path(f)) for f in files}})
+
+
+def _stamp(path: Path) -> list[int] | None:
+    """What tells a file from one written since: its size and modification time."""
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return [status.st_size, status.st_mtime_ns]
+
+
+def _digest(path: str | Path | None) -> str | None:
+    if path is None:
+        return None
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def run_frontier(
     model: str | Path,
     contexts: str | Path,
@@ -197,11 +261,18 @@ def run_frontier(
     spec_path = table.spec_file
     sweep_s = table.timings_s["sweep"]
     candidates: list[Candidate] = []
+    done = _Progress(out_dir / PROGRESS, {"score": table.fingerprint, "model": table.model.sha256, "settings": asdict(settings), "runtime": repr(runtime),
+                                          "splits": [(name, _digest(c), _digest(t)) for name, c, t in splits], "code": checkpoints.code_hash()})
 
     planner = Planner(out_dir / "score", model, settings.export, runtime, resumable=True)
     for bits in settings.bits:
         tier = tier_for_bits(bits, settings.symmetric_baselines)
         for method in settings.baselines:
+            key = f"export {LABELS[method]} W{bits}"
+            if (kept := done.candidate(key)) is not None:
+                begin(f"baseline {LABELS[method]} W{bits}: kept from an interrupted run")
+                candidates.append(kept)
+                continue
             begin(f"baseline {LABELS[method]} W{bits}")
             started = time.perf_counter()
             path = models_dir / f"{model.stem}.{method}-w{bits}.onnx"
@@ -212,6 +283,7 @@ def run_frontier(
                 continue
             timings = {"sweep": 0.0, "export": time.perf_counter() - started}
             candidates.append(Candidate("baseline", LABELS[method], f"W{bits}", None, path, outcome.compression, outcome.file_bytes, timings, details={"drift_pct": outcome.drift_pct}))
+            done.put_candidate(key, candidates[-1], outcome.files)
 
     lines = [(TQS_LABEL, planner)] + [(label, Planner(out_dir / "score", model, variant, runtime, resumable=True)) for label, variant in settings.variants]
     targets = _targets(settings, [c for c in candidates if c.family == "baseline"])
@@ -222,6 +294,11 @@ def run_frontier(
             if not line.reachable(target):
                 candidates.append(Candidate("tqs", label, setting, target, None, None, None, {}, f"infeasible: largest reachable C is {reachable_label(line.max_compression())}"))
                 continue
+            key = f"export {label} {setting}"
+            if (kept := done.candidate(key)) is not None:
+                begin(f"export {label} {setting}: kept from an interrupted run")
+                candidates.append(kept)
+                continue
             begin(f"export {label} {setting}")
             started = time.perf_counter()
             path = models_dir / f"{model.stem}.{label.replace(' ', '_')}.{setting}.onnx"
@@ -229,6 +306,7 @@ def run_frontier(
             timings = {"sweep": sweep_s, "export": time.perf_counter() - started}  # the first export also prices every slot once
             details = {"shipped": outcome.shipped, "drift_pct": outcome.drift_pct, "compared": outcome.compared, "tiers": dict(zip(outcome.table["slot"], outcome.table["tier"]))}
             candidates.append(Candidate("tqs", label, setting, target, path, outcome.compression, outcome.file_bytes, timings, details=details))
+            done.put_candidate(key, candidates[-1], outcome.files)
     planner.discard_checkpoints()  # every export is written: no calibration pass is left to resume
     for _, line in lines:
         line.close()
@@ -244,16 +322,28 @@ def run_frontier(
             if candidate.path is None:
                 rows.extend(_rows(candidate, split, None))
                 continue
-            begin(f"eval {candidate.method} {candidate.setting} on {split}")
+            key = f"eval {candidate.method} {candidate.setting} {split}"
+            kept = done.entries.get(key)
+            kept = kept if kept is not None and kept.get("stamp") == _stamp(candidate.path) else None  # the file it evaluated, not one made since
+            begin(f"eval {candidate.method} {candidate.setting} on {split}" + (": kept from an interrupted run" if kept else ""))
             started = time.perf_counter()
             try:
-                timing = settings.evaluation if split == splits[0][0] else replace(settings.evaluation, latency=None)  # timed once, on the first split
-                report = evaluate(candidate.path, model, split_contexts, spec=spec_path, truth=split_truth, settings=timing)
+                if kept is not None:
+                    report, seconds = kept["report"], kept["seconds"]
+                    if report is None:
+                        raise TqsError(kept["error"])
+                else:
+                    timing = settings.evaluation if split == splits[0][0] else replace(settings.evaluation, latency=None)  # timed once, on the first split
+                    report = evaluate(candidate.path, model, split_contexts, spec=spec_path, truth=split_truth, settings=timing)
+                    seconds = time.perf_counter() - started
+                    done.put(key, {"report": report, "seconds": seconds, "stamp": _stamp(candidate.path)})
             except TqsError as exc:
+                if kept is None:
+                    done.put(key, {"report": None, "error": str(exc), "seconds": time.perf_counter() - started, "stamp": _stamp(candidate.path)})
                 candidate.status = f"eval failed: {exc}"
                 rows.extend(_rows(candidate, split, None))
                 continue
-            candidate.timings["eval"] = candidate.timings.get("eval", 0.0) + time.perf_counter() - started
+            candidate.timings["eval"] = candidate.timings.get("eval", 0.0) + seconds
             modes[report["runtime"]["mode"]] = None
             if any(not math.isfinite(o.get("degradation_pct", 0.0)) for o in report["outputs"].values()):
                 candidate.status = "non-finite outputs"

@@ -104,8 +104,8 @@ INTERRUPTED = {
     "score": "finished rollouts are saved in the run folder (sweep.jsonl); run the same command again to resume",
     "export": "the run folder keeps the measured tier prices (measured.jsonl) and every weight a calibration pass finished "
               "(export-checkpoints/); run the same command again to resume from them",
-    "frontier": "its score run keeps the finished rollouts, the measured tier prices and every weight a calibration pass finished; "
-                "run the same command again to resume from them",
+    "frontier": "it keeps every finished export and evaluation (frontier-progress.jsonl), and its score run the finished rollouts, "
+                "the measured tier prices and every weight a calibration pass finished; run the same command again to resume from them",
 }
 """What an interrupted command kept, by command; the others write each output whole or not at all."""
 
