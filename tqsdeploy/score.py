@@ -8,6 +8,7 @@ processes or on Ray; the scores and run.json are written as they finish.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -232,6 +233,7 @@ class _Replacement:
     def recover(run_dir: Path) -> None:
         """After a process killed while it replaced a run (kill -9: no `__exit__`): the run set aside comes back
         unless the new one got a result."""
+        shutil.rmtree(run_dir / f"{REPLACED}.tmp", ignore_errors=True)  # killed before the set was whole: the run is still in place
         aside = run_dir / REPLACED
         if not aside.is_dir():
             return
@@ -242,11 +244,18 @@ class _Replacement:
             replacing.restore()
 
     def __enter__(self) -> "_Replacement":
-        if self.fresh:
-            self.aside.mkdir()
-            for name in RUN_FILES:
-                if (self.run_dir / name).exists():
-                    (self.run_dir / name).replace(self.aside / name)
+        if self.fresh:  # linked into a folder renamed whole, then unlinked: a kill at any point leaves one whole copy of the run
+            gathering = self.run_dir / f"{REPLACED}.tmp"
+            gathering.mkdir()
+            present = [name for name in RUN_FILES if (self.run_dir / name).exists()]
+            for name in present:
+                try:
+                    os.link(self.run_dir / name, gathering / name)
+                except OSError:  # a file system without hard links
+                    shutil.copy2(self.run_dir / name, gathering / name)
+            gathering.rename(self.aside)
+            for name in present:
+                (self.run_dir / name).unlink()
             write_json(self.run_dir / "run.json", {"format": RUN_FORMAT, "status": "starting"})  # a run folder from now on, whatever kills this
         return self
 
