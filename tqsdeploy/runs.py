@@ -24,6 +24,7 @@ import polars as pl
 from runtimes import Runtime
 from tqsdeploy import __version__
 from tqsdeploy.errors import InputError
+from tqsdeploy.files import REPLACED
 from tqsdeploy.prepare import Prepared, prepare
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.scoring import ScoreSettings
@@ -102,6 +103,9 @@ class ScoreRun:
         """A finished run's folder read back; InputError (one line) for a folder without a run this version reads."""
         run_dir = Path(run_dir)
         meta, scores = read_record(run_dir), run_dir / "scores.parquet"
+        if (run_dir / REPLACED).is_dir():
+            raise InputError(f"{run_dir} holds a run that a score --fresh was replacing when it was stopped",
+                             hint="run that score again: it restores the earlier run if the new one has no result yet, or finishes the new one")
         if meta is None or not scores.exists():
             raise InputError(f"{run_dir} is not a finished score run (no run.json / scores.parquet)")
         try:
