@@ -107,21 +107,33 @@ def test_a_pass_asked_again_in_one_export_is_not_reported_as_resumed(scored, tmp
     assert all(np.array_equal(first[name].dequantize(), again[name].dequantize()) for name in first)
 
 
-def test_ctrl_c_during_export_says_what_is_kept_and_the_rerun_resumes(scored, tmp_path):
-    """The command line, interrupted by a real SIGINT once the first checkpoint is on disk; the rerun, in
-    another process, writes what an uninterrupted export writes."""
+def _whole_and_command(scored, tmp_path, options: list[str], whole: str, cut: str):
+    """An uninterrupted export into tmp_path/`whole` from a copy of the score run, and the same export's command
+    line from another copy (tmp_path/run) into tmp_path/`cut`."""
     model, folder = scored
     for name in ("run", "whole"):
         shutil.copytree(folder / "run", tmp_path / name)
-    export = lambda run, output: [sys.executable, "-m", "tqsdeploy", "export", str(model), "--run", str(run), "--C", "4", "-o", str(output)]  # noqa: E731
-    assert subprocess.run(export(tmp_path / "whole", tmp_path / "whole.onnx"), capture_output=True, timeout=300).returncode == 0
-    command = export(tmp_path / "run", tmp_path / "q.onnx")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TQS_PROGRESS_INTERVAL": "0.05"})
-    while process.poll() is None and not list((tmp_path / "run" / FOLDER).rglob("*.npz")):
+    export = lambda run, out: [sys.executable, "-m", "tqsdeploy", "export", str(model), "--run", str(run), *options, str(out)]  # noqa: E731
+    assert subprocess.run(export(tmp_path / "whole", tmp_path / whole), capture_output=True, timeout=300).returncode == 0
+    return model, export(tmp_path / "run", tmp_path / cut)
+
+
+def _interrupted(command: list[str], ready, env: dict | None = None) -> str:
+    """Run `command`, send a real SIGINT once `ready()` holds, and return its stderr (it must exit 130)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    while process.poll() is None and not ready():
         time.sleep(0.005)
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 130, stdout + stderr
+    return stderr
+
+
+def test_ctrl_c_during_export_says_what_is_kept_and_the_rerun_resumes(scored, tmp_path):
+    """The command line, interrupted by a real SIGINT once the first checkpoint is on disk; the rerun, in
+    another process, writes what an uninterrupted export writes."""
+    model, command = _whole_and_command(scored, tmp_path, ["--C", "4", "-o"], "whole.onnx", "q.onnx")
+    stderr = _interrupted(command, lambda: list((tmp_path / "run" / FOLDER).rglob("*.npz")), {"TQS_PROGRESS_INTERVAL": "0.05"})
     text = " ".join(stderr.split())
     assert "interrupted: the run folder keeps the measured tier prices (measured.jsonl) and every weight a calibration pass finished (export-checkpoints/)" in text
     assert not (tmp_path / "q.onnx").exists()
@@ -154,18 +166,9 @@ def test_interrupted_exports_keep_at_most_max_passes(scored, tmp_path, monkeypat
 def test_a_rerun_after_ctrl_c_between_two_targets_overwrites_what_the_interrupted_export_wrote(scored, tmp_path):
     """`--C 4,8` interrupted once the C4 model is written: the same command again (no --force) resumes and writes
     what an uninterrupted export writes; a file of the same name that no interrupted export began is still refused."""
-    model, folder = scored
-    for name in ("run", "whole"):
-        shutil.copytree(folder / "run", tmp_path / name)
-    export = lambda run, out: [sys.executable, "-m", "tqsdeploy", "export", str(model), "--run", str(run), "--C", "4,8", "--out-dir", str(out)]  # noqa: E731
-    assert subprocess.run(export(tmp_path / "whole", tmp_path / "w"), capture_output=True, timeout=300).returncode == 0
-    command = export(tmp_path / "run", tmp_path / "q")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while process.poll() is None and not list((tmp_path / "q").glob("*.C4.allocation.json")):
-        time.sleep(0.005)
-    process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 130 and (tmp_path / "q" / "mlp.C4.onnx").exists(), stdout + stderr
+    model, command = _whole_and_command(scored, tmp_path, ["--C", "4,8", "--out-dir"], "w", "q")
+    _interrupted(command, lambda: list((tmp_path / "q").glob("*.C4.allocation.json")))
+    assert (tmp_path / "q" / "mlp.C4.onnx").exists()
     rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     for name in ("mlp.C4.onnx", "mlp.C8.onnx"):
