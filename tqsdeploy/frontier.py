@@ -31,7 +31,7 @@ from tqsdeploy import checkpoints
 from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.evaluate import EvalSettings, evaluate
 from tqsdeploy.export import ExportSettings, Planner
-from tqsdeploy.files import write_json, write_table
+from tqsdeploy.files import write_json, write_table, write_text
 from tqsdeploy.prepare import ContextOptions
 from tqsdeploy.runs import ScoreRun
 from tqsdeploy.score import score
@@ -166,6 +166,8 @@ class _Progress:
                 break
             if isinstance(entry, dict) and entry.get("identity") == self.identity:
                 self.entries[entry["key"]] = entry["value"]
+        if lines and len(self.entries) < len(lines):  # another identity's entries (or a torn line): only this one's stay
+            write_text(path, "".join(json.dumps({"identity": self.identity, "key": k, "value": v}, default=str) + "\n" for k, v in self.entries.items()))
 
     def put(self, key: str, value: dict) -> None:
         self.entries[key] = value
@@ -270,7 +272,7 @@ def run_frontier(
         for method in settings.baselines:
             key = f"export {LABELS[method]} W{bits}"
             if (kept := done.candidate(key)) is not None:
-                begin(f"baseline {LABELS[method]} W{bits}: kept from an interrupted run")
+                begin(f"baseline {LABELS[method]} W{bits}: kept from an earlier run")
                 candidates.append(kept)
                 continue
             begin(f"baseline {LABELS[method]} W{bits}")
@@ -296,7 +298,7 @@ def run_frontier(
                 continue
             key = f"export {label} {setting}"
             if (kept := done.candidate(key)) is not None:
-                begin(f"export {label} {setting}: kept from an interrupted run")
+                begin(f"export {label} {setting}: kept from an earlier run")
                 candidates.append(kept)
                 continue
             begin(f"export {label} {setting}")
@@ -325,7 +327,7 @@ def run_frontier(
             key = f"eval {candidate.method} {candidate.setting} {split}"
             kept = done.entries.get(key)
             kept = kept if kept is not None and kept.get("stamp") == _stamp(candidate.path) else None  # the file it evaluated, not one made since
-            begin(f"eval {candidate.method} {candidate.setting} on {split}" + (": kept from an interrupted run" if kept else ""))
+            begin(f"eval {candidate.method} {candidate.setting} on {split}" + (": kept from an earlier run" if kept else ""))
             started = time.perf_counter()
             try:
                 if kept is not None:
