@@ -165,3 +165,14 @@ def test_eval_of_every_csv_column_says_so_as_score_does(tmp_path):
     assert "warning: model input 'x' [batch, 16] takes one series per batch row" in text and "pass --columns to use fewer" in text
     code, text = _invoke("eval", model, "-r", model, "-c", csv, "--columns", "c", "--windows", 4, "--steps", 2, "--no-latency", "--report", tmp_path / "r")
     assert code == 0 and "4 context windows × 2 steps" in text and "warning" not in text, text
+
+
+def test_frontier_cuts_a_csv_as_score_does(series, tmp_path):
+    """frontier takes --windows and --zscore like score, eval and gate: its score run holds the windows asked for."""
+    model, _, csv, data = series
+    code, text = _invoke("frontier", model, "-c", csv, "--columns", "a", "--windows", 5, "--zscore", "--steps", 3, "--C", 2, "--baselines", "rtn", "--bits", 8,
+                         "--min-params", 1, "-o", tmp_path / "f")
+    assert code == 0, text
+    windows = np.load(tmp_path / "f" / "score" / "contexts.npz")["x"]
+    column = data[:, 0]
+    assert windows.shape == (5, 1, 16) and np.allclose(windows[0, 0], (column[:16] - column.mean()) / column.std(), atol=1e-3)  # standardised

@@ -255,7 +255,7 @@ def run_frontier(
     begin("scoring (resumes a matching run)")
     selection = UnitSelection(min_params=settings.min_params)
     arguments = dict(spec=spec, steps=steps, out=out_dir / "score", settings=score_settings, selection=selection, runtime=runtime,
-                     context_options=ContextOptions(columns=settings.evaluation.columns))
+                     context_options=ContextOptions(columns=settings.evaluation.columns, windows=settings.evaluation.windows, zscore=settings.evaluation.zscore))
     try:
         table: ScoreRun = score(model, contexts, **arguments)
     except InputError:  # the folder's run is for other settings; it belongs to this frontier, so replace it

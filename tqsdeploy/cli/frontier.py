@@ -10,7 +10,7 @@ import typer
 
 from tiers import DEFAULT_TIERS, METHODS
 from tqsdeploy.quantization import GRID_CHOICES, GRIDS_HELP
-from tqsdeploy.cli.app import COLUMNS, app, frame_table, latency_settings, out, parse_columns, parse_floats, progress_bar, split_list, user_errors
+from tqsdeploy.cli.app import COLUMNS, CSV_WINDOWS, ZSCORE, app, csv_windows, frame_table, latency_settings, out, parse_columns, parse_floats, progress_bar, split_list, user_errors
 
 
 @app.command()
@@ -37,6 +37,8 @@ def frontier(
     buckets: Optional[str] = typer.Option(None, "--buckets", help="Role buckets by name, e.g. 'input=embed|patch,output=head' (default: from the graph structure)."),
     exact: bool = typer.Option(False, "--exact", help="Evaluate with exact dequantization."),
     columns: Optional[str] = COLUMNS,
+    windows: Optional[int] = CSV_WINDOWS,
+    zscore: bool = ZSCORE,
     latency: bool = typer.Option(False, "--latency", help="Also time every model against the original (as eval does, on the first split's windows): latency_ms, reference_latency_ms and slowdown columns; about 1 s and two sessions per point."),
     out_dir: Path = typer.Option(None, "--out", "-o", help="Output folder (default tqs-frontier/<model stem>; <folder>_model for a file named model.onnx)."),
 ):
@@ -81,7 +83,8 @@ def frontier(
         bits=tuple(int(b) for b in parse_floats(bits, "--bits")) if baselines.strip() else (),
         export=base,
         variants=tuple(variants),
-        evaluation=EvalSettings(exact=exact, variable_axis=variable_axis, columns=parse_columns(columns), latency=latency_settings(not latency, None)),
+        evaluation=EvalSettings(exact=exact, variable_axis=variable_axis, columns=parse_columns(columns), windows=csv_windows(windows, contexts), zscore=zscore,
+                                latency=latency_settings(not latency, None)),
         min_params=min_params,
     )
     for method in settings.baselines:
