@@ -93,7 +93,9 @@ def test_two_scores_into_one_folder_never_both_run(two_branch, tmp_path):
     model, ctx = two_branch
     run = tmp_path / "run"
     first = _cli("score", model, "-c", ctx, "-o", run, "--steps", "8", wait=False)
-    time.sleep(0.5)
+    started = time.monotonic()
+    while not (run / "run.json").exists() and first.poll() is None and time.monotonic() - started < 120:  # it holds the folder (a slow start, on a loaded machine, let the second in first)
+        time.sleep(0.01)
     second = _cli("score", model, "-c", ctx, "-o", run, "--steps", "4")
     first.communicate()
     assert first.returncode == 0
