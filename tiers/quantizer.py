@@ -23,8 +23,8 @@ from graph_ops.layout import Layout
 from tiers.encoded import Encoded
 from tiers.formats.base import Tier
 from tiers.gptq import Hessian, Quantized
-from tiers.solver_backend import c_order
 from tiers.grid import Grid, find_grid
+from tiers.solver_backend import c_order
 
 METHODS = ("rtn", "gptq", "gptaq", "qep")
 GRIDS = ("per-channel", "min-max")

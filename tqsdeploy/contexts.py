@@ -119,22 +119,27 @@ def _as_windows(name: str, array: np.ndarray, spec: IOSpec) -> np.ndarray:
     return cast
 
 
-def load_npz(path: Path, inputs: Sequence[IOSpec]) -> Contexts:
-    """One array per model input name, leading axis = context windows."""
+def npz_arrays(path: Path, what: str, hint: str) -> dict[str, np.ndarray]:
+    """Every array of an .npz (contexts, truth), or a one-line InputError naming the file as `what`: missing, not
+    an .npz (`hint` says what was expected), or a member that is no .npy (numpy hands those back as bytes)."""
     try:
         with np.load(path, allow_pickle=False) as data:
             stored = {key: data[key] for key in data.files}
     except FileNotFoundError:
-        raise InputError(f"contexts file {path} does not exist") from None
+        raise InputError(f"{what} {path} does not exist") from None
     except (OSError, ValueError, TypeError, zipfile.BadZipFile, EOFError, AttributeError):
-        raise InputError(
-            f"contexts file {path} is not an .npz archive of arrays",
-            hint="expected one array per model input, leading axis = windows (numpy.savez), or a .csv of numeric columns",
-        ) from None
+        raise InputError(f"{what} {path} is not an .npz archive of arrays", hint=hint) from None
+    for name, value in stored.items():
+        if not isinstance(value, np.ndarray):
+            raise InputError(f"{what} {path}: its member '{name}' is not a numpy array (.npy)", hint="save the arrays with numpy.savez")
+    return stored
+
+
+def load_npz(path: Path, inputs: Sequence[IOSpec]) -> Contexts:
+    """One array per model input name, leading axis = context windows."""
+    stored = npz_arrays(path, "contexts file", "expected one array per model input, leading axis = windows (numpy.savez), or a .csv of numeric columns")
     arrays = {}
     for spec in inputs:
-        if spec.name in stored and not isinstance(stored[spec.name], np.ndarray):  # numpy hands a member that is no .npy back as bytes
-            raise InputError(f"contexts file {path}: its member '{spec.name}' is not a numpy array (.npy)", hint="save the arrays with numpy.savez")
         if spec.name not in stored:
             raise InputError(f"contexts file {path} has no array for model input '{spec.name}' (it has: {', '.join(stored) or 'none'})")
         arrays[spec.name] = _as_windows(spec.name, stored[spec.name], spec)

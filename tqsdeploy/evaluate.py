@@ -31,7 +31,7 @@ import onnx
 import graph_ops
 import graph_ops.qdq
 from runtimes import Session, for_provider, release_freed_memory
-from tqsdeploy.contexts import Contexts, continuation_rows, load_contexts, truth_from_csv
+from tqsdeploy.contexts import Contexts, continuation_rows, load_contexts, npz_arrays, truth_from_csv
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import write_json, write_text
 from tqsdeploy.progress import counted
@@ -284,24 +284,14 @@ def _shown(described) -> str:
 
 
 def load_truth(path: Path, spec: RolloutSpec, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            stored = {k: data[k] for k in data.files}
-    except FileNotFoundError:
-        raise InputError(f"truth file {path} does not exist") from None
-    except Exception:
-        raise InputError(
-            f"truth file {path} is not an .npz archive of arrays",
-            hint="expected one array per trajectory output shaped (windows, steps, *output) (numpy.savez); with CSV contexts, leave --truth out to use the rows after each window",
-        ) from None
+    stored = npz_arrays(path, "truth file", "expected one array per trajectory output shaped (windows, steps, *output) (numpy.savez); "
+                                           "with CSV contexts, leave --truth out to use the rows after each window")
     truth = {}
     for name in spec.trajectory:
         if name not in stored:
             raise InputError(f"truth file {path} has no array for trajectory output '{name}'")
         array = stored[name]
         want = shapes[name]
-        if not isinstance(array, np.ndarray):  # numpy hands a member that is no .npy back as bytes
-            raise InputError(f"truth file {path}: its member '{name}' is not a numpy array (.npy)", hint="save the arrays with numpy.savez")
         if array.ndim != len(want) or array.shape[0] != want[0] or array.shape[2:] != want[2:] or array.shape[1] < want[1]:
             expected = ", ".join([str(want[0]), f"{want[1]} or more", *map(str, want[2:])])  # longer truths are cut to the rollout
             raise InputError(f"truth '{name}' has shape {list(array.shape)}; expected [{expected}] (windows, steps, *output)")

@@ -279,8 +279,7 @@ def run_ray(
         import ray
     except ImportError:
         raise RolloutError("Ray is not installed", hint="pip install 'tqsdeploy[ray]'") from None
-    if not ray.is_initialized():
-        check_ray_address(address)
+    if not ray.is_initialized():  # the address was checked (`check_ray_address`) before the score's work began
         try:
             ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
         except (ConnectionError, RuntimeError, ValueError) as exc:  # 'auto' with no cluster running, a malformed address
