@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import mmap
 import os
+import re
 import threading
 import uuid
 from concurrent.futures import Future
@@ -406,11 +408,57 @@ def data_location(path: Path) -> str:
     return f"{path.name}.{uuid.uuid4().hex[:8]}.data"
 
 
-def drop_stale_data(path: Path, keep: str) -> None:
-    """Remove external-data files earlier writes of `path` left behind (only names `data_location` makes)."""
-    for stale in path.parent.glob(f"{path.name}.*.data"):
-        if stale.name != keep and len(stale.name) == len(keep):
+def publish_model(path: Path, location: str | None, write: Callable[[Path], None]) -> None:
+    """Put a model in place: `write` fills a temporary model file (and may write the external-data file
+    `location` beside `path`, None: the model holds its weights), which then replaces `path` atomically.
+
+    A failed or interrupted write removes `location` (no model points to it: a full disk keeps no orphan
+    of the model's size). After the rename, the data file the replaced model pointed to goes, and nothing
+    else: a name this writer did not make, or one another model in the folder still points to (a copy,
+    the input itself), is never removed."""
+    try:
+        replaced = _data_files_of(path)
+        with atomic_output(path) as temporary:
+            write(temporary)
+    except BaseException:
+        if location is not None:
+            path.with_name(location).unlink(missing_ok=True)
+        raise
+    ours = re.compile(re.escape(path.name) + r"\.[0-9a-f]{8}\.data")
+    for name in replaced - {location}:
+        stale = path.with_name(name)
+        if ours.fullmatch(name) and stale.is_file() and not _named_by_other_model(stale, path):
             stale.unlink(missing_ok=True)
+
+
+def _data_files_of(path: Path) -> set[str]:
+    """External-data file names the model now at `path` points to (none: no model there, not one we can
+    read, or one holding its weights inside, which is too large to parse for nothing)."""
+    try:
+        if not path.is_file() or path.stat().st_size > SKELETON_BYTES:
+            return set()
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - whatever is there, nothing of it is removed
+        return set()
+    return {external_data_helper.ExternalDataInfo(t).location for t in iter_tensors(proto.graph) if external_data_helper.uses_external_data(t)}
+
+
+def _named_by_other_model(data: Path, model: Path) -> bool:
+    """Whether another .onnx file in the folder holds the data file's name (a reference stores it as plain
+    bytes): a search, not a parse, so a model of any size is cheap to rule out; unreadable counts as named."""
+    needle = data.name.encode()
+    for other in data.parent.glob("*.onnx"):
+        if other == model or not other.is_file():
+            continue
+        try:
+            with open(other, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
+                if view.find(needle) != -1:
+                    return True
+        except ValueError:  # an empty file cannot be mapped, and names nothing
+            continue
+        except OSError:
+            return True
+    return False
 
 
 def save_model(proto: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
@@ -421,12 +469,10 @@ def save_model(proto: onnx.ModelProto, path: str | os.PathLike, *, external_data
     path = Path(path)
     if external_data is None:
         external_data = stored_bytes(proto) >= PROTOBUF_LIMIT
-    with atomic_output(path) as temporary:
-        if external_data:
-            location = data_location(path)
-            onnx.save_model(proto, str(temporary), save_as_external_data=True, all_tensors_to_one_file=True, location=location, size_threshold=1024)
-        else:
-            onnx.save_model(proto, str(temporary))
-    if external_data:
-        drop_stale_data(path, location)
+    if not external_data:
+        publish_model(path, None, lambda temporary: onnx.save_model(proto, str(temporary)))
+        return path
+    location = data_location(path)
+    publish_model(path, location, lambda temporary: onnx.save_model(
+        proto, str(temporary), save_as_external_data=True, all_tensors_to_one_file=True, location=location, size_threshold=1024))
     return path

@@ -388,7 +388,7 @@ def write_storage(
     A `model` loaded without its external data names its folder in `source`:
     kept tensors are then read from the input's data files one at a time.
     """
-    from graph_ops.io import PROTOBUF_LIMIT, OutputError, atomic_output, data_location, drop_stale_data, save_model, stored_bytes, weight_bits
+    from graph_ops.io import PROTOBUF_LIMIT, OutputError, atomic_output, data_location, publish_model, save_model, stored_bytes, weight_bits
 
     path = Path(path)
     if external_data is None:  # an input that keeps its weights outside gets an output that does too
@@ -405,9 +405,7 @@ def write_storage(
             built = _build(model, stored, data.reference, layout)
         finally:
             data.close()
-    with atomic_output(path) as temporary:  # ... then the model that points to it replaces the old one
-        onnx.save_model(built, str(temporary))
-    drop_stale_data(path, location)
+    publish_model(path, location, lambda temporary: onnx.save_model(built, str(temporary)))  # ... then the model that points to it
     return Written((path, path.with_name(location)), weight_bits(built))
 
 

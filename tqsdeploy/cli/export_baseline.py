@@ -52,10 +52,24 @@ def _layout_cost(outcome, settings) -> str:
             f"slower than float for batched calls) and the others on every call; {memory}")
 
 
+def _name_limit(folder: Path) -> int:
+    """Longest file name (bytes) the file system of `folder` (or of its nearest existing parent) takes."""
+    existing = next((p for p in (folder, *folder.absolute().parents) if p.is_dir()), Path("/"))
+    try:
+        return os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
 def _check_output_file(path: Path, given: str | None, inputs) -> None:
     """An output must be a file name, and never one of the input model's files, --force or not."""
     if (given or "").endswith(("/", os.sep)) or path.is_dir():
         raise InputError(f"output {given or path} is a folder; name the file (or use --out-dir where the command has it)")
+    longest = len(f".{path.name}.12345678.data.12345678.partial".encode())  # the writer's temporary beside the external data
+    limit = _name_limit(path.parent)
+    if longest > limit:
+        raise InputError(f"output name {path.name} is too long: its files' names reach {longest} bytes, this file system takes {limit}",
+                         hint=f"use a name of at most {limit - (longest - len(path.name.encode()))} bytes")
     if path.suffix.lower() != ".onnx":  # an ONNX model under any name was written (-o q.npz), its records beside it as q.allocation.json
         raise InputError(f"output {path} does not end in .onnx: the command writes an ONNX model", hint=f"name it {path.with_suffix('.onnx').name}")
     for source in inputs:
@@ -134,6 +148,7 @@ def export(
 
     check_writable(output.parent if output is not None else out_dir)  # before the work, not after it
     run_dir = find_run(model, run)
+    check_writable(run_dir)  # its prices and checkpoints are written as the export goes
     planner = Planner(run_dir, model, settings, for_provider(provider), resumable=True)
     if compression:
         planner.check_targets(targets)
@@ -148,7 +163,7 @@ def export(
         ours = planner.interrupted_outputs()  # an interrupted export of these settings wrote them: "run the same command again" resumes
         for path in paths:
             if path.resolve() not in ours:
-                _refuse_overwrite(path, f"{path.with_suffix('')}.allocation.json")
+                _refuse_overwrite(path, *(f"{path.with_suffix('')}.allocation.{kind}" for kind in ("json", "parquet")))
     measuring = []
 
     def on_measuring(count: int) -> None:  # a batch of tier measurements begins: one display per batch, its own ETA
@@ -270,10 +285,11 @@ def baseline(
         raise typer.BadParameter("--bits must be 1, 2, 3, 4 or 8")
     if runtime_layout not in ("dequantized", "fused"):
         raise typer.BadParameter("--runtime-layout must be dequantized or fused")
+    import graph_ops
     from tqsdeploy.runs import model_label
 
     path = Path(output_given) if output_given is not None else Path(f"{model_label(model)}.{method}-w{bits}.onnx")
-    _check_output_file(path, output_given, (model,))
+    _check_output_file(path, output_given, (model, *(graph_ops.load_model(model, load_external=False).external_files if path.exists() else ())))
     check_writable(path.parent)  # before the calibration, not after it
     if not force:
         _refuse_overwrite(path, str(path.with_suffix("")) + ".baseline.json", elsewhere="-o")
