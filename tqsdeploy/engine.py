@@ -240,7 +240,10 @@ class RolloutEngine:
                 for name in self.spec.trajectory:
                     collected[name][c].append(chunk_out[name])
         result = {}
+        first = collected[self.spec.trajectory[0]]
         for name, per_chunk in collected.items():
+            if self.batched and any(steps[0].ndim == 0 or steps[0].shape[0] != lead[0].shape[0] for steps, lead in zip(per_chunk, first)):
+                continue  # an output without the windows' batch axis (a side output of fixed shape) cannot be split by window
             parts = []
             for (count, _), steps in zip(self.chunks, per_chunk):
                 stacked = np.stack(steps, axis=0)  # (T, rows, ...) or (T, *output)

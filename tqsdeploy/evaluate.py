@@ -22,7 +22,7 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -238,6 +238,15 @@ def _metrics(candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray | N
     return result
 
 
+def _side_metrics(candidate: np.ndarray, reference: np.ndarray, settings: EvalSettings) -> dict:
+    """How far an output outside the trajectory moved (reported, never gated): the score follows only the
+    trajectory, so units feeding nothing else score dead and drop to the lowest tier, and an output such as
+    a quantile head can drift far while the forecast does not."""
+    if not (np.all(np.isfinite(candidate)) and np.all(np.isfinite(reference))):
+        return {"nonfinite": True}
+    return _metrics(candidate, reference, None, settings)
+
+
 def _signature(proto) -> tuple[dict, dict]:
     """Inputs (weights aside) and outputs, each with its element type and dims ('?' where
     symbolic; None where the graph declares no shape)."""
@@ -325,12 +334,15 @@ def evaluate(
     following = continuation_rows(resolved, session.outputs, inputs) if csv and not truth else 0
     ctx = load_contexts(Path(contexts), inputs, windows=settings.windows, zscore=settings.zscore, random=False, seed=settings.seed,
                         columns=settings.columns, following=following)
-    engine = RolloutEngine(session, ctx, resolved, settings.max_batch_windows)
+    side = tuple(o.name for o in session.outputs if o.name not in resolved.trajectory)
+    followed = replace(resolved, trajectory=resolved.trajectory + side)  # side outputs ride along, measured apart
+    engine = RolloutEngine(session, ctx, followed, settings.max_batch_windows)
     cand = engine.trajectories()
     _closed(session)
     session = _open(ref_model, settings)
-    ref = trajectories(session, ctx, resolved, settings.max_batch_windows)
+    ref = trajectories(session, ctx, followed, settings.max_batch_windows)
     _closed(session)
+    side_outputs = {name: _side_metrics(cand.pop(name), ref.pop(name), settings) for name in side if name in cand and name in ref}
     for name, values in ref.items():  # a reference that cannot be compared against is an input error, not a failed gate
         if not np.all(np.isfinite(values)):
             raise InputError(f"the reference model {reference} produces NaN or Inf on these contexts (output '{name}'); there is nothing to compare against")
@@ -387,6 +399,7 @@ def evaluate(
         "reference_weight_bits": ref_bits,
         "candidate_weight_bits": cand_bits,
         "outputs": outputs,
+        "side_outputs": side_outputs,
         "degradation_pct": max(o["degradation_pct"] for o in outputs.values()),
         "latency": latency,
     }
@@ -420,6 +433,11 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {name} | {r['mae']:.5g} | {r['rmse']:.5g} | [{r['mae_ci95'][0]:.4g}, {r['mae_ci95'][1]:.4g}] | {r['drift_pct']:.3f} | {growth} | {truth_cells} |"
         )
+    side = report.get("side_outputs") or {}
+    if side:
+        moved = ", ".join(f"{name} {'non-finite' if o.get('nonfinite') else format(o['vs_reference']['drift_pct'], '.3f') + '%'}" for name, o in side.items())
+        lines += ["", f"Outputs outside the trajectory (drift from the reference; not scored, not gated: units feeding only them score dead "
+                      f"and go to the lowest tier; list them in the rollout spec's `trajectory` to protect them): {moved}."]
     vectors = {name: o["cosine"] for name, o in report["outputs"].items() if "cosine" in o}
     if vectors:
         lines += ["", "| output (vectors) | cosine mean | cosine min | same nearest neighbour |", "|---|---|---|---|"]

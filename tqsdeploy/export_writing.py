@@ -165,6 +165,12 @@ class Writing:
                 f"'{name}': the scoring contexts read {len(touched)} of its {self.weights[name].shape[0]} rows; it was scored and measured on those, "
                 f"and the other rows are stored at the same tier ({tier}) untested: rows a deployment reads that the contexts never did may be hurt more"
             )
+        side = [o.name for o in self.prepared.model.proto.graph.output if o.name not in self.prepared.spec.trajectory]
+        if side and self.dead and uniform_tier is None:
+            notes.append(
+                f"{len(self.dead)} unit(s) left the trajectory unchanged and went to the lowest tier; the outputs outside it ({', '.join(side)}) "
+                "were not measured and may read them: name those outputs in the rollout spec's `trajectory` to protect them (`tqsdeploy eval` reports their drift)"
+            )
         calibrated = chosen.cached[1].needs_stats if chosen.cached else self.rounding.needs_stats  # a uniform model's own rounding: asking the export's could measure every tier
         for name, reason in sorted(self.encoder.log.rtn_only.items()):
             if calibrated:
