@@ -67,6 +67,15 @@ def test_full_disk_during_export_is_one_line_and_leaves_no_model(scored, tmp_pat
     assert not [p for p in out.iterdir() if p.suffix in (".onnx", ".data", ".json", ".partial")], list(out.iterdir())
 
 
+def test_full_disk_while_writing_parquet_is_one_line(two_branch, tmp_path):
+    """polars reports a failed write as a ComputeError (once exit 3, 'internal error'), not an OSError."""
+    model, ctx = two_branch
+    run = tmp_path / "run"
+    result = _cli("score", model, "-c", ctx, "-o", run, "--probe", "quant", limit_bytes=4096)  # scores.parquet is the one file past 4 KB
+    _one_line(result, str(run / "scores.parquet"))
+    assert not list(run.glob("scores.*")) and not list(run.glob(".*.partial")), list(run.iterdir())
+
+
 def test_kill_during_export_never_leaves_a_mismatched_pair(scored, tmp_path):
     model, _, run = scored
     target = tmp_path / "model.q.onnx"

@@ -10,6 +10,7 @@ for a model and its external data together.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -40,12 +41,17 @@ def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> Path:
 
 
 def write_table(frame, path: str | os.PathLike) -> Path:
-    """A polars frame as Parquet or CSV, by the file's suffix."""
+    """A polars frame as Parquet or CSV, by the file's suffix.
+
+    Serialised in memory and written with Python's own I/O: polars reports a failed write (a full disk)
+    as a ComputeError, which would surface as an internal error instead of one line naming the file."""
+    buffer = io.BytesIO()
+    if Path(path).suffix == ".csv":
+        frame.write_csv(buffer)
+    else:
+        frame.write_parquet(buffer)
     with atomic_output(path) as temporary:
-        if Path(path).suffix == ".csv":
-            frame.write_csv(temporary)
-        else:
-            frame.write_parquet(temporary)
+        temporary.write_bytes(buffer.getbuffer())
     return Path(path)
 
 
