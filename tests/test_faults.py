@@ -139,6 +139,30 @@ def test_unwritable_report_fails_before_eval(two_branch, tmp_path):
     assert "rollout" not in result.output.lower()
 
 
+@pytest.mark.parametrize("command, names", [
+    ("gate", ("gate.json", "gate.md", "junit.xml")),
+    ("eval", ("r.json", "r.md")),
+])
+@pytest.mark.parametrize("blocked", [0, 1, -1])
+def test_a_report_set_is_replaced_whole_or_not_at_all(two_branch, tmp_path, command, names, blocked):
+    """One file of the set that cannot be replaced (here a folder in its place) leaves the others as they were:
+    a new gate.json saying failed beside an old junit.xml saying passed once misled CI."""
+    model, ctx = two_branch
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    for name in names:
+        (folder / name).write_text(f"old {name}")
+    blocker = folder / names[blocked]
+    blocker.unlink()
+    blocker.mkdir()
+    where = ["--report-dir", str(folder), "--max-degradation", "1%"] if command == "gate" else ["--report", str(folder / "r")]
+    result = runner.invoke(app, [command, str(model), "--reference", str(model), "--contexts", str(ctx), "--no-latency", *where])
+    assert result.exit_code == 2, result.output
+    assert str(blocker) in " ".join(result.output.split())
+    assert {p.name: p.read_text() for p in folder.iterdir() if p.is_file()} == {n: f"old {n}" for n in names if n != blocker.name}
+    assert blocker.is_dir() and not list(blocker.iterdir())
+
+
 @pytest.mark.parametrize("bad", [np.inf, np.nan])
 def test_export_refuses_nonfinite_weights(tmp_path, bad):
     model = models.two_branch(tmp_path / "two.onnx")
