@@ -169,6 +169,55 @@ def test_a_report_named_like_its_json_is_that_json_not_r_json_json(two_branch, t
     assert sorted(p.name for p in tmp_path.glob("r.*")) == ["r.json", "r.md"]
 
 
+@pytest.mark.parametrize("given", ["existing", "new/"])
+def test_a_report_given_as_a_folder_goes_inside_it(two_branch, tmp_path, given):
+    """eval --report repdir/ wrote repdir.json and repdir.md beside the folder."""
+    model, ctx = two_branch
+    folder = tmp_path / given.rstrip("/")
+    if given == "existing":
+        folder.mkdir()
+    result, _ = _run(["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--report", f"{tmp_path}/{given}"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in folder.iterdir()) == ["two.eval.json", "two.eval.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["two.onnx", "ctx.npz", folder.name])
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder nobody can write: chmod for a plain user, a read-only bind mount for root (chmod does not stop root)."""
+    import os
+    import subprocess
+
+    source, folder = tmp_path / "source", tmp_path / "ro"
+    source.mkdir()
+    folder.mkdir()
+    if os.geteuid() != 0:
+        yield source, source
+        source.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "--bind", str(source), str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"running as root and cannot bind-mount a read-only folder: {mounted.stderr.decode().strip()}")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], capture_output=True).returncode != 0:
+            pytest.skip("running as root and cannot remount a folder read-only")
+        yield source, folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_default_report_beside_a_read_only_candidate_hints_at_report(two_branch, read_only_folder):
+    """The default report goes beside the candidate; where that cannot be written the fix is --report, so say so."""
+    model, ctx = two_branch
+    source, folder = read_only_folder
+    (source / "cand.onnx").write_bytes(model.read_bytes())
+    if folder == source:
+        source.chmod(0o555)
+    result, lines = _run(["eval", folder / "cand.onnx", "-r", model, "-c", ctx, "--steps", 2, "--no-latency"])
+    assert result.exit_code == 2 and len(lines) == 1, lines
+    assert str(folder) in lines[0] and "--report" in lines[0], lines
+
+
 def test_export_max_drift_takes_a_percentage_as_gate_bounds_do(two_branch, tmp_path):
     """--max-drift 5% was refused ('Input should be a valid number') though gate's bounds take '5%' and README writes PCT."""
     model, ctx = two_branch

@@ -67,6 +67,15 @@ def test_full_disk_during_export_is_one_line_and_leaves_no_model(scored, tmp_pat
     assert not [p for p in out.iterdir() if p.suffix in (".onnx", ".data", ".json", ".partial")], list(out.iterdir())
 
 
+def test_full_disk_while_writing_parquet_is_one_line(two_branch, tmp_path):
+    """polars reports a failed write as a ComputeError (once exit 3, 'internal error'), not an OSError."""
+    model, ctx = two_branch
+    run = tmp_path / "run"
+    result = _cli("score", model, "-c", ctx, "-o", run, "--probe", "quant", limit_bytes=4096)  # scores.parquet is the one file past 4 KB
+    _one_line(result, str(run / "scores.parquet"))
+    assert not list(run.glob("scores.*")) and not list(run.glob(".*.partial")), list(run.iterdir())
+
+
 def test_kill_during_export_never_leaves_a_mismatched_pair(scored, tmp_path):
     model, _, run = scored
     target = tmp_path / "model.q.onnx"
@@ -128,6 +137,30 @@ def test_unwritable_report_fails_before_eval(two_branch, tmp_path):
     assert result.exit_code == 2, result.output
     assert str(report.parent.parent) in " ".join(result.output.split())
     assert "rollout" not in result.output.lower()
+
+
+@pytest.mark.parametrize("command, names", [
+    ("gate", ("gate.json", "gate.md", "junit.xml")),
+    ("eval", ("r.json", "r.md")),
+])
+@pytest.mark.parametrize("blocked", [0, 1, -1])
+def test_a_report_set_is_replaced_whole_or_not_at_all(two_branch, tmp_path, command, names, blocked):
+    """One file of the set that cannot be replaced (here a folder in its place) leaves the others as they were:
+    a new gate.json saying failed beside an old junit.xml saying passed once misled CI."""
+    model, ctx = two_branch
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    for name in names:
+        (folder / name).write_text(f"old {name}")
+    blocker = folder / names[blocked]
+    blocker.unlink()
+    blocker.mkdir()
+    where = ["--report-dir", str(folder), "--max-degradation", "1%"] if command == "gate" else ["--report", str(folder / "r")]
+    result = runner.invoke(app, [command, str(model), "--reference", str(model), "--contexts", str(ctx), "--no-latency", *where])
+    assert result.exit_code == 2, result.output
+    assert str(blocker) in " ".join(result.output.split())
+    assert {p.name: p.read_text() for p in folder.iterdir() if p.is_file()} == {n: f"old {n}" for n in names if n != blocker.name}
+    assert blocker.is_dir() and not list(blocker.iterdir())
 
 
 @pytest.mark.parametrize("bad", [np.inf, np.nan])

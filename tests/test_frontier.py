@@ -196,3 +196,20 @@ def test_an_interrupted_frontier_keeps_its_finished_exports_and_evaluations(smal
     timing = [c for c in pl.read_csv(tmp_path / "whole" / "frontier.csv").columns if c.endswith("_s")]
     whole, cut = (pl.read_csv(folder / "frontier.csv").drop(timing) for folder in (tmp_path / "whole", out))
     assert whole.equals(cut)
+
+
+def test_frontier_refuses_a_folder_of_other_files_unless_forced_and_resumes_its_own(small, tmp_path):
+    """frontier --out once wrote over a user's report.md and frontier.csv without a word; score refuses such a folder."""
+    model, contexts, _ = small
+    out = tmp_path / "proj"
+    out.mkdir()
+    (out / "report.md").write_text("my notes")
+    command = ["frontier", model, "-c", contexts, "--steps", "2", "--C", "4", "--baselines", "rtn", "--bits", "4", "-o", out]
+    code, text = _invoke(*command)
+    assert code == 2 and f"{out} is not a frontier's folder" in text and "report.md" in text and "--force" in text, text
+    assert sorted(p.name for p in out.iterdir()) == ["report.md"] and (out / "report.md").read_text() == "my notes"
+    code, text = _invoke(*command, "--force")
+    assert code == 0, text
+    assert (out / "report.md").read_text() != "my notes" and (out / "frontier.csv").exists()
+    code, text = _invoke(*command)  # the folder is the frontier's own now: taken up again, not refused
+    assert code == 0 and "kept from an earlier run" in text, text

@@ -13,7 +13,7 @@ from runtimes.trt import TrtRuntime
 from tqsdeploy import ScoreRun, ScoreSettings, UnitSelection, score
 from tqsdeploy.cli import app
 from tqsdeploy.errors import InputError
-from tqsdeploy.runs import RUN_FORMAT
+from tqsdeploy.runs import RUN_FORMAT, model_label
 
 
 @pytest.fixture
@@ -90,3 +90,20 @@ def test_runtimes_come_by_provider_name_behind_one_protocol():
         runtimes.for_provider("tpu")
     with pytest.raises(runtimes.RuntimeUnavailable, match="has no setting exact_qdq"):
         runtimes.for_provider("trt-engine", exact_qdq=True)
+
+
+def test_a_linked_model_is_labelled_by_the_path_given_not_its_target(two_branch, tmp_path, monkeypatch):
+    """A Hugging Face snapshot links snap/model.onnx to blobs/<hash>: the label once took the blob's folder."""
+    model, ctx = two_branch
+    (tmp_path / "blobs").mkdir()
+    blob = tmp_path / "blobs" / "9f2c41d0"
+    blob.write_bytes(model.read_bytes())
+    for folder in ("snap", "lnk"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "model.onnx").symlink_to(Path("..") / "blobs" / blob.name)
+    monkeypatch.chdir(tmp_path)
+    assert model_label("lnk/model.onnx") == "lnk_model" and model_label(tmp_path / "snap" / "model.onnx") == "snap_model"
+    assert model_label("snap/../lnk/model.onnx") == "lnk_model"
+    result = CliRunner().invoke(app, ["score", "snap/model.onnx", "-c", str(ctx), "--probe", "quant"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "tqs-runs" / "snap_model" / "run.json").exists(), sorted(p.name for p in (tmp_path / "tqs-runs").iterdir())

@@ -33,7 +33,7 @@ import graph_ops.qdq
 from runtimes import Session, for_provider, release_freed_memory
 from tqsdeploy.contexts import Contexts, continuation_rows, load_contexts, npz_arrays, truth_from_csv
 from tqsdeploy.errors import InputError
-from tqsdeploy.files import write_json, write_text
+from tqsdeploy.files import json_text, write_texts
 from tqsdeploy.progress import counted
 from tqsdeploy.engine import RolloutEngine
 from tqsdeploy.latency import LatencySettings, measure as measure_latency
@@ -459,6 +459,5 @@ def write_report(report: dict, prefix: Path) -> tuple[Path, Path]:
         prefix = prefix.with_suffix("")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = Path(f"{prefix}.json"), Path(f"{prefix}.md")
-    write_json(json_path, report)
-    write_text(md_path, markdown(report))
+    write_texts({json_path: json_text(report), md_path: markdown(report)})
     return json_path, md_path

@@ -10,6 +10,7 @@ for a model and its external data together.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -17,9 +18,9 @@ from typing import Iterator
 
 import numpy as np
 
-from graph_ops.io import atomic_output, check_writable, missing_folders, remove_empty_folders
+from graph_ops.io import OutputError, atomic_output, check_writable, missing_folders, remove_empty_folders
 
-__all__ = ["atomic_output", "check_writable", "claim_run_folder", "write_json", "write_npz", "write_table", "write_text"]
+__all__ = ["atomic_output", "check_writable", "claim_run_folder", "json_text", "write_json", "write_npz", "write_table", "write_text", "write_texts"]
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
@@ -28,8 +29,26 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return Path(path)
 
 
+def json_text(data) -> str:
+    return json.dumps(data, indent=2, default=str)
+
+
 def write_json(path: str | os.PathLike, data) -> Path:
-    return write_text(path, json.dumps(data, indent=2, default=str))
+    return write_text(path, json_text(data))
+
+
+def write_texts(files: dict[Path, str]) -> list[Path]:
+    """Files read as one set (gate.json, gate.md and junit.xml): each goes to its temporary name, and they are
+    renamed into place only once every one was written and none is blocked by a folder, so a failure leaves the
+    previous set (or none), never a new verdict beside an old one."""
+    paths = [Path(path) for path in files]
+    with contextlib.ExitStack() as stack:
+        for path, text in zip(paths, files.values()):
+            stack.enter_context(atomic_output(path)).write_text(text, encoding="utf-8")
+        for path in paths:  # the one rename that fails where writing beside it worked
+            if path.is_dir():
+                raise OutputError(f"cannot write {path}: it is a folder")
+    return paths
 
 
 def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> Path:
@@ -40,12 +59,17 @@ def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> Path:
 
 
 def write_table(frame, path: str | os.PathLike) -> Path:
-    """A polars frame as Parquet or CSV, by the file's suffix."""
+    """A polars frame as Parquet or CSV, by the file's suffix.
+
+    Serialised in memory and written with Python's own I/O: polars reports a failed write (a full disk)
+    as a ComputeError, which would surface as an internal error instead of one line naming the file."""
+    buffer = io.BytesIO()
+    if Path(path).suffix == ".csv":
+        frame.write_csv(buffer)
+    else:
+        frame.write_parquet(buffer)
     with atomic_output(path) as temporary:
-        if Path(path).suffix == ".csv":
-            frame.write_csv(temporary)
-        else:
-            frame.write_parquet(temporary)
+        temporary.write_bytes(buffer.getbuffer())
     return Path(path)
 
 

@@ -190,6 +190,21 @@ class _Progress:
         self.put(key, {"candidate": fields, "files": {str(f): _stamp(Path(f)) for f in files}})
 
 
+def _check_folder(out_dir: Path, force: bool) -> None:
+    """The frontier writes report.md, frontier.csv, plots and more under fixed names: a folder of the user's own
+    files is refused (as score refuses one) unless --force; a folder an earlier frontier wrote (its ledger is
+    there) is taken up again, which is how an interrupted frontier resumes."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"frontier folder {out_dir} is a file")
+    if force or not out_dir.is_dir() or (out_dir / PROGRESS).exists():
+        return
+    foreign = sorted(p.name for p in out_dir.iterdir())
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise InputError(f"{out_dir} is not a frontier's folder and not empty (it holds {shown})",
+                         hint="choose a new or empty folder with --out, or pass --force to write over files of the same names")
+
+
 def _stamp(path: Path) -> list[int] | None:
     """What tells a file from one written since: its size and modification time."""
     try:
@@ -220,11 +235,14 @@ def run_frontier(
     runtime: Runtime = DEFAULT_RUNTIME,
     log: Callable[[str], None] = lambda message: None,
     progress=None,
+    force: bool = False,
 ) -> pl.DataFrame:
     """Build every candidate, evaluate it, and write frontier.parquet/csv/json.
 
-    `progress` (a `tqsdeploy.progress.Progress`) counts the steps: the score, each baseline, export and evaluation."""
+    `progress` (a `tqsdeploy.progress.Progress`) counts the steps: the score, each baseline, export and evaluation.
+    `force` writes into a folder of other files (`_check_folder`)."""
     model, out_dir = Path(model), Path(out_dir)
+    _check_folder(out_dir, force)
     if eval_truth is not None and eval_contexts is None:
         raise InputError("--eval-truth is the truth of --eval-contexts, which is missing")
     splits = ([("held-out", eval_contexts, eval_truth)] if eval_contexts else []) + [("scoring", contexts, truth)]
@@ -232,6 +250,7 @@ def run_frontier(
         evaluate(model, model, split_contexts, spec=spec, steps=steps, truth=split_truth, settings=replace(settings.evaluation, latency=None))
     models_dir = out_dir / "models"
     models_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / PROGRESS).touch()  # first of all: it marks the folder as this frontier's, however early it is interrupted
     lines_count = 1 + len(settings.variants)
     baselines_count = len(settings.bits) * len(settings.baselines)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqsdeploy.errors import InputError
 from tqsdeploy.evaluate import markdown
-from tqsdeploy.files import write_json, write_text
+from tqsdeploy.files import json_text, write_texts
 
 SIZE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 
@@ -136,10 +136,8 @@ def write_outputs(report: dict, checks: list[Check], folder: Path) -> dict[str, 
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"json": folder / "gate.json", "markdown": folder / "gate.md", "junit": folder / "junit.xml"}
     payload = {"passed": all(c.passed for c in checks), "checks": [c.__dict__ for c in checks], "report": report}
-    write_json(paths["json"], payload)
     text = gate_markdown(report, checks)
-    write_text(paths["markdown"], text)
-    write_text(paths["junit"], junit(checks, report["candidate"]))
+    write_texts({paths["json"]: json_text(payload), paths["markdown"]: text, paths["junit"]: junit(checks, report["candidate"])})
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:
         with open(summary, "a", encoding="utf-8") as handle:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import sys
 from dataclasses import asdict, dataclass, field
@@ -209,10 +210,11 @@ def current_versions() -> dict:
 
 def model_label(model: str | Path) -> str:
     """The name default outputs use: the file's stem, prefixed by its folder's name when the stem is
-    generic, so examples/a/model.onnx and examples/b/model.onnx get different runs and exports."""
+    generic, so examples/a/model.onnx and examples/b/model.onnx get different runs and exports. The path as
+    given, links not followed: a Hugging Face snapshot's model.onnx links to blobs/<hash>, which every model shares."""
     path = Path(model)
     if path.stem.lower() in GENERIC_STEMS:
-        folder = path.resolve().parent.name
+        folder = Path(os.path.abspath(path)).parent.name  # abspath: '..' and a bare name resolved lexically, not through links
         return f"{folder}_{path.stem}" if folder else path.stem
     return path.stem
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -71,21 +72,35 @@ def eval_command(
     variable_axis: Optional[int] = typer.Option(None, "--variable-axis", help="Axis of each per-step output to report per variable."),
     cosine: Optional[bool] = COSINE,
     provider: str = EVAL_PROVIDER,
-    report: Optional[Path] = typer.Option(None, "--report", help="Report prefix (writes PREFIX.json and PREFIX.md; default <candidate stem>.eval)."),
+    report: Optional[str] = typer.Option(None, "--report", metavar="PATH", help="Report prefix: writes PREFIX.json and PREFIX.md (default <candidate stem>.eval beside the candidate); "
+                                         "an existing folder or a path ending in / gets <candidate stem>.eval.json and .md inside it."),
     no_latency: bool = NO_LATENCY,
     latency_batches: Optional[str] = LATENCY_BATCHES,
 ):
     """Roll out candidate and reference from the same contexts and compare them (and the truth), and time both."""
+    from graph_ops.io import OutputError
+    from tqsdeploy.errors import InputError
     from tqsdeploy.evaluate import EvalSettings, evaluate, markdown, write_report
     from tqsdeploy.files import check_writable
 
     settings = EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis, windows=csv_windows(windows, contexts), zscore=zscore, columns=parse_columns(columns), cosine=cosine,
                             latency=latency_settings(no_latency, latency_batches))
-    report = report or candidate.with_suffix("").with_name(candidate.stem + ".eval")
-    check_writable(report.parent)  # before the rollouts, so a bad --report throws no results away
+    name = candidate.stem + ".eval"
+    if report is None:
+        prefix = candidate.with_name(name)
+    elif report.endswith(("/", os.sep)) or Path(report).is_dir():  # a folder: the default names inside it, as its reader expects
+        prefix = Path(report) / name
+    else:
+        prefix = Path(report)
+    try:
+        check_writable(prefix.parent)  # before the rollouts, so a bad --report throws no results away
+    except OutputError as exc:
+        if report is not None:
+            raise
+        raise InputError(str(exc), hint="write the report elsewhere with --report FOLDER/ or --report PREFIX") from None
     result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
     print_warnings(result.get("warnings", []))
-    json_path, md_path = write_report(result, report)
+    json_path, md_path = write_report(result, prefix)
     out.print(markdown(result), markup=False)
     out.print(f"wrote {json_path} and {md_path}")
 

@@ -40,7 +40,9 @@ def frontier(
     windows: Optional[int] = CSV_WINDOWS,
     zscore: bool = ZSCORE,
     latency: bool = typer.Option(False, "--latency", help="Also time every model against the original (as eval does, on the first split's windows): latency_ms, reference_latency_ms and slowdown columns; about 1 s and two sessions per point."),
-    out_dir: Path = typer.Option(None, "--out", "-o", help="Output folder (default tqs-frontier/<model stem>; <folder>_model for a file named model.onnx)."),
+    out_dir: Path = typer.Option(None, "--out", "-o", help="Output folder (default tqs-frontier/<model stem>; <folder>_model for a file named model.onnx); "
+                                 "an earlier frontier's folder is resumed, one holding other files is refused."),
+    force: bool = typer.Option(False, "--force", help="Write into an --out folder that holds other files (report.md, frontier.csv and the like there are overwritten)."),
 ):
     """Score once, export TQS-PTQ at every C, run the uniform baselines, evaluate all, and report."""
     from tqsdeploy.evaluate import EvalSettings
@@ -96,7 +98,7 @@ def frontier(
     with progress_bar("frontier", "steps") as progress:
         frame = run_frontier(
             model, contexts, folder, spec=spec, steps=steps, truth=truth, eval_contexts=eval_contexts, eval_truth=eval_truth,
-            settings=settings, progress=progress,
+            settings=settings, progress=progress, force=force,
         )
     md, page = build_report(folder, model, patterns)
     import polars as pl
