@@ -53,6 +53,7 @@ from tqsdeploy.export_fitting import Fitting
 from tqsdeploy.export_measuring import Measuring
 from tqsdeploy.export_settings import AUTO_LAYOUT, RUNTIME_LAYOUTS, TARGETS, ExportSettings
 from tqsdeploy.export_writing import BASIS_GAP, WARN_DRIFT_PCT, Outcome, Writing
+from tqsdeploy.files import RunFolderShare
 from tqsdeploy.quantization import AnyRounding, Encoder, Slot, check_group_size, grid_options, make_slots, plain_rounding, rounding_at
 from tqsdeploy.prepare import Prepared
 from tqsdeploy.runs import ScoreRun, current_versions, default_run_dir, score_runs
@@ -103,8 +104,16 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
                  resumable: bool = False):
         """`resumable`: checkpoint every weight a calibration pass finishes in the run folder, and read back
         those an interrupted export left (`tqsdeploy.checkpoints`; the command line's export and frontier);
-        `discard_checkpoints` once the export is done."""
+        `discard_checkpoints` once the export is done. Holds the run folder (`RunFolderShare`) until `close`."""
         self.run_dir = Path(run_dir)
+        self._share = RunFolderShare(self.run_dir)
+        try:
+            self._load(model, settings, runtime, resumable)
+        except BaseException:
+            self._share.release()
+            raise
+
+    def _load(self, model: Path | str | None, settings: ExportSettings, runtime: Runtime, resumable: bool) -> None:
         self.scores = run = ScoreRun.load(self.run_dir)
         if not run.complete:
             raise InputError(f"the score run in {self.run_dir} did not finish", hint="run the same score command again to resume it")
@@ -207,7 +216,7 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
         strategies and found the cuts fastest); whole candidates still run whole. The 22M BERT's 228 pricing
         rollouts took 11.0 s on its 2 lanes against 15.9 s whole. Only up to `FED_FLOATS_BYTES`: each lane's cut
         session holds the weights downstream of its cut, up to a float copy of the model."""
-        self._runtime_identity = json.dumps({"runtime": repr(runtime), "onnxruntime": current_versions()["onnxruntime"], **({"rollout": "prefix"} if self.prices_cut else {})})
+        self._price_identity = json.dumps({"run": run.identity, "runtime": repr(runtime), "onnxruntime": current_versions()["onnxruntime"], **({"rollout": "prefix"} if self.prices_cut else {})})
         self.timings: dict[str, float] = {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0}
         self.on_measuring: Callable[[int], None] | None = None
         """Told how many rollouts a batch of reported measurements (`measured` with `on_result`) is about to run:
@@ -240,7 +249,7 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
         run's fingerprint (model, contexts, rollout, settings), the model's hash, the target, the runtime
         computing the statistics and the versions computing the codes."""
         run = self.scores
-        return json.dumps({"fingerprint": run.fingerprint, "model": run.model.sha256, "contexts": run.contexts_sha256,
+        return json.dumps({"fingerprint": run.identity, "model": run.model.sha256, "contexts": run.contexts_sha256,
                            "rollout": run.spec.to_dict(), "target": self.settings.target, "runtime": repr(runtime), "solver_dtype": solver_dtype(),
                            "versions": {k: v for k, v in current_versions().items() if k != "platform"}, "code": checkpoints.code_hash()}, sort_keys=True, default=str)
 
@@ -419,12 +428,13 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
 
     def price_task(self, slot: Slot, tier: Tier) -> Task:
         """The price list's entry of (slot, tier): its label and a digest of the values its rollout feeds (the slot's
-        codes at the tier, dequantized) and of the runtime that rolls it out. A price is reused only for the same
-        values: the label alone let a run folder's prices from an older version, whose QEP made other codes, stand
-        for today's (lorenz96 at the W4 size: 3.62% held-out drift from such a folder, 3.12% from a fresh one)."""
+        codes at the tier, dequantized), of the runtime and of the score run (`ScoreRun.identity`: 4-step prices once
+        stood for the 40-step run that replaced theirs). A price is reused only for the same values: the label alone
+        let a run folder's prices from an older version, whose QEP made other codes, stand for today's (lorenz96 at
+        the W4 size: 3.62% held-out drift from such a folder, 3.12% from a fresh one)."""
         key = (slot.name, tier.name)
         if key not in self._price_keys:
-            digest = hashlib.blake2b(self._runtime_identity.encode(), digest_size=10)
+            digest = hashlib.blake2b(self._price_identity.encode(), digest_size=10)
             for name, encoded in sorted(self.encoder.slot(slot, tier, self.rounding).items()):
                 values = np.ascontiguousarray(encoded.dequantize())
                 digest.update(f"{name} {values.dtype} {values.shape}".encode())
@@ -455,9 +465,10 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
         log = ResultLog(self.run_dir / "measured.jsonl")
         lock = FileLock(str(self.run_dir / ".measured.lock"))
         lock.acquire()  # another export of this run prices the same slots: wait, then reuse what it measured
-        done = log.load()
         cut_lanes: list[SweepRunner] = []
         try:
+            self.scores.check_unchanged()  # and before each price: none goes into a run that replaced this one
+            done = log.load()
             pending = [(slot, tier) for slot, tier in tasks if keys[(slot.name, tier.name)] not in done]
             if on_result and pending and self.on_measuring:
                 self.on_measuring(len(pending))
@@ -474,6 +485,7 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
             lanes = cut_lanes or self.lanes
             with self.encoder.profile.section("measurement_rollouts"), Lanes(lanes, lanes[0].work_items(pending, lambda task: task[0].unit), price) as results:
                 for result in results:
+                    self.scores.check_unchanged()
                     log.append(result)
                     done[result.key] = result
                     if on_result:
@@ -583,3 +595,4 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
     def close(self) -> None:
         self._release_runner()
         self.encoder.close()
+        self._share.release()

@@ -10,6 +10,8 @@ for a model and its external data together.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import gc
 import io
 import json
 import os
@@ -20,7 +22,8 @@ import numpy as np
 
 from graph_ops.io import OutputError, atomic_output, check_writable, missing_folders, remove_empty_folders
 
-__all__ = ["atomic_output", "check_writable", "claim_run_folder", "json_text", "write_json", "write_npz", "write_table", "write_text", "write_texts"]
+__all__ = ["RunFolderShare", "atomic_output", "check_writable", "claim_run_folder", "file_identity", "json_text", "write_json", "write_npz", "write_table", "write_text",
+           "write_texts"]
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
@@ -79,7 +82,7 @@ REPLACED = ".replaced"
 """Where a run being replaced (score --fresh) waits until the new run has a result (`tqsdeploy.score`)."""
 
 
-def _identity(path: Path) -> tuple[int, int, int] | None:
+def file_identity(path: Path) -> tuple[int, int, int] | None:
     """What tells a rewritten file from the one that was there (atomic writes replace the inode)."""
     try:
         stat = path.stat()
@@ -90,12 +93,13 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
 
 @contextlib.contextmanager
 def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
-    """Hold a run folder for this process while the block writes into it.
+    """Hold a run folder for this process alone while the block writes into it.
 
     The folder must be new, empty, or a tqsdeploy run folder (it holds
     run.json): a folder of the user's own files is refused rather than
     overwritten. A second process that wants the same folder is refused at
-    once instead of mixing its results into this run. A command that fails
+    once instead of mixing its results into this run, and so is one while an
+    export reads the run (`RunFolderShare`). A command that fails
     before it records its run (run.json) removes the files it made there (a
     large model's session file, say), which would otherwise make the folder
     "not a run folder and not empty" and block the next, correct command.
@@ -119,14 +123,17 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        raise InputError(f"another tqsdeploy command is writing to {folder}", hint="wait for it to finish, or use another folder") from None
+        exporting = _only_shared(folder)
+        if not exporting or not _acquired_after_collecting(lock):
+            raise InputError(f"an export is reading the score run in {folder}" if exporting else f"another tqsdeploy command is writing to {folder}",
+                             hint="wait for it to finish, or use another folder") from None
     for stale in folder.glob(".*.partial"):  # a write a killed command left (`atomic_output`): nobody else writes here now
         stale.unlink(missing_ok=True)
-    before, recorded = {p.name for p in folder.iterdir()}, _identity(folder / RUN_MARKER)
+    before, recorded = {p.name for p in folder.iterdir()}, file_identity(folder / RUN_MARKER)
     try:
         yield folder
     except BaseException:
-        if _identity(folder / RUN_MARKER) in (None, recorded):  # refused (or stopped) before recording a run: what it made goes
+        if file_identity(folder / RUN_MARKER) in (None, recorded):  # refused (or stopped) before recording a run: what it made goes
             for path in folder.iterdir():
                 if path.name not in before and path.name != LOCK_NAME and path.is_file():
                     path.unlink(missing_ok=True)
@@ -136,3 +143,68 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
         if made and [p.name for p in folder.iterdir()] == [LOCK_NAME]:  # refused before writing anything: leave no trace
             (folder / LOCK_NAME).unlink(missing_ok=True)
             remove_empty_folders(made)
+
+
+def _only_shared(folder: Path) -> bool:
+    """Whether the folder's holders are exports (`RunFolderShare`), not a command writing it."""
+    with open(folder / LOCK_NAME, "a") as probe:  # closing it drops the probe's own share
+        try:
+            fcntl.flock(probe.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+    return True
+
+
+def _acquired_after_collecting(lock) -> bool:
+    """The claim tried again once unreachable objects are gone: a `Planner` of this process dropped without
+    `close()` holds its share until it is collected, and must not refuse a later score in its folder."""
+    from filelock import Timeout
+
+    gc.collect()
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return False
+    return True
+
+
+class RunFolderShare:
+    """An export's hold on the score run folder it reads, from its start until `release` (or until it is
+    garbage collected).
+
+    Exports share the folder (two exports of one run coordinate their prices through `.measured.lock`); a
+    command that writes the run (`claim_run_folder`: score, whose --fresh replaces it) needs the folder alone. So
+    a score is refused while an export reads the run, and an export while a score writes it: a score --fresh
+    that replaced the run under a running export got that export's prices, measured on the old rollout, in its
+    new run, where later exports reused them. A folder that cannot be locked (read-only, a file system without
+    flock) is read without the hold; the export still checks the run before each price it writes
+    (`ScoreRun.check_unchanged`)."""
+
+    def __init__(self, folder: str | os.PathLike):
+        from tqsdeploy.errors import InputError
+
+        self.folder, self._handle = Path(folder), None
+        if not (self.folder / RUN_MARKER).exists():
+            return  # no run here: loading it says so
+        try:
+            handle = open(self.folder / LOCK_NAME, "a")
+        except OSError:
+            return
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise InputError(f"a score command is writing to {self.folder}", hint="wait for it to finish, then export") from None
+        except OSError:
+            handle.close()
+            return
+        self._handle = handle
+
+    @property
+    def held(self) -> bool:
+        return self._handle is not None
+
+    def release(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.close()  # the share goes with the descriptor

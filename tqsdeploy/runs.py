@@ -25,7 +25,7 @@ import polars as pl
 from runtimes import Runtime
 from tqsdeploy import __version__
 from tqsdeploy.errors import InputError
-from tqsdeploy.files import REPLACED
+from tqsdeploy.files import REPLACED, file_identity
 from tqsdeploy.prepare import Prepared, prepare
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.scoring import ScoreSettings
@@ -75,6 +75,8 @@ class ScoreRun:
     """The versions of tqsdeploy and its libraries that made the run."""
     timings_s: dict = field(init=False)
     """Seconds per phase ('prepare', 'sweep', 'total'; empty while the run is unfinished)."""
+    stamp: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    """run.json's file identity when `load` read it (`check_unchanged`)."""
 
     def __post_init__(self):
         self.run_dir = Path(self.run_dir)
@@ -103,6 +105,7 @@ class ScoreRun:
     def load(cls, run_dir: str | Path) -> "ScoreRun":
         """A finished run's folder read back; InputError (one line) for a folder without a run this version reads."""
         run_dir = Path(run_dir)
+        stamp = file_identity(run_dir / "run.json")  # before reading: a run.json replaced meanwhile reads as changed
         meta, scores = read_record(run_dir), run_dir / "scores.parquet"
         if (run_dir / REPLACED).is_dir():
             raise InputError(f"{run_dir} holds a run that a score --fresh was replacing when it was stopped",
@@ -117,7 +120,29 @@ class ScoreRun:
         if missing:
             raise InputError(f"{scores} is not a score table this version of tqsdeploy can read (no column '{missing[0]}')",
                              hint="score the model again with --fresh")
-        return cls(frame=frame, run_dir=run_dir, meta=meta)
+        run = cls(frame=frame, run_dir=run_dir, meta=meta)
+        run.stamp = stamp
+        return run
+
+    @property
+    def identity(self) -> str:
+        """Which run this is (`run_identity`): what export keys its prices by, and checks before writing them."""
+        return run_identity(self.meta)
+
+    def check_unchanged(self) -> None:
+        """Refuse to go on writing for this run once its folder holds another: a score --fresh replaced it (one
+        that did not wait for the export's `RunFolderShare`: an older tqsdeploy, a folder without locks)."""
+        path = self.run_dir / "run.json"
+        stamp = file_identity(path)
+        if stamp is not None and stamp == self.stamp:
+            return
+        try:
+            now = read_record(self.run_dir)
+        except InputError:
+            now = None
+        if now is None or (self.run_dir / REPLACED).is_dir() or run_identity(now) != self.identity:
+            raise InputError(f"the score run in {self.run_dir} was replaced while this export ran", hint="export again: it prices the run the folder holds now")
+        self.stamp = stamp
 
     @property
     def complete(self) -> bool:
@@ -166,6 +191,16 @@ def read_record(run_dir: Path) -> dict | None:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"{path} is not valid JSON ({exc})", hint="score the model again with --fresh") from None
+
+
+def run_identity(meta: dict) -> str:
+    """What tells a score run from another in its folder: its fingerprint (model, contexts, rollout, settings,
+    units, provider: everything its rollouts depend on), or for a run recorded without one the same read from
+    run.json. A run replaced by one of other settings (--steps, say) has another."""
+    if meta.get("fingerprint"):
+        return meta["fingerprint"]
+    kept = {key: meta.get(key) for key in ("model", "contexts", "rollout", "probe", "selection", "provider")}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def score_runs(folder: Path) -> list[Path]:
