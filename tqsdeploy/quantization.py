@@ -155,9 +155,9 @@ def can_still_win(method: str, rival_drift: Callable[[str], float], best_drift: 
 GRID_CHOICES = ("auto", *GRIDS)
 """`--grids`: 'auto' measures a calibrated method's uniform model on each of `tiers.GRIDS` at every clip-searched
 tier and keeps the one that drifts less on the data at hand (`grid_options`, `least_drift`); or one of them."""
-GRIDS_HELP = ("Grids of the 4-bit and 2-bit tiers for calibrated roundings: per-channel (each channel on the clip-searched or "
-              "the min-max grid, whichever its solve rounds better), min-max, or auto (default): both measured, the one whose uniform "
-              "model drifts less kept per tier.")
+GRIDS_HELP = ("Grids of the 4-bit and 2-bit tiers: per-channel (each channel on the clip-searched or the min-max grid, whichever "
+              "its solve rounds better; rtn: the clip search alone), min-max, or auto (default): for a calibrated rounding both measured, "
+              "the one whose uniform model drifts less kept per tier; for rtn per-channel.")
 
 
 def check_grids(grids: str) -> str:
