@@ -40,13 +40,13 @@ import polars as pl
 from filelock import FileLock
 
 import graph_ops
-from graph_ops.qdq import conversion_overhead_bits, emitted_bits
+from graph_ops.qdq import conversion_overhead_bits, default_opset, emitted_bits
 from runtimes import DEFAULT_RUNTIME, Runtime, release_freed_memory
 from tiers import TIERS, Encoded, Rounding, Tier, get_tiers
 from tiers.solver_backend import solver_dtype
 from tqsdeploy import checkpoints
 from tqsdeploy.allocate import Allocation, Choice, allocate, paper_weights
-from tqsdeploy.calibrate import Calibrator
+from tqsdeploy.calibrate import Calibrator, original_nominal
 from tqsdeploy.errors import USER_ERRORS, InfeasibleError, InputError
 from tqsdeploy.export_candidates import Candidate, CandidateBuilding
 from tqsdeploy.export_fitting import Fitting
@@ -128,6 +128,7 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
                 runtime_keeps_weights=False,  # candidates run in sessions beside this one: it holds no copy of the weights
                 # a model whose candidates run as sessions of their codes (past FED_FLOATS_BYTES) runs one lane: its sessions keep every thread
                 lanes=settings.lanes if settings.lanes is not None or run.model.bytes < FED_FLOATS_BYTES else 1,
+                opset=self.output_opset,
             )
         except USER_ERRORS:  # another model's shapes or weights fail first ('y' is not an output, no units): say which is wrong
             run.check_model(model, graph_ops.load_model(model, load_external=False).sha256)
@@ -159,12 +160,14 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
             self.weights,
             settings.group_size,
             calibrator=lambda: Calibrator(proto, self.layouts, self.prepared.contexts, self.prepared.spec, runtime, workdir=self.run_dir, data_dir=self.prepared.data_dir,
-                                          weights=self.weights),
+                                          weights=self.weights, opset=self.opset),
             checkpoints=(self.run_dir / checkpoints.FOLDER, self._checkpoint_identity(runtime)) if resumable else None,
         )
         self.sizes = ModelSize.of(proto, names)
         self.reference_bits, self.unit_reference_bits = self.sizes.reference_bits, self.sizes.unit_reference_bits
-        self.model_opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
+        self.model_opset = default_opset(proto)
+        self.opset = self.prepared.opset
+        """The opset every file of this export is written at, and its candidates measured at (`output_opset`)."""
         self._overhead: dict[int, int] = {}
         self._costs: dict[tuple[float, str, str], int] = {}
         """(cut, slot, tier) -> bits (`cost`): a slot's share of its unit's bits depends on the other slots of the cut."""
@@ -207,7 +210,8 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
         strategies and found the cuts fastest); whole candidates still run whole. The 22M BERT's 228 pricing
         rollouts took 11.0 s on its 2 lanes against 15.9 s whole. Only up to `FED_FLOATS_BYTES`: each lane's cut
         session holds the weights downstream of its cut, up to a float copy of the model."""
-        self._runtime_identity = json.dumps({"runtime": repr(runtime), "onnxruntime": current_versions()["onnxruntime"], **({"rollout": "prefix"} if self.prices_cut else {})})
+        self._runtime_identity = json.dumps({"runtime": repr(runtime), "onnxruntime": current_versions()["onnxruntime"], **({"rollout": "prefix"} if self.prices_cut else {}),
+                                             **({"opset": self.opset} if self.opset > self.model_opset else {})})
         self.timings: dict[str, float] = {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0}
         self.on_measuring: Callable[[int], None] | None = None
         """Told how many rollouts a batch of reported measurements (`measured` with `on_result`) is about to run:
@@ -265,12 +269,18 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
             self._overhead[opset] = conversion_overhead_bits(self.model.proto, opset)
         return self._overhead[opset]
 
+    def output_opset(self, proto, units: list[Unit]) -> int:
+        """The opset this export writes every file at, decided before any candidate is measured, so that what is
+        measured runs the graph that ships (`prepare`'s `opset`): the highest any tier's stored form of these
+        units' weights can need (several tiers: a unit split over them joins its parts with Concat, opset 11)."""
+        dtypes = {t.dtype for u in units for t in u.tensors}
+        return max([11 if len(self.tiers) > 1 else 1] + [t.opset_for(d, bool(self.settings.group_size)) for t in self.tiers for d in dtypes])
+
     @property
     def budget(self) -> SizeBudget:
-        """C on the --C basis: the stored bits outside the units count at their size plus what the opset
-        conversion adds (worst case over the tier set's opsets)."""
-        opset = max([self.model_opset] + [t.opset for t in self.tiers])
-        return self.sizes.budget(self.settings.basis, self.overhead_bits(opset))
+        """C on the --C basis: the stored bits outside the units count at their size plus what the conversion
+        to the output opset adds."""
+        return self.sizes.budget(self.settings.basis, self.overhead_bits(self.opset))
 
     def cost(self, slot: Slot, tier: Tier | str) -> int:
         """Bits the slot's stored form puts in the file at `tier` (the same for every rounding method).
@@ -371,6 +381,9 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
         if self._runner is None:
             if self.one_session:
                 self.encoder.release_calibrator()
+            if self._nominal is None and self.opset > self.model_opset:  # drift from the original as it runs, not as converted
+                self._nominal = original_nominal(self.model.proto, self.layouts, self.weights, (self.prepared.contexts, self.prepared.spec, self.prepared.job.max_batch_windows),
+                                                 self.runtime, self.run_dir, self.prepared.data_dir)
             self._runner = self.prepared.open_runner(self._nominal)  # reopened: the original is not rolled out again
             self._nominal = self._runner.nominal
         return self._runner
