@@ -53,13 +53,14 @@ def required_opset(stored: Mapping[str, StoredWeight]) -> int:
     return max([1] + [value.opset for value in stored.values()])
 
 
-def _opset(model: onnx.ModelProto) -> int:
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's default-domain (ai.onnx) opset."""
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
 def upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     """Convert the default-domain opset up to `opset` (no-op when already there)."""
-    current = _opset(model)
+    current = default_opset(model)
     if current >= opset:
         return model
     if opset > MAX_OPSET:
@@ -68,6 +69,33 @@ def upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
         converted = version_converter.convert_version(model, opset)
     except Exception as exc:
         raise GraphError(f"cannot convert the model from opset {current} to {opset} (needed by the chosen tiers): {str(exc).splitlines()[0]}") from None
+    return converted
+
+
+HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+def computes_in_half(model: onnx.ModelProto) -> bool:
+    """Whether the graph holds or makes 16-bit float tensors (initializers, declared values, Casts to them). ONNX
+    Runtime optimizes such a graph differently at a declared opset of 20 or more (lorenz96 in float16: 7e-4 after
+    one step, 0.16% over 40), so an export measures it at the opset it writes; float32 graphs ran the same."""
+    graph = model.graph
+    declared = [*graph.input, *graph.output, *graph.value_info]
+    return (any(t.data_type in HALF_TYPES for t in graph.initializer)
+            or any(v.type.tensor_type.elem_type in HALF_TYPES for v in declared)
+            or any(n.op_type == "Cast" and any(a.name == "to" and a.i in HALF_TYPES for a in n.attribute) for n in graph.node))
+
+
+def at_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """`model` converted up to `opset` exactly as the writer converts it (`_skeleton`: the structure alone, then
+    the initializers joined): what the sessions that measure a file at that opset run, so ONNX Runtime optimizes
+    both graphs alike (a float16 graph declared at opset 20 or later gains and loses nodes). `model` itself when
+    already there; else a new model, `model` untouched (its tensors copied, external-data references as such)."""
+    if default_opset(model) >= opset:
+        return model
+    converted, _ = _skeleton(model, set(), opset)
+    converted.graph.initializer.extend(model.graph.initializer)
+    converted.ir_version = min(max(converted.ir_version, helper.find_min_ir_version_for(list(converted.opset_import), ignore_unknown=True)), MAX_IR_VERSION)
     return converted
 
 
@@ -303,13 +331,15 @@ def conversion_overhead_bits(model: onnx.ModelProto, opset: int) -> int:
     from graph_ops.io import weight_bits
 
     before = _copy_without_initializers(model)
-    after, _ = _skeleton(model, set(), max(_opset(model), opset))
+    after, _ = _skeleton(model, set(), max(default_opset(model), opset))
     return max(0, weight_bits(after) - weight_bits(before))
 
 
-def _build(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], sink: Callable[[onnx.TensorProto], onnx.TensorProto], layout: str = "fused") -> onnx.ModelProto:
-    """The model with `stored` weights in `layout`; every initializer passes through `sink` (kept, or moved to external data)."""
-    skeleton, lifted = _skeleton(model, set(stored), max(_opset(model), required_opset(stored)))
+def _build(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], sink: Callable[[onnx.TensorProto], onnx.TensorProto], layout: str = "fused",
+           opset: int = 1) -> onnx.ModelProto:
+    """The model with `stored` weights in `layout`, at `opset` or the lowest above it that holds them; every
+    initializer passes through `sink` (kept, or moved to external data)."""
+    skeleton, lifted = _skeleton(model, set(stored), max(default_opset(model), required_opset(stored), opset))
     present = {t.name for t in model.graph.initializer} | set(lifted)
     missing = set(stored) - present
     if missing:
@@ -352,10 +382,11 @@ def _check_emitted(nodes: list[onnx.NodeProto], stored: list[onnx.ValueInfoProto
         raise GraphError(f"the quantized weights cannot be written as valid ONNX for this model's {'/'.join(kinds)} weights: {str(exc).strip().splitlines()[0]}") from None
 
 
-def apply_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], source: Path | None = None, layout: str = "fused") -> onnx.ModelProto:
-    """A new model whose named weights are stored as given, in `layout` (`LAYOUTS`), every tensor inside it (kept
-    ones that point into the input's external data, in folder `source`, are read in). Input untouched."""
-    return _build(model, stored, lambda tensor: _loaded(tensor, source), layout)
+def apply_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], source: Path | None = None, layout: str = "fused",
+                  opset: int = 1) -> onnx.ModelProto:
+    """A new model whose named weights are stored as given, in `layout` (`LAYOUTS`), at `opset` at least, every tensor
+    inside it (kept ones that point into the input's external data, in folder `source`, are read in). Input untouched."""
+    return _build(model, stored, lambda tensor: _loaded(tensor, source), layout, opset)
 
 
 @dataclass(frozen=True)
@@ -376,7 +407,7 @@ class Written:
 
 def write_storage(
     model: onnx.ModelProto, stored: Mapping[str, StoredWeight], path: str | os.PathLike, *, external_data: bool | None = None, source: Path | None = None,
-    layout: str = "fused",
+    layout: str = "fused", opset: int = 1,
 ) -> Written:
     """Write `model` with `stored` weights to `path`, atomically (external data together with its model).
 
@@ -385,6 +416,8 @@ def write_storage(
     written tensor by tensor into `<name>.<token>.data`: each emitted or kept tensor
     goes to disk before the next, kept tensors straight from the input's
     bytes, so peak memory stays near the input model's own copy plus one tensor.
+    `opset`: the least opset to write at (the one the export measured at, `at_opset`), raised where the
+    stored forms need more.
     A `model` loaded without its external data names its folder in `source`:
     kept tensors are then read from the input's data files one at a time.
     """
@@ -394,7 +427,7 @@ def write_storage(
     if external_data is None:  # an input that keeps its weights outside gets an output that does too
         external_data = source is not None or stored_bytes(model) >= STREAM_THRESHOLD
     if not external_data:
-        built = apply_storage(model, stored, source, layout)
+        built = apply_storage(model, stored, source, layout, opset)
         if stored_bytes(built) >= PROTOBUF_LIMIT:  # only when one file was asked for: the default streams from 1 GiB
             raise OutputError(f"cannot write {path} as one file: it holds {stored_bytes(built) / 2**30:.2f} GiB, past protobuf's 2 GiB limit")
         return Written((save_model(built, path, external_data=False),), weight_bits(built))
@@ -402,7 +435,7 @@ def write_storage(
     with atomic_output(path.with_name(location)) as partial:  # the data lands under its final name first ...
         data = _DataFile(partial, location, source)
         try:
-            built = _build(model, stored, data.reference, layout)
+            built = _build(model, stored, data.reference, layout, opset)
         finally:
             data.close()
     publish_model(path, location, lambda temporary: onnx.save_model(built, str(temporary)))  # ... then the model that points to it

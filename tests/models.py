@@ -160,6 +160,30 @@ def fp16_mlp(path: Path, n: int = 32, hidden: int = 64, seed: int = 0, dtype=np.
     return _state_model(nodes, init, path, n, dtype=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
 
 
+def fp16_gelu_mlp(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> Path:
+    """y = x + 0.3 * gelu(x @ W1) @ W2 in float16, gelu as Div, Erf, Add, Mul, Mul (what float16 converters leave):
+    ONNX Runtime runs this graph differently once its declared opset is 20 or more (outputs move by ~1e-4)."""
+    rng = np.random.default_rng(seed)
+    half = np.float16
+    init = {
+        "W1": (rng.standard_normal((n, hidden)) / np.sqrt(n)).astype(half),
+        "W2": (rng.standard_normal((hidden, n)) / np.sqrt(hidden)).astype(half),
+        "root2": np.array(np.sqrt(2), half), "one": np.array(1, half), "half": np.array(0.5, half), "gain": np.array(0.3, half),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h"]),
+        helper.make_node("Div", ["h", "root2"], ["scaled"]),
+        helper.make_node("Erf", ["scaled"], ["erf"]),
+        helper.make_node("Add", ["erf", "one"], ["gate"]),
+        helper.make_node("Mul", ["h", "gate"], ["gated"]),
+        helper.make_node("Mul", ["gated", "half"], ["a"]),
+        helper.make_node("MatMul", ["a", "W2"], ["d"]),
+        helper.make_node("Mul", ["d", "gain"], ["s"]),
+        helper.make_node("Add", ["x", "s"], ["y"]),
+    ]
+    return _state_model(nodes, init, path, n, dtype=TensorProto.FLOAT16)
+
+
 def gather_forecaster(path: Path, rows: int = 100, n: int = 32, seed: int = 0, cast_ids: bool = False) -> Path:
     """y = 0.5 * x @ W + 0.1 * emb[ids]: a state x [batch, n] fed back, ids [batch] a constant input
     selecting rows of an embedding table emb [rows, n] (read by Gather only; `cast_ids`: ids are

@@ -13,7 +13,7 @@ from tiers.formats.base import StoredForm, register_form
 from tiers.gptq import Hessian, Quantized
 from tiers.grid import GridSpec
 from tiers.quantizer import GRIDS, METHODS, RTN, Rounding, encode, quantize, split, to_encoded
-from tiers.registry import DEFAULT_TIERS, TIERS, TRT_TIERS, Tier, TierError, get_tiers, precision_order, tier_for_bits
+from tiers.registry import DEFAULT_TIERS, TIERS, TRT_TIERS, Tier, TierError, get_tiers, ladder_opset, precision_order, tier_for_bits
 
 __all__ = [
     "DEFAULT_TIERS",
@@ -33,6 +33,7 @@ __all__ = [
     "TierError",
     "encode",
     "get_tiers",
+    "ladder_opset",
     "precision_order",
     "quantize",
     "register_form",

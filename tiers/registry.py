@@ -89,3 +89,9 @@ def get_tiers(names: list[str] | tuple[str, ...], target: str = "ort", group_siz
     if not tiers:
         raise TierError("no tiers given")
     return sorted(dict.fromkeys(tiers), key=precision_order)
+
+
+def ladder_opset(tiers: list[Tier], dtypes: set[str], blockwise: bool) -> int:
+    """The highest opset any of `tiers`' stored forms of weights of `dtypes` can need (several tiers: a unit split
+    over them joins its parts with Concat, opset 11): an export that must write at one opset decided up front."""
+    return max([11 if len(tiers) > 1 else 1] + [t.opset_for(d, blockwise) for t in tiers for d in dtypes])

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 import graph_ops
-from graph_ops.qdq import write_storage
+from graph_ops.qdq import computes_in_half, default_opset, write_storage
 from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import Encoded, Rounding, TierError, tier_for_bits
 from tqsdeploy.calibrate import Calibrator, thin_note
@@ -54,6 +54,9 @@ class BaselineResult:
     """The grids the codes are on (`tiers.GRIDS`)."""
     grid_drifts: dict[str, float] = field(default_factory=dict)
     """With --grids auto where they differ: each grid's uniform model's drift (percent) on the calibration rollout."""
+    opset: int = 1
+    """The opset its drifts are measured at and the file written at least at: a graph computing in 16-bit floats at what the
+    tier's form needs (`graph_ops.qdq.computes_in_half`), others at their own (the file raised as its form needs)."""
 
     @cached_property
     def weights(self) -> dict[str, np.ndarray]:
@@ -105,6 +108,7 @@ def quantize_baseline(
     loaded, data_dir = _load(model_path)
     runtime = runtime.for_model(loaded.proto)
     units, names, layouts = checked_layouts(loaded.proto, min_params, group_size, [tier])
+    opset = max([default_opset(loaded.proto)] + [tier.opset_for(layouts[n].dtype, bool(group_size)) for n in names if computes_in_half(loaded.proto)])
     weights = graph_ops.model_weights(loaded.proto, names, data_dir)
     check_finite(weights)
     graph_ops.release_pages(weights)  # the check read every weight; the encoder reads each again in turn
@@ -124,7 +128,7 @@ def quantize_baseline(
             resolved = RolloutSpec(steps=1, feedback=(), trajectory=tuple(o.name for o in outputs if o.dtype.kind == "f"))
         else:
             resolved = resolve_spec(spec, steps, inputs, outputs)
-        return Calibrator(loaded.proto, layouts, contexts, resolved, runtime, max_batch_windows, data_dir=data_dir, weights=weights)
+        return Calibrator(loaded.proto, layouts, contexts, resolved, runtime, max_batch_windows, data_dir=data_dir, weights=weights, opset=opset)
 
     encoder = Encoder(units, layouts, weights, group_size, calibrator if rounding.needs_stats else None, track_errors=rounding.needs_stats)
     load_s = perf_counter() - started
@@ -144,6 +148,7 @@ def quantize_baseline(
         rtn_only=dict(encoder.log.rtn_only) if rounding.needs_stats else {},
         grids=rounding.grids,
         grid_drifts=grid_drifts,
+        opset=opset,
     )
     thin = thin_note(encoder.log.thin, method, f"give --calib more windows (or a longer --steps rollout): {', '.join(sorted(encoder.log.thin))}")
     if thin:
@@ -180,7 +185,7 @@ def write_baseline(model_path: str | Path, result: BaselineResult, output: str |
     export's default for ort-cpu)."""
     loaded, data_dir = _load(model_path)
     started = perf_counter()
-    written = write_storage(loaded.proto, result.encoded, output, source=data_dir, layout=layout)  # kept tensors read from the input's files
+    written = write_storage(loaded.proto, result.encoded, output, source=data_dir, layout=layout, opset=result.opset)  # kept tensors read from the input's files
     return {
         "method": result.method,
         "bits": result.bits,

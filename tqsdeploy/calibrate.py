@@ -36,7 +36,7 @@ import onnx
 import graph_ops
 from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, tensor_graph, tensor_infos, waves
 from graph_ops.layout import WeightLayout
-from graph_ops.qdq import fed_codes_model, needed_nodes
+from graph_ops.qdq import at_opset, default_opset, fed_codes_model, needed_nodes
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
 from tiers.solver_backend import shared_cores, solver_threads
@@ -123,11 +123,14 @@ class Calibrator:
         data_dir: Path | None = None,
         *,
         weights: Mapping[str, np.ndarray],
+        opset: int = 1,
     ):
         """`data_dir`: the folder of the data files a `proto` loaded without its external data points into.
         `weights`: the scored weights' values; they are plain inputs of the session, fed from there when
-        a run does not feed its own, so the runtime holds no copy of the model's weights."""
+        a run does not feed its own, so the runtime holds no copy of the model's weights.
+        `opset`: the opset the output is written at: the sessions run the model converted to it (`at_opset`)."""
         self.layouts = dict(layouts)
+        self.opset = max(opset, default_opset(proto))
         self.weights = weights
         self.waves = waves(proto, self.layouts)
         calibrated = {n for wave in self.waves for n in wave}
@@ -186,8 +189,11 @@ class Calibrator:
         if self._engine is None:  # its batching decision is a run: made once per session (`release` drops it)
             self._engine = RolloutEngine(self.session, *self._rollout)
         with self.profile.section("calibration_rollouts"):
-            if self._nominal is None:
-                self._nominal = self._engine.nominal()
+            raised = self.opset > default_opset(self._open_args[0])
+            if self._nominal is None:  # raised: the original at its own opset, what a rollout of the written file is compared with
+                self._nominal = original_nominal(self._open_args[0], self.layouts, self.weights, self._rollout, *self._open_args[1:]) if raised else self._engine.nominal()
+            if raised:
+                self._engine.assume(self._nominal.batched)
             return self._engine.drift(self._nominal, self._engine.steps(dict(weights)))
 
     def run(self, encode: EncodeFn, cross: bool, log: CalibrationLog | None = None, checkpoints=None,
@@ -469,7 +475,7 @@ class Calibrator:
     def graph(self):
         if self._graph is None:
             proto = self._open_args[0]
-            self._graph = expose_tensors(graph_ops.weights_as_graph_inputs(proto, list(self.layouts)), layer_tensors(proto, self.layouts))
+            self._graph = expose_tensors(at_opset(graph_ops.weights_as_graph_inputs(proto, list(self.layouts)), self.opset), layer_tensors(proto, self.layouts))
         return self._graph
 
     @property
@@ -500,6 +506,19 @@ class Calibrator:
     def close(self) -> None:
         self.release()
 
+
+
+def original_nominal(proto, names, weights: Mapping[str, np.ndarray], rollout: tuple, runtime: Runtime, workdir: Path | None, data_dir: Path | None) -> Nominal:
+    """The original's rollout (`rollout`: contexts, spec, max batch) at its own opset, on a session fed its
+    weights `names` as measuring sessions are fed theirs: what a drift is measured from when those run the model
+    converted to the opset the file is written at (the original as the user runs it, and `eval` compares with)."""
+    graph = graph_ops.weights_as_graph_inputs(proto, list(names))
+    session = WithDefaults(open_graph(runtime, graph_ops.io.session_source(graph, workdir), data_dir, "the original model"), weights)
+    del graph
+    try:
+        return RolloutEngine(session, *rollout).nominal()
+    finally:
+        session.close()
 
 
 def open_graph(runtime: Runtime, source: bytes | Path, data_dir: Path | None, what: str):

@@ -30,7 +30,6 @@ import hashlib
 import json
 import math
 import time
-from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
@@ -40,24 +39,25 @@ import polars as pl
 from filelock import FileLock
 
 import graph_ops
-from graph_ops.qdq import conversion_overhead_bits, emitted_bits
+from graph_ops.qdq import default_opset
 from runtimes import DEFAULT_RUNTIME, Runtime, release_freed_memory
 from tiers import TIERS, Encoded, Rounding, Tier, get_tiers
 from tiers.solver_backend import solver_dtype
 from tqsdeploy import checkpoints
 from tqsdeploy.allocate import Allocation, Choice, allocate, paper_weights
-from tqsdeploy.calibrate import Calibrator
+from tqsdeploy.calibrate import Calibrator, original_nominal
 from tqsdeploy.errors import USER_ERRORS, InfeasibleError, InputError
 from tqsdeploy.export_candidates import Candidate, CandidateBuilding
 from tqsdeploy.export_fitting import Fitting
 from tqsdeploy.export_measuring import Measuring
+from tqsdeploy.export_sizing import Sizing
 from tqsdeploy.export_settings import AUTO_LAYOUT, RUNTIME_LAYOUTS, TARGETS, ExportSettings
 from tqsdeploy.export_writing import BASIS_GAP, WARN_DRIFT_PCT, Outcome, Writing
 from tqsdeploy.files import RunFolderShare
 from tqsdeploy.quantization import AnyRounding, Encoder, Slot, check_group_size, grid_options, make_slots, plain_rounding, rounding_at
 from tqsdeploy.prepare import Prepared
 from tqsdeploy.runs import ScoreRun, current_versions, default_run_dir, score_runs
-from tqsdeploy.size import ModelSize, SizeBudget, split_bits
+from tqsdeploy.size import ModelSize
 from tqsdeploy.sweep import Drift, Lanes, ResultLog, SweepRunner, Task, TaskResult
 from tqsdeploy.units import Unit
 
@@ -95,7 +95,7 @@ def find_run(model: Path | None, run: Path | None) -> Path:
     return runs[0]
 
 
-class Planner(CandidateBuilding, Fitting, Measuring, Writing):
+class Planner(CandidateBuilding, Fitting, Measuring, Sizing, Writing):
     """Everything needed to allocate and export for one score run: this module prices and allocates,
     `export_candidates` compares the candidates for a target, `export_measuring` measures them, `export_writing`
     writes the chosen one."""
@@ -137,6 +137,7 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
                 runtime_keeps_weights=False,  # candidates run in sessions beside this one: it holds no copy of the weights
                 # a model whose candidates run as sessions of their codes (past FED_FLOATS_BYTES) runs one lane: its sessions keep every thread
                 lanes=settings.lanes if settings.lanes is not None or run.model.bytes < FED_FLOATS_BYTES else 1,
+                opset=self.output_opset,
             )
         except USER_ERRORS:  # another model's shapes or weights fail first ('y' is not an output, no units): say which is wrong
             run.check_model(model, graph_ops.load_model(model, load_external=False).sha256)
@@ -168,12 +169,14 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
             self.weights,
             settings.group_size,
             calibrator=lambda: Calibrator(proto, self.layouts, self.prepared.contexts, self.prepared.spec, runtime, workdir=self.run_dir, data_dir=self.prepared.data_dir,
-                                          weights=self.weights),
+                                          weights=self.weights, opset=self.opset),
             checkpoints=(self.run_dir / checkpoints.FOLDER, self._checkpoint_identity(runtime)) if resumable else None,
         )
         self.sizes = ModelSize.of(proto, names)
         self.reference_bits, self.unit_reference_bits = self.sizes.reference_bits, self.sizes.unit_reference_bits
-        self.model_opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
+        self.model_opset = default_opset(proto)
+        self.opset = self.prepared.opset
+        """The opset every file of this export is written at, and its candidates measured at (`output_opset`)."""
         self._overhead: dict[int, int] = {}
         self._costs: dict[tuple[float, str, str], int] = {}
         """(cut, slot, tier) -> bits (`cost`): a slot's share of its unit's bits depends on the other slots of the cut."""
@@ -216,7 +219,8 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
         strategies and found the cuts fastest); whole candidates still run whole. The 22M BERT's 228 pricing
         rollouts took 11.0 s on its 2 lanes against 15.9 s whole. Only up to `FED_FLOATS_BYTES`: each lane's cut
         session holds the weights downstream of its cut, up to a float copy of the model."""
-        self._price_identity = json.dumps({"run": run.identity, "runtime": repr(runtime), "onnxruntime": current_versions()["onnxruntime"], **({"rollout": "prefix"} if self.prices_cut else {})})
+        self._price_identity = json.dumps({"run": run.identity, "runtime": repr(runtime), "onnxruntime": current_versions()["onnxruntime"], **({"rollout": "prefix"} if self.prices_cut else {}),
+                                           **({"opset": self.opset} if self.opset > self.model_opset else {})})
         self.timings: dict[str, float] = {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0}
         self.on_measuring: Callable[[int], None] | None = None
         """Told how many rollouts a batch of reported measurements (`measured` with `on_result`) is about to run:
@@ -264,115 +268,6 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
         """The export finished: its calibration checkpoints have nothing left to resume."""
         checkpoints.discard(self.run_dir)
 
-    # -- sizes ------------------------------------------------------------------
-
-    def overhead_bits(self, opset: int) -> int:
-        """Bits the opset conversion adds (attributes that become constant inputs)."""
-        if opset <= self.model_opset:
-            return 0
-        if opset not in self._overhead:
-            self._overhead[opset] = conversion_overhead_bits(self.model.proto, opset)
-        return self._overhead[opset]
-
-    @property
-    def budget(self) -> SizeBudget:
-        """C on the --C basis: the stored bits outside the units count at their size plus what the opset
-        conversion adds (worst case over the tier set's opsets)."""
-        opset = max([self.model_opset] + [t.opset for t in self.tiers])
-        return self.sizes.budget(self.settings.basis, self.overhead_bits(opset))
-
-    def cost(self, slot: Slot, tier: Tier | str) -> int:
-        """Bits the slot's stored form puts in the file at `tier` (the same for every rounding method).
-
-        A slot pays its own codes, scales and zero points, and its share (by channels) of what the form
-        emits once per stored run beside them (INT1's unpack constants: 65 bytes). The writer joins a
-        tensor's neighbouring slots of one tier into one run, so the slots' prices are scaled to sum to
-        exactly what the unit at one tier writes (`size.split_bits`): charging each slot the whole overhead
-        priced a split INT1 unit 15% above its file, and channel groups of a blockwise grid priced 20 bits
-        above it, which made the largest reachable C smaller than the uniform file of the lowest tier. A unit split
-        over several tiers writes that overhead once per stretch: `written_costs` prices an allocation as written."""
-        tier = TIERS[tier] if isinstance(tier, str) else tier
-        key = (self.split_fraction, slot.name, tier.name)
-        if key not in self._costs:  # every slot of the unit at once: one stored form per tensor
-            forms = self.encoder.stored_forms(slot.unit, tier)
-            written = {n: emitted_bits(n, e, self.settings.layout) for n, e in forms.items()}
-            slots = self.slots_of[slot.unit]
-            shares = []
-            for other in slots:
-                bits = 0.0
-                for name, encoded in forms.items():
-                    part = self.encoder.channels(name, encoded, other.rows)
-                    share = 1.0 if other.rows is None else (other.rows[1] - other.rows[0]) / self.encoder.layouts[name].channels
-                    bits += part.payload_bits + (written[name] - encoded.payload_bits) * share
-                shares.append(bits)
-            for other, bits in zip(slots, split_bits(shares, sum(written.values()))):
-                self._costs[(self.split_fraction, other.name, tier.name)] = bits
-        return self._costs[key]
-
-    def stretches(self, tiers: dict[str, str]) -> list[tuple[str, str, list[Slot]]]:
-        """(unit, tier, slots) of every stretch the writer stores: a unit's neighbouring slots at one tier, joined."""
-        found = []
-        for unit, slots in self.slots_of.items():
-            for slot in sorted(slots, key=lambda s: (s.rows or (0, 0))[0]):
-                if found and found[-1][0] == unit and found[-1][1] == tiers[slot.name]:
-                    found[-1][2].append(slot)
-                else:
-                    found.append((unit, tiers[slot.name], [slot]))
-        return found
-
-    def written_costs(self, tiers: dict[str, str]) -> dict[str, int]:
-        """Each slot's bits in the file that the assignment `tiers` writes, summing to exactly what it writes.
-
-        `cost` shares by channels what a unit stores once per stretch at one tier (the block-index shape
-        constants of a blockwise grid's dequantized layout, about 512 bits; INT1's unpack constants): exact for
-        a unit at one tier, but a unit split over several tiers writes those once per stretch, which no
-        additive price can know (it depends on the neighbours' tiers). Here each stretch's slots share what the
-        stretch writes (`size.split_bits`)."""
-        costs = {}
-        stretches = self.stretches(tiers)
-        count = Counter(unit for unit, _, _ in stretches)
-        forms: dict[tuple[str, str], dict[str, Encoded]] = {}
-        for unit, tier, slots in stretches:
-            if count[unit] == 1:  # one stretch: the whole unit at one tier, as `cost` priced it
-                costs.update({slot.name: self.cost(slot, tier) for slot in slots})
-                continue
-            rows = (slots[0].rows[0], slots[-1].rows[1])
-            key = (unit, tier, rows)
-            if key not in self._stretch_bits:
-                if (unit, tier) not in forms:
-                    forms[(unit, tier)] = self.encoder.stored_forms(unit, tier)
-                self._stretch_bits[key] = sum(emitted_bits(n, self.encoder.channels(n, e, rows), self.settings.layout) for n, e in forms[(unit, tier)].items())
-            costs.update(zip([slot.name for slot in slots], split_bits([self.cost(slot, tier) for slot in slots], self._stretch_bits[key])))
-        return costs
-
-    def costs(self) -> dict[str, dict[str, int]]:
-        """Every slot's cost at every tier of the set."""
-        return {slot.name: {tier.name: self.cost(slot, tier) for tier in self.tiers} for slot in self.slots}
-
-    def floor_bits(self) -> int:
-        """The slots' bits with every slot at its cheapest tier: the uniform file of the lowest tier's units."""
-        return sum(min(c.values()) for c in self.costs().values())
-
-    def max_compression(self) -> float:
-        """The largest compression reachable with these tiers (every slot at its cheapest)."""
-        return self.budget.compression(self.floor_bits())
-
-    def reachable(self, target: float) -> bool:
-        return self.budget.reachable(self.floor_bits(), target)
-
-    def check_targets(self, targets: list[float]) -> None:
-        """Fail before any work when a target cannot be met."""
-        budget, floor = self.budget, self.floor_bits()
-        hint = "lower --C or add a cheaper tier"
-        if budget.fixed_bits > 0 and budget.basis_bits / floor > 1.25 * budget.compression(floor):  # the tensors outside the units bind
-            min_params = self.scores.selection.min_params
-            hint += (
-                f"; {budget.fixed_bits / budget.basis_bits:.1%} of the stored bits are in tensors that are not units (smaller than --min-params {min_params} "
-                f"or not weight operands), which alone caps C at {budget.basis_bits / budget.fixed_bits:.3g}: score with a lower --min-params (or --include) to quantize them, or use --basis units"
-            )
-        for target in targets:
-            budget.check(target, floor, [t.name for t in self.tiers], hint)
-
     # -- pricing -----------------------------------------------------------------
 
     @property
@@ -380,6 +275,9 @@ class Planner(CandidateBuilding, Fitting, Measuring, Writing):
         if self._runner is None:
             if self.one_session:
                 self.encoder.release_calibrator()
+            if self._nominal is None and self.opset > self.model_opset:  # drift from the original as it runs, not as converted
+                self._nominal = original_nominal(self.model.proto, self.layouts, self.weights, (self.prepared.contexts, self.prepared.spec, self.prepared.job.max_batch_windows),
+                                                 self.runtime, self.run_dir, self.prepared.data_dir)
             self._runner = self.prepared.open_runner(self._nominal)  # reopened: the original is not rolled out again
             self._nominal = self._runner.nominal
         return self._runner

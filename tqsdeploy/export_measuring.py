@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 import graph_ops
-from graph_ops.qdq import fed_codes_model
+from graph_ops.qdq import at_opset, fed_codes_model
 from runtimes import WithDefaults
 from tiers import Encoded
 from tqsdeploy.calibrate import open_graph
@@ -37,7 +37,7 @@ class Measuring:
         if not self.one_session:
             return runner.drift(self.weights_of(encodings))
         if self._fed_graph is None:
-            self._fed_graph = graph_ops.weights_as_graph_inputs(self.model.proto, list(self.layouts))
+            self._fed_graph = at_opset(graph_ops.weights_as_graph_inputs(self.model.proto, list(self.layouts)), self.opset)  # as the file is written
         proto, feeds = fed_codes_model(self._fed_graph, encodings)
         source = graph_ops.io.session_source(proto, self.run_dir)
         del proto

@@ -118,7 +118,8 @@ class Writing:
         with self.encoder.profile.section("write"):
             if self.encoder.checkpoints is not None:  # resumable: a rerun after an interruption may overwrite what this began
                 checkpoints.record_output(self.run_dir, self.outputs_identity(), path)
-            return write_storage(self.model.proto, stored, path, external_data=external_data, source=self.prepared.data_dir, layout=self.settings.layout)
+            return write_storage(self.model.proto, stored, path, external_data=external_data, source=self.prepared.data_dir, layout=self.settings.layout,
+                                 opset=self.opset)
 
     def check_single_file(self, targets: list[float | None], uniform_tier: str | None = None) -> None:
         """With `single_file`, refuse before any work an output that cannot fit one file (protobuf's 2 GiB):

@@ -10,12 +10,14 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import onnx
 
 import graph_ops
 from runtimes import DEFAULT_RUNTIME, Runtime, Session
 from runtimes.derived import derived_feed, fed_as_fast
+from graph_ops.qdq import at_opset, default_opset
 from runtimes.factories import RebuildFactory, StreamedCuts, open_fed
 from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
@@ -64,6 +66,8 @@ class Prepared:
     """What the fed session is a graph of (`derived_feed`), for run.json."""
     notes: list[str] = field(default_factory=list)
     """What the user should know about the unit selection (`units.selection_notes`)."""
+    opset: int = 0
+    """The default-domain opset its sessions run the model at (`prepare`'s `opset`; the model's own unless raised)."""
 
     def open_runner(self, nominal: "Nominal | None" = None) -> SweepRunner:
         """A runner of the sweep; `nominal`: the rollout an earlier runner of this job made (not made again)."""
@@ -86,6 +90,7 @@ def prepare(
     stream: bool = False,
     runtime_keeps_weights: bool = True,
     lanes: int | None = 1,
+    opset: Callable[[onnx.ModelProto, list[Unit]], int] | None = None,
 ) -> Prepared:
     """Load and check everything a sweep needs; fails fast on bad input.
 
@@ -102,6 +107,8 @@ def prepare(
     holds no copy of them (export, which runs candidate sessions beside this one).
     `lanes`: tasks run at once (`sweep.sweep_lanes`; None: as many as pay), the
     cores split between them when `runtime` leaves threads to ONNX Runtime.
+    `opset`: the opset the sessions run the model at, from the model and its units (export: the opset it writes
+    at); it is converted as the writer converts it (`graph_ops.qdq.at_opset`), the model loaded kept as it is.
     """
     runtime.check()
     loaded = graph_ops.load_model(model, load_external=not stream)  # large single files come as a skeleton
@@ -115,7 +122,9 @@ def prepare(
     units = select_units(tensors, selection, unfed)
     notes = selection_notes(loaded, tensors, units, selection, unfed)
     names = [n for u in units for n in u.tensor_names]
-    session_proto = graph_ops.lift_constants(loaded.proto, names)
+    own = default_opset(loaded.proto)
+    raised = max(own, opset(loaded.proto, units)) if opset is not None else own
+    session_proto = at_opset(graph_ops.lift_constants(loaded.proto, names), raised)  # GraphError: the CLI's one-line exit 2
     declarations = {n: graph_ops.input_declarations(session_proto, [n]) for n in names}
     source: bytes | Path
     rebuild = cuts = None
@@ -139,7 +148,7 @@ def prepare(
         source = rebuild.model
     else:  # over 2 GiB: hand the runtime a file with external data; feeding is the only sane strategy
         session_proto.MergeFromString(b"".join(declarations.values()))
-        source = _session_file(loaded, names, workdir)
+        source = _session_file(loaded, names, workdir, raised if raised != own else None)
         if not source.exists():
             graph_ops.save_model(session_proto, source, external_data=True)
         factory = partial(runtime.open, source)
@@ -195,15 +204,15 @@ def prepare(
     return Prepared(
         model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session,
         session_file=source if isinstance(source, Path) else None, data_dir=data_dir, lanes=lanes, threads=runtime.threads, fed_as=fed_as,
-        notes=notes,
+        notes=notes, opset=raised,
     )
 
 
 
-def _session_file(loaded: graph_ops.LoadedModel, names: list[str], workdir: Path | None) -> Path:
-    """Where the runtime's full copy of this model (with these units overridable) lives: the run folder, or a
-    temporary one; named by the model's digest, so a resumed score and export reuse it."""
-    key = hashlib.sha256((loaded.sha256 + "\x1f".join(sorted(names))).encode()).hexdigest()[:12]
+def _session_file(loaded: graph_ops.LoadedModel, names: list[str], workdir: Path | None, opset: int | None = None) -> Path:
+    """Where the runtime's full copy of this model (with these units overridable; at `opset` when raised) lives: the
+    run folder, or a temporary one; named by the model's digest, so a resumed score and export reuse it."""
+    key = hashlib.sha256((loaded.sha256 + "\x1f".join(sorted(names)) + (f"\x1fopset {opset}" if opset else "")).encode()).hexdigest()[:12]
     return _session_folder(workdir) / f"session-{key}.onnx"
 
 

@@ -171,11 +171,12 @@ class ScoreRun:
                 hint="score this model first, or pass --run DIR of its own run",
             )
 
-    def prepare(self, model: Path, runtime: Runtime, *, strategy: str, lanes: int | None, runtime_keeps_weights: bool) -> Prepared:
+    def prepare(self, model: Path, runtime: Runtime, *, strategy: str, lanes: int | None, runtime_keeps_weights: bool, opset=None) -> Prepared:
         """This run's sweep made ready again on `model` and `runtime` for a later stage: the run's own contexts,
-        rollout, units and probe settings, its session files kept in the run folder (see `prepare.prepare`)."""
+        rollout, units and probe settings, its session files kept in the run folder; `opset`: the opset its
+        sessions run the model at, from the model and its units (see `prepare.prepare`)."""
         return prepare(model, self.contexts_file, self.spec_file, selection=self.selection, settings=self.settings, runtime=runtime, strategy=strategy,
-                       workdir=self.run_dir, stream=True, runtime_keeps_weights=runtime_keeps_weights, lanes=lanes)
+                       workdir=self.run_dir, stream=True, runtime_keeps_weights=runtime_keeps_weights, lanes=lanes, opset=opset)
 
 
 ScoreTable = ScoreRun

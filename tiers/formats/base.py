@@ -114,6 +114,11 @@ class Tier(StoredForm):
     blockwise: ClassVar[bool] = False
     """Takes `--group-size` (scales per block of input features)."""
 
+    def opset_for(self, dtype: str, blockwise: bool) -> int:
+        """Lowest opset its stored form of a `dtype` weight can need (`blockwise`: scales per block): what an
+        export decides its output opset from before any weight is encoded (`form_opset` of each encoding)."""
+        return self.opset
+
     @property
     def grid(self) -> GridSpec:
         raise ValueError(f"tier '{self.name}' stores floats, not codes")

@@ -28,6 +28,11 @@ DEQUANTIZED_TYPES = ("float32", "float16")
 numpy cannot hold). A float64 weight is dequantized in float32 and Cast, as `Encoded.dequantize` computes it."""
 
 
+def _dequantize_opset(dtype: str, blockwise: bool) -> int:
+    """Lowest opset whose DequantizeLinear takes a `dtype` weight's scales (float64 weights dequantize in float32)."""
+    return max(19 if dtype == "float16" else 13, 21 if blockwise else 13)
+
+
 def _integer_codes(dtype) -> bool:
     """Integer codes of at most 8 bits (fed as a byte each, or packed)."""
     try:
@@ -50,10 +55,10 @@ class CodesTier(Tier):
 
     @classmethod
     def form_opset(cls, value: Encoded) -> int:
-        needed = 19 if value.dtype == "float16" else 13  # float16 scales; float64 weights dequantize in float32
-        if value.block_size:
-            needed = max(needed, 21)
-        return max(needed, CODE_OPSETS.get(np.dtype(value.values.dtype).name, 13))
+        return max(_dequantize_opset(value.dtype, bool(value.block_size)), CODE_OPSETS.get(np.dtype(value.values.dtype).name, 13))
+
+    def opset_for(self, dtype: str, blockwise: bool) -> int:
+        return max(self.opset, _dequantize_opset(dtype, blockwise and self.blockwise))
 
     @classmethod
     def emit(cls, name: str, value: Encoded, layout: str) -> Emission:

@@ -74,6 +74,9 @@ class FloatTier(Tier):
         to = helper.np_dtype_to_tensor_dtype(np.dtype(value.dtype))
         return [stored], [helper.make_node("Cast", [stored.name], [name], to=to, name=f"{name}__cast")]
 
+    def opset_for(self, dtype: str, blockwise: bool) -> int:
+        return max(self.opset, 6 if self.narrow else 1)  # Cast
+
     @classmethod
     def form_opset(cls, value: Encoded) -> int:
         if value.form == "raw":
