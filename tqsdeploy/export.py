@@ -491,6 +491,13 @@ class Planner(CandidateBuilding, Fitting, Measuring, Sizing, Writing):
             del self._choices[objective]
 
     def close(self) -> None:
+        """Sessions, solver threads and the hold on the run folder released (a score may then replace the run)."""
         self._release_runner()
         self.encoder.close()
         self._share.release()
+
+    def __enter__(self) -> "Planner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -126,7 +126,7 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
         exporting = _only_shared(folder)
         if not exporting or not _acquired_after_collecting(lock):
             raise InputError(f"an export is reading the score run in {folder}" if exporting else f"another tqsdeploy command is writing to {folder}",
-                             hint="wait for it to finish, or use another folder") from None
+                             hint="wait for it to finish (in Python: close its Planner, or use it in a with block), or use another folder") from None
     for stale in folder.glob(".*.partial"):  # a write a killed command left (`atomic_output`): nobody else writes here now
         stale.unlink(missing_ok=True)
     before, recorded = {p.name for p in folder.iterdir()}, file_identity(folder / RUN_MARKER)
