@@ -395,6 +395,8 @@ class Written:
 
     files: tuple[Path, ...]
     weight_bits: int
+    opset: int = 0
+    """The default-domain opset it was written at."""
 
     @property
     def path(self) -> Path:
@@ -430,7 +432,7 @@ def write_storage(
         built = apply_storage(model, stored, source, layout, opset)
         if stored_bytes(built) >= PROTOBUF_LIMIT:  # only when one file was asked for: the default streams from 1 GiB
             raise OutputError(f"cannot write {path} as one file: it holds {stored_bytes(built) / 2**30:.2f} GiB, past protobuf's 2 GiB limit")
-        return Written((save_model(built, path, external_data=False),), weight_bits(built))
+        return Written((save_model(built, path, external_data=False),), weight_bits(built), default_opset(built))
     location = data_location(path)
     with atomic_output(path.with_name(location)) as partial:  # the data lands under its final name first ...
         data = _DataFile(partial, location, source)
@@ -439,7 +441,7 @@ def write_storage(
         finally:
             data.close()
     publish_model(path, location, lambda temporary: onnx.save_model(built, str(temporary)))  # ... then the model that points to it
-    return Written((path, path.with_name(location)), weight_bits(built))
+    return Written((path, path.with_name(location)), weight_bits(built), default_opset(built))
 
 
 CODE_TYPES = {onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.INT2, onnx.TensorProto.UINT2,

@@ -452,6 +452,23 @@ def test_a_truth_of_the_wrong_length_says_longer_ones_are_fine(tmp_path, pair):
     assert result.exit_code == 0, result.output
 
 
+def test_a_truth_without_the_batch_axis_of_one_reads_as_contexts_do(tmp_path, pair):
+    """Contexts may leave out a window's batch axis of one; a truth shaped the same way was refused."""
+    import json
+
+    model, ctx, _ = pair
+    truth = np.random.default_rng(5).standard_normal((3, 2, 32))  # (windows, steps, 32): no batch axis
+    np.savez(tmp_path / "flat.npz", y=truth)
+    np.savez(tmp_path / "full.npz", y=truth[:, :, None])
+    maes = []
+    for name in ("flat", "full"):
+        result = runner.invoke(app, [str(a) for a in ["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / f"{name}.npz", "--no-latency",
+                                                      "--report", tmp_path / name]])
+        assert result.exit_code == 0, result.output
+        maes.append(json.loads((tmp_path / f"{name}.json").read_text())["outputs"]["y"]["vs_truth"]["mae"])
+    assert maes[0] == maes[1] > 0
+
+
 def test_feedback_edges_one_per_input_and_an_output_may_feed_two(tmp_path):
     """Two edges into one input were refused as "`trajectory` lists y more than once" (a key the spec did not
     have), and so was a legitimate spec whose one output feeds two inputs: the first is refused naming the

@@ -301,6 +301,8 @@ def load_truth(path: Path, spec: RolloutSpec, shapes: dict[str, tuple]) -> dict[
             raise InputError(f"truth file {path} has no array for trajectory output '{name}'")
         array = stored[name]
         want = shapes[name]
+        if array.ndim == len(want) - 1 and len(want) > 2 and want[2] == 1 and array.shape[2:] == want[3:]:
+            array = array[:, :, None]  # windows without their batch axis of one, as contexts may be given
         if array.ndim != len(want) or array.shape[0] != want[0] or array.shape[2:] != want[2:] or array.shape[1] < want[1]:
             expected = ", ".join([str(want[0]), f"{want[1]} or more", *map(str, want[2:])])  # longer truths are cut to the rollout
             raise InputError(f"truth '{name}' has shape {list(array.shape)}; expected [{expected}] (windows, steps, *output)")

@@ -61,6 +61,8 @@ class Outcome:
     """Seconds of this export by kind of work (`tqsdeploy.profiling`), as its allocation record keeps them."""
     rounding: dict[str, str] = field(default_factory=dict)
     """The rounding method of each calibratable tier the file stores."""
+    opsets: tuple[int, int] = (0, 0)
+    """(the model's, the file's) default-domain opset: a conversion can change a kernel's speed."""
 
     def fake_quantized(self) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the file (exact dequantization)."""
@@ -201,6 +203,7 @@ class Writing:
             **record,
             "target": self.settings.target,
             "weights_in_memory_bytes": self.loaded_weight_bytes(chosen.encodings),
+            "opset": {"model": self.model_opset, "file": written.opset},
             "objective": chosen.allocation.objective,
             "rounding": chosen.label.split()[-1] if uniform_tier is not None else self.rounding.method,
             "rounding_by_tier": rounding,
@@ -224,7 +227,7 @@ class Writing:
         write_json(f"{stem}.allocation.json", summary)
         return Outcome(chosen.allocation, path, written.bytes, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table, chosen.encodings, notes,
                        written.files, layout=self.settings.layout, memory_bytes=summary["weights_in_memory_bytes"], profile=summary["profile_s"],
-                       rounding=rounding)
+                       rounding=rounding, opsets=(self.model_opset, written.opset))
 
     def _rounding_by_tier(self, chosen) -> dict[str, str]:
         """The method that rounded each calibratable tier of the shipped candidate: a uniform one's own, else the export's."""
