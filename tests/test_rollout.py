@@ -175,3 +175,56 @@ def test_outputs_one_rank_off_their_input_shift_into_it(tmp_path, case):
             np.testing.assert_allclose(got[w, t], out, rtol=1e-5, atol=1e-6)
             step = out[:, None] if case == "history" else out[..., 0]
             state = np.concatenate([state, step], axis=1)[:, -state.shape[1]:]
+
+
+def _calendar_model(path):
+    """y = 0.5·x + hour (hour an int64 [batch, 1] calendar input)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = [
+        helper.make_node("Cast", ["hour"], ["h"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["x", "half"], ["scaled"]),
+        helper.make_node("Add", ["scaled", "h"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "calendar",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3]), helper.make_tensor_value_info("hour", TensorProto.INT64, ["batch", 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor("half", TensorProto.FLOAT, [1], [0.5])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
+    return path
+
+
+def test_an_advanced_calendar_input_moves_each_step_and_wraps(tmp_path):
+    """hour 22 → 23 → 0 with by = 1, modulo = 24: without the edge it stayed 22 for the whole rollout."""
+    from runtimes import OrtRuntime
+    from tqsdeploy.rollout import rollout
+
+    spec_file = tmp_path / "spec.toml"
+    spec_file.write_text('steps = 3\ntrajectory = ["y"]\n[[feedback]]\noutput = "y"\ninput = "x"\n'
+                         '[[feedback]]\ninput = "hour"\nmode = "advance"\nby = 1\nmodulo = 24\n')
+    spec = RolloutSpec.from_toml(spec_file)
+    assert RolloutSpec.from_toml(spec_file) == RolloutSpec.from_dict(__import__("tomllib").loads(spec.to_toml()))  # round trip keeps by/modulo
+    session = OrtRuntime().open(_calendar_model(tmp_path / "m.onnx"))
+    spec.check([s for s in session.inputs], session.outputs)
+    steps = [s["y"][0, 0] for s in rollout(session, {"x": np.zeros((1, 3), np.float32), "hour": np.array([[22]], np.int64)}, spec)]
+    assert steps == [22.0, 0.5 * 22 + 23, 0.5 * (0.5 * 22 + 23) + 0]
+
+
+@pytest.mark.parametrize("edge, message", [
+    ('input = "hour"\nmode = "advance"\n', "it takes `by`"),
+    ('output = "y"\ninput = "hour"\nmode = "advance"\nby = 1\n', "no `output`"),
+    ('input = "hour"\nmode = "advance"\nby = 0.5\n', "must be whole numbers"),
+    ('input = "hour"\nmode = "advance"\nby = 1\nmodulo = 0\n', "must be positive"),
+    ('input = "hour"\nmode = "shift"\nfill = 0\nby = 1\n', "only apply to mode = \"advance\""),
+])
+def test_advance_edges_are_checked(tmp_path, edge, message):
+    from runtimes import OrtRuntime
+
+    spec_file = tmp_path / "spec.toml"
+    spec_file.write_text('steps = 3\ntrajectory = ["y"]\n[[feedback]]\noutput = "y"\ninput = "x"\n[[feedback]]\n' + edge)
+    session = OrtRuntime().open(_calendar_model(tmp_path / "m.onnx"))
+    with pytest.raises(RolloutError, match=message.replace("(", r"\(")):
+        RolloutSpec.from_toml(spec_file).check(session.inputs, session.outputs)

@@ -329,7 +329,7 @@ def continuation_rows(spec, outputs: Sequence[IOSpec], inputs: Sequence[IOSpec])
     from tqsdeploy.rollout import aligned_shape
 
     edges = [e for e in spec.feedback if e.mode == "shift"]
-    if len(edges) != 1 or len(spec.feedback) != 1 or list(spec.trajectory) != [edges[0].output]:
+    if len(edges) != 1 or len([e for e in spec.feedback if e.mode != "advance"]) != 1 or list(spec.trajectory) != [edges[0].output]:
         return 0
     out = next((o for o in outputs if o.name == edges[0].output), None)
     into = next((i for i in inputs if i.name == edges[0].input), None)

@@ -58,7 +58,8 @@ def inspect(
         if rollout.get("unused_outputs"):
             out.print(f"  outputs that feed nothing (listed, not in the trajectory): {', '.join(rollout['unused_outputs'])}")
         if rollout.get("constant_inputs") and not rollout.get("single_step"):
-            out.print(f"  inputs held constant: {', '.join(rollout['constant_inputs'])}")
+            out.print(f"  inputs held constant: {', '.join(rollout['constant_inputs'])} (a calendar input that moves each step takes an edge with "
+                      f"mode = \"advance\" in a --spec: README, Rollout specs)")
     contexts = info["contexts"]
     line = f"contexts: an .npz with arrays {contexts['npz']}"
     if contexts["dynamic_axes"]:

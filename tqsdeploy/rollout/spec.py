@@ -20,12 +20,12 @@ import numpy as np
 from runtimes import IOSpec
 from tqsdeploy.errors import RolloutError
 
-MODES = ("replace", "shift")
+MODES = ("replace", "shift", "advance")
 MAX_STEPS = 100_000
 """Longest rollout taken: the trajectories of every window stay in memory (a 33 x 49 grid over 10⁵ steps: 0.6 GB a
 window), and a typo'd step count would otherwise run silently for hours; the paper's and the examples' are 1-64."""
 SPEC_KEYS = ("steps", "trajectory", "feedback", "origin")
-EDGE_KEYS = ("output", "input", "mode", "axis", "fill", "length")
+EDGE_KEYS = ("output", "input", "mode", "axis", "fill", "length", "by", "modulo")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,9 @@ class Feedback:
 
     An edge without an output (`output=None`) shifts its input by the length
     the sibling shift edge appends (or `length`) and appends `fill`: a padding
-    mask that moves with its context.
+    mask that moves with its context. Mode 'advance' (no output) adds `by` to its
+    input each step, modulo `modulo` if given: a calendar input (hour of day) that
+    would otherwise stay at its first value for the whole rollout.
     """
 
     output: str | None
@@ -43,6 +45,8 @@ class Feedback:
     axis: int = -1
     fill: float | None = None
     length: int | None = None
+    by: float | None = None
+    modulo: float | None = None
 
     def to_dict(self) -> dict:
         """Plain data; keys that are unset are left out (keeps old run fingerprints)."""
@@ -71,6 +75,15 @@ class RolloutSpec:
             if edge.input in seen:
                 raise RolloutError(f"input '{edge.input}' is the target of two feedback edges")
             seen.add(edge.input)
+            if edge.mode == "advance":
+                if edge.output is not None or edge.by is None or edge.fill is not None or edge.length is not None:
+                    raise RolloutError(f"feedback edge for input '{edge.input}' has mode \"advance\": it takes `by` (added each step) and optionally "
+                                       "`modulo`, and no `output`, `fill` or `length`")
+                if edge.modulo is not None and not edge.modulo > 0:
+                    raise RolloutError(f"feedback edge for input '{edge.input}' has modulo {edge.modulo:g}; it must be positive")
+                continue
+            if edge.by is not None or edge.modulo is not None:
+                raise RolloutError(f"feedback edge for input '{edge.input}': `by` and `modulo` only apply to mode = \"advance\"")
             if edge.output is None:
                 if edge.mode != "shift" or edge.fill is None:
                     raise RolloutError(f"feedback edge for input '{edge.input}' has no output, so it needs mode = \"shift\" and a `fill` value to append")
@@ -130,6 +143,7 @@ class RolloutSpec:
                 raise RolloutError(f"{where} fill must be a number, not {fill!r}")
             if fill is not None and not np.isfinite(fill):
                 raise RolloutError(f"{where} fill must be a finite number, not {fill!r}")
+            by, modulo = (_number(e.get(key), f"{where} {key}") for key in ("by", "modulo"))
             edges.append(
                 Feedback(
                     output=output,
@@ -138,6 +152,8 @@ class RolloutSpec:
                     axis=_typed(e.get("axis", -1), int, f"{where} axis"),
                     fill=float(fill) if fill is not None else None,
                     length=_typed(e["length"], int, f"{where} length") if "length" in e else None,
+                    by=by,
+                    modulo=modulo,
                 )
             )
         feedback = tuple(edges)
@@ -177,7 +193,7 @@ class RolloutSpec:
             fields = {"output": edge.output, "input": edge.input, "mode": edge.mode}
             if edge.mode == "shift":
                 fields["axis"] = edge.axis
-            fields.update(fill=edge.fill, length=edge.length)
+            fields.update(fill=edge.fill, length=edge.length, by=edge.by, modulo=edge.modulo)
             comment = "".join(f"# {line}\n" for line in reasons[edge.input].splitlines()) if reasons and edge.input in reasons else ""
             text += "\n[[feedback]]\n" + comment + tomli_w.dumps({k: v for k, v in fields.items() if v is not None})
         return text
@@ -196,6 +212,9 @@ class RolloutSpec:
                 raise RolloutError(f"trajectory output '{name}' is not a model output (outputs: {', '.join(outs)}){_guess(name, outs)}")
         for edge in self.feedback:
             target = ins[edge.input].shape
+            if edge.mode == "advance":
+                _check_advance(edge, ins[edge.input])
+                continue
             if edge.mode == "shift" and not -len(target) <= edge.axis < len(target):
                 raise RolloutError(f"feedback edge for input '{edge.input}' {shape_text(target)} shifts along axis {edge.axis}, which it does not have")
             if edge.output is None:
@@ -223,10 +242,27 @@ class RolloutSpec:
                         f"output '{edge.output}' {shape_text(source)} does not fit input '{edge.input}' {shape_text(target)} "
                         f"for mode '{edge.mode}' (axis {axis} differs)"
                     )
-        if self.steps > 1 and not any(e.output is not None for e in self.feedback):
+        if self.steps > 1 and not any(e.output is not None or e.mode == "advance" for e in self.feedback):
             raise RolloutError(
                 f"the rollout feeds nothing back, so all {self.steps} steps would repeat step 1; a model without feedback is single-step: use steps = 1 (--steps 1)"
             )
+
+
+def _check_advance(edge: "Feedback", spec: IOSpec) -> None:
+    """An advanced input must hold numbers, and an integer one whole steps (0.5 h added to an int64 hour is 0)."""
+    if spec.dtype.kind not in "iuf":
+        raise RolloutError(f"feedback edge for input '{edge.input}' advances it, but it holds {spec.dtype}, not numbers")
+    if spec.dtype.kind in "iu" and any(v is not None and v != round(v) for v in (edge.by, edge.modulo)):
+        raise RolloutError(f"feedback edge for input '{edge.input}' advances a {spec.dtype} input: `by` and `modulo` must be whole numbers")
+
+
+def _number(value, what: str) -> float | None:
+    """A finite number from the spec (None when absent)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+        raise RolloutError(f"`{what}` must be a finite number, not {value!r}")
+    return float(value)
 
 
 def _check_fill(edge: "Feedback", spec: IOSpec) -> None:

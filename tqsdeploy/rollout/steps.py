@@ -39,6 +39,10 @@ def next_feeds(feeds: Mapping[str, np.ndarray], produced: Mapping[str, np.ndarra
         if edge.output is not None:
             continue
         current = feeds[edge.input]
+        if edge.mode == "advance":
+            moved = current + (int(edge.by) if current.dtype.kind in "iu" else edge.by)
+            new[edge.input] = (np.mod(moved, int(edge.modulo) if current.dtype.kind in "iu" else edge.modulo) if edge.modulo else moved).astype(current.dtype, copy=False)
+            continue
         axis = edge.axis % current.ndim
         length = edge.length
         if length is None:
