@@ -63,3 +63,21 @@ def test_side_outputs_are_reported_apart_and_not_gated(tmp_path):
     assert result.exit_code == 0, result.output  # the forecast did not move; the side output's drift is reported, not gated
     gate = json.loads((tmp_path / "g" / "gate.json").read_text())
     assert gate["passed"]
+
+
+def test_eval_reports_each_windows_error(tmp_path):
+    """A drift driven by a few windows (CSV windows far from the scoring data) shows which ones."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((8, 8))
+    reference, candidate = _model(tmp_path / "ref.onnx", w), _model(tmp_path / "cand.onnx", w)
+    x0 = rng.standard_normal((4, 8)).astype(np.float32)
+    x0[2] *= 100  # one window far larger than the others
+    np.savez(tmp_path / "c.npz", x=x0[:, None, :])
+    (tmp_path / "spec.toml").write_text('steps = 2\ntrajectory = ["y", "side"]\n[[feedback]]\noutput = "y"\ninput = "x"\n')
+    truth = {name: np.zeros((4, 2, 1, 8)) for name in ("y", "side")}
+    np.savez(tmp_path / "t.npz", **truth)
+    report = evaluate(candidate, reference, tmp_path / "c.npz", spec=tmp_path / "spec.toml", truth=tmp_path / "t.npz")
+    by_window = report["outputs"]["y"]["vs_truth"]["mae_by_window"]
+    assert len(by_window) == 4 and int(np.argmax(by_window)) == 2
+    assert np.isclose(np.mean(by_window), report["outputs"]["y"]["vs_truth"]["mae"])
+    assert report["outputs"]["y"]["vs_reference"]["mae_by_window"] == [0.0] * 4

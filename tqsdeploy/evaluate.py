@@ -214,6 +214,7 @@ def _metrics(candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray | N
             "mae_ci95": _bootstrap((mae_window,), _mean, settings.bootstrap, settings.seed),
             "drift_pct": float(diff.mean() / ref_scale * 100),
             "mae_by_step": diff.mean(axis=(0, 2)).tolist(),
+            "mae_by_window": mae_window.tolist(),
             "growth_rate": _growth_rate(diff.mean(axis=(0, 2))),
         }
     }
@@ -231,6 +232,8 @@ def _metrics(candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray | N
             "degradation_ci95": _bootstrap(windows, _degradation, settings.bootstrap, settings.seed),
             "mae_by_step": cand_err.mean(axis=(0, 2)).tolist(),
             "reference_mae_by_step": ref_err.mean(axis=(0, 2)).tolist(),
+            "mae_by_window": windows[0].tolist(),
+            "reference_mae_by_window": windows[1].tolist(),
             "growth_rate": _growth_rate(cand_err.mean(axis=(0, 2))),
         }
     result["degradation_pct"] = result["vs_truth"]["degradation_pct"] if truth is not None else result["vs_reference"]["drift_pct"]
