@@ -76,6 +76,16 @@ def test_full_disk_while_writing_parquet_is_one_line(two_branch, tmp_path):
     assert not list(run.glob("scores.*")) and not list(run.glob(".*.partial")), list(run.iterdir())
 
 
+def test_a_fresh_score_that_cannot_write_its_first_record_puts_the_old_run_back(scored, tmp_path):
+    """A full disk at the new run's first run.json left the old run set aside in .replaced/ (no __exit__ ran)."""
+    model, ctx, run = scored
+    before = sorted(p.name for p in run.iterdir() if not p.name.startswith("."))
+    result = _cli("score", model, "-c", ctx, "-o", run, "--probe", "quant", "--fresh", limit_bytes=8)
+    _one_line(result, "run.json")
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == before and not (run / ".replaced").exists(), list(run.iterdir())
+    assert runner.invoke(app, ["export", str(model), "--run", str(run), "--C", "4", "--rounding", "rtn", "-o", str(tmp_path / "q.onnx")]).exit_code == 0
+
+
 def test_kill_during_export_never_leaves_a_mismatched_pair(scored, tmp_path):
     model, _, run = scored
     target = tmp_path / "model.q.onnx"

@@ -256,7 +256,11 @@ class _Replacement:
             gathering.rename(self.aside)
             for name in present:
                 (self.run_dir / name).unlink()
-            write_json(self.run_dir / "run.json", {"format": RUN_FORMAT, "status": "starting"})  # a run folder from now on, whatever kills this
+            try:
+                write_json(self.run_dir / "run.json", {"format": RUN_FORMAT, "status": "starting"})  # a run folder from now on, whatever kills this
+            except BaseException:  # a full disk here: no `__exit__` follows, so the run set aside comes back now
+                self.restore()
+                raise
         return self
 
     def recorded(self) -> None:
