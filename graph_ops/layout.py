@@ -399,27 +399,25 @@ def _reach(name: str, consumers, rank: int, stored=None):
         for node, position, index in consumers.get(tensor, []):
             operands = WEIGHT_OPERANDS.get(node.op_type, ())
             movement = MOVEMENT.get(node.op_type, ())
-            if node.domain not in ("", "ai.onnx"):
-                continue
-            if operands is None or position in operands:
+            default_domain = node.domain in ("", "ai.onnx")
+            if default_domain and (operands is None or position in operands):
                 found.append((node, position, index, axes, clean, moved, path))
                 continue
-            if node.op_type in MOVEMENT and (movement is None or position in movement):
-                step = _moved(node, axes, stored or {}) if clean else None
-                following = [(axes, False, moved) if step is None else (step[0], True, moved | {axes[a] for a in step[1]})]
+            if default_domain and node.op_type in MOVEMENT and (movement is None or position in movement):
+                moving = _moved(node, axes, stored or {}) if clean else None
+                step, follows, now_moved = (axes, False, moved) if moving is None else (moving[0], True, moved | {axes[a] for a in moving[1]})
             elif node.op_type in PASS_THROUGH and position == 0:
                 step = axes
                 if node.op_type == "Transpose":
                     order = _attributes(node).get("perm", list(range(len(axes)))[::-1])
                     step = tuple(axes[o] for o in order) if len(order) == len(axes) else axes
-                following = [(step, clean and node.op_type in FOLLOWED, moved)]
+                follows, now_moved = clean and node.op_type in FOLLOWED, moved
             else:
                 continue
-            for step, follows, now_moved in following:
-                for output in node.output:
-                    if output and (output, step) not in seen:
-                        seen.add((output, step))
-                        frontier.append((output, step, follows, frozenset(now_moved), path + (node.op_type,)))
+            for output in node.output:
+                if output and (output, step) not in seen:
+                    seen.add((output, step))
+                    frontier.append((output, step, follows, frozenset(now_moved), path + (node.op_type,)))
     return found
 
 
