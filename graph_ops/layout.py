@@ -10,6 +10,11 @@ every later step needs, so they are read here once:
 - for each consumer, the activation whose rows multiply it (`WeightUse`), which
   GPTQ-family calibration collects, or why none can be rebuilt (`rtn_reason`).
 Biases and norm scales reach no weight operand and so are not weights.
+Row-preserving data movement (Slice, Split, Concat, Unsqueeze, Squeeze;
+`MOVEMENT`) is followed too: every element keeps its stored row, so per-row
+grids of the stored tensor stay valid, and the chain runs on the dequantized
+tensor (torch's default exporter slices an LSTM's gate blocks and
+concatenates them in ONNX's order).
 
 `Layout` is the one type for "how a stored weight reads as Wt": the walk
 finds it (`WeightLayout` is a `Layout` plus what the walk learnt about the
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 WEIGHT_OPERANDS: dict[str, tuple[int, ...] | None] = {
     "MatMul": None,  # either operand may be the constant one
@@ -45,6 +50,10 @@ PASS_THROUGH = {"Transpose", "Reshape", "Cast", "Identity", "Squeeze", "Unsqueez
 FOLLOWED = {"Transpose", "Identity", "Cast"}
 """Pass-through ops that keep the layout known; after the others (Reshape and
 friends) the weight is still found, but gets per-tensor, uncalibrated quantization."""
+
+MOVEMENT = {"Slice": (0,), "Split": (0,), "Concat": None, "Unsqueeze": (0,), "Squeeze": (0,)}
+"""Row-preserving data movement followed with the layout known (op -> data input positions; None: any): each
+element of the output is one of the weight's, its stored axes known (`_moved`)."""
 
 FLOAT_TYPES = {
     onnx.TensorProto.FLOAT: "float32",
@@ -343,40 +352,98 @@ def _use_layout(node, position, rank, index, constants, operand_shape):
     return None, None, f"{op} inputs are not rebuilt", 1
 
 
-def _reach(name: str, consumers, rank: int):
-    """(node, position, index, stored->operand axis map, layout still known) for each weight consumer."""
+def _ints(node: onnx.NodeProto, attribute: str, position: int, stored) -> list[int] | None:
+    """An int list from an attribute (older opsets) or a constant input: [] when absent, None when not constant."""
+    attrs = _attributes(node)
+    if attribute in attrs:
+        return [int(v) for v in np.atleast_1d(attrs[attribute])]
+    if position >= len(node.input) or not node.input[position]:
+        return []
+    tensor = stored.get(node.input[position], (None,))[0]
+    if tensor is None or tensor.data_type not in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
+        return None
+    return [int(v) for v in numpy_helper.to_array(tensor).reshape(-1)]
+
+
+def _moved(node: onnx.NodeProto, axes: tuple, stored) -> tuple[tuple, set] | None:
+    """(the output's stored axes, the operand axes data moved along) after one `MOVEMENT` node; None when its
+    axes are not constant (then followed as a reshaping op)."""
+    rank, op = len(axes), node.op_type
+    if op in ("Concat", "Split"):
+        return axes, {int(_attributes(node).get("axis", 0)) % max(rank, 1)}
+    if op == "Slice":
+        along = _ints(node, "axes", 3, stored)
+        if along == []:
+            starts = _ints(node, "starts", 1, stored)
+            along = None if starts is None else list(range(len(starts)))
+        return axes, set(range(rank)) if along is None else {a % max(rank, 1) for a in along}
+    along = _ints(node, "axes", 1, stored)
+    if not along:
+        return None
+    if op == "Unsqueeze":
+        out_rank = rank + len(along)
+        new, source = {a % out_rank for a in along}, iter(axes)
+        return tuple(None if i in new else next(source) for i in range(out_rank)), set()
+    gone = {a % max(rank, 1) for a in along}
+    return tuple(a for i, a in enumerate(axes) if i not in gone), set()
+
+
+def _reach(name: str, consumers, rank: int, stored=None):
+    """(node, position, index, operand->stored axis map, layout still known, stored axes moved along, ops passed)
+    for each weight consumer. The map holds None for axes the weight does not have (added by Unsqueeze)."""
     found = []
-    frontier = [(name, tuple(range(rank)), True)]
-    seen = {name}
+    frontier = [(name, tuple(range(rank)), True, frozenset(), ())]
+    seen = {(name, tuple(range(rank)))}
     while frontier:
-        tensor, axes, clean = frontier.pop()
+        tensor, axes, clean, moved, path = frontier.pop()
         for node, position, index in consumers.get(tensor, []):
             operands = WEIGHT_OPERANDS.get(node.op_type, ())
-            if node.domain in ("", "ai.onnx") and (operands is None or position in operands):
-                found.append((node, position, index, axes, clean))
+            movement = MOVEMENT.get(node.op_type, ())
+            default_domain = node.domain in ("", "ai.onnx")
+            if default_domain and (operands is None or position in operands):
+                found.append((node, position, index, axes, clean, moved, path))
+                continue
+            if default_domain and node.op_type in MOVEMENT and (movement is None or position in movement):
+                moving = _moved(node, axes, stored or {}) if clean else None
+                step, follows, now_moved = (axes, False, moved) if moving is None else (moving[0], True, moved | {axes[a] for a in moving[1]})
             elif node.op_type in PASS_THROUGH and position == 0:
-                step, follows = axes, clean and node.op_type in FOLLOWED
+                step = axes
                 if node.op_type == "Transpose":
                     order = _attributes(node).get("perm", list(range(len(axes)))[::-1])
                     step = tuple(axes[o] for o in order) if len(order) == len(axes) else axes
-                for output in node.output:
-                    if output not in seen:
-                        seen.add(output)
-                        frontier.append((output, step, follows))
+                follows, now_moved = clean and node.op_type in FOLLOWED, moved
+            else:
+                continue
+            for output in node.output:
+                if output and (output, step) not in seen:
+                    seen.add((output, step))
+                    frontier.append((output, step, follows, frozenset(now_moved), path + (node.op_type,)))
     return found
+
+
+def _stored_perm(perm, axes, rank: int):
+    """An operand's Wt order as stored axes: None when its channel axis is not one of the weight's (axes the
+    weight lacks dropped, stored axes the operand lacks, squeezed ones, last)."""
+    if perm is None or len(perm) != len(axes) or axes[perm[0]] is None:
+        return None
+    mapped = [axes[p] for p in perm if axes[p] is not None]
+    return tuple(mapped + [a for a in range(rank) if a not in mapped])
 
 
 def _layout(name, tensor, source, reached, constants) -> WeightLayout:
     shape = tuple(int(d) for d in tensor.dims)
     perms, uses, reasons, groups, ops, nodes = set(), [], [], set(), set(), []
-    for node, position, index, axes, clean in reached:
+    for node, position, index, axes, clean, moved, path in reached:
         ops.add(node.op_type)
-        nodes.append(node.name or node.output[0])
-        operand_shape = tuple(shape[a] for a in axes)
-        perm, use, reason, row_groups = _use_layout(node, position, len(shape), index, constants, operand_shape)
+        nodes.append(node.name or next((o for o in node.output if o), node.op_type))
+        operand_shape = tuple(1 if a is None else shape[a] for a in axes)
+        perm, use, reason, row_groups = _use_layout(node, position, len(axes), index, constants, operand_shape)
+        perm = _stored_perm(perm, axes, len(shape))
         if not clean:
             reason, perm = f"reaches {node.op_type} through a reshaping op", None
-        perms.add(None if perm is None else tuple(axes[p] for p in perm))
+        elif moved and (perm is None or not moved <= {perm[0]} or row_groups > 1):  # other rows or columns meet X
+            reason, use, row_groups = reason or f"reaches {node.op_type} through {', '.join(dict.fromkeys(path))}", None, 1
+        perms.add(perm)
         groups.add(row_groups)
         if reason:
             reasons.append(reason)
@@ -392,6 +459,36 @@ def _layout(name, tensor, source, reached, constants) -> WeightLayout:
         perm = None  # a vector or scalar gets one scale
     reason = reasons[0] if reasons else (None if perm is not None else "layout unknown")
     return WeightLayout(**base, perm=perm, row_groups=groups.pop(), uses=tuple(uses), rtn_reason=reason)
+
+
+def unreached_reasons(graph: onnx.GraphProto, names) -> dict[str, str]:
+    """Why each named stored tensor is no weight `weight_layouts` finds, for a user deciding on --include: the
+    weight op it reaches through ops that compute on stored tensors alone ('reaches LSTM through Mul, Slice
+    (not followed)'), else the ops that read it ('feeds no weight operand: Add, LSTM input 3')."""
+    constant, consumers, inner = set(stored_tensors(graph)), defaultdict(list), read_in_subgraphs(graph)
+    for node in graph.node:  # topological: a node of constant inputs makes constant outputs
+        if node.input and all(not i or i in constant for i in node.input):
+            constant.update(node.output)
+        for position, input_name in enumerate(node.input):
+            consumers[input_name].append((node, position))
+    reasons = {}
+    for name in names:
+        frontier, seen, reached = [(name, ())], {name}, None
+        while frontier and reached is None:
+            tensor, path = frontier.pop(0)
+            for node, position in consumers.get(tensor, []):
+                operands = WEIGHT_OPERANDS.get(node.op_type, ())
+                if path and (operands is None or position in operands):
+                    reached = f"reaches {node.op_type} through {', '.join(dict.fromkeys(path))} (not followed)"
+                    break
+                if len(path) < 8 and node.output and node.output[0] in constant:
+                    fresh = [o for o in node.output if o and o not in seen]
+                    seen.update(fresh)
+                    frontier.extend((o, path + (node.op_type,)) for o in fresh)
+        readers = [f"{n.op_type} input {p}" if n.op_type in WEIGHT_OPERANDS else n.op_type for n, p in consumers.get(name, [])]
+        unread = "read only inside Scan/Loop/If bodies" if name in inner else "read by no node"
+        reasons[name] = reached or (f"feeds no weight operand: {', '.join(dict.fromkeys(readers))}" if readers else unread)
+    return reasons
 
 
 def weight_layouts(model: onnx.ModelProto, names: list[str] | set[str] | None = None) -> dict[str, WeightLayout]:
@@ -417,5 +514,5 @@ def weight_layouts(model: onnx.ModelProto, names: list[str] | set[str] | None = 
     for name, (tensor, source) in stored.items():
         if (wanted is not None and name not in wanted) or tensor.data_type not in FLOAT_TYPES or name in graph_inputs:
             continue
-        layouts[name] = _layout(name, tensor, source, _reach(name, consumers, len(tensor.dims)), set(stored))
+        layouts[name] = _layout(name, tensor, source, _reach(name, consumers, len(tensor.dims), stored), set(stored))
     return layouts

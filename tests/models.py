@@ -367,3 +367,46 @@ def deep_residual_stack(path: Path, depth: int = 8, n: int = 16, hidden: int = 3
     nodes.append(helper.make_node("Identity", [h], ["y"]))
     io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", tokens, n]) for name in ("x", "y")]
     return _model(nodes, io[:1], io[1:], init, path)
+
+
+def _gate_sliced(stored: str, hidden: int, out: str, via: list, init: dict) -> list:
+    """Nodes reading `stored` [4H, K] as torch's default exporter does for an LSTM weight: four Slices of its
+    gate blocks along axis 0, concatenated in ONNX's order (torch IFGO -> ONNX IOFC) and unsqueezed to [1, 4H, K].
+    `via`: ops put between the initializer and the Slices (e.g. a Mul the unit finder does not follow)."""
+    nodes, source = [], stored
+    for i, (op, operand) in enumerate(via):
+        nodes.append(helper.make_node(op, [source, operand], [f"{out}_via{i}"]))
+        source = f"{out}_via{i}"
+    for g in range(5):
+        init.setdefault(f"gate_at{g}", np.array([g * hidden], np.int64))
+    init.setdefault("axis0", np.array([0], np.int64))
+    nodes += [helper.make_node("Slice", [source, f"gate_at{g}", f"gate_at{g + 1}", "axis0"], [f"{out}_gate{g}"]) for g in range(4)]
+    nodes.append(helper.make_node("Concat", [f"{out}_gate{g}" for g in (0, 3, 1, 2)], [f"{out}_cat"], axis=0))
+    nodes.append(helper.make_node("Unsqueeze", [f"{out}_cat", "axis0"], [out]))
+    return nodes
+
+
+def sliced_lstm(path: Path, n: int = 16, hidden: int = 16, seq: int = 6, seed: int = 0, unfollowed: bool = False) -> Path:
+    """x [batch, seq, n] -> y = x + (last LSTM state) @ Wo, its W [4H, n] and R [4H, H] stored as torch's default
+    (dynamo) exporter stores them (`_gate_sliced`). `unfollowed`: R passes a Mul by 1 first, which nothing follows."""
+    rng = np.random.default_rng(seed)
+    init = {
+        "rnn.weight_ih": (rng.standard_normal((4 * hidden, n)) / np.sqrt(n)).astype(np.float32),
+        "rnn.weight_hh": (rng.standard_normal((4 * hidden, hidden)) / np.sqrt(hidden)).astype(np.float32),
+        "bias": (0.1 * rng.standard_normal((1, 8 * hidden))).astype(np.float32),
+        "Wo": (0.3 * rng.standard_normal((hidden, n)) / np.sqrt(hidden)).astype(np.float32),
+        "one": np.ones((1,), np.float32),
+    }
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2])]
+    nodes += _gate_sliced("rnn.weight_ih", hidden, "W", [], init)
+    nodes += _gate_sliced("rnn.weight_hh", hidden, "R", [("Mul", "one")] if unfollowed else [], init)
+    nodes += [
+        helper.make_node("LSTM", ["xt", "W", "R", "bias"], ["", "h_last"], hidden_size=hidden),
+        helper.make_node("Squeeze", ["h_last", "axis0"], ["h"]),
+        helper.make_node("MatMul", ["h", "Wo"], ["d"]),
+        helper.make_node("Unsqueeze", ["d", "seq_axis"], ["d3"]),
+        helper.make_node("Add", ["x", "d3"], ["y"]),
+    ]
+    init["seq_axis"] = np.array([1], np.int64)
+    io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", seq, n]) for name in ("x", "y")]
+    return _model(nodes, io[:1], io[1:], init, path)

@@ -9,7 +9,7 @@ from graph_ops.qdq import computes_in_half, conversion_overhead_bits, emitted_bi
 from tiers import TIERS, Encoded, Tier, ladder_opset
 from tqsdeploy.quantization import Slot
 from tqsdeploy.size import SizeBudget, split_bits
-from tqsdeploy.units import Unit
+from tqsdeploy.units import Unit, outside_hint
 
 
 class Sizing:
@@ -116,10 +116,13 @@ class Sizing:
         budget, floor = self.budget, self.floor_bits()
         hint = "lower --C or add a cheaper tier"
         if budget.fixed_bits > 0 and budget.basis_bits / floor > 1.25 * budget.compression(floor):  # the tensors outside the units bind
-            min_params = self.scores.selection.min_params
+            selection = self.scores.selection
+            large = outside_hint(self.model.proto, [n for u in self.units for n in u.tensor_names], selection)
+            why = f"{large}, or use --basis units" if large else "score with a lower --min-params (or --include) to quantize them, or use --basis units"
             hint += (
-                f"; {budget.fixed_bits / budget.basis_bits:.1%} of the stored bits are in tensors that are not units (smaller than --min-params {min_params} "
-                f"or not weight operands), which alone caps C at {budget.basis_bits / budget.fixed_bits:.3g}: score with a lower --min-params (or --include) to quantize them, or use --basis units"
+                f"; {budget.fixed_bits / budget.basis_bits:.1%} of the stored bits are in tensors that are not units"
+                + ("" if large else f" (smaller than --min-params {selection.min_params} or not weight operands)")
+                + f", which alone caps C at {budget.basis_bits / budget.fixed_bits:.3g}: {why}"
             )
         for target in targets:
             budget.check(target, floor, [t.name for t in self.tiers], hint)

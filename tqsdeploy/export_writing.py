@@ -24,6 +24,7 @@ from tqsdeploy.calibrate import thin_note
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import write_json, write_table
 from tqsdeploy.sweep import Drift
+from tqsdeploy.units import outside_hint
 
 WARN_DRIFT_PCT = 5.0
 """Drift (percent, as `eval` reports it) above which export warns that the model it wrote may be damaged."""
@@ -86,11 +87,13 @@ class Writing:
         lowest = min(allocation.tiers.values(), key=lambda tier: TIERS[tier].bits)
         count = sum(t == lowest for t in allocation.tiers.values())
         units_file = self.sizes.file_compression(self.sizes.file_bits(target, "units"))
+        large = outside_hint(self.model.proto, names, self.scores.selection)
+        which = "" if large else f" smaller than --min-params {min_params} or not weight operands"
         return (
             f"compression {compression:.3g}x of the file took the units to {unit_compression:.3g}x ({lowest} on {count} of {len(allocation.tiers)} slots): "
-            f"{fixed / self.reference_bits:.1%} of the stored bits ({fixed / 8:,.0f} bytes in {len(others)} tensors smaller than --min-params {min_params} "
-            f"or not weight operands) are not units and stay at full size; --basis units --C {target:g} compresses the units {target:g}x "
-            f"and the file about {units_file:.3g}x (check the drift of both), or score with a lower --min-params (or --include) to quantize those tensors"
+            f"{fixed / self.reference_bits:.1%} of the stored bits ({fixed / 8:,.0f} bytes in {len(others)} tensors{which}) are not units and stay at full size; "
+            f"--basis units --C {target:g} compresses the units {target:g}x and the file about {units_file:.3g}x (check the drift of both), or "
+            + (large if large else "score with a lower --min-params (or --include) to quantize those tensors")
         )
 
     def table(self, allocation: Allocation) -> pl.DataFrame:

@@ -151,7 +151,47 @@ def selection_notes(
             f"{len(hidden)} weight(s) read only inside Scan/Loop/If bodies are not units ({_names(t.name for t in hidden)}; "
             f"{sum(t.params for t in hidden):,} params): name them with --include to score and quantize them"
         )
+    skipped = large_outside(loaded.proto, tensors, chosen | {t.name for t in hidden}, selection)
+    for tensor, why in skipped[:NAMED]:
+        act = "drop it from --exclude" if why == EXCLUDED else "name it with --include"
+        notes.append(f"'{tensor.name}' ({tensor.params:,} params) is not a unit: {why}; {act} to score and quantize it")
+    if len(skipped) > NAMED:
+        rest = [t for t, _ in skipped[NAMED:]]
+        notes.append(f"{len(rest)} more float tensor(s) of at least --min-params {selection.min_params} are not units ({sum(t.params for t in rest):,} params)")
     return notes
+
+
+EXCLUDED = "matches --exclude"
+NAMED = 4
+"""Non-unit float tensors named one by one in notes and hints (the largest); the rest are counted."""
+
+
+def large_outside(proto, tensors: list[WeightTensor], chosen: set[str], selection: UnitSelection) -> list[tuple[WeightTensor, str]]:
+    """The float tensors of at least --min-params elements that are not units (`chosen`: the units' and
+    those noted otherwise), largest first, each with why: what a user may want to --include."""
+    from graph_ops.layout import unreached_reasons
+
+    large = sorted((t for t in tensors if t.name not in chosen and t.params >= selection.min_params), key=lambda t: -t.params)
+    reasons = unreached_reasons(proto.graph, [t.name for t in large if not t.is_operand_weight])
+    return [(t, reasons.get(t.name, EXCLUDED)) for t in large]
+
+
+def outside_hint(proto, unit_names, selection: UnitSelection) -> str | None:
+    """What to quantize when the tensors outside the units hold the bits, for export's hints: the largest
+    non-unit tensors of at least --min-params when they hold most of those bits (lowering --min-params would
+    not reach them), else None (the small tensors do: lower --min-params)."""
+    import graph_ops
+
+    names = set(unit_names)
+    sizes = {n: b for n, b in graph_ops.io.tensor_sizes(proto).items() if n not in names}
+    large = large_outside(proto, graph_ops.find_weight_tensors(proto), names, selection)
+    held = sum(sizes.get(t.name, 0) for t, _ in large)
+    if not large or held * 2 < sum(sizes.values()):
+        return None
+    named = "; ".join(f"'{t.name}' ({t.params:,} params: {why})" for t, why in large[:NAMED])
+    more = f"; {len(large) - NAMED} more" if len(large) > NAMED else ""
+    act = "name them with --include" + (" (or drop them from --exclude)" if any(why == EXCLUDED for _, why in large) else "")
+    return f"{len(large)} float tensor(s) of at least --min-params {selection.min_params} are not units: {named}{more}; {act} to quantize them"
 
 
 def nonfinite_weights(weights: dict, stop_at_first: bool = False) -> list[str]:
