@@ -35,6 +35,8 @@ def _cli(*args, limit_bytes=None, wait=True):
 
     command = [sys.executable, "-m", "tqsdeploy", *map(str, args)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # keep a PYTHONPATH that brings dependencies
+    if limit_bytes is not None:  # Python's own .pyc writes are cut at the limit too (a short write, no error): truncated caches crashed later runs
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     if not wait:
         return subprocess.Popen(command, cwd=REPO, env=env, preexec_fn=limits, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     return subprocess.run(command, cwd=REPO, env=env, preexec_fn=limits, capture_output=True, text=True, timeout=120)

@@ -71,8 +71,10 @@ def write_table(frame, path: str | os.PathLike) -> Path:
         frame.write_csv(buffer)
     else:
         frame.write_parquet(buffer)
+    data = buffer.getvalue()  # bytes, not getbuffer()'s view: a failed write's traceback kept the view and its BytesIO in a
+    del buffer                # cycle, and Python 3.12 segfaulted collecting it (exit 139 after the one-line error)
     with atomic_output(path) as temporary:
-        temporary.write_bytes(buffer.getbuffer())
+        temporary.write_bytes(data)
     return Path(path)
 
 
