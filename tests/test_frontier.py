@@ -109,7 +109,7 @@ def test_frontier_points_are_what_export_gives_int1_near_the_int2_size(small):
     record = json.loads(next((out / "models").glob("*TQS-PTQ.C*@W2.allocation.json")).read_text())
     labels = sorted(c["label"] for c in record["compared"])
     with_int1 = [c for c in record["compared"] if "with int1" in c["label"]]
-    assert with_int1 and with_int1[0]["compression"] < 1.01 * record["target_compression"], record["compared"]
+    assert with_int1 and with_int1[0]["compression"] >= 0.999 * record["target_compression"], record["compared"]
     alone = folder / "alone-int1.onnx"
     code, text = _invoke("export", model, "--run", out / "score", "--C", record["target_compression"], "-o", alone)
     assert code == 0, text

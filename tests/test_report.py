@@ -54,7 +54,7 @@ def test_report_has_intervals_verdicts_and_valid_html(tmp_path):
     assert ((frame["drift_lo"] <= frame["drift_pct"] + 1e-9) & (frame["drift_pct"] <= frame["drift_hi"] + 1e-9)).all()
     report = (tmp_path / "f" / "report.md").read_text()
     assert "degradation % [95% CI]" in report and "within noise" in report.replace("worse than FP32", "within noise")
-    assert "1.9e-07" not in report and "linear scales" in report
+    assert "1.9e-07" not in report and "logarithmic axis" in report
     parser = Balanced()
     parser.feed((tmp_path / "f" / "report.html").read_text())
     assert parser.stack == []

@@ -39,8 +39,10 @@ from tqsdeploy.scoring import ScoreSettings
 from tqsdeploy.size import reachable_label
 from tqsdeploy.units import UnitSelection
 
-MATCH_SLACK = 0.01
-"""TQS targets at a grid point sit this fraction below the baseline's compression."""
+MATCH_DIGITS = 3
+"""A TQS target at a grid point is the baseline's compression rounded up at this decimal: the TQS-PTQ file is no
+larger than the baseline it is compared with (it once sat 1% below the baseline's C, i.e. 1% larger, which left
+room to ship that same uniform model)."""
 
 LABELS = {"rtn": "RTN", "gptq": "GPTQ", "gptaq": "GPTAQ", "qep": "QEP"}
 TQS_LABEL = "TQS-PTQ"
@@ -134,7 +136,7 @@ def _targets(settings: FrontierSettings, baselines: list[Candidate]) -> list[tup
     targets = [(float(t), f"C{t:g}") for t in settings.targets]
     for candidate in baselines:
         if candidate.compression:
-            matched = round(candidate.compression * (1 - MATCH_SLACK), 3)
+            matched = math.ceil(candidate.compression * 10**MATCH_DIGITS) / 10**MATCH_DIGITS
             if matched < 1:  # a baseline no smaller than the original (a tiny model's scales and nodes): nothing to match
                 continue
             if not any(abs(math.log(matched / t)) < 0.005 for t, _ in targets):

@@ -129,7 +129,7 @@ def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], fol
     _save(fig, folder / "frontier.png")
     plt.close(fig)
     figures.append(("frontier.png", "Drift from the FP32 model" + (" (top) and error against the truth, in % of the FP32 model's own error (bottom)," if metric == "mae_truth" else "")
-                    + " by compression on linear scales; one line per method through its best point at each size; shaded: 95% bootstrap interval over context windows."))
+                    + " by compression (logarithmic axis); one line per method through its best point at each size; shaded: 95% bootstrap interval over context windows."))
 
     live = scores.filter(~pl.col("dead"))
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * scores.height), 4))
@@ -296,17 +296,19 @@ def build_report(out_dir: str | Path, model: str | Path, buckets_patterns: dict[
             if table.height == 0:
                 continue
             low, high, value = ("degradation_lo", "degradation_hi", "degradation_pct") if metric == "mae_truth" else ("drift_lo", "drift_hi", "drift_pct")
-            table = table.sort(metric)
-            best_high = table[high][0] if table[high][0] is not None else table[value][0]
-            header = ["method", "setting", "C", "size (bytes)", label, "RMSE", f"{'degradation' if metric == 'mae_truth' else 'drift'} % [95% CI]", "verdict"]
-            rows = []
-            for r in table.iter_rows(named=True):
-                tied = r[low] is not None and r[low] <= best_high
-                interval = f"{_fmt(r[value], 3)} [{_fmt(r[low], 3)}, {_fmt(r[high], 3)}]" if r[low] is not None else _fmt(r[value], 3)
-                fell_back = (r.get("shipped") or "").startswith("uniform ")  # TQS-PTQ shipped a uniform model: say which
-                rows.append([r["method"], r["setting"] + (f" ({r['shipped']})" if fell_back else ""), _fmt(r["achieved_C"], 3), _fmt(r["file_bytes"]), ("**" + _fmt(r[metric]) + "**") if tied else _fmt(r[metric]),
-                             _fmt(r["rmse_truth"] if metric == "mae_truth" else r["rmse_ref"]), interval, _verdict(r[low], r[high], metric == "mae_truth")])
-            blocks.append(("table", f"{setting} grid (C ≈ {grid_c:.2f})", header, rows))
+            outputs = table["output"].unique(maintain_order=True).to_list()
+            for output in outputs:  # each output its own block and best: a best on one output once decided another's ties
+                block = table.filter(pl.col("output") == output).sort(metric)
+                best_high = block[high][0] if block[high][0] is not None else block[value][0]
+                header = ["method", "setting", "C", "size (bytes)", label, "RMSE", f"{'degradation' if metric == 'mae_truth' else 'drift'} % [95% CI]", "verdict"]
+                rows = []
+                for r in block.iter_rows(named=True):
+                    tied = r[low] is not None and r[low] <= best_high
+                    interval = f"{_fmt(r[value], 3)} [{_fmt(r[low], 3)}, {_fmt(r[high], 3)}]" if r[low] is not None else _fmt(r[value], 3)
+                    fell_back = (r.get("shipped") or "").startswith("uniform ")  # TQS-PTQ shipped a uniform model: say which
+                    rows.append([r["method"], r["setting"] + (f" ({r['shipped']})" if fell_back else ""), _fmt(r["achieved_C"], 3), _fmt(r["file_bytes"]), ("**" + _fmt(r[metric]) + "**") if tied else _fmt(r[metric]),
+                                 _fmt(r["rmse_truth"] if metric == "mae_truth" else r["rmse_ref"]), interval, _verdict(r[low], r[high], metric == "mae_truth")])
+                blocks.append(("table", f"{setting} grid (C ≈ {grid_c:.2f})" + (f", output {output}" if len(outputs) > 1 else ""), header, rows))
         if variables.height:
             blocks.append(("h3", f"Win counts ({split} contexts)"))
             header = ["TQS-PTQ objective", *[f"wins at {g}" for g in GRIDS_FOR_WINS if g in grid], "variables"]

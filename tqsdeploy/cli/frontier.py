@@ -89,6 +89,10 @@ def frontier(
                                 latency=latency_settings(not latency, None)),
         min_params=min_params,
     )
+    from tqsdeploy.size import check_target
+
+    for target in settings.targets:  # before the score and every baseline, not when the first export reaches it
+        check_target(target)
     for method in settings.baselines:
         if method not in METHODS:
             raise typer.BadParameter(f"--baselines takes {', '.join(METHODS)}, not '{method}'")
