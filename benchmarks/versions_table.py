@@ -69,8 +69,8 @@ def main() -> None:
     note = (
         "Every number is one run (one calibration set, the default seed) on a machine shared with other work; held-out "
         "W2/W4 drifts swing by about the calibration-set spread in calib_spread.md (lorenz96 W2 ± 1.2-1.5 points), so "
-        "ratios within a few percent of 1 are ties. TQS-PTQ is the frontier's shipped model at a target compression 1% "
-        "below each grid's uniform file (so its file may be up to 1% larger than the uniform one). The three examples without versions-methods rows compare against "
+        "ratios within a few percent of 1 are ties. TQS-PTQ is the frontier's shipped model at each grid's uniform file size "
+        "(its stored bits the same within a few; it may ship that uniform model, a ratio of 1). The three examples without versions-methods rows compare against "
         "uniform QEP of both versions (versions.csv; W4 and W2 only, so their W8 rows have no versions columns) and today's rollout-calibrated "
         "RTN/GPTQ/GPTAQ/QEP (their frontiers)."
     )

@@ -166,10 +166,11 @@ class Writing:
         if target is not None and uniform_tier is None and chosen.allocation.compression > 1.05 * target:
             notes.append(self._overshoot(chosen, target))
         for name, touched in sorted(self.prepared.job.rows.items()):
-            tier = next((chosen.allocation.tiers[s.name] for s in self.slots if name in self.units_by_name[s.unit].tensor_names), None)
+            tiers = sorted({chosen.allocation.tiers[s.name] for s in self.slots if name in self.units_by_name[s.unit].tensor_names})
             notes.append(
                 f"'{name}': the scoring contexts read {len(touched)} of its {self.weights[name].shape[0]} rows; it was scored and measured on those, "
-                f"and the other rows are stored at the same tier ({tier}) untested: rows a deployment reads that the contexts never did may be hurt more"
+                f"and the other rows, priced as its read rows on average, are stored untested ({', '.join(tiers)} in the table): rows a deployment "
+                "reads that the contexts never did may be hurt more"
             )
         side = [o.name for o in self.prepared.model.proto.graph.output if o.name not in self.prepared.spec.trajectory]
         if side and self.dead and uniform_tier is None:
