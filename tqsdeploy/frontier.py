@@ -158,24 +158,42 @@ class _Progress:
     def __init__(self, path: Path, identity: dict):
         self.path = path
         self.identity = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+        self.parts = {k: hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).hexdigest()[:16] for k, v in identity.items()}
         self.entries: dict[str, dict] = {}
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError):
             lines = []
+        earlier, kept = None, 0
         for line in lines:
             try:
                 entry = json.loads(line)
             except ValueError:
                 break
-            if isinstance(entry, dict) and entry.get("identity") == self.identity:
+            if not isinstance(entry, dict):
+                continue
+            if "parts" in entry:  # a header: what the work after it was done for
+                earlier = entry["parts"] if entry.get("identity") != self.identity else earlier
+                kept += entry.get("identity") == self.identity
+            elif entry.get("identity") == self.identity:
                 self.entries[entry["key"]] = entry["value"]
-        if lines and len(self.entries) < len(lines):  # another identity's entries (or a torn line): only this one's stay
-            write_text(path, "".join(json.dumps({"identity": self.identity, "key": k, "value": v}, default=str) + "\n" for k, v in self.entries.items()))
+                kept += 1
+        self.changed = sorted(k for k in self.parts if earlier.get(k) != self.parts[k]) if earlier is not None else []
+        """What differs from the earlier work found in the ledger (score, model, settings, runtime, splits, code)."""
+        self._headed = bool(lines) and kept == len(lines) and kept > len(self.entries)
+        if lines and not self._headed:  # another identity's entries (or a torn line): only this one's stay, under its header
+            write_text(path, "".join(json.dumps(e, default=str) + "\n" for e in [self._header(), *({"identity": self.identity, "key": k, "value": v} for k, v in self.entries.items())]))
+            self._headed = True
+
+    def _header(self) -> dict:
+        return {"identity": self.identity, "parts": self.parts}
 
     def put(self, key: str, value: dict) -> None:
         self.entries[key] = value
         with open(self.path, "a", encoding="utf-8") as handle:
+            if not self._headed:
+                handle.write(json.dumps(self._header()) + "\n")
+                self._headed = True
             handle.write(json.dumps({"identity": self.identity, "key": key, "value": value}, default=str) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
@@ -238,6 +256,7 @@ def run_frontier(
     score_settings: ScoreSettings = ScoreSettings(),
     runtime: Runtime = DEFAULT_RUNTIME,
     log: Callable[[str], None] = lambda message: None,
+    notice: Callable[[str], None] = lambda message: None,
     progress=None,
     force: bool = False,
 ) -> pl.DataFrame:
@@ -289,6 +308,9 @@ def run_frontier(
     done = _Progress(out_dir / PROGRESS, {"score": table.fingerprint, "model": table.model.sha256, "settings": asdict(settings), "runtime": repr(runtime),
                                           "splits": [(name, _digest(c), _digest(t)) for name, c, t in splits], "code": checkpoints.code_hash()})
 
+    if done.changed:
+        words = {"score": "score run", "model": "model", "settings": "settings", "runtime": "runtime", "splits": "contexts or truth", "code": "tqsdeploy code"}
+        notice(f"the earlier work in {out_dir} was for another {', '.join(words.get(k, k) for k in done.changed)}: it is done again")
     planner = Planner(out_dir / "score", model, settings.export, runtime, resumable=True)
     for bits in settings.bits:
         tier = tier_for_bits(bits, settings.symmetric_baselines)

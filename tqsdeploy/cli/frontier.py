@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from tiers import DEFAULT_TIERS, METHODS
 from tqsdeploy.quantization import GRID_CHOICES, GRIDS_HELP
-from tqsdeploy.cli.app import COLUMNS, CSV_WINDOWS, ZSCORE, app, csv_windows, frame_table, latency_settings, out, parse_columns, parse_floats, progress_bar, split_list, user_errors
+from tqsdeploy.cli.app import COLUMNS, CSV_WINDOWS, ZSCORE, app, csv_windows, err, frame_table, latency_settings, out, parse_columns, parse_floats, progress_bar, split_list, user_errors
 
 
 @app.command()
@@ -102,7 +103,7 @@ def frontier(
     with progress_bar("frontier", "steps") as progress:
         frame = run_frontier(
             model, contexts, folder, spec=spec, steps=steps, truth=truth, eval_contexts=eval_contexts, eval_truth=eval_truth,
-            settings=settings, progress=progress, force=force,
+            settings=settings, progress=progress, force=force, notice=lambda message: err.print(f"note: {escape(message)}", soft_wrap=True),
         )
     md, page = build_report(folder, model, patterns)
     import polars as pl
