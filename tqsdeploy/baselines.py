@@ -22,7 +22,7 @@ import numpy as np
 import graph_ops
 from graph_ops.qdq import computes_in_half, default_opset, write_storage
 from runtimes import DEFAULT_RUNTIME, Runtime
-from tiers import Encoded, Rounding, TierError, tier_for_bits
+from tiers import Encoded, Rounding, TierError, ladder_opset, tier_for_bits
 from tqsdeploy.calibrate import Calibrator, thin_note
 from tqsdeploy.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
@@ -108,7 +108,7 @@ def quantize_baseline(
     loaded, data_dir = _load(model_path)
     runtime = runtime.for_model(loaded.proto)
     units, names, layouts = checked_layouts(loaded.proto, min_params, group_size, [tier])
-    opset = max([default_opset(loaded.proto)] + [tier.opset_for(layouts[n].dtype, bool(group_size)) for n in names if computes_in_half(loaded.proto)])
+    opset = max(default_opset(loaded.proto), ladder_opset([tier], {layouts[n].dtype for n in names}, bool(group_size)) if computes_in_half(loaded.proto) else 1)
     weights = graph_ops.model_weights(loaded.proto, names, data_dir)
     check_finite(weights)
     graph_ops.release_pages(weights)  # the check read every weight; the encoder reads each again in turn
