@@ -118,10 +118,18 @@ def _whole_and_command(scored, tmp_path, options: list[str], whole: str, cut: st
     return model, export(tmp_path / "run", tmp_path / cut)
 
 
+def _holds(ready) -> bool:
+    try:
+        return bool(ready())
+    except FileNotFoundError:
+        return False
+
+
 def _interrupted(command: list[str], ready, env: dict | None = None) -> str:
-    """Run `command`, send a real SIGINT once `ready()` holds, and return its stderr (it must exit 130)."""
+    """Run `command`, send a real SIGINT once `ready()` holds, and return its stderr (it must exit 130).
+    A folder `ready` globs may not exist yet: on Python 3.11 pathlib's glob then raises instead of finding nothing."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-    while process.poll() is None and not ready():
+    while process.poll() is None and not _holds(ready):
         time.sleep(0.005)
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=300)
