@@ -18,7 +18,7 @@ import onnx
 from onnx import helper
 
 from graph_ops.io import GraphError
-from graph_ops.layout import ConvGeometry, WeightLayout, WeightUse
+from graph_ops.layout import ConvGeometry, RecurrentGeometry, WeightLayout, WeightUse, recurrent_state
 from graph_ops.qdq import _node_reads
 
 
@@ -40,7 +40,7 @@ def waves(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> list[list
     for index, node in enumerate(model.graph.node):
         upstream = max((tensor_level.get(i, -1) for i in node.input if i), default=-1)
         if index in node_weights:
-            level = 1 + max(tensor_level.get(u.x, -1) for u in node_weights[index])
+            level = 1 + max(tensor_level.get(u.placed_after, -1) for u in node_weights[index])
             node_level[index] = level
             upstream = max(upstream, level)
         for output in node.output:
@@ -139,6 +139,8 @@ def im2col(x: np.ndarray, geometry: ConvGeometry) -> np.ndarray:
 def layer_inputs(use: WeightUse, value: np.ndarray, row_groups: int = 1) -> list[np.ndarray]:
     """X rows for each row group of the weight, from the activation tensor `value`."""
     value = np.asarray(value)
+    if use.recurrent is not None:
+        return [recurrent_rows(use.recurrent, value)]
     if use.conv is not None:
         rows = im2col(value, use.conv)
         return np.split(rows, row_groups, axis=1)
@@ -147,10 +149,43 @@ def layer_inputs(use: WeightUse, value: np.ndarray, row_groups: int = 1) -> list
     return [value.reshape(-1, value.shape[-1])]
 
 
+def recurrent_rows(geometry: RecurrentGeometry, value: np.ndarray) -> np.ndarray:
+    """X rows of an RNN weight from its node's input sequence (W) or output Y (R): each direction's rows fill
+    its own column block of Wt [gates·H, directions·K], zeros elsewhere."""
+    blocks = []
+    for d, direction in geometry.directions:
+        if geometry.operand == "W":
+            rows = value.reshape(-1, value.shape[-1])
+        else:
+            states = value if geometry.batch_first else np.transpose(value, (2, 0, 1, 3))  # [batch, seq, directions, H]
+            states = states[:, :-1, d] if direction == "forward" else states[:, 1:, d]  # h_{t-1} in each one's order
+            rows = states.reshape(-1, states.shape[-1])
+        blocks.append(rows)
+    if len(blocks) == 1:
+        return blocks[0]
+    width = blocks[0].shape[1]
+    rows = np.zeros((sum(b.shape[0] for b in blocks), width * len(blocks)), dtype=blocks[0].dtype)
+    start = 0
+    for column, block in enumerate(blocks):
+        rows[start:start + block.shape[0], column * width:(column + 1) * width] = block
+        start += block.shape[0]
+    return rows
+
+
+def name_recurrent_states(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> onnx.ModelProto:
+    """`model` (a copy the caller owns), in which every RNN whose R is calibrated names its Y output, which
+    torch's exporters leave unnamed when only the last state is used: R's X rows are read from it."""
+    wanted = {u.x for layout in layouts.values() if layout.calibratable for u in layout.uses if u.recurrent is not None and u.recurrent.operand == "R"}
+    for node in model.graph.node:
+        if node.op_type in ("RNN", "GRU", "LSTM") and node.output and not node.output[0] and recurrent_state(node) in wanted:
+            node.output[0] = recurrent_state(node)
+    return model
+
+
 def layer_tensors(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> list[str]:
     """Every layer input a calibration reads that the graph does not already take as an input."""
     graph_inputs = {v.name for v in model.graph.input}
     return sorted({u.x for layout in layouts.values() if layout.calibratable for u in layout.uses} - graph_inputs)
 
 
-__all__ = ["ConvGeometry", "WeightUse", "expose_tensors", "im2col", "layer_inputs", "layer_tensors", "tensor_graph", "tensor_infos", "waves"]
+__all__ = ["ConvGeometry", "WeightUse", "expose_tensors", "im2col", "layer_inputs", "layer_tensors", "name_recurrent_states", "recurrent_rows", "tensor_graph", "tensor_infos", "waves"]

@@ -91,6 +91,23 @@ class ConvGeometry:
 
 
 @dataclass(frozen=True)
+class RecurrentGeometry:
+    """How the X rows of an RNN/GRU/LSTM weight are rebuilt. W multiplies the input x_t; R the state h_{t-1},
+    which is Y one step back in the order each direction runs (Y[:-1] forward, Y[1:] reverse; the initial
+    state's row is left out). Wt's columns hold one block per direction the operand stores, and each
+    direction's rows fill only its own block: the solver sees one Hessian per direction, not their sum."""
+
+    operand: str
+    """'W' (input weights) or 'R' (recurrence weights)."""
+    directions: tuple[tuple[int, str], ...]
+    """(index on Y's direction axis, 'forward'/'reverse') for each direction block of the operand, in Wt column order."""
+    batch_first: bool
+    """ONNX layout 1: X [batch, seq, I], Y [batch, seq, directions, H]; else time first."""
+    data: str
+    """The node's input sequence X: where the node sits in the graph (R's X is the node's own output)."""
+
+
+@dataclass(frozen=True)
 class WeightUse:
     """One node that consumes a weight, and how to read its X from that node's input."""
 
@@ -102,11 +119,17 @@ class WeightUse:
     transpose_x: bool = False
     """X = swapaxes(x, -1, -2) before flattening (weight on MatMul's left, Gemm transA)."""
     conv: ConvGeometry | None = None
+    recurrent: RecurrentGeometry | None = None
 
     @property
     def key(self) -> tuple:
         """Uses with equal keys see identical X (siblings such as q/k/v)."""
-        return (self.x, self.transpose_x, self.conv)
+        return (self.x, self.transpose_x, self.conv, self.recurrent)
+
+    @property
+    def placed_after(self) -> str:
+        """The tensor the node must wait for: its X, or for a recurrent weight the node's input sequence."""
+        return self.recurrent.data if self.recurrent is not None else self.x
 
 
 @dataclass(frozen=True)
@@ -305,7 +328,7 @@ def _einsum_rows(node: onnx.NodeProto, position: int, rank: int) -> tuple[int, .
     return (kept[0],) + tuple(i for i in range(rank) if i != kept[0])
 
 
-def _use_layout(node, position, rank, index, constants, operand_shape):
+def _use_layout(node, position, rank, index, constants, operand_shape, slot=None):
     """(operand perm to Wt, WeightUse or None, reason, row groups) for one consumer."""
     op, inputs = node.op_type, list(node.input)
     name = _node_id(node, index)
@@ -343,13 +366,46 @@ def _use_layout(node, position, rank, index, constants, operand_shape):
         perm = (1, 0) + tuple(range(2, rank)) if int(_attributes(node).get("group", 1)) == 1 and rank >= 2 else None
         return perm, None, "ConvTranspose inputs are not rebuilt", 1
     if op in ("LSTM", "GRU", "RNN"):
-        return ((1, 0, 2) if rank == 3 else None), None, f"{op} inputs are not rebuilt", 1
+        return _recurrent_use(node, position, rank, index, operand_shape, slot)
     if op == "Gather":
         axis = int(_attributes(node).get("axis", 0)) % max(rank, 1)
         return (axis,) + tuple(i for i in range(rank) if i != axis), None, "Gather (embedding) has no matrix input", 1
     if op == "Einsum":
         return _einsum_rows(node, position, rank), None, "Einsum inputs are not rebuilt", 1
     return None, None, f"{op} inputs are not rebuilt", 1
+
+
+def recurrent_state(node: onnx.NodeProto) -> str | None:
+    """The name of an RNN node's Y, which R's X rows come from: its own, or for one left unnamed (torch's
+    exporters do, when only the last state is used) the one the calibration graph gives it, made from the
+    node's first named output (unique in the graph, found again without node indices); None: no output used."""
+    named = [o for o in node.output if o]
+    if not named:
+        return None
+    return node.output[0] or f"{named[0]}/Y"
+
+
+def _recurrent_use(node, position, rank, index, operand_shape, slot):
+    """(perm, WeightUse or None, reason, 1) for an RNN/GRU/LSTM W (position 1) or R (2) operand [directions,
+    gates·H, K]: the whole of it, or (`slot`) one direction stacked beside the others by a Concat."""
+    op, name, attrs = node.op_type, _node_id(node, index), _attributes(node)
+    if rank != 3:
+        return None, None, f"{op} weight of rank {rank}", 1
+    direction = _decode(attrs.get("direction", "forward"))
+    directions = tuple(enumerate(("forward", "reverse") if direction == "bidirectional" else (direction,)))
+    if slot is not None and operand_shape[0] == 1 and slot[1] == len(directions):  # as many inputs as directions: one each
+        directions = (directions[slot[0]],)
+    elif slot is not None or operand_shape[0] != len(directions):
+        return (1, 0, 2), None, f"{op} weight holds {operand_shape[0]} of a {direction} node's directions, which is not told", 1
+    if not node.input or not node.input[0]:
+        return (1, 0, 2), None, f"{op} has no input sequence", 1
+    if position == 2 and op == "GRU" and not int(attrs.get("linear_before_reset", 0)):
+        return (1, 0, 2), None, "GRU without linear_before_reset: R's candidate rows read r*h, which is not rebuilt", 1
+    x = node.input[0] if position == 1 else recurrent_state(node)
+    if x is None:
+        return (1, 0, 2), None, f"{op} outputs nothing used", 1
+    geometry = RecurrentGeometry("W" if position == 1 else "R", directions, int(attrs.get("layout", 0)) == 1, node.input[0])
+    return (1, 0, 2), WeightUse(name, index, op, x, recurrent=geometry), None, 1
 
 
 def _ints(node: onnx.NodeProto, attribute: str, position: int, stored) -> list[int] | None:
@@ -389,21 +445,26 @@ def _moved(node: onnx.NodeProto, axes: tuple, stored) -> tuple[tuple, set] | Non
 
 
 def _reach(name: str, consumers, rank: int, stored=None):
-    """(node, position, index, operand->stored axis map, layout still known, stored axes moved along, ops passed)
-    for each weight consumer. The map holds None for axes the weight does not have (added by Unsqueeze)."""
+    """(node, position, index, operand->stored axis map, layout still known, stored axes moved along, ops passed,
+    slot) for each weight consumer. The map holds None for axes the weight does not have (added by Unsqueeze);
+    `slot` (input position, inputs) is where a Concat along such an axis put it (None: no such Concat), which
+    tells a bidirectional RNN's per-direction weight (torch's default exporter) which direction it is."""
     found = []
-    frontier = [(name, tuple(range(rank)), True, frozenset(), ())]
+    frontier = [(name, tuple(range(rank)), True, frozenset(), (), None)]
     seen = {(name, tuple(range(rank)))}
     while frontier:
-        tensor, axes, clean, moved, path = frontier.pop()
+        tensor, axes, clean, moved, path, slot = frontier.pop()
         for node, position, index in consumers.get(tensor, []):
             operands = WEIGHT_OPERANDS.get(node.op_type, ())
             movement = MOVEMENT.get(node.op_type, ())
             default_domain = node.domain in ("", "ai.onnx")
             if default_domain and (operands is None or position in operands):
-                found.append((node, position, index, axes, clean, moved, path))
+                found.append((node, position, index, axes, clean, moved, path, slot))
                 continue
-            if default_domain and node.op_type in MOVEMENT and (movement is None or position in movement):
+            stacked = clean and node.op_type == "Concat" and axes and axes[int(_attributes(node).get("axis", 0)) % len(axes)] is None
+            if default_domain and stacked:  # beside other tensors along an axis it lacks: its own elements do not move
+                step, follows, now_moved, slot = axes, True, moved, (position, len(node.input))
+            elif default_domain and node.op_type in MOVEMENT and (movement is None or position in movement):
                 moving = _moved(node, axes, stored or {}) if clean else None
                 step, follows, now_moved = (axes, False, moved) if moving is None else (moving[0], True, moved | {axes[a] for a in moving[1]})
             elif node.op_type in PASS_THROUGH and position == 0:
@@ -417,7 +478,7 @@ def _reach(name: str, consumers, rank: int, stored=None):
             for output in node.output:
                 if output and (output, step) not in seen:
                     seen.add((output, step))
-                    frontier.append((output, step, follows, frozenset(now_moved), path + (node.op_type,)))
+                    frontier.append((output, step, follows, frozenset(now_moved), path + (node.op_type,), slot))
     return found
 
 
@@ -433,11 +494,12 @@ def _stored_perm(perm, axes, rank: int):
 def _layout(name, tensor, source, reached, constants) -> WeightLayout:
     shape = tuple(int(d) for d in tensor.dims)
     perms, uses, reasons, groups, ops, nodes = set(), [], [], set(), set(), []
-    for node, position, index, axes, clean, moved, path in reached:
+    for node, position, index, axes, clean, moved, path, slot in reached:
         ops.add(node.op_type)
         nodes.append(node.name or next((o for o in node.output if o), node.op_type))
         operand_shape = tuple(1 if a is None else shape[a] for a in axes)
-        perm, use, reason, row_groups = _use_layout(node, position, len(axes), index, constants, operand_shape)
+        lacking = [i for i, a in enumerate(axes) if a is None]
+        perm, use, reason, row_groups = _use_layout(node, position, len(axes), index, constants, operand_shape, slot if lacking == [0] else None)
         perm = _stored_perm(perm, axes, len(shape))
         if not clean:
             reason, perm = f"reaches {node.op_type} through a reshaping op", None

@@ -196,7 +196,7 @@ def test_waves_group_siblings_like_true_sequential(tmp_path):
     assert np.max(np.abs(quantized - reference)) < 0.05 * np.max(np.abs(reference))
 
 
-def test_rnn_and_gather_weights_are_rtn_only(tmp_path):
+def test_gather_weights_are_rtn_only_and_an_lstm_reading_them_is_calibrated(tmp_path):
     rng = np.random.default_rng(0)
     hidden, width = 4, 6
     init = {
@@ -211,10 +211,12 @@ def test_rnn_and_gather_weights_are_rtn_only(tmp_path):
     io = [helper.make_tensor_value_info("ids", TensorProto.INT64, [3, 1])], [helper.make_tensor_value_info("h", FLOAT, [1, 1, hidden])]
     model = _save(nodes, *io, init, tmp_path / "lstm.onnx")
     layouts = weight_layouts(onnx.load(str(model)))
-    assert not any(b.calibratable for b in layouts.values())
+    assert [name for name, b in layouts.items() if b.calibratable] == ["W", "R"]
     assert layouts["W"].perm == (1, 0, 2) and layouts["E"].perm == (0, 1)
-    result = quantize_baseline(model, "gptq", 8, None, min_params=1)  # nothing to calibrate: no windows needed
-    assert set(result.rtn_only) == {"E", "W", "R"} and result.errors == {}
+    windows = tmp_path / "ids.npz"
+    np.savez(windows, ids=rng.integers(0, 10, (4, 3, 1)))
+    result = quantize_baseline(model, "gptq", 8, windows, min_params=1)
+    assert set(result.rtn_only) == {"E"} and set(result.errors) == {"W", "R"}
     assert result.encoded["W"].axis == 1 and result.encoded["E"].axis == 0
 
 

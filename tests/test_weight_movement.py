@@ -27,14 +27,14 @@ def _invoke(*args):
 
 
 def test_gate_sliced_lstm_weights_are_per_row_units(tmp_path):
-    """The stored [4H, K] tensors are units whose rows are the gate rows (axis 0), rounded to nearest as the
-    legacy exporter's [1, 4H, K] LSTM weights are; nothing is left to note."""
+    """The stored [4H, K] tensors are units whose rows are the gate rows (axis 0), calibrated as the legacy
+    exporter's [1, 4H, K] LSTM weights are (gate rows moved meet the same X); nothing is left to note."""
     path = models.sliced_lstm(tmp_path / "lstm.onnx")
     layouts = weight_layouts(onnx.load(str(path)))
     for name in ("rnn.weight_ih", "rnn.weight_hh"):
         layout = layouts[name]
         assert layout.op_types == ("LSTM",) and layout.perm == (0, 1) and layout.channels == 64, layout
-        assert layout.rtn_reason == "LSTM inputs are not rebuilt"
+        assert layout.calibratable and layout.uses[0].recurrent.directions == ((0, "forward"),), layout
     assert layouts["bias"].op_types == ()
     loaded = graph_ops.load_model(path)
     tensors = graph_ops.find_weight_tensors(loaded.proto)

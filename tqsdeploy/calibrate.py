@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 
 import graph_ops
-from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, tensor_graph, tensor_infos, waves
+from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, name_recurrent_states, tensor_graph, tensor_infos, waves
 from graph_ops.layout import WeightLayout
 from graph_ops.qdq import at_opset, default_opset, fed_codes_model, needed_nodes
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
@@ -475,7 +475,8 @@ class Calibrator:
     def graph(self):
         if self._graph is None:
             proto = self._open_args[0]
-            self._graph = expose_tensors(at_opset(graph_ops.weights_as_graph_inputs(proto, list(self.layouts)), self.opset), layer_tensors(proto, self.layouts))
+            inputs_fed = name_recurrent_states(at_opset(graph_ops.weights_as_graph_inputs(proto, list(self.layouts)), self.opset), self.layouts)
+            self._graph = expose_tensors(inputs_fed, layer_tensors(proto, self.layouts))
         return self._graph
 
     @property
