@@ -15,10 +15,10 @@ import copy
 from collections import defaultdict
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from graph_ops.io import GraphError
-from graph_ops.layout import ConvGeometry, RecurrentGeometry, WeightLayout, WeightUse, recurrent_state
+from graph_ops.layout import ConvGeometry, RecurrentGeometry, WeightLayout, WeightUse, initial_state, recurrent_states
 from graph_ops.qdq import _node_reads
 
 
@@ -158,7 +158,9 @@ def recurrent_rows(geometry: RecurrentGeometry, value: np.ndarray) -> np.ndarray
             rows = value.reshape(-1, value.shape[-1])
         else:
             states = value if geometry.batch_first else np.transpose(value, (2, 0, 1, 3))  # [batch, seq, directions, H]
-            states = states[:, :-1, d] if direction == "forward" else states[:, 1:, d]  # h_{t-1} in each one's order
+            ends = int(geometry.initial)  # the initial state on both ends: h_{t-1} of each direction's first step
+            length = states.shape[1]
+            states = states[:, :length - 1 - ends, d] if direction == "forward" else states[:, 1 + ends:, d]  # h_{t-1} in each one's order
             rows = states.reshape(-1, states.shape[-1])
         blocks.append(rows)
     if len(blocks) == 1:
@@ -172,13 +174,29 @@ def recurrent_rows(geometry: RecurrentGeometry, value: np.ndarray) -> np.ndarray
     return rows
 
 
-def name_recurrent_states(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> onnx.ModelProto:
-    """`model` (a copy the caller owns), in which every RNN whose R is calibrated names its Y output, which
-    torch's exporters leave unnamed when only the last state is used: R's X rows are read from it."""
+def add_recurrent_states(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> onnx.ModelProto:
+    """`model` (a copy the caller owns) with the tensor each calibrated R's rows come from
+    (`graph_ops.layout.recurrent_states`): a Y the exporter left unnamed (torch's do, when only the last state
+    is used) named, and the fed initial state put on both ends of Y along the sequence axis."""
     wanted = {u.x for layout in layouts.values() if layout.calibratable for u in layout.uses if u.recurrent is not None and u.recurrent.operand == "R"}
-    for node in model.graph.node:
-        if node.op_type in ("RNN", "GRU", "LSTM") and node.output and not node.output[0] and recurrent_state(node) in wanted:
-            node.output[0] = recurrent_state(node)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    for node in list(model.graph.node):
+        states = recurrent_states(node) if node.op_type in ("RNN", "GRU", "LSTM") else None
+        if states not in wanted:
+            continue
+        if not node.output[0]:
+            node.output[0] = f"{next(o for o in node.output if o)}/Y"
+        initial = initial_state(node)
+        if initial is None:
+            continue
+        axis = 1 if any(a.name == "layout" and a.i == 1 for a in node.attribute) else 0
+        if opset >= 13:
+            model.graph.initializer.append(numpy_helper.from_array(np.array([axis], np.int64), f"{states}/axis"))
+            unsqueeze = helper.make_node("Unsqueeze", [initial, f"{states}/axis"], [f"{states}/initial"])
+        else:
+            unsqueeze = helper.make_node("Unsqueeze", [initial], [f"{states}/initial"], axes=[axis])
+        ends = f"{states}/initial"
+        model.graph.node.extend([unsqueeze, helper.make_node("Concat", [ends, node.output[0], ends], [states], axis=axis)])
     return model
 
 
@@ -188,4 +206,4 @@ def layer_tensors(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> l
     return sorted({u.x for layout in layouts.values() if layout.calibratable for u in layout.uses} - graph_inputs)
 
 
-__all__ = ["ConvGeometry", "WeightUse", "expose_tensors", "im2col", "layer_inputs", "layer_tensors", "name_recurrent_states", "recurrent_rows", "tensor_graph", "tensor_infos", "waves"]
+__all__ = ["ConvGeometry", "WeightUse", "expose_tensors", "im2col", "layer_inputs", "layer_tensors", "add_recurrent_states", "recurrent_rows", "tensor_graph", "tensor_infos", "waves"]

@@ -93,8 +93,8 @@ class ConvGeometry:
 @dataclass(frozen=True)
 class RecurrentGeometry:
     """How the X rows of an RNN/GRU/LSTM weight are rebuilt. W multiplies the input x_t; R the state h_{t-1},
-    which is Y one step back in the order each direction runs (Y[:-1] forward, Y[1:] reverse; the initial
-    state's row is left out). Wt's columns hold one block per direction the operand stores, and each
+    which is Y one step back in the order each direction runs (Y[:-1] forward, Y[1:] reverse), and the initial
+    state when one is fed (a zero one adds nothing). Wt's columns hold one block per direction the operand stores, and each
     direction's rows fill only its own block: the solver sees one Hessian per direction, not their sum."""
 
     operand: str
@@ -105,6 +105,8 @@ class RecurrentGeometry:
     """ONNX layout 1: X [batch, seq, I], Y [batch, seq, directions, H]; else time first."""
     data: str
     """The node's input sequence X: where the node sits in the graph (R's X is the node's own output)."""
+    initial: bool = False
+    """R's rows come from Y with the fed initial state on both ends of the sequence axis (`recurrent_states`)."""
 
 
 @dataclass(frozen=True)
@@ -375,13 +377,21 @@ def _use_layout(node, position, rank, index, constants, operand_shape, slot=None
     return None, None, f"{op} inputs are not rebuilt", 1
 
 
-def recurrent_state(node: onnx.NodeProto) -> str | None:
-    """The name of an RNN node's Y, which R's X rows come from: its own, or for one left unnamed (torch's
-    exporters do, when only the last state is used) the one the calibration graph gives it, made from the
-    node's first named output (unique in the graph, found again without node indices); None: no output used."""
+def initial_state(node: onnx.NodeProto) -> str | None:
+    """An RNN node's initial state input (5), when one is fed."""
+    return node.input[5] if len(node.input) > 5 and node.input[5] else None
+
+
+def recurrent_states(node: onnx.NodeProto) -> str | None:
+    """The tensor R's X rows come from: the node's Y, with its initial state (when fed) on both ends along the
+    sequence axis, so a one-step cell carrying its state in from the rollout has rows too. The calibration
+    graph makes it (`graph_ops.calibration.add_recurrent_states`) unless it is the node's own named Y; its name
+    comes from the node's first named output (unique, found again without node indices). None: no output used."""
     named = [o for o in node.output if o]
     if not named:
         return None
+    if initial_state(node):
+        return f"{named[0]}/states"
     return node.output[0] or f"{named[0]}/Y"
 
 
@@ -401,10 +411,10 @@ def _recurrent_use(node, position, rank, index, operand_shape, slot):
         return (1, 0, 2), None, f"{op} has no input sequence", 1
     if position == 2 and op == "GRU" and not int(attrs.get("linear_before_reset", 0)):
         return (1, 0, 2), None, "GRU without linear_before_reset: R's candidate rows read r*h, which is not rebuilt", 1
-    x = node.input[0] if position == 1 else recurrent_state(node)
+    x = node.input[0] if position == 1 else recurrent_states(node)
     if x is None:
         return (1, 0, 2), None, f"{op} outputs nothing used", 1
-    geometry = RecurrentGeometry("W" if position == 1 else "R", directions, int(attrs.get("layout", 0)) == 1, node.input[0])
+    geometry = RecurrentGeometry("W" if position == 1 else "R", directions, int(attrs.get("layout", 0)) == 1, node.input[0], initial_state(node) is not None)
     return (1, 0, 2), WeightUse(name, index, op, x, recurrent=geometry), None, 1
 
 

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import models
 from graph_ops import weight_layouts
-from graph_ops.calibration import layer_inputs, waves
+from graph_ops.calibration import add_recurrent_states, expose_tensors, layer_inputs, waves
 from runtimes.ort import OrtRuntime
 from tqsdeploy.baselines import quantize_baseline
 
@@ -23,11 +23,11 @@ def _sigmoid(v):
     return 1 / (1 + np.exp(-v))
 
 
-def _numpy_lstm(x, W, R, B, direction_index: int, reverse: bool):
-    """ONNX LSTM (gates i, o, f, c; zero initial state) for one direction: (Y [seq, batch, H], the states R
+def _numpy_lstm(x, W, R, B, direction_index: int, reverse: bool, h0=None):
+    """ONNX LSTM (gates i, o, f, c; initial cell state zero) for one direction: (Y [seq, batch, H], the states R
     multiplied at each step, in the order the direction runs)."""
     w, r, b = W[direction_index], R[direction_index], B[direction_index, :4 * HIDDEN] + B[direction_index, 4 * HIDDEN:]
-    h = np.zeros((x.shape[1], HIDDEN))
+    h = np.zeros((x.shape[1], HIDDEN)) if h0 is None else h0[direction_index]
     c = np.zeros_like(h)
     ys, multiplied = np.zeros((x.shape[0], x.shape[1], HIDDEN)), []
     for t in (reversed(range(x.shape[0])) if reverse else range(x.shape[0])):
@@ -164,3 +164,46 @@ def test_a_bidirectional_lstm_whose_directions_are_stacked_by_concat_calibrates_
         assert w_use.recurrent.directions == r_use.recurrent.directions == ((d, "reverse" if suffix else "forward"),)
         (r_rows,) = layer_inputs(r_use, Y)
         np.testing.assert_allclose(r_rows.T @ r_rows, multiplied.T @ multiplied, atol=1e-5)
+
+
+@pytest.mark.parametrize("seq", [1, 4])
+def test_a_fed_initial_state_is_a_row_of_r_so_a_one_step_cell_is_calibrated_too(tmp_path, seq):
+    """A cell run one step per call, its state fed back by the rollout (initial_h a graph input): R multiplies
+    only that state. The calibration graph puts it on both ends of Y; the rows are every state R multiplied."""
+    rng = np.random.default_rng(4)
+    init = {"W": rng.standard_normal((2, 4 * HIDDEN, INPUTS)).astype(np.float32) / 2, "R": rng.standard_normal((2, 4 * HIDDEN, HIDDEN)).astype(np.float32) / 2,
+            "B": rng.standard_normal((2, 8 * HIDDEN)).astype(np.float32) / 4}
+    node = helper.make_node("LSTM", ["x", "W", "R", "B", "", "h0"], ["", "h_next"], hidden_size=HIDDEN, direction="bidirectional")
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [seq, BATCH, INPUTS]), helper.make_tensor_value_info("h0", TensorProto.FLOAT, [2, BATCH, HIDDEN])]
+    graph = helper.make_graph([node], "cell", inputs, [helper.make_tensor_value_info("h_next", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(v, k) for k, v in init.items()])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    layouts = weight_layouts(proto)
+    (r_use,) = layouts["R"].uses
+    assert r_use.x == "h_next/states" and r_use.recurrent.initial
+    path = tmp_path / "with_states.onnx"
+    onnx.save(expose_tensors(add_recurrent_states(proto, layouts), [r_use.x]), str(path))
+    x, h0 = rng.standard_normal((seq, BATCH, INPUTS)), rng.standard_normal((2, BATCH, HIDDEN))
+    states = OrtRuntime().open(path).run({"x": x.astype(np.float32), "h0": h0.astype(np.float32)})[r_use.x]
+    (rows,) = layer_inputs(r_use, states)
+    expected = [(m.T @ m) for m in (_numpy_lstm(x, init["W"], init["R"], init["B"], d, d == 1, h0)[1] for d in (0, 1))]
+    np.testing.assert_allclose(rows.T @ rows, _block_diagonal(expected), atol=1e-5)
+
+
+def test_an_r_that_multiplied_no_state_is_rounded_to_nearest_not_zeroed(tmp_path):
+    """One-step windows with no state fed: R only ever multiplied the zero initial state, so it has no rows.
+    GPTQ would zero every column it never saw (all of them); it is rounded to nearest instead."""
+    from tiers import TIERS, encode
+
+    init = {"W": np.random.default_rng(0).standard_normal((1, 4 * HIDDEN, INPUTS)).astype(np.float32),
+            "R": np.random.default_rng(1).standard_normal((1, 4 * HIDDEN, HIDDEN)).astype(np.float32)}
+    node = helper.make_node("LSTM", ["x", "W", "R"], ["Y"], hidden_size=HIDDEN)
+    graph = helper.make_graph([node], "cell", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "b", INPUTS])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 1, "b", HIDDEN])], [numpy_helper.from_array(v, k) for k, v in init.items()])
+    path, windows = tmp_path / "cell.onnx", tmp_path / "windows.npz"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    np.savez(windows, x=np.random.default_rng(2).standard_normal((4, 1, 3, INPUTS)).astype(np.float32))
+    result = quantize_baseline(path, "gptq", 4, windows, min_params=1)
+    nearest = encode(init["R"], weight_layouts(onnx.load(str(path)))["R"], TIERS["int4-asym"])
+    np.testing.assert_array_equal(result.encoded["R"].dequantize(), nearest.dequantize())
+    assert "W" in result.errors

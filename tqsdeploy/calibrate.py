@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 
 import graph_ops
-from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, name_recurrent_states, tensor_graph, tensor_infos, waves
+from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, add_recurrent_states, tensor_graph, tensor_infos, waves
 from graph_ops.layout import WeightLayout
 from graph_ops.qdq import at_opset, default_opset, fed_codes_model, needed_nodes
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
@@ -262,7 +262,8 @@ class Calibrator:
                 merged = [Hessian.merge([stats[use.key][g] for use in layout.uses]) for g in range(layout.row_groups)]
                 rows = merged[0].count
                 thin = merged[0].H.shape[0] if any(m.count < 2 * m.H.shape[0] for m in merged) else None  # its input width
-            result = encode(name, merged)
+            # no rows at all (an RNN's R over one-step windows with no state fed): nothing to weigh, rounded to nearest
+            result = encode(name, merged if merged is None or any(m.count for m in merged) else None)
             if stats is not None:
                 with done:
                     for key in {u.key for u in layout.uses}:
@@ -475,7 +476,7 @@ class Calibrator:
     def graph(self):
         if self._graph is None:
             proto = self._open_args[0]
-            inputs_fed = name_recurrent_states(at_opset(graph_ops.weights_as_graph_inputs(proto, list(self.layouts)), self.opset), self.layouts)
+            inputs_fed = add_recurrent_states(at_opset(graph_ops.weights_as_graph_inputs(proto, list(self.layouts)), self.opset), self.layouts)
             self._graph = expose_tensors(inputs_fed, layer_tensors(proto, self.layouts))
         return self._graph
 
