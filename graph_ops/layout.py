@@ -461,7 +461,7 @@ def _reach(name: str, consumers, rank: int, stored=None):
     tells a bidirectional RNN's per-direction weight (torch's default exporter) which direction it is."""
     found = []
     frontier = [(name, tuple(range(rank)), True, frozenset(), (), None)]
-    seen = {(name, tuple(range(rank)))}
+    seen = {(name, tuple(range(rank)), None)}
     while frontier:
         tensor, axes, clean, moved, path, slot = frontier.pop()
         for node, position, index in consumers.get(tensor, []):
@@ -472,8 +472,9 @@ def _reach(name: str, consumers, rank: int, stored=None):
                 found.append((node, position, index, axes, clean, moved, path, slot))
                 continue
             stacked = clean and node.op_type == "Concat" and axes and axes[int(_attributes(node).get("axis", 0)) % len(axes)] is None
+            now_slot = slot
             if default_domain and stacked:  # beside other tensors along an axis it lacks: its own elements do not move
-                step, follows, now_moved, slot = axes, True, moved, (position, len(node.input))
+                step, follows, now_moved, now_slot = axes, True, moved, (position, len(node.input))
             elif default_domain and node.op_type in MOVEMENT and (movement is None or position in movement):
                 moving = _moved(node, axes, stored or {}) if clean else None
                 step, follows, now_moved = (axes, False, moved) if moving is None else (moving[0], True, moved | {axes[a] for a in moving[1]})
@@ -486,9 +487,9 @@ def _reach(name: str, consumers, rank: int, stored=None):
             else:
                 continue
             for output in node.output:
-                if output and (output, step) not in seen:
-                    seen.add((output, step))
-                    frontier.append((output, step, follows, frozenset(now_moved), path + (node.op_type,), slot))
+                if output and (output, step, now_slot) not in seen:  # a weight stacked twice (tied directions) reaches twice
+                    seen.add((output, step, now_slot))
+                    frontier.append((output, step, follows, frozenset(now_moved), path + (node.op_type,), now_slot))
     return found
 
 

@@ -207,3 +207,18 @@ def test_an_r_that_multiplied_no_state_is_rounded_to_nearest_not_zeroed(tmp_path
     nearest = encode(init["R"], weight_layouts(onnx.load(str(path)))["R"], TIERS["int4-asym"])
     np.testing.assert_array_equal(result.encoded["R"].dequantize(), nearest.dequantize())
     assert "W" in result.errors
+
+
+def test_one_weight_stacked_for_both_directions_is_calibrated_on_both(tmp_path):
+    """Tied directions (one stored R unsqueezed and concatenated twice): it reaches the node once per direction,
+    so its statistic sums both directions' states, as its two uses' objectives do."""
+    rng = np.random.default_rng(6)
+    init = {"W": rng.standard_normal((2, 4 * HIDDEN, INPUTS)).astype(np.float32), "R": rng.standard_normal((4 * HIDDEN, HIDDEN)).astype(np.float32),
+            "zero_axis": np.array([0], np.int64)}
+    nodes = [helper.make_node("Unsqueeze", ["R", "zero_axis"], ["R1"]), helper.make_node("Concat", ["R1", "R1"], ["R2"], axis=0),
+             helper.make_node("LSTM", ["x", "W", "R2"], ["Y"], hidden_size=HIDDEN, direction="bidirectional")]
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [SEQ, BATCH, INPUTS])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], [numpy_helper.from_array(v, k) for k, v in init.items()])
+    layout = weight_layouts(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))["R"]
+    assert layout.calibratable and layout.perm == (0, 1)
+    assert sorted(u.recurrent.directions for u in layout.uses) == [((0, "forward"),), ((1, "reverse"),)]
