@@ -15,10 +15,11 @@ import copy
 from collections import defaultdict
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from graph_ops.io import GraphError
-from graph_ops.layout import ConvGeometry, RecurrentGeometry, WeightLayout, WeightUse, initial_state, recurrent_states
+from graph_ops.layout import ConvGeometry, WeightLayout, WeightUse
+from graph_ops.recurrent import add_recurrent_states, recurrent_rows
 from graph_ops.qdq import _node_reads
 
 
@@ -149,61 +150,10 @@ def layer_inputs(use: WeightUse, value: np.ndarray, row_groups: int = 1) -> list
     return [value.reshape(-1, value.shape[-1])]
 
 
-def recurrent_rows(geometry: RecurrentGeometry, value: np.ndarray) -> np.ndarray:
-    """X rows of an RNN weight from its node's input sequence (W) or output Y (R): each direction's rows fill
-    its own column block of Wt [gates·H, directions·K], zeros elsewhere."""
-    blocks = []
-    for d, direction in geometry.directions:
-        if geometry.operand == "W":
-            rows = value.reshape(-1, value.shape[-1])
-        else:
-            states = value if geometry.batch_first else np.transpose(value, (2, 0, 1, 3))  # [batch, seq, directions, H]
-            ends = int(geometry.initial)  # the initial state on both ends: h_{t-1} of each direction's first step
-            length = states.shape[1]
-            states = states[:, :length - 1 - ends, d] if direction == "forward" else states[:, 1 + ends:, d]  # h_{t-1} in each one's order
-            rows = states.reshape(-1, states.shape[-1])
-        blocks.append(rows)
-    if len(blocks) == 1:
-        return blocks[0]
-    width = blocks[0].shape[1]
-    rows = np.zeros((sum(b.shape[0] for b in blocks), width * len(blocks)), dtype=blocks[0].dtype)
-    start = 0
-    for column, block in enumerate(blocks):
-        rows[start:start + block.shape[0], column * width:(column + 1) * width] = block
-        start += block.shape[0]
-    return rows
-
-
-def add_recurrent_states(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> onnx.ModelProto:
-    """`model` (a copy the caller owns) with the tensor each calibrated R's rows come from
-    (`graph_ops.layout.recurrent_states`): a Y the exporter left unnamed (torch's do, when only the last state
-    is used) named, and the fed initial state put on both ends of Y along the sequence axis."""
-    wanted = {u.x for layout in layouts.values() if layout.calibratable for u in layout.uses if u.recurrent is not None and u.recurrent.operand == "R"}
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-    for node in list(model.graph.node):
-        states = recurrent_states(node) if node.op_type in ("RNN", "GRU", "LSTM") else None
-        if states not in wanted:
-            continue
-        if not node.output[0]:
-            node.output[0] = f"{next(o for o in node.output if o)}/Y"
-        initial = initial_state(node)
-        if initial is None:
-            continue
-        axis = 1 if any(a.name == "layout" and a.i == 1 for a in node.attribute) else 0
-        if opset >= 13:
-            model.graph.initializer.append(numpy_helper.from_array(np.array([axis], np.int64), f"{states}/axis"))
-            unsqueeze = helper.make_node("Unsqueeze", [initial, f"{states}/axis"], [f"{states}/initial"])
-        else:
-            unsqueeze = helper.make_node("Unsqueeze", [initial], [f"{states}/initial"], axes=[axis])
-        ends = f"{states}/initial"
-        model.graph.node.extend([unsqueeze, helper.make_node("Concat", [ends, node.output[0], ends], [states], axis=axis)])
-    return model
-
-
 def layer_tensors(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> list[str]:
     """Every layer input a calibration reads that the graph does not already take as an input."""
     graph_inputs = {v.name for v in model.graph.input}
     return sorted({u.x for layout in layouts.values() if layout.calibratable for u in layout.uses} - graph_inputs)
 
 
-__all__ = ["ConvGeometry", "WeightUse", "expose_tensors", "im2col", "layer_inputs", "layer_tensors", "add_recurrent_states", "recurrent_rows", "tensor_graph", "tensor_infos", "waves"]
+__all__ = ["ConvGeometry", "WeightUse", "expose_tensors", "im2col", "layer_inputs", "layer_tensors", "tensor_graph", "tensor_infos", "waves"]

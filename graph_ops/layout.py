@@ -31,6 +31,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from graph_ops.recurrent import RECURRENT_OPS, RecurrentGeometry, initial_state, recurrent_states
+
 WEIGHT_OPERANDS: dict[str, tuple[int, ...] | None] = {
     "MatMul": None,  # either operand may be the constant one
     "Gemm": (0, 1),
@@ -88,25 +90,6 @@ class ConvGeometry:
             begins.append(small if self.auto_pad == "SAME_UPPER" else large)
             ends.append(large if self.auto_pad == "SAME_UPPER" else small)
         return tuple(begins + ends)
-
-
-@dataclass(frozen=True)
-class RecurrentGeometry:
-    """How the X rows of an RNN/GRU/LSTM weight are rebuilt. W multiplies the input x_t; R the state h_{t-1},
-    which is Y one step back in the order each direction runs (Y[:-1] forward, Y[1:] reverse), and the initial
-    state when one is fed (a zero one adds nothing). Wt's columns hold one block per direction the operand stores, and each
-    direction's rows fill only its own block: the solver sees one Hessian per direction, not their sum."""
-
-    operand: str
-    """'W' (input weights) or 'R' (recurrence weights)."""
-    directions: tuple[tuple[int, str], ...]
-    """(index on Y's direction axis, 'forward'/'reverse') for each direction block of the operand, in Wt column order."""
-    batch_first: bool
-    """ONNX layout 1: X [batch, seq, I], Y [batch, seq, directions, H]; else time first."""
-    data: str
-    """The node's input sequence X: where the node sits in the graph (R's X is the node's own output)."""
-    initial: bool = False
-    """R's rows come from Y with the fed initial state on both ends of the sequence axis (`recurrent_states`)."""
 
 
 @dataclass(frozen=True)
@@ -367,7 +350,7 @@ def _use_layout(node, position, rank, index, constants, operand_shape, slot=None
     if op == "ConvTranspose":
         perm = (1, 0) + tuple(range(2, rank)) if int(_attributes(node).get("group", 1)) == 1 and rank >= 2 else None
         return perm, None, "ConvTranspose inputs are not rebuilt", 1
-    if op in ("LSTM", "GRU", "RNN"):
+    if op in RECURRENT_OPS:
         return _recurrent_use(node, position, rank, index, operand_shape, slot)
     if op == "Gather":
         axis = int(_attributes(node).get("axis", 0)) % max(rank, 1)
@@ -375,24 +358,6 @@ def _use_layout(node, position, rank, index, constants, operand_shape, slot=None
     if op == "Einsum":
         return _einsum_rows(node, position, rank), None, "Einsum inputs are not rebuilt", 1
     return None, None, f"{op} inputs are not rebuilt", 1
-
-
-def initial_state(node: onnx.NodeProto) -> str | None:
-    """An RNN node's initial state input (5), when one is fed."""
-    return node.input[5] if len(node.input) > 5 and node.input[5] else None
-
-
-def recurrent_states(node: onnx.NodeProto) -> str | None:
-    """The tensor R's X rows come from: the node's Y, with its initial state (when fed) on both ends along the
-    sequence axis, so a one-step cell carrying its state in from the rollout has rows too. The calibration
-    graph makes it (`graph_ops.calibration.add_recurrent_states`) unless it is the node's own named Y; its name
-    comes from the node's first named output (unique, found again without node indices). None: no output used."""
-    named = [o for o in node.output if o]
-    if not named:
-        return None
-    if initial_state(node):
-        return f"{named[0]}/states"
-    return node.output[0] or f"{named[0]}/Y"
 
 
 def _recurrent_use(node, position, rank, index, operand_shape, slot):

@@ -12,7 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import models
 from graph_ops import weight_layouts
-from graph_ops.calibration import add_recurrent_states, expose_tensors, layer_inputs, waves
+from graph_ops.calibration import expose_tensors, layer_inputs, waves
+from graph_ops.recurrent import add_recurrent_states
 from runtimes.ort import OrtRuntime
 from tqsdeploy.baselines import quantize_baseline
 

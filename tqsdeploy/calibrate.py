@@ -34,7 +34,8 @@ import numpy as np
 import onnx
 
 import graph_ops
-from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, add_recurrent_states, tensor_graph, tensor_infos, waves
+from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, tensor_graph, tensor_infos, waves
+from graph_ops.recurrent import add_recurrent_states
 from graph_ops.layout import WeightLayout
 from graph_ops.qdq import at_opset, default_opset, fed_codes_model, needed_nodes
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
