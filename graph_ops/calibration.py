@@ -125,6 +125,8 @@ def im2col(x: np.ndarray, geometry: ConvGeometry) -> np.ndarray:
     spatial = tuple(x.shape[2:])
     if len(spatial) != rank:
         raise GraphError(f"Conv input has {len(spatial)} spatial axes, kernel has {rank}")
+    if geometry.transposed:
+        return _transposed_im2col(x, geometry)
     pads = geometry.resolved_pads(spatial)
     padded = np.pad(x, [(0, 0), (0, 0)] + [(pads[i], pads[i + rank]) for i in range(rank)])
     spans = [d * (k - 1) + 1 for k, d in zip(geometry.kernel, geometry.dilations)]
@@ -135,6 +137,25 @@ def im2col(x: np.ndarray, geometry: ConvGeometry) -> np.ndarray:
     moved = windows.transpose(order)  # [B, *out, C, *kernel]
     columns = x.shape[1] * int(np.prod(geometry.kernel))
     return moved.reshape(-1, columns)
+
+
+def _transposed_im2col(x: np.ndarray, geometry: ConvGeometry) -> np.ndarray:
+    """ConvTranspose's rows, columns (c, k...) in its weight's order: output q sums x[p]·W[k] over q = p·s + k·d −
+    pad, which is a stride-1 Conv over x with s − 1 zeros between elements, padded by d·(k − 1) − pad at each
+    end (output_padding more at the end; a negative pad crops), whose kernel is W's flipped."""
+    rank, channels = len(geometry.kernel), x.shape[1]
+    upsampled = np.zeros(x.shape[:2] + tuple((n - 1) * s + 1 for n, s in zip(x.shape[2:], geometry.strides)), dtype=x.dtype)
+    upsampled[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in geometry.strides)] = x
+    pads = geometry.pads if geometry.auto_pad in ("NOTSET", "") else (0,) * (2 * rank)
+    extra = geometry.output_padding or (0,) * rank
+    begins = [d * (k - 1) - pads[i] for i, (k, d) in enumerate(zip(geometry.kernel, geometry.dilations))]
+    ends = [d * (k - 1) - pads[rank + i] + extra[i] for i, (k, d) in enumerate(zip(geometry.kernel, geometry.dilations))]
+    padded = np.pad(upsampled, [(0, 0), (0, 0)] + [(max(0, b), max(0, e)) for b, e in zip(begins, ends)])
+    padded = padded[(slice(None), slice(None)) + tuple(slice(max(0, -b), padded.shape[2 + i] - max(0, -e)) for i, (b, e) in enumerate(zip(begins, ends)))]
+    forward = ConvGeometry(geometry.kernel, (1,) * rank, geometry.dilations, (0,) * (2 * rank), "NOTSET", geometry.group)
+    rows = im2col(padded, forward)
+    flipped = rows.reshape((rows.shape[0], channels) + geometry.kernel)[(slice(None), slice(None)) + (slice(None, None, -1),) * rank]
+    return flipped.reshape(rows.shape[0], -1)
 
 
 def layer_inputs(use: WeightUse, value: np.ndarray, row_groups: int = 1) -> list[np.ndarray]:

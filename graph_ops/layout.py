@@ -76,6 +76,10 @@ class ConvGeometry:
     """ONNX order: all begins, then all ends (used when auto_pad is NOTSET)."""
     auto_pad: str
     group: int
+    output_padding: tuple[int, ...] = ()
+    """ConvTranspose: extra outputs at the end of each spatial axis."""
+    transposed: bool = False
+    """A ConvTranspose: its windows are a stride-1 Conv's over the stride-upsampled input, the kernel flipped."""
 
     def resolved_pads(self, spatial: tuple[int, ...]) -> tuple[int, ...]:
         """Explicit begin/end pads for an input of this spatial shape."""
@@ -295,6 +299,8 @@ def _conv_geometry(node: onnx.NodeProto, weight_shape: tuple[int, ...]) -> ConvG
         pads=tuple(int(p) for p in attrs.get("pads", [0] * (2 * rank))),
         auto_pad=_decode(attrs.get("auto_pad", "NOTSET")),
         group=int(attrs.get("group", 1)),
+        output_padding=tuple(int(p) for p in attrs.get("output_padding", [0] * rank)) if node.op_type == "ConvTranspose" else (),
+        transposed=node.op_type == "ConvTranspose",
     )
 
 
@@ -348,8 +354,15 @@ def _use_layout(node, position, rank, index, constants, operand_shape, slot=None
             return perm, None, "Conv input is constant", geometry.group
         return perm, WeightUse(name, index, op, inputs[0], conv=geometry), None, geometry.group
     if op == "ConvTranspose":
-        perm = (1, 0) + tuple(range(2, rank)) if int(_attributes(node).get("group", 1)) == 1 and rank >= 2 else None
-        return perm, None, "ConvTranspose inputs are not rebuilt", 1
+        attrs = _attributes(node)
+        perm = (1, 0) + tuple(range(2, rank)) if int(attrs.get("group", 1)) == 1 and rank >= 2 else None
+        if perm is None or position != 1 or rank < 3:
+            return perm, None, "grouped ConvTranspose inputs are not rebuilt", 1
+        if other_constant(0):
+            return perm, None, "ConvTranspose input is constant", 1
+        if "output_shape" in attrs or _decode(attrs.get("auto_pad", "NOTSET")) not in ("NOTSET", "", "VALID"):
+            return perm, None, "ConvTranspose sized by output_shape or SAME padding is not rebuilt", 1
+        return perm, WeightUse(name, index, op, inputs[0], conv=_conv_geometry(node, operand_shape)), None, 1
     if op in RECURRENT_OPS:
         return _recurrent_use(node, position, rank, index, operand_shape, slot)
     if op == "Gather":

@@ -105,6 +105,8 @@ def _sample_chunks(use, value: np.ndarray) -> list:
     if use.conv is None or value.ndim < 2 or value.shape[0] <= 1:
         return [...]
     per_sample = int(np.prod(value.shape[1:], dtype=np.int64)) * int(np.prod(use.conv.kernel, dtype=np.int64)) * 8
+    if use.conv.transposed:  # its rows are the upsampled input's windows
+        per_sample *= int(np.prod(use.conv.strides, dtype=np.int64))
     step = max(1, IM2COL_BYTES // max(per_sample, 1))
     return [slice(start, start + step) for start in range(0, value.shape[0], step)]
 
