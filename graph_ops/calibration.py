@@ -166,6 +166,9 @@ def layer_inputs(use: WeightUse, value: np.ndarray, row_groups: int = 1) -> list
     if use.conv is not None:
         rows = im2col(value, use.conv)
         return np.split(rows, row_groups, axis=1)
+    if use.x_axes is not None:
+        moved = np.transpose(value, use.x_axes)
+        return [moved.reshape(-1, int(np.prod(moved.shape[moved.ndim - use.x_columns:], dtype=np.int64)))]
     if use.transpose_x:
         value = value.reshape(1, -1) if value.ndim == 1 else np.swapaxes(value, -1, -2)
     return [value.reshape(-1, value.shape[-1])]

@@ -109,11 +109,15 @@ class WeightUse:
     """X = swapaxes(x, -1, -2) before flattening (weight on MatMul's left, Gemm transA)."""
     conv: ConvGeometry | None = None
     recurrent: RecurrentGeometry | None = None
+    x_axes: tuple[int, ...] | None = None
+    """X = transpose(x, x_axes), its last `x_columns` axes one row (an Einsum's other operand, the letters it
+    shares with the weight last, in Wt's column order)."""
+    x_columns: int = 1
 
     @property
     def key(self) -> tuple:
         """Uses with equal keys see identical X (siblings such as q/k/v)."""
-        return (self.x, self.transpose_x, self.conv, self.recurrent)
+        return (self.x, self.transpose_x, self.conv, self.recurrent, self.x_axes, self.x_columns)
 
     @property
     def placed_after(self) -> str:
@@ -306,17 +310,40 @@ def _conv_geometry(node: onnx.NodeProto, weight_shape: tuple[int, ...]) -> ConvG
 
 def _einsum_rows(node: onnx.NodeProto, position: int, rank: int) -> tuple[int, ...] | None:
     """Operand order with the single output-channel axis first, or None if ambiguous."""
+    terms = _einsum_terms(node)
+    if terms is None or position >= len(terms[0]) or len(terms[0][position]) != rank:
+        return None
+    kept = [i for i, letter in enumerate(terms[0][position]) if letter in terms[1]]
+    if len(kept) != 1:
+        return None
+    return (kept[0],) + tuple(i for i in range(rank) if i != kept[0])
+
+
+def _einsum_terms(node: onnx.NodeProto) -> tuple[list[str], str] | None:
     equation = _decode(_attributes(node).get("equation", "")).replace(" ", "")
     if "->" not in equation or "..." in equation:
         return None
     operands, output = equation.split("->")
-    terms = operands.split(",")
-    if position >= len(terms) or len(terms[position]) != rank:
-        return None
-    kept = [i for i, letter in enumerate(terms[position]) if letter in output]
-    if len(kept) != 1:
-        return None
-    return (kept[0],) + tuple(i for i in range(rank) if i != kept[0])
+    return operands.split(","), output
+
+
+def _einsum_use(node, position, perm, index) -> tuple[WeightUse | None, str | None]:
+    """The use of a weight that an Einsum multiplies as a matrix: two operands, the weight's letters its output
+    channel and letters it shares with the other operand alone (summed), none repeated. X is the other operand
+    with those letters last, in Wt's column order (`WeightUse.x_axes`)."""
+    terms = _einsum_terms(node)
+    if perm is None or terms is None or len(terms[0]) != 2:
+        return None, "Einsum inputs are not rebuilt (not a two-operand product with one output-channel letter)"
+    weight, other = terms[0][position], terms[0][1 - position]
+    columns = [weight[a] for a in perm[1:]]
+    if weight[perm[0]] in other or any(c not in other or c in terms[1] for c in columns) or len(set(weight + other)) != len(set(weight)) + len(set(other)) - len(columns):
+        return None, "Einsum inputs are not rebuilt (its weight shares letters with the other operand beyond the summed ones)"
+    if any(c not in terms[1] and c not in columns for c in other):
+        return None, "Einsum inputs are not rebuilt (the other operand sums a letter on its own)"
+    if len(set(weight)) != len(weight) or len(set(other)) != len(other):
+        return None, "Einsum inputs are not rebuilt (a repeated letter)"
+    x_axes = tuple(i for i, letter in enumerate(other) if letter not in columns) + tuple(other.index(c) for c in columns)
+    return WeightUse(_node_id(node, index), index, node.op_type, node.input[1 - position], x_axes=x_axes, x_columns=len(columns)), None
 
 
 def _use_layout(node, position, rank, index, constants, operand_shape, slot=None):
@@ -369,7 +396,11 @@ def _use_layout(node, position, rank, index, constants, operand_shape, slot=None
         axis = int(_attributes(node).get("axis", 0)) % max(rank, 1)
         return (axis,) + tuple(i for i in range(rank) if i != axis), None, "Gather (embedding) has no matrix input", 1
     if op == "Einsum":
-        return _einsum_rows(node, position, rank), None, "Einsum inputs are not rebuilt", 1
+        perm = _einsum_rows(node, position, rank)
+        if other_constant(1 - position):
+            return perm, None, "both Einsum operands are constant", 1
+        use, reason = _einsum_use(node, position, perm, index)
+        return perm, use, reason, 1
     return None, None, f"{op} inputs are not rebuilt", 1
 
 
