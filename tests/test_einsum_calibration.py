@@ -23,14 +23,14 @@ PRODUCTS = [
 ]
 
 
-def _model(path, equation: str, position: int):
+def _model(path, equation: str, position: int, sizes: dict = SIZES):
     terms = equation.split("->")[0].split(",")
-    weight = np.random.default_rng(0).standard_normal([SIZES[c] for c in terms[position]]).astype(np.float32)
+    weight = np.random.default_rng(0).standard_normal([sizes[c] for c in terms[position]]).astype(np.float32)
     other = terms[1 - position]
     inputs = ["x", "W"] if position == 1 else ["W", "x"]
     graph = helper.make_graph([helper.make_node("Einsum", inputs, ["y"], equation=equation)], "einsum",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [SIZES[c] for c in other])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [SIZES[c] for c in equation.split("->")[1]])],
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [sizes[c] for c in other])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [sizes[c] for c in equation.split("->")[1]])],
                               [numpy_helper.from_array(weight, "W")])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
     return path, weight, other
@@ -68,12 +68,9 @@ def test_einsums_that_are_no_plain_product_stay_rounded_to_nearest(tmp_path, equ
 def test_a_calibrated_baseline_rounds_an_einsum_weight_better_than_nearest(tmp_path):
     from tqsdeploy.baselines import quantize_baseline
 
-    SIZES.update(b=4, n=16, d=32, e=24)
-    try:
-        path, _, other = _model(tmp_path / "e.onnx", "bdn,de->bne", 1)
-        windows = tmp_path / "windows.npz"
-        np.savez(windows, x=np.random.default_rng(2).standard_normal([3] + [SIZES[c] for c in other]).astype(np.float32))
-        result = quantize_baseline(path, "gptq", 4, windows, min_params=1)
-    finally:
-        SIZES.update(b=2, n=3, d=4, e=5)
+    sizes = dict(b=4, n=16, d=32, e=24)
+    path, _, other = _model(tmp_path / "e.onnx", "bdn,de->bne", 1, sizes)
+    windows = tmp_path / "windows.npz"
+    np.savez(windows, x=np.random.default_rng(2).standard_normal([3] + [sizes[c] for c in other]).astype(np.float32))
+    result = quantize_baseline(path, "gptq", 4, windows, min_params=1)
     assert "W" not in result.rtn_only and result.errors["W"] < result.rtn_errors["W"], (result.errors, result.rtn_errors)
