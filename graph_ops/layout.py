@@ -335,13 +335,13 @@ def _einsum_use(node, position, perm, index) -> tuple[WeightUse | None, str | No
     if perm is None or terms is None or len(terms[0]) != 2:
         return None, "Einsum inputs are not rebuilt (not a two-operand product with one output-channel letter)"
     weight, other = terms[0][position], terms[0][1 - position]
+    if len(set(weight)) != len(weight) or len(set(other)) != len(other):
+        return None, "Einsum inputs are not rebuilt (a repeated letter)"
     columns = [weight[a] for a in perm[1:]]
-    if weight[perm[0]] in other or any(c not in other or c in terms[1] for c in columns) or len(set(weight + other)) != len(set(weight)) + len(set(other)) - len(columns):
+    if weight[perm[0]] in other or any(c not in other for c in columns):
         return None, "Einsum inputs are not rebuilt (its weight shares letters with the other operand beyond the summed ones)"
     if any(c not in terms[1] and c not in columns for c in other):
         return None, "Einsum inputs are not rebuilt (the other operand sums a letter on its own)"
-    if len(set(weight)) != len(weight) or len(set(other)) != len(other):
-        return None, "Einsum inputs are not rebuilt (a repeated letter)"
     x_axes = tuple(i for i, letter in enumerate(other) if letter not in columns) + tuple(other.index(c) for c in columns)
     return WeightUse(_node_id(node, index), index, node.op_type, node.input[1 - position], x_axes=x_axes, x_columns=len(columns)), None
 
