@@ -52,7 +52,12 @@ def recurrent_states(node: onnx.NodeProto) -> str | None:
         return None
     if initial_state(node):
         return f"{named[0]}/states"
-    return node.output[0] or f"{named[0]}/Y"
+    return _output_y(node)
+
+
+def _output_y(node: onnx.NodeProto) -> str:
+    """The node's Y: its own name, or the one the calibration graph gives it from its first named output."""
+    return node.output[0] or f"{next(o for o in node.output if o)}/Y"
 
 
 def recurrent_rows(geometry: RecurrentGeometry, value: np.ndarray) -> np.ndarray:
@@ -82,20 +87,19 @@ def recurrent_rows(geometry: RecurrentGeometry, value: np.ndarray) -> np.ndarray
 
 def add_recurrent_states(model: onnx.ModelProto, layouts) -> onnx.ModelProto:
     """`model` (a copy the caller owns) with the tensor each calibrated R's rows come from
-    (`graph_ops.layout.recurrent_states`): a Y the exporter left unnamed (torch's do, when only the last state
-    is used) named, and the fed initial state put on both ends of Y along the sequence axis."""
-    wanted = {u.x for layout in layouts.values() if layout.calibratable for u in layout.uses if u.recurrent is not None and u.recurrent.operand == "R"}
+    (`recurrent_states`): a Y the exporter left unnamed (torch's do, when only the last state is used) named,
+    and the fed initial state put on both ends of Y along the sequence axis."""
+    wanted = {u.x: u.recurrent for layout in layouts.values() if layout.calibratable for u in layout.uses
+              if u.recurrent is not None and u.recurrent.operand == "R"}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
     for node in list(model.graph.node):
         states = recurrent_states(node) if node.op_type in RECURRENT_OPS else None
         if states not in wanted:
             continue
-        if not node.output[0]:
-            node.output[0] = f"{next(o for o in node.output if o)}/Y"
-        initial = initial_state(node)
-        if initial is None:
+        node.output[0] = _output_y(node)
+        if not wanted[states].initial:
             continue
-        axis = 1 if any(a.name == "layout" and a.i == 1 for a in node.attribute) else 0
+        initial, axis = initial_state(node), int(wanted[states].batch_first)
         if opset >= 13:
             model.graph.initializer.append(numpy_helper.from_array(np.array([axis], np.int64), f"{states}/axis"))
             unsqueeze = helper.make_node("Unsqueeze", [initial, f"{states}/axis"], [f"{states}/initial"])
