@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tqsdeploy.evaluate import EvalSettings, evaluate
+from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "ETTh1.csv"

@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_calib_spread import MIN_PARAMS, REPO, etth1_sets, held_out_drift, trajectory_sets  # noqa: E402
 
-from tqsdeploy.evaluate import EvalSettings, evaluate  # noqa: E402
+from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate  # noqa: E402
 
 CLIS = {"today": [sys.executable, "-m", "tqsdeploy"], "min-max": [sys.executable, str(REPO / "benchmarks" / "cli_min_max_grids.py")]}
 

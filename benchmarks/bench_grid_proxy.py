@@ -31,8 +31,8 @@ EXAMPLES = tuple(sorted(p.parent.name for p in (REPO / "examples").glob("*/model
 PATCHED_EXPORT = r'''
 import json, sys, threading
 import tiers.quantizer as tq
-import tqsdeploy.export_candidates as ec
-import tqsdeploy.quantization as qz
+import tqsdeploy.export.candidates as ec
+import tqsdeploy.encoding.encoder as qz
 from tiers.gptq import Quantized
 
 local, proxies, found = threading.local(), {}, []

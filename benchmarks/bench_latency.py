@@ -5,7 +5,7 @@ and, with `--stack-gb G`, a MatMul stack of G GB (benchmarks/bench_memory.py's g
 score, then `export --C 4` once and write its allocation in both runtime layouts (`dequantized`, what
 `--target ort-cpu` picks by default, and `fused`, DequantizeLinear that ONNX Runtime runs as MatMulNBits with
 int8 activations), beside an FP16 copy (onnxconverter-common, keep_io_types). Each variant is timed against
-FP32 with `tqsdeploy.latency.measure` (both sessions open, paired rounds, order swapped each round, medians)
+FP32 with `tqsdeploy.evaluation.latency.measure` (both sessions open, paired rounds, order swapped each round, medians)
 at batch 1 and at the example's batch (its context windows in one call; the BERT: 16 sequences), on ONNX
 Runtime's CPU provider with its default threads; the held-out drift (eval as ONNX Runtime runs the variant)
 is reported beside. The examples export with the tool's defaults; the generated models, which have no
@@ -38,11 +38,11 @@ from bench_score import bert  # noqa: E402
 
 from runtimes import for_provider  # noqa: E402
 from tqsdeploy import ScoreSettings, score  # noqa: E402
-from tqsdeploy.contexts import Contexts, load_contexts  # noqa: E402
-from tqsdeploy.engine import RolloutEngine  # noqa: E402
-from tqsdeploy.evaluate import EvalSettings, evaluate  # noqa: E402
-from tqsdeploy.export import ExportSettings, Planner  # noqa: E402
-from tqsdeploy.latency import LatencySettings, measure  # noqa: E402
+from tqsdeploy.rollout.contexts import Contexts, load_contexts  # noqa: E402
+from tqsdeploy.rollout.engine import RolloutEngine  # noqa: E402
+from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate  # noqa: E402
+from tqsdeploy.export.planner import ExportSettings, Planner  # noqa: E402
+from tqsdeploy.evaluation.latency import LatencySettings, measure  # noqa: E402
 from tqsdeploy.rollout import RolloutSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,9 +22,9 @@ from pathlib import Path
 import polars as pl
 
 from run_frontiers import MIN_PARAMS
-from tqsdeploy.evaluate import evaluate
-from tqsdeploy.export import ExportSettings, Planner
-from tqsdeploy.score import score
+from tqsdeploy.evaluation.evaluate import evaluate
+from tqsdeploy.export.planner import ExportSettings, Planner
+from tqsdeploy.scoring.score import score
 from tqsdeploy.units import UnitSelection
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ TARGETS = {"etth1_patchtst": (4.0, 3.73), "tied_mixer_etth1": (4.0, 3.05)}
 
 
 def heldout_drift(model: Path, folder: Path) -> float:
-    from tqsdeploy.evaluate import EvalSettings, evaluate
+    from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
 
     report = evaluate(model, folder / "model.onnx", folder / "heldout.npz", spec=folder / "rollout.toml", truth=folder / "heldout_truth.npz", settings=EvalSettings(latency=None))
     return max(o["vs_reference"]["drift_pct"] for o in report["outputs"].values())

@@ -2,7 +2,7 @@
 
 For each model it reports, per sweep strategy (feed, rebuild, unit, prefix,
 batch where the model's batch axis is dynamic, auto):
-- the sweep's wall time (`tqsdeploy.score`, end to end: session builds,
+- the sweep's wall time (`tqsdeploy.scoring.score`, end to end: session builds,
   auto's timing, the nominal rollout, every task);
 - ratio = that wall / (L·(1+N) × one plain ONNX Runtime rollout of the
   unmodified model over the same contexts), where L·(1+N) is the number of
@@ -40,10 +40,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from runtimes import OrtRuntime
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.contexts import Contexts
+from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.errors import TqsError
 from tqsdeploy.rollout import RolloutSpec, rollout
-from tqsdeploy.prepare import prepare
+from tqsdeploy.scoring.prepare import prepare
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"

@@ -23,8 +23,8 @@ from scipy.stats import spearmanr
 
 from tiers import TIERS
 from tiers.quantizer import encode
-from tqsdeploy.export import ExportSettings, Planner
-from tqsdeploy.score import score
+from tqsdeploy.export.planner import ExportSettings, Planner
+from tqsdeploy.scoring.score import score
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import polars as pl
 
-from tqsdeploy.evaluate import EvalSettings, evaluate
+from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_PARAMS = {"lorenz96": 256, "era5_emulator": 256}  # as run_frontiers.py: the small convs are quantized too

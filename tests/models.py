@@ -307,7 +307,7 @@ def batch_mean(path: Path, n: int = 32, seed: int = 0) -> Path:
 def assorted_case(folder: Path):
     """(model, contexts, rollout spec): a Gather table, a Gemm (transB=0), a Constant-node MatMul weight and a
     Conv weight read through a Transpose; one step, no feedback."""
-    from tqsdeploy.contexts import Contexts
+    from tqsdeploy.rollout.contexts import Contexts
     from tqsdeploy.rollout import RolloutSpec
 
     rng = np.random.default_rng(0)
@@ -318,7 +318,7 @@ def assorted_case(folder: Path):
 def shared_weight_case(folder: Path, steps: int = 4):
     """(model, contexts, rollout spec): a residual MLP with one weight read by two MatMuls and a transB Gemm,
     its state fed back for `steps` steps."""
-    from tqsdeploy.contexts import Contexts
+    from tqsdeploy.rollout.contexts import Contexts
     from tqsdeploy.rollout import RolloutSpec
 
     contexts = Contexts({"x": np.random.default_rng(1).standard_normal((4, 2, 32)).astype(np.float32)}, source="test")

@@ -7,7 +7,7 @@ import pytest
 
 from graph_ops.qdq import emitted_bits
 from tiers import Layout, encode, get_tiers
-from tqsdeploy.allocate import Choice, allocate, max_compression, paper_weights
+from tqsdeploy.export.allocate import Choice, allocate, max_compression, paper_weights
 from tqsdeploy.errors import InfeasibleError
 
 TIERS = get_tiers(["fp32", "bf16", "int8", "int4", "int2"])
@@ -107,7 +107,7 @@ def test_paper_weights_keep_order_and_stay_positive():
 def _pulp_solver_labels():
     import pulp
 
-    from tqsdeploy.allocate import _milp_solvers
+    from tqsdeploy.export.allocate import _milp_solvers
 
     return [label for label, _ in _milp_solvers(pulp)]
 
@@ -126,7 +126,7 @@ def test_each_exact_solver_finds_the_brute_force_optimum(label, monkeypatch):
 
     import pulp
 
-    from tqsdeploy import allocate as allocate_module
+    from tqsdeploy.export import allocate as allocate_module
 
     solvers = dict(allocate_module._milp_solvers(pulp))
     monkeypatch.setattr(allocate_module, "_milp_solvers", lambda _pulp: [(label, solvers[label])])
@@ -157,7 +157,7 @@ def test_the_solver_finds_the_optimum_when_prices_span_many_orders_of_magnitude(
 
     import pulp
 
-    from tqsdeploy import allocate as allocate_module
+    from tqsdeploy.export import allocate as allocate_module
 
     solvers = dict(allocate_module._milp_solvers(pulp))
     monkeypatch.setattr(allocate_module, "_milp_solvers", lambda _pulp: [(label, solvers[label])])

@@ -7,7 +7,7 @@ import pytest
 
 import models
 from tqsdeploy import ScoreSettings, UnitSelection, score
-from tqsdeploy.probes import quantization_probe
+from tqsdeploy.sweep.probes import quantization_probe
 
 
 def _exact_gamma(a: np.ndarray, x0: np.ndarray, bits: int, horizons, eps=1e-12) -> dict[int, float]:

@@ -12,7 +12,7 @@ from graph_ops.calibration import ConvGeometry, im2col, layer_inputs, waves
 from runtimes.ort import OrtRuntime
 from tiers import Layout, Rounding
 from tiers.gptq import Hessian
-from tqsdeploy.baselines import quantize_baseline
+from tqsdeploy.export.baselines import quantize_baseline
 from tqsdeploy.errors import InputError
 
 FLOAT = TensorProto.FLOAT
@@ -335,8 +335,8 @@ def test_calibration_statistics_see_the_quantized_prefix_exactly(mlp):
     give (computed here in numpy), whatever form the calibration session rebuilds them from."""
     from graph_ops.io import load_model
     from tiers import TIERS, encode
-    from tqsdeploy.calibrate import Calibrator
-    from tqsdeploy.contexts import Contexts
+    from tqsdeploy.encoding.calibrator import Calibrator
+    from tqsdeploy.rollout.contexts import Contexts
     from tqsdeploy.rollout import RolloutSpec
 
     model_path, calib, _ = mlp
@@ -453,7 +453,7 @@ def test_auto_grids_keep_the_grid_whose_model_drifts_less_on_the_calibration_win
     measures each on the calibration windows' rollout and keeps the one that drifts less: the same codes as
     asking for that grid outright. An 8-bit tier has one grid: nothing is measured."""
     from tiers import GRIDS
-    from tqsdeploy.calibrate import Calibrator
+    from tqsdeploy.encoding.calibrator import Calibrator
 
     model, calib, _ = mlp
     codes = lambda result: {n: e.values.tobytes() for n, e in result.encoded.items()}  # noqa: E731
@@ -465,7 +465,7 @@ def test_auto_grids_keep_the_grid_whose_model_drifts_less_on_the_calibration_win
     assert all(not result.grid_drifts for result in each.values())
     assert chosen.errors == each[chosen.grids].errors  # the kept model's layer errors, not the last pass's
     # each grid's drift as measured on its own: the calibration windows, one step, against the original
-    from tqsdeploy.contexts import Contexts
+    from tqsdeploy.rollout.contexts import Contexts
     from tqsdeploy.rollout import RolloutSpec
 
     proto = onnx.load(str(model))

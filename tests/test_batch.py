@@ -11,10 +11,10 @@ import pytest
 import graph_ops
 import models
 from tqsdeploy import SENTINEL_GAMMA, ScoreSettings, score
-from tqsdeploy.contexts import Contexts
+from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import RolloutSpec
-from tqsdeploy.prepare import prepare
+from tqsdeploy.scoring.prepare import prepare
 from tqsdeploy.units import UnitSelection
 
 SETTINGS = ScoreSettings(gauss_draws=2)

@@ -14,7 +14,7 @@ from runtimes import OrtRuntime
 from runtimes.derived import derived_feed
 from runtimes.factories import RebuildFactory
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.contexts import Contexts
+from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.units import UnitSelection, select_units
 

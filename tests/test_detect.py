@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from runtimes import IOSpec, OrtRuntime
 from tqsdeploy.cli import app
-from tqsdeploy.contexts import Contexts
-from tqsdeploy.engine import RolloutEngine
+from tqsdeploy.rollout.contexts import Contexts
+from tqsdeploy.rollout.engine import RolloutEngine
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import AmbiguousRollout, Feedback, RolloutSpec, detect, detect_rollout, next_feeds
 

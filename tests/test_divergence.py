@@ -2,7 +2,7 @@
 
 import math
 
-from tqsdeploy.engine import Divergence, EarlyStop
+from tqsdeploy.rollout.engine import Divergence, EarlyStop
 from tqsdeploy.sweep import STRATEGIES
 from tqsdeploy.sweep.strategies import BY_NAME
 

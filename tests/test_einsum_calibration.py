@@ -66,7 +66,7 @@ def test_einsums_that_are_no_plain_product_stay_rounded_to_nearest(tmp_path, equ
 
 
 def test_a_calibrated_baseline_rounds_an_einsum_weight_better_than_nearest(tmp_path):
-    from tqsdeploy.baselines import quantize_baseline
+    from tqsdeploy.export.baselines import quantize_baseline
 
     sizes = dict(b=4, n=16, d=32, e=24)
     path, _, other = _model(tmp_path / "e.onnx", "bdn,de->bne", 1, sizes)

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
 from tqsdeploy.cli import app
-from tqsdeploy.evaluate import evaluate, markdown
+from tqsdeploy.evaluation.evaluate import evaluate, markdown
 
 
 def _model(path, w_side):

@@ -76,7 +76,7 @@ def test_qep_w2_on_the_weight_tied_example_stays_within_the_min_max_grids_drift(
     the clip-searched grid alone drifted 0.281 ± 0.015 on the held-out windows (6 calibration sets), on the min-max
     grid of 95188a9 0.177 ± 0.020, with each channel on the grid its solve does best on 0.164 ± 0.016. These
     contexts: 0.295 searched alone, 0.165 min-max, 0.146 now; the bound is min-max's mean + 1 sd."""
-    from tqsdeploy.evaluate import EvalSettings, evaluate
+    from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
 
     folder = REPO / "examples" / "tied_mixer_etth1"
     code, text = _run("baseline", folder / "model.onnx", "--method", "qep", "--bits", "2", "--calib", folder / "contexts.npz", "-o", tmp_path / "qep.onnx")
@@ -90,7 +90,7 @@ def test_qep_w2_on_lorenz96_keeps_the_grid_that_does_no_worse_than_95188a9s(tmp_
     held-out drift against 95188a9's min-max grids over 20 calibration sets (21.67 vs 19.79, t = 5.5). With
     --grids auto the baseline measures both grids on its calibration windows and keeps min-max there (on all 20
     sets): no worse than 95188a9 held-out, while the per-channel choice is worse on these windows too."""
-    from tqsdeploy.evaluate import EvalSettings, evaluate
+    from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
 
     folder = REPO / "examples" / "lorenz96"
     drift = {}

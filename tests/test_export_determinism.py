@@ -10,7 +10,7 @@ import pytest
 
 import models
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.export import ExportSettings, Planner
+from tqsdeploy.export.planner import ExportSettings, Planner
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import pytest
 
 import models
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.checkpoints import FOLDER
-from tqsdeploy.export import ExportSettings, Planner
+from tqsdeploy.encoding.checkpoints import FOLDER
+from tqsdeploy.export.planner import ExportSettings, Planner
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_ctrl_c_during_export_says_what_is_kept_and_the_rerun_resumes(scored, tm
 def test_interrupted_exports_keep_at_most_max_passes(scored, tmp_path, monkeypatch):
     """Checkpoints do not pile up: beyond MAX_PASSES the least recently used pass is dropped."""
     from tiers import TIERS, Rounding
-    from tqsdeploy import checkpoints
+    from tqsdeploy.encoding import checkpoints
 
     model, folder = scored
     shutil.copytree(folder / "run", tmp_path / "run")

@@ -17,9 +17,9 @@ from graph_ops.layout import Layout
 from tiers.quantizer import quantize
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
-from tqsdeploy.export import ExportSettings, Planner
-from tqsdeploy.profiling import KINDS, Profile
-from tqsdeploy.quantization import comparison_methods
+from tqsdeploy.export.planner import ExportSettings, Planner
+from tqsdeploy.encoding.profiling import KINDS, Profile
+from tqsdeploy.encoding.encoder import comparison_methods
 from test_export import scored  # noqa: F401 - the export tests' scored MLP, a fixture
 
 
@@ -97,7 +97,7 @@ def test_parallel_wave_solves_equal_one_at_a_time(tmp_path, monkeypatch):
     score(model, contexts, steps=3, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
     encoded = {}
     for threads in (1, 3):
-        monkeypatch.setattr("tqsdeploy.calibrate.solver_threads", lambda threads=threads: threads)
+        monkeypatch.setattr("tqsdeploy.encoding.calibrator.solver_threads", lambda threads=threads: threads)
         planner = Planner(tmp_path / "run", model, ExportSettings())
         assert max(len(wave) for wave in planner.encoder.calibrator.waves) == 3
         encoded[threads] = planner.encoder.uniform("int4-asym", Rounding("qep"))

@@ -121,7 +121,7 @@ def test_a_win_by_a_uniform_fallback_is_not_counted_as_the_allocators(small):
     """A frontier run with RTN baselines alone counted TQS-PTQ's point as a win when export had shipped a uniform
     GPTAQ model there (its fallback beat RTN): a uniform model is not the allocator's win. The report now counts it
     apart, names the model in the win table, and says in the matched table what TQS-PTQ shipped."""
-    from tqsdeploy.report import build_report
+    from tqsdeploy.evaluation.report import build_report
 
     model, contexts, folder = small
     out = folder / "front-fallback"

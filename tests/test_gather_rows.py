@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 import models
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
-from tqsdeploy.probes import perturb
-from tqsdeploy.prepare import prepare
+from tqsdeploy.sweep.probes import perturb
+from tqsdeploy.scoring.prepare import prepare
 
 
 def test_gather_table_scored_on_the_rows_the_contexts_read(tmp_path):
@@ -95,7 +95,7 @@ def test_gaussian_probes_of_a_table_perturb_only_the_rows_read(tmp_path):
 def test_rows_the_contexts_never_read_are_priced_as_read_rows_not_free(tmp_path):
     """Slots of a table holding only unread rows measured nothing, so they priced at 0 and went to the lowest tier for
     free (era5_downscale's unread hours at INT2: held-out windows at those hours drifted 5.6x uniform INT8)."""
-    from tqsdeploy.export import ExportSettings, Planner
+    from tqsdeploy.export.planner import ExportSettings, Planner
 
     model = models.gather_forecaster(tmp_path / "g.onnx", rows=64)  # 2048 parameters: a unit
     rng = np.random.default_rng(0)

@@ -12,7 +12,7 @@ import onnxruntime
 import pytest
 from typer.testing import CliRunner
 
-from tqsdeploy import score
+from tqsdeploy.scoring import score
 from tqsdeploy.cli import app
 
 HAS_CUDA = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
@@ -64,8 +64,8 @@ def test_device_binding_path_runs_rollouts_as_plain_runs_do(two_branch, tmp_path
 
     import graph_ops
     from runtimes import OrtSession, WithDefaults
-    from tqsdeploy.contexts import load_npz
-    from tqsdeploy.engine import RolloutEngine
+    from tqsdeploy.rollout.contexts import load_npz
+    from tqsdeploy.rollout.engine import RolloutEngine
     from tqsdeploy.rollout import RolloutSpec, detect
 
     model, contexts = two_branch

@@ -12,7 +12,7 @@ from runtimes import OrtRuntime
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
 from tqsdeploy.errors import InputError, RolloutError
-from tqsdeploy.probes import UnitProbes
+from tqsdeploy.sweep.probes import UnitProbes
 from tqsdeploy.sweep import LANE_EXTRA_BYTES, ProbeSource, Task, interleaved, plan_tasks, sweep_lanes
 from tqsdeploy.units import UnitSelection
 
@@ -73,7 +73,7 @@ def test_lanes_taking_units_out_of_plan_order_build_each_perturbation_once(tmp_p
     """With per-unit work items two lanes ask for two units' tasks at once, not in the plan's order:
     a task asked for before its build started is built by the asker and never again."""
     model, contexts, spec = models.assorted_case(tmp_path)
-    from tqsdeploy.prepare import prepare
+    from tqsdeploy.scoring.prepare import prepare
 
     job = prepare(model, contexts, spec, settings=SETTINGS, selection=UnitSelection(min_params=100)).job
     tasks = plan_tasks(list(job.units.values()), True, 2)
@@ -142,7 +142,7 @@ def test_export_prices_and_refines_on_lanes_as_on_one(tmp_path):
     one-lane prices, allocation and drift to the bit."""
     import shutil
 
-    from tqsdeploy.export import ExportSettings, Planner
+    from tqsdeploy.export.planner import ExportSettings, Planner
 
     model = models.mlp_forecaster(tmp_path / "mlp.onnx", n=64, hidden=128)
     contexts = tmp_path / "ctx.npz"

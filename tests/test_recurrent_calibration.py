@@ -15,7 +15,7 @@ from graph_ops import weight_layouts
 from graph_ops.calibration import expose_tensors, layer_inputs, waves
 from graph_ops.recurrent import add_recurrent_states
 from runtimes.ort import OrtRuntime
-from tqsdeploy.baselines import quantize_baseline
+from tqsdeploy.export.baselines import quantize_baseline
 
 SEQ, BATCH, INPUTS, HIDDEN = 7, 3, 5, 4
 

@@ -66,7 +66,7 @@ def test_report_has_intervals_verdicts_and_valid_html(tmp_path):
 def test_bootstrap_intervals_are_bca_and_survive_degenerate_windows():
     from scipy import stats
 
-    from tqsdeploy.evaluate import _bootstrap, _degradation, _mean
+    from tqsdeploy.evaluation.evaluate import _bootstrap, _degradation, _mean
 
     skewed = np.random.default_rng(0).exponential(1.0, 8)  # per-window MAEs over 8 windows: few and skewed
     low, high = _bootstrap((skewed,), _mean, 2000, 0)

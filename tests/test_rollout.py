@@ -108,8 +108,8 @@ def test_a_dynamic_leading_axis_that_is_time_is_not_batched(tmp_path):
     from onnx import TensorProto, helper, numpy_helper
 
     from runtimes import OrtRuntime
-    from tqsdeploy.contexts import Contexts
-    from tqsdeploy.engine import RolloutEngine
+    from tqsdeploy.rollout.contexts import Contexts
+    from tqsdeploy.rollout.engine import RolloutEngine
 
     rng = np.random.default_rng(1)
     init = {"Wl": rng.standard_normal((1, 128, 8)) * 0.3, "Rl": rng.standard_normal((1, 128, 32)) * 0.15, "Wo": rng.standard_normal((32, 8)) * 0.1}
@@ -150,8 +150,8 @@ def test_outputs_one_rank_off_their_input_shift_into_it(tmp_path, case):
     from onnx import helper
 
     from runtimes import OrtRuntime
-    from tqsdeploy.contexts import Contexts
-    from tqsdeploy.engine import RolloutEngine
+    from tqsdeploy.rollout.contexts import Contexts
+    from tqsdeploy.rollout.engine import RolloutEngine
     from tqsdeploy.rollout import detect_rollout
 
     rng = np.random.default_rng(2)

@@ -18,7 +18,7 @@ import pytest
 import models
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.errors import InputError
-from tqsdeploy.export import Planner
+from tqsdeploy.export.planner import Planner
 from tqsdeploy.files import claim_run_folder
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from runtimes.trt import TrtRuntime
 from tqsdeploy import ScoreRun, ScoreSettings, UnitSelection, score
 from tqsdeploy.cli import app
 from tqsdeploy.errors import InputError
-from tqsdeploy.runs import RUN_FORMAT, model_label
+from tqsdeploy.scoring.runs import RUN_FORMAT, model_label
 
 
 @pytest.fixture

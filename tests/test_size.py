@@ -7,10 +7,10 @@ from typer.testing import CliRunner
 import graph_ops
 import models
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.allocate import allocate
+from tqsdeploy.export.allocate import allocate
 from tqsdeploy.cli import app
 from tqsdeploy.errors import InfeasibleError, InputError
-from tqsdeploy.export import ExportSettings, Planner
+from tqsdeploy.export.planner import ExportSettings, Planner
 from tqsdeploy.size import ModelSize, SizeBudget, reachable_label, split_bits
 
 

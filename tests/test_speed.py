@@ -5,12 +5,12 @@ import pytest
 
 import models
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.contexts import Contexts
+from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.errors import RolloutError
-from tqsdeploy.probes import UnitProbes, perturb, quantization_probe
-from tqsdeploy.prepare import prepare
+from tqsdeploy.sweep.probes import UnitProbes, perturb, quantization_probe
+from tqsdeploy.scoring.prepare import prepare
 from tqsdeploy.rollout import RolloutSpec
-from tqsdeploy.runs import ScoreTable
+from tqsdeploy.scoring.runs import ScoreTable
 from tqsdeploy.units import UnitSelection
 
 SETTINGS = ScoreSettings(gauss_draws=2)
@@ -285,7 +285,7 @@ def test_the_calibration_session_sleeps_between_calls(tmp_path):
     must not spin (on 2 cores spinning made the demo's calibration 2.2x slower). Spinning changes no value."""
     import graph_ops
     from runtimes import OrtRuntime
-    from tqsdeploy.calibrate import Calibrator
+    from tqsdeploy.encoding.calibrator import Calibrator
 
     entry = ("session.intra_op.allow_spinning", "0")
     assert OrtRuntime().yielding().config == (entry,) and OrtRuntime().yielding().yielding().config == (entry,)

@@ -12,9 +12,9 @@ import onnx
 import graph_ops
 import models
 from runtimes import OrtRuntime
-from tqsdeploy.evaluate import evaluate
-from tqsdeploy.export import Planner
-from tqsdeploy.score import ScoreSettings, score
+from tqsdeploy.evaluation.evaluate import evaluate
+from tqsdeploy.export.planner import Planner
+from tqsdeploy.scoring.score import ScoreSettings, score
 from tqsdeploy.sweep import SweepRunner
 
 
@@ -90,7 +90,7 @@ def test_external_data_models_score_and_evaluate_as_in_memory_ones(tmp_path):
 def test_baselines_of_external_data_models_read_the_files_and_match_in_memory_ones(tmp_path):
     """`baseline` maps the weights from the model's data file (no copy of the model) and writes external data
     for an external input; codes and outputs equal the in-memory baseline's, the input folder unchanged."""
-    from tqsdeploy.baselines import quantize_baseline, write_baseline
+    from tqsdeploy.export.baselines import quantize_baseline, write_baseline
 
     inline = models.mlp_forecaster(tmp_path / "inline.onnx", n=32, hidden=64)
     external = _external_copy(inline, tmp_path / "ext")
@@ -186,7 +186,7 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
     drifts and the written model are unchanged."""
     import sys
 
-    export_module = sys.modules["tqsdeploy.export"]
+    export_module = sys.modules["tqsdeploy.export.planner"]
     model = models.mlp_forecaster(tmp_path / "m.onnx", n=32, hidden=64)
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
     score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=2))

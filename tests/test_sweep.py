@@ -28,7 +28,7 @@ def test_dead_unit_gets_sentinel_and_ranks_last(two_branch, tmp_path, strategy):
 def test_a_nominal_begun_from_an_earlier_run_of_its_first_step_equals_a_fresh_rollout(two_branch, strategy, steps):
     """The batching decision (and auto's timing) already ran the first step of the one chunk: the nominal starts
     from that run when the same session makes it, and must equal, bit for bit, a rollout made afresh."""
-    from tqsdeploy.prepare import prepare
+    from tqsdeploy.scoring.prepare import prepare
 
     model, contexts = two_branch
     runner = prepare(model, contexts, steps=steps, strategy=strategy).open_runner()

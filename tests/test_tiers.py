@@ -9,9 +9,9 @@ import models
 from graph_ops.qdq import apply_storage, conversion_overhead_bits, emitted_bits
 from runtimes import OrtRuntime
 from tiers import METHODS, TIERS, Layout, Rounding, TierError, encode, get_tiers, split, tier_for_bits
-from tqsdeploy.calibrate import Calibrator
-from tqsdeploy.contexts import Contexts
-from tqsdeploy.quantization import Encoder
+from tqsdeploy.encoding.calibrator import Calibrator
+from tqsdeploy.rollout.contexts import Contexts
+from tqsdeploy.encoding.encoder import Encoder
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.units import Unit
 
@@ -261,7 +261,7 @@ def test_sizes_come_from_stored_forms_without_the_grid_search(encoder, method):
 def test_full_precision_layer_inputs_are_kept_across_waves_with_the_same_codes(encoder, monkeypatch):
     """GPTAQ/QEP's full-precision layer inputs (the same for every wave and pass) come from one run per
     sample while they are small; the codes are those of a run per wave."""
-    import tqsdeploy.calibrate as calibrate
+    import tqsdeploy.encoding.calibrator as calibrate
 
     codes = []
     for share in (1e9, 0.0):  # this small model's activations outweigh its weights: force both ways

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from graph_ops import weight_layouts
 from graph_ops.calibration import layer_inputs
 from runtimes.ort import OrtRuntime
-from tqsdeploy.baselines import quantize_baseline
+from tqsdeploy.export.baselines import quantize_baseline
 
 GEOMETRIES = [
     dict(kernel_shape=[2, 2], strides=[2, 2]),  # a U-Net's up-convolution

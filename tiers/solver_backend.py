@@ -3,7 +3,7 @@
 `array_module` picks the array library of the heavy products (CuPy on a CUDA device when the `gpu` extra
 is installed, numpy otherwise): the same calls run in CI under numpy. On CuPy the statistics' products, the
 inverse Cholesky and GPTQ's column loop on integer grids (`tiers.column_loop`) run on the device. `shared_cores` splits the cores'
-BLAS threads between solves that run side by side (`tqsdeploy.calibrate`), so parallel solves never
+BLAS threads between solves that run side by side (`tqsdeploy.encoding.calibrator`), so parallel solves never
 ask for more threads than threadpoolctl says numpy may use.
 """
 

@@ -81,7 +81,7 @@ def write_table(frame, path: str | os.PathLike) -> Path:
 RUN_MARKER = "run.json"
 LOCK_NAME = ".tqsdeploy.lock"
 REPLACED = ".replaced"
-"""Where a run being replaced (score --fresh) waits until the new run has a result (`tqsdeploy.score`)."""
+"""Where a run being replaced (score --fresh) waits until the new run has a result (`tqsdeploy.scoring.score`)."""
 
 
 def file_identity(path: Path) -> tuple[int, int, int] | None:

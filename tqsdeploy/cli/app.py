@@ -81,7 +81,7 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 def _version(value: bool) -> None:
     if value:
-        from tqsdeploy import __version__
+        from tqsdeploy._version import __version__
 
         out.print(f"tqsdeploy {__version__}")
         raise typer.Exit()
@@ -262,7 +262,7 @@ LATENCY_BATCHES = typer.Option(None, "--latency-batches", help=BATCHES_HELP)
 
 def latency_settings(off: bool, batches: Optional[str]):
     """The latency settings the options ask for (None: not measured)."""
-    from tqsdeploy.latency import LatencySettings
+    from tqsdeploy.evaluation.latency import LatencySettings
 
     sizes = parse_ints(batches, "--latency-batches")
     if sizes is not None and (not sizes or min(sizes) < 1):

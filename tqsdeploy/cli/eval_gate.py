@@ -33,7 +33,7 @@ def engine(
 
 
 def _bounds_from_options(max_degradation, min_compression, max_size, per_output, min_cosine=None):
-    from tqsdeploy.gate import Bounds, parse_percent, parse_size
+    from tqsdeploy.evaluation.gate import Bounds, parse_percent, parse_size
 
     per = {}
     for item in per_output or []:
@@ -80,7 +80,7 @@ def eval_command(
     """Roll out candidate and reference from the same contexts and compare them (and the truth), and time both."""
     from graph_ops.io import OutputError
     from tqsdeploy.errors import InputError
-    from tqsdeploy.evaluate import EvalSettings, evaluate, markdown, write_report
+    from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate, markdown, write_report
     from tqsdeploy.files import check_writable
 
     settings = EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis, windows=csv_windows(windows, contexts), zscore=zscore, columns=parse_columns(columns), cosine=cosine,
@@ -131,8 +131,8 @@ def gate(
     latency_batches: Optional[str] = LATENCY_BATCHES,
 ):
     """Exit 1 when the candidate violates any bound, 0 when it meets them all."""
-    from tqsdeploy.evaluate import EvalSettings, evaluate
-    from tqsdeploy.gate import check, gate_markdown, write_outputs
+    from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
+    from tqsdeploy.evaluation.gate import check, gate_markdown, write_outputs
 
     from tqsdeploy.files import check_writable
 

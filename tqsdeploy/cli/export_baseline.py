@@ -13,7 +13,7 @@ from rich.markup import escape
 from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS
 from tqsdeploy.cli.app import app, err, frame_table, out, parse_floats, progress_bar, split_list, user_errors
 from tqsdeploy.errors import InputError
-from tqsdeploy.quantization import GRID_CHOICES, GRIDS_HELP
+from tqsdeploy.encoding.encoder import GRID_CHOICES, GRIDS_HELP
 
 
 def _say_sidecar(files, size: int, alternative: str | None = None) -> None:
@@ -115,9 +115,9 @@ def export(
     Prints each model's drift from the original on the scoring contexts in percent (eval's unit) and warns above 5%.
     Exit codes: 0 written, 1 a model exceeded --max-drift (nothing written for it), 2 bad input."""
     from runtimes import for_provider
-    from tqsdeploy.export import ExportSettings, Planner, find_run
+    from tqsdeploy.export.planner import ExportSettings, Planner, find_run
 
-    from tqsdeploy.gate import parse_percent
+    from tqsdeploy.evaluation.gate import parse_percent
 
     output = Path(output_given) if output_given is not None else None  # the text kept: a trailing '/' means a folder
     max_drift_pct = parse_percent(max_drift, "--max-drift") if max_drift is not None else None  # '5%' as gate's bounds take it
@@ -157,7 +157,7 @@ def export(
     if compression:
         planner.check_targets(targets)
     planner.check_single_file(targets, uniform_tier)
-    from tqsdeploy.runs import model_label
+    from tqsdeploy.scoring.runs import model_label
 
     stem = model_label(planner.model.path)
     paths = [output or out_dir / f"{stem}.{f'C{value:g}' if value is not None else uniform_tier.lower()}.onnx" for value in targets]
@@ -213,7 +213,7 @@ def export(
         planner.close()
     import polars as pl
 
-    from tqsdeploy.export import WARN_DRIFT_PCT
+    from tqsdeploy.export.planner import WARN_DRIFT_PCT
 
     for value, outcome, fused in rows:
         if outcome.refused:
@@ -244,7 +244,7 @@ def export(
         for note in outcome.notes:
             out.print(f"  [yellow]note:[/] {escape(note)}")
         if verbose and outcome.profile:
-            from tqsdeploy.profiling import describe
+            from tqsdeploy.encoding.profiling import describe
 
             out.print(f"  time: {describe(outcome.profile)}")
         if outcome.drift_pct is not None and not outcome.drift_pct <= WARN_DRIFT_PCT:
@@ -280,7 +280,7 @@ def baseline(
 ):
     """Quantize every unit uniformly with RTN, GPTQ, GPTAQ or QEP (numpy, calibrated on ONNX Runtime)."""
     from tiers import Rounding
-    from tqsdeploy.baselines import quantize_baseline, write_baseline
+    from tqsdeploy.export.baselines import quantize_baseline, write_baseline
     from tqsdeploy.files import check_writable, write_json
 
     if method not in METHODS:
@@ -290,7 +290,7 @@ def baseline(
     if runtime_layout not in ("dequantized", "fused"):
         raise typer.BadParameter("--runtime-layout must be dequantized or fused")
     import graph_ops
-    from tqsdeploy.runs import model_label
+    from tqsdeploy.scoring.runs import model_label
 
     path = Path(output_given) if output_given is not None else Path(f"{model_label(model)}.{method}-w{bits}.onnx")
     _check_output_file(path, output_given, (model, *(graph_ops.load_model(model, load_external=False).external_files if path.exists() else ())))

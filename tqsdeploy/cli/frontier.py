@@ -1,4 +1,4 @@
-"""`frontier`: TQS-PTQ and the uniform baselines on one chart (`tqsdeploy.frontier`), then the report."""
+"""`frontier`: TQS-PTQ and the uniform baselines on one chart (`tqsdeploy.evaluation.frontier`), then the report."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from tiers import DEFAULT_TIERS, METHODS
-from tqsdeploy.quantization import GRID_CHOICES, GRIDS_HELP
+from tqsdeploy.encoding.encoder import GRID_CHOICES, GRIDS_HELP
 from tqsdeploy.cli.app import COLUMNS, CSV_WINDOWS, ZSCORE, app, csv_windows, err, frame_table, latency_settings, out, parse_columns, parse_floats, progress_bar, split_list, user_errors
 
 
@@ -46,10 +46,10 @@ def frontier(
     force: bool = typer.Option(False, "--force", help="Write into an --out folder that holds other files (report.md, frontier.csv and the like there are overwritten)."),
 ):
     """Score once, export TQS-PTQ at every C, run the uniform baselines, evaluate all, and report."""
-    from tqsdeploy.evaluate import EvalSettings
-    from tqsdeploy.export import ExportSettings
-    from tqsdeploy.frontier import FrontierSettings, run_frontier
-    from tqsdeploy.report import build_report
+    from tqsdeploy.evaluation.evaluate import EvalSettings
+    from tqsdeploy.export.planner import ExportSettings
+    from tqsdeploy.evaluation.frontier import FrontierSettings, run_frontier
+    from tqsdeploy.evaluation.report import build_report
 
     from tiers import get_tiers
 
@@ -68,7 +68,7 @@ def frontier(
     tier_set = get_tiers(tier_names or DEFAULT_TIERS, "ort", group_size)  # unknown names fail now, not after the score
     if group_size:  # and a --group-size nothing could take (it once failed after the score)
         import graph_ops
-        from tqsdeploy.quantization import checked_layouts
+        from tqsdeploy.encoding.encoder import checked_layouts
 
         checked_layouts(graph_ops.load_model(model, load_external=False).proto, min_params, group_size, tier_set)
     if baselines.strip() and any(b not in (1, 2, 3, 4, 8) for b in parse_floats(bits, "--bits")):
@@ -97,7 +97,7 @@ def frontier(
     for method in settings.baselines:
         if method not in METHODS:
             raise typer.BadParameter(f"--baselines takes {', '.join(METHODS)}, not '{method}'")
-    from tqsdeploy.runs import model_label
+    from tqsdeploy.scoring.runs import model_label
 
     folder = out_dir or Path("tqs-frontier") / model_label(model)
     with progress_bar("frontier", "steps") as progress:

@@ -28,7 +28,7 @@ def inspect(
     force: bool = typer.Option(False, "--force", help="Let --emit-spec overwrite an existing file."),
 ):
     """Show what would be scored: signature, ops, quantizable units and the rollout (and why it was detected)."""
-    from tqsdeploy.inspect import emit_spec as write_spec, inspect_model
+    from tqsdeploy.scoring.inspect import emit_spec as write_spec, inspect_model
     from tqsdeploy.units import UnitSelection
 
     info = inspect_model(model, spec, steps, UnitSelection(min_params=min_params, include=include, exclude=exclude))
@@ -129,10 +129,10 @@ def score(
     """Score every weight tensor's quantization sensitivity by perturbed rollouts (TQS)."""
     from runtimes import for_provider
     from runtimes.derived import FED_OPTIMIZED
-    from tqsdeploy.contexts import describe_windows
-    from tqsdeploy.prepare import ContextOptions
-    from tqsdeploy.score import score as run_score
-    from tqsdeploy.scoring import ScoreSettings
+    from tqsdeploy.rollout.contexts import describe_windows
+    from tqsdeploy.scoring.prepare import ContextOptions
+    from tqsdeploy.scoring.score import score as run_score
+    from tqsdeploy.scoring.gamma import ScoreSettings
     from tqsdeploy.units import UnitSelection
 
     if probe not in ("quant", "gauss", "both"):

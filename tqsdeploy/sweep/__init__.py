@@ -11,7 +11,7 @@ parts), `strategies/` (one `Strategy` per way of applying perturbed weights), `c
 (SweepRunner) and `executors` (lanes, worker processes, Ray).
 """
 
-from tqsdeploy.engine import Drift, EarlyStop, Nominal
+from tqsdeploy.rollout.engine import Drift, EarlyStop, Nominal
 from tqsdeploy.sweep.executors import Lanes, interleaved, run_lanes, run_local, run_parallel, run_ray, sweep_lanes, usable_cores, LANE_EXTRA_BYTES, LANES_MAX
 from tqsdeploy.sweep.job import STRATEGIES, SweepJob
 from tqsdeploy.sweep.probe_source import ProbeSource, stale_units

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from runtimes import DerivedFeeds, Session
-from tqsdeploy.engine import FirstRun
+from tqsdeploy.rollout.engine import FirstRun
 from tqsdeploy.sweep.batching import tiled
 from tqsdeploy.sweep.rig import Rig
 from tqsdeploy.sweep.strategies import Prefix

@@ -8,8 +8,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from runtimes import Session, SessionFactory
-from tqsdeploy.contexts import Contexts
-from tqsdeploy.engine import EarlyStop
+from tqsdeploy.rollout.contexts import Contexts
+from tqsdeploy.rollout.engine import EarlyStop
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.units import Unit
 

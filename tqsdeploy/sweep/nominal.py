@@ -7,7 +7,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from tqsdeploy.engine import Nominal, RolloutEngine
+from tqsdeploy.rollout.engine import Nominal, RolloutEngine
 
 HOLD_BYTES = 64 << 20
 """A lane holds at most this much of a task's outputs while the nominal it is compared with is being made."""

@@ -8,7 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Mapping, Sequence
 
 import graph_ops
-from tqsdeploy.probes import Perturbation, UnitProbes
+from tqsdeploy.sweep.probes import Perturbation, UnitProbes
 from tqsdeploy.sweep.job import SweepJob
 from tqsdeploy.sweep.tasks import Task, TaskResult
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from runtimes import IOSpec, Session
-from tqsdeploy.engine import FirstRun, RolloutEngine
+from tqsdeploy.rollout.engine import FirstRun, RolloutEngine
 from tqsdeploy.sweep.batching import BatchCheck
 from tqsdeploy.sweep.cuts import CutPlanning
 from tqsdeploy.sweep.job import SweepJob

@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from runtimes import Session
-from tqsdeploy.engine import Drift, Nominal, RolloutEngine
+from tqsdeploy.rollout.engine import Drift, Nominal, RolloutEngine
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.sweep.choice import Choice
 from tqsdeploy.sweep.job import STRATEGIES, SweepJob

@@ -8,7 +8,7 @@ from typing import ClassVar, Hashable, Iterable, Iterator
 import numpy as np
 
 from runtimes import Session
-from tqsdeploy.engine import Nominal
+from tqsdeploy.rollout.engine import Nominal
 from tqsdeploy.sweep.job import SweepJob
 from tqsdeploy.sweep.rig import Rig
 from tqsdeploy.sweep.tasks import Task, TaskResult

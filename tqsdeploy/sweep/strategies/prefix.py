@@ -10,7 +10,7 @@ from onnx import helper
 
 import graph_ops
 from runtimes import Session, kept
-from tqsdeploy.engine import Nominal
+from tqsdeploy.rollout.engine import Nominal
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import next_feeds
 from tqsdeploy.sweep.job import SweepJob

@@ -39,7 +39,7 @@ from graph_ops.layout import WeightLayout
 from tiers import GRIDS, METHODS, TIERS, Encoded, Hessian, Layout, Rounding, Tier, encode, split
 from tiers.gptq import output_error
 from tqsdeploy.errors import InputError
-from tqsdeploy.profiling import Profile
+from tqsdeploy.encoding.profiling import Profile
 from tqsdeploy.units import Unit, UnitSelection, select_units
 
 MAX_PARTS = 64
@@ -187,7 +187,7 @@ def drift_order(drift) -> tuple[float, float]:
 
 
 def least_drift(measured: Mapping[Rounding, object]) -> Rounding:
-    """The rounding whose measured drift (`tqsdeploy.engine.Drift`) is least (`drift_order`; listed first wins a tie):
+    """The rounding whose measured drift (`tqsdeploy.rollout.engine.Drift`) is least (`drift_order`; listed first wins a tie):
     how `export` and `baseline` choose a uniform model's grid, on the scoring contexts and the calibration windows."""
     return min(measured, key=lambda rounding: drift_order(measured[rounding]))
 
@@ -261,7 +261,7 @@ class Encoder:
     ):
         """`checkpoints`: (folder, identity of what the encodings depend on besides the pass): calibrated
         passes save each finished weight there and read back what an interrupted run saved
-        (`tqsdeploy.checkpoints`)."""
+        (`tqsdeploy.encoding.checkpoints`)."""
         self.units = {u.name: u for u in units}
         self.graph_layouts = dict(layouts)
         self.layouts = {n: Layout(l.shape, l.perm, l.row_groups) for n, l in layouts.items()}
@@ -278,7 +278,7 @@ class Encoder:
         self.checkpoints = checkpoints
         self.log = EncoderLog()
         self.profile = Profile()
-        """Where the time goes (`tqsdeploy.profiling`): the encoder times its solves, its calibrator the rest."""
+        """Where the time goes (`tqsdeploy.encoding.profiling`): the encoder times its solves, its calibrator the rest."""
         self.on_pass: Callable[[str, int, int, int], None] | None = None
         """Called as a pass begins, with its label, how many weights it has, how many of them are done already
         (taken from a cached pass or read from checkpoints) and how many of those an earlier process left
@@ -332,7 +332,7 @@ class Encoder:
         calibrated = rounding.needs_stats and any(layout.calibratable for layout in self.graph_layouts.values())
         saved, found = None, {}
         if calibrated and self.checkpoints is not None:
-            from tqsdeploy.checkpoints import PassCheckpoints
+            from tqsdeploy.encoding.checkpoints import PassCheckpoints
 
             folder, base = self.checkpoints
             saved = PassCheckpoints(folder, f"{base}\n{identity}\ngroup size {self.group_size}", self.weights)
@@ -358,7 +358,7 @@ class Encoder:
             result = {name: encode_kept(name, None) for name in self.layouts}
             self.log.encode_s += time.perf_counter() - started
             return result
-        from tqsdeploy.calibrate import CalibrationLog
+        from tqsdeploy.encoding.calibrator import CalibrationLog
 
         log = CalibrationLog()
         if self.before_calibration is not None and len(found) < len(self.layouts):  # a pass read whole from checkpoints opens nothing
@@ -389,7 +389,7 @@ class Encoder:
         """The encodings cached passes made that a pass encoding each weight as `signature` says would make
         again, bit for bit: the weight encoded the same way there, and every weight its statistics depend on
         (`Calibrator.upstream`) too (a refinement round that changes the last layers re-solves only those; the
-        runtime sees the same graphs, `tqsdeploy.calibrate`)."""
+        runtime sees the same graphs, `tqsdeploy.encoding.calibrator`)."""
         sources = self._signatures()
         if not sources:
             return {}

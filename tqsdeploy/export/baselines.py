@@ -23,10 +23,10 @@ import graph_ops
 from graph_ops.qdq import computes_in_half, default_opset, write_storage
 from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import Encoded, Rounding, TierError, ladder_opset, tier_for_bits
-from tqsdeploy.calibrate import Calibrator, thin_note
-from tqsdeploy.contexts import Contexts, load_contexts
+from tqsdeploy.encoding.calibrator import Calibrator, thin_note
+from tqsdeploy.rollout.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
-from tqsdeploy.quantization import Encoder, check_grids, checked_layouts, grid_options
+from tqsdeploy.encoding.encoder import Encoder, check_grids, checked_layouts, grid_options
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
 from tqsdeploy.size import ModelSize
 from tqsdeploy.units import check_finite
@@ -116,7 +116,7 @@ def quantize_baseline(
     def calibrator() -> Calibrator:
         if calib is None:
             raise InputError(f"{method} needs calibration windows", hint="pass a contexts .npz (or use method 'rtn')")
-        from tqsdeploy.calibrate import open_graph
+        from tqsdeploy.encoding.calibrator import open_graph
 
         graph = graph_ops.weights_as_graph_inputs(loaded.proto, names)  # the signature, without loading the weights into the runtime
         session = open_graph(runtime, graph_ops.io.session_source(graph), data_dir, str(loaded.path))

@@ -19,10 +19,10 @@ from runtimes import DEFAULT_RUNTIME, Runtime, Session
 from runtimes.derived import derived_feed, fed_as_fast
 from graph_ops.qdq import at_opset, default_opset
 from runtimes.factories import RebuildFactory, StreamedCuts, open_fed
-from tqsdeploy.contexts import Contexts, load_contexts
+from tqsdeploy.rollout.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
-from tqsdeploy.scoring import ScoreSettings
+from tqsdeploy.scoring.gamma import ScoreSettings
 from tqsdeploy.sweep import EarlyStop, Nominal, SweepJob, SweepRunner, sweep_lanes, usable_cores
 from tqsdeploy.units import Unit, UnitSelection, check_finite, gather_rows, index_rows, select_units, selection_notes
 

@@ -43,20 +43,20 @@ from graph_ops.qdq import default_opset
 from runtimes import DEFAULT_RUNTIME, Runtime, release_freed_memory
 from tiers import TIERS, Encoded, Rounding, Tier, get_tiers
 from tiers.solver_backend import solver_dtype
-from tqsdeploy import checkpoints
-from tqsdeploy.allocate import Allocation, Choice, allocate, paper_weights
-from tqsdeploy.calibrate import Calibrator, original_nominal
+from tqsdeploy.encoding import checkpoints
+from tqsdeploy.export.allocate import Allocation, Choice, allocate, paper_weights
+from tqsdeploy.encoding.calibrator import Calibrator, original_nominal
 from tqsdeploy.errors import USER_ERRORS, InfeasibleError, InputError
-from tqsdeploy.export_candidates import Candidate, CandidateBuilding
-from tqsdeploy.export_fitting import Fitting
-from tqsdeploy.export_measuring import Measuring
-from tqsdeploy.export_sizing import Sizing
-from tqsdeploy.export_settings import AUTO_LAYOUT, RUNTIME_LAYOUTS, TARGETS, ExportSettings
-from tqsdeploy.export_writing import BASIS_GAP, WARN_DRIFT_PCT, Outcome, Writing
+from tqsdeploy.export.candidates import Candidate, CandidateBuilding
+from tqsdeploy.export.fitting import Fitting
+from tqsdeploy.export.measuring import Measuring
+from tqsdeploy.export.sizing import Sizing
+from tqsdeploy.export.settings import AUTO_LAYOUT, RUNTIME_LAYOUTS, TARGETS, ExportSettings
+from tqsdeploy.export.writing import BASIS_GAP, WARN_DRIFT_PCT, Outcome, Writing
 from tqsdeploy.files import RunFolderShare
-from tqsdeploy.quantization import AnyRounding, Encoder, Slot, check_group_size, grid_options, make_slots, plain_rounding, rounding_at
-from tqsdeploy.prepare import Prepared
-from tqsdeploy.runs import ScoreRun, current_versions, default_run_dir, score_runs
+from tqsdeploy.encoding.encoder import AnyRounding, Encoder, Slot, check_group_size, grid_options, make_slots, plain_rounding, rounding_at
+from tqsdeploy.scoring.prepare import Prepared
+from tqsdeploy.scoring.runs import ScoreRun, current_versions, default_run_dir, score_runs
 from tqsdeploy.size import ModelSize
 from tqsdeploy.sweep import Drift, Lanes, ResultLog, SweepRunner, Task, TaskResult
 from tqsdeploy.units import Unit
@@ -103,7 +103,7 @@ class Planner(CandidateBuilding, Fitting, Measuring, Sizing, Writing):
     def __init__(self, run_dir: Path | str, model: Path | str | None = None, settings: ExportSettings = ExportSettings(), runtime: Runtime = DEFAULT_RUNTIME,
                  resumable: bool = False):
         """`resumable`: checkpoint every weight a calibration pass finishes in the run folder, and read back
-        those an interrupted export left (`tqsdeploy.checkpoints`; the command line's export and frontier);
+        those an interrupted export left (`tqsdeploy.encoding.checkpoints`; the command line's export and frontier);
         `discard_checkpoints` once the export is done. Holds the run folder (`RunFolderShare`) until `close`."""
         self.run_dir = Path(run_dir)
         self._share = RunFolderShare(self.run_dir)

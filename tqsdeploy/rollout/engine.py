@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from runtimes import Session, kept
-from tqsdeploy.contexts import Contexts
+from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import RolloutSpec, next_feeds, rollout
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtimes import Session, release_freed_memory
-from tqsdeploy.contexts import Contexts
+from tqsdeploy.rollout.contexts import Contexts
 
 
 @dataclass(frozen=True)

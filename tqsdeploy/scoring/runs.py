@@ -23,12 +23,12 @@ import numpy as np
 import polars as pl
 
 from runtimes import Runtime
-from tqsdeploy import __version__
+from tqsdeploy._version import __version__
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import REPLACED, file_identity
-from tqsdeploy.prepare import Prepared, prepare
+from tqsdeploy.scoring.prepare import Prepared, prepare
 from tqsdeploy.rollout import RolloutSpec
-from tqsdeploy.scoring import ScoreSettings
+from tqsdeploy.scoring.gamma import ScoreSettings
 from tqsdeploy.units import UnitSelection
 
 RUN_FORMAT = 1

@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 
 from tiers import TIERS, Encoded, Rounding, Tier, precision_order
-from tqsdeploy.allocate import Allocation, Choice, allocate
-from tqsdeploy.quantization import TierRoundings, can_still_win, comparison_methods, drift_order, grid_options, plain_rounding
+from tqsdeploy.export.allocate import Allocation, Choice, allocate
+from tqsdeploy.encoding.encoder import TierRoundings, can_still_win, comparison_methods, drift_order, grid_options, plain_rounding
 from tqsdeploy.sweep import Drift, Lanes, SweepRunner
 
 BELOW_LOWEST = "int1"

@@ -41,11 +41,11 @@ from graph_ops.qdq import at_opset, default_opset, fed_codes_model, needed_nodes
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
 from tiers.solver_backend import shared_cores, solver_threads
-from tqsdeploy.checkpoints import digest
-from tqsdeploy.contexts import Contexts
-from tqsdeploy.engine import Drift, Nominal, RolloutEngine
+from tqsdeploy.encoding.checkpoints import digest
+from tqsdeploy.rollout.contexts import Contexts
+from tqsdeploy.rollout.engine import Drift, Nominal, RolloutEngine
 from tqsdeploy.errors import InputError, TqsError
-from tqsdeploy.profiling import Profile
+from tqsdeploy.encoding.profiling import Profile
 from tqsdeploy.rollout import RolloutSpec
 
 FULL_CACHE_SHARE = 0.25
@@ -165,7 +165,7 @@ class Calibrator:
         use are encoded as an earlier pass's were collects the same rows (the ERA5 emulator's first conv: every pass)."""
         self._stats_bytes = 0
         self._digests: dict[str, bytes] = {}
-        """This pass's encodings' digests (`tqsdeploy.checkpoints.digest`), by weight."""
+        """This pass's encodings' digests (`tqsdeploy.encoding.checkpoints.digest`), by weight."""
         self.profile = Profile()
         """Where calibration's time goes (the encoder hands over its own)."""
 
@@ -203,7 +203,7 @@ class Calibrator:
             found: Mapping[str, tuple] | None = None, reused: Mapping[str, Encoded] | None = None) -> dict[str, Encoded]:
         """Encode every weight: uncalibratable ones first, then wave by wave on statistics
         collected with all earlier weights at their encodings. With `checkpoints`
-        (`tqsdeploy.checkpoints.PassCheckpoints`) each finished weight is saved, and a weight saved
+        (`tqsdeploy.encoding.checkpoints.PassCheckpoints`) each finished weight is saved, and a weight saved
         before (in `found`, from its `resume`, or found now) is read instead; a wave's statistics
         are collected only for the weights it still has to encode. `reused`: encodings an earlier
         pass made that this one would make again (`Encoder._same`), taken as they are, not solved."""

@@ -27,15 +27,15 @@ import polars as pl
 
 from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import METHODS, tier_for_bits
-from tqsdeploy import checkpoints
+from tqsdeploy.encoding import checkpoints
 from tqsdeploy.errors import InputError, TqsError
-from tqsdeploy.evaluate import EvalSettings, evaluate
-from tqsdeploy.export import ExportSettings, Planner
+from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
+from tqsdeploy.export.planner import ExportSettings, Planner
 from tqsdeploy.files import write_json, write_table, write_text
-from tqsdeploy.prepare import ContextOptions
-from tqsdeploy.runs import ScoreRun
-from tqsdeploy.score import score
-from tqsdeploy.scoring import ScoreSettings
+from tqsdeploy.scoring.prepare import ContextOptions
+from tqsdeploy.scoring.runs import ScoreRun
+from tqsdeploy.scoring.score import score
+from tqsdeploy.scoring.gamma import ScoreSettings
 from tqsdeploy.size import reachable_label
 from tqsdeploy.units import UnitSelection
 

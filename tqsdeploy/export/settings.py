@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiers import DEFAULT_TIERS, METHODS, TRT_TIERS
-from tqsdeploy.allocate import OBJECTIVES, check_allocator
+from tqsdeploy.export.allocate import OBJECTIVES, check_allocator
 from tqsdeploy.errors import InputError
-from tqsdeploy.quantization import check_grids
+from tqsdeploy.encoding.encoder import check_grids
 from tqsdeploy.size import check_basis
 
 ROUNDINGS = (*METHODS, "auto")

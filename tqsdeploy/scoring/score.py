@@ -1,4 +1,4 @@
-"""`score`: the TQS sensitivity sweep end to end, into the run folder it fills (`tqsdeploy.runs`).
+"""`score`: the TQS sensitivity sweep end to end, into the run folder it fills (`tqsdeploy.scoring.runs`).
 
 The steps: `prepare` makes the sweep ready (model, units, sessions, rollout,
 contexts); an interrupted run with the same fingerprint is resumed, any other
@@ -18,13 +18,13 @@ from typing import Callable
 import polars as pl
 
 from runtimes import DEFAULT_RUNTIME, Runtime
-from tqsdeploy.contexts import Contexts
+from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import REPLACED, claim_run_folder, write_json, write_npz, write_table, write_text
-from tqsdeploy.prepare import ContextOptions, prepare
+from tqsdeploy.scoring.prepare import ContextOptions, prepare
 from tqsdeploy.rollout import RolloutSpec
-from tqsdeploy.runs import RUN_FILES, RUN_FORMAT, ScoreRun, current_versions, default_run_dir, read_record, run_fingerprint
-from tqsdeploy.scoring import ScoreSettings, score_frame, spearman
+from tqsdeploy.scoring.runs import RUN_FILES, RUN_FORMAT, ScoreRun, current_versions, default_run_dir, read_record, run_fingerprint
+from tqsdeploy.scoring.gamma import ScoreSettings, score_frame, spearman
 from tqsdeploy.sweep.executors import check_ray_address
 from tqsdeploy.sweep.job import STRATEGIES
 from tqsdeploy.sweep import ResultLog, TaskResult, plan_tasks, run_local, run_parallel, run_ray, stale_units, usable_cores

@@ -85,7 +85,7 @@ def _digest(name: str, fields: dict, arrays: Sequence[np.ndarray]) -> bytes:
 
 def digest(name: str, encoded: Encoded, weight: np.ndarray | None = None) -> bytes:
     """What identifies the weight's encoding, codes and all (the checkpoints' key, and
-    `tqsdeploy.calibrate`'s statistics cache's)."""
+    `tqsdeploy.encoding.calibrator`'s statistics cache's)."""
     arrays: list[np.ndarray] = []
     return _digest(name, _flatten(encoded, weight, arrays), arrays)
 

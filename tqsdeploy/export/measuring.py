@@ -13,7 +13,7 @@ import graph_ops
 from graph_ops.qdq import at_opset, fed_codes_model
 from runtimes import WithDefaults
 from tiers import Encoded
-from tqsdeploy.calibrate import open_graph
+from tqsdeploy.encoding.calibrator import open_graph
 from tqsdeploy.sweep import Drift, SweepRunner
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from tqsdeploy.allocate import Allocation, Choice
+from tqsdeploy.export.allocate import Allocation, Choice
 from tqsdeploy.errors import InfeasibleError
 
 REFITS = 16

@@ -18,9 +18,9 @@ import graph_ops
 from graph_ops.qdq import Written, write_storage
 from tiers import TIERS, Encoded, get_tiers
 from tiers.solver_backend import array_module, solver_dtype
-from tqsdeploy import checkpoints
-from tqsdeploy.allocate import Allocation
-from tqsdeploy.calibrate import thin_note
+from tqsdeploy.encoding import checkpoints
+from tqsdeploy.export.allocate import Allocation
+from tqsdeploy.encoding.calibrator import thin_note
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import write_json, write_table
 from tqsdeploy.sweep import Drift
@@ -59,7 +59,7 @@ class Outcome:
     memory_bytes: int | None = None
     """About the weight bytes a session holds after loading the file (`Planner.loaded_weight_bytes`)."""
     profile: dict[str, float] = field(default_factory=dict)
-    """Seconds of this export by kind of work (`tqsdeploy.profiling`), as its allocation record keeps them."""
+    """Seconds of this export by kind of work (`tqsdeploy.encoding.profiling`), as its allocation record keeps them."""
     rounding: dict[str, str] = field(default_factory=dict)
     """The rounding method of each calibratable tier the file stores."""
     opsets: tuple[int, int] = (0, 0)

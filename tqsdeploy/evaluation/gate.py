@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqsdeploy.errors import InputError
-from tqsdeploy.evaluate import markdown
+from tqsdeploy.evaluation.evaluate import markdown
 from tqsdeploy.files import json_text, write_texts
 
 SIZE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
@@ -114,7 +114,7 @@ def junit(checks: list[Check], candidate: str) -> str:
 
     suite = ET.Element("testsuite", name=f"tqsdeploy gate: {candidate}", tests=str(len(checks)), failures=str(sum(not c.passed for c in checks)))
     for c in checks:
-        case = ET.SubElement(suite, "testcase", classname="tqsdeploy.gate", name=c.name)
+        case = ET.SubElement(suite, "testcase", classname="tqsdeploy.evaluation.gate", name=c.name)
         ET.SubElement(case, "properties")
         for key, value in (("measured", c.measured), ("limit", c.limit), ("operator", c.operator), ("unit", c.unit)):
             ET.SubElement(case.find("properties"), "property", name=key, value=str(value))

@@ -12,7 +12,7 @@ from runtimes import DEFAULT_RUNTIME
 from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.files import write_text
 from tqsdeploy.rollout import DEFAULT_STEPS, AmbiguousRollout, RolloutSpec, detect_rollout, resolve_spec
-from tqsdeploy.contexts import npz_layout
+from tqsdeploy.rollout.contexts import npz_layout
 from tqsdeploy.units import UnitSelection, index_rows, nonfinite_weights, select_units, selection_notes
 
 

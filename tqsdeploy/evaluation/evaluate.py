@@ -31,12 +31,12 @@ import onnx
 import graph_ops
 import graph_ops.qdq
 from runtimes import Session, for_provider, release_freed_memory
-from tqsdeploy.contexts import Contexts, continuation_rows, load_contexts, npz_arrays, truth_from_csv
+from tqsdeploy.rollout.contexts import Contexts, continuation_rows, load_contexts, npz_arrays, truth_from_csv
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import json_text, write_texts
 from tqsdeploy.progress import counted
-from tqsdeploy.engine import RolloutEngine
-from tqsdeploy.latency import LatencySettings, measure as measure_latency
+from tqsdeploy.rollout.engine import RolloutEngine
+from tqsdeploy.evaluation.latency import LatencySettings, measure as measure_latency
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
 from tqsdeploy.size import compression
 
@@ -60,7 +60,7 @@ class EvalSettings:
     """Cosine and nearest-neighbour metrics: None for the outputs that look like embeddings, True for
     every trajectory output (its last axis the vector), False for none."""
     latency: LatencySettings | None = None
-    """Time candidate and reference (`tqsdeploy.latency`); None: not measured (the CLI measures by default)."""
+    """Time candidate and reference (`tqsdeploy.evaluation.latency`); None: not measured (the CLI measures by default)."""
 
 
 EMBEDDING_NAME = re.compile(r"embed|pool|sentence|hidden_state", re.IGNORECASE)
@@ -450,7 +450,7 @@ def markdown(report: dict) -> str:
             same = f"{v['same_neighbour']}/{v['neighbour_vectors']}" if "same_neighbour" in v else "- (fewer than 3 vectors)"
             lines.append(f"| {name} ({v['vectors']} × {v['dim']}) | {v['mean']:.6f} | {v['min']:.6f} | {same} |")
     if report.get("latency"):
-        from tqsdeploy.latency import markdown as latency_lines
+        from tqsdeploy.evaluation.latency import markdown as latency_lines
 
         lines += latency_lines(report["latency"], f"{report['runtime']['provider']}, {report['runtime']['mode']}")
     return "\n".join(lines) + "\n"

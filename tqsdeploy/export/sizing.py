@@ -1,5 +1,5 @@
 """`export`'s size accounting: what each slot costs in the file at each tier, the budget a target C sets, and
-the opset the files are written at (a mixin of `tqsdeploy.export.Planner`)."""
+the opset the files are written at (a mixin of `tqsdeploy.export.planner.Planner`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter
 
 from graph_ops.qdq import computes_in_half, conversion_overhead_bits, emitted_bits
 from tiers import TIERS, Encoded, Tier, ladder_opset
-from tqsdeploy.quantization import Slot
+from tqsdeploy.encoding.encoder import Slot
 from tqsdeploy.size import SizeBudget, split_bits
 from tqsdeploy.units import Unit, outside_hint
 

@@ -1,0 +1,1 @@
+"""Encoding: every (weight, tier, rounding) encoded once, calibrated wave by wave, checkpointed."""

@@ -1,0 +1,1 @@
+"""Evaluation: drift, degradation, gates, latency, reports and the frontier."""
