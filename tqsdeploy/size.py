@@ -67,6 +67,10 @@ class SizeBudget:
     fixed_bits: int = 0
     """Stored bits on the basis that no allocation changes (tensors that are not units, opset overhead)."""
 
+    def reserving(self, bits: int) -> "SizeBudget":
+        """The same C with `bits` more held outside the slots (what the stretches write beyond their prices)."""
+        return SizeBudget(self.basis_bits, self.fixed_bits + bits)
+
     def slot_bits(self, target: float) -> float:
         """The bits the allocated slots may take for compression `target`."""
         return self.basis_bits / check_target(target) - self.fixed_bits

@@ -115,7 +115,7 @@ def export(
     Prints each model's drift from the original on the scoring contexts in percent (eval's unit) and warns above 5%.
     Exit codes: 0 written, 1 a model exceeded --max-drift (nothing written for it), 2 bad input."""
     from runtimes import for_provider
-    from tqsdeploy.export.planner import ExportSettings, Planner, find_run
+    from tqsdeploy.export.planner import ExportProgress, ExportSettings, Planner, find_run
 
     from tqsdeploy.evaluation.gate import parse_percent
 
@@ -153,21 +153,6 @@ def export(
     check_writable(output.parent if output is not None else out_dir)  # before the work, not after it
     run_dir = find_run(model, run)
     check_writable(run_dir)  # its prices and checkpoints are written as the export goes
-    planner = Planner(run_dir, model, settings, for_provider(provider), resumable=True)
-    if compression:
-        planner.check_targets(targets)
-    planner.check_single_file(targets, uniform_tier)
-    from tqsdeploy.scoring.runs import model_label
-
-    stem = model_label(planner.model.path)
-    paths = [output or out_dir / f"{stem}.{f'C{value:g}' if value is not None else uniform_tier.lower()}.onnx" for value in targets]
-    for path in paths:
-        _check_output_file(path, output_given, (planner.model.path, *planner.model.external_files))
-    if not force:
-        ours = planner.interrupted_outputs()  # an interrupted export of these settings wrote them: "run the same command again" resumes
-        for path in paths:
-            if path.resolve() not in ours:
-                _refuse_overwrite(path, *(f"{path.with_suffix('')}.allocation.{kind}" for kind in ("json", "parquet")))
     measuring = []
 
     def on_measuring(count: int) -> None:  # a batch of tier measurements begins: one display per batch, its own ETA
@@ -196,13 +181,27 @@ def export(
         if encoding[0].done >= encoding[0].total:
             encoding[0].stop()
 
-    planner.encoder.on_pass, planner.encoder.on_weight = on_pass, on_weight
-    planner.on_measuring = on_measuring
+    progress = ExportProgress(on_pass=on_pass, on_weight=on_weight, on_measuring=on_measuring, on_price=on_result)
+    planner = Planner(run_dir, model, settings, for_provider(provider), resumable=True, progress=progress)
+    if compression:
+        planner.check_targets(targets)
+    planner.check_single_file(targets, uniform_tier)
+    from tqsdeploy.scoring.runs import model_label
+
+    stem = model_label(planner.model.path)
+    paths = [output or out_dir / f"{stem}.{f'C{value:g}' if value is not None else uniform_tier.lower()}.onnx" for value in targets]
+    for path in paths:
+        _check_output_file(path, output_given, (planner.model.path, *planner.model.external_files))
+    if not force:
+        ours = planner.interrupted_outputs()  # an interrupted export of these settings wrote them: "run the same command again" resumes
+        for path in paths:
+            if path.resolve() not in ours:
+                _refuse_overwrite(path, *(f"{path.with_suffix('')}.allocation.{kind}" for kind in ("json", "parquet")))
 
     rows = []
     try:
         for index, (value, path) in enumerate(zip(targets, paths)):
-            outcome = planner.export(value, path, uniform_tier=uniform_tier, on_result=on_result, max_drift_pct=max_drift_pct, final=index == len(targets) - 1)
+            outcome = planner.export(value, path, uniform_tier=uniform_tier, max_drift_pct=max_drift_pct, final=index == len(targets) - 1)
             fused = settings.layout == "fused" and _feeds_matmul_integer_codes(outcome.encodings, planner.layouts)
             outcome.encodings = {}  # written: the table and the record are what is left to show
             rows.append((value, outcome, fused))
@@ -213,7 +212,7 @@ def export(
         planner.close()
     import polars as pl
 
-    from tqsdeploy.export.planner import WARN_DRIFT_PCT
+    from tqsdeploy.export.writing import WARN_DRIFT_PCT
 
     for value, outcome, fused in rows:
         if outcome.refused:
@@ -230,8 +229,8 @@ def export(
         _say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
         out.print(frame_table(summary, "", ["tier", "slots", "params", "bytes"]))
         out.print(f"  runtime layout: {_layout_cost(outcome, settings)}")
-        if planner.rounding_choice:  # what was measured so far, read as it is (asking the planner for a tier's rounding could measure more)
-            measured = "; ".join(f"{tier}: " + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items()) for tier, drifts in planner.rounding_choice.items())
+        if planner.roundings.choice:  # what was measured so far, read as it is (asking for a tier's rounding could measure more)
+            measured = "; ".join(f"{tier}: " + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items()) for tier, drifts in planner.roundings.choice.items())
             used = ", ".join(f"{tier} {label}" for tier, label in outcome.rounding.items())
             asked = " and ".join(f"--{option} auto" for option, value in (("rounding", settings.rounding), ("grids", settings.grids)) if value == "auto")
             out.print(f"  {asked}: each tier rounded as its uniform model drifted least on the scoring contexts ({escape(used)}; measured {escape(measured)})")

@@ -246,6 +246,17 @@ class EncoderLog:
     """Weights of calibrated passes read from checkpoints instead of encoded (a resumed export)."""
 
 
+@dataclass(frozen=True)
+class EncodingProgress:
+    """What an encoder reports as it goes (progress bars); both optional."""
+
+    on_pass: Callable[[str, int, int, int], None] | None = None
+    """A pass begins: its label, how many weights it has, how many of them are done already (taken from a cached
+    pass or read from checkpoints) and how many of those an earlier process left (an interrupted export's)."""
+    on_weight: Callable[[str], None] | None = None
+    """A weight of a pass is encoded."""
+
+
 class Encoder:
     """Encodings of a model's units, cached per (tier, rounding) and per allocation."""
 
@@ -258,6 +269,7 @@ class Encoder:
         calibrator: Callable[[], object] | None = None,
         track_errors: bool = False,
         checkpoints: tuple[Path, str] | None = None,
+        progress: EncodingProgress = EncodingProgress(),
     ):
         """`checkpoints`: (folder, identity of what the encodings depend on besides the pass): calibrated
         passes save each finished weight there and read back what an interrupted run saved
@@ -279,14 +291,10 @@ class Encoder:
         self.log = EncoderLog()
         self.profile = Profile()
         """Where the time goes (`tqsdeploy.encoding.profiling`): the encoder times its solves, its calibrator the rest."""
-        self.on_pass: Callable[[str, int, int, int], None] | None = None
-        """Called as a pass begins, with its label, how many weights it has, how many of them are done already
-        (taken from a cached pass or read from checkpoints) and how many of those an earlier process left
-        (an interrupted export's checkpoints, not this export's own: progress)."""
+        self.on_pass = progress.on_pass
         self._checkpointed: set[str] = set()
         """Identities of the passes this process checkpointed: what it finds under them it wrote itself."""
-        self.on_weight: Callable[[str], None] | None = None
-        """Called after each weight of a pass is encoded (progress)."""
+        self.on_weight = progress.on_weight
         self.before_calibration: Callable[[], None] | None = None
         """Called before a calibration pass (to free memory the pass does not need)."""
         for name, layout in self.graph_layouts.items():

@@ -1,21 +1,9 @@
-"""TQS-PTQ: pick one precision tier per unit under a compression target.
+"""TQS-PTQ: pick one precision tier per slot under a compression target.
 
-Algorithm 1 of the paper: budget B = reference bits / C (`tqsdeploy.size`); dead units go to the
-cheapest tier; the most sensitive units go to FP32 until the FP32 share of the
-units' FP32 size reaches `fp32_fraction`; the rest is a multiple-choice
-knapsack (pulp with HiGHS, falling back to PuLP 3's bundled CBC) or the paper's greedy
-promotion. Compression counts the whole model's stored weights: tensors that
-are not units stay at their stored size and use up budget.
-
-Objectives (loss of unit l at tier k, minimised in sum):
-- paper:    w_l * 2^-b_k, with w_l = gamma_l when every live gamma is positive;
-            otherwise gamma shifted so the least sensitive live unit weighs 1%
-            of the range (ranking kept, every weight positive, so a higher
-            gamma always asks for more bits).
-- response: exp(T * gamma_l) * ||Q_k(theta_l) - theta_l||_F^2, a linear-response
-            estimate of the trajectory divergence from the probe.
-- measured: the mean squared trajectory divergence measured with only unit l
-            stored at tier k.
+Algorithm 1 of the paper: budget B = basis bits / C (`tqsdeploy.size`); dead slots go to the cheapest tier; the
+most sensitive go to FP32 until the FP32 share of the slots' FP32 size reaches `fp32_fraction`; the rest is a
+multiple-choice knapsack (pulp with HiGHS, falling back to PuLP 3's bundled CBC) or the paper's greedy promotion.
+The loss each choice minimises comes from an objective (`tqsdeploy.export.objectives`).
 """
 
 from __future__ import annotations
@@ -30,9 +18,9 @@ from dataclasses import dataclass, field
 
 from tiers import Tier
 from tqsdeploy.errors import InputError
+from tqsdeploy.export.objectives import OBJECTIVES
 from tqsdeploy.size import SizeBudget
 
-OBJECTIVES = ("paper", "response", "measured")
 ALLOCATORS = ("mckp", "greedy")
 """mckp: the exact multiple-choice knapsack (HiGHS, then CBC; greedy when both fail); greedy: the paper's promotion."""
 
@@ -55,7 +43,7 @@ class Choice:
     loss: dict[str, float]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Allocation:
     """A tier per unit and the size accounting behind it."""
 
@@ -81,26 +69,13 @@ class Allocation:
         return self.tiers[unit]
 
 
-def paper_weights(gammas: dict[str, float], dead: set[str]) -> dict[str, float]:
-    """Positive per-unit weights that keep the gamma ranking (see module docstring)."""
-    live = {u: g for u, g in gammas.items() if u not in dead and math.isfinite(g)}
-    if not live:
-        return {u: 1.0 for u in gammas}
-    low, high = min(live.values()), max(live.values())
-    offset = 0.0 if low > 0 else -low + 0.01 * max(high - low, 1e-6)
-    biggest = high + offset
-    return {
-        u: 0.0 if u in dead else (10 * biggest if g == math.inf else max(g + offset, 0.0) if math.isfinite(g) else biggest)
-        for u, g in gammas.items()
-    }
-
-
 def unit_cost_floor(choices: list[Choice]) -> int:
     return sum(min(c.cost.values()) for c in choices)
 
 
-def max_compression(choices: list[Choice], reference_bits: int, fixed_bits: int) -> float:
-    return SizeBudget(reference_bits, fixed_bits).compression(unit_cost_floor(choices))
+def max_compression(choices: list[Choice], budget: SizeBudget) -> float:
+    """The largest C `choices` reach on `budget` (every choice at its cheapest tier)."""
+    return budget.compression(unit_cost_floor(choices))
 
 
 @contextlib.contextmanager
@@ -219,41 +194,23 @@ def allocate(
     choices: list[Choice],
     tiers: list[Tier],
     target: float,
-    reference_bits: int,
-    fixed_bits: int,
+    budget: SizeBudget,
     *,
     objective: str = "measured",
     fp32_fraction: float = 0.10,
     solver: str = "mckp",
 ) -> Allocation:
-    """Algorithm 1 with the chosen objective and solver; C on the basis whose stored bits are `reference_bits`,
-    `fixed_bits` of them outside the choices."""
+    """Algorithm 1 with the chosen objective and solver: one tier per choice so that the slots fit `budget` at C
+    `target`; the allocation's size is `budget` and its costs the choices' own."""
     check_allocator(solver)
-    size = SizeBudget(reference_bits, fixed_bits)
     floor = unit_cost_floor(choices)
-    size.check(target, floor, [t.name for t in tiers])
-    budget = max(size.slot_bits(target), floor)  # a target within the size owner's tolerance of the largest C is that C
-    bits = {t.name: t.bits for t in tiers}
-    chosen: dict[str, str] = {}
-    for choice in choices:
-        if choice.dead:
-            chosen[choice.unit] = min(choice.cost, key=choice.cost.get)
+    budget.check(target, floor, [t.name for t in tiers])
+    slot_bits = max(budget.slot_bits(target), floor)  # a target within the size owner's tolerance of the largest C is that C
+    chosen = {c.unit: min(c.cost, key=c.cost.get) for c in choices if c.dead}
     if tiers[0].name == "fp32" and fp32_fraction > 0:
-        fp32_budget = fp32_fraction * sum(32 * c.params for c in choices)
-        live = sorted((c for c in choices if c.unit not in chosen), key=lambda c: -c.gamma)
-        placed = sum(c.cost[chosen[c.unit]] for c in choices if c.unit in chosen)
-        live_floor = unit_cost_floor(live)
-        spent_fp32 = 0
-        for choice in live:  # most sensitive first, while FP32 share and feasibility allow
-            cost, cheapest = choice.cost["fp32"], min(choice.cost.values())
-            if spent_fp32 + cost > fp32_budget or placed + cost + live_floor - cheapest > budget:
-                break
-            chosen[choice.unit] = "fp32"
-            spent_fp32 += cost
-            placed += cost
-            live_floor -= cheapest
+        chosen |= _most_sensitive_at_fp32(choices, chosen, fp32_fraction, slot_bits)
     rest = [c for c in choices if c.unit not in chosen]
-    remaining = budget - sum(c.cost[chosen[c.unit]] for c in choices if c.unit in chosen)
+    remaining = slot_bits - sum(c.cost[chosen[c.unit]] for c in choices if c.unit in chosen)
     label = solver
     if solver == "mckp":
         solved, label = _solve_mckp(rest, int(remaining))
@@ -262,15 +219,33 @@ def allocate(
     else:
         solved = _greedy(rest, tiers, remaining)
     chosen.update(solved)
-    if objective == "paper":
-        chosen = _monotone_repair(choices, chosen, bits)
+    if objective in OBJECTIVES and OBJECTIVES[objective].ranks_ties:
+        chosen = _monotone_repair(choices, chosen, {t.name: t.bits for t in tiers})
     by_unit = {c.unit: c for c in choices}
     return Allocation(
         tiers=chosen,
         cost_bits={u: by_unit[u].cost[t] for u, t in chosen.items()},
-        size=size,
+        size=budget,
         target=target,
         solver=label,
         objective=objective,
         predicted_loss=float(sum(by_unit[u].loss[t] for u, t in chosen.items())),
     )
+
+
+def _most_sensitive_at_fp32(choices: list[Choice], chosen: dict[str, str], fp32_fraction: float, slot_bits: float) -> dict[str, str]:
+    """The live choices at FP32, most sensitive first, while the FP32 share and the budget allow."""
+    fp32_budget = fp32_fraction * sum(32 * c.params for c in choices)
+    live = sorted((c for c in choices if c.unit not in chosen), key=lambda c: -c.gamma)
+    placed = sum(c.cost[chosen[c.unit]] for c in choices if c.unit in chosen)
+    live_floor = unit_cost_floor(live)
+    spent_fp32, found = 0, {}
+    for choice in live:
+        cost, cheapest = choice.cost["fp32"], min(choice.cost.values())
+        if spent_fp32 + cost > fp32_budget or placed + cost + live_floor - cheapest > slot_bits:
+            break
+        found[choice.unit] = "fp32"
+        spent_fp32 += cost
+        placed += cost
+        live_floor -= cheapest
+    return found

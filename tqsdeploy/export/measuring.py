@@ -1,85 +1,153 @@
-"""`export`'s measurements of whole candidates: the joint drift of a model with every unit at its encoding.
+"""Measurements of whole candidates: the joint drift of a model with every unit at its encoding.
 
-`Measuring` is a part of `Planner`: it rolls candidates out on the planner's runner (or lanes), as float weights
-fed to its session, or for a large model (`export.FED_FLOATS_BYTES`) as a session of its codes. An allocation
-as priced (`measure_tiers`) is measured once per export, its weights dequantized once per distinct tensor.
+Candidates roll out on one runner (or side by side on its lanes), as float weights fed to its session, or for
+a model past `FED_FLOATS_BYTES` as a session of its codes. An allocation as priced is measured once per export,
+its weights dequantized once per distinct tensor.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
 import graph_ops
 from graph_ops.qdq import at_opset, fed_codes_model
-from runtimes import WithDefaults
+from runtimes import WithDefaults, release_freed_memory
 from tiers import Encoded
-from tqsdeploy.encoding.calibrator import open_graph
+from tqsdeploy.encoding.calibrator import open_graph, original_nominal
+from tqsdeploy.encoding.encoder import AnyRounding
+from tqsdeploy.export.job import ExportJob
 from tqsdeploy.sweep import Drift, SweepRunner
 
 
 class Measuring:
-    """The planner's candidate measurements (see the module docstring)."""
+    """Rolls candidates out against the original on the scoring contexts; owns the measuring sessions."""
 
-    def weights_of(self, encodings: dict[str, Encoded]) -> dict[str, np.ndarray]:
+    def __init__(self, job: ExportJob):
+        self.scored, self.encoder, self.cut = job.scored, job.encoder, job.cut
+        self._runner: SweepRunner | None = None
+        self._lanes: list[SweepRunner] = []
+        self._nominal = None
+        """The original's rollout the first runner made: reopening a runner must not read every weight again."""
+        self._fed_graph = None
+        """The model with its unit weights as plain inputs (no weight data): what large candidates run on."""
+        self._fed_session = None
+        """A one-session model's session with every unit overridable, for joint candidates fed as floats."""
+        self._base_floats: dict[str, tuple[tuple, np.ndarray | None]] = {}
+        """Per unit tensor: its channel runs in the allocation a refinement round starts from, and its float values."""
+        self._joint_drifts: dict[tuple[tuple[str, str], ...], Drift] = {}
+        """Allocations (as priced) already measured, by their tiers: each distinct one is rolled out once."""
+
+    @property
+    def runner(self) -> SweepRunner:
+        if self._runner is None:
+            scored = self.scored
+            if scored.one_session:
+                self.encoder.release_calibrator()
+            if self._nominal is None and scored.opset > scored.model_opset:  # drift from the original as it runs, not as converted
+                prepared = scored.prepared
+                rollout = (prepared.contexts, prepared.spec, prepared.job.max_batch_windows)
+                self._nominal = original_nominal(scored.model.proto, scored.layouts, scored.weights, rollout, scored.runtime, scored.run_dir,
+                                                 prepared.data_dir)
+            self._runner = scored.prepared.open_runner(self._nominal)  # reopened: the original is not rolled out again
+            self._nominal = self._runner.nominal
+        return self._runner
+
+    @property
+    def lanes(self) -> list[SweepRunner]:
+        """The runners that roll out independent candidates side by side: the measuring runner and its lanes (one
+        for a model whose candidates run as sessions of their codes)."""
+        if not self._lanes:
+            count = self.scored.prepared.lanes if self.scored.feeds_floats else 1
+            self._lanes = [self.runner] + [self.runner.lane() for _ in range(count - 1)]
+        return self._lanes
+
+    def cut_lanes(self) -> list[SweepRunner]:
+        """Runners that price a slot the way the score swept its units: each rollout runs only the part of the graph
+        downstream of the slot's unit, fed the original's activations at the cut. The caller closes them."""
+        prepared = self.scored.prepared
+        lanes = [SweepRunner(replace(prepared.job, strategy="prefix"))]
+        try:
+            lanes += [lanes[0].lane() for _ in range(prepared.lanes - 1)]
+        except BaseException:
+            lanes[0].close()
+            raise
+        return lanes
+
+    def release_runner(self) -> None:
+        """Close the measuring sessions for a calibration pass; they open again the way they ran."""
+        if self._fed_session is not None:
+            self._fed_session.close()
+            self._fed_session = None
+        if self._runner is not None:
+            for lane in self._lanes[1:]:
+                lane.close()
+            self._lanes = []
+            self.scored.prepared.job.strategy = self._runner.strategy
+            self._runner.close()
+            self._runner = None
+            release_freed_memory()
+
+    @staticmethod
+    def weights_of(encodings: dict[str, Encoded]) -> dict[str, np.ndarray]:
         return {name: e.dequantize() for name, e in encodings.items() if e.form != "raw"}
 
     def measure(self, encodings: dict[str, Encoded], runner: SweepRunner | None = None) -> Drift:
-        """Joint drift of the model with these encodings on the scoring contexts (on `runner`, one of the
-        `lanes`, when given). A large model's candidate runs on a session that rebuilds each quantized weight
-        from its codes just before it is used (`graph_ops.qdq.fed_codes_model`): a byte per weight fed
-        instead of a float copy of the whole model, the same values computed."""
+        """Joint drift of the model with these encodings on the scoring contexts (on `runner`, one of the `lanes`,
+        when given). A one-session model's candidate runs on a session that rebuilds each quantized weight from its
+        codes just before it is used: a byte per weight fed instead of a float copy, the same values computed."""
         with self.encoder.profile.section("measurement_rollouts"):
             return self._measure(encodings, runner)
 
     def _measure(self, encodings: dict[str, Encoded], runner: SweepRunner | None) -> Drift:
+        scored = self.scored
         runner = runner or self.runner  # opening it rolls out the original, reading every weight
-        graph_ops.release_pages(self.weights)  # the originals of what is fed are not read by this run
-        if not self.one_session:
+        graph_ops.release_pages(scored.weights)  # the originals of what is fed are not read by this run
+        if not scored.one_session:
             return runner.drift(self.weights_of(encodings))
         if self._fed_graph is None:
-            self._fed_graph = at_opset(graph_ops.weights_as_graph_inputs(self.model.proto, list(self.layouts)), self.opset)  # as the file is written
+            self._fed_graph = at_opset(graph_ops.weights_as_graph_inputs(scored.model.proto, list(scored.layouts)), scored.opset)  # as the file is written
         proto, feeds = fed_codes_model(self._fed_graph, encodings)
-        source = graph_ops.io.session_source(proto, self.run_dir)
+        source = graph_ops.io.session_source(proto, scored.run_dir)
         del proto
-        session = WithDefaults(open_graph(self.runtime, source, self.prepared.data_dir, "the quantized candidate"), feeds, self.weights)
+        session = WithDefaults(open_graph(scored.runtime, source, scored.prepared.data_dir, "the quantized candidate"), feeds, scored.weights)
         try:
             return runner.drift({}, session=session)
         finally:
             session.close()
 
-    def measure_tiers(self, tiers: dict[str, str], runner: SweepRunner | None = None, keep: bool = False) -> Drift:
-        """Joint drift of the allocation `tiers` as priced (`assemble`), measured once per distinct allocation.
-        Its float weights come from `joint_weights` (`keep`: held as the base later allocations differ from);
-        a large model's (`FED_FLOATS_BYTES`) from a session of its codes, as `measure` runs them."""
+    def measure_tiers(self, tiers: dict[str, str], rounding: AnyRounding, runner: SweepRunner | None = None, keep: bool = False) -> Drift:
+        """Joint drift of the allocation `tiers` as priced (`Encoder.assemble`), measured once per distinct allocation
+        (the export's rounding is fixed once chosen). `keep`: its float weights become the base later allocations
+        differ from; a model past `FED_FLOATS_BYTES` runs a session of its codes, as `measure` does."""
         key = tuple(sorted(tiers.items()))
         if key in self._joint_drifts:
             return self._joint_drifts[key]
         with self.encoder.profile.section("measurement_rollouts"):
-            if not self.feeds_floats:
-                drift = self._measure(self.encoder.assemble(self.slots, tiers, self.rounding), runner)
+            if not self.scored.feeds_floats:
+                drift = self._measure(self.encoder.assemble(self.cut.slots, tiers, rounding), runner)
             else:
-                weights = self.joint_weights(tiers, keep)
+                weights = self.joint_weights(tiers, rounding, keep)
                 runner = runner or self.runner
-                graph_ops.release_pages(self.weights)
-                drift = runner.drift(self.fed(weights), session=self.fed_session if self.one_session else None)
+                graph_ops.release_pages(self.scored.weights)
+                drift = runner.drift(self.fed(weights), session=self.fed_session if self.scored.one_session else None)
         self._joint_drifts[key] = drift
         return drift
 
-    def joint_weights(self, tiers: dict[str, str], keep: bool = False) -> dict[str, np.ndarray]:
-        """The float weights of the allocation `tiers` as priced (the tensors not stored as themselves): what
-        `measure` feeds for `assemble`'s encodings, the same values. A tensor whose channel runs are those of
-        the base (the last allocation asked with `keep`) is not dequantized again: refinement's trials each
-        move one slot, and dequantizing every tensor per trial cost the 22M BERT 0.1 s a trial."""
+    def joint_weights(self, tiers: dict[str, str], rounding: AnyRounding, keep: bool = False) -> dict[str, np.ndarray]:
+        """The float weights of the allocation `tiers` as priced (the tensors not stored as themselves). A tensor whose
+        channel runs are those of the base (the last allocation asked with `keep`) is not dequantized again."""
         weights = {}
-        for name in self.layouts:
-            runs = tuple(self.encoder.runs(name, self.slots, tiers))
+        for name in self.scored.layouts:
+            runs = tuple(self.encoder.runs(name, self.cut.slots, tiers))
             cached = self._base_floats.get(name)
             if cached is not None and cached[0] == runs:
                 values = cached[1]
             else:
-                values = self._patched(name, runs, cached) if cached is not None else None
+                values = self._patched(name, runs, cached, rounding) if cached is not None else None
                 if values is None:
-                    encoded = self.encoder.joined(name, runs, self.rounding)
+                    encoded = self.encoder.joined(name, runs, rounding)
                     values = None if encoded.form == "raw" else encoded.dequantize()
                 if keep:
                     self._base_floats[name] = (runs, values)
@@ -87,38 +155,41 @@ class Measuring:
                 weights[name] = values
         return weights
 
-    def _patched(self, name: str, runs: tuple, base: tuple) -> np.ndarray | None:
-        """Tensor `name` at channel `runs` as the base's float values with the channels whose tier differs
-        dequantized anew (a channel's values are its tier's whatever its neighbours' tiers): a trial moving
-        one channel group of the 22M BERT's 30522-row embedding dequantized all of it, 90 ms a trial. None
-        when the base has no float values or either side is not split into channel runs."""
+    def _patched(self, name: str, runs: tuple, base: tuple, rounding: AnyRounding) -> np.ndarray | None:
+        """Tensor `name` at channel `runs` as the base's float values with the channels whose tier differs dequantized
+        anew (a channel's values are its tier's whatever its neighbours' tiers). None when the base has no float
+        values or either side is not split into channel runs."""
         base_runs, base_values = base
         if base_values is None or runs[0][0] is None:
             return None
+        layout = self.encoder.layouts[name]
         covered = {}
         for rows, tier in base_runs:
-            for start, stop in [rows] if rows is not None else [(0, self.encoder.layouts[name].channels)]:
+            for start, stop in [rows] if rows is not None else [(0, layout.channels)]:
                 covered[(start, stop)] = tier
         values = None
-        axis = self.encoder.layouts[name].channel_axis
         for rows, tier in runs:
             if any(a <= rows[0] and rows[1] <= b and t == tier for (a, b), t in covered.items()):
                 continue
             if values is None:
                 values = np.array(base_values, copy=True)
-            part = self.encoder.channels(name, self.encoder.tensor(name, tier, self.rounding), rows).dequantize()
+            part = self.encoder.channels(name, self.encoder.tensor(name, tier, rounding), rows).dequantize()
             index = [slice(None)] * values.ndim
-            index[axis] = slice(*rows)
+            index[layout.channel_axis] = slice(*rows)
             values[tuple(index)] = part
         return values if values is not None else base_values
 
+    def forget_base(self) -> None:
+        """Drop the base float copy of the weights (`joint_weights` with `keep`)."""
+        self._base_floats.clear()
+
     def fed(self, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """What a measuring run feeds for `weights`: with `resident` weights every unit weight (the rest as they are)."""
-        return {**self.weights, **weights} if self.resident else weights
+        """What a measuring run feeds for `weights`: with resident weights every unit weight (the rest as they are)."""
+        return {**self.scored.weights, **weights} if self.scored.resident else weights
 
     @property
     def fed_session(self):
         """A one-session model's session with every unit weight overridable (the originals as defaults)."""
         if self._fed_session is None:
-            self._fed_session = self.prepared.job.session_factory()
+            self._fed_session = self.scored.prepared.job.session_factory()
         return self._fed_session

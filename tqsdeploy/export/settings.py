@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiers import DEFAULT_TIERS, METHODS, TRT_TIERS
-from tqsdeploy.export.allocate import OBJECTIVES, check_allocator
+from tqsdeploy.export.allocate import check_allocator
+from tqsdeploy.export.objectives import OBJECTIVES
 from tqsdeploy.errors import InputError
 from tqsdeploy.encoding.encoder import check_grids
 from tqsdeploy.size import check_basis
@@ -102,4 +103,4 @@ class ExportSettings:
     def fp32_share(self) -> float:
         if self.fp32_fraction is not None:
             return self.fp32_fraction
-        return 0.10 if self.objective == "paper" else 0.0
+        return OBJECTIVES[self.objective].fp32_share

@@ -1,69 +1,86 @@
-"""`export`'s size accounting: what each slot costs in the file at each tier, the budget a target C sets, and
-the opset the files are written at (a mixin of `tqsdeploy.export.planner.Planner`)."""
+"""What each slot costs in the file at each tier, the budget a target C sets, and the opset files are written at.
+
+The knapsack prices slots one by one, but the writer stores stretches (a unit's neighbouring slots at one tier)
+each with its own scales and nodes: `Sizing.written_costs` prices an assignment exactly as written.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Sequence
 
 from graph_ops.qdq import computes_in_half, conversion_overhead_bits, emitted_bits
 from tiers import TIERS, Encoded, Tier, ladder_opset
 from tqsdeploy.encoding.encoder import Slot
+from tqsdeploy.export.allocate import Allocation
+from tqsdeploy.export.job import ExportJob
+from tqsdeploy.export.settings import ExportSettings
 from tqsdeploy.size import SizeBudget, split_bits
 from tqsdeploy.units import Unit, outside_hint
 
 
+def output_opset(tiers: Sequence[Tier], settings: ExportSettings):
+    """The opset function `prepare` asks for (proto, units): a graph computing in 16-bit floats is written and
+    measured at the opset its tier set needs (`tiers.ladder_opset`); others at 1, each file at the lowest it needs."""
+    def opset(proto, units: list[Unit]) -> int:
+        if not computes_in_half(proto):
+            return 1
+        return ladder_opset(tiers, {t.dtype for u in units for t in u.tensors}, bool(settings.group_size))
+    return opset
+
+
 class Sizing:
+    """Bits per slot and tier, as the file stores them; the budget of a target on the --C basis."""
+
+    def __init__(self, job: ExportJob):
+        self.scored, self.settings, self.encoder, self.cut = job.scored, job.settings, job.encoder, job.cut
+        self._overhead: dict[int, int] = {}
+        self._costs: dict[tuple[float, str, str], int] = {}
+        """(cut, slot, tier) -> bits: a slot's share of its unit's bits depends on the other slots of the cut."""
+        self._stretch_bits: dict[tuple[str, str, tuple[int, int]], int] = {}
+
     def overhead_bits(self, opset: int) -> int:
         """Bits the opset conversion adds (attributes that become constant inputs)."""
-        if opset <= self.model_opset:
+        if opset <= self.scored.model_opset:
             return 0
         if opset not in self._overhead:
-            self._overhead[opset] = conversion_overhead_bits(self.model.proto, opset)
+            self._overhead[opset] = conversion_overhead_bits(self.scored.model.proto, opset)
         return self._overhead[opset]
 
-    def output_opset(self, proto, units: list[Unit]) -> int:
-        """The opset this export writes every file at and measures its candidates at (`tiers.ladder_opset`), for a
-        graph computing in 16-bit floats (`graph_ops.qdq.computes_in_half`); others, 1: each file at the lowest it needs."""
-        return ladder_opset(self.tiers, {t.dtype for u in units for t in u.tensors}, bool(self.settings.group_size)) if computes_in_half(proto) else 1
-
-    @property
-    def budget(self) -> SizeBudget:
-        """C on the --C basis: the stored bits outside the units count at their size plus what the opset
-        conversion adds (the output opset's, or the worst case over the tier set's opsets)."""
-        return self.sizes.budget(self.settings.basis, self.overhead_bits(max([self.opset] + [t.opset for t in self.tiers])))
+    def budget(self, tiers: Sequence[Tier]) -> SizeBudget:
+        """C on the --C basis: the stored bits outside the units at their size plus what the opset conversion adds
+        (the output opset's, or the worst case over the tier set's opsets)."""
+        return self.scored.sizes.budget(self.settings.basis, self.overhead_bits(max([self.scored.opset] + [t.opset for t in tiers])))
 
     def cost(self, slot: Slot, tier: Tier | str) -> int:
-        """Bits the slot's stored form puts in the file at `tier` (the same for every rounding method).
+        """Bits the slot's stored form puts in the file at `tier`, whatever the rounding method.
 
-        A slot pays its own codes, scales and zero points, and its share (by channels) of what the form
-        emits once per stored run beside them (INT1's unpack constants: 65 bytes). The writer joins a
-        tensor's neighbouring slots of one tier into one run, so the slots' prices are scaled to sum to
-        exactly what the unit at one tier writes (`size.split_bits`): charging each slot the whole overhead
-        priced a split INT1 unit 15% above its file, and channel groups of a blockwise grid priced 20 bits
-        above it, which made the largest reachable C smaller than the uniform file of the lowest tier. A unit split
-        over several tiers writes that overhead once per stretch: `written_costs` prices an allocation as written."""
+        A slot pays its own codes, scales and zero points, and its share (by channels) of what the form emits
+        once per stored run; the shares of a unit's slots sum to exactly what the unit at one tier writes."""
         tier = TIERS[tier] if isinstance(tier, str) else tier
-        key = (self.split_fraction, slot.name, tier.name)
+        key = (self.cut.fraction, slot.name, tier.name)
         if key not in self._costs:  # every slot of the unit at once: one stored form per tensor
             forms = self.encoder.stored_forms(slot.unit, tier)
             written = {n: emitted_bits(n, e, self.settings.layout) for n, e in forms.items()}
-            slots = self.slots_of[slot.unit]
-            shares = []
-            for other in slots:
-                bits = 0.0
-                for name, encoded in forms.items():
-                    part = self.encoder.channels(name, encoded, other.rows)
-                    share = 1.0 if other.rows is None else (other.rows[1] - other.rows[0]) / self.encoder.layouts[name].channels
-                    bits += part.payload_bits + (written[name] - encoded.payload_bits) * share
-                shares.append(bits)
+            slots = self.cut.slots_of[slot.unit]
+            shares = [self._share_bits(other, forms, written) for other in slots]
             for other, bits in zip(slots, split_bits(shares, sum(written.values()))):
-                self._costs[(self.split_fraction, other.name, tier.name)] = bits
+                self._costs[(self.cut.fraction, other.name, tier.name)] = bits
         return self._costs[key]
+
+    def _share_bits(self, slot: Slot, forms: dict[str, Encoded], written: dict[str, int]) -> float:
+        """The slot's payload plus its channel share of what each tensor's form writes beside its payload."""
+        bits = 0.0
+        for name, encoded in forms.items():
+            part = self.encoder.channels(name, encoded, slot.rows)
+            share = 1.0 if slot.rows is None else (slot.rows[1] - slot.rows[0]) / self.encoder.layouts[name].channels
+            bits += part.payload_bits + (written[name] - encoded.payload_bits) * share
+        return bits
 
     def stretches(self, tiers: dict[str, str]) -> list[tuple[str, str, list[Slot]]]:
         """(unit, tier, slots) of every stretch the writer stores: a unit's neighbouring slots at one tier, joined."""
         found = []
-        for unit, slots in self.slots_of.items():
+        for unit, slots in self.cut.slots_of.items():
             for slot in sorted(slots, key=lambda s: (s.rows or (0, 0))[0]):
                 if found and found[-1][0] == unit and found[-1][1] == tiers[slot.name]:
                     found[-1][2].append(slot)
@@ -72,13 +89,8 @@ class Sizing:
         return found
 
     def written_costs(self, tiers: dict[str, str]) -> dict[str, int]:
-        """Each slot's bits in the file that the assignment `tiers` writes, summing to exactly what it writes.
-
-        `cost` shares by channels what a unit stores once per stretch at one tier (the block-index shape
-        constants of a blockwise grid's dequantized layout, about 512 bits; INT1's unpack constants): exact for
-        a unit at one tier, but a unit split over several tiers writes those once per stretch, which no
-        additive price can know (it depends on the neighbours' tiers). Here each stretch's slots share what the
-        stretch writes (`size.split_bits`)."""
+        """Each slot's bits in the file that the assignment `tiers` writes, summing to exactly what it writes: a unit
+        split over several tiers writes its per-stretch constants once per stretch, which no additive price knows."""
         costs = {}
         stretches = self.stretches(tiers)
         count = Counter(unit for unit, _, _ in stretches)
@@ -92,37 +104,43 @@ class Sizing:
             if key not in self._stretch_bits:
                 if (unit, tier) not in forms:
                     forms[(unit, tier)] = self.encoder.stored_forms(unit, tier)
-                self._stretch_bits[key] = sum(emitted_bits(n, self.encoder.channels(n, e, rows), self.settings.layout) for n, e in forms[(unit, tier)].items())
+                self._stretch_bits[key] = sum(emitted_bits(n, self.encoder.channels(n, e, rows), self.settings.layout)
+                                              for n, e in forms[(unit, tier)].items())
             costs.update(zip([slot.name for slot in slots], split_bits([self.cost(slot, tier) for slot in slots], self._stretch_bits[key])))
         return costs
 
-    def costs(self) -> dict[str, dict[str, int]]:
+    def costs(self, tiers: Sequence[Tier]) -> dict[str, dict[str, int]]:
         """Every slot's cost at every tier of the set."""
-        return {slot.name: {tier.name: self.cost(slot, tier) for tier in self.tiers} for slot in self.slots}
+        return {slot.name: {tier.name: self.cost(slot, tier) for tier in tiers} for slot in self.cut.slots}
 
-    def floor_bits(self) -> int:
+    def floor_bits(self, tiers: Sequence[Tier]) -> int:
         """The slots' bits with every slot at its cheapest tier: the uniform file of the lowest tier's units."""
-        return sum(min(c.values()) for c in self.costs().values())
+        return sum(min(c.values()) for c in self.costs(tiers).values())
 
-    def max_compression(self) -> float:
-        """The largest compression reachable with these tiers (every slot at its cheapest)."""
-        return self.budget.compression(self.floor_bits())
+    def allocation(self, assignment: dict[str, str], target: float | None, solver: str, objective: str, tiers: Sequence[Tier]) -> Allocation:
+        """`assignment` priced as written, on the budget of the tier set `tiers`."""
+        return Allocation(dict(assignment), self.written_costs(assignment), self.budget(tiers), target, solver, objective)
 
-    def reachable(self, target: float) -> bool:
-        return self.budget.reachable(self.floor_bits(), target)
+    def uniform(self, tier: str, tiers: Sequence[Tier], target: float | None = None) -> Allocation:
+        """Every slot at `tier`."""
+        return self.allocation({s.name: tier for s in self.cut.slots}, target, "uniform", "uniform", tiers)
 
-    def check_targets(self, targets: list[float]) -> None:
-        """Fail before any work when a target cannot be met."""
-        budget, floor = self.budget, self.floor_bits()
+    def check_targets(self, targets: list[float], tiers: Sequence[Tier]) -> None:
+        """Fail before any work when a target cannot be met, saying what caps C."""
+        budget, floor = self.budget(tiers), self.floor_bits(tiers)
         hint = "lower --C or add a cheaper tier"
         if budget.fixed_bits > 0 and budget.basis_bits / floor > 1.25 * budget.compression(floor):  # the tensors outside the units bind
-            selection = self.scores.selection
-            large = outside_hint(self.model.proto, [n for u in self.units for n in u.tensor_names], selection)
-            why = f"{large}, or use --basis units" if large else "score with a lower --min-params (or --include) to quantize them, or use --basis units"
-            hint += (
-                f"; {budget.fixed_bits / budget.basis_bits:.1%} of the stored bits are in tensors that are not units"
-                + ("" if large else f" (smaller than --min-params {selection.min_params} or not weight operands)")
-                + f", which alone caps C at {budget.basis_bits / budget.fixed_bits:.3g}: {why}"
-            )
+            hint += self._outside_hint(budget)
         for target in targets:
-            budget.check(target, floor, [t.name for t in self.tiers], hint)
+            budget.check(target, floor, [t.name for t in tiers], hint)
+
+    def _outside_hint(self, budget: SizeBudget) -> str:
+        """Why the tensors that are not units cap C, and what would quantize them."""
+        selection = self.scored.scores.selection
+        large = outside_hint(self.scored.model.proto, [n for u in self.scored.units for n in u.tensor_names], selection)
+        why = f"{large}, or use --basis units" if large else "score with a lower --min-params (or --include) to quantize them, or use --basis units"
+        return (
+            f"; {budget.fixed_bits / budget.basis_bits:.1%} of the stored bits are in tensors that are not units"
+            + ("" if large else f" (smaller than --min-params {selection.min_params} or not weight operands)")
+            + f", which alone caps C at {budget.basis_bits / budget.fixed_bits:.3g}: {why}"
+        )

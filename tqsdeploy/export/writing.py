@@ -1,11 +1,12 @@
-"""`export`'s writing: the shipped candidate to an ONNX file and its allocation record, with its notes.
+"""Writing the shipped candidate: the ONNX file, its allocation record, and the notes a user should read.
 
-`Writing` is a part of `Planner`: it writes what the planner's `candidates` chose (or one uniform candidate)
-and reports the file's compression as the size owner counts it (`tqsdeploy.size`).
+`Writer` writes what the comparison chose (or one uniform model) and reports the file's compression as the size
+owner counts it (`tqsdeploy.size`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,9 +20,12 @@ from graph_ops.qdq import Written, write_storage
 from tiers import TIERS, Encoded, get_tiers
 from tiers.solver_backend import array_module, solver_dtype
 from tqsdeploy.encoding import checkpoints
-from tqsdeploy.export.allocate import Allocation
 from tqsdeploy.encoding.calibrator import thin_note
 from tqsdeploy.errors import InputError
+from tqsdeploy.export.allocate import Allocation
+from tqsdeploy.export.candidates import Candidate
+from tqsdeploy.export.job import ExportJob
+from tqsdeploy.export.roundings import Roundings
 from tqsdeploy.files import write_json, write_table
 from tqsdeploy.sweep import Drift
 from tqsdeploy.units import outside_hint
@@ -29,7 +33,7 @@ from tqsdeploy.units import outside_hint
 WARN_DRIFT_PCT = 5.0
 """Drift (percent, as `eval` reports it) above which export warns that the model it wrote may be damaged."""
 BASIS_GAP = 1.5
-"""Export notes when the units are compressed more than this many times as much as the file (see `Planner._basis_note`)."""
+"""Export notes when the units are compressed more than this many times as much as the file (`Writer.basis_note`)."""
 
 
 @dataclass
@@ -57,7 +61,7 @@ class Outcome:
     layout: str = "fused"
     """The runtime layout written (`ExportSettings.layout`)."""
     memory_bytes: int | None = None
-    """About the weight bytes a session holds after loading the file (`Planner.loaded_weight_bytes`)."""
+    """About the weight bytes a session holds after loading the file (`Writer.loaded_weight_bytes`)."""
     profile: dict[str, float] = field(default_factory=dict)
     """Seconds of this export by kind of work (`tqsdeploy.encoding.profiling`), as its allocation record keeps them."""
     rounding: dict[str, str] = field(default_factory=dict)
@@ -74,31 +78,174 @@ class Outcome:
         return None if self.drift is None else self.drift.worst_pct
 
 
-class Writing:
-    """The planner's output (see the module docstring)."""
+class Writer:
+    """Writes an export's chosen candidate and what to say about it."""
 
-    def _basis_note(self, target: float, compression: float, unit_compression: float, allocation: Allocation) -> str:
-        """Why C of the file pushed the units much further: the tensors that are not units stay at full
-        size and take the budget; what they cost and what `--basis units` gives at the same C."""
-        names = {n for u in self.units for n in u.tensor_names}
-        others = [n for n in graph_ops.io.tensor_sizes(self.model.proto) if n not in names]
-        fixed = self.sizes.outside_bits
-        min_params = self.scores.selection.min_params
+    def __init__(self, job: ExportJob, roundings: Roundings):
+        self.job, self.roundings = job, roundings
+        self.scored, self.settings, self.encoder = job.scored, job.settings, job.encoder
+
+    def outputs_identity(self) -> str:
+        """What an output file depends on: the calibration passes' identity and the settings."""
+        return self.encoder.checkpoints[1] + json.dumps(asdict(self.settings), sort_keys=True, default=str)
+
+    def write(self, encodings: dict[str, Encoded], path: Path, external_data: bool | None = None) -> Written:
+        """Write the model atomically (large ones stream into external data)."""
+        weights = self.scored.weights
+        stored = {name: e for name, e in encodings.items() if not (e.form == "raw" and e.values is weights.get(name))}
+        if external_data is None and self.settings.single_file:
+            external_data = False
+        with self.encoder.profile.section("write"):
+            if self.encoder.checkpoints is not None:  # resumable: a rerun after an interruption may overwrite what this began
+                checkpoints.record_output(self.scored.run_dir, self.outputs_identity(), path)
+            return write_storage(self.scored.model.proto, stored, path, external_data=external_data, source=self.scored.prepared.data_dir,
+                                 layout=self.settings.layout, opset=self.scored.opset)
+
+    def check_single_file(self, targets: list[float | None], uniform_tier: str | None = None) -> None:
+        """With `single_file`, refuse before any work an output that cannot fit one file (protobuf's 2 GiB): its size
+        estimated from the budget, or for a uniform tier from the tier's bits."""
+        if not self.settings.single_file:
+            return
+        sizes = self.scored.sizes
+        for target in targets:
+            if target is None:
+                tier = get_tiers([uniform_tier], self.settings.runtime, self.settings.group_size)[0]
+                bits = sizes.outside_bits + sum(u.params for u in self.scored.units) * tier.bits
+            else:
+                bits = min(sizes.reference_bits, sizes.file_bits(target, self.settings.basis))
+            if bits / 8 >= graph_ops.io.PROTOBUF_LIMIT:
+                raise InputError(f"--single-file: the model would hold about {bits / 8 / 2**30:.2f} GiB, past protobuf's 2 GiB limit for one .onnx file",
+                                 hint="drop --single-file: the weights then go to an external-data file beside it")
+
+    def notes(self, chosen: Candidate, compared: list[Candidate], uniform_tier: str | None, overshoot: str | None) -> list[str]:
+        """What the user should know about the shipped model, in the order the summary prints them."""
+        notes: list[str] = []
+        if not chosen.label.startswith("TQS-PTQ") and uniform_tier is None:
+            mixed = next(c for c in compared if c.label.startswith("TQS-PTQ"))
+            notes.append(
+                f"shipped {chosen.label} instead of the mixed allocation: at this budget it drifts less on the scoring contexts "
+                f"({chosen.drift.worst_pct:.4g}% vs {mixed.drift.worst_pct:.4g}% for the mixed one at {mixed.allocation.compression:.3g}x); "
+                "--no-fallback ships the mixed one"
+            )
+        if overshoot is not None:
+            notes.append(overshoot)
+        notes += self._untested_rows(chosen)
+        side = [o.name for o in self.scored.model.proto.graph.output if o.name not in self.scored.prepared.spec.trajectory]
+        if side and self.scored.dead and uniform_tier is None:
+            notes.append(
+                f"{len(self.scored.dead)} unit(s) left the trajectory unchanged and went to the lowest tier; the outputs outside it ({', '.join(side)}) "
+                "were not measured and may read them: name those outputs in the rollout spec's `trajectory` to protect them "
+                "(`tqsdeploy eval` reports their drift)"
+            )
+        # a uniform model's own rounding: asking the export's could measure every tier
+        calibrated = chosen.cached[1].needs_stats if chosen.cached else self.roundings.rounding.needs_stats
+        if calibrated:
+            notes += [f"'{name}' is rounded to nearest whatever the method: {reason}" for name, reason in sorted(self.encoder.log.rtn_only.items())]
+        thin = thin_note(self.encoder.log.thin, self.settings.rounding,
+                         "score with more context windows (or more --steps) to give it more, or export with --rounding rtn, which needs none")
+        if thin and calibrated:
+            notes.append(thin)
+        return notes
+
+    def _untested_rows(self, chosen: Candidate) -> list[str]:
+        """A Gather table whose rows the scoring contexts read only in part: the rest is stored untested."""
+        notes = []
+        for name, touched in sorted(self.scored.prepared.job.rows.items()):
+            tiers = sorted({chosen.allocation.tiers[s.name] for s in self.job.cut.slots if name in self.scored.units_by_name[s.unit].tensor_names})
+            notes.append(
+                f"'{name}': the scoring contexts read {len(touched)} of its {self.scored.weights[name].shape[0]} rows; it was scored and measured on those, "
+                f"and the other rows, priced as its read rows on average, are stored untested ({', '.join(tiers)} in the table): rows a deployment "
+                "reads that the contexts never did may be hurt more"
+            )
+        return notes
+
+    def refused(self, chosen: Candidate, compared: list[Candidate], path: Path, notes: list[str], max_drift_pct: float) -> Outcome:
+        """Nothing written: the chosen model drifts more than `max_drift_pct` on the scoring contexts."""
+        refused = (f"{path} not written: it drifts {chosen.drift.worst_pct:.4g}% from the original on the scoring contexts, "
+                   f"above --max-drift {max_drift_pct:g}%")
+        return Outcome(chosen.allocation, path, 0, math.nan, math.nan, chosen.drift, chosen.label, [c.record() for c in compared], self.table(chosen.allocation),
+                       chosen.encodings, notes, refused=refused)
+
+    def ship(self, chosen: Candidate, compared: list[Candidate], target: float | None, path: Path, notes: list[str], uniform_tier: str | None,
+             clock: tuple[float, dict]) -> Outcome:
+        """Write `chosen` to `path` with its allocation record (.parquet and .json) beside it; `clock`: when the
+        export of this target began, and the encoder's profile then."""
+        stem = path.with_suffix("")
+        for record in (Path(f"{stem}.allocation.json"), Path(f"{stem}.allocation.parquet")):
+            record.unlink(missing_ok=True)  # a kill before the new record lands leaves a model without one, never a mismatched pair
+        written = self.write(chosen.encodings, path)
+        record = self.scored.sizes.record(written, chosen.encodings, self.settings.layout)
+        compression, unit_compression = record["compression"], record["unit_compression"]
+        if target is not None and uniform_tier is None and self.settings.basis == "file" and unit_compression > BASIS_GAP * compression:
+            notes.insert(0, self.basis_note(target, compression, unit_compression, chosen.allocation))
+        table = self.table(chosen.allocation)
+        rounding = self.rounding_by_tier(chosen)
+        summary = self._summary(chosen, compared, target, record, written, notes, uniform_tier, clock) | {"rounding_by_tier": rounding}
+        summary["tiers"] = table.rows(named=True)
+        write_table(table, f"{stem}.allocation.parquet")
+        write_json(f"{stem}.allocation.json", summary)
+        return Outcome(chosen.allocation, path, written.bytes, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table,
+                       chosen.encodings, notes, written.files, layout=self.settings.layout, memory_bytes=summary["weights_in_memory_bytes"],
+                       profile=summary["profile_s"], rounding=rounding, opsets=(self.scored.model_opset, written.opset))
+
+    def _summary(self, chosen: Candidate, compared: list[Candidate], target: float | None, record: dict, written: Written, notes: list[str],
+                 uniform_tier: str | None, clock: tuple[float, dict]) -> dict:
+        """The allocation record's fields, in the order the JSON keeps them."""
+        started, profiled = clock
+        drift = chosen.drift
+        return {
+            "model": str(self.scored.model.path),
+            "run": str(self.scored.run_dir),
+            "target_compression": target,
+            "basis": self.settings.basis,
+            **record,
+            "target": self.settings.target,
+            "weights_in_memory_bytes": self.loaded_weight_bytes(chosen.encodings),
+            "opset": {"model": self.scored.model_opset, "file": written.opset},
+            "objective": chosen.allocation.objective,
+            "rounding": chosen.label.split()[-1] if uniform_tier is not None else self.roundings.rounding.method,
+            "rounding_by_tier": None,
+            "rounding_choice": self.roundings.choice,
+            "solver": chosen.allocation.solver,
+            "shipped": chosen.label,
+            "settings": asdict(self.settings),
+            "drift_pct": drift.worst_pct if drift else None,
+            "drift_pct_by_output": drift.pct if drift else None,
+            "relative_rms_drift": drift.relative_rms if drift else None,
+            "compared": [c.record() for c in compared],
+            "notes": notes,
+            "checkpointed_weights_reused": self.encoder.log.reused,
+            "timings_s": {**{k: round(v, 3) for k, v in self.job.timings.items()}, "calibration": round(self.encoder.log.calibration_s, 3),
+                          "total": round(time.perf_counter() - started, 3)},
+            "profile_s": self.encoder.profile.split(profiled, time.perf_counter() - started),
+            "solver_arrays": array_module().__name__,
+            "solver_dtype": solver_dtype(),
+            "tiers": None,
+        }
+
+    def basis_note(self, target: float, compression: float, unit_compression: float, allocation: Allocation) -> str:
+        """Why C of the file pushed the units much further: the tensors that are not units stay at full size and take
+        the budget; what they cost and what `--basis units` gives at the same C."""
+        scored = self.scored
+        names = {n for u in scored.units for n in u.tensor_names}
+        others = [n for n in graph_ops.io.tensor_sizes(scored.model.proto) if n not in names]
+        fixed = scored.sizes.outside_bits
+        min_params = scored.scores.selection.min_params
         lowest = min(allocation.tiers.values(), key=lambda tier: TIERS[tier].bits)
         count = sum(t == lowest for t in allocation.tiers.values())
-        units_file = self.sizes.file_compression(self.sizes.file_bits(target, "units"))
-        large = outside_hint(self.model.proto, names, self.scores.selection)
+        units_file = scored.sizes.file_compression(scored.sizes.file_bits(target, "units"))
+        large = outside_hint(scored.model.proto, names, scored.scores.selection)
         which = "" if large else f" smaller than --min-params {min_params} or not weight operands"
         return (
             f"compression {compression:.3g}x of the file took the units to {unit_compression:.3g}x ({lowest} on {count} of {len(allocation.tiers)} slots): "
-            f"{fixed / self.reference_bits:.1%} of the stored bits ({fixed / 8:,.0f} bytes in {len(others)} tensors{which}) are not units and stay at full size; "
-            f"--basis units --C {target:g} compresses the units {target:g}x and the file about {units_file:.3g}x (check the drift of both), or "
-            + (large if large else "score with a lower --min-params (or --include) to quantize those tensors")
+            f"{fixed / scored.reference_bits:.1%} of the stored bits ({fixed / 8:,.0f} bytes in {len(others)} tensors{which}) are not units "
+            f"and stay at full size; --basis units --C {target:g} compresses the units {target:g}x and the file about {units_file:.3g}x "
+            "(check the drift of both), or " + (large if large else "score with a lower --min-params (or --include) to quantize those tensors")
         )
 
     def table(self, allocation: Allocation) -> pl.DataFrame:
         rows = []
-        for slot in self.slots:
+        for slot in self.job.cut.slots:
             tier = allocation.tiers[slot.name]
             rows.append(
                 {
@@ -109,141 +256,23 @@ class Writing:
                     "bits": TIERS[tier].bits,
                     "params": slot.params,
                     "bytes": -(-allocation.cost_bits[slot.name] // 8),
-                    "gamma": self.gamma.get(slot.unit),
-                    "dead": slot.unit in self.dead,
+                    "gamma": self.scored.gamma.get(slot.unit),
+                    "dead": slot.unit in self.scored.dead,
                 }
             )
         return pl.DataFrame(rows)
 
-    def write(self, encodings: dict[str, Encoded], path: Path, external_data: bool | None = None) -> Written:
-        """Write the model atomically (large ones stream into external data)."""
-        stored = {name: e for name, e in encodings.items() if not (e.form == "raw" and e.values is self.weights.get(name))}
-        if external_data is None and self.settings.single_file:
-            external_data = False
-        with self.encoder.profile.section("write"):
-            if self.encoder.checkpoints is not None:  # resumable: a rerun after an interruption may overwrite what this began
-                checkpoints.record_output(self.run_dir, self.outputs_identity(), path)
-            return write_storage(self.model.proto, stored, path, external_data=external_data, source=self.prepared.data_dir, layout=self.settings.layout,
-                                 opset=self.opset)
-
-    def check_single_file(self, targets: list[float | None], uniform_tier: str | None = None) -> None:
-        """With `single_file`, refuse before any work an output that cannot fit one file (protobuf's 2 GiB):
-        its size estimated from the budget, or for a uniform tier from the tier's bits."""
-        if not self.settings.single_file:
-            return
-        for target in targets:
-            if target is None:
-                bits = self.sizes.outside_bits + sum(u.params for u in self.units) * get_tiers([uniform_tier], self.settings.runtime, self.settings.group_size)[0].bits
-            else:
-                bits = min(self.reference_bits, self.sizes.file_bits(target, self.settings.basis))
-            if bits / 8 >= graph_ops.io.PROTOBUF_LIMIT:
-                raise InputError(f"--single-file: the model would hold about {bits / 8 / 2**30:.2f} GiB, past protobuf's 2 GiB limit for one .onnx file",
-                                 hint="drop --single-file: the weights then go to an external-data file beside it")
-
-    def export(self, target: float | None, path: Path | str, uniform_tier: str | None = None, rounding: str | None = None, on_result=None,
-               max_drift_pct: float | None = None, final: bool = False) -> Outcome:
-        """Write the model for `target` (or every unit at `uniform_tier`, codes chosen by `rounding`,
-        default the planner's) and its allocation record beside it; write nothing when its drift on the
-        scoring contexts exceeds `max_drift_pct` (percent, as `eval` reports drift). `final`: no other
-        target follows (see `candidates`)."""
-        started = time.perf_counter()
-        profiled = self.encoder.profile.snapshot()
-        path = Path(path)
-        notes: list[str] = []
-        if uniform_tier is not None:
-            tier = get_tiers([uniform_tier], self.settings.runtime, self.settings.group_size)[0]
-            asked = rounding or self.settings.rounding
-            compared = [self.uniform_candidate(tier, self.rounding_at(tier.name) if asked == "auto" else self.measured_rounding(tier, asked), target)]
-        else:
-            compared = self.candidates(target, on_result, final)
-        chosen = compared[0]
-        if not chosen.label.startswith("TQS-PTQ") and uniform_tier is None:
-            mixed = next(c for c in compared if c.label.startswith("TQS-PTQ"))
-            notes.append(
-                f"shipped {chosen.label} instead of the mixed allocation: at this budget it drifts less on the scoring contexts "
-                f"({chosen.drift.worst_pct:.4g}% vs {mixed.drift.worst_pct:.4g}% for the mixed one at {mixed.allocation.compression:.3g}x); --no-fallback ships the mixed one"
-            )
-        if target is not None and uniform_tier is None and chosen.allocation.compression > 1.05 * target:
-            notes.append(self._overshoot(chosen, target))
-        for name, touched in sorted(self.prepared.job.rows.items()):
-            tiers = sorted({chosen.allocation.tiers[s.name] for s in self.slots if name in self.units_by_name[s.unit].tensor_names})
-            notes.append(
-                f"'{name}': the scoring contexts read {len(touched)} of its {self.weights[name].shape[0]} rows; it was scored and measured on those, "
-                f"and the other rows, priced as its read rows on average, are stored untested ({', '.join(tiers)} in the table): rows a deployment "
-                "reads that the contexts never did may be hurt more"
-            )
-        side = [o.name for o in self.prepared.model.proto.graph.output if o.name not in self.prepared.spec.trajectory]
-        if side and self.dead and uniform_tier is None:
-            notes.append(
-                f"{len(self.dead)} unit(s) left the trajectory unchanged and went to the lowest tier; the outputs outside it ({', '.join(side)}) "
-                "were not measured and may read them: name those outputs in the rollout spec's `trajectory` to protect them (`tqsdeploy eval` reports their drift)"
-            )
-        calibrated = chosen.cached[1].needs_stats if chosen.cached else self.rounding.needs_stats  # a uniform model's own rounding: asking the export's could measure every tier
-        for name, reason in sorted(self.encoder.log.rtn_only.items()):
-            if calibrated:
-                notes.append(f"'{name}' is rounded to nearest whatever the method: {reason}")
-        thin = thin_note(self.encoder.log.thin, self.settings.rounding, "score with more context windows (or more --steps) to give it more, or export with --rounding rtn, which needs none")
-        if thin and calibrated:
-            notes.append(thin)
-        if max_drift_pct is not None and chosen.drift is not None and not chosen.drift.worst_pct <= max_drift_pct:
-            refused = f"{path} not written: it drifts {chosen.drift.worst_pct:.4g}% from the original on the scoring contexts, above --max-drift {max_drift_pct:g}%"
-            return Outcome(chosen.allocation, path, 0, math.nan, math.nan, chosen.drift, chosen.label, [c.record() for c in compared], self.table(chosen.allocation),
-                           chosen.encodings, notes, refused=refused)
-        stem = path.with_suffix("")
-        for record in (Path(f"{stem}.allocation.json"), Path(f"{stem}.allocation.parquet")):
-            record.unlink(missing_ok=True)  # a kill before the new record lands leaves a model without one, never a mismatched pair
-        written = self.write(chosen.encodings, path)
-        record = self.sizes.record(written, chosen.encodings, self.settings.layout)
-        compression, unit_compression = record["compression"], record["unit_compression"]
-        if target is not None and uniform_tier is None and self.settings.basis == "file" and unit_compression > BASIS_GAP * compression:
-            notes.insert(0, self._basis_note(target, compression, unit_compression, chosen.allocation))
-        table = self.table(chosen.allocation)
-        rounding = self._rounding_by_tier(chosen)
-        summary = {
-            "model": str(self.model.path),
-            "run": str(self.run_dir),
-            "target_compression": target,
-            "basis": self.settings.basis,
-            **record,
-            "target": self.settings.target,
-            "weights_in_memory_bytes": self.loaded_weight_bytes(chosen.encodings),
-            "opset": {"model": self.model_opset, "file": written.opset},
-            "objective": chosen.allocation.objective,
-            "rounding": chosen.label.split()[-1] if uniform_tier is not None else self.rounding.method,
-            "rounding_by_tier": rounding,
-            "rounding_choice": self.rounding_choice,
-            "solver": chosen.allocation.solver,
-            "shipped": chosen.label,
-            "settings": asdict(self.settings),
-            "drift_pct": chosen.drift.worst_pct if chosen.drift else None,
-            "drift_pct_by_output": chosen.drift.pct if chosen.drift else None,
-            "relative_rms_drift": chosen.drift.relative_rms if chosen.drift else None,
-            "compared": [c.record() for c in compared],
-            "notes": notes,
-            "checkpointed_weights_reused": self.encoder.log.reused,
-            "timings_s": {**{k: round(v, 3) for k, v in self.timings.items()}, "calibration": round(self.encoder.log.calibration_s, 3), "total": round(time.perf_counter() - started, 3)},
-            "profile_s": self.encoder.profile.split(profiled, time.perf_counter() - started),
-            "solver_arrays": array_module().__name__,
-            "solver_dtype": solver_dtype(),
-            "tiers": table.rows(named=True),
-        }
-        write_table(table, f"{stem}.allocation.parquet")
-        write_json(f"{stem}.allocation.json", summary)
-        return Outcome(chosen.allocation, path, written.bytes, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table, chosen.encodings, notes,
-                       written.files, layout=self.settings.layout, memory_bytes=summary["weights_in_memory_bytes"], profile=summary["profile_s"],
-                       rounding=rounding, opsets=(self.model_opset, written.opset))
-
-    def _rounding_by_tier(self, chosen) -> dict[str, str]:
+    def rounding_by_tier(self, chosen: Candidate) -> dict[str, str]:
         """The method that rounded each calibratable tier of the shipped candidate: a uniform one's own, else the export's."""
         if chosen.cached is not None:
             tier, rounding = chosen.cached
             return {tier: rounding.label} if TIERS[tier].calibratable else {}
-        return {tier: self.rounding_at(tier).label for tier in sorted(set(chosen.allocation.tiers.values())) if TIERS[tier].calibratable}
+        return {tier: self.roundings.at(tier).label for tier in sorted(set(chosen.allocation.tiers.values())) if TIERS[tier].calibratable}
 
     def loaded_weight_bytes(self, encodings: dict[str, Encoded]) -> int:
-        """About how many bytes of weights an ONNX Runtime session of the written model holds after load: it
-        folds fp16/bf16 Casts, INT1's unpacking and, in the 'dequantized' layout, every dequantization into a
-        float weight of the original's type; 'fused' keeps DequantizeLinear's codes (MatMulNBits repacks them)."""
+        """About how many bytes of weights an ONNX Runtime session of the written model holds after load: it folds
+        fp16/bf16 Casts, INT1's unpacking and, in the 'dequantized' layout, every dequantization into a float weight
+        of the original's type; 'fused' keeps DequantizeLinear's codes."""
         def held(encoded: Encoded) -> int:
             if encoded.form == "split":
                 return sum(held(part) for part in encoded.parts)
@@ -251,4 +280,4 @@ class Writing:
                 return encoded.payload_bits // 8
             return math.prod(encoded.shape) * np.dtype(encoded.dtype).itemsize
 
-        return self.sizes.outside_bits // 8 + sum(held(e) for e in encodings.values())
+        return self.scored.sizes.outside_bits // 8 + sum(held(e) for e in encodings.values())

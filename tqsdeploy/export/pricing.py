@@ -1,0 +1,243 @@
+"""Prices: what each slot costs and loses at each tier, and the allocation they solve to.
+
+`PriceList` measures and caches the rollouts behind the measured objective (one per slot and tier, in the run
+folder's `measured.jsonl`, shared by every export of the run). `TierPricing` turns one tier set's prices into
+the knapsack's choices and allocates; an export keeps one for its tiers and makes another when it also tries
+the tier below its lowest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import replace
+from typing import Callable
+
+import numpy as np
+from filelock import FileLock
+
+from tiers import TIERS, Tier
+from tiers.solver_backend import solver_dtype
+from tqsdeploy.encoding.encoder import Slot
+from tqsdeploy.export.allocate import Allocation, Choice, allocate
+from tqsdeploy.export.fitting import Fitter
+from tqsdeploy.export.job import ExportJob
+from tqsdeploy.export.measuring import Measuring
+from tqsdeploy.export.objectives import LAZY_BITS, OBJECTIVES
+from tqsdeploy.export.roundings import Roundings
+from tqsdeploy.export.sizing import Sizing
+from tqsdeploy.sweep import Lanes, ResultLog, SweepRunner, Task, TaskResult
+
+
+class PriceList:
+    """The rollouts with one slot at one tier, keyed by what they feed, cached in the run folder."""
+
+    def __init__(self, job: ExportJob, measuring: Measuring, roundings: Roundings, on_measuring: Callable[[int], None] | None = None):
+        """`on_measuring(count)`: told how many rollouts a reported batch of prices is about to run."""
+        self.job, self.measuring, self.roundings = job, measuring, roundings
+        self.on_measuring = on_measuring
+        self._identity = job.scored.price_identity()
+        self._keys: dict[tuple[str, str], Task] = {}
+        """(slot, tier) -> its entry in the price list: its codes are this export's, fixed once made."""
+        self._measured: dict[str, TaskResult] | None = None
+
+    def probe(self, tier: Tier) -> str:
+        """The label of a price at `tier`: the tier, its group size, its rounding and (narrowed) solver type."""
+        group = f"/g{self.job.settings.group_size}" if self.job.settings.group_size else ""
+        method = self.roundings.at(tier.name).label if tier.calibratable else "rtn"
+        narrow = f"/{solver_dtype()}" if tier.calibratable and method != "rtn" and solver_dtype() != "float64" else ""  # its own prices
+        return f"tier:{tier.name}{group}/{method}{narrow}"
+
+    def task(self, slot: Slot, tier: Tier) -> Task:
+        """The price list's entry of (slot, tier): its label and a digest of the values its rollout feeds (the slot's
+        codes at the tier, dequantized), of the runtime and of the score run. A price is reused only for the same
+        values: a label alone would let an older version's prices stand for today's codes."""
+        key = (slot.name, tier.name)
+        if key not in self._keys:
+            digest = hashlib.blake2b(self._identity.encode(), digest_size=10)
+            for name, encoded in sorted(self.job.encoder.slot(slot, tier, self.roundings.rounding).items()):
+                values = np.ascontiguousarray(encoded.dequantize())
+                digest.update(f"{name} {values.dtype} {values.shape}".encode())
+                digest.update(values.tobytes())
+            self._keys[key] = Task(slot.name, f"{self.probe(tier)}#{digest.hexdigest()}")
+        return self._keys[key]
+
+    def measure(self, tasks: list[tuple[Slot, Tier]], on_result=None) -> dict[str, TaskResult]:
+        """The rollout divergence of every (slot, tier) of `tasks`, with whatever was measured before; what is not in
+        the run folder's list yet is rolled out (`on_result(result)` after each) and added to it."""
+        started = time.perf_counter()
+        for tier in {tier.name: tier for _, tier in tasks if tier.calibratable}.values():  # each tier's pass first: the ETA is the rollouts'
+            if any((slot.name, tier.name) not in self._keys for slot, t in tasks if t.name == tier.name):
+                self.job.encoder.uniform(tier, self.roundings.at(tier.name))
+        keys = {(slot.name, tier.name): self.task(slot, tier).key for slot, tier in tasks}
+        if self._measured is not None and all(key in self._measured for key in keys.values()):
+            return self._measured
+        log = ResultLog(self.job.scored.run_dir / "measured.jsonl")
+        lock = FileLock(str(self.job.scored.run_dir / ".measured.lock"))
+        lock.acquire()  # another export of this run prices the same slots: wait, then reuse what it measured
+        try:
+            self.job.scored.scores.check_unchanged()  # and before each price: none goes into a run that replaced this one
+            done = log.load()
+            pending = [(slot, tier) for slot, tier in tasks if keys[(slot.name, tier.name)] not in done]
+            if on_result and pending and self.on_measuring:
+                self.on_measuring(len(pending))
+            self._roll_out(pending, done, log, on_result)
+        finally:
+            log.close()
+            lock.release()
+        self._measured = done
+        self.job.timings["pricing"] += time.perf_counter() - started
+        return done
+
+    def _roll_out(self, pending: list[tuple[Slot, Tier]], done: dict[str, TaskResult], log: ResultLog, on_result) -> None:
+        """Price `pending` on the measuring lanes (or on cut lanes, as the score swept), logging each result."""
+        cut_lanes: list[SweepRunner] = []
+        encoder, rounding = self.job.encoder, self.roundings.rounding if pending else None
+
+        def price(lane: SweepRunner, item):
+            for slot, tier in item:
+                weights = encoder.slot_weights(slot, tier, rounding)
+                tick = time.perf_counter()
+                if cut_lanes:
+                    div_sq, nonfinite = lane.unit_divergence(slot.unit, weights)
+                else:
+                    div_sq, nonfinite = lane.divergence(self.measuring.fed(weights), early_stop=False)
+                yield TaskResult(slot.name, self.task(slot, tier).probe, 0, 0.0, div_sq, nonfinite, time.perf_counter() - tick)
+
+        try:
+            if self.job.scored.prices_cut and pending:
+                cut_lanes = self.measuring.cut_lanes()
+            lanes = cut_lanes or self.measuring.lanes
+            items = lanes[0].work_items(pending, lambda task: task[0].unit)
+            with encoder.profile.section("measurement_rollouts"), Lanes(lanes, items, price) as results:
+                for result in results:
+                    self.job.scored.scores.check_unchanged()
+                    log.append(result)
+                    done[result.key] = result
+                    if on_result:
+                        on_result(result)
+        finally:
+            for lane in reversed(cut_lanes):  # the lanes' own cut sessions, then the lead's
+                lane.close()
+
+
+class TierPricing:
+    """One tier set's choices (cost and loss of every slot at every tier) and the allocation they solve to."""
+
+    def __init__(self, job: ExportJob, tiers: list[Tier], prices: PriceList, sizing: Sizing):
+        self.job, self.tiers, self.prices, self.sizing = job, tiers, prices, sizing
+        self.fitter = Fitter(job, sizing, tiers)
+        self._choices: dict[str, list[Choice]] = {}
+        self.unpriced: set[tuple[str, str]] = set()
+        """(slot, tier) pairs the measured prices bound by 0, not measured yet (`allocate`)."""
+
+    # what an objective reads (`objectives.PricingView`)
+    @property
+    def gamma(self) -> dict[str, float]:
+        return self.job.scored.gamma
+
+    @property
+    def dead(self) -> set[str]:
+        return self.job.scored.dead
+
+    @property
+    def steps(self) -> int:
+        return self.job.scored.steps
+
+    def probe(self, tier: Tier) -> str:
+        return self.prices.probe(tier)
+
+    def price_key(self, slot: Slot, tier: Tier) -> str:
+        return self.prices.task(slot, tier).key
+
+    def weight_error_sq(self, slot: Slot, tier: Tier) -> float:
+        """||Q(θ) − θ||² of the slot at `tier`, over the rows the contexts read (a Gather table's), else all of it."""
+        change = self.job.encoder.slot(slot, tier, self.prices.roundings.rounding)
+        return sum(self._read_sq(n, slot, e.dequantize().astype(np.float64) - self._original(n, slot)) for n, e in change.items())
+
+    def _read_sq(self, name: str, slot: Slot, error: np.ndarray) -> float:
+        rows = self.job.scored.prepared.job.rows.get(name)
+        if rows is not None and slot.rows is None:
+            error = error[rows]
+        return float(np.sum(np.square(error)))
+
+    def _original(self, name: str, slot: Slot) -> np.ndarray:
+        weight = np.asarray(self.job.scored.weights[name], np.float64)
+        if slot.rows is None:
+            return weight
+        return self.job.encoder.layouts[name].take_rows(weight, *slot.rows)
+
+    # the tasks and choices
+    def measured_tasks(self) -> list[tuple[Slot, Tier]]:
+        """(slot, tier) pairs the measured objective rolls out: live slots at every tier that changes the weight."""
+        return [(s, t) for s in self.job.cut.slots if s.unit not in self.dead for t in self.tiers if t.name != "fp32"]
+
+    def eager_tasks(self) -> list[tuple[Slot, Tier]]:
+        """The (slot, tier) pairs priced before the first allocation: all but float copies (`LAZY_BITS`)."""
+        return [(s, t) for s, t in self.measured_tasks() if t.bits < LAZY_BITS]
+
+    def measured(self, on_result=None, tasks: list[tuple[Slot, Tier]] | None = None):
+        """Per slot and tier, the rollout divergence with only that slot at that tier (default: every measured task)."""
+        return self.prices.measure(self.measured_tasks() if tasks is None else tasks, on_result)
+
+    def reset(self) -> None:
+        """The slots were cut anew: choices are priced again (what was measured stays cached by slot name)."""
+        self._choices = {}
+        self.unpriced = set()
+
+    def choices(self, objective: str | None = None, on_result=None) -> list[Choice]:
+        """Cost and loss of every slot at every tier; computed once per objective."""
+        objective = objective or self.job.settings.objective
+        if objective not in self._choices:
+            self._choices[objective] = self._price(objective, on_result)
+        return self._choices[objective]
+
+    def _price(self, name: str, on_result=None) -> list[Choice]:
+        objective = OBJECTIVES[name]
+        measured = self.measured(on_result, self.eager_tasks()) if objective.measures else None
+        costs = self.sizing.costs(self.tiers)
+        loss_of, unpriced = objective.losses(self, measured)
+        if objective.measures:
+            self.unpriced = unpriced
+        choices = []
+        for slot in self.job.cut.slots:
+            loss = {tier.name: loss_of(slot, tier) for tier in self.tiers}
+            choices.append(Choice(slot.name, slot.params, self.gamma.get(slot.unit, 0.0), slot.unit in self.dead, costs[slot.name], loss))
+        return self._unread_as_read(choices) if objective.unread_rows_as_read else choices
+
+    def _unread_as_read(self, choices: list[Choice]) -> list[Choice]:
+        """A Gather table's slots holding only rows the scoring contexts never read change no rollout, so they would
+        price at 0 and go to the lowest tier for free: they take the price per parameter of the table's read slots."""
+        by_slot = {c.unit: c for c in choices}
+        for unit, slots in self.job.cut.slots_of.items():
+            names = self.job.scored.units_by_name[unit].tensor_names
+            touched = self.job.scored.prepared.job.rows.get(names[0]) if len(names) == 1 else None
+            if touched is None:
+                continue
+            touched = set(np.asarray(touched).tolist())
+            unread = [s for s in slots if s.rows is not None and not touched.intersection(range(*s.rows))]
+            read = [s for s in slots if s not in unread]
+            params = sum(s.params for s in read)
+            for slot in unread if read and params else ():
+                choice = by_slot[slot.name]
+                by_slot[slot.name] = replace(choice, loss={t: sum(by_slot[r.name].loss[t] for r in read) * slot.params / params for t in choice.loss})
+        return [by_slot[c.unit] for c in choices]
+
+    def allocate(self, target: float, on_result=None) -> Allocation:
+        """Algorithm 1 on the additive prices, priced as written and meeting `target` (`Fitter.fitted`).
+
+        Float copies (bf16, fp16) are priced lazily: solved with a loss of 0 (a lower bound) where not yet measured;
+        when the allocation picks one, that one is measured and the allocation solved again. An allocation that picks
+        none is optimal for the true losses too."""
+        settings = self.job.settings
+        objective = settings.objective
+        budget = self.sizing.budget(self.tiers)
+        while True:
+            choices = self.choices(objective, on_result)
+            allocation = self.fitter.fitted(lambda options, reserve: allocate(options, self.tiers, target, budget.reserving(reserve), objective=objective,
+                                                                              fp32_fraction=settings.fp32_share, solver=settings.allocator), choices, target)
+            picked = [(slot, TIERS[allocation.tiers[slot.name]]) for slot in self.job.cut.slots if (slot.name, allocation.tiers[slot.name]) in self.unpriced]
+            if not OBJECTIVES[objective].measures or not picked:
+                return allocation
+            self.measured(None, picked)
+            del self._choices[objective]
