@@ -29,7 +29,7 @@ def _drift(report: dict) -> float:
 def main() -> None:
     from tqsdeploy import ScoreSettings, UnitSelection, score
     from tqsdeploy.evaluation.evaluate import evaluate
-    from tqsdeploy.export.planner import ExportSettings, Planner
+    from tqsdeploy.export import ExportSettings, Planner
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", default="etth1_patchtst,era5_emulator,lorenz96")

@@ -41,7 +41,8 @@ from tqsdeploy import ScoreSettings, score  # noqa: E402
 from tqsdeploy.rollout.contexts import Contexts, load_contexts  # noqa: E402
 from tqsdeploy.rollout.engine import RolloutEngine  # noqa: E402
 from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate  # noqa: E402
-from tqsdeploy.export.planner import ExportSettings, Planner  # noqa: E402
+from tqsdeploy.export import ExportSettings, Planner  # noqa: E402
+from tqsdeploy.export.writing import Writer  # noqa: E402
 from tqsdeploy.evaluation.latency import LatencySettings, measure  # noqa: E402
 from tqsdeploy.rollout import RolloutSpec  # noqa: E402
 
@@ -105,8 +106,8 @@ def variants(name: str, item: dict, tmp: Path, provider: str) -> tuple[dict[str,
     started = time.perf_counter()
     files = {"fp16": fp16_copy(item["model"], tmp / f"{name}.fp16.onnx") if not name == "stack" else None}
     outcome = planner.export(4, tmp / f"{name}.C4.dequantized.onnx")
-    planner.settings = dataclasses.replace(planner.settings, runtime_layout="fused")
-    planner.write(outcome.encodings, tmp / f"{name}.C4.fused.onnx")
+    fused = Writer(dataclasses.replace(planner.job, settings=dataclasses.replace(planner.settings, runtime_layout="fused")), planner.roundings)
+    fused.write(outcome.encodings, tmp / f"{name}.C4.fused.onnx")
     planner.close()
     files.update({"C4 dequantized (auto for ort-cpu)": tmp / f"{name}.C4.dequantized.onnx", "C4 fused": tmp / f"{name}.C4.fused.onnx"})
     meta = {"score_s": scored, "export_s": time.perf_counter() - started, "compression": outcome.compression, "shipped": outcome.shipped,

@@ -23,7 +23,7 @@ import polars as pl
 
 from run_frontiers import MIN_PARAMS
 from tqsdeploy.evaluation.evaluate import evaluate
-from tqsdeploy.export.planner import ExportSettings, Planner
+from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.scoring.score import score
 from tqsdeploy.units import UnitSelection
 

@@ -23,7 +23,7 @@ from scipy.stats import spearmanr
 
 from tiers import TIERS
 from tiers.quantizer import encode
-from tqsdeploy.export.planner import ExportSettings, Planner
+from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.scoring.score import score
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ RESULTS = REPO / "benchmarks" / "results"
 
 def shared_pass(planner: Planner) -> None:
     """Every calibratable tier's uniform codes solved on the original model's statistics (one pass for all)."""
-    encoder, rounding = planner.encoder, planner.rounding
+    encoder, rounding = planner.encoder, planner.roundings.rounding
     tiers = [t for t in planner.tiers if t.calibratable]
     codes = {t.name: {} for t in tiers}
 
@@ -52,18 +52,18 @@ def compare(example: str, target: float, folder: Path) -> dict:
         score(source / "model.onnx", source / "contexts.npz", spec=source / "rollout.toml", out=folder / way)
     per_tier, shared = (Planner(folder / way, settings=ExportSettings(refine=0)) for way in ("per_tier", "shared"))
     shared_pass(shared)
-    allocations = {"per_tier": per_tier.allocate(target), "shared": shared.allocate(target)}
-    prices = {way: planner.measured() for way, planner in (("per_tier", per_tier), ("shared", shared))}
+    allocations = {"per_tier": per_tier.pricing.allocate(target), "shared": shared.pricing.allocate(target)}
+    prices = {way: planner.pricing.measured() for way, planner in (("per_tier", per_tier), ("shared", shared))}
     row = {"example": example, "C": target}
     for tier in [t for t in per_tier.tiers if t.calibratable]:
-        keys = {way: [planner.price_task(slot, tier).key for slot in planner.slots if slot.unit not in planner.dead] for way, planner in (("per_tier", per_tier), ("shared", shared))}
+        keys = {way: [planner.prices.task(slot, tier).key for slot in planner.cut.slots if slot.unit not in planner.scored.dead] for way, planner in (("per_tier", per_tier), ("shared", shared))}
         a, b = (np.array([sum(prices[way][k].div_sq) for k in keys[way]]) for way in ("per_tier", "shared"))
         row[tier.name] = {"spearman": round(float(spearmanr(a, b)[0]), 3), "median_shared_over_per_tier": round(float(np.median(b / np.maximum(a, 1e-300))), 3)}
     row["slots_allocated_differently"] = sum(allocations["per_tier"].tiers[s] != allocations["shared"].tiers[s] for s in allocations["per_tier"].tiers)
-    row["slots"] = len(per_tier.slots)
-    row["drift_pct_per_tier"] = per_tier.measure_tiers(allocations["per_tier"].tiers).worst_pct
-    row["drift_pct_shared_own_codes"] = shared.measure_tiers(allocations["shared"].tiers).worst_pct
-    row["drift_pct_shared_allocation_on_per_tier_codes"] = per_tier.measure_tiers(allocations["shared"].tiers).worst_pct
+    row["slots"] = len(per_tier.cut.slots)
+    row["drift_pct_per_tier"] = per_tier.measuring.measure_tiers(allocations["per_tier"].tiers, per_tier.roundings.rounding).worst_pct
+    row["drift_pct_shared_own_codes"] = shared.measuring.measure_tiers(allocations["shared"].tiers, shared.roundings.rounding).worst_pct
+    row["drift_pct_shared_allocation_on_per_tier_codes"] = per_tier.measuring.measure_tiers(allocations["shared"].tiers, per_tier.roundings.rounding).worst_pct
     per_tier.close(), shared.close()
     return row
 

@@ -7,7 +7,9 @@ import pytest
 
 from graph_ops.qdq import emitted_bits
 from tiers import Layout, encode, get_tiers
-from tqsdeploy.export.allocate import Choice, allocate, max_compression, paper_weights
+from tqsdeploy.export.allocate import Choice, allocate, max_compression
+from tqsdeploy.export.objectives import paper_weights
+from tqsdeploy.size import SizeBudget
 from tqsdeploy.errors import InfeasibleError
 
 TIERS = get_tiers(["fp32", "bf16", "int8", "int4", "int2"])
@@ -45,7 +47,7 @@ def test_more_sensitive_never_gets_fewer_bits_and_budget_holds(seed, target):
     sizes = rng.choice([16, 64, 256], size=30)
     gammas = rng.normal(0.1, 0.3, size=30)
     choices = _choices(gammas, sizes)
-    allocation = allocate(choices, TIERS, target, _reference(choices), 0, objective="paper")
+    allocation = allocate(choices, TIERS, target, SizeBudget(_reference(choices), 0), objective="paper")
     bits = {t.name: t.bits for t in TIERS}
     assert allocation.total_bits <= _reference(choices) / target
     assert allocation.compression >= target
@@ -58,7 +60,7 @@ def test_more_sensitive_never_gets_fewer_bits_and_budget_holds(seed, target):
 def test_dead_units_go_to_the_bottom_tier_and_fp32_goes_to_the_top():
     gammas = [2.0, 1.5, 1.0, 0.5, 0.2, -69.0]
     choices = _choices(gammas, [64] * 6, dead={5})
-    allocation = allocate(choices, TIERS, 4, _reference(choices), 0, objective="paper", fp32_fraction=0.2)
+    allocation = allocate(choices, TIERS, 4, SizeBudget(_reference(choices), 0), objective="paper", fp32_fraction=0.2)
     assert allocation.tiers[5] == "int2"
     assert allocation.tiers[0] == "fp32"  # 20% of FP32 size is one unit of six
     assert sum(t == "fp32" for t in allocation.tiers.values()) == 1
@@ -67,17 +69,17 @@ def test_dead_units_go_to_the_bottom_tier_and_fp32_goes_to_the_top():
 def test_fixed_tensors_use_budget():
     choices = _choices([1.0, 0.5], [64, 64])
     reference = _reference(choices) + 32 * 1000
-    loose = allocate(choices, TIERS, 2, reference, 0, objective="paper")
-    tight = allocate(choices, TIERS, 2, reference, 32 * 1000, objective="paper")
+    loose = allocate(choices, TIERS, 2, SizeBudget(reference, 0), objective="paper")
+    tight = allocate(choices, TIERS, 2, SizeBudget(reference, 32 * 1000), objective="paper")
     assert tight.total_bits <= reference / 2 and loose.total_bits < tight.total_bits
 
 
 def test_infeasible_target_names_the_largest_reachable():
     choices = _choices([1.0, 0.5, 0.2], [64, 64, 64])
-    best = max_compression(choices, _reference(choices), 0)
+    best = max_compression(choices, SizeBudget(_reference(choices), 0))
     assert best == pytest.approx(64 * 64 * 32 / (64 * 64 * 2 + 64 * 32))  # INT2 codes plus one fp32 scale per channel
     with pytest.raises(InfeasibleError, match=f"largest reachable is {best:.3g}"):
-        allocate(choices, TIERS, 20, _reference(choices), 0)
+        allocate(choices, TIERS, 20, SizeBudget(_reference(choices), 0))
 
 
 @pytest.mark.parametrize("share", [0.3, 0.6, 0.9])
@@ -89,9 +91,9 @@ def test_greedy_and_mckp_agree_on_easy_cases(share, pair):
     choices = [type(c)(c.unit, c.params, c.gamma, c.dead, {t.name: c.cost[t.name] for t in tiers}, {t.name: c.loss[t.name] for t in tiers}) for c in choices]
     reference = _reference(choices)
     lowest = reference / sum(max(c.cost.values()) for c in choices)
-    target = lowest + share * (max_compression(choices, reference, 0) - lowest)
-    exact = allocate(choices, tiers, target, reference, 0, objective="paper", fp32_fraction=0.0)
-    greedy = allocate(choices, tiers, target, reference, 0, objective="paper", fp32_fraction=0.0, solver="greedy")
+    target = lowest + share * (max_compression(choices, SizeBudget(reference, 0)) - lowest)
+    exact = allocate(choices, tiers, target, SizeBudget(reference, 0), objective="paper", fp32_fraction=0.0)
+    greedy = allocate(choices, tiers, target, SizeBudget(reference, 0), objective="paper", fp32_fraction=0.0, solver="greedy")
     assert exact.solver.startswith("mckp")
     assert greedy.tiers == exact.tiers
 

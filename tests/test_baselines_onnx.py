@@ -12,7 +12,7 @@ from graph_ops.calibration import ConvGeometry, im2col, layer_inputs, waves
 from runtimes.ort import OrtRuntime
 from tiers import Layout, Rounding
 from tiers.gptq import Hessian
-from tqsdeploy.export.baselines import quantize_baseline
+from tqsdeploy.export.baselines import BaselineSettings, quantize_baseline
 from tqsdeploy.errors import InputError
 
 FLOAT = TensorProto.FLOAT
@@ -90,7 +90,7 @@ def test_mlp_bindings_follow_transpose_and_gemm_layouts(mlp):
 @pytest.mark.parametrize("method", ["gptq", "gptaq", "qep", "rtn"])
 def test_eight_bit_round_trip_stays_close_and_encodings_match(mlp, method):
     model, calib, x = mlp
-    result = quantize_baseline(model, method, 8, calib, min_params=64)
+    result = quantize_baseline(model, BaselineSettings(method, 8, min_params=64), calib)
     assert sorted(result.weights) == ["W1", "W2", "W3"]
     reference, quantized = _outputs(model, result, x)
     assert np.max(np.abs(quantized - reference)) < 0.02 * np.max(np.abs(reference))
@@ -106,7 +106,7 @@ def test_eight_bit_round_trip_stays_close_and_encodings_match(mlp, method):
 
 def test_groupwise_encoding_blocks_along_k_in_stored_layout(mlp):
     model, calib, _ = mlp
-    result = quantize_baseline(model, "gptq", 4, calib, min_params=64, group_size=8, rounding=Rounding("gptq", act_order=True))
+    result = quantize_baseline(model, BaselineSettings("gptq", 4, min_params=64, group_size=8, rounding=Rounding("gptq", act_order=True)), calib)
     w1, w2 = result.encoded["W1"], result.encoded["W2"]  # W1 stored [K,N]; W2 stored [N,K] (transB)
     assert (w1.axis, w1.block_size, w1.scale.shape) == (0, 8, (2, 32))
     assert (w2.axis, w2.block_size, w2.scale.shape) == (1, 8, (32, 4))
@@ -116,7 +116,7 @@ def test_groupwise_encoding_blocks_along_k_in_stored_layout(mlp):
 
 def test_gptq_reconstruction_error_not_above_rtn_per_layer(mlp):
     model, calib, _ = mlp
-    result = quantize_baseline(model, "gptq", 3, calib, min_params=64)
+    result = quantize_baseline(model, BaselineSettings("gptq", 3, min_params=64), calib)
     assert set(result.errors) == {"W1", "W2", "W3"}
     for name, error in result.errors.items():
         assert error <= result.rtn_errors[name], name
@@ -124,9 +124,9 @@ def test_gptq_reconstruction_error_not_above_rtn_per_layer(mlp):
 
 def test_alpha_zero_reduces_gptaq_and_qep_to_gptq(mlp):
     model, calib, _ = mlp
-    base = quantize_baseline(model, "gptq", 3, calib, min_params=64)
+    base = quantize_baseline(model, BaselineSettings("gptq", 3, min_params=64), calib)
     for method in ("gptaq", "qep"):
-        other = quantize_baseline(model, method, 3, calib, min_params=64, rounding=Rounding(method, alpha=0.0))
+        other = quantize_baseline(model, BaselineSettings(method, 3, min_params=64, rounding=Rounding(method, alpha=0.0)), calib)
         for name in base.weights:
             np.testing.assert_array_equal(other.encoded[name].values, base.encoded[name].values)
 
@@ -134,8 +134,8 @@ def test_alpha_zero_reduces_gptaq_and_qep_to_gptq(mlp):
 def test_asymmetric_methods_see_the_quantized_prefix(mlp):
     """At 2 bits the prefix error is large: the FP and quantized inputs of later layers differ."""
     model, calib, x = mlp
-    gptq = quantize_baseline(model, "gptq", 2, calib, min_params=64)
-    qep = quantize_baseline(model, "qep", 2, calib, min_params=64)
+    gptq = quantize_baseline(model, BaselineSettings("gptq", 2, min_params=64), calib)
+    qep = quantize_baseline(model, BaselineSettings("qep", 2, min_params=64), calib)
     assert not np.array_equal(qep.weights["W3"], gptq.weights["W3"])
     np.testing.assert_array_equal(qep.weights["W1"], gptq.weights["W1"])  # first wave: no error to propagate yet
 
@@ -151,7 +151,7 @@ def test_non_finite_weight_is_reported_by_name(tmp_path):
         tmp_path / "bad.onnx",
     )
     with pytest.raises(InputError, match="'Wbad'.*NaN or Inf"):
-        quantize_baseline(model, "rtn", 4, min_params=1)
+        quantize_baseline(model, BaselineSettings("rtn", 4, min_params=1))
 
 
 def _qkv(path: Path) -> Path:
@@ -190,7 +190,7 @@ def test_waves_group_siblings_like_true_sequential(tmp_path):
     assert stages == [["Wk", "Wq", "Wv"], ["Wo"], ["Wgate", "Wup"], ["Wdown"], ["Wshared"]]
     calib = tmp_path / "c.npz"
     np.savez(calib, x=np.random.default_rng(2).standard_normal((32, 1, 8)).astype(np.float32))
-    result = quantize_baseline(model, "gptq", 8, calib, min_params=1)
+    result = quantize_baseline(model, BaselineSettings("gptq", 8, min_params=1), calib)
     assert set(result.errors) == {n for stage in stages for n in stage}
     reference, quantized = _outputs(model, result, np.random.default_rng(3).standard_normal((16, 8)).astype(np.float32))
     assert np.max(np.abs(quantized - reference)) < 0.05 * np.max(np.abs(reference))
@@ -215,7 +215,7 @@ def test_gather_weights_are_rtn_only_and_an_lstm_reading_them_is_calibrated(tmp_
     assert layouts["W"].perm == (1, 0, 2) and layouts["E"].perm == (0, 1)
     windows = tmp_path / "ids.npz"
     np.savez(windows, ids=rng.integers(0, 10, (4, 3, 1)))
-    result = quantize_baseline(model, "gptq", 8, windows, min_params=1)
+    result = quantize_baseline(model, BaselineSettings("gptq", 8, min_params=1), windows)
     assert set(result.rtn_only) == {"E"} and set(result.errors) == {"W", "R"}
     assert result.encoded["W"].axis == 1 and result.encoded["E"].axis == 0
 
@@ -278,8 +278,8 @@ def test_conv_model_quantizes_per_output_channel(tmp_path):
     calib = tmp_path / "c.npz"
     np.savez(calib, x=np.random.default_rng(4).standard_normal((8, 1, 6, 9, 10)).astype(np.float32))
     with pytest.raises(InputError, match="--group-size 4 would change nothing"):  # blocks need a 2-D weight: none here
-        quantize_baseline(model, "gptaq", 8, calib, min_params=1, group_size=4)
-    result = quantize_baseline(model, "gptaq", 8, calib, min_params=1)
+        quantize_baseline(model, BaselineSettings("gptaq", 8, min_params=1, group_size=4), calib)
+    result = quantize_baseline(model, BaselineSettings("gptaq", 8, min_params=1), calib)
     encoded = result.encoded["Wc"]
     assert encoded.axis == 0 and encoded.block_size is None and encoded.scale.shape == (12,)
     np.testing.assert_array_equal(encoded.dequantize(), result.weights["Wc"])
@@ -429,9 +429,9 @@ def test_steps_without_a_spec_calibrates_on_the_detected_rollout(tmp_path):
     np.savez(ctx, x=np.random.default_rng(3).standard_normal((4, 2, 32)).astype(np.float32))
     spec = RolloutSpec.from_dict({"steps": 4, "feedback": [{"output": "y", "input": "x", "mode": "replace"}]})
     codes = lambda result: {n: e.values.tobytes() for n, e in result.encoded.items()}  # noqa: E731
-    with_steps = codes(quantize_baseline(model, "gptq", 2, ctx, steps=4))
-    assert with_steps == codes(quantize_baseline(model, "gptq", 2, ctx, spec=spec))
-    assert with_steps != codes(quantize_baseline(model, "gptq", 2, ctx))
+    with_steps = codes(quantize_baseline(model, BaselineSettings("gptq", 2, steps=4), ctx))
+    assert with_steps == codes(quantize_baseline(model, BaselineSettings("gptq", 2, spec=spec), ctx))
+    assert with_steps != codes(quantize_baseline(model, BaselineSettings("gptq", 2), ctx))
 
 
 def test_rtn_baseline_says_it_read_no_calibration_options(tmp_path):
@@ -457,10 +457,10 @@ def test_auto_grids_keep_the_grid_whose_model_drifts_less_on_the_calibration_win
 
     model, calib, _ = mlp
     codes = lambda result: {n: e.values.tobytes() for n, e in result.encoded.items()}  # noqa: E731
-    chosen = quantize_baseline(model, "qep", 2, calib)
+    chosen = quantize_baseline(model, BaselineSettings("qep", 2), calib)
     assert set(chosen.grid_drifts) == set(GRIDS) and chosen.grids in GRIDS
     assert chosen.grid_drifts[chosen.grids] == min(chosen.grid_drifts.values())
-    each = {grids: quantize_baseline(model, "qep", 2, calib, grids=grids) for grids in GRIDS}
+    each = {grids: quantize_baseline(model, BaselineSettings("qep", 2, grids=grids), calib) for grids in GRIDS}
     assert codes(chosen) == codes(each[chosen.grids]) and codes(each["per-channel"]) != codes(each["min-max"])
     assert all(not result.grid_drifts for result in each.values())
     assert chosen.errors == each[chosen.grids].errors  # the kept model's layer errors, not the last pass's
@@ -475,4 +475,4 @@ def test_auto_grids_keep_the_grid_whose_model_drifts_less_on_the_calibration_win
     for grids, result in each.items():
         assert calibrator.drift(result.weights).worst_pct == pytest.approx(chosen.grid_drifts[grids], rel=1e-6)
     calibrator.close()
-    assert not quantize_baseline(model, "qep", 8, calib).grid_drifts and not quantize_baseline(model, "rtn", 2).grid_drifts
+    assert not quantize_baseline(model, BaselineSettings("qep", 8), calib).grid_drifts and not quantize_baseline(model, BaselineSettings("rtn", 2)).grid_drifts

@@ -66,11 +66,11 @@ def test_einsums_that_are_no_plain_product_stay_rounded_to_nearest(tmp_path, equ
 
 
 def test_a_calibrated_baseline_rounds_an_einsum_weight_better_than_nearest(tmp_path):
-    from tqsdeploy.export.baselines import quantize_baseline
+    from tqsdeploy.export.baselines import BaselineSettings, quantize_baseline
 
     sizes = dict(b=4, n=16, d=32, e=24)
     path, _, other = _model(tmp_path / "e.onnx", "bdn,de->bne", 1, sizes)
     windows = tmp_path / "windows.npz"
     np.savez(windows, x=np.random.default_rng(2).standard_normal([3] + [sizes[c] for c in other]).astype(np.float32))
-    result = quantize_baseline(path, "gptq", 4, windows, min_params=1)
+    result = quantize_baseline(path, BaselineSettings("gptq", 4, min_params=1), windows)
     assert "W" not in result.rtn_only and result.errors["W"] < result.rtn_errors["W"], (result.errors, result.rtn_errors)

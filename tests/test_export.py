@@ -15,8 +15,9 @@ from runtimes import OrtRuntime
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
 from tiers import METHODS, Rounding
-from tqsdeploy.export.planner import ExportSettings, Planner
-from tqsdeploy.export.candidates import AUTO_METHODS, MIN_SPLIT, SLACK_PROMOTIONS
+from tqsdeploy.export import ExportSettings, Planner
+from tqsdeploy.export.compare import MIN_SPLIT, SLACK_PROMOTIONS
+from tqsdeploy.export.roundings import AUTO_METHODS
 
 runner = CliRunner()
 
@@ -52,10 +53,10 @@ def test_exported_model_is_valid_and_matches_numpy_fake_quant(scored):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     default = OrtRuntime().open(outcome.path).run({"x": x})["y"]  # what ORT runs by default (MatMulNBits, int8 activations)
     assert np.abs(default - want).max() < 0.05 * np.abs(want).max()
-    graph_bytes = planner.model.file_bytes - planner.reference_bits / 8
+    graph_bytes = planner.model.file_bytes - planner.scored.reference_bits / 8
     assert outcome.file_bytes == pytest.approx(outcome.allocation.total_bits / 8 + graph_bytes, rel=0.03)
     meta = json.loads((folder / "mlp.C4.allocation.json").read_text())
-    assert meta["compression"] == outcome.compression == planner.reference_bits / graph_ops.weight_bits(exported)
+    assert meta["compression"] == outcome.compression == planner.scored.reference_bits / graph_ops.weight_bits(exported)
     assert 4 <= outcome.compression <= 4 * 1.02  # channel groups let the budget be spent finely
     planner.close()
 
@@ -66,14 +67,14 @@ def test_never_worse_than_any_uniform_baseline_within_budget(scored, objective, 
     """The shipped model drifts no more than any uniform allocation that fits, rounded by any method."""
     _, _, folder = scored
     planner = Planner(folder / "run", settings=ExportSettings(objective=objective, refine=1))
-    shipped = planner.candidates(target)[0]
-    budget = planner.reference_bits / target
+    shipped = planner.comparison.candidates(target)[0]
+    budget = planner.scored.reference_bits / target
     assert shipped.allocation.total_bits <= budget
     checked = 0
     for tier in planner.tiers:
-        if planner.uniform(tier.name).total_bits <= budget:
+        if planner.comparison.uniform(tier.name).total_bits <= budget:
             for method in METHODS:
-                drift = planner.measure(planner.encoder.uniform(tier, Rounding(method)))
+                drift = planner.measuring.measure(planner.encoder.uniform(tier, Rounding(method)))
                 assert shipped.drift.worst_pct <= drift.worst_pct + 1e-12, (tier.name, method)
                 checked += 1
     assert checked >= 4
@@ -83,12 +84,12 @@ def test_never_worse_than_any_uniform_baseline_within_budget(scored, objective, 
 def test_measured_losses_are_cached_in_the_run(scored):
     _, _, folder = scored
     planner = Planner(folder / "run")
-    planner.measured()
+    planner.pricing.measured()
     lines = (folder / "run" / "measured.jsonl").read_text().splitlines()
-    assert len(lines) == len(planner.measured_tasks())
+    assert len(lines) == len(planner.pricing.measured_tasks())
     again = Planner(folder / "run")
     calls = []
-    again.measured(on_result=calls.append)
+    again.pricing.measured(on_result=calls.append)
     assert calls == []  # nothing re-run
     planner.close(), again.close()
 
@@ -187,13 +188,13 @@ def test_streamed_external_data_export_matches_the_in_memory_one(scored, tmp_pat
     """The writer used above 1 GiB, forced on a small model: same graph, same numbers."""
     _, contexts, folder = scored
     planner = Planner(folder / "run")
-    allocation = planner.uniform(tier)
-    encodings = planner.encodings(allocation)
-    memory = planner.write(encodings, tmp_path / "memory.onnx", external_data=False)
-    streamed = planner.write(encodings, tmp_path / "streamed.onnx", external_data=True)
+    allocation = planner.comparison.uniform(tier)
+    encodings = planner.mixed.encodings(allocation, planner.roundings.rounding)
+    memory = planner.writer.write(encodings, tmp_path / "memory.onnx", external_data=False)
+    streamed = planner.writer.write(encodings, tmp_path / "streamed.onnx", external_data=True)
     assert len(streamed.files) == 2 and streamed.files[1].exists()
     assert streamed.bytes == pytest.approx(memory.bytes, rel=0.03) and streamed.weight_bits == memory.weight_bits
-    again = planner.write(encodings, tmp_path / "streamed.onnx", external_data=True)  # a rewrite leaves one data file
+    again = planner.writer.write(encodings, tmp_path / "streamed.onnx", external_data=True)  # a rewrite leaves one data file
     assert sorted(p.name for p in tmp_path.glob("streamed.onnx*")) == sorted(p.name for p in again.files)
     onnx.checker.check_model(str(tmp_path / "streamed.onnx"))
     x = np.load(contexts)["x"][0]
@@ -209,7 +210,7 @@ def test_a_fresh_score_run_drops_the_old_measured_cache(tmp_path):
     model = models.mlp_forecaster(tmp_path / "m.onnx")
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 1, 32)).astype(np.float32))
     score(model, tmp_path / "c.npz", steps=3, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=0))
-    Planner(tmp_path / "run").measured()
+    Planner(tmp_path / "run").pricing.measured()
     assert (tmp_path / "run" / "measured.jsonl").exists()
     score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=0), resume=False)
     assert not (tmp_path / "run" / "measured.jsonl").exists()
@@ -219,10 +220,10 @@ def test_refine_never_raises_the_drift_and_keeps_the_budget(scored):
     _, _, folder = scored
     planner = Planner(folder / "run", settings=ExportSettings(refine=3))
     for target in (3, 6):
-        base = planner.allocate(target)
-        better, drift = planner.refine(base)
-        assert better.total_bits <= planner.reference_bits / target
-        assert sum(drift.div_sq) <= sum(planner.measure(planner.encodings(base)).div_sq) + 1e-12
+        base = planner.pricing.allocate(target)
+        better, drift = planner.comparison.refiner.refine(base)
+        assert better.total_bits <= planner.scored.reference_bits / target
+        assert sum(drift.div_sq) <= sum(planner.measuring.measure(planner.mixed.encodings(base, planner.roundings.rounding)).div_sq) + 1e-12
     planner.close()
 
 
@@ -236,13 +237,13 @@ def test_float_copies_priced_when_picked_give_the_fully_priced_allocations(tmp_p
 
     shutil.copytree(tmp_path / "lazy", tmp_path / "full")
     full = Planner(tmp_path / "full", settings=ExportSettings(refine=0))
-    full.measured()
+    full.pricing.measured()
     lazy = Planner(tmp_path / "lazy", settings=ExportSettings(refine=0))
     for target in (6, 1.6):  # the second wants float copies
-        assert lazy.allocate(target).tiers == full.allocate(target).tiers
-        priced = set(lazy.measured(tasks=[]))
+        assert lazy.pricing.allocate(target).tiers == full.pricing.allocate(target).tiers
+        priced = set(lazy.pricing.measured(tasks=[]))
         if target == 6:
-            assert not any("bf16" in key for key in priced) and len(priced) < len(full.measured_tasks())
+            assert not any("bf16" in key for key in priced) and len(priced) < len(full.pricing.measured_tasks())
     assert any("bf16" in key for key in priced)
     full.close(), lazy.close()
 
@@ -252,17 +253,17 @@ def test_joint_candidates_are_the_assembled_ones_each_measured_once(scored):
     slot's tensor made per trial): the same weights as the assembled encodings, the same drift, rolled out once."""
     _, _, folder = scored
     planner = Planner(folder / "run", settings=ExportSettings(refine=0))
-    base = planner.allocate(4)
-    planner.joint_weights(base.tiers, keep=True)
+    base = planner.pricing.allocate(4)
+    planner.measuring.joint_weights(base.tiers, planner.roundings.rounding, keep=True)
     order = [t.name for t in planner.tiers]
-    slot = next(s for s in planner.slots if s.rows is not None)  # a channel group: its tensor joins two tiers
+    slot = next(s for s in planner.cut.slots if s.rows is not None)  # a channel group: its tensor joins two tiers
     moved = {**base.tiers, slot.name: order[order.index(base.tiers[slot.name]) - 1]}
-    want = planner.weights_of(planner.encoder.assemble(planner.slots, moved, planner.rounding))
-    got = planner.joint_weights(moved)
+    want = planner.measuring.weights_of(planner.encoder.assemble(planner.cut.slots, moved, planner.roundings.rounding))
+    got = planner.measuring.joint_weights(moved, planner.roundings.rounding)
     assert got.keys() == want.keys() and all(np.array_equal(got[n], want[n]) for n in want)
-    drift = planner.measure_tiers(moved)
-    assert drift == planner.measure(planner.encoder.assemble(planner.slots, moved, planner.rounding))
-    assert planner.measure_tiers(dict(reversed(moved.items()))) is drift  # measured once, whatever the order
+    drift = planner.measuring.measure_tiers(moved, planner.roundings.rounding)
+    assert drift == planner.measuring.measure(planner.encoder.assemble(planner.cut.slots, moved, planner.roundings.rounding))
+    assert planner.measuring.measure_tiers(dict(reversed(moved.items())), planner.roundings.rounding) is drift  # measured once, whatever the order
     planner.close()
 
 
@@ -372,7 +373,7 @@ def test_measured_prices_use_the_full_horizon_after_an_early_stopped_score(tmp_p
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
     score(model, tmp_path / "c.npz", steps=12, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1, early_stop=True, early_stop_tol=10.0))
     planner = Planner(tmp_path / "run", settings=ExportSettings(rounding="rtn"))
-    measured = planner.measured()
+    measured = planner.pricing.measured()
     assert measured and all(len(result.div_sq) == 12 for result in measured.values())
     planner.close()
 
@@ -382,8 +383,8 @@ def test_int1_is_priced_as_written_when_its_unit_is_split(scored, tmp_path):
     INT1 allocation of split units once priced 17x for a file of 21.7x, so targets were overshot unannounced."""
     model, _, folder = scored
     planner = Planner(folder / "run", settings=ExportSettings(tiers=("fp32", "int8-asym", "int1"), rounding="rtn", refine=0, fallback=False, split_fraction=0.02))
-    assert len(planner.slots) > len(planner.units)  # channel groups
-    priced = planner.uniform("int1")
+    assert len(planner.cut.slots) > len(planner.scored.units)  # channel groups
+    priced = planner.comparison.uniform("int1")
     outcome = planner.export(None, tmp_path / "int1.onnx", uniform_tier="int1")
     assert outcome.compression == pytest.approx(priced.compression, rel=2e-3)
     planner.close()
@@ -458,7 +459,7 @@ def test_prices_count_the_layout_written(scored, tmp_path):
     outcome = planner.export(None, tmp_path / "blocks.onnx", uniform_tier="int4-asym")
     written = sum(emitted_bits(n, e, "dequantized") for n, e in outcome.encodings.items())
     assert written > sum(emitted_bits(n, e, "fused") for n, e in outcome.encodings.items())
-    assert sum(planner.cost(s, "int4-asym") for s in planner.slots) == written
+    assert sum(planner.sizing.cost(s, "int4-asym") for s in planner.cut.slots) == written
     planner.close()
 
 
@@ -467,22 +468,22 @@ def test_auto_picks_per_tier_the_method_that_drifts_least_and_records_it(scored)
     reference = Planner(folder / "run", settings=ExportSettings(rounding="qep", refine=0))
     least = {}
     for tier in (t for t in reference.tiers if t.calibratable):
-        drifts = {m: reference.measure(reference.encoder.uniform(tier, Rounding(m))) for m in AUTO_METHODS}
+        drifts = {m: reference.measuring.measure(reference.encoder.uniform(tier, Rounding(m))) for m in AUTO_METHODS}
         least[tier.name] = min(drifts, key=lambda m: (drifts[m].worst_pct, drifts[m].relative_rms))
     reference.close()
     assert set(least) == {"int8-asym", "int4-asym", "int2-asym"}
 
     planner = Planner(folder / "run", settings=ExportSettings(rounding="auto", grids="per-channel", refine=0))  # the grids' own test is below
-    assert {tier: planner.rounding_at(tier).method for tier in least} == least
-    assert set(planner.rounding_choice) == set(least) and all(set(d) == set(AUTO_METHODS) for d in planner.rounding_choice.values())
+    assert {tier: planner.roundings.at(tier).method for tier in least} == least
+    assert set(planner.roundings.choice) == set(least) and all(set(d) == set(AUTO_METHODS) for d in planner.roundings.choice.values())
     for tier, method in least.items():  # the mixed model's slots at a tier are that tier's chosen codes
         name = next(iter(planner.layouts))
-        assert planner.encoder.tensor(name, tier, planner.rounding) is planner.encoder.uniform(tier, Rounding(method))[name]
+        assert planner.encoder.tensor(name, tier, planner.roundings.rounding) is planner.encoder.uniform(tier, Rounding(method))[name]
     outcome = planner.export(4, folder / "mlp.auto.C4.onnx")
     planner.close()
     record = json.loads((folder / "mlp.auto.C4.allocation.json").read_text())
     used = {t for t in outcome.allocation.tiers.values() if t in least}
-    assert record["rounding"] == "auto" and record["rounding_choice"] == planner.rounding_choice
+    assert record["rounding"] == "auto" and record["rounding_choice"] == planner.roundings.choice
     if outcome.shipped.startswith("TQS-PTQ"):
         assert record["rounding_by_tier"] == {t: least[t] for t in used}
     labels = [c["label"] for c in record["compared"]]  # the per-method uniform models it measured are candidates too
@@ -497,27 +498,27 @@ def test_grids_auto_keeps_per_searched_tier_the_grid_whose_uniform_model_drifts_
 
     _, _, folder = scored
     reference = Planner(folder / "run", settings=ExportSettings(grids="per-channel", refine=0))
-    assert reference.rounding == Rounding("qep") and not reference.rounding_choice
+    assert reference.roundings.rounding == Rounding("qep") and not reference.roundings.choice
     less, drifts = {}, {}
     for tier in (t for t in reference.tiers if t.calibratable and t.grid.search):
-        drifts[tier.name] = {g: reference.measure(reference.encoder.uniform(tier, Rounding("qep", grids=g))) for g in GRIDS}
+        drifts[tier.name] = {g: reference.measuring.measure(reference.encoder.uniform(tier, Rounding("qep", grids=g))) for g in GRIDS}
         less[tier.name] = min(GRIDS, key=lambda g: (drifts[tier.name][g].worst_pct, drifts[tier.name][g].relative_rms))
     reference.close()
     assert set(less) == {"int4-asym", "int2-asym"}
 
     planner = Planner(folder / "run", settings=ExportSettings(refine=0))
-    assert {tier: planner.rounding_at(tier).grids for tier in less} == less and planner.rounding_at("int8-asym") == Rounding("qep")
-    assert planner.rounding_choice == {t: {Rounding("qep", grids=g).label: d.worst_pct for g, d in drifts[t].items()} for t in less}
+    assert {tier: planner.roundings.at(tier).grids for tier in less} == less and planner.roundings.at("int8-asym") == Rounding("qep")
+    assert planner.roundings.choice == {t: {Rounding("qep", grids=g).label: d.worst_pct for g, d in drifts[t].items()} for t in less}
     name = next(iter(planner.layouts))
     for tier, grids in less.items():  # the mixed model's slots at a tier are that tier's chosen codes
-        assert planner.encoder.tensor(name, tier, planner.rounding) is planner.encoder.uniform(tier, Rounding("qep", grids=grids))[name]
+        assert planner.encoder.tensor(name, tier, planner.roundings.rounding) is planner.encoder.uniform(tier, Rounding("qep", grids=grids))[name]
     outcome = planner.export(4, folder / "mlp.grids.C4.onnx")
     planner.close()
     record = json.loads((folder / "mlp.grids.C4.allocation.json").read_text())
-    assert record["rounding"] == "qep" and record["settings"]["grids"] == "auto" and record["rounding_choice"] == planner.rounding_choice
+    assert record["rounding"] == "qep" and record["settings"]["grids"] == "auto" and record["rounding_choice"] == planner.roundings.choice
     if outcome.shipped.startswith("TQS-PTQ"):
         used = {t for t in outcome.allocation.tiers.values() if t.startswith("int")}
-        assert record["rounding_by_tier"] == {t: planner.rounding_at(t).label for t in used}
+        assert record["rounding_by_tier"] == {t: planner.roundings.at(t).label for t in used}
 
 
 def test_a_bad_rounding_is_refused_in_one_line(scored):
@@ -539,9 +540,9 @@ def test_refinement_keeps_a_round_only_if_the_calibrated_model_drifts_less(score
     _, _, folder = scored
     planner = Planner(folder / "run", settings=ExportSettings(refine=3))
     for target in (3, 7, 14):
-        base = planner.allocate(target)
-        refined, _ = planner.refine(base)
-        calibrated = [planner.measure(planner.encodings(a, calibrated=True)) for a in (base, refined)]
+        base = planner.pricing.allocate(target)
+        refined, _ = planner.comparison.refiner.refine(base)
+        calibrated = [planner.measuring.measure(planner.mixed.encodings(a, planner.roundings.rounding, calibrated=True)) for a in (base, refined)]
         assert (calibrated[1].worst_pct, calibrated[1].relative_rms) <= (calibrated[0].worst_pct, calibrated[0].relative_rms), target
     planner.close()
 
@@ -552,19 +553,19 @@ def test_a_target_near_the_int2_size_also_allocates_with_int1(scored, tmp_path):
     drifts least ships. Explicit --tiers and targets with room above INT2 are left as they are."""
     _, _, folder = scored
     planner = Planner(folder / "run", settings=ExportSettings(refine=0))
-    int2 = planner.uniform("int2-asym").compression
-    assert planner.below_lowest(0.8 * int2) is None and planner.below_lowest(0.99 * int2).name == "int1"
-    found = planner.candidates(0.99 * int2)
+    int2 = planner.comparison.uniform("int2-asym").compression
+    assert planner.comparison.below_lowest(0.8 * int2) is None and planner.comparison.below_lowest(0.99 * int2).name == "int1"
+    found = planner.comparison.candidates(0.99 * int2)
     assert found[0].drift.worst_pct == min(c.drift.worst_pct for c in found)
     assert all("int1" in c.allocation.tiers.values() for c in found if "with int1" in c.label)
-    past = [c for c in planner.candidates(1.01 * int2) if "with int1" in c.label]  # beyond INT2: only int1 reaches it
+    past = [c for c in planner.comparison.candidates(1.01 * int2) if "with int1" in c.label]  # beyond INT2: only int1 reaches it
     assert len(past) == 1 and "int1" in past[0].allocation.tiers.values() and past[0].allocation.compression >= 1.01 * int2
     assert math.isfinite(past[0].drift.worst_pct)
     outcome = planner.export(0.99 * int2, tmp_path / "w2.onnx")
     assert outcome.compression >= 0.99 * int2
     planner.close()
     explicit = Planner(folder / "run", settings=ExportSettings(tiers=("fp32", "int8-asym", "int4-asym", "int2-asym"), refine=0))
-    assert explicit.below_lowest(0.99 * int2) is None
+    assert explicit.comparison.below_lowest(0.99 * int2) is None
     explicit.close()
 
 
@@ -574,22 +575,22 @@ def test_near_a_uniform_size_the_units_are_cut_finer_and_the_file_meets_the_targ
     share where the slack is wide, and what is written meets C."""
     _, _, folder = scored
     planner = Planner(folder / "run", settings=ExportSettings(refine=0))
-    far = len(planner.slots)
-    total = sum(s.params for s in planner.slots)
+    far = len(planner.cut.slots)
+    total = sum(s.params for s in planner.cut.slots)
     for tier, up in (("int2-asym", "int4-asym"), ("int8-asym", "fp16")):
-        target = 0.99 * planner.uniform(tier).compression
-        share = planner.slack_split(target)
-        slack = planner.budget.slot_bits(target) - sum(planner.uniform(tier).cost_bits.values())
-        promotion = (sum(planner.uniform(up).cost_bits.values()) - sum(planner.uniform(tier).cost_bits.values())) / total
+        target = 0.99 * planner.comparison.uniform(tier).compression
+        share = planner.comparison.slack_split(target)
+        slack = planner.sizing.budget(planner.tiers).slot_bits(target) - sum(planner.comparison.uniform(tier).cost_bits.values())
+        promotion = (sum(planner.comparison.uniform(up).cost_bits.values()) - sum(planner.comparison.uniform(tier).cost_bits.values())) / total
         assert MIN_SPLIT <= share < 0.02
         assert share == MIN_SPLIT or slack >= SLACK_PROMOTIONS * share * total * promotion * 0.999
-    int2 = planner.uniform("int2-asym").compression
+    int2 = planner.comparison.uniform("int2-asym").compression
     outcome = planner.export(0.99 * int2, tmp_path / "w2.onnx")
-    assert len(planner.slots) > far and planner.split_fraction == planner.slack_split(0.99 * int2)
-    assert set(outcome.allocation.tiers) == {s.name for s in planner.slots}
+    assert len(planner.cut.slots) > far and planner.cut.fraction == planner.comparison.slack_split(0.99 * int2)
+    assert set(outcome.allocation.tiers) == {s.name for s in planner.cut.slots}
     assert outcome.compression >= 0.99 * int2
-    planner.candidates(4)
-    assert len(planner.slots) == far and planner.split_fraction == 0.02
+    planner.comparison.candidates(4)
+    assert len(planner.cut.slots) == far and planner.cut.fraction == 0.02
     planner.close()
 
 
@@ -603,7 +604,7 @@ def test_the_progress_counts_the_rollouts_the_finer_cut_runs(scored, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(folder / "run", run, ignore=shutil.ignore_patterns("measured.jsonl", ".measured.lock", "checkpoints*"))
     planner = Planner(run, settings=ExportSettings(refine=0))
-    target = 0.99 * planner.uniform("int2-asym").compression
+    target = 0.99 * planner.comparison.uniform("int2-asym").compression
     planner.close()
     result = runner.invoke(app, [str(a) for a in ("export", model, "--run", run, "--C", f"{target:.4f}", "--refine", 0, "--out-dir", tmp_path)])
     assert result.exit_code == 0, result.output

@@ -10,7 +10,7 @@ import pytest
 
 import models
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.export.planner import ExportSettings, Planner
+from tqsdeploy.export import ExportSettings, Planner
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_other_exports_before_do_not_change_the_model(scored, tmp_path):
     same allocation and the same bytes."""
     model, folder = scored
     planner = Planner(_run(folder, tmp_path / "fresh"))
-    int2 = planner.uniform("int2-asym").compression
+    int2 = planner.comparison.uniform("int2-asym").compression
     alone = _export(planner, 4, tmp_path / "alone.onnx")
     planner.close()
     planner = Planner(_run(folder, tmp_path / "shared"))
@@ -63,7 +63,7 @@ def test_prices_of_other_codes_under_the_same_label_are_not_reused(scored, tmp_p
     planner.close()
     run = _run(folder, tmp_path / "stale")
     older = Planner(run, settings=ExportSettings(rounding="rtn"))
-    older.measured()
+    older.pricing.measured()
     older.close()
     log = run / "measured.jsonl"
     log.write_text(log.read_text().replace("-asym/rtn", "-asym/qep"))  # what the older version's QEP prices were labelled

@@ -15,7 +15,7 @@ import pytest
 import models
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.encoding.checkpoints import FOLDER
-from tqsdeploy.export.planner import ExportSettings, Planner
+from tqsdeploy.export import ExportSettings, Planner
 
 
 @pytest.fixture(scope="module")

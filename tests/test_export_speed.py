@@ -17,7 +17,7 @@ from graph_ops.layout import Layout
 from tiers.quantizer import quantize
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
-from tqsdeploy.export.planner import ExportSettings, Planner
+from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.encoding.profiling import KINDS, Profile
 from tqsdeploy.encoding.encoder import comparison_methods
 from test_export import scored  # noqa: F401 - the export tests' scored MLP, a fixture
@@ -229,8 +229,8 @@ def test_a_model_swept_in_cuts_is_priced_in_cuts_at_the_same_prices(tmp_path):
     assert cut.prices_cut and not whole.prices_cut
     priced = {}
     for strategy, planner in planners.items():
-        measured = planner.measured()
-        priced[strategy] = {(slot.name, tier.name): measured[planner.price_task(slot, tier).key].div_sq for slot, tier in planner.measured_tasks()}
+        measured = planner.pricing.measured()
+        priced[strategy] = {(slot.name, tier.name): measured[planner.prices.task(slot, tier).key].div_sq for slot, tier in planner.pricing.measured_tasks()}
         planner.close()
     assert len(priced["prefix"]) >= 6 and priced["prefix"].keys() == priced["feed"].keys()
     assert any(sum(v) > 0 for v in priced["feed"].values())

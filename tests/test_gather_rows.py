@@ -84,7 +84,7 @@ def test_gaussian_probes_of_a_table_perturb_only_the_rows_read(tmp_path):
         assert changed.tolist() == [3, 97]
         assert gauss.delta_sq == pytest.approx(quant.delta_sq, rel=1e-4)
         again = perturb(unit, weights, "gauss", draw, 8, 0, rows)
-        np.testing.assert_array_equal(gauss.weights["emb"], again.weights["emb"])  # seeded by (seed, unit, draw)
+        np.testing.assert_array_equal(gauss.weights["emb"], again.scored.weights["emb"])  # seeded by (seed, unit, draw)
     runner = prepared.open_runner()
     # undiluted: the Gaussian probe moves the output about as much as the quant residual of the same norm
     ratio = runner.divergence(perturb(unit, weights, "gauss", 0, 8, 0, rows).weights)[0][0] / runner.divergence(quant.weights)[0][0]
@@ -95,16 +95,16 @@ def test_gaussian_probes_of_a_table_perturb_only_the_rows_read(tmp_path):
 def test_rows_the_contexts_never_read_are_priced_as_read_rows_not_free(tmp_path):
     """Slots of a table holding only unread rows measured nothing, so they priced at 0 and went to the lowest tier for
     free (era5_downscale's unread hours at INT2: held-out windows at those hours drifted 5.6x uniform INT8)."""
-    from tqsdeploy.export.planner import ExportSettings, Planner
+    from tqsdeploy.export import ExportSettings, Planner
 
     model = models.gather_forecaster(tmp_path / "g.onnx", rows=64)  # 2048 parameters: a unit
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "c.npz", x=rng.standard_normal((4, 3, 32)).astype(np.float32), ids=rng.choice(np.arange(0, 64, 2), size=(4, 3)))  # even rows only
     run = score(model, tmp_path / "c.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=0))
     with Planner(run.run_dir, settings=ExportSettings(rounding="rtn", split_fraction=0.01)) as planner:
-        choices = {c.unit: c for c in planner.choices("measured")}
-        table = [s for s in planner.slots if "emb" in planner.units_by_name[s.unit].tensor_names and s.rows is not None]
+        choices = {c.unit: c for c in planner.pricing.choices("measured")}
+        table = [s for s in planner.cut.slots if "emb" in planner.scored.units_by_name[s.unit].tensor_names and s.rows is not None]
         unread = [s for s in table if all(r % 2 for r in range(*s.rows))]
-        assert table and unread, [s.rows for s in planner.slots]
+        assert table and unread, [s.rows for s in planner.cut.slots]
         for slot in unread:
             assert all(v > 0 for t, v in choices[slot.name].loss.items() if t.startswith("int")), choices[slot.name].loss

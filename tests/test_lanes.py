@@ -142,7 +142,7 @@ def test_export_prices_and_refines_on_lanes_as_on_one(tmp_path):
     one-lane prices, allocation and drift to the bit."""
     import shutil
 
-    from tqsdeploy.export.planner import ExportSettings, Planner
+    from tqsdeploy.export import ExportSettings, Planner
 
     model = models.mlp_forecaster(tmp_path / "mlp.onnx", n=64, hidden=128)
     contexts = tmp_path / "ctx.npz"
@@ -152,9 +152,9 @@ def test_export_prices_and_refines_on_lanes_as_on_one(tmp_path):
     for lanes in (1, 3):
         run = shutil.copytree(tmp_path / "run", tmp_path / f"run-{lanes}")
         planner = Planner(run, settings=ExportSettings(refine=2, lanes=lanes), runtime=ONE_THREAD)
-        prices = {key: result.div_sq for key, result in planner.measured().items()}
-        refined, drift = planner.refine(planner.allocate(5))
-        outcomes[lanes] = (len(planner.lanes), prices, refined.tiers, drift.div_sq)
+        prices = {key: result.div_sq for key, result in planner.pricing.measured().items()}
+        refined, drift = planner.comparison.refiner.refine(planner.pricing.allocate(5))
+        outcomes[lanes] = (len(planner.measuring.lanes), prices, refined.tiers, drift.div_sq)
         planner.close()
     assert outcomes[1][0] == 1 and outcomes[3][0] == 3
     assert len(outcomes[3][1]) >= 6 and len(set(outcomes[3][2].values())) > 1  # a mixed allocation, from real prices

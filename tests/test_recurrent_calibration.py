@@ -15,7 +15,7 @@ from graph_ops import weight_layouts
 from graph_ops.calibration import expose_tensors, layer_inputs, waves
 from graph_ops.recurrent import add_recurrent_states
 from runtimes.ort import OrtRuntime
-from tqsdeploy.export.baselines import quantize_baseline
+from tqsdeploy.export.baselines import BaselineSettings, quantize_baseline
 
 SEQ, BATCH, INPUTS, HIDDEN = 7, 3, 5, 4
 
@@ -116,7 +116,7 @@ def test_a_calibrated_baseline_rounds_the_recurrent_weights_with_their_statistic
     path = models.sliced_lstm(tmp_path / "lstm.onnx", seq=12)
     windows = tmp_path / "windows.npz"
     np.savez(windows, x=np.random.default_rng(5).standard_normal((8, 12, 16)).astype(np.float32))
-    result = quantize_baseline(path, "gptq", 4, windows, min_params=1)
+    result = quantize_baseline(path, BaselineSettings("gptq", 4, min_params=1), windows)
     assert not {"rnn.weight_ih", "rnn.weight_hh"} & set(result.rtn_only), result.rtn_only
     for name in ("rnn.weight_ih", "rnn.weight_hh"):
         assert result.errors[name] < result.rtn_errors[name], (result.errors, result.rtn_errors)
@@ -204,7 +204,7 @@ def test_an_r_that_multiplied_no_state_is_rounded_to_nearest_not_zeroed(tmp_path
     path, windows = tmp_path / "cell.onnx", tmp_path / "windows.npz"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
     np.savez(windows, x=np.random.default_rng(2).standard_normal((4, 1, 3, INPUTS)).astype(np.float32))
-    result = quantize_baseline(path, "gptq", 4, windows, min_params=1)
+    result = quantize_baseline(path, BaselineSettings("gptq", 4, min_params=1), windows)
     nearest = encode(init["R"], weight_layouts(onnx.load(str(path)))["R"], TIERS["int4-asym"])
     np.testing.assert_array_equal(result.encoded["R"].dequantize(), nearest.dequantize())
     assert "W" in result.errors

@@ -18,7 +18,7 @@ import pytest
 import models
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.errors import InputError
-from tqsdeploy.export.planner import Planner
+from tqsdeploy.export import Planner
 from tqsdeploy.files import claim_run_folder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def test_score_fresh_is_refused_while_an_export_reads_the_run_and_exports_share_
     planner = Planner(run_dir)
     other = Planner(run_dir)  # a second export of the same run at once: both price, through .measured.lock
     try:
-        assert planner.measured() and other.measured()
+        assert planner.pricing.measured() and other.pricing.measured()
         result = _cli("score", model, "-c", contexts, "-o", run_dir, "--steps", 4, "--probe", "quant", "--fresh")
         errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
         assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
@@ -76,7 +76,7 @@ def test_prices_measured_on_a_replaced_run_are_not_reused(run):
     every price is measured again, as a run folder without them measures it."""
     model, contexts, run_dir = run
     planner = Planner(run_dir)
-    planner.measured()
+    planner.pricing.measured()
     planner.close()
     stale = (run_dir / "measured.jsonl").read_text()
     score(model, contexts, steps=4, out=run_dir, settings=SETTINGS, resume=False)
@@ -85,14 +85,14 @@ def test_prices_measured_on_a_replaced_run_are_not_reused(run):
     counted = []
     planner = Planner(run_dir)
     planner.on_measuring = counted.append
-    planner.measured(on_result=lambda result: None)
+    planner.pricing.measured(on_result=lambda result: None)
     planner.close()
-    assert counted == [len(planner.measured_tasks())]
+    assert counted == [len(planner.pricing.measured_tasks())]
     fresh = {key: value for key, value in _prices((run_dir / "measured.jsonl").read_text()).items() if key not in _prices(stale)}
     clean = Planner(run_dir.parent / "clean")
-    clean.measured()
+    clean.pricing.measured()
     clean.close()
-    assert len(fresh) == len(planner.measured_tasks()) and _prices((run_dir.parent / "clean" / "measured.jsonl").read_text()) == fresh
+    assert len(fresh) == len(planner.pricing.measured_tasks()) and _prices((run_dir.parent / "clean" / "measured.jsonl").read_text()) == fresh
 
 
 def test_an_export_whose_run_was_replaced_under_it_stops_in_one_line(run, tmp_path):
@@ -103,10 +103,10 @@ def test_an_export_whose_run_was_replaced_under_it_stops_in_one_line(run, tmp_pa
     planner = Planner(run_dir)
     try:
         (run_dir / "run.json").write_text((run_dir / "run.json").read_text())  # rewritten, the same run
-        planner.measured(tasks=planner.eager_tasks()[:1])
+        planner.pricing.measured(tasks=planner.pricing.eager_tasks()[:1])
         shutil.copy(other.run_dir / "run.json", run_dir / "run.json")
         with pytest.raises(InputError, match=f"the score run in {run_dir} was replaced while this export ran"):
-            planner.measured()
+            planner.pricing.measured()
         assert len((run_dir / "measured.jsonl").read_text().splitlines()) == 1
     finally:
         planner.close()

@@ -10,7 +10,7 @@ from tqsdeploy import ScoreSettings, score
 from tqsdeploy.export.allocate import allocate
 from tqsdeploy.cli import app
 from tqsdeploy.errors import InfeasibleError, InputError
-from tqsdeploy.export.planner import ExportSettings, Planner
+from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.size import ModelSize, SizeBudget, reachable_label, split_bits
 
 
@@ -69,7 +69,7 @@ def test_the_lowest_tier_file_is_reachable_and_a_hair_above_is_not(odd_run, basi
     reached = outcome.compression if basis == "file" else outcome.unit_compression
     assert reached == pytest.approx(planner.max_compression(), rel=1e-12)  # reachability is what the file reaches
     planner.check_targets([reached])
-    assert planner.allocate(reached).tiers == {s.name: lowest for s in planner.slots}
+    assert planner.pricing.allocate(reached).tiers == {s.name: lowest for s in planner.cut.slots}
     with pytest.raises(InfeasibleError, match=f"largest reachable is {reachable_label(reached)} "):
         planner.check_targets([reached * 1.001])
     planner.close()
@@ -85,15 +85,15 @@ def test_written_ratio_equals_what_the_allocation_priced(odd_run, group_size):
     planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", objective="paper", refine=0, group_size=group_size, fallback=False))
     for tier in planner.tiers:
         outcome = planner.export(None, folder / f"{tier.name}.onnx", uniform_tier=tier.name)
-        assert outcome.compression == planner.uniform(tier.name).compression
-        assert outcome.compression == planner.sizes.file_compression(graph_ops.weight_bits(graph_ops.load_model(outcome.path).proto))
+        assert outcome.compression == planner.comparison.uniform(tier.name).compression
+        assert outcome.compression == planner.scored.sizes.file_compression(graph_ops.weight_bits(graph_ops.load_model(outcome.path).proto))
     for target in (5, 6, 7):
         outcome = planner.export(target, folder / "mixed.onnx")
         written = graph_ops.weight_bits(graph_ops.load_model(outcome.path).proto)
         assert len(set(outcome.allocation.tiers.values())) > 1
         assert outcome.allocation.total_bits == written
         assert outcome.compression == outcome.allocation.compression >= target
-        assert len(planner.stretches(outcome.allocation.tiers)) > len(planner.slots_of)  # a unit cut into stretches on several tiers
+        assert len(planner.sizing.stretches(outcome.allocation.tiers)) > len(planner.cut.slots_of)  # a unit cut into stretches on several tiers
     planner.close()
 
 
@@ -108,7 +108,7 @@ def test_mixed_int1_and_blockwise_files_meet_c_on_each_basis(odd_run, basis):
         outcome = planner.export(target, folder / f"{basis}.int1.onnx")
         reached = outcome.compression if basis == "file" else outcome.unit_compression
         assert reached == outcome.allocation.compression >= target
-        assert len(planner.stretches(outcome.allocation.tiers)) > len(planner.slots_of)
+        assert len(planner.sizing.stretches(outcome.allocation.tiers)) > len(planner.cut.slots_of)
     planner.close()
 
 
@@ -117,10 +117,10 @@ def test_an_allocation_that_never_fits_its_written_size_falls_back_to_the_cheape
     after `REFITS` tries every slot goes to its cheapest tier, which is priced as written and meets C."""
     model, folder = odd_run
     planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", objective="paper", refine=0, group_size=32, fallback=False))
-    budget, choices = planner.budget, planner.choices()
-    unshrunk = allocate(choices, planner.tiers, 6, budget.basis_bits, budget.fixed_bits, objective="paper")
-    assert sum(planner.written_costs(unshrunk.tiers).values()) > budget.slot_bits(6)  # the additive prices fit, the file would not
-    allocation = planner.fitted(lambda options, fixed_bits: allocate(choices, planner.tiers, 6, budget.basis_bits, budget.fixed_bits, objective="paper"), choices, 6)
+    budget, choices = planner.sizing.budget(planner.tiers), planner.pricing.choices()
+    unshrunk = allocate(choices, planner.tiers, 6, budget, objective="paper")
+    assert sum(planner.sizing.written_costs(unshrunk.tiers).values()) > budget.slot_bits(6)  # the additive prices fit, the file would not
+    allocation = planner.pricing.fitter.fitted(lambda options, reserve: allocate(choices, planner.tiers, 6, budget, objective="paper"), choices, 6)
     assert allocation.solver.startswith("cheapest") and set(allocation.tiers.values()) == {planner.tiers[-1].name}
     assert allocation.compression == planner.max_compression() >= 6
     planner.close()

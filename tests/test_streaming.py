@@ -13,7 +13,7 @@ import graph_ops
 import models
 from runtimes import OrtRuntime
 from tqsdeploy.evaluation.evaluate import evaluate
-from tqsdeploy.export.planner import Planner
+from tqsdeploy.export import Planner
 from tqsdeploy.scoring.score import ScoreSettings, score
 from tqsdeploy.sweep import SweepRunner
 
@@ -90,14 +90,14 @@ def test_external_data_models_score_and_evaluate_as_in_memory_ones(tmp_path):
 def test_baselines_of_external_data_models_read_the_files_and_match_in_memory_ones(tmp_path):
     """`baseline` maps the weights from the model's data file (no copy of the model) and writes external data
     for an external input; codes and outputs equal the in-memory baseline's, the input folder unchanged."""
-    from tqsdeploy.export.baselines import quantize_baseline, write_baseline
+    from tqsdeploy.export.baselines import BaselineSettings, quantize_baseline, write_baseline
 
     inline = models.mlp_forecaster(tmp_path / "inline.onnx", n=32, hidden=64)
     external = _external_copy(inline, tmp_path / "ext")
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
     before = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in external.parent.iterdir())
-    a = quantize_baseline(inline, "qep", 4, tmp_path / "c.npz", min_params=64)
-    b = quantize_baseline(external, "qep", 4, tmp_path / "c.npz", min_params=64)
+    a = quantize_baseline(inline, BaselineSettings("qep", 4, min_params=64), tmp_path / "c.npz")
+    b = quantize_baseline(external, BaselineSettings("qep", 4, min_params=64), tmp_path / "c.npz")
     assert a.encoded.keys() == b.encoded.keys() and len(a.encoded) >= 2
     for name in a.encoded:
         assert np.array_equal(a.encoded[name].values, b.encoded[name].values) and np.array_equal(a.encoded[name].scale, b.encoded[name].scale)
@@ -186,7 +186,7 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
     drifts and the written model are unchanged."""
     import sys
 
-    export_module = sys.modules["tqsdeploy.export.planner"]
+    job_module, measuring_module = sys.modules["tqsdeploy.export.job"], sys.modules["tqsdeploy.export.measuring"]
     model = models.mlp_forecaster(tmp_path / "m.onnx", n=32, hidden=64)
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
     score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=2))
@@ -194,21 +194,21 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
     runner_init, nominal = SweepRunner.__init__, SweepRunner._make_nominal
     monkeypatch.setattr(SweepRunner, "__init__", lambda self, *a, **k: (opened.append(1), runner_init(self, *a, **k))[1])
     monkeypatch.setattr(SweepRunner, "_make_nominal", lambda self, *a, **k: (rolled.append(1), nominal(self, *a, **k))[1])
-    original = export_module.original_nominal  # the original at its own opset, when the file is written at a higher one
-    monkeypatch.setattr(export_module, "original_nominal", lambda *a, **k: (rolled.append(1), original(*a, **k))[1])
+    original = measuring_module.original_nominal  # the original at its own opset, when the file is written at a higher one
+    monkeypatch.setattr(measuring_module, "original_nominal", lambda *a, **k: (rolled.append(1), original(*a, **k))[1])
     for limit, floats in ((1 << 40, 1 << 40), (0, 1 << 40), (0, 0)):  # refinement's trials fed as floats, then as codes
-        monkeypatch.setattr(export_module, "ONE_SESSION_BYTES", limit)
-        monkeypatch.setattr(export_module, "FED_FLOATS_BYTES", floats)
+        monkeypatch.setattr(job_module, "ONE_SESSION_BYTES", limit)
+        monkeypatch.setattr(job_module, "FED_FLOATS_BYTES", floats)
         opened.clear(), rolled.clear()
         planner = Planner(tmp_path / "run", model)
-        assert planner.one_session == (limit == 0) and planner.feeds_floats == (floats > 0)
+        assert planner.scored.one_session == (limit == 0) and planner.scored.feeds_floats == (floats > 0)
         outcomes.append(planner.export(4, tmp_path / f"out{limit}-{floats}" / "q.onnx"))
         passes.append(list(planner.encoder.log.passes))
-        if planner.one_session:  # the calibrator's session is closed while measuring, and the losers' codes are gone
-            assert planner._runner is not None and planner.encoder._calibrator._session is None
-            assert planner._fed_graph is not None  # candidates ran rebuilding their weights from fed codes
+        if planner.scored.one_session:  # the calibrator's session is closed while measuring, and the losers' codes are gone
+            assert planner.measuring._runner is not None and planner.encoder._calibrator._session is None
+            assert planner.measuring._fed_graph is not None  # candidates ran rebuilding their weights from fed codes
             kept = {rounding.method for (_, rounding) in planner.encoder._uniform}
-            assert len(kept - {planner.rounding.method}) <= 1
+            assert len(kept - {planner.roundings.rounding.method}) <= 1
             assert len([k for k in planner.encoder._uniform if not k[1].needs_stats]) <= 1  # the price list's RTN codes went, but the fallback's
             assert len(opened) > 1 and len(rolled) == 1  # reopened after each calibration pass without rolling the original out again
         planner.close()

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from graph_ops import weight_layouts
 from graph_ops.calibration import layer_inputs
 from runtimes.ort import OrtRuntime
-from tqsdeploy.export.baselines import quantize_baseline
+from tqsdeploy.export.baselines import BaselineSettings, quantize_baseline
 
 GEOMETRIES = [
     dict(kernel_shape=[2, 2], strides=[2, 2]),  # a U-Net's up-convolution
@@ -55,7 +55,7 @@ def test_a_calibrated_baseline_rounds_a_transposed_conv_better_than_nearest(tmp_
     path, _ = _model(tmp_path / "up.onnx", GEOMETRIES[1], channels=8, out=8)
     windows = tmp_path / "windows.npz"
     np.savez(windows, x=np.random.default_rng(2).standard_normal((4, 2, 8, 10, 10)).astype(np.float32))
-    result = quantize_baseline(path, "gptq", 4, windows, min_params=1)
+    result = quantize_baseline(path, BaselineSettings("gptq", 4, min_params=1), windows)
     assert "Wt" not in result.rtn_only and result.errors["Wt"] < result.rtn_errors["Wt"], (result.errors, result.rtn_errors)
 
 

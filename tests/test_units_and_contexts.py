@@ -87,7 +87,7 @@ def test_weights_kept_as_inputs_are_scored_as_weights(tmp_path):
     """torch's keep_initializers_as_inputs lists every weight as a graph input too: the same γ as the
     plain model, and an exported model that no longer declares them (the input file untouched)."""
     from tqsdeploy import ScoreSettings, score
-    from tqsdeploy.export.planner import ExportSettings, Planner
+    from tqsdeploy.export import ExportSettings, Planner
     from runtimes import OrtRuntime
 
     plain = models.mlp_forecaster(tmp_path / "plain.onnx")

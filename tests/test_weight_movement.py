@@ -15,7 +15,7 @@ from graph_ops import weight_layouts
 from runtimes import OrtRuntime
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
-from tqsdeploy.export.planner import Planner
+from tqsdeploy.export import Planner
 from tqsdeploy.units import UnitSelection, select_units, selection_notes
 
 runner = CliRunner()

@@ -115,7 +115,7 @@ def export(
     Prints each model's drift from the original on the scoring contexts in percent (eval's unit) and warns above 5%.
     Exit codes: 0 written, 1 a model exceeded --max-drift (nothing written for it), 2 bad input."""
     from runtimes import for_provider
-    from tqsdeploy.export.planner import ExportProgress, ExportSettings, Planner, find_run
+    from tqsdeploy.export import ExportProgress, ExportSettings, Planner, find_run
 
     from tqsdeploy.evaluation.gate import parse_percent
 
@@ -279,7 +279,7 @@ def baseline(
 ):
     """Quantize every unit uniformly with RTN, GPTQ, GPTAQ or QEP (numpy, calibrated on ONNX Runtime)."""
     from tiers import Rounding
-    from tqsdeploy.export.baselines import quantize_baseline, write_baseline
+    from tqsdeploy.export.baselines import BaselineProgress, BaselineSettings, quantize_baseline, write_baseline
     from tqsdeploy.files import check_writable, write_json
 
     if method not in METHODS:
@@ -297,11 +297,10 @@ def baseline(
     if not force:
         _refuse_overwrite(path, str(path.with_suffix("")) + ".baseline.json", elsewhere="-o")
     with progress_bar(f"{method} W{bits}", "weights") as progress:
-        result = quantize_baseline(
-            model, method, bits, calib, spec=spec, steps=steps, group_size=group_size, symmetric=symmetric,
-            rounding=Rounding(method, act_order=act_order), grids=grids, min_params=min_params,
-            on_start=progress.start, on_weight=lambda name: progress.advance(detail=name[-40:]),
-        )
+        settings = BaselineSettings(method, bits, spec=spec, steps=steps, group_size=group_size, symmetric=symmetric,
+                                    rounding=Rounding(method, act_order=act_order), grids=grids, min_params=min_params)
+        reports = BaselineProgress(on_start=progress.start, on_weight=lambda name: progress.advance(detail=name[-40:]))
+        result = quantize_baseline(model, settings, calib, progress=reports)
     summary = write_baseline(model, result, path, runtime_layout)
     write_json(str(path.with_suffix("")) + ".baseline.json", summary)
     timings = summary["timings_s"]

@@ -47,7 +47,7 @@ def frontier(
 ):
     """Score once, export TQS-PTQ at every C, run the uniform baselines, evaluate all, and report."""
     from tqsdeploy.evaluation.evaluate import EvalSettings
-    from tqsdeploy.export.planner import ExportSettings
+    from tqsdeploy.export import ExportSettings
     from tqsdeploy.evaluation.frontier import FrontierSettings, run_frontier
     from tqsdeploy.evaluation.report import build_report
 

@@ -30,7 +30,7 @@ from tiers import METHODS, tier_for_bits
 from tqsdeploy.encoding import checkpoints
 from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
-from tqsdeploy.export.planner import ExportSettings, Planner
+from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.files import write_json, write_table, write_text
 from tqsdeploy.scoring.prepare import ContextOptions
 from tqsdeploy.scoring.runs import ScoreRun

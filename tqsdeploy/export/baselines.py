@@ -22,11 +22,11 @@ import numpy as np
 import graph_ops
 from graph_ops.qdq import computes_in_half, default_opset, write_storage
 from runtimes import DEFAULT_RUNTIME, Runtime
-from tiers import Encoded, Rounding, TierError, ladder_opset, tier_for_bits
+from tiers import Encoded, Rounding, Tier, TierError, ladder_opset, tier_for_bits
 from tqsdeploy.encoding.calibrator import Calibrator, thin_note
 from tqsdeploy.rollout.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
-from tqsdeploy.encoding.encoder import Encoder, check_grids, checked_layouts, grid_options
+from tqsdeploy.encoding.encoder import Encoder, EncodingProgress, check_grids, checked_layouts, grid_options
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
 from tqsdeploy.size import ModelSize
 from tqsdeploy.units import check_finite
@@ -65,81 +65,61 @@ class BaselineResult:
         return {name: e.dequantize() for name, e in self.encoded.items()}
 
 
-def quantize_baseline(
-    model_path: str | Path,
-    method: str,
-    bits: int,
-    calib: Contexts | str | Path | None = None,
-    *,
-    spec: RolloutSpec | str | Path | None = None,
-    steps: int | None = None,
-    group_size: int | None = None,
-    symmetric: bool = False,
-    rounding: Rounding | None = None,
-    grids: str = "auto",
-    min_params: int = 1024,
-    max_batch_windows: int = 32,
-    runtime: Runtime = DEFAULT_RUNTIME,
-    on_start: Callable[[int], None] | None = None,
-    on_weight: Callable[[str], None] | None = None,
-) -> BaselineResult:
-    """Quantize a model's units uniformly at `bits` with one rounding method.
+@dataclass(frozen=True)
+class BaselineSettings:
+    """One uniform baseline: the rounding method and bits, and what it calibrates on."""
 
-    Defaults follow the official code (asymmetric per channel, percdamp 0.01,
-    block 128, α = 0.25 for GPTAQ and 0.5 with percdampqep 1.0 for QEP on
-    GPTQ); the grid is the tier's (`tiers.grid`). RTN needs no calibration;
-    the others take windows in the contexts format. Without `spec` and `steps`
-    the calibration is the windows themselves (one step); `steps` alone rolls
-    out the detected rollout. `grids` (`quantization.GRID_CHOICES`): 'auto'
-    builds a calibrated method's model on both grids of a clip-searched tier and
-    keeps the one that drifts less on that calibration rollout (a pass and a
-    rollout more); the grids of `rounding` are then not used.
-    """
+    method: str
+    bits: int
+    spec: RolloutSpec | str | Path | None = None
+    """Calibrate on every step of the windows' nominal rollout; None with `steps` None: the windows alone."""
+    steps: int | None = None
+    group_size: int | None = None
+    symmetric: bool = False
+    rounding: Rounding | None = None
+    """The method's options (default `Rounding(method)`); its grids are not used with `grids` 'auto'."""
+    grids: str = "auto"
+    min_params: int = 1024
+    max_batch_windows: int = 32
+
+
+@dataclass(frozen=True)
+class BaselineProgress:
+    on_start: Callable[[int], None] | None = None
+    """Told how many weight encodings the baseline will make (one pass per grid measured)."""
+    on_weight: Callable[[str], None] | None = None
+
+
+def quantize_baseline(model_path: str | Path, settings: BaselineSettings, calib: Contexts | str | Path | None = None, runtime: Runtime = DEFAULT_RUNTIME,
+                      progress: BaselineProgress = BaselineProgress()) -> BaselineResult:
+    """Quantize a model's units uniformly at `settings.bits` with one rounding method.
+
+    Defaults follow the official code (asymmetric per channel, percdamp 0.01, block 128, α = 0.25 for GPTAQ and 0.5
+    with percdampqep 1.0 for QEP on GPTQ); the grid is the tier's (`tiers.grid`). RTN needs no calibration; the
+    others take windows in the contexts format. With `grids` 'auto' a calibrated method's model is built on both
+    grids of a clip-searched tier and the one that drifts less on the calibration rollout is kept."""
     started = perf_counter()
-    try:
-        rounding = rounding or Rounding(method)
-        tier = tier_for_bits(bits, symmetric)
-    except (ValueError, TierError) as exc:
-        raise InputError(str(exc)) from None
-    if rounding.method != method:
-        raise InputError(f"rounding settings are for '{rounding.method}', not '{method}'")
-    check_grids(grids)
+    rounding, tier = _method(settings)
     runtime.check()
     loaded, data_dir = _load(model_path)
     runtime = runtime.for_model(loaded.proto)
-    units, names, layouts = checked_layouts(loaded.proto, min_params, group_size, [tier])
-    opset = max(default_opset(loaded.proto), ladder_opset([tier], {layouts[n].dtype for n in names}, bool(group_size)) if computes_in_half(loaded.proto) else 1)
+    units, names, layouts = checked_layouts(loaded.proto, settings.min_params, settings.group_size, [tier])
+    half = ladder_opset([tier], {layouts[n].dtype for n in names}, bool(settings.group_size)) if computes_in_half(loaded.proto) else 1
+    opset = max(default_opset(loaded.proto), half)
     weights = graph_ops.model_weights(loaded.proto, names, data_dir)
     check_finite(weights)
     graph_ops.release_pages(weights)  # the check read every weight; the encoder reads each again in turn
-
-    def calibrator() -> Calibrator:
-        if calib is None:
-            raise InputError(f"{method} needs calibration windows", hint="pass a contexts .npz (or use method 'rtn')")
-        from tqsdeploy.encoding.calibrator import open_graph
-
-        graph = graph_ops.weights_as_graph_inputs(loaded.proto, names)  # the signature, without loading the weights into the runtime
-        session = open_graph(runtime, graph_ops.io.session_source(graph), data_dir, str(loaded.path))
-        del graph
-        inputs, outputs = [i for i in session.inputs if i.name not in layouts], list(session.outputs)
-        session.close()
-        contexts = calib if isinstance(calib, Contexts) else load_contexts(Path(calib), inputs, windows=8, zscore=False, random=False, seed=0)
-        if spec is None and steps is None:  # the windows themselves, one step
-            resolved = RolloutSpec(steps=1, feedback=(), trajectory=tuple(o.name for o in outputs if o.dtype.kind == "f"))
-        else:
-            resolved = resolve_spec(spec, steps, inputs, outputs)
-        return Calibrator(loaded.proto, layouts, contexts, resolved, runtime, max_batch_windows, data_dir=data_dir, weights=weights, opset=opset)
-
-    encoder = Encoder(units, layouts, weights, group_size, calibrator if rounding.needs_stats else None, track_errors=rounding.needs_stats)
+    source = _CalibrationSource(loaded, data_dir, layouts, names, weights, opset, runtime, settings, calib)
+    encoder = Encoder(units, layouts, weights, settings.group_size, source.calibrator if rounding.needs_stats else None, track_errors=rounding.needs_stats,
+                      progress=EncodingProgress(on_weight=progress.on_weight))
     load_s = perf_counter() - started
-    encoder.on_weight = on_weight
-    if on_start:  # one pass per grid measured
-        on_start(len(layouts) * len(grid_options(tier, rounding.method, grids)))
-    rounding, grid_drifts, errors = _grids_measured(encoder, tier, rounding, grids)
+    if progress.on_start:  # one pass per grid measured
+        progress.on_start(len(layouts) * len(grid_options(tier, rounding.method, settings.grids)))
+    rounding, grid_drifts, errors = _grids_measured(encoder, tier, rounding, settings.grids)
     encoded = {name: e.expand() for name, e in encoder.uniform(tier, rounding).items()}  # a result's codes are arrays
     result = BaselineResult(
-        method=method,
-        bits=bits,
+        method=settings.method,
+        bits=settings.bits,
         tier=tier.name,
         encoded=encoded,
         timings={"load": load_s, "calibration": encoder.log.calibration_s + encoder.log.encode_s},
@@ -150,14 +130,68 @@ def quantize_baseline(
         grid_drifts=grid_drifts,
         opset=opset,
     )
-    thin = thin_note(encoder.log.thin, method, f"give --calib more windows (or a longer --steps rollout): {', '.join(sorted(encoder.log.thin))}")
-    if thin:
-        result.notes.append(thin)
-    if bits == 3:
-        result.notes.append("3-bit codes travel in 4-bit containers: W3 is no smaller on disk than W4")
+    result.notes.extend(_notes(encoder, settings))
     encoder.close()
     result.timings["total"] = perf_counter() - started
     return result
+
+
+def _method(settings: BaselineSettings) -> tuple[Rounding, Tier]:
+    """The rounding and the tier the settings ask for, refused with one line when they don't fit."""
+    try:
+        rounding = settings.rounding or Rounding(settings.method)
+        tier = tier_for_bits(settings.bits, settings.symmetric)
+    except (ValueError, TierError) as exc:
+        raise InputError(str(exc)) from None
+    if rounding.method != settings.method:
+        raise InputError(f"rounding settings are for '{rounding.method}', not '{settings.method}'")
+    check_grids(settings.grids)
+    return rounding, tier
+
+
+def _notes(encoder: Encoder, settings: BaselineSettings) -> list[str]:
+    notes = []
+    thin = thin_note(encoder.log.thin, settings.method, f"give --calib more windows (or a longer --steps rollout): {', '.join(sorted(encoder.log.thin))}")
+    if thin:
+        notes.append(thin)
+    if settings.bits == 3:
+        notes.append("3-bit codes travel in 4-bit containers: W3 is no smaller on disk than W4")
+    return notes
+
+
+@dataclass
+class _CalibrationSource:
+    """Where a calibrated baseline's statistics come from: the calibration windows rolled out as asked."""
+
+    loaded: graph_ops.LoadedModel
+    data_dir: Path | None
+    layouts: dict
+    names: list[str]
+    weights: dict[str, np.ndarray]
+    opset: int
+    runtime: Runtime
+    settings: BaselineSettings
+    calib: Contexts | str | Path | None
+
+    def calibrator(self) -> Calibrator:
+        settings = self.settings
+        if self.calib is None:
+            raise InputError(f"{settings.method} needs calibration windows", hint="pass a contexts .npz (or use method 'rtn')")
+        from tqsdeploy.encoding.calibrator import open_graph
+
+        graph = graph_ops.weights_as_graph_inputs(self.loaded.proto, self.names)  # the signature, without loading the weights into the runtime
+        session = open_graph(self.runtime, graph_ops.io.session_source(graph), self.data_dir, str(self.loaded.path))
+        del graph
+        inputs, outputs = [i for i in session.inputs if i.name not in self.layouts], list(session.outputs)
+        session.close()
+        calib = self.calib
+        contexts = calib if isinstance(calib, Contexts) else load_contexts(Path(calib), inputs, windows=8, zscore=False, random=False, seed=0)
+        if settings.spec is None and settings.steps is None:  # the windows themselves, one step
+            resolved = RolloutSpec(steps=1, feedback=(), trajectory=tuple(o.name for o in outputs if o.dtype.kind == "f"))
+        else:
+            resolved = resolve_spec(settings.spec, settings.steps, inputs, outputs)
+        return Calibrator(self.loaded.proto, self.layouts, contexts, resolved, self.runtime, settings.max_batch_windows, data_dir=self.data_dir,
+                          weights=self.weights, opset=self.opset)
 
 
 def _grids_measured(encoder: Encoder, tier, rounding: Rounding, grids: str) -> tuple[Rounding, dict[str, float], dict[str, float]]:
