@@ -226,7 +226,7 @@ def test_a_model_swept_in_cuts_is_priced_in_cuts_at_the_same_prices(tmp_path):
         score(model, contexts, spec=spec, out=tmp_path / strategy, settings=ScoreSettings(gauss_draws=1), strategy=strategy, selection=UnitSelection(min_params=100))
         planners[strategy] = Planner(tmp_path / strategy, settings=ExportSettings(rounding="rtn", tiers=("fp32", "int8", "int4", "int2")))
     cut, whole = planners["prefix"], planners["feed"]
-    assert cut.prices_cut and not whole.prices_cut
+    assert cut.scored.prices_cut and not whole.scored.prices_cut
     priced = {}
     for strategy, planner in planners.items():
         measured = planner.pricing.measured()

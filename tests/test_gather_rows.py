@@ -84,7 +84,7 @@ def test_gaussian_probes_of_a_table_perturb_only_the_rows_read(tmp_path):
         assert changed.tolist() == [3, 97]
         assert gauss.delta_sq == pytest.approx(quant.delta_sq, rel=1e-4)
         again = perturb(unit, weights, "gauss", draw, 8, 0, rows)
-        np.testing.assert_array_equal(gauss.weights["emb"], again.scored.weights["emb"])  # seeded by (seed, unit, draw)
+        np.testing.assert_array_equal(gauss.weights["emb"], again.weights["emb"])  # seeded by (seed, unit, draw)
     runner = prepared.open_runner()
     # undiluted: the Gaussian probe moves the output about as much as the quant residual of the same norm
     ratio = runner.divergence(perturb(unit, weights, "gauss", 0, 8, 0, rows).weights)[0][0] / runner.divergence(quant.weights)[0][0]

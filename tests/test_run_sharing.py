@@ -18,7 +18,7 @@ import pytest
 import models
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.errors import InputError
-from tqsdeploy.export import Planner
+from tqsdeploy.export import ExportProgress, Planner
 from tqsdeploy.files import claim_run_folder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,8 +83,7 @@ def test_prices_measured_on_a_replaced_run_are_not_reused(run):
     shutil.copytree(run_dir, run_dir.parent / "clean")
     (run_dir / "measured.jsonl").write_text(stale)
     counted = []
-    planner = Planner(run_dir)
-    planner.on_measuring = counted.append
+    planner = Planner(run_dir, progress=ExportProgress(on_measuring=counted.append))
     planner.pricing.measured(on_result=lambda result: None)
     planner.close()
     assert counted == [len(planner.pricing.measured_tasks())]

@@ -13,15 +13,14 @@ from tqsdeploy.size import check_basis
 
 ROUNDINGS = (*METHODS, "auto")
 """`--rounding`: one method for every tier, or 'auto': per tier the method whose uniform model at that tier
-drifts least on the scoring contexts (`CandidateBuilding.choose_roundings`)."""
+drifts least on the scoring contexts (`export.roundings`)."""
 TARGETS = ("ort-cpu", "ort-cuda", "trt")
 """Where the exported model will run (`--target`); 'ort' is read as 'ort-cpu'."""
 RUNTIME_LAYOUTS = ("auto", "dequantized", "fused")
 AUTO_LAYOUT = {"ort-cpu": "dequantized", "ort-cuda": "dequantized", "trt": "fused"}
-"""What `--runtime-layout auto` writes for each target. ONNX Runtime runs float weights with its fastest kernels
-on CPU and CUDA, while its MatMulNBits (what DequantizeLinear→MatMul becomes) pays only for few rows: the
-examples' batched windows ran 1.4-2.5x slower than FP32 on CPU and 1.1-1.8x on CUDA (issue 33), so ORT targets
-dequantize once at load. TensorRT builds its INT8/INT4 kernels from DequantizeLinear nodes: 'fused' keeps them."""
+"""What `--runtime-layout auto` writes for each target: ONNX Runtime targets dequantize once at load (its float
+kernels beat MatMulNBits on batched windows, docs/export.md); TensorRT builds its low-bit kernels from
+DequantizeLinear nodes, which 'fused' keeps."""
 
 
 @dataclass(frozen=True)
@@ -39,19 +38,15 @@ class ExportSettings:
     rounding: str = "qep"
     """How codes are chosen on each tier's grid: rtn, gptq, gptaq, qep, or auto (chosen per tier by measurement)."""
     grids: str = "auto"
-    """The grids a calibrated rounding takes on the clip-searched tiers (`quantization.GRID_CHOICES`): 'auto', per
-    tier the one whose uniform model drifts less on the scoring contexts (`CandidateBuilding.measured_rounding`)."""
+    """The grids a calibrated rounding takes on the clip-searched tiers (`encoding.encoder.GRID_CHOICES`): 'auto', per
+    tier the one whose uniform model drifts less on the scoring contexts (`Roundings.measured_rounding`)."""
     fp32_fraction: float | None = None
     """Share of the units' FP32 size forced to FP32 (Algorithm 1); None: 0.10 for the paper objective, 0 otherwise."""
     allocator: str = "mckp"
     fallback: bool = True
     refine: int = 0
-    """Rounds of joint re-pricing (2 joint rollouts per live slot per round); off by default: on the frontiers it
-    changed 3 of 44 exports, held-out two by a hair and one the wrong way (etth1 C 2 0.01112 -> 0.01062%, the tied
-    mixer C 4 0.1882 -> 0.1862%, lorenz96 C 12 11.72 -> 12.54%; lorenz96 C 4 scored with the default --min-params:
-    scoring 0.668 -> 0.556%, held-out 0.707 -> 0.742%), and on a 22M-parameter BERT it cost a quarter of
-    `--C 8`'s export (40.7 -> 53.1 s) for the same model: a round that lowers the priced drift is kept only if the
-    model calibrated as itself drifts less, which takes a calibration pass."""
+    """Rounds of joint re-pricing (2 joint rollouts per live slot per round, a calibration pass per kept round); off
+    by default: on the frontiers it rarely changed the model and cost a quarter of an export (benchmarks/results)."""
     split_fraction: float = 0.02
     """Units holding more than this share of the unit parameters are split into channel groups of about this share."""
     basis: str = "file"
@@ -60,9 +55,8 @@ class ExportSettings:
     """Write every tensor inside the .onnx (refused past protobuf's 2 GiB); False: one file unless the input keeps
     its weights in external-data files or the output reaches 1 GiB (`graph_ops.qdq.write_storage`)."""
     lanes: int | None = None
-    """Rollouts that do not depend on each other (pricing, refinement's trials) run this many at once
-    (`sweep.Lanes`); None: as `score` decides (`sweep.sweep_lanes`), the sessions' threads split between them,
-    except for a model past `export.FED_FLOATS_BYTES`, whose candidates run one at a time on sessions of their codes."""
+    """Rollouts that do not depend on each other (pricing, refinement's trials) run this many at once (`sweep.Lanes`);
+    None: as `score` decides, except past `job.FED_FLOATS_BYTES`, whose candidates run one at a time."""
 
     def __post_init__(self):
         if self.target == "ort":
