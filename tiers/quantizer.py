@@ -24,9 +24,9 @@ from tiers.encoded import Encoded
 from tiers.formats.base import Tier
 from tiers.gptq import Hessian, Quantized
 from tiers.grid import Grid, find_grid
+from tiers.methods import METHODS
 from tiers.solver_backend import c_order
 
-METHODS = ("rtn", "gptq", "gptaq", "qep")
 GRIDS = ("per-channel", "min-max")
 """Which grid a clip-searched tier (4 bits and fewer) rounds onto: 'per-channel', each output channel on the
 clip-searched or the plain min-max grid, whichever gives it the lower calibration objective after the solve
@@ -34,8 +34,6 @@ clip-searched or the plain min-max grid, whichever gives it the lower calibratio
 uniform QEP on lorenz96 at W2 drifted 1.89 points more held-out with the per-channel choice than on min-max
 grids (t = 5.5), while at W4 (-0.85, t = -3.9) and on the tied mixer at W2 (-1.49, t = -3.8) it drifted less
 (benchmarks/results/calib_spread.md); `export` and `baseline` measure both (`--grids auto`)."""
-DEFAULT_ALPHA = {"gptaq": 0.25, "qep": 0.5}
-"""GPTAQ's hard-coded α and the QEP CLI's perccorr."""
 
 @dataclass(frozen=True)
 class Rounding:
@@ -46,7 +44,7 @@ class Rounding:
     block_size: int = 128
     act_order: bool = False
     alpha: float | None = None
-    """GPTAQ's α (0.25) or QEP's perccorr (0.5) when None."""
+    """GPTAQ's α or QEP's perccorr; None: the method's own (`Method.alpha`: 0.25, 0.5)."""
     percdampqep: float = 1.0
     qep_base: str = "gptq"
     """QEP quantizes its corrected weights with 'gptq' or 'rtn'."""
@@ -65,16 +63,16 @@ class Rounding:
 
     @property
     def needs_stats(self) -> bool:
-        return self.method != "rtn"
+        return METHODS[self.method].stats
 
     @property
     def needs_cross(self) -> bool:
         """Needs G = (X_fp − X̂)ᵀX̂ as well as H (full-precision inputs next to quantized-prefix ones)."""
-        return self.method in ("gptaq", "qep")
+        return METHODS[self.method].cross
 
     @property
     def strength(self) -> float:
-        return DEFAULT_ALPHA.get(self.method, 0.0) if self.alpha is None else self.alpha
+        return METHODS[self.method].alpha if self.alpha is None else self.alpha
 
     @property
     def label(self) -> str:

@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from tiers import TIERS, Encoded, Rounding, Tier, precision_order
+from tiers import TIERS, Encoded, Rounding, Tier, auto_methods, precision_order
 from tqsdeploy.export.allocate import Allocation, Choice, allocate
 from tqsdeploy.encoding.encoder import TierRoundings, can_still_win, comparison_methods, drift_order, grid_options, plain_rounding
 from tqsdeploy.sweep import Drift, Lanes, SweepRunner
@@ -42,7 +42,7 @@ for 0.2453 -> 0.2444% scoring drift (it has many small units that fit the slack 
 more slots at the setting's share fit the slack was tried and dropped: it lost where the finer cut had gained (tied
 mixer W2 10.07 -> 11.23%, era5_downscale W8 and W4 +3% held-out)."""
 
-AUTO_METHODS = ("qep", "gptaq", "gptq")
+AUTO_METHODS = auto_methods()
 """What `--rounding auto` chooses from on a calibratable tier (listed first wins a tie)."""
 
 
