@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tiers.grid import GridSpec, find_grid
-from tiers.gptq import Hessian, gptaq, gptq, inverse_cholesky, output_error, qep_correct, rtn
+from tiers.gptq import GptaqSettings, GptqSettings, Hessian, gptaq, gptq, inverse_cholesky, output_error, qep_correct, rtn
 
 
 def asym(bits, search=False):
@@ -44,7 +44,7 @@ def test_hessian_is_running_average_of_two_over_n_xtx():
 @pytest.mark.parametrize("spec", [asym(3), sym(3), asym(3, search=True), GridSpec("sign", 1)])
 def test_gptq_same_codes_for_any_block_size(spec):
     _, _, wt, stats = _problem()
-    results = [gptq(wt, stats.H, spec, block_size=b) for b in (1, 32, 128)]
+    results = [gptq(wt, stats.H, spec, GptqSettings(block_size=b)) for b in (1, 32, 128)]
     for other in results[1:]:
         np.testing.assert_array_equal(other.codes, results[0].codes)
         np.testing.assert_allclose(other.values, results[0].values, rtol=0, atol=1e-12)
@@ -52,7 +52,7 @@ def test_gptq_same_codes_for_any_block_size(spec):
 
 def test_groupwise_gptq_independent_of_block_size_even_when_groups_straddle_blocks():
     _, _, wt, stats = _problem()
-    codes = [gptq(wt, stats.H, asym(3), group_size=24, block_size=b).codes for b in (1, 32, 128)]
+    codes = [gptq(wt, stats.H, asym(3), GptqSettings(group_size=24, block_size=b)).codes for b in (1, 32, 128)]
     np.testing.assert_array_equal(codes[0], codes[1])
     np.testing.assert_array_equal(codes[0], codes[2])
 
@@ -60,8 +60,8 @@ def test_groupwise_gptq_independent_of_block_size_even_when_groups_straddle_bloc
 def test_gptaq_with_alpha_zero_is_gptq():
     _, _, wt, stats = _problem(drift=0.5)
     for kwargs in ({}, {"group_size": 16, "act_order": True}):
-        a = gptaq(wt, stats.H, stats.G, asym(3), alpha=0.0, **kwargs)
-        b = gptq(wt, stats.H, asym(3), **kwargs)
+        a = gptaq(wt, stats.H, stats.G, asym(3), GptaqSettings(alpha=0.0, **kwargs))
+        b = gptq(wt, stats.H, asym(3), GptqSettings(**kwargs))
         np.testing.assert_array_equal(a.codes, b.codes)
         np.testing.assert_array_equal(a.values, b.values)
 
@@ -130,7 +130,7 @@ def test_qep_full_strength_without_damping_is_the_least_squares_fit(monkeypatch)
 )
 def test_gptq_output_error_not_above_rtn(spec, kwargs):
     x, _, wt, stats = _problem(seed=1)
-    ours = gptq(wt, stats.H, spec, **kwargs)
+    ours = gptq(wt, stats.H, spec, GptqSettings(**kwargs))
     base = rtn(wt, spec, kwargs.get("group_size", -1))
     assert output_error(wt, ours.values, stats) <= output_error(wt, base.values, stats)
     np.testing.assert_allclose(output_error(wt, ours.values, stats), np.linalg.norm(x @ (wt - ours.values).T), rtol=1e-9)
@@ -143,7 +143,7 @@ def _expand(per_group, group_size, columns):
 def test_values_are_exactly_the_float32_dequantization_of_the_codes():
     _, _, wt, stats = _problem()
     k = wt.shape[1]
-    for result in (gptq(wt, stats.H, asym(4), group_size=16, act_order=True), rtn(wt, sym(3), 16), gptq(wt, stats.H, asym(1)), rtn(wt, asym(8, search=True)), rtn(wt, GridSpec("fp8", 8))):
+    for result in (gptq(wt, stats.H, asym(4), GptqSettings(group_size=16, act_order=True)), rtn(wt, sym(3), 16), gptq(wt, stats.H, asym(1)), rtn(wt, asym(8, search=True)), rtn(wt, GridSpec("fp8", 8))):
         scale = _expand(result.scale, result.group_size, k).astype(np.float32)
         zero = _expand(result.zero, result.group_size, k).astype(np.float32)
         float32 = (result.codes.astype(np.float32) - zero) * scale
@@ -167,7 +167,7 @@ def test_grids_follow_the_spec_formulas():
 
 def test_act_order_with_groups_keeps_groups_contiguous():
     _, _, wt, stats = _problem()
-    result = gptq(wt, stats.H, asym(3), group_size=16, act_order=True)
+    result = gptq(wt, stats.H, asym(3), GptqSettings(group_size=16, act_order=True))
     assert result.scale.shape == (wt.shape[0], wt.shape[1] // 16)
     for g in range(result.scale.shape[1]):
         cols = slice(16 * g, 16 * (g + 1))
@@ -179,7 +179,7 @@ def test_cholesky_guard_raises_damping_instead_of_failing():
     h = 2 / 3 * x.T @ x
     upper = inverse_cholesky(h, percdamp=0.0)
     assert np.all(np.isfinite(upper)) and np.allclose(upper, np.triu(upper))
-    assert np.all(np.isfinite(gptq(np.ones((2, 10)), h, asym(4), percdamp=0.0).values))
+    assert np.all(np.isfinite(gptq(np.ones((2, 10)), h, asym(4), GptqSettings(percdamp=0.0)).values))
 
 
 @pytest.mark.parametrize("method", ["gptq", "gptaq", "qep"])

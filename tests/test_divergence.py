@@ -3,8 +3,7 @@
 import math
 
 from tqsdeploy.rollout.engine import Divergence, EarlyStop
-from tqsdeploy.sweep import STRATEGIES
-from tqsdeploy.sweep.strategies import BY_NAME
+from tqsdeploy.sweep.strategies import BY_NAME, strategy_names
 
 
 def test_a_series_stops_once_gamma_settles():
@@ -35,5 +34,5 @@ def test_a_non_finite_step_ends_the_series_with_the_remaining_steps_infinite():
 
 
 def test_every_named_strategy_has_one_implementation():
-    assert set(BY_NAME) == set(STRATEGIES) - {"auto"}
-    assert all(cls.name == name for name, cls in BY_NAME.items())
+    assert strategy_names() == ("auto", "feed", "rebuild", "unit", "prefix", "batch")
+    assert all(cls.name == name and cls.help for name, cls in BY_NAME.items())

@@ -205,8 +205,8 @@ def test_a_solve_split_into_row_parts_gives_the_codes_of_the_whole_solve(monkeyp
     wt, stats = _problem(7, 256, 64, 90)
     spec = GridSpec("int", 4, False, True)
     for method in ("gptq", "gptaq"):
-        run = (lambda w: solvers.gptq(w, stats.H, spec, group_size, static_groups=static)) if method == "gptq" else (
-            lambda w: solvers.gptaq(w, stats.H, stats.G, spec, group_size, static_groups=static))
+        run = (lambda w: solvers.gptq(w, stats.H, spec, solvers.GptqSettings(group_size, static_groups=static))) if method == "gptq" else (
+            lambda w: solvers.gptaq(w, stats.H, stats.G, spec, solvers.GptaqSettings(group_size, static_groups=static)))
         monkeypatch.setattr(solvers, "ROW_PART", 1 << 40)
         whole = run(np.array(wt))
         monkeypatch.setattr(solvers, "ROW_PART", 1)

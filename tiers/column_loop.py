@@ -11,6 +11,8 @@ device's codes differ from the host's only where another summation order tips a 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from tiers.grid import GRID_KINDS, Grid, GridSpec, find_grid, round_to_grid
@@ -44,8 +46,34 @@ class _Rounder:
         return q, self.scale * (q - self.zero)
 
 
-def column_loop(xp, Wt: np.ndarray, U: np.ndarray, spec: GridSpec, group_size: int, block_size: int, perm, static_grids, P,
-                grid: Grid | None = None, losses: np.ndarray | None = None) -> tuple[np.ndarray, list[Grid]]:
+@dataclass(frozen=True)
+class LoopPlan:
+    """How a column loop rounds a weight: on which grid kind, in which groups and lazy-batch blocks of columns,
+    in which column order, on which group grids fitted ahead."""
+
+    spec: GridSpec
+    group_size: int
+    """Consecutive input features per group; <= 0: one grid per output channel."""
+    block_size: int
+    perm: np.ndarray | None = None
+    """act-order's column order (the columns as stored where None)."""
+    static_grids: list[Grid] | None = None
+    """Static groups: each group's grid, fitted before the loop (else fitted as the loop reaches it)."""
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A block of the loop's columns start..stop: its columns held as rows as they entered it (and, up to the
+    column being rounded, as they were rounded), and their errors so far."""
+
+    start: int
+    stop: int
+    columns: np.ndarray
+    errors: np.ndarray
+
+
+def column_loop(xp, Wt: np.ndarray, U: np.ndarray, P, plan: LoopPlan, grid: Grid | None = None,
+                losses: np.ndarray | None = None) -> tuple[np.ndarray, list[Grid]]:
     """The GPTQ column loop; P adds GPTAQ's asymmetric terms. Returns the codes ([N, K] float32, on the host, in the
     caller's column order) and the grids in column order. With numpy it works on Wt in place. `grid`: each row's
     per-channel grid, fitted by the caller (else fitted here to Wt). `losses` ([N] float64, host): each row's
@@ -57,6 +85,8 @@ def column_loop(xp, Wt: np.ndarray, U: np.ndarray, spec: GridSpec, group_size: i
     earlier errors in one matrix-vector product when its turn comes (`_column`): the same sums in another order,
     so a code differs only where that order tips a rounding tie (float64: the same codes on every problem tried;
     float32: a few per weight, about as close to float64's as before)."""
+    spec, group_size, block_size = plan.spec, plan.group_size, plan.block_size
+    perm, static_grids = plan.perm, plan.static_grids
     N, K = Wt.shape
     dtype = xp.float32 if solve_dtype(K) == "float32" else xp.float64  # TQS_SOLVER_DTYPE: the loop's updates (the grids stay float64)
     W, Ud = xp.asarray(Wt, dtype=dtype), xp.asarray(U, dtype=dtype)
@@ -69,6 +99,7 @@ def column_loop(xp, Wt: np.ndarray, U: np.ndarray, spec: GridSpec, group_size: i
         b1 = min(b0 + block_size, K)
         W1t, E1t = W[:, b0:b1].T.copy(), xp.zeros((b1 - b0, N), dtype)
         block_codes = xp.empty((b1 - b0, N), xp.float32)
+        block = _Block(b0, b1, W1t, E1t)
         for i in range(b1 - b0):
             c = b0 + i
             w = _column(W1t, E1t, Ud, Pd, b0, i)
@@ -80,7 +111,7 @@ def column_loop(xp, Wt: np.ndarray, U: np.ndarray, spec: GridSpec, group_size: i
                         ready[index] = _Rounder(static_grids[index], spec, xp)
                     rounder = ready[index]
                 elif c % group_size == 0:
-                    grid = find_grid(_host(xp, _current(xp, W, W1t.T, E1t.T, Ud, Pd, b0, b1, i, min(c + group_size, K))), spec)
+                    grid = find_grid(_host(xp, _current(xp, W, block, Ud, Pd, i, min(c + group_size, K))), spec)
                     fitted[c // group_size] = grid
                     rounder = _Rounder(grid, spec, xp)
             block_codes[i], value = rounder(w)
@@ -130,13 +161,14 @@ def _update(Wt, start: int, E1, U, W1, P, b0: int, b1: int) -> None:
         Wt[:, c0:c1] -= tail
 
 
-def _current(xp, Wt, W1, E1, U, P, b0, b1, i, end):
-    """Columns c..end as they stand now, the block's pending lazy update applied.
+def _current(xp, Wt, block: _Block, U, P, i: int, end: int):
+    """Columns c..end (c the block's column i) as they stand now, the block's pending lazy update applied.
 
     The official code reads the global W here, which misses the updates from
     the current block's earlier columns when a group straddles a block; this
     keeps group grids (and so Q) independent of block_size.
     """
+    W1, E1, b0, b1 = block.columns.T, block.errors.T, block.start, block.stop
     c, inside = b0 + i, min(end, b1)
     later = xp.concatenate([W1[:, i + 1 : inside - b0], Wt[:, b1:end]], axis=1)  # as they entered the block
     if i:

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from tiers import solver_backend as backend
 from tiers.solver_backend import c_order, device_inverse_cholesky, gram
-from tiers.column_loop import column_loop, supported_on_device
+from tiers.column_loop import LoopPlan, column_loop, supported_on_device
 from tiers.grid import Grid, GridSpec, codes_on, find_grid
 
 ROUND_BLOCK = 1 << 20
@@ -242,48 +242,66 @@ def _row_parts(rows: int, columns: int) -> list[slice]:
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
-def _solve(Wt, U, spec: GridSpec, group_size: int, block_size: int, perm, static_grids, P, grid: Grid | None = None,
-           losses: np.ndarray | None = None) -> Quantized:
+def _solve(Wt, U, P, plan: LoopPlan, grid: Grid | None = None, losses: np.ndarray | None = None) -> Quantized:
     """The GPTQ column loop (`tiers.column_loop`), on the GPU where the weight is large enough to gain from it,
     else on the host in row parts over the idle cores (`_row_parts`)."""
-    xp = backend.array_module() if backend.loop_on_device(*Wt.shape) and supported_on_device(spec) else np
+    xp = backend.array_module() if backend.loop_on_device(*Wt.shape) and supported_on_device(plan.spec) else np
     parts = _row_parts(*Wt.shape) if xp is np else [slice(None)]
     if len(parts) == 1:
-        codes, grids = column_loop(xp, Wt, U, spec, group_size, block_size, perm, static_grids, P, grid, losses)
-        return _pack(codes, grids, spec, group_size)
+        codes, grids = column_loop(xp, Wt, U, P, plan, grid, losses)
+        return _pack(codes, grids, plan.spec, plan.group_size)
 
     def part(rows: slice):
-        own_grids = None if static_grids is None else [g.rows(rows) for g in static_grids]
-        return column_loop(xp, Wt[rows], U, spec, group_size, block_size, perm, own_grids, P, None if grid is None else grid.rows(rows),
+        own_grids = None if plan.static_grids is None else [g.rows(rows) for g in plan.static_grids]
+        own = replace(plan, static_grids=own_grids)
+        return column_loop(xp, Wt[rows], U, P, own, None if grid is None else grid.rows(rows),
                            None if losses is None else losses[rows])
 
     with backend.shared_cores(len(parts)), ThreadPoolExecutor(len(parts), thread_name_prefix="tqs-rows") as pool:
         solved = list(pool.map(part, parts))
     grids = [Grid.stack([s[1][g] for s in solved]) for g in range(len(solved[0][1]))]
-    return _pack(np.concatenate([s[0] for s in solved]), grids, spec, group_size)
+    return _pack(np.concatenate([s[0] for s in solved]), grids, plan.spec, plan.group_size)
 
 
-def _prepare(Wt, H, spec, group_size, act_order, static_groups, own=False):
+@dataclass(frozen=True)
+class GptqSettings:
+    """GPTQ's settings, with the official defaults (IST-DASLab/gptq `fasterquant`)."""
+
+    group_size: int = -1
+    """Consecutive input features per group; -1: one grid per output channel."""
+    percdamp: float = 0.01
+    block_size: int = 128
+    act_order: bool = False
+    """Columns by decreasing Hessian diagonal; with groups it forces static groups (`gptq`)."""
+    static_groups: bool = False
+
+
+@dataclass(frozen=True)
+class GptaqSettings(GptqSettings):
+    """GPTAQ's settings: GPTQ's and its α."""
+
+    alpha: float = 0.25
+    """The official hard-coded value; 0 is exactly GPTQ."""
+
+
+def _prepare(Wt, H, spec: GridSpec, settings: GptqSettings, own: bool = False):
+    group_size, act_order = settings.group_size, settings.act_order
     Wt, H, dead = _dead(Wt, H, own)
-    static_groups = static_groups or (act_order and group_size > 0)
+    static_groups = settings.static_groups or (act_order and group_size > 0)
     static_grids = None
     if static_groups and group_size > 0:
         static_grids = [find_grid(Wt[:, g : g + group_size], spec) for g in range(0, Wt.shape[1], group_size)]
     perm = np.argsort(-np.diag(H), kind="stable") if act_order else None
     if perm is not None:
         Wt, H = Wt[:, perm], H[perm][:, perm]
-    return Wt, H, dead, perm, static_grids
+    return Wt, H, dead, LoopPlan(spec, group_size, settings.block_size, perm, static_grids)
 
 
 def gptq(
     Wt: np.ndarray,
     H: np.ndarray,
     spec: GridSpec,
-    group_size: int = -1,
-    percdamp: float = 0.01,
-    block_size: int = 128,
-    act_order: bool = False,
-    static_groups: bool = False,
+    settings: GptqSettings = GptqSettings(),
     own: bool = False,
     cache: "Hessian | None" = None,
     grid: Grid | None = None,
@@ -299,9 +317,10 @@ def gptq(
     zeroed, instead of the fit here: rows on different grids in one loop (`tiers.quantizer._better_rows`).
     `losses`: each row's (w − q)·(H + λI)·(w − q)ᵀ added to it (`column_loop`), λ = `damping(cache, percdamp)`.
     """
-    Wt, H, _, perm, static_grids = _prepare(Wt, H, spec, group_size, act_order, static_groups, own)
+    percdamp, act_order = settings.percdamp, settings.act_order
+    Wt, H, _, plan = _prepare(Wt, H, spec, settings, own)
     U = _cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
-    return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, None, grid, losses)
+    return _solve(Wt, U, None, plan, grid, losses)
 
 
 def gptaq(
@@ -309,12 +328,7 @@ def gptaq(
     H: np.ndarray,
     G: np.ndarray,
     spec: GridSpec,
-    group_size: int = -1,
-    percdamp: float = 0.01,
-    block_size: int = 128,
-    act_order: bool = False,
-    static_groups: bool = False,
-    alpha: float = 0.25,
+    settings: GptaqSettings = GptaqSettings(),
     own: bool = False,
     cache: "Hessian | None" = None,
     grid: Grid | None = None,
@@ -324,10 +338,11 @@ def gptaq(
     G = (2/n)(X_fp − X̂)ᵀX̂ on the same rows as H = (2/n)X̂ᵀX̂; α = 0.25 is the
     official hard-coded value. α = 0 is exactly GPTQ. `own`, `cache` and `grid` as for `gptq`.
     """
-    Wt, H, dead, perm, static_grids = _prepare(Wt, H, spec, group_size, act_order, static_groups, own)
+    percdamp, act_order, alpha = settings.percdamp, settings.act_order, settings.alpha
+    Wt, H, dead, plan = _prepare(Wt, H, spec, settings, own)
     U = _cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
-    P = _cached(cache, ("P", percdamp, act_order, alpha), lambda: _asymmetric_terms(G, U, dead, perm, alpha))
-    return _solve(Wt, U, spec, group_size, block_size, perm, static_grids, P, grid)
+    P = _cached(cache, ("P", percdamp, act_order, alpha), lambda: _asymmetric_terms(G, U, dead, plan.perm, alpha))
+    return _solve(Wt, U, P, plan, grid)
 
 
 def _asymmetric_terms(G: np.ndarray, U: np.ndarray, dead: np.ndarray, perm, alpha: float) -> np.ndarray:

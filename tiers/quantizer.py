@@ -24,9 +24,9 @@ from tiers.encoded import Encoded
 from tiers.formats.base import Tier
 from tiers.gptq import Hessian, Quantized
 from tiers.grid import Grid, find_grid
+from tiers.methods import METHODS
 from tiers.solver_backend import c_order
 
-METHODS = ("rtn", "gptq", "gptaq", "qep")
 GRIDS = ("per-channel", "min-max")
 """Which grid a clip-searched tier (4 bits and fewer) rounds onto: 'per-channel', each output channel on the
 clip-searched or the plain min-max grid, whichever gives it the lower calibration objective after the solve
@@ -34,8 +34,6 @@ clip-searched or the plain min-max grid, whichever gives it the lower calibratio
 uniform QEP on lorenz96 at W2 drifted 1.89 points more held-out with the per-channel choice than on min-max
 grids (t = 5.5), while at W4 (-0.85, t = -3.9) and on the tied mixer at W2 (-1.49, t = -3.8) it drifted less
 (benchmarks/results/calib_spread.md); `export` and `baseline` measure both (`--grids auto`)."""
-DEFAULT_ALPHA = {"gptaq": 0.25, "qep": 0.5}
-"""GPTAQ's hard-coded α and the QEP CLI's perccorr."""
 
 @dataclass(frozen=True)
 class Rounding:
@@ -46,7 +44,7 @@ class Rounding:
     block_size: int = 128
     act_order: bool = False
     alpha: float | None = None
-    """GPTAQ's α (0.25) or QEP's perccorr (0.5) when None."""
+    """GPTAQ's α or QEP's perccorr; None: the method's own (`Method.alpha`: 0.25, 0.5)."""
     percdampqep: float = 1.0
     qep_base: str = "gptq"
     """QEP quantizes its corrected weights with 'gptq' or 'rtn'."""
@@ -65,16 +63,16 @@ class Rounding:
 
     @property
     def needs_stats(self) -> bool:
-        return self.method != "rtn"
+        return METHODS[self.method].stats
 
     @property
     def needs_cross(self) -> bool:
         """Needs G = (X_fp − X̂)ᵀX̂ as well as H (full-precision inputs next to quantized-prefix ones)."""
-        return self.method in ("gptaq", "qep")
+        return METHODS[self.method].cross
 
     @property
     def strength(self) -> float:
-        return DEFAULT_ALPHA.get(self.method, 0.0) if self.alpha is None else self.alpha
+        return METHODS[self.method].alpha if self.alpha is None else self.alpha
 
     @property
     def label(self) -> str:
@@ -138,12 +136,15 @@ def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: b
 def _solve(rounding: Rounding, wt, stats: Hessian, spec, group: int, grid: Grid | None = None, losses: np.ndarray | None = None) -> Quantized:
     """The base solve on `wt` (QEP's already corrected), in place; `grid` as for `solvers.gptq`; `losses` filled
     by a GPTQ loop (`solvers.gptq`), left alone by the others."""
-    solver = dict(group_size=group, percdamp=rounding.percdamp, block_size=rounding.block_size, act_order=rounding.act_order, own=True, cache=stats, grid=grid)
+    settings = dict(group_size=group, percdamp=rounding.percdamp, block_size=rounding.block_size,
+                    act_order=rounding.act_order)
     if rounding.method == "gptaq":
-        return solvers.gptaq(wt, stats.H, stats.G, spec, alpha=rounding.strength, **solver)
+        options = solvers.GptaqSettings(**settings, alpha=rounding.strength)
+        return solvers.gptaq(wt, stats.H, stats.G, spec, options, own=True, cache=stats, grid=grid)
     if rounding.method == "qep" and rounding.qep_base == "rtn":
         return solvers.rtn(wt, spec, group)
-    return solvers.gptq(wt, stats.H, spec, losses=losses, **solver)
+    options = solvers.GptqSettings(**settings)
+    return solvers.gptq(wt, stats.H, spec, options, own=True, cache=stats, grid=grid, losses=losses)
 
 
 def _better_rows(rounding: Rounding, original, wt, stats: Hessian, spec, group: int, product: dict | None = None) -> Quantized:
@@ -180,8 +181,8 @@ def _better_rows(rounding: Rounding, original, wt, stats: Hessian, spec, group: 
     better = None
     if losses is not None:  # one loop solved both grids (per channel)
         n = wt.shape[0]
-        better = _second_lower_by_losses(rounding, original[rows], wt[rows], searched.take(rows), plain, (losses[:n][rows], losses[n:]), stats, aim,
-                                         product or {}, rows)
+        solved = _BothGrids(searched.take(rows), plain, (losses[:n][rows], losses[n:]))
+        better = _second_lower_by_losses(rounding, original[rows], wt[rows], solved, stats, aim, product or {}, rows)
     if better is None:
         better = solvers.second_lower(original[rows], searched.take(rows), plain, stats, aim)
     chosen = rows[better]
@@ -208,23 +209,33 @@ def _both_grids(rounding: Rounding, wt: np.ndarray, stats: Hessian, spec, plain_
     return both.rows(0, n), rows, both.rows(n, n + rows.size), losses
 
 
-def _second_lower_by_losses(rounding: Rounding, original, corrected, first: Quantized, second: Quantized, losses: tuple[np.ndarray, np.ndarray],
-                            stats: Hessian, aim: float, product: dict, rows: np.ndarray) -> np.ndarray | None:
+@dataclass(frozen=True)
+class _BothGrids:
+    """The same rows solved in one column loop on two grids: their codes on each, and the loop's losses of each."""
+
+    first: Quantized
+    second: Quantized
+    losses: tuple[np.ndarray, np.ndarray]
+
+
+def _second_lower_by_losses(rounding: Rounding, original, corrected, solved: _BothGrids, stats: Hessian, aim: float,
+                            product: dict, rows: np.ndarray) -> np.ndarray | None:
     """`solvers.second_lower` from what the solve already knows, without its products with H and G (as many flops
     as a column loop at K = 4096): the loop's losses Lᵢ = aᵢ·(H + δI)·aᵢᵀ, aᵢ = qᵢ − w* (w* the weight it solved,
     QEP-corrected), and QEP's W·G with its damping λ. With c = w* − w = α·W·G·(H + λI)⁻¹, c·H = α·W·G − λ·c, so
 
         obj₂ − obj₁ = L₂ − L₁ − δ·(‖a₂‖² − ‖a₁‖²) + 2·e·((α − aim)·W·G − λ·c)ᵀ,   e = q₂ − q₁
 
-    (GPTQ: c = 0 and aim 0). None where a term is missing (GPTAQ's loop has other terms; a QEP weight left
-    uncorrected has no W·G; a damping raised past the nominal one): the products decide then. `rows`: the
-    weight's rows these are."""
+    (GPTQ: c = 0 and aim 0; `solved` holds q₁, q₂, L₁ and L₂). None where a term is missing (GPTAQ's loop has
+    other terms; a QEP weight left uncorrected has no W·G; a damping raised past the nominal one): the products
+    decide then. `rows`: the weight's rows these are."""
     if rounding.method not in ("gptq", "qep") or rounding.qep_base != "gptq":
         return None
     delta = solvers.damping(stats, rounding.percdamp)
     product_of = product.get("WG")
     if delta is None or (aim and product_of is None) or (product_of is not None and product["damping"] is None):
         return None
+    first, second, losses = solved.first, solved.second, solved.losses
     better = np.zeros(original.shape[0], bool)
     for start in range(0, original.shape[0], solvers.ERROR_ROWS):  # bounded temporaries, as `second_lower`
         part = slice(start, min(start + solvers.ERROR_ROWS, original.shape[0]))

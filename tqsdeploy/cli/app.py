@@ -9,7 +9,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 from rich.console import Console
@@ -20,7 +20,10 @@ try:  # typer >= 0.29 carries its own copy of click
     from typer._click import exceptions as click_exceptions
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exceptions
+from runtimes import RUNTIMES, provider_names
+from tiers import METHODS
 from tqsdeploy.errors import USER_ERRORS
+from tqsdeploy.sweep.strategies import AUTO, AUTO_HELP, BY_NAME, strategy_names
 
 ABORT = getattr(click_exceptions, "Abort", None) or typer.Abort  # typer 0.29's click copy keeps Abort in typer itself
 
@@ -241,6 +244,63 @@ def parse_floats(text: str, option: str) -> list[float]:
     return values
 
 
+class _Live:
+    """An option's setting that may be a function, called whenever typer reads it: typer builds a command's options
+    anew on every invocation, so choices read off a registry are the registry's entries as they are then."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.key = f"_live_{name}"
+
+    def __get__(self, info, owner=None):
+        if info is None:
+            return self
+        value = info.__dict__.get(self.key)
+        return value() if callable(value) else value
+
+    def __set__(self, info, value) -> None:
+        info.__dict__[self.key] = value
+
+
+class _LiveOption(typer.models.OptionInfo):
+    default, metavar, help = _Live(), _Live(), _Live()
+
+
+def live_option(default, *decls: str, metavar: Callable[[], str] | str | None = None, help: Callable[[], str] | str | None = None,
+                **settings) -> typer.models.OptionInfo:
+    """`typer.Option` whose default, metavar and help may be functions, read off a registry when the command is built."""
+    return _LiveOption(default=default, param_decls=decls, metavar=metavar, help=help, **settings)
+
+
+def or_list(names) -> str:
+    """'a, b or c', as help text lists choices."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def rounding_choices() -> str:
+    """`--rounding`'s metavar: every method of `tiers.METHODS`, then auto."""
+    return "|".join((*METHODS, "auto"))
+
+
+def provider_help(sweep: bool) -> str:
+    """The providers a command offers (`runtimes.provider_names`), grouped by engine where a sweep offers several."""
+    if not sweep:
+        return f"{or_list(provider_names())}."
+    engines: dict[str, list[str]] = {}
+    for name in provider_names(sweep=True):
+        engines.setdefault(RUNTIMES[name].engine, []).append(name)
+    return ", or ".join(f"{or_list(names)} ({engine})" for engine, names in engines.items()) + "."
+
+
+def strategy_help() -> str:
+    """`--strategy`'s help: each strategy of `sweep.strategies.BY_NAME` with its line, then auto."""
+    return or_list([*(f"{name} ({cls.help})" for name, cls in BY_NAME.items()), f"{AUTO} ({AUTO_HELP})"]) + "."
+
+
+def strategy_choices() -> str:
+    return "|".join(strategy_names())
+
+
 LATENCY_HELP = ("Skip timing candidate and reference (by default both are open at once and called in alternation at the eval's batch: "
                 "3 warm-up calls each, then at least 10 paired rounds and 1 s; median, p10/p90 and memory in the report).")
 BATCHES_HELP = "Windows per call to time, e.g. 1,8 (default: the eval's own batch, every window in one call)."
@@ -255,7 +315,7 @@ CANDIDATE = typer.Argument(..., help="The compressed ONNX model.")
 REFERENCE = typer.Option(..., "--reference", "-r", help="The original ONNX model.")
 EVAL_CONTEXTS = typer.Option(..., "--contexts", "-c", help="Context windows: .npz (one array per input) or .csv (numeric columns, cut into --windows windows).")
 COSINE = typer.Option(None, "--cosine/--no-cosine", help=COSINE_HELP)
-EVAL_PROVIDER = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="cpu, cuda or tensorrt.")
+EVAL_PROVIDER = live_option("cpu", "--provider", metavar=lambda: "|".join(provider_names()), help=lambda: provider_help(sweep=False))
 NO_LATENCY = typer.Option(False, "--no-latency", help=LATENCY_HELP)
 LATENCY_BATCHES = typer.Option(None, "--latency-batches", help=BATCHES_HELP)
 

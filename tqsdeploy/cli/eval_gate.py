@@ -23,7 +23,7 @@ def engine(
     fp16: bool = typer.Option(False, "--fp16", help="Allow FP16 kernels."),
 ):
     """Build a TensorRT engine from an ONNX model (needs a GPU and the gpu extra)."""
-    from runtimes.trt import build_engine
+    from runtimes import build_engine
 
     import graph_ops
 

@@ -10,8 +10,10 @@ import numpy as np
 import typer
 from rich.markup import escape
 
-from tiers import DEFAULT_TIERS, METHODS, TIERS, TRT_TIERS
-from tqsdeploy.cli.app import app, err, frame_table, out, parse_floats, progress_bar, split_list, user_errors
+from runtimes import provider_names
+from tiers import DEFAULT_TIERS, METHOD_LABELS, METHODS, TIERS, TRT_TIERS
+from tqsdeploy.cli.app import (app, err, frame_table, live_option, or_list, out, parse_floats, progress_bar, rounding_choices, split_list,
+                               user_errors)
 from tqsdeploy.errors import InputError
 from tqsdeploy.encoding.encoder import GRID_CHOICES, GRIDS_HELP
 
@@ -89,7 +91,7 @@ def export(
     uniform_tier: Optional[str] = typer.Option(None, "--uniform", metavar="TIER", help=f"Store every unit at this tier instead (a uniform baseline): {', '.join(TIERS)}."),
     run: Optional[Path] = typer.Option(None, "--run", help="Score run folder (default: the model's run in tqs-runs/; without a model, the only run there)."),
     tiers: Optional[str] = typer.Option(None, "--tiers", help=f"Tiers to choose from ({', '.join(TIERS)}); default {','.join(DEFAULT_TIERS)} (--target trt: {','.join(TRT_TIERS)})."),
-    rounding: str = typer.Option("qep", "--rounding", metavar="|".join((*METHODS, "auto")), help="How codes are chosen on each tier's grid: rtn, gptq, gptaq or qep (calibrated on the run's contexts); auto: per tier the method whose uniform model drifts least on them."),
+    rounding: str = live_option("qep", "--rounding", metavar=rounding_choices, help=lambda: f"How codes are chosen on each tier's grid: {or_list(METHODS)} (calibrated on the run's contexts); auto: per tier the method whose uniform model drifts least on them."),
     grids: str = typer.Option("auto", "--grids", metavar="|".join(GRID_CHOICES), help=GRIDS_HELP),
     target: str = typer.Option("ort-cpu", "--target", metavar="ort-cpu|ort-cuda|trt", help="Runtime the model is for: ort-cpu (default; 'ort' too), ort-cuda or trt (restricts tiers, trt uses symmetric grids; decides --runtime-layout auto)."),
     runtime_layout: str = typer.Option("auto", "--runtime-layout", metavar="auto|dequantized|fused", help="dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed and memory, the small file); fused: DequantizeLinear (MatMulNBits on ORT, fast for few rows; what TensorRT needs); auto (default): dequantized for ort-cpu/ort-cuda, fused for trt."),
@@ -104,7 +106,7 @@ def export(
     basis: str = typer.Option("file", "--basis", metavar="file|units", help="What --C counts: file (every stored tensor) or units (the scored units only)."),
     output_given: Optional[str] = typer.Option(None, "-o", "--output", help="Output file (single target only)."),
     out_dir: Path = typer.Option(Path("."), "--out-dir", help="Folder for <stem>.C<C>.onnx files (a model named model.onnx adds its folder's name: <folder>_model.C<C>.onnx)."),
-    provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt", help="Execution provider for the measurement rollouts."),
+    provider: str = live_option("cpu", "--provider", metavar=lambda: "|".join(provider_names()), help="Execution provider for the measurement rollouts."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing output files (default: refuse before any work)."),
     single_file: bool = typer.Option(False, "--single-file", help="Write every tensor inside the .onnx, no external-data file beside it (up to protobuf's 2 GiB; default: one file unless the input keeps its weights in external-data files or the output reaches 1 GiB)."),
     max_drift: Optional[str] = typer.Option(None, "--max-drift", metavar="PCT", help="Largest drift (a percentage such as 1% or 0.5; as eval --exact reports it: exact dequantization) on the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate."),
@@ -259,11 +261,11 @@ def export(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(help=f"Quantize every unit uniformly with {or_list(METHOD_LABELS.values())} (numpy, calibrated on ONNX Runtime).")
 @user_errors
 def baseline(
     model: Path = typer.Argument(..., help="ONNX model file (never modified)."),
-    method: str = typer.Option(..., "--method", metavar="|".join(METHODS), help="rtn, gptq, gptaq or qep."),
+    method: str = live_option(..., "--method", metavar=lambda: "|".join(METHODS), help=lambda: f"{or_list(METHODS)}."),
     bits: int = typer.Option(..., "--bits", metavar="1|2|3|4|8", help="Bits per weight: 1, 2, 3, 4 or 8 (1 = sign(w)·mean|w|; 3-bit codes travel in 4-bit containers)."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration windows (.npz in the contexts format, or a .csv cut into 8 windows); not needed for rtn."),
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec: calibrate on every step of the windows' nominal rollout (default: the windows alone)."),
@@ -277,7 +279,6 @@ def baseline(
     runtime_layout: str = typer.Option("dequantized", "--runtime-layout", metavar="dequantized|fused", help="As export's: dequantized (default, export's pick for ort-cpu: float weights rebuilt at load) or fused (DequantizeLinear)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output file."),
 ):
-    """Quantize every unit uniformly with RTN, GPTQ, GPTAQ or QEP (numpy, calibrated on ONNX Runtime)."""
     from tiers import Rounding
     from tqsdeploy.export.baselines import BaselineProgress, BaselineSettings, quantize_baseline, write_baseline
     from tqsdeploy.files import check_writable, write_json
@@ -321,5 +322,5 @@ def baseline(
     for note in summary["notes"]:
         out.print(f"  note: {escape(note)}")
     unused = [option for option, given in (("--calib", calib), ("--spec", spec), ("--steps", steps)) if given is not None]
-    if method == "rtn" and unused:  # a script looping over methods passes them to all: said, not refused
-        out.print(f"  note: rtn rounds each weight to nearest and reads no calibration data: {', '.join(unused)} not used")
+    if not METHODS[method].stats and unused:  # a script looping over methods passes them to all: said, not refused
+        out.print(f"  note: {method} rounds each weight to nearest and reads no calibration data: {', '.join(unused)} not used")

@@ -11,7 +11,8 @@ from rich.markup import escape
 
 from tiers import DEFAULT_TIERS, METHODS
 from tqsdeploy.encoding.encoder import GRID_CHOICES, GRIDS_HELP
-from tqsdeploy.cli.app import COLUMNS, CSV_WINDOWS, ZSCORE, app, csv_windows, err, frame_table, latency_settings, out, parse_columns, parse_floats, progress_bar, split_list, user_errors
+from tqsdeploy.cli.app import (COLUMNS, CSV_WINDOWS, ZSCORE, app, csv_windows, err, frame_table, latency_settings, live_option, out, parse_columns,
+                               parse_floats, progress_bar, rounding_choices, split_list, user_errors)
 
 
 @app.command()
@@ -25,10 +26,10 @@ def frontier(
     eval_contexts: Optional[Path] = typer.Option(None, "--eval-contexts", help="Held-out contexts: the report leads with them (scores on the scoring contexts flatter)."),
     eval_truth: Optional[Path] = typer.Option(None, "--eval-truth", help="Ground truth for the held-out contexts."),
     targets: str = typer.Option("2,4,8,12,16", "--C", help="TQS-PTQ compression targets (points matched to every baseline are added)."),
-    baselines: str = typer.Option(",".join(METHODS), "--baselines", help="Uniform baselines ('' for none)."),
+    baselines: str = live_option(lambda: ",".join(METHODS), "--baselines", help="Uniform baselines ('' for none)."),
     bits: str = typer.Option("2,4,8", "--bits", help="Baseline bit widths."),
     tiers: Optional[str] = typer.Option(None, "--tiers", help=f"TQS-PTQ tiers (default: export's, {','.join(DEFAULT_TIERS)}, with int1 added near the INT2 size)."),
-    rounding: str = typer.Option("qep", "--rounding", metavar="|".join((*METHODS, "auto")), help="TQS-PTQ's rounding method (auto: chosen per tier by measurement)."),
+    rounding: str = live_option("qep", "--rounding", metavar=rounding_choices, help="TQS-PTQ's rounding method (auto: chosen per tier by measurement)."),
     grids: str = typer.Option("auto", "--grids", metavar="|".join(GRID_CHOICES), help=GRIDS_HELP + " TQS-PTQ's and the uniform baselines' alike."),
     objective: str = typer.Option("measured", "--objective", metavar="measured|response|paper", help="TQS-PTQ's allocation objective."),
     also: Optional[str] = typer.Option(None, "--also", help="Extra TQS-PTQ lines as objective/rounding, e.g. paper/rtn,measured/gptq."),

@@ -9,7 +9,9 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from tqsdeploy.cli.app import COLUMNS, ZSCORE, app, csv_windows, err, fmt, frame_table, out, parse_columns, parse_dims, parse_ints, print_warnings, progress_bar, user_errors
+from runtimes import provider_names
+from tqsdeploy.cli.app import (COLUMNS, ZSCORE, app, csv_windows, err, fmt, frame_table, live_option, out, parse_columns, parse_dims, parse_ints,
+                               print_warnings, progress_bar, provider_help, strategy_choices, strategy_help, user_errors)
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.progress import counted
 
@@ -116,12 +118,12 @@ def score(
     random_contexts: bool = typer.Option(False, "--random-contexts", help="Score on random windows instead of data (warns): float inputs standard normal, ids uniform over the rows of the table they index, masks all present."),
     dims: Optional[list[str]] = typer.Option(None, "--dim", metavar="NAME=SIZE", help="Size of a named dynamic input axis for --random-contexts, e.g. --dim seq=128 (repeatable)."),
     batch_windows: int = typer.Option(64, "--batch-windows", min=1, help="Most windows run as one batch."),
-    provider: str = typer.Option("cpu", "--provider", metavar="cpu|cuda|tensorrt|trt-engine", help="cpu, cuda or tensorrt (ONNX Runtime execution providers), or trt-engine (native TensorRT, weights refitted)."),
+    provider: str = live_option("cpu", "--provider", metavar=lambda: "|".join(provider_names(sweep=True)), help=lambda: provider_help(sweep=True)),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="ONNX Runtime intra-op threads."),
     workers: int = typer.Option(1, "--workers", min=1, help="Processes (or Ray actors) running the sweep, one session each (threads split between them)."),
     lanes: Optional[int] = typer.Option(None, "--lanes", min=1, help="Rollouts run side by side in this process, sharing one session (CPU provider; default: one per core, up to 8 and 1 + 512 MiB / model size, threads split between them)."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Run the sweep on Ray: 'local' starts a local cluster, 'auto' or an address joins one (pip install 'tqsdeploy\\[ray]')."),
-    strategy: str = typer.Option("auto", "--strategy", metavar="auto|feed|rebuild|unit|prefix|batch", help="feed (one session, weights fed per run), rebuild (a session per perturbation, constant weights), unit (a session per unit, only its weights fed), prefix (the first step runs only the graph downstream of the unit), batch (all of a unit's probes in one rollout, the batch tiled per probe; dynamic-batch models) or auto (time them, pick the cheapest)."),
+    strategy: str = live_option("auto", "--strategy", metavar=strategy_choices, help=strategy_help),
     fresh: bool = typer.Option(False, "--fresh", help="Discard an existing run in the output folder."),
     resume: bool = typer.Option(False, "--resume", help="Require an interrupted run to continue (default: continue one if it matches)."),
     top: int = typer.Option(10, "--top", min=0, help="Rows shown of the most and least sensitive units."),

@@ -44,22 +44,6 @@ from tqsdeploy.units import Unit, UnitSelection, select_units
 
 MAX_PARTS = 64
 """Most channel groups one unit is split into."""
-DOMINATED_BY = {"qep": ("gptq",)}
-"""Roundings whose uniform baseline never drifted less than the key's own at the same grid: QEP is GPTQ
-plus a correction of the weights (α = 0 is GPTQ), and on every example's held-out windows
-(benchmarks/results/frontier: four examples, W2/W4/W8) and issue 35's real model uniform QEP drifted less
-than GPTQ. Not GPTAQ: on that real model rollout-calibrated GPTAQ beat QEP at 8 bits (0.0080 vs 0.0085), so
-a QEP export must beat it too. Export compares only what can still win."""
-OUTRUN_BY = {"gptaq": ("qep", 2.0), "rtn": ("qep", 2.0)}
-"""method -> (rival, factor): a uniform model of `method` is measured only while its rival's at the same grid
-drifted at most `factor` x the best candidate so far (`can_still_win`), and only where the export compares the
-rival anyway. Where QEP's drifted more than 2x the best, the method would need half QEP's drift to win, and
-neither ever came near that: uniform GPTAQ never drifted below 0.94x uniform QEP at one grid (issue 35's real
-model at 8 bits; on the frontier examples' scoring and held-out windows at W8/W4/W2 0.98x at least,
-benchmarks/results/frontier and versions-methods.md); uniform RTN never below 2.2x on the frontier's held-out
-windows and 0.97x on issue 35's real model (at 6512b23, whose QEP was the weak one). The 22M BERT's --C 8:
-uniform int2 QEP 17.4% against the mixed model's 3.9%, GPTAQ 20.5%, RTN 120% (3 s of clip search and a rollout);
-the 1 GB stack's uniform int2 RTN pass took 61 s to lose."""
 UNCACHED_FORMS = ("raw", "cast")
 """Stored forms made again when asked for, not kept: the weight itself, or a cast of it, costs a
 read (of a file, for a streamed model) and holding them would keep up to 1.5 copies of the model."""
@@ -132,23 +116,25 @@ def rounding_at(rounding: AnyRounding, tier: str) -> Rounding:
 
 def comparison_methods(rounding: AnyRounding, tier: Tier) -> tuple[str, ...]:
     """Rounding methods whose uniform encodings at `tier` an export with `rounding` compares against: every
-    one but those its own dominates (`DOMINATED_BY`: each would cost a calibration pass to lose; auto dominates
+    one but those its own dominates (`Method.dominates`: each would cost a calibration pass to lose; auto dominates
     none, it measured them to choose); RTN alone where the tier takes no calibration, and for an RTN export, which
     asked for none (export's thin-statistics note offers it as the way out: comparing calibrated uniform models
     would run the passes it avoids and could ship their codes)."""
     if not tier.calibratable or rounding.method == "rtn":
         return ("rtn",)
-    return tuple(m for m in METHODS if m not in DOMINATED_BY.get(rounding.method, ()))
+    dominated = METHODS[rounding.method].dominates if rounding.method in METHODS else ()
+    return tuple(m for m in METHODS if m not in dominated)
 
 
 def can_still_win(method: str, rival_drift: Callable[[str], float], best_drift: float, compared: Sequence[str] = METHODS) -> bool:
-    """Whether `method`'s uniform model is worth its pass (`OUTRUN_BY`): `rival_drift(m)` measures the uniform
+    """Whether `method`'s uniform model is worth its pass (`Method.outrun_by`): `rival_drift(m)` measures the uniform
     model of method m at the same grid, asked only when m is among the `compared` methods (the export measures
     it anyway: an RTN export compares no calibrated model, so nothing rules its RTN out); `best_drift` is the
     best candidate's so far. A rival that failed (NaN) rules nothing out."""
-    if method not in OUTRUN_BY or OUTRUN_BY[method][0] not in compared:
+    outrun_by = METHODS[method].outrun_by
+    if outrun_by is None or outrun_by[0] not in compared:
         return True
-    rival, factor = OUTRUN_BY[method]
+    rival, factor = outrun_by
     return not rival_drift(rival) > factor * best_drift
 
 

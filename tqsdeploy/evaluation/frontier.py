@@ -26,7 +26,7 @@ from typing import Callable
 import polars as pl
 
 from runtimes import DEFAULT_RUNTIME, Runtime
-from tiers import METHODS, tier_for_bits
+from tiers import METHOD_LABELS, METHODS, tier_for_bits
 from tqsdeploy.encoding import checkpoints
 from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
@@ -46,14 +46,14 @@ baseline's C, i.e. 1% larger; rounded up at the third decimal instead, the unifo
 and TQS-PTQ lost at four of 21 held-out points, three of them with a model that drifted more than that uniform one on
 the scoring contexts too)."""
 
-LABELS = {"rtn": "RTN", "gptq": "GPTQ", "gptaq": "GPTAQ", "qep": "QEP"}
+LABELS = METHOD_LABELS
 TQS_LABEL = "TQS-PTQ"
 
 
 @dataclass(frozen=True)
 class FrontierSettings:
     targets: tuple[float, ...] = (2, 4, 8, 12, 16)
-    baselines: tuple[str, ...] = METHODS
+    baselines: tuple[str, ...] = tuple(METHODS)
     bits: tuple[int, ...] = (2, 4, 8)
     export: ExportSettings = field(default_factory=ExportSettings)
     """TQS-PTQ's settings (the defaults unless asked otherwise)."""

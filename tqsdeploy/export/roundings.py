@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 
-from tiers import Rounding, Tier
+from tiers import Rounding, Tier, auto_methods
 from tqsdeploy.encoding.encoder import AnyRounding, TierRoundings, grid_options, plain_rounding, rounding_at
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.candidates import UniformModels
 
-AUTO_METHODS = ("qep", "gptaq", "gptq")
-"""What `--rounding auto` chooses from on a calibratable tier (listed first wins a tie)."""
+AUTO_METHODS = auto_methods()
+"""What `--rounding auto` chooses from on a calibratable tier (listed first wins a tie; `tiers.methods`)."""
 
 
 class Roundings:

@@ -26,7 +26,7 @@ from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.scoring.runs import RUN_FILES, RUN_FORMAT, ScoreRun, current_versions, default_run_dir, read_record, run_fingerprint
 from tqsdeploy.scoring.gamma import ScoreSettings, score_frame, spearman
 from tqsdeploy.sweep.executors import check_ray_address
-from tqsdeploy.sweep.job import STRATEGIES
+from tqsdeploy.sweep.strategies import strategy_names
 from tqsdeploy.sweep import ResultLog, TaskResult, plan_tasks, run_local, run_parallel, run_ray, stale_units, usable_cores
 from tqsdeploy.units import UnitSelection
 
@@ -62,8 +62,8 @@ def score(
     `lanes` runs that many tasks at once in this process (None: `sweep.sweep_lanes` decides).
     """
     started = time.perf_counter()
-    if strategy not in STRATEGIES:  # now: a finished run in the folder would otherwise take its own and never read this one
-        raise InputError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
+    if strategy not in strategy_names():  # now: a finished run in the folder would otherwise take its own and never read this one
+        raise InputError(f"unknown strategy '{strategy}'; choose one of {', '.join(strategy_names())}")
     if ray_address is not None:
         check_ray_address(None if ray_address == "local" else ray_address)  # before the model loads and the nominal rollout runs
     cores = usable_cores()

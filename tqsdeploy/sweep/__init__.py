@@ -13,13 +13,13 @@ parts), `strategies/` (one `Strategy` per way of applying perturbed weights), `c
 
 from tqsdeploy.rollout.engine import Drift, EarlyStop, Nominal
 from tqsdeploy.sweep.executors import Lanes, interleaved, run_lanes, run_local, run_parallel, run_ray, sweep_lanes, usable_cores, LANE_EXTRA_BYTES, LANES_MAX
-from tqsdeploy.sweep.job import STRATEGIES, SweepJob
+from tqsdeploy.sweep.job import SweepJob
 from tqsdeploy.sweep.probe_source import ProbeSource, stale_units
 from tqsdeploy.sweep.runner import SweepRunner
 from tqsdeploy.sweep.tasks import ResultLog, Task, TaskResult, plan_tasks
 
 __all__ = [
-    "Drift", "EarlyStop", "LANES_MAX", "LANE_EXTRA_BYTES", "Lanes", "Nominal", "ProbeSource", "ResultLog", "STRATEGIES",
-    "SweepJob", "SweepRunner", "Task", "TaskResult", "interleaved", "plan_tasks", "run_lanes", "run_local",
+    "Drift", "EarlyStop", "LANES_MAX", "LANE_EXTRA_BYTES", "Lanes", "Nominal", "ProbeSource", "ResultLog", "SweepJob",
+    "SweepRunner", "Task", "TaskResult", "interleaved", "plan_tasks", "run_lanes", "run_local",
     "run_parallel", "run_ray", "stale_units", "sweep_lanes", "usable_cores",
 ]

@@ -12,6 +12,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, Sequence
 
+from runtimes import on_gpu
 from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.sweep.job import SweepJob
 from tqsdeploy.sweep.runner import SweepRunner
@@ -71,7 +72,7 @@ def sweep_lanes(lanes: int | None, provider: str, threads: int | None, model_byt
     """
     if lanes is not None and lanes < 1:
         raise InputError(f"--lanes must be 1 or more, not {lanes}")
-    if provider != "cpu":
+    if on_gpu(provider):
         if lanes not in (None, 1):
             raise InputError(f"--lanes {lanes} runs tasks side by side on the CPU provider only; on '{provider}' the sweep runs one lane", hint="drop --lanes")
         return 1

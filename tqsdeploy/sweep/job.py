@@ -13,16 +13,6 @@ from tqsdeploy.rollout.engine import EarlyStop
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.units import Unit
 
-STRATEGIES = ("auto", "feed", "rebuild", "unit", "prefix", "batch")
-"""How perturbed weights reach the runtime: fed to one session with every scored
-weight overridable ('feed'), baked into a fresh session per perturbation
-('rebuild'), or fed to a session per unit in which only that unit's weights are
-overridable ('unit'), or, for the first step, fed to a session of just
-the part of the graph downstream of the unit ('prefix'), or all of a unit's
-probes run in one rollout of a session per unit with the batch tiled per probe
-('batch'); 'auto' times them and picks the cheapest sweep."""
-
-
 @dataclass
 class SweepJob:
     """Everything a worker needs to run tasks; picklable by design.
@@ -45,6 +35,7 @@ class SweepJob:
     early_stop: EarlyStop | None = None
     rebuild_factory: Callable[[dict[str, np.ndarray]], Session] | None = None
     strategy: str = "auto"
+    """How perturbed weights reach the runtime: a name of `strategies.BY_NAME`, or 'auto' (`choice`)."""
     rows: dict[str, np.ndarray] = field(default_factory=dict)
     """Gather tables' rows the contexts read: the probes perturb only these (`units.gather_rows`)."""
     unit_factory: Callable[[Sequence[str]], Session] | None = None

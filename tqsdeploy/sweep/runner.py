@@ -14,11 +14,11 @@ from runtimes import Session
 from tqsdeploy.rollout.engine import Drift, Nominal, RolloutEngine
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.sweep.choice import Choice
-from tqsdeploy.sweep.job import STRATEGIES, SweepJob
+from tqsdeploy.sweep.job import SweepJob
 from tqsdeploy.sweep.nominal import SharedNominal
 from tqsdeploy.sweep.probe_source import PROBE_DEPTH_MAX, ProbeSource
 from tqsdeploy.sweep.rig import Rig
-from tqsdeploy.sweep.strategies import BY_NAME, Strategy
+from tqsdeploy.sweep.strategies import AUTO, BY_NAME, Strategy, strategy_names
 from tqsdeploy.sweep.tasks import Task, TaskResult
 
 
@@ -34,8 +34,8 @@ class SweepRunner:
 
     def __init__(self, job: SweepJob, session: Session | None = None, nominal: Nominal | None = None):
         self.job = job
-        if job.strategy not in STRATEGIES:
-            raise RolloutError(f"unknown strategy '{job.strategy}'; choose one of {', '.join(STRATEGIES)}")
+        if job.strategy not in strategy_names():
+            raise RolloutError(f"unknown strategy '{job.strategy}'; choose one of {', '.join(strategy_names())}")
         asked = BY_NAME.get(job.strategy)
         if asked is not None:
             asked.refuse(job)
@@ -67,7 +67,7 @@ class SweepRunner:
         closed unless it needs it (one model copy in memory, not two), the constant one built if it needs it."""
         job, rig = self.job, self.rig
         name = job.strategy
-        if name == "auto":
+        if name == AUTO:
             self.choice = Choice(rig)
             name = self.choice.choose()
         if not BY_NAME[name].possible(job):

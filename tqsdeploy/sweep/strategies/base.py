@@ -26,6 +26,8 @@ class Strategy:
     """
 
     name: ClassVar[str]
+    help: ClassVar[str]
+    """What it does, in a few words: the `--strategy` help's line for it."""
     needs_constant: ClassVar[bool] = True
     """Its nominal runs on the session of constant weights (`Rig.constant`), not the overridable one."""
     builds_ahead: ClassVar[bool] = True

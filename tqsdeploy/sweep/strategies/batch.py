@@ -25,6 +25,7 @@ class Batch(PerUnit):
     A unit it cannot batch runs as with 'unit' (`fallbacks` says why)."""
 
     name = "batch"
+    help = "all of a unit's probes in one rollout, the batch tiled per probe; dynamic-batch models"
     builds_ahead = False
     nominal_on_a_lane = False
 

@@ -16,6 +16,7 @@ class Feed(Strategy):
     session, nothing fed, so an inert unit diverges by exactly zero."""
 
     name = "feed"
+    help = "one session, weights fed per run"
     needs_constant = False
 
     @classmethod

@@ -39,6 +39,7 @@ class Prefix(PerUnit):
     every cut's activations."""
 
     name = "prefix"
+    help = "the first step runs only the graph downstream of the unit"
     needs_constant = False
     nominal_on_a_lane = False
 

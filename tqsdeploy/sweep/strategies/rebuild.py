@@ -10,3 +10,4 @@ class Rebuild(Strategy):
     session too, so an inert unit diverges by exactly zero. The base class's rollouts are this strategy's."""
 
     name = "rebuild"
+    help = "a session per perturbation, constant weights"

@@ -19,6 +19,7 @@ class PerUnit(Strategy):
     several units (a whole candidate model) are baked into a constant session instead."""
 
     name = "unit"
+    help = "a session per unit, only its weights fed"
 
     def __init__(self, rig: Rig):
         super().__init__(rig)
