@@ -75,7 +75,8 @@ def test_a_mixed_pass_solves_only_what_changed_and_makes_the_same_codes(tmp_path
     """A calibrated pass takes from the cached passes every weight encoded the same way on statistics from
     weights encoded the same way (`Encoder._same`): after uniform INT4, the all-INT4 mixed pass solves nothing,
     and a refinement that moves the last layer's V7 to INT2 solves V7 alone; the codes are a fresh encoder's."""
-    from tqsdeploy.encoding.encoder import Encoder, make_slots
+    from tqsdeploy.encoding.encoder import Encoder
+    from tqsdeploy.encoding.slots import make_slots
     from tqsdeploy.units import Unit
 
     path = models.deep_residual_stack(tmp_path / "stack.onnx")

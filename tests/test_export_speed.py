@@ -19,7 +19,7 @@ from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
 from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.encoding.profiling import KINDS, Profile
-from tqsdeploy.encoding.encoder import comparison_methods
+from tqsdeploy.encoding.choices import comparison_methods
 from test_export import scored  # noqa: F401 - the export tests' scored MLP, a fixture
 
 

@@ -1,4 +1,4 @@
-"""A rounding method, a runtime and a sweep strategy each defined by one entry in its registry reach the CLI's
+"""A rounding method, a runtime, a sweep strategy and an allocation objective each defined by one entry in its registry reach the CLI's
 choices and help, run, and show in the reports, with nothing else in the toolkit edited; once the test's
 registration is undone they are gone again (as tests/test_formats.py does for a tier)."""
 
@@ -14,6 +14,7 @@ import models
 from runtimes import RUNTIMES, OrtRuntime, Provider
 from tiers import METHODS, Method
 from tqsdeploy.cli import app
+from tqsdeploy.export.objectives import OBJECTIVES, Objective
 from tqsdeploy.sweep.strategies import BY_NAME, Feed
 
 runner = CliRunner()
@@ -134,3 +135,31 @@ def test_a_registered_strategy_is_offered_and_scores(small, monkeypatch):
     assert "fake" not in BY_NAME
     code, text = _invoke("score", model, "-c", contexts, "--steps", "3", "--strategy", "fake", "-o", folder / "run-gone")
     assert code == 2 and "unknown strategy 'fake'; choose one of auto, feed, rebuild, unit, prefix, batch" in text
+
+
+class _Flat(Objective):
+    """Every live slot's loss is its share of the bits it loses: a fake that needs no rollout."""
+
+    def losses(self, view, measured):
+        return (lambda slot, tier: 0.0 if slot.unit in view.dead else slot.params * 2.0 ** (-tier.bits)), set()
+
+
+def test_a_registered_objective_is_offered_allocated_and_recorded(small, monkeypatch):
+    """A fake objective in `OBJECTIVES` reaches export's and frontier's --objective, allocates an export whose record
+    names it, and is refused again once unregistered."""
+    model, contexts, folder = small
+    code, text = _invoke("score", model, "--contexts", contexts, "--steps", "3", "--out", folder / "objective-run")
+    assert code == 0, text
+    with monkeypatch.context() as registered:
+        registered.setitem(OBJECTIVES, "flat", _Flat("flat", "a test's flat price"))
+        for command in ("export", "frontier"):
+            code, text = _invoke(command, "--help")
+            assert code == 0 and "measured|response|paper|flat" in text, text
+        code, text = _invoke("export", model, "--run", folder / "objective-run", "--C", "4", "--objective", "flat", "--rounding", "rtn",
+                             "-o", folder / "flat.onnx")
+        assert code == 0, text
+        record = json.loads((folder / "flat.allocation.json").read_text())
+        assert record["objective"] == "flat" or record["shipped"].startswith("uniform"), record["shipped"]
+        assert "TQS-PTQ flat/rtn" in {c["label"].split(",")[0] for c in record["compared"]}
+    code, text = _invoke("export", model, "--run", folder / "objective-run", "--C", "4", "--objective", "flat", "-o", folder / "flat2.onnx")
+    assert code == 2 and "unknown objective 'flat'" in text

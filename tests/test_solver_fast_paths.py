@@ -12,7 +12,7 @@ import tiers.gptq as solvers
 from tiers import grid, quantizer
 from tiers.gptq import Hessian, Quantized
 from tiers.grid import GridSpec
-from tqsdeploy.encoding.encoder import can_still_win
+from tqsdeploy.encoding.choices import can_still_win
 
 GRIDS = [GridSpec("int", 4, False, True), GridSpec("int", 2, False, True), GridSpec("int", 3, True, True), GridSpec("int", 8, False, True)]
 

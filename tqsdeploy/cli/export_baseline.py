@@ -15,7 +15,8 @@ from tiers import DEFAULT_TIERS, METHOD_LABELS, METHODS, TIERS, TRT_TIERS
 from tqsdeploy.cli.app import (app, err, frame_table, live_option, or_list, out, parse_floats, progress_bar, rounding_choices, split_list,
                                user_errors)
 from tqsdeploy.errors import InputError
-from tqsdeploy.encoding.encoder import GRID_CHOICES, GRIDS_HELP
+from tqsdeploy.encoding.choices import GRID_CHOICES, GRIDS_HELP
+from tqsdeploy.export.objectives import objective_names, objectives_help
 
 
 def _say_sidecar(files, size: int, alternative: str | None = None) -> None:
@@ -96,7 +97,7 @@ def export(
     target: str = typer.Option("ort-cpu", "--target", metavar="ort-cpu|ort-cuda|trt", help="Runtime the model is for: ort-cpu (default; 'ort' too), ort-cuda or trt (restricts tiers, trt uses symmetric grids; decides --runtime-layout auto)."),
     runtime_layout: str = typer.Option("auto", "--runtime-layout", metavar="auto|dequantized|fused", help="dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed and memory, the small file); fused: DequantizeLinear (MatMulNBits on ORT, fast for few rows; what TensorRT needs); auto (default): dequantized for ort-cpu/ort-cuda, fused for trt."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer quantization along the reduction axis (e.g. 32, 64, 128)."),
-    objective: str = typer.Option("measured", "--objective", metavar="measured|response|paper", help="Allocation objective: measured, response or paper."),
+    objective: str = live_option("measured", "--objective", metavar=objective_names, help=objectives_help),
     allocator: str = typer.Option("mckp", "--allocator", metavar="mckp|greedy", help="mckp (pulp, HiGHS then CBC) or greedy."),
     fp32_fraction: Optional[float] = typer.Option(None, "--fp32-fraction", min=0.0, max=1.0, help="Share of the units' FP32 size forced to FP32 for the most sensitive units (default 0.10 with --objective paper, else 0)."),
     no_fallback: bool = typer.Option(False, "--no-fallback", help="Ship the mixed allocation even if a uniform baseline within budget drifts less."),

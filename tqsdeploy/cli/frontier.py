@@ -10,7 +10,8 @@ import typer
 from rich.markup import escape
 
 from tiers import DEFAULT_TIERS, METHODS
-from tqsdeploy.encoding.encoder import GRID_CHOICES, GRIDS_HELP
+from tqsdeploy.encoding.choices import GRID_CHOICES, GRIDS_HELP
+from tqsdeploy.export.objectives import objective_names
 from tqsdeploy.cli.app import (COLUMNS, CSV_WINDOWS, ZSCORE, app, csv_windows, err, frame_table, latency_settings, live_option, out, parse_columns,
                                parse_floats, progress_bar, rounding_choices, split_list, user_errors)
 
@@ -31,7 +32,7 @@ def frontier(
     tiers: Optional[str] = typer.Option(None, "--tiers", help=f"TQS-PTQ tiers (default: export's, {','.join(DEFAULT_TIERS)}, with int1 added near the INT2 size)."),
     rounding: str = live_option("qep", "--rounding", metavar=rounding_choices, help="TQS-PTQ's rounding method (auto: chosen per tier by measurement)."),
     grids: str = typer.Option("auto", "--grids", metavar="|".join(GRID_CHOICES), help=GRIDS_HELP + " TQS-PTQ's and the uniform baselines' alike."),
-    objective: str = typer.Option("measured", "--objective", metavar="measured|response|paper", help="TQS-PTQ's allocation objective."),
+    objective: str = live_option("measured", "--objective", metavar=objective_names, help="TQS-PTQ's allocation objective."),
     also: Optional[str] = typer.Option(None, "--also", help="Extra TQS-PTQ lines as objective/rounding, e.g. paper/rtn,measured/gptq."),
     group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer tiers."),
     variable_axis: Optional[int] = typer.Option(None, "--variable-axis", help="Per-step output axis to report per variable (win counts)."),
@@ -69,7 +70,7 @@ def frontier(
     tier_set = get_tiers(tier_names or DEFAULT_TIERS, "ort", group_size)  # unknown names fail now, not after the score
     if group_size:  # and a --group-size nothing could take (it once failed after the score)
         import graph_ops
-        from tqsdeploy.encoding.encoder import checked_layouts
+        from tqsdeploy.encoding.slots import checked_layouts
 
         checked_layouts(graph_ops.load_model(model, load_external=False).proto, min_params, group_size, tier_set)
     if baselines.strip() and any(b not in (1, 2, 3, 4, 8) for b in parse_floats(bits, "--bits")):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
 from typing import Callable, Mapping
@@ -44,8 +43,10 @@ from tiers.solver_backend import shared_cores, solver_threads
 from tqsdeploy.encoding.checkpoints import digest
 from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.rollout.engine import Drift, Nominal, RolloutEngine
-from tqsdeploy.errors import InputError, TqsError
+from tqsdeploy.errors import TqsError
+from tqsdeploy.encoding.logs import CalibrationLog
 from tqsdeploy.encoding.profiling import Profile
+from tqsdeploy.encoding.sessions import open_graph, original_nominal
 from tqsdeploy.rollout import RolloutSpec
 
 FULL_CACHE_SHARE = 0.25
@@ -66,30 +67,6 @@ EncodeFn = Callable[[str, "list[Hessian] | None"], Encoded]
 
 class CalibrationError(TqsError):
     """Calibration could not run (non-finite activations, an unusable graph)."""
-
-
-@dataclass
-class CalibrationLog:
-    """What a calibration pass did, for reports."""
-
-    seconds: float = 0.0
-    rows: dict[str, int] = field(default_factory=dict)
-    """Calibration rows (samples) behind each weight's statistics."""
-    thin: dict[str, int] = field(default_factory=dict)
-    """Weights that saw fewer rows than twice their input width (rank-deficient Hessians), with that width."""
-
-
-def thin_note(thin: Mapping[str, tuple[int, int]], method: str, remedy: str) -> str | None:
-    """Weights that saw too few calibration rows (`EncoderLog.thin`: name -> (rows, input width)) in a
-    newcomer's words: what the rows are, how few, and what to do (`remedy`); None when there are none."""
-    if not thin:
-        return None
-    name, (rows, width) = min(thin.items(), key=lambda item: item[1][0] / item[1][1])
-    return (
-        f"{len(thin)} weight(s) had too little calibration data for {method}: it fits each weight's rounding to the inputs "
-        f"the weight saw (one vector per window, step and position of the contexts), and these saw fewer vectors than twice "
-        f"their input size (fewest: '{name}', {rows} for {width} inputs), so their rounding rests on thin statistics; {remedy}"
-    )
 
 
 IM2COL_BYTES = 32 << 20
@@ -512,24 +489,3 @@ class Calibrator:
         self.release()
 
 
-
-def original_nominal(proto, names, weights: Mapping[str, np.ndarray], rollout: tuple, runtime: Runtime, workdir: Path | None, data_dir: Path | None) -> Nominal:
-    """The original's rollout (`rollout`: contexts, spec, max batch) at its own opset, on a session fed its
-    weights `names` as measuring sessions are fed theirs: what a drift is measured from when those run the model
-    converted to the opset the file is written at (the original as the user runs it, and `eval` compares with)."""
-    graph = graph_ops.weights_as_graph_inputs(proto, list(names))
-    session = WithDefaults(open_graph(runtime, graph_ops.io.session_source(graph, workdir), data_dir, "the original model"), weights)
-    del graph
-    try:
-        return RolloutEngine(session, *rollout).nominal()
-    finally:
-        session.close()
-
-
-def open_graph(runtime: Runtime, source: bytes | Path, data_dir: Path | None, what: str):
-    """A session of a graph made here (`graph_ops.io.session_source`); `data_dir`: the folder of the data
-    files its tensors point into (a streamed model's own), else a written copy's folder."""
-    try:
-        return runtime.open(source, external_data_dir=data_dir if data_dir is not None else None if isinstance(source, bytes) else source.parent)
-    except Exception as exc:
-        raise InputError(f"ONNX Runtime cannot load {what}: {str(exc).splitlines()[0]}") from None

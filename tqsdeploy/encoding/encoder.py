@@ -25,10 +25,9 @@ assigned on its own and written as its own DequantizeLinear joined by Concat.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -36,146 +35,17 @@ import numpy as np
 
 import graph_ops
 from graph_ops.layout import WeightLayout
-from tiers import GRIDS, METHODS, TIERS, Encoded, Hessian, Layout, Rounding, Tier, encode, split
+from tiers import TIERS, Encoded, Hessian, Layout, Rounding, Tier, encode, split
 from tiers.gptq import output_error
-from tqsdeploy.errors import InputError
+from tqsdeploy.encoding.choices import AnyRounding, least_drift, rounding_at
+from tqsdeploy.encoding.logs import CalibrationLog, EncoderLog
 from tqsdeploy.encoding.profiling import Profile
-from tqsdeploy.units import Unit, UnitSelection, select_units
+from tqsdeploy.encoding.slots import Slot
+from tqsdeploy.units import Unit
 
-MAX_PARTS = 64
-"""Most channel groups one unit is split into."""
 UNCACHED_FORMS = ("raw", "cast")
 """Stored forms made again when asked for, not kept: the weight itself, or a cast of it, costs a
 read (of a file, for a streamed model) and holding them would keep up to 1.5 copies of the model."""
-
-
-@dataclass(frozen=True)
-class Slot:
-    """What the allocator assigns one tier to: a whole unit, or output channels start..stop of a one-tensor unit."""
-
-    name: str
-    unit: str
-    params: int
-    rows: tuple[int, int] | None = None
-
-
-def make_slots(units: Sequence[Unit], layouts: Mapping[str, WeightLayout], split_fraction: float) -> list[Slot]:
-    """Units as slots; a one-tensor unit with known layout holding more than `split_fraction`
-    of all unit parameters is split into channel groups of about that share each."""
-    total = sum(u.params for u in units)
-    slots = []
-    for unit in units:
-        layout = layouts[unit.tensors[0].name]
-        limit = split_fraction * total
-        if split_fraction <= 0 or len(unit.tensors) != 1 or layout.perm is None or unit.params <= limit:
-            slots.append(Slot(unit.name, unit.name, unit.params))
-            continue
-        channels = layout.shape[layout.perm[0]]
-        parts = max(1, min(channels, MAX_PARTS, math.ceil(unit.params / limit)))
-        bounds = np.linspace(0, channels, parts + 1).round().astype(int)
-        per_channel = unit.params // channels
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            name = unit.name if parts == 1 else f"{unit.name}[{a}:{b}]"
-            slots.append(Slot(name, unit.name, per_channel * (b - a), None if parts == 1 else (int(a), int(b))))
-    return slots
-
-
-@dataclass(frozen=True)
-class TierRoundings:
-    """A rounding method per tier (`export --rounding auto`): the best rounding differs per grid (on a real
-    model GPTAQ drifted least at 8 bits and QEP at 4, where GPTQ drifted 9x more), so each tier's codes
-    come from the method chosen for it; `default` serves the tiers not named."""
-
-    by_tier: tuple[tuple[str, Rounding], ...]
-    default: Rounding = Rounding("qep")
-    label: str = "auto"
-
-    def at(self, tier: str) -> Rounding:
-        return dict(self.by_tier).get(tier, self.default)
-
-    @property
-    def method(self) -> str:
-        return self.label
-
-    @property
-    def needs_stats(self) -> bool:
-        return self.default.needs_stats or any(r.needs_stats for _, r in self.by_tier)
-
-    @property
-    def needs_cross(self) -> bool:
-        return self.default.needs_cross or any(r.needs_cross for _, r in self.by_tier)
-
-
-AnyRounding = Rounding | TierRoundings
-
-
-def rounding_at(rounding: AnyRounding, tier: str) -> Rounding:
-    """The one method that rounds `tier`'s codes."""
-    return rounding.at(tier) if isinstance(rounding, TierRoundings) else rounding
-
-
-def comparison_methods(rounding: AnyRounding, tier: Tier) -> tuple[str, ...]:
-    """Rounding methods whose uniform encodings at `tier` an export with `rounding` compares against: every
-    one but those its own dominates (`Method.dominates`: each would cost a calibration pass to lose; auto dominates
-    none, it measured them to choose); RTN alone where the tier takes no calibration, and for an RTN export, which
-    asked for none (export's thin-statistics note offers it as the way out: comparing calibrated uniform models
-    would run the passes it avoids and could ship their codes)."""
-    if not tier.calibratable or rounding.method == "rtn":
-        return ("rtn",)
-    dominated = METHODS[rounding.method].dominates if rounding.method in METHODS else ()
-    return tuple(m for m in METHODS if m not in dominated)
-
-
-def can_still_win(method: str, rival_drift: Callable[[str], float], best_drift: float, compared: Sequence[str] = METHODS) -> bool:
-    """Whether `method`'s uniform model is worth its pass (`Method.outrun_by`): `rival_drift(m)` measures the uniform
-    model of method m at the same grid, asked only when m is among the `compared` methods (the export measures
-    it anyway: an RTN export compares no calibrated model, so nothing rules its RTN out); `best_drift` is the
-    best candidate's so far. A rival that failed (NaN) rules nothing out."""
-    outrun_by = METHODS[method].outrun_by
-    if outrun_by is None or outrun_by[0] not in compared:
-        return True
-    rival, factor = outrun_by
-    return not rival_drift(rival) > factor * best_drift
-
-
-GRID_CHOICES = ("auto", *GRIDS)
-"""`--grids`: 'auto' measures a calibrated method's uniform model on each of `tiers.GRIDS` at every clip-searched
-tier and keeps the one that drifts less on the data at hand (`grid_options`, `least_drift`); or one of them."""
-GRIDS_HELP = ("Grids of the 4-bit and 2-bit tiers: per-channel (each channel on the clip-searched or the min-max grid, whichever "
-              "its solve rounds better; rtn: the clip search alone), min-max, or auto (default): for a calibrated rounding both measured, "
-              "the one whose uniform model drifts less kept per tier; for rtn per-channel.")
-
-
-def check_grids(grids: str) -> str:
-    if grids not in GRID_CHOICES:
-        raise InputError(f"unknown --grids '{grids}'; choose one of {', '.join(GRID_CHOICES)}")
-    return grids
-
-
-def grid_options(tier: Tier, method: str, grids: str) -> list[Rounding]:
-    """The roundings of `method` a uniform model at `tier` is built with to choose its grid by measurement: one per
-    grid of `tiers.GRIDS` with `grids` 'auto', where the method calibrates and the tier's grid is clip-searched (the
-    only place the two differ); else the one rounding asked for."""
-    if grids == "auto" and Rounding(method).needs_stats and tier.calibratable and tier.quantized and tier.grid.search:
-        return [Rounding(method, grids=g) for g in GRIDS]
-    return [plain_rounding(method, grids)]
-
-
-def plain_rounding(method: str, grids: str) -> Rounding:
-    """`method` on `grids`, where nothing is measured: 'auto' takes the first of `tiers.GRIDS` (on a tier that
-    is not clip-searched both are the same grid)."""
-    return Rounding(method, grids=GRIDS[0] if grids == "auto" else grids)
-
-
-def drift_order(drift) -> tuple[float, float]:
-    """How measured models are ordered, best first: worst output drift, then relative RMS drift."""
-    return drift.worst_pct, drift.relative_rms
-
-
-def least_drift(measured: Mapping[Rounding, object]) -> Rounding:
-    """The rounding whose measured drift (`tqsdeploy.rollout.engine.Drift`) is least (`drift_order`; listed first wins a tie):
-    how `export` and `baseline` choose a uniform model's grid, on the scoring contexts and the calibration windows."""
-    return min(measured, key=lambda rounding: drift_order(measured[rounding]))
 
 
 def _assignment_key(assignment: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -187,49 +57,6 @@ def _grid(tier: Tier) -> str:
     """What a tier's codes depend on, in words that are the same in every process (a frozenset's
     repr is not: string hashes are salted per process)."""
     return f"{tier.name}: {tier.family} {tier.bits} bits, {'symmetric' if tier.symmetric else 'asymmetric'}"
-
-
-def checked_layouts(proto, min_params: int, group_size: int | None, tiers: Sequence[Tier]) -> tuple[list[Unit], list[str], dict[str, WeightLayout]]:
-    """The weights a baseline or a frontier quantizes (units of at least `min_params`) and their layouts,
-    refusing a --group-size none of them would use (`check_group_size`) before any work starts."""
-    units = select_units(graph_ops.find_weight_tensors(proto), UnitSelection(min_params=min_params))
-    names = [n for u in units for n in u.tensor_names]
-    layouts = graph_ops.weight_layouts(proto, names)
-    check_group_size(group_size, layouts, tiers)
-    return units, names, layouts
-
-
-def check_group_size(group_size: int | None, layouts: Mapping[str, WeightLayout], tiers: Sequence[Tier]) -> None:
-    """Refuse a --group-size nothing would use: only integer tiers take blocks, and only on rank-2 weights
-    (Conv kernels keep a scale per output channel), so it was once ignored without a word."""
-    if not group_size:
-        return
-    if not any(t.blockwise for t in tiers):
-        raise InputError(f"--group-size {group_size} would change nothing: no tier here ({', '.join(t.name for t in tiers)}) takes blocks",
-                         hint="only the integer tiers int2 to int8 do; int1, fp8 and the float tiers keep one scale per output channel")
-    if not any(Layout(l.shape, l.perm, l.row_groups).block_axis is not None for l in layouts.values()):
-        raise InputError(f"--group-size {group_size} would change nothing: none of this model's {len(layouts)} quantized weights is a rank-2 "
-                         f"weight with known layout (MatMul, Gemm); e.g. '{next(iter(layouts), '')}' keeps one scale per output channel",
-                         hint="leave --group-size out for this model")
-
-
-@dataclass
-class EncoderLog:
-    """What the encoder did, for allocation records."""
-
-    calibration_s: float = 0.0
-    encode_s: float = 0.0
-    passes: list[str] = field(default_factory=list)
-    rtn_only: dict[str, str] = field(default_factory=dict)
-    """Weights rounded to nearest whatever the method, and why."""
-    thin: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """Weights calibrated on too few rows: (rows, input width) (`calibrate.thin_note`)."""
-    errors: dict[str, float] = field(default_factory=dict)
-    """‖X̂W − X̂Q‖_F per calibrated weight (with `track_errors`)."""
-    rtn_errors: dict[str, float] = field(default_factory=dict)
-    """The same for round to nearest on the same grid."""
-    reused: int = 0
-    """Weights of calibrated passes read from checkpoints instead of encoded (a resumed export)."""
 
 
 @dataclass(frozen=True)
@@ -352,8 +179,6 @@ class Encoder:
             result = {name: encode_kept(name, None) for name in self.layouts}
             self.log.encode_s += time.perf_counter() - started
             return result
-        from tqsdeploy.encoding.calibrator import CalibrationLog
-
         log = CalibrationLog()
         if self.before_calibration is not None and len(found) < len(self.layouts):  # a pass read whole from checkpoints opens nothing
             self.before_calibration()

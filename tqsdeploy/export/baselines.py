@@ -23,10 +23,13 @@ import graph_ops
 from graph_ops.qdq import computes_in_half, default_opset, write_storage
 from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import Encoded, Rounding, Tier, TierError, ladder_opset, tier_for_bits
-from tqsdeploy.encoding.calibrator import Calibrator, thin_note
+from tqsdeploy.encoding.calibrator import Calibrator
+from tqsdeploy.encoding.logs import thin_note
 from tqsdeploy.rollout.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
-from tqsdeploy.encoding.encoder import Encoder, EncodingProgress, check_grids, checked_layouts, grid_options
+from tqsdeploy.encoding.choices import check_grids, grid_options
+from tqsdeploy.encoding.encoder import Encoder, EncodingProgress
+from tqsdeploy.encoding.slots import checked_layouts
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
 from tqsdeploy.size import ModelSize
 from tqsdeploy.units import check_finite
@@ -177,7 +180,7 @@ class _CalibrationSource:
         settings = self.settings
         if self.calib is None:
             raise InputError(f"{settings.method} needs calibration windows", hint="pass a contexts .npz (or use method 'rtn')")
-        from tqsdeploy.encoding.calibrator import open_graph
+        from tqsdeploy.encoding.sessions import open_graph
 
         graph = graph_ops.weights_as_graph_inputs(self.loaded.proto, self.names)  # the signature, without loading the weights into the runtime
         session = open_graph(self.runtime, graph_ops.io.session_source(graph), self.data_dir, str(self.loaded.path))

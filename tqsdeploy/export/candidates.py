@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tiers import TIERS, Encoded, Rounding, Tier
-from tqsdeploy.encoding.encoder import AnyRounding, drift_order
+from tqsdeploy.encoding.choices import AnyRounding, drift_order
 from tqsdeploy.export.allocate import Allocation
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.measuring import Measuring

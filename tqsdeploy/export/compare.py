@@ -9,7 +9,7 @@ import time
 from typing import Callable
 
 from tiers import TIERS, Tier, precision_order
-from tqsdeploy.encoding.encoder import can_still_win, comparison_methods
+from tqsdeploy.encoding.choices import can_still_win, comparison_methods
 from tqsdeploy.export.candidates import Candidate, MixedModels, UniformModels, rank, relabelled
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.measuring import Measuring

@@ -23,7 +23,8 @@ from runtimes import Runtime
 from tiers import Tier
 from tiers.solver_backend import solver_dtype
 from tqsdeploy.encoding import checkpoints
-from tqsdeploy.encoding.encoder import Encoder, Slot, make_slots
+from tqsdeploy.encoding.encoder import Encoder
+from tqsdeploy.encoding.slots import Slot, make_slots
 from tqsdeploy.errors import USER_ERRORS, InputError
 from tqsdeploy.export.settings import ExportSettings
 from tqsdeploy.scoring.prepare import Prepared

@@ -15,8 +15,8 @@ import graph_ops
 from graph_ops.qdq import at_opset, fed_codes_model
 from runtimes import WithDefaults, release_freed_memory
 from tiers import Encoded
-from tqsdeploy.encoding.calibrator import open_graph, original_nominal
-from tqsdeploy.encoding.encoder import AnyRounding
+from tqsdeploy.encoding.sessions import open_graph, original_nominal
+from tqsdeploy.encoding.choices import AnyRounding
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.sweep import Drift, SweepRunner
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol
 
 from tiers import Tier
-from tqsdeploy.encoding.encoder import Slot
+from tqsdeploy.encoding.slots import Slot
 
 LAZY_BITS = 16
 """Tiers of at least this many bits (float copies: bf16, fp16) are priced only when an allocation picks them."""
@@ -111,5 +111,13 @@ OBJECTIVES: dict[str, Objective] = {
         Paper("paper", "γ · 2^-bits (the paper's Algorithm 1)", fp32_share=0.10, ranks_ties=True, unread_rows_as_read=False),
     )
 }
-OBJECTIVES_METAVAR = "|".join(OBJECTIVES)
-OBJECTIVES_HELP = f"Allocation objective: {', '.join(list(OBJECTIVES)[:-1])} or {list(OBJECTIVES)[-1]}."
+
+
+def objective_names() -> str:
+    """`--objective`'s metavar: every objective of `OBJECTIVES`, as registered now."""
+    return "|".join(OBJECTIVES)
+
+
+def objectives_help() -> str:
+    names = list(OBJECTIVES)
+    return f"Allocation objective: {names[0] if len(names) == 1 else ', '.join(names[:-1]) + ' or ' + names[-1]}."

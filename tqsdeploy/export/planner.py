@@ -24,7 +24,8 @@ from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import Tier, get_tiers
 from tqsdeploy.encoding import checkpoints
 from tqsdeploy.encoding.calibrator import Calibrator
-from tqsdeploy.encoding.encoder import Encoder, EncodingProgress, check_group_size
+from tqsdeploy.encoding.encoder import Encoder, EncodingProgress
+from tqsdeploy.encoding.slots import check_group_size
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.candidates import Candidate, MixedModels, UniformModels
 from tqsdeploy.export.compare import Comparison

@@ -18,7 +18,7 @@ from filelock import FileLock
 
 from tiers import TIERS, Tier
 from tiers.solver_backend import solver_dtype
-from tqsdeploy.encoding.encoder import Slot
+from tqsdeploy.encoding.slots import Slot
 from tqsdeploy.export.allocate import Allocation, Choice, allocate
 from tqsdeploy.export.fitting import Fitter
 from tqsdeploy.export.job import ExportJob

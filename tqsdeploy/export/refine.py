@@ -19,7 +19,7 @@ from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.measuring import Measuring
 from tqsdeploy.export.roundings import Roundings
 from tqsdeploy.export.sizing import Sizing
-from tqsdeploy.encoding.encoder import drift_order
+from tqsdeploy.encoding.choices import drift_order
 from tqsdeploy.sweep import Drift, Lanes, SweepRunner
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from tiers import Rounding, Tier, auto_methods
-from tqsdeploy.encoding.encoder import AnyRounding, TierRoundings, grid_options, plain_rounding, rounding_at
+from tqsdeploy.encoding.choices import AnyRounding, TierRoundings, grid_options, plain_rounding, rounding_at
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.candidates import UniformModels
 

@@ -8,12 +8,12 @@ from tiers import DEFAULT_TIERS, METHODS, TRT_TIERS
 from tqsdeploy.export.allocate import check_allocator
 from tqsdeploy.export.objectives import OBJECTIVES
 from tqsdeploy.errors import InputError
-from tqsdeploy.encoding.encoder import check_grids
+from tqsdeploy.encoding.choices import check_grids
 from tqsdeploy.size import check_basis
 
-ROUNDINGS = (*METHODS, "auto")
-"""`--rounding`: one method for every tier, or 'auto': per tier the method whose uniform model at that tier
-drifts least on the scoring contexts (`export.roundings`)."""
+AUTO_ROUNDING = "auto"
+"""`--rounding auto`: per tier the method whose uniform model at that tier drifts least on the scoring contexts
+(`export.roundings`); any other value is one method of `tiers.METHODS` for every tier."""
 TARGETS = ("ort-cpu", "ort-cuda", "trt")
 """Where the exported model will run (`--target`); 'ort' is read as 'ort-cpu'."""
 RUNTIME_LAYOUTS = ("auto", "dequantized", "fused")
@@ -67,8 +67,8 @@ class ExportSettings:
             raise InputError(f"unknown runtime layout '{self.runtime_layout}'; choose one of {', '.join(RUNTIME_LAYOUTS)}")
         if self.objective not in OBJECTIVES:
             raise InputError(f"unknown objective '{self.objective}'; choose one of {', '.join(OBJECTIVES)}")
-        if self.rounding not in ROUNDINGS:
-            raise InputError(f"unknown rounding '{self.rounding}'; choose one of {', '.join(ROUNDINGS)}")
+        if self.rounding not in (*METHODS, AUTO_ROUNDING):
+            raise InputError(f"unknown rounding '{self.rounding}'; choose one of {', '.join((*METHODS, AUTO_ROUNDING))}")
         check_grids(self.grids)
         check_basis(self.basis)
         check_allocator(self.allocator)

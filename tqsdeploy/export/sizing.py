@@ -11,7 +11,7 @@ from typing import Sequence
 
 from graph_ops.qdq import computes_in_half, conversion_overhead_bits, emitted_bits
 from tiers import TIERS, Encoded, Tier, ladder_opset
-from tqsdeploy.encoding.encoder import Slot
+from tqsdeploy.encoding.slots import Slot
 from tqsdeploy.export.allocate import Allocation
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.settings import ExportSettings

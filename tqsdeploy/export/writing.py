@@ -20,7 +20,7 @@ from graph_ops.qdq import Written, write_storage
 from tiers import TIERS, Encoded, get_tiers
 from tiers.solver_backend import array_module, solver_dtype
 from tqsdeploy.encoding import checkpoints
-from tqsdeploy.encoding.calibrator import thin_note
+from tqsdeploy.encoding.logs import thin_note
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.allocate import Allocation
 from tqsdeploy.export.candidates import Candidate
