@@ -335,7 +335,7 @@ def test_calibration_statistics_see_the_quantized_prefix_exactly(mlp):
     give (computed here in numpy), whatever form the calibration session rebuilds them from."""
     from graph_ops.io import load_model
     from tiers import TIERS, encode
-    from tqsdeploy.encoding.calibrator import Calibrator
+    from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
     from tqsdeploy.rollout.contexts import Contexts
     from tqsdeploy.rollout import RolloutSpec
 
@@ -346,7 +346,7 @@ def test_calibration_statistics_see_the_quantized_prefix_exactly(mlp):
     weights = read_weights(model.proto, names)
     windows = np.load(calib)["x"]
     contexts = Contexts({"x": windows}, "test")
-    calibrator = Calibrator(model.proto, layouts, contexts, RolloutSpec.from_dict({"steps": 1, "trajectory": ["y"]}), weights=weights)
+    calibrator = Calibrator(model.proto, layouts, CalibrationRollout(contexts, RolloutSpec.from_dict({"steps": 1, "trajectory": ["y"]})), weights=weights)
     seen = {}
 
     def encode_one(name, stats):
@@ -453,7 +453,7 @@ def test_auto_grids_keep_the_grid_whose_model_drifts_less_on_the_calibration_win
     measures each on the calibration windows' rollout and keeps the one that drifts less: the same codes as
     asking for that grid outright. An 8-bit tier has one grid: nothing is measured."""
     from tiers import GRIDS
-    from tqsdeploy.encoding.calibrator import Calibrator
+    from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
 
     model, calib, _ = mlp
     codes = lambda result: {n: e.values.tobytes() for n, e in result.encoded.items()}  # noqa: E731
@@ -471,7 +471,7 @@ def test_auto_grids_keep_the_grid_whose_model_drifts_less_on_the_calibration_win
     proto = onnx.load(str(model))
     layouts = weight_layouts(proto, ["W1", "W2", "W3"])
     weights = read_weights(proto, ["W1", "W2", "W3"])
-    calibrator = Calibrator(proto, layouts, Contexts({"x": np.load(calib)["x"]}, "calib"), RolloutSpec(steps=1, feedback=(), trajectory=("y",)), OrtRuntime(), weights=weights)
+    calibrator = Calibrator(proto, layouts, CalibrationRollout(Contexts({"x": np.load(calib)["x"]}, "calib"), RolloutSpec(steps=1, feedback=(), trajectory=("y",))), OrtRuntime(), weights=weights)
     for grids, result in each.items():
         assert calibrator.drift(result.weights).worst_pct == pytest.approx(chosen.grid_drifts[grids], rel=1e-6)
     calibrator.close()

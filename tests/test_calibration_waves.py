@@ -9,7 +9,7 @@ import pytest
 import graph_ops
 import models
 from tiers import TIERS, Layout, Rounding, encode
-from tqsdeploy.encoding.calibrator import Calibrator
+from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
 from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.rollout import RolloutSpec
 
@@ -26,7 +26,7 @@ def _pass(path, keep: bool, method: str, counted: list[int], monkeypatch):
     weights = graph_ops.read_weights(model.proto, names)
     contexts = Contexts({"x": np.random.default_rng(3).standard_normal((6, 1, 4, 16)).astype(np.float32)}, "test")
     spec = RolloutSpec.from_dict({"steps": 3, "feedback": [{"output": "y", "input": "x"}]})
-    calibrator = Calibrator(model.proto, layouts, contexts, spec, weights=weights)
+    calibrator = Calibrator(model.proto, layouts, CalibrationRollout(contexts, spec), weights=weights)
     calibrator.keep_activations = keep
     made = graph_ops.io.session_source
 
@@ -89,7 +89,7 @@ def test_a_mixed_pass_solves_only_what_changed_and_makes_the_same_codes(tmp_path
     spec = RolloutSpec.from_dict({"steps": 3, "feedback": [{"output": "y", "input": "x"}]})
 
     def encoder():
-        coder = Encoder(units, layouts, weights, calibrator=lambda: Calibrator(model.proto, layouts, contexts, spec, weights=weights))
+        coder = Encoder(units, layouts, weights, calibrator=lambda: Calibrator(model.proto, layouts, CalibrationRollout(contexts, spec), weights=weights))
         solved: list[str] = []
         coder.on_weight = solved.append
         return coder, solved

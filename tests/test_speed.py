@@ -285,7 +285,7 @@ def test_the_calibration_session_sleeps_between_calls(tmp_path):
     must not spin (on 2 cores spinning made the demo's calibration 2.2x slower). Spinning changes no value."""
     import graph_ops
     from runtimes import OrtRuntime
-    from tqsdeploy.encoding.calibrator import Calibrator
+    from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
 
     entry = ("session.intra_op.allow_spinning", "0")
     assert OrtRuntime().yielding().config == (entry,) and OrtRuntime().yielding().yielding().config == (entry,)
@@ -293,7 +293,7 @@ def test_the_calibration_session_sleeps_between_calls(tmp_path):
     loaded = graph_ops.load_model(model)
     names = [w.name for w in graph_ops.find_weight_tensors(loaded.proto) if w.params >= 100]
     layouts = graph_ops.weight_layouts(loaded.proto, names)
-    calibrator = Calibrator(loaded.proto, layouts, contexts, spec, OrtRuntime(threads=2), weights=graph_ops.read_weights(loaded.proto, names))
+    calibrator = Calibrator(loaded.proto, layouts, CalibrationRollout(contexts, spec), OrtRuntime(threads=2), weights=graph_ops.read_weights(loaded.proto, names))
     assert calibrator._open_args[1].config == (entry,) and calibrator._open_args[1].threads == 2
     calibrator.close()
 

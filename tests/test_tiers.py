@@ -9,7 +9,7 @@ import models
 from graph_ops.qdq import apply_storage, conversion_overhead_bits, emitted_bits
 from runtimes import OrtRuntime
 from tiers import METHODS, TIERS, Layout, Rounding, TierError, encode, get_tiers, split, tier_for_bits
-from tqsdeploy.encoding.calibrator import Calibrator
+from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
 from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.encoding.encoder import Encoder
 from tqsdeploy.rollout import RolloutSpec
@@ -94,7 +94,7 @@ def encoder(tmp_path_factory):
     weights = graph_ops.read_weights(model.proto, list(layouts))
     contexts = Contexts({"x": np.random.default_rng(1).standard_normal((6, 8, 32)).astype(np.float32)}, "test")
     spec = RolloutSpec.from_dict({"steps": 3, "feedback": [{"output": "y", "input": "x"}]})
-    make = lambda: Encoder(units, layouts, weights, calibrator=lambda: Calibrator(model.proto, layouts, contexts, spec, weights=weights), track_errors=True)  # noqa: E731
+    make = lambda: Encoder(units, layouts, weights, calibrator=lambda: Calibrator(model.proto, layouts, CalibrationRollout(contexts, spec), weights=weights), track_errors=True)  # noqa: E731
     coder = make()
     yield model, coder, make
     coder.close()

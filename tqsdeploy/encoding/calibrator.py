@@ -27,7 +27,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from time import perf_counter
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import numpy as np
 import onnx
@@ -88,6 +88,14 @@ def _sample_chunks(use, value: np.ndarray) -> list:
     return [slice(start, start + step) for start in range(0, value.shape[0], step)]
 
 
+class CalibrationRollout(NamedTuple):
+    """The windows and rollout calibration statistics come from: the inputs of every step of the nominal rollout."""
+
+    contexts: Contexts
+    spec: RolloutSpec
+    max_batch: int = 64
+
+
 class Calibrator:
     """Collects statistics and quantizes weights in wave order; reusable across passes."""
 
@@ -95,17 +103,16 @@ class Calibrator:
         self,
         proto,
         layouts: Mapping[str, WeightLayout],
-        contexts: Contexts,
-        spec: RolloutSpec,
+        rollout: CalibrationRollout,
         runtime: Runtime = DEFAULT_RUNTIME,
-        max_batch: int = 64,
-        workdir: Path | None = None,
-        data_dir: Path | None = None,
         *,
         weights: Mapping[str, np.ndarray],
         opset: int = 1,
+        workdir: Path | None = None,
+        data_dir: Path | None = None,
     ):
-        """`data_dir`: the folder of the data files a `proto` loaded without its external data points into.
+        """`rollout`: the windows and steps the statistics come from. `workdir`: where session files of a model too
+        large to pass as bytes go. `data_dir`: the folder of the data files a `proto` loaded without its external data points into.
         `weights`: the scored weights' values; they are plain inputs of the session, fed from there when
         a run does not feed its own, so the runtime holds no copy of the model's weights.
         `opset`: the opset the output is written at: the sessions run the model converted to it (`at_opset`)."""
@@ -116,7 +123,7 @@ class Calibrator:
         calibrated = {n for wave in self.waves for n in wave}
         self.first = [n for n in self.layouts if n not in calibrated]
         self._open_args = (proto, runtime.yielding(), workdir, data_dir)  # its runs alternate with BLAS-heavy statistics
-        self._rollout = (contexts, spec, max_batch)
+        self._rollout = rollout
         self._graph = None
         """The model with the scored weights as graph inputs and every layer input an output (no weight data)."""
         self._graph_inputs: set[str] | None = None

@@ -23,7 +23,7 @@ import graph_ops
 from graph_ops.qdq import computes_in_half, default_opset, write_storage
 from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import Encoded, Rounding, Tier, TierError, ladder_opset, tier_for_bits
-from tqsdeploy.encoding.calibrator import Calibrator
+from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
 from tqsdeploy.encoding.logs import thin_note
 from tqsdeploy.rollout.contexts import Contexts, load_contexts
 from tqsdeploy.errors import InputError
@@ -193,7 +193,7 @@ class _CalibrationSource:
             resolved = RolloutSpec(steps=1, feedback=(), trajectory=tuple(o.name for o in outputs if o.dtype.kind == "f"))
         else:
             resolved = resolve_spec(settings.spec, settings.steps, inputs, outputs)
-        return Calibrator(self.loaded.proto, self.layouts, contexts, resolved, self.runtime, settings.max_batch_windows, data_dir=self.data_dir,
+        return Calibrator(self.loaded.proto, self.layouts, CalibrationRollout(contexts, resolved, settings.max_batch_windows), self.runtime, data_dir=self.data_dir,
                           weights=self.weights, opset=self.opset)
 
 

@@ -23,7 +23,7 @@ from typing import Callable
 from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import Tier, get_tiers
 from tqsdeploy.encoding import checkpoints
-from tqsdeploy.encoding.calibrator import Calibrator
+from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
 from tqsdeploy.encoding.encoder import Encoder, EncodingProgress
 from tqsdeploy.encoding.slots import check_group_size
 from tqsdeploy.errors import InputError
@@ -116,7 +116,7 @@ class Planner:
         prepared = scored.prepared
 
         def calibrator() -> Calibrator:
-            return Calibrator(scored.model.proto, scored.layouts, prepared.contexts, prepared.spec, scored.runtime, workdir=self.run_dir,
+            return Calibrator(scored.model.proto, scored.layouts, CalibrationRollout(prepared.contexts, prepared.spec), scored.runtime, workdir=self.run_dir,
                               data_dir=prepared.data_dir, weights=scored.weights, opset=scored.opset)
 
         folder = (self.run_dir / checkpoints.FOLDER, scored.checkpoint_identity(self.settings)) if resumable else None
