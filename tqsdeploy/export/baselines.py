@@ -24,7 +24,7 @@ from graph_ops.qdq import computes_in_half, default_opset, write_storage
 from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import Encoded, Rounding, TierError, ladder_opset, tier_for_bits
 from tqsdeploy.encoding.calibrator import Calibrator, thin_note
-from tqsdeploy.rollout.contexts import Contexts, load_contexts
+from tqsdeploy.rollout.contexts import ContextOptions, Contexts, load_contexts
 from tqsdeploy.errors import InputError
 from tqsdeploy.encoding.encoder import Encoder, check_grids, checked_layouts, grid_options
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
@@ -123,7 +123,7 @@ def quantize_baseline(
         del graph
         inputs, outputs = [i for i in session.inputs if i.name not in layouts], list(session.outputs)
         session.close()
-        contexts = calib if isinstance(calib, Contexts) else load_contexts(Path(calib), inputs, windows=8, zscore=False, random=False, seed=0)
+        contexts = calib if isinstance(calib, Contexts) else load_contexts(Path(calib), inputs, ContextOptions())
         if spec is None and steps is None:  # the windows themselves, one step
             resolved = RolloutSpec(steps=1, feedback=(), trajectory=tuple(o.name for o in outputs if o.dtype.kind == "f"))
         else:

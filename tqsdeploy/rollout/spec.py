@@ -53,7 +53,7 @@ class Feedback:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RolloutSpec:
     """Steps, feedback edges and trajectory outputs of an autoregressive rollout."""
 
@@ -62,6 +62,16 @@ class RolloutSpec:
     trajectory: tuple[str, ...]
     origin: str = "spec"
     """Where the spec came from: 'spec' (a file) or 'detected'."""
+
+    def _fields(self) -> tuple:
+        return self.steps, self.feedback, self.trajectory, self.origin
+
+    def __eq__(self, other: object) -> bool:
+        """By value, checked or not: a `CheckedSpec` is the same rollout as the spec it was checked from."""
+        return self._fields() == other._fields() if isinstance(other, RolloutSpec) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
 
     def __post_init__(self):
         if self.steps < 1:
@@ -246,6 +256,17 @@ class RolloutSpec:
             raise RolloutError(
                 f"the rollout feeds nothing back, so all {self.steps} steps would repeat step 1; a model without feedback is single-step: use steps = 1 (--steps 1)"
             )
+
+    def checked(self, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]) -> "CheckedSpec":
+        """This spec `check`ed against a model's signature, typed so that what runs it need not check it again."""
+        self.check(inputs, outputs)
+        return CheckedSpec(steps=self.steps, feedback=self.feedback, trajectory=self.trajectory, origin=self.origin)
+
+
+@dataclass(frozen=True, eq=False)
+class CheckedSpec(RolloutSpec):
+    """A spec known to fit the signature of the model it rolls out (made by `RolloutSpec.checked`, in
+    `resolve_spec`): a sweep's job takes only this, so its runners, workers and lanes trust it."""
 
 
 def _check_advance(edge: "Feedback", spec: IOSpec) -> None:

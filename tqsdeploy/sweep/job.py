@@ -10,7 +10,7 @@ import numpy as np
 from runtimes import Session, SessionFactory
 from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.rollout.engine import EarlyStop
-from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.rollout import CheckedSpec
 from tqsdeploy.units import Unit
 
 STRATEGIES = ("auto", "feed", "rebuild", "unit", "prefix", "batch")
@@ -25,7 +25,8 @@ probes run in one rollout of a session per unit with the batch tiled per probe
 
 @dataclass
 class SweepJob:
-    """Everything a worker needs to run tasks; picklable by design.
+    """Everything a worker needs to run tasks; picklable by design. Made by `scoring.prepare` from checked
+    parts (`spec` fits the model, `strategy` is known), which its runners take as they are.
 
     `session_factory` opens the session whose scored weights are overridable
     feeds; `rebuild_factory(weights)` opens a session with those weights baked
@@ -35,7 +36,7 @@ class SweepJob:
 
     session_factory: SessionFactory
     contexts: Contexts
-    spec: RolloutSpec
+    spec: CheckedSpec
     units: dict[str, Unit]
     weights: dict[str, np.ndarray]
     probe_bits: int
@@ -61,3 +62,7 @@ class SweepJob:
     fed_keeps_kernels: bool = False
     """The overridable session runs every scored weight on the kernels a constant session would (`score.fed_as_fast`,
     `graph_ops.derived.WeightMap.keeps_kernels`): no rebuilt session can beat it, and auto builds none to time."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, CheckedSpec):  # its runners never check the spec against the model again
+            raise TypeError("a SweepJob takes a CheckedSpec (rollout.resolve_spec), not an unchecked RolloutSpec")

@@ -14,7 +14,7 @@ from runtimes import Session
 from tqsdeploy.rollout.engine import Drift, Nominal, RolloutEngine
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.sweep.choice import Choice
-from tqsdeploy.sweep.job import STRATEGIES, SweepJob
+from tqsdeploy.sweep.job import SweepJob
 from tqsdeploy.sweep.nominal import SharedNominal
 from tqsdeploy.sweep.probe_source import PROBE_DEPTH_MAX, ProbeSource
 from tqsdeploy.sweep.rig import Rig
@@ -29,13 +29,13 @@ class SweepRunner:
     How perturbed weights reach the runtime is the strategy's (`strategies`, one `Strategy` each); 'auto'
     times them (`choice.Choice`) and picks the cheapest sweep. The nominal rollout is made by the session
     the perturbed ones are compared with, so an inert unit diverges by exactly zero; it is compared, and
-    early stopping decided, by the engine (`RolloutEngine.step_total`, `Divergence`).
+    early stopping decided, by the engine (`RolloutEngine.step_total`, `Divergence`). The job's spec and
+    strategy were checked where they were made (`SweepJob`); what is checked here is what depends on the
+    session and the strategy this runner opens.
     """
 
     def __init__(self, job: SweepJob, session: Session | None = None, nominal: Nominal | None = None):
         self.job = job
-        if job.strategy not in STRATEGIES:
-            raise RolloutError(f"unknown strategy '{job.strategy}'; choose one of {', '.join(STRATEGIES)}")
         asked = BY_NAME.get(job.strategy)
         if asked is not None:
             asked.refuse(job)
@@ -46,7 +46,6 @@ class SweepRunner:
             missing = {n for u in job.units.values() for n in u.tensor_names} - opened.weights
             if missing:
                 raise RolloutError(f"the session cannot override weight '{sorted(missing)[0]}'")
-        job.spec.check(inputs, opened.outputs)
         engine = RolloutEngine(opened, job.contexts, job.spec, job.max_batch_windows)
         self.rig = Rig(job, engine, inputs, ProbeSource(job), overridable=None if constant_only else opened, constant=opened if constant_only else None)
         self.engine, self.probes = engine, self.rig.probes
