@@ -31,7 +31,7 @@ def resolve_spec(spec: RolloutSpec | str | Path | None, steps: int | None, input
         resolved = spec if isinstance(spec, RolloutSpec) else RolloutSpec.from_toml(spec)
         if steps:
             resolved = resolved.with_steps(steps)
-    return resolved.checked(inputs, outputs)
+    return resolved.check(inputs, outputs)
 
 
 __all__ = [

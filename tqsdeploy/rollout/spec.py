@@ -208,8 +208,9 @@ class RolloutSpec:
             text += "\n[[feedback]]\n" + comment + tomli_w.dumps({k: v for k, v in fields.items() if v is not None})
         return text
 
-    def check(self, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]) -> None:
-        """Fail with a clear message when the spec does not fit the model's signature."""
+    def check(self, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]) -> "CheckedSpec":
+        """Fail with a clear message when the spec does not fit the model's signature; else the spec typed as
+        checked, so that what runs it need not check it again."""
         ins = {s.name: s for s in inputs}
         outs = {s.name: s for s in outputs}
         for edge in self.feedback:  # before the trajectory, which defaults to these outputs: name what the user wrote
@@ -256,16 +257,12 @@ class RolloutSpec:
             raise RolloutError(
                 f"the rollout feeds nothing back, so all {self.steps} steps would repeat step 1; a model without feedback is single-step: use steps = 1 (--steps 1)"
             )
-
-    def checked(self, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]) -> "CheckedSpec":
-        """This spec `check`ed against a model's signature, typed so that what runs it need not check it again."""
-        self.check(inputs, outputs)
         return CheckedSpec(steps=self.steps, feedback=self.feedback, trajectory=self.trajectory, origin=self.origin)
 
 
 @dataclass(frozen=True, eq=False)
 class CheckedSpec(RolloutSpec):
-    """A spec known to fit the signature of the model it rolls out (made by `RolloutSpec.checked`, in
+    """A spec known to fit the signature of the model it rolls out (what `RolloutSpec.check` returns, in
     `resolve_spec`): a sweep's job takes only this, so its runners, workers and lanes trust it."""
 
 

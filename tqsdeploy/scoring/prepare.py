@@ -65,6 +65,8 @@ class Prepared:
     """The runtime's copy of a model too large to pass as bytes (external data beside it)."""
     data_dir: Path | None = None
     """Set when the model was loaded without its external data: the folder its data files are in."""
+    workers: int = 1
+    """Worker processes (or Ray actors) the sweep runs on (`SweepSettings.processes`)."""
     lanes: int = 1
     """Tasks the sweep runs at once in this process (`sweep.run_lanes`); the sessions' threads are split for them."""
     threads: int | None = None
@@ -103,7 +105,7 @@ def prepare(request: ScoreRequest, sessions: SessionOptions = SessionOptions()) 
     loaded = graph_ops.load_model(request.model, load_external=not sessions.stream)  # large single files come as a skeleton
     streamed = sessions.stream and graph_ops.io.has_external_data(loaded.proto)
     data_dir = loaded.path.parent.resolve() if streamed else None
-    runtime, lanes = _runtime_and_lanes(request.runtime, request.sweep.lanes, loaded)
+    runtime, workers, lanes = _sized(request, loaded)
     units, notes = _units(loaded, request)
     names = [n for u in units for n in u.tensor_names]
     sources, opset = _sources(loaded, units, runtime, sessions, data_dir)
@@ -139,19 +141,25 @@ def prepare(request: ScoreRequest, sessions: SessionOptions = SessionOptions()) 
     )
     return Prepared(
         model=loaded, units=units, spec=spec, contexts=contexts, job=job, session=probe_session,
-        session_file=sources.source if isinstance(sources.source, Path) else None, data_dir=data_dir, lanes=lanes,
-        threads=runtime.threads, fed_as=sources.fed_as, notes=notes, opset=opset,
+        session_file=sources.source if isinstance(sources.source, Path) else None, data_dir=data_dir, workers=workers,
+        lanes=lanes, threads=runtime.threads, fed_as=sources.fed_as, notes=notes, opset=opset,
     )
 
 
-def _runtime_and_lanes(runtime: Runtime, lanes: int | None, loaded: graph_ops.LoadedModel) -> tuple[Runtime, int]:
-    """The runtime as this model needs it, and the lanes the sweep runs (`sweep_lanes`; native TensorRT has no
-    threads: one lane), the cores split between them when the runtime leaves threads to ONNX Runtime."""
+def _sized(request: ScoreRequest, loaded: graph_ops.LoadedModel) -> tuple[Runtime, int, int]:
+    """The sweep sized to this machine and model: the runtime as the model needs it, the worker processes, and
+    the lanes (one per worker; else `sweep_lanes`, and native TensorRT has no threads: one lane). The cores
+    are split between workers or lanes when the runtime leaves threads to ONNX Runtime."""
+    runtime, cores = request.runtime, usable_cores()
+    workers = request.sweep.processes(cores)
+    if workers > 1 and runtime.threads is None:
+        runtime = runtime.with_threads(max(1, cores // workers))  # N workers x threads <= cores
     runtime = runtime.for_model(loaded.proto)
-    lanes = sweep_lanes(lanes, runtime.provider, runtime.threads, loaded.file_bytes)
+    spread = workers > 1 or request.sweep.ray_address is not None  # each worker runs one task at a time
+    lanes = sweep_lanes(1 if spread else request.sweep.lanes, runtime.provider, runtime.threads, loaded.file_bytes)
     if lanes > 1 and runtime.threads is None:
-        runtime = runtime.with_threads(max(1, usable_cores() // lanes))
-    return runtime, lanes
+        runtime = runtime.with_threads(max(1, cores // lanes))
+    return runtime, workers, lanes
 
 
 def _units(loaded: graph_ops.LoadedModel, request: ScoreRequest) -> tuple[list[Unit], list[str]]:

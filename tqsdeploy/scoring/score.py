@@ -9,7 +9,7 @@ on worker processes or on Ray; the scores and run.json are written as they finis
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import polars as pl
@@ -52,28 +52,19 @@ def score(model: str | Path, contexts=None, *, spec=None, steps: int | None = No
 def run_score(request: ScoreRequest, progress: ScoreProgress = ScoreProgress()) -> ScoreRun:
     """Run the score `request` asks for in its run folder, claimed while it runs; what the CLI's `score` calls."""
     started = time.perf_counter()
-    request = _fit_to_machine(request)
+    _check_machine(request.sweep)
     run_dir = Path(request.out) if request.out else default_run_dir(request.model)
     with claim_run_folder(run_dir):
-        return _score(run_dir, request, progress, started)
+        prepared = prepare(request, SessionOptions(workdir=run_dir, stream=True))
+        return _score(run_dir, request, prepared, progress, started)
 
 
-def _fit_to_machine(request: ScoreRequest) -> ScoreRequest:
-    """The request's sweep sized to this machine, checked before the model loads and the nominal rollout runs:
-    no more local processes than cores (more only adds contention), threads split between them."""
-    sweep, runtime = request.sweep, request.runtime
+def _check_machine(sweep: SweepSettings) -> None:
+    """What the sweep asks of the machine, checked before the model loads and the nominal rollout runs."""
     if sweep.ray_address is not None:
         check_ray_address(None if sweep.ray_address == "local" else sweep.ray_address)
-    cores = usable_cores()
-    workers = sweep.workers if sweep.ray_address is not None else min(sweep.workers, cores)
-    lanes = sweep.lanes
-    if workers > 1 or sweep.ray_address is not None:
-        if lanes not in (None, 1):
-            raise InputError("--lanes runs tasks side by side in this process; with --workers or --ray each worker runs one at a time", hint="pass one of them")
-        lanes = 1
-    if workers > 1 and runtime.threads is None:
-        runtime = runtime.with_threads(max(1, cores // workers))  # N workers x threads <= cores
-    return replace(request, sweep=replace(sweep, workers=workers, lanes=lanes), runtime=runtime)
+    if (sweep.processes(usable_cores()) > 1 or sweep.ray_address is not None) and sweep.lanes not in (None, 1):
+        raise InputError("--lanes runs tasks side by side in this process; with --workers or --ray each worker runs one at a time", hint="pass one of them")
 
 
 @dataclass
@@ -99,9 +90,8 @@ class _Tasks:
     pending: list[Task]
 
 
-def _score(run_dir: Path, request: ScoreRequest, progress: ScoreProgress, started: float) -> ScoreRun:
-    """`run_score` inside its claimed run folder."""
-    prepared = prepare(request, SessionOptions(workdir=run_dir, stream=True))
+def _score(run_dir: Path, request: ScoreRequest, prepared: Prepared, progress: ScoreProgress, started: float) -> ScoreRun:
+    """`run_score` inside its claimed run folder, its sweep prepared."""
     folder = _read_folder(run_dir, prepared, request)
     if folder.fresh:
         _remove_stale_sessions(run_dir, prepared)
@@ -117,7 +107,7 @@ def _score(run_dir: Path, request: ScoreRequest, progress: ScoreProgress, starte
             position = {name: i for i, name in enumerate(runner.unit_order)}
             tasks.pending.sort(key=lambda t: position[t.unit])
         write_json(run_dir / "run.json", meta)
-        _announce(progress, runner, tasks, request.sweep)
+        _announce(progress, runner, tasks, prepared, request.sweep)
 
         def record(result: TaskResult) -> None:
             replacing.recorded()
@@ -126,7 +116,7 @@ def _score(run_dir: Path, request: ScoreRequest, progress: ScoreProgress, starte
                 progress.on_result(result)
 
         sweep_started = time.perf_counter()
-        meta.update(_run_tasks(prepared, runner, tasks, request.sweep, record))
+        meta.update(_run_tasks(prepared, runner, tasks, request.sweep.ray_address, record))
         sweep_seconds = time.perf_counter() - sweep_started
         if runner.fallbacks:
             meta["batch_fallbacks"] = runner.fallbacks  # units 'batch' ran probe by probe, and why
@@ -226,26 +216,25 @@ def _record(prepared: Prepared, request: ScoreRequest, runner: SweepRunner, task
     return meta
 
 
-def _announce(progress: ScoreProgress, runner: SweepRunner, tasks: _Tasks, sweep: SweepSettings) -> None:
+def _announce(progress: ScoreProgress, runner: SweepRunner, tasks: _Tasks, prepared: Prepared, sweep: SweepSettings) -> None:
     """Tell the caller how many tasks there are, and how long auto's timing says the sweep will take."""
     if progress.on_start:
         progress.on_start(len(tasks.planned), len(tasks.planned) - len(tasks.pending))
     estimate = runner.timings.get(runner.strategy)
-    if progress.on_estimate and estimate and tasks.pending and sweep.ray_address is None and sweep.workers == 1:  # timed on these lanes
+    if progress.on_estimate and estimate and tasks.pending and sweep.ray_address is None and prepared.workers == 1:  # timed on these lanes
         progress.on_estimate(estimate * (len(tasks.pending) / len(tasks.planned)))  # the share first: a whole sweep hands on the estimate exactly
 
 
-def _run_tasks(prepared: Prepared, runner: SweepRunner, tasks: _Tasks, sweep: SweepSettings, record) -> dict:
+def _run_tasks(prepared: Prepared, runner: SweepRunner, tasks: _Tasks, ray_address: str | None, record) -> dict:
     """Run the pending tasks on Ray, on worker processes or in this process; what run.json records of how."""
     pending = tasks.pending
-    if sweep.ray_address is not None and pending:
-        workers = max(1, min(sweep.workers, len(pending)))
+    if ray_address is not None and pending:
+        workers = max(1, min(prepared.workers, len(pending)))
         runner.close()
-        address = None if sweep.ray_address == "local" else sweep.ray_address
-        run_ray(prepared.job, pending, tasks.log, workers, runner.strategy, address, on_result=record)
+        run_ray(prepared.job, pending, tasks.log, workers, runner.strategy, None if ray_address == "local" else ray_address, on_result=record)
         return {"workers": f"ray:{workers}"}
-    if sweep.workers > 1 and len(pending) > 1:
-        workers = min(sweep.workers, len(pending))
+    if prepared.workers > 1 and len(pending) > 1:
+        workers = min(prepared.workers, len(pending))
         runner.close()
         run_parallel(prepared.job, pending, tasks.log, workers, runner.strategy, on_result=record)
         return {"workers": workers}

@@ -37,6 +37,7 @@ class SweepJob:
     session_factory: SessionFactory
     contexts: Contexts
     spec: CheckedSpec
+    """Checked against the model where it was resolved (`rollout.resolve_spec`): runners do not check it again."""
     units: dict[str, Unit]
     weights: dict[str, np.ndarray]
     probe_bits: int
@@ -62,7 +63,3 @@ class SweepJob:
     fed_keeps_kernels: bool = False
     """The overridable session runs every scored weight on the kernels a constant session would (`score.fed_as_fast`,
     `graph_ops.derived.WeightMap.keeps_kernels`): no rebuilt session can beat it, and auto builds none to time."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.spec, CheckedSpec):  # its runners never check the spec against the model again
-            raise TypeError("a SweepJob takes a CheckedSpec (rollout.resolve_spec), not an unchecked RolloutSpec")

@@ -11,6 +11,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from runtimes import Session
+from tqsdeploy.rollout import CheckedSpec
 from tqsdeploy.rollout.engine import Drift, Nominal, RolloutEngine
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.sweep.choice import Choice
@@ -30,11 +31,13 @@ class SweepRunner:
     times them (`choice.Choice`) and picks the cheapest sweep. The nominal rollout is made by the session
     the perturbed ones are compared with, so an inert unit diverges by exactly zero; it is compared, and
     early stopping decided, by the engine (`RolloutEngine.step_total`, `Divergence`). The job's spec and
-    strategy were checked where they were made (`SweepJob`); what is checked here is what depends on the
-    session and the strategy this runner opens.
+    strategy were checked where they were made (`resolve_spec`, `SweepSettings`); what is checked here is
+    what depends on the session and the strategy this runner opens.
     """
 
     def __init__(self, job: SweepJob, session: Session | None = None, nominal: Nominal | None = None):
+        if not isinstance(job.spec, CheckedSpec):  # what a job's spec is typed as, so nothing checks it here again
+            raise TypeError("a sweep's job takes a CheckedSpec (rollout.resolve_spec), not an unchecked RolloutSpec")
         self.job = job
         asked = BY_NAME.get(job.strategy)
         if asked is not None:

@@ -25,6 +25,11 @@ class SweepSettings:
     def __post_init__(self) -> None:
         check_strategy(self.strategy)
 
+    def processes(self, cores: int) -> int:
+        """The worker processes (or Ray actors) the sweep runs on: no more local ones than `cores`, where more
+        would only add contention."""
+        return self.workers if self.ray_address is not None else min(self.workers, cores)
+
 
 def check_strategy(name: str) -> None:
     """Refuse a strategy this version does not have, before anything is loaded."""
