@@ -160,7 +160,8 @@ def _plain_rollout(model: Path, contexts: Contexts, spec: RolloutSpec, threads: 
 
 def sweep_shape(model: Path, contexts, spec: RolloutSpec, settings: ScoreSettings, runtime: OrtRuntime):
     """The prepared sweep, whether its windows run batched, and its number of perturbed rollouts L·(1+N)."""
-    prepared = prepare(ScoreRequest(model, contexts, spec, settings=settings, runtime=runtime, sweep=SweepSettings(lanes=1)))
+    prepared = prepare(ScoreRequest(model, contexts, spec, settings=settings, runtime=runtime,
+                                    sweep=SweepSettings(lanes=1)))
     runner = prepared.open_runner()
     batched = runner.nominal.batched
     runner.close()

@@ -77,7 +77,9 @@ def test_lanes_taking_units_out_of_plan_order_build_each_perturbation_once(tmp_p
     from tqsdeploy.scoring.request import ScoreRequest
     from tqsdeploy.sweep import SweepSettings
 
-    job = prepare(ScoreRequest(model, contexts, spec, settings=SETTINGS, selection=UnitSelection(min_params=100), sweep=SweepSettings(lanes=1))).job
+    request = ScoreRequest(model, contexts, spec, settings=SETTINGS, selection=UnitSelection(min_params=100),
+                           sweep=SweepSettings(lanes=1))
+    job = prepare(request).job
     tasks = plan_tasks(list(job.units.values()), True, 2)
     built = []
     build = ProbeSource._build

@@ -175,8 +175,9 @@ def score(
             settings=settings,
             selection=selection,
             runtime=for_provider(provider, threads),
-            context_options=ContextOptions(windows=csv_windows(windows, contexts), zscore=zscore, random=random_contexts, seed=seed,
-                                           max_batch_windows=batch_windows, columns=parse_columns(columns), dims=parse_dims(dims)),
+            context_options=ContextOptions(windows=csv_windows(windows, contexts), zscore=zscore, random=random_contexts,
+                                           seed=seed, max_batch_windows=batch_windows, columns=parse_columns(columns),
+                                           dims=parse_dims(dims)),
             sweep=SweepSettings(strategy=strategy, workers=workers, ray_address=ray, lanes=lanes),
         )
         table = run_score(request, ScoreProgress(on_start=on_start, on_result=on_result, on_estimate=progress.estimate))

@@ -337,8 +337,8 @@ def evaluate(
     resolved = resolve_spec(spec, steps, inputs, session.outputs)
     csv = Path(contexts).suffix.lower() == ".csv"
     following = continuation_rows(resolved, session.outputs, inputs) if csv and not truth else 0
-    ctx = load_contexts(Path(contexts), inputs, ContextOptions(windows=settings.windows, zscore=settings.zscore, seed=settings.seed,
-                                                               columns=settings.columns), following=following)
+    options = ContextOptions(windows=settings.windows, zscore=settings.zscore, seed=settings.seed, columns=settings.columns)
+    ctx = load_contexts(Path(contexts), inputs, options, following=following)
     side = tuple(o.name for o in session.outputs if o.name not in resolved.trajectory)
     followed = replace(resolved, trajectory=resolved.trajectory + side)  # side outputs ride along, measured apart
     engine = RolloutEngine(session, ctx, followed, settings.max_batch_windows)

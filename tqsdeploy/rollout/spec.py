@@ -169,7 +169,7 @@ class RolloutSpec:
         feedback = tuple(edges)
         fed = [e.input for e in feedback]
         again = next((i for i, name in enumerate(fed) if name in fed[:i]), None)
-        if again is not None:  # once reported as "`trajectory` lists x_next more than once", a key the spec may not have
+        if again is not None:  # before the trajectory's check, which would name a key the spec may not have
             raise RolloutError(f"[[feedback]] #{again + 1} feeds input '{fed[again]}', which #{fed.index(fed[again]) + 1} already feeds; "
                                "an input takes one edge")
         if trajectory is None:  # each output once, even where it feeds two inputs

@@ -76,7 +76,8 @@ class Prepared:
     notes: list[str] = field(default_factory=list)
     """What the user should know about the unit selection (`units.selection_notes`)."""
     opset: int = 0
-    """The default-domain opset its sessions run the model at (`SessionOptions.opset`; the model's own unless raised)."""
+    """The default-domain opset its sessions run the model at (`SessionOptions.opset`; the model's own unless
+    raised)."""
 
     def open_runner(self, nominal: "Nominal | None" = None) -> SweepRunner:
         """A runner of the sweep; `nominal`: the rollout an earlier runner of this job made (not made again)."""
@@ -102,7 +103,8 @@ def prepare(request: ScoreRequest, sessions: SessionOptions = SessionOptions()) 
     """Load and check everything the sweep of `request` needs, its sessions made as `sessions` says; fails fast
     on bad input. The rollout spec is checked here, once (`resolve_spec`): the job's runners trust it."""
     request.runtime.check()
-    loaded = graph_ops.load_model(request.model, load_external=not sessions.stream)  # large single files come as a skeleton
+    # a large single file comes as a skeleton
+    loaded = graph_ops.load_model(request.model, load_external=not sessions.stream)
     streamed = sessions.stream and graph_ops.io.has_external_data(loaded.proto)
     data_dir = loaded.path.parent.resolve() if streamed else None
     runtime, workers, lanes = _sized(request, loaded)
@@ -164,7 +166,8 @@ def _sized(request: ScoreRequest, loaded: graph_ops.LoadedModel) -> tuple[Runtim
 
 def _units(loaded: graph_ops.LoadedModel, request: ScoreRequest) -> tuple[list[Unit], list[str]]:
     """The units the request selects, and what the user should know about the selection."""
-    tensors, unfed = graph_ops.find_weight_tensors(loaded.proto), graph_ops.layout.unfed_float_tensors(loaded.proto.graph)
+    tensors = graph_ops.find_weight_tensors(loaded.proto)
+    unfed = graph_ops.layout.unfed_float_tensors(loaded.proto.graph)
     units = select_units(tensors, request.selection, unfed)
     return units, selection_notes(loaded, tensors, units, request.selection, unfed)
 
@@ -215,7 +218,10 @@ def _in_memory(proto: onnx.ModelProto, declarations: dict[str, bytes], units: li
     rebuild = RebuildFactory(graph_ops.model_bytes(proto), runtime, declarations)
     derived, fed_as = derived_feed(rebuild, units, names)
     factory = derived or partial(rebuild.overridable, tuple(names))
-    keeps = derived.made()[1].keeps_kernels if derived is not None else all(fed_as_fast(t) for u in units for t in u.tensors)
+    if derived is not None:
+        keeps = derived.made()[1].keeps_kernels
+    else:
+        keeps = all(fed_as_fast(t) for u in units for t in u.tensors)
     return _Sources(factory, rebuild.model, rebuild=rebuild, cuts=rebuild, fed_as=fed_as, keeps_kernels=keeps)
 
 

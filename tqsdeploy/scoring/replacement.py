@@ -33,7 +33,8 @@ class Replacement:
     def recover(run_dir: Path) -> None:
         """After a process killed while it replaced a run (kill -9: no `__exit__`): the run set aside comes back
         unless the new one got a result."""
-        shutil.rmtree(run_dir / f"{REPLACED}.tmp", ignore_errors=True)  # killed before the set was whole: the run is still in place
+        # killed before the set was whole: the run is still in place
+        shutil.rmtree(run_dir / f"{REPLACED}.tmp", ignore_errors=True)
         aside = run_dir / REPLACED
         if not aside.is_dir():
             return
@@ -44,7 +45,7 @@ class Replacement:
             replacing.restore()
 
     def __enter__(self) -> "Replacement":
-        if self.fresh:  # linked into a folder renamed whole, then unlinked: a kill at any point leaves one whole copy of the run
+        if self.fresh:  # linked into a folder renamed whole, then unlinked: a kill at any point leaves one whole copy
             gathering = self.run_dir / f"{REPLACED}.tmp"
             gathering.mkdir()
             present = [name for name in RUN_FILES if (self.run_dir / name).exists()]
@@ -57,7 +58,8 @@ class Replacement:
             for name in present:
                 (self.run_dir / name).unlink()
             try:
-                write_json(self.run_dir / "run.json", {"format": RUN_FORMAT, "status": "starting"})  # a run folder from now on, whatever kills this
+                # a run folder from now on, whatever kills this
+                write_json(self.run_dir / "run.json", {"format": RUN_FORMAT, "status": "starting"})
             except BaseException:  # a full disk here: no `__exit__` follows, so the run set aside comes back now
                 self.restore()
                 raise

@@ -179,7 +179,8 @@ class ScoreRun:
         sessions run the model at, from the model and its units (`SessionOptions.opset`)."""
         request = ScoreRequest(model, self.contexts_file, self.spec_file, settings=self.settings, selection=self.selection,
                                sweep=SweepSettings(strategy=strategy, lanes=lanes), runtime=runtime)
-        return prepare(request, SessionOptions(workdir=self.run_dir, stream=True, runtime_keeps_weights=runtime_keeps_weights, opset=opset))
+        sessions = SessionOptions(workdir=self.run_dir, stream=True, runtime_keeps_weights=runtime_keeps_weights, opset=opset)
+        return prepare(request, sessions)
 
 
 ScoreTable = ScoreRun

@@ -21,8 +21,8 @@ from tqsdeploy.scoring.prepare import Prepared, SessionOptions, prepare
 from tqsdeploy.scoring.replacement import Replacement, holds_nothing
 from tqsdeploy.scoring.request import ScoreProgress, ScoreRequest
 from tqsdeploy.scoring.runs import RUN_FORMAT, ScoreRun, current_versions, default_run_dir, read_record, run_fingerprint
-from tqsdeploy.sweep import ResultLog, SweepRunner, SweepSettings, Task, TaskResult, plan_tasks, run_local, run_parallel, run_ray
-from tqsdeploy.sweep import stale_units, usable_cores
+from tqsdeploy.sweep import ResultLog, SweepRunner, SweepSettings, Task, TaskResult, plan_tasks, stale_units, usable_cores
+from tqsdeploy.sweep import run_local, run_parallel, run_ray
 from tqsdeploy.sweep.executors import check_ray_address
 from tqsdeploy.sweep.settings import check_strategy
 
@@ -64,7 +64,8 @@ def _check_machine(sweep: SweepSettings) -> None:
     if sweep.ray_address is not None:
         check_ray_address(None if sweep.ray_address == "local" else sweep.ray_address)
     if (sweep.processes(usable_cores()) > 1 or sweep.ray_address is not None) and sweep.lanes not in (None, 1):
-        raise InputError("--lanes runs tasks side by side in this process; with --workers or --ray each worker runs one at a time", hint="pass one of them")
+        raise InputError("--lanes runs tasks side by side in this process; with --workers or --ray each worker runs one at a time",
+                         hint="pass one of them")
 
 
 @dataclass
@@ -90,7 +91,8 @@ class _Tasks:
     pending: list[Task]
 
 
-def _score(run_dir: Path, request: ScoreRequest, prepared: Prepared, progress: ScoreProgress, started: float) -> ScoreRun:
+def _score(run_dir: Path, request: ScoreRequest, prepared: Prepared, progress: ScoreProgress,
+           started: float) -> ScoreRun:
     """`run_score` inside its claimed run folder, its sweep prepared."""
     folder = _read_folder(run_dir, prepared, request)
     if folder.fresh:
@@ -120,7 +122,8 @@ def _score(run_dir: Path, request: ScoreRequest, prepared: Prepared, progress: S
         sweep_seconds = time.perf_counter() - sweep_started
         if runner.fallbacks:
             meta["batch_fallbacks"] = runner.fallbacks  # units 'batch' ran probe by probe, and why
-        frame = score_frame(prepared.units, tasks.done, runner.nominal.norm_sq, request.settings, prepared.spec.steps, prepared.job.rows)
+        frame = score_frame(prepared.units, tasks.done, runner.nominal.norm_sq, request.settings, prepared.spec.steps,
+                            prepared.job.rows)
         write_table(frame, run_dir / "scores.parquet")
         write_table(frame, run_dir / "scores.csv")
         meta.update(_outcome(frame, runner, request.settings))
@@ -141,7 +144,8 @@ def _read_folder(run_dir: Path, prepared: Prepared, request: ScoreRequest) -> _F
     existing, resume = read_record(run_dir), request.resume
     # Only a folder that may be resumed needs the fingerprint before the sweep opens; a fresh run works it
     # out after `open_runner`, so the model's digest (a background thread) runs beside the session builds.
-    fingerprint = run_fingerprint(prepared, request.settings, request.runtime) if existing is not None and resume is not False else None
+    needed = existing is not None and resume is not False
+    fingerprint = run_fingerprint(prepared, request.settings, request.runtime) if needed else None
     matches = fingerprint is not None and existing.get("fingerprint") == fingerprint
     if existing is not None and not matches and resume is None and holds_nothing(run_dir, existing):
         resume = False  # a run that failed or stopped before its first result: nothing to keep, nothing to refuse for
@@ -178,13 +182,15 @@ def _plan(run_dir: Path, prepared: Prepared, settings: ScoreSettings, folder: _F
     return _Tasks(log, done, remeasured, planned, [t for t in planned if t.key not in done])
 
 
-def _record(prepared: Prepared, request: ScoreRequest, runner: SweepRunner, tasks: _Tasks, fingerprint: str | None) -> dict:
+def _record(prepared: Prepared, request: ScoreRequest, runner: SweepRunner, tasks: _Tasks,
+            fingerprint: str | None) -> dict:
     """run.json as the sweep starts: what is scored, how, and what the user should know."""
     meta = {
         "format": RUN_FORMAT,
         "status": "running",
         "fingerprint": fingerprint or run_fingerprint(prepared, request.settings, request.runtime),
-        "model": {"path": str(prepared.model.path.resolve()), "sha256": prepared.model.sha256, "bytes": prepared.model.file_bytes},
+        "model": {"path": str(prepared.model.path.resolve()), "sha256": prepared.model.sha256,
+                  "bytes": prepared.model.file_bytes},
         "rollout": prepared.spec.to_dict(),
         "contexts": prepared.contexts.describe(),
         "probe": asdict(request.settings),
@@ -199,15 +205,17 @@ def _record(prepared: Prepared, request: ScoreRequest, runner: SweepRunner, task
     if tasks.remeasured:
         remeasured = sorted(tasks.remeasured)
         meta["warnings"].append(
-            f"{len(remeasured)} unit(s) finished in this folder were probed with other perturbations than this version makes "
-            f"(an older tqsdeploy?): measured again ({', '.join(remeasured[:3])}{', ...' if len(remeasured) > 3 else ''})"
+            f"{len(remeasured)} unit(s) finished in this folder were probed with other perturbations than this "
+            f"version makes (an older tqsdeploy?): measured again "
+            f"({', '.join(remeasured[:3])}{', ...' if len(remeasured) > 3 else ''})"
         )
     meta["strategy"] = runner.strategy
     meta["fed_session"] = prepared.fed_as
     if prepared.job.strategy not in ("auto", runner.strategy):
         meta["warnings"].append(
-            f"strategy '{prepared.job.strategy}' ran as 'feed': it rebuilds the model in memory, and this one is swept from its "
-            "file (weights in external data, or a file of 64 MiB or more), where only 'feed' and 'prefix' run"
+            f"strategy '{prepared.job.strategy}' ran as 'feed': it rebuilds the model in memory, and this one is "
+            "swept from its file (weights in external data, or a file of 64 MiB or more), where only 'feed' and "
+            "'prefix' run"
         )
     if runner.timings:
         meta["strategy_estimates_s"] = runner.timings
@@ -216,13 +224,16 @@ def _record(prepared: Prepared, request: ScoreRequest, runner: SweepRunner, task
     return meta
 
 
-def _announce(progress: ScoreProgress, runner: SweepRunner, tasks: _Tasks, prepared: Prepared, sweep: SweepSettings) -> None:
-    """Tell the caller how many tasks there are, and how long auto's timing says the sweep will take."""
+def _announce(progress: ScoreProgress, runner: SweepRunner, tasks: _Tasks, prepared: Prepared,
+              sweep: SweepSettings) -> None:
+    """Tell the caller how many tasks there are, and how long auto's timing says the sweep will take (when it
+    timed the sweep on these lanes)."""
     if progress.on_start:
         progress.on_start(len(tasks.planned), len(tasks.planned) - len(tasks.pending))
     estimate = runner.timings.get(runner.strategy)
-    if progress.on_estimate and estimate and tasks.pending and sweep.ray_address is None and prepared.workers == 1:  # timed on these lanes
-        progress.on_estimate(estimate * (len(tasks.pending) / len(tasks.planned)))  # the share first: a whole sweep hands on the estimate exactly
+    if progress.on_estimate and estimate and tasks.pending and sweep.ray_address is None and prepared.workers == 1:
+        # the share first: a whole sweep pending hands on the estimate exactly
+        progress.on_estimate(estimate * (len(tasks.pending) / len(tasks.planned)))
 
 
 def _run_tasks(prepared: Prepared, runner: SweepRunner, tasks: _Tasks, ray_address: str | None, record) -> dict:
@@ -231,7 +242,8 @@ def _run_tasks(prepared: Prepared, runner: SweepRunner, tasks: _Tasks, ray_addre
     if ray_address is not None and pending:
         workers = max(1, min(prepared.workers, len(pending)))
         runner.close()
-        run_ray(prepared.job, pending, tasks.log, workers, runner.strategy, None if ray_address == "local" else ray_address, on_result=record)
+        address = None if ray_address == "local" else ray_address
+        run_ray(prepared.job, pending, tasks.log, workers, runner.strategy, address, on_result=record)
         return {"workers": f"ray:{workers}"}
     if prepared.workers > 1 and len(pending) > 1:
         workers = min(prepared.workers, len(pending))

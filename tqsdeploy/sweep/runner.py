@@ -177,8 +177,7 @@ class SweepRunner:
     def _failing_as_the_nominal(self) -> Iterator[None]:
         """A rollout that fails waits for the nominal rollout's verdict first: a model that fails on the contexts
         fails its nominal rollout too, made on another lane meanwhile, and that error names the contexts, whichever
-        lane failed first (the same words every run: score's --dim test failed about 1 run in 12 while only the
-        measurements waited and a sweep task's lane could still fail first)."""
+        lane failed first, so a failing model gives the same words every run (docs/scoring-notes.md)."""
         try:
             yield
         except RolloutError:
