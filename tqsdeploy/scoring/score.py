@@ -21,8 +21,8 @@ from tqsdeploy.scoring.prepare import Prepared, SessionOptions, prepare
 from tqsdeploy.scoring.replacement import Replacement, holds_nothing
 from tqsdeploy.scoring.request import ScoreProgress, ScoreRequest
 from tqsdeploy.scoring.runs import RUN_FORMAT, ScoreRun, current_versions, default_run_dir, read_record, run_fingerprint
-from tqsdeploy.sweep import ResultLog, SweepRunner, SweepSettings, Task, TaskResult, plan_tasks, stale_units, usable_cores
-from tqsdeploy.sweep import run_local, run_parallel, run_ray
+from tqsdeploy.sweep import ResultLog, SweepRunner, SweepSettings, Task, TaskResult, plan_tasks, stale_units
+from tqsdeploy.sweep import run_local, run_parallel, run_ray, usable_cores
 from tqsdeploy.sweep.executors import check_ray_address
 from tqsdeploy.sweep.settings import check_strategy
 
@@ -64,8 +64,8 @@ def _check_machine(sweep: SweepSettings) -> None:
     if sweep.ray_address is not None:
         check_ray_address(None if sweep.ray_address == "local" else sweep.ray_address)
     if (sweep.processes(usable_cores()) > 1 or sweep.ray_address is not None) and sweep.lanes not in (None, 1):
-        raise InputError("--lanes runs tasks side by side in this process; with --workers or --ray each worker runs one at a time",
-                         hint="pass one of them")
+        raise InputError("--lanes runs tasks side by side in this process; with --workers or --ray each worker runs "
+                         "one at a time", hint="pass one of them")
 
 
 @dataclass
