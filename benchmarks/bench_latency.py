@@ -38,7 +38,7 @@ from bench_score import bert  # noqa: E402
 
 from runtimes import for_provider  # noqa: E402
 from tqsdeploy import ScoreSettings, score  # noqa: E402
-from tqsdeploy.rollout.contexts import Contexts, load_contexts  # noqa: E402
+from tqsdeploy.rollout.contexts import ContextOptions, Contexts, load_contexts  # noqa: E402
 from tqsdeploy.rollout.engine import RolloutEngine  # noqa: E402
 from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate  # noqa: E402
 from tqsdeploy.export import ExportSettings, Planner  # noqa: E402
@@ -127,7 +127,7 @@ def bench(name: str, tmp: Path, args) -> list[dict]:
     fp32 = item["model"]
     probe = runtime.open(fp32)
     inputs = [s for s in probe.inputs if s.name not in probe.weights]
-    heldout = load_contexts(Path(item["heldout"]), inputs, windows=8, zscore=False, random=False, seed=0)
+    heldout = load_contexts(Path(item["heldout"]), inputs, ContextOptions())
     engine = RolloutEngine(probe, heldout, item["spec"], 64)
     engine.chunks  # the batching decision, as eval makes it
     batched = engine.batched

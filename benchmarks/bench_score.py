@@ -44,6 +44,8 @@ from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.errors import TqsError
 from tqsdeploy.rollout import RolloutSpec, rollout
 from tqsdeploy.scoring.prepare import prepare
+from tqsdeploy.scoring.request import ScoreRequest
+from tqsdeploy.sweep import SweepSettings
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -158,7 +160,8 @@ def _plain_rollout(model: Path, contexts: Contexts, spec: RolloutSpec, threads: 
 
 def sweep_shape(model: Path, contexts, spec: RolloutSpec, settings: ScoreSettings, runtime: OrtRuntime):
     """The prepared sweep, whether its windows run batched, and its number of perturbed rollouts L·(1+N)."""
-    prepared = prepare(model, contexts, spec, settings=settings, runtime=runtime)
+    prepared = prepare(ScoreRequest(model, contexts, spec, settings=settings, runtime=runtime,
+                                    sweep=SweepSettings(lanes=1)))
     runner = prepared.open_runner()
     batched = runner.nominal.batched
     runner.close()

@@ -15,9 +15,12 @@ from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.scoring.prepare import prepare
+from tqsdeploy.scoring.request import ScoreRequest
+from tqsdeploy.sweep import SweepSettings
 from tqsdeploy.units import UnitSelection
 
 SETTINGS = ScoreSettings(gauss_draws=2)
+ONE_LANE = SweepSettings(lanes=1)
 STATE = RolloutSpec.from_dict({"steps": 3, "feedback": [{"output": "y", "input": "x"}]})
 
 
@@ -105,7 +108,7 @@ def test_rows_mixed_across_the_batch_refuse_batch_and_auto_skips_it(tmp_path):
 
 def _batch_estimate(model, contexts):
     """What auto estimates for 'batch' when no other strategy's estimate is in the way."""
-    runner = prepare(model, contexts, STATE, settings=SETTINGS).open_runner()
+    runner = prepare(ScoreRequest(model, contexts, STATE, settings=SETTINGS, sweep=ONE_LANE)).open_runner()
     try:
         return runner.choice.estimate_batch(0.0, 0.0, math.inf, 1.0, 1, 0.0)
     finally:

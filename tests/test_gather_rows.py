@@ -13,6 +13,11 @@ from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
 from tqsdeploy.sweep.probes import perturb
 from tqsdeploy.scoring.prepare import prepare
+from tqsdeploy.scoring.request import ScoreRequest
+from tqsdeploy.sweep import SweepSettings
+
+ONE_LANE = SweepSettings(lanes=1)
+"""What `prepare` ran on before it took a request: one lane."""
 
 
 def test_gather_table_scored_on_the_rows_the_contexts_read(tmp_path):
@@ -21,7 +26,7 @@ def test_gather_table_scored_on_the_rows_the_contexts_read(tmp_path):
     rng = np.random.default_rng(1)
     ids = np.array([[3, 97], [97, 3], [3, 3], [-3, 97]])  # rows 3 and 97 (-3 is row 97) of 100
     np.savez(contexts, x=rng.standard_normal((4, 2, 32)).astype(np.float32), ids=ids)
-    prepared = prepare(model, contexts, steps=4)
+    prepared = prepare(ScoreRequest(model, contexts, steps=4, sweep=ONE_LANE))
     assert prepared.job.rows["emb"].tolist() == [3, 97] and "W" not in prepared.job.rows
 
     unit = prepared.job.units["emb"]
@@ -57,7 +62,7 @@ def test_indices_cast_on_the_way_still_count_and_computed_ones_do_not(tmp_path):
     model = models.gather_forecaster(tmp_path / "cast.onnx", cast_ids=True)
     contexts = tmp_path / "ctx.npz"
     np.savez(contexts, x=np.zeros((2, 1, 32), np.float32), ids=np.array([[4], [9]], np.int32))
-    assert prepare(model, contexts, steps=2).job.rows["emb"].tolist() == [4, 9]
+    assert prepare(ScoreRequest(model, contexts, steps=2, sweep=ONE_LANE)).job.rows["emb"].tolist() == [4, 9]
     # a table also read by a MatMul (tied weights) is read whole: no restriction
     import onnx
     from onnx import helper
@@ -66,7 +71,7 @@ def test_indices_cast_on_the_way_still_count_and_computed_ones_do_not(tmp_path):
     tied.graph.node.append(helper.make_node("Transpose", ["emb"], ["emb_t"]))
     tied.graph.node.append(helper.make_node("MatMul", ["x", "emb_t"], ["unused"]))
     onnx.save(tied, str(tmp_path / "tied.onnx"))
-    assert "emb" not in prepare(tmp_path / "tied.onnx", contexts, steps=2).job.rows
+    assert "emb" not in prepare(ScoreRequest(tmp_path / "tied.onnx", contexts, steps=2, sweep=ONE_LANE)).job.rows
 
 
 def test_gaussian_probes_of_a_table_perturb_only_the_rows_read(tmp_path):
@@ -75,7 +80,7 @@ def test_gaussian_probes_of_a_table_perturb_only_the_rows_read(tmp_path):
     model = models.gather_forecaster(tmp_path / "emb.onnx")
     contexts = tmp_path / "ctx.npz"
     np.savez(contexts, x=np.random.default_rng(1).standard_normal((2, 2, 32)).astype(np.float32), ids=np.array([[3, 97], [97, 3]]))
-    prepared = prepare(model, contexts, steps=2)
+    prepared = prepare(ScoreRequest(model, contexts, steps=2, sweep=ONE_LANE))
     unit, weights, rows = prepared.job.units["emb"], prepared.job.weights, prepared.job.rows
     quant = perturb(unit, weights, "quant", 0, 8, 0, rows)
     for draw in range(2):

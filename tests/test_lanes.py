@@ -74,8 +74,12 @@ def test_lanes_taking_units_out_of_plan_order_build_each_perturbation_once(tmp_p
     a task asked for before its build started is built by the asker and never again."""
     model, contexts, spec = models.assorted_case(tmp_path)
     from tqsdeploy.scoring.prepare import prepare
+    from tqsdeploy.scoring.request import ScoreRequest
+    from tqsdeploy.sweep import SweepSettings
 
-    job = prepare(model, contexts, spec, settings=SETTINGS, selection=UnitSelection(min_params=100)).job
+    request = ScoreRequest(model, contexts, spec, settings=SETTINGS, selection=UnitSelection(min_params=100),
+                           sweep=SweepSettings(lanes=1))
+    job = prepare(request).job
     tasks = plan_tasks(list(job.units.values()), True, 2)
     built = []
     build = ProbeSource._build

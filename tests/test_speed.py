@@ -9,9 +9,14 @@ from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.sweep.probes import UnitProbes, perturb, quantization_probe
 from tqsdeploy.scoring.prepare import prepare
+from tqsdeploy.scoring.request import ScoreRequest
+from tqsdeploy.sweep import SweepSettings
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.scoring.runs import ScoreTable
 from tqsdeploy.units import UnitSelection
+
+ONE_LANE = SweepSettings(lanes=1)
+"""What `prepare` ran on before it took a request: one lane."""
 
 SETTINGS = ScoreSettings(gauss_draws=2)
 
@@ -78,7 +83,7 @@ def test_auto_estimates_every_strategy_and_records_its_pick(two_branch, tmp_path
 
 def test_a_unit_session_only_overrides_its_own_weights(tmp_path):
     model, contexts, spec = _shared(tmp_path)
-    job = prepare(model, contexts, spec).job
+    job = prepare(ScoreRequest(model, contexts, spec, sweep=ONE_LANE)).job
     session = job.unit_factory(["Wshared"])
     assert session.weights == {"Wshared"}
     assert job.session_factory().weights == {"W1", "Wshared", "W3"}
@@ -86,7 +91,7 @@ def test_a_unit_session_only_overrides_its_own_weights(tmp_path):
 
 def test_probes_built_once_per_unit_match_the_one_off_perturbation(tmp_path):
     model, contexts, spec = _shared(tmp_path)
-    job = prepare(model, contexts, spec).job
+    job = prepare(ScoreRequest(model, contexts, spec, sweep=ONE_LANE)).job
     unit = job.units["Wshared"]
     probes = UnitProbes(unit, job.weights, 6)
     quant = probes.perturb("quant", 0, seed=0)
@@ -128,7 +133,7 @@ def test_probes_built_ahead_on_a_helper_thread_are_the_ones_asked_for(tmp_path):
     from tqsdeploy.sweep import ProbeSource, plan_tasks
 
     model, contexts, spec = _shared(tmp_path)
-    job = prepare(model, contexts, spec).job
+    job = prepare(ScoreRequest(model, contexts, spec, sweep=ONE_LANE)).job
     tasks = plan_tasks(list(job.units.values()), True, 2)
     source = ProbeSource(job)
     ahead = [source.get(t, tasks[i + 1] if i + 1 < len(tasks) else None) for i, t in enumerate(tasks)]
@@ -222,7 +227,7 @@ def test_perturbations_built_several_ahead_equal_those_built_one_at_a_time(tmp_p
     from tqsdeploy.sweep import ProbeSource, plan_tasks
 
     model, contexts, spec = _assorted(tmp_path)
-    job = prepare(model, contexts, spec, settings=SETTINGS).job
+    job = prepare(ScoreRequest(model, contexts, spec, settings=SETTINGS, sweep=ONE_LANE)).job
     tasks = plan_tasks(list(job.units.values()), True, 3)
     one, deep = ProbeSource(job, depth=1), ProbeSource(job, depth=4)
     deep.plan(tasks)
@@ -244,7 +249,7 @@ def test_each_perturbation_is_built_once_when_its_task_was_prefetched_before_the
     from tqsdeploy.sweep import ProbeSource, plan_tasks
 
     model, contexts, spec = _assorted(tmp_path)
-    job = prepare(model, contexts, spec, settings=SETTINGS).job
+    job = prepare(ScoreRequest(model, contexts, spec, settings=SETTINGS, sweep=ONE_LANE)).job
     tasks = plan_tasks(list(job.units.values()), True, 2)
     built = []
     build = ProbeSource._build

@@ -29,9 +29,11 @@ def test_a_nominal_begun_from_an_earlier_run_of_its_first_step_equals_a_fresh_ro
     """The batching decision (and auto's timing) already ran the first step of the one chunk: the nominal starts
     from that run when the same session makes it, and must equal, bit for bit, a rollout made afresh."""
     from tqsdeploy.scoring.prepare import prepare
+    from tqsdeploy.scoring.request import ScoreRequest
+    from tqsdeploy.sweep import SweepSettings
 
     model, contexts = two_branch
-    runner = prepare(model, contexts, steps=steps, strategy=strategy).open_runner()
+    runner = prepare(ScoreRequest(model, contexts, steps=steps, sweep=SweepSettings(strategy, lanes=1))).open_runner()
     try:
         made = [r for r in (runner.rig.first_step, runner.engine.first_run) if r is not None and r.session is runner.engine.session]
         if strategy != "auto" or runner.strategy in ("rebuild", "unit", "batch"):  # auto's feed runs on a session it did not time

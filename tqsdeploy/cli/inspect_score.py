@@ -130,11 +130,11 @@ def score(
 ):
     """Score every weight tensor's quantization sensitivity by perturbed rollouts (TQS)."""
     from runtimes import for_provider
-    from runtimes.derived import FED_OPTIMIZED
-    from tqsdeploy.rollout.contexts import describe_windows
-    from tqsdeploy.scoring.prepare import ContextOptions
-    from tqsdeploy.scoring.score import score as run_score
+    from tqsdeploy.rollout.contexts import ContextOptions
     from tqsdeploy.scoring.gamma import ScoreSettings
+    from tqsdeploy.scoring.request import ScoreProgress, ScoreRequest
+    from tqsdeploy.scoring.score import run_score
+    from tqsdeploy.sweep import SweepSettings
     from tqsdeploy.units import UnitSelection
 
     if probe not in ("quant", "gauss", "both"):
@@ -167,26 +167,22 @@ def score(
         progress.advance(detail=result.unit[-40:])
 
     try:
-        table = run_score(
+        request = ScoreRequest(
             model,
             contexts,
             spec=spec,
             steps=steps,
             out=out_dir,
-            selection=selection,
-            settings=settings,
-            runtime=for_provider(provider, threads),
-            context_options=ContextOptions(windows=csv_windows(windows, contexts), zscore=zscore, random=random_contexts, seed=seed, max_batch_windows=batch_windows, columns=parse_columns(columns),
-                                           dims=parse_dims(dims)),
             resume=False if fresh else (True if resume else None),
-            strategy=strategy,
-            workers=workers,
-            ray_address=ray,
-            on_start=on_start,
-            on_result=on_result,
-            lanes=lanes,
-            on_estimate=progress.estimate,
+            settings=settings,
+            selection=selection,
+            runtime=for_provider(provider, threads),
+            context_options=ContextOptions(windows=csv_windows(windows, contexts), zscore=zscore, random=random_contexts,
+                                           seed=seed, max_batch_windows=batch_windows, columns=parse_columns(columns),
+                                           dims=parse_dims(dims)),
+            sweep=SweepSettings(strategy=strategy, workers=workers, ray_address=ray, lanes=lanes),
         )
+        table = run_score(request, ScoreProgress(on_start=on_start, on_result=on_result, on_estimate=progress.estimate))
     except RolloutError as exc:
         if not dims or exc.hint or "failed to run" not in str(exc):
             raise
@@ -196,6 +192,14 @@ def score(
     finally:
         progress.stop()
     print_warnings(table.meta.get("warnings", []))
+    _print_summary(table, top)
+
+
+def _print_summary(table, top: int) -> None:
+    """The most and least sensitive units, and one line each on the sweep and the rollout."""
+    from runtimes.derived import FED_OPTIMIZED
+    from tqsdeploy.rollout.contexts import describe_windows
+
     frame = table.frame
     columns = ["rank", "unit", "shape", "params", "gamma", "gamma_quant", "gamma_gauss", "a_max", "dead"]
     if frame.height <= 2 * top:

@@ -31,7 +31,7 @@ import onnx
 import graph_ops
 import graph_ops.qdq
 from runtimes import Session, for_provider, release_freed_memory
-from tqsdeploy.rollout.contexts import Contexts, continuation_rows, load_contexts, npz_arrays, truth_from_csv
+from tqsdeploy.rollout.contexts import ContextOptions, Contexts, continuation_rows, load_contexts, npz_arrays, truth_from_csv
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import json_text, write_texts
 from tqsdeploy.progress import counted
@@ -337,8 +337,8 @@ def evaluate(
     resolved = resolve_spec(spec, steps, inputs, session.outputs)
     csv = Path(contexts).suffix.lower() == ".csv"
     following = continuation_rows(resolved, session.outputs, inputs) if csv and not truth else 0
-    ctx = load_contexts(Path(contexts), inputs, windows=settings.windows, zscore=settings.zscore, random=False, seed=settings.seed,
-                        columns=settings.columns, following=following)
+    options = ContextOptions(windows=settings.windows, zscore=settings.zscore, seed=settings.seed, columns=settings.columns)
+    ctx = load_contexts(Path(contexts), inputs, options, following=following)
     side = tuple(o.name for o in session.outputs if o.name not in resolved.trajectory)
     followed = replace(resolved, trajectory=resolved.trajectory + side)  # side outputs ride along, measured apart
     engine = RolloutEngine(session, ctx, followed, settings.max_batch_windows)

@@ -25,7 +25,8 @@ from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import Encoded, Rounding, Tier, TierError, ladder_opset, tier_for_bits
 from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
 from tqsdeploy.encoding.logs import thin_note
-from tqsdeploy.rollout.contexts import Contexts, load_contexts
+from tqsdeploy.encoding.sessions import open_graph
+from tqsdeploy.rollout.contexts import ContextOptions, Contexts, load_contexts
 from tqsdeploy.errors import InputError
 from tqsdeploy.encoding.choices import check_grids, grid_options
 from tqsdeploy.encoding.encoder import Encoder, EncodingProgress
@@ -180,15 +181,13 @@ class _CalibrationSource:
         settings = self.settings
         if self.calib is None:
             raise InputError(f"{settings.method} needs calibration windows", hint="pass a contexts .npz (or use method 'rtn')")
-        from tqsdeploy.encoding.sessions import open_graph
-
         graph = graph_ops.weights_as_graph_inputs(self.loaded.proto, self.names)  # the signature, without loading the weights into the runtime
         session = open_graph(self.runtime, graph_ops.io.session_source(graph), self.data_dir, str(self.loaded.path))
         del graph
         inputs, outputs = [i for i in session.inputs if i.name not in self.layouts], list(session.outputs)
         session.close()
         calib = self.calib
-        contexts = calib if isinstance(calib, Contexts) else load_contexts(Path(calib), inputs, windows=8, zscore=False, random=False, seed=0)
+        contexts = calib if isinstance(calib, Contexts) else load_contexts(Path(calib), inputs, ContextOptions())
         if settings.spec is None and settings.steps is None:  # the windows themselves, one step
             resolved = RolloutSpec(steps=1, feedback=(), trajectory=tuple(o.name for o in outputs if o.dtype.kind == "f"))
         else:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from runtimes import IOSpec
-from tqsdeploy.rollout.spec import MODES, Feedback, RolloutSpec, aligned_shape
+from tqsdeploy.rollout.spec import MODES, CheckedSpec, Feedback, RolloutSpec, aligned_shape
 from tqsdeploy.rollout.detect import AmbiguousRollout, Detection, detect, detect_rollout, mask_fill, mask_like
 from tqsdeploy.rollout.steps import next_feeds, rollout
 
@@ -21,22 +21,24 @@ DEFAULT_STEPS = 8
 """Rollout steps of a detected spec when the user gives none."""
 
 
-def resolve_spec(spec: RolloutSpec | str | Path | None, steps: int | None, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]) -> RolloutSpec:
-    """A given spec (file or object, `steps` overriding its steps) or a detected one, checked against the signature."""
+def resolve_spec(spec: RolloutSpec | str | Path | None, steps: int | None, inputs: Sequence[IOSpec],
+                 outputs: Sequence[IOSpec]) -> CheckedSpec:
+    """A given spec (file or object, `steps` overriding its steps) or a detected one, checked against the signature:
+    the one check a spec gets, so every stage after this one takes the `CheckedSpec` as it is."""
     if spec is None:
         resolved = detect(inputs, outputs, steps, DEFAULT_STEPS)
     else:
         resolved = spec if isinstance(spec, RolloutSpec) else RolloutSpec.from_toml(spec)
         if steps:
             resolved = resolved.with_steps(steps)
-    resolved.check(inputs, outputs)
-    return resolved
+    return resolved.check(inputs, outputs)
 
 
 __all__ = [
     "DEFAULT_STEPS",
     "MODES",
     "AmbiguousRollout",
+    "CheckedSpec",
     "Detection",
     "Feedback",
     "RolloutSpec",

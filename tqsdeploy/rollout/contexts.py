@@ -20,6 +20,21 @@ from runtimes import IOSpec
 from tqsdeploy.errors import InputError
 
 
+@dataclass(frozen=True)
+class ContextOptions:
+    """How to read contexts that are not an .npz of ready windows, and how many windows run as one batch."""
+
+    windows: int = 8
+    zscore: bool = False
+    random: bool = False
+    seed: int = 0
+    max_batch_windows: int = 64
+    columns: tuple[str, ...] | None = None
+    """CSV columns (series) to use; default every numeric column."""
+    dims: tuple[tuple[str, int], ...] = ()
+    """Sizes of named dynamic axes for random contexts, e.g. (("seq", 128),)."""
+
+
 @dataclass
 class Contexts:
     """N context windows for every model input."""
@@ -400,25 +415,26 @@ def npz_layout(inputs: Sequence[IOSpec]) -> str:
     return ", ".join(f"'{s.name}' ({', '.join(['windows', *(str(d) if d is not None else '?' for d in s.shape)])}) {s.dtype}" for s in inputs)
 
 
-def load_contexts(path: Path | None, inputs: Sequence[IOSpec], *, windows: int, zscore: bool, random: bool, seed: int,
-                  columns: Sequence[str] | None = None, following: int = 0, dims: Mapping[str, int] | None = None,
-                  rows: Mapping[str, int] | None = None) -> Contexts:
-    """Dispatch on the file type; random contexts (sized by `dims`, ids within `rows`) only when asked."""
-    if path is not None and random:
+def load_contexts(path: Path | None, inputs: Sequence[IOSpec], options: ContextOptions = ContextOptions(), *,
+                  following: int = 0, rows: Mapping[str, int] | None = None) -> Contexts:
+    """Dispatch on the file type; random contexts (sized by `options.dims`, ids within `rows`) only when asked;
+    `following`: rows a CSV window keeps after it (evaluation's truth)."""
+    dims = dict(options.dims)
+    if path is not None and options.random:
         raise InputError("--random-contexts and --contexts exclude each other", hint="drop one")
-    if dims and not random:
+    if dims and not options.random:
         raise InputError("--dim sizes the axes of random contexts; a contexts file gives its own shapes", hint="drop --dim, or use --random-contexts")
     if path is None:
-        if not random:
+        if not options.random:
             raise InputError("no contexts given", hint="pass --contexts FILE (.npz or .csv), or --random-contexts to score on noise")
-        return random_contexts(inputs, windows, seed, dims, rows)
+        return random_contexts(inputs, options.windows, options.seed, dims, rows)
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix == ".csv":
-        return load_csv(path, inputs, windows, zscore, columns, following)
-    if columns:
+        return load_csv(path, inputs, options.windows, options.zscore, options.columns, following)
+    if options.columns:
         raise InputError("--columns picks series of a CSV; an .npz holds one array per model input")
-    if zscore:  # once ignored without a word: the model then ran on unstandardised windows
+    if options.zscore:  # an .npz would otherwise run unstandardised windows without a word
         raise InputError("--zscore standardises the columns of a CSV; an .npz is used as it is", hint="standardise the arrays before saving them, or drop --zscore")
     if suffix != ".npz":
         raise InputError(f"contexts file {path} is not an .npz or a .csv", hint="expected an .npz with one array per model input (leading axis = windows) or a CSV of numeric columns")

@@ -53,7 +53,7 @@ class Feedback:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RolloutSpec:
     """Steps, feedback edges and trajectory outputs of an autoregressive rollout."""
 
@@ -62,6 +62,16 @@ class RolloutSpec:
     trajectory: tuple[str, ...]
     origin: str = "spec"
     """Where the spec came from: 'spec' (a file) or 'detected'."""
+
+    def _fields(self) -> tuple:
+        return self.steps, self.feedback, self.trajectory, self.origin
+
+    def __eq__(self, other: object) -> bool:
+        """By value, checked or not: a `CheckedSpec` is the same rollout as the spec it was checked from."""
+        return self._fields() == other._fields() if isinstance(other, RolloutSpec) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
 
     def __post_init__(self):
         if self.steps < 1:
@@ -159,7 +169,7 @@ class RolloutSpec:
         feedback = tuple(edges)
         fed = [e.input for e in feedback]
         again = next((i for i, name in enumerate(fed) if name in fed[:i]), None)
-        if again is not None:  # once reported as "`trajectory` lists x_next more than once", a key the spec may not have
+        if again is not None:  # before the trajectory's check, which would name a key the spec may not have
             raise RolloutError(f"[[feedback]] #{again + 1} feeds input '{fed[again]}', which #{fed.index(fed[again]) + 1} already feeds; "
                                "an input takes one edge")
         if trajectory is None:  # each output once, even where it feeds two inputs
@@ -198,8 +208,9 @@ class RolloutSpec:
             text += "\n[[feedback]]\n" + comment + tomli_w.dumps({k: v for k, v in fields.items() if v is not None})
         return text
 
-    def check(self, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]) -> None:
-        """Fail with a clear message when the spec does not fit the model's signature."""
+    def check(self, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]) -> "CheckedSpec":
+        """Fail with a clear message when the spec does not fit the model's signature; else the spec typed as
+        checked, so that what runs it need not check it again."""
         ins = {s.name: s for s in inputs}
         outs = {s.name: s for s in outputs}
         for edge in self.feedback:  # before the trajectory, which defaults to these outputs: name what the user wrote
@@ -246,6 +257,13 @@ class RolloutSpec:
             raise RolloutError(
                 f"the rollout feeds nothing back, so all {self.steps} steps would repeat step 1; a model without feedback is single-step: use steps = 1 (--steps 1)"
             )
+        return CheckedSpec(steps=self.steps, feedback=self.feedback, trajectory=self.trajectory, origin=self.origin)
+
+
+@dataclass(frozen=True, eq=False)
+class CheckedSpec(RolloutSpec):
+    """A spec known to fit the signature of the model it rolls out (what `RolloutSpec.check` returns, in
+    `resolve_spec`): a sweep's job takes only this, so its runners, workers and lanes trust it."""
 
 
 def _check_advance(edge: "Feedback", spec: IOSpec) -> None:

@@ -132,57 +132,12 @@ def score_frame(units: Sequence[Unit], results: dict[str, TaskResult], nominal_s
 
     `rows_read` (Gather tables' rows the contexts read) fills `touched_rows`:
     the rows the probes perturbed; empty for units perturbed whole."""
-    rows_read = rows_read or {}
     schedule = settings.schedule(steps)
     by_unit: dict[str, dict[str, list[TaskResult]]] = {}
     for result in results.values():
         by_unit.setdefault(result.unit, {}).setdefault(result.probe, []).append(result)
-    rows = []
-    for unit in units:
-        probes = by_unit.get(unit.name, {})
-        # A weight exactly representable at the probe's bits has a zero residual:
-        # the quant probe then says nothing, and the Gaussian probe (which falls
-        # back to the expected rounding-noise norm) carries the score.
-        quant_results = [r for r in probes.get("quant", []) if r.delta_sq > 0]
-        quant = _probe_summary(quant_results, nominal_sq, settings, schedule)
-        gauss = _probe_summary(sorted(probes.get("gauss", []), key=lambda r: r.draw), nominal_sq, settings, schedule)
-        primary = quant or gauss
-        if not primary:
-            rows.append({"unit": unit.name, "tensors": ";".join(unit.tensor_names), "op_types": ";".join(unit.op_types), "nodes": ";".join(unit.nodes),
-                         "shape": unit.shape, "params": unit.params, "gamma": math.nan, "dead": False, "nonfinite": False})
-            continue
-        summaries = [s for s in (quant, gauss) if s]
-        dead = all(s["rel_div"] <= settings.dead_rtol for s in summaries)
-        nonfinite = any(s["nonfinite"] for s in summaries)
-        gamma = SENTINEL_GAMMA if dead else primary["gamma"]
-        row = {
-            "unit": unit.name,
-            "tensors": ";".join(unit.tensor_names),
-            "op_types": ";".join(unit.op_types),
-            "nodes": ";".join(unit.nodes),
-            "shape": unit.shape,
-            "params": unit.params,
-            "gamma": gamma,
-            "gamma_quant": quant.get("gamma"),
-            "gamma_gauss": gauss.get("gamma"),
-            "gamma_gauss_std": float(np.std(gauss["draw_gammas"])) if gauss else None,
-        }
-        for h in schedule:
-            value = primary["horizons"][h]
-            row[f"gamma_T{h}"] = SENTINEL_GAMMA if dead and value is not None else value
-        row.update(
-            {
-                "a_max": primary["a_max"],
-                "rel_divergence": primary["rel_div"],
-                "probe_norm": primary["norm"],
-                "steps": primary["steps"],
-                "dead": dead,
-                "nonfinite": nonfinite,
-                "seconds": sum(r.seconds for group in probes.values() for r in group),
-                "touched_rows": sum(len(rows_read[n]) for n in unit.tensor_names if n in rows_read) if any(n in rows_read for n in unit.tensor_names) else None,
-            }
-        )
-        rows.append(row)
+    rows_read = rows_read or {}
+    rows = [_unit_row(unit, by_unit.get(unit.name, {}), nominal_sq, settings, schedule, rows_read) for unit in units]
     frame = pl.DataFrame(rows, infer_schema_length=None)
     if frame.height == 0:
         return frame
@@ -190,6 +145,46 @@ def score_frame(units: Sequence[Unit], results: dict[str, TaskResult], nominal_s
     return frame.with_columns(pl.Series("rank", np.arange(1, frame.height + 1))).select(
         ["rank", *[c for c in frame.columns if c != "rank"]]
     )
+
+
+def _unit_row(unit: Unit, probes: dict[str, list[TaskResult]], nominal_sq: Sequence[float], settings: ScoreSettings,
+              schedule: Sequence[int], rows_read: dict) -> dict:
+    """One unit's row of the score table, from its probes' results."""
+    described = {"unit": unit.name, "tensors": ";".join(unit.tensor_names), "op_types": ";".join(unit.op_types),
+                 "nodes": ";".join(unit.nodes), "shape": unit.shape, "params": unit.params}
+    # A weight exactly representable at the probe's bits has a zero residual: the quant probe then says nothing,
+    # and the Gaussian probe (which falls back to the expected rounding-noise norm) carries the score.
+    quant = _probe_summary([r for r in probes.get("quant", []) if r.delta_sq > 0], nominal_sq, settings, schedule)
+    gauss = _probe_summary(sorted(probes.get("gauss", []), key=lambda r: r.draw), nominal_sq, settings, schedule)
+    primary = quant or gauss
+    if not primary:
+        return {**described, "gamma": math.nan, "dead": False, "nonfinite": False}
+    summaries = [s for s in (quant, gauss) if s]
+    dead = all(s["rel_div"] <= settings.dead_rtol for s in summaries)
+    row = {
+        **described,
+        "gamma": SENTINEL_GAMMA if dead else primary["gamma"],
+        "gamma_quant": quant.get("gamma"),
+        "gamma_gauss": gauss.get("gamma"),
+        "gamma_gauss_std": float(np.std(gauss["draw_gammas"])) if gauss else None,
+    }
+    for h in schedule:
+        value = primary["horizons"][h]
+        row[f"gamma_T{h}"] = SENTINEL_GAMMA if dead and value is not None else value
+    touched = any(n in rows_read for n in unit.tensor_names)
+    row.update(
+        {
+            "a_max": primary["a_max"],
+            "rel_divergence": primary["rel_div"],
+            "probe_norm": primary["norm"],
+            "steps": primary["steps"],
+            "dead": dead,
+            "nonfinite": any(s["nonfinite"] for s in summaries),
+            "seconds": sum(r.seconds for group in probes.values() for r in group),
+            "touched_rows": sum(len(rows_read[n]) for n in unit.tensor_names if n in rows_read) if touched else None,
+        }
+    )
+    return row
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:

@@ -15,32 +15,39 @@ from typing import Callable
 import onnx
 
 import graph_ops
-from runtimes import DEFAULT_RUNTIME, Runtime, Session
+from runtimes import Runtime, Session
 from runtimes.derived import derived_feed, fed_as_fast
 from graph_ops.qdq import at_opset, default_opset
 from runtimes.factories import RebuildFactory, StreamedCuts, open_fed
-from tqsdeploy.rollout.contexts import Contexts, load_contexts
+from tqsdeploy.rollout.contexts import ContextOptions, Contexts, load_contexts
 from tqsdeploy.errors import InputError
-from tqsdeploy.rollout import RolloutSpec, resolve_spec
-from tqsdeploy.scoring.gamma import ScoreSettings
+from tqsdeploy.rollout import CheckedSpec, resolve_spec
+from tqsdeploy.scoring.request import ScoreRequest
 from tqsdeploy.sweep import EarlyStop, Nominal, SweepJob, SweepRunner, sweep_lanes, usable_cores
-from tqsdeploy.units import Unit, UnitSelection, check_finite, gather_rows, index_rows, select_units, selection_notes
+from tqsdeploy.units import Unit, check_finite, gather_rows, index_rows, select_units, selection_notes
+
+__all__ = ["ContextOptions", "Prepared", "SessionOptions", "prepare"]  # ContextOptions: where frontier imports it from
 
 
 @dataclass(frozen=True)
-class ContextOptions:
-    """How to read contexts that are not an .npz of ready windows."""
+class SessionOptions:
+    """How `prepare` makes a sweep's sessions: a score's defaults differ from export's, which runs candidate
+    sessions beside this one.
 
-    windows: int = 8
-    zscore: bool = False
-    random: bool = False
-    seed: int = 0
-    max_batch_windows: int = 64
-    columns: tuple[str, ...] | None = None
-    """CSV columns (series) to use; default every numeric column."""
-    dims: tuple[tuple[str, int], ...] = ()
-    """Sizes of named dynamic axes for random contexts, e.g. (("seq", 128),)."""
+    Models whose session copy would pass protobuf's 2 GiB are handed to the runtime as a file with external
+    data, written once into `workdir` (the run folder: reused by a resumed score and by export, removed with the
+    run) or a temporary folder. With `stream`, a model that keeps its weights in external-data files is never
+    copied: the session file holds only the graph (its tensors still point into the model's own data files),
+    and the sweep reads each unit's weights from those files when it gets to the unit. The units are then
+    overridable initializers the runtime loads once (`runtime_keeps_weights`: a run feeds only what it perturbs,
+    as a score does), or plain inputs fed from the files on every run, so the runtime holds no copy of them."""
 
+    workdir: Path | None = None
+    stream: bool = False
+    runtime_keeps_weights: bool = True
+    opset: Callable[[onnx.ModelProto, list[Unit]], int] | None = None
+    """The opset the sessions run the model at, from the model and its units (export: the opset it writes at);
+    it is converted as the writer converts it (`graph_ops.qdq.at_opset`), the model loaded kept as it is."""
 
 
 @dataclass
@@ -49,7 +56,7 @@ class Prepared:
 
     model: graph_ops.LoadedModel
     units: list[Unit]
-    spec: RolloutSpec
+    spec: CheckedSpec
     contexts: Contexts
     job: SweepJob
     session: Session | None = None
@@ -58,6 +65,8 @@ class Prepared:
     """The runtime's copy of a model too large to pass as bytes (external data beside it)."""
     data_dir: Path | None = None
     """Set when the model was loaded without its external data: the folder its data files are in."""
+    workers: int = 1
+    """Worker processes (or Ray actors) the sweep runs on (`SweepSettings.processes`)."""
     lanes: int = 1
     """Tasks the sweep runs at once in this process (`sweep.run_lanes`); the sessions' threads are split for them."""
     threads: int | None = None
@@ -67,7 +76,8 @@ class Prepared:
     notes: list[str] = field(default_factory=list)
     """What the user should know about the unit selection (`units.selection_notes`)."""
     opset: int = 0
-    """The default-domain opset its sessions run the model at (`prepare`'s `opset`; the model's own unless raised)."""
+    """The default-domain opset its sessions run the model at (`SessionOptions.opset`; the model's own unless
+    raised)."""
 
     def open_runner(self, nominal: "Nominal | None" = None) -> SweepRunner:
         """A runner of the sweep; `nominal`: the rollout an earlier runner of this job made (not made again)."""
@@ -75,138 +85,163 @@ class Prepared:
         return SweepRunner(self.job, session, nominal)
 
 
-def prepare(
-    model: str | Path,
-    contexts: str | Path | Contexts | None,
-    spec: RolloutSpec | str | Path | None = None,
-    steps: int | None = None,
-    *,
-    selection: UnitSelection = UnitSelection(),
-    settings: ScoreSettings = ScoreSettings(),
-    runtime: Runtime = DEFAULT_RUNTIME,
-    context_options: ContextOptions = ContextOptions(),
-    strategy: str = "auto",
-    workdir: Path | None = None,
-    stream: bool = False,
-    runtime_keeps_weights: bool = True,
-    lanes: int | None = 1,
-    opset: Callable[[onnx.ModelProto, list[Unit]], int] | None = None,
-) -> Prepared:
-    """Load and check everything a sweep needs; fails fast on bad input.
+@dataclass
+class _Sources:
+    """Where a sweep's sessions come from: the overridable session's factory and what it opens, the factories
+    of rebuilt and cut sessions when the model is in memory, and the weights when they stay in the model's files."""
 
-    Models whose session copy would pass protobuf's 2 GiB are handed to the
-    runtime as a file with external data, written once into `workdir` (the run
-    folder: reused by a resumed score and by export, removed with the run) or a
-    temporary folder. With `stream`, a model that keeps its weights in
-    external-data files is never copied: the session file holds only the graph
-    (its tensors still point into the model's own data files, which the runtime
-    reads), and the sweep reads each unit's weights from those files when it
-    gets to the unit. The units are then overridable initializers the runtime
-    loads once (`runtime_keeps_weights`: a run feeds only what it perturbs, as a
-    score does), or plain inputs fed from the files on every run, so the runtime
-    holds no copy of them (export, which runs candidate sessions beside this one).
-    `lanes`: tasks run at once (`sweep.sweep_lanes`; None: as many as pay), the
-    cores split between them when `runtime` leaves threads to ONNX Runtime.
-    `opset`: the opset the sessions run the model at, from the model and its units (export: the opset it writes
-    at); it is converted as the writer converts it (`graph_ops.qdq.at_opset`), the model loaded kept as it is.
-    """
-    runtime.check()
-    loaded = graph_ops.load_model(model, load_external=not stream)  # large single files come as a skeleton
-    runtime = runtime.for_model(loaded.proto)
-    data_dir = loaded.path.parent.resolve() if stream and graph_ops.io.has_external_data(loaded.proto) else None
-    streamed = data_dir is not None
-    lanes = sweep_lanes(lanes, runtime.provider, runtime.threads, loaded.file_bytes)  # native TensorRT has no threads: one lane
-    if lanes > 1 and runtime.threads is None:
-        runtime = runtime.with_threads(max(1, usable_cores() // lanes))
-    tensors, unfed = graph_ops.find_weight_tensors(loaded.proto), graph_ops.layout.unfed_float_tensors(loaded.proto.graph)
-    units = select_units(tensors, selection, unfed)
-    notes = selection_notes(loaded, tensors, units, selection, unfed)
-    names = [n for u in units for n in u.tensor_names]
-    own = default_opset(loaded.proto)
-    raised = max(own, opset(loaded.proto, units)) if opset is not None else own
-    session_proto = at_opset(graph_ops.lift_constants(loaded.proto, names), raised)  # GraphError: the CLI's one-line exit 2
-    declarations = {n: graph_ops.input_declarations(session_proto, [n]) for n in names}
+    factory: Callable[[], Session]
     source: bytes | Path
-    rebuild = cuts = None
-    fed_as, keeps_kernels = "weights as stored", False
-    if streamed:  # feeding is the only strategy that needs no weights in memory
-        cuts = StreamedCuts(graph_ops.model_bytes(session_proto), runtime, data_dir)  # and cuts, read from the files too
-        if runtime_keeps_weights:  # the graph only: tensors stay references into the model's files; the units declared inputs too
-            session_proto.MergeFromString(b"".join(declarations.values()))
-            graph = session_proto
-        else:  # the units plain inputs
-            unit_names = set(names)
-            graph = graph_ops.io.weights_as_inputs(session_proto, lambda t: t.name not in unit_names)
-        source = _graph_file(graph, workdir, "overridable" if runtime_keeps_weights else "fed")
-        weights = graph_ops.FileWeights(loaded.proto, names, data_dir)
-        factory = partial(runtime.open, source, external_data_dir=data_dir) if runtime_keeps_weights else partial(open_fed, runtime, source, data_dir, weights)
-    elif graph_ops.io.stored_bytes(session_proto) < graph_ops.io.PROTOBUF_LIMIT:
-        rebuild = cuts = RebuildFactory(graph_ops.model_bytes(session_proto), runtime, declarations)  # the one serialisation
-        derived, fed_as = derived_feed(rebuild, units, names)
-        factory = derived or partial(rebuild.overridable, tuple(names))
-        keeps_kernels = derived.made()[1].keeps_kernels if derived is not None else all(fed_as_fast(t) for u in units for t in u.tensors)
-        source = rebuild.model
-    else:  # over 2 GiB: hand the runtime a file with external data; feeding is the only sane strategy
-        session_proto.MergeFromString(b"".join(declarations.values()))
-        source = _session_file(loaded, names, workdir, raised if raised != own else None)
-        if not source.exists():
-            graph_ops.save_model(session_proto, source, external_data=True)
-        factory = partial(runtime.open, source)
-    del session_proto
-    try:
-        build_started = time.perf_counter()
-        probe_session = factory()
-        build_seconds = time.perf_counter() - build_started
-    except Exception as exc:
-        raise InputError(f"ONNX Runtime cannot load {loaded.path}: {str(exc).splitlines()[0]}") from None
+    rebuild: RebuildFactory | None = None
+    cuts: object | None = None
+    weights: graph_ops.FileWeights | None = None
+    fed_as: str = "weights as stored"
+    keeps_kernels: bool = False
+
+
+def prepare(request: ScoreRequest, sessions: SessionOptions = SessionOptions()) -> Prepared:
+    """Load and check everything the sweep of `request` needs, its sessions made as `sessions` says; fails fast
+    on bad input. The rollout spec is checked here, once (`resolve_spec`): the job's runners trust it."""
+    request.runtime.check()
+    # a large single file comes as a skeleton
+    loaded = graph_ops.load_model(request.model, load_external=not sessions.stream)
+    streamed = sessions.stream and graph_ops.io.has_external_data(loaded.proto)
+    data_dir = loaded.path.parent.resolve() if streamed else None
+    runtime, workers, lanes = _sized(request, loaded)
+    units, notes = _units(loaded, request)
+    names = [n for u in units for n in u.tensor_names]
+    sources, opset = _sources(loaded, units, runtime, sessions, data_dir)
+    probe_session, build_seconds = _open_probe(sources.factory, loaded)
     inputs = [s for s in probe_session.inputs if s.name not in probe_session.weights]
-    resolved = resolve_spec(spec, steps, inputs, probe_session.outputs)
-    settings.check_horizons(resolved.steps)
-    if isinstance(contexts, Contexts):
-        ctx = contexts
-    else:
-        ctx = load_contexts(
-            Path(contexts) if contexts is not None else None,
-            inputs,
-            windows=context_options.windows,
-            zscore=context_options.zscore,
-            random=context_options.random,
-            seed=context_options.seed,
-            columns=context_options.columns,
-            dims=dict(context_options.dims),
-            rows=index_rows(loaded.proto) if context_options.random else None,
-        )
-    if not streamed:
-        weights = graph_ops.read_weights(loaded.proto, names)
+    spec = resolve_spec(request.spec, request.steps, inputs, probe_session.outputs)
+    settings = request.settings
+    settings.check_horizons(spec.steps)
+    contexts = _contexts(request, inputs, loaded)
+    weights = sources.weights if streamed else graph_ops.read_weights(loaded.proto, names)
     check_finite(weights)
     job = SweepJob(
-        session_factory=factory,
-        contexts=ctx,
-        spec=resolved,
+        session_factory=sources.factory,
+        contexts=contexts,
+        spec=spec,
         units={u.name: u for u in units},
         weights=weights,
         probe_bits=settings.probe_bits,
         seed=settings.seed,
         eps=settings.eps,
-        max_batch_windows=context_options.max_batch_windows,
+        max_batch_windows=request.context_options.max_batch_windows,
         early_stop=EarlyStop(settings.early_stop_tol, settings.early_stop_window) if settings.early_stop else None,
-        rebuild_factory=rebuild,
-        cut_factory=cuts,
+        rebuild_factory=sources.rebuild,
+        cut_factory=sources.cuts,
         session_build_s=build_seconds,
         lanes=lanes,
-        strategy=strategy,
-        rows=gather_rows(loaded.proto, units, ctx.arrays, resolved.fed_inputs),
-        unit_factory=rebuild.overridable if rebuild is not None else None,
-        fed_keeps_kernels=keeps_kernels,
+        strategy=request.sweep.strategy,
+        rows=gather_rows(loaded.proto, units, contexts.arrays, spec.fed_inputs),
+        unit_factory=sources.rebuild.overridable if sources.rebuild is not None else None,
+        fed_keeps_kernels=sources.keeps_kernels,
         tasks_per_unit=int(settings.quant_probe) + settings.gauss_draws,
         quant_probe=settings.quant_probe,
     )
     return Prepared(
-        model=loaded, units=units, spec=resolved, contexts=ctx, job=job, session=probe_session,
-        session_file=source if isinstance(source, Path) else None, data_dir=data_dir, lanes=lanes, threads=runtime.threads, fed_as=fed_as,
-        notes=notes, opset=raised,
+        model=loaded, units=units, spec=spec, contexts=contexts, job=job, session=probe_session,
+        session_file=sources.source if isinstance(sources.source, Path) else None, data_dir=data_dir, workers=workers,
+        lanes=lanes, threads=runtime.threads, fed_as=sources.fed_as, notes=notes, opset=opset,
     )
 
+
+def _sized(request: ScoreRequest, loaded: graph_ops.LoadedModel) -> tuple[Runtime, int, int]:
+    """The sweep sized to this machine and model: the runtime as the model needs it, the worker processes, and
+    the lanes (one per worker; else `sweep_lanes`, and native TensorRT has no threads: one lane). The cores
+    are split between workers or lanes when the runtime leaves threads to ONNX Runtime."""
+    runtime, cores = request.runtime, usable_cores()
+    workers = request.sweep.processes(cores)
+    if workers > 1 and runtime.threads is None:
+        runtime = runtime.with_threads(max(1, cores // workers))  # N workers x threads <= cores
+    runtime = runtime.for_model(loaded.proto)
+    spread = workers > 1 or request.sweep.ray_address is not None  # each worker runs one task at a time
+    lanes = sweep_lanes(1 if spread else request.sweep.lanes, runtime.provider, runtime.threads, loaded.file_bytes)
+    if lanes > 1 and runtime.threads is None:
+        runtime = runtime.with_threads(max(1, cores // lanes))
+    return runtime, workers, lanes
+
+
+def _units(loaded: graph_ops.LoadedModel, request: ScoreRequest) -> tuple[list[Unit], list[str]]:
+    """The units the request selects, and what the user should know about the selection."""
+    tensors = graph_ops.find_weight_tensors(loaded.proto)
+    unfed = graph_ops.layout.unfed_float_tensors(loaded.proto.graph)
+    units = select_units(tensors, request.selection, unfed)
+    return units, selection_notes(loaded, tensors, units, request.selection, unfed)
+
+
+def _sources(loaded: graph_ops.LoadedModel, units: list[Unit], runtime: Runtime, sessions: SessionOptions,
+             data_dir: Path | None) -> tuple[_Sources, int]:
+    """The sessions' sources for a model with these units overridable, and the opset they run it at: read from
+    the model's files (`data_dir`), made in memory, or, past protobuf's 2 GiB, a file with external data."""
+    names = [n for u in units for n in u.tensor_names]
+    own = default_opset(loaded.proto)
+    opset = max(own, sessions.opset(loaded.proto, units)) if sessions.opset is not None else own
+    proto = at_opset(graph_ops.lift_constants(loaded.proto, names), opset)  # GraphError: the CLI's one-line exit 2
+    declarations = {n: graph_ops.input_declarations(proto, [n]) for n in names}
+    if data_dir is not None:  # feeding is the only strategy that needs no weights in memory
+        return _streamed(proto, declarations, names, loaded, runtime, sessions, data_dir), opset
+    if graph_ops.io.stored_bytes(proto) < graph_ops.io.PROTOBUF_LIMIT:
+        return _in_memory(proto, declarations, units, names, runtime), opset
+    # over 2 GiB: hand the runtime a file with external data; feeding is the only sane strategy
+    proto.MergeFromString(b"".join(declarations.values()))
+    source = _session_file(loaded, names, sessions.workdir, opset if opset != own else None)
+    if not source.exists():
+        graph_ops.save_model(proto, source, external_data=True)
+    return _Sources(partial(runtime.open, source), source), opset
+
+
+def _streamed(proto: onnx.ModelProto, declarations: dict[str, bytes], names: list[str], loaded: graph_ops.LoadedModel,
+              runtime: Runtime, sessions: SessionOptions, data_dir: Path) -> _Sources:
+    """Sessions of a graph whose tensors stay references into the model's files; cuts are read from them too."""
+    cuts = StreamedCuts(graph_ops.model_bytes(proto), runtime, data_dir)
+    if sessions.runtime_keeps_weights:  # the units declared inputs too
+        proto.MergeFromString(b"".join(declarations.values()))
+        graph = proto
+    else:  # the units plain inputs
+        unit_names = set(names)
+        graph = graph_ops.io.weights_as_inputs(proto, lambda t: t.name not in unit_names)
+    source = _graph_file(graph, sessions.workdir, "overridable" if sessions.runtime_keeps_weights else "fed")
+    weights = graph_ops.FileWeights(loaded.proto, names, data_dir)
+    if sessions.runtime_keeps_weights:
+        factory = partial(runtime.open, source, external_data_dir=data_dir)
+    else:
+        factory = partial(open_fed, runtime, source, data_dir, weights)
+    return _Sources(factory, source, cuts=cuts, weights=weights)
+
+
+def _in_memory(proto: onnx.ModelProto, declarations: dict[str, bytes], units: list[Unit], names: list[str],
+               runtime: Runtime) -> _Sources:
+    """Sessions made from the model's bytes, serialised once: the fed one a derived graph when that runs faster."""
+    rebuild = RebuildFactory(graph_ops.model_bytes(proto), runtime, declarations)
+    derived, fed_as = derived_feed(rebuild, units, names)
+    factory = derived or partial(rebuild.overridable, tuple(names))
+    if derived is not None:
+        keeps = derived.made()[1].keeps_kernels
+    else:
+        keeps = all(fed_as_fast(t) for u in units for t in u.tensors)
+    return _Sources(factory, rebuild.model, rebuild=rebuild, cuts=rebuild, fed_as=fed_as, keeps_kernels=keeps)
+
+
+def _open_probe(factory: Callable[[], Session], loaded: graph_ops.LoadedModel) -> tuple[Session, float]:
+    """The first session, which checks the model loads, and the seconds it took to build."""
+    try:
+        started = time.perf_counter()
+        session = factory()
+        return session, time.perf_counter() - started
+    except Exception as exc:
+        raise InputError(f"ONNX Runtime cannot load {loaded.path}: {str(exc).splitlines()[0]}") from None
+
+
+def _contexts(request: ScoreRequest, inputs: list, loaded: graph_ops.LoadedModel) -> Contexts:
+    """The request's contexts for these inputs (random ones drawn within the rows of the tables they index)."""
+    if isinstance(request.contexts, Contexts):
+        return request.contexts
+    options = request.context_options
+    path = Path(request.contexts) if request.contexts is not None else None
+    return load_contexts(path, inputs, options, rows=index_rows(loaded.proto) if options.random else None)
 
 
 def _session_file(loaded: graph_ops.LoadedModel, names: list[str], workdir: Path | None, opset: int | None = None) -> Path:

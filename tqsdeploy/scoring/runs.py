@@ -26,9 +26,11 @@ from runtimes import Runtime
 from tqsdeploy._version import __version__
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import REPLACED, file_identity
-from tqsdeploy.scoring.prepare import Prepared, prepare
+from tqsdeploy.scoring.prepare import Prepared, SessionOptions, prepare
+from tqsdeploy.scoring.request import ScoreRequest
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.scoring.gamma import ScoreSettings
+from tqsdeploy.sweep import SweepSettings
 from tqsdeploy.units import UnitSelection
 
 RUN_FORMAT = 1
@@ -174,9 +176,11 @@ class ScoreRun:
     def prepare(self, model: Path, runtime: Runtime, *, strategy: str, lanes: int | None, runtime_keeps_weights: bool, opset=None) -> Prepared:
         """This run's sweep made ready again on `model` and `runtime` for a later stage: the run's own contexts,
         rollout, units and probe settings, its session files kept in the run folder; `opset`: the opset its
-        sessions run the model at, from the model and its units (see `prepare.prepare`)."""
-        return prepare(model, self.contexts_file, self.spec_file, selection=self.selection, settings=self.settings, runtime=runtime, strategy=strategy,
-                       workdir=self.run_dir, stream=True, runtime_keeps_weights=runtime_keeps_weights, lanes=lanes, opset=opset)
+        sessions run the model at, from the model and its units (`SessionOptions.opset`)."""
+        request = ScoreRequest(model, self.contexts_file, self.spec_file, settings=self.settings, selection=self.selection,
+                               sweep=SweepSettings(strategy=strategy, lanes=lanes), runtime=runtime)
+        sessions = SessionOptions(workdir=self.run_dir, stream=True, runtime_keeps_weights=runtime_keeps_weights, opset=opset)
+        return prepare(request, sessions)
 
 
 ScoreTable = ScoreRun

@@ -6,9 +6,9 @@ which pickles), and resumed: results are appended to a JSON-lines table as each 
 already in the table are never run again.
 
 Modules, each importing only those above it: `tasks` (Task, TaskResult, ResultLog), `job` (SweepJob),
-`probe_source`, `nominal`, `cuts` and `batching` (what auto and a strategy share), `rig` (one runner's
-parts), `strategies/` (one `Strategy` per way of applying perturbed weights), `choice` (auto), `runner`
-(SweepRunner) and `executors` (lanes, worker processes, Ray).
+`settings` (SweepSettings: what the user asks), `probe_source`, `nominal`, `cuts` and `batching` (what auto
+and a strategy share), `rig` (one runner's parts), `strategies/` (one `Strategy` per way of applying perturbed
+weights), `choice` (auto), `runner` (SweepRunner) and `executors` (lanes, worker processes, Ray).
 """
 
 from tqsdeploy.rollout.engine import Drift, EarlyStop, Nominal
@@ -16,10 +16,10 @@ from tqsdeploy.sweep.executors import Lanes, interleaved, run_lanes, run_local, 
 from tqsdeploy.sweep.job import SweepJob
 from tqsdeploy.sweep.probe_source import ProbeSource, stale_units
 from tqsdeploy.sweep.runner import SweepRunner
+from tqsdeploy.sweep.settings import SweepSettings
 from tqsdeploy.sweep.tasks import ResultLog, Task, TaskResult, plan_tasks
 
 __all__ = [
-    "Drift", "EarlyStop", "LANES_MAX", "LANE_EXTRA_BYTES", "Lanes", "Nominal", "ProbeSource", "ResultLog", "SweepJob",
-    "SweepRunner", "Task", "TaskResult", "interleaved", "plan_tasks", "run_lanes", "run_local",
+    "Drift", "EarlyStop", "LANES_MAX", "LANE_EXTRA_BYTES", "Lanes", "Nominal", "ProbeSource", "ResultLog", "SweepJob", "SweepRunner", "SweepSettings", "Task", "TaskResult", "interleaved", "plan_tasks", "run_lanes", "run_local",
     "run_parallel", "run_ray", "stale_units", "sweep_lanes", "usable_cores",
 ]

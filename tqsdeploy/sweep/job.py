@@ -10,12 +10,13 @@ import numpy as np
 from runtimes import Session, SessionFactory
 from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.rollout.engine import EarlyStop
-from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.rollout import CheckedSpec
 from tqsdeploy.units import Unit
 
 @dataclass
 class SweepJob:
-    """Everything a worker needs to run tasks; picklable by design.
+    """Everything a worker needs to run tasks; picklable by design. Made by `scoring.prepare` from checked
+    parts (`spec` fits the model, `strategy` is known), which its runners take as they are.
 
     `session_factory` opens the session whose scored weights are overridable
     feeds; `rebuild_factory(weights)` opens a session with those weights baked
@@ -25,7 +26,8 @@ class SweepJob:
 
     session_factory: SessionFactory
     contexts: Contexts
-    spec: RolloutSpec
+    spec: CheckedSpec
+    """Checked against the model where it was resolved (`rollout.resolve_spec`): runners do not check it again."""
     units: dict[str, Unit]
     weights: dict[str, np.ndarray]
     probe_bits: int

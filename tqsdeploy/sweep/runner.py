@@ -11,6 +11,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from runtimes import Session
+from tqsdeploy.rollout import CheckedSpec
 from tqsdeploy.rollout.engine import Drift, Nominal, RolloutEngine
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.sweep.choice import Choice
@@ -18,7 +19,7 @@ from tqsdeploy.sweep.job import SweepJob
 from tqsdeploy.sweep.nominal import SharedNominal
 from tqsdeploy.sweep.probe_source import PROBE_DEPTH_MAX, ProbeSource
 from tqsdeploy.sweep.rig import Rig
-from tqsdeploy.sweep.strategies import AUTO, BY_NAME, Strategy, strategy_names
+from tqsdeploy.sweep.strategies import AUTO, BY_NAME, Strategy
 from tqsdeploy.sweep.tasks import Task, TaskResult
 
 
@@ -29,13 +30,15 @@ class SweepRunner:
     How perturbed weights reach the runtime is the strategy's (`strategies`, one `Strategy` each); 'auto'
     times them (`choice.Choice`) and picks the cheapest sweep. The nominal rollout is made by the session
     the perturbed ones are compared with, so an inert unit diverges by exactly zero; it is compared, and
-    early stopping decided, by the engine (`RolloutEngine.step_total`, `Divergence`).
+    early stopping decided, by the engine (`RolloutEngine.step_total`, `Divergence`). The job's spec and
+    strategy were checked where they were made (`resolve_spec`, `SweepSettings`); what is checked here is
+    what depends on the session and the strategy this runner opens.
     """
 
     def __init__(self, job: SweepJob, session: Session | None = None, nominal: Nominal | None = None):
+        if not isinstance(job.spec, CheckedSpec):  # what a job's spec is typed as, so nothing checks it here again
+            raise TypeError("a sweep's job takes a CheckedSpec (rollout.resolve_spec), not an unchecked RolloutSpec")
         self.job = job
-        if job.strategy not in strategy_names():
-            raise RolloutError(f"unknown strategy '{job.strategy}'; choose one of {', '.join(strategy_names())}")
         asked = BY_NAME.get(job.strategy)
         if asked is not None:
             asked.refuse(job)
@@ -46,7 +49,6 @@ class SweepRunner:
             missing = {n for u in job.units.values() for n in u.tensor_names} - opened.weights
             if missing:
                 raise RolloutError(f"the session cannot override weight '{sorted(missing)[0]}'")
-        job.spec.check(inputs, opened.outputs)
         engine = RolloutEngine(opened, job.contexts, job.spec, job.max_batch_windows)
         self.rig = Rig(job, engine, inputs, ProbeSource(job), overridable=None if constant_only else opened, constant=opened if constant_only else None)
         self.engine, self.probes = engine, self.rig.probes
@@ -175,8 +177,7 @@ class SweepRunner:
     def _failing_as_the_nominal(self) -> Iterator[None]:
         """A rollout that fails waits for the nominal rollout's verdict first: a model that fails on the contexts
         fails its nominal rollout too, made on another lane meanwhile, and that error names the contexts, whichever
-        lane failed first (the same words every run: score's --dim test failed about 1 run in 12 while only the
-        measurements waited and a sweep task's lane could still fail first)."""
+        lane failed first, so a failing model gives the same words every run (docs/scoring-notes.md)."""
         try:
             yield
         except RolloutError:
