@@ -136,7 +136,7 @@ def junit(checks: list[Check], candidate: str) -> str:
 
     suite = ET.Element("testsuite", name=f"tqsdeploy gate: {candidate}", tests=str(len(checks)), failures=str(sum(not c.passed for c in checks)))
     for c in checks:
-        case = ET.SubElement(suite, "testcase", classname="tqsdeploy.evaluation.gate", name=c.name)
+        case = ET.SubElement(suite, "testcase", classname="tqsdeploy.gate", name=c.name)
         ET.SubElement(case, "properties")
         for key, value in (("measured", c.measured), ("limit", c.limit), ("operator", c.operator), ("unit", c.unit)):
             ET.SubElement(case.find("properties"), "property", name=key, value=str(value))
