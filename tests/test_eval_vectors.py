@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 import models
 from tqsdeploy.cli import app
-from tqsdeploy.evaluation.evaluate import looks_like_embedding
+from tqsdeploy.evaluation.metrics import looks_like_embedding
 
 runner = CliRunner()
 

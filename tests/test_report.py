@@ -66,13 +66,13 @@ def test_report_has_intervals_verdicts_and_valid_html(tmp_path):
 def test_bootstrap_intervals_are_bca_and_survive_degenerate_windows():
     from scipy import stats
 
-    from tqsdeploy.evaluation.evaluate import _bootstrap, _degradation, _mean
+    from tqsdeploy.evaluation.metrics import bootstrap, degradation, window_mean
 
     skewed = np.random.default_rng(0).exponential(1.0, 8)  # per-window MAEs over 8 windows: few and skewed
-    low, high = _bootstrap((skewed,), _mean, 2000, 0)
+    low, high = bootstrap((skewed,), window_mean, 2000, 0)
     percentile = stats.bootstrap((skewed,), np.mean, n_resamples=2000, method="percentile", rng=np.random.default_rng(0)).confidence_interval
     assert low < skewed.mean() < high and (low, high) != (percentile.low, percentile.high)
-    assert _bootstrap((np.ones(5),), _mean, 500, 0) == [1.0, 1.0]  # BCa undefined: no spread, no interval
-    assert _bootstrap((np.ones(1),), _mean, 500, 0) == [1.0, 1.0]
-    low, high = _bootstrap((skewed * 1.1, skewed), _degradation, 500, 0)  # paired windows: exactly 10% worse in each
+    assert bootstrap((np.ones(5),), window_mean, 500, 0) == [1.0, 1.0]  # BCa undefined: no spread, no interval
+    assert bootstrap((np.ones(1),), window_mean, 500, 0) == [1.0, 1.0]
+    low, high = bootstrap((skewed * 1.1, skewed), degradation, 500, 0)  # paired windows: exactly 10% worse in each
     assert abs(low - 10) < 1e-6 and abs(high - 10) < 1e-6

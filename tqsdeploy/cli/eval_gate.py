@@ -32,7 +32,8 @@ def engine(
     out.print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
 
 
-def _bounds_from_options(max_degradation, min_compression, max_size, per_output, min_cosine=None):
+def _bounds_from_options(max_degradation, min_compression, max_size, per_output, min_cosine, max_slowdown, no_latency):
+    """gate's bounds, each option checked in turn (the first wrong one is the one reported)."""
     from tqsdeploy.evaluation.gate import Bounds, parse_percent, parse_size
 
     per = {}
@@ -47,13 +48,25 @@ def _bounds_from_options(max_degradation, min_compression, max_size, per_output,
         raise typer.BadParameter(f"--min-compression must be a positive finite number, not {min_compression}")
     if min_cosine is not None and not -1 <= min_cosine <= 1:
         raise typer.BadParameter(f"--min-cosine is a cosine similarity between -1 and 1, not {min_cosine}")
-    return Bounds(
-        min_cosine=min_cosine,
-        max_degradation=parse_percent(max_degradation, "--max-degradation") if max_degradation else None,
-        min_compression=min_compression,
-        max_size=parse_size(max_size) if max_size else None,
-        per_output=per,
-    )
+    degradation = parse_percent(max_degradation, "--max-degradation") if max_degradation else None
+    size = parse_size(max_size) if max_size else None
+    if max_slowdown is not None:
+        if not (math.isfinite(max_slowdown) and max_slowdown > 0):
+            raise typer.BadParameter(f"--max-slowdown must be a positive finite ratio, not {max_slowdown}")
+        if no_latency:
+            raise typer.BadParameter("--max-slowdown needs the latency measurement that --no-latency turns off")
+    return Bounds(max_degradation=degradation, min_compression=min_compression, max_size=size, per_output=per,
+                  min_cosine=min_cosine, max_slowdown=max_slowdown)
+
+
+def _report_prefix(candidate: Path, report: Optional[str]) -> Path:
+    """eval's --report: a prefix, or a folder (an existing one, or a path ending in /) for the default names."""
+    name = candidate.stem + ".eval"
+    if report is None:
+        return candidate.with_name(name)
+    if report.endswith(("/", os.sep)) or Path(report).is_dir():  # a folder: the default names inside it, as its reader expects
+        return Path(report) / name
+    return Path(report)
 
 
 @app.command("eval")
@@ -80,27 +93,20 @@ def eval_command(
     """Roll out candidate and reference from the same contexts and compare them (and the truth), and time both."""
     from graph_ops.io import OutputError
     from tqsdeploy.errors import InputError
-    from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate, markdown, write_report
+    from tqsdeploy.evaluation.evaluate import EvalRequest, EvalSettings, markdown, run_eval
     from tqsdeploy.files import check_writable
 
     settings = EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis, windows=csv_windows(windows, contexts), zscore=zscore, columns=parse_columns(columns), cosine=cosine,
                             latency=latency_settings(no_latency, latency_batches))
-    name = candidate.stem + ".eval"
-    if report is None:
-        prefix = candidate.with_name(name)
-    elif report.endswith(("/", os.sep)) or Path(report).is_dir():  # a folder: the default names inside it, as its reader expects
-        prefix = Path(report) / name
-    else:
-        prefix = Path(report)
+    prefix = _report_prefix(candidate, report)
     try:
         check_writable(prefix.parent)  # before the rollouts, so a bad --report throws no results away
     except OutputError as exc:
         if report is not None:
             raise
         raise InputError(str(exc), hint="write the report elsewhere with --report FOLDER/ or --report PREFIX") from None
-    result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
-    print_warnings(result.get("warnings", []))
-    json_path, md_path = write_report(result, prefix)
+    request = EvalRequest(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
+    result, json_path, md_path = run_eval(request, prefix, warn=print_warnings)
     out.print(markdown(result), markup=False)
     out.print(f"wrote {json_path} and {md_path}")
 
@@ -131,26 +137,18 @@ def gate(
     latency_batches: Optional[str] = LATENCY_BATCHES,
 ):
     """Exit 1 when the candidate violates any bound, 0 when it meets them all."""
-    from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
-    from tqsdeploy.evaluation.gate import check, gate_markdown, write_outputs
-
+    from tqsdeploy.evaluation.evaluate import EvalRequest, EvalSettings
+    from tqsdeploy.evaluation.gate import GateRequest, gate_markdown, run_gate
     from tqsdeploy.files import check_writable
 
-    bounds = _bounds_from_options(max_degradation, min_compression, max_size, per_output, min_cosine)
-    if max_slowdown is not None:
-        if not (math.isfinite(max_slowdown) and max_slowdown > 0):
-            raise typer.BadParameter(f"--max-slowdown must be a positive finite ratio, not {max_slowdown}")
-        if no_latency:
-            raise typer.BadParameter("--max-slowdown needs the latency measurement that --no-latency turns off")
-        bounds.max_slowdown = max_slowdown
+    bounds = _bounds_from_options(max_degradation, min_compression, max_size, per_output, min_cosine, max_slowdown, no_latency)
     settings = EvalSettings(exact=exact, provider=provider, windows=csv_windows(windows, contexts), zscore=zscore, columns=parse_columns(columns), cosine=cosine, latency=latency_settings(no_latency, latency_batches))
     check_writable(report_dir)  # before the rollouts
-    result = evaluate(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
-    print_warnings(result.get("warnings", []))
-    checks = check(result, bounds)
-    paths = write_outputs(result, checks, report_dir)
-    out.print(gate_markdown(result, checks), markup=False)
-    out.print(f"wrote {paths['json']}, {paths['markdown']}, {paths['junit']}")
-    if not all(c.passed for c in checks):
-        err.print("gate failed: " + "; ".join(f"{c.name} = {c.shown} violates {c.bound}" for c in checks if not c.passed), markup=False)
+    evaluation = EvalRequest(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
+    result = run_gate(GateRequest(evaluation, bounds, report_dir), warn=print_warnings)
+    out.print(gate_markdown(result.report, result.checks), markup=False)
+    out.print(f"wrote {result.paths['json']}, {result.paths['markdown']}, {result.paths['junit']}")
+    if not result.passed:
+        failed = "; ".join(f"{c.name} = {c.shown} violates {c.bound}" for c in result.checks if not c.passed)
+        err.print("gate failed: " + failed, markup=False)
         raise typer.Exit(1)

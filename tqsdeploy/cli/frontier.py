@@ -48,70 +48,92 @@ def frontier(
     force: bool = typer.Option(False, "--force", help="Write into an --out folder that holds other files (report.md, frontier.csv and the like there are overwritten)."),
 ):
     """Score once, export TQS-PTQ at every C, run the uniform baselines, evaluate all, and report."""
-    from tqsdeploy.evaluation.evaluate import EvalSettings
-    from tqsdeploy.export import ExportSettings
-    from tqsdeploy.evaluation.frontier import FrontierSettings, run_frontier
-    from tqsdeploy.evaluation.report import build_report
+    import polars as pl
 
+    from tqsdeploy.evaluation.evaluate import EvalSettings
+    from tqsdeploy.evaluation.frontier import FrontierRequest, FrontierSettings, run_frontier
+    from tqsdeploy.export import ExportSettings
+    from tqsdeploy.scoring.runs import model_label
+
+    patterns = _bucket_patterns(buckets)
+    tier_names = _checked_tiers(model, tiers, group_size, min_params)
+    if baselines.strip() and any(b not in (1, 2, 3, 4, 8) for b in parse_floats(bits, "--bits")):
+        raise typer.BadParameter(f"--bits takes 1, 2, 3, 4 and 8, not {bits!r}")
+    base = ExportSettings(tiers=tier_names, group_size=group_size, rounding=rounding, grids=grids, objective=objective)
+    variants = _variants(also, tier_names, group_size, rounding, grids)
+    settings = FrontierSettings(
+        targets=tuple(parse_floats(targets, "--C")),
+        baselines=tuple(split_list(baselines, "--baselines")) if baselines.strip() else (),
+        bits=tuple(int(b) for b in parse_floats(bits, "--bits")) if baselines.strip() else (),
+        export=base,
+        variants=variants,
+        evaluation=EvalSettings(exact=exact, variable_axis=variable_axis, columns=parse_columns(columns), windows=csv_windows(windows, contexts), zscore=zscore,
+                                latency=latency_settings(not latency, None)),
+        min_params=min_params,
+    )
+    _check_points(settings)
+    folder = out_dir or Path("tqs-frontier") / model_label(model)
+    request = FrontierRequest(model, contexts, folder, spec=spec, steps=steps, truth=truth, eval_contexts=eval_contexts, eval_truth=eval_truth,
+                              settings=settings, force=force, buckets=patterns)
+    with progress_bar("frontier", "steps") as progress:
+        result = run_frontier(request, progress=progress, notice=lambda message: err.print(f"note: {escape(message)}", soft_wrap=True))
+    split = "held-out" if eval_contexts else "scoring"
+    shown = result.frame.filter((pl.col("variable") == "all") | pl.col("variable").is_null()).filter(pl.col("split") == split)
+    metric = "degradation_pct"
+    out.print(frame_table(shown.sort(["family", "method", "achieved_C"]), f"Frontier ({split} contexts)", ["method", "setting", "achieved_C", "file_bytes", "mae_ref", "mae_truth", metric, "status"]))
+    out.print(f"wrote {folder}/frontier.parquet, {result.report}, {result.page} and plots")
+
+
+def _bucket_patterns(buckets: Optional[str]) -> tuple[tuple[str, str], ...]:
+    """--buckets ROLE=REGEX,... as (role, regex) pairs, each regex compiled now, not after the frontier has run."""
+    if not buckets:
+        return ()
+    items = [item.strip() for item in buckets.split(",") if item.strip()]
+    if not items or any("=" not in item for item in items):
+        raise typer.BadParameter(f"--buckets takes ROLE=REGEX items, e.g. 'input=embed|patch,output=head', not {buckets!r}")
+    patterns = dict(item.split("=", 1) for item in items)
+    for role, pattern in patterns.items():
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise typer.BadParameter(f"--buckets: {role}={pattern!r} is not a regular expression ({exc})") from None
+    return tuple(patterns.items())
+
+
+def _checked_tiers(model: Path, tiers: Optional[str], group_size: Optional[int], min_params: int) -> Optional[tuple[str, ...]]:
+    """--tiers as names (None: export's defaults, int1 near INT2 included); unknown names, and a --group-size no
+    tensor of the model can take, fail now rather than after the score."""
     from tiers import get_tiers
 
-    patterns = None
-    if buckets:
-        items = [item.strip() for item in buckets.split(",") if item.strip()]
-        if not items or any("=" not in item for item in items):
-            raise typer.BadParameter(f"--buckets takes ROLE=REGEX items, e.g. 'input=embed|patch,output=head', not {buckets!r}")
-        patterns = dict(item.split("=", 1) for item in items)
-        for role, pattern in patterns.items():  # now, not after the frontier has run
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise typer.BadParameter(f"--buckets: {role}={pattern!r} is not a regular expression ({exc})") from None
-    tier_names = tuple(split_list(tiers, "--tiers")) if tiers is not None else None  # None: export's defaults, int1 near INT2 included
-    tier_set = get_tiers(tier_names or DEFAULT_TIERS, "ort", group_size)  # unknown names fail now, not after the score
-    if group_size:  # and a --group-size nothing could take (it once failed after the score)
+    tier_names = tuple(split_list(tiers, "--tiers")) if tiers is not None else None
+    tier_set = get_tiers(tier_names or DEFAULT_TIERS, "ort", group_size)
+    if group_size:
         import graph_ops
         from tqsdeploy.encoding.slots import checked_layouts
 
         checked_layouts(graph_ops.load_model(model, load_external=False).proto, min_params, group_size, tier_set)
-    if baselines.strip() and any(b not in (1, 2, 3, 4, 8) for b in parse_floats(bits, "--bits")):
-        raise typer.BadParameter(f"--bits takes 1, 2, 3, 4 and 8, not {bits!r}")
-    base = ExportSettings(tiers=tier_names, group_size=group_size, rounding=rounding, grids=grids, objective=objective)
+    return tier_names
+
+
+def _variants(also: Optional[str], tier_names, group_size: Optional[int], rounding: str, grids: str) -> tuple:
+    """--also objective/rounding,... as extra TQS-PTQ lines: (label, ExportSettings)."""
+    from tqsdeploy.export import ExportSettings
+
     variants = []
     for item in (also or "").split(","):
         if item.strip():
             chosen_objective, _, chosen_rounding = item.strip().partition("/")
             variant = ExportSettings(tiers=tier_names, group_size=group_size, objective=chosen_objective, rounding=chosen_rounding or rounding, grids=grids)
             variants.append((f"TQS-PTQ {variant.objective}/{variant.rounding}", variant))
-    settings = FrontierSettings(
-        targets=tuple(parse_floats(targets, "--C")),
-        baselines=tuple(split_list(baselines, "--baselines")) if baselines.strip() else (),
-        bits=tuple(int(b) for b in parse_floats(bits, "--bits")) if baselines.strip() else (),
-        export=base,
-        variants=tuple(variants),
-        evaluation=EvalSettings(exact=exact, variable_axis=variable_axis, columns=parse_columns(columns), windows=csv_windows(windows, contexts), zscore=zscore,
-                                latency=latency_settings(not latency, None)),
-        min_params=min_params,
-    )
+    return tuple(variants)
+
+
+def _check_points(settings) -> None:
+    """Every target and baseline method, before the score and every baseline (not when the first export reaches it)."""
     from tqsdeploy.size import check_target
 
-    for target in settings.targets:  # before the score and every baseline, not when the first export reaches it
+    for target in settings.targets:
         check_target(target)
     for method in settings.baselines:
         if method not in METHODS:
             raise typer.BadParameter(f"--baselines takes {', '.join(METHODS)}, not '{method}'")
-    from tqsdeploy.scoring.runs import model_label
-
-    folder = out_dir or Path("tqs-frontier") / model_label(model)
-    with progress_bar("frontier", "steps") as progress:
-        frame = run_frontier(
-            model, contexts, folder, spec=spec, steps=steps, truth=truth, eval_contexts=eval_contexts, eval_truth=eval_truth,
-            settings=settings, progress=progress, force=force, notice=lambda message: err.print(f"note: {escape(message)}", soft_wrap=True),
-        )
-    md, page = build_report(folder, model, patterns)
-    import polars as pl
-
-    split = "held-out" if eval_contexts else "scoring"
-    shown = frame.filter((pl.col("variable") == "all") | pl.col("variable").is_null()).filter(pl.col("split") == split)
-    metric = "degradation_pct"
-    out.print(frame_table(shown.sort(["family", "method", "achieved_C"]), f"Frontier ({split} contexts)", ["method", "setting", "achieved_C", "file_bytes", "mae_ref", "mae_truth", metric, "status"]))
-    out.print(f"wrote {folder}/frontier.parquet, {md}, {page} and plots")

@@ -13,17 +13,17 @@ the reference's mean absolute value ("drift"). Both in percent.
 Embeddings are read as vectors, not values: for an output that looks like one
 (`looks_like_embedding`) or when asked, the report adds the cosine similarity of
 each candidate vector to its reference vector and how often a vector's nearest
-neighbour among the others stays the same (`_vector_metrics`).
+neighbour among the others stays the same (`tqsdeploy.evaluation.metrics`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -31,13 +31,14 @@ import onnx
 import graph_ops
 import graph_ops.qdq
 from runtimes import Session, for_provider, release_freed_memory
-from tqsdeploy.rollout.contexts import ContextOptions, Contexts, continuation_rows, load_contexts, npz_arrays, truth_from_csv
 from tqsdeploy.errors import InputError
+from tqsdeploy.evaluation.latency import LatencySettings, measure as measure_latency
+from tqsdeploy.evaluation.metrics import looks_like_embedding, metrics, side_metrics, vector_metrics
 from tqsdeploy.files import json_text, write_texts
 from tqsdeploy.progress import counted
-from tqsdeploy.rollout.engine import RolloutEngine
-from tqsdeploy.evaluation.latency import LatencySettings, measure as measure_latency
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
+from tqsdeploy.rollout.contexts import ContextOptions, Contexts, continuation_rows, load_contexts, npz_arrays, truth_from_csv
+from tqsdeploy.rollout.engine import RolloutEngine
 from tqsdeploy.size import compression
 
 
@@ -60,43 +61,35 @@ class EvalSettings:
     """Cosine and nearest-neighbour metrics: None for the outputs that look like embeddings, True for
     every trajectory output (its last axis the vector), False for none."""
     latency: LatencySettings | None = None
-    """Time candidate and reference (`tqsdeploy.evaluation.latency`); None: not measured (the CLI measures by default)."""
+    """Time candidate and reference (`tqsdeploy.evaluation.latency`); None: not measured (the CLI measures by
+    default)."""
 
 
-EMBEDDING_NAME = re.compile(r"embed|pool|sentence|hidden_state", re.IGNORECASE)
-"""Output names that say their values are vectors: embedding(s), pooled/pooler_output, sentence_embedding,
-last_hidden_state."""
-NEIGHBOUR_VECTORS = 4096
-"""Nearest neighbours are compared among at most this many vectors (the first ones): N² similarities."""
+@dataclass(frozen=True)
+class EvalRequest:
+    """One evaluation, as `eval` and `gate` ask for it: the two models, the contexts and truth, and how to run them."""
+
+    candidate: Path
+    reference: Path
+    contexts: Path
+    spec: Path | None = None
+    steps: int | None = None
+    truth: Path | None = None
+    settings: EvalSettings = EvalSettings()
 
 
-def looks_like_embedding(name: str, dims: list | None) -> bool:
-    """An output read as vectors by default: named like an embedding (`EMBEDDING_NAME`) and shaped
-    [batch, dim] or [batch, tokens, dim] with a fixed dim above 1."""
-    return bool(EMBEDDING_NAME.search(name)) and dims is not None and len(dims) in (2, 3) and isinstance(dims[-1], int) and dims[-1] > 1
+def evaluate_request(request: EvalRequest) -> dict:
+    return evaluate(request.candidate, request.reference, request.contexts, spec=request.spec, steps=request.steps,
+                    truth=request.truth, settings=request.settings)
 
 
-def _vector_metrics(candidate: np.ndarray, reference: np.ndarray) -> dict:
-    """Cosine similarity of every candidate vector (the last axis) to its reference vector, and for the
-    first `NEIGHBOUR_VECTORS` vectors whether each one's nearest neighbour (by cosine, itself excluded)
-    is the same vector in both models."""
-    dim = reference.shape[-1]
-    c, r = (np.asarray(a, np.float64).reshape(-1, dim) for a in (candidate, reference))
-    unit_c, unit_r = (a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-300) for a in (c, r))
-    cosine = np.sum(unit_c * unit_r, axis=1)
-    result = {"vectors": int(cosine.size), "dim": int(dim), "mean": float(cosine.mean()), "min": float(cosine.min())}
-    count = min(len(c), NEIGHBOUR_VECTORS)
-    if count >= 3:  # with two vectors each is the other's neighbour whatever the models do
-        same = sum(int(np.sum(_nearest(unit_c[:count], start) == _nearest(unit_r[:count], start))) for start in range(0, count, 512))
-        result.update({"same_neighbour": same, "neighbour_vectors": count})
-    return result
-
-
-def _nearest(unit: np.ndarray, start: int, rows: int = 512) -> np.ndarray:
-    """Index of each of rows start..start+rows' nearest other vector among `unit` (unit-norm rows)."""
-    similarity = unit[start:start + rows] @ unit.T
-    similarity[np.arange(similarity.shape[0]), np.arange(start, start + similarity.shape[0])] = -np.inf
-    return np.argmax(similarity, axis=1)
+def run_eval(request: EvalRequest, prefix: Path, warn: Callable[[list[str]], None] = lambda warnings: None
+             ) -> tuple[dict, Path, Path]:
+    """`eval`: the report, told its warnings (`warn`) before it is written to PREFIX.json and PREFIX.md."""
+    report = evaluate_request(request)
+    warn(report.get("warnings", []))
+    json_path, md_path = write_report(report, prefix)
+    return report, json_path, md_path
 
 
 def trajectories(session: Session, contexts: Contexts, spec: RolloutSpec, max_batch: int) -> dict[str, np.ndarray]:
@@ -119,11 +112,16 @@ def _reads_codes(proto) -> bool:
     return bool(graph_ops.qdq.per_call_dequantization(proto))
 
 
+def _dequantizes(proto) -> bool:
+    return any(n.op_type == "DequantizeLinear" for n in proto.graph.node)
+
+
 def _open(loaded: "graph_ops.LoadedModel", settings: EvalSettings, optimized: str | None = None) -> Session:
-    dequantizes = any(n.op_type == "DequantizeLinear" for n in loaded.proto.graph.node)
-    if not dequantizes and not (loaded.file_bytes < CHECKED_FOLDING_BYTES and _reads_codes(loaded.proto)):
+    folds = loaded.file_bytes < CHECKED_FOLDING_BYTES and _reads_codes(loaded.proto)
+    if not _dequantizes(loaded.proto) and not folds:
         optimized = None  # nothing to fuse or fold: no need for ONNX Runtime to write out a whole copy of the model
-    runtime = for_provider(settings.provider, exact_qdq=settings.exact, optimized_model_path=optimized).for_model(loaded.proto)
+    runtime = for_provider(settings.provider, exact_qdq=settings.exact, optimized_model_path=optimized)
+    runtime = runtime.for_model(loaded.proto)
     source = graph_ops.io.runnable_path(loaded)  # the file itself: no serialised copy, any size
     if source is None:  # an IR the runtime refuses: a clamped copy (bytes, or a temporary file past 2 GiB)
         source = graph_ops.io.session_source(graph_ops.io.runtime_compatible(graph_ops.load_model(loaded.path).proto))
@@ -138,116 +136,39 @@ def _closed(session: Session) -> None:
 
 
 def _runtime_mode(settings: EvalSettings, optimized_path: str, proto) -> dict:
+    """How the runtime ran the candidate, read off the graph ONNX Runtime optimised (written to `optimized_path`
+    where there was anything to fuse or fold)."""
     fused, per_call = 0, None
     if os.path.exists(optimized_path):
         optimized = graph_ops.wire.skeleton(optimized_path)  # node types only: the weights stay in the file
         fused = sum(1 for n in optimized.graph.node if n.op_type == "MatMulNBits")
         per_call = graph_ops.qdq.per_call_dequantization(optimized)
-    dequantizes = any(n.op_type == "DequantizeLinear" for n in proto.graph.node)
-    if not dequantizes and not _reads_codes(proto):  # the original, or an fp16 copy: nothing to fuse or fold
-        mode = f"ONNX Runtime default on {settings.provider}: float weights (no stored codes, nothing to fuse or fold); float kernels"
-    elif not dequantizes:
-        checked = "its optimized graph reads no codes" if per_call == {} else ("not checked: a large file" if per_call is None else f"yet its optimized graph still reads codes: {per_call}")
-        mode = (f"ONNX Runtime default on {settings.provider}: weights stored dequantized-at-load, folded into float initializers when the session is created "
-                f"({checked}); float kernels, exact")
-    elif settings.exact:
-        mode = "exact dequantization (session.qdq_matmulnbits_accuracy_level=0)"
-    elif settings.provider == "cpu" and fused == 0 and per_call is not None:  # say, Conv kernels: no MatMul to fuse with
-        mode = "ONNX Runtime default on cpu: DequantizeLinear runs on every call (no MatMul it fuses with into MatMulNBits); float kernels, exact"
-    elif settings.provider == "cpu":
-        mode = "ONNX Runtime default: DequantizeLinear->MatMul fused into MatMulNBits with accuracy_level 4 (int8 activations)"
-    else:  # the CUDA kernel: the demo export drifted 0.076% there on an H100, 0.117% with the CPU's int8 activations
-        mode = f"ONNX Runtime default on {settings.provider}: DequantizeLinear->MatMul fused into MatMulNBits, run by the GPU kernel (float activations; accuracy_level is the CPU kernel's setting)"
-    return {"provider": settings.provider, "mode": mode, "matmulnbits_nodes": fused, "exact": settings.exact, "per_call_dequantization": per_call}
+    return {"provider": settings.provider, "mode": _mode(settings, proto, fused, per_call), "matmulnbits_nodes": fused,
+            "exact": settings.exact, "per_call_dequantization": per_call}
 
 
-def _bootstrap(samples: tuple[np.ndarray, ...], statistic, rounds: int, seed: int) -> list[float]:
-    """95% BCa interval of `statistic(*samples, axis)` over context windows resampled together
-    (scipy.stats.bootstrap: BCa corrects the bias and skew a percentile interval shows over few
-    windows); the percentile interval where BCa is undefined (say, identical windows)."""
-    import warnings
-
-    from scipy import stats
-
-    value = float(statistic(*samples, axis=-1))
-    if samples[0].shape[0] < 2 or rounds <= 0:
-        return [value, value]
-    for method in ("BCa", "percentile"):
-        with np.errstate(all="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            result = stats.bootstrap(samples, statistic, n_resamples=rounds, paired=True, vectorized=True, method=method, rng=np.random.default_rng(seed))
-        low, high = result.confidence_interval
-        if np.isfinite(low) and np.isfinite(high):
-            return [float(low), float(high)]
-    return [value, value]
-
-
-def _mean(sample: np.ndarray, axis: int = -1) -> np.ndarray:
-    return np.mean(sample, axis=axis)
-
-
-def _degradation(candidate: np.ndarray, reference: np.ndarray, axis: int = -1) -> np.ndarray:
-    """(MAE_candidate - MAE_reference) / MAE_reference in percent, from per-window MAEs."""
-    mae_c, mae_r = np.mean(candidate, axis=axis), np.mean(reference, axis=axis)
-    return (mae_c - mae_r) / np.maximum(mae_r, 1e-30) * 100
-
-
-def _growth_rate(per_step: np.ndarray) -> float | None:
-    """Slope of ln(error) over steps: the error-growth rate per step."""
-    keep = per_step > 0
-    if keep.sum() < 2:
-        return None
-    steps = np.arange(1, per_step.size + 1)[keep]
-    return float(np.polyfit(steps, np.log(per_step[keep]), 1)[0])
-
-
-def _metrics(candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray | None, settings: EvalSettings) -> dict:
-    """All metrics for one output (or one variable), arrays shaped (windows, steps, ...)."""
-    n, t = candidate.shape[:2]
-    diff = np.abs(candidate - reference).reshape(n, t, -1)
-    mae_window = diff.mean(axis=(1, 2))
-    ref_scale = float(np.abs(reference).mean()) or 1e-30
-    result = {
-        "vs_reference": {
-            "mae": float(diff.mean()),
-            "rmse": float(np.sqrt(np.square(diff).mean())),
-            "mae_ci95": _bootstrap((mae_window,), _mean, settings.bootstrap, settings.seed),
-            "drift_pct": float(diff.mean() / ref_scale * 100),
-            "mae_by_step": diff.mean(axis=(0, 2)).tolist(),
-            "mae_by_window": mae_window.tolist(),
-            "growth_rate": _growth_rate(diff.mean(axis=(0, 2))),
-        }
-    }
-    if truth is not None:
-        cand_err = np.abs(candidate - truth).reshape(n, t, -1)
-        ref_err = np.abs(reference - truth).reshape(n, t, -1)
-        mae_c, mae_r = float(cand_err.mean()), float(ref_err.mean())
-        windows = (cand_err.mean(axis=(1, 2)), ref_err.mean(axis=(1, 2)))
-        result["vs_truth"] = {
-            "mae": mae_c,
-            "rmse": float(np.sqrt(np.square(candidate - truth).mean())),
-            "reference_mae": mae_r,
-            "reference_rmse": float(np.sqrt(np.square(reference - truth).mean())),
-            "degradation_pct": (mae_c - mae_r) / max(mae_r, 1e-30) * 100,
-            "degradation_ci95": _bootstrap(windows, _degradation, settings.bootstrap, settings.seed),
-            "mae_by_step": cand_err.mean(axis=(0, 2)).tolist(),
-            "reference_mae_by_step": ref_err.mean(axis=(0, 2)).tolist(),
-            "mae_by_window": windows[0].tolist(),
-            "reference_mae_by_window": windows[1].tolist(),
-            "growth_rate": _growth_rate(cand_err.mean(axis=(0, 2))),
-        }
-    result["degradation_pct"] = result["vs_truth"]["degradation_pct"] if truth is not None else result["vs_reference"]["drift_pct"]
-    result["degradation_basis"] = "truth" if truth is not None else "reference drift"
-    return result
-
-
-def _side_metrics(candidate: np.ndarray, reference: np.ndarray, settings: EvalSettings) -> dict:
-    """How far an output outside the trajectory moved (reported, never gated): the score follows only the
-    trajectory, so units feeding nothing else score dead and drop to the lowest tier, and an output such as
-    a quantile head can drift far while the forecast does not."""
-    if not (np.all(np.isfinite(candidate)) and np.all(np.isfinite(reference))):
-        return {"nonfinite": True}
-    return _metrics(candidate, reference, None, settings)
+def _mode(settings: EvalSettings, proto, fused: int, per_call: dict | None) -> str:
+    """The runtime mode in words: what the weights are stored as and which kernels run them."""
+    provider = settings.provider
+    if not _dequantizes(proto) and not _reads_codes(proto):  # the original, or an fp16 copy: nothing to fuse or fold
+        return (f"ONNX Runtime default on {provider}: float weights (no stored codes, nothing to fuse or fold); "
+                "float kernels")
+    if not _dequantizes(proto):
+        checked = ("its optimized graph reads no codes" if per_call == {}
+                   else "not checked: a large file" if per_call is None
+                   else f"yet its optimized graph still reads codes: {per_call}")
+        return (f"ONNX Runtime default on {provider}: weights stored dequantized-at-load, folded into float "
+                f"initializers when the session is created ({checked}); float kernels, exact")
+    if settings.exact:
+        return "exact dequantization (session.qdq_matmulnbits_accuracy_level=0)"
+    if provider == "cpu" and fused == 0 and per_call is not None:  # say, Conv kernels: no MatMul to fuse with
+        return ("ONNX Runtime default on cpu: DequantizeLinear runs on every call (no MatMul it fuses with into "
+                "MatMulNBits); float kernels, exact")
+    if provider == "cpu":
+        return ("ONNX Runtime default: DequantizeLinear->MatMul fused into MatMulNBits with accuracy_level 4 "
+                "(int8 activations)")
+    return (f"ONNX Runtime default on {provider}: DequantizeLinear->MatMul fused into MatMulNBits, run by the GPU "
+            "kernel (float activations; accuracy_level is the CPU kernel's setting)")
 
 
 def _signature(proto) -> tuple[dict, dict]:
@@ -315,6 +236,98 @@ def load_truth(path: Path, spec: RolloutSpec, shapes: dict[str, tuple]) -> dict[
     return truth
 
 
+@dataclass
+class _Rollouts:
+    """Both models rolled out from the same contexts, and what the report says about how."""
+
+    spec: RolloutSpec
+    """The resolved spec: its trajectory outputs are the ones measured (and gated)."""
+    contexts: Contexts
+    inputs: list
+    batched: bool
+    """Whether the engine ran several windows per call (latency times calls the same way)."""
+    mode: dict
+    following: int
+    """Rows after each CSV window used as the truth (0: none)."""
+    side: tuple[str, ...]
+    """Outputs outside the trajectory, rolled out alongside and reported apart."""
+    candidate: dict[str, np.ndarray]
+    reference: dict[str, np.ndarray]
+
+
+def _roll_out(candidate: "graph_ops.LoadedModel", reference: "graph_ops.LoadedModel", contexts: str | Path,
+              spec: RolloutSpec | str | Path | None, steps: int | None, truth, settings: EvalSettings) -> _Rollouts:
+    """The candidate's trajectories, then the reference's, one session open at a time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        optimized = os.path.join(tmp, "optimized.onnx")
+        session = _open(candidate, settings, optimized)
+        mode = _runtime_mode(settings, optimized, candidate.proto)
+    inputs = [s for s in session.inputs if s.name not in session.weights]
+    resolved = resolve_spec(spec, steps, inputs, session.outputs)
+    csv = Path(contexts).suffix.lower() == ".csv"
+    following = continuation_rows(resolved, session.outputs, inputs) if csv and not truth else 0
+    options = ContextOptions(windows=settings.windows, zscore=settings.zscore, seed=settings.seed, columns=settings.columns)
+    ctx = load_contexts(Path(contexts), inputs, options, following=following)
+    side = tuple(o.name for o in session.outputs if o.name not in resolved.trajectory)
+    followed = replace(resolved, trajectory=resolved.trajectory + side)  # side outputs ride along, measured apart
+    engine = RolloutEngine(session, ctx, followed, settings.max_batch_windows)
+    cand = engine.trajectories()
+    _closed(session)
+    session = _open(reference, settings)
+    ref = trajectories(session, ctx, followed, settings.max_batch_windows)
+    _closed(session)
+    return _Rollouts(resolved, ctx, inputs, engine.batched, mode, following, side, cand, ref)
+
+
+def _check_reference(run: _Rollouts, reference: Path, variable_axis: int | None) -> None:
+    """A reference that cannot be compared against is an input error, not a failed gate; so is a variable axis
+    the outputs do not have."""
+    for name, values in run.reference.items():
+        if not np.all(np.isfinite(values)):
+            raise InputError(f"the reference model {reference} produces NaN or Inf on these contexts "
+                             f"(output '{name}'); there is nothing to compare against")
+    if variable_axis is not None:
+        per_step = min(v.ndim for v in run.reference.values()) - 2  # (windows, steps, *output)
+        if not -per_step <= variable_axis < per_step:
+            raise InputError(f"--variable-axis {variable_axis} is not an axis of the per-step outputs "
+                             f"(they have {per_step})")
+
+
+def _truths(truth, contexts: str | Path, run: _Rollouts) -> tuple[dict[str, np.ndarray], str | None]:
+    """The truth of every trajectory output (none without a truth file or CSV rows after the windows), and where
+    it came from in words."""
+    shapes = {k: v.shape for k, v in run.reference.items()}
+    if truth:
+        return load_truth(Path(truth), run.spec, shapes), str(truth)
+    if run.following:
+        truths = truth_from_csv(run.contexts, run.spec, run.inputs, shapes)
+        return truths, f"the {run.following} rows after each window of {contexts}"
+    return {}, None
+
+
+def _output(name: str, candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray | None, vectors: bool,
+            settings: EvalSettings) -> dict:
+    """One trajectory output's entry: its metrics (per variable too, when asked), its cosines when read as
+    vectors; a non-finite candidate has an infinite degradation."""
+    if not np.all(np.isfinite(candidate)):
+        entry = {"nonfinite": True, "degradation_pct": math.inf, "degradation_basis": "non-finite output"}
+        if vectors:  # no similarity to speak of: a --min-cosine bound fails
+            entry["cosine"] = {"vectors": int(candidate.size // candidate.shape[-1]), "dim": int(candidate.shape[-1]),
+                               "mean": math.nan, "min": math.nan}
+        return entry
+    entry = metrics(candidate, reference, truth, settings.bootstrap, settings.seed)
+    if vectors:
+        entry["cosine"] = vector_metrics(candidate, reference)
+    if settings.variable_axis is not None:
+        axis = 2 + settings.variable_axis % (candidate.ndim - 2)
+        entry["variables"] = {
+            str(i): metrics(np.take(candidate, [i], axis), np.take(reference, [i], axis),
+                            np.take(truth, [i], axis) if truth is not None else None, settings.bootstrap, settings.seed)
+            for i in range(candidate.shape[axis])
+        }
+    return entry
+
+
 def evaluate(
     candidate: str | Path,
     reference: str | Path,
@@ -329,65 +342,24 @@ def evaluate(
     candidate, reference = Path(candidate), Path(reference)
     cand_model, ref_model = _load(candidate), _load(reference)
     _check_same_signature(cand_model.proto, ref_model.proto)
-    with tempfile.TemporaryDirectory() as tmp:
-        optimized = os.path.join(tmp, "optimized.onnx")
-        session = _open(cand_model, settings, optimized)
-        mode = _runtime_mode(settings, optimized, cand_model.proto)
-    inputs = [s for s in session.inputs if s.name not in session.weights]
-    resolved = resolve_spec(spec, steps, inputs, session.outputs)
-    csv = Path(contexts).suffix.lower() == ".csv"
-    following = continuation_rows(resolved, session.outputs, inputs) if csv and not truth else 0
-    options = ContextOptions(windows=settings.windows, zscore=settings.zscore, seed=settings.seed, columns=settings.columns)
-    ctx = load_contexts(Path(contexts), inputs, options, following=following)
-    side = tuple(o.name for o in session.outputs if o.name not in resolved.trajectory)
-    followed = replace(resolved, trajectory=resolved.trajectory + side)  # side outputs ride along, measured apart
-    engine = RolloutEngine(session, ctx, followed, settings.max_batch_windows)
-    cand = engine.trajectories()
-    _closed(session)
-    session = _open(ref_model, settings)
-    ref = trajectories(session, ctx, followed, settings.max_batch_windows)
-    _closed(session)
-    side_outputs = {name: _side_metrics(cand.pop(name), ref.pop(name), settings) for name in side if name in cand and name in ref}
-    for name, values in ref.items():  # a reference that cannot be compared against is an input error, not a failed gate
-        if not np.all(np.isfinite(values)):
-            raise InputError(f"the reference model {reference} produces NaN or Inf on these contexts (output '{name}'); there is nothing to compare against")
-    if settings.variable_axis is not None:
-        per_step = min(v.ndim for v in ref.values()) - 2  # (windows, steps, *output)
-        if not -per_step <= settings.variable_axis < per_step:
-            raise InputError(f"--variable-axis {settings.variable_axis} is not an axis of the per-step outputs (they have {per_step})")
-    shapes = {k: v.shape for k, v in ref.items()}
-    truth_source = str(truth) if truth else None
-    if truth:
-        truths = load_truth(Path(truth), resolved, shapes)
-    elif following:
-        truths = truth_from_csv(ctx, resolved, inputs, shapes)
-        truth_source = f"the {following} rows after each window of {contexts}"
-    else:
-        truths = {}
-    outputs = {}
+    run = _roll_out(cand_model, ref_model, contexts, spec, steps, truth, settings)
+    side_outputs = {name: side_metrics(run.candidate.pop(name), run.reference.pop(name), settings.bootstrap,
+                                       settings.seed)
+                    for name in run.side if name in run.candidate and name in run.reference}
+    _check_reference(run, reference, settings.variable_axis)
+    truths, truth_source = _truths(truth, contexts, run)
     declared = {name: dims for name, (dims, _) in _signature(ref_model.proto)[1].items()}
-    for name in resolved.trajectory:
+    outputs = {}
+    for name in run.spec.trajectory:
         vectors = settings.cosine or (settings.cosine is None and looks_like_embedding(name, declared.get(name)))
-        if not np.all(np.isfinite(cand[name])):
-            outputs[name] = {"nonfinite": True, "degradation_pct": math.inf, "degradation_basis": "non-finite output"}
-            if vectors:  # no similarity to speak of: a --min-cosine bound fails
-                outputs[name]["cosine"] = {"vectors": int(cand[name].size // cand[name].shape[-1]), "dim": int(cand[name].shape[-1]), "mean": math.nan, "min": math.nan}
-            continue
-        entry = _metrics(cand[name], ref[name], truths.get(name), settings)
-        if vectors:
-            entry["cosine"] = _vector_metrics(cand[name], ref[name])
-        if settings.variable_axis is not None:
-            axis = 2 + settings.variable_axis % (cand[name].ndim - 2)
-            entry["variables"] = {
-                str(i): _metrics(np.take(cand[name], [i], axis), np.take(ref[name], [i], axis), np.take(truths[name], [i], axis) if name in truths else None, settings)
-                for i in range(cand[name].shape[axis])
-            }
-        outputs[name] = entry
+        outputs[name] = _output(name, run.candidate[name], run.reference[name], truths.get(name), vectors, settings)
     latency = None
     if settings.latency is not None:
-        latency = measure_latency(lambda: _open(cand_model, settings), lambda: _open(ref_model, settings), ctx, inputs, engine.batched,
-                                  min(ctx.count, settings.max_batch_windows), settings.latency)
+        batch = min(run.contexts.count, settings.max_batch_windows)
+        latency = measure_latency(lambda: _open(cand_model, settings), lambda: _open(ref_model, settings), run.contexts,
+                                  run.inputs, run.batched, batch, settings.latency)
     ref_bits, cand_bits = graph_ops.weight_bits(ref_model.proto), graph_ops.weight_bits(cand_model.proto)
+    ctx = run.contexts
     return {
         "candidate": str(candidate),
         "reference": str(reference),
@@ -396,8 +368,8 @@ def evaluate(
         "windows": ctx.count,
         "series": list(ctx.csv["columns"]) if ctx.csv and ctx.csv["layout"] == "univariate" else None,
         "warnings": list(ctx.warnings),
-        "steps": resolved.steps,
-        "runtime": mode,
+        "steps": run.spec.steps,
+        "runtime": run.mode,
         "candidate_file_bytes": cand_model.file_bytes,
         "reference_file_bytes": ref_model.file_bytes,
         "compression": compression(ref_bits, cand_bits),
@@ -412,47 +384,68 @@ def evaluate(
 
 def _series(columns: list[str] | None) -> str:
     """' × 2 series each (CSV columns HUFL, OT)' where a univariate model read several CSV columns: every metric
-    averages over them, which '8 context windows' alone once hid."""
+    averages over them, which the window count alone would not say."""
     return f" × {len(columns)} series each (CSV columns {', '.join(columns)})" if columns and len(columns) > 1 else ""
 
 
+def _output_row(name: str, o: dict) -> str:
+    if o.get("nonfinite"):
+        return f"| {name} | non-finite | | | | | | | inf |"
+    r, t = o["vs_reference"], o.get("vs_truth")
+    growth = f"{r['growth_rate']:.4f}" if r["growth_rate"] is not None else "-"
+    if t:
+        low, high = t["degradation_ci95"]
+        truth_cells = f"{t['mae']:.5g} | {t['reference_mae']:.5g} | {t['degradation_pct']:.3f} [{low:.3f}, {high:.3f}]"
+    else:
+        truth_cells = "- | - | " + f"{o['degradation_pct']:.3f} (drift)"
+    return (f"| {name} | {r['mae']:.5g} | {r['rmse']:.5g} | [{r['mae_ci95'][0]:.4g}, {r['mae_ci95'][1]:.4g}] | "
+            f"{r['drift_pct']:.3f} | {growth} | {truth_cells} |")
+
+
+def _side_lines(side: dict) -> list[str]:
+    moved = ", ".join(f"{name} " + ("non-finite" if o.get("nonfinite") else f"{o['vs_reference']['drift_pct']:.3f}%")
+                      for name, o in side.items())
+    return ["", "Outputs outside the trajectory (drift from the reference; not scored, not gated: units feeding only "
+                "them score dead and go to the lowest tier; list them in the rollout spec's `trajectory` to protect "
+                f"them): {moved}."]
+
+
+def _vector_lines(vectors: dict) -> list[str]:
+    lines = ["", "| output (vectors) | cosine mean | cosine min | same nearest neighbour |", "|---|---|---|---|"]
+    for name, v in vectors.items():
+        same = (f"{v['same_neighbour']}/{v['neighbour_vectors']}" if "same_neighbour" in v
+                else "- (fewer than 3 vectors)")
+        lines.append(f"| {name} ({v['vectors']} × {v['dim']}) | {v['mean']:.6f} | {v['min']:.6f} | {same} |")
+    return lines
+
+
 def markdown(report: dict) -> str:
+    runtime = report["runtime"]
     lines = [
         f"### Evaluation of `{Path(report['candidate']).name}` against `{Path(report['reference']).name}`",
         "",
-        f"{counted(report['windows'], 'context window')}{_series(report.get('series'))} × {counted(report['steps'], 'step')}; compression {report['compression']:.2f}×; "
+        f"{counted(report['windows'], 'context window')}{_series(report.get('series'))} × "
+        f"{counted(report['steps'], 'step')}; "
+        f"compression {report['compression']:.2f}×; "
         f"{report['candidate_file_bytes'] / 1e6:.3f} MB vs {report['reference_file_bytes'] / 1e6:.3f} MB.",
-        f"Runtime: {report['runtime']['provider']}, {report['runtime']['mode']}; MatMulNBits nodes: {report['runtime']['matmulnbits_nodes']}.",
-        f"Truth: {report['truth']}." if report.get("truth") else "No truth: degradation is the drift from the reference.",
+        f"Runtime: {runtime['provider']}, {runtime['mode']}; MatMulNBits nodes: {runtime['matmulnbits_nodes']}.",
+        (f"Truth: {report['truth']}." if report.get("truth")
+         else "No truth: degradation is the drift from the reference."),
         "",
-        "| output | MAE vs ref | RMSE vs ref | MAE 95% CI | drift % | growth/step | MAE vs truth | ref MAE vs truth | degradation % |",
+        "| output | MAE vs ref | RMSE vs ref | MAE 95% CI | drift % | growth/step | MAE vs truth | ref MAE vs truth "
+        "| degradation % |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, o in report["outputs"].items():
-        if o.get("nonfinite"):
-            lines.append(f"| {name} | non-finite | | | | | | | inf |")
-            continue
-        r, t = o["vs_reference"], o.get("vs_truth")
-        growth = f"{r['growth_rate']:.4f}" if r["growth_rate"] is not None else "-"
-        truth_cells = f"{t['mae']:.5g} | {t['reference_mae']:.5g} | {t['degradation_pct']:.3f} [{t['degradation_ci95'][0]:.3f}, {t['degradation_ci95'][1]:.3f}]" if t else "- | - | " + f"{o['degradation_pct']:.3f} (drift)"
-        lines.append(
-            f"| {name} | {r['mae']:.5g} | {r['rmse']:.5g} | [{r['mae_ci95'][0]:.4g}, {r['mae_ci95'][1]:.4g}] | {r['drift_pct']:.3f} | {growth} | {truth_cells} |"
-        )
-    side = report.get("side_outputs") or {}
-    if side:
-        moved = ", ".join(f"{name} {'non-finite' if o.get('nonfinite') else format(o['vs_reference']['drift_pct'], '.3f') + '%'}" for name, o in side.items())
-        lines += ["", f"Outputs outside the trajectory (drift from the reference; not scored, not gated: units feeding only them score dead "
-                      f"and go to the lowest tier; list them in the rollout spec's `trajectory` to protect them): {moved}."]
+    lines += [_output_row(name, o) for name, o in report["outputs"].items()]
+    if report.get("side_outputs"):
+        lines += _side_lines(report["side_outputs"])
     vectors = {name: o["cosine"] for name, o in report["outputs"].items() if "cosine" in o}
     if vectors:
-        lines += ["", "| output (vectors) | cosine mean | cosine min | same nearest neighbour |", "|---|---|---|---|"]
-        for name, v in vectors.items():
-            same = f"{v['same_neighbour']}/{v['neighbour_vectors']}" if "same_neighbour" in v else "- (fewer than 3 vectors)"
-            lines.append(f"| {name} ({v['vectors']} × {v['dim']}) | {v['mean']:.6f} | {v['min']:.6f} | {same} |")
+        lines += _vector_lines(vectors)
     if report.get("latency"):
         from tqsdeploy.evaluation.latency import markdown as latency_lines
 
-        lines += latency_lines(report["latency"], f"{report['runtime']['provider']}, {report['runtime']['mode']}")
+        lines += latency_lines(report["latency"], f"{runtime['provider']}, {runtime['mode']}")
     return "\n".join(lines) + "\n"
 
 

@@ -11,9 +11,10 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from tqsdeploy.errors import InputError
-from tqsdeploy.evaluation.evaluate import markdown
+from tqsdeploy.evaluation.evaluate import EvalRequest, evaluate_request, markdown
 from tqsdeploy.files import json_text, write_texts
 
 SIZE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
@@ -40,7 +41,7 @@ def parse_size(text: str) -> float:
     return size
 
 
-@dataclass
+@dataclass(frozen=True)
 class Bounds:
     max_degradation: float | None = None
     """Percent, on every trajectory output."""
@@ -53,6 +54,27 @@ class Bounds:
     """Smallest cosine similarity of any vector, on every output with cosine metrics."""
     max_slowdown: float | None = None
     """Largest candidate/reference median latency, at every batch size measured."""
+
+
+@dataclass(frozen=True)
+class GateRequest:
+    """One `gate`: the evaluation, the bounds it must meet, and the folder of gate.json, gate.md and junit.xml."""
+
+    evaluation: EvalRequest
+    bounds: Bounds
+    report_dir: Path
+
+
+@dataclass(frozen=True)
+class GateResult:
+    report: dict
+    checks: list
+    """Every bound's `Check`, in the order gate.md lists them."""
+    paths: dict[str, Path]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
 
 
 @dataclass
@@ -102,7 +124,7 @@ def check(report: dict, bounds: Bounds) -> list[Check]:
                                 bounds.max_slowdown, "<=", "x"))
     if not checks:
         raise InputError("gate has no bounds to check", hint="pass --max-degradation, --min-compression, --max-size, --min-cosine or --max-slowdown")
-    for name, output in report["outputs"].items():  # NaN or Inf out of the candidate fails whatever was bounded (size alone once passed it)
+    for name, output in report["outputs"].items():  # NaN or Inf out of the candidate fails whatever was bounded
         if output.get("nonfinite") and bounds.per_output.get(name, bounds.max_degradation) is None:
             checks.append(Check(f"finite[{name}]", False, math.inf, "finite (no NaN or Inf)", None, "finite"))
     return checks
@@ -114,7 +136,7 @@ def junit(checks: list[Check], candidate: str) -> str:
 
     suite = ET.Element("testsuite", name=f"tqsdeploy gate: {candidate}", tests=str(len(checks)), failures=str(sum(not c.passed for c in checks)))
     for c in checks:
-        case = ET.SubElement(suite, "testcase", classname="tqsdeploy.evaluation.gate", name=c.name)
+        case = ET.SubElement(suite, "testcase", classname="tqsdeploy.gate", name=c.name)
         ET.SubElement(case, "properties")
         for key, value in (("measured", c.measured), ("limit", c.limit), ("operator", c.operator), ("unit", c.unit)):
             ET.SubElement(case.find("properties"), "property", name=key, value=str(value))
@@ -143,3 +165,11 @@ def write_outputs(report: dict, checks: list[Check], folder: Path) -> dict[str, 
         with open(summary, "a", encoding="utf-8") as handle:
             handle.write(text + "\n")
     return paths
+
+
+def run_gate(request: GateRequest, warn: Callable[[list[str]], None] = lambda warnings: None) -> GateResult:
+    """`gate`: evaluate, tell the report's warnings (`warn`), check every bound and write the verdict's files."""
+    report = evaluate_request(request.evaluation)
+    warn(report.get("warnings", []))
+    checks = check(report, request.bounds)
+    return GateResult(report, checks, write_outputs(report, checks, request.report_dir))

@@ -62,7 +62,8 @@ def _spread(times: list[float]) -> dict:
     }
 
 
-def measure(open_candidate, open_reference, contexts: Contexts, inputs, batched: bool, default_batch: int, settings: LatencySettings) -> dict:
+def measure(open_candidate, open_reference, contexts: Contexts, inputs, batched: bool, default_batch: int,
+            settings: LatencySettings) -> dict:
     """Open both sessions (`open_*`: no-argument callables returning a `Session`), then time them in paired
     rounds at each batch size. Returns plain data: per batch size each model's median and spread in ms and
     candidate/reference (the ratio of the medians, and the median of the rounds' ratios)."""
@@ -73,52 +74,61 @@ def measure(open_candidate, open_reference, contexts: Contexts, inputs, batched:
         before = _resident_bytes()
         session: Session = opener()
         session.run(first)
-        release_freed_memory()  # what folding or loading freed is not the session's (BERT dequantized: 210 MB before, 109 after, FP32 109)
+        release_freed_memory()  # what folding or loading freed is not the session's
         sessions[label], memory[label] = session, max(0, _resident_bytes() - before)
     sizes = tuple(settings.batches) if settings.batches and batched else (default_batch if batched else 1,)
-    results = []
     try:
-        for size in sizes:
-            feeds = batch_feeds(contexts, inputs, batched, size)
-            for session in sessions.values():
-                for _ in range(settings.warmup):
-                    session.run(feeds)
-            times = {"candidate": [], "reference": []}
-            started = time.perf_counter()
-            rounds = 0
-            while True:
-                order = ("candidate", "reference") if rounds % 2 == 0 else ("reference", "candidate")
-                for label in order:
-                    tick = time.perf_counter()
-                    sessions[label].run(feeds)
-                    times[label].append(time.perf_counter() - tick)
-                rounds += 1
-                elapsed = time.perf_counter() - started
-                if (rounds >= settings.min_rounds and elapsed >= settings.min_seconds) or (rounds >= 3 and elapsed >= settings.max_seconds):
-                    break
-            cand, ref = _spread(times["candidate"]), _spread(times["reference"])
-            paired = np.asarray(times["candidate"]) / np.maximum(np.asarray(times["reference"]), 1e-12)
-            results.append({
-                "windows": size,
-                "rows": int(next(iter(feeds.values())).shape[0]) if feeds and np.ndim(next(iter(feeds.values()))) else None,
-                "rounds": rounds,
-                "candidate": cand,
-                "reference": ref,
-                "slowdown": cand["median_ms"] / max(ref["median_ms"], 1e-12),
-                "paired_slowdown": float(np.median(paired)),
-            })
+        results = [_timed(sessions, batch_feeds(contexts, inputs, batched, size), size, settings) for size in sizes]
     finally:
         for session in sessions.values():
             session.close()
         release_freed_memory()
-    note = None if batched or not settings.batches else "the model runs one window per call (no batch axis it keeps): --latency-batches cannot change its batch"
+    note = None
+    if not batched and settings.batches:
+        note = "the model runs one window per call (no batch axis it keeps): --latency-batches cannot change its batch"
     return {
         "batches": results,
         "memory_bytes": {"candidate": memory["candidate"], "reference": memory["reference"]},
-        "memory_basis": "growth of resident memory while each session was created and first called, freed heap returned (approximate)",
-        "method": f"{settings.warmup} warm-up calls each, then paired rounds (candidate and reference alternated, order swapped each round) "
-                  f"until at least {settings.min_rounds} rounds and {settings.min_seconds:g} s (3 rounds past {settings.max_seconds:g} s)",
+        "memory_basis": "growth of resident memory while each session was created and first called, "
+                        "freed heap returned (approximate)",
+        "method": f"{settings.warmup} warm-up calls each, then paired rounds (candidate and reference alternated, "
+                  f"order swapped each round) until at least {settings.min_rounds} rounds and "
+                  f"{settings.min_seconds:g} s (3 rounds past {settings.max_seconds:g} s)",
         "note": note,
+    }
+
+
+def _timed(sessions: dict[str, Session], feeds: dict[str, np.ndarray], size: int, settings: LatencySettings) -> dict:
+    """One batch size: warm-up calls, then paired rounds in alternating order until the settings' minimums are met
+    (or their time limit passed)."""
+    for session in sessions.values():
+        for _ in range(settings.warmup):
+            session.run(feeds)
+    times = {"candidate": [], "reference": []}
+    started = time.perf_counter()
+    rounds = 0
+    while True:
+        order = ("candidate", "reference") if rounds % 2 == 0 else ("reference", "candidate")
+        for label in order:
+            tick = time.perf_counter()
+            sessions[label].run(feeds)
+            times[label].append(time.perf_counter() - tick)
+        rounds += 1
+        elapsed = time.perf_counter() - started
+        enough = rounds >= settings.min_rounds and elapsed >= settings.min_seconds
+        if enough or (rounds >= 3 and elapsed >= settings.max_seconds):
+            break
+    cand, ref = _spread(times["candidate"]), _spread(times["reference"])
+    paired = np.asarray(times["candidate"]) / np.maximum(np.asarray(times["reference"]), 1e-12)
+    sample = next(iter(feeds.values())) if feeds else None
+    return {
+        "windows": size,
+        "rows": int(sample.shape[0]) if feeds and np.ndim(sample) else None,
+        "rounds": rounds,
+        "candidate": cand,
+        "reference": ref,
+        "slowdown": cand["median_ms"] / max(ref["median_ms"], 1e-12),
+        "paired_slowdown": float(np.median(paired)),
     }
 
 

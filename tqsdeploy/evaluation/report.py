@@ -14,14 +14,13 @@ import math
 import re
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 
-from tqsdeploy.files import atomic_output, write_text
+from tqsdeploy.evaluation.matching import MATCH_TOLERANCE, grid_points, matched
+from tqsdeploy.evaluation.plots import plots
+from tqsdeploy.files import write_text
 
 GRIDS_FOR_WINS = ("W2", "W4")
-MATCH_TOLERANCE = 0.05
-"""A TQS-PTQ point is matched to a grid point when its compression is within 5%."""
 
 
 def _metric(frame: pl.DataFrame) -> tuple[str, str]:
@@ -71,147 +70,6 @@ def buckets(model_path: Path, units: list[str], patterns: dict[str, str] | None 
     return role
 
 
-def concentration(gammas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Lorenz-style curve: share of the total gamma shift (gamma - min) carried by the top k units."""
-    shift = np.sort(gammas - gammas.min())[::-1]
-    total = shift.sum()
-    share = np.cumsum(shift) / total if total > 0 else np.linspace(0, 1, shift.size)
-    return np.arange(1, shift.size + 1) / shift.size, share
-
-
-def _save(fig, path: Path) -> None:
-    """A figure written as every output is (`tqsdeploy.files`): an interrupted report leaves the old plot or none."""
-    with atomic_output(path) as temporary:
-        fig.savefig(temporary, dpi=110, format=path.suffix[1:])
-
-
-def _plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], folder: Path, metric: str) -> list[tuple[str, str]]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    figures = []
-    overall = frame.filter((pl.col("variable") == "all") & pl.col(metric).is_not_null())
-    first_output = overall["output"].drop_nulls().first() if overall.height else None
-    overall = overall.filter(pl.col("output") == first_output)
-
-    splits = overall["split"].unique(maintain_order=True).to_list()
-    panels = [("drift_pct", "drift_lo", "drift_hi", "drift from the FP32 model (% of mean |output|)")]
-    if metric == "mae_truth":
-        panels.append(("degradation_pct", "degradation_lo", "degradation_hi", "error vs truth, % worse than the FP32 model"))
-    columns = max(len(splits), 1)
-    fig, axes = plt.subplots(len(panels), columns, figsize=(6.5 * columns, 4.2 * len(panels)), squeeze=False)
-    for row, (y_column, low, high, y_label) in enumerate(panels):
-        for ax, split in zip(axes[row], splits):
-            for index, method in enumerate(overall["method"].unique(maintain_order=True)):
-                part = overall.filter((pl.col("split") == split) & (pl.col("method") == method)).sort("achieved_C")
-                tqs = part["family"].first() == "tqs"
-                color = f"C{index % 10}"
-                ax.plot(part["achieved_C"], part[y_column], "o" if tqs else "s", color=color, markersize=4)
-                line = _envelope(part, y_column)  # one value per size: W3 and W4 at the same C draw no zig-zag
-                ax.plot(line["achieved_C"], line[y_column], "-" if tqs else "--", color=color, label=method)
-                if line[low].is_not_null().all() and line.height:
-                    ax.fill_between(line["achieved_C"], line[low], line[high], color=color, alpha=0.15, linewidth=0)
-            ax.axhline(0, color="black", linewidth=1.0, label="FP32 model")
-            ax.set_xscale("log")
-            ticks = sorted({round(c, 1) for c in overall["achieved_C"].drop_nulls().to_list()})
-            ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(_thin(ticks)))
-            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
-            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-            ax.set_xlabel("compression (times smaller stored weights)")
-            ax.set_ylabel(y_label)
-            ax.set_title(f"{split} contexts ({first_output}); band: 95% bootstrap over windows")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    _save(fig, folder / "frontier.png")
-    plt.close(fig)
-    figures.append(("frontier.png", "Drift from the FP32 model" + (" (top) and error against the truth, in % of the FP32 model's own error (bottom)," if metric == "mae_truth" else "")
-                    + " by compression (logarithmic axis); one line per method through its best point at each size; shaded: 95% bootstrap interval over context windows."))
-
-    live = scores.filter(~pl.col("dead"))
-    fig, ax = plt.subplots(figsize=(max(6, 0.35 * scores.height), 4))
-    colors = {"input": "tab:blue", "body": "tab:gray", "output": "tab:red"}
-    ax.bar(range(scores.height), scores["gamma"].clip(lower_bound=live["gamma"].min() if live.height else None), color=[colors[roles.get(u, "body")] if not d else "black" for u, d in zip(scores["unit"], scores["dead"])])
-    ax.set_xticks(range(scores.height), scores["unit"], rotation=90, fontsize=7)
-    ax.set_ylabel("γ (nats/step)")
-    from matplotlib.patches import Patch
-
-    negative = live.height > 0 and bool((live["gamma"] < 0).all())
-    ax.set_title("TQS ranking" + (": every γ < 0, each perturbation's effect shrinks over the rollout" if negative else ""))
-    ax.legend(handles=[Patch(color=c, label=n) for n, c in colors.items()] + [Patch(color="black", label="dead")], fontsize=8)
-    fig.tight_layout()
-    _save(fig, folder / "gamma_ranking.png")
-    plt.close(fig)
-    figures.append(("gamma_ranking.png", "γ per unit (growth rate of a perturbation's effect, nats per rollout step; below 0 it shrinks), most sensitive first; dead units drawn at the lowest live γ."))
-
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    names = ["input", "body", "output"]
-    data = [live.filter(pl.col("unit").is_in([u for u, r in roles.items() if r == name]))["gamma"].to_numpy() for name in names]
-    for i, values in enumerate(data):
-        ax.scatter(np.full(values.size, i) + np.random.default_rng(i).uniform(-0.12, 0.12, values.size), values, color=colors[names[i]], alpha=0.8)
-        if values.size:
-            ax.hlines(np.median(values), i - 0.3, i + 0.3, color="black")
-    ax.set_xticks(range(3), [f"{n} ({d.size})" for n, d in zip(names, data)])
-    ax.set_ylabel("γ (nats/step)")
-    ax.set_title("γ by role bucket (line: median)")
-    fig.tight_layout()
-    _save(fig, folder / "gamma_buckets.png")
-    plt.close(fig)
-    figures.append(("gamma_buckets.png", "γ of live units by role bucket."))
-
-    if live.height >= 2:
-        x, y = concentration(live["gamma"].to_numpy())
-        fig, ax = plt.subplots(figsize=(5, 4))
-        ax.plot(np.concatenate([[0], x]) * 100, np.concatenate([[0], y]) * 100, "-o", markersize=3, label="TQS γ-shift")
-        ax.plot([0, 100], [0, 100], ":", color="gray", label="uniform")
-        ax.set_xlabel("top k% of units")
-        ax.set_ylabel("% of total γ-shift")
-        ax.set_title("Concentration of sensitivity")
-        ax.legend()
-        fig.tight_layout()
-        _save(fig, folder / "concentration.png")
-        plt.close(fig)
-        figures.append(("concentration.png", "Share of the total γ shift (γ − min γ) carried by the most sensitive k% of units."))
-
-    grid = _grid_points(overall.filter(pl.col("split") == splits[0])) if splits else {}
-    if grid:
-        setting, grid_c = ("W4", grid["W4"]) if "W4" in grid else next(iter(grid.items()))
-        matched = _matched(overall.filter(pl.col("split") == splits[0]), setting, grid_c)
-        truth = metric == "mae_truth"
-        fig, axes = plt.subplots(1, 2 if truth else 1, figsize=(13 if truth else 6.5, 4.2), squeeze=False)
-        for row in matched.iter_rows(named=True):
-            label = f"{row['method']} {row['setting']} (C = {row['achieved_C']:.3g})"
-            style = "-o" if row["family"] == "tqs" else "--s"
-            drift = json.loads(row.get("drift_by_step") or "null")
-            if drift:
-                axes[0][0].plot(range(1, len(drift) + 1), drift, style, markersize=3, label=label)
-            if truth:
-                curve = json.loads(row["mae_by_step"] or "null")
-                if curve:
-                    axes[0][1].plot(range(1, len(curve) + 1), curve, style, markersize=3, label=label)
-        if truth:
-            reference = json.loads(matched["ref_mae_by_step"][0] or "null") if matched.height else None
-            if reference:
-                axes[0][1].plot(range(1, len(reference) + 1), reference, "-", color="black", linewidth=1.5, label="FP32 model")
-            axes[0][1].set_ylabel("MAE against the truth")
-            axes[0][1].set_title("Error against the truth, the FP32 model's own included")
-        axes[0][0].axhline(0, color="black", linewidth=1.0, label="FP32 model")
-        axes[0][0].set_ylabel("MAE from the FP32 model")
-        axes[0][0].set_title(f"Drift from the FP32 model at the {setting} grid point")
-        for ax in axes[0]:
-            ax.set_xlabel("rollout step")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        _save(fig, folder / "error_growth.png")
-        plt.close(fig)
-        figures.append(("error_growth.png", f"Error by rollout step, baselines at {setting} and TQS-PTQ at the nearest compression (linear scale)."))
-    return figures
-
-
 def _verdict(low: float | None, high: float | None, against_truth: bool) -> str:
     """Words for an interval: is the difference from the FP32 model more than noise?"""
     if low is None or high is None:
@@ -225,50 +83,8 @@ def _verdict(low: float | None, high: float | None, against_truth: bool) -> str:
     return "within noise of FP32"
 
 
-def _envelope(part: pl.DataFrame, column: str) -> pl.DataFrame:
-    """Per achieved size (within 1%), the point with the lowest `column`, sorted by size."""
-    part = part.filter(pl.col(column).is_not_null()).sort("achieved_C")
-    keep, last = [], None
-    for index, c in enumerate(part["achieved_C"].to_list()):
-        if last is not None and c <= last * 1.01:
-            if part[column][index] < part[column][keep[-1]]:
-                keep[-1] = index
-            continue
-        keep.append(index)
-        last = c
-    return part[keep] if keep else part
-
-
-def _thin(ticks: list[float]) -> list[float]:
-    """Tick positions at least 15% apart on the log axis, so labels do not overlap (the largest kept)."""
-    kept = []
-    for tick in sorted(ticks, reverse=True):
-        if not kept or tick < kept[-1] / 1.15:
-            kept.append(tick)
-    return kept[::-1]
-
-
-def _grid_points(frame: pl.DataFrame) -> dict[str, float]:
-    """Uniform grid settings (W2, W4, ...) and their achieved compression."""
-    base = frame.filter((pl.col("family") == "baseline") & pl.col("achieved_C").is_not_null())
-    return {s: float(base.filter(pl.col("setting") == s)["achieved_C"].mean()) for s in sorted(base["setting"].unique(), key=lambda s: int(s[1:]))}
-
-
-def _matched(frame: pl.DataFrame, setting: str, grid_c: float) -> pl.DataFrame:
-    """Baselines at `setting` plus, per TQS objective, its point whose C is nearest
-    `grid_c`, if that is within MATCH_TOLERANCE (otherwise the sizes differ too
-    much to compare and the objective has no row)."""
-    rows = [frame.filter((pl.col("family") == "baseline") & (pl.col("setting") == setting))]
-    tqs = frame.filter((pl.col("family") == "tqs") & pl.col("achieved_C").is_not_null())
-    for method in tqs["method"].unique(maintain_order=True):
-        part = tqs.filter(pl.col("method") == method)
-        ranked = part.with_columns((pl.col("achieved_C").log() - math.log(grid_c)).abs().alias("gap")).sort("gap")
-        if ranked.height and ranked["gap"][0] <= math.log(1 + MATCH_TOLERANCE):
-            rows.append(part.filter(pl.col("setting") == ranked["setting"][0]))
-    return pl.concat(rows, how="diagonal_relaxed") if rows else frame.head(0)
-
-
-def build_report(out_dir: str | Path, model: str | Path, buckets_patterns: dict[str, str] | None = None) -> tuple[Path, Path]:
+def build_report(out_dir: str | Path, model: str | Path,
+                 buckets_patterns: dict[str, str] | None = None) -> tuple[Path, Path]:
     """Write report.md, report.html and the PNGs into `out_dir`."""
     out_dir = Path(out_dir)
     frame = pl.read_parquet(out_dir / "frontier.parquet")
@@ -276,78 +92,17 @@ def build_report(out_dir: str | Path, model: str | Path, buckets_patterns: dict[
     meta = json.loads((out_dir / "frontier.json").read_text())
     metric, label = _metric(frame)
     roles = buckets(Path(model), scores["unit"].to_list(), buckets_patterns)
-    figures = _plots(frame, scores, roles, out_dir, metric)
+    figures = plots(frame, scores, roles, out_dir, metric)
 
-    blocks: list[tuple] = [("h1", f"Compression frontier: {Path(model).name}"), ("p", f"Error metric: {label}. Evaluated with {meta['runtime']}.")]
-    blocks.append(("img", "frontier.png", figures[0][1]))
-
+    blocks: list[tuple] = [("h1", f"Compression frontier: {Path(model).name}"),
+                           ("p", f"Error metric: {label}. Evaluated with {meta['runtime']}."),
+                           ("img", "frontier.png", figures[0][1])]
     ok = frame.filter(pl.col("variable") == "all")
-    failed = frame.filter(~pl.col("status").str.starts_with("ok")).select("method", "setting", "status").unique(maintain_order=True)
+    failed = frame.filter(~pl.col("status").str.starts_with("ok")).select("method", "setting", "status")
+    failed = failed.unique(maintain_order=True)
     for split in ok["split"].unique(maintain_order=True):
-        part = ok.filter(pl.col("split") == split)
-        grid = _grid_points(part)
-        blocks.append(("h2", f"Matched compression ({split} contexts)"))
-        blocks.append(("p", f"Each uniform grid point (baselines at W bits) next to TQS-PTQ at the compression nearest to it, when that is within {MATCH_TOLERANCE:.0%} (an objective with no such point has no row). Lower is better; **bold**: the best in its block and every method whose 95% interval reaches the best's (their difference is within the noise of these windows)."))
-        variables = frame.filter((pl.col("split") == split) & (pl.col("variable") != "all"))
-        if variables.height == 0:  # no per-variable rows: count wins per output instead
-            variables = part
-        for setting, grid_c in grid.items():
-            table = _matched(part, setting, grid_c).filter(pl.col(metric).is_not_null())
-            if table.height == 0:
-                continue
-            low, high, value = ("degradation_lo", "degradation_hi", "degradation_pct") if metric == "mae_truth" else ("drift_lo", "drift_hi", "drift_pct")
-            outputs = table["output"].unique(maintain_order=True).to_list()
-            for output in outputs:  # each output its own block and best: a best on one output once decided another's ties
-                block = table.filter(pl.col("output") == output).sort(metric)
-                best_high = block[high][0] if block[high][0] is not None else block[value][0]
-                header = ["method", "setting", "C", "size (bytes)", label, "RMSE", f"{'degradation' if metric == 'mae_truth' else 'drift'} % [95% CI]", "verdict"]
-                rows = []
-                for r in block.iter_rows(named=True):
-                    tied = r[low] is not None and r[low] <= best_high
-                    interval = f"{_fmt(r[value], 3)} [{_fmt(r[low], 3)}, {_fmt(r[high], 3)}]" if r[low] is not None else _fmt(r[value], 3)
-                    fell_back = (r.get("shipped") or "").startswith("uniform ")  # TQS-PTQ shipped a uniform model: say which
-                    rows.append([r["method"], r["setting"] + (f" ({r['shipped']})" if fell_back else ""), _fmt(r["achieved_C"], 3), _fmt(r["file_bytes"]), ("**" + _fmt(r[metric]) + "**") if tied else _fmt(r[metric]),
-                                 _fmt(r["rmse_truth"] if metric == "mae_truth" else r["rmse_ref"]), interval, _verdict(r[low], r[high], metric == "mae_truth")])
-                blocks.append(("table", f"{setting} grid (C ≈ {grid_c:.2f})" + (f", output {output}" if len(outputs) > 1 else ""), header, rows))
-        if variables.height:
-            blocks.append(("h3", f"Win counts ({split} contexts)"))
-            header = ["TQS-PTQ objective", *[f"wins at {g}" for g in GRIDS_FOR_WINS if g in grid], "variables"]
-            rows = []
-            for method in variables.filter(pl.col("family") == "tqs")["method"].unique(maintain_order=True):
-                cells, count = [], variables.select("output", "variable").n_unique()
-                for g in GRIDS_FOR_WINS:
-                    if g not in grid:
-                        continue
-                    matched = _matched(variables, g, grid[g])
-                    if not (matched["method"] == method).any():
-                        cells.append("n/a (no point within 5%)")
-                        continue
-                    wins, fallback_wins, fallbacks = 0, 0, set()
-                    for output, variable in matched.select("output", "variable").unique().iter_rows():
-                        v = matched.filter((pl.col("output") == output) & (pl.col("variable") == variable))
-                        mine = v.filter(pl.col("method") == method)
-                        rivals = v.filter(pl.col("family") == "baseline")[metric].drop_nulls()
-                        if mine.height and rivals.len() and mine[metric][0] is not None and mine[metric][0] < rivals.min():
-                            shipped = mine["shipped"][0] if "shipped" in mine.columns else None
-                            if shipped and shipped.startswith("uniform "):
-                                fallback_wins += 1  # a uniform model of a method this frontier did not run: not the allocator's win
-                                fallbacks.add(shipped)
-                            else:
-                                wins += 1
-                    cells.append(str(wins) + (f" (+{fallback_wins} by shipping {', '.join(sorted(fallbacks))}, a method not among these baselines)" if fallbacks else ""))
-                rows.append([method, *cells, str(count)])
-            blocks.append(("table", "TQS-PTQ beats the best uniform method at the nearest compression", header, rows))
-
-    blocks.append(("h2", "Time per Pareto point"))
-    timing = ok.filter(pl.col("split") == ok["split"].first()).filter(pl.col("achieved_C").is_not_null())
-    rows = []
-    for method in timing["method"].unique(maintain_order=True):
-        part = timing.filter(pl.col("method") == method)
-        sweep = float(part["sweep_s"].fill_null(0).max())
-        export, evaluate = float(part["export_s"].fill_null(0).mean()), float(part["eval_s"].fill_null(0).mean())
-        amortised = sweep / part.height if part["family"].first() == "tqs" else 0.0
-        rows.append([method, str(part.height), f"{sweep:.2f}", f"{export:.2f}", f"{evaluate:.2f}", f"{amortised + export + evaluate:.2f}"])
-    blocks.append(("table", "Seconds; TQS-PTQ shares one score sweep over all its points and prices every slot once, in its first export (both amortised in the last column)", ["method", "points", "sweep (once)", "export / point", "eval / point", "total / point"], rows))
+        blocks += _split_blocks(frame, ok, split, metric, label)
+    blocks += _timing_blocks(ok)
     if failed.height:
         blocks.append(("h2", "Points that did not run"))
         blocks.append(("table", "", ["method", "setting", "status"], [list(r) for r in failed.iter_rows()]))
@@ -355,11 +110,118 @@ def build_report(out_dir: str | Path, model: str | Path, buckets_patterns: dict[
     for name, caption in figures[1:]:
         blocks.append(("img", name, caption))
     top = scores.head(10)
-    blocks.append(("table", "Most sensitive units", ["rank", "unit", "role", "params", "γ", "γ gauss", "dead"], [[str(r["rank"]), r["unit"], roles.get(r["unit"], "body"), str(r["params"]), _fmt(r["gamma"]), _fmt(r.get("gamma_gauss")), str(r["dead"])] for r in top.iter_rows(named=True)]))
+    rows = [[str(r["rank"]), r["unit"], roles.get(r["unit"], "body"), str(r["params"]), _fmt(r["gamma"]),
+             _fmt(r.get("gamma_gauss")), str(r["dead"])] for r in top.iter_rows(named=True)]
+    blocks.append(("table", "Most sensitive units", ["rank", "unit", "role", "params", "γ", "γ gauss", "dead"], rows))
     md = _markdown(blocks)
     write_text(out_dir / "report.md", md)
     write_text(out_dir / "report.html", _html(blocks, out_dir))
     return out_dir / "report.md", out_dir / "report.html"
+
+
+def _split_blocks(frame: pl.DataFrame, ok: pl.DataFrame, split: str, metric: str, label: str) -> list[tuple]:
+    """One split's matched tables (each grid point, each output) and its win counts."""
+    part = ok.filter(pl.col("split") == split)
+    grid = grid_points(part)
+    blocks: list[tuple] = [
+        ("h2", f"Matched compression ({split} contexts)"),
+        ("p", "Each uniform grid point (baselines at W bits) next to TQS-PTQ at the compression nearest to it, when "
+              f"that is within {MATCH_TOLERANCE:.0%} (an objective with no such point has no row). Lower is better; "
+              "**bold**: the best in its block and every method whose 95% interval reaches the best's (their "
+              "difference is within the noise of these windows)."),
+    ]
+    variables = frame.filter((pl.col("split") == split) & (pl.col("variable") != "all"))
+    if variables.height == 0:  # no per-variable rows: count wins per output instead
+        variables = part
+    for setting, grid_c in grid.items():
+        table = matched(part, setting, grid_c).filter(pl.col(metric).is_not_null())
+        blocks += _matched_tables(table, setting, grid_c, metric, label)
+    if variables.height:
+        blocks.append(("h3", f"Win counts ({split} contexts)"))
+        blocks.append(_win_table(variables, grid, metric))
+    return blocks
+
+
+def _matched_tables(table: pl.DataFrame, setting: str, grid_c: float, metric: str, label: str) -> list[tuple]:
+    """The points matched at one grid point, one table per output, best first: each output has its own best (one
+    output's best must not decide another's ties)."""
+    truth = metric == "mae_truth"
+    measure = "degradation" if truth else "drift"
+    columns = (f"{measure}_lo", f"{measure}_hi", f"{measure}_pct")
+    outputs = table["output"].unique(maintain_order=True).to_list()
+    header = ["method", "setting", "C", "size (bytes)", label, "RMSE", f"{measure} % [95% CI]", "verdict"]
+    blocks = []
+    for output in outputs:
+        block = table.filter(pl.col("output") == output).sort(metric)
+        low, high, value = columns
+        best_high = block[high][0] if block[high][0] is not None else block[value][0]
+        rows = [_matched_row(r, metric, columns, best_high) for r in block.iter_rows(named=True)]
+        title = f"{setting} grid (C ≈ {grid_c:.2f})" + (f", output {output}" if len(outputs) > 1 else "")
+        blocks.append(("table", title, header, rows))
+    return blocks
+
+
+def _matched_row(r: dict, metric: str, columns: tuple[str, str, str], best_high: float) -> list[str]:
+    """A matched point's cells; its error in bold when its interval reaches the best's (a tie within the noise)."""
+    low, high, value = columns
+    truth = metric == "mae_truth"
+    tied = r[low] is not None and r[low] <= best_high
+    interval = _fmt(r[value], 3) + (f" [{_fmt(r[low], 3)}, {_fmt(r[high], 3)}]" if r[low] is not None else "")
+    fell_back = (r.get("shipped") or "").startswith("uniform ")  # TQS-PTQ shipped a uniform model: say which
+    error = ("**" + _fmt(r[metric]) + "**") if tied else _fmt(r[metric])
+    return [r["method"], r["setting"] + (f" ({r['shipped']})" if fell_back else ""), _fmt(r["achieved_C"], 3),
+            _fmt(r["file_bytes"]), error, _fmt(r["rmse_truth"] if truth else r["rmse_ref"]), interval,
+            _verdict(r[low], r[high], truth)]
+
+
+def _win_table(variables: pl.DataFrame, grid: dict[str, float], metric: str) -> tuple:
+    """How many variables (or outputs) each TQS-PTQ objective beats every baseline on, at the W2 and W4 grid points."""
+    header = ["TQS-PTQ objective", *[f"wins at {g}" for g in GRIDS_FOR_WINS if g in grid], "variables"]
+    count = variables.select("output", "variable").n_unique()
+    rows = []
+    for method in variables.filter(pl.col("family") == "tqs")["method"].unique(maintain_order=True):
+        cells = [_wins(matched(variables, g, grid[g]), method, metric) for g in GRIDS_FOR_WINS if g in grid]
+        rows.append([method, *cells, str(count)])
+    return ("table", "TQS-PTQ beats the best uniform method at the nearest compression", header, rows)
+
+
+def _wins(points: pl.DataFrame, method: str, metric: str) -> str:
+    """`method`'s wins among `points` (one grid point's matches): a uniform model it shipped of a method this
+    frontier did not run is counted apart, as it is not the allocator's win."""
+    if not (points["method"] == method).any():
+        return "n/a (no point within 5%)"
+    wins, fallback_wins, fallbacks = 0, 0, set()
+    for output, variable in points.select("output", "variable").unique().iter_rows():
+        v = points.filter((pl.col("output") == output) & (pl.col("variable") == variable))
+        mine = v.filter(pl.col("method") == method)
+        rivals = v.filter(pl.col("family") == "baseline")[metric].drop_nulls()
+        if mine.height and rivals.len() and mine[metric][0] is not None and mine[metric][0] < rivals.min():
+            shipped = mine["shipped"][0] if "shipped" in mine.columns else None
+            if shipped and shipped.startswith("uniform "):
+                fallback_wins += 1
+                fallbacks.add(shipped)
+            else:
+                wins += 1
+    if not fallbacks:
+        return str(wins)
+    return f"{wins} (+{fallback_wins} by shipping {', '.join(sorted(fallbacks))}, a method not among these baselines)"
+
+
+def _timing_blocks(ok: pl.DataFrame) -> list[tuple]:
+    """Seconds per point of each method, on the first split (the sweep once; TQS-PTQ's amortised over its points)."""
+    timing = ok.filter(pl.col("split") == ok["split"].first()).filter(pl.col("achieved_C").is_not_null())
+    rows = []
+    for method in timing["method"].unique(maintain_order=True):
+        part = timing.filter(pl.col("method") == method)
+        sweep = float(part["sweep_s"].fill_null(0).max())
+        export, evaluate = float(part["export_s"].fill_null(0).mean()), float(part["eval_s"].fill_null(0).mean())
+        amortised = sweep / part.height if part["family"].first() == "tqs" else 0.0
+        total = amortised + export + evaluate
+        rows.append([method, str(part.height), f"{sweep:.2f}", f"{export:.2f}", f"{evaluate:.2f}", f"{total:.2f}"])
+    caption = ("Seconds; TQS-PTQ shares one score sweep over all its points and prices every slot once, in its first "
+               "export (both amortised in the last column)")
+    header = ["method", "points", "sweep (once)", "export / point", "eval / point", "total / point"]
+    return [("h2", "Time per Pareto point"), ("table", caption, header, rows)]
 
 
 def _markdown(blocks) -> str:
