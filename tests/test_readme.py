@@ -1,8 +1,8 @@
-"""Every runnable README block runs: bash lines through the CLI, Python blocks as written.
+"""Every runnable block of README.md and docs/*.md runs: bash lines through the CLI, Python blocks as written.
 
 A block preceded by `<!-- not run: reason -->` is skipped (the reason says why).
 The blocks run in a folder holding a small forecaster under the names the
-README uses (forecaster.onnx, ctx.npz, truth.npz) and a link to the repository's
+docs use (forecaster.onnx, ctx.npz, truth.npz) and a link to the repository's
 examples/, so the quick-start blocks finish in seconds and the examples' own
 commands run on the committed models.
 """
@@ -21,11 +21,18 @@ from tqsdeploy.cli import app
 from conftest import REPO
 
 FENCE = re.compile(r"(?:<!--\s*(not run:[^>]*)-->\s*\n)?```(\w*)\n(.*?)```", re.S)
+PAGES = ["README.md", *sorted(path.relative_to(REPO).as_posix() for path in (REPO / "docs").glob("*.md"))]
 
 
-def blocks(language: str) -> list[tuple[int, str, str | None]]:
-    text = (REPO / "README.md").read_text()
+def blocks(page: str, language: str) -> list[tuple[int, str, str | None]]:
+    """(line, body, skip reason) of every `language` block of `page`."""
+    text = (REPO / page).read_text()
     return [(text[: m.start()].count("\n") + 1, m.group(3), m.group(1)) for m in FENCE.finditer(text) if m.group(2) == language]
+
+
+def runnable(language: str) -> list:
+    return [pytest.param(page, line, body, id=f"{page}:{line}")
+            for page in PAGES for line, body, reason in blocks(page, language) if reason is None]
 
 
 @pytest.fixture
@@ -47,15 +54,28 @@ def workdir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_every_block_is_run_or_says_why_not():
-    fenced = [(line, language, reason) for language in ("bash", "python") for line, _, reason in blocks(language)]
-    assert fenced and all(reason is None or len(reason) > len("not run: ") + 10 for _, _, reason in fenced)
-    assert sum(reason is None for _, _, reason in fenced) >= 2
-    assert "../shared" not in (REPO / "README.md").read_text()
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_is_run_or_says_why_not(page):
+    fenced = [(line, reason) for language in ("bash", "python") for line, _, reason in blocks(page, language)]
+    short = [line for line, reason in fenced if reason is not None and len(reason) <= len("not run: ") + 10]
+    assert not short, f"{page}: a skipped block at line(s) {short} gives no real reason"
+    assert "../shared" not in (REPO / page).read_text(), f"{page} points into ../shared"
+
+
+def test_the_readme_and_the_docs_run_blocks():
+    """The README's worked example runs, and the reference pages carry runnable blocks of both languages."""
+    assert any(reason is None for _, _, reason in blocks("README.md", "bash"))
+    assert len(runnable("bash")) >= 7 and len(runnable("python")) >= 1 and "docs/python-api.md" in PAGES
+
+
+def test_the_readme_links_every_docs_page():
+    readme = (REPO / "README.md").read_text()
+    unlisted = [page for page in PAGES[1:] if f"]({page})" not in readme]
+    assert not unlisted, f"README.md's Documentation list misses {unlisted}"
 
 
 def shell_words(command: str, variables: dict[str, str]) -> list[str]:
-    """One README line as the shell would split it: comments dropped, `NAME=value` assignments
+    """One docs line as the shell would split it: comments dropped, `NAME=value` assignments
     recorded (and nothing run), `$NAME` expanded from earlier assignments."""
     words = shlex.split(command, comments=True)
     if words and all(re.fullmatch(r"[A-Za-z_]\w*=.*", word) for word in words):
@@ -65,19 +85,19 @@ def shell_words(command: str, variables: dict[str, str]) -> list[str]:
     return [expand(word) for word in words]
 
 
-@pytest.mark.parametrize("line, body", [(line, body) for line, body, reason in blocks("bash") if reason is None])
-def test_bash_block(workdir, line, body):
+@pytest.mark.parametrize("page, line, body", runnable("bash"))
+def test_bash_block(workdir, page, line, body):
     (workdir / "examples").symlink_to(REPO / "examples")
     runner, variables = CliRunner(), {}
     for command in body.strip().splitlines():
         words = shell_words(command, variables)
         if not words:
             continue
-        assert words[0] == "tqsdeploy", f"README line {line}: only tqsdeploy commands run here: {command}"
+        assert words[0] == "tqsdeploy", f"{page} line {line}: only tqsdeploy commands run here: {command}"
         result = runner.invoke(app, words[1:])
-        assert result.exit_code == 0, f"README line {line}: {command}\n{result.output}"
+        assert result.exit_code == 0, f"{page} line {line}: {command}\n{result.output}"
 
 
-@pytest.mark.parametrize("line, body", [(line, body) for line, body, reason in blocks("python") if reason is None])
-def test_python_block(workdir, line, body):
-    exec(compile(body, f"README.md:{line}", "exec"), {"__name__": "readme"})
+@pytest.mark.parametrize("page, line, body", runnable("python"))
+def test_python_block(workdir, page, line, body):
+    exec(compile(body, f"{page}:{line}", "exec"), {"__name__": "readme"})
