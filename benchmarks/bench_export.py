@@ -115,11 +115,13 @@ def headline(rows: list[dict]) -> str:
     """A history row's numbers: export s (solver s), ratio and drift per named model, the other models' ranges."""
     done = [r for r in rows if "error" not in r]
     named = [r for r in done if r["model"] in NAMED or len(done) <= 3]
-    parts = [f"{r['model']} {r['export_s']:.1f} s (solver {r['solver_s']:.1f}) {r['ratio']:.2f}x, drift {r['drift_pct']:.4g}%" for r in named]
+    parts = [f"{r['model']} {r['export_s']:.1f} s (solver {r['solver_s']:.1f}) {r['ratio']:.2f}x, "
+             f"drift {r['drift_pct']:.4g}%" for r in named]
     rest = [r for r in done if r not in named]
     if rest:
         seconds, ratios = [r["export_s"] for r in rest], [r["ratio"] for r in rest]
-        parts.append(f"{len(rest)} others {min(seconds):.1f}-{max(seconds):.1f} s, {min(ratios):.2f}-{max(ratios):.2f}x")
+        parts.append(f"{len(rest)} others {min(seconds):.1f}-{max(seconds):.1f} s, "
+                     f"{min(ratios):.2f}-{max(ratios):.2f}x")
     failed = [r["model"] for r in rows if "error" in r]
     return "; ".join(parts + ([f"failed: {', '.join(failed)}"] if failed else []))
 
@@ -149,7 +151,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(EVERY_EXAMPLE + ("bert",)), help="examples, 'bert', 'stack' (comma-separated)")
     parser.add_argument("--stack-gb", type=float, default=0.0, help="also time a MatMul stack of this many GB")
-    parser.add_argument("--out", default="export-quiet", help="result file stem under benchmarks/results/ (its history: history/STEM.md)")
+    parser.add_argument("--out", default="export-quiet",
+                        help="result file stem under benchmarks/results/ (its history: history/STEM.md)")
     parser.add_argument("--note", default="", help="said beside the machine (e.g. that it was shared)")
     parser.add_argument("--changed", default="", help="what changed since the last run: the history row's last cell")
     parser.add_argument("--provider", default="cpu", help="ONNX Runtime provider of score's and export's measurement rollouts (cpu, cuda)")

@@ -15,7 +15,8 @@ with uniform baselines (whose calibrated roundings take minutes on the BERT, ten
     python benchmarks/bench_latency.py [--models etth1_patchtst,...,bert] [--stack-gb 1.0] [--rounds 20]
 
 Writes benchmarks/results/latency.csv and latency.md (`--out STEM`: STEM.csv/.md) and appends the run to
-results/history/STEM.md (record.py; `--changed` says what changed). CUDA is measured only where a GPU is present (`--provider cuda`).
+results/history/STEM.md (record.py; `--changed` says what changed). CUDA is measured only where a GPU is present
+(`--provider cuda`).
 """
 
 from __future__ import annotations
@@ -163,14 +164,15 @@ def bench(name: str, tmp: Path, args) -> list[dict]:
 
 
 def headline(rows: list[dict]) -> str:
-    """A history row's numbers: each layout's range of ratios to FP32 over the models and batches, the default's worst."""
+    """A history row's numbers: each layout's range of ratios to FP32 over models and batches, the default's worst."""
     parts = []
     for label, start in (("dequantized (default)", "C4 dequantized"), ("fused", "C4 fused"), ("fp16", "fp16")):
         ratios = [r for r in rows if r["variant"].startswith(start)]
         if ratios:
             worst = max(ratios, key=lambda r: r["ratio"])
             low = min(r["ratio"] for r in ratios)
-            parts.append(f"{label} {low:.3f}-{worst['ratio']:.3f}x" + (f" (worst {worst['model']} at {worst['windows_per_call']})" if start == "C4 dequantized" else ""))
+            where = f" (worst {worst['model']} at {worst['windows_per_call']})" if start == "C4 dequantized" else ""
+            parts.append(f"{label} {low:.3f}-{worst['ratio']:.3f}x{where}")
     models = len({r["model"] for r in rows})
     return f"{models} model{'s' if models != 1 else ''}: " + ", ".join(parts)
 

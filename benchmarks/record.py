@@ -18,10 +18,13 @@ HEADER = "| date | commit | headline | what changed |\n|---|---|---|---|\n"
 
 def commit() -> str:
     """This checkout's short HEAD, with '+' when its library code has uncommitted changes (the run measured those)."""
-    git = ["git", "-C", str(REPO)]
-    head = subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain", "--", *LIBRARY], capture_output=True, text=True, check=False).stdout.strip()
+    head, dirty = _git("rev-parse", "--short=7", "HEAD"), _git("status", "--porcelain", "--", *LIBRARY)
     return (head or "unknown") + ("+" if dirty else "")
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False)
+    return done.stdout.strip()
 
 
 def append_history(stem: str, headline: str, changed: str, results: Path = RESULTS) -> Path | None:
@@ -32,7 +35,8 @@ def append_history(stem: str, headline: str, changed: str, results: Path = RESUL
     path = results / "history" / f"{stem}.md"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"# {stem}: every run, oldest first\n\nThe last row is the current file, `benchmarks/results/{stem}.*`.\n\n{HEADER}")
+        intro = f"The last row is the current file, `benchmarks/results/{stem}.*`."
+        path.write_text(f"# {stem}: every run, oldest first\n\n{intro}\n\n{HEADER}")
     cells = (time.strftime("%Y-%m-%d %H:%M"), commit(), headline, changed or "-")
     with path.open("a") as handle:
         handle.write("| " + " | ".join(cell.replace("|", "/").replace("\n", " ") for cell in cells) + " |\n")
