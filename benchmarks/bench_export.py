@@ -9,15 +9,17 @@ contexts and rollout, each a process of its own timed from outside. Reported: ex
 time inside it (calibration and measurement rollouts), its solver and statistics time (the allocation
 JSON's `profile_s`), and the ratio export / baseline.
 
-    python benchmarks/bench_export.py [--models etth1_patchtst,...,bert] [--stack-gb 1.0] [--out export]
-                                      [--provider cuda] [--arrays numpy] [--solver-dtype float64] [--results-dir DIR]
+    python benchmarks/bench_export.py [--models etth1_patchtst,...,bert] [--stack-gb 1.0] [--out export-quiet]
+                                      [--note TEXT] [--changed TEXT] [--provider cuda] [--arrays numpy]
+                                      [--solver-dtype float64] [--results-dir DIR]
 
 `--provider` runs score's and export's measurement rollouts on that ONNX Runtime provider (calibration rollouts
 and the baseline stay on the CPU); `--arrays numpy` sets TQS_ARRAYS=numpy, keeping the solvers' products on the
 host where CuPy would take them to a GPU (tiers.solver_backend).
 
-Writes benchmarks/results/export.json and export.md (`--out STEM`: STEM.json/.md). The machine this runs on
-is usually shared: ratios matter more than absolute times.
+Writes benchmarks/results/export-quiet.json and .md (`--out STEM`: STEM.json/.md, e.g. export-stack-1gb for
+`--models stack --stack-gb 1`) and appends the run to results/history/STEM.md (record.py; not with `--results-dir`).
+The machine this runs on is usually shared: ratios matter more than absolute times.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_score import bert  # noqa: E402
+from record import append_history  # noqa: E402
 from tiers.solver_backend import SOLVER_DTYPES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,6 +107,25 @@ def bench(name: str, tmp: Path, stack_gb: float, provider: str = "cpu", logs: Pa
     }
 
 
+NAMED = ("etth1_patchtst", "bert", "stack")
+"""Models a history row names one by one; the others of a run show as ranges."""
+
+
+def headline(rows: list[dict]) -> str:
+    """A history row's numbers: export s (solver s), ratio and drift per named model, the other models' ranges."""
+    done = [r for r in rows if "error" not in r]
+    named = [r for r in done if r["model"] in NAMED or len(done) <= 3]
+    parts = [f"{r['model']} {r['export_s']:.1f} s (solver {r['solver_s']:.1f}) {r['ratio']:.2f}x, "
+             f"drift {r['drift_pct']:.4g}%" for r in named]
+    rest = [r for r in done if r not in named]
+    if rest:
+        seconds, ratios = [r["export_s"] for r in rest], [r["ratio"] for r in rest]
+        parts.append(f"{len(rest)} others {min(seconds):.1f}-{max(seconds):.1f} s, "
+                     f"{min(ratios):.2f}-{max(ratios):.2f}x")
+    failed = [r["model"] for r in rows if "error" in r]
+    return "; ".join(parts + ([f"failed: {', '.join(failed)}"] if failed else []))
+
+
 def write(rows: list[dict], stem: str, note: str, results: Path = RESULTS) -> None:
     results.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"), "note": note,
@@ -129,8 +151,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(EVERY_EXAMPLE + ("bert",)), help="examples, 'bert', 'stack' (comma-separated)")
     parser.add_argument("--stack-gb", type=float, default=0.0, help="also time a MatMul stack of this many GB")
-    parser.add_argument("--out", default="export", help="result file stem under benchmarks/results/")
+    parser.add_argument("--out", default="export-quiet",
+                        help="result file stem under benchmarks/results/ (its history: history/STEM.md)")
     parser.add_argument("--note", default="", help="said beside the machine (e.g. that it was shared)")
+    parser.add_argument("--changed", default="", help="what changed since the last run: the history row's last cell")
     parser.add_argument("--provider", default="cpu", help="ONNX Runtime provider of score's and export's measurement rollouts (cpu, cuda)")
     parser.add_argument("--arrays", default="auto", choices=("auto", "numpy"), help="numpy: keep the solvers' products on the host (TQS_ARRAYS=numpy)")
     parser.add_argument("--solver-dtype", default=None, choices=SOLVER_DTYPES, help="TQS_SOLVER_DTYPE for every timed process (default: unset, the solvers' default)")
@@ -153,6 +177,7 @@ def main() -> None:
                 rows.append({"model": name, "error": str(exc)})
             print(json.dumps(rows[-1]), flush=True)
     write(rows, args.out, args.note, args.results_dir)
+    append_history(args.out, headline(rows), args.changed, args.results_dir)
 
 
 if __name__ == "__main__":

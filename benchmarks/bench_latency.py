@@ -14,7 +14,9 @@ with uniform baselines (whose calibrated roundings take minutes on the BERT, ten
 
     python benchmarks/bench_latency.py [--models etth1_patchtst,...,bert] [--stack-gb 1.0] [--rounds 20]
 
-Writes benchmarks/results/latency.csv and latency.md (`--out STEM`: STEM.csv/.md). CUDA is measured only where a GPU is present (`--provider cuda`).
+Writes benchmarks/results/latency.csv and latency.md (`--out STEM`: STEM.csv/.md) and appends the run to
+results/history/STEM.md (record.py; `--changed` says what changed). CUDA is measured only where a GPU is present
+(`--provider cuda`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_memory import build as build_stack  # noqa: E402
 from bench_score import bert  # noqa: E402
+from record import append_history  # noqa: E402
 
 from runtimes import for_provider  # noqa: E402
 from tqsdeploy import ScoreSettings, score  # noqa: E402
@@ -161,6 +164,20 @@ def bench(name: str, tmp: Path, args) -> list[dict]:
     return rows
 
 
+def headline(rows: list[dict]) -> str:
+    """A history row's numbers: each layout's range of ratios to FP32 over models and batches, the default's worst."""
+    parts = []
+    for label, start in (("dequantized (default)", "C4 dequantized"), ("fused", "C4 fused"), ("fp16", "fp16")):
+        ratios = [r for r in rows if r["variant"].startswith(start)]
+        if ratios:
+            worst = max(ratios, key=lambda r: r["ratio"])
+            low = min(r["ratio"] for r in ratios)
+            where = f" (worst {worst['model']} at {worst['windows_per_call']})" if start == "C4 dequantized" else ""
+            parts.append(f"{label} {low:.3f}-{worst['ratio']:.3f}x{where}")
+    models = len({r["model"] for r in rows})
+    return f"{models} model{'s' if models != 1 else ''}: " + ", ".join(parts)
+
+
 def write(rows: list[dict], args) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     columns = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
@@ -210,6 +227,7 @@ def main() -> None:
     parser.add_argument("--provider", default="cpu")
     parser.add_argument("--workdir", default=None, help="Keep the scored and exported models here (default: a temporary folder); a second run times them again without scoring or exporting.")
     parser.add_argument("--out", default="latency", help="Stem of the result files in benchmarks/results/ (e.g. latency-stack for a --models '' --stack-gb 1 run).")
+    parser.add_argument("--changed", default="", help="What changed since the last run: the history row's last cell.")
     args = parser.parse_args()
     names = [n for n in args.models.split(",") if n] + (["stack"] if args.stack_gb else [])
     rows = []
@@ -219,6 +237,7 @@ def main() -> None:
             folder.mkdir(parents=True, exist_ok=True)
             rows += bench(name, folder, args)
             write(rows, args)  # after every model: a long run keeps what it measured
+    append_history(args.out, headline(rows), args.changed)
     print((RESULTS / f"{args.out}.md").read_text())
 
 
