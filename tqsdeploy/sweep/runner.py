@@ -177,7 +177,7 @@ class SweepRunner:
     def _failing_as_the_nominal(self) -> Iterator[None]:
         """A rollout that fails waits for the nominal rollout's verdict first: a model that fails on the contexts
         fails its nominal rollout too, made on another lane meanwhile, and that error names the contexts, whichever
-        lane failed first, so a failing model gives the same words every run (docs/scoring-notes.md)."""
+        lane failed first, so a failing model gives the same words every run (docs/design-notes/scoring.md)."""
         try:
             yield
         except RolloutError:
