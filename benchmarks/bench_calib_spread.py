@@ -83,7 +83,13 @@ def trajectory_sets(folder: Path, example: Path, count: int = SETS) -> list[Path
 
 def held_out_drift(candidate: Path, example: Path) -> float:
     """Mean drift % over the trajectory outputs on heldout.npz, exact dequantization (as bench_versions.py)."""
-    report = evaluate(candidate, example / "model.onnx", example / "heldout.npz", spec=example / "rollout.toml", settings=EvalSettings(exact=True))
+    report = evaluate(
+        candidate,
+        example / "model.onnx",
+        example / "heldout.npz",
+        spec=example / "rollout.toml",
+        settings=EvalSettings(exact=True),
+    )
     drifts = [o["vs_reference"]["drift_pct"] for o in report["outputs"].values()]
     return sum(drifts) / len(drifts)
 
@@ -103,37 +109,101 @@ def tqs_spread(args, example: Path, folder: Path, sets: list[Path], clis: dict[s
     tqs = {label: {c: [] for c in targets} for label in clis}
     for k, calib in enumerate(sets):
         run = folder / f"run{k}"
-        subprocess.run([*command_of(next(iter(clis.values()))), "score", str(example / "model.onnx"), "--contexts", str(calib), "--spec", str(example / "rollout.toml"),
-                        "--out", str(run), *extra], check=True, capture_output=True, cwd=folder)
+        subprocess.run(
+            [
+                *command_of(next(iter(clis.values()))),
+                "score",
+                str(example / "model.onnx"),
+                "--contexts",
+                str(calib),
+                "--spec",
+                str(example / "rollout.toml"),
+                "--out",
+                str(run),
+                *extra,
+            ],
+            check=True,
+            capture_output=True,
+            cwd=folder,
+        )
         for label, cli in clis.items():
             for tier in uniform[label]:
                 out = folder / f"uniform{k}.{label}.{tier}.onnx"
-                subprocess.run([*command_of(cli), "export", str(example / "model.onnx"), "--run", str(run), "--uniform", tier, "-o", str(out)], check=True, capture_output=True, cwd=folder)
+                subprocess.run(
+                    [
+                        *command_of(cli),
+                        "export",
+                        str(example / "model.onnx"),
+                        "--run",
+                        str(run),
+                        "--uniform",
+                        tier,
+                        "-o",
+                        str(out),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    cwd=folder,
+                )
                 uniform[label][tier].append(held_out_drift(out, example))
             for c in tqs[label]:
                 out = folder / f"tqs{k}.{label}.C{c}.onnx"
-                subprocess.run([*command_of(cli), "export", str(example / "model.onnx"), "--run", str(run), "--C", c, "-o", str(out)], check=True, capture_output=True, cwd=folder)
+                subprocess.run(
+                    [
+                        *command_of(cli),
+                        "export",
+                        str(example / "model.onnx"),
+                        "--run",
+                        str(run),
+                        "--C",
+                        c,
+                        "-o",
+                        str(out),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    cwd=folder,
+                )
                 tqs[label][c].append(held_out_drift(out, example))
-            print(f"set {k} {label}: " + ", ".join(f"uniform {t} {d[-1]:.4g}" for t, d in uniform[label].items()) + ", "
-                  + ", ".join(f"TQS-PTQ C{c} {d[-1]:.4g}" for c, d in tqs[label].items()), flush=True)
+            print(
+                f"set {k} {label}: "
+                + ", ".join(f"uniform {t} {d[-1]:.4g}" for t, d in uniform[label].items())
+                + ", "
+                + ", ".join(f"TQS-PTQ C{c} {d[-1]:.4g}" for c, d in tqs[label].items()),
+                flush=True,
+            )
     for label in clis:
         for tier, drifts in uniform[label].items():
-            print(f"{args.example} {label} uniform {tier}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {' '.join(f'{d:.4g}' for d in drifts)}; last = contexts.npz)")
+            print(
+                f"{args.example} {label} uniform {tier}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {' '.join(f'{d:.4g}' for d in drifts)}; last = contexts.npz)"
+            )
         for (c, drifts), tier in zip(tqs[label].items(), tiers):
             ratios = np.array(drifts) / np.array(uniform[label][tier])
-            print(f"{args.example} {label} TQS-PTQ C{c}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {' '.join(f'{d:.4g}' for d in drifts)}); "
-                  f"/ uniform {tier} per set {ratios.mean():.3f} ± {ratios.std():.2g}, below it on {int((ratios < 1).sum())} of {len(ratios)}")
+            print(
+                f"{args.example} {label} TQS-PTQ C{c}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {' '.join(f'{d:.4g}' for d in drifts)}); "
+                f"/ uniform {tier} per set {ratios.mean():.3f} ± {ratios.std():.2g}, below it on {int((ratios < 1).sum())} of {len(ratios)}"
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--example", default="tied_mixer_etth1")
-    parser.add_argument("--cli", default=f"new={shutil.which('tqsdeploy') or 'tqsdeploy'}", help="LABEL=PATH of each checkout's tqsdeploy, comma-separated")
+    parser.add_argument(
+        "--cli",
+        default=f"new={shutil.which('tqsdeploy') or 'tqsdeploy'}",
+        help="LABEL=PATH of each checkout's tqsdeploy, comma-separated",
+    )
     parser.add_argument("--methods", default="qep,gptq,gptaq")
     parser.add_argument("--bits", default="4,2")
-    parser.add_argument("--sets", type=int, default=SETS, help="seeded draws (seeds 100, 101, ...) besides contexts.npz")
-    parser.add_argument("--tqs", default="", help="compressions: measure TQS-PTQ export at each against --uniform over the sets")
-    parser.add_argument("--uniform", default="int4-asym", help="the uniform tier --tqs compares with: one, or one per C")
+    parser.add_argument(
+        "--sets", type=int, default=SETS, help="seeded draws (seeds 100, 101, ...) besides contexts.npz"
+    )
+    parser.add_argument(
+        "--tqs", default="", help="compressions: measure TQS-PTQ export at each against --uniform over the sets"
+    )
+    parser.add_argument(
+        "--uniform", default="int4-asym", help="the uniform tier --tqs compares with: one, or one per C"
+    )
     args = parser.parse_args()
     example = REPO / "examples" / args.example
     clis = dict(item.split("=", 1) for item in args.cli.split(","))
@@ -150,12 +220,27 @@ def main() -> None:
                     drifts = []
                     for k, calib in enumerate(sets):
                         out = folder / f"{method}{bits}.{label}.{k}.onnx"
-                        command = [*command_of(cli), "baseline", str(example / "model.onnx"), "--method", method, "--bits", bits, "--calib", str(calib), "-o", str(out)]
+                        command = [
+                            *command_of(cli),
+                            "baseline",
+                            str(example / "model.onnx"),
+                            "--method",
+                            method,
+                            "--bits",
+                            bits,
+                            "--calib",
+                            str(calib),
+                            "-o",
+                            str(out),
+                        ]
                         command += ["--min-params", str(MIN_PARAMS[args.example])] if args.example in MIN_PARAMS else []
                         subprocess.run(command, check=True, capture_output=True, cwd=folder)
                         drifts.append(held_out_drift(out, example))
                     values = " ".join(f"{d:.4g}" for d in drifts)
-                    print(f"{args.example} {method} W{bits} {label}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {values}; last = contexts.npz)", flush=True)
+                    print(
+                        f"{args.example} {method} W{bits} {label}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {values}; last = contexts.npz)",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

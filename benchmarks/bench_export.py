@@ -40,6 +40,7 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_score import bert  # noqa: E402
 from record import append_history  # noqa: E402
+
 from tiers.solver_backend import SOLVER_DTYPES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +54,9 @@ def case(name: str, tmp: Path, stack_gb: float) -> dict:
     """Model, contexts and rollout spec (files), and the compression target."""
     if name == "bert":
         model = bert(tmp / "bert.onnx", tokens=BERT_TOKENS)
-        np.savez(tmp / "bert_ctx.npz", ids=np.random.default_rng(1).integers(0, 30522, (2, 1, BERT_TOKENS)).astype(np.int64))
+        np.savez(
+            tmp / "bert_ctx.npz", ids=np.random.default_rng(1).integers(0, 30522, (2, 1, BERT_TOKENS)).astype(np.int64)
+        )
         (tmp / "bert.toml").write_text('steps = 1\ntrajectory = ["hidden"]\n')
         return {"model": model, "contexts": tmp / "bert_ctx.npz", "spec": tmp / "bert.toml", "C": 8}
     if name == "stack":
@@ -67,7 +70,12 @@ def case(name: str, tmp: Path, stack_gb: float) -> dict:
         (tmp / "stack.toml").write_text('steps = 2\ntrajectory = ["y"]\n[[feedback]]\noutput = "y"\ninput = "x"\n')
         return {"model": model, "contexts": tmp / "stack_ctx.npz", "spec": tmp / "stack.toml", "C": 8}
     folder = REPO / "examples" / name
-    return {"model": folder / "model.onnx", "contexts": folder / "contexts.npz", "spec": folder / "rollout.toml", "C": 4}
+    return {
+        "model": folder / "model.onnx",
+        "contexts": folder / "contexts.npz",
+        "spec": folder / "rollout.toml",
+        "C": 4,
+    }
 
 
 EXTRA_ENV: dict[str, str] = {}
@@ -78,10 +86,18 @@ def timed(command: list[str], log: Path) -> float:
     """Wall seconds of one process; its output appended to `log`, a failure raised with the log's tail."""
     started = time.perf_counter()
     with log.open("a") as sink:
-        done = subprocess.run(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "TQS_PROGRESS_INTERVAL": "60", **EXTRA_ENV})
+        done = subprocess.run(
+            command,
+            cwd=REPO,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TQS_PROGRESS_INTERVAL": "60", **EXTRA_ENV},
+        )
     seconds = time.perf_counter() - started
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, command))} exited {done.returncode}:\n" + "\n".join(log.read_text().splitlines()[-15:]))
+        raise RuntimeError(
+            f"{' '.join(map(str, command))} exited {done.returncode}:\n" + "\n".join(log.read_text().splitlines()[-15:])
+        )
     return seconds
 
 
@@ -91,19 +107,67 @@ def bench(name: str, tmp: Path, stack_gb: float, provider: str = "cpu", logs: Pa
     common = ["--contexts", str(item["contexts"]), "--spec", str(item["spec"])]
     on = ["--provider", provider]
     score_s = timed([*TQS, "score", str(item["model"]), *common, "--out", str(run), *on], log)
-    export_s = timed([*TQS, "export", str(item["model"]), "--run", str(run), "--C", f"{item['C']:g}", "-o", str(tmp / f"{name}.export.onnx"), "--force", "--verbose", *on], log)
+    export_s = timed(
+        [
+            *TQS,
+            "export",
+            str(item["model"]),
+            "--run",
+            str(run),
+            "--C",
+            f"{item['C']:g}",
+            "-o",
+            str(tmp / f"{name}.export.onnx"),
+            "--force",
+            "--verbose",
+            *on,
+        ],
+        log,
+    )
     record = json.loads((tmp / f"{name}.export.allocation.json").read_text())
     profile = record.get("profile_s", {})
     bits = min((8, 4, 2), key=lambda b: abs(32 / b - item["C"]))
-    baseline_s = timed([*TQS, "baseline", str(item["model"]), "--method", "qep", "--bits", str(bits), "--calib", str(item["contexts"]), "--spec", str(item["spec"]),
-                        "-o", str(tmp / f"{name}.qep-w{bits}.onnx"), "--force"], log)
-    params = sum(int(np.prod(t.dims)) for t in onnx.load(str(item["model"]), load_external_data=False).graph.initializer)
+    baseline_s = timed(
+        [
+            *TQS,
+            "baseline",
+            str(item["model"]),
+            "--method",
+            "qep",
+            "--bits",
+            str(bits),
+            "--calib",
+            str(item["contexts"]),
+            "--spec",
+            str(item["spec"]),
+            "-o",
+            str(tmp / f"{name}.qep-w{bits}.onnx"),
+            "--force",
+        ],
+        log,
+    )
+    params = sum(
+        int(np.prod(t.dims)) for t in onnx.load(str(item["model"]), load_external_data=False).graph.initializer
+    )
     return {
-        "model": name, "params": params, "C": item["C"], "score_s": round(score_s, 2), "export_s": round(export_s, 2),
-        "export_inside_s": profile.get("total"), "onnxruntime_s": round(profile.get("calibration_rollouts", 0.0) + profile.get("measurement_rollouts", 0.0), 2),
-        "solver_s": profile.get("solver"), "statistics_s": profile.get("statistics"), "profile_s": profile, "solver_arrays": record.get("solver_arrays"), "solver_dtype": record.get("solver_dtype"),
-        "baseline": f"qep W{bits}", "baseline_s": round(baseline_s, 2), "ratio": round(export_s / baseline_s, 2),
-        "shipped": record.get("shipped"), "compression": round(record.get("compression", 0.0), 3), "drift_pct": record.get("drift_pct"),
+        "model": name,
+        "params": params,
+        "C": item["C"],
+        "score_s": round(score_s, 2),
+        "export_s": round(export_s, 2),
+        "export_inside_s": profile.get("total"),
+        "onnxruntime_s": round(profile.get("calibration_rollouts", 0.0) + profile.get("measurement_rollouts", 0.0), 2),
+        "solver_s": profile.get("solver"),
+        "statistics_s": profile.get("statistics"),
+        "profile_s": profile,
+        "solver_arrays": record.get("solver_arrays"),
+        "solver_dtype": record.get("solver_dtype"),
+        "baseline": f"qep W{bits}",
+        "baseline_s": round(baseline_s, 2),
+        "ratio": round(export_s / baseline_s, 2),
+        "shipped": record.get("shipped"),
+        "compression": round(record.get("compression", 0.0), 3),
+        "drift_pct": record.get("drift_pct"),
     }
 
 
@@ -115,64 +179,108 @@ def headline(rows: list[dict]) -> str:
     """A history row's numbers: export s (solver s), ratio and drift per named model, the other models' ranges."""
     done = [r for r in rows if "error" not in r]
     named = [r for r in done if r["model"] in NAMED or len(done) <= 3]
-    parts = [f"{r['model']} {r['export_s']:.1f} s (solver {r['solver_s']:.1f}) {r['ratio']:.2f}x, "
-             f"drift {r['drift_pct']:.4g}%" for r in named]
+    parts = [
+        f"{r['model']} {r['export_s']:.1f} s (solver {r['solver_s']:.1f}) {r['ratio']:.2f}x, "
+        f"drift {r['drift_pct']:.4g}%"
+        for r in named
+    ]
     rest = [r for r in done if r not in named]
     if rest:
         seconds, ratios = [r["export_s"] for r in rest], [r["ratio"] for r in rest]
-        parts.append(f"{len(rest)} others {min(seconds):.1f}-{max(seconds):.1f} s, "
-                     f"{min(ratios):.2f}-{max(ratios):.2f}x")
+        parts.append(
+            f"{len(rest)} others {min(seconds):.1f}-{max(seconds):.1f} s, {min(ratios):.2f}-{max(ratios):.2f}x"
+        )
     failed = [r["model"] for r in rows if "error" in r]
     return "; ".join(parts + ([f"failed: {', '.join(failed)}"] if failed else []))
 
 
 def write(rows: list[dict], stem: str, note: str, results: Path = RESULTS) -> None:
     results.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"), "note": note,
-            "provider": rows[0].get("provider", "cpu") if rows else "cpu", "arrays": EXTRA_ENV.get("TQS_ARRAYS", "auto"),
-            "solver_dtype": EXTRA_ENV.get("TQS_SOLVER_DTYPE", "default")}
+    meta = {
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "note": note,
+        "provider": rows[0].get("provider", "cpu") if rows else "cpu",
+        "arrays": EXTRA_ENV.get("TQS_ARRAYS", "auto"),
+        "solver_dtype": EXTRA_ENV.get("TQS_SOLVER_DTYPE", "default"),
+    }
     (results / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = [f"Export time to result, {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs. {note}", "",
-             "Each figure is one process timed from outside (wall seconds); 'inside' is export's own total, split by its `profile_s`",
-             "(ONNX Runtime = calibration + measurement rollouts). Ratio = export / `baseline --method qep` at the nearest uniform grid.", "",
-             "| model | params | C | export s | inside s | ONNX Runtime s | solver s | statistics s | baseline | baseline s | ratio | shipped | drift % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Export time to result, {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs. {note}",
+        "",
+        "Each figure is one process timed from outside (wall seconds); 'inside' is export's own total, split by its `profile_s`",
+        "(ONNX Runtime = calibration + measurement rollouts). Ratio = export / `baseline --method qep` at the nearest uniform grid.",
+        "",
+        "| model | params | C | export s | inside s | ONNX Runtime s | solver s | statistics s | baseline | baseline s | ratio | shipped | drift % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | | | failed: {r['error'].splitlines()[0][:120]} | | | | | | | | | |")
             continue
-        lines.append(f"| {r['model']} | {r['params']:,} | {r['C']} | {r['export_s']:.1f} | {r['export_inside_s']:.1f} | {r['onnxruntime_s']:.1f} | {r['solver_s']:.1f} | "
-                     f"{r['statistics_s']:.1f} | {r['baseline']} | {r['baseline_s']:.1f} | {r['ratio']:.2f} | {r['shipped']} | {r['drift_pct']:.4g} |")
+        lines.append(
+            f"| {r['model']} | {r['params']:,} | {r['C']} | {r['export_s']:.1f} | {r['export_inside_s']:.1f} | {r['onnxruntime_s']:.1f} | {r['solver_s']:.1f} | "
+            f"{r['statistics_s']:.1f} | {r['baseline']} | {r['baseline_s']:.1f} | {r['ratio']:.2f} | {r['shipped']} | {r['drift_pct']:.4g} |"
+        )
     (results / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(EVERY_EXAMPLE + ("bert",)), help="examples, 'bert', 'stack' (comma-separated)")
+    parser.add_argument(
+        "--models", default=",".join(EVERY_EXAMPLE + ("bert",)), help="examples, 'bert', 'stack' (comma-separated)"
+    )
     parser.add_argument("--stack-gb", type=float, default=0.0, help="also time a MatMul stack of this many GB")
-    parser.add_argument("--out", default="export-quiet",
-                        help="result file stem under benchmarks/results/ (its history: history/STEM.md)")
+    parser.add_argument(
+        "--out",
+        default="export-quiet",
+        help="result file stem under benchmarks/results/ (its history: history/STEM.md)",
+    )
     parser.add_argument("--note", default="", help="said beside the machine (e.g. that it was shared)")
     parser.add_argument("--changed", default="", help="what changed since the last run: the history row's last cell")
-    parser.add_argument("--provider", default="cpu", help="ONNX Runtime provider of score's and export's measurement rollouts (cpu, cuda)")
-    parser.add_argument("--arrays", default="auto", choices=("auto", "numpy"), help="numpy: keep the solvers' products on the host (TQS_ARRAYS=numpy)")
-    parser.add_argument("--solver-dtype", default=None, choices=SOLVER_DTYPES, help="TQS_SOLVER_DTYPE for every timed process (default: unset, the solvers' default)")
+    parser.add_argument(
+        "--provider",
+        default="cpu",
+        help="ONNX Runtime provider of score's and export's measurement rollouts (cpu, cuda)",
+    )
+    parser.add_argument(
+        "--arrays",
+        default="auto",
+        choices=("auto", "numpy"),
+        help="numpy: keep the solvers' products on the host (TQS_ARRAYS=numpy)",
+    )
+    parser.add_argument(
+        "--solver-dtype",
+        default=None,
+        choices=SOLVER_DTYPES,
+        help="TQS_SOLVER_DTYPE for every timed process (default: unset, the solvers' default)",
+    )
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="where STEM.json/.md are written")
-    parser.add_argument("--logs", type=Path, default=None, help="keep each model's score/export/baseline output here (default: a temporary folder)")
+    parser.add_argument(
+        "--logs",
+        type=Path,
+        default=None,
+        help="keep each model's score/export/baseline output here (default: a temporary folder)",
+    )
     args = parser.parse_args()
     if args.arrays == "numpy":
         EXTRA_ENV["TQS_ARRAYS"] = "numpy"
     if args.solver_dtype:
         EXTRA_ENV["TQS_SOLVER_DTYPE"] = args.solver_dtype
-    names = [n for n in args.models.split(",") if n] + (["stack"] if args.stack_gb > 0 and "stack" not in args.models else [])
+    names = [n for n in args.models.split(",") if n] + (
+        ["stack"] if args.stack_gb > 0 and "stack" not in args.models else []
+    )
     rows = []
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             try:
-                rows.append({**bench(name, Path(tmp), args.stack_gb, args.provider, args.logs), "provider": args.provider})
+                rows.append(
+                    {**bench(name, Path(tmp), args.stack_gb, args.provider, args.logs), "provider": args.provider}
+                )
             except RuntimeError as exc:
                 rows.append({"model": name, "error": str(exc)})
             print(json.dumps(rows[-1]), flush=True)

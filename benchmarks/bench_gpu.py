@@ -48,7 +48,11 @@ STRATEGIES = ("feed", "batch", "prefix", "auto")
 
 
 def environment() -> dict:
-    info = {"onnxruntime": ort.__version__, "providers": ort.get_available_providers(), "python": platform.python_version()}
+    info = {
+        "onnxruntime": ort.__version__,
+        "providers": ort.get_available_providers(),
+        "python": platform.python_version(),
+    }
     try:
         from onnxruntime.capi import build_and_package_info as build
 
@@ -57,7 +61,12 @@ def environment() -> dict:
     except ImportError:
         pass
     try:
-        query = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        query = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         info["gpu"] = query.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         info["gpu"] = None
@@ -67,7 +76,9 @@ def environment() -> dict:
 
 def _timed_score(model, contexts, spec, settings, runtime, strategy, out) -> tuple[float, object]:
     started = time.perf_counter()
-    table = score(model, contexts, spec=spec, out=out, settings=settings, runtime=runtime, resume=False, strategy=strategy)
+    table = score(
+        model, contexts, spec=spec, out=out, settings=settings, runtime=runtime, resume=False, strategy=strategy
+    )
     return time.perf_counter() - started, table
 
 
@@ -95,7 +106,9 @@ def sweep_row(name: str, model, contexts, spec, settings: ScoreSettings, rounds:
     plain_gpu, plain_cpu = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(rounds):
-            plain_gpu.append(_plain_rollout(model, prepared.contexts, prepared.spec, None, batched, runtime=cuda_runtime))
+            plain_gpu.append(
+                _plain_rollout(model, prepared.contexts, prepared.spec, None, batched, runtime=cuda_runtime)
+            )
             plain_cpu.append(_plain_rollout(model, prepared.contexts, prepared.spec, None, batched))
             runs = [("cpu auto", cpu_runtime, "auto")] + [(f"cuda {s}", cuda_runtime, s) for s in STRATEGIES]
             if round_ == 0:
@@ -104,7 +117,15 @@ def sweep_row(name: str, model, contexts, spec, settings: ScoreSettings, rounds:
                 if label in refused:
                     continue
                 try:
-                    wall, table = _timed_score(model, prepared.contexts, prepared.spec, settings, runtime, strategy, Path(tmp) / label.replace(" ", "_"))
+                    wall, table = _timed_score(
+                        model,
+                        prepared.contexts,
+                        prepared.spec,
+                        settings,
+                        runtime,
+                        strategy,
+                        Path(tmp) / label.replace(" ", "_"),
+                    )
                 except Exception as exc:  # noqa: BLE001 - a refused strategy (batch on static shapes) or a GPU failure is a result here
                     refused[label] = f"{type(exc).__name__}: {exc}"
                     continue
@@ -114,7 +135,8 @@ def sweep_row(name: str, model, contexts, spec, settings: ScoreSettings, rounds:
                 if label == "cuda auto":
                     picks.append(table.meta["strategy"])
         scaling = (
-            _plain_rollout(model, prepared.contexts, prepared.spec, None, batched, tiles=width, runtime=cuda_runtime) / (width * statistics.median(plain_gpu))
+            _plain_rollout(model, prepared.contexts, prepared.spec, None, batched, tiles=width, runtime=cuda_runtime)
+            / (width * statistics.median(plain_gpu))
             if batched
             else None
         )
@@ -137,7 +159,9 @@ def sweep_row(name: str, model, contexts, spec, settings: ScoreSettings, rounds:
         "wall_s": {k: round(v, 3) for k, v in wall.items()},
         "rollouts_per_s": {k: round(tasks / v, 1) for k, v in wall.items()},
         "gpu_ratio": {k: round(v / (tasks * gpu_plain), 3) for k, v in wall.items() if k.startswith("cuda")},
-        "gpu_ratio_task_loop": {k: round(statistics.median(v) / (tasks * gpu_plain), 3) for k, v in loops.items() if k.startswith("cuda")},
+        "gpu_ratio_task_loop": {
+            k: round(statistics.median(v) / (tasks * gpu_plain), 3) for k, v in loops.items() if k.startswith("cuda")
+        },
         "auto_picks": picks,
         "agreement": agreement,
         "refused": refused,
@@ -169,7 +193,11 @@ def latency_rows(exported: dict[str, Path], tmp: Path) -> list[dict]:
         fp16 = tmp / f"{name}_fp16.onnx"
         onnx.save(float16.convert_float_to_float16(onnx.load(fp32), keep_io_types=True), fp16)
         session = ort.InferenceSession(str(fp32), providers=["CPUExecutionProvider"])
-        feeds = {k: v.reshape(-1, *v.shape[2:]) for k, v in np.load(folder / "contexts.npz").items() if k in {i.name for i in session.get_inputs()}}
+        feeds = {
+            k: v.reshape(-1, *v.shape[2:])
+            for k, v in np.load(folder / "contexts.npz").items()
+            if k in {i.name for i in session.get_inputs()}
+        }
         for label, model in (("fp32", fp32), ("fp16 (onnxconverter-common)", fp16), ("tqsdeploy export", path)):
             row = {"example": name, "model": label, "bytes": model.stat().st_size}
             for provider in ("cuda", "cpu"):
@@ -190,37 +218,62 @@ def markdown(meta: dict, rows: list[dict], latencies: list[dict]) -> str:
         "Throughput = perturbed rollouts (L·(1+N)) per second of `score` wall, end to end (load, builds, auto's timing, nominal, every task). "
         "GPU ratio = wall / (L·(1+N) × one plain CUDA rollout), the #12 measure; GPU batch scaling = a plain CUDA rollout carrying 1 + N + 1 times the windows / that many plain rollouts (≤ 0.8: launch-bound).",
         "",
-        "| model | params | T | windows | rollouts | plain rollout ms (cpu / cuda) | GPU batch scaling | " + " | ".join(f"{lb}: rollouts/s (GPU ratio)" for lb in labels) + " | auto's pick on GPU | cuda auto, task loop only: GPU ratio |",
+        "| model | params | T | windows | rollouts | plain rollout ms (cpu / cuda) | GPU batch scaling | "
+        + " | ".join(f"{lb}: rollouts/s (GPU ratio)" for lb in labels)
+        + " | auto's pick on GPU | cuda auto, task loop only: GPU ratio |",
         "|" + "---|" * (9 + len(labels)),
     ]
     for r in rows:
         cells = []
         for lb in labels:
             if lb in r["wall_s"]:
-                cells.append(f"{r['rollouts_per_s'][lb]}" + (f" ({r['gpu_ratio'][lb]})" if lb in r["gpu_ratio"] else ""))
+                cells.append(
+                    f"{r['rollouts_per_s'][lb]}" + (f" ({r['gpu_ratio'][lb]})" if lb in r["gpu_ratio"] else "")
+                )
             else:
                 cells.append("refused" if lb in r["refused"] else "—")
         lines.append(
             f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['steps']} | {r['windows']} | {r['rollouts']} | {r['plain_rollout_ms']['cpu']} / {r['plain_rollout_ms']['cuda']} | "
-            f"{r['gpu_batch_scaling'] if r['gpu_batch_scaling'] is not None else 'no batch axis'} | " + " | ".join(cells) + f" | {', '.join(r['auto_picks'])} | {r['gpu_ratio_task_loop'].get('cuda auto', '—')} |"
+            f"{r['gpu_batch_scaling'] if r['gpu_batch_scaling'] is not None else 'no batch axis'} | "
+            + " | ".join(cells)
+            + f" | {', '.join(r['auto_picks'])} | {r['gpu_ratio_task_loop'].get('cuda auto', '—')} |"
         )
-    lines += ["", "Agreement with the CPU score (quant probe γ, units alive on both): Spearman ρ / largest |Δγ| (nats/step) / dead units identical:", ""]
-    lines += ["| model | " + " | ".join(["cuda feed", "cuda batch", "cuda prefix", "cuda feed, TF32 on"]) + " |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Agreement with the CPU score (quant probe γ, units alive on both): Spearman ρ / largest |Δγ| (nats/step) / dead units identical:",
+        "",
+    ]
+    lines += [
+        "| model | " + " | ".join(["cuda feed", "cuda batch", "cuda prefix", "cuda feed, TF32 on"]) + " |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         cells = []
         for lb in ("cuda feed", "cuda batch", "cuda prefix", "cuda feed tf32"):
             a = r["agreement"].get(lb)
-            cells.append(f"{a['spearman']} / {a['max_abs_dgamma']:.2e} / {'yes' if a['dead_agree'] else 'NO'}" if a else "—")
+            cells.append(
+                f"{a['spearman']} / {a['max_abs_dgamma']:.2e} / {'yes' if a['dead_agree'] else 'NO'}" if a else "—"
+            )
         lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
     refusals = [f"- {r['model']}, {label}: {reason}" for r in rows for label, reason in r["refused"].items()]
     if refusals:
         lines += ["", "Refused or failed:", "", *refusals]
     if latencies:
-        lines += ["", "Latency of one call over all context windows (median of 50 after 5 warm-ups), ONNX Runtime default optimizations:", ""]
+        lines += [
+            "",
+            "Latency of one call over all context windows (median of 50 after 5 warm-ups), ONNX Runtime default optimizations:",
+            "",
+        ]
         lines += ["| example | model | file kB | CUDA ms | CPU ms |", "|---|---|---|---|---|"]
-        lines += [f"| {x['example']} | {x['model']} | {x['bytes'] / 1e3:.1f} | {x['cuda_ms']} | {x['cpu_ms']} |" for x in latencies]
+        lines += [
+            f"| {x['example']} | {x['model']} | {x['bytes'] / 1e3:.1f} | {x['cuda_ms']} | {x['cpu_ms']} |"
+            for x in latencies
+        ]
     if meta["env"]["tensorrt"] != "importable":
-        lines += ["", "TensorRT engines (refit sweep, `tqsdeploy engine` latency): not run, `tensorrt` is not installed on this machine."]
+        lines += [
+            "",
+            "TensorRT engines (refit sweep, `tqsdeploy engine` latency): not run, `tensorrt` is not installed on this machine.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -243,7 +296,13 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         exported = dict(item.split("=", 1) for item in filter(None, args.exported.split(",")))
         latencies = latency_rows({k: Path(v) for k, v in exported.items()}, Path(tmp))
-    meta = {"date": time.strftime("%Y-%m-%d"), "env": environment(), "cpus": os.cpu_count(), "probes": f"quant + {args.probes} gauss", "rounds": args.rounds}
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "env": environment(),
+        "cpus": os.cpu_count(),
+        "probes": f"quant + {args.probes} gauss",
+        "rounds": args.rounds,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu.json").write_text(json.dumps({"meta": meta, "results": rows, "latency": latencies}, indent=2))
     text = markdown(meta, rows, latencies)

@@ -23,12 +23,17 @@ from bench_calib_spread import MIN_PARAMS, REPO, etth1_sets, held_out_drift, tra
 
 from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate  # noqa: E402
 
-CLIS = {"today": [sys.executable, "-m", "tqsdeploy"], "min-max": [sys.executable, str(REPO / "benchmarks" / "cli_min_max_grids.py")]}
+CLIS = {
+    "today": [sys.executable, "-m", "tqsdeploy"],
+    "min-max": [sys.executable, str(REPO / "benchmarks" / "cli_min_max_grids.py")],
+}
 
 
 def calibration_drift(candidate: Path, example: Path, contexts: Path) -> float:
     """Mean drift % over the trajectory outputs on the calibration set's own rollout, exact dequantization."""
-    report = evaluate(candidate, example / "model.onnx", contexts, spec=example / "rollout.toml", settings=EvalSettings(exact=True))
+    report = evaluate(
+        candidate, example / "model.onnx", contexts, spec=example / "rollout.toml", settings=EvalSettings(exact=True)
+    )
     drifts = [o["vs_reference"]["drift_pct"] for o in report["outputs"].values()]
     return sum(drifts) / len(drifts)
 
@@ -47,17 +52,43 @@ def main() -> None:
         for k, contexts in enumerate(drawn + [example / "contexts.npz"]):
             for label, cli in CLIS.items():
                 out = folder / f"{label}{k}.onnx"
-                subprocess.run([*cli, "baseline", str(example / "model.onnx"), "--method", "qep", "--bits", args.bits, "--calib", str(contexts), *extra,
-                                "-o", str(out), "--force"], check=True, capture_output=True, cwd=REPO)
+                subprocess.run(
+                    [
+                        *cli,
+                        "baseline",
+                        str(example / "model.onnx"),
+                        "--method",
+                        "qep",
+                        "--bits",
+                        args.bits,
+                        "--calib",
+                        str(contexts),
+                        *extra,
+                        "-o",
+                        str(out),
+                        "--force",
+                    ],
+                    check=True,
+                    capture_output=True,
+                    cwd=REPO,
+                )
                 held[label].append(held_out_drift(out, example))
                 calib[label].append(calibration_drift(out, example, contexts))
-            print(f"set {k}: " + ", ".join(f"{label} held-out {held[label][-1]:.4g} calibration {calib[label][-1]:.4g}" for label in CLIS), flush=True)
+            print(
+                f"set {k}: "
+                + ", ".join(
+                    f"{label} held-out {held[label][-1]:.4g} calibration {calib[label][-1]:.4g}" for label in CLIS
+                ),
+                flush=True,
+            )
     today, plain = np.array(held["today"]), np.array(held["min-max"])
     picked = np.where(np.array(calib["today"]) <= np.array(calib["min-max"]), today, plain)
     difference = picked - plain
-    print(f"{args.example} W{args.bits} held-out drift %: today {today.mean():.4g}, min-max {plain.mean():.4g}, picked {picked.mean():.4g} "
-          f"(today's on {int((picked == today).sum())} of {len(today)}); picked - min-max {difference.mean():+.3g} ± {difference.std(ddof=1):.2g}, "
-          f"t = {difference.mean() / (difference.std(ddof=1) / np.sqrt(len(difference))):.2f}")
+    print(
+        f"{args.example} W{args.bits} held-out drift %: today {today.mean():.4g}, min-max {plain.mean():.4g}, picked {picked.mean():.4g} "
+        f"(today's on {int((picked == today).sum())} of {len(today)}); picked - min-max {difference.mean():+.3g} ± {difference.std(ddof=1):.2g}, "
+        f"t = {difference.mean() / (difference.std(ddof=1) / np.sqrt(len(difference))):.2f}"
+    )
 
 
 if __name__ == "__main__":

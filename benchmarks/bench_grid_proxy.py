@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 EXAMPLES = tuple(sorted(p.parent.name for p in (REPO / "examples").glob("*/model.onnx")))
 
-PATCHED_EXPORT = r'''
+PATCHED_EXPORT = r"""
 import json, sys, threading
 import tiers.quantizer as tq
 import tqsdeploy.export.candidates as ec
@@ -71,7 +71,7 @@ try:
     main()
 finally:
     open(out, "w").write(json.dumps(found))
-'''
+"""
 
 
 def study(name: str, tmp: Path) -> list[dict]:
@@ -79,32 +79,80 @@ def study(name: str, tmp: Path) -> list[dict]:
     folder = REPO / "examples" / name
     run, script, found = tmp / f"{name}_run", tmp / "patched_export.py", tmp / f"{name}.json"
     script.write_text(PATCHED_EXPORT)
-    subprocess.run([sys.executable, "-m", "tqsdeploy", "score", str(folder / "model.onnx"), "--contexts", str(folder / "contexts.npz"), "--spec",
-                    str(folder / "rollout.toml"), "--out", str(run)], cwd=REPO, check=True, capture_output=True)
-    subprocess.run([sys.executable, str(script), str(found), "export", "--run", str(run), "--C", "4", "--output", str(tmp / f"{name}.onnx")], cwd=REPO,
-                   check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tqsdeploy",
+            "score",
+            str(folder / "model.onnx"),
+            "--contexts",
+            str(folder / "contexts.npz"),
+            "--spec",
+            str(folder / "rollout.toml"),
+            "--out",
+            str(run),
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(found),
+            "export",
+            "--run",
+            str(run),
+            "--C",
+            "4",
+            "--output",
+            str(tmp / f"{name}.onnx"),
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     rows, seen = [], set()
     for row in json.loads(found.read_text()):
         if (row["tier"], row["method"]) not in seen and row["per_channel"] is not None and row["min_max"] is not None:
             seen.add((row["tier"], row["method"]))
             real = "min-max" if row["min_max"] < row["per_channel"] else "per-channel"
             proxied = "min-max" if row["proxy"] < row["per_channel"] else "per-channel"
-            rows.append({"model": name, **row, "chosen": real, "proxy_chooses": proxied, "proxy_over_per_channel": row["proxy"] / row["per_channel"]})
+            rows.append(
+                {
+                    "model": name,
+                    **row,
+                    "chosen": real,
+                    "proxy_chooses": proxied,
+                    "proxy_over_per_channel": row["proxy"] / row["per_channel"],
+                }
+            )
     return rows
 
 
 def write(rows: list[dict], stem: str) -> None:
     (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
-    lines = ["Grid choice of `export --C 4` (`--grids auto`, scoring contexts): the real min-max pass against the min-max model taken from the",
-             "per-channel pass (proxy); drift % is the worst output's on the scoring contexts (`benchmarks/bench_grid_proxy.py`).", "",
-             "| model | tier | method | per-channel % | min-max % | proxy % | chosen | proxy chooses | proxy / per-channel |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "Grid choice of `export --C 4` (`--grids auto`, scoring contexts): the real min-max pass against the min-max model taken from the",
+        "per-channel pass (proxy); drift % is the worst output's on the scoring contexts (`benchmarks/bench_grid_proxy.py`).",
+        "",
+        "| model | tier | method | per-channel % | min-max % | proxy % | chosen | proxy chooses | proxy / per-channel |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         flag = "" if r["chosen"] == r["proxy_chooses"] else " (differs)"
-        lines.append(f"| {r['model']} | {r['tier']} | {r['method']} | {r['per_channel']:.4g} | {r['min_max']:.4g} | {r['proxy']:.4g} | {r['chosen']} | "
-                     f"{r['proxy_chooses']}{flag} | {r['proxy_over_per_channel']:.3f} |")
+        lines.append(
+            f"| {r['model']} | {r['tier']} | {r['method']} | {r['per_channel']:.4g} | {r['min_max']:.4g} | {r['proxy']:.4g} | {r['chosen']} | "
+            f"{r['proxy_chooses']}{flag} | {r['proxy_over_per_channel']:.3f} |"
+        )
     path = RESULTS / f"{stem}.md"
     old = path.read_text() if path.exists() else ""
-    notes = old[old.index("\n\n", old.index("| model |")):] if "| model |" in old else "\n"  # what was written below the table stays
+    notes = (
+        old[old.index("\n\n", old.index("| model |")) :] if "| model |" in old else "\n"
+    )  # what was written below the table stays
     path.write_text("\n".join(lines) + notes)
 
 

@@ -47,35 +47,59 @@ def main() -> None:
         windows = heldout if heldout.exists() else folder / "contexts.npz"
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
-            score(folder / "model.onnx", folder / "contexts.npz", spec=folder / "rollout.toml", out=tmp / "run",
-                  selection=UnitSelection(min_params=MIN_PARAMS.get(example, 1024)), settings=ScoreSettings())
+            score(
+                folder / "model.onnx",
+                folder / "contexts.npz",
+                spec=folder / "rollout.toml",
+                out=tmp / "run",
+                selection=UnitSelection(min_params=MIN_PARAMS.get(example, 1024)),
+                settings=ScoreSettings(),
+            )
             planner = Planner(tmp / "run")
             uniform = {}
             for bits in (8, 4, 2):
                 for grid in ("int{b}", "int{b}-asym"):
                     tier = grid.format(b=bits)
                     for rounding in ("rtn", "qep"):
-                        outcome = planner.export(None, tmp / f"{tier}-{rounding}.onnx", uniform_tier=tier, rounding=rounding)
-                        report = evaluate(outcome.path, folder / "model.onnx", windows, spec=tmp / "run" / "rollout.toml")
+                        outcome = planner.export(
+                            None, tmp / f"{tier}-{rounding}.onnx", uniform_tier=tier, rounding=rounding
+                        )
+                        report = evaluate(
+                            outcome.path, folder / "model.onnx", windows, spec=tmp / "run" / "rollout.toml"
+                        )
                         uniform[tier, rounding] = (outcome.compression, _drift(report))
             mixed = {}
-            for tiers, label in ((None, "asymmetric tiers (default)"), (("fp32", "fp16", "bf16", "int8", "int8-asym", "int4", "int4-asym", "int2", "int2-asym"), "both grids")):
+            for tiers, label in (
+                (None, "asymmetric tiers (default)"),
+                (("fp32", "fp16", "bf16", "int8", "int8-asym", "int4", "int4-asym", "int2", "int2-asym"), "both grids"),
+            ):
                 chooser = Planner(tmp / "run", settings=ExportSettings(tiers=tiers))
                 for bits in (4, 2):
                     target = 0.99 * uniform[f"int{bits}-asym", "qep"][0]
                     outcome = chooser.export(target, tmp / f"mixed-{bits}-{len(mixed)}.onnx")
                     report = evaluate(outcome.path, folder / "model.onnx", windows, spec=tmp / "run" / "rollout.toml")
                     chosen = outcome.table["tier"].to_list()
-                    symmetric = sum(1 for t in chosen if t.startswith("int") and not t.endswith("-asym") and t != "int1")
+                    symmetric = sum(
+                        1 for t in chosen if t.startswith("int") and not t.endswith("-asym") and t != "int1"
+                    )
                     mixed[label, bits] = (outcome.compression, _drift(report), symmetric, len(chosen), outcome.shipped)
                 chooser.close()
             planner.close()
-        lines += [f"## {example} ({'held-out' if heldout.exists() else 'scoring'} windows)", "", "| uniform | C | RTN drift % | QEP drift % |", "|---|---|---|---|"]
+        lines += [
+            f"## {example} ({'held-out' if heldout.exists() else 'scoring'} windows)",
+            "",
+            "| uniform | C | RTN drift % | QEP drift % |",
+            "|---|---|---|---|",
+        ]
         for bits in (8, 4, 2):
             for tier in (f"int{bits}", f"int{bits}-asym"):
                 c, rtn = uniform[tier, "rtn"]
                 lines.append(f"| {tier} | {c:.3f} | {rtn:.4g} | {uniform[tier, 'qep'][1]:.4g} |")
-        lines += ["", "| TQS-PTQ (QEP) | just below | C | drift % | symmetric slots / slots | shipped |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| TQS-PTQ (QEP) | just below | C | drift % | symmetric slots / slots | shipped |",
+            "|---|---|---|---|---|---|",
+        ]
         for (label, bits), (c, drift, symmetric, slots, shipped) in mixed.items():
             lines.append(f"| {label} | W{bits} | {c:.3f} | {drift:.4g} | {symmetric} / {slots} | {shipped} |")
         lines.append("")

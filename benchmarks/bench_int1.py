@@ -58,8 +58,14 @@ def _time(function, repeats: int) -> float:
 
 
 def main() -> None:
-    lines = [f"INT1 storage, {time.strftime('%Y-%m-%d')}, {platform.platform()}, ORT default optimisations, 1 thread", ""]
-    lines += ["| weight | storage | file bytes | session build ms | run ms (batch 8) | rel. error vs exact fp32 of the same signs |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"INT1 storage, {time.strftime('%Y-%m-%d')}, {platform.platform()}, ORT default optimisations, 1 thread",
+        "",
+    ]
+    lines += [
+        "| weight | storage | file bytes | session build ms | run ms (batch 8) | rel. error vs exact fp32 of the same signs |",
+        "|---|---|---|---|---|---|",
+    ]
     for n in (512, 2048):
         model = _model(n)
         w = numpy_helper.to_array(model.graph.initializer[0])

@@ -41,13 +41,13 @@ from record import append_history  # noqa: E402
 
 from runtimes import for_provider  # noqa: E402
 from tqsdeploy import ScoreSettings, score  # noqa: E402
-from tqsdeploy.rollout.contexts import ContextOptions, Contexts, load_contexts  # noqa: E402
-from tqsdeploy.rollout.engine import RolloutEngine  # noqa: E402
 from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate  # noqa: E402
+from tqsdeploy.evaluation.latency import LatencySettings, measure  # noqa: E402
 from tqsdeploy.export import ExportSettings, Planner  # noqa: E402
 from tqsdeploy.export.writing import Writer  # noqa: E402
-from tqsdeploy.evaluation.latency import LatencySettings, measure  # noqa: E402
 from tqsdeploy.rollout import RolloutSpec  # noqa: E402
+from tqsdeploy.rollout.contexts import ContextOptions, load_contexts  # noqa: E402
+from tqsdeploy.rollout.engine import RolloutEngine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -64,7 +64,15 @@ def case(name: str, tmp: Path, stack_gb: float) -> dict:
         np.savez(tmp / "bert_ctx.npz", ids=rng.integers(0, 30522, (2, 1, BERT_TOKENS)).astype(np.int64))
         np.savez(tmp / "bert_heldout.npz", ids=rng.integers(0, 30522, (BERT_BATCH, 1, BERT_TOKENS)).astype(np.int64))
         spec = RolloutSpec(steps=1, feedback=(), trajectory=("hidden",))
-        return {"model": model, "contexts": tmp / "bert_ctx.npz", "heldout": tmp / "bert_heldout.npz", "truth": None, "spec": spec, "batch": BERT_BATCH, "generated": True}
+        return {
+            "model": model,
+            "contexts": tmp / "bert_ctx.npz",
+            "heldout": tmp / "bert_heldout.npz",
+            "truth": None,
+            "spec": spec,
+            "batch": BERT_BATCH,
+            "generated": True,
+        }
     if name == "stack":
         folder = tmp / "stack"
         folder.mkdir(exist_ok=True)
@@ -74,13 +82,30 @@ def case(name: str, tmp: Path, stack_gb: float) -> dict:
         np.savez(tmp / "stack_ctx.npz", x=rng.standard_normal((2, 4, width)).astype(np.float32))
         np.savez(tmp / "stack_heldout.npz", x=rng.standard_normal((8, 4, width)).astype(np.float32))
         spec = RolloutSpec.from_dict({"steps": 2, "feedback": [{"output": "y", "input": "x"}]})
-        return {"model": model, "contexts": tmp / "stack_ctx.npz", "heldout": tmp / "stack_heldout.npz", "truth": None, "spec": spec, "batch": 8, "generated": True}
+        return {
+            "model": model,
+            "contexts": tmp / "stack_ctx.npz",
+            "heldout": tmp / "stack_heldout.npz",
+            "truth": None,
+            "spec": spec,
+            "batch": 8,
+            "generated": True,
+        }
     folder = REPO / "examples" / name
     count = int(next(iter(np.load(folder / "contexts.npz").values())).shape[0])
-    heldout = folder / "heldout.npz" if (folder / "heldout.npz").exists() else folder / "contexts.npz"  # the token embedder has no held-out windows
+    heldout = (
+        folder / "heldout.npz" if (folder / "heldout.npz").exists() else folder / "contexts.npz"
+    )  # the token embedder has no held-out windows
     truth = folder / "heldout_truth.npz" if (folder / "heldout_truth.npz").exists() else None
-    return {"model": folder / "model.onnx", "contexts": folder / "contexts.npz", "heldout": heldout, "truth": truth,
-            "spec": RolloutSpec.from_toml(folder / "rollout.toml"), "batch": count, "generated": False}
+    return {
+        "model": folder / "model.onnx",
+        "contexts": folder / "contexts.npz",
+        "heldout": heldout,
+        "truth": truth,
+        "spec": RolloutSpec.from_toml(folder / "rollout.toml"),
+        "batch": count,
+        "generated": False,
+    }
 
 
 def fp16_copy(model: Path, out: Path) -> Path:
@@ -95,32 +120,56 @@ def fp16_copy(model: Path, out: Path) -> Path:
 def variants(name: str, item: dict, tmp: Path, provider: str) -> tuple[dict[str, Path], dict]:
     """FP16, and the `--C 4` export in each runtime layout (one allocation, written twice); reused from `tmp`
     when an earlier run with `--workdir` left them there (timing again costs no score or export)."""
-    labels = {"fp16": tmp / f"{name}.fp16.onnx", "C4 dequantized (auto for ort-cpu)": tmp / f"{name}.C4.dequantized.onnx", "C4 fused": tmp / f"{name}.C4.fused.onnx"}
+    labels = {
+        "fp16": tmp / f"{name}.fp16.onnx",
+        "C4 dequantized (auto for ort-cpu)": tmp / f"{name}.C4.dequantized.onnx",
+        "C4 fused": tmp / f"{name}.C4.fused.onnx",
+    }
     if (tmp / "meta.json").exists():
         return {k: v for k, v in labels.items() if v.exists()}, json.loads((tmp / "meta.json").read_text())
     run = tmp / f"{name}_run"
     light = item["generated"]
     settings = ScoreSettings(gauss_draws=0 if light else 1)
     started = time.perf_counter()
-    score(item["model"], item["contexts"], spec=item["spec"], out=run, settings=settings, runtime=for_provider(provider))
+    score(
+        item["model"], item["contexts"], spec=item["spec"], out=run, settings=settings, runtime=for_provider(provider)
+    )
     scored = time.perf_counter() - started
     export = ExportSettings(target="ort-cpu", rounding="rtn" if light else "qep", refine=0, fallback=not light)
     planner = Planner(run, item["model"], export, for_provider(provider))
     started = time.perf_counter()
     files = {"fp16": fp16_copy(item["model"], tmp / f"{name}.fp16.onnx") if not name == "stack" else None}
     outcome = planner.export(4, tmp / f"{name}.C4.dequantized.onnx")
-    fused = Writer(dataclasses.replace(planner.job, settings=dataclasses.replace(planner.settings, runtime_layout="fused")), planner.roundings)
+    fused = Writer(
+        dataclasses.replace(planner.job, settings=dataclasses.replace(planner.settings, runtime_layout="fused")),
+        planner.roundings,
+    )
     fused.write(outcome.encodings, tmp / f"{name}.C4.fused.onnx")
     planner.close()
-    files.update({"C4 dequantized (auto for ort-cpu)": tmp / f"{name}.C4.dequantized.onnx", "C4 fused": tmp / f"{name}.C4.fused.onnx"})
-    meta = {"score_s": scored, "export_s": time.perf_counter() - started, "compression": outcome.compression, "shipped": outcome.shipped,
-            "scoring_drift_pct": outcome.drift_pct, "memory_after_load_mb": outcome.memory_bytes / 1e6}
+    files.update(
+        {
+            "C4 dequantized (auto for ort-cpu)": tmp / f"{name}.C4.dequantized.onnx",
+            "C4 fused": tmp / f"{name}.C4.fused.onnx",
+        }
+    )
+    meta = {
+        "score_s": scored,
+        "export_s": time.perf_counter() - started,
+        "compression": outcome.compression,
+        "shipped": outcome.shipped,
+        "scoring_drift_pct": outcome.drift_pct,
+        "memory_after_load_mb": outcome.memory_bytes / 1e6,
+    }
     (tmp / "meta.json").write_text(json.dumps(meta))
     return {k: v for k, v in files.items() if v is not None}, meta
 
 
 def file_mb(path: Path) -> float:
-    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*")) / 1e6 if path.suffix == ".onnx" else path.stat().st_size / 1e6
+    return (
+        sum(p.stat().st_size for p in path.parent.glob(path.name + "*")) / 1e6
+        if path.suffix == ".onnx"
+        else path.stat().st_size / 1e6
+    )
 
 
 def bench(name: str, tmp: Path, args) -> list[dict]:
@@ -140,27 +189,71 @@ def bench(name: str, tmp: Path, args) -> list[dict]:
     rows = []
     for label, path in files.items():
         try:
-            latency = measure(lambda p=path: runtime.open(p, external_data_dir=p.parent), lambda: runtime.open(fp32, external_data_dir=fp32.parent),
-                              heldout, inputs, batched, batch, timing)
-        except Exception as exc:  # onnxconverter-common's copy of some graphs does not load (a float16 output it left behind)
+            latency = measure(
+                lambda p=path: runtime.open(p, external_data_dir=p.parent),
+                lambda: runtime.open(fp32, external_data_dir=fp32.parent),
+                heldout,
+                inputs,
+                batched,
+                batch,
+                timing,
+            )
+        except (
+            Exception
+        ) as exc:  # onnxconverter-common's copy of some graphs does not load (a float16 output it left behind)
             if label != "fp16":
                 raise
-            print(f"{name} {label}: skipped, ONNX Runtime refuses the converted model: {str(exc).splitlines()[0][:200]}", flush=True)
+            print(
+                f"{name} {label}: skipped, ONNX Runtime refuses the converted model: {str(exc).splitlines()[0][:200]}",
+                flush=True,
+            )
             continue
-        report = evaluate(path, fp32, item["heldout"], spec=item["spec"], truth=item["truth"], settings=EvalSettings(provider=args.provider))
+        report = evaluate(
+            path,
+            fp32,
+            item["heldout"],
+            spec=item["spec"],
+            truth=item["truth"],
+            settings=EvalSettings(provider=args.provider),
+        )
         drift = max(o["vs_reference"]["drift_pct"] for o in report["outputs"].values() if "vs_reference" in o)
         for entry in latency["batches"]:
-            rows.append({
-                "model": name, "variant": label, "provider": args.provider, "windows_per_call": entry["windows"], "rows": entry["rows"],
-                "fp32_ms": round(entry["reference"]["median_ms"], 4), "variant_ms": round(entry["candidate"]["median_ms"], 4),
-                "ratio": round(entry["slowdown"], 4), "paired_ratio": round(entry["paired_slowdown"], 4), "rounds": entry["rounds"],
-                "fp32_mb": round(file_mb(fp32), 3), "file_mb": round(file_mb(path), 3),
-                "memory_mb": round(latency["memory_bytes"]["candidate"] / 1e6, 1), "fp32_memory_mb": round(latency["memory_bytes"]["reference"] / 1e6, 1),
-                "heldout_drift_pct": round(drift, 5), "heldout_degradation_pct": round(report["degradation_pct"], 4) if item["truth"] else None,
-                "runtime_mode": report["runtime"]["mode"], "per_call_dequantization": report["runtime"]["per_call_dequantization"],
-                **({k: (round(v, 3) if isinstance(v, float) else v) for k, v in meta.items()} if label.startswith("C4") else {}),
-            })
-        print(f"{name} {label}: " + ", ".join(f"batch {r['windows_per_call']}: {r['ratio']:.3f}x" for r in rows if r["variant"] == label and r["model"] == name), flush=True)
+            rows.append(
+                {
+                    "model": name,
+                    "variant": label,
+                    "provider": args.provider,
+                    "windows_per_call": entry["windows"],
+                    "rows": entry["rows"],
+                    "fp32_ms": round(entry["reference"]["median_ms"], 4),
+                    "variant_ms": round(entry["candidate"]["median_ms"], 4),
+                    "ratio": round(entry["slowdown"], 4),
+                    "paired_ratio": round(entry["paired_slowdown"], 4),
+                    "rounds": entry["rounds"],
+                    "fp32_mb": round(file_mb(fp32), 3),
+                    "file_mb": round(file_mb(path), 3),
+                    "memory_mb": round(latency["memory_bytes"]["candidate"] / 1e6, 1),
+                    "fp32_memory_mb": round(latency["memory_bytes"]["reference"] / 1e6, 1),
+                    "heldout_drift_pct": round(drift, 5),
+                    "heldout_degradation_pct": round(report["degradation_pct"], 4) if item["truth"] else None,
+                    "runtime_mode": report["runtime"]["mode"],
+                    "per_call_dequantization": report["runtime"]["per_call_dequantization"],
+                    **(
+                        {k: (round(v, 3) if isinstance(v, float) else v) for k, v in meta.items()}
+                        if label.startswith("C4")
+                        else {}
+                    ),
+                }
+            )
+        print(
+            f"{name} {label}: "
+            + ", ".join(
+                f"batch {r['windows_per_call']}: {r['ratio']:.3f}x"
+                for r in rows
+                if r["variant"] == label and r["model"] == name
+            ),
+            flush=True,
+        )
     return rows
 
 
@@ -201,32 +294,62 @@ def write(rows: list[dict], args) -> None:
     ]
     for r in rows:
         per_call = r["per_call_dequantization"]
-        shown = "none" if per_call == {} else ("-" if per_call is None else ", ".join(f"{k} {v}" for k, v in per_call.items()))
-        lines.append(f"| {r['model']} | {r['variant']} | {r['windows_per_call']} | {r['fp32_ms']:.3f} | {r['variant_ms']:.3f} | **{r['ratio']:.3f}** | {r['paired_ratio']:.3f} | "
-                     f"{r['file_mb']:.3f} ({r['fp32_mb']:.3f}) | {r['memory_mb']:.1f} ({r['fp32_memory_mb']:.1f}) | {r['heldout_drift_pct']:.4g} | {shown} |")
-    lines += ["", "Exports (C = 4 of the file, one allocation written in both layouts):", "", "| model | compression | shipped | scoring drift % | score s | export s |", "|---|---|---|---|---|---|"]
+        shown = (
+            "none"
+            if per_call == {}
+            else ("-" if per_call is None else ", ".join(f"{k} {v}" for k, v in per_call.items()))
+        )
+        lines.append(
+            f"| {r['model']} | {r['variant']} | {r['windows_per_call']} | {r['fp32_ms']:.3f} | {r['variant_ms']:.3f} | **{r['ratio']:.3f}** | {r['paired_ratio']:.3f} | "
+            f"{r['file_mb']:.3f} ({r['fp32_mb']:.3f}) | {r['memory_mb']:.1f} ({r['fp32_memory_mb']:.1f}) | {r['heldout_drift_pct']:.4g} | {shown} |"
+        )
+    lines += [
+        "",
+        "Exports (C = 4 of the file, one allocation written in both layouts):",
+        "",
+        "| model | compression | shipped | scoring drift % | score s | export s |",
+        "|---|---|---|---|---|---|",
+    ]
     seen = set()
     for r in rows:
         if "compression" in r and r["model"] not in seen:
             seen.add(r["model"])
-            lines.append(f"| {r['model']} | {r['compression']:.3f} | {r['shipped']} | {r['scoring_drift_pct']:.4g} | {r['score_s']:.1f} | {r['export_s']:.1f} |")
+            lines.append(
+                f"| {r['model']} | {r['compression']:.3f} | {r['shipped']} | {r['scoring_drift_pct']:.4g} | {r['score_s']:.1f} | {r['export_s']:.1f} |"
+            )
     default = [r for r in rows if r["variant"].startswith("C4 dequantized")]
     worst = max(default, key=lambda r: r["ratio"]) if default else None
     if worst:
-        lines += ["", f"Done-when check: the default layout for `--target ort-cpu` (dequantized) is at most {worst['ratio']:.3f}x FP32 "
-                      f"(worst: {worst['model']} at {worst['windows_per_call']} windows/call); target <= 1.05."]
+        lines += [
+            "",
+            f"Done-when check: the default layout for `--target ort-cpu` (dequantized) is at most {worst['ratio']:.3f}x FP32 "
+            f"(worst: {worst['model']} at {worst['windows_per_call']} windows/call); target <= 1.05.",
+        ]
     (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(EVERY_EXAMPLE + ("bert",)))
-    parser.add_argument("--stack-gb", type=float, default=0.0, help="Also a MatMul stack of this many GB (e.g. 1.0; minutes of scoring and export on 2 cores).")
+    parser.add_argument(
+        "--stack-gb",
+        type=float,
+        default=0.0,
+        help="Also a MatMul stack of this many GB (e.g. 1.0; minutes of scoring and export on 2 cores).",
+    )
     parser.add_argument("--rounds", type=int, default=20, help="Paired rounds at least per batch size.")
     parser.add_argument("--seconds", type=float, default=2.0, help="Seconds of paired rounds at least per batch size.")
     parser.add_argument("--provider", default="cpu")
-    parser.add_argument("--workdir", default=None, help="Keep the scored and exported models here (default: a temporary folder); a second run times them again without scoring or exporting.")
-    parser.add_argument("--out", default="latency", help="Stem of the result files in benchmarks/results/ (e.g. latency-stack for a --models '' --stack-gb 1 run).")
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="Keep the scored and exported models here (default: a temporary folder); a second run times them again without scoring or exporting.",
+    )
+    parser.add_argument(
+        "--out",
+        default="latency",
+        help="Stem of the result files in benchmarks/results/ (e.g. latency-stack for a --models '' --stack-gb 1 run).",
+    )
     parser.add_argument("--changed", default="", help="What changed since the last run: the history row's last cell.")
     args = parser.parse_args()
     names = [n for n in args.models.split(",") if n] + (["stack"] if args.stack_gb else [])

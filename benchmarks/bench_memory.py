@@ -57,7 +57,11 @@ def build(folder: Path, gigabytes: float, inline: bool = False) -> Path:
             nodes.append(helper.make_node("MatMul", [previous, f"W{i}"], [output], name=f"layer{i}"))
             previous = output
     graph = helper.make_graph(
-        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", width])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", width])], inits
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", width])],
+        inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     model.ir_version = 10
@@ -80,11 +84,22 @@ s.run(None, {"x": np.ones((4, width), np.float32)})
 def timed(args: list[str], cwd: Path) -> dict:
     """Run under /usr/bin/time -v; its maximum resident set size is the peak of the process."""
     started = time.perf_counter()
-    result = subprocess.run(["/usr/bin/time", "-v", *args], cwd=cwd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        ["/usr/bin/time", "-v", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     seconds = time.perf_counter() - started
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
-    return {"rc": result.returncode, "peak_gb": int(peak.group(1)) * 1024 / GB if peak else float("nan"), "seconds": seconds, "error": errors[0] if errors else ""}
+    return {
+        "rc": result.returncode,
+        "peak_gb": int(peak.group(1)) * 1024 / GB if peak else float("nan"),
+        "seconds": seconds,
+        "error": errors[0] if errors else "",
+    }
 
 
 def export_flags(rounding: str | None, fallback: bool) -> list[str]:
@@ -95,7 +110,14 @@ def export_flags(rounding: str | None, fallback: bool) -> list[str]:
     return ["--rounding", rounding, "--refine", "0"] + ([] if fallback else ["--no-fallback"])
 
 
-def bench(gigabytes: float, flags: list[str], steps: int, export: bool = True, inline: bool = False, baseline: str | None = None) -> list[dict]:
+def bench(
+    gigabytes: float,
+    flags: list[str],
+    steps: int,
+    export: bool = True,
+    inline: bool = False,
+    baseline: str | None = None,
+) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="tqs-bench-memory-") as tmp:
         tmp = Path(tmp)
         (tmp / "model").mkdir()
@@ -107,19 +129,116 @@ def bench(gigabytes: float, flags: list[str], steps: int, export: bool = True, i
         commands = [
             ("plain ONNX Runtime", [sys.executable, "-c", PLAIN_ORT, str(path)]),
             ("inspect", [*cli, "inspect", str(path)]),
-            ("score", [*cli, "score", str(path), "--random-contexts", "--windows", "4", "--steps", str(steps), "--probe", "quant", "-o", str(run)]),
-            ("score again (resume)", [*cli, "score", str(path), "--random-contexts", "--windows", "4", "--steps", str(steps), "--probe", "quant", "-o", str(run)]),
-            (" ".join(["export --C 4", *flags]), [*cli, "export", str(path), "--run", str(run), "--C", "4", *flags, "-o", str(tmp / "out" / "chain.C4.onnx")]),
-            ("eval", [*cli, "eval", str(tmp / "out" / "chain.C4.onnx"), "--reference", str(path), "--contexts", str(run / "contexts.npz"), "--steps", str(steps)]),
+            (
+                "score",
+                [
+                    *cli,
+                    "score",
+                    str(path),
+                    "--random-contexts",
+                    "--windows",
+                    "4",
+                    "--steps",
+                    str(steps),
+                    "--probe",
+                    "quant",
+                    "-o",
+                    str(run),
+                ],
+            ),
+            (
+                "score again (resume)",
+                [
+                    *cli,
+                    "score",
+                    str(path),
+                    "--random-contexts",
+                    "--windows",
+                    "4",
+                    "--steps",
+                    str(steps),
+                    "--probe",
+                    "quant",
+                    "-o",
+                    str(run),
+                ],
+            ),
+            (
+                " ".join(["export --C 4", *flags]),
+                [
+                    *cli,
+                    "export",
+                    str(path),
+                    "--run",
+                    str(run),
+                    "--C",
+                    "4",
+                    *flags,
+                    "-o",
+                    str(tmp / "out" / "chain.C4.onnx"),
+                ],
+            ),
+            (
+                "eval",
+                [
+                    *cli,
+                    "eval",
+                    str(tmp / "out" / "chain.C4.onnx"),
+                    "--reference",
+                    str(path),
+                    "--contexts",
+                    str(run / "contexts.npz"),
+                    "--steps",
+                    str(steps),
+                ],
+            ),
         ]
         if not export:  # eval then compares the model with itself (two sessions of it, as against an export)
-            commands[-2:] = [("eval (model vs itself; export skipped)", [*cli, "eval", str(path), "--reference", str(path), "--contexts", str(run / "contexts.npz"), "--steps", str(steps), "--report", str(tmp / "eval")])]
+            commands[-2:] = [
+                (
+                    "eval (model vs itself; export skipped)",
+                    [
+                        *cli,
+                        "eval",
+                        str(path),
+                        "--reference",
+                        str(path),
+                        "--contexts",
+                        str(run / "contexts.npz"),
+                        "--steps",
+                        str(steps),
+                        "--report",
+                        str(tmp / "eval"),
+                    ],
+                )
+            ]
         if baseline:  # a uniform calibrated baseline, calibrated on the scoring windows
             calib = ["--calib", str(run / "contexts.npz")] if baseline != "rtn" else []
-            commands.append((f"baseline --method {baseline} --bits 4", [*cli, "baseline", str(path), "--method", baseline, "--bits", "4", *calib, "-o", str(tmp / "out" / f"chain.{baseline}.onnx")]))
+            commands.append(
+                (
+                    f"baseline --method {baseline} --bits 4",
+                    [
+                        *cli,
+                        "baseline",
+                        str(path),
+                        "--method",
+                        baseline,
+                        "--bits",
+                        "4",
+                        *calib,
+                        "-o",
+                        str(tmp / "out" / f"chain.{baseline}.onnx"),
+                    ],
+                )
+            )
         rows = []
         for name, args in commands:
-            row = {"model_gb": size, "layout": "inline" if inline else "external data", "command": name, **timed(args, tmp)}
+            row = {
+                "model_gb": size,
+                "layout": "inline" if inline else "external data",
+                "command": name,
+                **timed(args, tmp),
+            }
             row["target_gb"] = 1.5 * size + 0.5
             rows.append(row)
             print(row, flush=True)
@@ -134,21 +253,54 @@ def bench(gigabytes: float, flags: list[str], steps: int, export: bool = True, i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", default="0.3,1.2,2.5", help="Model sizes in GB (comma-separated).")
-    parser.add_argument("--rounding", default="rtn", help="Export rounding with --refine 0 (rtn keeps the run cheap; qep adds calibration).")
-    parser.add_argument("--defaults", action="store_true", help="Export with the tool's default settings instead (QEP and the uniform-baseline comparison).")
+    parser.add_argument(
+        "--rounding",
+        default="rtn",
+        help="Export rounding with --refine 0 (rtn keeps the run cheap; qep adds calibration).",
+    )
+    parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="Export with the tool's default settings instead (QEP and the uniform-baseline comparison).",
+    )
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--export-below", type=float, default=float("inf"), help="Skip export for models of this many GB and more (it takes the longest).")
-    parser.add_argument("--fallback-below", type=float, default=float("inf"),
-                        help="Export compares the uniform baselines (a calibration pass per method) only for models below this many GB; larger ones export with --no-fallback.")
+    parser.add_argument(
+        "--export-below",
+        type=float,
+        default=float("inf"),
+        help="Skip export for models of this many GB and more (it takes the longest).",
+    )
+    parser.add_argument(
+        "--fallback-below",
+        type=float,
+        default=float("inf"),
+        help="Export compares the uniform baselines (a calibration pass per method) only for models below this many GB; larger ones export with --no-fallback.",
+    )
     parser.add_argument("--out", default=str(RESULTS / "memory.md"), help="Where to write the table.")
-    parser.add_argument("--baseline", default=None, metavar="rtn|gptq|gptaq|qep", help="Also run `baseline --method M --bits 4` (calibrated on the scoring windows).")
-    parser.add_argument("--layouts", default="external", help="external (weights in a .data file), inline (inside the .onnx, below 2 GiB), or both comma-separated.")
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="rtn|gptq|gptaq|qep",
+        help="Also run `baseline --method M --bits 4` (calibrated on the scoring windows).",
+    )
+    parser.add_argument(
+        "--layouts",
+        default="external",
+        help="external (weights in a .data file), inline (inside the .onnx, below 2 GiB), or both comma-separated.",
+    )
     args = parser.parse_args()
     rows = [
         r
         for layout in args.layouts.split(",")
         for gb in args.gb.split(",")
-        for r in bench(float(gb), export_flags(None if args.defaults else args.rounding, float(gb) < args.fallback_below), args.steps, float(gb) < args.export_below, layout == "inline", args.baseline)
+        for r in bench(
+            float(gb),
+            export_flags(None if args.defaults else args.rounding, float(gb) < args.fallback_below),
+            args.steps,
+            float(gb) < args.export_below,
+            layout == "inline",
+            args.baseline,
+        )
         if layout != "inline" or float(gb) < 2.0  # protobuf cannot hold 2 GiB in one file
     ]
     lines = [

@@ -20,8 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import polars as pl
-
 from run_frontiers import MIN_PARAMS
+
 from tqsdeploy.evaluation.evaluate import evaluate
 from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.scoring.score import score
@@ -34,7 +34,9 @@ RESULTS = REPO / "benchmarks" / "results"
 def _matched_targets(example: str) -> list[tuple[str, float]]:
     """The frontier's TQS-PTQ targets matched to the QEP baselines (just below each W grid point)."""
     frame = pl.read_csv(RESULTS / "frontier" / example / "frontier.csv", infer_schema_length=None)
-    rows = frame.filter((pl.col("family") == "tqs") & pl.col("setting").str.contains("@W") & pl.col("setting").str.contains("@"))
+    rows = frame.filter(
+        (pl.col("family") == "tqs") & pl.col("setting").str.contains("@W") & pl.col("setting").str.contains("@")
+    )
     found = {}
     for setting, target in rows.select("setting", "target_C").unique().iter_rows():
         grid = setting.split("@")[1]
@@ -66,8 +68,18 @@ def main() -> None:
         run = REPO / "tqs-frontier" / example / "score"
         model = folder / "model.onnx"
         if not (run / "scores.parquet").exists():
-            score(model, folder / "contexts.npz", spec=folder / "rollout.toml", out=run, selection=UnitSelection(min_params=MIN_PARAMS.get(example, UnitSelection().min_params)))
-        lines += [f"\n## {example}\n", "| point | target C | " + " | ".join(f"refine {r}: C, drift %, seconds" for r in rounds) + " |", "|---|---|" + "---|" * len(rounds)]
+            score(
+                model,
+                folder / "contexts.npz",
+                spec=folder / "rollout.toml",
+                out=run,
+                selection=UnitSelection(min_params=MIN_PARAMS.get(example, UnitSelection().min_params)),
+            )
+        lines += [
+            f"\n## {example}\n",
+            "| point | target C | " + " | ".join(f"refine {r}: C, drift %, seconds" for r in rounds) + " |",
+            "|---|---|" + "---|" * len(rounds),
+        ]
         planners = {r: Planner(run, model, replace(ExportSettings(), refine=r)) for r in rounds}
         with tempfile.TemporaryDirectory() as tmp:
             for grid, target in _matched_targets(example):

@@ -26,7 +26,14 @@ TARGETS = {"etth1_patchtst": (4.0, 3.73), "tied_mixer_etth1": (4.0, 3.05)}
 def heldout_drift(model: Path, folder: Path) -> float:
     from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
 
-    report = evaluate(model, folder / "model.onnx", folder / "heldout.npz", spec=folder / "rollout.toml", truth=folder / "heldout_truth.npz", settings=EvalSettings(latency=None))
+    report = evaluate(
+        model,
+        folder / "model.onnx",
+        folder / "heldout.npz",
+        spec=folder / "rollout.toml",
+        truth=folder / "heldout_truth.npz",
+        settings=EvalSettings(latency=None),
+    )
     return max(o["vs_reference"]["drift_pct"] for o in report["outputs"].values())
 
 
@@ -40,22 +47,54 @@ def main() -> None:
     rows = []
     for example in args.examples.split(","):
         folder = REPO / "examples" / example
-        for target in [t for t in TARGETS[example] if args.targets is None or t in {float(v) for v in args.targets.split(",")}]:
+        for target in [
+            t for t in TARGETS[example] if args.targets is None or t in {float(v) for v in args.targets.split(",")}
+        ]:
             for rounding in ("qep", "auto"):
                 work = args.out / example / f"{rounding}-C{target:g}"
                 shutil.rmtree(work, ignore_errors=True)
                 shutil.copytree(args.runs / example / "score", work / "run")
                 (work / "run" / "measured.jsonl").unlink(missing_ok=True)
                 started, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-                subprocess.run([sys.executable, "-m", "tqsdeploy", "export", str(folder / "model.onnx"), "--run", str(work / "run"), "--C", f"{target:g}",
-                                "--rounding", rounding, "-o", str(work / "model.onnx")], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "tqsdeploy",
+                        "export",
+                        str(folder / "model.onnx"),
+                        "--run",
+                        str(work / "run"),
+                        "--C",
+                        f"{target:g}",
+                        "--rounding",
+                        rounding,
+                        "-o",
+                        str(work / "model.onnx"),
+                    ],
+                    cwd=REPO,
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
                 wall = time.perf_counter() - started
                 used = resource.getrusage(resource.RUSAGE_CHILDREN)
-                cpu_s = used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime  # less swayed than wall by other work on a shared machine
+                cpu_s = (
+                    used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime
+                )  # less swayed than wall by other work on a shared machine
                 record = json.loads((work / "model.allocation.json").read_text())
-                row = {"example": example, "C": target, "rounding": rounding, "export_s": round(wall, 1), "export_cpu_s": round(cpu_s, 1), "timings_s": record["timings_s"], "heldout_drift_pct": heldout_drift(work / "model.onnx", folder),
-                       "scoring_drift_pct": record["drift_pct"], "shipped": record["shipped"], "rounding_by_tier": record["rounding_by_tier"],
-                       "rounding_choice": record.get("rounding_choice", {})}
+                row = {
+                    "example": example,
+                    "C": target,
+                    "rounding": rounding,
+                    "export_s": round(wall, 1),
+                    "export_cpu_s": round(cpu_s, 1),
+                    "timings_s": record["timings_s"],
+                    "heldout_drift_pct": heldout_drift(work / "model.onnx", folder),
+                    "scoring_drift_pct": record["drift_pct"],
+                    "shipped": record["shipped"],
+                    "rounding_by_tier": record["rounding_by_tier"],
+                    "rounding_choice": record.get("rounding_choice", {}),
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -40,9 +40,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from runtimes import OrtRuntime
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.errors import TqsError
 from tqsdeploy.rollout import RolloutSpec, rollout
+from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.scoring.prepare import prepare
 from tqsdeploy.scoring.request import ScoreRequest
 from tqsdeploy.sweep import SweepSettings
@@ -52,7 +52,15 @@ RESULTS = REPO / "benchmarks" / "results"
 EXAMPLES = ("etth1_patchtst", "era5_emulator", "lorenz96", "timesfm_etth1", "pangu_lorenz96", "era5_downscale")
 
 
-def bert(path: Path, layers: int = 6, hidden: int = 384, heads: int = 6, ffn: int = 1536, vocab: int = 30522, tokens: int = 32) -> Path:
+def bert(
+    path: Path,
+    layers: int = 6,
+    hidden: int = 384,
+    heads: int = 6,
+    ffn: int = 1536,
+    vocab: int = 30522,
+    tokens: int = 32,
+) -> Path:
     """A BERT-size encoder (22.6M parameters with the defaults) built with onnx.helper; random weights.
 
     ids [batch, tokens] -> hidden states [batch, tokens, hidden]; single step.
@@ -70,7 +78,11 @@ def bert(path: Path, layers: int = 6, hidden: int = 384, heads: int = 6, ffn: in
 
     nodes = [
         helper.make_node("Gather", [weight("word_emb", vocab, hidden, scale=0.05), "ids"], ["we"]),
-        helper.make_node("Gather", [weight("pos_emb", tokens, hidden, scale=0.05), const("pos_ids", np.arange(tokens, dtype=np.int64))], ["pe"]),
+        helper.make_node(
+            "Gather",
+            [weight("pos_emb", tokens, hidden, scale=0.05), const("pos_ids", np.arange(tokens, dtype=np.int64))],
+            ["pe"],
+        ),
         helper.make_node("Add", ["we", "pe"], ["h0"]),
     ]
     const("ln_scale", np.ones(hidden, np.float32))
@@ -124,12 +136,25 @@ def case(name: str, tmp: Path, bert_contexts: int = 2) -> tuple[Path, Path | Con
     """(model, contexts, rollout spec) of a bundled example, or of the BERT built into `tmp`."""
     if name == "bert":
         ids = np.random.default_rng(1).integers(0, 30522, (bert_contexts, 1, 32)).astype(np.int64)
-        return bert(tmp / "bert.onnx"), Contexts({"ids": ids}, source="random token ids"), RolloutSpec(steps=1, feedback=(), trajectory=("hidden",))
+        return (
+            bert(tmp / "bert.onnx"),
+            Contexts({"ids": ids}, source="random token ids"),
+            RolloutSpec(steps=1, feedback=(), trajectory=("hidden",)),
+        )
     folder = REPO / "examples" / name
     return folder / "model.onnx", folder / "contexts.npz", RolloutSpec.from_toml(folder / "rollout.toml")
 
 
-def _plain_rollout(model: Path, contexts: Contexts, spec: RolloutSpec, threads: int | None, batched: bool, repeats: int = 3, tiles: int = 1, runtime: OrtRuntime | None = None) -> float:
+def _plain_rollout(
+    model: Path,
+    contexts: Contexts,
+    spec: RolloutSpec,
+    threads: int | None,
+    batched: bool,
+    repeats: int = 3,
+    tiles: int = 1,
+    runtime: OrtRuntime | None = None,
+) -> float:
     """Best time of one nominal rollout over all contexts on a plain session of the unmodified model
     (with `tiles`, every context window repeated that many times along the batch); CPU unless `runtime` names a provider."""
     options = ort.SessionOptions()
@@ -147,7 +172,10 @@ def _plain_rollout(model: Path, contexts: Contexts, spec: RolloutSpec, threads: 
     inputs = [_spec(a) for a in session.get_inputs()]
     chunks = list(contexts.chunks(inputs, batched, 64))
     if tiles > 1:
-        chunks = [(count * tiles, {name: np.concatenate([value] * tiles) for name, value in feeds.items()}) for count, feeds in chunks]
+        chunks = [
+            (count * tiles, {name: np.concatenate([value] * tiles) for name, value in feeds.items()})
+            for count, feeds in chunks
+        ]
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
@@ -160,15 +188,25 @@ def _plain_rollout(model: Path, contexts: Contexts, spec: RolloutSpec, threads: 
 
 def sweep_shape(model: Path, contexts, spec: RolloutSpec, settings: ScoreSettings, runtime: OrtRuntime):
     """The prepared sweep, whether its windows run batched, and its number of perturbed rollouts L·(1+N)."""
-    prepared = prepare(ScoreRequest(model, contexts, spec, settings=settings, runtime=runtime,
-                                    sweep=SweepSettings(lanes=1)))
+    prepared = prepare(
+        ScoreRequest(model, contexts, spec, settings=settings, runtime=runtime, sweep=SweepSettings(lanes=1))
+    )
     runner = prepared.open_runner()
     batched = runner.nominal.batched
     runner.close()
     return prepared, batched, len(prepared.units) * (int(settings.quant_probe) + settings.gauss_draws)
 
 
-def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSettings, threads: int | None, rounds: int, skip: tuple[str, ...] = ()) -> dict:
+def bench(
+    name: str,
+    model: Path,
+    contexts,
+    spec: RolloutSpec,
+    settings: ScoreSettings,
+    threads: int | None,
+    rounds: int,
+    skip: tuple[str, ...] = (),
+) -> dict:
     """One model's row. `threads` fixes every session's threads and runs the sweep on one lane; None gives
     score its defaults (lanes, threads split) and the plain rollout the faster of 1 thread and ORT's default."""
     runtime = OrtRuntime(threads=threads)
@@ -176,7 +214,10 @@ def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSe
     prepared, batched, tasks = sweep_shape(model, contexts, spec, settings, runtime)
 
     def plain_rollout(tiles: int = 1) -> float:
-        return min(_plain_rollout(model, prepared.contexts, prepared.spec, t, batched, tiles=tiles) for t in ((threads,) if threads else (1, None)))
+        return min(
+            _plain_rollout(model, prepared.contexts, prepared.spec, t, batched, tiles=tiles)
+            for t in ((threads,) if threads else (1, None))
+        )
 
     plains = [plain_rollout()]
     plain = plains[0]
@@ -205,14 +246,26 @@ def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSe
                 plains.append(plain_rollout())
                 started = time.perf_counter()
                 try:
-                    table = score(model, prepared.contexts, spec=prepared.spec, out=Path(tmp) / strategy, settings=settings, runtime=runtime, resume=False, strategy=strategy, lanes=lanes)
+                    table = score(
+                        model,
+                        prepared.contexts,
+                        spec=prepared.spec,
+                        out=Path(tmp) / strategy,
+                        settings=settings,
+                        runtime=runtime,
+                        resume=False,
+                        strategy=strategy,
+                        lanes=lanes,
+                    )
                 except TqsError as exc:  # 'batch' refuses static-batch models and models whose rows mix
                     refused[strategy] = str(exc)
                     del walls[strategy], ratios[strategy]
                     continue
                 walls[strategy].append(time.perf_counter() - started)
                 ratios[strategy].append(walls[strategy][-1] / (tasks * plains[-1]))
-                ran_as.setdefault(strategy, set()).add(table.meta["strategy"])  # a streamed model runs every strategy as feed
+                ran_as.setdefault(strategy, set()).add(
+                    table.meta["strategy"]
+                )  # a streamed model runs every strategy as feed
                 lanes_seen.add((table.meta.get("lanes"), table.meta.get("threads_per_lane")))
                 if strategy == "auto":
                     picks.append(table.meta["strategy"])
@@ -249,9 +302,19 @@ def bench(name: str, model: Path, contexts, spec: RolloutSpec, settings: ScoreSe
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(EXAMPLES + ("bert",)))
-    parser.add_argument("--probes", type=int, default=ScoreSettings().gauss_draws, help="Gaussian draws per unit (N; default: score's own)")
+    parser.add_argument(
+        "--probes",
+        type=int,
+        default=ScoreSettings().gauss_draws,
+        help="Gaussian draws per unit (N; default: score's own)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians are reported")
-    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads for every session, one lane (0: the whole machine, see --help)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="ONNX Runtime intra-op threads for every session, one lane (0: the whole machine, see --help)",
+    )
     parser.add_argument("--bert-contexts", type=int, default=2)
     args = parser.parse_args()
     settings = ScoreSettings(gauss_draws=args.probes)
@@ -265,14 +328,26 @@ def main() -> None:
                 continue
             print(f"{name} ...", flush=True)
             # rebuild on the BERT builds a 90 MB session per task (~70 s a sweep here); auto's estimate stands in for it
-            rows.append(bench(name, model, contexts, spec, settings, args.threads or None, args.rounds, skip=("rebuild",) if name == "bert" else ()))
+            rows.append(
+                bench(
+                    name,
+                    model,
+                    contexts,
+                    spec,
+                    settings,
+                    args.threads or None,
+                    args.rounds,
+                    skip=("rebuild",) if name == "bert" else (),
+                )
+            )
     RESULTS.mkdir(parents=True, exist_ok=True)
     whole = not args.threads
     stem = "score-machine" if whole else "score"
     setup = (
         f"the whole machine ({os.cpu_count()} cores): score with its defaults (lanes, ORT threads split between them), "
         "the plain rollout at the faster of 1 thread and ONNX Runtime's default (every core), per round"
-        if whole else f"ORT threads={args.threads} for every session, one lane"
+        if whole
+        else f"ORT threads={args.threads} for every session, one lane"
     )
     meta = {
         "machine": platform.platform(),
@@ -297,27 +372,43 @@ def main() -> None:
         "at most 0.8 the model is launch-bound and the issue's target is ratio ≤ 0.8, otherwise it is compute-bound and the target is ≤ 1.02 "
         "(a model without a batch axis runs window by window and cannot be batched).",
         "",
-        "| model | units | params | T | windows | rollouts | plain rollout ms | batch scaling (bound, target) | " + " | ".join(f"{s} s (ratio, ×)" for s in names) + " | auto's pick | auto's ratio, range over rounds | target met by auto (median) | auto, task loop only: ratio | lanes × threads |",
+        "| model | units | params | T | windows | rollouts | plain rollout ms | batch scaling (bound, target) | "
+        + " | ".join(f"{s} s (ratio, ×)" for s in names)
+        + " | auto's pick | auto's ratio, range over rounds | target met by auto (median) | auto, task loop only: ratio | lanes × threads |",
         "|" + "---|" * (13 + len(names)),
     ]
     for r in rows:
         cells = [
-            (f"{r['wall_s'][s]} ({r['ratio'][s]}, {r['speedup_vs_feed'][s]}×)" + (f" ran as {', '.join(r['ran_as'][s])}" if s in r["ran_as"] else ""))
-            if s in r["wall_s"] else "—"
+            (
+                f"{r['wall_s'][s]} ({r['ratio'][s]}, {r['speedup_vs_feed'][s]}×)"
+                + (f" ran as {', '.join(r['ran_as'][s])}" if s in r["ran_as"] else "")
+            )
+            if s in r["wall_s"]
+            else "—"
             for s in names
         ]
         lines.append(
             f"| {r['model']} | {r['units']} | {r['params'] / 1e6:.2f}M | {r['steps']} | {r['windows']} | {r['rollouts']} | {r['plain_rollout_s'] * 1e3:.1f} | "
             f"{r['batch_scaling'] if r['batch_scaling'] is not None else 'no batch axis'} ({r['bound']}, ≤ {r['target']}) | "
-            + " | ".join(cells) + f" | {', '.join(r['auto_picks'])} | {r['ratio_range']['auto'][0]}–{r['ratio_range']['auto'][1]} | "
-            + ("yes" if r["ratio"]["auto"] <= r["target"] else "no") + f" | {r['auto_sweep_phase_ratio']} | {', '.join(r['lanes_x_threads'])} |"
+            + " | ".join(cells)
+            + f" | {', '.join(r['auto_picks'])} | {r['ratio_range']['auto'][0]}–{r['ratio_range']['auto'][1]} | "
+            + ("yes" if r["ratio"]["auto"] <= r["target"] else "no")
+            + f" | {r['auto_sweep_phase_ratio']} | {', '.join(r['lanes_x_threads'])} |"
         )
     lines += ["", "auto's own estimates of each sweep (s), from one window, one step and one build:", ""]
-    lines += [f"- {r['model']}: " + ", ".join(f"{k} {v}" for k, v in (r["auto_estimates_s"] or {}).items()) for r in rows]
-    lines += ["", "— = not run: `rebuild` is skipped on the BERT (it would build a 90 MB session per task); `batch` refused:"]
+    lines += [
+        f"- {r['model']}: " + ", ".join(f"{k} {v}" for k, v in (r["auto_estimates_s"] or {}).items()) for r in rows
+    ]
+    lines += [
+        "",
+        "— = not run: `rebuild` is skipped on the BERT (it would build a 90 MB session per task); `batch` refused:",
+    ]
     lines += [f"- {r['model']}: {reason}" for r in rows for reason in r["refused"].values()]
     if any(r["ran_as"] for r in rows):
-        lines += ["", "\"ran as feed\": the model holds 64 MiB or more (or external data), so score streams it from its file, where only feed and prefix run (README, Sweep strategies)."]
+        lines += [
+            "",
+            '"ran as feed": the model holds 64 MiB or more (or external data), so score streams it from its file, where only feed and prefix run (README, Sweep strategies).',
+        ]
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped)]
     (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")

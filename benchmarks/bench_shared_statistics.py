@@ -39,7 +39,9 @@ def shared_pass(planner: Planner) -> None:
     def every_tier(name, stats):
         for tier in tiers:
             codes[tier.name][name] = encoder._encode(name, tier, rounding, stats).compact()
-        return encode(encoder.weights[name], encoder.layouts[name], TIERS["fp32"])  # later waves see the original weights
+        return encode(
+            encoder.weights[name], encoder.layouts[name], TIERS["fp32"]
+        )  # later waves see the original weights
 
     encoder.calibrator.run(every_tier, rounding.needs_cross)
     for tier in tiers:
@@ -56,14 +58,32 @@ def compare(example: str, target: float, folder: Path) -> dict:
     prices = {way: planner.pricing.measured() for way, planner in (("per_tier", per_tier), ("shared", shared))}
     row = {"example": example, "C": target}
     for tier in [t for t in per_tier.tiers if t.calibratable]:
-        keys = {way: [planner.prices.task(slot, tier).key for slot in planner.cut.slots if slot.unit not in planner.scored.dead] for way, planner in (("per_tier", per_tier), ("shared", shared))}
+        keys = {
+            way: [
+                planner.prices.task(slot, tier).key
+                for slot in planner.cut.slots
+                if slot.unit not in planner.scored.dead
+            ]
+            for way, planner in (("per_tier", per_tier), ("shared", shared))
+        }
         a, b = (np.array([sum(prices[way][k].div_sq) for k in keys[way]]) for way in ("per_tier", "shared"))
-        row[tier.name] = {"spearman": round(float(spearmanr(a, b)[0]), 3), "median_shared_over_per_tier": round(float(np.median(b / np.maximum(a, 1e-300))), 3)}
-    row["slots_allocated_differently"] = sum(allocations["per_tier"].tiers[s] != allocations["shared"].tiers[s] for s in allocations["per_tier"].tiers)
+        row[tier.name] = {
+            "spearman": round(float(spearmanr(a, b)[0]), 3),
+            "median_shared_over_per_tier": round(float(np.median(b / np.maximum(a, 1e-300))), 3),
+        }
+    row["slots_allocated_differently"] = sum(
+        allocations["per_tier"].tiers[s] != allocations["shared"].tiers[s] for s in allocations["per_tier"].tiers
+    )
     row["slots"] = len(per_tier.cut.slots)
-    row["drift_pct_per_tier"] = per_tier.measuring.measure_tiers(allocations["per_tier"].tiers, per_tier.roundings.rounding).worst_pct
-    row["drift_pct_shared_own_codes"] = shared.measuring.measure_tiers(allocations["shared"].tiers, shared.roundings.rounding).worst_pct
-    row["drift_pct_shared_allocation_on_per_tier_codes"] = per_tier.measuring.measure_tiers(allocations["shared"].tiers, per_tier.roundings.rounding).worst_pct
+    row["drift_pct_per_tier"] = per_tier.measuring.measure_tiers(
+        allocations["per_tier"].tiers, per_tier.roundings.rounding
+    ).worst_pct
+    row["drift_pct_shared_own_codes"] = shared.measuring.measure_tiers(
+        allocations["shared"].tiers, shared.roundings.rounding
+    ).worst_pct
+    row["drift_pct_shared_allocation_on_per_tier_codes"] = per_tier.measuring.measure_tiers(
+        allocations["shared"].tiers, per_tier.roundings.rounding
+    ).worst_pct
     per_tier.close(), shared.close()
     return row
 
@@ -79,15 +99,20 @@ def main() -> None:
             rows.append(compare(example, args.C, Path(tmp) / example))
             print(json.dumps(rows[-1]), flush=True)
     (RESULTS / "shared-statistics.json").write_text(json.dumps(rows, indent=1) + "\n")
-    lines = ["Pricing from one shared statistics pass (the original model's statistics, every tier solved on them) against one",
-             "sequential pass per tier (export's), refinement off. Spearman / median ratio: the single-slot prices of the two ways.", "",
-             "| example | C | tier | Spearman | median shared / per-tier | slots allocated differently | drift % per-tier | drift % shared (own codes) | drift % shared allocation on per-tier codes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "Pricing from one shared statistics pass (the original model's statistics, every tier solved on them) against one",
+        "sequential pass per tier (export's), refinement off. Spearman / median ratio: the single-slot prices of the two ways.",
+        "",
+        "| example | C | tier | Spearman | median shared / per-tier | slots allocated differently | drift % per-tier | drift % shared (own codes) | drift % shared allocation on per-tier codes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         for tier in [k for k, v in row.items() if isinstance(v, dict)]:
-            lines.append(f"| {row['example']} | {row['C']:g} | {tier} | {row[tier]['spearman']} | {row[tier]['median_shared_over_per_tier']} | "
-                         f"{row['slots_allocated_differently']} of {row['slots']} | {row['drift_pct_per_tier']:.4g} | {row['drift_pct_shared_own_codes']:.4g} | "
-                         f"{row['drift_pct_shared_allocation_on_per_tier_codes']:.4g} |")
+            lines.append(
+                f"| {row['example']} | {row['C']:g} | {tier} | {row[tier]['spearman']} | {row[tier]['median_shared_over_per_tier']} | "
+                f"{row['slots_allocated_differently']} of {row['slots']} | {row['drift_pct_per_tier']:.4g} | {row['drift_pct_shared_own_codes']:.4g} | "
+                f"{row['drift_pct_shared_allocation_on_per_tier_codes']:.4g} |"
+            )
     (RESULTS / "shared-statistics.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -52,8 +52,15 @@ def measure(order: int, rows: int, module: str) -> dict:
     stats_s, stats = best_of(2, lambda: _stats(x, order))
     factor_s, _ = best_of(2, lambda: inverse_cholesky(stats.H, 0.01))
     solve_s, quantized = best_of(1, lambda: gptq(wt, stats.H, GridSpec("int", 4, symmetric=False)))
-    return {"order": order, "rows": rows, "arrays": module, "statistics_s": round(stats_s, 4), "inverse_cholesky_s": round(factor_s, 4),
-            "gptq_int4_s": round(solve_s, 4), "codes": quantized.codes}
+    return {
+        "order": order,
+        "rows": rows,
+        "arrays": module,
+        "statistics_s": round(stats_s, 4),
+        "inverse_cholesky_s": round(factor_s, 4),
+        "gptq_int4_s": round(solve_s, 4),
+        "codes": quantized.codes,
+    }
 
 
 def _stats(x, order):
@@ -79,9 +86,16 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}
     (args.out / "solver_backend.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = [f"Rounding solver, numpy vs CuPy, {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs ({args.rows} calibration rows; best of 2, the solve once).", "",
-             "| K | arrays | statistics s | inverse Cholesky s | GPTQ int4 solve s | codes equal to numpy |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['order']} | {r['arrays']} | {r['statistics_s']} | {r['inverse_cholesky_s']} | {r['gptq_int4_s']} | {r.get('codes_equal_to_numpy', '')} |" for r in rows]
+    lines = [
+        f"Rounding solver, numpy vs CuPy, {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs ({args.rows} calibration rows; best of 2, the solve once).",
+        "",
+        "| K | arrays | statistics s | inverse Cholesky s | GPTQ int4 solve s | codes equal to numpy |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['order']} | {r['arrays']} | {r['statistics_s']} | {r['inverse_cholesky_s']} | {r['gptq_int4_s']} | {r.get('codes_equal_to_numpy', '')} |"
+        for r in rows
+    ]
     (args.out / "solver_backend.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -27,7 +27,13 @@ MIN_PARAMS = {"lorenz96": 256, "era5_emulator": 256}  # as run_frontiers.py: the
 
 def held_out_drift(candidate: Path, folder: Path) -> float:
     """Mean drift % over the trajectory outputs on heldout.npz, exact dequantization."""
-    report = evaluate(candidate, folder / "model.onnx", folder / "heldout.npz", spec=folder / "rollout.toml", settings=EvalSettings(exact=True))
+    report = evaluate(
+        candidate,
+        folder / "model.onnx",
+        folder / "heldout.npz",
+        spec=folder / "rollout.toml",
+        settings=EvalSettings(exact=True),
+    )
     drifts = [o["vs_reference"]["drift_pct"] for o in report["outputs"].values()]
     return sum(drifts) / len(drifts)
 
@@ -35,9 +41,13 @@ def held_out_drift(candidate: Path, folder: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True, help="the tqsdeploy executable of the older checkout")
-    parser.add_argument("--new", default=shutil.which("tqsdeploy") or "tqsdeploy", help="the tqsdeploy executable of this checkout")
+    parser.add_argument(
+        "--new", default=shutil.which("tqsdeploy") or "tqsdeploy", help="the tqsdeploy executable of this checkout"
+    )
     parser.add_argument("--old-label", default="old")
-    parser.add_argument("--examples", default=",".join(sorted(p.parent.name for p in (REPO / "examples").glob("*/heldout.npz"))))
+    parser.add_argument(
+        "--examples", default=",".join(sorted(p.parent.name for p in (REPO / "examples").glob("*/heldout.npz")))
+    )
     parser.add_argument("--methods", default="qep")
     parser.add_argument("--bits", default="4,2")
     parser.add_argument("--stem", default="versions", help="results file names: benchmarks/results/STEM.csv and .md")
@@ -51,17 +61,34 @@ def main() -> None:
                     row = {"example": example, "method": method, "bits": int(bits)}
                     for label, cli in ((args.old_label, args.old), ("new", args.new)):
                         out = Path(tmp) / f"{example}.{method}{bits}.{label}.onnx"
-                        command = [cli, "baseline", str(folder / "model.onnx"), "--method", method, "--bits", bits, "--calib", str(folder / "contexts.npz"), "-o", str(out)]
+                        command = [
+                            cli,
+                            "baseline",
+                            str(folder / "model.onnx"),
+                            "--method",
+                            method,
+                            "--bits",
+                            bits,
+                            "--calib",
+                            str(folder / "contexts.npz"),
+                            "-o",
+                            str(out),
+                        ]
                         command += ["--min-params", str(MIN_PARAMS[example])] if example in MIN_PARAMS else []
                         subprocess.run(command, check=True, capture_output=True, cwd=tmp)
                         row[f"drift_pct_{label}"] = held_out_drift(out, folder)
                     print(row, flush=True)
                     rows.append(row)
-    frame = pl.DataFrame(rows).with_columns((pl.col("drift_pct_new") / pl.col(f"drift_pct_{args.old_label}")).alias("ratio"))
+    frame = pl.DataFrame(rows).with_columns(
+        (pl.col("drift_pct_new") / pl.col(f"drift_pct_{args.old_label}")).alias("ratio")
+    )
     results = REPO / "benchmarks" / "results"
     frame.write_csv(results / f"{args.stem}.csv")
     header = f"| example | method | bits | held-out drift % {args.old_label} | held-out drift % new | new / old |\n|---|---|---|---|---|---|\n"
-    lines = [f"| {r['example']} | {r['method']} | W{r['bits']} | {r[f'drift_pct_{args.old_label}']:.4g} | {r['drift_pct_new']:.4g} | {r['ratio']:.3f} |" for r in frame.iter_rows(named=True)]
+    lines = [
+        f"| {r['example']} | {r['method']} | W{r['bits']} | {r[f'drift_pct_{args.old_label}']:.4g} | {r['drift_pct_new']:.4g} | {r['ratio']:.3f} |"
+        for r in frame.iter_rows(named=True)
+    ]
     (results / f"{args.stem}.md").write_text(__doc__.splitlines()[0] + "\n\n" + header + "\n".join(lines) + "\n")
     print(header + "\n".join(lines))
 

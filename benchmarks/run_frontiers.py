@@ -26,17 +26,37 @@ EXTRA = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--examples", default="etth1_patchtst,era5_emulator,lorenz96,tied_mixer_etth1,pangu_lorenz96,timesfm_etth1,era5_downscale")
+    parser.add_argument(
+        "--examples",
+        default="etth1_patchtst,era5_emulator,lorenz96,tied_mixer_etth1,pangu_lorenz96,timesfm_etth1,era5_downscale",
+    )
     args = parser.parse_args()
     for example in args.examples.split(","):
         folder = Path("examples") / example
         work = REPO / "tqs-frontier" / example  # kept (git-ignored): the score run resumes next time
         command = [
-            sys.executable, "-m", "tqsdeploy", "frontier", str(folder / "model.onnx"), "--contexts", str(folder / "contexts.npz"),
-            "--spec", str(folder / "rollout.toml"), "--truth", str(folder / "truth.npz"), "--out", str(work), *EXTRA.get(example, []),
+            sys.executable,
+            "-m",
+            "tqsdeploy",
+            "frontier",
+            str(folder / "model.onnx"),
+            "--contexts",
+            str(folder / "contexts.npz"),
+            "--spec",
+            str(folder / "rollout.toml"),
+            "--truth",
+            str(folder / "truth.npz"),
+            "--out",
+            str(work),
+            *EXTRA.get(example, []),
         ]
         if (folder / "heldout.npz").exists():
-            command += ["--eval-contexts", str(folder / "heldout.npz"), "--eval-truth", str(folder / "heldout_truth.npz")]
+            command += [
+                "--eval-contexts",
+                str(folder / "heldout.npz"),
+                "--eval-truth",
+                str(folder / "heldout_truth.npz"),
+            ]
         subprocess.run(command, cwd=REPO, check=True)
         target = REPO / "benchmarks" / "results" / "frontier" / example
         target.mkdir(parents=True, exist_ok=True)

@@ -56,14 +56,26 @@ def main() -> None:
                 continue
             candidates = {f"{r['method']} {label} (windows)": r[old] for r in mine.iter_rows(named=True)}
             candidates |= {f"{r['method']} now (windows)": r["drift_pct_new"] for r in mine.iter_rows(named=True)}
-            candidates |= {f"{m.lower()} now (rollout)": d for (m, s), d in front.items() if s == grid and m != "TQS-PTQ"}
+            candidates |= {
+                f"{m.lower()} now (rollout)": d for (m, s), d in front.items() if s == grid and m != "TQS-PTQ"
+            }
             best = min(candidates, key=candidates.get)
-            qep = mine.filter(pl.col("method") == "qep").row(0, named=True) if not mine.is_empty() else {old: None, "drift_pct_new": None}
+            qep = (
+                mine.filter(pl.col("method") == "qep").row(0, named=True)
+                if not mine.is_empty()
+                else {old: None, "drift_pct_new": None}
+            )
             rollout = front.get(("QEP", grid))
             tqs = front.get(("TQS-PTQ", grid))
             cells = [
-                example, grid, _cell(qep[old]), _cell(qep["drift_pct_new"]), "—" if rollout is None else f"{rollout:.4g}",
-                f"{candidates[best]:.4g} ({best})", "—" if tqs is None else f"{tqs:.4g}", "—" if tqs is None else f"{tqs / candidates[best]:.3f}",
+                example,
+                grid,
+                _cell(qep[old]),
+                _cell(qep["drift_pct_new"]),
+                "—" if rollout is None else f"{rollout:.4g}",
+                f"{candidates[best]:.4g} ({best})",
+                "—" if tqs is None else f"{tqs:.4g}",
+                "—" if tqs is None else f"{tqs / candidates[best]:.3f}",
             ]
             lines.append("| " + " | ".join(cells) + " |")
     note = (

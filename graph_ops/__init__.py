@@ -6,11 +6,19 @@ Nothing here runs a model or knows about TQS; it takes and returns ONNX
 protos, paths and plain dataclasses.
 """
 
+from graph_ops import batch, derived, prefix, wire
 from graph_ops.io import GraphError, LoadedModel, load_model, model_bytes, save_model, weight_bits
 from graph_ops.layout import WeightLayout, WeightUse, weight_layouts
-from graph_ops.weights import FileWeights, WeightTensor, find_weight_tensors, model_weights, read_weights, release_pages, replace_weights
-from graph_ops import batch, derived, prefix, wire
 from graph_ops.overridable import input_declarations, lift_constants, make_weights_overridable, weights_as_graph_inputs
+from graph_ops.weights import (
+    FileWeights,
+    WeightTensor,
+    find_weight_tensors,
+    model_weights,
+    read_weights,
+    release_pages,
+    replace_weights,
+)
 
 __all__ = [
     "FileWeights",

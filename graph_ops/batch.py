@@ -71,7 +71,9 @@ def batch_probes(model: onnx.ModelProto, names, probes: int, ranks: dict[str, in
     graph.name = old.name
     graph.node.extend(nodes)
     graph.input.extend(i for i in old.input if i.name not in weights)
-    graph.input.extend(helper.make_tensor_value_info(n, weights[n].data_type, [probes, *weights[n].dims]) for n in names)
+    graph.input.extend(
+        helper.make_tensor_value_info(n, weights[n].data_type, [probes, *weights[n].dims]) for n in names
+    )
     graph.output.extend(old.output)
     graph.initializer.extend(t for t in old.initializer if t.name not in weights)
     graph.initializer.extend(constants)
@@ -80,7 +82,9 @@ def batch_probes(model: onnx.ModelProto, names, probes: int, ranks: dict[str, in
     return runtime_compatible(result)
 
 
-def _rewrite(model: onnx.ModelProto, names: list[str], probes: int, ranks: dict[str, int] | None) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+def _rewrite(
+    model: onnx.ModelProto, names: list[str], probes: int, ranks: dict[str, int] | None
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """The graph's nodes with every read of `names` rewritten, and the constants the new nodes use."""
     graph = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
@@ -93,7 +97,9 @@ def _rewrite(model: onnx.ModelProto, names: list[str], probes: int, ranks: dict[
             raise BatchError(f"weight '{name}' is not an initializer")
     if wanted & {o.name for o in graph.output}:
         raise BatchError(f"weight '{sorted(wanted & {o.name for o in graph.output})[0]}' is a graph output")
-    builder = _Builder(graph, probes, {n: list(initializers[n].dims) for n in names}, {n: initializers[n].data_type for n in names})
+    builder = _Builder(
+        graph, probes, {n: list(initializers[n].dims) for n in names}, {n: initializers[n].data_type for n in names}
+    )
     rewrites = {"MatMul": builder.matmul, "Gemm": builder.gemm, "Gather": builder.gather, "Conv": builder.conv}
     for node in graph.node:
         read = wanted & ({n for n in node.input if n} | _subgraph_names(node))
@@ -101,7 +107,9 @@ def _rewrite(model: onnx.ModelProto, names: list[str], probes: int, ranks: dict[
             builder.nodes.append(node)
             continue
         if node.domain not in ("", "ai.onnx") or node.op_type not in rewrites or wanted & _subgraph_names(node):
-            raise BatchError(f"weight '{sorted(read)[0]}' is read by {_label(node)}, which probe batching does not rewrite")
+            raise BatchError(
+                f"weight '{sorted(read)[0]}' is read by {_label(node)}, which probe batching does not rewrite"
+            )
         if ranks is None and node.op_type == "MatMul":
             ranks = tensor_ranks(model)
         rewrites[node.op_type](node, ranks or {}, initializers)
@@ -117,7 +125,9 @@ class _Builder:
 
     def __init__(self, graph: onnx.GraphProto, probes: int, shapes: dict[str, list[int]], types: dict[str, int]):
         self.taken = {n for node in graph.node for n in [node.name, *node.input, *node.output]}
-        self.taken |= {t.name for t in graph.initializer} | {v.name for v in graph.input} | {v.name for v in graph.output}
+        self.taken |= (
+            {t.name for t in graph.initializer} | {v.name for v in graph.input} | {v.name for v in graph.output}
+        )
         self.probes, self.shapes, self.types = probes, shapes, types
         self.nodes: list[onnx.NodeProto] = []
         self.constants: list[onnx.TensorProto] = []
@@ -133,7 +143,9 @@ class _Builder:
 
     def op(self, op_type: str, inputs: list[str], hint: str, output: str | None = None, **attributes) -> str:
         output = output or self._fresh(hint)
-        self.nodes.append(helper.make_node(op_type, inputs, [output], name=self._fresh(f"{hint}_{op_type}"), **attributes))
+        self.nodes.append(
+            helper.make_node(op_type, inputs, [output], name=self._fresh(f"{hint}_{op_type}"), **attributes)
+        )
         return output
 
     def const(self, values, hint: str, dtype=np.int64) -> str:
@@ -143,7 +155,9 @@ class _Builder:
 
     def shape_from(self, head: list[int], x: str, start: int) -> str:
         """The shape `head` + x.shape[start:], built at run time (x's dims may be dynamic)."""
-        tail = self.op("Slice", [self.op("Shape", [x], x), self.const([start], x), self.const([np.iinfo(np.int64).max], x)], x)
+        tail = self.op(
+            "Slice", [self.op("Shape", [x], x), self.const([start], x), self.const([np.iinfo(np.int64).max], x)], x
+        )
         return self.op("Concat", [self.const(head, x), tail], x, axis=0)
 
     def split(self, x: str) -> str:
@@ -159,7 +173,11 @@ class _Builder:
         return self.op("Reshape", [weight, self.const(shape, weight)], weight)
 
     def scale(self, x: str, factor: float, dtype: int) -> str:
-        return x if factor == 1.0 else self.op("Mul", [x, self.const(factor, x, helper.tensor_dtype_to_np_dtype(dtype))], x)
+        return (
+            x
+            if factor == 1.0
+            else self.op("Mul", [x, self.const(factor, x, helper.tensor_dtype_to_np_dtype(dtype))], x)
+        )
 
     def matmul(self, node: onnx.NodeProto, ranks: dict[str, int], initializers) -> None:
         """X [P·B, ..., K] @ W [K, N] (or W @ X): X split to [P, B, ...], W [P, 1, ..., K, N] broadcast per probe."""
@@ -173,7 +191,9 @@ class _Builder:
             raise BatchError(f"cannot infer the rank of '{x}', the operand of {_label(node)}")
         # the batch must be X's row axis (X rank 2, W on the right) or a broadcast axis W does not reach
         if len(shape) < 2 or not ((side == 1 and rank == 2 and len(shape) == 2) or (rank >= 3 and len(shape) < rank)):
-            raise BatchError(f"{_label(node)} reads weight '{w}' {shape} with an operand of rank {rank}: its batch axis is not a broadcast axis")
+            raise BatchError(
+                f"{_label(node)} reads weight '{w}' {shape} with an operand of rank {rank}: its batch axis is not a broadcast axis"
+            )
         weight = self.stacked(w, [self.probes] + [1] * (rank - len(shape)) + shape)
         parts = [self.split(x), weight] if side else [weight, self.split(x)]
         self.merge(self.op("MatMul", parts, node.output[0]), node.output[0])
@@ -198,10 +218,14 @@ class _Builder:
             shape = self.shapes[c]
             if len(shape) > 2 or (len(shape) == 2 and shape[0] != 1):
                 raise BatchError(f"{_label(node)} reads bias '{c}' {shape}, which fixes the batch")
-            bias = self.scale(self.stacked(c, [self.probes] + [1] * (2 - len(shape)) + shape), attributes.get("beta", 1.0), dtype)
+            bias = self.scale(
+                self.stacked(c, [self.probes] + [1] * (2 - len(shape)) + shape), attributes.get("beta", 1.0), dtype
+            )
             self.merge(self.op("Add", [y, bias], out), out)
         elif c:
-            self.op("Add", [self.merge(y, self._fresh(out)), self.scale(c, attributes.get("beta", 1.0), dtype)], out, out)
+            self.op(
+                "Add", [self.merge(y, self._fresh(out)), self.scale(c, attributes.get("beta", 1.0), dtype)], out, out
+            )
         else:
             self.merge(y, out)
 
@@ -217,7 +241,9 @@ class _Builder:
         wide = self.op("Cast", [indices], indices, to=TensorProto.INT64)
         wrapped = self.op("Mod", [wide, self.const(rows, indices)], indices)  # negative indices count from the end
         per_probe = self.op("Reshape", [wrapped, self.const([self.probes, -1], indices)], indices)
-        shifted = self.op("Add", [per_probe, self.const(np.arange(self.probes).reshape(-1, 1) * rows, indices)], indices)
+        shifted = self.op(
+            "Add", [per_probe, self.const(np.arange(self.probes).reshape(-1, 1) * rows, indices)], indices
+        )
         restored = self.op("Reshape", [shifted, self.op("Shape", [indices], indices)], indices)
         self.op("Gather", [flat, restored], node.output[0], node.output[0], axis=0)
 
@@ -236,7 +262,11 @@ class _Builder:
         group = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "group"), 1)
         p, out, (o, per_group), kernel = self.probes, node.output[0], shape[:2], shape[2:]
         swap = [1, 0] + list(range(2, len(shape) + 1))
-        folded = self.op("Reshape", [self.op("Transpose", [self.split(x)], x, perm=swap), self.shape_from([0, p * per_group * group], x, 2)], x)
+        folded = self.op(
+            "Reshape",
+            [self.op("Transpose", [self.split(x)], x, perm=swap), self.shape_from([0, p * per_group * group], x, 2)],
+            x,
+        )
         if w in self.shapes:
             weight = self.stacked(w, [p * o, per_group] + kernel)
         else:

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
+
 import numpy as np
 import onnx
 from onnx import helper
 
 from graph_ops.io import GraphError
 from graph_ops.layout import ConvGeometry, WeightLayout, WeightUse
-from graph_ops.recurrent import add_recurrent_states, recurrent_rows
 from graph_ops.qdq import _node_reads
+from graph_ops.recurrent import recurrent_rows
 
 
 def waves(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> list[list[str]]:
@@ -131,7 +132,9 @@ def im2col(x: np.ndarray, geometry: ConvGeometry) -> np.ndarray:
     padded = np.pad(x, [(0, 0), (0, 0)] + [(pads[i], pads[i + rank]) for i in range(rank)])
     spans = [d * (k - 1) + 1 for k, d in zip(geometry.kernel, geometry.dilations)]
     windows = np.lib.stride_tricks.sliding_window_view(padded, spans, axis=tuple(range(2, 2 + rank)))
-    picks = tuple(slice(None, None, s) for s in geometry.strides) + tuple(slice(None, None, d) for d in geometry.dilations)
+    picks = tuple(slice(None, None, s) for s in geometry.strides) + tuple(
+        slice(None, None, d) for d in geometry.dilations
+    )
     windows = windows[(slice(None), slice(None)) + picks]  # [B, C, *out, *kernel]
     order = (0,) + tuple(range(2, 2 + rank)) + (1,) + tuple(range(2 + rank, 2 + 2 * rank))
     moved = windows.transpose(order)  # [B, *out, C, *kernel]
@@ -144,17 +147,28 @@ def _transposed_im2col(x: np.ndarray, geometry: ConvGeometry) -> np.ndarray:
     pad, which is a stride-1 Conv over x with s − 1 zeros between elements, padded by d·(k − 1) − pad at each
     end (output_padding more at the end; a negative pad crops), whose kernel is W's flipped."""
     rank, channels = len(geometry.kernel), x.shape[1]
-    upsampled = np.zeros(x.shape[:2] + tuple((n - 1) * s + 1 for n, s in zip(x.shape[2:], geometry.strides)), dtype=x.dtype)
+    upsampled = np.zeros(
+        x.shape[:2] + tuple((n - 1) * s + 1 for n, s in zip(x.shape[2:], geometry.strides)), dtype=x.dtype
+    )
     upsampled[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in geometry.strides)] = x
     pads = geometry.pads if geometry.auto_pad in ("NOTSET", "") else (0,) * (2 * rank)
     extra = geometry.output_padding or (0,) * rank
     begins = [d * (k - 1) - pads[i] for i, (k, d) in enumerate(zip(geometry.kernel, geometry.dilations))]
-    ends = [d * (k - 1) - pads[rank + i] + extra[i] for i, (k, d) in enumerate(zip(geometry.kernel, geometry.dilations))]
+    ends = [
+        d * (k - 1) - pads[rank + i] + extra[i] for i, (k, d) in enumerate(zip(geometry.kernel, geometry.dilations))
+    ]
     padded = np.pad(upsampled, [(0, 0), (0, 0)] + [(max(0, b), max(0, e)) for b, e in zip(begins, ends)])
-    padded = padded[(slice(None), slice(None)) + tuple(slice(max(0, -b), padded.shape[2 + i] - max(0, -e)) for i, (b, e) in enumerate(zip(begins, ends)))]
-    forward = ConvGeometry(geometry.kernel, (1,) * rank, geometry.dilations, (0,) * (2 * rank), "NOTSET", geometry.group)
+    padded = padded[
+        (slice(None), slice(None))
+        + tuple(slice(max(0, -b), padded.shape[2 + i] - max(0, -e)) for i, (b, e) in enumerate(zip(begins, ends)))
+    ]
+    forward = ConvGeometry(
+        geometry.kernel, (1,) * rank, geometry.dilations, (0,) * (2 * rank), "NOTSET", geometry.group
+    )
     rows = im2col(padded, forward)
-    flipped = rows.reshape((rows.shape[0], channels) + geometry.kernel)[(slice(None), slice(None)) + (slice(None, None, -1),) * rank]
+    flipped = rows.reshape((rows.shape[0], channels) + geometry.kernel)[
+        (slice(None), slice(None)) + (slice(None, None, -1),) * rank
+    ]
     return flipped.reshape(rows.shape[0], -1)
 
 
@@ -168,7 +182,7 @@ def layer_inputs(use: WeightUse, value: np.ndarray, row_groups: int = 1) -> list
         return np.split(rows, row_groups, axis=1)
     if use.x_axes is not None:
         moved = np.transpose(value, use.x_axes)
-        return [moved.reshape(-1, int(np.prod(moved.shape[moved.ndim - use.x_columns:], dtype=np.int64)))]
+        return [moved.reshape(-1, int(np.prod(moved.shape[moved.ndim - use.x_columns :], dtype=np.int64)))]
     if use.transpose_x:
         value = value.reshape(1, -1) if value.ndim == 1 else np.swapaxes(value, -1, -2)
     return [value.reshape(-1, value.shape[-1])]
@@ -180,4 +194,14 @@ def layer_tensors(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> l
     return sorted({u.x for layout in layouts.values() if layout.calibratable for u in layout.uses} - graph_inputs)
 
 
-__all__ = ["ConvGeometry", "WeightUse", "expose_tensors", "im2col", "layer_inputs", "layer_tensors", "tensor_graph", "tensor_infos", "waves"]
+__all__ = [
+    "ConvGeometry",
+    "WeightUse",
+    "expose_tensors",
+    "im2col",
+    "layer_inputs",
+    "layer_tensors",
+    "tensor_graph",
+    "tensor_infos",
+    "waves",
+]

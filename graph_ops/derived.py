@@ -56,7 +56,13 @@ def marked(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.Mo
     for name in order:
         if np.asarray(weights[name]).dtype != np.float32:
             raise GraphError(f"weight '{name}' is {np.asarray(weights[name]).dtype}, not float32")
-    return replace_weights(model, {name: np.arange(start + 1, end + 1, dtype=np.float32).reshape(np.shape(weights[name])) for name, start, end in zip(order, starts, ends)})
+    return replace_weights(
+        model,
+        {
+            name: np.arange(start + 1, end + 1, dtype=np.float32).reshape(np.shape(weights[name]))
+            for name, start, end in zip(order, starts, ends)
+        },
+    )
 
 
 @dataclass
@@ -90,7 +96,9 @@ class Copy:
         return flat.reshape(self.shape)
 
 
-UNPACKED_READERS = frozenset({("com.microsoft.nchwc", "Conv"), ("", "Gather"), ("", "Add"), ("", "Sub"), ("", "Mul"), ("", "Div")})
+UNPACKED_READERS = frozenset(
+    {("com.microsoft.nchwc", "Conv"), ("", "Gather"), ("", "Add"), ("", "Sub"), ("", "Mul"), ("", "Div")}
+)
 """(domain, op) of the nodes whose CPU kernels read a weight at run time, pre-packing nothing: fed, it runs as fast as
 constant (NCHWc Conv takes its weight in its own layout, which a fed copy already is; a table lookup and elementwise
 arithmetic have nothing to pack). MatMul, Gemm and their fusions pre-pack a constant weight and not a fed one."""
@@ -151,13 +159,19 @@ def weight_map(nominal: onnx.ModelProto, marked_model: onnx.ModelProto, weights:
             continue  # read by no node
         numbers = numpy_helper.to_array(tensor)
         expected = numpy_helper.to_array(nominal_inits[target])
-        if numbers.dtype == expected.dtype and numbers.shape == expected.shape and numbers.tobytes() == expected.tobytes():
+        if (
+            numbers.dtype == expected.dtype
+            and numbers.shape == expected.shape
+            and numbers.tobytes() == expected.tobytes()
+        ):
             continue  # holds no weight element
         if numbers.dtype != np.float32 or expected.shape != numbers.shape:
             raise GraphError(f"initializer '{target}' of the optimized graph is not float32 weight elements")
         flat = numbers.reshape(-1).astype(np.float64)
         if not np.array_equal(flat, np.round(flat)) or flat.min(initial=0) < 0 or flat.max(initial=0) > ends[-1]:
-            raise GraphError(f"initializer '{target}' of the optimized graph is computed from the weights, not rearranged from them")
+            raise GraphError(
+                f"initializer '{target}' of the optimized graph is computed from the weights, not rearranged from them"
+            )
         element = flat.astype(np.int64) - 1
         held = np.flatnonzero(element >= 0)
         which = np.searchsorted(ends, element[held], side="right")
@@ -175,7 +189,9 @@ def weight_map(nominal: onnx.ModelProto, marked_model: onnx.ModelProto, weights:
             made.nominal = expected  # what a fed weight that fills only part of it leaves in the rest
         copies.append(made)
     held = {c.name for c in copies}
-    mapped = WeightMap(copies, frozenset((n.domain, n.op_type) for n in nominal.graph.node if held.intersection(n.input)))
+    mapped = WeightMap(
+        copies, frozenset((n.domain, n.op_type) for n in nominal.graph.node if held.intersection(n.input))
+    )
     missing = set(order) - mapped.weights
     if missing:
         raise GraphError(f"weight '{sorted(missing)[0]}' is in no initializer of the optimized graph")

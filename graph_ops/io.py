@@ -254,8 +254,19 @@ def weights_as_inputs(proto: onnx.ModelProto, keep: Callable[[onnx.TensorProto],
     declared = {i.name for i in graph.input}
     kept = [t for t in graph.initializer if keep(t)]
     kept_names = {t.name for t in kept}
-    inputs = [onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in graph.initializer if t.name not in kept_names and t.name not in declared]
-    light = onnx.helper.make_graph(list(graph.node), graph.name, list(graph.input) + inputs, list(graph.output), kept, value_info=list(graph.value_info))
+    inputs = [
+        onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+        for t in graph.initializer
+        if t.name not in kept_names and t.name not in declared
+    ]
+    light = onnx.helper.make_graph(
+        list(graph.node),
+        graph.name,
+        list(graph.input) + inputs,
+        list(graph.output),
+        kept,
+        value_info=list(graph.value_info),
+    )
     light.sparse_initializer.extend(graph.sparse_initializer)
     model = onnx.helper.make_model(light, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
     model.functions.extend(proto.functions)
@@ -326,7 +337,9 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedMod
         try:
             sort_nodes(proto)
         except Exception as exc:  # a cycle, or names the sort cannot follow
-            raise GraphError(f"{path} is not a valid ONNX model: its nodes are out of order and cannot be sorted ({str(exc).splitlines()[0]})") from None
+            raise GraphError(
+                f"{path} is not a valid ONNX model: its nodes are out of order and cannot be sorted ({str(exc).splitlines()[0]})"
+            ) from None
         invalid = _check(checkable())
     externals = _external_files(proto, path.parent, path.name)
     if invalid is not None:
@@ -376,7 +389,9 @@ def runtime_compatible(proto: onnx.ModelProto) -> onnx.ModelProto:
     return proto
 
 
-def session_source(proto: onnx.ModelProto, folder: str | os.PathLike | None = None, name: str = "session.onnx") -> bytes | Path:
+def session_source(
+    proto: onnx.ModelProto, folder: str | os.PathLike | None = None, name: str = "session.onnx"
+) -> bytes | Path:
     """What to hand a runtime: the serialised model below protobuf's 2 GiB, else
     a copy with external data written into `folder` (a new temporary folder when None)."""
     if stored_bytes(proto) < PROTOBUF_LIMIT:
@@ -440,7 +455,11 @@ def _data_files_of(path: Path) -> set[str]:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception:  # noqa: BLE001 - whatever is there, nothing of it is removed
         return set()
-    return {external_data_helper.ExternalDataInfo(t).location for t in iter_tensors(proto.graph) if external_data_helper.uses_external_data(t)}
+    return {
+        external_data_helper.ExternalDataInfo(t).location
+        for t in iter_tensors(proto.graph)
+        if external_data_helper.uses_external_data(t)
+    }
 
 
 def _named_by_other_model(data: Path, model: Path) -> bool:
@@ -473,6 +492,16 @@ def save_model(proto: onnx.ModelProto, path: str | os.PathLike, *, external_data
         publish_model(path, None, lambda temporary: onnx.save_model(proto, str(temporary)))
         return path
     location = data_location(path)
-    publish_model(path, location, lambda temporary: onnx.save_model(
-        proto, str(temporary), save_as_external_data=True, all_tensors_to_one_file=True, location=location, size_threshold=1024))
+    publish_model(
+        path,
+        location,
+        lambda temporary: onnx.save_model(
+            proto,
+            str(temporary),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=location,
+            size_threshold=1024,
+        ),
+    )
     return path

@@ -303,7 +303,9 @@ def _conv_geometry(node: onnx.NodeProto, weight_shape: tuple[int, ...]) -> ConvG
         pads=tuple(int(p) for p in attrs.get("pads", [0] * (2 * rank))),
         auto_pad=_decode(attrs.get("auto_pad", "NOTSET")),
         group=int(attrs.get("group", 1)),
-        output_padding=tuple(int(p) for p in attrs.get("output_padding", [0] * rank)) if node.op_type == "ConvTranspose" else (),
+        output_padding=tuple(int(p) for p in attrs.get("output_padding", [0] * rank))
+        if node.op_type == "ConvTranspose"
+        else (),
         transposed=node.op_type == "ConvTranspose",
     )
 
@@ -339,11 +341,18 @@ def _einsum_use(node, position, perm, index) -> tuple[WeightUse | None, str | No
         return None, "Einsum inputs are not rebuilt (a repeated letter)"
     columns = [weight[a] for a in perm[1:]]
     if weight[perm[0]] in other or any(c not in other for c in columns):
-        return None, "Einsum inputs are not rebuilt (its weight shares letters with the other operand beyond the summed ones)"
+        return (
+            None,
+            "Einsum inputs are not rebuilt (its weight shares letters with the other operand beyond the summed ones)",
+        )
     if any(c not in terms[1] and c not in columns for c in other):
         return None, "Einsum inputs are not rebuilt (the other operand sums a letter on its own)"
-    x_axes = tuple(i for i, letter in enumerate(other) if letter not in columns) + tuple(other.index(c) for c in columns)
-    return WeightUse(_node_id(node, index), index, node.op_type, node.input[1 - position], x_axes=x_axes, x_columns=len(columns)), None
+    x_axes = tuple(i for i, letter in enumerate(other) if letter not in columns) + tuple(
+        other.index(c) for c in columns
+    )
+    return WeightUse(
+        _node_id(node, index), index, node.op_type, node.input[1 - position], x_axes=x_axes, x_columns=len(columns)
+    ), None
 
 
 def _use_layout(node, position, rank, index, constants, operand_shape, slot=None):
@@ -412,10 +421,17 @@ def _recurrent_use(node, position, rank, index, operand_shape, slot):
         return None, None, f"{op} weight of rank {rank}", 1
     direction = _decode(attrs.get("direction", "forward"))
     directions = tuple(enumerate(("forward", "reverse") if direction == "bidirectional" else (direction,)))
-    if slot is not None and operand_shape[0] == 1 and slot[1] == len(directions):  # as many inputs as directions: one each
+    if (
+        slot is not None and operand_shape[0] == 1 and slot[1] == len(directions)
+    ):  # as many inputs as directions: one each
         directions = (directions[slot[0]],)
     elif slot is not None or operand_shape[0] != len(directions):
-        return (1, 0, 2), None, f"{op} weight holds {operand_shape[0]} of a {direction} node's directions, which is not told", 1
+        return (
+            (1, 0, 2),
+            None,
+            f"{op} weight holds {operand_shape[0]} of a {direction} node's directions, which is not told",
+            1,
+        )
     if not node.input or not node.input[0]:
         return (1, 0, 2), None, f"{op} has no input sequence", 1
     if position == 2 and op == "GRU" and not int(attrs.get("linear_before_reset", 0)):
@@ -423,7 +439,13 @@ def _recurrent_use(node, position, rank, index, operand_shape, slot):
     x = node.input[0] if position == 1 else recurrent_states(node)
     if x is None:
         return (1, 0, 2), None, f"{op} outputs nothing used", 1
-    geometry = RecurrentGeometry("W" if position == 1 else "R", directions, int(attrs.get("layout", 0)) == 1, node.input[0], initial_state(node) is not None)
+    geometry = RecurrentGeometry(
+        "W" if position == 1 else "R",
+        directions,
+        int(attrs.get("layout", 0)) == 1,
+        node.input[0],
+        initial_state(node) is not None,
+    )
     return (1, 0, 2), WeightUse(name, index, op, x, recurrent=geometry), None, 1
 
 
@@ -480,13 +502,20 @@ def _reach(name: str, consumers, rank: int, stored=None):
             if default_domain and (operands is None or position in operands):
                 found.append((node, position, index, axes, clean, moved, path, slot))
                 continue
-            stacked = clean and node.op_type == "Concat" and axes and axes[int(_attributes(node).get("axis", 0)) % len(axes)] is None
+            stacked = (
+                clean
+                and node.op_type == "Concat"
+                and axes
+                and axes[int(_attributes(node).get("axis", 0)) % len(axes)] is None
+            )
             now_slot = slot
             if default_domain and stacked:  # beside other tensors along an axis it lacks: its own elements do not move
                 step, follows, now_moved, now_slot = axes, True, moved, (position, len(node.input))
             elif default_domain and node.op_type in MOVEMENT and (movement is None or position in movement):
                 moving = _moved(node, axes, stored or {}) if clean else None
-                step, follows, now_moved = (axes, False, moved) if moving is None else (moving[0], True, moved | {axes[a] for a in moving[1]})
+                step, follows, now_moved = (
+                    (axes, False, moved) if moving is None else (moving[0], True, moved | {axes[a] for a in moving[1]})
+                )
             elif node.op_type in PASS_THROUGH and position == 0:
                 step = axes
                 if node.op_type == "Transpose":
@@ -496,7 +525,9 @@ def _reach(name: str, consumers, rank: int, stored=None):
             else:
                 continue
             for output in node.output:
-                if output and (output, step, now_slot) not in seen:  # a weight stacked twice (tied directions) reaches twice
+                if (
+                    output and (output, step, now_slot) not in seen
+                ):  # a weight stacked twice (tied directions) reaches twice
                     seen.add((output, step, now_slot))
                     frontier.append((output, step, follows, frozenset(now_moved), path + (node.op_type,), now_slot))
     return found
@@ -519,19 +550,32 @@ def _layout(name, tensor, source, reached, constants) -> WeightLayout:
         nodes.append(node.name or next((o for o in node.output if o), node.op_type))
         operand_shape = tuple(1 if a is None else shape[a] for a in axes)
         lacking = [i for i, a in enumerate(axes) if a is None]
-        perm, use, reason, row_groups = _use_layout(node, position, len(axes), index, constants, operand_shape, slot if lacking == [0] else None)
+        perm, use, reason, row_groups = _use_layout(
+            node, position, len(axes), index, constants, operand_shape, slot if lacking == [0] else None
+        )
         perm = _stored_perm(perm, axes, len(shape))
         if not clean:
             reason, perm = f"reaches {node.op_type} through a reshaping op", None
         elif moved and (perm is None or not moved <= {perm[0]} or row_groups > 1):  # other rows or columns meet X
-            reason, use, row_groups = reason or f"reaches {node.op_type} through {', '.join(dict.fromkeys(path))}", None, 1
+            reason, use, row_groups = (
+                reason or f"reaches {node.op_type} through {', '.join(dict.fromkeys(path))}",
+                None,
+                1,
+            )
         perms.add(perm)
         groups.add(row_groups)
         if reason:
             reasons.append(reason)
         elif use is not None:
             uses.append(use)
-    base = dict(name=name, shape=shape, dtype=FLOAT_TYPES[tensor.data_type], source=source, op_types=tuple(sorted(ops)), nodes=tuple(nodes))
+    base = dict(
+        name=name,
+        shape=shape,
+        dtype=FLOAT_TYPES[tensor.data_type],
+        source=source,
+        op_types=tuple(sorted(ops)),
+        nodes=tuple(nodes),
+    )
     if not reached:
         return WeightLayout(**base, rtn_reason="feeds no weight operand")
     if len(perms) > 1 or len(groups) > 1:
@@ -567,9 +611,13 @@ def unreached_reasons(graph: onnx.GraphProto, names) -> dict[str, str]:
                     fresh = [o for o in node.output if o and o not in seen]
                     seen.update(fresh)
                     frontier.extend((o, path + (node.op_type,)) for o in fresh)
-        readers = [f"{n.op_type} input {p}" if n.op_type in WEIGHT_OPERANDS else n.op_type for n, p in consumers.get(name, [])]
+        readers = [
+            f"{n.op_type} input {p}" if n.op_type in WEIGHT_OPERANDS else n.op_type for n, p in consumers.get(name, [])
+        ]
         unread = "read only inside Scan/Loop/If bodies" if name in inner else "read by no node"
-        reasons[name] = reached or (f"feeds no weight operand: {', '.join(dict.fromkeys(readers))}" if readers else unread)
+        reasons[name] = reached or (
+            f"feeds no weight operand: {', '.join(dict.fromkeys(readers))}" if readers else unread
+        )
     return reasons
 
 

@@ -118,7 +118,9 @@ def inferred_values(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     return list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
 
 
-def activation_outputs(model: onnx.ModelProto, names: list[str] | set[str], types: dict[str, int] | None = None) -> bytes:
+def activation_outputs(
+    model: onnx.ModelProto, names: list[str] | set[str], types: dict[str, int] | None = None
+) -> bytes:
     """Serialised ModelProto declaring `names` as extra graph outputs (types from
     `element_types`); appended to the model's bytes it makes them come out of a run."""
     types = types if types is not None else element_types(model)
@@ -178,7 +180,12 @@ def node_costs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> li
         values = list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
     except Exception:  # a graph shape inference cannot walk: every node counts alike
         values = []
-    dims = {v.name: [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1 for d in v.type.tensor_type.shape.dim] for v in values}
+    dims = {
+        v.name: [
+            d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1 for d in v.type.tensor_type.shape.dim
+        ]
+        for v in values
+    }
     dims.update({t.name: list(t.dims) for t in model.graph.initializer})
     size = lambda name: float(np.prod(dims.get(name, [1]), dtype=np.float64))  # noqa: E731
     costs = []
@@ -190,7 +197,9 @@ def node_costs(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> li
             out *= (first[0] if transposed else first[-1]) if first else 1
         elif node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 1:
             kernel = dims.get(node.input[1], [1])
-            per_output = kernel[1:] if node.op_type == "Conv" else kernel[:1] + kernel[2:]  # input channels (per group) x kernel
+            per_output = (
+                kernel[1:] if node.op_type == "Conv" else kernel[:1] + kernel[2:]
+            )  # input channels (per group) x kernel
             out *= float(np.prod(per_output, dtype=np.float64))
         costs.append(max(out, 1.0))
     return costs
@@ -227,6 +236,7 @@ BUILD_FIXED = 0.3
 
 def cut_order(walk: GraphWalk, units: dict[str, list[str]]) -> list[str]:
     """Unit names in the order their cuts start: by the first node downstream of their weights (then by name)."""
+
     def start(name: str) -> tuple[int, str]:
         found, _ = walk.downstream(set(units[name]))
         return (found[0] if found else len(walk.nodes), name)
@@ -239,8 +249,15 @@ FED_PENALTY = 0.5
 constant weights), when no measurement says: about 0.3 for MatMul, 0.8 for Conv on x86 CPUs."""
 
 
-def plan_cuts(model: onnx.ModelProto, units: dict[str, list[str]], costs: list[float], call_s: float, build_s: float, runs_per_unit: int,
-              fed_penalty: float = FED_PENALTY) -> CutPlan:
+def plan_cuts(
+    model: onnx.ModelProto,
+    units: dict[str, list[str]],
+    costs: list[float],
+    call_s: float,
+    build_s: float,
+    runs_per_unit: int,
+    fed_penalty: float = FED_PENALTY,
+) -> CutPlan:
     """Group units, taken in the order their cuts start, so that the sweep costs least (`CutPlanner.plan`)."""
     return CutPlanner(model, units, costs).plan(call_s, build_s, runs_per_unit, fed_penalty)
 
@@ -249,7 +266,9 @@ class CutPlanner:
     """What planning cuts needs from the graph (each unit's downstream nodes, the weights each node reads),
     worked out once: a sweep plans from auto's estimate and again from the whole model's measured run."""
 
-    def __init__(self, model: onnx.ModelProto, units: dict[str, list[str]], costs: list[float], walk: GraphWalk | None = None):
+    def __init__(
+        self, model: onnx.ModelProto, units: dict[str, list[str]], costs: list[float], walk: GraphWalk | None = None
+    ):
         walk = walk or GraphWalk(model.graph)
         self.nodes = len(walk.nodes)
         sizes = {t.name: float(np.prod(t.dims, dtype=np.float64)) for t in model.graph.initializer}

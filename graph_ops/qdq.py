@@ -13,8 +13,8 @@ weights are stored once.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping, Protocol
 
 import numpy as np
@@ -68,7 +68,9 @@ def upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     try:
         converted = version_converter.convert_version(model, opset)
     except Exception as exc:
-        raise GraphError(f"cannot convert the model from opset {current} to {opset} (needed by the chosen tiers): {str(exc).splitlines()[0]}") from None
+        raise GraphError(
+            f"cannot convert the model from opset {current} to {opset} (needed by the chosen tiers): {str(exc).splitlines()[0]}"
+        ) from None
     return converted
 
 
@@ -81,9 +83,13 @@ def computes_in_half(model: onnx.ModelProto) -> bool:
     one step, 0.16% over 40), so an export measures it at the opset it writes; float32 graphs ran the same."""
     graph = model.graph
     declared = [*graph.input, *graph.output, *graph.value_info]
-    return (any(t.data_type in HALF_TYPES for t in graph.initializer)
-            or any(v.type.tensor_type.elem_type in HALF_TYPES for v in declared)
-            or any(n.op_type == "Cast" and any(a.name == "to" and a.i in HALF_TYPES for a in n.attribute) for n in graph.node))
+    return (
+        any(t.data_type in HALF_TYPES for t in graph.initializer)
+        or any(v.type.tensor_type.elem_type in HALF_TYPES for v in declared)
+        or any(
+            n.op_type == "Cast" and any(a.name == "to" and a.i in HALF_TYPES for a in n.attribute) for n in graph.node
+        )
+    )
 
 
 def at_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
@@ -95,7 +101,10 @@ def at_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
         return model
     converted, _ = _skeleton(model, set(), opset)
     converted.graph.initializer.extend(model.graph.initializer)
-    converted.ir_version = min(max(converted.ir_version, helper.find_min_ir_version_for(list(converted.opset_import), ignore_unknown=True)), MAX_IR_VERSION)
+    converted.ir_version = min(
+        max(converted.ir_version, helper.find_min_ir_version_for(list(converted.opset_import), ignore_unknown=True)),
+        MAX_IR_VERSION,
+    )
     return converted
 
 
@@ -116,7 +125,9 @@ def _emit(name: str, value: StoredWeight, layout: str = "fused") -> tuple[list[o
     return value.emit(name, layout)
 
 
-def fed_weight(name: str, value: StoredWeight) -> tuple[list[onnx.ValueInfoProto], dict[str, np.ndarray], list[onnx.NodeProto]] | None:
+def fed_weight(
+    name: str, value: StoredWeight
+) -> tuple[list[onnx.ValueInfoProto], dict[str, np.ndarray], list[onnx.NodeProto]] | None:
     """Graph inputs, their values and the nodes that rebuild weight `name` from its codes at run time (the
     stored format's `fed`): what a calibration run feeds instead of a float copy of every weight quantized so
     far. None for a form better fed as floats."""
@@ -134,7 +145,9 @@ def _node_reads(node: onnx.NodeProto) -> set[str]:
     return names
 
 
-def needed_nodes(model: onnx.ModelProto, outputs: list[str], given: Mapping[str, object] | set[str] = frozenset()) -> list[int]:
+def needed_nodes(
+    model: onnx.ModelProto, outputs: list[str], given: Mapping[str, object] | set[str] = frozenset()
+) -> list[int]:
     """Indices (in graph order) of the nodes that compute `outputs` from the graph's inputs and the `given`
     tensors: a walk back from the outputs that stops at a given tensor."""
     given = set(given) - set(outputs)
@@ -149,8 +162,12 @@ def needed_nodes(model: onnx.ModelProto, outputs: list[str], given: Mapping[str,
     return kept
 
 
-def fed_codes_model(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], outputs: list[str] | None = None,
-                    given: Mapping[str, onnx.ValueInfoProto] | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def fed_codes_model(
+    model: onnx.ModelProto,
+    stored: Mapping[str, StoredWeight],
+    outputs: list[str] | None = None,
+    given: Mapping[str, onnx.ValueInfoProto] | None = None,
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """`model` (weights as graph inputs) cut down to what computes `outputs` (default: its own outputs),
     with every weight of `stored` it reads rebuilt from its codes (`fed_weight`). Returns the model
     and what to feed for the weights of `stored` it reads: their codes, or the floats they stand for
@@ -173,12 +190,16 @@ def fed_codes_model(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], 
     needed = set(outputs).union(*(_node_reads(node) for node in kept))
     rebuilt, feeds, inputs = [], {}, []
     for value in graph.input:
-        form = stored.get(value.name) if value.name in needed else None  # an unused input stays declared (ONNX Runtime wants every input fed; it reads no unused one)
+        form = (
+            stored.get(value.name) if value.name in needed else None
+        )  # an unused input stays declared (ONNX Runtime wants every input fed; it reads no unused one)
         fed = fed_weight(value.name, form) if form is not None else None
         if fed is None:
             inputs.append(value)
             if form is not None:  # fed as the float it stands for (raw: the weight itself, no copy)
-                feeds[value.name] = np.asarray(form.values).astype(form.dtype, copy=False) if form.form == "raw" else form.dequantize()
+                feeds[value.name] = (
+                    np.asarray(form.values).astype(form.dtype, copy=False) if form.form == "raw" else form.dequantize()
+                )
             continue
         new_inputs, new_feeds, nodes = fed
         inputs += new_inputs
@@ -191,8 +212,12 @@ def fed_codes_model(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], 
     if missing:
         raise GraphError(f"tensors {missing[:3]} are not outputs of the graph")
     cut = helper.make_graph(
-        rebuilt + kept, graph.name, inputs, [infos[name] for name in dict.fromkeys(outputs)],
-        [t for t in graph.initializer if t.name in needed], value_info=[v for v in graph.value_info if v.name in needed and v.name not in given],
+        rebuilt + kept,
+        graph.name,
+        inputs,
+        [infos[name] for name in dict.fromkeys(outputs)],
+        [t for t in graph.initializer if t.name in needed],
+        value_info=[v for v in graph.value_info if v.name in needed and v.name not in given],
     )
     cut.sparse_initializer.extend(t for t in graph.sparse_initializer if t.values.name in needed)
     result = helper.make_model(cut, opset_imports=list(model.opset_import), ir_version=model.ir_version)
@@ -250,7 +275,9 @@ def _tensor_bytes(tensor: onnx.TensorProto, source: Path | None = None) -> bytes
     return numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name).raw_data
 
 
-def _loaded(tensor: onnx.TensorProto, source: Path | None, payload: bytes | memoryview | None = None) -> onnx.TensorProto:
+def _loaded(
+    tensor: onnx.TensorProto, source: Path | None, payload: bytes | memoryview | None = None
+) -> onnx.TensorProto:
     """`tensor` with its payload inside it (read from its external-data file when it points to one, unless given)."""
     if not external_data_helper.uses_external_data(tensor):
         return tensor
@@ -294,7 +321,9 @@ class _DataFile:
         self.handle.close()
 
 
-def _skeleton(model: onnx.ModelProto, lift: set[str], opset: int) -> tuple[onnx.ModelProto, dict[str, onnx.TensorProto]]:
+def _skeleton(
+    model: onnx.ModelProto, lift: set[str], opset: int
+) -> tuple[onnx.ModelProto, dict[str, onnx.TensorProto]]:
     """The model's structure at `opset`, without initializers, and the Constant weights in `lift` as tensors.
 
     The opset is converted before new ops join. The converter wants every
@@ -335,8 +364,13 @@ def conversion_overhead_bits(model: onnx.ModelProto, opset: int) -> int:
     return max(0, weight_bits(after) - weight_bits(before))
 
 
-def _build(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], sink: Callable[[onnx.TensorProto], onnx.TensorProto], layout: str = "fused",
-           opset: int = 1) -> onnx.ModelProto:
+def _build(
+    model: onnx.ModelProto,
+    stored: Mapping[str, StoredWeight],
+    sink: Callable[[onnx.TensorProto], onnx.TensorProto],
+    layout: str = "fused",
+    opset: int = 1,
+) -> onnx.ModelProto:
     """The model with `stored` weights in `layout`, at `opset` or the lowest above it that holds them; every
     initializer passes through `sink` (kept, or moved to external data)."""
     skeleton, lifted = _skeleton(model, set(stored), max(default_opset(model), required_opset(stored), opset))
@@ -367,7 +401,12 @@ def _build(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], sink: Cal
     return skeleton
 
 
-def _check_emitted(nodes: list[onnx.NodeProto], stored: list[onnx.ValueInfoProto], weights: list[onnx.ValueInfoProto], model: onnx.ModelProto) -> None:
+def _check_emitted(
+    nodes: list[onnx.NodeProto],
+    stored: list[onnx.ValueInfoProto],
+    weights: list[onnx.ValueInfoProto],
+    model: onnx.ModelProto,
+) -> None:
     """Type-check the nodes that now produce the weights, alone (their stored tensors declared, not copied):
     each must be valid at the model's opset and yield its weight's original type and shape. A form a runtime
     cannot load must fail here, not when the user opens the file."""
@@ -379,11 +418,18 @@ def _check_emitted(nodes: list[onnx.NodeProto], stored: list[onnx.ValueInfoProto
         onnx.checker.check_model(check, full_check=True)
     except Exception as exc:
         kinds = sorted({onnx.helper.tensor_dtype_to_np_dtype(w.type.tensor_type.elem_type).name for w in weights})
-        raise GraphError(f"the quantized weights cannot be written as valid ONNX for this model's {'/'.join(kinds)} weights: {str(exc).strip().splitlines()[0]}") from None
+        raise GraphError(
+            f"the quantized weights cannot be written as valid ONNX for this model's {'/'.join(kinds)} weights: {str(exc).strip().splitlines()[0]}"
+        ) from None
 
 
-def apply_storage(model: onnx.ModelProto, stored: Mapping[str, StoredWeight], source: Path | None = None, layout: str = "fused",
-                  opset: int = 1) -> onnx.ModelProto:
+def apply_storage(
+    model: onnx.ModelProto,
+    stored: Mapping[str, StoredWeight],
+    source: Path | None = None,
+    layout: str = "fused",
+    opset: int = 1,
+) -> onnx.ModelProto:
     """A new model whose named weights are stored as given, in `layout` (`LAYOUTS`), at `opset` at least, every tensor
     inside it (kept ones that point into the input's external data, in folder `source`, are read in). Input untouched."""
     return _build(model, stored, lambda tensor: _loaded(tensor, source), layout, opset)
@@ -408,8 +454,14 @@ class Written:
 
 
 def write_storage(
-    model: onnx.ModelProto, stored: Mapping[str, StoredWeight], path: str | os.PathLike, *, external_data: bool | None = None, source: Path | None = None,
-    layout: str = "fused", opset: int = 1,
+    model: onnx.ModelProto,
+    stored: Mapping[str, StoredWeight],
+    path: str | os.PathLike,
+    *,
+    external_data: bool | None = None,
+    source: Path | None = None,
+    layout: str = "fused",
+    opset: int = 1,
 ) -> Written:
     """Write `model` with `stored` weights to `path`, atomically (external data together with its model).
 
@@ -423,7 +475,16 @@ def write_storage(
     A `model` loaded without its external data names its folder in `source`:
     kept tensors are then read from the input's data files one at a time.
     """
-    from graph_ops.io import PROTOBUF_LIMIT, OutputError, atomic_output, data_location, publish_model, save_model, stored_bytes, weight_bits
+    from graph_ops.io import (
+        PROTOBUF_LIMIT,
+        OutputError,
+        atomic_output,
+        data_location,
+        publish_model,
+        save_model,
+        stored_bytes,
+        weight_bits,
+    )
 
     path = Path(path)
     if external_data is None:  # an input that keeps its weights outside gets an output that does too
@@ -431,7 +492,9 @@ def write_storage(
     if not external_data:
         built = apply_storage(model, stored, source, layout, opset)
         if stored_bytes(built) >= PROTOBUF_LIMIT:  # only when one file was asked for: the default streams from 1 GiB
-            raise OutputError(f"cannot write {path} as one file: it holds {stored_bytes(built) / 2**30:.2f} GiB, past protobuf's 2 GiB limit")
+            raise OutputError(
+                f"cannot write {path} as one file: it holds {stored_bytes(built) / 2**30:.2f} GiB, past protobuf's 2 GiB limit"
+            )
         return Written((save_model(built, path, external_data=False),), weight_bits(built), default_opset(built))
     location = data_location(path)
     with atomic_output(path.with_name(location)) as partial:  # the data lands under its final name first ...
@@ -440,12 +503,24 @@ def write_storage(
             built = _build(model, stored, data.reference, layout, opset)
         finally:
             data.close()
-    publish_model(path, location, lambda temporary: onnx.save_model(built, str(temporary)))  # ... then the model that points to it
+    publish_model(
+        path, location, lambda temporary: onnx.save_model(built, str(temporary))
+    )  # ... then the model that points to it
     return Written((path, path.with_name(location)), weight_bits(built), default_opset(built))
 
 
-CODE_TYPES = {onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.INT2, onnx.TensorProto.UINT2,
-              onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ, onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ}
+CODE_TYPES = {
+    onnx.TensorProto.INT8,
+    onnx.TensorProto.UINT8,
+    onnx.TensorProto.INT4,
+    onnx.TensorProto.UINT4,
+    onnx.TensorProto.INT2,
+    onnx.TensorProto.UINT2,
+    onnx.TensorProto.FLOAT8E4M3FN,
+    onnx.TensorProto.FLOAT8E4M3FNUZ,
+    onnx.TensorProto.FLOAT8E5M2,
+    onnx.TensorProto.FLOAT8E5M2FNUZ,
+}
 """Element types of stored codes (MatMulNBits' packed weights are UINT8)."""
 
 

@@ -71,7 +71,9 @@ def recurrent_rows(geometry: RecurrentGeometry, value: np.ndarray) -> np.ndarray
             states = value if geometry.batch_first else np.transpose(value, (2, 0, 1, 3))  # [batch, seq, directions, H]
             ends = int(geometry.initial)  # the initial state on both ends: h_{t-1} of each direction's first step
             length = states.shape[1]
-            states = states[:, :length - 1 - ends, d] if direction == "forward" else states[:, 1 + ends:, d]  # h_{t-1} in each one's order
+            states = (
+                states[:, : length - 1 - ends, d] if direction == "forward" else states[:, 1 + ends :, d]
+            )  # h_{t-1} in each one's order
             rows = states.reshape(-1, states.shape[-1])
         blocks.append(rows)
     if len(blocks) == 1:
@@ -80,7 +82,7 @@ def recurrent_rows(geometry: RecurrentGeometry, value: np.ndarray) -> np.ndarray
     rows = np.zeros((sum(b.shape[0] for b in blocks), width * len(blocks)), dtype=blocks[0].dtype)
     start = 0
     for column, block in enumerate(blocks):
-        rows[start:start + block.shape[0], column * width:(column + 1) * width] = block
+        rows[start : start + block.shape[0], column * width : (column + 1) * width] = block
         start += block.shape[0]
     return rows
 
@@ -89,8 +91,13 @@ def add_recurrent_states(model: onnx.ModelProto, layouts) -> onnx.ModelProto:
     """`model` (a copy the caller owns) with the tensor each calibrated R's rows come from
     (`recurrent_states`): a Y the exporter left unnamed (torch's do, when only the last state is used) named,
     and the fed initial state put on both ends of Y along the sequence axis."""
-    wanted = {u.x: u.recurrent for layout in layouts.values() if layout.calibratable for u in layout.uses
-              if u.recurrent is not None and u.recurrent.operand == "R"}
+    wanted = {
+        u.x: u.recurrent
+        for layout in layouts.values()
+        if layout.calibratable
+        for u in layout.uses
+        if u.recurrent is not None and u.recurrent.operand == "R"
+    }
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
     for node in list(model.graph.node):
         states = recurrent_states(node) if node.op_type in RECURRENT_OPS else None
@@ -106,8 +113,17 @@ def add_recurrent_states(model: onnx.ModelProto, layouts) -> onnx.ModelProto:
         else:
             unsqueeze = helper.make_node("Unsqueeze", [initial], [f"{states}/initial"], axes=[axis])
         ends = f"{states}/initial"
-        model.graph.node.extend([unsqueeze, helper.make_node("Concat", [ends, node.output[0], ends], [states], axis=axis)])
+        model.graph.node.extend(
+            [unsqueeze, helper.make_node("Concat", [ends, node.output[0], ends], [states], axis=axis)]
+        )
     return model
 
 
-__all__ = ["RECURRENT_OPS", "RecurrentGeometry", "add_recurrent_states", "initial_state", "recurrent_rows", "recurrent_states"]
+__all__ = [
+    "RECURRENT_OPS",
+    "RecurrentGeometry",
+    "add_recurrent_states",
+    "initial_state",
+    "recurrent_rows",
+    "recurrent_states",
+]

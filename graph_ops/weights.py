@@ -51,7 +51,9 @@ def read_weights(model: onnx.ModelProto, names: list[str] | set[str]) -> dict[st
     return {name: _view(stored[name][0]) for name in wanted}
 
 
-def model_weights(model: onnx.ModelProto, names: list[str] | set[str], data_dir: Path | None) -> Mapping[str, np.ndarray]:
+def model_weights(
+    model: onnx.ModelProto, names: list[str] | set[str], data_dir: Path | None
+) -> Mapping[str, np.ndarray]:
     """The named weights of a model loaded without its external data: read from the files in `data_dir` on
     demand (`FileWeights`, never the whole model in memory) where it has some, else views of the proto."""
     return FileWeights(model, names, data_dir) if data_dir is not None else read_weights(model, names)
@@ -91,7 +93,12 @@ class FileWeights(Mapping):
             values = np.fromfile(path, dtype=dtype, count=count, offset=offset)
         else:
             mapped = self._map(path)
-            values = np.frombuffer(mapped, dtype=dtype, count=min(count, max(0, (len(mapped) - offset) // dtype.itemsize)), offset=min(offset, len(mapped)))
+            values = np.frombuffer(
+                mapped,
+                dtype=dtype,
+                count=min(count, max(0, (len(mapped) - offset) // dtype.itemsize)),
+                offset=min(offset, len(mapped)),
+            )
         if values.size != count:
             raise GraphError(f"external data file {path} is truncated: tensor '{name}' needs {count} values")
         values = values.reshape(shape)
@@ -147,5 +154,7 @@ def replace_weights(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> on
         if name not in stored:
             raise KeyError(f"no stored tensor named {name!r}")
         tensor = stored[name][0]
-        tensor.CopyFrom(numpy_helper.from_array(np.asarray(value, dtype=numpy_helper.to_array(tensor).dtype), tensor.name))
+        tensor.CopyFrom(
+            numpy_helper.from_array(np.asarray(value, dtype=numpy_helper.to_array(tensor).dtype), tensor.name)
+        )
     return result

@@ -106,7 +106,11 @@ def skeleton(path: str | Path, keep_below: int = 1024) -> onnx.ModelProto:
                 continue
             graph = bytearray()
             for g_field, g_wire, g_key, g_start, g_end in _fields(buf, value_start, value_end):
-                light = _tensor(buf, g_start, g_end, path.name, keep_below) if g_field == GRAPH_INITIALIZER and g_wire == LENGTH_DELIMITED else None
+                light = (
+                    _tensor(buf, g_start, g_end, path.name, keep_below)
+                    if g_field == GRAPH_INITIALIZER and g_wire == LENGTH_DELIMITED
+                    else None
+                )
                 graph += buf[g_key:g_end] if light is None else _message(GRAPH_INITIALIZER, light)
             out += _message(MODEL_GRAPH, bytes(graph))
     model = onnx.ModelProto()

@@ -12,8 +12,26 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtimes.base import DerivedFeeds, IOSpec, ModelSource, Runtime, RuntimeUnavailable, Session, SessionFactory, WithDefaults, kept
-from runtimes.ort import DEVICES, PROVIDERS, OrtRuntime, OrtSession, available_providers, release_freed_memory, return_large_allocations
+from runtimes.base import (
+    DerivedFeeds,
+    IOSpec,
+    ModelSource,
+    Runtime,
+    RuntimeUnavailable,
+    Session,
+    SessionFactory,
+    WithDefaults,
+    kept,
+)
+from runtimes.ort import (
+    DEVICES,
+    PROVIDERS,
+    OrtRuntime,
+    OrtSession,
+    available_providers,
+    release_freed_memory,
+    return_large_allocations,
+)
 
 
 @dataclass(frozen=True)
@@ -40,8 +58,18 @@ class Provider:
 RUNTIMES: dict[str, Provider] = {
     p.name: p
     for p in (
-        *(Provider(name, "runtimes.ort", "ONNX Runtime execution providers", gpu=name in DEVICES) for name in PROVIDERS),
-        Provider("trt-engine", "runtimes.trt", "native TensorRT, weights refitted", gpu=True, sweep_only=True, builds_engines=True),
+        *(
+            Provider(name, "runtimes.ort", "ONNX Runtime execution providers", gpu=name in DEVICES)
+            for name in PROVIDERS
+        ),
+        Provider(
+            "trt-engine",
+            "runtimes.trt",
+            "native TensorRT, weights refitted",
+            gpu=True,
+            sweep_only=True,
+            builds_engines=True,
+        ),
     )
 }
 """`--provider` names, in the order the CLI lists them."""

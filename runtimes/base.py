@@ -53,8 +53,9 @@ class Session(Protocol):
     outputs: Sequence[IOSpec]
     weights: frozenset[str]
 
-    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        ...
+    def run(
+        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None
+    ) -> dict[str, np.ndarray]: ...
 
     def keep(self, values: Mapping[str, np.ndarray]) -> Mapping[str, object]:
         """`values` that many runs will feed unchanged (a rollout's perturbed weights), put where
@@ -62,8 +63,7 @@ class Session(Protocol):
         every run; a host session returns them as they are. The result is fed like the arrays."""
         ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 class Runtime(Protocol):
@@ -121,7 +121,9 @@ class WithDefaults:
             if source is not None:
                 self._fill[spec.name] = source
         self.weights = frozenset(session.weights) | frozenset(self._fill)
-        if getattr(session, "device", None) is not None:  # a GPU session: the defaults go to the device once, not every run
+        if (
+            getattr(session, "device", None) is not None
+        ):  # a GPU session: the defaults go to the device once, not every run
             resident = session.keep({name: source[name] for name, source in self._fill.items()})
             self._fill = dict.fromkeys(resident, resident)
         self.device = getattr(session, "device", None)
@@ -144,7 +146,12 @@ class DerivedFeeds:
     thread (a sweep lane) keeps the initializers of the last weights it fed, for as long as it feeds
     those very arrays (held here, so no other array can take their identity)."""
 
-    def __init__(self, session: Session, weights: frozenset[str], derive: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]):
+    def __init__(
+        self,
+        session: Session,
+        weights: frozenset[str],
+        derive: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]],
+    ):
         self._session, self._derive = session, derive
         self.name = session.name
         self.weights = frozenset(weights)

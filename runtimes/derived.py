@@ -40,7 +40,9 @@ class DerivedFeed:
             stored = graph_ops.read_weights(self.rebuild.graph(), self.weights)
             values = {name: stored[name] for name in self.weights}
             nominal = onnx.load_model_from_string(runtime.optimized(self.rebuild.model))
-            marked = onnx.load_model_from_string(runtime.optimized(graph_ops.model_bytes(derived.marked(self.rebuild.graph(), values))))
+            marked = onnx.load_model_from_string(
+                runtime.optimized(graph_ops.model_bytes(derived.marked(self.rebuild.graph(), values)))
+            )
             mapped = derived.weight_map(nominal, marked, values)
             self._made = (graph_ops.model_bytes(derived.fed_graph(nominal, mapped)), mapped)
         return self._made
@@ -50,7 +52,11 @@ class DerivedFeed:
             model, mapped = self.made()
         except Exception:  # this process's runtime lays the weights out otherwise: fed as stored
             return self.rebuild.overridable(self.weights)
-        return DerivedFeeds(dataclasses.replace(self.rebuild.runtime, optimization="disable").open(model), frozenset(self.weights), mapped.derive)
+        return DerivedFeeds(
+            dataclasses.replace(self.rebuild.runtime, optimization="disable").open(model),
+            frozenset(self.weights),
+            mapped.derive,
+        )
 
     def __getstate__(self):
         return {**self.__dict__, "_made": None}  # another process (or machine) maps its own runtime's layouts
@@ -91,4 +97,3 @@ def derived_feed(rebuild: RebuildFactory, units: Sequence, names: list[str]) -> 
     except Exception as exc:  # the runtime cannot save or reload its optimized graph
         return None, f"weights as stored (ONNX Runtime's optimized graph: {str(exc).splitlines()[0]})"
     return feed, FED_OPTIMIZED
-

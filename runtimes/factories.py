@@ -47,7 +47,9 @@ class CutSessions:
         return (self._open(graph_ops.model_bytes(cut.model)) if cut.outputs else None), cut
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k not in ("_proto", "_types", "_ranks")}  # workers parse their own
+        return {
+            k: v for k, v in self.__dict__.items() if k not in ("_proto", "_types", "_ranks")
+        }  # workers parse their own
 
 
 @dataclass
@@ -85,13 +87,14 @@ class RebuildFactory(CutSessions):
 
     def batched(self, weights, probes: int) -> Session:
         """A session running `probes` probes of `weights` in one call (`graph_ops.batch`); raises BatchError when it cannot."""
-        return self.runtime.open(graph_ops.model_bytes(graph_ops.batch.batch_probes(self.graph(), weights, probes, self._tensor_ranks())))
+        return self.runtime.open(
+            graph_ops.model_bytes(graph_ops.batch.batch_probes(self.graph(), weights, probes, self._tensor_ranks()))
+        )
 
     def _tensor_ranks(self) -> dict[str, int]:
         if not hasattr(self, "_ranks"):
             self._ranks = graph_ops.batch.tensor_ranks(self.graph())
         return self._ranks
-
 
 
 @dataclass
@@ -105,7 +108,6 @@ class StreamedCuts(CutSessions):
 
     def _open(self, model: bytes) -> Session:
         return self.runtime.open(model, external_data_dir=self.data_dir)
-
 
 
 def open_fed(runtime: Runtime, source: Path, data_dir: Path, weights) -> Session:

@@ -137,13 +137,20 @@ class OrtRuntime:
         if self.exact_qdq:
             options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
         if external_data_dir is not None:
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_dir))
+            options.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path", str(external_data_dir)
+            )
         if self.optimized_model_path:
             options.optimized_model_filepath = self.optimized_model_path
         for key, value in self.config:
             options.add_session_config_entry(key, value)
         source = model if isinstance(model, bytes) else os.fspath(model)
-        session = ort.InferenceSession(source, sess_options=options, providers=self.providers(), disabled_optimizers=list(self.disabled_optimizers) or None)
+        session = ort.InferenceSession(
+            source,
+            sess_options=options,
+            providers=self.providers(),
+            disabled_optimizers=list(self.disabled_optimizers) or None,
+        )
         wanted, got = PROVIDERS[self.provider][0], session.get_providers()[0]
         if got != wanted:
             # ONNX Runtime logs the failure and carries on with the next provider in the list (a TensorRT
@@ -196,7 +203,9 @@ class OrtSession:
         import onnxruntime as ort
 
         return {
-            name: value if isinstance(value, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self.device, self.device_id)
+            name: value
+            if isinstance(value, ort.OrtValue)
+            else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self.device, self.device_id)
             for name, value in values.items()
         }
 

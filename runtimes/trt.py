@@ -30,7 +30,9 @@ def _import():
         import tensorrt as trt
         from polygraphy.backend import trt as poly
     except ImportError as exc:
-        raise RuntimeUnavailable(f"TensorRT runtime needs tensorrt and polygraphy ({exc}); install the GPU extra: pip install 'tqsdeploy[gpu]'") from None
+        raise RuntimeUnavailable(
+            f"TensorRT runtime needs tensorrt and polygraphy ({exc}); install the GPU extra: pip install 'tqsdeploy[gpu]'"
+        ) from None
     return trt, poly
 
 
@@ -85,7 +87,9 @@ class TrtRuntime:
             tensor = net.get_input(index)
             shape = list(tensor.shape)
             if any(d < 0 for d in shape[1:]):
-                raise RuntimeUnavailable(f"TensorRT runtime: input '{tensor.name}' has dynamic dimensions beyond the batch axis: {shape}")
+                raise RuntimeUnavailable(
+                    f"TensorRT runtime: input '{tensor.name}' has dynamic dimensions beyond the batch axis: {shape}"
+                )
             if shape and shape[0] < 0:
                 profile.add(tensor.name, [1, *shape[1:]], [self.opt_batch, *shape[1:]], [self.max_batch, *shape[1:]])
         config = poly.CreateConfig(refittable=True, fp16=self.fp16, profiles=[profile])
@@ -98,7 +102,9 @@ def make(provider: str, threads: int | None = None, **options) -> TrtRuntime:
     are TrtRuntime's fields, and another engine's settings (ONNX Runtime's `exact_qdq`) are refused."""
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(TrtRuntime)})
     if unknown:
-        raise RuntimeUnavailable(f"native TensorRT ('{provider}') has no setting {', '.join(unknown)}; choose an ONNX Runtime provider (cpu, cuda or tensorrt)")
+        raise RuntimeUnavailable(
+            f"native TensorRT ('{provider}') has no setting {', '.join(unknown)}; choose an ONNX Runtime provider (cpu, cuda or tensorrt)"
+        )
     return TrtRuntime(provider=provider, **options)
 
 
@@ -121,7 +127,11 @@ class TrtSession:
         self.inputs, self.outputs = [], []
         for index in range(engine.num_io_tensors):
             name = engine.get_tensor_name(index)
-            spec = IOSpec(name, tuple(d if d >= 0 else None for d in engine.get_tensor_shape(name)), np.dtype(trt.nptype(engine.get_tensor_dtype(name))))
+            spec = IOSpec(
+                name,
+                tuple(d if d >= 0 else None for d in engine.get_tensor_shape(name)),
+                np.dtype(trt.nptype(engine.get_tensor_dtype(name))),
+            )
             (self.inputs if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else self.outputs).append(spec)
 
     def _refit(self, weights: Mapping[str, np.ndarray]) -> None:

@@ -12,7 +12,9 @@ OPSET = 17
 
 
 def _model(nodes, inputs, outputs, initializers, path: Path) -> Path:
-    graph = helper.make_graph(nodes, "test", inputs, outputs, [numpy_helper.from_array(v, k) for k, v in initializers.items()])
+    graph = helper.make_graph(
+        nodes, "test", inputs, outputs, [numpy_helper.from_array(v, k) for k, v in initializers.items()]
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 9
     onnx.checker.check_model(model)
@@ -29,7 +31,13 @@ def _state_model(nodes, init, path: Path, n: int, dtype=TensorProto.FLOAT, batch
 def linear_map(path: Path, a: np.ndarray, batch="batch") -> Path:
     """x_{t+1} = A x_t for row-vector states x [batch, n]: y = x @ A^T."""
     n = a.shape[0]
-    return _state_model([helper.make_node("MatMul", ["x", "W"], ["y"])], {"W": np.ascontiguousarray(a.T.astype(np.float32))}, path, n, batch=batch)
+    return _state_model(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        {"W": np.ascontiguousarray(a.T.astype(np.float32))},
+        path,
+        n,
+        batch=batch,
+    )
 
 
 def two_branch(path: Path, n: int = 32, seed: int = 0) -> Path:
@@ -68,7 +76,11 @@ def shift_model(path: Path, length: int = 16, horizon: int = 4, seed: int = 0) -
         "W2": (rng.standard_normal((64, horizon)) / 8).astype(np.float32),
     }
     return _model(
-        [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Tanh", ["h"], ["a"]), helper.make_node("MatMul", ["a", "W2"], ["y"])],
+        [
+            helper.make_node("MatMul", ["x", "W1"], ["h"]),
+            helper.make_node("Tanh", ["h"], ["a"]),
+            helper.make_node("MatMul", ["a", "W2"], ["y"]),
+        ],
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", length])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", horizon])],
         init,
@@ -79,7 +91,12 @@ def shift_model(path: Path, length: int = 16, horizon: int = 4, seed: int = 0) -
 def nan_model(path: Path, n: int = 32) -> Path:
     """y = sqrt(x @ W): NaN as soon as a state goes negative."""
     rng = np.random.default_rng(0)
-    return _state_model([helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Sqrt", ["h"], ["y"])], {"W": rng.standard_normal((n, n)).astype(np.float32)}, path, n)
+    return _state_model(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Sqrt", ["h"], ["y"])],
+        {"W": rng.standard_normal((n, n)).astype(np.float32)},
+        path,
+        n,
+    )
 
 
 def small_weights_model(path: Path) -> Path:
@@ -108,7 +125,10 @@ def assorted_ops(path: Path) -> Path:
             helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch"]),
             helper.make_tensor_value_info("img", TensorProto.FLOAT, ["batch", 4, 8, 8]),
         ],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32]), helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", 8, 8, 8])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", 8, 8, 8]),
+        ],
         {"emb": emb, "gemm_w": gemm_w, "gemm_b": np.zeros(64, np.float32), "conv_t": conv_t},
         path,
     )
@@ -168,7 +188,10 @@ def fp16_gelu_mlp(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> P
     init = {
         "W1": (rng.standard_normal((n, hidden)) / np.sqrt(n)).astype(half),
         "W2": (rng.standard_normal((hidden, n)) / np.sqrt(hidden)).astype(half),
-        "root2": np.array(np.sqrt(2), half), "one": np.array(1, half), "half": np.array(0.5, half), "gain": np.array(0.3, half),
+        "root2": np.array(np.sqrt(2), half),
+        "one": np.array(1, half),
+        "half": np.array(0.5, half),
+        "gain": np.array(0.3, half),
     }
     nodes = [
         helper.make_node("MatMul", ["x", "W1"], ["h"]),
@@ -207,7 +230,10 @@ def gather_forecaster(path: Path, rows: int = 100, n: int = 32, seed: int = 0, c
     ids_type = TensorProto.INT32 if cast_ids else TensorProto.INT64
     return _model(
         nodes,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n]), helper.make_tensor_value_info("ids", ids_type, ["batch"])],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n]),
+            helper.make_tensor_value_info("ids", ids_type, ["batch"]),
+        ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
         init,
         path,
@@ -251,11 +277,15 @@ def conv_forecaster(path: Path, channels: int = 4, size: int = 6, seed: int = 0)
         helper.make_node("Mul", ["d", "gain"], ["s"]),
         helper.make_node("Add", ["x", "s"], ["y"]),
     ]
-    io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", channels, size, size]) for name in ("x", "y")]
+    io = [
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", channels, size, size]) for name in ("x", "y")
+    ]
     return _model(nodes, io[:1], io[1:], init, path)
 
 
-def conv_stack(path: Path, channels: int = 5, hidden: int = 16, size: int = 8, seed: int = 0, batch_norm: bool = False) -> Path:
+def conv_stack(
+    path: Path, channels: int = 5, hidden: int = 16, size: int = 8, seed: int = 0, batch_norm: bool = False
+) -> Path:
     """y = x + 0.1 * Conv(relu(Conv(relu(Conv(x))))) on x [batch, channels, size, size], channels 5 -> hidden ->
     hidden -> 5: wide enough for ONNX Runtime's NCHWc Conv kernels (which pad the 5 channels to their block).
     `batch_norm`: a BatchNormalization after the first Conv (ONNX Runtime folds it into that Conv's weight)."""
@@ -286,7 +316,9 @@ def conv_stack(path: Path, channels: int = 5, hidden: int = 16, size: int = 8, s
         helper.make_node("Mul", ["d", "gain"], ["s"]),
         helper.make_node("Add", ["x", "s"], ["y"]),
     ]
-    io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", channels, size, size]) for name in ("x", "y")]
+    io = [
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", channels, size, size]) for name in ("x", "y")
+    ]
     return _model(nodes, io[:1], io[1:], init, path)
 
 
@@ -307,22 +339,36 @@ def batch_mean(path: Path, n: int = 32, seed: int = 0) -> Path:
 def assorted_case(folder: Path):
     """(model, contexts, rollout spec): a Gather table, a Gemm (transB=0), a Constant-node MatMul weight and a
     Conv weight read through a Transpose; one step, no feedback."""
-    from tqsdeploy.rollout.contexts import Contexts
     from tqsdeploy.rollout import RolloutSpec
+    from tqsdeploy.rollout.contexts import Contexts
 
     rng = np.random.default_rng(0)
-    contexts = Contexts({"ids": rng.integers(0, 100, (3, 5)).astype(np.int64), "img": rng.standard_normal((3, 5, 4, 8, 8)).astype(np.float32)}, source="test")
-    return assorted_ops(Path(folder) / "assorted.onnx"), contexts, RolloutSpec(steps=1, feedback=(), trajectory=("y", "z"))
+    contexts = Contexts(
+        {
+            "ids": rng.integers(0, 100, (3, 5)).astype(np.int64),
+            "img": rng.standard_normal((3, 5, 4, 8, 8)).astype(np.float32),
+        },
+        source="test",
+    )
+    return (
+        assorted_ops(Path(folder) / "assorted.onnx"),
+        contexts,
+        RolloutSpec(steps=1, feedback=(), trajectory=("y", "z")),
+    )
 
 
 def shared_weight_case(folder: Path, steps: int = 4):
     """(model, contexts, rollout spec): a residual MLP with one weight read by two MatMuls and a transB Gemm,
     its state fed back for `steps` steps."""
-    from tqsdeploy.rollout.contexts import Contexts
     from tqsdeploy.rollout import RolloutSpec
+    from tqsdeploy.rollout.contexts import Contexts
 
     contexts = Contexts({"x": np.random.default_rng(1).standard_normal((4, 2, 32)).astype(np.float32)}, source="test")
-    return mlp_forecaster(Path(folder) / "mlp.onnx"), contexts, RolloutSpec.from_dict({"steps": steps, "feedback": [{"output": "y", "input": "x"}]})
+    return (
+        mlp_forecaster(Path(folder) / "mlp.onnx"),
+        contexts,
+        RolloutSpec.from_dict({"steps": steps, "feedback": [{"output": "y", "input": "x"}]}),
+    )
 
 
 class Interrupt(Exception):
@@ -340,29 +386,43 @@ def interrupt_after(count: int, seen: list):
     return record
 
 
-def deep_residual_stack(path: Path, depth: int = 8, n: int = 16, hidden: int = 32, tokens: int = 4, seed: int = 0) -> Path:
+def deep_residual_stack(
+    path: Path, depth: int = 8, n: int = 16, hidden: int = 32, tokens: int = 4, seed: int = 0
+) -> Path:
     """x [batch, tokens, n] -> y, `depth` pre-norm-free transformer-like blocks h = LayerNorm(h + relu(h @ U_i) @ V_i),
     with `S` read by the blocks 1 and 3 (added to their residual: a weight shared across levels, so the
     activations after block 1 hold it at full precision until its wave) and `T` by every block's output
     (h @ T added before the norm: one weight reused depth times, quantized last). Add + LayerNormalization is
     what ONNX Runtime fuses when it knows both shapes: what a calibration wave cut at its inputs must not change."""
     rng = np.random.default_rng(seed)
-    init = {"ln_scale": np.ones(n, np.float32), "ln_bias": np.zeros(n, np.float32),
-            "S": (rng.standard_normal((n, n)) / np.sqrt(n) * 0.5).astype(np.float32),
-            "T": (rng.standard_normal((n, n)) / np.sqrt(n) * 0.3).astype(np.float32)}
+    init = {
+        "ln_scale": np.ones(n, np.float32),
+        "ln_bias": np.zeros(n, np.float32),
+        "S": (rng.standard_normal((n, n)) / np.sqrt(n) * 0.5).astype(np.float32),
+        "T": (rng.standard_normal((n, n)) / np.sqrt(n) * 0.3).astype(np.float32),
+    }
     nodes, h = [], "x"
     for i in range(depth):
         init[f"U{i}"] = (rng.standard_normal((n, hidden)) / np.sqrt(n)).astype(np.float32)
         init[f"V{i}"] = (rng.standard_normal((hidden, n)) / np.sqrt(hidden)).astype(np.float32)
-        nodes += [helper.make_node("MatMul", [h, f"U{i}"], [f"a{i}"]), helper.make_node("Relu", [f"a{i}"], [f"r{i}"]),
-                  helper.make_node("MatMul", [f"r{i}", f"V{i}"], [f"d{i}"])]
+        nodes += [
+            helper.make_node("MatMul", [h, f"U{i}"], [f"a{i}"]),
+            helper.make_node("Relu", [f"a{i}"], [f"r{i}"]),
+            helper.make_node("MatMul", [f"r{i}", f"V{i}"], [f"d{i}"]),
+        ]
         branch = f"d{i}"
         if i in (1, 3):
-            nodes += [helper.make_node("MatMul", [h, "S"], [f"e{i}"]), helper.make_node("Add", [f"d{i}", f"e{i}"], [f"de{i}"])]
+            nodes += [
+                helper.make_node("MatMul", [h, "S"], [f"e{i}"]),
+                helper.make_node("Add", [f"d{i}", f"e{i}"], [f"de{i}"]),
+            ]
             branch = f"de{i}"
-        nodes += [helper.make_node("MatMul", [h, "T"], [f"t{i}"]), helper.make_node("Add", [branch, f"t{i}"], [f"b{i}"]),
-                  helper.make_node("Add", [h, f"b{i}"], [f"s{i}"]),
-                  helper.make_node("LayerNormalization", [f"s{i}", "ln_scale", "ln_bias"], [f"h{i}"], axis=-1)]
+        nodes += [
+            helper.make_node("MatMul", [h, "T"], [f"t{i}"]),
+            helper.make_node("Add", [branch, f"t{i}"], [f"b{i}"]),
+            helper.make_node("Add", [h, f"b{i}"], [f"s{i}"]),
+            helper.make_node("LayerNormalization", [f"s{i}", "ln_scale", "ln_bias"], [f"h{i}"], axis=-1),
+        ]
         h = f"h{i}"
     nodes.append(helper.make_node("Identity", [h], ["y"]))
     io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", tokens, n]) for name in ("x", "y")]
@@ -380,13 +440,18 @@ def _gate_sliced(stored: str, hidden: int, out: str, via: list, init: dict) -> l
     for g in range(5):
         init.setdefault(f"gate_at{g}", np.array([g * hidden], np.int64))
     init.setdefault("axis0", np.array([0], np.int64))
-    nodes += [helper.make_node("Slice", [source, f"gate_at{g}", f"gate_at{g + 1}", "axis0"], [f"{out}_gate{g}"]) for g in range(4)]
+    nodes += [
+        helper.make_node("Slice", [source, f"gate_at{g}", f"gate_at{g + 1}", "axis0"], [f"{out}_gate{g}"])
+        for g in range(4)
+    ]
     nodes.append(helper.make_node("Concat", [f"{out}_gate{g}" for g in (0, 3, 1, 2)], [f"{out}_cat"], axis=0))
     nodes.append(helper.make_node("Unsqueeze", [f"{out}_cat", "axis0"], [out]))
     return nodes
 
 
-def sliced_lstm(path: Path, n: int = 16, hidden: int = 16, seq: int = 6, seed: int = 0, unfollowed: bool = False) -> Path:
+def sliced_lstm(
+    path: Path, n: int = 16, hidden: int = 16, seq: int = 6, seed: int = 0, unfollowed: bool = False
+) -> Path:
     """x [batch, seq, n] -> y = x + (last LSTM state) @ Wo, its W [4H, n] and R [4H, H] stored as torch's default
     (dynamo) exporter stores them (`_gate_sliced`). `unfollowed`: R passes a Mul by 1 first, which nothing follows."""
     rng = np.random.default_rng(seed)

@@ -7,10 +7,10 @@ import pytest
 
 from graph_ops.qdq import emitted_bits
 from tiers import Layout, encode, get_tiers
+from tqsdeploy.errors import InfeasibleError
 from tqsdeploy.export.allocate import Choice, allocate, max_compression
 from tqsdeploy.export.objectives import paper_weights
 from tqsdeploy.size import SizeBudget
-from tqsdeploy.errors import InfeasibleError
 
 TIERS = get_tiers(["fp32", "bf16", "int8", "int4", "int2"])
 
@@ -88,12 +88,24 @@ def test_greedy_and_mckp_agree_on_easy_cases(share, pair):
     """Equal sizes and two tiers: the optimum promotes strictly by rank, which is all greedy does."""
     tiers, gammas = get_tiers(list(pair)), [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
     choices = _choices(gammas, [64] * 8)
-    choices = [type(c)(c.unit, c.params, c.gamma, c.dead, {t.name: c.cost[t.name] for t in tiers}, {t.name: c.loss[t.name] for t in tiers}) for c in choices]
+    choices = [
+        type(c)(
+            c.unit,
+            c.params,
+            c.gamma,
+            c.dead,
+            {t.name: c.cost[t.name] for t in tiers},
+            {t.name: c.loss[t.name] for t in tiers},
+        )
+        for c in choices
+    ]
     reference = _reference(choices)
     lowest = reference / sum(max(c.cost.values()) for c in choices)
     target = lowest + share * (max_compression(choices, SizeBudget(reference, 0)) - lowest)
     exact = allocate(choices, tiers, target, SizeBudget(reference, 0), objective="paper", fp32_fraction=0.0)
-    greedy = allocate(choices, tiers, target, SizeBudget(reference, 0), objective="paper", fp32_fraction=0.0, solver="greedy")
+    greedy = allocate(
+        choices, tiers, target, SizeBudget(reference, 0), objective="paper", fp32_fraction=0.0, solver="greedy"
+    )
     assert exact.solver.startswith("mckp")
     assert greedy.tiers == exact.tiers
 
@@ -141,7 +153,11 @@ def test_each_exact_solver_finds_the_brute_force_optimum(label, monkeypatch):
         choices.append(Choice(unit, size * 64, float(rng.normal()), False, cost, loss))
     budget = int(0.45 * sum(c.cost["fp32"] for c in choices))
     best = min(
-        (combo for combo in itertools.product(*(list(c.cost) for c in choices)) if sum(c.cost[t] for c, t in zip(choices, combo)) <= budget),
+        (
+            combo
+            for combo in itertools.product(*(list(c.cost) for c in choices))
+            if sum(c.cost[t] for c, t in zip(choices, combo)) <= budget
+        ),
         key=lambda combo: sum(c.loss[t] for c, t in zip(choices, combo)),
     )
     chosen, used = allocate_module._solve_mckp(choices, budget)
@@ -169,14 +185,25 @@ def test_the_solver_finds_the_optimum_when_prices_span_many_orders_of_magnitude(
         choices = []
         for unit, size in enumerate([16, 64, 256, 16, 64, 256, 128]):
             scale = 10.0 ** rng.uniform(-6, -2)
-            loss = {"fp32": 0.0, "bf16": scale * 1e-3 * rng.uniform(0.5, 2), "int8": scale * rng.uniform(0.5, 2),
-                    "int2": (1e4 if unit == 0 else scale * 1e3) * rng.uniform(0.5, 2)}
+            loss = {
+                "fp32": 0.0,
+                "bf16": scale * 1e-3 * rng.uniform(0.5, 2),
+                "int8": scale * rng.uniform(0.5, 2),
+                "int2": (1e4 if unit == 0 else scale * 1e3) * rng.uniform(0.5, 2),
+            }
             choices.append(Choice(unit, size * 64, 0.0, False, {t.name: _cost(t, size) for t in tiers}, loss))
         budget = int(0.45 * sum(c.cost["fp32"] for c in choices))
 
         def total(combo):
             return sum(c.loss[t] for c, t in zip(choices, combo))
 
-        best = min((combo for combo in itertools.product(*(list(c.cost) for c in choices)) if sum(c.cost[t] for c, t in zip(choices, combo)) <= budget), key=total)
+        best = min(
+            (
+                combo
+                for combo in itertools.product(*(list(c.cost) for c in choices))
+                if sum(c.cost[t] for c, t in zip(choices, combo)) <= budget
+            ),
+            key=total,
+        )
         chosen, _ = allocate_module._solve_mckp(choices, budget)
         assert total([chosen[c.unit] for c in choices]) <= total(best) * (1 + 1e-9), seed

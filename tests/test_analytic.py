@@ -2,10 +2,10 @@
 
 import math
 
+import models
 import numpy as np
 import pytest
 
-import models
 from tqsdeploy import ScoreSettings, UnitSelection, score
 from tqsdeploy.sweep.probes import quantization_probe
 
@@ -41,7 +41,12 @@ def test_gamma_matches_closed_form(linear_case):
     model, contexts, a, x0, folder = linear_case
     horizons = (1, 2, 4, 8, 16)
     table = score(
-        model, contexts, steps=16, out=folder / "run", selection=UnitSelection(min_params=1), settings=ScoreSettings(gauss_draws=0, horizons=horizons)
+        model,
+        contexts,
+        steps=16,
+        out=folder / "run",
+        selection=UnitSelection(min_params=1),
+        settings=ScoreSettings(gauss_draws=0, horizons=horizons),
     )
     row = table.frame.row(0, named=True)
     exact = _exact_gamma(a, x0, 6, horizons)
@@ -62,7 +67,11 @@ def test_gamma_converges_to_twice_log_spectral_radius(tmp_path):
     model = models.linear_map(tmp_path / "normal.onnx", a)
     horizons = (16, 64, 200)
     table = score(
-        model, tmp_path / "ctx.npz", steps=200, out=tmp_path / "run", selection=UnitSelection(min_params=1),
+        model,
+        tmp_path / "ctx.npz",
+        steps=200,
+        out=tmp_path / "run",
+        selection=UnitSelection(min_params=1),
         settings=ScoreSettings(gauss_draws=0, horizons=horizons),
     )
     row = table.frame.row(0, named=True)
@@ -78,7 +87,14 @@ def test_gamma_converges_to_twice_log_spectral_radius(tmp_path):
 def test_gauss_probe_matches_quant_norm_and_scale(linear_case):
     """The Gaussian probe has the quant residual's norm, so on a linear map its gamma is close."""
     model, contexts, _, _, folder = linear_case
-    table = score(model, contexts, steps=16, out=folder / "gauss", selection=UnitSelection(min_params=1), settings=ScoreSettings(gauss_draws=8))
+    table = score(
+        model,
+        contexts,
+        steps=16,
+        out=folder / "gauss",
+        selection=UnitSelection(min_params=1),
+        settings=ScoreSettings(gauss_draws=8),
+    )
     row = table.frame.row(0, named=True)
     assert row["gamma_gauss"] == pytest.approx(row["gamma_quant"], abs=0.1)
     assert row["gamma_gauss_std"] > 0

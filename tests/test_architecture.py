@@ -61,7 +61,10 @@ def test_packages_import_only_downwards():
 
 
 def test_no_import_cycles_between_modules():
-    graph = {name: {m for m in _top_level_imports(name, path) if not name.startswith(m + ".")} for name, path in MODULES.items()}
+    graph = {
+        name: {m for m in _top_level_imports(name, path) if not name.startswith(m + ".")}
+        for name, path in MODULES.items()
+    }
     state: dict[str, int] = {}
     cycles = []
 
@@ -69,7 +72,7 @@ def test_no_import_cycles_between_modules():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append(" -> ".join(trail[trail.index(nxt):] + [nxt]) if nxt in trail else f"{node} -> {nxt}")
+                cycles.append(" -> ".join(trail[trail.index(nxt) :] + [nxt]) if nxt in trail else f"{node} -> {nxt}")
             elif nxt not in state:
                 visit(nxt, trail + [nxt])
         state[node] = 2
@@ -82,5 +85,9 @@ def test_no_import_cycles_between_modules():
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_module_holds_several_jobs(package):
-    long = {name: n for name, path in MODULES.items() if name.split(".")[0] == package and (n := len(path.read_text().splitlines())) > MAX_LINES}
+    long = {
+        name: n
+        for name, path in MODULES.items()
+        if name.split(".")[0] == package and (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"modules over {MAX_LINES} lines: {long}"

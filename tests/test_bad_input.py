@@ -3,12 +3,12 @@ traceback, and an untouched input file."""
 
 import hashlib
 
+import models
 import numpy as np
 import onnx
 import pytest
 from typer.testing import CliRunner
 
-import models
 from tqsdeploy.cli import app
 
 runner = CliRunner()
@@ -56,7 +56,9 @@ def _external(tmp_path, location):
     model = onnx.load(str(models.two_branch(tmp_path / "src.onnx")))
     folder = tmp_path / "m"
     folder.mkdir()
-    onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=True, location="weights.bin", size_threshold=0)
+    onnx.save_model(
+        model, str(folder / "model.onnx"), save_as_external_data=True, location="weights.bin", size_threshold=0
+    )
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     for tensor in model.graph.initializer:
         for entry in tensor.external_data:
@@ -72,7 +74,9 @@ def test_external_data_missing(tmp_path, ctx):
 
 def test_external_data_outside_folder(tmp_path, ctx):
     (tmp_path / "evil.bin").write_bytes(b"\0" * 100000)
-    _fails(["score", _external(tmp_path, "../evil.bin"), "-c", ctx, "-o", tmp_path / "run"], "outside the model's folder")
+    _fails(
+        ["score", _external(tmp_path, "../evil.bin"), "-c", ctx, "-o", tmp_path / "run"], "outside the model's folder"
+    )
 
 
 def test_external_data_loads_when_valid(tmp_path, ctx):
@@ -96,7 +100,10 @@ def test_contexts_missing_input(two_branch, tmp_path):
 def test_contexts_wrong_shape(two_branch, tmp_path):
     model, _ = two_branch
     np.savez(tmp_path / "wrong.npz", x=np.ones((2, 1, 31), np.float32))
-    _fails(["score", model, "-c", tmp_path / "wrong.npz", "-o", tmp_path / "run"], "does not fit model input 'x' [batch, 32]")
+    _fails(
+        ["score", model, "-c", tmp_path / "wrong.npz", "-o", tmp_path / "run"],
+        "does not fit model input 'x' [batch, 32]",
+    )
 
 
 @pytest.mark.parametrize("layout", ["external data", "one file of SKELETON_BYTES or more"])
@@ -111,7 +118,14 @@ def test_a_refused_score_of_a_streamed_model_leaves_nothing_that_blocks_the_next
     proto = onnx.load(str(models.mlp_forecaster(tmp_path / "inline.onnx")))
     model = folder / "big.onnx"
     if layout == "external data":
-        onnx.save_model(proto, str(model), save_as_external_data=True, all_tensors_to_one_file=True, location="big.onnx.data", size_threshold=0)
+        onnx.save_model(
+            proto,
+            str(model),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location="big.onnx.data",
+            size_threshold=0,
+        )
     else:
         onnx.save_model(proto, str(model))
         monkeypatch.setattr(sys.modules["graph_ops.io"], "SKELETON_BYTES", 0)
@@ -120,11 +134,16 @@ def test_a_refused_score_of_a_streamed_model_leaves_nothing_that_blocks_the_next
     run = tmp_path / "runs" / "big"
     _fails(["score", model, "-c", tmp_path / "wrong.npz", "-o", run, "--steps", 2], "does not fit model input 'x'")
     assert not run.exists() and not (tmp_path / "runs").exists()
-    result = runner.invoke(app, [str(a) for a in ["score", model, "-c", tmp_path / "right.npz", "-o", run, "--steps", 2, "--probes", 1]])
+    result = runner.invoke(
+        app, [str(a) for a in ["score", model, "-c", tmp_path / "right.npz", "-o", run, "--steps", 2, "--probes", 1]]
+    )
     assert result.exit_code == 0, result.output
     run.joinpath("keep.txt").write_text("the user's")  # a refusal in a finished run folder removes only what it made
     before = sorted(p.name for p in run.iterdir())
-    _fails(["score", model, "-c", tmp_path / "wrong.npz", "-o", run, "--steps", 3, "--fresh"], "does not fit model input 'x'")
+    _fails(
+        ["score", model, "-c", tmp_path / "wrong.npz", "-o", run, "--steps", 3, "--fresh"],
+        "does not fit model input 'x'",
+    )
     assert sorted(p.name for p in run.iterdir()) == before
 
 
@@ -134,7 +153,10 @@ def test_contexts_beyond_float32_are_named_not_turned_into_inf(two_branch, tmp_p
     big = np.random.default_rng(0).standard_normal((2, 1, 32))
     big[1, 0, 5] = 1e39
     np.savez(tmp_path / "big.npz", x=big)
-    _fails(["score", model, "-c", tmp_path / "big.npz", "-o", tmp_path / "run"], "contexts array 'x' holds 1e+39, beyond float32's range")
+    _fails(
+        ["score", model, "-c", tmp_path / "big.npz", "-o", tmp_path / "run"],
+        "contexts array 'x' holds 1e+39, beyond float32's range",
+    )
 
 
 def test_a_folder_of_the_users_own_files_is_refused_not_overwritten(two_branch, tmp_path):
@@ -153,9 +175,15 @@ def test_rollout_spec_does_not_fit(tmp_path):
     np.savez(tmp_path / "c.npz", x=np.ones((2, 1, 16), np.float32))
     spec = tmp_path / "spec.toml"
     spec.write_text('steps = 3\n[[feedback]]\noutput = "y"\ninput = "x"\nmode = "replace"\n')
-    _fails(["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--min-params", "1"], "does not fit input 'x'")
+    _fails(
+        ["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--min-params", "1"],
+        "does not fit input 'x'",
+    )
     spec.write_text('steps = 3\n[[feedback]]\noutput = "y"\ninput = "state"\n')
-    _fails(["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--min-params", "1"], "'state' is not a model input")
+    _fails(
+        ["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--min-params", "1"],
+        "'state' is not a model input",
+    )
 
 
 def test_rollout_spec_not_toml(two_branch, tmp_path):
@@ -192,7 +220,11 @@ def test_missing_model_and_contexts(two_branch, tmp_path):
 
 def test_single_step_model_refuses_more_steps(tmp_path):
     model = models.assorted_ops(tmp_path / "multi.onnx")  # nothing to feed back: detected as single-step (T = 1)
-    _fails(["score", model, "--random-contexts", "-o", tmp_path / "run", "--min-params", "1", "--steps", "4"], "single-step", "--steps 1")
+    _fails(
+        ["score", model, "--random-contexts", "-o", tmp_path / "run", "--min-params", "1", "--steps", "4"],
+        "single-step",
+        "--steps 1",
+    )
 
 
 def test_model_file_untouched_by_a_full_run(two_branch, tmp_path):
@@ -223,14 +255,19 @@ def test_nodes_out_of_order_are_sorted_not_refused(two_branch, tmp_path):
         onnx.checker.check_model(str(shuffled))
     before = _digest(shuffled)
     for name, path in [("sorted", model), ("shuffled", shuffled)]:
-        result = runner.invoke(app, ["score", str(path), "-c", str(ctx_path), "-o", str(tmp_path / name), "--steps", "3", "--strategy", "feed"])
+        result = runner.invoke(
+            app,
+            ["score", str(path), "-c", str(ctx_path), "-o", str(tmp_path / name), "--steps", "3", "--strategy", "feed"],
+        )
         assert result.exit_code == 0, result.output
     import polars as pl
 
     tables = [pl.read_parquet(tmp_path / name / "scores.parquet").sort("unit") for name in ("sorted", "shuffled")]
     assert tables[0]["unit"].to_list() == tables[1]["unit"].to_list()
     assert np.allclose(tables[0]["gamma"].to_numpy(), tables[1]["gamma"].to_numpy(), rtol=1e-6)
-    result = runner.invoke(app, ["export", str(shuffled), "--run", str(tmp_path / "shuffled"), "--C", "4", "-o", str(tmp_path / "q.onnx")])
+    result = runner.invoke(
+        app, ["export", str(shuffled), "--run", str(tmp_path / "shuffled"), "--C", "4", "-o", str(tmp_path / "q.onnx")]
+    )
     assert result.exit_code == 0, result.output
     onnx.checker.check_model(str(tmp_path / "q.onnx"))  # what tqsdeploy writes is in order
     assert _digest(shuffled) == before
@@ -240,7 +277,9 @@ def test_nodes_in_a_cycle_are_refused(tmp_path, ctx):
     model = onnx.load(str(models.two_branch(tmp_path / "two.onnx")))
     model.graph.node[1].input[0] = "dead_out"  # dead_raw = dead_out @ Wdead, dead_out = dead_raw * 0
     onnx.save(model, str(tmp_path / "cycle.onnx"))
-    message = _fails(["score", tmp_path / "cycle.onnx", "-c", ctx, "-o", tmp_path / "run"], "cycle.onnx", "cannot be sorted")
+    message = _fails(
+        ["score", tmp_path / "cycle.onnx", "-c", ctx, "-o", tmp_path / "run"], "cycle.onnx", "cannot be sorted"
+    )
     assert "[C]" not in message and "[W]" not in message  # onnx-graphsurgeon's own log lines stay quiet
 
 
@@ -274,16 +313,24 @@ def _int_input_model(path):
 
     table = np.random.default_rng(0).standard_normal((24, 32)).astype(np.float32)
     nodes = [helper.make_node("Gather", ["table", "hour"], ["offset"]), helper.make_node("Add", ["x", "offset"], ["y"])]
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 32]), helper.make_tensor_value_info("hour", TensorProto.INT64, ["b"])]
-    return models._model(nodes, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 32])], {"table": table}, path)
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 32]),
+        helper.make_tensor_value_info("hour", TensorProto.INT64, ["b"]),
+    ]
+    return models._model(
+        nodes, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 32])], {"table": table}, path
+    )
 
 
-@pytest.mark.parametrize("hour,phrase", [
-    (np.full((3, 1), 5.7), "holds fractions"),
-    (np.full((3, 1), np.nan), "contains NaN or Inf"),
-    (np.full((3, 1), True), "cannot take as it is"),
-    (np.full((3, 1), 1e30), "outside int64's range"),
-])
+@pytest.mark.parametrize(
+    "hour,phrase",
+    [
+        (np.full((3, 1), 5.7), "holds fractions"),
+        (np.full((3, 1), np.nan), "contains NaN or Inf"),
+        (np.full((3, 1), True), "cannot take as it is"),
+        (np.full((3, 1), 1e30), "outside int64's range"),
+    ],
+)
 def test_context_values_the_cast_would_change_are_refused(tmp_path, hour, phrase):
     model = _int_input_model(tmp_path / "m.onnx")
     path = tmp_path / "c.npz"
@@ -308,8 +355,16 @@ def test_a_nan_truth_is_bad_input_not_a_failed_gate(tmp_path, pair, command):
     model, ctx, truth = pair
     truth[0, 0, 0, 3] = np.nan
     np.savez(tmp_path / "t.npz", y=truth)
-    extra = ["--max-degradation", "5%", "--report-dir", tmp_path / "g"] if command == "gate" else ["--report", tmp_path / "r"]
-    _fails([command, model, "-r", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / "t.npz", *extra], "truth 'y'", "contains NaN or Inf")
+    extra = (
+        ["--max-degradation", "5%", "--report-dir", tmp_path / "g"]
+        if command == "gate"
+        else ["--report", tmp_path / "r"]
+    )
+    _fails(
+        [command, model, "-r", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / "t.npz", *extra],
+        "truth 'y'",
+        "contains NaN or Inf",
+    )
 
 
 def test_a_reference_that_produces_nan_is_bad_input(tmp_path, pair):
@@ -318,15 +373,34 @@ def test_a_reference_that_produces_nan_is_bad_input(tmp_path, pair):
     tiny = next(t for t in proto.graph.initializer if t.name == "tiny")  # below --min-params: not checked as a unit
     tiny.CopyFrom(onnx.numpy_helper.from_array(np.array([np.nan], np.float32), "tiny"))
     onnx.save(proto, str(tmp_path / "nan.onnx"))
-    _fails(["gate", model, "-r", tmp_path / "nan.onnx", "-c", ctx, "--steps", 2, "--max-degradation", "5%", "--report-dir", tmp_path / "g"],
-           "the reference model", "produces NaN or Inf")
+    _fails(
+        [
+            "gate",
+            model,
+            "-r",
+            tmp_path / "nan.onnx",
+            "-c",
+            ctx,
+            "--steps",
+            2,
+            "--max-degradation",
+            "5%",
+            "--report-dir",
+            tmp_path / "g",
+        ],
+        "the reference model",
+        "produces NaN or Inf",
+    )
 
 
-@pytest.mark.parametrize("args,phrase", [
-    (["--min-compression", "nan"], "--min-compression must be a positive finite"),
-    (["--max-degradation-output", "y=1%", "--max-degradation-output", "y=50%"], "gives output 'y' twice"),
-    (["--max-degradation", "1.2.3%"], "takes a percentage"),
-])
+@pytest.mark.parametrize(
+    "args,phrase",
+    [
+        (["--min-compression", "nan"], "--min-compression must be a positive finite"),
+        (["--max-degradation-output", "y=1%", "--max-degradation-output", "y=50%"], "gives output 'y' twice"),
+        (["--max-degradation", "1.2.3%"], "takes a percentage"),
+    ],
+)
 def test_gate_bounds_that_cannot_be_meant_are_refused(tmp_path, pair, args, phrase):
     model, ctx, _ = pair
     _fails(["gate", model, "-r", model, "-c", ctx, "--steps", 2, *args, "--report-dir", tmp_path / "g"], phrase)
@@ -334,14 +408,20 @@ def test_gate_bounds_that_cannot_be_meant_are_refused(tmp_path, pair, args, phra
 
 def test_eval_refuses_a_variable_axis_the_outputs_lack(tmp_path, pair):
     model, ctx, _ = pair
-    _fails(["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--variable-axis", "7", "--report", tmp_path / "r"], "--variable-axis 7 is not an axis")
+    _fails(
+        ["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--variable-axis", "7", "--report", tmp_path / "r"],
+        "--variable-axis 7 is not an axis",
+    )
 
 
-@pytest.mark.parametrize("edge,phrase", [
-    ({"fill": float("nan")}, "fill must be a finite number"),
-    ({"fill": 1e40}, "beyond float32's range"),
-    ({"fill": 0.0, "length": 100}, "appends 100 entries per step along axis -1, which holds 16"),
-])
+@pytest.mark.parametrize(
+    "edge,phrase",
+    [
+        ({"fill": float("nan")}, "fill must be a finite number"),
+        ({"fill": 1e40}, "beyond float32's range"),
+        ({"fill": 0.0, "length": 100}, "appends 100 entries per step along axis -1, which holds 16"),
+    ],
+)
 def test_mask_edges_whose_fill_or_length_cannot_be_meant_are_refused(edge, phrase):
     from runtimes import IOSpec
     from tqsdeploy.errors import RolloutError
@@ -349,7 +429,13 @@ def test_mask_edges_whose_fill_or_length_cannot_be_meant_are_refused(edge, phras
 
     f32 = np.dtype(np.float32)
     inputs = [IOSpec("x", ("b", 16), f32), IOSpec("mask", ("b", 16), f32)]
-    data = {"steps": 2, "feedback": [{"output": "y", "input": "x", "mode": "shift", "axis": -1}, {"input": "mask", "mode": "shift", "axis": -1, **edge}]}
+    data = {
+        "steps": 2,
+        "feedback": [
+            {"output": "y", "input": "x", "mode": "shift", "axis": -1},
+            {"input": "mask", "mode": "shift", "axis": -1, **edge},
+        ],
+    }
     with pytest.raises(RolloutError, match=phrase):
         RolloutSpec.from_dict(data).check(inputs, [IOSpec("y", ("b", 4), f32)])
 
@@ -372,29 +458,88 @@ def test_a_mistyped_solver_variable_is_refused_before_any_work(two_branch, tmp_p
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("args,phrase", [
-    (["baseline", "{conv}", "--method", "rtn", "--bits", "4", "--group-size", "4", "-o", "{tmp}/b.onnx"], "none of this model's"),
-    (["baseline", "{mlp}", "--method", "rtn", "--bits", "1", "--group-size", "8", "-o", "{tmp}/b.onnx"], "no tier here (int1) takes blocks"),
-    (["export", "{conv}", "--run", "{tmp}/run", "--C", "4", "--group-size", "4", "-o", "{tmp}/q.onnx"], "none of this model's"),
-    (["frontier", "{conv}", "-c", "{tmp}/c.npz", "--steps", "2", "--C", "4", "--group-size", "4", "-o", "{tmp}/fr"], "none of this model's"),
-])
+@pytest.mark.parametrize(
+    "args,phrase",
+    [
+        (
+            ["baseline", "{conv}", "--method", "rtn", "--bits", "4", "--group-size", "4", "-o", "{tmp}/b.onnx"],
+            "none of this model's",
+        ),
+        (
+            ["baseline", "{mlp}", "--method", "rtn", "--bits", "1", "--group-size", "8", "-o", "{tmp}/b.onnx"],
+            "no tier here (int1) takes blocks",
+        ),
+        (
+            ["export", "{conv}", "--run", "{tmp}/run", "--C", "4", "--group-size", "4", "-o", "{tmp}/q.onnx"],
+            "none of this model's",
+        ),
+        (
+            [
+                "frontier",
+                "{conv}",
+                "-c",
+                "{tmp}/c.npz",
+                "--steps",
+                "2",
+                "--C",
+                "4",
+                "--group-size",
+                "4",
+                "-o",
+                "{tmp}/fr",
+            ],
+            "none of this model's",
+        ),
+    ],
+)
 def test_a_group_size_nothing_can_take_is_refused_not_ignored(tmp_path, args, phrase):
     """--group-size on a Conv-only model or with --bits 1 once wrote per-channel scales with exit 0, as if it had been applied."""
     conv, mlp = models.conv_stack(tmp_path / "conv.onnx"), models.mlp_forecaster(tmp_path / "mlp.onnx")
     if "export" in args or "frontier" in args:
         contexts = tmp_path / "c.npz"
         shape = [d.dim_value or 2 for d in onnx.load(str(conv)).graph.input[0].type.tensor_type.shape.dim]
-        np.savez(contexts, **{onnx.load(str(conv)).graph.input[0].name: np.random.default_rng(0).standard_normal([2, *shape]).astype(np.float32)})
-        result = runner.invoke(app, ["score", str(conv), "-c", str(contexts), "--steps", "2", "--probe", "quant", "--min-params", "1", "-o", str(tmp_path / "run")])
+        np.savez(
+            contexts,
+            **{
+                onnx.load(str(conv)).graph.input[0].name: np.random.default_rng(0)
+                .standard_normal([2, *shape])
+                .astype(np.float32)
+            },
+        )
+        result = runner.invoke(
+            app,
+            [
+                "score",
+                str(conv),
+                "-c",
+                str(contexts),
+                "--steps",
+                "2",
+                "--probe",
+                "quant",
+                "--min-params",
+                "1",
+                "-o",
+                str(tmp_path / "run"),
+            ],
+        )
         assert result.exit_code == 0, result.output
     _fails([a.format(conv=conv, mlp=mlp, tmp=tmp_path) for a in args], "--group-size", phrase)
-    assert not list(tmp_path.glob("*.onnx.*")) and not (tmp_path / "b.onnx").exists() and not (tmp_path / "q.onnx").exists()
+    assert (
+        not list(tmp_path.glob("*.onnx.*"))
+        and not (tmp_path / "b.onnx").exists()
+        and not (tmp_path / "q.onnx").exists()
+    )
     assert not (tmp_path / "fr").exists()  # frontier refuses before its score
 
 
 def _csv(path, header, rows=40):
     values = np.random.default_rng(0).standard_normal((rows, len(header) - 1))
-    path.write_text(",".join(header) + "\n" + "".join(f"2020-01-01 {i:02d}:00," + ",".join(f"{v:.4f}" for v in row) + "\n" for i, row in enumerate(values)))
+    path.write_text(
+        ",".join(header)
+        + "\n"
+        + "".join(f"2020-01-01 {i:02d}:00," + ",".join(f"{v:.4f}" for v in row) + "\n" for i, row in enumerate(values))
+    )
     return path
 
 
@@ -403,7 +548,10 @@ def test_a_csv_with_two_columns_of_one_name_is_refused(tmp_path, columns):
     """polars renames the second 'OT' to 'OT_duplicated_0', so --columns OT once scored whichever came first, exit 0."""
     model = models.shift_model(tmp_path / "m.onnx")
     csv = _csv(tmp_path / "series.csv", ["date", "OT", "OT"])
-    _fails(["score", model, "-c", csv, "--windows", 2, "--steps", 2, "--min-params", 1, *columns, "-o", tmp_path / "run"], "more than one column named 'OT'")
+    _fails(
+        ["score", model, "-c", csv, "--windows", 2, "--steps", 2, "--min-params", 1, *columns, "-o", tmp_path / "run"],
+        "more than one column named 'OT'",
+    )
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # the command line prints them; pytest would only collect them
@@ -411,7 +559,24 @@ def test_a_csv_without_rows_says_so_without_numpy_warnings(tmp_path):
     """--zscore of a header-only CSV once printed numpy's 'Mean of empty slice' warnings above the error."""
     model = models.shift_model(tmp_path / "m.onnx")
     csv = _csv(tmp_path / "series.csv", ["date", "OT"], rows=0)
-    message = _fails(["score", model, "-c", csv, "--columns", "OT", "--zscore", "--steps", 2, "--min-params", 1, "-o", tmp_path / "run"], "has 0 rows")
+    message = _fails(
+        [
+            "score",
+            model,
+            "-c",
+            csv,
+            "--columns",
+            "OT",
+            "--zscore",
+            "--steps",
+            2,
+            "--min-params",
+            1,
+            "-o",
+            tmp_path / "run",
+        ],
+        "has 0 rows",
+    )
     assert "Warning" not in message and "empty slice" not in message, message
 
 
@@ -423,8 +588,10 @@ def test_eval_names_the_input_the_two_models_disagree_on(tmp_path, pair):
     for node in other.graph.node:
         node.input[:] = ["state" if i == "x" else i for i in node.input]
     onnx.save(other, str(tmp_path / "renamed.onnx"))
-    message = _fails(["eval", tmp_path / "renamed.onnx", "-r", model, "-c", ctx, "--steps", 2, "--no-latency"],
-                     "the candidate has input 'state', the reference does not (its inputs: x)")
+    message = _fails(
+        ["eval", tmp_path / "renamed.onnx", "-r", model, "-c", ctx, "--steps", 2, "--no-latency"],
+        "the candidate has input 'state', the reference does not (its inputs: x)",
+    )
     assert "{" not in message, message
 
 
@@ -434,8 +601,10 @@ def test_a_mistyped_feedback_output_is_named_as_the_user_wrote_it(tmp_path):
     np.savez(tmp_path / "c.npz", x=np.ones((2, 1, 16), np.float32))
     spec = tmp_path / "spec.toml"
     spec.write_text('steps = 3\n[[feedback]]\noutput = "yy"\ninput = "x"\nmode = "shift"\n')
-    message = _fails(["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--min-params", "1"],
-                     "feedback output 'yy' is not a model output (outputs: y); did you mean 'y'?")
+    message = _fails(
+        ["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--min-params", "1"],
+        "feedback output 'yy' is not a model output (outputs: y); did you mean 'y'?",
+    )
     assert "trajectory" not in message, message
 
 
@@ -444,11 +613,32 @@ def test_a_truth_of_the_wrong_length_says_longer_ones_are_fine(tmp_path, pair):
     a longer truth is cut to the rollout."""
     model, ctx, truth = pair
     np.savez(tmp_path / "t.npz", y=np.zeros((4, 2, 1, 32)))
-    _fails(["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / "t.npz", "--no-latency"],
-           "truth 'y' has shape [4, 2, 1, 32]; expected [3, 2 or more, 1, 32]")
+    _fails(
+        ["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / "t.npz", "--no-latency"],
+        "truth 'y' has shape [4, 2, 1, 32]; expected [3, 2 or more, 1, 32]",
+    )
     np.savez(tmp_path / "long.npz", y=np.zeros((3, 9, 1, 32)))
-    result = runner.invoke(app, [str(a) for a in ["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / "long.npz", "--no-latency",
-                                                  "--report", tmp_path / "r"]])
+    result = runner.invoke(
+        app,
+        [
+            str(a)
+            for a in [
+                "eval",
+                model,
+                "-r",
+                model,
+                "-c",
+                ctx,
+                "--steps",
+                2,
+                "--truth",
+                tmp_path / "long.npz",
+                "--no-latency",
+                "--report",
+                tmp_path / "r",
+            ]
+        ],
+    )
     assert result.exit_code == 0, result.output
 
 
@@ -462,8 +652,27 @@ def test_a_truth_without_the_batch_axis_of_one_reads_as_contexts_do(tmp_path, pa
     np.savez(tmp_path / "full.npz", y=truth[:, :, None])
     maes = []
     for name in ("flat", "full"):
-        result = runner.invoke(app, [str(a) for a in ["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / f"{name}.npz", "--no-latency",
-                                                      "--report", tmp_path / name]])
+        result = runner.invoke(
+            app,
+            [
+                str(a)
+                for a in [
+                    "eval",
+                    model,
+                    "-r",
+                    model,
+                    "-c",
+                    ctx,
+                    "--steps",
+                    2,
+                    "--truth",
+                    tmp_path / f"{name}.npz",
+                    "--no-latency",
+                    "--report",
+                    tmp_path / name,
+                ]
+            ],
+        )
         assert result.exit_code == 0, result.output
         maes.append(json.loads((tmp_path / f"{name}.json").read_text())["outputs"]["y"]["vs_truth"]["mae"])
     assert maes[0] == maes[1] > 0
@@ -476,17 +685,43 @@ def test_feedback_edges_one_per_input_and_an_output_may_feed_two(tmp_path):
     from onnx import TensorProto, helper
 
     rng = np.random.default_rng(0)
-    init = {"W": (0.5 * rng.standard_normal((32, 32)) / np.sqrt(32)).astype(np.float32), "V": (0.5 * rng.standard_normal((32, 32)) / np.sqrt(32)).astype(np.float32)}
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["a"]), helper.make_node("MatMul", ["prev", "V"], ["b"]), helper.make_node("Add", ["a", "b"], ["y"])]
+    init = {
+        "W": (0.5 * rng.standard_normal((32, 32)) / np.sqrt(32)).astype(np.float32),
+        "V": (0.5 * rng.standard_normal((32, 32)) / np.sqrt(32)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["a"]),
+        helper.make_node("MatMul", ["prev", "V"], ["b"]),
+        helper.make_node("Add", ["a", "b"], ["y"]),
+    ]
     inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", 32]) for name in ("x", "prev")]
-    model = models._model(nodes, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32])], init, tmp_path / "two_in.onnx")
-    np.savez(tmp_path / "c.npz", x=rng.standard_normal((2, 1, 32)).astype(np.float32), prev=rng.standard_normal((2, 1, 32)).astype(np.float32))
+    model = models._model(
+        nodes,
+        inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32])],
+        init,
+        tmp_path / "two_in.onnx",
+    )
+    np.savez(
+        tmp_path / "c.npz",
+        x=rng.standard_normal((2, 1, 32)).astype(np.float32),
+        prev=rng.standard_normal((2, 1, 32)).astype(np.float32),
+    )
     spec = tmp_path / "spec.toml"
     spec.write_text('steps = 3\n[[feedback]]\noutput = "y"\ninput = "x"\n[[feedback]]\noutput = "y"\ninput = "x"\n')
-    message = _fails(["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run"], "[[feedback]] #2 feeds input 'x', which #1 already feeds")
+    message = _fails(
+        ["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run"],
+        "[[feedback]] #2 feeds input 'x', which #1 already feeds",
+    )
     assert "trajectory" not in message, message
     spec.write_text('steps = 3\n[[feedback]]\noutput = "y"\ninput = "x"\n[[feedback]]\noutput = "y"\ninput = "prev"\n')
-    result = runner.invoke(app, [str(a) for a in ["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--probes", 1]])
+    result = runner.invoke(
+        app,
+        [
+            str(a)
+            for a in ["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--probes", 1]
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "trajectory ['y']" in result.output
 
@@ -499,14 +734,20 @@ def test_inspect_says_which_weights_hold_nan_or_inf(tmp_path):
 
     weight = np.ones((16, 16), np.float32)
     weight[3, 4] = np.nan
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])], [numpy_helper.from_array(weight, "W")])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])],
+        [numpy_helper.from_array(weight, "W")],
+    )
     model = tmp_path / "nan_weight.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(model))
     result = runner.invoke(app, ["inspect", str(model), "--min-params", "1"])
     assert result.exit_code == 0, result.output
-    assert "1 weight(s) hold NaN or Inf (W): score, export and baseline refuse this model" in " ".join(result.output.split())
+    assert "1 weight(s) hold NaN or Inf (W): score, export and baseline refuse this model" in " ".join(
+        result.output.split()
+    )
     result = runner.invoke(app, ["inspect", str(model), "--min-params", "1", "--json"])
     assert json.loads(result.output)["nonfinite_weights"] == ["W"]
     clean = tmp_path / "clean.onnx"
@@ -522,7 +763,9 @@ def test_contexts_with_an_empty_axis(tmp_path):
     model = models.two_branch(tmp_path / "m.onnx")
     empty = tmp_path / "empty.npz"
     np.savez(empty, x=np.zeros((3, 0, 32), np.float32))
-    _fails(["score", model, "-c", empty, "-o", tmp_path / "run"], "contexts array 'x' has shape [3, 0, 32]: an empty axis")
+    _fails(
+        ["score", model, "-c", empty, "-o", tmp_path / "run"], "contexts array 'x' has shape [3, 0, 32]: an empty axis"
+    )
     _fails(["eval", model, "-r", model, "-c", empty, "--no-latency", "--report", tmp_path / "r"], "an empty axis")
     assert not (tmp_path / "run").exists() and not (tmp_path / "r.json").exists()
 
@@ -534,7 +777,10 @@ def test_an_npz_member_that_is_no_array(tmp_path):
     junk = tmp_path / "junk.npz"
     with zipfile.ZipFile(junk, "w") as archive:
         archive.writestr("x.npy", b"junk")
-    _fails(["score", model, "-c", junk, "-o", tmp_path / "run"], f"contexts file {junk}: its member 'x' is not a numpy array")
+    _fails(
+        ["score", model, "-c", junk, "-o", tmp_path / "run"],
+        f"contexts file {junk}: its member 'x' is not a numpy array",
+    )
 
 
 def test_a_failed_fresh_score_keeps_the_finished_run_it_would_replace(tmp_path, ctx):
@@ -561,8 +807,14 @@ def test_an_unknown_strategy_is_refused_before_a_finished_run_is_read(tmp_path, 
 
 def test_an_unreachable_ray_cluster_is_refused_at_once(tmp_path, ctx):
     model = models.two_branch(tmp_path / "m.onnx")
-    _fails(["score", model, "-c", ctx, "-o", tmp_path / "run", "--ray", "127.0.0.1:1"], "no Ray cluster answers at 127.0.0.1:1")
-    _fails(["score", model, "-c", ctx, "-o", tmp_path / "run", "--ray", "nohost"], "--ray takes 'local', 'auto' or a cluster address")
+    _fails(
+        ["score", model, "-c", ctx, "-o", tmp_path / "run", "--ray", "127.0.0.1:1"],
+        "no Ray cluster answers at 127.0.0.1:1",
+    )
+    _fails(
+        ["score", model, "-c", ctx, "-o", tmp_path / "run", "--ray", "nohost"],
+        "--ray takes 'local', 'auto' or a cluster address",
+    )
 
 
 def test_a_damaged_score_table(tmp_path, ctx):
@@ -570,15 +822,24 @@ def test_a_damaged_score_table(tmp_path, ctx):
     run = tmp_path / "run"
     assert runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run)]).exit_code == 0
     (run / "scores.parquet").write_bytes(b"")
-    _fails(["export", model, "--run", run, "--C", 4, "-o", tmp_path / "q.onnx"], "scores.parquet is not a readable score table")
+    _fails(
+        ["export", model, "--run", run, "--C", 4, "-o", tmp_path / "q.onnx"],
+        "scores.parquet is not a readable score table",
+    )
     assert not (tmp_path / "q.onnx").exists()
 
 
 def test_a_bad_bucket_pattern_and_a_sub_byte_size(tmp_path, ctx):
     model = models.two_branch(tmp_path / "m.onnx")
-    _fails(["frontier", model, "-c", ctx, "--C", 4, "--buckets", "input=[", "--out", tmp_path / "f"], "input='[' is not a regular expression")
+    _fails(
+        ["frontier", model, "-c", ctx, "--C", 4, "--buckets", "input=[", "--out", tmp_path / "f"],
+        "input='[' is not a regular expression",
+    )
     assert not (tmp_path / "f").exists()
-    _fails(["gate", model, "-r", model, "-c", ctx, "--no-latency", "--max-size", "0.1B", "--report-dir", tmp_path / "g"], "at least 1 byte")
+    _fails(
+        ["gate", model, "-r", model, "-c", ctx, "--no-latency", "--max-size", "0.1B", "--report-dir", tmp_path / "g"],
+        "at least 1 byte",
+    )
 
 
 def test_a_csv_that_is_not_utf8_and_a_compression_below_one(tmp_path, ctx):
@@ -587,12 +848,18 @@ def test_a_csv_that_is_not_utf8_and_a_compression_below_one(tmp_path, ctx):
     model = models.two_branch(tmp_path / "m.onnx")
     latin = tmp_path / "latin.csv"
     latin.write_bytes("temp°C\n".encode("latin-1") + b"1\n" * 200)
-    _fails(["score", model, "-c", latin, "-o", tmp_path / "run"], f"contexts file {latin} is not UTF-8 text (byte 0xb0 at offset 4)")
+    _fails(
+        ["score", model, "-c", latin, "-o", tmp_path / "run"],
+        f"contexts file {latin} is not UTF-8 text (byte 0xb0 at offset 4)",
+    )
     wide = tmp_path / "wide.csv"
     wide.write_bytes("a,b\n1,2\n".encode("utf-16"))
     _fails(["score", model, "-c", wide, "-o", tmp_path / "run"], "is not UTF-8 text (a UTF-16 byte order mark)")
     assert runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(tmp_path / "run")]).exit_code == 0
-    _fails(["export", model, "--run", tmp_path / "run", "--C", 0.5, "-o", tmp_path / "q.onnx"], "compression target 0.5 is below 1")
+    _fails(
+        ["export", model, "--run", tmp_path / "run", "--C", 0.5, "-o", tmp_path / "q.onnx"],
+        "compression target 0.5 is below 1",
+    )
     _fails(["score", model, "-c", ctx, "-o", tmp_path / "run2", "--probes", 0], "--probe both needs --probes >= 1")
     assert not (tmp_path / "q.onnx").exists() and not (tmp_path / "run2").exists()
 
@@ -612,7 +879,11 @@ def test_a_run_set_aside_by_a_killed_fresh_score_comes_back(tmp_path, ctx):
     (run / "run.json").write_text('{"format": 1, "status": "running", "fingerprint": "another"}')
     result = runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run)])
     assert result.exit_code == 0, result.output
-    assert "resuming" in " ".join(result.output.split()) and _digest(run / "scores.parquet") == scores and not (run / ".replaced").exists()
+    assert (
+        "resuming" in " ".join(result.output.split())
+        and _digest(run / "scores.parquet") == scores
+        and not (run / ".replaced").exists()
+    )
 
 
 def test_a_score_killed_as_it_began_in_a_new_folder_does_not_block_the_rerun(tmp_path, ctx):

@@ -3,8 +3,18 @@
 import numpy as np
 import pytest
 
+from tiers.gptq import (
+    GptaqSettings,
+    GptqSettings,
+    Hessian,
+    gptaq,
+    gptq,
+    inverse_cholesky,
+    output_error,
+    qep_correct,
+    rtn,
+)
 from tiers.grid import GridSpec, find_grid
-from tiers.gptq import GptaqSettings, GptqSettings, Hessian, gptaq, gptq, inverse_cholesky, output_error, qep_correct, rtn
 
 
 def asym(bits, search=False):
@@ -115,7 +125,9 @@ def test_qep_with_alpha_zero_is_the_base_method():
 
 
 def test_qep_full_strength_without_damping_is_the_least_squares_fit(monkeypatch):
-    monkeypatch.setenv("TQS_SOLVER_DTYPE", "float64")  # undamped, the system is as ill-posed as X's columns: float64 to check the algebra
+    monkeypatch.setenv(
+        "TQS_SOLVER_DTYPE", "float64"
+    )  # undamped, the system is as ill-posed as X's columns: float64 to check the algebra
     x, x_fp, wt, stats = _problem(drift=0.5, n=1024)
     corrected = qep_correct(wt, stats.H, stats.G, alpha=1.0, percdampqep=1e-12)
     live = np.any(x != 0, axis=0)
@@ -125,15 +137,25 @@ def test_qep_full_strength_without_damping_is_the_least_squares_fit(monkeypatch)
 
 @pytest.mark.parametrize(
     "spec,kwargs",
-    [(asym(3), {}), (asym(4), {"group_size": 16}), (sym(2), {}), (asym(3), {"act_order": True, "group_size": 16}), (asym(1), {}),
-     (asym(2, search=True), {}), (sym(4, search=True), {"group_size": 16}), (asym(8), {})],
+    [
+        (asym(3), {}),
+        (asym(4), {"group_size": 16}),
+        (sym(2), {}),
+        (asym(3), {"act_order": True, "group_size": 16}),
+        (asym(1), {}),
+        (asym(2, search=True), {}),
+        (sym(4, search=True), {"group_size": 16}),
+        (asym(8), {}),
+    ],
 )
 def test_gptq_output_error_not_above_rtn(spec, kwargs):
     x, _, wt, stats = _problem(seed=1)
     ours = gptq(wt, stats.H, spec, GptqSettings(**kwargs))
     base = rtn(wt, spec, kwargs.get("group_size", -1))
     assert output_error(wt, ours.values, stats) <= output_error(wt, base.values, stats)
-    np.testing.assert_allclose(output_error(wt, ours.values, stats), np.linalg.norm(x @ (wt - ours.values).T), rtol=1e-9)
+    np.testing.assert_allclose(
+        output_error(wt, ours.values, stats), np.linalg.norm(x @ (wt - ours.values).T), rtol=1e-9
+    )
 
 
 def _expand(per_group, group_size, columns):
@@ -143,7 +165,13 @@ def _expand(per_group, group_size, columns):
 def test_values_are_exactly_the_float32_dequantization_of_the_codes():
     _, _, wt, stats = _problem()
     k = wt.shape[1]
-    for result in (gptq(wt, stats.H, asym(4), GptqSettings(group_size=16, act_order=True)), rtn(wt, sym(3), 16), gptq(wt, stats.H, asym(1)), rtn(wt, asym(8, search=True)), rtn(wt, GridSpec("fp8", 8))):
+    for result in (
+        gptq(wt, stats.H, asym(4), GptqSettings(group_size=16, act_order=True)),
+        rtn(wt, sym(3), 16),
+        gptq(wt, stats.H, asym(1)),
+        rtn(wt, asym(8, search=True)),
+        rtn(wt, GridSpec("fp8", 8)),
+    ):
         scale = _expand(result.scale, result.group_size, k).astype(np.float32)
         zero = _expand(result.zero, result.group_size, k).astype(np.float32)
         float32 = (result.codes.astype(np.float32) - zero) * scale
@@ -157,7 +185,9 @@ def test_grids_follow_the_spec_formulas():
     np.testing.assert_array_equal(grid.zero[[0, 2]], [1, 0])
     np.testing.assert_array_equal(rtn(w, asym(2)).values[1], 0.0)
     symmetric = find_grid(w, sym(2))
-    np.testing.assert_allclose(symmetric.scale, [4 / 3, 2 / 3, 2 / 3], rtol=1e-7)  # 2·max|w| / 3: levels {-2, -1, 0, 1}·s
+    np.testing.assert_allclose(
+        symmetric.scale, [4 / 3, 2 / 3, 2 / 3], rtol=1e-7
+    )  # 2·max|w| / 3: levels {-2, -1, 0, 1}·s
     codes = rtn(w, sym(2)).codes
     assert codes.min() >= -2 and codes.max() <= 1
     sign = rtn(w, asym(1))
@@ -171,7 +201,9 @@ def test_act_order_with_groups_keeps_groups_contiguous():
     assert result.scale.shape == (wt.shape[0], wt.shape[1] // 16)
     for g in range(result.scale.shape[1]):
         cols = slice(16 * g, 16 * (g + 1))
-        np.testing.assert_array_equal(result.values[:, cols], result.scale[:, g : g + 1] * (result.codes[:, cols] - result.zero[:, g : g + 1]))
+        np.testing.assert_array_equal(
+            result.values[:, cols], result.scale[:, g : g + 1] * (result.codes[:, cols] - result.zero[:, g : g + 1])
+        )
 
 
 def test_cholesky_guard_raises_damping_instead_of_failing():
@@ -200,8 +232,11 @@ def test_each_channel_keeps_the_grid_its_solve_does_best_on(method, bits):
     def objective(q):
         return np.sum((x @ q.T - target @ wt.T) ** 2, axis=0)
 
-    searched = {"gptq": lambda: gptq(wt, stats.H, spec), "gptaq": lambda: gptaq(wt, stats.H, stats.G, spec),
-                "qep": lambda: gptq(qep_correct(wt, stats.H, stats.G), stats.H, spec)}[method]().values
+    searched = {
+        "gptq": lambda: gptq(wt, stats.H, spec),
+        "gptaq": lambda: gptaq(wt, stats.H, stats.G, spec),
+        "qep": lambda: gptq(qep_correct(wt, stats.H, stats.G), stats.H, spec),
+    }[method]().values
     plain = quantize(wt, layout, tier, Rounding(method), [stats], search=False).values
     chosen = quantize(wt, layout, tier, Rounding(method), [stats]).values
     assert (objective(plain) < objective(searched)).any() and (objective(searched) < objective(plain)).any()
@@ -219,7 +254,6 @@ def test_an_unknown_grid_choice_is_refused():
     with pytest.raises(ValueError, match="unknown grids 'clipped'"):
         Rounding("qep", grids="clipped")
     assert Rounding("qep").label == "qep" and Rounding("gptq", grids="min-max").label == "gptq/min-max"
-
 
 
 def test_error_feedback_past_the_fp8_range_saturates_instead_of_writing_nan():

@@ -12,8 +12,8 @@ from graph_ops.calibration import ConvGeometry, im2col, layer_inputs, waves
 from runtimes.ort import OrtRuntime
 from tiers import Layout, Rounding
 from tiers.gptq import Hessian
-from tqsdeploy.export.baselines import BaselineSettings, quantize_baseline
 from tqsdeploy.errors import InputError
+from tqsdeploy.export.baselines import BaselineSettings, quantize_baseline
 
 FLOAT = TensorProto.FLOAT
 
@@ -106,7 +106,11 @@ def test_eight_bit_round_trip_stays_close_and_encodings_match(mlp, method):
 
 def test_groupwise_encoding_blocks_along_k_in_stored_layout(mlp):
     model, calib, _ = mlp
-    result = quantize_baseline(model, BaselineSettings("gptq", 4, min_params=64, group_size=8, rounding=Rounding("gptq", act_order=True)), calib)
+    result = quantize_baseline(
+        model,
+        BaselineSettings("gptq", 4, min_params=64, group_size=8, rounding=Rounding("gptq", act_order=True)),
+        calib,
+    )
     w1, w2 = result.encoded["W1"], result.encoded["W2"]  # W1 stored [K,N]; W2 stored [N,K] (transB)
     assert (w1.axis, w1.block_size, w1.scale.shape) == (0, 8, (2, 32))
     assert (w2.axis, w2.block_size, w2.scale.shape) == (1, 8, (32, 4))
@@ -126,7 +130,9 @@ def test_alpha_zero_reduces_gptaq_and_qep_to_gptq(mlp):
     model, calib, _ = mlp
     base = quantize_baseline(model, BaselineSettings("gptq", 3, min_params=64), calib)
     for method in ("gptaq", "qep"):
-        other = quantize_baseline(model, BaselineSettings(method, 3, min_params=64, rounding=Rounding(method, alpha=0.0)), calib)
+        other = quantize_baseline(
+            model, BaselineSettings(method, 3, min_params=64, rounding=Rounding(method, alpha=0.0)), calib
+        )
         for name in base.weights:
             np.testing.assert_array_equal(other.encoded[name].values, base.encoded[name].values)
 
@@ -208,7 +214,10 @@ def test_gather_weights_are_rtn_only_and_an_lstm_reading_them_is_calibrated(tmp_
         helper.make_node("Gather", ["E", "ids"], ["e"]),
         helper.make_node("LSTM", ["e", "W", "R"], ["", "h"], hidden_size=hidden),
     ]
-    io = [helper.make_tensor_value_info("ids", TensorProto.INT64, [3, 1])], [helper.make_tensor_value_info("h", FLOAT, [1, 1, hidden])]
+    io = (
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [3, 1])],
+        [helper.make_tensor_value_info("h", FLOAT, [1, 1, hidden])],
+    )
     model = _save(nodes, *io, init, tmp_path / "lstm.onnx")
     layouts = weight_layouts(onnx.load(str(model)))
     assert [name for name, b in layouts.items() if b.calibratable] == ["W", "R"]
@@ -308,25 +317,38 @@ def test_fed_codes_model_rebuilds_quantized_weights_and_cuts_later_layers(mlp):
     weights = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
     layouts = weight_layouts(proto, ["W1", "W2", "W3"])
     graph = _calibration_graph(model, ["W1", "W2", "W3"], ["a1", "a2"])
-    w1 = encode(weights["W1"], Layout(layouts["W1"].shape, layouts["W1"].perm), TIERS["int4-asym"]).compact()  # codes packed, as cached
+    w1 = encode(
+        weights["W1"], Layout(layouts["W1"].shape, layouts["W1"].perm), TIERS["int4-asym"]
+    ).compact()  # codes packed, as cached
     w2_layout = Layout(layouts["W2"].shape, layouts["W2"].perm)
-    halves = [encode(weights["W2"][:16], Layout((16, 32), (0, 1)), TIERS["int2"]), encode(weights["W2"][16:], Layout((16, 32), (0, 1)), TIERS["fp16"])]
+    halves = [
+        encode(weights["W2"][:16], Layout((16, 32), (0, 1)), TIERS["int2"]),
+        encode(weights["W2"][16:], Layout((16, 32), (0, 1)), TIERS["fp16"]),
+    ]
     w2 = split(halves, w2_layout)  # Gemm transB: output channels on axis 0
     stored = {"W1": w1, "W2": w2}
     cut, feeds = fed_codes_model(graph, stored, ["a2"])
     inputs = {v.name for v in cut.graph.input}
     assert {"W1", "W2"}.isdisjoint(inputs)  # rebuilt from codes
-    assert not any(n.op_type == "Transpose" or "y" in n.output for n in cut.graph.node)  # W3's layer comes after the wave
+    assert not any(
+        n.op_type == "Transpose" or "y" in n.output for n in cut.graph.node
+    )  # W3's layer comes after the wave
     assert [o.name for o in cut.graph.output] == ["a2"]
     codes = [a for a in feeds.values() if a.dtype.itemsize == 1]
-    assert sum(a.nbytes for a in codes) == weights["W1"].size // 2 + 16 * 32  # W1's cached INT4 codes fed packed, two a byte; W2's INT2 half a byte each
+    assert (
+        sum(a.nbytes for a in codes) == weights["W1"].size // 2 + 16 * 32
+    )  # W1's cached INT4 codes fed packed, two a byte; W2's INT2 half a byte each
     session = OrtRuntime().open(cut.SerializeToString())
     got = session.run({**feeds, "x": x, "W3": weights["W3"]}, ["a2"])["a2"]
     full = OrtRuntime().open(graph.SerializeToString())
     want = full.run({"x": x, "W1": w1.dequantize(), "W2": w2.dequantize(), "W3": weights["W3"]}, ["a2"])["a2"]
     np.testing.assert_array_equal(got, want)
-    for form in (encode(weights["W1"], Layout((16, 32), (1, 0)), TIERS["fp8"]), encode(weights["W1"], Layout((16, 32), (1, 0)), TIERS["bf16"]),
-                 encode(weights["W1"], Layout((16, 32), (1, 0)), TIERS["int4-asym"], group_size=8), encode(weights["W1"], Layout((16, 32), (1, 0)), TIERS["fp32"])):
+    for form in (
+        encode(weights["W1"], Layout((16, 32), (1, 0)), TIERS["fp8"]),
+        encode(weights["W1"], Layout((16, 32), (1, 0)), TIERS["bf16"]),
+        encode(weights["W1"], Layout((16, 32), (1, 0)), TIERS["int4-asym"], group_size=8),
+        encode(weights["W1"], Layout((16, 32), (1, 0)), TIERS["fp32"]),
+    ):
         assert fed_weight("W1", form) is None  # fed as floats instead
 
 
@@ -336,8 +358,8 @@ def test_calibration_statistics_see_the_quantized_prefix_exactly(mlp):
     from graph_ops.io import load_model
     from tiers import TIERS, encode
     from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
-    from tqsdeploy.rollout.contexts import Contexts
     from tqsdeploy.rollout import RolloutSpec
+    from tqsdeploy.rollout.contexts import Contexts
 
     model_path, calib, _ = mlp
     model = load_model(model_path)
@@ -346,7 +368,12 @@ def test_calibration_statistics_see_the_quantized_prefix_exactly(mlp):
     weights = read_weights(model.proto, names)
     windows = np.load(calib)["x"]
     contexts = Contexts({"x": windows}, "test")
-    calibrator = Calibrator(model.proto, layouts, CalibrationRollout(contexts, RolloutSpec.from_dict({"steps": 1, "trajectory": ["y"]})), weights=weights)
+    calibrator = Calibrator(
+        model.proto,
+        layouts,
+        CalibrationRollout(contexts, RolloutSpec.from_dict({"steps": 1, "trajectory": ["y"]})),
+        weights=weights,
+    )
     seen = {}
 
     def encode_one(name, stats):
@@ -361,7 +388,9 @@ def test_calibration_statistics_see_the_quantized_prefix_exactly(mlp):
     a1 = np.maximum(x @ encoded["W1"].dequantize().astype(np.float64) + b1, 0.0)
     np.testing.assert_allclose(seen["W2"][0].H, 2 / len(a1) * a1.T @ a1, rtol=1e-5, atol=1e-6)
     a1_fp = np.maximum(x @ weights["W1"].astype(np.float64) + b1, 0.0)
-    assert not np.allclose(seen["W2"][0].H, 2 / len(a1_fp) * a1_fp.T @ a1_fp, rtol=1e-3, atol=1e-4)  # the original prefix would differ
+    assert not np.allclose(
+        seen["W2"][0].H, 2 / len(a1_fp) * a1_fp.T @ a1_fp, rtol=1e-3, atol=1e-4
+    )  # the original prefix would differ
 
 
 def test_weights_as_graph_inputs_takes_initializers_and_constants_without_changing_results(tmp_path):
@@ -381,7 +410,9 @@ def test_weights_as_graph_inputs_takes_initializers_and_constants_without_changi
     values = read_weights(proto, ["const_w", "gemm_w", "conv_t"])
     rng = np.random.default_rng(0)
     feeds = {"ids": np.array([3, 7]), "img": rng.standard_normal((2, 4, 8, 8)).astype(np.float32)}
-    exact = OrtRuntime(optimization="disable")  # constant weights would otherwise be pre-packed into other kernels (1e-7 apart)
+    exact = OrtRuntime(
+        optimization="disable"
+    )  # constant weights would otherwise be pre-packed into other kernels (1e-7 apart)
     want = exact.open(proto.SerializeToString()).run(feeds)
     got = exact.open(light.SerializeToString()).run({**feeds, **values})
     for name in ("y", "z"):
@@ -403,25 +434,37 @@ def test_a_float16_model_rebuilds_its_weights_from_codes_exactly(tmp_path, tier)
     proto = onnx.load(str(models.fp16_mlp(tmp_path / "half.onnx")))
     weights = read_weights(proto, ["W1", "W2"])
     layouts = weight_layouts(proto, ["W1", "W2"])
-    stored = {n: encode(w, Layout(layouts[n].shape, layouts[n].perm), TIERS[tier]).compact() for n, w in weights.items()}
+    stored = {
+        n: encode(w, Layout(layouts[n].shape, layouts[n].perm), TIERS[tier]).compact() for n, w in weights.items()
+    }
     light = graph_ops.weights_as_graph_inputs(proto, ["W1", "W2"])
     model, feeds = fed_codes_model(light, stored)
     assert {"W1", "W2"}.isdisjoint(v.name for v in model.graph.input)
-    per_byte = {"int8": 1, "int4": 2, "int4-asym": 2, "int2": 4, "int2-asym": 4}[tier]  # cached codes are fed as they are packed
-    assert sum(a.nbytes for a in feeds.values() if a.dtype.itemsize == 1) == sum(w.size for w in weights.values()) // per_byte
+    per_byte = {"int8": 1, "int4": 2, "int4-asym": 2, "int2": 4, "int2-asym": 4}[
+        tier
+    ]  # cached codes are fed as they are packed
+    assert (
+        sum(a.nbytes for a in feeds.values() if a.dtype.itemsize == 1)
+        == sum(w.size for w in weights.values()) // per_byte
+    )
     model.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT16, None) for n in ("W1", "W2"))
     x = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float16)
     got = OrtRuntime().open(model.SerializeToString()).run({**feeds, "x": x}, ["y", "W1", "W2"])
     for name, encoded in stored.items():
         assert got[name].dtype == np.float16
         np.testing.assert_array_equal(got[name], encoded.dequantize())
-    want = OrtRuntime().open(light.SerializeToString()).run({"x": x, **{n: e.dequantize() for n, e in stored.items()}})["y"]
+    want = (
+        OrtRuntime()
+        .open(light.SerializeToString())
+        .run({"x": x, **{n: e.dequantize() for n, e in stored.items()}})["y"]
+    )
     np.testing.assert_allclose(got["y"].astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
 
 
 def test_steps_without_a_spec_calibrates_on_the_detected_rollout(tmp_path):
     """`--steps` alone once left the calibration at the windows (one step) without a word."""
     import models
+
     from tqsdeploy.rollout import RolloutSpec
 
     model = models.mlp_forecaster(tmp_path / "mlp.onnx")
@@ -436,14 +479,30 @@ def test_steps_without_a_spec_calibrates_on_the_detected_rollout(tmp_path):
 
 def test_rtn_baseline_says_it_read_no_calibration_options(tmp_path):
     """`baseline --method rtn --calib c.npz --steps 3` used neither, without a word."""
+    import models
     from typer.testing import CliRunner
 
-    import models
     from tqsdeploy.cli import app
 
     model = models.two_branch(tmp_path / "m.onnx")
     ctx = tmp_path / "missing-but-unread.npz"
-    result = CliRunner().invoke(app, ["baseline", str(model), "--method", "rtn", "--bits", "4", "--calib", str(ctx), "--steps", "3", "-o", str(tmp_path / "q.onnx")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "baseline",
+            str(model),
+            "--method",
+            "rtn",
+            "--bits",
+            "4",
+            "--calib",
+            str(ctx),
+            "--steps",
+            "3",
+            "-o",
+            str(tmp_path / "q.onnx"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "--calib, --steps not used" in " ".join(result.output.split())
 
@@ -465,14 +524,25 @@ def test_auto_grids_keep_the_grid_whose_model_drifts_less_on_the_calibration_win
     assert all(not result.grid_drifts for result in each.values())
     assert chosen.errors == each[chosen.grids].errors  # the kept model's layer errors, not the last pass's
     # each grid's drift as measured on its own: the calibration windows, one step, against the original
-    from tqsdeploy.rollout.contexts import Contexts
     from tqsdeploy.rollout import RolloutSpec
+    from tqsdeploy.rollout.contexts import Contexts
 
     proto = onnx.load(str(model))
     layouts = weight_layouts(proto, ["W1", "W2", "W3"])
     weights = read_weights(proto, ["W1", "W2", "W3"])
-    calibrator = Calibrator(proto, layouts, CalibrationRollout(Contexts({"x": np.load(calib)["x"]}, "calib"), RolloutSpec(steps=1, feedback=(), trajectory=("y",))), OrtRuntime(), weights=weights)
+    calibrator = Calibrator(
+        proto,
+        layouts,
+        CalibrationRollout(
+            Contexts({"x": np.load(calib)["x"]}, "calib"), RolloutSpec(steps=1, feedback=(), trajectory=("y",))
+        ),
+        OrtRuntime(),
+        weights=weights,
+    )
     for grids, result in each.items():
         assert calibrator.drift(result.weights).worst_pct == pytest.approx(chosen.grid_drifts[grids], rel=1e-6)
     calibrator.close()
-    assert not quantize_baseline(model, BaselineSettings("qep", 8), calib).grid_drifts and not quantize_baseline(model, BaselineSettings("rtn", 2)).grid_drifts
+    assert (
+        not quantize_baseline(model, BaselineSettings("qep", 8), calib).grid_drifts
+        and not quantize_baseline(model, BaselineSettings("rtn", 2)).grid_drifts
+    )

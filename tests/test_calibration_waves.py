@@ -3,15 +3,15 @@ the same statistics and codes as running every wave from the input, with the mod
 
 from __future__ import annotations
 
+import models
 import numpy as np
 import pytest
 
 import graph_ops
-import models
 from tiers import TIERS, Layout, Rounding, encode
 from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
-from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.rollout.contexts import Contexts
 
 TOLERANCE = 1e-6
 """Largest difference allowed between the two paths' statistics, relative to their scale. On this machine they
@@ -40,7 +40,9 @@ def _pass(path, keep: bool, method: str, counted: list[int], monkeypatch):
     def encode_one(name, merged):
         stats[name] = [m.H.copy() for m in merged] if merged else None
         layout = layouts[name]
-        return encode(weights[name], Layout(layout.shape, layout.perm, layout.row_groups), tier, Rounding(method), merged)
+        return encode(
+            weights[name], Layout(layout.shape, layout.perm, layout.row_groups), tier, Rounding(method), merged
+        )
 
     encoded = calibrator.run(encode_one, Rounding(method).needs_cross)
     calibrator.close()
@@ -64,7 +66,9 @@ def test_waves_from_kept_activations_agree_with_waves_from_the_input(tmp_path, m
             assert np.max(np.abs(a - b)) <= TOLERANCE * np.max(np.abs(a)), name
     for name in old:
         np.testing.assert_array_equal(old[name].dequantize(), new[name].dequantize(), err_msg=name)
-    graph_nodes = 8 * 7 + 2 * 2 + 1  # its MatMul/Relu/Add/LayerNormalization nodes; the first session runs them all (the samples)
+    graph_nodes = (
+        8 * 7 + 2 * 2 + 1
+    )  # its MatMul/Relu/Add/LayerNormalization nodes; the first session runs them all (the samples)
     assert sum(old_nodes) > 8 * graph_nodes  # each wave from the input: quadratic in depth
     # each wave from the last, but where S and T are quantized everything after their first use is computed again
     # (the kept activations held them at full precision): about 1 + 1 + 4/8 + 1 model runs
@@ -89,7 +93,12 @@ def test_a_mixed_pass_solves_only_what_changed_and_makes_the_same_codes(tmp_path
     spec = RolloutSpec.from_dict({"steps": 3, "feedback": [{"output": "y", "input": "x"}]})
 
     def encoder():
-        coder = Encoder(units, layouts, weights, calibrator=lambda: Calibrator(model.proto, layouts, CalibrationRollout(contexts, spec), weights=weights))
+        coder = Encoder(
+            units,
+            layouts,
+            weights,
+            calibrator=lambda: Calibrator(model.proto, layouts, CalibrationRollout(contexts, spec), weights=weights),
+        )
         solved: list[str] = []
         coder.on_weight = solved.append
         return coder, solved

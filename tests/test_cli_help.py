@@ -3,11 +3,11 @@
 import json
 import xml.etree.ElementTree as ET
 
+import models
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-import models
 from tqsdeploy.cli import app
 
 runner = CliRunner()
@@ -21,8 +21,31 @@ def _invoke(*args):
 @pytest.mark.parametrize(
     "command, shown",
     [
-        ("score", ["quant|gauss|both", "auto|feed|rebuild", "tensor|block", "cpu|cuda|tensorrt|trt-engine", "tqsdeploy[ray]", "Required unless --random-contexts"]),
-        ("export", ["rtn|gptq|gptaq|qep", "measured|response|paper", "mckp|greedy", "file|units", "ort-cpu|ort-cuda|trt", "auto|dequantized|fused", "int4-asym", "--max-drift", "--force"]),
+        (
+            "score",
+            [
+                "quant|gauss|both",
+                "auto|feed|rebuild",
+                "tensor|block",
+                "cpu|cuda|tensorrt|trt-engine",
+                "tqsdeploy[ray]",
+                "Required unless --random-contexts",
+            ],
+        ),
+        (
+            "export",
+            [
+                "rtn|gptq|gptaq|qep",
+                "measured|response|paper",
+                "mckp|greedy",
+                "file|units",
+                "ort-cpu|ort-cuda|trt",
+                "auto|dequantized|fused",
+                "int4-asym",
+                "--max-drift",
+                "--force",
+            ],
+        ),
         ("baseline", ["rtn|gptq|gptaq|qep", "1|2|3|4|8", "dequantized|fused", "required"]),
         ("eval", ["--columns", "--windows", "--no-latency", "--latency-batches", "required"]),
         ("gate", ["--columns", "--max-slowdown", "--no-latency", "required"]),
@@ -43,11 +66,31 @@ def test_gate_reports_units_numeric_bounds_and_escapes_once(tmp_path):
     candidate = tmp_path / "a&b.onnx"
     code, text = _invoke("baseline", model, "--method", "rtn", "--bits", 4, "-o", candidate)
     assert code == 0, text
-    code, text = _invoke("gate", candidate, "-r", model, "-c", tmp_path / "ctx.npz", "--steps", 2, "--max-degradation", "0%", "--min-compression", 100, "--report-dir", tmp_path / "g")
+    code, text = _invoke(
+        "gate",
+        candidate,
+        "-r",
+        model,
+        "-c",
+        tmp_path / "ctx.npz",
+        "--steps",
+        2,
+        "--max-degradation",
+        "0%",
+        "--min-compression",
+        100,
+        "--report-dir",
+        tmp_path / "g",
+    )
     assert code == 1, text
     gate = json.loads((tmp_path / "g" / "gate.json").read_text())
     degradation, compression = gate["checks"]
-    assert degradation["limit"] == 0.0 and degradation["unit"] == "%" and compression["limit"] == 100.0 and compression["operator"] == ">="
+    assert (
+        degradation["limit"] == 0.0
+        and degradation["unit"] == "%"
+        and compression["limit"] == 100.0
+        and compression["operator"] == ">="
+    )
     assert f"degradation[y] (reference drift) = {degradation['measured']:.6g}% violates <= 0%" in " ".join(text.split())
     suite = ET.parse(tmp_path / "g" / "junit.xml").getroot()
     assert suite.get("name") == f"tqsdeploy gate: {candidate}" and suite.get("failures") == "2"

@@ -2,12 +2,12 @@
 
 import json
 
+import models
 import numpy as np
 import onnxruntime as ort
 import pytest
 from typer.testing import CliRunner
 
-import models
 from tqsdeploy.cli import app
 
 runner = CliRunner()
@@ -20,7 +20,7 @@ def _invoke(*args):
 
 def _write_csv(path, data, header="date,a,b", cells=None):
     lines = [header] + [f"2020-01-{i % 28 + 1:02d},{float(row[0])!r},{float(row[1])!r}" for i, row in enumerate(data)]
-    for (line, text) in (cells or {}).items():
+    for line, text in (cells or {}).items():
         lines[line - 1] = text
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -44,13 +44,15 @@ def _rollout(model, window, steps):
     for _ in range(steps):
         y = session.run(None, {"x": state})[0]
         out.append(y)
-        state = np.concatenate([state[:, y.shape[1]:], y], axis=1)
+        state = np.concatenate([state[:, y.shape[1] :], y], axis=1)
     return np.stack(out)  # (steps, batch, 4)
 
 
 def test_eval_takes_a_csv_and_its_continuation_is_the_truth(series, tmp_path):
     model, candidate, csv, data = series
-    code, text = _invoke("eval", candidate, "-r", model, "-c", csv, "--steps", 3, "--windows", 5, "--report", tmp_path / "ev")
+    code, text = _invoke(
+        "eval", candidate, "-r", model, "-c", csv, "--steps", 3, "--windows", 5, "--report", tmp_path / "ev"
+    )
     assert code == 0, text
     report = json.loads((tmp_path / "ev.json").read_text())
     assert report["windows"] == 5 and "12 rows after each window" in report["truth"]
@@ -90,7 +92,10 @@ def test_gate_takes_a_csv_with_chosen_columns(series, tmp_path):
 def test_bad_csv_cells_are_named(series, tmp_path, cells, phrase):
     model, candidate, _, data = series
     bad = _write_csv(tmp_path / "bad.csv", data, cells=cells)
-    for command in (["score", model, "-c", bad, "--steps", 2, "--out", tmp_path / "run"], ["eval", candidate, "-r", model, "-c", bad, "--steps", 2]):
+    for command in (
+        ["score", model, "-c", bad, "--steps", 2, "--out", tmp_path / "run"],
+        ["eval", candidate, "-r", model, "-c", bad, "--steps", 2],
+    ):
         code, text = _invoke(*command)
         assert code == 2 and phrase in text and "Traceback" not in text, text
 
@@ -106,7 +111,18 @@ def test_wrong_context_files_say_what_was_expected(series, tmp_path):
     ]
     for path, extra, phrase in cases:
         for command in ("eval", "gate"):
-            code, text = _invoke(command, candidate, "-r", model, "-c", path, "--steps", 2, *extra, *(["--min-compression", 1] if command == "gate" else []))
+            code, text = _invoke(
+                command,
+                candidate,
+                "-r",
+                model,
+                "-c",
+                path,
+                "--steps",
+                2,
+                *extra,
+                *(["--min-compression", 1] if command == "gate" else []),
+            )
             assert code == 2 and phrase in text and "contains pickled data" not in text, text
 
 
@@ -114,9 +130,39 @@ def test_more_windows_than_the_csv_holds_are_refused(series, tmp_path):
     """120 rows, windows of 16 and 4 rows of truth after them: 101 distinct windows. Asking for more once
     repeated windows silently, and --windows 100000 ran out of memory."""
     model, candidate, csv, _ = series
-    code, text = _invoke("eval", candidate, "-r", model, "-c", csv, "--steps", 1, "--columns", "a", "--windows", 102, "--report", tmp_path / "r")
+    code, text = _invoke(
+        "eval",
+        candidate,
+        "-r",
+        model,
+        "-c",
+        csv,
+        "--steps",
+        1,
+        "--columns",
+        "a",
+        "--windows",
+        102,
+        "--report",
+        tmp_path / "r",
+    )
     assert code == 2 and "holds 101 distinct windows" in text and "--windows 101 or fewer" in text, text
-    code, text = _invoke("eval", candidate, "-r", model, "-c", csv, "--steps", 1, "--columns", "a", "--windows", 101, "--report", tmp_path / "r")
+    code, text = _invoke(
+        "eval",
+        candidate,
+        "-r",
+        model,
+        "-c",
+        csv,
+        "--steps",
+        1,
+        "--columns",
+        "a",
+        "--windows",
+        101,
+        "--report",
+        tmp_path / "r",
+    )
     assert code == 0, text
 
 
@@ -129,26 +175,97 @@ def test_a_univariate_model_fed_every_column_says_what_it_multiplies_and_a_fixed
     model = models.shift_model(tmp_path / "shift.onnx")  # x [batch, 16] -> y [batch, 4]
     t = np.arange(120)
     csv = tmp_path / "three.csv"
-    csv.write_text("date,a,b,c\n" + "\n".join(f"2020-01-{i % 28 + 1:02d},{np.sin(i / 5)},{np.cos(i / 7)},{i / 120}" for i in t) + "\n")
-    code, text = _invoke("score", model, "-c", csv, "--windows", 4, "--steps", 2, "--probes", 1, "--min-params", 16, "-o", tmp_path / "all")
+    csv.write_text(
+        "date,a,b,c\n"
+        + "\n".join(f"2020-01-{i % 28 + 1:02d},{np.sin(i / 5)},{np.cos(i / 7)},{i / 120}" for i in t)
+        + "\n"
+    )
+    code, text = _invoke(
+        "score",
+        model,
+        "-c",
+        csv,
+        "--windows",
+        4,
+        "--steps",
+        2,
+        "--probes",
+        1,
+        "--min-params",
+        16,
+        "-o",
+        tmp_path / "all",
+    )
     assert code == 0, text
     assert "4 context windows × 3 series each (CSV columns a, b, c): 3x the work of one series" in text
-    assert "model input 'x' [batch, 16] takes one series per batch row" in text, text  # the shape printed, not eaten as markup
-    assert "each of the 3 numeric columns of" in text and "3 series per window, 3x the work of one; pass --columns to use fewer (e.g. --columns c" in text
+    assert "model input 'x' [batch, 16] takes one series per batch row" in text, (
+        text
+    )  # the shape printed, not eaten as markup
+    assert (
+        "each of the 3 numeric columns of" in text
+        and "3 series per window, 3x the work of one; pass --columns to use fewer (e.g. --columns c" in text
+    )
     assert any("3x the work of one" in w for w in json.loads((tmp_path / "all" / "run.json").read_text())["warnings"])
-    code, text = _invoke("score", model, "-c", csv, "--columns", "c", "--windows", 4, "--steps", 2, "--probes", 1, "--min-params", 16, "-o", tmp_path / "one")
+    code, text = _invoke(
+        "score",
+        model,
+        "-c",
+        csv,
+        "--columns",
+        "c",
+        "--windows",
+        4,
+        "--steps",
+        2,
+        "--probes",
+        1,
+        "--min-params",
+        16,
+        "-o",
+        tmp_path / "one",
+    )
     assert code == 0 and "4 context windows;" in text and "series" not in text, text
 
     rng = np.random.default_rng(0)
-    nodes = [helper.make_node("Reshape", ["x", "flat"], ["x2"]), helper.make_node("MatMul", ["x2", "W"], ["h"]),
-             helper.make_node("Unsqueeze", ["h", "last"], ["y"])]
-    fixed = models._model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16, 1])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 1])],
-                          {"flat": np.array([-1, 16]), "W": rng.standard_normal((16, 4)).astype(np.float32), "last": np.array([2])}, tmp_path / "fixed.onnx")
-    code, text = _invoke("score", fixed, "-c", csv, "--windows", 4, "--steps", 2, "--min-params", 16, "-o", tmp_path / "fixed")
-    assert code == 2 and "model input 'x' [batch, 16, 1] takes 1 series per window, and" in text and "has 3 numeric columns (a, b, c)" in text, text
+    nodes = [
+        helper.make_node("Reshape", ["x", "flat"], ["x2"]),
+        helper.make_node("MatMul", ["x2", "W"], ["h"]),
+        helper.make_node("Unsqueeze", ["h", "last"], ["y"]),
+    ]
+    fixed = models._model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16, 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 1])],
+        {"flat": np.array([-1, 16]), "W": rng.standard_normal((16, 4)).astype(np.float32), "last": np.array([2])},
+        tmp_path / "fixed.onnx",
+    )
+    code, text = _invoke(
+        "score", fixed, "-c", csv, "--windows", 4, "--steps", 2, "--min-params", 16, "-o", tmp_path / "fixed"
+    )
+    assert (
+        code == 2
+        and "model input 'x' [batch, 16, 1] takes 1 series per window, and" in text
+        and "has 3 numeric columns (a, b, c)" in text
+    ), text
     assert "pick 1 with --columns, e.g. --columns c" in text and not (tmp_path / "fixed").exists()
-    code, text = _invoke("score", fixed, "-c", csv, "--columns", "b", "--windows", 4, "--steps", 2, "--probes", 1, "--min-params", 16, "-o", tmp_path / "fixed")
+    code, text = _invoke(
+        "score",
+        fixed,
+        "-c",
+        csv,
+        "--columns",
+        "b",
+        "--windows",
+        4,
+        "--steps",
+        2,
+        "--probes",
+        1,
+        "--min-params",
+        16,
+        "-o",
+        tmp_path / "fixed",
+    )
     assert code == 0, text
 
 
@@ -158,21 +275,69 @@ def test_eval_of_every_csv_column_says_so_as_score_does(tmp_path):
     model = models.shift_model(tmp_path / "shift.onnx")  # x [batch, 16] -> y [batch, 4]
     t = np.arange(120)
     csv = tmp_path / "three.csv"
-    csv.write_text("date,a,b,c\n" + "\n".join(f"2020-01-{i % 28 + 1:02d},{np.sin(i / 5)},{np.cos(i / 7)},{i / 120}" for i in t) + "\n")
-    code, text = _invoke("eval", model, "-r", model, "-c", csv, "--windows", 4, "--steps", 2, "--no-latency", "--report", tmp_path / "r")
+    csv.write_text(
+        "date,a,b,c\n"
+        + "\n".join(f"2020-01-{i % 28 + 1:02d},{np.sin(i / 5)},{np.cos(i / 7)},{i / 120}" for i in t)
+        + "\n"
+    )
+    code, text = _invoke(
+        "eval", model, "-r", model, "-c", csv, "--windows", 4, "--steps", 2, "--no-latency", "--report", tmp_path / "r"
+    )
     assert code == 0, text
     assert "4 context windows × 3 series each (CSV columns a, b, c) × 2 steps" in text
-    assert "warning: model input 'x' [batch, 16] takes one series per batch row" in text and "pass --columns to use fewer" in text
-    code, text = _invoke("eval", model, "-r", model, "-c", csv, "--columns", "c", "--windows", 4, "--steps", 2, "--no-latency", "--report", tmp_path / "r")
+    assert (
+        "warning: model input 'x' [batch, 16] takes one series per batch row" in text
+        and "pass --columns to use fewer" in text
+    )
+    code, text = _invoke(
+        "eval",
+        model,
+        "-r",
+        model,
+        "-c",
+        csv,
+        "--columns",
+        "c",
+        "--windows",
+        4,
+        "--steps",
+        2,
+        "--no-latency",
+        "--report",
+        tmp_path / "r",
+    )
     assert code == 0 and "4 context windows × 2 steps" in text and "warning" not in text, text
 
 
 def test_frontier_cuts_a_csv_as_score_does(series, tmp_path):
     """frontier takes --windows and --zscore like score, eval and gate: its score run holds the windows asked for."""
     model, _, csv, data = series
-    code, text = _invoke("frontier", model, "-c", csv, "--columns", "a", "--windows", 5, "--zscore", "--steps", 3, "--C", 2, "--baselines", "rtn", "--bits", 8,
-                         "--min-params", 1, "-o", tmp_path / "f")
+    code, text = _invoke(
+        "frontier",
+        model,
+        "-c",
+        csv,
+        "--columns",
+        "a",
+        "--windows",
+        5,
+        "--zscore",
+        "--steps",
+        3,
+        "--C",
+        2,
+        "--baselines",
+        "rtn",
+        "--bits",
+        8,
+        "--min-params",
+        1,
+        "-o",
+        tmp_path / "f",
+    )
     assert code == 0, text
     windows = np.load(tmp_path / "f" / "score" / "contexts.npz")["x"]
     column = data[:, 0]
-    assert windows.shape == (5, 1, 16) and np.allclose(windows[0, 0], (column[:16] - column.mean()) / column.std(), atol=1e-3)  # standardised
+    assert windows.shape == (5, 1, 16) and np.allclose(
+        windows[0, 0], (column[:16] - column.mean()) / column.std(), atol=1e-3
+    )  # standardised

@@ -4,17 +4,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from models import _model
 from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
 from runtimes import IOSpec, OrtRuntime
 from tqsdeploy.cli import app
-from tqsdeploy.rollout.contexts import Contexts
-from tqsdeploy.rollout.engine import RolloutEngine
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import AmbiguousRollout, Feedback, RolloutSpec, detect, detect_rollout, next_feeds
-
-from models import _model
+from tqsdeploy.rollout.contexts import Contexts
+from tqsdeploy.rollout.engine import RolloutEngine
 
 REPO = Path(__file__).resolve().parents[1]
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -40,7 +39,13 @@ def timesfm_shaped(path: Path, length: int = 32, horizon: int = 8, q: int = 3) -
         helper.make_node("MatMul", ["h", "W3"], ["q"]),
         helper.make_node("Reshape", ["q", "qshape"], ["quantiles"]),
     ]
-    init = {"one": np.ones(1, np.float32), "W1": _w(rng, length, 48), "W2": _w(rng, 48, horizon), "W3": _w(rng, 48, horizon * q), "qshape": np.array([-1, horizon, q])}
+    init = {
+        "one": np.ones(1, np.float32),
+        "W1": _w(rng, length, 48),
+        "W2": _w(rng, 48, horizon),
+        "W3": _w(rng, 48, horizon * q),
+        "qshape": np.array([-1, horizon, q]),
+    }
     ins = [_vi("inputs", F, ["batch", length]), _vi("masks", F, ["batch", length])]
     outs = [_vi("forecast", F, ["batch", horizon]), _vi("quantiles", F, ["batch", horizon, q])]
     return _model(nodes, ins, outs, init, path)
@@ -85,21 +90,42 @@ def _signature(path):
 
 def test_timesfm_shaped_shifts_context_and_mask(tmp_path):
     found = detect_rollout(*_signature(timesfm_shaped(tmp_path / "m.onnx")))
-    assert found.spec.feedback == (Feedback("forecast", "inputs", "shift", -1), Feedback(None, "masks", "shift", -1, fill=0.0))
+    assert found.spec.feedback == (
+        Feedback("forecast", "inputs", "shift", -1),
+        Feedback(None, "masks", "shift", -1, fill=0.0),
+    )
     assert found.spec.trajectory == ("forecast",) and found.unused_outputs == ("quantiles",)
     # the mask moves by the forecast length (the sibling edge's output), appending fill = observed
     masks = np.ones((2, 32), np.float32)
-    new = next_feeds({"inputs": np.zeros((2, 32), np.float32), "masks": masks}, {"forecast": np.ones((2, 8), np.float32)}, found.spec)
+    new = next_feeds(
+        {"inputs": np.zeros((2, 32), np.float32), "masks": masks}, {"forecast": np.ones((2, 8), np.float32)}, found.spec
+    )
     np.testing.assert_array_equal(new["masks"][:, :24], 1)
     np.testing.assert_array_equal(new["masks"][:, 24:], 0)
     np.testing.assert_array_equal(new["inputs"][:, 24:], 1)
 
 
 def test_input_only_edge_with_explicit_length_and_missing_sibling():
-    spec = RolloutSpec.from_dict({"steps": 2, "trajectory": ["y"], "feedback": [{"output": "y", "input": "x"}, {"input": "pad", "mode": "shift", "fill": 1, "length": 3}]})
-    new = next_feeds({"x": np.zeros((1, 4), np.float32), "pad": np.zeros((1, 10), np.float32)}, {"y": np.ones((1, 4), np.float32)}, spec)
+    spec = RolloutSpec.from_dict(
+        {
+            "steps": 2,
+            "trajectory": ["y"],
+            "feedback": [{"output": "y", "input": "x"}, {"input": "pad", "mode": "shift", "fill": 1, "length": 3}],
+        }
+    )
+    new = next_feeds(
+        {"x": np.zeros((1, 4), np.float32), "pad": np.zeros((1, 10), np.float32)},
+        {"y": np.ones((1, 4), np.float32)},
+        spec,
+    )
     np.testing.assert_array_equal(new["pad"], [[0] * 7 + [1] * 3])
-    no_length = RolloutSpec.from_dict({"steps": 2, "trajectory": ["y"], "feedback": [{"output": "y", "input": "x"}, {"input": "pad", "mode": "shift", "fill": 1}]})
+    no_length = RolloutSpec.from_dict(
+        {
+            "steps": 2,
+            "trajectory": ["y"],
+            "feedback": [{"output": "y", "input": "x"}, {"input": "pad", "mode": "shift", "fill": 1}],
+        }
+    )
     from runtimes import IOSpec
 
     f32 = np.dtype(np.float32)
@@ -111,9 +137,18 @@ def test_pangu_shaped_static_model_rolls_out_window_by_window(tmp_path):
     path, wy = pangu_shaped(tmp_path / "m.onnx")
     session = OrtRuntime().open(path)
     spec = detect(session.inputs, session.outputs, steps=3)
-    assert spec.feedback == (Feedback("output", "input", "replace"), Feedback("output_surface", "input_surface", "replace"))
+    assert spec.feedback == (
+        Feedback("output", "input", "replace"),
+        Feedback("output_surface", "input_surface", "replace"),
+    )
     rng = np.random.default_rng(3)
-    ctx = Contexts({"input": rng.standard_normal((5, 4, 6)).astype(np.float32), "input_surface": rng.standard_normal((5, 4)).astype(np.float32)}, "test")
+    ctx = Contexts(
+        {
+            "input": rng.standard_normal((5, 4, 6)).astype(np.float32),
+            "input_surface": rng.standard_normal((5, 4)).astype(np.float32),
+        },
+        "test",
+    )
     engine = RolloutEngine(session, ctx, spec)
     got = engine.trajectories()
     assert not engine.batched and got["output"].shape == (5, 3, 4, 6) and got["output_surface"].shape == (5, 3, 4)
@@ -137,7 +172,13 @@ def test_point_and_quantile_heads(tmp_path):
     rng = np.random.default_rng(4)
     names = ["quantile_10", "mean", "quantile_90"]
     nodes = [helper.make_node("MatMul", ["context", f"W{i}"], [n]) for i, n in enumerate(names)]
-    path = _model(nodes, [_vi("context", F, ["b", 24])], [_vi(n, F, ["b", 6]) for n in names], {f"W{i}": _w(rng, 24, 6) for i in range(3)}, tmp_path / "m.onnx")
+    path = _model(
+        nodes,
+        [_vi("context", F, ["b", 24])],
+        [_vi(n, F, ["b", 6]) for n in names],
+        {f"W{i}": _w(rng, 24, 6) for i in range(3)},
+        tmp_path / "m.onnx",
+    )
     found = detect_rollout(*_signature(path))
     assert found.spec.feedback == (Feedback("mean", "context", "shift", -1),)
     assert found.spec.trajectory == ("mean",) and found.unused_outputs == ("quantile_10", "quantile_90")
@@ -163,7 +204,9 @@ def test_ambiguous_pairing_lists_toml_candidates(tmp_path):
         toml = block.split("\n", 1)[1]
         (tmp_path / "c.toml").write_text(toml)
         assert RolloutSpec.from_toml(tmp_path / "c.toml").feedback == candidate.spec.feedback
-    result = runner.invoke(app, ["score", str(path), "--random-contexts", "--min-params", "1", "--out", str(tmp_path / "run")])
+    result = runner.invoke(
+        app, ["score", str(path), "--random-contexts", "--min-params", "1", "--out", str(tmp_path / "run")]
+    )
     assert result.exit_code == 2 and "candidate 2" in result.output + (result.stderr or "")
     result = runner.invoke(app, ["inspect", str(path), "--min-params", "1", "--emit-spec", str(tmp_path / "spec.toml")])
     assert result.exit_code == 0
@@ -181,7 +224,7 @@ def test_ambiguous_pairing_lists_toml_candidates(tmp_path):
         ('steps = 2\ntrajectory = "yy"', "must be a list of output names"),
         ('steps = "8"\ntrajectory = ["y"]', "`steps` must be an integer"),
         ('steps = 2\n[[feedback]]\noutput = "y"\ninput = "x"\nmod = "shift"', "did you mean 'mode'"),
-        ('steps = 2\n[[feedback]]\ninput = "x"\nmode = "shift"', "needs mode = \"shift\" and a `fill`"),
+        ('steps = 2\n[[feedback]]\ninput = "x"\nmode = "shift"', 'needs mode = "shift" and a `fill`'),
         ('steps = 2\n[[feedback]]\noutput = "y"\ninput = "x"\nfill = 0', "only apply to edges without an output"),
     ],
 )
@@ -194,10 +237,15 @@ def test_strict_spec_parsing(tmp_path, text, message):
 def test_unknown_names_list_the_models_names(tmp_path):
     path = timesfm_shaped(tmp_path / "m.onnx")
     (tmp_path / "s.toml").write_text('steps = 2\ntrajectory = ["yy"]\n')
-    result = runner.invoke(app, ["score", str(path), "--spec", str(tmp_path / "s.toml"), "--random-contexts", "--out", str(tmp_path / "run")])
+    result = runner.invoke(
+        app,
+        ["score", str(path), "--spec", str(tmp_path / "s.toml"), "--random-contexts", "--out", str(tmp_path / "run")],
+    )
     text = " ".join((result.output + (result.stderr or "")).split())
     assert result.exit_code == 2 and "'yy' is not a model output (outputs: forecast, quantiles)" in text
-    (tmp_path / "s.toml").write_text('steps = 2\n[[feedback]]\noutput = "forecast"\ninput = "context"\nmode = "shift"\n')
+    (tmp_path / "s.toml").write_text(
+        'steps = 2\n[[feedback]]\noutput = "forecast"\ninput = "context"\nmode = "shift"\n'
+    )
     with pytest.raises(RolloutError, match="inputs: inputs, masks"):
         RolloutSpec.from_toml(tmp_path / "s.toml").check(*_signature(path))
 
@@ -209,7 +257,11 @@ def test_emit_spec_round_trip_and_no_overwrite(tmp_path):
     assert result.exit_code == 0, result.output
     emitted = RolloutSpec.from_toml(target)
     detected = detect(*_signature(path), steps=3)
-    assert (emitted.steps, emitted.feedback, emitted.trajectory) == (detected.steps, detected.feedback, detected.trajectory)
+    assert (emitted.steps, emitted.feedback, emitted.trajectory) == (
+        detected.steps,
+        detected.feedback,
+        detected.trajectory,
+    )
     assert "quantiles" in target.read_text()  # listed as an unused output
     before = target.read_text()
     result = runner.invoke(app, ["inspect", str(path), "--emit-spec", str(target)])
@@ -224,7 +276,21 @@ def test_spec_free_score_of_a_timesfm_shaped_model(tmp_path):
     masks = np.zeros((3, 1, 32), np.float32)
     masks[0, :, :10] = 1
     np.savez(tmp_path / "ctx.npz", inputs=rng.standard_normal((3, 1, 32)).astype(np.float32), masks=masks)
-    result = runner.invoke(app, ["score", str(path), "--contexts", str(tmp_path / "ctx.npz"), "--steps", "3", "--probes", "1", "--out", str(tmp_path / "run")])
+    result = runner.invoke(
+        app,
+        [
+            "score",
+            str(path),
+            "--contexts",
+            str(tmp_path / "ctx.npz"),
+            "--steps",
+            "3",
+            "--probes",
+            "1",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+    )
     text = " ".join((result.output + (result.stderr or "")).split())
     assert result.exit_code == 0, text
     assert "fill 0.0 = not padded/missing → masks (shift, axis -1)" in text
@@ -232,7 +298,19 @@ def test_spec_free_score_of_a_timesfm_shaped_model(tmp_path):
     assert stored.feedback[1] == Feedback(None, "masks", "shift", -1, fill=0.0)
 
 
-@pytest.mark.parametrize("example", ["etth1_patchtst", "era5_emulator", "lorenz96", "timesfm_etth1", "pangu_lorenz96", "era5_downscale", "token_embedder", "tied_mixer_etth1"])
+@pytest.mark.parametrize(
+    "example",
+    [
+        "etth1_patchtst",
+        "era5_emulator",
+        "lorenz96",
+        "timesfm_etth1",
+        "pangu_lorenz96",
+        "era5_downscale",
+        "token_embedder",
+        "tied_mixer_etth1",
+    ],
+)
 def test_examples_detect_their_committed_spec(example):
     folder = REPO / "examples" / example
     found = detect(*_signature(folder / "model.onnx"))
@@ -252,7 +330,9 @@ def test_calibration_states_move_the_mask(tmp_path):
     np.testing.assert_array_equal(states[2]["masks"][:, 16:], 0)
 
 
-@pytest.mark.parametrize("covariate,side", [("time_features", "quantiles"), ("x_mark_enc", "forecast_std"), ("calendar", "q")])
+@pytest.mark.parametrize(
+    "covariate,side", [("time_features", "quantiles"), ("x_mark_enc", "forecast_std"), ("calendar", "q")]
+)
 def test_shapes_that_fit_by_coincidence_feed_no_covariate_and_no_side_head(tmp_path, covariate, side):
     """3 quantiles over the horizon fit 3 time features over context + horizon: a shift by shape alone. Side heads
     (quantiles, spreads) feed nothing and covariates receive nothing unless their names share a stem."""
@@ -265,12 +345,27 @@ def test_shapes_that_fit_by_coincidence_feed_no_covariate_and_no_side_head(tmp_p
         helper.make_node("Add", ["q_flat", "cov_h"], ["q_sum"]),
         helper.make_node("Reshape", ["q_sum", "shape"], [side]),
     ]
-    inits = {"Wf": _w(rng, 64, 8), "Wc": _w(rng, 216, 24), "Wq": _w(rng, 64, 24), "flat": np.array([0, -1], np.int64), "shape": np.array([0, 3, 8], np.int64)}
-    path = _model(nodes, [_vi("context", F, ["b", 64]), _vi(covariate, F, ["b", 3, 72])], [_vi("forecast", F, ["b", 8]), _vi(side, F, ["b", 3, 8])], inits, tmp_path / "m.onnx")
+    inits = {
+        "Wf": _w(rng, 64, 8),
+        "Wc": _w(rng, 216, 24),
+        "Wq": _w(rng, 64, 24),
+        "flat": np.array([0, -1], np.int64),
+        "shape": np.array([0, 3, 8], np.int64),
+    }
+    path = _model(
+        nodes,
+        [_vi("context", F, ["b", 64]), _vi(covariate, F, ["b", 3, 72])],
+        [_vi("forecast", F, ["b", 8]), _vi(side, F, ["b", 3, 8])],
+        inits,
+        tmp_path / "m.onnx",
+    )
     found = detect_rollout(*_signature(path))
     assert found.spec.feedback == (Feedback("forecast", "context", "shift", -1),)
     assert found.unused_outputs == (side,) and found.constant_inputs == (covariate,)
-    same_stem = detect_rollout([IOSpec("quantiles_in", (None, 3, 8), np.dtype(np.float32))], [IOSpec("quantiles_out", (None, 3, 8), np.dtype(np.float32))])
+    same_stem = detect_rollout(
+        [IOSpec("quantiles_in", (None, 3, 8), np.dtype(np.float32))],
+        [IOSpec("quantiles_out", (None, 3, 8), np.dtype(np.float32))],
+    )
     assert same_stem.spec.feedback == (Feedback("quantiles_out", "quantiles_in"),)  # a stem in common still pairs
 
 
@@ -295,13 +390,16 @@ def test_a_state_stacked_with_forcings_is_not_shifted_along_its_channels():
     assert history.spec.feedback == (Feedback("next_state", "state", "shift", -4),)  # a history takes half of itself
 
 
-@pytest.mark.parametrize("mask,dtype,shape,fill", [
-    ("attention_mask", np.float32, ("batch", 64), 1.0),  # Hugging Face: 1 = attend
-    ("past_observed_mask", np.bool_, ("batch", 64), 1.0),
-    ("attention_mask", np.int64, ("batch", 64), 1.0),
-    ("input_padding", np.float32, ("batch", 80), 0.0),  # TimesFM: context + horizon long, 1 = padded
-    ("masks", np.float32, ("batch", 64), 0.0),
-])
+@pytest.mark.parametrize(
+    "mask,dtype,shape,fill",
+    [
+        ("attention_mask", np.float32, ("batch", 64), 1.0),  # Hugging Face: 1 = attend
+        ("past_observed_mask", np.bool_, ("batch", 64), 1.0),
+        ("attention_mask", np.int64, ("batch", 64), 1.0),
+        ("input_padding", np.float32, ("batch", 80), 0.0),  # TimesFM: context + horizon long, 1 = padded
+        ("masks", np.float32, ("batch", 64), 0.0),
+    ],
+)
 def test_masks_of_any_type_and_length_move_with_their_context(mask, dtype, shape, fill):
     found = detect_rollout(*_sig([("context", ("batch", 64)), (mask, shape, dtype)], [("forecast", ("batch", 16))]))
     assert Feedback(None, mask, "shift", -1, fill=fill) in found.spec.feedback
@@ -309,15 +407,24 @@ def test_masks_of_any_type_and_length_move_with_their_context(mask, dtype, shape
 
 
 def test_observed_data_is_a_series_not_a_mask_and_hidden_state_is_fed_but_not_forecast():
-    csdi = detect_rollout(*_sig([("observed_data", ("b", 7, 96)), ("observed_mask", ("b", 7, 96))], [("forecast", ("b", 7, 24))]))
+    csdi = detect_rollout(
+        *_sig([("observed_data", ("b", 7, 96)), ("observed_mask", ("b", 7, 96))], [("forecast", ("b", 7, 24))])
+    )
     assert Feedback("forecast", "observed_data", "shift", -1) in csdi.spec.feedback
     assert Feedback(None, "observed_mask", "shift", -1, fill=1.0) in csdi.spec.feedback
-    rnn = detect_rollout(*_sig([("obs", ("b", 8)), ("h_in", (1, "b", 32)), ("c_in", (1, "b", 32))], [("y", ("b", 8)), ("h_out", (1, "b", 32)), ("c_out", (1, "b", 32))]))
+    rnn = detect_rollout(
+        *_sig(
+            [("obs", ("b", 8)), ("h_in", (1, "b", 32)), ("c_in", (1, "b", 32))],
+            [("y", ("b", 8)), ("h_out", (1, "b", 32)), ("c_out", (1, "b", 32))],
+        )
+    )
     assert {e.input for e in rnn.spec.feedback} == {"obs", "h_in", "c_in"} and rnn.spec.trajectory == ("y",)
 
 
 def test_time_features_are_covariates_even_when_named_past():
-    found = detect_rollout(*_sig([("past_values", ("b", 96, 4)), ("past_time_features", ("b", 96, 4))], [("prediction", ("b", 24, 4))]))
+    found = detect_rollout(
+        *_sig([("past_values", ("b", 96, 4)), ("past_time_features", ("b", 96, 4))], [("prediction", ("b", 24, 4))])
+    )
     assert found.spec.feedback == (Feedback("prediction", "past_values", "shift", -2),)
     assert "past_time_features" in found.constant_inputs
 
@@ -327,7 +434,13 @@ def test_no_feedback_runs_after_the_last_step(tmp_path):
     from tqsdeploy.rollout import rollout
 
     rng = np.random.default_rng(7)
-    path = _model([helper.make_node("MatMul", ["x", "W"], ["y"])], [_vi("x", F, [2, 5])], [_vi("y", F, [2, 3])], {"W": _w(rng, 5, 3)}, tmp_path / "m.onnx")
+    path = _model(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        [_vi("x", F, [2, 5])],
+        [_vi("y", F, [2, 3])],
+        {"W": _w(rng, 5, 3)},
+        tmp_path / "m.onnx",
+    )
     session = OrtRuntime().open(path)
     spec = RolloutSpec.from_dict({"steps": 1, "feedback": [{"output": "y", "input": "x"}]})
     assert len(list(rollout(session, {"x": np.zeros((2, 5), np.float32)}, spec))) == 1
@@ -335,22 +448,49 @@ def test_no_feedback_runs_after_the_last_step(tmp_path):
         list(rollout(session, {"x": np.zeros((2, 5), np.float32)}, spec, steps=2))
 
 
-@pytest.mark.parametrize("inputs,outputs,feedback,trajectory", [
-    # lengths that may differ: a fixed horizon into a named context, named into named; shifts only with names that say so
-    ([("past_values", ("B", 96, 7)), ("future_time_features", ("B", "horizon", 4))], [("prediction", ("B", "horizon", 7))],
-     [Feedback("prediction", "past_values", "shift", -2)], ("prediction",)),
-    ([("context", ("B", "seq_len"))], [("forecast", ("B", "pred_len"))], [Feedback("forecast", "context", "shift", -1)], ("forecast",)),
-    ([("decoder_input_ids", ("batch", "dec_len"), np.int64), ("encoder_hidden_states", ("batch", "enc_len", 32))],
-     [("logits", ("batch", "dec_len", 64)), ("last_hidden_state", ("batch", "dec_len", 32))], [], ("logits", "last_hidden_state")),
-    # one axis fewer: one entry along the dynamic time axis, or the input's singleton axis added
-    ([("x", ("batch", "seq", 7))], [("y", ("batch", 7))], [Feedback("y", "x", "shift", -2)], ("y",)),
-    ([("x", ("B", 96, 1))], [("y", ("B", 24))], [Feedback("y", "x", "shift", -2)], ("y",)),
-    # forecast variables named like recurrent state stay in the trajectory; a land-sea mask is a static field
-    ([("cell_temperature", ("B", 1, 16, 16)), ("memory", ("B", 1, 16, 16))], [("cell_temperature_next", ("B", 1, 16, 16)), ("memory_next", ("B", 1, 16, 16))],
-     [Feedback("cell_temperature_next", "cell_temperature"), Feedback("memory_next", "memory")], ("cell_temperature_next", "memory_next")),
-    ([("radar", ("B", 4, 16, 16)), ("land_sea_mask", ("B", 1, 16, 16))], [("radar_next", ("B", 1, 16, 16))],
-     [Feedback("radar_next", "radar", "shift", -3)], ("radar_next",)),
-])
+@pytest.mark.parametrize(
+    "inputs,outputs,feedback,trajectory",
+    [
+        # lengths that may differ: a fixed horizon into a named context, named into named; shifts only with names that say so
+        (
+            [("past_values", ("B", 96, 7)), ("future_time_features", ("B", "horizon", 4))],
+            [("prediction", ("B", "horizon", 7))],
+            [Feedback("prediction", "past_values", "shift", -2)],
+            ("prediction",),
+        ),
+        (
+            [("context", ("B", "seq_len"))],
+            [("forecast", ("B", "pred_len"))],
+            [Feedback("forecast", "context", "shift", -1)],
+            ("forecast",),
+        ),
+        (
+            [
+                ("decoder_input_ids", ("batch", "dec_len"), np.int64),
+                ("encoder_hidden_states", ("batch", "enc_len", 32)),
+            ],
+            [("logits", ("batch", "dec_len", 64)), ("last_hidden_state", ("batch", "dec_len", 32))],
+            [],
+            ("logits", "last_hidden_state"),
+        ),
+        # one axis fewer: one entry along the dynamic time axis, or the input's singleton axis added
+        ([("x", ("batch", "seq", 7))], [("y", ("batch", 7))], [Feedback("y", "x", "shift", -2)], ("y",)),
+        ([("x", ("B", 96, 1))], [("y", ("B", 24))], [Feedback("y", "x", "shift", -2)], ("y",)),
+        # forecast variables named like recurrent state stay in the trajectory; a land-sea mask is a static field
+        (
+            [("cell_temperature", ("B", 1, 16, 16)), ("memory", ("B", 1, 16, 16))],
+            [("cell_temperature_next", ("B", 1, 16, 16)), ("memory_next", ("B", 1, 16, 16))],
+            [Feedback("cell_temperature_next", "cell_temperature"), Feedback("memory_next", "memory")],
+            ("cell_temperature_next", "memory_next"),
+        ),
+        (
+            [("radar", ("B", 4, 16, 16)), ("land_sea_mask", ("B", 1, 16, 16))],
+            [("radar_next", ("B", 1, 16, 16))],
+            [Feedback("radar_next", "radar", "shift", -3)],
+            ("radar_next",),
+        ),
+    ],
+)
 def test_detection_on_signatures_the_second_audit_found(inputs, outputs, feedback, trajectory):
     found = detect_rollout(*_sig(inputs, outputs))
     assert list(found.spec.feedback) == feedback and found.spec.trajectory == trajectory
@@ -364,13 +504,33 @@ def test_reason_lines_name_the_output_and_the_input_and_one_step_is_singular(tmp
     shift = models.shift_model(tmp_path / "s.onnx", length=16, horizon=4)
     result = runner.invoke(app, ["inspect", str(shift)])
     text = " ".join(result.output.split())
-    assert result.exit_code == 0 and "x: 'y' [batch, 4] appends to 'x' [batch, 16] along axis -1 (4 < 16) → shift" in text, text
+    assert (
+        result.exit_code == 0 and "x: 'y' [batch, 4] appends to 'x' [batch, 16] along axis -1 (4 < 16) → shift" in text
+    ), text
     single = models.assorted_ops(tmp_path / "a.onnx")
     rng = np.random.default_rng(0)
-    np.savez(tmp_path / "c.npz", ids=rng.integers(0, 100, (2, 3)), img=rng.standard_normal((2, 3, 4, 8, 8)).astype(np.float32))
-    result = runner.invoke(app, ["score", str(single), "-c", str(tmp_path / "c.npz"), "--probes", "1", "--out", str(tmp_path / "run")])
+    np.savez(
+        tmp_path / "c.npz",
+        ids=rng.integers(0, 100, (2, 3)),
+        img=rng.standard_normal((2, 3, 4, 8, 8)).astype(np.float32),
+    )
+    result = runner.invoke(
+        app, ["score", str(single), "-c", str(tmp_path / "c.npz"), "--probes", "1", "--out", str(tmp_path / "run")]
+    )
     text = " ".join(result.output.split())
     assert result.exit_code == 0 and "rollout 1 step (detected)" in text and "1 steps" not in text, text
-    result = runner.invoke(app, ["eval", str(single), "--reference", str(single), "-c", str(tmp_path / "c.npz"), "--report", str(tmp_path / "e")])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            str(single),
+            "--reference",
+            str(single),
+            "-c",
+            str(tmp_path / "c.npz"),
+            "--report",
+            str(tmp_path / "e"),
+        ],
+    )
     text = " ".join(result.output.split())
     assert result.exit_code == 0 and "2 context windows × 1 step;" in text, text

@@ -28,10 +28,13 @@ def _model(path, equation: str, position: int, sizes: dict = SIZES):
     weight = np.random.default_rng(0).standard_normal([sizes[c] for c in terms[position]]).astype(np.float32)
     other = terms[1 - position]
     inputs = ["x", "W"] if position == 1 else ["W", "x"]
-    graph = helper.make_graph([helper.make_node("Einsum", inputs, ["y"], equation=equation)], "einsum",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [sizes[c] for c in other])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [sizes[c] for c in equation.split("->")[1]])],
-                              [numpy_helper.from_array(weight, "W")])
+    graph = helper.make_graph(
+        [helper.make_node("Einsum", inputs, ["y"], equation=equation)],
+        "einsum",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [sizes[c] for c in other])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [sizes[c] for c in equation.split("->")[1]])],
+        [numpy_helper.from_array(weight, "W")],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
     return path, weight, other
 
@@ -45,7 +48,7 @@ def test_an_einsum_weights_rows_times_wt_are_its_output(tmp_path, equation, posi
     assert layout.calibratable, layout.rtn_reason
     (use,) = layout.uses
     (rows,) = layer_inputs(use, x)
-    (operands, output), = [equation.split("->")]
+    ((operands, output),) = [equation.split("->")]
     channel = operands.split(",")[position][layout.perm[0]]  # the weight's output-channel letter
     kept = [c for c in other if c in output]  # the activation's letters the output keeps, in the activation's order
     expected = np.einsum(f"{output}->{''.join(kept)}{channel}", y).reshape(-1, SIZES[channel])
@@ -58,9 +61,13 @@ def test_einsums_that_are_no_plain_product_stay_rounded_to_nearest(tmp_path, equ
     activation sums on its own, or two output letters in the weight: no rows of the activation multiply Wt."""
     terms = equation.split("->")[0].split(",")
     weight = np.ones([SIZES[c] for c in terms[1]], np.float32)
-    graph = helper.make_graph([helper.make_node("Einsum", ["x", "W"], ["y"], equation=equation)], "einsum",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [SIZES[c] for c in terms[0]])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(weight, "W")])
+    graph = helper.make_graph(
+        [helper.make_node("Einsum", ["x", "W"], ["y"], equation=equation)],
+        "einsum",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [SIZES[c] for c in terms[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(weight, "W")],
+    )
     layout = weight_layouts(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))["W"]
     assert not layout.calibratable and "Einsum" in (layout.rtn_reason or "")
 
@@ -73,4 +80,7 @@ def test_a_calibrated_baseline_rounds_an_einsum_weight_better_than_nearest(tmp_p
     windows = tmp_path / "windows.npz"
     np.savez(windows, x=np.random.default_rng(2).standard_normal([3] + [sizes[c] for c in other]).astype(np.float32))
     result = quantize_baseline(path, BaselineSettings("gptq", 4, min_params=1), windows)
-    assert "W" not in result.rtn_only and result.errors["W"] < result.rtn_errors["W"], (result.errors, result.rtn_errors)
+    assert "W" not in result.rtn_only and result.errors["W"] < result.rtn_errors["W"], (
+        result.errors,
+        result.rtn_errors,
+    )

@@ -2,20 +2,26 @@
 
 import json
 
+import models
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-import models
 from tqsdeploy.cli import app
 
 runner = CliRunner()
 
 
-@pytest.mark.parametrize("layout,phrase", [
-    (None, "float weights (no stored codes"),  # the original itself, or an fp16 copy
-    ("fused", "DequantizeLinear runs on every call (no MatMul it fuses with"),  # Conv kernels: nothing becomes MatMulNBits
-])
+@pytest.mark.parametrize(
+    "layout,phrase",
+    [
+        (None, "float weights (no stored codes"),  # the original itself, or an fp16 copy
+        (
+            "fused",
+            "DequantizeLinear runs on every call (no MatMul it fuses with",
+        ),  # Conv kernels: nothing becomes MatMulNBits
+    ],
+)
 def test_the_runtime_line_claims_no_int8_fusion_that_did_not_happen(tmp_path, layout, phrase):
     """A float model and a fused Conv model were once described as 'DequantizeLinear->MatMul fused into MatMulNBits
     with accuracy_level 4 (int8 activations)' beside 'MatMulNBits nodes: 0'."""
@@ -25,9 +31,40 @@ def test_the_runtime_line_claims_no_int8_fusion_that_did_not_happen(tmp_path, la
     candidate = model
     if layout:
         candidate = tmp_path / "q.onnx"
-        result = runner.invoke(app, ["baseline", str(model), "--method", "rtn", "--bits", "8", "--min-params", "1", "--runtime-layout", layout, "-o", str(candidate)])
+        result = runner.invoke(
+            app,
+            [
+                "baseline",
+                str(model),
+                "--method",
+                "rtn",
+                "--bits",
+                "8",
+                "--min-params",
+                "1",
+                "--runtime-layout",
+                layout,
+                "-o",
+                str(candidate),
+            ],
+        )
         assert result.exit_code == 0, result.output
-    result = runner.invoke(app, ["eval", str(candidate), "-r", str(model), "-c", str(contexts), "--steps", "2", "--no-latency", "--report", str(tmp_path / "ev")])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            str(candidate),
+            "-r",
+            str(model),
+            "-c",
+            str(contexts),
+            "--steps",
+            "2",
+            "--no-latency",
+            "--report",
+            str(tmp_path / "ev"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     runtime = json.loads((tmp_path / "ev.json").read_text())["runtime"]
     assert runtime["matmulnbits_nodes"] == 0

@@ -38,12 +38,34 @@ def test_score_export_eval_gate(example, tmp_path):
     assert code == 0, text
     allocation = json.loads((tmp_path / f"{example}.C4.allocation.json").read_text())
     assert 4 <= allocation["compression"] <= 4 * 1.02
-    code, text = _run("eval", tmp_path / f"{example}.C4.onnx", "--reference", model, *common, "--truth", folder / "truth.npz", "--report", tmp_path / "eval")
+    code, text = _run(
+        "eval",
+        tmp_path / f"{example}.C4.onnx",
+        "--reference",
+        model,
+        *common,
+        "--truth",
+        folder / "truth.npz",
+        "--report",
+        tmp_path / "eval",
+    )
     assert code == 0, text
     report = json.loads((tmp_path / "eval.json").read_text())
     output = next(iter(report["outputs"].values()))
     assert output["vs_truth"]["reference_mae"] > 0 and report["compression"] == allocation["compression"]
-    code, text = _run("gate", tmp_path / f"{example}.C4.onnx", "--reference", model, *common, "--min-compression", "4", "--max-degradation", "1000%", "--report-dir", tmp_path / "gate")
+    code, text = _run(
+        "gate",
+        tmp_path / f"{example}.C4.onnx",
+        "--reference",
+        model,
+        *common,
+        "--min-compression",
+        "4",
+        "--max-degradation",
+        "1000%",
+        "--report-dir",
+        tmp_path / "gate",
+    )
     assert code == 0, text
     assert model.read_bytes() == before
 
@@ -55,14 +77,24 @@ def test_ci_workflow_runs_literally_on_the_bundled_model(tmp_path):
     env = dict(os.environ, **job["env"])
     example = REPO / "examples" / "etth1_patchtst"
     gate_step = next(step["run"] for step in job["steps"] if "tqsdeploy gate" in step.get("run", ""))
-    assert '"$HELDOUT"' in gate_step and '"$HELDOUT_TRUTH"' in gate_step, gate_step  # the gate judges on windows the score never saw
-    for variable, source in (("MODEL", "model.onnx"), ("CONTEXTS", "contexts.npz"), ("TRUTH", "truth.npz"), ("HELDOUT", "heldout.npz"),
-                             ("HELDOUT_TRUTH", "heldout_truth.npz"), ("SPEC", "rollout.toml")):
+    assert '"$HELDOUT"' in gate_step and '"$HELDOUT_TRUTH"' in gate_step, (
+        gate_step
+    )  # the gate judges on windows the score never saw
+    for variable, source in (
+        ("MODEL", "model.onnx"),
+        ("CONTEXTS", "contexts.npz"),
+        ("TRUTH", "truth.npz"),
+        ("HELDOUT", "heldout.npz"),
+        ("HELDOUT_TRUTH", "heldout_truth.npz"),
+        ("SPEC", "rollout.toml"),
+    ):
         target = tmp_path / env[variable]
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(example / source, target)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    commands = [step["run"] for step in job["steps"] if "tqsdeploy " in step.get("run", "") and "pip install" not in step["run"]]
+    commands = [
+        step["run"] for step in job["steps"] if "tqsdeploy " in step.get("run", "") and "pip install" not in step["run"]
+    ]
     assert [c.split()[1] for c in commands] == ["score", "export", "gate"]
     for command in commands:
         done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -79,9 +111,26 @@ def test_qep_w2_on_the_weight_tied_example_stays_within_the_min_max_grids_drift(
     from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
 
     folder = REPO / "examples" / "tied_mixer_etth1"
-    code, text = _run("baseline", folder / "model.onnx", "--method", "qep", "--bits", "2", "--calib", folder / "contexts.npz", "-o", tmp_path / "qep.onnx")
+    code, text = _run(
+        "baseline",
+        folder / "model.onnx",
+        "--method",
+        "qep",
+        "--bits",
+        "2",
+        "--calib",
+        folder / "contexts.npz",
+        "-o",
+        tmp_path / "qep.onnx",
+    )
     assert code == 0, text
-    report = evaluate(tmp_path / "qep.onnx", folder / "model.onnx", folder / "heldout.npz", spec=folder / "rollout.toml", settings=EvalSettings(exact=True))
+    report = evaluate(
+        tmp_path / "qep.onnx",
+        folder / "model.onnx",
+        folder / "heldout.npz",
+        spec=folder / "rollout.toml",
+        settings=EvalSettings(exact=True),
+    )
     assert report["outputs"]["forecast"]["vs_reference"]["mae"] <= 0.197
 
 
@@ -96,10 +145,30 @@ def test_qep_w2_on_lorenz96_keeps_the_grid_that_does_no_worse_than_95188a9s(tmp_
     drift = {}
     for grids in ("auto", "per-channel", "min-max"):
         out = tmp_path / f"qep.{grids}.onnx"
-        code, text = _run("baseline", folder / "model.onnx", "--method", "qep", "--bits", "2", "--calib", folder / "contexts.npz", "--min-params", "256",
-                          "--grids", grids, "-o", out)
+        code, text = _run(
+            "baseline",
+            folder / "model.onnx",
+            "--method",
+            "qep",
+            "--bits",
+            "2",
+            "--calib",
+            folder / "contexts.npz",
+            "--min-params",
+            "256",
+            "--grids",
+            grids,
+            "-o",
+            out,
+        )
         assert code == 0, text
-        report = evaluate(out, folder / "model.onnx", folder / "heldout.npz", spec=folder / "rollout.toml", settings=EvalSettings(exact=True))
+        report = evaluate(
+            out,
+            folder / "model.onnx",
+            folder / "heldout.npz",
+            spec=folder / "rollout.toml",
+            settings=EvalSettings(exact=True),
+        )
         drift[grids] = report["outputs"]["x_next"]["vs_reference"]["drift_pct"]
     record = json.loads((tmp_path / "qep.auto.baseline.json").read_text())
     assert record["grid_drifts_pct"][record["grids"]] == min(record["grid_drifts_pct"].values())
@@ -112,5 +181,8 @@ def test_the_demo_evaluates_and_gates_on_windows_the_score_never_saw():
     lines = {line.split()[1]: line for line in demo.splitlines() if "tqsdeploy " in line}
     assert "$(EXAMPLE)/contexts.npz" in lines["score"]
     for command in ("eval", "gate"):
-        assert "--contexts $(EXAMPLE)/heldout.npz" in lines[command] and "--truth $(EXAMPLE)/heldout_truth.npz" in lines[command], lines[command]
+        assert (
+            "--contexts $(EXAMPLE)/heldout.npz" in lines[command]
+            and "--truth $(EXAMPLE)/heldout_truth.npz" in lines[command]
+        ), lines[command]
     assert (REPO / "examples" / "etth1_patchtst" / "heldout_truth.npz").exists()

@@ -1,11 +1,10 @@
 """Every command: a bad input is one line on stderr and exit 2, a failed gate
 exits 1; never a traceback."""
 
-
+import models
 import pytest
 from typer.testing import CliRunner
 
-import models
 from tqsdeploy.cli import app
 
 runner = CliRunner()
@@ -47,25 +46,113 @@ CASES = {
     "engine-not-onnx": lambda m, c, t, s: ["engine", c],
     "eval-not-onnx": lambda m, c, t, s: ["eval", c, "--reference", m, "--contexts", c],
     "gate-bound": lambda m, c, t, s: ["gate", m, "--reference", m, "--contexts", c, "--max-degradation", "abc"],
-    "gate-max-size-0": lambda m, c, t, s: ["gate", m, "-r", m, "-c", c, "--steps", "2", "--max-size", "0MB", "--no-latency", "--report-dir", t / "g"],  # was a failed gate
-    "gate-bound-twice": lambda m, c, t, s: ["gate", m, "-r", m, "-c", c, "--max-degradation", "1%", "--max-degradation=50%"],
+    "gate-max-size-0": lambda m, c, t, s: [
+        "gate",
+        m,
+        "-r",
+        m,
+        "-c",
+        c,
+        "--steps",
+        "2",
+        "--max-size",
+        "0MB",
+        "--no-latency",
+        "--report-dir",
+        t / "g",
+    ],  # was a failed gate
+    "gate-bound-twice": lambda m, c, t, s: [
+        "gate",
+        m,
+        "-r",
+        m,
+        "-c",
+        c,
+        "--max-degradation",
+        "1%",
+        "--max-degradation=50%",
+    ],
     "score-steps-twice": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "-T", "3"],
     # an empty item in a list once dropped silently ('1,,8' ran as '1,8'; '--columns ,' meant every column)
     "export-C-empty-item": lambda m, c, t, s: ["export", m, "--C", "4,,8"],
     "export-tiers-empty-item": lambda m, c, t, s: ["export", m, "--C", "4", "--tiers", "int8,int4,"],
-    "score-horizons-empty-item": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "4", "--horizons", "1,,4", "-o", t / "run"],
+    "score-horizons-empty-item": lambda m, c, t, s: [
+        "score",
+        m,
+        "-c",
+        c,
+        "--steps",
+        "4",
+        "--horizons",
+        "1,,4",
+        "-o",
+        t / "run",
+    ],
     "score-columns-empty": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "--columns", ",", "-o", t / "run"],
-    "score-columns-twice": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "--columns", "OT,OT", "-o", t / "run"],
+    "score-columns-twice": lambda m, c, t, s: [
+        "score",
+        m,
+        "-c",
+        c,
+        "--steps",
+        "2",
+        "--columns",
+        "OT,OT",
+        "-o",
+        t / "run",
+    ],
     # --zscore on an .npz was ignored without a word: the model ran on windows the user believed standardised
     "score-zscore-npz": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "--zscore", "-o", t / "run"],
-    "eval-zscore-npz": lambda m, c, t, s: ["eval", m, "-r", m, "-c", c, "--steps", "2", "--zscore", "--no-latency", "--report", t / "r"],
+    "eval-zscore-npz": lambda m, c, t, s: [
+        "eval",
+        m,
+        "-r",
+        m,
+        "-c",
+        c,
+        "--steps",
+        "2",
+        "--zscore",
+        "--no-latency",
+        "--report",
+        t / "r",
+    ],
     # --windows with an .npz was ignored without a word: every window of the file ran
     "score-windows-npz": lambda m, c, t, s: ["score", m, "-c", c, "--steps", "2", "--windows", "1", "-o", t / "run"],
-    "gate-windows-npz": lambda m, c, t, s: ["gate", m, "-r", m, "-c", c, "--steps", "2", "--windows", "1", "--max-degradation", "5%", "--no-latency", "--report-dir", t / "g"],
+    "gate-windows-npz": lambda m, c, t, s: [
+        "gate",
+        m,
+        "-r",
+        m,
+        "-c",
+        c,
+        "--steps",
+        "2",
+        "--windows",
+        "1",
+        "--max-degradation",
+        "5%",
+        "--no-latency",
+        "--report-dir",
+        t / "g",
+    ],
     # an ONNX model was written under whatever name -o gave it
     "baseline-o-not-onnx": lambda m, c, t, s: ["baseline", m, "--method", "rtn", "--bits", "4", "-o", t / "q.npz"],
     "baseline-o-no-suffix": lambda m, c, t, s: ["baseline", m, "--method", "rtn", "--bits", "4", "-o", t / "q"],
-    "eval-latency-batches-empty-item": lambda m, c, t, s: ["eval", m, "-r", m, "-c", c, "--steps", "2", "--latency-batches", "1,,2", "--report", t / "r"],
+    "eval-latency-batches-empty-item": lambda m, c, t, s: [
+        "eval",
+        m,
+        "-r",
+        m,
+        "-c",
+        c,
+        "--steps",
+        "2",
+        "--latency-batches",
+        "1,,2",
+        "--report",
+        t / "r",
+    ],
 }
 
 
@@ -80,7 +167,20 @@ def test_bad_input_is_one_line_and_exit_2(case, two_branch, tmp_path, bad_spec):
 
 def test_failed_gate_exits_1(two_branch, tmp_path):
     model, ctx = two_branch
-    result, _ = _run(["gate", model, "--reference", model, "--contexts", ctx, "--min-compression", "1000", "--report-dir", tmp_path / "gate"])
+    result, _ = _run(
+        [
+            "gate",
+            model,
+            "--reference",
+            model,
+            "--contexts",
+            ctx,
+            "--min-compression",
+            "1000",
+            "--report-dir",
+            tmp_path / "gate",
+        ]
+    )
     assert result.exit_code == 1, result.output
     assert (tmp_path / "gate" / "gate.json").exists()
 
@@ -89,7 +189,9 @@ def test_a_refused_gate_leaves_no_empty_report_folder(two_branch, tmp_path):
     """The write check runs before the inputs are read; the folders it made must not outlive a refusal."""
     model, ctx = two_branch
     report_dir = tmp_path / "reports" / "gate"
-    result, lines = _run(["gate", model, "--reference", tmp_path / "missing.onnx", "--contexts", ctx, "--report-dir", report_dir])
+    result, lines = _run(
+        ["gate", model, "--reference", tmp_path / "missing.onnx", "--contexts", ctx, "--report-dir", report_dir]
+    )
     assert result.exit_code == 2 and "missing.onnx" in lines[0], lines
     assert not (tmp_path / "reports").exists()
 
@@ -99,8 +201,25 @@ def test_the_input_model_is_never_an_output_even_with_force(two_branch, tmp_path
     model, ctx = two_branch
     before = model.read_bytes()
     if command == "export":
-        assert _run(["score", model, "-c", ctx, "--probe", "quant", "--steps", 2, "-o", tmp_path / "run"])[0].exit_code == 0
-        args = ["export", model, "--run", tmp_path / "run", "--C", "4", "--rounding", "rtn", "--refine", "0", "-o", model, "--force"]
+        assert (
+            _run(["score", model, "-c", ctx, "--probe", "quant", "--steps", 2, "-o", tmp_path / "run"])[0].exit_code
+            == 0
+        )
+        args = [
+            "export",
+            model,
+            "--run",
+            tmp_path / "run",
+            "--C",
+            "4",
+            "--rounding",
+            "rtn",
+            "--refine",
+            "0",
+            "-o",
+            model,
+            "--force",
+        ]
     elif command == "baseline":
         args = ["baseline", model, "--method", "rtn", "--bits", "4", "-o", model, "--force"]
     else:
@@ -132,7 +251,9 @@ def test_frontier_checks_its_truth_before_any_work(two_branch, tmp_path):
     model, ctx = two_branch
     windows = len(np.load(ctx)["x"])
     np.savez(tmp_path / "t.npz", y=np.zeros((windows, 1, 1, 32)))
-    result, lines = _run(["frontier", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / "t.npz", "--C", "4", "-o", tmp_path / "fr"])
+    result, lines = _run(
+        ["frontier", model, "-c", ctx, "--steps", 2, "--truth", tmp_path / "t.npz", "--C", "4", "-o", tmp_path / "fr"]
+    )
     assert result.exit_code == 2 and "truth 'y' has shape" in lines[0], lines
     assert not (tmp_path / "fr").exists()
 
@@ -141,10 +262,42 @@ def test_a_candidate_that_outputs_nan_fails_any_gate(two_branch, tmp_path):
     """A gate on size alone once passed (exit 0) a candidate whose rollout was NaN: non-finite outputs fail every gate."""
     model, ctx = two_branch
     broken = models.nan_model(tmp_path / "broken.onnx")  # same signature as two_branch: x, y [batch, 32]
-    result, lines = _run(["gate", broken, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--min-compression", "0.5", "--report-dir", tmp_path / "g"])
+    result, lines = _run(
+        [
+            "gate",
+            broken,
+            "-r",
+            model,
+            "-c",
+            ctx,
+            "--steps",
+            2,
+            "--no-latency",
+            "--min-compression",
+            "0.5",
+            "--report-dir",
+            tmp_path / "g",
+        ]
+    )
     assert result.exit_code == 1, result.output
     assert lines[-1].startswith("gate failed: finite[y]"), lines
-    result, lines = _run(["gate", broken, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--max-degradation", "1e400", "--report-dir", tmp_path / "g"])
+    result, lines = _run(
+        [
+            "gate",
+            broken,
+            "-r",
+            model,
+            "-c",
+            ctx,
+            "--steps",
+            2,
+            "--no-latency",
+            "--max-degradation",
+            "1e400",
+            "--report-dir",
+            tmp_path / "g",
+        ]
+    )
     assert result.exit_code == 2 and "finite percentage" in lines[0], lines  # '1e400' is inf: a bound everything passes
 
 
@@ -154,9 +307,25 @@ def test_an_output_under_a_plain_file_names_the_file_in_the_way(two_branch, tmp_
     model, ctx = two_branch
     blocker = tmp_path / "blk"
     blocker.write_text("")
-    args = {"baseline": ["baseline", model, "--method", "rtn", "--bits", "4", "-o", blocker / "q" / "b.onnx"],
-            "eval": ["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--report", blocker / "r"],
-            "gate": ["gate", model, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--max-degradation", "5%", "--report-dir", blocker / "g"]}[command]
+    args = {
+        "baseline": ["baseline", model, "--method", "rtn", "--bits", "4", "-o", blocker / "q" / "b.onnx"],
+        "eval": ["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--report", blocker / "r"],
+        "gate": [
+            "gate",
+            model,
+            "-r",
+            model,
+            "-c",
+            ctx,
+            "--steps",
+            2,
+            "--no-latency",
+            "--max-degradation",
+            "5%",
+            "--report-dir",
+            blocker / "g",
+        ],
+    }[command]
     result, lines = _run(args)
     assert result.exit_code == 2 and len(lines) == 1 and f"{blocker} is a file, not a folder" in lines[0], lines
 
@@ -164,7 +333,9 @@ def test_an_output_under_a_plain_file_names_the_file_in_the_way(two_branch, tmp_
 def test_a_report_named_like_its_json_is_that_json_not_r_json_json(two_branch, tmp_path):
     """eval --report r.json wrote r.json.json and r.json.md."""
     model, ctx = two_branch
-    result, _ = _run(["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--report", tmp_path / "r.json"])
+    result, _ = _run(
+        ["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--report", tmp_path / "r.json"]
+    )
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in tmp_path.glob("r.*")) == ["r.json", "r.md"]
 
@@ -176,7 +347,9 @@ def test_a_report_given_as_a_folder_goes_inside_it(two_branch, tmp_path, given):
     folder = tmp_path / given.rstrip("/")
     if given == "existing":
         folder.mkdir()
-    result, _ = _run(["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--report", f"{tmp_path}/{given}"])
+    result, _ = _run(
+        ["eval", model, "-r", model, "-c", ctx, "--steps", 2, "--no-latency", "--report", f"{tmp_path}/{given}"]
+    )
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in folder.iterdir()) == ["two.eval.json", "two.eval.md"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["two.onnx", "ctx.npz", folder.name])
@@ -233,6 +406,23 @@ def test_export_refuses_an_output_that_is_not_named_onnx(two_branch, tmp_path):
     """`export -o q.npz` wrote an ONNX model named q.npz (and q.allocation.json beside it)."""
     model, ctx = two_branch
     assert _run(["score", model, "-c", ctx, "--probe", "quant", "--steps", 2, "-o", tmp_path / "run"])[0].exit_code == 0
-    result, lines = _run(["export", model, "--run", tmp_path / "run", "--C", "4", "--rounding", "rtn", "--refine", "0", "-o", tmp_path / "q.npz"])
-    assert result.exit_code == 2 and len(lines) == 1 and "does not end in .onnx" in lines[0] and "q.onnx" in lines[0], lines
+    result, lines = _run(
+        [
+            "export",
+            model,
+            "--run",
+            tmp_path / "run",
+            "--C",
+            "4",
+            "--rounding",
+            "rtn",
+            "--refine",
+            "0",
+            "-o",
+            tmp_path / "q.npz",
+        ]
+    )
+    assert result.exit_code == 2 and len(lines) == 1 and "does not end in .onnx" in lines[0] and "q.onnx" in lines[0], (
+        lines
+    )
     assert not (tmp_path / "q.npz").exists() and not list(tmp_path.glob("q.*"))

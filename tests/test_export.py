@@ -4,17 +4,17 @@ import json
 import math
 from types import SimpleNamespace
 
+import models
 import numpy as np
 import onnx
 import pytest
 from typer.testing import CliRunner
 
 import graph_ops
-import models
 from runtimes import OrtRuntime
+from tiers import METHODS, Rounding
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
-from tiers import METHODS, Rounding
 from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.export.compare import MIN_SPLIT, SLACK_PROMOTIONS
 from tqsdeploy.export.roundings import AUTO_METHODS
@@ -51,7 +51,9 @@ def test_exported_model_is_valid_and_matches_numpy_fake_quant(scored):
     got = OrtRuntime(exact_qdq=True).open(outcome.path).run({"x": x})["y"]
     want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.io.runtime_compatible(fake))).run({"x": x})["y"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    default = OrtRuntime().open(outcome.path).run({"x": x})["y"]  # what ORT runs by default (MatMulNBits, int8 activations)
+    default = (
+        OrtRuntime().open(outcome.path).run({"x": x})["y"]
+    )  # what ORT runs by default (MatMulNBits, int8 activations)
     assert np.abs(default - want).max() < 0.05 * np.abs(want).max()
     graph_bytes = planner.model.file_bytes - planner.scored.reference_bits / 8
     assert outcome.file_bytes == pytest.approx(outcome.allocation.total_bits / 8 + graph_bytes, rel=0.03)
@@ -116,8 +118,27 @@ def test_export_bad_input(scored, tmp_path):
         (["export", model, "--run", folder / "run", "--C", "4", "--tiers", "fp32,int5"], "unknown tier 'int5'"),
         (["export", model, "--run", folder / "run", "--C", "4", "--rounding", "awq"], "unknown rounding 'awq'"),
         (["export", model, "--run", folder / "run", "--C", "40"], "largest reachable is"),
-        (["export", model, "--run", folder / "run", "--C", "4", "--target", "trt"], "INT4 weights only in blocks of 64 or 128"),
-        (["export", model, "--run", folder / "run", "--C", "4", "--target", "trt", "--group-size", "64", "--tiers", "fp32,int8,int2"], "'int2' cannot run on target 'trt'"),
+        (
+            ["export", model, "--run", folder / "run", "--C", "4", "--target", "trt"],
+            "INT4 weights only in blocks of 64 or 128",
+        ),
+        (
+            [
+                "export",
+                model,
+                "--run",
+                folder / "run",
+                "--C",
+                "4",
+                "--target",
+                "trt",
+                "--group-size",
+                "64",
+                "--tiers",
+                "fp32,int8,int2",
+            ],
+            "'int2' cannot run on target 'trt'",
+        ),
         (["export", model, "--run", tmp_path / "nowhere", "--C", "4"], "not a finished score run"),
         (["export", model, "--run", folder / "run", "--C", "4", "--objective", "vibes"], "unknown objective"),
     ]
@@ -129,7 +150,9 @@ def test_export_bad_input(scored, tmp_path):
 def test_eval_and_gate(scored, tmp_path, monkeypatch):
     model, contexts, folder = scored
     candidate = folder / "mlp.gate.onnx"
-    Planner(folder / "run", settings=ExportSettings(runtime_layout="fused")).export(None, candidate, uniform_tier="int8")  # DequantizeLinear, run as MatMulNBits
+    Planner(folder / "run", settings=ExportSettings(runtime_layout="fused")).export(
+        None, candidate, uniform_tier="int8"
+    )  # DequantizeLinear, run as MatMulNBits
     truth = tmp_path / "truth.npz"
     reference = OrtRuntime().open(model)
     x = np.load(contexts)["x"]
@@ -141,27 +164,67 @@ def test_eval_and_gate(scored, tmp_path, monkeypatch):
             trajectory.append(state + 0.01)
         steps.append(np.stack(trajectory))
     np.savez(truth, y=np.stack(steps))
-    code, text = _invoke(["eval", candidate, "-r", model, "-c", contexts, "--steps", 6, "--truth", truth, "--report", tmp_path / "ev"])
+    code, text = _invoke(
+        ["eval", candidate, "-r", model, "-c", contexts, "--steps", 6, "--truth", truth, "--report", tmp_path / "ev"]
+    )
     assert code == 0, text
     report = json.loads((tmp_path / "ev.json").read_text())
     out = report["outputs"]["y"]
-    assert len(out["vs_reference"]["mae_by_step"]) == 6 and out["vs_truth"]["reference_mae"] == pytest.approx(0.01, rel=1e-3)
+    assert len(out["vs_reference"]["mae_by_step"]) == 6 and out["vs_truth"]["reference_mae"] == pytest.approx(
+        0.01, rel=1e-3
+    )
     assert "MatMulNBits" in report["runtime"]["mode"]
 
     summary = tmp_path / "summary.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
-    code, text = _invoke(["gate", candidate, "-r", model, "-c", contexts, "--steps", 6, "--max-degradation", "50%", "--min-compression", "3.5", "--report-dir", tmp_path / "pass"])
+    code, text = _invoke(
+        [
+            "gate",
+            candidate,
+            "-r",
+            model,
+            "-c",
+            contexts,
+            "--steps",
+            6,
+            "--max-degradation",
+            "50%",
+            "--min-compression",
+            "3.5",
+            "--report-dir",
+            tmp_path / "pass",
+        ]
+    )
     assert code == 0, text
-    assert "failures=\"0\"" in (tmp_path / "pass" / "junit.xml").read_text()
-    code, text = _invoke(["gate", candidate, "-r", model, "-c", contexts, "--steps", 6, "--max-degradation", "0.0001%", "--min-compression", "8", "--report-dir", tmp_path / "fail"])
+    assert 'failures="0"' in (tmp_path / "pass" / "junit.xml").read_text()
+    code, text = _invoke(
+        [
+            "gate",
+            candidate,
+            "-r",
+            model,
+            "-c",
+            contexts,
+            "--steps",
+            6,
+            "--max-degradation",
+            "0.0001%",
+            "--min-compression",
+            "8",
+            "--report-dir",
+            tmp_path / "fail",
+        ]
+    )
     assert code == 1, text
     junit = (tmp_path / "fail" / "junit.xml").read_text()
-    assert "failures=\"2\"" in junit and "compression" in junit
+    assert 'failures="2"' in junit and "compression" in junit
     assert summary.read_text().count("tqsdeploy gate") == 2
 
     other = models.shift_model(tmp_path / "shift.onnx")
     code, text = _invoke(["eval", other, "-r", model, "-c", contexts, "--steps", 2])
-    assert code == 2 and "input 'x' is [?, 16] float in the candidate, [?, 128] float in the reference" in " ".join(text.split())
+    assert code == 2 and "input 'x' is [?, 16] float in the candidate, [?, 128] float in the reference" in " ".join(
+        text.split()
+    )
 
 
 def test_infeasible_target_in_a_list_fails_before_writing(scored, tmp_path):
@@ -194,7 +257,9 @@ def test_streamed_external_data_export_matches_the_in_memory_one(scored, tmp_pat
     streamed = planner.writer.write(encodings, tmp_path / "streamed.onnx", external_data=True)
     assert len(streamed.files) == 2 and streamed.files[1].exists()
     assert streamed.bytes == pytest.approx(memory.bytes, rel=0.03) and streamed.weight_bits == memory.weight_bits
-    again = planner.writer.write(encodings, tmp_path / "streamed.onnx", external_data=True)  # a rewrite leaves one data file
+    again = planner.writer.write(
+        encodings, tmp_path / "streamed.onnx", external_data=True
+    )  # a rewrite leaves one data file
     assert sorted(p.name for p in tmp_path.glob("streamed.onnx*")) == sorted(p.name for p in again.files)
     onnx.checker.check_model(str(tmp_path / "streamed.onnx"))
     x = np.load(contexts)["x"][0]
@@ -223,7 +288,10 @@ def test_refine_never_raises_the_drift_and_keeps_the_budget(scored):
         base = planner.pricing.allocate(target)
         better, drift = planner.comparison.refiner.refine(base)
         assert better.total_bits <= planner.scored.reference_bits / target
-        assert sum(drift.div_sq) <= sum(planner.measuring.measure(planner.mixed.encodings(base, planner.roundings.rounding)).div_sq) + 1e-12
+        assert (
+            sum(drift.div_sq)
+            <= sum(planner.measuring.measure(planner.mixed.encodings(base, planner.roundings.rounding)).div_sq) + 1e-12
+        )
     planner.close()
 
 
@@ -262,8 +330,12 @@ def test_joint_candidates_are_the_assembled_ones_each_measured_once(scored):
     got = planner.measuring.joint_weights(moved, planner.roundings.rounding)
     assert got.keys() == want.keys() and all(np.array_equal(got[n], want[n]) for n in want)
     drift = planner.measuring.measure_tiers(moved, planner.roundings.rounding)
-    assert drift == planner.measuring.measure(planner.encoder.assemble(planner.cut.slots, moved, planner.roundings.rounding))
-    assert planner.measuring.measure_tiers(dict(reversed(moved.items())), planner.roundings.rounding) is drift  # measured once, whatever the order
+    assert drift == planner.measuring.measure(
+        planner.encoder.assemble(planner.cut.slots, moved, planner.roundings.rounding)
+    )
+    assert (
+        planner.measuring.measure_tiers(dict(reversed(moved.items())), planner.roundings.rounding) is drift
+    )  # measured once, whatever the order
     planner.close()
 
 
@@ -274,7 +346,10 @@ def test_float16_models_keep_their_type(tmp_path, tier):
     model = models.fp16_mlp(tmp_path / "half.onnx")
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float16))
     score(model, tmp_path / "c.npz", steps=3, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
-    planner = Planner(tmp_path / "run", settings=ExportSettings(tiers=("fp32", "bf16", "fp16", "int8", "int4", "int2", "int1", "int4-asym")))
+    planner = Planner(
+        tmp_path / "run",
+        settings=ExportSettings(tiers=("fp32", "bf16", "fp16", "int8", "int4", "int2", "int1", "int4-asym")),
+    )
     outcome = planner.export(None, tmp_path / f"half.{tier}.onnx", uniform_tier=tier)
     exported = onnx.load(str(outcome.path))
     onnx.checker.check_model(exported)
@@ -284,7 +359,9 @@ def test_float16_models_keep_their_type(tmp_path, tier):
     want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.io.runtime_compatible(fake))).run({"x": x})["y"]
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
-    assert outcome.layout == "dequantized"  # the default for ort-cpu: ONNX Runtime's default session runs the fake-quantized weights exactly
+    assert (
+        outcome.layout == "dequantized"
+    )  # the default for ort-cpu: ONNX Runtime's default session runs the fake-quantized weights exactly
     np.testing.assert_array_equal(OrtRuntime().open(outcome.path).run({"x": x})["y"], want)
     if tier in ("fp32", "fp16", "bf16"):  # no float tier narrower than fp16: the weights stay as they are
         assert outcome.compression == pytest.approx(1.0)
@@ -299,7 +376,12 @@ def test_float64_models_export_loadable_float64_weights(tmp_path, tier):
     model = models.fp16_mlp(tmp_path / "double.onnx", dtype=np.float64)
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)))
     score(model, tmp_path / "c.npz", steps=3, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
-    planner = Planner(tmp_path / "run", settings=ExportSettings(tiers=("fp32", "fp16", "int8", "int4", "int2", "int1", "int4-asym"), rounding="rtn", refine=0))
+    planner = Planner(
+        tmp_path / "run",
+        settings=ExportSettings(
+            tiers=("fp32", "fp16", "int8", "int4", "int2", "int1", "int4-asym"), rounding="rtn", refine=0
+        ),
+    )
     outcome = planner.export(None, tmp_path / f"double.{tier}.onnx", uniform_tier=tier)
     onnx.checker.check_model(onnx.load(str(outcome.path)), full_check=True)
     x = np.load(tmp_path / "c.npz")["x"][0]
@@ -308,8 +390,12 @@ def test_float64_models_export_loadable_float64_weights(tmp_path, tier):
     want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.io.runtime_compatible(fake))).run({"x": x})["y"]
     assert got.dtype == np.float64
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
-    np.testing.assert_array_equal(OrtRuntime().open(outcome.path).run({"x": x})["y"], want)  # the dequantized layout, as ORT runs it by default
-    assert outcome.compression == pytest.approx(1.0) if tier == "fp32" else outcome.compression > 1.9  # fp32: the weights as stored
+    np.testing.assert_array_equal(
+        OrtRuntime().open(outcome.path).run({"x": x})["y"], want
+    )  # the dequantized layout, as ORT runs it by default
+    assert (
+        outcome.compression == pytest.approx(1.0) if tier == "fp32" else outcome.compression > 1.9
+    )  # fp32: the weights as stored
     planner.close()
 
 
@@ -321,10 +407,17 @@ def test_an_emitted_weight_of_the_wrong_type_is_refused_before_writing(tmp_path)
     model = onnx.load(str(models.fp16_mlp(tmp_path / "double.onnx", dtype=np.float64)))
     w1 = onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "W1"))
     scale = np.abs(w1).max(axis=0) / 127
-    bad = ([onnx.numpy_helper.from_array(np.round(w1 / scale).astype(np.int8), "W1__q"), onnx.numpy_helper.from_array(scale, "W1__scale")],
-           [onnx.helper.make_node("DequantizeLinear", ["W1__q", "W1__scale"], ["W1"], axis=1)])
+    bad = (
+        [
+            onnx.numpy_helper.from_array(np.round(w1 / scale).astype(np.int8), "W1__q"),
+            onnx.numpy_helper.from_array(scale, "W1__scale"),
+        ],
+        [onnx.helper.make_node("DequantizeLinear", ["W1__q", "W1__scale"], ["W1"], axis=1)],
+    )
     with pytest.raises(graph_ops.GraphError, match="float64 weights"):
-        qdq.write_storage(model, {"W1": SimpleNamespace(form="raw", opset=1, emit=lambda name, layout: bad)}, tmp_path / "out.onnx")
+        qdq.write_storage(
+            model, {"W1": SimpleNamespace(form="raw", opset=1, emit=lambda name, layout: bad)}, tmp_path / "out.onnx"
+        )
     assert not list(tmp_path.glob("out*"))
 
 
@@ -334,10 +427,37 @@ def test_baseline_equals_a_uniform_export_with_that_rounding(scored, tmp_path, m
     fewer both measure the grids (--grids auto) on that rollout and keep the same one."""
     model, _, folder = scored
     tier = {2: "int2-asym", 4: "int4-asym", 8: "int8-asym"}[bits]
-    code, text = _invoke(["export", model, "--run", folder / "run", "--uniform", tier, "--rounding", method, "-o", tmp_path / "exported.onnx"])
+    code, text = _invoke(
+        [
+            "export",
+            model,
+            "--run",
+            folder / "run",
+            "--uniform",
+            tier,
+            "--rounding",
+            method,
+            "-o",
+            tmp_path / "exported.onnx",
+        ]
+    )
     assert code == 0, text
-    code, text = _invoke(["baseline", model, "--method", method, "--bits", bits, "--calib", folder / "run" / "contexts.npz",
-                          "--spec", folder / "run" / "rollout.toml", "-o", tmp_path / "baseline.onnx"])
+    code, text = _invoke(
+        [
+            "baseline",
+            model,
+            "--method",
+            method,
+            "--bits",
+            bits,
+            "--calib",
+            folder / "run" / "contexts.npz",
+            "--spec",
+            folder / "run" / "rollout.toml",
+            "-o",
+            tmp_path / "baseline.onnx",
+        ]
+    )
     assert code == 0, text
     exported, baseline = onnx.load(str(tmp_path / "exported.onnx")), onnx.load(str(tmp_path / "baseline.onnx"))
     first = {t.name: onnx.numpy_helper.to_array(t) for t in exported.graph.initializer}
@@ -345,25 +465,54 @@ def test_baseline_equals_a_uniform_export_with_that_rounding(scored, tmp_path, m
     assert first.keys() == second.keys()
     for name in first:
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
-    exported, baseline = json.loads((tmp_path / "exported.allocation.json").read_text()), json.loads((tmp_path / "baseline.baseline.json").read_text())
+    exported, baseline = (
+        json.loads((tmp_path / "exported.allocation.json").read_text()),
+        json.loads((tmp_path / "baseline.baseline.json").read_text()),
+    )
     assert exported["compression"] == baseline["compression"]
-    measured = {label.replace(method, "").lstrip("/") or "per-channel": drift for label, drift in exported["rounding_choice"].get(tier, {}).items()}
-    assert baseline["grid_drifts_pct"] == pytest.approx(measured, rel=1e-4) and (bits < 8 and method != "rtn") == bool(measured)
+    measured = {
+        label.replace(method, "").lstrip("/") or "per-channel": drift
+        for label, drift in exported["rounding_choice"].get(tier, {}).items()
+    }
+    assert baseline["grid_drifts_pct"] == pytest.approx(measured, rel=1e-4) and (bits < 8 and method != "rtn") == bool(
+        measured
+    )
     assert set(exported["rounding_choice"]) <= {tier}  # a uniform export measures its own tier's grids, no other tier's
 
 
 def test_compression_is_one_number_in_export_eval_and_gate(scored, tmp_path):
     model, contexts, folder = scored
-    code, text = _invoke(["export", model, "--run", folder / "run", "--C", "5", "-o", tmp_path / "m.onnx", "--refine", "0"])
+    code, text = _invoke(
+        ["export", model, "--run", folder / "run", "--C", "5", "-o", tmp_path / "m.onnx", "--refine", "0"]
+    )
     assert code == 0, text
     exported = json.loads((tmp_path / "m.allocation.json").read_text())["compression"]
     assert 5 <= exported <= 5.1
-    code, text = _invoke(["eval", tmp_path / "m.onnx", "-r", model, "-c", contexts, "--steps", 2, "--report", tmp_path / "ev"])
+    code, text = _invoke(
+        ["eval", tmp_path / "m.onnx", "-r", model, "-c", contexts, "--steps", 2, "--report", tmp_path / "ev"]
+    )
     assert code == 0, text
     assert json.loads((tmp_path / "ev.json").read_text())["compression"] == exported
-    code, text = _invoke(["gate", tmp_path / "m.onnx", "-r", model, "-c", contexts, "--steps", 2, "--min-compression", "5", "--report-dir", tmp_path / "g"])
+    code, text = _invoke(
+        [
+            "gate",
+            tmp_path / "m.onnx",
+            "-r",
+            model,
+            "-c",
+            contexts,
+            "--steps",
+            2,
+            "--min-compression",
+            "5",
+            "--report-dir",
+            tmp_path / "g",
+        ]
+    )
     assert code == 0, text
-    measured = next(c for c in json.loads((tmp_path / "g" / "gate.json").read_text())["checks"] if c["name"] == "compression")["measured"]
+    measured = next(
+        c for c in json.loads((tmp_path / "g" / "gate.json").read_text())["checks"] if c["name"] == "compression"
+    )["measured"]
     assert measured == exported
 
 
@@ -371,7 +520,13 @@ def test_measured_prices_use_the_full_horizon_after_an_early_stopped_score(tmp_p
     """score --early-stop shortens the sweep's rollouts; export's measured rollouts still run all T steps."""
     model = models.mlp_forecaster(tmp_path / "m.onnx")
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
-    score(model, tmp_path / "c.npz", steps=12, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1, early_stop=True, early_stop_tol=10.0))
+    score(
+        model,
+        tmp_path / "c.npz",
+        steps=12,
+        out=tmp_path / "run",
+        settings=ScoreSettings(gauss_draws=1, early_stop=True, early_stop_tol=10.0),
+    )
     planner = Planner(tmp_path / "run", settings=ExportSettings(rounding="rtn"))
     measured = planner.pricing.measured()
     assert measured and all(len(result.div_sq) == 12 for result in measured.values())
@@ -382,7 +537,12 @@ def test_int1_is_priced_as_written_when_its_unit_is_split(scored, tmp_path):
     """INT1's unpack constants are emitted once per stored run, not once per priced channel group: a uniform
     INT1 allocation of split units once priced 17x for a file of 21.7x, so targets were overshot unannounced."""
     model, _, folder = scored
-    planner = Planner(folder / "run", settings=ExportSettings(tiers=("fp32", "int8-asym", "int1"), rounding="rtn", refine=0, fallback=False, split_fraction=0.02))
+    planner = Planner(
+        folder / "run",
+        settings=ExportSettings(
+            tiers=("fp32", "int8-asym", "int1"), rounding="rtn", refine=0, fallback=False, split_fraction=0.02
+        ),
+    )
     assert len(planner.cut.slots) > len(planner.scored.units)  # channel groups
     priced = planner.comparison.uniform("int1")
     outcome = planner.export(None, tmp_path / "int1.onnx", uniform_tier="int1")
@@ -422,26 +582,80 @@ def test_eval_and_gate_time_candidate_and_reference(scored, tmp_path):
     planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", refine=0))
     planner.export(None, candidate, uniform_tier="int4-asym")
     planner.close()
-    code, text = _invoke(["eval", candidate, "-r", model, "-c", contexts, "--steps", 2, "--latency-batches", "1,4", "--report", tmp_path / "ev"])
+    code, text = _invoke(
+        [
+            "eval",
+            candidate,
+            "-r",
+            model,
+            "-c",
+            contexts,
+            "--steps",
+            2,
+            "--latency-batches",
+            "1,4",
+            "--report",
+            tmp_path / "ev",
+        ]
+    )
     assert code == 0, text
     report = json.loads((tmp_path / "ev.json").read_text())
     assert report["runtime"]["per_call_dequantization"] == {} and report["runtime"]["matmulnbits_nodes"] == 0
-    assert "folded into float initializers when the session is created (its optimized graph reads no codes)" in report["runtime"]["mode"]
+    assert (
+        "folded into float initializers when the session is created (its optimized graph reads no codes)"
+        in report["runtime"]["mode"]
+    )
     rows = report["latency"]["batches"]
     assert [r["windows"] for r in rows] == [1, 4] and [r["rows"] for r in rows] == [2, 8]  # 2 series per window
     for row in rows:
-        assert row["rounds"] >= 10 and row["candidate"]["median_ms"] > 0 and row["slowdown"] == row["candidate"]["median_ms"] / row["reference"]["median_ms"]
+        assert (
+            row["rounds"] >= 10
+            and row["candidate"]["median_ms"] > 0
+            and row["slowdown"] == row["candidate"]["median_ms"] / row["reference"]["median_ms"]
+        )
         assert row["candidate"]["p10_ms"] <= row["candidate"]["median_ms"] <= row["candidate"]["p90_ms"]
     assert set(report["latency"]["memory_bytes"]) == {"candidate", "reference"}
     assert "| 4 | " in (tmp_path / "ev.md").read_text() and "paired slowdown" in text
 
-    code, text = _invoke(["eval", candidate, "-r", model, "-c", contexts, "--steps", 2, "--no-latency", "--report", tmp_path / "quiet"])
+    code, text = _invoke(
+        ["eval", candidate, "-r", model, "-c", contexts, "--steps", 2, "--no-latency", "--report", tmp_path / "quiet"]
+    )
     assert code == 0 and json.loads((tmp_path / "quiet.json").read_text())["latency"] is None, text
-    code, text = _invoke(["gate", candidate, "-r", model, "-c", contexts, "--steps", 2, "--max-slowdown", "1e-6", "--report-dir", tmp_path / "slow"])
+    code, text = _invoke(
+        [
+            "gate",
+            candidate,
+            "-r",
+            model,
+            "-c",
+            contexts,
+            "--steps",
+            2,
+            "--max-slowdown",
+            "1e-6",
+            "--report-dir",
+            tmp_path / "slow",
+        ]
+    )
     assert code == 1 and "slowdown[6 windows]" in text, text  # the eval's own batch: all 6 windows in one call
     checks = json.loads((tmp_path / "slow" / "gate.json").read_text())["checks"]
     assert [c["name"] for c in checks] == ["slowdown[6 windows]"] and not checks[0]["passed"]
-    code, text = _invoke(["gate", candidate, "-r", model, "-c", contexts, "--steps", 2, "--max-slowdown", "1000", "--report-dir", tmp_path / "fast"])
+    code, text = _invoke(
+        [
+            "gate",
+            candidate,
+            "-r",
+            model,
+            "-c",
+            contexts,
+            "--steps",
+            2,
+            "--max-slowdown",
+            "1000",
+            "--report-dir",
+            tmp_path / "fast",
+        ]
+    )
     assert code == 0, text
     code, text = _invoke(["gate", candidate, "-r", model, "-c", contexts, "--max-slowdown", "1.1", "--no-latency"])
     assert code == 2 and "--max-slowdown needs the latency measurement" in text and "Traceback" not in text, text
@@ -455,7 +669,9 @@ def test_prices_count_the_layout_written(scored, tmp_path):
     from graph_ops.qdq import emitted_bits
 
     _, _, folder = scored
-    planner = Planner(folder / "run", settings=ExportSettings(group_size=24, rounding="rtn", refine=0))  # 128 rows: a partial last block
+    planner = Planner(
+        folder / "run", settings=ExportSettings(group_size=24, rounding="rtn", refine=0)
+    )  # 128 rows: a partial last block
     outcome = planner.export(None, tmp_path / "blocks.onnx", uniform_tier="int4-asym")
     written = sum(emitted_bits(n, e, "dequantized") for n, e in outcome.encodings.items())
     assert written > sum(emitted_bits(n, e, "fused") for n, e in outcome.encodings.items())
@@ -473,12 +689,19 @@ def test_auto_picks_per_tier_the_method_that_drifts_least_and_records_it(scored)
     reference.close()
     assert set(least) == {"int8-asym", "int4-asym", "int2-asym"}
 
-    planner = Planner(folder / "run", settings=ExportSettings(rounding="auto", grids="per-channel", refine=0))  # the grids' own test is below
+    planner = Planner(
+        folder / "run", settings=ExportSettings(rounding="auto", grids="per-channel", refine=0)
+    )  # the grids' own test is below
     assert {tier: planner.roundings.at(tier).method for tier in least} == least
-    assert set(planner.roundings.choice) == set(least) and all(set(d) == set(AUTO_METHODS) for d in planner.roundings.choice.values())
+    assert set(planner.roundings.choice) == set(least) and all(
+        set(d) == set(AUTO_METHODS) for d in planner.roundings.choice.values()
+    )
     for tier, method in least.items():  # the mixed model's slots at a tier are that tier's chosen codes
         name = next(iter(planner.layouts))
-        assert planner.encoder.tensor(name, tier, planner.roundings.rounding) is planner.encoder.uniform(tier, Rounding(method))[name]
+        assert (
+            planner.encoder.tensor(name, tier, planner.roundings.rounding)
+            is planner.encoder.uniform(tier, Rounding(method))[name]
+        )
     outcome = planner.export(4, folder / "mlp.auto.C4.onnx")
     planner.close()
     record = json.loads((folder / "mlp.auto.C4.allocation.json").read_text())
@@ -501,21 +724,34 @@ def test_grids_auto_keeps_per_searched_tier_the_grid_whose_uniform_model_drifts_
     assert reference.roundings.rounding == Rounding("qep") and not reference.roundings.choice
     less, drifts = {}, {}
     for tier in (t for t in reference.tiers if t.calibratable and t.grid.search):
-        drifts[tier.name] = {g: reference.measuring.measure(reference.encoder.uniform(tier, Rounding("qep", grids=g))) for g in GRIDS}
+        drifts[tier.name] = {
+            g: reference.measuring.measure(reference.encoder.uniform(tier, Rounding("qep", grids=g))) for g in GRIDS
+        }
         less[tier.name] = min(GRIDS, key=lambda g: (drifts[tier.name][g].worst_pct, drifts[tier.name][g].relative_rms))
     reference.close()
     assert set(less) == {"int4-asym", "int2-asym"}
 
     planner = Planner(folder / "run", settings=ExportSettings(refine=0))
-    assert {tier: planner.roundings.at(tier).grids for tier in less} == less and planner.roundings.at("int8-asym") == Rounding("qep")
-    assert planner.roundings.choice == {t: {Rounding("qep", grids=g).label: d.worst_pct for g, d in drifts[t].items()} for t in less}
+    assert {tier: planner.roundings.at(tier).grids for tier in less} == less and planner.roundings.at(
+        "int8-asym"
+    ) == Rounding("qep")
+    assert planner.roundings.choice == {
+        t: {Rounding("qep", grids=g).label: d.worst_pct for g, d in drifts[t].items()} for t in less
+    }
     name = next(iter(planner.layouts))
     for tier, grids in less.items():  # the mixed model's slots at a tier are that tier's chosen codes
-        assert planner.encoder.tensor(name, tier, planner.roundings.rounding) is planner.encoder.uniform(tier, Rounding("qep", grids=grids))[name]
+        assert (
+            planner.encoder.tensor(name, tier, planner.roundings.rounding)
+            is planner.encoder.uniform(tier, Rounding("qep", grids=grids))[name]
+        )
     outcome = planner.export(4, folder / "mlp.grids.C4.onnx")
     planner.close()
     record = json.loads((folder / "mlp.grids.C4.allocation.json").read_text())
-    assert record["rounding"] == "qep" and record["settings"]["grids"] == "auto" and record["rounding_choice"] == planner.roundings.choice
+    assert (
+        record["rounding"] == "qep"
+        and record["settings"]["grids"] == "auto"
+        and record["rounding_choice"] == planner.roundings.choice
+    )
     if outcome.shipped.startswith("TQS-PTQ"):
         used = {t for t in outcome.allocation.tiers.values() if t.startswith("int")}
         assert record["rounding_by_tier"] == {t: planner.roundings.at(t).label for t in used}
@@ -523,14 +759,24 @@ def test_grids_auto_keeps_per_searched_tier_the_grid_whose_uniform_model_drifts_
 
 def test_a_bad_rounding_is_refused_in_one_line(scored):
     model, _, folder = scored
-    result = CliRunner().invoke(app, ["export", str(model), "--run", str(folder / "run"), "--C", "4", "--rounding", "best"])
+    result = CliRunner().invoke(
+        app, ["export", str(model), "--run", str(folder / "run"), "--C", "4", "--rounding", "best"]
+    )
     text = result.output + (result.stderr or "")
     assert result.exit_code == 2 and "unknown rounding 'best'" in text and "auto" in text and "Traceback" not in text
     assert len([line for line in text.splitlines() if line.strip()]) <= 2, text
-    for command in (["export", str(model), "--run", str(folder / "run"), "--C", "4"], ["baseline", str(model), "--method", "qep", "--bits", "4"]):
+    for command in (
+        ["export", str(model), "--run", str(folder / "run"), "--C", "4"],
+        ["baseline", str(model), "--method", "qep", "--bits", "4"],
+    ):
         result = CliRunner().invoke(app, [*command, "--grids", "clipped"])
         text = result.output + (result.stderr or "")
-        assert result.exit_code == 2 and "unknown --grids 'clipped'" in text and "min-max" in text and "Traceback" not in text, text
+        assert (
+            result.exit_code == 2
+            and "unknown --grids 'clipped'" in text
+            and "min-max" in text
+            and "Traceback" not in text
+        ), text
 
 
 def test_refinement_keeps_a_round_only_if_the_calibrated_model_drifts_less(scored):
@@ -542,8 +788,14 @@ def test_refinement_keeps_a_round_only_if_the_calibrated_model_drifts_less(score
     for target in (3, 7, 14):
         base = planner.pricing.allocate(target)
         refined, _ = planner.comparison.refiner.refine(base)
-        calibrated = [planner.measuring.measure(planner.mixed.encodings(a, planner.roundings.rounding, calibrated=True)) for a in (base, refined)]
-        assert (calibrated[1].worst_pct, calibrated[1].relative_rms) <= (calibrated[0].worst_pct, calibrated[0].relative_rms), target
+        calibrated = [
+            planner.measuring.measure(planner.mixed.encodings(a, planner.roundings.rounding, calibrated=True))
+            for a in (base, refined)
+        ]
+        assert (calibrated[1].worst_pct, calibrated[1].relative_rms) <= (
+            calibrated[0].worst_pct,
+            calibrated[0].relative_rms,
+        ), target
     planner.close()
 
 
@@ -554,17 +806,26 @@ def test_a_target_near_the_int2_size_also_allocates_with_int1(scored, tmp_path):
     _, _, folder = scored
     planner = Planner(folder / "run", settings=ExportSettings(refine=0))
     int2 = planner.comparison.uniform("int2-asym").compression
-    assert planner.comparison.below_lowest(0.8 * int2) is None and planner.comparison.below_lowest(0.99 * int2).name == "int1"
+    assert (
+        planner.comparison.below_lowest(0.8 * int2) is None
+        and planner.comparison.below_lowest(0.99 * int2).name == "int1"
+    )
     found = planner.comparison.candidates(0.99 * int2)
     assert found[0].drift.worst_pct == min(c.drift.worst_pct for c in found)
     assert all("int1" in c.allocation.tiers.values() for c in found if "with int1" in c.label)
-    past = [c for c in planner.comparison.candidates(1.01 * int2) if "with int1" in c.label]  # beyond INT2: only int1 reaches it
-    assert len(past) == 1 and "int1" in past[0].allocation.tiers.values() and past[0].allocation.compression >= 1.01 * int2
+    past = [
+        c for c in planner.comparison.candidates(1.01 * int2) if "with int1" in c.label
+    ]  # beyond INT2: only int1 reaches it
+    assert (
+        len(past) == 1 and "int1" in past[0].allocation.tiers.values() and past[0].allocation.compression >= 1.01 * int2
+    )
     assert math.isfinite(past[0].drift.worst_pct)
     outcome = planner.export(0.99 * int2, tmp_path / "w2.onnx")
     assert outcome.compression >= 0.99 * int2
     planner.close()
-    explicit = Planner(folder / "run", settings=ExportSettings(tiers=("fp32", "int8-asym", "int4-asym", "int2-asym"), refine=0))
+    explicit = Planner(
+        folder / "run", settings=ExportSettings(tiers=("fp32", "int8-asym", "int4-asym", "int2-asym"), refine=0)
+    )
     assert explicit.comparison.below_lowest(0.99 * int2) is None
     explicit.close()
 
@@ -580,8 +841,13 @@ def test_near_a_uniform_size_the_units_are_cut_finer_and_the_file_meets_the_targ
     for tier, up in (("int2-asym", "int4-asym"), ("int8-asym", "fp16")):
         target = 0.99 * planner.comparison.uniform(tier).compression
         share = planner.comparison.slack_split(target)
-        slack = planner.sizing.budget(planner.tiers).slot_bits(target) - sum(planner.comparison.uniform(tier).cost_bits.values())
-        promotion = (sum(planner.comparison.uniform(up).cost_bits.values()) - sum(planner.comparison.uniform(tier).cost_bits.values())) / total
+        slack = planner.sizing.budget(planner.tiers).slot_bits(target) - sum(
+            planner.comparison.uniform(tier).cost_bits.values()
+        )
+        promotion = (
+            sum(planner.comparison.uniform(up).cost_bits.values())
+            - sum(planner.comparison.uniform(tier).cost_bits.values())
+        ) / total
         assert MIN_SPLIT <= share < 0.02
         assert share == MIN_SPLIT or slack >= SLACK_PROMOTIONS * share * total * promotion * 0.999
     int2 = planner.comparison.uniform("int2-asym").compression
@@ -602,12 +868,19 @@ def test_the_progress_counts_the_rollouts_the_finer_cut_runs(scored, tmp_path):
 
     model, _, folder = scored
     run = tmp_path / "run"
-    shutil.copytree(folder / "run", run, ignore=shutil.ignore_patterns("measured.jsonl", ".measured.lock", "checkpoints*"))
+    shutil.copytree(
+        folder / "run", run, ignore=shutil.ignore_patterns("measured.jsonl", ".measured.lock", "checkpoints*")
+    )
     planner = Planner(run, settings=ExportSettings(refine=0))
     target = 0.99 * planner.comparison.uniform("int2-asym").compression
     planner.close()
-    result = runner.invoke(app, [str(a) for a in ("export", model, "--run", run, "--C", f"{target:.4f}", "--refine", 0, "--out-dir", tmp_path)])
+    result = runner.invoke(
+        app,
+        [str(a) for a in ("export", model, "--run", run, "--C", f"{target:.4f}", "--refine", 0, "--out-dir", tmp_path)],
+    )
     assert result.exit_code == 0, result.output
-    counts = [(int(done), int(total)) for done, total in re.findall(r"measuring tiers: (\d+)/(\d+) rollouts", result.output)]
+    counts = [
+        (int(done), int(total)) for done, total in re.findall(r"measuring tiers: (\d+)/(\d+) rollouts", result.output)
+    ]
     assert counts and all(done <= total for done, total in counts), counts
     assert counts[-1][0] == counts[-1][1]

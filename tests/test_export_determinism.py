@@ -5,10 +5,10 @@ change the model written. Real sessions, real solver, a small MLP (seconds)."""
 
 import shutil
 
+import models
 import numpy as np
 import pytest
 
-import models
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.export import ExportSettings, Planner
 
@@ -26,7 +26,9 @@ def scored(tmp_path_factory):
 def _run(folder, into):
     """A copy of the score run with an empty price list."""
     run = into / "run"
-    shutil.copytree(folder / "run", run, ignore=shutil.ignore_patterns("measured.jsonl", ".measured.lock", "export-checkpoints"))
+    shutil.copytree(
+        folder / "run", run, ignore=shutil.ignore_patterns("measured.jsonl", ".measured.lock", "export-checkpoints")
+    )
     return run
 
 
@@ -66,7 +68,9 @@ def test_prices_of_other_codes_under_the_same_label_are_not_reused(scored, tmp_p
     older.pricing.measured()
     older.close()
     log = run / "measured.jsonl"
-    log.write_text(log.read_text().replace("-asym/rtn", "-asym/qep"))  # what the older version's QEP prices were labelled
+    log.write_text(
+        log.read_text().replace("-asym/rtn", "-asym/qep")
+    )  # what the older version's QEP prices were labelled
     planner = Planner(run)
     for target in (2, 8):
         planner.export(target, tmp_path / f"other{target}.onnx")

@@ -2,13 +2,13 @@
 
 import json
 
+import models
 import numpy as np
 import onnx
 import pytest
 from typer.testing import CliRunner
 
 import graph_ops
-import models
 from runtimes import OrtRuntime
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
@@ -26,7 +26,9 @@ def run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("messages")
     model = models.gather_forecaster(folder / "emb.onnx")
     contexts = folder / "ctx.npz"
-    np.savez(contexts, x=np.random.default_rng(1).standard_normal((4, 2, 32)).astype(np.float32), ids=np.array([[3, 97]] * 4))
+    np.savez(
+        contexts, x=np.random.default_rng(1).standard_normal((4, 2, 32)).astype(np.float32), ids=np.array([[3, 97]] * 4)
+    )
     score(model, contexts, steps=4, out=folder / "run", settings=ScoreSettings(gauss_draws=1))
     return model, folder
 
@@ -38,36 +40,91 @@ def test_damaged_export_warns_in_percent_and_max_drift_fails_without_writing(run
     drift = allocation["drift_pct"]
     assert code == 0 and drift > 5
     assert f"drift from the original on the scoring contexts (exact dequantization): {drift:.4g}%" in text
-    assert "runtime layout: dequantized (auto for --target ort-cpu): ONNX Runtime rebuilds the float weights once" in text
+    assert (
+        "runtime layout: dequantized (auto for --target ort-cpu): ONNX Runtime rebuilds the float weights once" in text
+    )
     assert "MatMulNBits with int8 activations" not in text  # nothing runs as MatMulNBits in this layout
-    assert allocation["runtime_layout"] == "dequantized" and allocation["weights_in_memory_bytes"] > allocation["file_bytes"]
+    assert (
+        allocation["runtime_layout"] == "dequantized"
+        and allocation["weights_in_memory_bytes"] > allocation["file_bytes"]
+    )
 
     assert f"warning: {tmp_path / 'emb.int2.onnx'} drifts {drift:.4g}% " in text and "may be badly damaged" in text
 
-    code, text = _invoke("export", model, "--run", folder / "run", "--uniform", "int2", "--out-dir", tmp_path / "fused", "--runtime-layout", "fused")
+    code, text = _invoke(
+        "export",
+        model,
+        "--run",
+        folder / "run",
+        "--uniform",
+        "int2",
+        "--out-dir",
+        tmp_path / "fused",
+        "--runtime-layout",
+        "fused",
+    )
     assert code == 0 and "runtime layout: fused: DequantizeLinear nodes" in text, text
     assert "MatMulNBits with int8 activations" in text and "`tqsdeploy eval` measures what it runs" in text
-    code, text = _invoke("export", model, "--run", folder / "run", "--uniform", "int2", "--out-dir", tmp_path / "trt", "--target", "gpu")
-    assert code == 2 and "unknown target 'gpu'; choose one of ort-cpu, ort-cuda, trt" in text and "Traceback" not in text, text
+    code, text = _invoke(
+        "export", model, "--run", folder / "run", "--uniform", "int2", "--out-dir", tmp_path / "trt", "--target", "gpu"
+    )
+    assert (
+        code == 2 and "unknown target 'gpu'; choose one of ort-cpu, ort-cuda, trt" in text and "Traceback" not in text
+    ), text
 
-    code, text = _invoke("export", model, "--run", folder / "run", "--C", "3", "--max-drift", "0.000001", "--out-dir", tmp_path)
+    code, text = _invoke(
+        "export", model, "--run", folder / "run", "--C", "3", "--max-drift", "0.000001", "--out-dir", tmp_path
+    )
     assert code == 1 and "not written" in text and "above --max-drift 1e-06%" in text, text
     assert not (tmp_path / "emb.C3.onnx").exists() and not (tmp_path / "emb.C3.allocation.json").exists()
-    code, text = _invoke("export", model, "--run", folder / "run", "--C", "3", "--max-drift", "100", "--out-dir", tmp_path)
+    code, text = _invoke(
+        "export", model, "--run", folder / "run", "--C", "3", "--max-drift", "100", "--out-dir", tmp_path
+    )
     assert code == 0 and (tmp_path / "emb.C3.onnx").exists() and "warning" not in text, text
 
 
 def test_a_shipped_uniform_candidate_and_an_overshoot_are_explained(run, tmp_path):
     model, folder = run
     # the paper objective with 30% forced to FP32 starves the rest: uniform INT4 drifts less at C = 5
-    code, text = _invoke("export", model, "--run", folder / "run", "--C", "5", "--objective", "paper", "--refine", "0", "--fp32-fraction", "0.3", "--out-dir", tmp_path)
+    code, text = _invoke(
+        "export",
+        model,
+        "--run",
+        folder / "run",
+        "--C",
+        "5",
+        "--objective",
+        "paper",
+        "--refine",
+        "0",
+        "--fp32-fraction",
+        "0.3",
+        "--out-dir",
+        tmp_path,
+    )
     assert code == 0, text
     meta = json.loads((tmp_path / "emb.C5.allocation.json").read_text())
     assert meta["shipped"].startswith("uniform int4")
     assert f"shipped {meta['shipped']} instead of the mixed allocation: at this budget it drifts less" in text
-    assert meta["compression"] > 5.25 and "more than 5% above the target 5x: the next finer uniform tier (int8-asym) reaches only" in text
+    assert (
+        meta["compression"] > 5.25
+        and "more than 5% above the target 5x: the next finer uniform tier (int8-asym) reaches only" in text
+    )
     # one unit per tier step: nothing between all-INT2 and FP32 fits C = 2
-    code, text = _invoke("export", model, "--run", folder / "run", "--C", "2", "--split", "0", "--tiers", "fp32,int2", "--out-dir", tmp_path)
+    code, text = _invoke(
+        "export",
+        model,
+        "--run",
+        folder / "run",
+        "--C",
+        "2",
+        "--split",
+        "0",
+        "--tiers",
+        "fp32,int2",
+        "--out-dir",
+        tmp_path,
+    )
     assert code == 0 and "no finer tier fits: the cheapest one-tier promotion costs" in text, text
 
 
@@ -76,7 +133,11 @@ def test_outputs_of_models_named_model_onnx_do_not_collide_and_are_not_overwritt
     for name, seed in (("a", 0), ("b", 1)):
         (tmp_path / name).mkdir()
         models.gather_forecaster(tmp_path / name / "model.onnx", seed=seed)
-        np.savez(tmp_path / name / "ctx.npz", x=np.random.default_rng(1).standard_normal((2, 1, 32)).astype(np.float32), ids=np.array([[5]] * 2))
+        np.savez(
+            tmp_path / name / "ctx.npz",
+            x=np.random.default_rng(1).standard_normal((2, 1, 32)).astype(np.float32),
+            ids=np.array([[5]] * 2),
+        )
         code, text = _invoke("score", f"{name}/model.onnx", "-c", f"{name}/ctx.npz", "--steps", "2", "--probes", "1")
         assert code == 0 and f"tqs-runs/{name}_model" in text, text
     code, text = _invoke("export", "--C", "2")
@@ -97,10 +158,28 @@ def test_outputs_of_models_named_model_onnx_do_not_collide_and_are_not_overwritt
 def test_infeasible_hint_says_when_tensors_below_min_params_cap_c(tmp_path):
     model = models.gather_forecaster(tmp_path / "emb.onnx")
     np.savez(tmp_path / "ctx.npz", x=np.zeros((2, 1, 32), np.float32), ids=np.array([[5]] * 2))
-    code, text = _invoke("score", model, "-c", tmp_path / "ctx.npz", "--steps", "2", "--probes", "1", "--min-params", "2000", "--out", tmp_path / "run")
+    code, text = _invoke(
+        "score",
+        model,
+        "-c",
+        tmp_path / "ctx.npz",
+        "--steps",
+        "2",
+        "--probes",
+        "1",
+        "--min-params",
+        "2000",
+        "--out",
+        tmp_path / "run",
+    )
     assert code == 0, text
     code, text = _invoke("export", model, "--run", tmp_path / "run", "--C", "5", "--out-dir", tmp_path)
-    assert code == 2 and "largest reachable is" in text and "smaller than --min-params 2000" in text and "alone caps C at" in text, text
+    assert (
+        code == 2
+        and "largest reachable is" in text
+        and "smaller than --min-params 2000" in text
+        and "alone caps C at" in text
+    ), text
 
 
 def test_file_basis_that_crushes_the_units_says_so_and_what_basis_units_gives(tmp_path):
@@ -109,14 +188,29 @@ def test_file_basis_that_crushes_the_units_says_so_and_what_basis_units_gives(tm
     compression such an export then reaches), and says nothing when the ratios agree."""
     model = models.mlp_forecaster(tmp_path / "mlp.onnx", n=32, hidden=128)
     np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(2).standard_normal((3, 1, 32)).astype(np.float32))
-    code, text = _invoke("score", model, "-c", tmp_path / "ctx.npz", "--steps", "2", "--probes", "1", "--min-params", "8192", "--out", tmp_path / "run")
+    code, text = _invoke(
+        "score",
+        model,
+        "-c",
+        tmp_path / "ctx.npz",
+        "--steps",
+        "2",
+        "--probes",
+        "1",
+        "--min-params",
+        "8192",
+        "--out",
+        tmp_path / "run",
+    )
     assert code == 0, text
     common = ("--run", tmp_path / "run", "--refine", "0", "--rounding", "rtn")
     code, text = _invoke("export", model, *common, "--C", "2", "--out-dir", tmp_path)
     meta = json.loads((tmp_path / "mlp.C2.allocation.json").read_text())
     assert code == 0 and meta["unit_compression"] > 1.5 * meta["compression"], text
     note = meta["notes"][0]
-    assert note.startswith(f"compression {meta['compression']:.3g}x of the file took the units to {meta['unit_compression']:.3g}x"), note
+    assert note.startswith(
+        f"compression {meta['compression']:.3g}x of the file took the units to {meta['unit_compression']:.3g}x"
+    ), note
     assert "are not units and stay at full size" in note and "4 tensors smaller than --min-params 8192" in note
     said = float(note.split("--basis units --C 2 compresses the units 2x and the file about ")[1].split("x")[0])
     assert " ".join(note.split()) in text
@@ -132,9 +226,13 @@ def test_another_models_file_with_this_run_is_named_as_the_wrong_model(tmp_path)
     model = models.mlp_forecaster(tmp_path / "a.onnx")
     np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(0).standard_normal((2, 1, 32)).astype(np.float32))
     score(model, tmp_path / "ctx.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
-    others = [models.shift_model(tmp_path / "shift.onnx", length=32, horizon=4),  # was: output 'y' [batch, 4] does not fit input 'x'
-              models.small_weights_model(tmp_path / "small.onnx"),  # was: no quantizable tensors
-              models.gather_forecaster(tmp_path / "emb.onnx")]  # was: contexts have no array for model input 'ids'
+    others = [
+        models.shift_model(
+            tmp_path / "shift.onnx", length=32, horizon=4
+        ),  # was: output 'y' [batch, 4] does not fit input 'x'
+        models.small_weights_model(tmp_path / "small.onnx"),  # was: no quantizable tensors
+        models.gather_forecaster(tmp_path / "emb.onnx"),
+    ]  # was: contexts have no array for model input 'ids'
     for other in others:
         code, text = _invoke("export", other, "--run", tmp_path / "run", "--C", 2, "--out-dir", tmp_path)
         assert code == 2 and f"{other} is not the model the run in {tmp_path / 'run'} was scored on" in text, text
@@ -149,11 +247,18 @@ def test_too_little_calibration_data_is_said_in_plain_words(tmp_path):
     score(model, tmp_path / "ctx.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
     code, text = _invoke("export", model, "--run", tmp_path / "run", "--C", 4, "--out-dir", tmp_path)
     assert code == 0, text
-    assert "3 weight(s) had too little calibration data for qep" in text and "one vector per window, step and position of the contexts" in text
+    assert (
+        "3 weight(s) had too little calibration data for qep" in text
+        and "one vector per window, step and position of the contexts" in text
+    )
     assert "fewer vectors than twice their input size (fewest: 'W3', 4 for 64 inputs)" in text
     assert "score with more context windows (or more --steps)" in text and "--rounding rtn, which needs none" in text
-    code, text = _invoke("baseline", model, "--method", "gptq", "--bits", 4, "--calib", tmp_path / "ctx.npz", "-o", tmp_path / "b.onnx")
-    assert code == 0 and "had too little calibration data for gptq" in text and "give --calib more windows" in text, text
+    code, text = _invoke(
+        "baseline", model, "--method", "gptq", "--bits", 4, "--calib", tmp_path / "ctx.npz", "-o", tmp_path / "b.onnx"
+    )
+    assert code == 0 and "had too little calibration data for gptq" in text and "give --calib more windows" in text, (
+        text
+    )
 
 
 def test_the_rtn_export_the_note_advises_runs_no_calibration_and_ships_rtn_codes(tmp_path):
@@ -163,14 +268,21 @@ def test_the_rtn_export_the_note_advises_runs_no_calibration_and_ships_rtn_codes
     model = models.mlp_forecaster(tmp_path / "a.onnx")
     np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(0).standard_normal((2, 1, 32)).astype(np.float32))
     score(model, tmp_path / "ctx.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
-    code, text = _invoke("export", model, "--run", tmp_path / "run", "--C", 4, "--rounding", "rtn", "--out-dir", tmp_path)
+    code, text = _invoke(
+        "export", model, "--run", tmp_path / "run", "--C", 4, "--rounding", "rtn", "--out-dir", tmp_path
+    )
     assert code == 0, text
     meta = json.loads((tmp_path / "a.C4.allocation.json").read_text())
-    assert [c["label"].split()[-1].split("/")[-1] for c in meta["compared"]] == ["rtn"] * len(meta["compared"]), meta["compared"]
+    assert [c["label"].split()[-1].split("/")[-1] for c in meta["compared"]] == ["rtn"] * len(meta["compared"]), meta[
+        "compared"
+    ]
     assert meta["profile_s"]["calibration_rollouts"] == 0 and "too little calibration data" not in text, text
 
 
-@pytest.mark.parametrize("args", [("--uniform", "int4", "--rounding", "rtn"), ("--C", "2.5", "--rounding", "rtn", "--runtime-layout", "fused")])
+@pytest.mark.parametrize(
+    "args",
+    [("--uniform", "int4", "--rounding", "rtn"), ("--C", "2.5", "--rounding", "rtn", "--runtime-layout", "fused")],
+)
 def test_a_float16_export_reports_the_drift_of_the_file_it_writes(tmp_path, args):
     """ONNX Runtime runs this float16 graph differently at a declared opset of 20 or more, and INT4 codes need 21:
     export measured its candidates at the model's opset 17 and wrote the file at 21 (lorenz96 in float16: 23.111%
@@ -187,8 +299,20 @@ def test_a_float16_export_reports_the_drift_of_the_file_it_writes(tmp_path, args
     assert code == 0, text
     reported = json.loads((tmp_path / "q.allocation.json").read_text())["drift_pct"]
     assert onnx.load(str(tmp_path / "q.onnx")).opset_import[0].version >= 21
-    code, text = _invoke("eval", tmp_path / "q.onnx", "-r", model, "-c", tmp_path / "run" / "contexts.npz", "--spec", tmp_path / "run" / "rollout.toml",
-                         "--exact", "--no-latency", "--report", tmp_path / "ev")
+    code, text = _invoke(
+        "eval",
+        tmp_path / "q.onnx",
+        "-r",
+        model,
+        "-c",
+        tmp_path / "run" / "contexts.npz",
+        "--spec",
+        tmp_path / "run" / "rollout.toml",
+        "--exact",
+        "--no-latency",
+        "--report",
+        tmp_path / "ev",
+    )
     assert code == 0, text
     measured = json.loads((tmp_path / "ev.json").read_text())["outputs"]["y"]["vs_reference"]["drift_pct"]
     assert reported == pytest.approx(measured, rel=1e-9, abs=0)

@@ -9,10 +9,10 @@ import subprocess
 import sys
 import time
 
+import models
 import numpy as np
 import pytest
 
-import models
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.encoding.checkpoints import FOLDER
 from tqsdeploy.export import ExportSettings, Planner
@@ -63,7 +63,9 @@ def test_an_interrupted_export_resumes_from_its_checkpoints_and_writes_the_same_
     assert not (tmp_path / "cut.onnx").exists()
     assert len(list((tmp_path / "cut" / FOLDER).rglob("*.npz"))) == 4
     resumed, encoded = _export(tmp_path / "cut", tmp_path / "cut.onnx")
-    assert len(encoded) == len(all_encoded) - 4 and len(all_encoded) > 8  # the four finished weights are read, not encoded again
+    assert (
+        len(encoded) == len(all_encoded) - 4 and len(all_encoded) > 8
+    )  # the four finished weights are read, not encoded again
     assert (tmp_path / "cut.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes()
     assert resumed.notes == whole.notes  # what calibration said of the reused weights comes back with them
     assert not (tmp_path / "cut" / FOLDER).exists()
@@ -113,8 +115,20 @@ def _whole_and_command(scored, tmp_path, options: list[str], whole: str, cut: st
     model, folder = scored
     for name in ("run", "whole"):
         shutil.copytree(folder / "run", tmp_path / name)
-    export = lambda run, out: [sys.executable, "-m", "tqsdeploy", "export", str(model), "--run", str(run), *options, str(out)]  # noqa: E731
-    assert subprocess.run(export(tmp_path / "whole", tmp_path / whole), capture_output=True, timeout=300).returncode == 0
+    export = lambda run, out: [
+        sys.executable,
+        "-m",
+        "tqsdeploy",
+        "export",
+        str(model),
+        "--run",
+        str(run),
+        *options,
+        str(out),
+    ]  # noqa: E731
+    assert (
+        subprocess.run(export(tmp_path / "whole", tmp_path / whole), capture_output=True, timeout=300).returncode == 0
+    )
     return model, export(tmp_path / "run", tmp_path / cut)
 
 
@@ -128,7 +142,9 @@ def _holds(ready) -> bool:
 def _interrupted(command: list[str], ready, env: dict | None = None) -> str:
     """Run `command`, send a real SIGINT once `ready()` holds, and return its stderr (it must exit 130).
     A folder `ready` globs may not exist yet: on Python 3.11 pathlib's glob then raises instead of finding nothing."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
     while process.poll() is None and not _holds(ready):
         time.sleep(0.005)
     process.send_signal(signal.SIGINT)
@@ -141,16 +157,25 @@ def test_ctrl_c_during_export_says_what_is_kept_and_the_rerun_resumes(scored, tm
     """The command line, interrupted by a real SIGINT once the first checkpoint is on disk; the rerun, in
     another process, writes what an uninterrupted export writes."""
     model, command = _whole_and_command(scored, tmp_path, ["--C", "4", "-o"], "whole.onnx", "q.onnx")
-    stderr = _interrupted(command, lambda: list((tmp_path / "run" / FOLDER).rglob("*.npz")), {"TQS_PROGRESS_INTERVAL": "0.05"})
+    stderr = _interrupted(
+        command, lambda: list((tmp_path / "run" / FOLDER).rglob("*.npz")), {"TQS_PROGRESS_INTERVAL": "0.05"}
+    )
     text = " ".join(stderr.split())
-    assert "interrupted: the run folder keeps the measured tier prices (measured.jsonl) and every weight a calibration pass finished (export-checkpoints/)" in text
+    assert (
+        "interrupted: the run folder keeps the measured tier prices (measured.jsonl) and every weight a calibration pass finished (export-checkpoints/)"
+        in text
+    )
     assert not (tmp_path / "q.onnx").exists()
     kept = len(list((tmp_path / "run" / FOLDER).rglob("*.npz")))
     rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     text = " ".join(rerun.stderr.split())
-    assert sum(int(n) for n in re.findall(r"resuming, (\d+) of \d+ weights read from the checkpoints", text)) == kept > 0, text
-    assert (tmp_path / "q.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes() and not (tmp_path / "run" / FOLDER).exists()
+    assert (
+        sum(int(n) for n in re.findall(r"resuming, (\d+) of \d+ weights read from the checkpoints", text)) == kept > 0
+    ), text
+    assert (tmp_path / "q.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes() and not (
+        tmp_path / "run" / FOLDER
+    ).exists()
 
 
 def test_interrupted_exports_keep_at_most_max_passes(scored, tmp_path, monkeypatch):
@@ -181,5 +206,7 @@ def test_a_rerun_after_ctrl_c_between_two_targets_overwrites_what_the_interrupte
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     for name in ("mlp.C4.onnx", "mlp.C8.onnx"):
         assert (tmp_path / "q" / name).read_bytes() == (tmp_path / "w" / name).read_bytes()
-    again = subprocess.run(command, capture_output=True, text=True, timeout=300)  # finished: nothing of it is left to resume
+    again = subprocess.run(
+        command, capture_output=True, text=True, timeout=300
+    )  # finished: nothing of it is left to resume
     assert again.returncode == 2 and "already exists" in again.stderr

@@ -5,22 +5,22 @@ import platform
 import subprocess
 import sys
 
+import models
 import numpy as np
 import pytest
 from scipy.linalg import lapack
+from test_export import scored  # noqa: F401 - the export tests' scored MLP, a fixture
 from typer.testing import CliRunner
 
-import models
 import tiers.gptq as solvers
-from tiers import TIERS, Hessian, Rounding, solver_backend
 from graph_ops.layout import Layout
+from tiers import TIERS, Hessian, Rounding, solver_backend
 from tiers.quantizer import quantize
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
-from tqsdeploy.export import ExportSettings, Planner
-from tqsdeploy.encoding.profiling import KINDS, Profile
 from tqsdeploy.encoding.choices import comparison_methods
-from test_export import scored  # noqa: F401 - the export tests' scored MLP, a fixture
+from tqsdeploy.encoding.profiling import KINDS, Profile
+from tqsdeploy.export import ExportSettings, Planner
 
 
 def _official_inverse_cholesky(H, percdamp):
@@ -75,7 +75,11 @@ def test_a_shared_factorization_gives_the_same_codes(method):
         return stats
 
     stats = statistic()
-    for tier in ("int4-asym", "int2-asym", "int8-asym"):  # every tier of one weight on one statistic, as a mixed pass solves it
+    for tier in (
+        "int4-asym",
+        "int2-asym",
+        "int8-asym",
+    ):  # every tier of one weight on one statistic, as a mixed pass solves it
         alone = quantize(weight, layout, TIERS[tier], rounding, [_copy(stats)])
         shared = quantize(weight, layout, TIERS[tier], rounding, [stats])
         np.testing.assert_array_equal(shared.codes, alone.codes)
@@ -109,7 +113,23 @@ def test_parallel_wave_solves_equal_one_at_a_time(tmp_path, monkeypatch):
 
 def test_export_records_and_prints_where_its_time_went(scored):
     model, _, folder = scored
-    result = CliRunner().invoke(app, ["export", str(model), "--run", str(folder / "run"), "--C", "4", "--out-dir", str(folder), "--force", "--verbose", "--refine", "0"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "export",
+            str(model),
+            "--run",
+            str(folder / "run"),
+            "--C",
+            "4",
+            "--out-dir",
+            str(folder),
+            "--force",
+            "--verbose",
+            "--refine",
+            "0",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "time:" in result.output and "solver" in result.output
     record = json.loads((folder / "mlp.C4.allocation.json").read_text())
@@ -164,7 +184,13 @@ def test_float32_solves_give_the_float64_codes_on_a_trained_models_layers(tmp_pa
     from tiers.quantizer import encode
 
     example = Path(__file__).resolve().parents[1] / "examples" / "etth1_patchtst"
-    score(example / "model.onnx", example / "contexts.npz", spec=example / "rollout.toml", out=tmp_path / "run", settings=ScoreSettings(gauss_draws=0))
+    score(
+        example / "model.onnx",
+        example / "contexts.npz",
+        spec=example / "rollout.toml",
+        out=tmp_path / "run",
+        settings=ScoreSettings(gauss_draws=0),
+    )
     planner = Planner(tmp_path / "run")
     encoder, rounding, tier = planner.encoder, Rounding("qep"), TIERS["int4-asym"]
     solved = {}
@@ -223,14 +249,27 @@ def test_a_model_swept_in_cuts_is_priced_in_cuts_at_the_same_prices(tmp_path):
     model, contexts, spec = models.shared_weight_case(tmp_path, 1)
     planners = {}
     for strategy in ("prefix", "feed"):
-        score(model, contexts, spec=spec, out=tmp_path / strategy, settings=ScoreSettings(gauss_draws=1), strategy=strategy, selection=UnitSelection(min_params=100))
-        planners[strategy] = Planner(tmp_path / strategy, settings=ExportSettings(rounding="rtn", tiers=("fp32", "int8", "int4", "int2")))
+        score(
+            model,
+            contexts,
+            spec=spec,
+            out=tmp_path / strategy,
+            settings=ScoreSettings(gauss_draws=1),
+            strategy=strategy,
+            selection=UnitSelection(min_params=100),
+        )
+        planners[strategy] = Planner(
+            tmp_path / strategy, settings=ExportSettings(rounding="rtn", tiers=("fp32", "int8", "int4", "int2"))
+        )
     cut, whole = planners["prefix"], planners["feed"]
     assert cut.scored.prices_cut and not whole.scored.prices_cut
     priced = {}
     for strategy, planner in planners.items():
         measured = planner.pricing.measured()
-        priced[strategy] = {(slot.name, tier.name): measured[planner.prices.task(slot, tier).key].div_sq for slot, tier in planner.pricing.measured_tasks()}
+        priced[strategy] = {
+            (slot.name, tier.name): measured[planner.prices.task(slot, tier).key].div_sq
+            for slot, tier in planner.pricing.measured_tasks()
+        }
         planner.close()
     assert len(priced["prefix"]) >= 6 and priced["prefix"].keys() == priced["feed"].keys()
     assert any(sum(v) > 0 for v in priced["feed"].values())
@@ -238,7 +277,9 @@ def test_a_model_swept_in_cuts_is_priced_in_cuts_at_the_same_prices(tmp_path):
         np.testing.assert_allclose(priced["prefix"][key], div_sq, rtol=1e-4, atol=1e-12, err_msg=str(key))
 
 
-@pytest.mark.skipif(not (sys.platform == "linux" and platform.libc_ver()[0] == "glibc"), reason="glibc's heap tuning only")
+@pytest.mark.skipif(
+    not (sys.platform == "linux" and platform.libc_ver()[0] == "glibc"), reason="glibc's heap tuning only"
+)
 def test_the_command_keeps_freed_temporaries_instead_of_faulting_them_back_in():
     """After `keep_freed_memory` (what `tqsdeploy` runs first) a process that frees 160 MiB of 8 MiB temporaries keeps
     those pages for the next ones; by glibc's defaults most of them go back to the kernel at once."""
@@ -250,5 +291,10 @@ def test_the_command_keeps_freed_temporaries_instead_of_faulting_them_back_in():
         "del blocks\n"
         "print(next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmRSS')))\n"
     )
-    resident = {mode: int(subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, check=True).stdout) for mode in ("plain", "tuned")}
+    resident = {
+        mode: int(
+            subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, check=True).stdout
+        )
+        for mode in ("plain", "tuned")
+    }
     assert resident["tuned"] - resident["plain"] > 100_000, resident  # kB

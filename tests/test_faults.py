@@ -12,13 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import models
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 from typer.testing import CliRunner
 
-import models
 from tqsdeploy.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,11 +34,18 @@ def _cli(*args, limit_bytes=None, wait=True):
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
 
     command = [sys.executable, "-m", "tqsdeploy", *map(str, args)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # keep a PYTHONPATH that brings dependencies
-    if limit_bytes is not None:  # Python's own .pyc writes are cut at the limit too (a short write, no error): truncated caches crashed later runs
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }  # keep a PYTHONPATH that brings dependencies
+    if (
+        limit_bytes is not None
+    ):  # Python's own .pyc writes are cut at the limit too (a short write, no error): truncated caches crashed later runs
         env["PYTHONDONTWRITEBYTECODE"] = "1"
     if not wait:
-        return subprocess.Popen(command, cwd=REPO, env=env, preexec_fn=limits, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        return subprocess.Popen(
+            command, cwd=REPO, env=env, preexec_fn=limits, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
     return subprocess.run(command, cwd=REPO, env=env, preexec_fn=limits, capture_output=True, text=True, timeout=120)
 
 
@@ -64,7 +71,21 @@ def test_full_disk_during_export_is_one_line_and_leaves_no_model(scored, tmp_pat
     model, _, run = scored
     out = tmp_path / "out"
     out.mkdir()
-    result = _cli("export", model, "--run", run, "--C", "4", "--rounding", "rtn", "--refine", "0", "--out-dir", out, limit_bytes=600)
+    result = _cli(
+        "export",
+        model,
+        "--run",
+        run,
+        "--C",
+        "4",
+        "--rounding",
+        "rtn",
+        "--refine",
+        "0",
+        "--out-dir",
+        out,
+        limit_bytes=600,
+    )
     _one_line(result, str(tmp_path))
     assert not [p for p in out.iterdir() if p.suffix in (".onnx", ".data", ".json", ".partial")], list(out.iterdir())
 
@@ -73,7 +94,9 @@ def test_full_disk_while_writing_parquet_is_one_line(two_branch, tmp_path):
     """polars reports a failed write as a ComputeError (once exit 3, 'internal error'), not an OSError."""
     model, ctx = two_branch
     run = tmp_path / "run"
-    result = _cli("score", model, "-c", ctx, "-o", run, "--probe", "quant", limit_bytes=4096)  # scores.parquet is the one file past 4 KB
+    result = _cli(
+        "score", model, "-c", ctx, "-o", run, "--probe", "quant", limit_bytes=4096
+    )  # scores.parquet is the one file past 4 KB
     _one_line(result, str(run / "scores.parquet"))
     assert not list(run.glob("scores.*")) and not list(run.glob(".*.partial")), list(run.iterdir())
 
@@ -84,8 +107,17 @@ def test_a_fresh_score_that_cannot_write_its_first_record_puts_the_old_run_back(
     before = sorted(p.name for p in run.iterdir() if not p.name.startswith("."))
     result = _cli("score", model, "-c", ctx, "-o", run, "--probe", "quant", "--fresh", limit_bytes=8)
     _one_line(result, "run.json")
-    assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == before and not (run / ".replaced").exists(), list(run.iterdir())
-    assert runner.invoke(app, ["export", str(model), "--run", str(run), "--C", "4", "--rounding", "rtn", "-o", str(tmp_path / "q.onnx")]).exit_code == 0
+    assert (
+        sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == before
+        and not (run / ".replaced").exists()
+    ), list(run.iterdir())
+    assert (
+        runner.invoke(
+            app,
+            ["export", str(model), "--run", str(run), "--C", "4", "--rounding", "rtn", "-o", str(tmp_path / "q.onnx")],
+        ).exit_code
+        == 0
+    )
 
 
 def test_kill_during_export_never_leaves_a_mismatched_pair(scored, tmp_path):
@@ -103,10 +135,14 @@ def test_kill_during_export_never_leaves_a_mismatched_pair(scored, tmp_path):
         assert target.exists(), "the previous model vanished"
         if record.exists():  # a record always describes the model beside it
             summary = json.loads(record.read_text())
-            assert summary["file_bytes"] == target.stat().st_size + sum(p.stat().st_size for p in tmp_path.glob("model.q.onnx.*.data"))
+            assert summary["file_bytes"] == target.stat().st_size + sum(
+                p.stat().st_size for p in tmp_path.glob("model.q.onnx.*.data")
+            )
         onnx.checker.check_model(str(target))
         session = ort.InferenceSession(str(target))
-        feed = {i.name: np.ones([d if isinstance(d, int) else 1 for d in i.shape], np.float32) for i in session.get_inputs()}
+        feed = {
+            i.name: np.ones([d if isinstance(d, int) else 1 for d in i.shape], np.float32) for i in session.get_inputs()
+        }
         assert all(np.isfinite(o).all() for o in session.run(None, feed)), f"attempt {attempt}: a half-written model"
 
 
@@ -115,7 +151,9 @@ def test_two_scores_into_one_folder_never_both_run(two_branch, tmp_path):
     run = tmp_path / "run"
     first = _cli("score", model, "-c", ctx, "-o", run, "--steps", "8", wait=False)
     started = time.monotonic()
-    while not (run / "run.json").exists() and first.poll() is None and time.monotonic() - started < 120:  # it holds the folder (a slow start, on a loaded machine, let the second in first)
+    while (
+        not (run / "run.json").exists() and first.poll() is None and time.monotonic() - started < 120
+    ):  # it holds the folder (a slow start, on a loaded machine, let the second in first)
         time.sleep(0.01)
     second = _cli("score", model, "-c", ctx, "-o", run, "--steps", "4")
     first.communicate()
@@ -145,16 +183,21 @@ def test_unwritable_out_dir_fails_before_the_work(scored, tmp_path):
 def test_unwritable_report_fails_before_eval(two_branch, tmp_path):
     model, ctx = two_branch
     report = _unwritable(tmp_path) / "r"
-    result = runner.invoke(app, ["eval", str(model), "--reference", str(model), "--contexts", str(ctx), "--report", str(report)])
+    result = runner.invoke(
+        app, ["eval", str(model), "--reference", str(model), "--contexts", str(ctx), "--report", str(report)]
+    )
     assert result.exit_code == 2, result.output
     assert str(report.parent.parent) in " ".join(result.output.split())
     assert "rollout" not in result.output.lower()
 
 
-@pytest.mark.parametrize("command, names", [
-    ("gate", ("gate.json", "gate.md", "junit.xml")),
-    ("eval", ("r.json", "r.md")),
-])
+@pytest.mark.parametrize(
+    "command, names",
+    [
+        ("gate", ("gate.json", "gate.md", "junit.xml")),
+        ("eval", ("r.json", "r.md")),
+    ],
+)
 @pytest.mark.parametrize("blocked", [0, 1, -1])
 def test_a_report_set_is_replaced_whole_or_not_at_all(two_branch, tmp_path, command, names, blocked):
     """One file of the set that cannot be replaced (here a folder in its place) leaves the others as they were:
@@ -167,11 +210,19 @@ def test_a_report_set_is_replaced_whole_or_not_at_all(two_branch, tmp_path, comm
     blocker = folder / names[blocked]
     blocker.unlink()
     blocker.mkdir()
-    where = ["--report-dir", str(folder), "--max-degradation", "1%"] if command == "gate" else ["--report", str(folder / "r")]
-    result = runner.invoke(app, [command, str(model), "--reference", str(model), "--contexts", str(ctx), "--no-latency", *where])
+    where = (
+        ["--report-dir", str(folder), "--max-degradation", "1%"]
+        if command == "gate"
+        else ["--report", str(folder / "r")]
+    )
+    result = runner.invoke(
+        app, [command, str(model), "--reference", str(model), "--contexts", str(ctx), "--no-latency", *where]
+    )
     assert result.exit_code == 2, result.output
     assert str(blocker) in " ".join(result.output.split())
-    assert {p.name: p.read_text() for p in folder.iterdir() if p.is_file()} == {n: f"old {n}" for n in names if n != blocker.name}
+    assert {p.name: p.read_text() for p in folder.iterdir() if p.is_file()} == {
+        n: f"old {n}" for n in names if n != blocker.name
+    }
     assert blocker.is_dir() and not list(blocker.iterdir())
 
 
@@ -189,8 +240,12 @@ def test_export_refuses_nonfinite_weights(tmp_path, bad):
     assert "Traceback" not in result.output
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.onnx"))
     np.savez(tmp_path / "ctx.npz", x=np.ones((2, 1, 32), np.float32))
-    scored = runner.invoke(app, ["score", str(model), "-c", str(tmp_path / "ctx.npz"), "-o", str(tmp_path / "run")])  # not gamma = inf
-    assert scored.exit_code == 2 and f"weight '{weight.name}' contains NaN or Inf" in " ".join(scored.output.split()), scored.output
+    scored = runner.invoke(
+        app, ["score", str(model), "-c", str(tmp_path / "ctx.npz"), "-o", str(tmp_path / "run")]
+    )  # not gamma = inf
+    assert scored.exit_code == 2 and f"weight '{weight.name}' contains NaN or Inf" in " ".join(scored.output.split()), (
+        scored.output
+    )
 
 
 def test_a_model_that_fails_to_run_is_one_stderr_line(tmp_path):
@@ -199,7 +254,9 @@ def test_a_model_that_fails_to_run_is_one_stderr_line(tmp_path):
 
     w = np.random.default_rng(0).standard_normal((4, 32, 32)).astype(np.float32)
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 4, 32]) for n in ("x", "y")]
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "bcast", io[:1], io[1:], [numpy_helper.from_array(w, "W")])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "bcast", io[:1], io[1:], [numpy_helper.from_array(w, "W")]
+    )
     model = tmp_path / "bcast.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(model))
     np.savez(tmp_path / "ctx.npz", x=np.ones((3, 2, 4, 32), np.float32))  # batch 2 cannot broadcast against W's 4
@@ -211,7 +268,21 @@ def test_a_model_that_fails_to_run_is_one_stderr_line(tmp_path):
 def test_export_stdout_holds_only_its_own_output(scored, tmp_path):
     """HiGHS prints a banner from C++ even with msg=False; it must not land in export's stdout."""
     model, _, run = scored
-    result = _cli("export", model, "--run", run, "--C", "4", "--rounding", "rtn", "--refine", "0", "--no-fallback", "--out-dir", tmp_path / "out")
+    result = _cli(
+        "export",
+        model,
+        "--run",
+        run,
+        "--C",
+        "4",
+        "--rounding",
+        "rtn",
+        "--refine",
+        "0",
+        "--no-fallback",
+        "--out-dir",
+        tmp_path / "out",
+    )
     assert result.returncode == 0, result.stderr
     assert "HiGHS" not in result.stdout and "THIRD_PARTY" not in result.stdout, result.stdout
     assert "compression" in result.stdout

@@ -4,6 +4,7 @@ like the built-in ones: nothing else in the toolkit needs to learn about it."""
 import json
 
 import ml_dtypes
+import models
 import numpy as np
 import onnx
 import pytest
@@ -11,7 +12,6 @@ from onnx import helper, numpy_helper
 from typer.testing import CliRunner
 
 import graph_ops
-import models
 from graph_ops.qdq import apply_storage, conversion_overhead_bits, emitted_bits, write_storage
 from runtimes import OrtRuntime
 from tiers import TIERS, Layout, encode, get_tiers, register_form
@@ -21,7 +21,11 @@ from tiers.grid import Grid, GridSpec, f32, register_grid
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
 
-register_grid("ternary", lambda rows: Grid(f32(np.abs(rows).mean(axis=1)), np.zeros(rows.shape[0])), lambda w, divisor: np.clip(np.rint(w / divisor), -1, 1))
+register_grid(
+    "ternary",
+    lambda rows: Grid(f32(np.abs(rows).mean(axis=1)), np.zeros(rows.shape[0])),
+    lambda w, divisor: np.clip(np.rint(w / divisor), -1, 1),
+)
 
 
 @register_form
@@ -39,7 +43,17 @@ class TernaryTier(Tier):
 
     def stored(self, quantized, layout, dtype):
         codes, scale, _, axis, _ = placed(quantized, layout)
-        return Encoded(self.name, "ternary", codes.astype(ml_dtypes.int2), layout.shape, scale.astype(np.float16), None, axis, None, dtype)
+        return Encoded(
+            self.name,
+            "ternary",
+            codes.astype(ml_dtypes.int2),
+            layout.shape,
+            scale.astype(np.float16),
+            None,
+            axis,
+            None,
+            dtype,
+        )
 
     @classmethod
     def _view(cls, value):
@@ -51,11 +65,15 @@ class TernaryTier(Tier):
     @classmethod
     def emit(cls, name, value, layout):
         to = helper.np_dtype_to_tensor_dtype(np.dtype(value.dtype))
-        tensors = [numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__trits"),
-                   numpy_helper.from_array(np.asarray(value.scale).reshape(cls._view(value)), f"{name}__scale")]
-        nodes = [helper.make_node("Cast", [f"{name}__trits"], [f"{name}__float"], to=to),
-                 helper.make_node("Cast", [f"{name}__scale"], [f"{name}__wide"], to=to),
-                 helper.make_node("Mul", [f"{name}__float", f"{name}__wide"], [name])]
+        tensors = [
+            numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__trits"),
+            numpy_helper.from_array(np.asarray(value.scale).reshape(cls._view(value)), f"{name}__scale"),
+        ]
+        nodes = [
+            helper.make_node("Cast", [f"{name}__trits"], [f"{name}__float"], to=to),
+            helper.make_node("Cast", [f"{name}__scale"], [f"{name}__wide"], to=to),
+            helper.make_node("Mul", [f"{name}__float", f"{name}__wide"], [name]),
+        ]
         return tensors, nodes
 
     @classmethod
@@ -74,7 +92,12 @@ class TernaryTier(Tier):
     def take_channels(cls, value, index, shape, channel_axis):
         from dataclasses import replace
 
-        return replace(value, values=np.take(value.values, index, axis=channel_axis), shape=shape, scale=np.take(value.scale, index))
+        return replace(
+            value,
+            values=np.take(value.values, index, axis=channel_axis),
+            shape=shape,
+            scale=np.take(value.scale, index),
+        )
 
 
 TERNARY = TernaryTier("ternary", 2, frozenset({"ort"}), 25)
@@ -105,7 +128,11 @@ def test_one_file_tier_runs_as_numpy_says(registered, tmp_path):
         onnx.checker.check_model(exported, full_check=True)
         opset = next(o.version for o in exported.opset_import if o.domain in ("", "ai.onnx"))
         sizes = graph_ops.io.tensor_sizes(model)
-        priced = graph_ops.weight_bits(model) + conversion_overhead_bits(model, opset) + sum(emitted_bits(n, e, layout) - sizes[n] for n, e in stored.items())
+        priced = (
+            graph_ops.weight_bits(model)
+            + conversion_overhead_bits(model, opset)
+            + sum(emitted_bits(n, e, layout) - sizes[n] for n, e in stored.items())
+        )
         assert graph_ops.weight_bits(exported) == priced
     fake = graph_ops.replace_weights(model, {n: e.dequantize() for n, e in stored.items()})
     x = np.random.default_rng(1).standard_normal((3, 32)).astype(np.float32)
@@ -113,7 +140,9 @@ def test_one_file_tier_runs_as_numpy_says(registered, tmp_path):
     want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.io.runtime_compatible(fake))).run({"x": x})["y"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     written = write_storage(model, stored, tmp_path / "ternary.onnx")
-    assert written.weight_bits == priced and priced / 8 < written.bytes < priced / 8 + 8192  # the graph's own bytes on top
+    assert (
+        written.weight_bits == priced and priced / 8 < written.bytes < priced / 8 + 8192
+    )  # the graph's own bytes on top
 
 
 def test_one_file_tier_exports_end_to_end(registered, tmp_path):
@@ -122,13 +151,31 @@ def test_one_file_tier_exports_end_to_end(registered, tmp_path):
     contexts = tmp_path / "ctx.npz"
     np.savez(contexts, x=np.random.default_rng(5).standard_normal((4, 2, 64)).astype(np.float32))
     score(model, contexts, steps=3, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
-    result = CliRunner().invoke(app, ["export", str(model), "--run", str(tmp_path / "run"), "--uniform", "ternary", "--rounding", "gptq", "-o", str(tmp_path / "t.onnx")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "export",
+            str(model),
+            "--run",
+            str(tmp_path / "run"),
+            "--uniform",
+            "ternary",
+            "--rounding",
+            "gptq",
+            "-o",
+            str(tmp_path / "t.onnx"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     meta = json.loads((tmp_path / "t.allocation.json").read_text())
     assert {row["tier"] for row in meta["tiers"]} == {"ternary"}
     proto = onnx.load(str(tmp_path / "t.onnx"))
     assert graph_ops.weight_bits(proto) == meta["weight_bits"]
-    units = {n for n, l in graph_ops.weight_layouts(onnx.load(str(model))).items() if l.is_operand_weight and l.params >= 1024}
+    units = {
+        n
+        for n, l in graph_ops.weight_layouts(onnx.load(str(model))).items()
+        if l.is_operand_weight and l.params >= 1024
+    }
     unit_bits = sum(graph_ops.io.tensor_bits(t) for t in proto.graph.initializer if t.name.split("__")[0] in units)
     assert unit_bits == 8 * sum(row["bytes"] for row in meta["tiers"])
     assert meta["reference_bits"] / meta["weight_bits"] == pytest.approx(meta["compression"])

@@ -2,13 +2,13 @@
 
 import json
 
+import models
 import numpy as np
 import onnx
 import polars as pl
 import pytest
 from typer.testing import CliRunner
 
-import models
 from runtimes import OrtRuntime
 from tqsdeploy.cli import app
 
@@ -31,7 +31,20 @@ def _invoke(*args):
 
 def test_baseline_command_writes_a_runnable_dequantizelinear_model(small):
     model, contexts, folder = small
-    code, text = _invoke("baseline", model, "--method", "gptq", "--bits", "4", "--calib", contexts, "-o", folder / "gptq4.onnx", "--runtime-layout", "fused")
+    code, text = _invoke(
+        "baseline",
+        model,
+        "--method",
+        "gptq",
+        "--bits",
+        "4",
+        "--calib",
+        contexts,
+        "-o",
+        folder / "gptq4.onnx",
+        "--runtime-layout",
+        "fused",
+    )
     assert code == 0, text
     exported = onnx.load(str(folder / "gptq4.onnx"))
     assert sum(n.op_type == "DequantizeLinear" for n in exported.graph.node) == 3
@@ -49,8 +62,24 @@ def test_frontier_end_to_end(small):
     model, contexts, folder = small
     out = folder / "front"
     code, text = _invoke(
-        "frontier", model, "-c", contexts, "--steps", "4", "--C", "2,4,100", "--also", "paper/rtn",
-        "--baselines", "rtn,gptq", "--bits", "4,8", "--variable-axis", "0", "-o", out,
+        "frontier",
+        model,
+        "-c",
+        contexts,
+        "--steps",
+        "4",
+        "--C",
+        "2,4,100",
+        "--also",
+        "paper/rtn",
+        "--baselines",
+        "rtn,gptq",
+        "--bits",
+        "4,8",
+        "--variable-axis",
+        "0",
+        "-o",
+        out,
     )
     assert code == 0, text
     frame = pl.read_parquet(out / "frontier.parquet")
@@ -69,7 +98,10 @@ def test_frontier_end_to_end(small):
     report = (out / "report.md").read_text()
     assert "W4 grid" in report and "Time per Pareto point" in report and "Win counts" in report and "| 2 |" in report
     # how the models ran, as eval saw it: the default (dequantized) layout is folded to float weights at load, no MatMulNBits
-    assert "Evaluated with ONNX Runtime default on cpu: weights stored dequantized-at-load" in report and "accuracy_level 4" not in report
+    assert (
+        "Evaluated with ONNX Runtime default on cpu: weights stored dequantized-at-load" in report
+        and "accuracy_level 4" not in report
+    )
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 5
 
@@ -77,7 +109,9 @@ def test_frontier_end_to_end(small):
 def test_baseline_of_a_float16_model_stays_float16(tmp_path):
     model = models.fp16_mlp(tmp_path / "half.onnx")
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((8, 4, 32)).astype(np.float16))
-    code, text = _invoke("baseline", model, "--method", "gptq", "--bits", "4", "--calib", tmp_path / "c.npz", "-o", tmp_path / "g.onnx")
+    code, text = _invoke(
+        "baseline", model, "--method", "gptq", "--bits", "4", "--calib", tmp_path / "c.npz", "-o", tmp_path / "g.onnx"
+    )
     assert code == 0, text
     x = np.load(tmp_path / "c.npz")["x"][0]
     got = OrtRuntime(exact_qdq=True).open(tmp_path / "g.onnx").run({"x": x})["y"]
@@ -90,7 +124,23 @@ def test_frontier_latency_times_every_point_against_the_original(small):
     slowdown being their ratio; the default frontier times nothing."""
     model, contexts, folder = small
     out = folder / "timed"
-    code, text = _invoke("frontier", model, "-c", contexts, "--steps", "2", "--C", "4", "--baselines", "rtn", "--bits", "4", "--latency", "-o", out)
+    code, text = _invoke(
+        "frontier",
+        model,
+        "-c",
+        contexts,
+        "--steps",
+        "2",
+        "--C",
+        "4",
+        "--baselines",
+        "rtn",
+        "--bits",
+        "4",
+        "--latency",
+        "-o",
+        out,
+    )
     assert code == 0, text
     ok = pl.read_parquet(out / "frontier.parquet").filter(pl.col("status") == "ok")
     assert ok.height >= 2 and (ok["latency_ms"] > 0).all() and (ok["reference_latency_ms"] > 0).all()
@@ -102,9 +152,13 @@ def test_frontier_points_are_what_export_gives_int1_near_the_int2_size(small):
     default export adds near the INT2 size: its W2-size points never had that candidate, so they reported less than
     `export --C` ships there (tied mixer W2 held-out 14.39% in the frontier, 9.447% from export)."""
     _, contexts, folder = small
-    model = models.mlp_forecaster(folder / "mlp128.onnx", hidden=128)  # wide enough that int1 earns its stretches at the W2 size
+    model = models.mlp_forecaster(
+        folder / "mlp128.onnx", hidden=128
+    )  # wide enough that int1 earns its stretches at the W2 size
     out = folder / "front-int1"
-    code, text = _invoke("frontier", model, "-c", contexts, "--steps", "4", "--C", "2", "--baselines", "rtn", "--bits", "2", "-o", out)
+    code, text = _invoke(
+        "frontier", model, "-c", contexts, "--steps", "4", "--C", "2", "--baselines", "rtn", "--bits", "2", "-o", out
+    )
     assert code == 0, text
     record = json.loads(next((out / "models").glob("*TQS-PTQ.C*@W2.allocation.json")).read_text())
     labels = sorted(c["label"] for c in record["compared"])
@@ -125,7 +179,9 @@ def test_a_win_by_a_uniform_fallback_is_not_counted_as_the_allocators(small):
 
     model, contexts, folder = small
     out = folder / "front-fallback"
-    code, text = _invoke("frontier", model, "-c", contexts, "--steps", "4", "--C", "2", "--baselines", "rtn", "--bits", "4", "-o", out)
+    code, text = _invoke(
+        "frontier", model, "-c", contexts, "--steps", "4", "--C", "2", "--baselines", "rtn", "--bits", "4", "-o", out
+    )
     assert code == 0, text
     frame = pl.read_parquet(out / "frontier.parquet")
     assert "shipped" in frame.columns and frame.filter(pl.col("family") == "tqs")["shipped"].drop_nulls().len() > 0
@@ -134,17 +190,23 @@ def test_a_win_by_a_uniform_fallback_is_not_counted_as_the_allocators(small):
     rtn_best = frame.filter(pl.col("method") == "RTN")["mae_ref"].min()
     is_matched = (pl.col("family") == "tqs") & pl.col("setting").str.ends_with("@W4")
     # the allocator's own model beating RTN counts as its win
-    mixed = frame.with_columns(pl.when(is_matched).then(pl.lit(rtn_best / 2)).otherwise(pl.col("mae_ref")).alias("mae_ref"),
-                               pl.when(is_matched).then(pl.lit("TQS-PTQ measured/qep")).otherwise(pl.col("shipped")).alias("shipped"))
+    mixed = frame.with_columns(
+        pl.when(is_matched).then(pl.lit(rtn_best / 2)).otherwise(pl.col("mae_ref")).alias("mae_ref"),
+        pl.when(is_matched).then(pl.lit("TQS-PTQ measured/qep")).otherwise(pl.col("shipped")).alias("shipped"),
+    )
     mixed.write_parquet(out / "frontier.parquet")
     build_report(out, model)
     assert "| TQS-PTQ | 1 |" in (out / "report.md").read_text()
     # the same numbers from a uniform GPTAQ model export fell back to: not counted, and named
-    fallback = mixed.with_columns(pl.when(is_matched).then(pl.lit("uniform int4-asym gptaq")).otherwise(pl.col("shipped")).alias("shipped"))
+    fallback = mixed.with_columns(
+        pl.when(is_matched).then(pl.lit("uniform int4-asym gptaq")).otherwise(pl.col("shipped")).alias("shipped")
+    )
     fallback.write_parquet(out / "frontier.parquet")
     build_report(out, model)
     report = (out / "report.md").read_text()
-    assert "| TQS-PTQ | 0 (+1 by shipping uniform int4-asym gptaq, a method not among these baselines) |" in report, report
+    assert "| TQS-PTQ | 0 (+1 by shipping uniform int4-asym gptaq, a method not among these baselines) |" in report, (
+        report
+    )
     assert "@W4 (uniform int4-asym gptaq) |" in report
 
 
@@ -175,8 +237,25 @@ def test_an_interrupted_frontier_keeps_its_finished_exports_and_evaluations(smal
     import time
 
     model, contexts, _ = small
-    command = lambda out: [sys.executable, "-m", "tqsdeploy", "frontier", str(model), "-c", str(contexts), "--steps", "3", "--C", "2,4",  # noqa: E731
-                           "--baselines", "rtn,gptq", "--bits", "4", "-o", str(out)]
+    command = lambda out: [
+        sys.executable,
+        "-m",
+        "tqsdeploy",
+        "frontier",
+        str(model),
+        "-c",
+        str(contexts),
+        "--steps",
+        "3",
+        "--C",
+        "2,4",  # noqa: E731
+        "--baselines",
+        "rtn,gptq",
+        "--bits",
+        "4",
+        "-o",
+        str(out),
+    ]
     assert subprocess.run(command(tmp_path / "whole"), capture_output=True, timeout=600).returncode == 0
     out = tmp_path / "cut"
     process = subprocess.Popen(command(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -186,7 +265,9 @@ def test_an_interrupted_frontier_keeps_its_finished_exports_and_evaluations(smal
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 130, stdout + stderr
-    recorded = [entry["value"] for entry in map(json.loads, progress.read_text().splitlines()) if "value" in entry]  # headers aside
+    recorded = [
+        entry["value"] for entry in map(json.loads, progress.read_text().splitlines()) if "value" in entry
+    ]  # headers aside
     kept = {path: os.stat(path).st_mtime_ns for entry in recorded for path in entry.get("files", {})}
     assert len(kept) >= 3
     rerun = subprocess.run(command(out), capture_output=True, text=True, timeout=600)
@@ -204,7 +285,22 @@ def test_frontier_refuses_a_folder_of_other_files_unless_forced_and_resumes_its_
     out = tmp_path / "proj"
     out.mkdir()
     (out / "report.md").write_text("my notes")
-    command = ["frontier", model, "-c", contexts, "--steps", "2", "--C", "4", "--baselines", "rtn", "--bits", "4", "-o", out]
+    command = [
+        "frontier",
+        model,
+        "-c",
+        contexts,
+        "--steps",
+        "2",
+        "--C",
+        "4",
+        "--baselines",
+        "rtn",
+        "--bits",
+        "4",
+        "-o",
+        out,
+    ]
     code, text = _invoke(*command)
     assert code == 2 and f"{out} is not a frontier's folder" in text and "report.md" in text and "--force" in text, text
     assert sorted(p.name for p in out.iterdir()) == ["report.md"] and (out / "report.md").read_text() == "my notes"
@@ -214,4 +310,8 @@ def test_frontier_refuses_a_folder_of_other_files_unless_forced_and_resumes_its_
     code, text = _invoke(*command)  # the folder is the frontier's own now: taken up again, not refused
     assert code == 0 and "kept from an earlier run" in text, text
     code, text = _invoke(*command[:-4], "--bits", "8", "-o", out)  # another setting: everything again, and it says why
-    assert code == 0 and "was for another settings: it is done again" in " ".join(text.split()) and "kept from an earlier run" not in text, text
+    assert (
+        code == 0
+        and "was for another settings: it is done again" in " ".join(text.split())
+        and "kept from an earlier run" not in text
+    ), text

@@ -3,18 +3,18 @@
 import json
 import math
 
+import models
 import numpy as np
-import pytest
 import polars as pl
+import pytest
 from typer.testing import CliRunner
 
-import models
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
-from tqsdeploy.sweep.probes import perturb
 from tqsdeploy.scoring.prepare import prepare
 from tqsdeploy.scoring.request import ScoreRequest
 from tqsdeploy.sweep import SweepSettings
+from tqsdeploy.sweep.probes import perturb
 
 ONE_LANE = SweepSettings(lanes=1)
 """What `prepare` ran on before it took a request: one lane."""
@@ -47,10 +47,14 @@ def test_gather_table_scored_on_the_rows_the_contexts_read(tmp_path):
     emb = next(r for r in quant if r["unit"] == "emb" and r["probe"] == "quant")
     assert emb["delta_sq"] == read.delta_sq
     assert rows["emb"]["gamma_quant"] == math.log(sum(emb["div_sq"]) / (emb["delta_sq"] + 1e-12)) / 4
-    assert rows["emb"]["gamma_quant"] > math.log(sum(emb["div_sq"]) / whole.delta_sq) / 4 + 0.5  # undiluted: ln(~50)/4 higher
+    assert (
+        rows["emb"]["gamma_quant"] > math.log(sum(emb["div_sq"]) / whole.delta_sq) / 4 + 0.5
+    )  # undiluted: ln(~50)/4 higher
     assert "touched_rows" in pl.read_csv(tmp_path / "run" / "scores.csv").columns
 
-    result = CliRunner().invoke(app, ["export", str(model), "--run", str(tmp_path / "run"), "--C", "2", "--out-dir", str(tmp_path / "out")])
+    result = CliRunner().invoke(
+        app, ["export", str(model), "--run", str(tmp_path / "run"), "--C", "2", "--out-dir", str(tmp_path / "out")]
+    )
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "'emb': the scoring contexts read 2 of its 100 rows" in text
@@ -79,7 +83,11 @@ def test_gaussian_probes_of_a_table_perturb_only_the_rows_read(tmp_path):
     spread over the whole table would put most of ||δθ||² on rows no output sees (γ_gauss diluted)."""
     model = models.gather_forecaster(tmp_path / "emb.onnx")
     contexts = tmp_path / "ctx.npz"
-    np.savez(contexts, x=np.random.default_rng(1).standard_normal((2, 2, 32)).astype(np.float32), ids=np.array([[3, 97], [97, 3]]))
+    np.savez(
+        contexts,
+        x=np.random.default_rng(1).standard_normal((2, 2, 32)).astype(np.float32),
+        ids=np.array([[3, 97], [97, 3]]),
+    )
     prepared = prepare(ScoreRequest(model, contexts, steps=2, sweep=ONE_LANE))
     unit, weights, rows = prepared.job.units["emb"], prepared.job.weights, prepared.job.rows
     quant = perturb(unit, weights, "quant", 0, 8, 0, rows)
@@ -92,7 +100,10 @@ def test_gaussian_probes_of_a_table_perturb_only_the_rows_read(tmp_path):
         np.testing.assert_array_equal(gauss.weights["emb"], again.weights["emb"])  # seeded by (seed, unit, draw)
     runner = prepared.open_runner()
     # undiluted: the Gaussian probe moves the output about as much as the quant residual of the same norm
-    ratio = runner.divergence(perturb(unit, weights, "gauss", 0, 8, 0, rows).weights)[0][0] / runner.divergence(quant.weights)[0][0]
+    ratio = (
+        runner.divergence(perturb(unit, weights, "gauss", 0, 8, 0, rows).weights)[0][0]
+        / runner.divergence(quant.weights)[0][0]
+    )
     runner.close()
     assert 0.1 < ratio < 10
 
@@ -104,12 +115,22 @@ def test_rows_the_contexts_never_read_are_priced_as_read_rows_not_free(tmp_path)
 
     model = models.gather_forecaster(tmp_path / "g.onnx", rows=64)  # 2048 parameters: a unit
     rng = np.random.default_rng(0)
-    np.savez(tmp_path / "c.npz", x=rng.standard_normal((4, 3, 32)).astype(np.float32), ids=rng.choice(np.arange(0, 64, 2), size=(4, 3)))  # even rows only
+    np.savez(
+        tmp_path / "c.npz",
+        x=rng.standard_normal((4, 3, 32)).astype(np.float32),
+        ids=rng.choice(np.arange(0, 64, 2), size=(4, 3)),
+    )  # even rows only
     run = score(model, tmp_path / "c.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=0))
     with Planner(run.run_dir, settings=ExportSettings(rounding="rtn", split_fraction=0.01)) as planner:
         choices = {c.unit: c for c in planner.pricing.choices("measured")}
-        table = [s for s in planner.cut.slots if "emb" in planner.scored.units_by_name[s.unit].tensor_names and s.rows is not None]
+        table = [
+            s
+            for s in planner.cut.slots
+            if "emb" in planner.scored.units_by_name[s.unit].tensor_names and s.rows is not None
+        ]
         unread = [s for s in table if all(r % 2 for r in range(*s.rows))]
         assert table and unread, [s.rows for s in planner.cut.slots]
         for slot in unread:
-            assert all(v > 0 for t, v in choices[slot.name].loss.items() if t.startswith("int")), choices[slot.name].loss
+            assert all(v > 0 for t, v in choices[slot.name].loss.items() if t.startswith("int")), choices[
+                slot.name
+            ].loss

@@ -12,8 +12,8 @@ import onnxruntime
 import pytest
 from typer.testing import CliRunner
 
-from tqsdeploy.scoring import score
 from tqsdeploy.cli import app
+from tqsdeploy.scoring import score
 
 HAS_CUDA = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None and importlib.util.find_spec("polygraphy") is not None
@@ -24,7 +24,9 @@ needs_trt = pytest.mark.skipif(not (HAS_CUDA and HAS_TRT), reason="needs a CUDA 
 @pytest.mark.skipif(HAS_TRT, reason="TensorRT is installed here")
 def test_missing_tensorrt_is_an_input_error(two_branch, tmp_path):
     model, contexts = two_branch
-    result = CliRunner().invoke(app, ["score", str(model), "-c", str(contexts), "--provider", "trt-engine", "-o", str(tmp_path / "run")])
+    result = CliRunner().invoke(
+        app, ["score", str(model), "-c", str(contexts), "--provider", "trt-engine", "-o", str(tmp_path / "run")]
+    )
     assert result.exit_code == 2
     assert "tensorrt and polygraphy" in result.output + (result.stderr or "")
     result = CliRunner().invoke(app, ["engine", str(model), "-o", str(tmp_path / "m.plan")])
@@ -64,9 +66,9 @@ def test_device_binding_path_runs_rollouts_as_plain_runs_do(two_branch, tmp_path
 
     import graph_ops
     from runtimes import OrtSession, WithDefaults
+    from tqsdeploy.rollout import RolloutSpec, detect
     from tqsdeploy.rollout.contexts import load_npz
     from tqsdeploy.rollout.engine import RolloutEngine
-    from tqsdeploy.rollout import RolloutSpec, detect
 
     model, contexts = two_branch
     proto = onnx.load(model)
@@ -79,7 +81,9 @@ def test_device_binding_path_runs_rollouts_as_plain_runs_do(two_branch, tmp_path
     options.intra_op_num_threads = 1
 
     def opened(path, device):
-        return OrtSession(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]), "cpu", device=device)
+        return OrtSession(
+            ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]), "cpu", device=device
+        )
 
     plain, bound = opened(overridable_path, None), opened(overridable_path, "cpu")
     spec = detect(plain.inputs, plain.outputs, steps=5)
@@ -92,7 +96,9 @@ def test_device_binding_path_runs_rollouts_as_plain_runs_do(two_branch, tmp_path
         want = RolloutEngine(plain, windows, spec).trajectories(feeds)
         got = RolloutEngine(bound, windows, spec).trajectories(feeds)
         assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
-    assert not np.array_equal(RolloutEngine(plain, windows, spec).trajectories()["y"], want["y"])  # the perturbation took effect
+    assert not np.array_equal(
+        RolloutEngine(plain, windows, spec).trajectories()["y"], want["y"]
+    )  # the perturbation took effect
 
     defaults = WithDefaults(opened(fed_path, "cpu"), weights)
     assert defaults.device == "cpu" and all(isinstance(defaults._fill[n][n], ort.OrtValue) for n in names)
@@ -126,7 +132,13 @@ def test_cuda_keeps_fed_weights_on_the_device_and_runs_fp32_exactly(two_branch, 
     weight = onnx.numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == "Wmain")) * 1.01
     kept = session.keep({"Wmain": weight})
     assert kept["Wmain"].device_name().lower() == "cuda"
-    feeds = {i.name: np.random.default_rng(0).standard_normal([d if isinstance(d, int) else 3 for d in i.shape]).astype(i.dtype) for i in session.inputs if i.name not in session.weights}
+    feeds = {
+        i.name: np.random.default_rng(0)
+        .standard_normal([d if isinstance(d, int) else 3 for d in i.shape])
+        .astype(i.dtype)
+        for i in session.inputs
+        if i.name not in session.weights
+    }
     cpu = OrtRuntime().open(path).run({**feeds, "Wmain": weight})
     gpu = session.run({**feeds, **kept})
     for name in cpu:
@@ -140,7 +152,18 @@ def _alive_gammas(table):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("example", ["etth1_patchtst", "era5_emulator", "lorenz96", "timesfm_etth1", "pangu_lorenz96", "era5_downscale", "tied_mixer_etth1"])
+@pytest.mark.parametrize(
+    "example",
+    [
+        "etth1_patchtst",
+        "era5_emulator",
+        "lorenz96",
+        "timesfm_etth1",
+        "pangu_lorenz96",
+        "era5_downscale",
+        "tied_mixer_etth1",
+    ],
+)
 def test_cuda_scores_rank_units_as_cpu_does_on_every_example(example, tmp_path):
     from scipy.stats import spearmanr
 
@@ -151,7 +174,9 @@ def test_cuda_scores_rank_units_as_cpu_does_on_every_example(example, tmp_path):
     settings = ScoreSettings(gauss_draws=1)
     run = dict(spec=folder / "rollout.toml", settings=settings, resume=False)
     cpu = score(folder / "model.onnx", folder / "contexts.npz", out=tmp_path / "cpu", **run)
-    gpu = score(folder / "model.onnx", folder / "contexts.npz", out=tmp_path / "gpu", runtime=OrtRuntime(provider="cuda"), **run)
+    gpu = score(
+        folder / "model.onnx", folder / "contexts.npz", out=tmp_path / "gpu", runtime=OrtRuntime(provider="cuda"), **run
+    )
     assert dict(zip(cpu.frame["unit"], cpu.frame["dead"])) == dict(zip(gpu.frame["unit"], gpu.frame["dead"]))
     a, b = _alive_gammas(cpu), _alive_gammas(gpu)
     units = sorted(a)
@@ -172,7 +197,10 @@ def test_cuda_strategies_give_feeds_gammas(strategy, two_branch, tmp_path):
     assert other.meta["strategy"] == strategy
     a, b = _alive_gammas(feed), _alive_gammas(other)
     assert a.keys() == b.keys() and all(abs(a[u] - b[u]) <= 1e-4 for u in a)
-    assert feed.frame.filter(feed.frame["unit"] == "Wdead")["dead"][0] and other.frame.filter(other.frame["unit"] == "Wdead")["dead"][0]
+    assert (
+        feed.frame.filter(feed.frame["unit"] == "Wdead")["dead"][0]
+        and other.frame.filter(other.frame["unit"] == "Wdead")["dead"][0]
+    )
 
 
 def _loads(library: str) -> bool:
@@ -187,10 +215,14 @@ def _loads(library: str) -> bool:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.skipif(_loads("libnvinfer.so.10"), reason="TensorRT's libraries are present here, so the TensorRT provider loads")
+@pytest.mark.skipif(
+    _loads("libnvinfer.so.10"), reason="TensorRT's libraries are present here, so the TensorRT provider loads"
+)
 def test_tensorrt_provider_that_fails_to_load_is_refused_not_run_on_cuda(two_branch, tmp_path):
     model, contexts = two_branch
-    result = CliRunner().invoke(app, ["score", str(model), "-c", str(contexts), "--provider", "tensorrt", "-o", str(tmp_path / "run")])
+    result = CliRunner().invoke(
+        app, ["score", str(model), "-c", str(contexts), "--provider", "tensorrt", "-o", str(tmp_path / "run")]
+    )
     assert result.exit_code == 2, result.output
     message = result.output + (result.stderr or "")
     assert "'tensorrt' failed to load" in message and "Traceback" not in message
@@ -216,7 +248,9 @@ def _solve_on(module: str, method: str, monkeypatch):
 
     monkeypatch.setenv("TQS_ARRAYS", "numpy" if module == "numpy" else "auto")
     monkeypatch.setattr(solver_backend, "_ARRAY_MODULE", None)
-    monkeypatch.setattr(solver_backend, "DEVICE_FROM_ORDER", 0)  # every product, factor and loop on the device, whatever its size
+    monkeypatch.setattr(
+        solver_backend, "DEVICE_FROM_ORDER", 0
+    )  # every product, factor and loop on the device, whatever its size
     monkeypatch.setattr(solver_backend, "DEVICE_LOOP_FROM", 0)
     assert solver_backend.array_module().__name__ == module
     rng = np.random.default_rng(3)

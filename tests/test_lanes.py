@@ -3,17 +3,17 @@
 import json
 import threading
 
+import models
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-import models
 from runtimes import OrtRuntime
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.cli import app
 from tqsdeploy.errors import InputError, RolloutError
-from tqsdeploy.sweep.probes import UnitProbes
 from tqsdeploy.sweep import LANE_EXTRA_BYTES, ProbeSource, Task, interleaved, plan_tasks, sweep_lanes
+from tqsdeploy.sweep.probes import UnitProbes
 from tqsdeploy.units import UnitSelection
 
 SETTINGS = ScoreSettings(gauss_draws=2)
@@ -23,19 +23,32 @@ ONE_THREAD = OrtRuntime(threads=1)  # the same kernels in every lane and in the 
 def _table(case, tmp_path, strategy, lanes, **kwargs):
     model, contexts, spec = case(tmp_path)
     return score(
-        model, contexts, spec=spec, out=tmp_path / f"{strategy}-{lanes}", settings=SETTINGS, runtime=ONE_THREAD, strategy=strategy,
-        lanes=lanes, selection=UnitSelection(min_params=100), **kwargs,
+        model,
+        contexts,
+        spec=spec,
+        out=tmp_path / f"{strategy}-{lanes}",
+        settings=SETTINGS,
+        runtime=ONE_THREAD,
+        strategy=strategy,
+        lanes=lanes,
+        selection=UnitSelection(min_params=100),
+        **kwargs,
     )
 
 
 @pytest.mark.parametrize(
     "case,strategy",
-    [(models.shared_weight_case, s) for s in ("feed", "rebuild", "unit", "prefix", "batch")] + [(models.assorted_case, s) for s in ("feed", "unit", "prefix")],
+    [(models.shared_weight_case, s) for s in ("feed", "rebuild", "unit", "prefix", "batch")]
+    + [(models.assorted_case, s) for s in ("feed", "unit", "prefix")],
 )
 def test_three_lanes_give_the_one_lane_table(tmp_path, case, strategy):
     one = _table(case, tmp_path, strategy, 1)
     three = _table(case, tmp_path, strategy, 3)
-    items = {"prefix": len(three.meta.get("prefix_cuts", [])), "unit": three.frame.height, "batch": three.frame.height}.get(strategy, 3 * three.frame.height)
+    items = {
+        "prefix": len(three.meta.get("prefix_cuts", [])),
+        "unit": three.frame.height,
+        "batch": three.frame.height,
+    }.get(strategy, 3 * three.frame.height)
     assert one.meta["lanes"] == 1 and three.meta["lanes"] == min(3, items) and three.meta["strategy"] == strategy
     assert three.frame.height >= 3
     assert three.frame.drop("seconds").equals(one.frame.drop("seconds"))
@@ -77,8 +90,9 @@ def test_lanes_taking_units_out_of_plan_order_build_each_perturbation_once(tmp_p
     from tqsdeploy.scoring.request import ScoreRequest
     from tqsdeploy.sweep import SweepSettings
 
-    request = ScoreRequest(model, contexts, spec, settings=SETTINGS, selection=UnitSelection(min_params=100),
-                           sweep=SweepSettings(lanes=1))
+    request = ScoreRequest(
+        model, contexts, spec, settings=SETTINGS, selection=UnitSelection(min_params=100), sweep=SweepSettings(lanes=1)
+    )
     job = prepare(request).job
     tasks = plan_tasks(list(job.units.values()), True, 2)
     built = []
@@ -91,9 +105,11 @@ def test_lanes_taking_units_out_of_plan_order_build_each_perturbation_once(tmp_p
     units = [[t for t in tasks if t.unit == u] for u in dict.fromkeys(t.unit for t in tasks)]
     for pair in range(0, len(units), 2):
         for depth in range(3):
-            for item in units[pair:pair + 2]:
+            for item in units[pair : pair + 2]:
                 got, want = source.get(item[depth]), one.get(item[depth])
-                assert got.delta_sq == want.delta_sq and all(np.array_equal(got.weights[n], want.weights[n]) for n in want.weights)
+                assert got.delta_sq == want.delta_sq and all(
+                    np.array_equal(got.weights[n], want.weights[n]) for n in want.weights
+                )
     source.close()
     one.close()
     assert sorted((t for s, t in built if s is source), key=tasks.index) == tasks
@@ -101,7 +117,14 @@ def test_lanes_taking_units_out_of_plan_order_build_each_perturbation_once(tmp_p
 
 def test_interleaved_is_the_order_lanes_ask_in():
     items = [[Task(u, "gauss", d) for d in range(n)] for u, n in (("a", 2), ("b", 3), ("c", 1))]
-    assert [(t.unit, t.draw) for t in interleaved(items, 2)] == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("b", 2), ("c", 0)]
+    assert [(t.unit, t.draw) for t in interleaved(items, 2)] == [
+        ("a", 0),
+        ("b", 0),
+        ("a", 1),
+        ("b", 1),
+        ("b", 2),
+        ("c", 0),
+    ]
 
 
 def test_lane_counts():
@@ -133,10 +156,40 @@ def test_default_lanes_split_the_cores(two_branch, tmp_path):
 
 def test_cli_refuses_lanes_with_workers_in_one_line(two_branch, tmp_path):
     model, contexts = two_branch
-    result = CliRunner().invoke(app, ["score", str(model), "--contexts", str(contexts), "--steps", "2", "--lanes", "2", "--workers", "2", "--out", str(tmp_path / "r")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "score",
+            str(model),
+            "--contexts",
+            str(contexts),
+            "--steps",
+            "2",
+            "--lanes",
+            "2",
+            "--workers",
+            "2",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+    )
     assert result.exit_code == 2
     assert "--lanes runs tasks side by side in this process" in result.output and "Traceback" not in result.output
-    result = CliRunner().invoke(app, ["score", str(model), "--contexts", str(contexts), "--steps", "2", "--lanes", "2", "--out", str(tmp_path / "ok")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "score",
+            str(model),
+            "--contexts",
+            str(contexts),
+            "--steps",
+            "2",
+            "--lanes",
+            "2",
+            "--out",
+            str(tmp_path / "ok"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "strategy" in result.output and "2 lanes" in " ".join(result.output.split())
 
@@ -176,7 +229,11 @@ def test_the_nominal_made_on_a_lane_gives_the_one_lane_table(tmp_path, monkeypat
         monkeypatch.setattr(sys.modules["tqsdeploy.sweep.nominal"], "HOLD_BYTES", hold)
     made_on = []
     make = sweep.SweepRunner._make_nominal
-    monkeypatch.setattr(sweep.SweepRunner, "_make_nominal", lambda self, *a, **k: (made_on.append(threading.current_thread().name), make(self, *a, **k))[1])
+    monkeypatch.setattr(
+        sweep.SweepRunner,
+        "_make_nominal",
+        lambda self, *a, **k: (made_on.append(threading.current_thread().name), make(self, *a, **k))[1],
+    )
     one = _table(models.shared_weight_case, tmp_path, "rebuild", 1)
     made_on.clear()
     two = _table(models.shared_weight_case, tmp_path, "rebuild", 2)
@@ -189,6 +246,15 @@ def test_a_nominal_that_fails_on_a_lane_ends_the_sweep_with_its_message(tmp_path
     contexts = np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32)
     np.savez(tmp_path / "c.npz", x=contexts)
     with pytest.raises(RolloutError, match="NaN or Inf"):
-        score(model, tmp_path / "c.npz", steps=3, out=tmp_path / "run", settings=SETTINGS, runtime=ONE_THREAD, strategy="rebuild", lanes=2)
+        score(
+            model,
+            tmp_path / "c.npz",
+            steps=3,
+            out=tmp_path / "run",
+            settings=SETTINGS,
+            runtime=ONE_THREAD,
+            strategy="rebuild",
+            lanes=2,
+        )
     log = tmp_path / "run" / "sweep.jsonl"
     assert not log.exists() or log.read_text() == ""  # no task finished without the nominal to compare with

@@ -3,11 +3,11 @@
 import io
 import re
 
+import models
 import numpy as np
 from rich.console import Console
 from typer.testing import CliRunner
 
-import models
 from tqsdeploy.cli import app
 from tqsdeploy.progress import Progress
 
@@ -40,7 +40,9 @@ def test_terminal_gets_a_rich_bar():
 def test_score_export_baseline_and_frontier_print_progress_off_a_terminal(tmp_path):
     model = models.gather_forecaster(tmp_path / "emb.onnx")
     contexts = tmp_path / "ctx.npz"
-    np.savez(contexts, x=np.random.default_rng(1).standard_normal((3, 1, 32)).astype(np.float32), ids=np.array([[1]] * 3))
+    np.savez(
+        contexts, x=np.random.default_rng(1).standard_normal((3, 1, 32)).astype(np.float32), ids=np.array([[1]] * 3)
+    )
     runner = CliRunner()
 
     def run(*args):
@@ -52,12 +54,31 @@ def test_score_export_baseline_and_frontier_print_progress_off_a_terminal(tmp_pa
     assert "scoring: 4/4 rollouts (100%), done in" in text and "ETA" in text
     text = run("export", model, "--run", tmp_path / "run", "--C", 2, "--out-dir", tmp_path)
     assert re.search(r"measuring tiers: (\d+)/\1 rollouts \(100%\), done in", text)
-    passes = re.findall(r"encoding \((uniform|mixed) ([^)]*)\): (\d+)/\3 weights \(100%\), done in", text)  # every pass, each to its end
+    passes = re.findall(
+        r"encoding \((uniform|mixed) ([^)]*)\): (\d+)/\3 weights \(100%\), done in", text
+    )  # every pass, each to its end
     assert ("uniform", "int8-asym qep", "2") in passes and ("mixed", "qep", "2") in passes
-    assert text.index("encoding (uniform int2-asym qep)") < text.index("measuring tiers")  # the tiers' passes come before the rollouts' ETA
+    assert text.index("encoding (uniform int2-asym qep)") < text.index(
+        "measuring tiers"
+    )  # the tiers' passes come before the rollouts' ETA
     text = run("baseline", model, "--method", "gptq", "--bits", 4, "--calib", contexts, "-o", tmp_path / "b.onnx")
     assert "gptq W4: 4/4 weights (100%), done in" in text  # a pass per grid (--grids auto): 2 weights each
-    text = run("frontier", model, "-c", contexts, "--steps", 2, "--C", 2, "--baselines", "rtn", "--bits", 4, "--out", tmp_path / "f")
+    text = run(
+        "frontier",
+        model,
+        "-c",
+        contexts,
+        "--steps",
+        2,
+        "--C",
+        2,
+        "--baselines",
+        "rtn",
+        "--bits",
+        4,
+        "--out",
+        tmp_path / "f",
+    )
     assert re.search(r"frontier: (\d+)/\1 steps \(100%\), done in", text) and "ETA" in text
 
 
@@ -83,7 +104,9 @@ def test_every_plain_line_carries_elapsed_time_and_an_eta_from_an_estimate_until
         bar.advance()
     lines = stream.getvalue().splitlines()
     assert re.fullmatch(r"scoring: 0/50 rollouts \(0%\), \d+ s elapsed", lines[0]), lines
-    assert re.fullmatch(r"scoring: 0/50 rollouts \(0%\), \d+ s elapsed, ETA about 1 min [45]\d s \(estimated\)", lines[1]), lines
+    assert re.fullmatch(
+        r"scoring: 0/50 rollouts \(0%\), \d+ s elapsed, ETA about 1 min [45]\d s \(estimated\)", lines[1]
+    ), lines
     assert re.fullmatch(r"scoring: 1/50 rollouts \(2%\), \d+ s elapsed, ETA \d+ s", lines[2]), lines
 
 
@@ -92,8 +115,19 @@ def test_score_hands_auto_s_sweep_estimate_to_the_progress(two_branch, tmp_path)
 
     model, contexts = two_branch
     estimates = []
-    table = score(model, contexts, steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1), on_estimate=estimates.append)
-    assert len(estimates) == 1 and estimates[0] > 0 and table.meta["strategy_estimates_s"][table.meta["strategy"]] == estimates[0]
+    table = score(
+        model,
+        contexts,
+        steps=2,
+        out=tmp_path / "run",
+        settings=ScoreSettings(gauss_draws=1),
+        on_estimate=estimates.append,
+    )
+    assert (
+        len(estimates) == 1
+        and estimates[0] > 0
+        and table.meta["strategy_estimates_s"][table.meta["strategy"]] == estimates[0]
+    )
 
 
 def test_every_encoding_pass_of_an_export_runs_to_its_end_and_no_display_outlives_the_command(two_branch, tmp_path):
@@ -106,10 +140,18 @@ def test_every_encoding_pass_of_an_export_runs_to_its_end_and_no_display_outlive
 
     model, contexts = two_branch
     runner = CliRunner()
-    result = runner.invoke(app, [str(a) for a in ("score", model, "-c", contexts, "--steps", 4, "--out", tmp_path / "run")])
+    result = runner.invoke(
+        app, [str(a) for a in ("score", model, "-c", contexts, "--steps", 4, "--out", tmp_path / "run")]
+    )
     assert result.exit_code == 0, result.output
     for target in (3, 6):
-        result = runner.invoke(app, [str(a) for a in ("export", model, "--run", tmp_path / "run", "--C", target, "--out-dir", tmp_path, "--force")])
+        result = runner.invoke(
+            app,
+            [
+                str(a)
+                for a in ("export", model, "--run", tmp_path / "run", "--C", target, "--out-dir", tmp_path, "--force")
+            ],
+        )
         assert result.exit_code == 0, result.output
         begun = re.findall(r"^encoding \(([^)]*)\): \d+/\d+ weights", result.output, re.M)
         ended = re.findall(r"^encoding \(([^)]*)\): (\d+)/\2 weights \(100%\), done in", result.output, re.M)

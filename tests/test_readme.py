@@ -10,15 +10,14 @@ commands run on the committed models.
 import re
 import shlex
 
+import models
 import numpy as np
 import pytest
+from conftest import REPO
 from typer.testing import CliRunner
 
-import models
 from runtimes import OrtRuntime
 from tqsdeploy.cli import app
-
-from conftest import REPO
 
 FENCE = re.compile(r"(?:<!--\s*(not run:[^>]*)-->\s*\n)?```(\w*)\n(.*?)```", re.S)
 PAGES = ["README.md", *sorted(path.relative_to(REPO).as_posix() for path in (REPO / "docs").glob("*.md"))]
@@ -27,12 +26,20 @@ PAGES = ["README.md", *sorted(path.relative_to(REPO).as_posix() for path in (REP
 def blocks(page: str, language: str) -> list[tuple[int, str, str | None]]:
     """(line, body, skip reason) of every `language` block of `page`."""
     text = (REPO / page).read_text()
-    return [(text[: m.start()].count("\n") + 1, m.group(3), m.group(1)) for m in FENCE.finditer(text) if m.group(2) == language]
+    return [
+        (text[: m.start()].count("\n") + 1, m.group(3), m.group(1))
+        for m in FENCE.finditer(text)
+        if m.group(2) == language
+    ]
 
 
 def runnable(language: str) -> list:
-    return [pytest.param(page, line, body, id=f"{page}:{line}")
-            for page in PAGES for line, body, reason in blocks(page, language) if reason is None]
+    return [
+        pytest.param(page, line, body, id=f"{page}:{line}")
+        for page in PAGES
+        for line, body, reason in blocks(page, language)
+        if reason is None
+    ]
 
 
 @pytest.fixture

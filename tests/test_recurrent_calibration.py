@@ -5,12 +5,12 @@ in its own order and its own column block; a shift the wrong way, or the two dir
 would still give a plausible Hessian and a silently worse model. So the statistic is checked against a numpy
 LSTM written from the ONNX definition (itself checked against ONNX Runtime)."""
 
+import models
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import models
 from graph_ops import weight_layouts
 from graph_ops.calibration import expose_tensors, layer_inputs, waves
 from graph_ops.recurrent import add_recurrent_states
@@ -27,14 +27,18 @@ def _sigmoid(v):
 def _numpy_lstm(x, W, R, B, direction_index: int, reverse: bool, h0=None):
     """ONNX LSTM (gates i, o, f, c; initial cell state zero) for one direction: (Y [seq, batch, H], the states R
     multiplied at each step, in the order the direction runs)."""
-    w, r, b = W[direction_index], R[direction_index], B[direction_index, :4 * HIDDEN] + B[direction_index, 4 * HIDDEN:]
+    w, r, b = (
+        W[direction_index],
+        R[direction_index],
+        B[direction_index, : 4 * HIDDEN] + B[direction_index, 4 * HIDDEN :],
+    )
     h = np.zeros((x.shape[1], HIDDEN)) if h0 is None else h0[direction_index]
     c = np.zeros_like(h)
     ys, multiplied = np.zeros((x.shape[0], x.shape[1], HIDDEN)), []
-    for t in (reversed(range(x.shape[0])) if reverse else range(x.shape[0])):
+    for t in reversed(range(x.shape[0])) if reverse else range(x.shape[0]):
         multiplied.append(h)
         gates = x[t] @ w.T + h @ r.T + b
-        i, o, f, g = (gates[:, k * HIDDEN:(k + 1) * HIDDEN] for k in range(4))
+        i, o, f, g = (gates[:, k * HIDDEN : (k + 1) * HIDDEN] for k in range(4))
         c = _sigmoid(f) * c + _sigmoid(i) * np.tanh(g)
         h = _sigmoid(o) * np.tanh(c)
         ys[t] = h
@@ -45,17 +49,26 @@ def _lstm_model(path, direction: str, batch_first: bool, keep_y: bool = True):
     """One LSTM node, weights [directions, 4H, K] as the legacy exporter stores them; Y kept or left unnamed."""
     rng = np.random.default_rng(1)
     dirs = 2 if direction == "bidirectional" else 1
-    init = {"W": rng.standard_normal((dirs, 4 * HIDDEN, INPUTS)).astype(np.float32) / 2,
-            "R": rng.standard_normal((dirs, 4 * HIDDEN, HIDDEN)).astype(np.float32) / 2,
-            "B": rng.standard_normal((dirs, 8 * HIDDEN)).astype(np.float32) / 4}
+    init = {
+        "W": rng.standard_normal((dirs, 4 * HIDDEN, INPUTS)).astype(np.float32) / 2,
+        "R": rng.standard_normal((dirs, 4 * HIDDEN, HIDDEN)).astype(np.float32) / 2,
+        "B": rng.standard_normal((dirs, 8 * HIDDEN)).astype(np.float32) / 4,
+    }
     x_shape = [BATCH, SEQ, INPUTS] if batch_first else [SEQ, BATCH, INPUTS]
     outputs = ["Y", "Y_h"] if keep_y else ["", "Y_h"]
-    node = helper.make_node("LSTM", ["x", "W", "R", "B"], outputs, hidden_size=HIDDEN, direction=direction, layout=int(batch_first))
+    node = helper.make_node(
+        "LSTM", ["x", "W", "R", "B"], outputs, hidden_size=HIDDEN, direction=direction, layout=int(batch_first)
+    )
     graph_outputs = [helper.make_tensor_value_info("Y_h", TensorProto.FLOAT, None)]
     if keep_y:
         graph_outputs.insert(0, helper.make_tensor_value_info("Y", TensorProto.FLOAT, None))
-    graph = helper.make_graph([node], "lstm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)], graph_outputs,
-                              [numpy_helper.from_array(v, k) for k, v in init.items()])
+    graph = helper.make_graph(
+        [node],
+        "lstm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        graph_outputs,
+        [numpy_helper.from_array(v, k) for k, v in init.items()],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.save(model, str(path))
     return path, init
@@ -79,8 +92,12 @@ def test_an_lstms_rows_are_the_inputs_and_states_its_weights_multiplied(tmp_path
     for d, name in enumerate(directions):
         ys, multiplied = _numpy_lstm(x, init["W"], init["R"], init["B"], d, name == "reverse")
         y_of_d = Y[:, :, d] if batch_first else Y[:, d]
-        np.testing.assert_allclose(np.swapaxes(y_of_d, 0, 1) if batch_first else y_of_d, ys, atol=2e-6)  # the reference is ONNX's LSTM
-        blocks_h.append(multiplied.T @ multiplied)  # the zero initial state adds nothing, so leaving it out changes no sum
+        np.testing.assert_allclose(
+            np.swapaxes(y_of_d, 0, 1) if batch_first else y_of_d, ys, atol=2e-6
+        )  # the reference is ONNX's LSTM
+        blocks_h.append(
+            multiplied.T @ multiplied
+        )  # the zero initial state adds nothing, so leaving it out changes no sum
         blocks_x.append(x.reshape(-1, INPUTS).T @ x.reshape(-1, INPUTS))
     (w_use,), (r_use,) = layouts["W"].uses, layouts["R"].uses
     (w_rows,), (r_rows,) = layer_inputs(w_use, fed), layer_inputs(r_use, Y)
@@ -94,7 +111,7 @@ def _block_diagonal(blocks):
     size = sum(b.shape[0] for b in blocks)
     out, start = np.zeros((size, size)), 0
     for block in blocks:
-        out[start:start + block.shape[0], start:start + block.shape[0]] = block
+        out[start : start + block.shape[0], start : start + block.shape[0]] = block
         start += block.shape[0]
     return out
 
@@ -125,11 +142,19 @@ def test_a_calibrated_baseline_rounds_the_recurrent_weights_with_their_statistic
 def test_a_gru_whose_candidate_reads_r_times_h_keeps_r_rounded_to_nearest(tmp_path):
     """Without linear_before_reset, R's candidate block multiplies r⊙h, which no graph tensor holds."""
     rng = np.random.default_rng(0)
-    init = {"W": rng.standard_normal((1, 3 * HIDDEN, INPUTS)).astype(np.float32), "R": rng.standard_normal((1, 3 * HIDDEN, HIDDEN)).astype(np.float32)}
+    init = {
+        "W": rng.standard_normal((1, 3 * HIDDEN, INPUTS)).astype(np.float32),
+        "R": rng.standard_normal((1, 3 * HIDDEN, HIDDEN)).astype(np.float32),
+    }
     for before_reset, r_calibrated in ((0, False), (1, True)):
         node = helper.make_node("GRU", ["x", "W", "R"], ["Y"], hidden_size=HIDDEN, linear_before_reset=before_reset)
-        graph = helper.make_graph([node], "gru", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [SEQ, 1, INPUTS])],
-                                  [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], [numpy_helper.from_array(v, k) for k, v in init.items()])
+        graph = helper.make_graph(
+            [node],
+            "gru",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [SEQ, 1, INPUTS])],
+            [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+            [numpy_helper.from_array(v, k) for k, v in init.items()],
+        )
         layouts = weight_layouts(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
         assert layouts["W"].calibratable and layouts["R"].calibratable == r_calibrated
         assert r_calibrated or "r*h" in layouts["R"].rtn_reason
@@ -146,16 +171,27 @@ def test_a_bidirectional_lstm_whose_directions_are_stacked_by_concat_calibrates_
         for suffix in ("", "_reverse"):
             init[stored + suffix] = (rng.standard_normal((4 * HIDDEN, width)) / 2).astype(np.float32)
             nodes += models._gate_sliced(stored + suffix, HIDDEN, f"{stored}{suffix}_onnx", [], init)
-        nodes.append(helper.make_node("Concat", [f"{stored}_onnx", f"{stored}_reverse_onnx"], [f"{stored}_both"], axis=0))
-    nodes += [helper.make_node("LSTM", ["x", "weight_ih_both", "weight_hh_both", "B"], ["Y"], hidden_size=HIDDEN, direction="bidirectional")]
-    graph = helper.make_graph(nodes, "bidir", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [SEQ, BATCH, INPUTS])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], [numpy_helper.from_array(v, k) for k, v in init.items()])
+        nodes.append(
+            helper.make_node("Concat", [f"{stored}_onnx", f"{stored}_reverse_onnx"], [f"{stored}_both"], axis=0)
+        )
+    nodes += [
+        helper.make_node(
+            "LSTM", ["x", "weight_ih_both", "weight_hh_both", "B"], ["Y"], hidden_size=HIDDEN, direction="bidirectional"
+        )
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "bidir",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [SEQ, BATCH, INPUTS])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v, k) for k, v in init.items()],
+    )
     path = tmp_path / "bidir.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
     layouts = weight_layouts(onnx.load(str(path)))
     x = rng.standard_normal((SEQ, BATCH, INPUTS))
     Y = OrtRuntime().open(path).run({"x": x.astype(np.float32)})["Y"]
-    onnx_order = lambda w: np.concatenate([w[g * HIDDEN:(g + 1) * HIDDEN] for g in (0, 3, 1, 2)])  # noqa: E731  (as _gate_sliced)
+    onnx_order = lambda w: np.concatenate([w[g * HIDDEN : (g + 1) * HIDDEN] for g in (0, 3, 1, 2)])  # noqa: E731  (as _gate_sliced)
     W = np.stack([onnx_order(init["weight_ih"]), onnx_order(init["weight_ih_reverse"])])
     R = np.stack([onnx_order(init["weight_hh"]), onnx_order(init["weight_hh_reverse"])])
     for d, suffix in enumerate(("", "_reverse")):
@@ -172,12 +208,25 @@ def test_a_fed_initial_state_is_a_row_of_r_so_a_one_step_cell_is_calibrated_too(
     """A cell run one step per call, its state fed back by the rollout (initial_h a graph input): R multiplies
     only that state. The calibration graph puts it on both ends of Y; the rows are every state R multiplied."""
     rng = np.random.default_rng(4)
-    init = {"W": rng.standard_normal((2, 4 * HIDDEN, INPUTS)).astype(np.float32) / 2, "R": rng.standard_normal((2, 4 * HIDDEN, HIDDEN)).astype(np.float32) / 2,
-            "B": rng.standard_normal((2, 8 * HIDDEN)).astype(np.float32) / 4}
-    node = helper.make_node("LSTM", ["x", "W", "R", "B", "", "h0"], ["", "h_next"], hidden_size=HIDDEN, direction="bidirectional")
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [seq, BATCH, INPUTS]), helper.make_tensor_value_info("h0", TensorProto.FLOAT, [2, BATCH, HIDDEN])]
-    graph = helper.make_graph([node], "cell", inputs, [helper.make_tensor_value_info("h_next", TensorProto.FLOAT, None)],
-                              [numpy_helper.from_array(v, k) for k, v in init.items()])
+    init = {
+        "W": rng.standard_normal((2, 4 * HIDDEN, INPUTS)).astype(np.float32) / 2,
+        "R": rng.standard_normal((2, 4 * HIDDEN, HIDDEN)).astype(np.float32) / 2,
+        "B": rng.standard_normal((2, 8 * HIDDEN)).astype(np.float32) / 4,
+    }
+    node = helper.make_node(
+        "LSTM", ["x", "W", "R", "B", "", "h0"], ["", "h_next"], hidden_size=HIDDEN, direction="bidirectional"
+    )
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [seq, BATCH, INPUTS]),
+        helper.make_tensor_value_info("h0", TensorProto.FLOAT, [2, BATCH, HIDDEN]),
+    ]
+    graph = helper.make_graph(
+        [node],
+        "cell",
+        inputs,
+        [helper.make_tensor_value_info("h_next", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v, k) for k, v in init.items()],
+    )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     layouts = weight_layouts(proto)
     (r_use,) = layouts["R"].uses
@@ -196,11 +245,18 @@ def test_an_r_that_multiplied_no_state_is_rounded_to_nearest_not_zeroed(tmp_path
     GPTQ would zero every column it never saw (all of them); it is rounded to nearest instead."""
     from tiers import TIERS, encode
 
-    init = {"W": np.random.default_rng(0).standard_normal((1, 4 * HIDDEN, INPUTS)).astype(np.float32),
-            "R": np.random.default_rng(1).standard_normal((1, 4 * HIDDEN, HIDDEN)).astype(np.float32)}
+    init = {
+        "W": np.random.default_rng(0).standard_normal((1, 4 * HIDDEN, INPUTS)).astype(np.float32),
+        "R": np.random.default_rng(1).standard_normal((1, 4 * HIDDEN, HIDDEN)).astype(np.float32),
+    }
     node = helper.make_node("LSTM", ["x", "W", "R"], ["Y"], hidden_size=HIDDEN)
-    graph = helper.make_graph([node], "cell", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "b", INPUTS])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 1, "b", HIDDEN])], [numpy_helper.from_array(v, k) for k, v in init.items()])
+    graph = helper.make_graph(
+        [node],
+        "cell",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "b", INPUTS])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 1, "b", HIDDEN])],
+        [numpy_helper.from_array(v, k) for k, v in init.items()],
+    )
     path, windows = tmp_path / "cell.onnx", tmp_path / "windows.npz"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
     np.savez(windows, x=np.random.default_rng(2).standard_normal((4, 1, 3, INPUTS)).astype(np.float32))
@@ -214,12 +270,23 @@ def test_one_weight_stacked_for_both_directions_is_calibrated_on_both(tmp_path):
     """Tied directions (one stored R unsqueezed and concatenated twice): it reaches the node once per direction,
     so its statistic sums both directions' states, as its two uses' objectives do."""
     rng = np.random.default_rng(6)
-    init = {"W": rng.standard_normal((2, 4 * HIDDEN, INPUTS)).astype(np.float32), "R": rng.standard_normal((4 * HIDDEN, HIDDEN)).astype(np.float32),
-            "zero_axis": np.array([0], np.int64)}
-    nodes = [helper.make_node("Unsqueeze", ["R", "zero_axis"], ["R1"]), helper.make_node("Concat", ["R1", "R1"], ["R2"], axis=0),
-             helper.make_node("LSTM", ["x", "W", "R2"], ["Y"], hidden_size=HIDDEN, direction="bidirectional")]
-    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [SEQ, BATCH, INPUTS])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], [numpy_helper.from_array(v, k) for k, v in init.items()])
+    init = {
+        "W": rng.standard_normal((2, 4 * HIDDEN, INPUTS)).astype(np.float32),
+        "R": rng.standard_normal((4 * HIDDEN, HIDDEN)).astype(np.float32),
+        "zero_axis": np.array([0], np.int64),
+    }
+    nodes = [
+        helper.make_node("Unsqueeze", ["R", "zero_axis"], ["R1"]),
+        helper.make_node("Concat", ["R1", "R1"], ["R2"], axis=0),
+        helper.make_node("LSTM", ["x", "W", "R2"], ["Y"], hidden_size=HIDDEN, direction="bidirectional"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tied",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [SEQ, BATCH, INPUTS])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v, k) for k, v in init.items()],
+    )
     layout = weight_layouts(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))["R"]
     assert layout.calibratable and layout.perm == (0, 1)
     assert sorted(u.recurrent.directions for u in layout.uses) == [((0, "forward"),), ((1, "reverse"),)]

@@ -4,13 +4,13 @@ registration is undone they are gone again (as tests/test_formats.py does for a 
 
 import json
 
+import models
 import numpy as np
 import onnx
 import polars as pl
 import pytest
 from typer.testing import CliRunner
 
-import models
 from runtimes import RUNTIMES, OrtRuntime, Provider
 from tiers import METHODS, Method
 from tqsdeploy.cli import app
@@ -22,7 +22,9 @@ runner = CliRunner()
 
 def _invoke(*args):
     result = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "250"})
-    return result.exit_code, " ".join((result.output + (result.stderr or "")).replace("│", " ").split())  # help wraps inside a box
+    return result.exit_code, " ".join(
+        (result.output + (result.stderr or "")).replace("│", " ").split()
+    )  # help wraps inside a box
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +55,14 @@ def test_a_registered_method_is_offered_run_and_labelled(small, monkeypatch):
         code, text = _invoke("frontier", "--help")
         assert "rtn|gptq|gptaq|qep|fake|auto" in text and "[default: rtn,gptq,gptaq,qep,fake]" in text
 
-        code, text = _invoke("baseline", model, "--method", "fake", "--bits", "4", "--calib", contexts, "-o", folder / "fake4.onnx")
+        code, text = _invoke(
+            "baseline", model, "--method", "fake", "--bits", "4", "--calib", contexts, "-o", folder / "fake4.onnx"
+        )
         assert code == 0, text
-        assert "fake W4 (int4-asym)" in text and "fake rounds each weight to nearest and reads no calibration data: --calib not used" in text
+        assert (
+            "fake W4 (int4-asym)" in text
+            and "fake rounds each weight to nearest and reads no calibration data: --calib not used" in text
+        )
         code, text = _invoke("baseline", model, "--method", "rtn", "--bits", "4", "-o", folder / "rtn4.onnx")
         assert code == 0, text
         fake, rtn = _weights(folder / "fake4.onnx"), _weights(folder / "rtn4.onnx")
@@ -63,7 +70,22 @@ def test_a_registered_method_is_offered_run_and_labelled(small, monkeypatch):
         assert json.loads((folder / "fake4.baseline.json").read_text())["method"] == "fake"
 
         out = folder / "front"
-        code, text = _invoke("frontier", model, "-c", contexts, "--steps", "2", "--C", "4", "--baselines", "fake", "--bits", "4", "-o", out)
+        code, text = _invoke(
+            "frontier",
+            model,
+            "-c",
+            contexts,
+            "--steps",
+            "2",
+            "--C",
+            "4",
+            "--baselines",
+            "fake",
+            "--bits",
+            "4",
+            "-o",
+            out,
+        )
         assert code == 0, text
         frame = pl.read_parquet(out / "frontier.parquet")
         assert ("FAKE", "W4") in set(zip(frame["method"], frame["setting"]))
@@ -93,15 +115,31 @@ def test_a_registered_runtime_is_offered_and_evaluates(small, monkeypatch):
         assert "cpu|cuda|tensorrt|fake" in text and "cpu, cuda, tensorrt or fake." in text
         code, text = _invoke("score", "--help")
         assert "cpu|cuda|tensorrt|trt-engine|fake" in text
-        assert "or trt-engine (native TensorRT, weights refitted), or fake (ONNX Runtime's CPU provider under another name)." in text
+        assert (
+            "or trt-engine (native TensorRT, weights refitted), or fake (ONNX Runtime's CPU provider under another name)."
+            in text
+        )
         code, text = _invoke("export", "--help")
         assert "cpu|cuda|tensorrt|fake" in text
 
         reports = {}
         for provider in ("fake", "cpu"):
             prefix = folder / f"eval-{provider}"
-            code, text = _invoke("eval", folder / "candidate.onnx", "-r", model, "-c", contexts, "--steps", "2", "--provider", provider,
-                                 "--no-latency", "--report", prefix)
+            code, text = _invoke(
+                "eval",
+                folder / "candidate.onnx",
+                "-r",
+                model,
+                "-c",
+                contexts,
+                "--steps",
+                "2",
+                "--provider",
+                provider,
+                "--no-latency",
+                "--report",
+                prefix,
+            )
             assert code == 0, text
             reports[provider] = json.loads(prefix.with_suffix(".json").read_text())
         assert reports["fake"]["runtime"]["provider"] == "fake"
@@ -123,7 +161,10 @@ def test_a_registered_strategy_is_offered_and_scores(small, monkeypatch):
     with monkeypatch.context() as registered:
         registered.setitem(BY_NAME, "fake", FakeFeed)
         code, text = _invoke("score", "--help")
-        assert "auto|feed|rebuild|unit|prefix|batch|fake" in text and "dynamic-batch models), fake (feed under another name) or auto (time them" in text
+        assert (
+            "auto|feed|rebuild|unit|prefix|batch|fake" in text
+            and "dynamic-batch models), fake (feed under another name) or auto (time them" in text
+        )
         scores = {}
         for strategy in ("fake", "feed"):
             run = folder / f"run-{strategy}"
@@ -133,7 +174,9 @@ def test_a_registered_strategy_is_offered_and_scores(small, monkeypatch):
             scores[strategy] = pl.read_parquet(run / "scores.parquet").sort("unit")
         assert scores["fake"]["gamma"].to_list() == scores["feed"]["gamma"].to_list()
     assert "fake" not in BY_NAME
-    code, text = _invoke("score", model, "-c", contexts, "--steps", "3", "--strategy", "fake", "-o", folder / "run-gone")
+    code, text = _invoke(
+        "score", model, "-c", contexts, "--steps", "3", "--strategy", "fake", "-o", folder / "run-gone"
+    )
     assert code == 2 and "unknown strategy 'fake'; choose one of auto, feed, rebuild, unit, prefix, batch" in text
 
 
@@ -155,11 +198,34 @@ def test_a_registered_objective_is_offered_allocated_and_recorded(small, monkeyp
         for command in ("export", "frontier"):
             code, text = _invoke(command, "--help")
             assert code == 0 and "measured|response|paper|flat" in text, text
-        code, text = _invoke("export", model, "--run", folder / "objective-run", "--C", "4", "--objective", "flat", "--rounding", "rtn",
-                             "-o", folder / "flat.onnx")
+        code, text = _invoke(
+            "export",
+            model,
+            "--run",
+            folder / "objective-run",
+            "--C",
+            "4",
+            "--objective",
+            "flat",
+            "--rounding",
+            "rtn",
+            "-o",
+            folder / "flat.onnx",
+        )
         assert code == 0, text
         record = json.loads((folder / "flat.allocation.json").read_text())
         assert record["objective"] == "flat" or record["shipped"].startswith("uniform"), record["shipped"]
         assert "TQS-PTQ flat/rtn" in {c["label"].split(",")[0] for c in record["compared"]}
-    code, text = _invoke("export", model, "--run", folder / "objective-run", "--C", "4", "--objective", "flat", "-o", folder / "flat2.onnx")
+    code, text = _invoke(
+        "export",
+        model,
+        "--run",
+        folder / "objective-run",
+        "--C",
+        "4",
+        "--objective",
+        "flat",
+        "-o",
+        folder / "flat2.onnx",
+    )
     assert code == 2 and "unknown objective 'flat'" in text

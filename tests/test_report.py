@@ -2,11 +2,11 @@
 
 from html.parser import HTMLParser
 
+import models
 import numpy as np
 import polars as pl
 from typer.testing import CliRunner
 
-import models
 from runtimes import OrtRuntime
 from tqsdeploy.cli import app
 
@@ -47,8 +47,27 @@ def test_report_has_intervals_verdicts_and_valid_html(tmp_path):
             steps.append(state + np.random.default_rng(step).normal(0, 0.05, state.shape).astype(np.float32))
         truth.append(np.stack(steps))
     np.savez(tmp_path / "truth.npz", y=np.stack(truth))
-    result = CliRunner().invoke(app, ["frontier", str(model), "-c", str(tmp_path / "ctx.npz"), "--truth", str(tmp_path / "truth.npz"), "--steps", "4",
-                                      "--C", "4", "--baselines", "rtn", "--bits", "2,4", "-o", str(tmp_path / "f")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "frontier",
+            str(model),
+            "-c",
+            str(tmp_path / "ctx.npz"),
+            "--truth",
+            str(tmp_path / "truth.npz"),
+            "--steps",
+            "4",
+            "--C",
+            "4",
+            "--baselines",
+            "rtn",
+            "--bits",
+            "2,4",
+            "-o",
+            str(tmp_path / "f"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     frame = pl.read_parquet(tmp_path / "f" / "frontier.parquet").filter(pl.col("variable") == "all")
     assert ((frame["drift_lo"] <= frame["drift_pct"] + 1e-9) & (frame["drift_pct"] <= frame["drift_hi"] + 1e-9)).all()
@@ -70,7 +89,9 @@ def test_bootstrap_intervals_are_bca_and_survive_degenerate_windows():
 
     skewed = np.random.default_rng(0).exponential(1.0, 8)  # per-window MAEs over 8 windows: few and skewed
     low, high = bootstrap((skewed,), window_mean, 2000, 0)
-    percentile = stats.bootstrap((skewed,), np.mean, n_resamples=2000, method="percentile", rng=np.random.default_rng(0)).confidence_interval
+    percentile = stats.bootstrap(
+        (skewed,), np.mean, n_resamples=2000, method="percentile", rng=np.random.default_rng(0)
+    ).confidence_interval
     assert low < skewed.mean() < high and (low, high) != (percentile.low, percentile.high)
     assert bootstrap((np.ones(5),), window_mean, 500, 0) == [1.0, 1.0]  # BCa undefined: no spread, no interval
     assert bootstrap((np.ones(1),), window_mean, 500, 0) == [1.0, 1.0]

@@ -83,7 +83,10 @@ def test_toml_round_trip_escapes_names_and_keeps_reasons(tmp_path):
     """Names with quotes, backslashes and non-ASCII survive; a multi-line reason stays a comment."""
     spec = RolloutSpec(
         steps=3,
-        feedback=(Feedback('out"put\\1', "in\\put", "shift", -1), Feedback(None, "mäsk", "shift", -1, fill=1.0, length=4)),
+        feedback=(
+            Feedback('out"put\\1', "in\\put", "shift", -1),
+            Feedback(None, "mäsk", "shift", -1, fill=1.0, length=4),
+        ),
         trajectory=('out"put\\1',),
     )
     text = spec.to_toml({"mäsk": "observed\nflag"})
@@ -112,13 +115,30 @@ def test_a_dynamic_leading_axis_that_is_time_is_not_batched(tmp_path):
     from tqsdeploy.rollout.engine import RolloutEngine
 
     rng = np.random.default_rng(1)
-    init = {"Wl": rng.standard_normal((1, 128, 8)) * 0.3, "Rl": rng.standard_normal((1, 128, 32)) * 0.15, "Wo": rng.standard_normal((32, 8)) * 0.1}
-    nodes = [helper.make_node("LSTM", ["x", "Wl", "Rl"], ["Y"], hidden_size=32), helper.make_node("Squeeze", ["Y", "one"], ["Ys"]),
-             helper.make_node("MatMul", ["Ys", "Wo"], ["d"]), helper.make_node("Add", ["x", "d"], ["y"])]
+    init = {
+        "Wl": rng.standard_normal((1, 128, 8)) * 0.3,
+        "Rl": rng.standard_normal((1, 128, 32)) * 0.15,
+        "Wo": rng.standard_normal((32, 8)) * 0.1,
+    }
+    nodes = [
+        helper.make_node("LSTM", ["x", "Wl", "Rl"], ["Y"], hidden_size=32),
+        helper.make_node("Squeeze", ["Y", "one"], ["Ys"]),
+        helper.make_node("MatMul", ["Ys", "Wo"], ["d"]),
+        helper.make_node("Add", ["x", "d"], ["y"]),
+    ]
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["seq", "batch", 8]) for n in ("x", "y")]
-    tensors = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in init.items()] + [numpy_helper.from_array(np.array([1]), "one")]
+    tensors = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in init.items()] + [
+        numpy_helper.from_array(np.array([1]), "one")
+    ]
     path = tmp_path / "lstm.onnx"
-    onnx.save(helper.make_model(helper.make_graph(nodes, "lstm", io[:1], io[1:], tensors), opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
+    onnx.save(
+        helper.make_model(
+            helper.make_graph(nodes, "lstm", io[:1], io[1:], tensors),
+            opset_imports=[helper.make_opsetid("", 17)],
+            ir_version=9,
+        ),
+        str(path),
+    )
     x = rng.standard_normal((3, 16, 1, 8)).astype(np.float32)
     session = OrtRuntime().open(path)
     spec = RolloutSpec.from_dict({"steps": 3, "feedback": [{"output": "y", "input": "x", "mode": "replace"}]})
@@ -137,7 +157,9 @@ def _saved(tmp_path, name, nodes, inputs, outputs, weights):
     from onnx import TensorProto, helper, numpy_helper
 
     io = lambda items: [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in items]  # noqa: E731
-    graph = helper.make_graph(nodes, name, io(inputs), io(outputs), [numpy_helper.from_array(v, k) for k, v in weights.items()])
+    graph = helper.make_graph(
+        nodes, name, io(inputs), io(outputs), [numpy_helper.from_array(v, k) for k, v in weights.items()]
+    )
     path = tmp_path / f"{name}.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
     return path
@@ -150,31 +172,48 @@ def test_outputs_one_rank_off_their_input_shift_into_it(tmp_path, case):
     from onnx import helper
 
     from runtimes import OrtRuntime
+    from tqsdeploy.rollout import detect_rollout
     from tqsdeploy.rollout.contexts import Contexts
     from tqsdeploy.rollout.engine import RolloutEngine
-    from tqsdeploy.rollout import detect_rollout
 
     rng = np.random.default_rng(2)
     if case == "history":
-        path = _saved(tmp_path, case, [helper.make_node("ReduceMean", ["state"], ["m"], axes=[1], keepdims=0), helper.make_node("MatMul", ["m", "W"], ["next_state"])],
-                      [("state", ["b", 2, 3])], [("next_state", ["b", 3])], {"W": rng.standard_normal((3, 3)).astype(np.float32) * 0.9})
+        path = _saved(
+            tmp_path,
+            case,
+            [
+                helper.make_node("ReduceMean", ["state"], ["m"], axes=[1], keepdims=0),
+                helper.make_node("MatMul", ["m", "W"], ["next_state"]),
+            ],
+            [("state", ["b", 2, 3])],
+            [("next_state", ["b", 3])],
+            {"W": rng.standard_normal((3, 3)).astype(np.float32) * 0.9},
+        )
         x = rng.standard_normal((3, 1, 2, 3)).astype(np.float32)
     else:
-        path = _saved(tmp_path, case, [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Unsqueeze", ["h", "axes"], ["y"])],
-                      [("x", ["b", 8])], [("y", ["b", 2, 1])], {"W": rng.standard_normal((8, 2)).astype(np.float32) * 0.4, "axes": np.array([2])})
+        path = _saved(
+            tmp_path,
+            case,
+            [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Unsqueeze", ["h", "axes"], ["y"])],
+            [("x", ["b", 8])],
+            [("y", ["b", 2, 1])],
+            {"W": rng.standard_normal((8, 2)).astype(np.float32) * 0.4, "axes": np.array([2])},
+        )
         x = rng.standard_normal((3, 1, 8)).astype(np.float32)
     session = OrtRuntime().open(path)
     spec = detect_rollout(session.inputs, session.outputs, steps=4).spec
     (edge,) = spec.feedback
     assert edge.mode == "shift" and edge.axis == {"history": -2, "singleton": -1}[case]
-    got = RolloutEngine(session, Contexts({session.inputs[0].name: x}, source="test"), spec).trajectories()[spec.trajectory[0]]
+    got = RolloutEngine(session, Contexts({session.inputs[0].name: x}, source="test"), spec).trajectories()[
+        spec.trajectory[0]
+    ]
     for w in range(3):
         state = x[w]
         for t in range(4):
             out = session.run({session.inputs[0].name: state})[spec.trajectory[0]]
             np.testing.assert_allclose(got[w, t], out, rtol=1e-5, atol=1e-6)
             step = out[:, None] if case == "history" else out[..., 0]
-            state = np.concatenate([state, step], axis=1)[:, -state.shape[1]:]
+            state = np.concatenate([state, step], axis=1)[:, -state.shape[1] :]
 
 
 def _calendar_model(path):
@@ -188,8 +227,12 @@ def _calendar_model(path):
         helper.make_node("Add", ["scaled", "h"], ["y"]),
     ]
     graph = helper.make_graph(
-        nodes, "calendar",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3]), helper.make_tensor_value_info("hour", TensorProto.INT64, ["batch", 1])],
+        nodes,
+        "calendar",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3]),
+            helper.make_tensor_value_info("hour", TensorProto.INT64, ["batch", 1]),
+        ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
         [helper.make_tensor("half", TensorProto.FLOAT, [1], [0.5])],
     )
@@ -203,28 +246,40 @@ def test_an_advanced_calendar_input_moves_each_step_and_wraps(tmp_path):
     from tqsdeploy.rollout import rollout
 
     spec_file = tmp_path / "spec.toml"
-    spec_file.write_text('steps = 3\ntrajectory = ["y"]\n[[feedback]]\noutput = "y"\ninput = "x"\n'
-                         '[[feedback]]\ninput = "hour"\nmode = "advance"\nby = 1\nmodulo = 24\n')
+    spec_file.write_text(
+        'steps = 3\ntrajectory = ["y"]\n[[feedback]]\noutput = "y"\ninput = "x"\n'
+        '[[feedback]]\ninput = "hour"\nmode = "advance"\nby = 1\nmodulo = 24\n'
+    )
     spec = RolloutSpec.from_toml(spec_file)
-    assert RolloutSpec.from_toml(spec_file) == RolloutSpec.from_dict(__import__("tomllib").loads(spec.to_toml()))  # round trip keeps by/modulo
+    assert RolloutSpec.from_toml(spec_file) == RolloutSpec.from_dict(
+        __import__("tomllib").loads(spec.to_toml())
+    )  # round trip keeps by/modulo
     session = OrtRuntime().open(_calendar_model(tmp_path / "m.onnx"))
     spec.check([s for s in session.inputs], session.outputs)
-    steps = [s["y"][0, 0] for s in rollout(session, {"x": np.zeros((1, 3), np.float32), "hour": np.array([[22]], np.int64)}, spec)]
+    steps = [
+        s["y"][0, 0]
+        for s in rollout(session, {"x": np.zeros((1, 3), np.float32), "hour": np.array([[22]], np.int64)}, spec)
+    ]
     assert steps == [22.0, 0.5 * 22 + 23, 0.5 * (0.5 * 22 + 23) + 0]
 
 
-@pytest.mark.parametrize("edge, message", [
-    ('input = "hour"\nmode = "advance"\n', "it takes `by`"),
-    ('output = "y"\ninput = "hour"\nmode = "advance"\nby = 1\n', "no `output`"),
-    ('input = "hour"\nmode = "advance"\nby = 0.5\n', "must be whole numbers"),
-    ('input = "hour"\nmode = "advance"\nby = 1\nmodulo = 0\n', "must be positive"),
-    ('input = "hour"\nmode = "shift"\nfill = 0\nby = 1\n', "only apply to mode = \"advance\""),
-])
+@pytest.mark.parametrize(
+    "edge, message",
+    [
+        ('input = "hour"\nmode = "advance"\n', "it takes `by`"),
+        ('output = "y"\ninput = "hour"\nmode = "advance"\nby = 1\n', "no `output`"),
+        ('input = "hour"\nmode = "advance"\nby = 0.5\n', "must be whole numbers"),
+        ('input = "hour"\nmode = "advance"\nby = 1\nmodulo = 0\n', "must be positive"),
+        ('input = "hour"\nmode = "shift"\nfill = 0\nby = 1\n', 'only apply to mode = "advance"'),
+    ],
+)
 def test_advance_edges_are_checked(tmp_path, edge, message):
     from runtimes import OrtRuntime
 
     spec_file = tmp_path / "spec.toml"
-    spec_file.write_text('steps = 3\ntrajectory = ["y"]\n[[feedback]]\noutput = "y"\ninput = "x"\n[[feedback]]\n' + edge)
+    spec_file.write_text(
+        'steps = 3\ntrajectory = ["y"]\n[[feedback]]\noutput = "y"\ninput = "x"\n[[feedback]]\n' + edge
+    )
     session = OrtRuntime().open(_calendar_model(tmp_path / "m.onnx"))
     with pytest.raises(RolloutError, match=message.replace("(", r"\(")):
         RolloutSpec.from_toml(spec_file).check(session.inputs, session.outputs)

@@ -12,10 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import models
 import numpy as np
 import pytest
 
-import models
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.errors import InputError
 from tqsdeploy.export import ExportProgress, Planner
@@ -35,7 +35,14 @@ def run(tmp_path):
 
 def _cli(*args):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "tqsdeploy", *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tqsdeploy", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _prices(text: str) -> dict[str, list[float]]:
@@ -60,7 +67,9 @@ def test_score_fresh_is_refused_while_an_export_reads_the_run_and_exports_share_
     finally:
         planner.close()
         other.close()
-    assert _cli("score", model, "-c", contexts, "-o", run_dir, "--steps", 4, "--probe", "quant", "--fresh").returncode == 0  # the exports are done
+    assert (
+        _cli("score", model, "-c", contexts, "-o", run_dir, "--steps", 4, "--probe", "quant", "--fresh").returncode == 0
+    )  # the exports are done
 
 
 def test_an_export_is_refused_while_a_score_writes_the_run(run):
@@ -87,11 +96,18 @@ def test_prices_measured_on_a_replaced_run_are_not_reused(run):
     planner.pricing.measured(on_result=lambda result: None)
     planner.close()
     assert counted == [len(planner.pricing.measured_tasks())]
-    fresh = {key: value for key, value in _prices((run_dir / "measured.jsonl").read_text()).items() if key not in _prices(stale)}
+    fresh = {
+        key: value
+        for key, value in _prices((run_dir / "measured.jsonl").read_text()).items()
+        if key not in _prices(stale)
+    }
     clean = Planner(run_dir.parent / "clean")
     clean.pricing.measured()
     clean.close()
-    assert len(fresh) == len(planner.pricing.measured_tasks()) and _prices((run_dir.parent / "clean" / "measured.jsonl").read_text()) == fresh
+    assert (
+        len(fresh) == len(planner.pricing.measured_tasks())
+        and _prices((run_dir.parent / "clean" / "measured.jsonl").read_text()) == fresh
+    )
 
 
 def test_an_export_whose_run_was_replaced_under_it_stops_in_one_line(run, tmp_path):

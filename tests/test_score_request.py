@@ -20,10 +20,24 @@ SETTINGS = ScoreSettings(gauss_draws=1)
 def test_the_keyword_form_and_the_request_form_make_one_run(two_branch, tmp_path):
     model, contexts = two_branch
     seen = []
-    by_keywords = score(model, contexts, steps=4, out=tmp_path / "keywords", settings=SETTINGS, strategy="feed",
-                        lanes=1, on_result=lambda r: seen.append(r.key))
-    request = ScoreRequest(model, contexts, steps=4, out=tmp_path / "request", settings=SETTINGS,
-                           sweep=SweepSettings(strategy="feed", lanes=1))
+    by_keywords = score(
+        model,
+        contexts,
+        steps=4,
+        out=tmp_path / "keywords",
+        settings=SETTINGS,
+        strategy="feed",
+        lanes=1,
+        on_result=lambda r: seen.append(r.key),
+    )
+    request = ScoreRequest(
+        model,
+        contexts,
+        steps=4,
+        out=tmp_path / "request",
+        settings=SETTINGS,
+        sweep=SweepSettings(strategy="feed", lanes=1),
+    )
     started = []
     by_request = run_score(request, ScoreProgress(on_start=lambda total, done: started.append((total, done))))
     assert by_keywords.meta["strategy"] == by_request.meta["strategy"] == "feed"

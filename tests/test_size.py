@@ -1,23 +1,26 @@
 """The size owner (`tqsdeploy.size`): C as a budget on each basis, the ratio of written files, reachability."""
 
+import models
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 import graph_ops
-import models
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.export.allocate import allocate
 from tqsdeploy.cli import app
 from tqsdeploy.errors import InfeasibleError, InputError
 from tqsdeploy.export import ExportSettings, Planner
+from tqsdeploy.export.allocate import allocate
 from tqsdeploy.size import ModelSize, SizeBudget, reachable_label, split_bits
 
 
 def test_budget_from_c_on_each_basis():
     sizes = ModelSize(reference_bits=32_000, unit_reference_bits=24_000)
     file, units = sizes.budget("file", overhead_bits=64), sizes.budget("units", overhead_bits=64)
-    assert (file.basis_bits, file.fixed_bits) == (32_000, 8_064)  # the rest of the file and the opset overhead use budget
+    assert (file.basis_bits, file.fixed_bits) == (
+        32_000,
+        8_064,
+    )  # the rest of the file and the opset overhead use budget
     assert (units.basis_bits, units.fixed_bits) == (24_000, 0)
     assert file.slot_bits(4) == 32_000 / 4 - 8_064 and units.slot_bits(4) == 6_000
     for budget in (file, units):
@@ -63,7 +66,9 @@ def test_the_lowest_tier_file_is_reachable_and_a_hair_above_is_not(odd_run, basi
     """Issue 35: the C a uniform file of the lowest tier reaches (measured on the written file) is accepted;
     a hair above it is refused, naming the largest reachable C."""
     model, folder = odd_run
-    planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", objective="paper", refine=0, group_size=32, basis=basis))
+    planner = Planner(
+        folder / "run", settings=ExportSettings(rounding="rtn", objective="paper", refine=0, group_size=32, basis=basis)
+    )
     lowest = planner.tiers[-1].name
     outcome = planner.export(None, folder / f"{basis}.uniform.onnx", uniform_tier=lowest)
     reached = outcome.compression if basis == "file" else outcome.unit_compression
@@ -82,18 +87,25 @@ def test_written_ratio_equals_what_the_allocation_priced(odd_run, group_size):
     (Expand/Reshape/Slice shapes, ~512 bits) once per stretch of a tensor at one tier, as INT1 writes its unpack
     constants: the allocation is priced as written, so the file does not fall below C (it did: 5.93x for --C 6)."""
     model, folder = odd_run
-    planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", objective="paper", refine=0, group_size=group_size, fallback=False))
+    planner = Planner(
+        folder / "run",
+        settings=ExportSettings(rounding="rtn", objective="paper", refine=0, group_size=group_size, fallback=False),
+    )
     for tier in planner.tiers:
         outcome = planner.export(None, folder / f"{tier.name}.onnx", uniform_tier=tier.name)
         assert outcome.compression == planner.comparison.uniform(tier.name).compression
-        assert outcome.compression == planner.scored.sizes.file_compression(graph_ops.weight_bits(graph_ops.load_model(outcome.path).proto))
+        assert outcome.compression == planner.scored.sizes.file_compression(
+            graph_ops.weight_bits(graph_ops.load_model(outcome.path).proto)
+        )
     for target in (5, 6, 7):
         outcome = planner.export(target, folder / "mixed.onnx")
         written = graph_ops.weight_bits(graph_ops.load_model(outcome.path).proto)
         assert len(set(outcome.allocation.tiers.values())) > 1
         assert outcome.allocation.total_bits == written
         assert outcome.compression == outcome.allocation.compression >= target
-        assert len(planner.sizing.stretches(outcome.allocation.tiers)) > len(planner.cut.slots_of)  # a unit cut into stretches on several tiers
+        assert len(planner.sizing.stretches(outcome.allocation.tiers)) > len(
+            planner.cut.slots_of
+        )  # a unit cut into stretches on several tiers
     planner.close()
 
 
@@ -102,8 +114,18 @@ def test_mixed_int1_and_blockwise_files_meet_c_on_each_basis(odd_run, basis):
     """INT1's unpack constants and a blockwise grid's shape constants, written once per stretch, on either basis:
     the slots' priced bits are the units' written bits and the target is met."""
     model, folder = odd_run
-    planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", objective="paper", refine=0, group_size=32, fallback=False, basis=basis,
-                                                              tiers=("fp32", "int8", "int4", "int2", "int1")))
+    planner = Planner(
+        folder / "run",
+        settings=ExportSettings(
+            rounding="rtn",
+            objective="paper",
+            refine=0,
+            group_size=32,
+            fallback=False,
+            basis=basis,
+            tiers=("fp32", "int8", "int4", "int2", "int1"),
+        ),
+    )
     for target in (5, 7):
         outcome = planner.export(target, folder / f"{basis}.int1.onnx")
         reached = outcome.compression if basis == "file" else outcome.unit_compression
@@ -116,11 +138,18 @@ def test_an_allocation_that_never_fits_its_written_size_falls_back_to_the_cheape
     """A solver that ignores the shrunk budget (and the whole units it is offered) keeps writing more than C allows:
     after `REFITS` tries every slot goes to its cheapest tier, which is priced as written and meets C."""
     model, folder = odd_run
-    planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", objective="paper", refine=0, group_size=32, fallback=False))
+    planner = Planner(
+        folder / "run",
+        settings=ExportSettings(rounding="rtn", objective="paper", refine=0, group_size=32, fallback=False),
+    )
     budget, choices = planner.sizing.budget(planner.tiers), planner.pricing.choices()
     unshrunk = allocate(choices, planner.tiers, 6, budget, objective="paper")
-    assert sum(planner.sizing.written_costs(unshrunk.tiers).values()) > budget.slot_bits(6)  # the additive prices fit, the file would not
-    allocation = planner.pricing.fitter.fitted(lambda options, reserve: allocate(choices, planner.tiers, 6, budget, objective="paper"), choices, 6)
+    assert sum(planner.sizing.written_costs(unshrunk.tiers).values()) > budget.slot_bits(
+        6
+    )  # the additive prices fit, the file would not
+    allocation = planner.pricing.fitter.fitted(
+        lambda options, reserve: allocate(choices, planner.tiers, 6, budget, objective="paper"), choices, 6
+    )
     assert allocation.solver.startswith("cheapest") and set(allocation.tiers.values()) == {planner.tiers[-1].name}
     assert allocation.compression == planner.max_compression() >= 6
     planner.close()

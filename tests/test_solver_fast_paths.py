@@ -14,7 +14,12 @@ from tiers.gptq import Hessian, Quantized
 from tiers.grid import GridSpec
 from tqsdeploy.encoding.choices import can_still_win
 
-GRIDS = [GridSpec("int", 4, False, True), GridSpec("int", 2, False, True), GridSpec("int", 3, True, True), GridSpec("int", 8, False, True)]
+GRIDS = [
+    GridSpec("int", 4, False, True),
+    GridSpec("int", 2, False, True),
+    GridSpec("int", 3, True, True),
+    GridSpec("int", 8, False, True),
+]
 
 
 def _problem(seed: int, n: int, k: int, rows: int):
@@ -32,7 +37,9 @@ def _two_objectives(rounding, original, wt, stats, spec):
     searched = quantizer._solve(rounding, np.array(wt), stats, spec, -1)
     plain = quantizer._solve(rounding, np.array(wt), stats, replace(spec, search=False), -1)
     aim = 1.0 if rounding.needs_cross and rounding.strength else 0.0
-    better = solvers.row_objective(original, plain.values, stats, aim) < solvers.row_objective(original, searched.values, stats, aim)
+    better = solvers.row_objective(original, plain.values, stats, aim) < solvers.row_objective(
+        original, searched.values, stats, aim
+    )
     fields = (np.where(better[:, None], getattr(plain, f), getattr(searched, f)) for f in ("codes", "scale", "zero"))
     return Quantized(*fields, spec, -1), better
 
@@ -43,14 +50,20 @@ def test_the_grid_choice_from_the_objectives_difference_keeps_every_code(seed, m
     n, k, rows = [(40, 64, 48), (300, 96, 130), (1000, 200, 600)][seed % 3]  # thin statistics to well-posed ones
     wt, stats = _problem(seed, n, k, rows)
     rounding = quantizer.Rounding(method)
-    solved = solvers.qep_correct(np.array(wt), stats.H, stats.G, alpha=rounding.strength) if method == "qep" else np.array(wt)
+    solved = (
+        solvers.qep_correct(np.array(wt), stats.H, stats.G, alpha=rounding.strength)
+        if method == "qep"
+        else np.array(wt)
+    )
     for spec in GRIDS:
         slow, better = _two_objectives(rounding, wt, solved, stats, spec)
         fast = quantizer._better_rows(rounding, wt, np.array(solved), stats, spec, -1)
         np.testing.assert_array_equal(fast.codes, slow.codes)
         np.testing.assert_array_equal(fast.scale, slow.scale)
         np.testing.assert_array_equal(fast.zero, slow.zero)
-        if seed % 3 and spec.bits < 8:  # where the statistics are not thin both grids win rows: the choice is exercised either way
+        if (
+            seed % 3 and spec.bits < 8
+        ):  # where the statistics are not thin both grids win rows: the choice is exercised either way
             assert 0 < better.sum() < rows
 
 
@@ -68,9 +81,15 @@ def test_the_grid_choice_from_the_loops_losses_keeps_every_code(seed, method, dt
         stats.H[5, :] = stats.H[:, 5] = 0
     rounding = quantizer.Rounding(method)
     product: dict = {}
-    solved = solvers.qep_correct(np.array(wt), stats.H, stats.G, alpha=rounding.strength, cache=stats, product=product) if method == "qep" else np.array(wt)
+    solved = (
+        solvers.qep_correct(np.array(wt), stats.H, stats.G, alpha=rounding.strength, cache=stats, product=product)
+        if method == "qep"
+        else np.array(wt)
+    )
     products = solvers.second_lower
-    monkeypatch.setattr(solvers, "second_lower", lambda *a: products(*a) if seed == 5 else pytest.fail("the products decided"))
+    monkeypatch.setattr(
+        solvers, "second_lower", lambda *a: products(*a) if seed == 5 else pytest.fail("the products decided")
+    )
     for spec in GRIDS:
         slow, _ = _two_objectives(rounding, wt, solved, stats, spec)
         fast = quantizer._better_rows(rounding, wt, np.array(solved), stats, spec, -1, product)
@@ -124,7 +143,9 @@ def test_the_screen_stopping_early_leaves_the_same_candidates_and_grids(seed, mo
     for spec in GRIDS + [GridSpec("int", 4, True, True)]:
         lo, hi = np.minimum(rows.min(1), 0), np.maximum(rows.max(1), 0)
         trials = grid._trials(lo, hi, spec)
-        np.testing.assert_array_equal(grid._candidates(rows, trials, spec), _exhaustive(rows, trials, spec, monkeypatch))
+        np.testing.assert_array_equal(
+            grid._candidates(rows, trials, spec), _exhaustive(rows, trials, spec, monkeypatch)
+        )
         fast = [np.empty(n), np.empty(n)]
         grid._search(rows, lo, hi, spec, *fast)
         with monkeypatch.context() as patch:
@@ -142,7 +163,9 @@ def test_the_screen_stops_early_at_four_bits(monkeypatch):
     trials = grid._trials(np.minimum(rows.min(1), 0), np.maximum(rows.max(1), 0), spec)
     priced = []
     residual = grid._residual
-    monkeypatch.setattr(grid, "_residual", lambda work, *rest, **named: priced.append(len(work)) or residual(work, *rest, **named))
+    monkeypatch.setattr(
+        grid, "_residual", lambda work, *rest, **named: priced.append(len(work)) or residual(work, *rest, **named)
+    )
     grid._candidates(rows, trials, spec)
     assert sum(priced) < 0.75 * 80 * len(rows)
 
@@ -158,10 +181,14 @@ def test_uniform_gptaq_and_rtn_are_run_only_while_they_can_still_win():
     assert can_still_win("qep", rival, 1.0) and not asked  # QEP has no rival: nothing measured
     for method in ("gptaq", "rtn"):
         asked.clear()
-        assert not can_still_win(method, rival, 4.9) and asked == ["qep"]  # QEP's uniform model at more than 2x the best
+        assert not can_still_win(method, rival, 4.9) and asked == [
+            "qep"
+        ]  # QEP's uniform model at more than 2x the best
         assert can_still_win(method, rival, 5.0)
     asked.clear()
-    assert can_still_win("rtn", rival, 1.0, compared=("rtn",)) and not asked  # an RTN export runs no QEP pass to rule RTN out
+    assert (
+        can_still_win("rtn", rival, 1.0, compared=("rtn",)) and not asked
+    )  # an RTN export runs no QEP pass to rule RTN out
     drift["qep"] = math.nan  # a failed rival rules nothing out
     assert can_still_win("gptaq", rival, 1.0) and can_still_win("rtn", rival, 1.0)
 
@@ -192,7 +219,11 @@ def test_a_small_lapack_call_leaves_the_solvers_their_cores():
     from tiers import solver_backend
 
     solvers.inverse_cholesky(np.eye(8) * 2.0, 0.01)
-    numpy_blas = [lib["num_threads"] for lib in threadpool_info() if lib.get("user_api") == "blas" and "numpy" in lib.get("filepath", "")]
+    numpy_blas = [
+        lib["num_threads"]
+        for lib in threadpool_info()
+        if lib.get("user_api") == "blas" and "numpy" in lib.get("filepath", "")
+    ]
     if not numpy_blas or numpy_blas[0] < 2:
         pytest.skip("numpy's BLAS runs one thread here: nothing to share")
     assert solver_backend.solver_threads() == numpy_blas[0]
@@ -205,8 +236,15 @@ def test_a_solve_split_into_row_parts_gives_the_codes_of_the_whole_solve(monkeyp
     wt, stats = _problem(7, 256, 64, 90)
     spec = GridSpec("int", 4, False, True)
     for method in ("gptq", "gptaq"):
-        run = (lambda w: solvers.gptq(w, stats.H, spec, solvers.GptqSettings(group_size, static_groups=static))) if method == "gptq" else (
-            lambda w: solvers.gptaq(w, stats.H, stats.G, spec, solvers.GptaqSettings(group_size, static_groups=static)))
+        run = (
+            (lambda w: solvers.gptq(w, stats.H, spec, solvers.GptqSettings(group_size, static_groups=static)))
+            if method == "gptq"
+            else (
+                lambda w: solvers.gptaq(
+                    w, stats.H, stats.G, spec, solvers.GptaqSettings(group_size, static_groups=static)
+                )
+            )
+        )
         monkeypatch.setattr(solvers, "ROW_PART", 1 << 40)
         whole = run(np.array(wt))
         monkeypatch.setattr(solvers, "ROW_PART", 1)
@@ -243,8 +281,15 @@ def test_a_tiled_copy_has_the_bytes_of_numpys_copy(tile, monkeypatch):
     weight = rng.standard_normal((517, 263)).astype(np.float32)
     factor = np.asfortranarray(np.tril(rng.standard_normal((300, 300))))
     codes = rng.integers(0, 16, (263, 517)).astype(np.float32)
-    for view, dtype in ((weight.T, np.float64), (weight[::-1, 5:], None), (factor[::-1, ::-1], None), (codes.T, ml_dtypes.uint4),
-                        (codes.T - 8, ml_dtypes.int4), (codes.T, np.uint8), (weight.T[:, 0], np.float64)):
+    for view, dtype in (
+        (weight.T, np.float64),
+        (weight[::-1, 5:], None),
+        (factor[::-1, ::-1], None),
+        (codes.T, ml_dtypes.uint4),
+        (codes.T - 8, ml_dtypes.int4),
+        (codes.T, np.uint8),
+        (weight.T[:, 0], np.float64),
+    ):
         mine, numpys = solver_backend.c_order(view, dtype), np.array(view, dtype or view.dtype, order="C")
         assert mine.flags.c_contiguous and mine.dtype == numpys.dtype and mine.shape == numpys.shape
         assert mine.tobytes() == numpys.tobytes()

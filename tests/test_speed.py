@@ -1,18 +1,18 @@
 """Sweep strategies: every way of applying perturbations gives feed's scores."""
 
+import models
 import numpy as np
 import pytest
 
-import models
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.errors import RolloutError
-from tqsdeploy.sweep.probes import UnitProbes, perturb, quantization_probe
+from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.scoring.prepare import prepare
 from tqsdeploy.scoring.request import ScoreRequest
-from tqsdeploy.sweep import SweepSettings
-from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.scoring.runs import ScoreTable
+from tqsdeploy.sweep import SweepSettings
+from tqsdeploy.sweep.probes import UnitProbes, perturb, quantization_probe
 from tqsdeploy.units import UnitSelection
 
 ONE_LANE = SweepSettings(lanes=1)
@@ -38,14 +38,28 @@ def test_every_strategy_gives_feeds_scores(tmp_path, case):
     model, contexts, spec = case(tmp_path)
     strategies = ("rebuild", "unit", "prefix")  # prefix: the first step cut, then the whole model
     frames = {
-        s: score(model, contexts, spec=spec, out=tmp_path / s, settings=SETTINGS, strategy=s, selection=UnitSelection(min_params=100)).frame.sort("unit")
+        s: score(
+            model,
+            contexts,
+            spec=spec,
+            out=tmp_path / s,
+            settings=SETTINGS,
+            strategy=s,
+            selection=UnitSelection(min_params=100),
+        ).frame.sort("unit")
         for s in ("feed", *strategies)
     }
     assert frames["feed"].height >= 3
     for strategy in strategies:
         assert frames[strategy]["unit"].to_list() == frames["feed"]["unit"].to_list()
         for column in ("gamma_quant", "gamma_gauss", "probe_norm"):
-            np.testing.assert_allclose(frames[strategy][column].to_numpy(), frames["feed"][column].to_numpy(), rtol=1e-5, atol=1e-5, err_msg=f"{strategy} {column}")
+            np.testing.assert_allclose(
+                frames[strategy][column].to_numpy(),
+                frames["feed"][column].to_numpy(),
+                rtol=1e-5,
+                atol=1e-5,
+                err_msg=f"{strategy} {column}",
+            )
 
 
 @pytest.mark.parametrize("steps", [1, 3])
@@ -55,7 +69,21 @@ def test_prefix_keeps_dead_units_exactly_dead(two_branch, tmp_path, steps):
     from tqsdeploy.cli import app
 
     model, contexts = two_branch
-    result = CliRunner().invoke(app, ["score", str(model), "--contexts", str(contexts), "--steps", str(steps), "--strategy", "prefix", "--out", str(tmp_path / "run")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "score",
+            str(model),
+            "--contexts",
+            str(contexts),
+            "--steps",
+            str(steps),
+            "--strategy",
+            "prefix",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     table = ScoreTable.load(tmp_path / "run")
     assert f"strategy prefix ({len(table.meta['prefix_cuts'])} cuts)" in " ".join(result.output.split())
@@ -78,7 +106,9 @@ def test_auto_estimates_every_strategy_and_records_its_pick(two_branch, tmp_path
     estimates = table.meta["strategy_estimates_s"]
     assert set(estimates) == {"feed", "rebuild", "unit", "prefix", "batch"} and all(v > 0 for v in estimates.values())
     assert table.meta["strategy"] in estimates
-    assert small.frame.drop("seconds").equals(score(model, contexts, steps=3, out=tmp_path / "feed", settings=SETTINGS, strategy="feed").frame.drop("seconds"))
+    assert small.frame.drop("seconds").equals(
+        score(model, contexts, steps=3, out=tmp_path / "feed", settings=SETTINGS, strategy="feed").frame.drop("seconds")
+    )
 
 
 def test_a_unit_session_only_overrides_its_own_weights(tmp_path):
@@ -100,10 +130,14 @@ def test_probes_built_once_per_unit_match_the_one_off_perturbation(tmp_path):
     for draw in range(2):
         gauss = probes.perturb("gauss", draw, seed=0)
         again = perturb(unit, job.weights, "gauss", draw, 6, seed=0)
-        np.testing.assert_array_equal(gauss.weights["Wshared"], again.weights["Wshared"])  # seeded by (seed, unit, draw)
+        np.testing.assert_array_equal(
+            gauss.weights["Wshared"], again.weights["Wshared"]
+        )  # seeded by (seed, unit, draw)
         assert gauss.weights["Wshared"].dtype == np.float32
         assert gauss.delta_sq == pytest.approx(residual_sq, rel=1e-4)  # same Frobenius norm as the quant residual
-    assert not np.array_equal(probes.perturb("gauss", 0, 0).weights["Wshared"], probes.perturb("gauss", 1, 0).weights["Wshared"])
+    assert not np.array_equal(
+        probes.perturb("gauss", 0, 0).weights["Wshared"], probes.perturb("gauss", 1, 0).weights["Wshared"]
+    )
 
 
 def test_the_cut_holds_only_nodes_downstream_of_the_weight(tmp_path):
@@ -114,7 +148,10 @@ def test_the_cut_holds_only_nodes_downstream_of_the_weight(tmp_path):
     proto = graph_ops.lift_constants(onnx.load(models.assorted_ops(tmp_path / "m.onnx")), ["const_w"])
     types = graph_ops.prefix.element_types(proto)
     cut = graph_ops.prefix.cut_downstream(proto, ["gemm_w"], ["y", "z"], types)
-    assert [n.op_type for n in cut.model.graph.node] == ["Gemm", "MatMul"]  # not the Gather before it, not the Conv beside it
+    assert [n.op_type for n in cut.model.graph.node] == [
+        "Gemm",
+        "MatMul",
+    ]  # not the Gather before it, not the Conv beside it
     assert cut.boundary == ("e",) and cut.outputs == ("y",)
     assert {i.name for i in cut.model.graph.input} == {"e", "gemm_w"}
     assert graph_ops.prefix.cut_downstream(proto, ["conv_t"], ["y"], types).outputs == ()
@@ -155,12 +192,19 @@ def _chain(path, layers=4, width=64):
     rng = np.random.default_rng(0)
     nodes, inits, previous = [], [], "x"
     for i in range(layers):
-        inits.append(numpy_helper.from_array((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32), f"W{i}"))
+        inits.append(
+            numpy_helper.from_array((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32), f"W{i}")
+        )
         nodes.append(helper.make_node("MatMul", [previous, f"W{i}"], [f"m{i}"]))
         previous = "y" if i == layers - 1 else f"h{i}"
         nodes.append(helper.make_node("Relu", [f"m{i}"], [previous]))
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", width])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", width])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", width])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
     onnx.save_model(model, str(path))
@@ -176,7 +220,9 @@ def test_units_share_a_cut_only_when_its_build_costs_more_than_the_runs_it_saves
     assert costs[0] == 8 * 64 * 64 and costs[1] == 8 * 64  # MatMul multiply-adds, Relu its output
     cheap = graph_ops.prefix.plan_cuts(proto, units, costs, call_s=1.0, build_s=1e-3, runs_per_unit=5, fed_penalty=0.0)
     assert cheap.groups == (("W0",), ("W1",), ("W2",), ("W3",))  # every unit on the least it must run
-    costly = graph_ops.prefix.plan_cuts(proto, units, costs, call_s=1.0, build_s=100.0, runs_per_unit=5, fed_penalty=0.0)
+    costly = graph_ops.prefix.plan_cuts(
+        proto, units, costs, call_s=1.0, build_s=100.0, runs_per_unit=5, fed_penalty=0.0
+    )
     assert costly.groups == (("W0", "W1", "W2", "W3"),)  # one build for all
     assert costly.seconds > cheap.seconds
     # the cheap plan's estimate: per unit a small build plus 6 runs (5 probes, the cut's nominal) of what follows it
@@ -184,7 +230,9 @@ def test_units_share_a_cut_only_when_its_build_costs_more_than_the_runs_it_saves
     expected = sum(1e-3 * (0.3 + 0.7 * (4 - i) / 4) + 6 * layer * (4 - i) for i in range(4))
     assert cheap.seconds == pytest.approx(expected, rel=1e-9)
     # per cut: its own build and runs, what a lane taking it spends (the first cut, over the whole chain, costs most)
-    assert cheap.group_seconds == pytest.approx([1e-3 * (0.3 + 0.7 * (4 - i) / 4) + 6 * layer * (4 - i) for i in range(4)], rel=1e-9)
+    assert cheap.group_seconds == pytest.approx(
+        [1e-3 * (0.3 + 0.7 * (4 - i) / 4) + 6 * layer * (4 - i) for i in range(4)], rel=1e-9
+    )
     assert costly.group_seconds == pytest.approx([costly.seconds], rel=1e-12)
     assert cheap.order == ["W0", "W1", "W2", "W3"] and costly.group_of("W2") == 0
     # with 3 probes the first two units tie on runs (W1 in W0's cut: 3 runs of a layer more, one nominal run fewer)
@@ -199,13 +247,24 @@ def test_prefix_sweeps_a_model_from_its_files_with_feeds_scores(tmp_path):
     proto = _chain(tmp_path / "chain.onnx")
     folder = tmp_path / "ext"
     folder.mkdir()
-    onnx.save_model(proto, str(folder / "chain.onnx"), save_as_external_data=True, all_tensors_to_one_file=True, location="chain.onnx.data", size_threshold=0)
+    onnx.save_model(
+        proto,
+        str(folder / "chain.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="chain.onnx.data",
+        size_threshold=0,
+    )
     folder.chmod(0o555)  # read-only: cut sessions read the model's own files and write nothing beside them
     contexts = Contexts({"x": np.random.default_rng(1).standard_normal((4, 3, 64)).astype(np.float32)}, source="test")
     spec = RolloutSpec(steps=1, feedback=(), trajectory=("y",))
     try:
-        feed = score(folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "feed", settings=SETTINGS, strategy="feed")
-        prefix = score(folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "prefix", settings=SETTINGS, strategy="prefix")
+        feed = score(
+            folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "feed", settings=SETTINGS, strategy="feed"
+        )
+        prefix = score(
+            folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "prefix", settings=SETTINGS, strategy="prefix"
+        )
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr("tqsdeploy.sweep.choice.SMALL_SWEEP_S", 0.0)  # time the strategies even on a sweep this small
             auto = score(folder / "chain.onnx", contexts, spec=spec, out=tmp_path / "auto", settings=SETTINGS)
@@ -214,11 +273,24 @@ def test_prefix_sweeps_a_model_from_its_files_with_feeds_scores(tmp_path):
     assert prefix.meta["strategy"] == "prefix" and not prefix.meta["warnings"]
     assert sorted(u for group in prefix.meta["prefix_cuts"] for u in group) == ["W0", "W1", "W2", "W3"]
     for column in ("gamma_quant", "gamma_gauss", "probe_norm"):
-        np.testing.assert_allclose(prefix.frame.sort("unit")[column].to_numpy(), feed.frame.sort("unit")[column].to_numpy(), rtol=1e-5)
-    assert set(auto.meta["strategy_estimates_s"]) == {"feed", "prefix"}  # the rebuilding strategies need the weights in memory
+        np.testing.assert_allclose(
+            prefix.frame.sort("unit")[column].to_numpy(), feed.frame.sort("unit")[column].to_numpy(), rtol=1e-5
+        )
+    assert set(auto.meta["strategy_estimates_s"]) == {
+        "feed",
+        "prefix",
+    }  # the rebuilding strategies need the weights in memory
     assert sorted((folder).iterdir()) == [folder / "chain.onnx", folder / "chain.onnx.data"]
-    with pytest.raises(RolloutError, match="streamed from its files needs a single-step rollout"):  # one session at a time
-        score(folder / "chain.onnx", contexts, spec=RolloutSpec.from_dict({"steps": 2, "feedback": [{"output": "y", "input": "x"}]}), out=tmp_path / "two", strategy="prefix")
+    with pytest.raises(
+        RolloutError, match="streamed from its files needs a single-step rollout"
+    ):  # one session at a time
+        score(
+            folder / "chain.onnx",
+            contexts,
+            spec=RolloutSpec.from_dict({"steps": 2, "feedback": [{"output": "y", "input": "x"}]}),
+            out=tmp_path / "two",
+            strategy="prefix",
+        )
 
 
 def test_perturbations_built_several_ahead_equal_those_built_one_at_a_time(tmp_path):
@@ -298,7 +370,13 @@ def test_the_calibration_session_sleeps_between_calls(tmp_path):
     loaded = graph_ops.load_model(model)
     names = [w.name for w in graph_ops.find_weight_tensors(loaded.proto) if w.params >= 100]
     layouts = graph_ops.weight_layouts(loaded.proto, names)
-    calibrator = Calibrator(loaded.proto, layouts, CalibrationRollout(contexts, spec), OrtRuntime(threads=2), weights=graph_ops.read_weights(loaded.proto, names))
+    calibrator = Calibrator(
+        loaded.proto,
+        layouts,
+        CalibrationRollout(contexts, spec),
+        OrtRuntime(threads=2),
+        weights=graph_ops.read_weights(loaded.proto, names),
+    )
     assert calibrator._open_args[1].config == (entry,) and calibrator._open_args[1].threads == 2
     calibrator.close()
 

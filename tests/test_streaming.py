@@ -6,11 +6,11 @@ the sweep reaches the unit; `eval` opens the model files themselves. Both must
 give exactly what the in-memory path gives.
 """
 
+import models
 import numpy as np
 import onnx
 
 import graph_ops
-import models
 from runtimes import OrtRuntime
 from tqsdeploy.evaluation.evaluate import evaluate
 from tqsdeploy.export import Planner
@@ -23,7 +23,14 @@ def _external_copy(model, folder):
     folder.mkdir()
     proto = onnx.load(str(model))
     target = folder / "model.onnx"
-    onnx.save_model(proto, str(target), save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
+    onnx.save_model(
+        proto,
+        str(target),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="model.onnx.data",
+        size_threshold=0,
+    )
     return target
 
 
@@ -76,12 +83,17 @@ def test_external_data_models_score_and_evaluate_as_in_memory_ones(tmp_path):
     expected = in_memory.export(4, tmp_path / "out_inline" / "q.onnx")
     in_memory.close()
     assert outcome.shipped == expected.shipped and outcome.compression == expected.compression
-    assert list(outcome.path.parent.glob("q.onnx.*.data"))  # an input with external data gives an output with external data
+    assert list(
+        outcome.path.parent.glob("q.onnx.*.data")
+    )  # an input with external data gives an output with external data
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
     run = lambda path: OrtRuntime(exact_qdq=True).open(path, external_data_dir=path.parent).run({"x": x})["y"]
     assert np.array_equal(run(outcome.path), run(expected.path))
     reports = [evaluate(outcome.path, reference, tmp_path / "c.npz", steps=4) for reference in (inline, external)]
-    assert reports[0]["outputs"]["y"]["vs_reference"]["drift_pct"] == reports[1]["outputs"]["y"]["vs_reference"]["drift_pct"]
+    assert (
+        reports[0]["outputs"]["y"]["vs_reference"]["drift_pct"]
+        == reports[1]["outputs"]["y"]["vs_reference"]["drift_pct"]
+    )
     assert reports[0]["compression"] == reports[1]["compression"]
 
     assert sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in external.parent.iterdir()) == before
@@ -100,13 +112,23 @@ def test_baselines_of_external_data_models_read_the_files_and_match_in_memory_on
     b = quantize_baseline(external, BaselineSettings("qep", 4, min_params=64), tmp_path / "c.npz")
     assert a.encoded.keys() == b.encoded.keys() and len(a.encoded) >= 2
     for name in a.encoded:
-        assert np.array_equal(a.encoded[name].values, b.encoded[name].values) and np.array_equal(a.encoded[name].scale, b.encoded[name].scale)
-    written = {"inline": write_baseline(inline, a, tmp_path / "out_inline" / "q.onnx"), "ext": write_baseline(external, b, tmp_path / "out_ext" / "q.onnx")}
+        assert np.array_equal(a.encoded[name].values, b.encoded[name].values) and np.array_equal(
+            a.encoded[name].scale, b.encoded[name].scale
+        )
+    written = {
+        "inline": write_baseline(inline, a, tmp_path / "out_inline" / "q.onnx"),
+        "ext": write_baseline(external, b, tmp_path / "out_ext" / "q.onnx"),
+    }
     assert written["inline"]["compression"] == written["ext"]["compression"]
     data = list((tmp_path / "out_ext").glob("q.onnx.*.data"))
     assert len(data) == 1 and not list((tmp_path / "out_inline").glob("*.data"))
-    assert written["ext"]["files"] == [str(tmp_path / "out_ext" / "q.onnx"), str(data[0])] and written["ext"]["external_data"] == str(data[0])
-    assert written["inline"]["files"] == [str(tmp_path / "out_inline" / "q.onnx")] and written["inline"]["external_data"] is None
+    assert written["ext"]["files"] == [str(tmp_path / "out_ext" / "q.onnx"), str(data[0])] and written["ext"][
+        "external_data"
+    ] == str(data[0])
+    assert (
+        written["inline"]["files"] == [str(tmp_path / "out_inline" / "q.onnx")]
+        and written["inline"]["external_data"] is None
+    )
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
     run = lambda path: OrtRuntime(exact_qdq=True).open(path, external_data_dir=path.parent).run({"x": x})["y"]
     assert np.array_equal(run(tmp_path / "out_inline" / "q.onnx"), run(tmp_path / "out_ext" / "q.onnx"))
@@ -116,10 +138,27 @@ def test_baselines_of_external_data_models_read_the_files_and_match_in_memory_on
 
     from tqsdeploy.cli import app
 
-    result = CliRunner().invoke(app, ["baseline", str(external), "--method", "rtn", "--bits", "4", "--min-params", "64", "-o", str(tmp_path / "cli" / "q.onnx")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "baseline",
+            str(external),
+            "--method",
+            "rtn",
+            "--bits",
+            "4",
+            "--min-params",
+            "64",
+            "-o",
+            str(tmp_path / "cli" / "q.onnx"),
+        ],
+    )
     data = list((tmp_path / "cli").glob("q.onnx.*.data"))
     assert result.exit_code == 0 and len(data) == 1, result.output
-    assert f"external data: {tmp_path / 'cli' / 'q.onnx'} + {data[0]}: the .onnx reads its weights from the .data file" in " ".join(result.output.split())
+    assert (
+        f"external data: {tmp_path / 'cli' / 'q.onnx'} + {data[0]}: the .onnx reads its weights from the .data file"
+        in " ".join(result.output.split())
+    )
 
 
 def test_large_single_file_models_are_streamed_from_the_file_itself(tmp_path, monkeypatch):
@@ -137,7 +176,11 @@ def test_large_single_file_models_are_streamed_from_the_file_itself(tmp_path, mo
     light = graph_ops.load_model(model, load_external=False)
     whole = graph_ops.load_model(model)
     assert light.sha256 == whole.sha256 and light.external_files == () and light.file_bytes == whole.file_bytes
-    names = [t.name for t in whole.proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.raw_data) >= 1024]
+    names = [
+        t.name
+        for t in whole.proto.graph.initializer
+        if t.data_type == onnx.TensorProto.FLOAT and len(t.raw_data) >= 1024
+    ]
     assert names and all(not t.raw_data for t in light.proto.graph.initializer if t.name in names)
     lazy = graph_ops.FileWeights(light.proto, names, model.parent)
     full = graph_ops.read_weights(whole.proto, names)
@@ -145,7 +188,9 @@ def test_large_single_file_models_are_streamed_from_the_file_itself(tmp_path, mo
     stripped = onnx.ModelProto.FromString(whole.proto.SerializeToString())
     for tensor in [*stripped.graph.initializer, *light.proto.graph.initializer]:
         tensor.ClearField("raw_data"), tensor.ClearField("external_data"), tensor.ClearField("data_location")
-    assert light.proto.SerializeToString() == stripped.SerializeToString()  # everything but the payloads, as protobuf parses it
+    assert (
+        light.proto.SerializeToString() == stripped.SerializeToString()
+    )  # everything but the payloads, as protobuf parses it
 
     streamed = score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "streamed", settings=settings)
     gammas = lambda table: dict(zip(table.frame["unit"], table.frame["gamma"]))
@@ -192,9 +237,15 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
     score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=2))
     outcomes, passes, opened, rolled = [], [], [], []
     runner_init, nominal = SweepRunner.__init__, SweepRunner._make_nominal
-    monkeypatch.setattr(SweepRunner, "__init__", lambda self, *a, **k: (opened.append(1), runner_init(self, *a, **k))[1])
-    monkeypatch.setattr(SweepRunner, "_make_nominal", lambda self, *a, **k: (rolled.append(1), nominal(self, *a, **k))[1])
-    original = measuring_module.original_nominal  # the original at its own opset, when the file is written at a higher one
+    monkeypatch.setattr(
+        SweepRunner, "__init__", lambda self, *a, **k: (opened.append(1), runner_init(self, *a, **k))[1]
+    )
+    monkeypatch.setattr(
+        SweepRunner, "_make_nominal", lambda self, *a, **k: (rolled.append(1), nominal(self, *a, **k))[1]
+    )
+    original = (
+        measuring_module.original_nominal
+    )  # the original at its own opset, when the file is written at a higher one
     monkeypatch.setattr(measuring_module, "original_nominal", lambda *a, **k: (rolled.append(1), original(*a, **k))[1])
     for limit, floats in ((1 << 40, 1 << 40), (0, 1 << 40), (0, 0)):  # refinement's trials fed as floats, then as codes
         monkeypatch.setattr(job_module, "ONE_SESSION_BYTES", limit)
@@ -204,16 +255,24 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
         assert planner.scored.one_session == (limit == 0) and planner.scored.feeds_floats == (floats > 0)
         outcomes.append(planner.export(4, tmp_path / f"out{limit}-{floats}" / "q.onnx"))
         passes.append(list(planner.encoder.log.passes))
-        if planner.scored.one_session:  # the calibrator's session is closed while measuring, and the losers' codes are gone
+        if (
+            planner.scored.one_session
+        ):  # the calibrator's session is closed while measuring, and the losers' codes are gone
             assert planner.measuring._runner is not None and planner.encoder._calibrator._session is None
             assert planner.measuring._fed_graph is not None  # candidates ran rebuilding their weights from fed codes
             kept = {rounding.method for (_, rounding) in planner.encoder._uniform}
             assert len(kept - {planner.roundings.rounding.method}) <= 1
-            assert len([k for k in planner.encoder._uniform if not k[1].needs_stats]) <= 1  # the price list's RTN codes went, but the fallback's
-            assert len(opened) > 1 and len(rolled) == 1  # reopened after each calibration pass without rolling the original out again
+            assert (
+                len([k for k in planner.encoder._uniform if not k[1].needs_stats]) <= 1
+            )  # the price list's RTN codes went, but the fallback's
+            assert (
+                len(opened) > 1 and len(rolled) == 1
+            )  # reopened after each calibration pass without rolling the original out again
         planner.close()
     assert outcomes[0].compared == outcomes[1].compared == outcomes[2].compared
-    assert any(p.startswith("mixed") for p in passes[1])  # a calibration pass after measuring began (the mixed one; a QEP export runs no GPTQ/GPTAQ fallback), in turns with it
+    assert any(
+        p.startswith("mixed") for p in passes[1]
+    )  # a calibration pass after measuring began (the mixed one; a QEP export runs no GPTQ/GPTAQ fallback), in turns with it
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
     ys = [OrtRuntime(exact_qdq=True).open(o.path).run({"x": x})["y"] for o in outcomes]
     assert np.array_equal(ys[0], ys[1]) and np.array_equal(ys[0], ys[2])
@@ -253,10 +312,14 @@ def test_released_weight_pages_leave_the_process_and_read_back_the_same(tmp_path
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array(rng.standard_normal((512, 512)).astype(np.float32) / 30, name) for name in ("A", "B")]
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((512, 512)).astype(np.float32) / 30, name) for name in ("A", "B")
+    ]
     nodes = [helper.make_node("MatMul", ["x", "A"], ["h"]), helper.make_node("MatMul", ["h", "B"], ["y"])]
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", 512]) for n in ("x", "y")]
-    model = helper.make_model(helper.make_graph(nodes, "two", io[:1], io[1:], inits), opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(
+        helper.make_graph(nodes, "two", io[:1], io[1:], inits), opset_imports=[helper.make_opsetid("", 17)]
+    )
     model.ir_version = 9
     onnx.save_model(model, str(tmp_path / "m.onnx"))
     external = _external_copy(tmp_path / "m.onnx", tmp_path / "ext")
@@ -266,7 +329,9 @@ def test_released_weight_pages_leave_the_process_and_read_back_the_same(tmp_path
     totals = {name: float(np.sum(v, dtype=np.float64)) for name, v in views.items()}  # reads every page
     assert _resident_bytes(data) >= 2 * views["A"].nbytes
     graph_ops.release_pages(weights, ["A"])
-    assert views["B"].nbytes - 4096 <= _resident_bytes(data) <= views["B"].nbytes + 4096  # B's pages stay (give or take a page both share)
+    assert (
+        views["B"].nbytes - 4096 <= _resident_bytes(data) <= views["B"].nbytes + 4096
+    )  # B's pages stay (give or take a page both share)
     graph_ops.release_pages(weights)
     assert _resident_bytes(data) == 0
     assert {name: float(np.sum(v, dtype=np.float64)) for name, v in views.items()} == totals
@@ -284,7 +349,9 @@ def test_a_streamed_model_whose_data_file_changed_is_a_different_run(tmp_path):
 
     external = _external_copy(models.mlp_forecaster(tmp_path / "inline.onnx", n=32, hidden=64), tmp_path / "ext")
     data = external.parent / "model.onnx.data"
-    assert graph_ops.load_model(external).sha256 == hashlib.sha256(external.read_bytes() + data.read_bytes()).hexdigest()
+    assert (
+        graph_ops.load_model(external).sha256 == hashlib.sha256(external.read_bytes() + data.read_bytes()).hexdigest()
+    )
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
     settings = ScoreSettings(gauss_draws=1)
     first = score(external, tmp_path / "c.npz", steps=3, out=tmp_path / "run", settings=settings)
@@ -293,7 +360,14 @@ def test_a_streamed_model_whose_data_file_changed_is_a_different_run(tmp_path):
     for tensor in scaled.graph.initializer:
         if tensor.data_type == onnx.TensorProto.FLOAT:
             tensor.CopyFrom(onnx.numpy_helper.from_array(2 * onnx.numpy_helper.to_array(tensor), tensor.name))
-    onnx.save_model(scaled, str(tmp_path / "scaled.onnx"), save_as_external_data=True, all_tensors_to_one_file=True, location="scaled.data", size_threshold=0)
+    onnx.save_model(
+        scaled,
+        str(tmp_path / "scaled.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="scaled.data",
+        size_threshold=0,
+    )
     assert (tmp_path / "scaled.data").stat().st_size == data.stat().st_size
     data.write_bytes((tmp_path / "scaled.data").read_bytes())
 
@@ -319,24 +393,41 @@ def test_export_names_its_external_data_file_and_single_file_writes_one(tmp_path
     external = _external_copy(inline, tmp_path / "ext")
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
     score(external, tmp_path / "c.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=0))
-    invoke = lambda *args: CliRunner().invoke(app, ["export", str(external), "--run", str(tmp_path / "run"), "--C", "4", "--rounding", "rtn", *map(str, args)])  # noqa: E731
+    invoke = lambda *args: CliRunner().invoke(
+        app, ["export", str(external), "--run", str(tmp_path / "run"), "--C", "4", "--rounding", "rtn", *map(str, args)]
+    )  # noqa: E731
     result = invoke("-o", tmp_path / "two" / "q.onnx")
     text = " ".join(result.output.split())
     meta = json.loads((tmp_path / "two" / "q.allocation.json").read_text())
     data = [p for p in (tmp_path / "two").iterdir() if p.suffix == ".data"]
     assert result.exit_code == 0 and len(data) == 1, text
     assert meta["files"] == [str(tmp_path / "two" / "q.onnx"), str(data[0])] and meta["external_data"] == str(data[0])
-    assert f"external data: {tmp_path / 'two' / 'q.onnx'} + {data[0]}: the .onnx reads its weights from the .data file, so ship and keep both together" in text
+    assert (
+        f"external data: {tmp_path / 'two' / 'q.onnx'} + {data[0]}: the .onnx reads its weights from the .data file, so ship and keep both together"
+        in text
+    )
     assert "(--single-file writes one file)" in text and "1 of them with an external-data file" in text
 
     result = invoke("--single-file", "-o", tmp_path / "one" / "q.onnx")
     meta = json.loads((tmp_path / "one" / "q.allocation.json").read_text())
     assert result.exit_code == 0 and "external data" not in result.output, result.output
-    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["q.allocation.json", "q.allocation.parquet", "q.onnx"]
-    assert meta["files"] == [str(tmp_path / "one" / "q.onnx")] and meta["external_data"] is None and meta["settings"]["single_file"]
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [
+        "q.allocation.json",
+        "q.allocation.parquet",
+        "q.onnx",
+    ]
+    assert (
+        meta["files"] == [str(tmp_path / "one" / "q.onnx")]
+        and meta["external_data"] is None
+        and meta["settings"]["single_file"]
+    )
     (tmp_path / "shipped").mkdir()
     shutil.copy(tmp_path / "one" / "q.onnx", tmp_path / "shipped" / "q.onnx")  # shipped alone, it runs
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
     alone = OrtRuntime(exact_qdq=True).open(tmp_path / "shipped" / "q.onnx").run({"x": x})["y"]
-    pair = OrtRuntime(exact_qdq=True).open(tmp_path / "two" / "q.onnx", external_data_dir=tmp_path / "two").run({"x": x})["y"]
+    pair = (
+        OrtRuntime(exact_qdq=True)
+        .open(tmp_path / "two" / "q.onnx", external_data_dir=tmp_path / "two")
+        .run({"x": x})["y"]
+    )
     np.testing.assert_array_equal(alone, pair)

@@ -2,11 +2,11 @@
 
 import json
 
+import models
 import numpy as np
 import polars as pl
 import pytest
 
-import models
 from tqsdeploy import SENTINEL_GAMMA, ScoreSettings, score
 from tqsdeploy.errors import InputError
 
@@ -24,7 +24,9 @@ def test_dead_unit_gets_sentinel_and_ranks_last(two_branch, tmp_path, strategy):
     assert not rows["Wmain"]["dead"] and not rows["Wsmall"]["dead"]
 
 
-@pytest.mark.parametrize("strategy, steps", [("rebuild", 1), ("rebuild", 8), ("unit", 8), ("feed", 8), ("auto", 1), ("auto", 8)])
+@pytest.mark.parametrize(
+    "strategy, steps", [("rebuild", 1), ("rebuild", 8), ("unit", 8), ("feed", 8), ("auto", 1), ("auto", 8)]
+)
 def test_a_nominal_begun_from_an_earlier_run_of_its_first_step_equals_a_fresh_rollout(two_branch, strategy, steps):
     """The batching decision (and auto's timing) already ran the first step of the one chunk: the nominal starts
     from that run when the same session makes it, and must equal, bit for bit, a rollout made afresh."""
@@ -35,8 +37,16 @@ def test_a_nominal_begun_from_an_earlier_run_of_its_first_step_equals_a_fresh_ro
     model, contexts = two_branch
     runner = prepare(ScoreRequest(model, contexts, steps=steps, sweep=SweepSettings(strategy, lanes=1))).open_runner()
     try:
-        made = [r for r in (runner.rig.first_step, runner.engine.first_run) if r is not None and r.session is runner.engine.session]
-        if strategy != "auto" or runner.strategy in ("rebuild", "unit", "batch"):  # auto's feed runs on a session it did not time
+        made = [
+            r
+            for r in (runner.rig.first_step, runner.engine.first_run)
+            if r is not None and r.session is runner.engine.session
+        ]
+        if strategy != "auto" or runner.strategy in (
+            "rebuild",
+            "unit",
+            "batch",
+        ):  # auto's feed runs on a session it did not time
             assert made
         fresh = [list(outs) for outs in runner.engine.steps(None)]
         assert len(fresh) == len(runner.nominal.trajectory) == steps
@@ -75,7 +85,9 @@ def test_resume_after_interruption_matches_uninterrupted_run(two_branch, tmp_pat
     reference = score(model, contexts, steps=6, out=tmp_path / "whole", settings=settings).frame
     seen = []
     with pytest.raises(models.Interrupt):
-        score(model, contexts, steps=6, out=tmp_path / "cut", settings=settings, on_result=models.interrupt_after(5, seen))
+        score(
+            model, contexts, steps=6, out=tmp_path / "cut", settings=settings, on_result=models.interrupt_after(5, seen)
+        )
     lines = (tmp_path / "cut" / "sweep.jsonl").read_text().splitlines()
     assert len(lines) == 5
     with open(tmp_path / "cut" / "sweep.jsonl", "a") as handle:
@@ -83,8 +95,13 @@ def test_resume_after_interruption_matches_uninterrupted_run(two_branch, tmp_pat
     progress = []
     rerun = []
     resumed = score(
-        model, contexts, steps=6, out=tmp_path / "cut", settings=settings,
-        on_start=lambda total, done: progress.append((total, done)), on_result=lambda r: rerun.append(r.key),
+        model,
+        contexts,
+        steps=6,
+        out=tmp_path / "cut",
+        settings=settings,
+        on_start=lambda total, done: progress.append((total, done)),
+        on_result=lambda r: rerun.append(r.key),
     ).frame
     assert progress == [(12, 5)]
     assert not set(rerun) & set(seen)
@@ -114,7 +131,14 @@ def test_early_stop_truncates_converged_rollouts(tmp_path):
     from tqsdeploy import UnitSelection
 
     settings = ScoreSettings(gauss_draws=0, early_stop=True, early_stop_tol=0.02, early_stop_window=3)
-    row = score(model, tmp_path / "ctx.npz", steps=64, out=tmp_path / "run", selection=UnitSelection(min_params=1), settings=settings).frame.row(0, named=True)
+    row = score(
+        model,
+        tmp_path / "ctx.npz",
+        steps=64,
+        out=tmp_path / "run",
+        selection=UnitSelection(min_params=1),
+        settings=settings,
+    ).frame.row(0, named=True)
     assert 4 <= row["steps"] < 64
     assert row["gamma_T64"] is None
 
@@ -122,11 +146,14 @@ def test_early_stop_truncates_converged_rollouts(tmp_path):
 def test_exactly_representable_weight_is_not_called_dead(tmp_path):
     """1.05*I has a zero 6-bit residual: the quant probe is silent, the Gaussian probe scores it."""
     import models
+
     from tqsdeploy import UnitSelection
 
     model = models.linear_map(tmp_path / "eye.onnx", np.eye(8) * 1.05)
     np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(0).standard_normal((3, 1, 8)).astype(np.float32))
-    row = score(model, tmp_path / "ctx.npz", steps=8, out=tmp_path / "run", selection=UnitSelection(min_params=1)).frame.row(0, named=True)
+    row = score(
+        model, tmp_path / "ctx.npz", steps=8, out=tmp_path / "run", selection=UnitSelection(min_params=1)
+    ).frame.row(0, named=True)
     assert not row["dead"]
     assert row["gamma_quant"] is None
     assert row["gamma"] == row["gamma_gauss"] > -10
@@ -134,6 +161,7 @@ def test_exactly_representable_weight_is_not_called_dead(tmp_path):
 
 def test_static_batch_models_run_window_by_window_with_the_same_scores(tmp_path):
     import models
+
     from tqsdeploy import UnitSelection
 
     rng = np.random.default_rng(4)
@@ -141,7 +169,14 @@ def test_static_batch_models_run_window_by_window_with_the_same_scores(tmp_path)
     np.savez(tmp_path / "ctx.npz", x=rng.standard_normal((5, 1, 8)).astype(np.float32))
     settings = ScoreSettings(gauss_draws=2)
     tables = [
-        score(models.linear_map(tmp_path / f"{name}.onnx", a, batch), tmp_path / "ctx.npz", steps=5, out=tmp_path / name, selection=UnitSelection(min_params=1), settings=settings)
+        score(
+            models.linear_map(tmp_path / f"{name}.onnx", a, batch),
+            tmp_path / "ctx.npz",
+            steps=5,
+            out=tmp_path / name,
+            selection=UnitSelection(min_params=1),
+            settings=settings,
+        )
         for name, batch in (("dynamic", "batch"), ("static", 1))
     ]
     assert tables[0].meta["batched_windows"] and not tables[1].meta["batched_windows"]
@@ -173,21 +208,45 @@ def test_a_sweep_in_worker_processes_gives_the_same_table(two_branch, tmp_path):
 def test_cli_csv_contexts_random_contexts_and_inspect_json(tmp_path):
     import json
 
+    import models
     from typer.testing import CliRunner
 
-    import models
     from tqsdeploy.cli import app
 
     runner = CliRunner()
     model = models.shift_model(tmp_path / "shift.onnx")
     rows = np.random.default_rng(0).standard_normal((200, 3)).cumsum(axis=0)
-    (tmp_path / "series.csv").write_text("date,a,b,c\n" + "\n".join(f"2020-01-{i % 28 + 1:02d},{a},{b},{c}" for i, (a, b, c) in enumerate(rows)))
-    result = runner.invoke(app, ["score", str(model), "-c", str(tmp_path / "series.csv"), "--windows", "4", "--zscore", "--steps", "3", "--min-params", "16", "-o", str(tmp_path / "csv")])
+    (tmp_path / "series.csv").write_text(
+        "date,a,b,c\n" + "\n".join(f"2020-01-{i % 28 + 1:02d},{a},{b},{c}" for i, (a, b, c) in enumerate(rows))
+    )
+    result = runner.invoke(
+        app,
+        [
+            "score",
+            str(model),
+            "-c",
+            str(tmp_path / "series.csv"),
+            "--windows",
+            "4",
+            "--zscore",
+            "--steps",
+            "3",
+            "--min-params",
+            "16",
+            "-o",
+            str(tmp_path / "csv"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     meta = json.loads((tmp_path / "csv" / "run.json").read_text())
     assert meta["contexts"]["shapes"]["x"] == [4, 3, 16] and meta["rollout"]["feedback"][0]["mode"] == "shift"
-    result = runner.invoke(app, ["score", str(model), "--random-contexts", "--steps", "2", "--min-params", "16", "-o", str(tmp_path / "rnd")])
-    assert result.exit_code == 0 and "contexts are random, not data ('x' standard-normal noise)" in " ".join((result.output + (result.stderr or "")).split())
+    result = runner.invoke(
+        app,
+        ["score", str(model), "--random-contexts", "--steps", "2", "--min-params", "16", "-o", str(tmp_path / "rnd")],
+    )
+    assert result.exit_code == 0 and "contexts are random, not data ('x' standard-normal noise)" in " ".join(
+        (result.output + (result.stderr or "")).split()
+    )
     assert json.loads((tmp_path / "rnd" / "run.json").read_text())["warnings"]
     result = runner.invoke(app, ["inspect", str(model), "--json", "--min-params", "16"])
     info = json.loads(result.output)
@@ -196,9 +255,8 @@ def test_cli_csv_contexts_random_contexts_and_inspect_json(tmp_path):
 
 def test_a_model_that_only_claims_a_dynamic_batch_runs_window_by_window(tmp_path):
     """Reshape to a fixed [1, n] inside the graph: batching windows fails, one at a time works."""
-    from onnx import TensorProto, helper, numpy_helper
-
     import onnx
+    from onnx import TensorProto, helper, numpy_helper
 
     n = 8
     w = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32) / 3
@@ -215,7 +273,13 @@ def test_a_model_that_only_claims_a_dynamic_batch_runs_window_by_window(tmp_path
     np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(1).standard_normal((4, 1, n)).astype(np.float32))
     from tqsdeploy import UnitSelection
 
-    table = score(tmp_path / "fixed.onnx", tmp_path / "ctx.npz", steps=3, out=tmp_path / "run", selection=UnitSelection(min_params=1))
+    table = score(
+        tmp_path / "fixed.onnx",
+        tmp_path / "ctx.npz",
+        steps=3,
+        out=tmp_path / "run",
+        selection=UnitSelection(min_params=1),
+    )
     assert not table.meta["batched_windows"] and np.isfinite(table.frame["gamma"][0])
 
 
@@ -231,7 +295,16 @@ def test_a_sweep_on_ray_actors_gives_the_same_table(two_branch, tmp_path):
     local = score(model, contexts, steps=4, out=tmp_path / "local", runtime=runtime, strategy="feed").frame
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        spread = score(model, contexts, steps=4, out=tmp_path / "ray", runtime=runtime, strategy="feed", workers=2, ray_address="local")
+        spread = score(
+            model,
+            contexts,
+            steps=4,
+            out=tmp_path / "ray",
+            runtime=runtime,
+            strategy="feed",
+            workers=2,
+            ray_address="local",
+        )
     finally:
         ray.shutdown()
     assert spread.meta["workers"] == "ray:2"
@@ -253,9 +326,18 @@ def test_a_folder_probed_with_other_perturbations_is_measured_again_not_resumed(
             record["delta_sq"] *= 1.1
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     rerun = []
-    resumed = score(model, contexts, steps=6, out=tmp_path / "old", settings=settings, on_result=lambda r: rerun.append((r.unit, r.probe)))
+    resumed = score(
+        model,
+        contexts,
+        steps=6,
+        out=tmp_path / "old",
+        settings=settings,
+        on_result=lambda r: rerun.append((r.unit, r.probe)),
+    )
     assert sorted(rerun) == [("Wmain", "gauss"), ("Wmain", "gauss"), ("Wmain", "quant")]
     assert any("measured again (Wmain)" in w for w in resumed.meta["warnings"])
     assert resumed.frame.drop("seconds").equals(reference.drop("seconds"))
-    untouched = score(model, contexts, steps=6, out=tmp_path / "old", settings=settings, on_result=lambda r: rerun.append(r.unit))
+    untouched = score(
+        model, contexts, steps=6, out=tmp_path / "old", settings=settings, on_result=lambda r: rerun.append(r.unit)
+    )
     assert len(rerun) == 3 and not any("measured again" in w for w in untouched.meta["warnings"])

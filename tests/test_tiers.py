@@ -1,18 +1,18 @@
 """Tiers: grids, stored forms, honest costs, and the ONNX round trip of every (tier, rounding) pair."""
 
+import models
 import numpy as np
 import onnx
 import pytest
 
 import graph_ops
-import models
 from graph_ops.qdq import apply_storage, conversion_overhead_bits, emitted_bits
 from runtimes import OrtRuntime
 from tiers import METHODS, TIERS, Layout, Rounding, TierError, encode, get_tiers, split, tier_for_bits
 from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
-from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.encoding.encoder import Encoder
 from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.units import Unit
 
 RNG = np.random.default_rng(0)
@@ -36,7 +36,22 @@ def test_cost_is_what_the_file_stores(tier, layout, group):
         assert emitted == encoded.payload_bits
 
 
-@pytest.mark.parametrize("tier,limit", [("fp32", 0), ("bf16", 5e-3), ("fp16", 1e-3), ("fp8", 0.04), ("int8", 0.01), ("int8-asym", 0.01), ("int4", 0.1), ("int4-asym", 0.09), ("int2", 0.4), ("int2-asym", 0.37), ("int1", 0.62)])
+@pytest.mark.parametrize(
+    "tier,limit",
+    [
+        ("fp32", 0),
+        ("bf16", 5e-3),
+        ("fp16", 1e-3),
+        ("fp8", 0.04),
+        ("int8", 0.01),
+        ("int8-asym", 0.01),
+        ("int4", 0.1),
+        ("int4-asym", 0.09),
+        ("int2", 0.4),
+        ("int2-asym", 0.37),
+        ("int1", 0.62),
+    ],
+)
 def test_error_shrinks_with_bits(tier, limit):
     encoded = encode(W, LAYOUTS[0], TIERS[tier])
     error = np.linalg.norm(encoded.dequantize() - W) / np.linalg.norm(W)
@@ -44,7 +59,13 @@ def test_error_shrinks_with_bits(tier, limit):
 
 
 def test_codes_in_range_and_grids_use_the_whole_range():
-    for name, low, high in (("int8", -128, 127), ("int4", -8, 7), ("int2", -2, 1), ("int4-asym", 0, 15), ("int2-asym", 0, 3)):
+    for name, low, high in (
+        ("int8", -128, 127),
+        ("int4", -8, 7),
+        ("int2", -2, 1),
+        ("int4-asym", 0, 15),
+        ("int2-asym", 0, 3),
+    ):
         codes = encode(W, LAYOUTS[0], TIERS[name]).values.astype(np.int32)
         assert codes.min() >= low and codes.max() <= high
     assert set(np.unique(encode(W, LAYOUTS[0], TIERS["int2"]).values.astype(np.int32))) == {-2, -1, 0, 1}
@@ -66,8 +87,16 @@ def test_unknown_and_unsupported_tiers():
         get_tiers(["int4-asym"], target="trt", group_size=64)
     with pytest.raises(TierError, match="blocks of 64 or 128"):
         get_tiers(["int4"], target="trt")
-    assert [t.name for t in get_tiers(["int4", "fp32", "int8"], target="trt", group_size=64)] == ["fp32", "int8", "int4"]
-    assert tier_for_bits(4).name == "int4-asym" and tier_for_bits(8, symmetric=True).name == "int8" and tier_for_bits(1).name == "int1"
+    assert [t.name for t in get_tiers(["int4", "fp32", "int8"], target="trt", group_size=64)] == [
+        "fp32",
+        "int8",
+        "int4",
+    ]
+    assert (
+        tier_for_bits(4).name == "int4-asym"
+        and tier_for_bits(8, symmetric=True).name == "int8"
+        and tier_for_bits(1).name == "int1"
+    )
     with pytest.raises(TierError, match="no 5-bit tier"):
         tier_for_bits(5)
 
@@ -76,9 +105,20 @@ def test_channel_groups_split_and_join_exactly():
     """A weight cut into channel groups at different tiers dequantizes to the groups' own values."""
     layout = LAYOUTS[0]
     whole = {t: encode(W, layout, TIERS[t]) for t in ("int8-asym", "int2-asym", "bf16")}
-    parts = [whole["int8-asym"].take_channels(0, 10, 1), whole["int2-asym"].take_channels(10, 30, 1), whole["bf16"].take_channels(30, 48, 1)]
+    parts = [
+        whole["int8-asym"].take_channels(0, 10, 1),
+        whole["int2-asym"].take_channels(10, 30, 1),
+        whole["bf16"].take_channels(30, 48, 1),
+    ]
     joined = split(parts, layout)
-    expected = np.concatenate([whole["int8-asym"].dequantize()[:, :10], whole["int2-asym"].dequantize()[:, 10:30], whole["bf16"].dequantize()[:, 30:]], axis=1)
+    expected = np.concatenate(
+        [
+            whole["int8-asym"].dequantize()[:, :10],
+            whole["int2-asym"].dequantize()[:, 10:30],
+            whole["bf16"].dequantize()[:, 30:],
+        ],
+        axis=1,
+    )
     np.testing.assert_array_equal(joined.dequantize(), expected)
     assert joined.payload_bits == sum(p.payload_bits for p in parts)
 
@@ -94,7 +134,13 @@ def encoder(tmp_path_factory):
     weights = graph_ops.read_weights(model.proto, list(layouts))
     contexts = Contexts({"x": np.random.default_rng(1).standard_normal((6, 8, 32)).astype(np.float32)}, "test")
     spec = RolloutSpec.from_dict({"steps": 3, "feedback": [{"output": "y", "input": "x"}]})
-    make = lambda: Encoder(units, layouts, weights, calibrator=lambda: Calibrator(model.proto, layouts, CalibrationRollout(contexts, spec), weights=weights), track_errors=True)  # noqa: E731
+    make = lambda: Encoder(
+        units,
+        layouts,
+        weights,
+        calibrator=lambda: Calibrator(model.proto, layouts, CalibrationRollout(contexts, spec), weights=weights),
+        track_errors=True,
+    )  # noqa: E731
     coder = make()
     yield model, coder, make
     coder.close()
@@ -121,7 +167,11 @@ def test_every_tier_and_rounding_round_trips_through_onnx_runtime(encoder, tier,
     assert sum("Wshared" in n.input for n in exported.graph.node) == 2
     opset = next(o.version for o in exported.opset_import if o.domain in ("", "ai.onnx"))
     sizes = graph_ops.io.tensor_sizes(model.proto)
-    expected = graph_ops.weight_bits(model.proto) + conversion_overhead_bits(model.proto, opset) + sum(emitted_bits(n, s) - sizes[n] for n, s in stored.items())
+    expected = (
+        graph_ops.weight_bits(model.proto)
+        + conversion_overhead_bits(model.proto, opset)
+        + sum(emitted_bits(n, s) - sizes[n] for n, s in stored.items())
+    )
     assert graph_ops.weight_bits(exported) == expected
 
 
@@ -175,7 +225,10 @@ def test_float32_screened_search_finds_the_exact_float64_grids():
     ]
     # short float32 rows where float32's least shrink is not float64's for a row or two (int2: rows 1164 and
     # 3835 of the first, int3: row 4049 of the second): without the screen's slack the grids would differ
-    cases += [(np.random.default_rng(seed).standard_normal((4096, k)) * 1e-3).astype(np.float32).astype(np.float64) for seed, k in ((4, 4), (7, 6))]
+    cases += [
+        (np.random.default_rng(seed).standard_normal((4096, k)) * 1e-3).astype(np.float32).astype(np.float64)
+        for seed, k in ((4, 4), (7, 6))
+    ]
     for rows in cases:
         assert rows.size >= grid.SCREEN_FROM
         for bits, symmetric in ((2, False), (3, True), (4, False), (8, False)):
@@ -212,12 +265,18 @@ def test_fp16_tier_is_onnxconverter_commons_conversion_bit_for_bit_without_its_w
     from tiers.formats.floats import to_float16
 
     rng = np.random.default_rng(0)
-    weight = np.concatenate([rng.standard_normal(4000) * 10.0 ** rng.uniform(-12, 7, 4000),
-                             [0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65520, 1e9, 2.9e-8, 3e-8, -6e-8, 1e-40]]).astype(np.float32)
+    weight = np.concatenate(
+        [
+            rng.standard_normal(4000) * 10.0 ** rng.uniform(-12, 7, 4000),
+            [0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65520, 1e9, 2.9e-8, 3e-8, -6e-8, 1e-40],
+        ]
+    ).astype(np.float32)
     limits = np.finfo(np.float16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        expected = convert_np_to_float16(weight, min_positive_val=float(limits.smallest_subnormal), max_finite_val=float(limits.max))
+        expected = convert_np_to_float16(
+            weight, min_positive_val=float(limits.smallest_subnormal), max_finite_val=float(limits.max)
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         narrow = to_float16(weight)
@@ -242,7 +301,15 @@ def test_compact_encodings_pack_sub_byte_codes_and_store_the_same(tier, layout, 
     assert expanded.values.dtype == encoded.values.dtype
     np.testing.assert_array_equal(expanded.values.view(np.uint8), encoded.values.view(np.uint8))
     if layout.perm is not None:
-        parts = split([encoded.take_channels(0, 20, layout.channel_axis), encode(W, layout, TIERS["int8-asym"]).take_channels(20, 64 if layout.channel_axis == 0 else 48, layout.channel_axis)], layout)
+        parts = split(
+            [
+                encoded.take_channels(0, 20, layout.channel_axis),
+                encode(W, layout, TIERS["int8-asym"]).take_channels(
+                    20, 64 if layout.channel_axis == 0 else 48, layout.channel_axis
+                ),
+            ],
+            layout,
+        )
         np.testing.assert_array_equal(parts.compact().dequantize(), parts.dequantize())
 
 
@@ -255,7 +322,10 @@ def test_sizes_come_from_stored_forms_without_the_grid_search(encoder, method):
         for unit in coder.units:
             forms = coder.stored_forms(unit, tier)
             for name, form in forms.items():
-                assert emitted_bits(name, form) == emitted_bits(name, coder.tensor(name, tier, Rounding(method))), (tier, name)
+                assert emitted_bits(name, form) == emitted_bits(name, coder.tensor(name, tier, Rounding(method))), (
+                    tier,
+                    name,
+                )
 
 
 def test_full_precision_layer_inputs_are_kept_across_waves_with_the_same_codes(encoder, monkeypatch):
@@ -283,15 +353,27 @@ def _single_weight_model(encoded, layout) -> tuple[onnx.ModelProto, np.ndarray]:
 
     transposed = layout.perm is not None and layout.channel_axis == 0
     k = W.shape[1] if transposed else W.shape[0]
-    node = helper.make_node("Gemm", ["x", "W"], ["y"], transB=1) if transposed else helper.make_node("MatMul", ["x", "W"], ["y"])
-    graph = helper.make_graph([node], "one", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", k])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 64 if transposed else 48])],
-                              [onnx.numpy_helper.from_array(W, "W")])
+    node = (
+        helper.make_node("Gemm", ["x", "W"], ["y"], transB=1)
+        if transposed
+        else helper.make_node("MatMul", ["x", "W"], ["y"])
+    )
+    graph = helper.make_graph(
+        [node],
+        "one",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 64 if transposed else 48])],
+        [onnx.numpy_helper.from_array(W, "W")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
     return model, np.random.default_rng(3).standard_normal((5, k)).astype(np.float32)
 
 
 @pytest.mark.parametrize("tier", list(TIERS))
-@pytest.mark.parametrize("layout,group", [(LAYOUTS[0], None), (LAYOUTS[0], 16), (LAYOUTS[0], 20), (LAYOUTS[1], None), (LAYOUTS[1], 24), (LAYOUTS[2], None)])
+@pytest.mark.parametrize(
+    "layout,group",
+    [(LAYOUTS[0], None), (LAYOUTS[0], 16), (LAYOUTS[0], 20), (LAYOUTS[1], None), (LAYOUTS[1], 24), (LAYOUTS[2], None)],
+)
 def test_dequantized_layout_folds_at_load_and_equals_the_fake_quantized_model(tmp_path, tier, layout, group):
     """The 'dequantized' runtime layout: ONNX Runtime's default session folds every stored weight into a float
     initializer (its optimized graph reads no codes: nothing dequantizes per call, where the 'fused' layout's
@@ -318,7 +400,9 @@ def test_dequantized_layout_folds_at_load_and_equals_the_fake_quantized_model(tm
     if encoded.form == "dequantize" and TIERS[tier].family == "int":  # what the fused layout leaves to every call
         assert seen["fused"][1], seen["fused"][1]
     extra = bits - seen["fused"][2]
-    assert extra == 0 if not group else 0 <= extra <= 8 * 8 * 8  # blocks: two shapes of rank 3 and 2, maybe a slice's three scalars
+    assert (
+        extra == 0 if not group else 0 <= extra <= 8 * 8 * 8
+    )  # blocks: two shapes of rank 3 and 2, maybe a slice's three scalars
     assert emitted_bits("W", encoded, "dequantized") - emitted_bits("W", encoded) == extra
 
 
@@ -327,9 +411,19 @@ def test_a_split_weight_in_the_dequantized_layout_folds_every_part():
     from graph_ops.qdq import per_call_dequantization
 
     layout = LAYOUTS[0]
-    parts = split([encode(W, layout, TIERS["int2-asym"]).take_channels(0, 20, 1), encode(W, layout, TIERS["int4"], group_size=16).take_channels(20, 48, 1)], layout)
+    parts = split(
+        [
+            encode(W, layout, TIERS["int2-asym"]).take_channels(0, 20, 1),
+            encode(W, layout, TIERS["int4"], group_size=16).take_channels(20, 48, 1),
+        ],
+        layout,
+    )
     model, x = _single_weight_model(parts, layout)
-    want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.replace_weights(model, {"W": parts.dequantize()}))).run({"x": x})["y"]
+    want = (
+        OrtRuntime()
+        .open(graph_ops.model_bytes(graph_ops.replace_weights(model, {"W": parts.dequantize()})))
+        .run({"x": x})["y"]
+    )
     exported = apply_storage(model, {"W": parts}, layout="dequantized")
     import tempfile
 

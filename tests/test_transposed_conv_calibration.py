@@ -30,8 +30,13 @@ def _model(path, attrs: dict, channels=3, out=5, seed=0):
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((channels, out, *attrs["kernel_shape"])).astype(np.float32)
     node = helper.make_node("ConvTranspose", ["x", "Wt"], ["y"], **attrs)
-    graph = helper.make_graph([node], "up", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", channels] + ["s"] * rank)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", out] + ["o"] * rank)], [numpy_helper.from_array(w, "Wt")])
+    graph = helper.make_graph(
+        [node],
+        "up",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", channels] + ["s"] * rank)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", out] + ["o"] * rank)],
+        [numpy_helper.from_array(w, "Wt")],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
     return path, w
 
@@ -56,14 +61,22 @@ def test_a_calibrated_baseline_rounds_a_transposed_conv_better_than_nearest(tmp_
     windows = tmp_path / "windows.npz"
     np.savez(windows, x=np.random.default_rng(2).standard_normal((4, 2, 8, 10, 10)).astype(np.float32))
     result = quantize_baseline(path, BaselineSettings("gptq", 4, min_params=1), windows)
-    assert "Wt" not in result.rtn_only and result.errors["Wt"] < result.rtn_errors["Wt"], (result.errors, result.rtn_errors)
+    assert "Wt" not in result.rtn_only and result.errors["Wt"] < result.rtn_errors["Wt"], (
+        result.errors,
+        result.rtn_errors,
+    )
 
 
 def test_grouped_or_output_shape_sized_transposed_convs_stay_rounded_to_nearest():
     w = numpy_helper.from_array(np.ones((4, 2, 2, 2), np.float32), "Wt")
     for attrs, reason in ((dict(group=2), "grouped"), (dict(output_shape=[8, 8], strides=[2, 2]), "output_shape")):
         node = helper.make_node("ConvTranspose", ["x", "Wt"], ["y"], kernel_shape=[2, 2], **attrs)
-        graph = helper.make_graph([node], "up", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 4, 4])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+        graph = helper.make_graph(
+            [node],
+            "up",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 4, 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+            [w],
+        )
         layout = weight_layouts(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))["Wt"]
         assert not layout.calibratable and reason in layout.rtn_reason

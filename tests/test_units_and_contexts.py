@@ -1,14 +1,14 @@
 """Which tensors become units, and how contexts are read."""
 
+import models
 import numpy as np
 import onnx
 import pytest
 
 import graph_ops
-import models
 from runtimes import IOSpec
-from tqsdeploy.rollout.contexts import load_csv, load_npz
 from tqsdeploy.errors import InputError
+from tqsdeploy.rollout.contexts import load_csv, load_npz
 from tqsdeploy.units import UnitSelection, select_units
 
 
@@ -20,7 +20,9 @@ def assorted(tmp_path):
 def test_weight_operands_found_through_layout_ops(assorted):
     found = {t.name: t for t in graph_ops.find_weight_tensors(assorted.proto)}
     assert found["emb"].op_types == ("Gather",)
-    assert found["gemm_w"].op_types == ("Gemm",) and found["gemm_w"].nodes == ("g",)  # unnamed node: its output names it
+    assert found["gemm_w"].op_types == ("Gemm",) and found["gemm_w"].nodes == (
+        "g",
+    )  # unnamed node: its output names it
     assert found["conv_t"].op_types == ("Conv",)  # through Transpose
     assert found["const_w"].op_types == ("MatMul",) and found["const_w"].source == "constant"
     assert found["gemm_b"].op_types == ()  # a bias is no weight operand
@@ -86,13 +88,15 @@ def test_csv_univariate_and_multivariate(tmp_path):
 def test_weights_kept_as_inputs_are_scored_as_weights(tmp_path):
     """torch's keep_initializers_as_inputs lists every weight as a graph input too: the same γ as the
     plain model, and an exported model that no longer declares them (the input file untouched)."""
+    from runtimes import OrtRuntime
     from tqsdeploy import ScoreSettings, score
     from tqsdeploy.export import ExportSettings, Planner
-    from runtimes import OrtRuntime
 
     plain = models.mlp_forecaster(tmp_path / "plain.onnx")
     proto = onnx.load(str(plain))
-    proto.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in proto.graph.initializer)
+    proto.graph.input.extend(
+        onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in proto.graph.initializer
+    )
     kept = tmp_path / "kept.onnx"
     onnx.save(proto, str(kept))
     before = kept.read_bytes()
@@ -105,9 +109,13 @@ def test_weights_kept_as_inputs_are_scored_as_weights(tmp_path):
     want = score(plain, contexts, steps=3, out=tmp_path / "plain-run", settings=settings)
     got = score(kept, contexts, steps=3, out=tmp_path / "kept-run", settings=settings)
     assert sorted(got.frame["unit"]) == sorted(want.frame["unit"]) == ["W1", "W3", "Wshared"]
-    np.testing.assert_allclose(got.frame.sort("unit")["gamma_quant"].to_numpy(), want.frame.sort("unit")["gamma_quant"].to_numpy(), rtol=1e-6)
+    np.testing.assert_allclose(
+        got.frame.sort("unit")["gamma_quant"].to_numpy(), want.frame.sort("unit")["gamma_quant"].to_numpy(), rtol=1e-6
+    )
     assert any("listed as graph inputs" in w for w in got.meta["warnings"])
-    planner = Planner(tmp_path / "kept-run", settings=ExportSettings(objective="paper", rounding="rtn", refine=0, fallback=False))
+    planner = Planner(
+        tmp_path / "kept-run", settings=ExportSettings(objective="paper", rounding="rtn", refine=0, fallback=False)
+    )
     outcome = planner.export(4, tmp_path / "kept.C4.onnx")
     planner.close()
     exported = onnx.load(str(outcome.path))
@@ -124,16 +132,32 @@ def test_weights_read_only_in_a_loop_body_are_named(tmp_path):
     rng = np.random.default_rng(0)
     h = onnx.helper
     body = h.make_graph(
-        [h.make_node("MatMul", ["s_in", "W"], ["m"]), h.make_node("Tanh", ["m"], ["s_out"]), h.make_node("Identity", ["s_out"], ["scan_out"])],
-        "body", [h.make_tensor_value_info("s_in", onnx.TensorProto.FLOAT, [1, 32]), h.make_tensor_value_info("x_t", onnx.TensorProto.FLOAT, [1, 32])],
-        [h.make_tensor_value_info("s_out", onnx.TensorProto.FLOAT, [1, 32]), h.make_tensor_value_info("scan_out", onnx.TensorProto.FLOAT, [1, 32])],
+        [
+            h.make_node("MatMul", ["s_in", "W"], ["m"]),
+            h.make_node("Tanh", ["m"], ["s_out"]),
+            h.make_node("Identity", ["s_out"], ["scan_out"]),
+        ],
+        "body",
+        [
+            h.make_tensor_value_info("s_in", onnx.TensorProto.FLOAT, [1, 32]),
+            h.make_tensor_value_info("x_t", onnx.TensorProto.FLOAT, [1, 32]),
+        ],
+        [
+            h.make_tensor_value_info("s_out", onnx.TensorProto.FLOAT, [1, 32]),
+            h.make_tensor_value_info("scan_out", onnx.TensorProto.FLOAT, [1, 32]),
+        ],
     )
     nodes = [
         h.make_node("Scan", ["x0", "xs"], ["last", "all"], body=body, num_scan_inputs=1),
         h.make_node("MatMul", ["last", "W2"], ["y"]),
     ]
     graph = h.make_graph(
-        nodes, "scan", [h.make_tensor_value_info("x0", onnx.TensorProto.FLOAT, [1, 32]), h.make_tensor_value_info("xs", onnx.TensorProto.FLOAT, [4, 1, 32])],
+        nodes,
+        "scan",
+        [
+            h.make_tensor_value_info("x0", onnx.TensorProto.FLOAT, [1, 32]),
+            h.make_tensor_value_info("xs", onnx.TensorProto.FLOAT, [4, 1, 32]),
+        ],
         [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 32])],
         [onnx.numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), n) for n in ("W", "W2")],
     )
@@ -156,11 +180,19 @@ def test_bfloat16_weights_are_named_not_counted_as_missing(tmp_path):
 
     h, rng = onnx.helper, np.random.default_rng(0)
     bf16 = h.make_tensor("Wb", onnx.TensorProto.BFLOAT16, [32, 32], (rng.standard_normal(32 * 32) / 6).tolist())
-    nodes = [h.make_node("Cast", ["Wb"], ["W"], to=onnx.TensorProto.FLOAT), h.make_node("MatMul", ["x", "W"], ["h"]), h.make_node("MatMul", ["h", "Wf"], ["y"])]
+    nodes = [
+        h.make_node("Cast", ["Wb"], ["W"], to=onnx.TensorProto.FLOAT),
+        h.make_node("MatMul", ["x", "W"], ["h"]),
+        h.make_node("MatMul", ["h", "Wf"], ["y"]),
+    ]
     io = [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, ["b", 32]) for n in ("x", "y")]
     for with_float in (False, True):
-        inits = [bf16] + ([onnx.numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), "Wf")] if with_float else [])
-        graph = h.make_graph(nodes if with_float else nodes[:2] + [h.make_node("Identity", ["h"], ["y"])], "bf", io[:1], io[1:], inits)
+        inits = [bf16] + (
+            [onnx.numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), "Wf")] if with_float else []
+        )
+        graph = h.make_graph(
+            nodes if with_float else nodes[:2] + [h.make_node("Identity", ["h"], ["y"])], "bf", io[:1], io[1:], inits
+        )
         path = tmp_path / f"bf16-{with_float}.onnx"
         onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=9), str(path))
         loaded = graph_ops.load_model(path)
@@ -172,4 +204,7 @@ def test_bfloat16_weights_are_named_not_counted_as_missing(tmp_path):
             continue
         units = select_units(tensors, UnitSelection(), unfed)
         assert [u.name for u in units] == ["Wf"]
-        assert any("bfloat16 weight(s) are not units (Wb)" in n for n in selection_notes(loaded, tensors, units, UnitSelection(), unfed))
+        assert any(
+            "bfloat16 weight(s) are not units (Wb)" in n
+            for n in selection_notes(loaded, tensors, units, UnitSelection(), unfed)
+        )

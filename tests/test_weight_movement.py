@@ -3,6 +3,7 @@ default exporter writes an LSTM's: units with per-row layouts, exported files th
 
 import json
 
+import models
 import numpy as np
 import onnx
 import pytest
@@ -10,7 +11,6 @@ from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
 import graph_ops
-import models
 from graph_ops import weight_layouts
 from runtimes import OrtRuntime
 from tqsdeploy import ScoreSettings, score
@@ -47,10 +47,23 @@ def _matmul_through(path, along: int):
     """y = x @ Concat(Slice(W)) with W [16, 64] sliced in two along `along` and put back in the other order."""
     w = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
     half = w.shape[along] // 2
-    init = {"W": w, "a": np.array([along], np.int64), "s0": np.array([0], np.int64), "s1": np.array([half], np.int64), "s2": np.array([2 * half], np.int64)}
-    nodes = [helper.make_node("Slice", ["W", "s0", "s1", "a"], ["lo"]), helper.make_node("Slice", ["W", "s1", "s2", "a"], ["hi"]),
-             helper.make_node("Concat", ["hi", "lo"], ["Wc"], axis=along), helper.make_node("MatMul", ["x", "Wc"], ["y"])]
-    io = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16]), helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 64])]
+    init = {
+        "W": w,
+        "a": np.array([along], np.int64),
+        "s0": np.array([0], np.int64),
+        "s1": np.array([half], np.int64),
+        "s2": np.array([2 * half], np.int64),
+    }
+    nodes = [
+        helper.make_node("Slice", ["W", "s0", "s1", "a"], ["lo"]),
+        helper.make_node("Slice", ["W", "s1", "s2", "a"], ["hi"]),
+        helper.make_node("Concat", ["hi", "lo"], ["Wc"], axis=along),
+        helper.make_node("MatMul", ["x", "Wc"], ["y"]),
+    ]
+    io = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16]),
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 64]),
+    ]
     graph = helper.make_graph(nodes, "m", io[:1], io[1:], [numpy_helper.from_array(v, k) for k, v in init.items()])
     return weight_layouts(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))["W"]
 
@@ -61,7 +74,11 @@ def test_moving_output_channels_keeps_calibration_and_moving_inputs_does_not():
     rows = _matmul_through(None, along=1)
     assert rows.perm == (1, 0) and rows.calibratable, rows
     columns = _matmul_through(None, along=0)
-    assert columns.perm == (1, 0) and not columns.calibratable and columns.rtn_reason == "reaches MatMul through Slice, Concat", columns
+    assert (
+        columns.perm == (1, 0)
+        and not columns.calibratable
+        and columns.rtn_reason == "reaches MatMul through Slice, Concat"
+    ), columns
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +101,9 @@ def test_export_runs_through_the_slices_and_matches_numpy_fake_quant(scored, tie
         reference = planner.model.proto
     exported = onnx.load(str(outcome.path))
     onnx.checker.check_model(exported)
-    assert sum(n.op_type == "Slice" for n in exported.graph.node) == 8 and not {"rnn.weight_ih", "rnn.weight_hh"} & {t.name for t in exported.graph.initializer}
+    assert sum(n.op_type == "Slice" for n in exported.graph.node) == 8 and not {"rnn.weight_ih", "rnn.weight_hh"} & {
+        t.name for t in exported.graph.initializer
+    }
     levels = 2 ** int(tier[3:])
     for name in ("rnn.weight_ih", "rnn.weight_hh"):
         rows = fake[name]
@@ -103,12 +122,19 @@ def test_an_unfollowed_path_is_named_by_inspect_and_export(tmp_path):
     out-of-reach hint names it instead of suggesting a lower --min-params (it is above it)."""
     model = models.sliced_lstm(tmp_path / "lstm.onnx", unfollowed=True)
     code, text = _invoke("inspect", model, "--json")
-    info = json.loads(text[text.index("{"):])
+    info = json.loads(text[text.index("{") :])
     assert code == 0 and [u["unit"] for u in info["units"]] == ["rnn.weight_ih"], text
-    assert "'rnn.weight_hh' (1,024 params) is not a unit: reaches LSTM through Mul, Slice, Concat, Unsqueeze (not followed); name it with --include" in info["notes"][0]
+    assert (
+        "'rnn.weight_hh' (1,024 params) is not a unit: reaches LSTM through Mul, Slice, Concat, Unsqueeze (not followed); name it with --include"
+        in info["notes"][0]
+    )
     np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(1).standard_normal((2, 1, 6, 16)).astype(np.float32))
-    code, text = _invoke("score", model, "-c", tmp_path / "ctx.npz", "--steps", "2", "--probes", "1", "--out", tmp_path / "run")
+    code, text = _invoke(
+        "score", model, "-c", tmp_path / "ctx.npz", "--steps", "2", "--probes", "1", "--out", tmp_path / "run"
+    )
     assert code == 0 and "'rnn.weight_hh' (1,024 params) is not a unit" in text, text
     code, text = _invoke("export", model, "--run", tmp_path / "run", "--C", "4", "--out-dir", tmp_path)
-    assert code == 2 and "out of reach" in text and "'rnn.weight_hh' (1,024 params: reaches LSTM through Mul" in text, text
+    assert code == 2 and "out of reach" in text and "'rnn.weight_hh' (1,024 params: reaches LSTM through Mul" in text, (
+        text
+    )
     assert "lower --min-params" not in text and "name them with --include" in text

@@ -15,7 +15,17 @@ from tiers.gptq import Hessian, Quantized
 from tiers.grid import GridSpec
 from tiers.methods import METHOD_LABELS, METHODS, Method, auto_methods
 from tiers.quantizer import GRIDS, RTN, Rounding, encode, quantize, split, to_encoded
-from tiers.registry import DEFAULT_TIERS, TIERS, TRT_TIERS, Tier, TierError, get_tiers, ladder_opset, precision_order, tier_for_bits
+from tiers.registry import (
+    DEFAULT_TIERS,
+    TIERS,
+    TRT_TIERS,
+    Tier,
+    TierError,
+    get_tiers,
+    ladder_opset,
+    precision_order,
+    tier_for_bits,
+)
 
 __all__ = [
     "DEFAULT_TIERS",

@@ -72,8 +72,9 @@ class _Block:
     errors: np.ndarray
 
 
-def column_loop(xp, Wt: np.ndarray, U: np.ndarray, P, plan: LoopPlan, grid: Grid | None = None,
-                losses: np.ndarray | None = None) -> tuple[np.ndarray, list[Grid]]:
+def column_loop(
+    xp, Wt: np.ndarray, U: np.ndarray, P, plan: LoopPlan, grid: Grid | None = None, losses: np.ndarray | None = None
+) -> tuple[np.ndarray, list[Grid]]:
     """The GPTQ column loop; P adds GPTAQ's asymmetric terms. Returns the codes ([N, K] float32, on the host, in the
     caller's column order) and the grids in column order. With numpy it works on Wt in place. `grid`: each row's
     per-channel grid, fitted by the caller (else fitted here to Wt). `losses` ([N] float64, host): each row's
@@ -88,7 +89,9 @@ def column_loop(xp, Wt: np.ndarray, U: np.ndarray, P, plan: LoopPlan, grid: Grid
     spec, group_size, block_size = plan.spec, plan.group_size, plan.block_size
     perm, static_grids = plan.perm, plan.static_grids
     N, K = Wt.shape
-    dtype = xp.float32 if solve_dtype(K) == "float32" else xp.float64  # TQS_SOLVER_DTYPE: the loop's updates (the grids stay float64)
+    dtype = (
+        xp.float32 if solve_dtype(K) == "float32" else xp.float64
+    )  # TQS_SOLVER_DTYPE: the loop's updates (the grids stay float64)
     W, Ud = xp.asarray(Wt, dtype=dtype), xp.asarray(U, dtype=dtype)
     Pd = None if P is None else xp.asarray(P, dtype=dtype)
     codes = xp.zeros((N, K), xp.float32)

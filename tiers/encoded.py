@@ -17,7 +17,6 @@ is the business of the stored format registered for it (`tiers.formats`).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -138,7 +137,9 @@ class Encoded:
 
     def as_float32(self) -> np.ndarray:
         """The dequantized weight in float32, computed in place: one weight-sized array, however large the weight."""
-        return form_of(self.form).dequantized(self if self.form == "split" else self.expand())  # a split's parts expand one by one
+        return form_of(self.form).dequantized(
+            self if self.form == "split" else self.expand()
+        )  # a split's parts expand one by one
 
     def emit(self, name: str, layout: str) -> "Emission":
         """Initializers and nodes that produce tensor `name` in the file, in runtime `layout` (`graph_ops.qdq.LAYOUTS`)."""

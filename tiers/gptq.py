@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from tiers import solver_backend as backend
-from tiers.solver_backend import c_order, device_inverse_cholesky, gram
 from tiers.column_loop import LoopPlan, column_loop, supported_on_device
 from tiers.grid import Grid, GridSpec, codes_on, find_grid
+from tiers.solver_backend import c_order, device_inverse_cholesky, gram
 
 ROUND_BLOCK = 1 << 20
 """Elements rounded at a time (8 MiB per float64 temporary)."""
@@ -81,7 +81,11 @@ class Quantized:
         first = parts[0]
         if len(parts) == 1:
             return first
-        return Quantized(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero")), first.spec, first.group_size)
+        return Quantized(
+            *(np.concatenate([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero")),
+            first.spec,
+            first.group_size,
+        )
 
 
 def _pack(codes, grids: list[Grid], spec: GridSpec, group_size: int) -> Quantized:
@@ -143,8 +147,11 @@ def _lapack(order: int):
         before = {lib.filepath for lib in ThreadpoolController().lib_controllers}
         from scipy.linalg import lapack
 
-        own = [lib for lib in ThreadpoolController().lib_controllers  # loaded with scipy, or scipy's wheel's own (scipy imported earlier)
-               if lib.user_api == "blas" and (lib.filepath not in before or Path(lib.filepath).parent.name == "scipy.libs")]
+        own = [
+            lib
+            for lib in ThreadpoolController().lib_controllers  # loaded with scipy, or scipy's wheel's own (scipy imported earlier)
+            if lib.user_api == "blas" and (lib.filepath not in before or Path(lib.filepath).parent.name == "scipy.libs")
+        ]
         _LAPACK = (lapack, [(lib, lib.num_threads) for lib in own])
         backend.MANAGED_BLAS.update(lib.filepath for lib in own)
     lapack, own = _LAPACK
@@ -254,8 +261,9 @@ def _solve(Wt, U, P, plan: LoopPlan, grid: Grid | None = None, losses: np.ndarra
     def part(rows: slice):
         own_grids = None if plan.static_grids is None else [g.rows(rows) for g in plan.static_grids]
         own = replace(plan, static_grids=own_grids)
-        return column_loop(xp, Wt[rows], U, P, own, None if grid is None else grid.rows(rows),
-                           None if losses is None else losses[rows])
+        return column_loop(
+            xp, Wt[rows], U, P, own, None if grid is None else grid.rows(rows), None if losses is None else losses[rows]
+        )
 
     with backend.shared_cores(len(parts)), ThreadPoolExecutor(len(parts), thread_name_prefix="tqs-rows") as pool:
         solved = list(pool.map(part, parts))
@@ -368,8 +376,16 @@ def _keep_above_diagonal(M: np.ndarray) -> None:
         M[i, : i + 1] = 0
 
 
-def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float = 0.5, percdampqep: float = 1.0, own: bool = False,
-                cache: "Hessian | None" = None, product: dict | None = None) -> np.ndarray:
+def qep_correct(
+    Wt: np.ndarray,
+    H: np.ndarray,
+    H_delta: np.ndarray,
+    alpha: float = 0.5,
+    percdampqep: float = 1.0,
+    own: bool = False,
+    cache: "Hessian | None" = None,
+    product: dict | None = None,
+) -> np.ndarray:
     """QEP's weight correction Wt + α·Wt·H_δ·(H + λI)⁻¹ (FujitsuResearch/qep `run_weight_correct`).
 
     Any base method then quantizes the returned weights with the same H.
@@ -387,7 +403,10 @@ def qep_correct(Wt: np.ndarray, H: np.ndarray, H_delta: np.ndarray, alpha: float
     factor = _cached(cache, ("qep", percdampqep, dtype.__name__), lambda: _damped_cholesky(H, percdampqep, dtype))
     rhs = Wt.astype(dtype, copy=False) @ _in_dtype(cache, "G", H_delta, dtype)
     if product is not None:
-        product["WG"], product["damping"] = rhs.copy(), _nominal_damping(H, percdampqep, float(factor[0, 0]) ** 2 - float(H[0, 0]), 1e-4)
+        product["WG"], product["damping"] = (
+            rhs.copy(),
+            _nominal_damping(H, percdampqep, float(factor[0, 0]) ** 2 - float(H[0, 0]), 1e-4),
+        )
     potrs = lapack.spotrs if dtype == np.float32 else lapack.dpotrs
     solved, info = potrs(factor, rhs.T, lower=1, overwrite_b=1)  # rhs.T is (K, N) in Fortran order: solved in place
     if info != 0:
@@ -404,7 +423,9 @@ def _nominal_damping(H: np.ndarray, percent: float, used: float, tolerance: floa
     """percent·mean(diag H), the damping a factorization of H + λI starts from, if `used` (what the factor's
     corner entry says it was) is it within `tolerance` relative to H's corner; None where it was raised."""
     nominal = percent * float(np.mean(np.diag(H)))
-    return nominal if abs(used - nominal) <= tolerance * (abs(float(H[-1, -1])) + abs(float(H[0, 0])) + nominal) else None
+    return (
+        nominal if abs(used - nominal) <= tolerance * (abs(float(H[-1, -1])) + abs(float(H[0, 0])) + nominal) else None
+    )
 
 
 def damping(cache: "Hessian", percdamp: float) -> float | None:
@@ -507,7 +528,11 @@ class Hessian:
         if not self._pending:
             return
         pending, self._pending, rows, self._pending_rows = self._pending, [], self._pending_rows, 0
-        x = np.concatenate([np.asarray(p[0], np.float64) for p in pending]) if len(pending) > 1 else np.asarray(pending[0][0], np.float64)
+        x = (
+            np.concatenate([np.asarray(p[0], np.float64) for p in pending])
+            if len(pending) > 1
+            else np.asarray(pending[0][0], np.float64)
+        )
         keep = self._count / (self._count + rows)
         self._count += rows
         self._H *= keep
@@ -515,8 +540,16 @@ class Hessian:
         if self._G is not None:
             self._G *= keep
             if any(p[1] is not None for p in pending):
-                delta = np.concatenate([np.asarray(p[1], np.float64) - p[0] if p[1] is not None else np.zeros(p[0].shape) for p in pending]) if len(pending) > 1 \
+                delta = (
+                    np.concatenate(
+                        [
+                            np.asarray(p[1], np.float64) - p[0] if p[1] is not None else np.zeros(p[0].shape)
+                            for p in pending
+                        ]
+                    )
+                    if len(pending) > 1
                     else np.asarray(pending[0][1], np.float64) - x
+                )
                 self._G += _scaled(gram(delta, x), 2.0 / self._count)
         self.factors.clear()
 
@@ -557,7 +590,9 @@ def row_objective(Wt: np.ndarray, Q: np.ndarray, stats: Hessian, strength: float
     return rows
 
 
-def second_lower(Wt: np.ndarray, first: Quantized, second: Quantized, stats: Hessian, strength: float = 0.0) -> np.ndarray:
+def second_lower(
+    Wt: np.ndarray, first: Quantized, second: Quantized, stats: Hessian, strength: float = 0.0
+) -> np.ndarray:
     """Per output channel, whether `second`'s `row_objective` is below `first`'s (ties keep `first`).
 
     Worked out from their difference, not as two objectives: with e = q₂ − q₁ and dᵢ = qᵢ − w,

@@ -26,7 +26,6 @@ import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -109,7 +108,9 @@ GRID_KINDS: dict[str, GridKind] = {}
 """Grid kind name -> its fit and rounding, registered by the stored formats that own them."""
 
 
-def register_grid(kind: str, fit: Callable[[np.ndarray], Grid], codes: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+def register_grid(
+    kind: str, fit: Callable[[np.ndarray], Grid], codes: Callable[[np.ndarray, np.ndarray], np.ndarray]
+) -> None:
     GRID_KINDS[kind] = GridKind(fit, codes)
 
 
@@ -142,7 +143,9 @@ def values(q: np.ndarray, grid: Grid) -> np.ndarray:
     return scale * (q - zero)
 
 
-def round_to_grid(w: np.ndarray, grid: Grid, spec: GridSpec, divisor: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def round_to_grid(
+    w: np.ndarray, grid: Grid, spec: GridSpec, divisor: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(codes, dequantized values) of w on the grid (`divisor` as for `codes_on`)."""
     q = codes_on(w, grid, spec, divisor)
     return q, values(q, grid)
@@ -163,7 +166,11 @@ def find_grid(rows: np.ndarray, spec: GridSpec) -> Grid:
     scale, zero = _candidate(lo, hi, spec)
     if not spec.search:
         return Grid(scale, zero)
-    key = (spec, rows.shape, hashlib.blake2b(np.ascontiguousarray(rows), digest_size=16).digest())  # no bytes copy of a contiguous weight
+    key = (
+        spec,
+        rows.shape,
+        hashlib.blake2b(np.ascontiguousarray(rows), digest_size=16).digest(),
+    )  # no bytes copy of a contiguous weight
     if key in _SEARCHED:  # RTN, GPTQ and GPTAQ start from the same weight: search its grid once
         _SEARCHED.move_to_end(key)
         found = _SEARCHED[key]
@@ -171,7 +178,9 @@ def find_grid(rows: np.ndarray, spec: GridSpec) -> Grid:
     block = max(1, SEARCH_BLOCK // rows.shape[1])
     if rows.size >= SEARCH_SPLIT:
         block = min(block, -(-n // SEARCH_THREADS))  # a block per thread at least
-    parts = [slice(start, start + block) for start in range(0, n, block)]  # rows in blocks: the same result, in bounded memory
+    parts = [
+        slice(start, start + block) for start in range(0, n, block)
+    ]  # rows in blocks: the same result, in bounded memory
 
     def search(part: slice) -> None:
         _search(rows[part], lo[part], hi[part], spec, scale[part], zero[part])
@@ -202,7 +211,9 @@ SCREEN_REL, SCREEN_ABS = 1e-4, 16 * float(np.finfo(np.float32).eps)
 SCREEN_ABS·Σ(2|w| + s)^2.4 (twice the bound on float32's rounding of each element's error, s the widest scale)."""
 
 
-def _search(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, spec: GridSpec, scale: np.ndarray, zero: np.ndarray) -> None:
+def _search(
+    rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, spec: GridSpec, scale: np.ndarray, zero: np.ndarray
+) -> None:
     """GPTQ's shrink search on a block of rows, writing the best (scale, zero) into the given views.
 
     The exact search works in float64 and raises each element's error to the power 2.4 at every one
@@ -229,7 +240,9 @@ def _trials(lo: np.ndarray, hi: np.ndarray, spec: GridSpec) -> list[tuple[np.nda
     return [_candidate((1 - i * SEARCH_STEP) * lo, (1 - i * SEARCH_STEP) * hi, spec) for i in range(SEARCH_STEPS)]
 
 
-def _residual(rows: np.ndarray, scale: np.ndarray, zero: np.ndarray, spec: GridSpec, buffer: np.ndarray, signed: bool = False) -> np.ndarray:
+def _residual(
+    rows: np.ndarray, scale: np.ndarray, zero: np.ndarray, spec: GridSpec, buffer: np.ndarray, signed: bool = False
+) -> np.ndarray:
     """|values(codes(rows)) − rows| into `buffer` (`signed`: without the absolute value), in the rows' own float
     type, one buffer for every step."""
     low, high = spec.code_range
@@ -252,7 +265,9 @@ def _candidates(rows: np.ndarray, trials, spec: GridSpec) -> np.ndarray:
     of clipping its outermost values alone already exceeds that least by more than the screen's slack),
     so it is priced only up to where clipping starts to dominate (about half of the 80 shrinks at 4 bits):
     the same mask, since a shrink left out could not have been a candidate."""
-    reach = np.abs(rows) * 2 + trials[0][0][:, None]  # no element's error exceeds 2|w| + s (the first shrink's s is the widest)
+    reach = (
+        np.abs(rows) * 2 + trials[0][0][:, None]
+    )  # no element's error exceeds 2|w| + s (the first shrink's s is the widest)
     np.power(reach, SEARCH_NORM, out=reach)
     slack = SCREEN_ABS * reach.sum(axis=1) + 2 * rows.shape[1] * SCREEN_FLOOR**SEARCH_NORM
     del reach
@@ -275,7 +290,9 @@ def _candidates(rows: np.ndarray, trials, spec: GridSpec) -> np.ndarray:
             np.log2(error, out=error)
         error *= np.float32(SEARCH_NORM / 2)
         np.exp2(error, out=error)
-        approx[i, live] = error.sum(axis=1)  # float32's pairwise sum: within a few 1e-6 of the float64 one, far inside SCREEN_REL
+        approx[i, live] = error.sum(
+            axis=1
+        )  # float32's pairwise sum: within a few 1e-6 of the float64 one, far inside SCREEN_REL
         least[live] = np.minimum(least[live], approx[i, live])
     return approx <= approx.min(axis=0) * (1 + SCREEN_REL) + slack
 
@@ -316,7 +333,10 @@ def _clip_floors(rows: np.ndarray, trials, spec: GridSpec) -> np.ndarray | None:
         # a block's floor from each side's widest limit over its shrinks: a floor only falls as its limit widens,
         # so it bounds every shrink of the block
         block = trials[first : first + FLOOR_BLOCK]
-        widest = (np.max([scale * (high - zero) for scale, zero in block], axis=0), np.max([scale * (zero - low) for scale, zero in block], axis=0))
+        widest = (
+            np.max([scale * (high - zero) for scale, zero in block], axis=0),
+            np.max([scale * (zero - low) for scale, zero in block], axis=0),
+        )
         for values, limit in zip(outward, widest):
             width = int(np.count_nonzero(values > limit[:, None], axis=1).max())
             if width:  # none lies outside at the first shrinks
@@ -329,7 +349,9 @@ def _clip_floors(rows: np.ndarray, trials, spec: GridSpec) -> np.ndarray | None:
     return np.repeat(np.minimum.accumulate(floors[::-1], axis=0)[::-1], FLOOR_BLOCK, axis=0)[: len(trials)]
 
 
-def _exact(rows: np.ndarray, trials, spec: GridSpec, scale: np.ndarray, zero: np.ndarray, candidates: np.ndarray | None) -> None:
+def _exact(
+    rows: np.ndarray, trials, spec: GridSpec, scale: np.ndarray, zero: np.ndarray, candidates: np.ndarray | None
+) -> None:
     """The exact search (float64, Σ|ŵ − w|^2.4, the first least shrink kept) over every shrink, or per
     shrink over the rows `candidates` leaves to it; writes the winners into `scale` and `zero`."""
     best = np.full(rows.shape[0], np.inf)

@@ -35,6 +35,7 @@ uniform QEP on lorenz96 at W2 drifted 1.89 points more held-out with the per-cha
 grids (t = 5.5), while at W4 (-0.85, t = -3.9) and on the tied mixer at W2 (-1.49, t = -3.8) it drifted less
 (benchmarks/results/calib_spread.md); `export` and `baseline` measure both (`--grids auto`)."""
 
+
 @dataclass(frozen=True)
 class Rounding:
     """How codes are chosen on a tier's grid, with the official defaults."""
@@ -126,18 +127,29 @@ def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: b
     original = np.array(wt) if spec.search else None
     product: dict | None = {} if original is not None else None
     if rounding.method == "qep":
-        wt = solvers.qep_correct(wt, stats.H, stats.G, alpha=rounding.strength if correct else 0.0, percdampqep=rounding.percdampqep, own=True, cache=stats,
-                                 product=product)
+        wt = solvers.qep_correct(
+            wt,
+            stats.H,
+            stats.G,
+            alpha=rounding.strength if correct else 0.0,
+            percdampqep=rounding.percdampqep,
+            own=True,
+            cache=stats,
+            product=product,
+        )
     if original is None:
         return _solve(rounding, wt, stats, spec, group)
     return _better_rows(rounding, original, wt, stats, spec, group, product)
 
 
-def _solve(rounding: Rounding, wt, stats: Hessian, spec, group: int, grid: Grid | None = None, losses: np.ndarray | None = None) -> Quantized:
+def _solve(
+    rounding: Rounding, wt, stats: Hessian, spec, group: int, grid: Grid | None = None, losses: np.ndarray | None = None
+) -> Quantized:
     """The base solve on `wt` (QEP's already corrected), in place; `grid` as for `solvers.gptq`; `losses` filled
     by a GPTQ loop (`solvers.gptq`), left alone by the others."""
-    settings = dict(group_size=group, percdamp=rounding.percdamp, block_size=rounding.block_size,
-                    act_order=rounding.act_order)
+    settings = dict(
+        group_size=group, percdamp=rounding.percdamp, block_size=rounding.block_size, act_order=rounding.act_order
+    )
     if rounding.method == "gptaq":
         options = solvers.GptaqSettings(**settings, alpha=rounding.strength)
         return solvers.gptaq(wt, stats.H, stats.G, spec, options, own=True, cache=stats, grid=grid)
@@ -147,7 +159,9 @@ def _solve(rounding: Rounding, wt, stats: Hessian, spec, group: int, grid: Grid 
     return solvers.gptq(wt, stats.H, spec, options, own=True, cache=stats, grid=grid, losses=losses)
 
 
-def _better_rows(rounding: Rounding, original, wt, stats: Hessian, spec, group: int, product: dict | None = None) -> Quantized:
+def _better_rows(
+    rounding: Rounding, original, wt, stats: Hessian, spec, group: int, product: dict | None = None
+) -> Quantized:
     """Each output channel on whichever grid, clip-searched or plain min-max, gives it the lower
     calibration objective after the solve.
 
@@ -191,7 +205,9 @@ def _better_rows(rounding: Rounding, original, wt, stats: Hessian, spec, group: 
     return searched
 
 
-def _both_grids(rounding: Rounding, wt: np.ndarray, stats: Hessian, spec, plain_spec) -> tuple[Quantized, np.ndarray, Quantized]:
+def _both_grids(
+    rounding: Rounding, wt: np.ndarray, stats: Hessian, spec, plain_spec
+) -> tuple[Quantized, np.ndarray, Quantized]:
     """(every row solved on its searched grid, the rows whose searched grid is not the min-max one, those rows
     solved on the min-max grid), from one column loop over both. The grids are fitted as the solver fits them,
     to the weight with its dead inputs zeroed (in place: `wt` is this call's own); one loop pays numpy's per-column calls once, not twice (at the
@@ -218,8 +234,16 @@ class _BothGrids:
     losses: tuple[np.ndarray, np.ndarray]
 
 
-def _second_lower_by_losses(rounding: Rounding, original, corrected, solved: _BothGrids, stats: Hessian, aim: float,
-                            product: dict, rows: np.ndarray) -> np.ndarray | None:
+def _second_lower_by_losses(
+    rounding: Rounding,
+    original,
+    corrected,
+    solved: _BothGrids,
+    stats: Hessian,
+    aim: float,
+    product: dict,
+    rows: np.ndarray,
+) -> np.ndarray | None:
     """`solvers.second_lower` from what the solve already knows, without its products with H and G (as many flops
     as a column loop at K = 4096): the loop's losses Lᵢ = aᵢ·(H + δI)·aᵢᵀ, aᵢ = qᵢ − w* (w* the weight it solved,
     QEP-corrected), and QEP's W·G with its damping λ. With c = w* − w = α·W·G·(H + λI)⁻¹, c·H = α·W·G − λ·c, so
@@ -244,9 +268,15 @@ def _second_lower_by_losses(rounding: Rounding, original, corrected, solved: _Bo
         e = two - one
         one -= w_star
         two -= w_star
-        change = losses[1][part] - losses[0][part] - delta * (np.einsum("ij,ij->i", two, two) - np.einsum("ij,ij->i", one, one))
+        change = (
+            losses[1][part]
+            - losses[0][part]
+            - delta * (np.einsum("ij,ij->i", two, two) - np.einsum("ij,ij->i", one, one))
+        )
         if product_of is not None:
-            pull = (rounding.strength - aim) * np.asarray(product_of[rows[part]], np.float64) - product["damping"] * (w_star - original[part])
+            pull = (rounding.strength - aim) * np.asarray(product_of[rows[part]], np.float64) - product["damping"] * (
+                w_star - original[part]
+            )
             change += 2 * np.einsum("ij,ij->i", e, pull)
         better[part] = change < 0
     return better
@@ -279,4 +309,6 @@ def split(parts: Sequence[Encoded], layout: Layout, tier_name: str = "mixed") ->
     """Channel groups (consecutive along the output-channel axis) joined into one weight."""
     if len(parts) == 1:
         return parts[0]
-    return Encoded(tier_name, "split", None, layout.shape, axis=layout.perm[0], dtype=parts[0].dtype, parts=tuple(parts))
+    return Encoded(
+        tier_name, "split", None, layout.shape, axis=layout.perm[0], dtype=parts[0].dtype, parts=tuple(parts)
+    )

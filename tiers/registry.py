@@ -82,9 +82,13 @@ def get_tiers(names: list[str] | tuple[str, ...], target: str = "ort", group_siz
             raise TierError(f"unknown tier '{name}'; known tiers: {', '.join(TIERS)}")
         tier = TIERS[key]
         if target not in tier.runtimes:
-            raise TierError(f"tier '{tier.name}' cannot run on target '{target}' (it runs on: {', '.join(sorted(tier.runtimes))})")
+            raise TierError(
+                f"tier '{tier.name}' cannot run on target '{target}' (it runs on: {', '.join(sorted(tier.runtimes))})"
+            )
         if target == "trt" and tier.name == "int4" and group_size not in TRT_BLOCK_SIZES:
-            raise TierError(f"TensorRT runs INT4 weights only in blocks of {' or '.join(map(str, TRT_BLOCK_SIZES))}; pass --group-size 64 or 128")
+            raise TierError(
+                f"TensorRT runs INT4 weights only in blocks of {' or '.join(map(str, TRT_BLOCK_SIZES))}; pass --group-size 64 or 128"
+            )
         tiers.append(tier)
     if not tiers:
         raise TierError("no tiers given")

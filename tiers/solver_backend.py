@@ -170,7 +170,11 @@ def solver_threads() -> int:
     weights one at a time."""
     from threadpoolctl import threadpool_info
 
-    counts = [lib["num_threads"] for lib in threadpool_info() if lib.get("user_api") == "blas" and lib.get("filepath") not in MANAGED_BLAS]
+    counts = [
+        lib["num_threads"]
+        for lib in threadpool_info()
+        if lib.get("user_api") == "blas" and lib.get("filepath") not in MANAGED_BLAS
+    ]
     return max(1, min(counts) if counts else 1)
 
 

@@ -22,8 +22,19 @@ import numpy as np
 
 from graph_ops.io import OutputError, atomic_output, check_writable, missing_folders, remove_empty_folders
 
-__all__ = ["RunFolderShare", "atomic_output", "check_writable", "claim_run_folder", "file_identity", "json_text", "write_json", "write_npz", "write_table", "write_text",
-           "write_texts"]
+__all__ = [
+    "RunFolderShare",
+    "atomic_output",
+    "check_writable",
+    "claim_run_folder",
+    "file_identity",
+    "json_text",
+    "write_json",
+    "write_npz",
+    "write_table",
+    "write_text",
+    "write_texts",
+]
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
@@ -71,8 +82,10 @@ def write_table(frame, path: str | os.PathLike) -> Path:
         frame.write_csv(buffer)
     else:
         frame.write_parquet(buffer)
-    data = buffer.getvalue()  # bytes, not getbuffer()'s view: a failed write's traceback kept the view and its BytesIO in a
-    del buffer                # cycle, and Python 3.12 segfaulted collecting it (exit 139 after the one-line error)
+    data = (
+        buffer.getvalue()
+    )  # bytes, not getbuffer()'s view: a failed write's traceback kept the view and its BytesIO in a
+    del buffer  # cycle, and Python 3.12 segfaulted collecting it (exit 139 after the one-line error)
     with atomic_output(path) as temporary:
         temporary.write_bytes(data)
     return Path(path)
@@ -113,11 +126,16 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"run folder {folder} is a file")
-    if folder.is_dir() and not (folder / RUN_MARKER).exists() and not (folder / REPLACED).is_dir():  # .replaced: a run killed as it began
+    if (
+        folder.is_dir() and not (folder / RUN_MARKER).exists() and not (folder / REPLACED).is_dir()
+    ):  # .replaced: a run killed as it began
         foreign = sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME)
         if foreign:
             shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-            raise InputError(f"{folder} is not a tqsdeploy run folder and not empty (it holds {shown})", hint="choose a new or empty folder with --out")
+            raise InputError(
+                f"{folder} is not a tqsdeploy run folder and not empty (it holds {shown})",
+                hint="choose a new or empty folder with --out",
+            )
     check_writable(folder)
     made = missing_folders(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -127,22 +145,33 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
     except Timeout:
         exporting = _only_shared(folder)
         if not exporting or not _acquired_after_collecting(lock):
-            raise InputError(f"an export is reading the score run in {folder}" if exporting else f"another tqsdeploy command is writing to {folder}",
-                             hint="wait for it to finish (in Python: close its Planner, or use it in a with block), or use another folder") from None
-    for stale in folder.glob(".*.partial"):  # a write a killed command left (`atomic_output`): nobody else writes here now
+            raise InputError(
+                f"an export is reading the score run in {folder}"
+                if exporting
+                else f"another tqsdeploy command is writing to {folder}",
+                hint="wait for it to finish (in Python: close its Planner, or use it in a with block), or use another folder",
+            ) from None
+    for stale in folder.glob(
+        ".*.partial"
+    ):  # a write a killed command left (`atomic_output`): nobody else writes here now
         stale.unlink(missing_ok=True)
     before, recorded = {p.name for p in folder.iterdir()}, file_identity(folder / RUN_MARKER)
     try:
         yield folder
     except BaseException:
-        if file_identity(folder / RUN_MARKER) in (None, recorded):  # refused (or stopped) before recording a run: what it made goes
+        if file_identity(folder / RUN_MARKER) in (
+            None,
+            recorded,
+        ):  # refused (or stopped) before recording a run: what it made goes
             for path in folder.iterdir():
                 if path.name not in before and path.name != LOCK_NAME and path.is_file():
                     path.unlink(missing_ok=True)
         raise
     finally:
         lock.release()
-        if made and [p.name for p in folder.iterdir()] == [LOCK_NAME]:  # refused before writing anything: leave no trace
+        if made and [p.name for p in folder.iterdir()] == [
+            LOCK_NAME
+        ]:  # refused before writing anything: leave no trace
             (folder / LOCK_NAME).unlink(missing_ok=True)
             remove_empty_folders(made)
 
@@ -196,7 +225,9 @@ class RunFolderShare:
             fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.close()
-            raise InputError(f"a score command is writing to {self.folder}", hint="wait for it to finish, then export") from None
+            raise InputError(
+                f"a score command is writing to {self.folder}", hint="wait for it to finish, then export"
+            ) from None
         except OSError:
             handle.close()
             return

@@ -17,7 +17,16 @@ import time
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.progress import (
+    Progress as RichProgress,
+)
 
 INTERVAL_S = float(os.environ.get("TQS_PROGRESS_INTERVAL", 10.0))
 """Seconds between plain progress lines when the output is not a terminal."""
@@ -44,7 +53,15 @@ class Progress:
 
     `total` may be unknown (None) at first and set later with `start`."""
 
-    def __init__(self, console: Console, description: str, total: int | None = None, unit: str = "steps", done: int = 0, interval: float = INTERVAL_S):
+    def __init__(
+        self,
+        console: Console,
+        description: str,
+        total: int | None = None,
+        unit: str = "steps",
+        done: int = 0,
+        interval: float = INTERVAL_S,
+    ):
         self.console, self.description, self.unit, self.interval = console, description, unit, interval
         self.total, self.done, self.detail = total, done, ""
         self.tty = console.is_terminal
@@ -81,8 +98,14 @@ class Progress:
         if self.tty:
             if self._bar is None:
                 self._bar = RichProgress(
-                    TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(self.unit),
-                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+                    TextColumn("[progress.description]{task.description}"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TextColumn(self.unit),
+                    TimeElapsedColumn(),
+                    TextColumn("ETA"),
+                    TimeRemainingColumn(),
+                    console=self.console,
                 )
                 self._bar.start()
                 self._task = self._bar.add_task(escape(self.description), total=total, completed=done)
@@ -108,7 +131,11 @@ class Progress:
             return
         with self._lock:
             now = time.monotonic()
-            if now - self._last_line >= self.interval or self._tenth() > self._last_tenth or (self.total and self.done >= self.total):
+            if (
+                now - self._last_line >= self.interval
+                or self._tenth() > self._last_tenth
+                or (self.total and self.done >= self.total)
+            ):
                 self._line(now)
 
     def _heartbeat(self) -> None:

@@ -37,7 +37,9 @@ def check_target(target: float) -> float:
     if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
         raise InputError(f"compression target must be a positive number, not {target}")
     if target < 1:  # the original's bits over the export's: below 1 asks for a larger file, which no tier makes
-        raise InputError(f"compression target {target:g} is below 1: C is the original's size over the exported one (1 keeps it as it is)")
+        raise InputError(
+            f"compression target {target:g} is below 1: C is the original's size over the exported one (1 keeps it as it is)"
+        )
     return float(target)
 
 
@@ -87,7 +89,9 @@ class SizeBudget:
         """Whether `target` can be met when the slots cost at least `floor_bits` (see `REACH_TOLERANCE`)."""
         return check_target(target) <= self.compression(floor_bits) * (1 + REACH_TOLERANCE)
 
-    def check(self, target: float, floor_bits: float, tiers: Iterable[str], hint: str = "lower --C or add a cheaper tier") -> None:
+    def check(
+        self, target: float, floor_bits: float, tiers: Iterable[str], hint: str = "lower --C or add a cheaper tier"
+    ) -> None:
         """Refuse a target out of reach, naming the largest reachable C."""
         if not self.reachable(floor_bits, target):
             raise InfeasibleError(

@@ -70,7 +70,9 @@ def _compile(pattern: str | None, option: str) -> re.Pattern | None:
         raise InputError(f"{option} '{pattern}' is not a valid regular expression: {exc}") from None
 
 
-def select_units(tensors: list[WeightTensor], selection: UnitSelection, unfed: dict[str, tuple[str, int]] | None = None) -> list[Unit]:
+def select_units(
+    tensors: list[WeightTensor], selection: UnitSelection, unfed: dict[str, tuple[str, int]] | None = None
+) -> list[Unit]:
     """Apply the size threshold, include/exclude patterns and grouping. `unfed`: weights of a type that cannot
     be fed (`graph_ops.layout.unfed_float_tensors`), named when they leave nothing to score."""
     include = _compile(selection.include, "--include")
@@ -124,7 +126,11 @@ def _names(names) -> str:
 
 
 def selection_notes(
-    loaded: "LoadedModel", tensors: list[WeightTensor], units: list[Unit], selection: UnitSelection, unfed: dict[str, tuple[str, int]] | None = None
+    loaded: "LoadedModel",
+    tensors: list[WeightTensor],
+    units: list[Unit],
+    selection: UnitSelection,
+    unfed: dict[str, tuple[str, int]] | None = None,
 ) -> list[str]:
     """What a user should know about which tensors became units, beyond the unit list itself (`unfed` as
     `select_units` took it)."""
@@ -145,7 +151,11 @@ def selection_notes(
         )
     chosen = {name for unit in units for name in unit.tensor_names}
     inner = read_in_subgraphs(loaded.proto.graph)
-    hidden = [t for t in tensors if t.name in inner and t.name not in chosen and not t.is_operand_weight and t.params >= selection.min_params]
+    hidden = [
+        t
+        for t in tensors
+        if t.name in inner and t.name not in chosen and not t.is_operand_weight and t.params >= selection.min_params
+    ]
     if hidden:
         notes.append(
             f"{len(hidden)} weight(s) read only inside Scan/Loop/If bodies are not units ({_names(t.name for t in hidden)}; "
@@ -157,7 +167,9 @@ def selection_notes(
         notes.append(f"'{tensor.name}' ({tensor.params:,} params) is not a unit: {why}; {act} to score and quantize it")
     if len(skipped) > NAMED:
         rest = [t for t, _ in skipped[NAMED:]]
-        notes.append(f"{len(rest)} more float tensor(s) of at least --min-params {selection.min_params} are not units ({sum(t.params for t in rest):,} params)")
+        notes.append(
+            f"{len(rest)} more float tensor(s) of at least --min-params {selection.min_params} are not units ({sum(t.params for t in rest):,} params)"
+        )
     return notes
 
 
@@ -166,12 +178,16 @@ NAMED = 4
 """Non-unit float tensors named one by one in notes and hints (the largest); the rest are counted."""
 
 
-def large_outside(proto, tensors: list[WeightTensor], chosen: set[str], selection: UnitSelection) -> list[tuple[WeightTensor, str]]:
+def large_outside(
+    proto, tensors: list[WeightTensor], chosen: set[str], selection: UnitSelection
+) -> list[tuple[WeightTensor, str]]:
     """The float tensors of at least --min-params elements that are not units (`chosen`: the units' and
     those noted otherwise), largest first, each with why: what a user may want to --include."""
     from graph_ops.layout import unreached_reasons
 
-    large = sorted((t for t in tensors if t.name not in chosen and t.params >= selection.min_params), key=lambda t: -t.params)
+    large = sorted(
+        (t for t in tensors if t.name not in chosen and t.params >= selection.min_params), key=lambda t: -t.params
+    )
     reasons = unreached_reasons(proto.graph, [t.name for t in large if not t.is_operand_weight])
     return [(t, reasons.get(t.name, EXCLUDED)) for t in large]
 
@@ -190,7 +206,9 @@ def outside_hint(proto, unit_names, selection: UnitSelection) -> str | None:
         return None
     named = "; ".join(f"'{t.name}' ({t.params:,} params: {why})" for t, why in large[:NAMED])
     more = f"; {len(large) - NAMED} more" if len(large) > NAMED else ""
-    act = "name them with --include" + (" (or drop them from --exclude)" if any(why == EXCLUDED for _, why in large) else "")
+    act = "name them with --include" + (
+        " (or drop them from --exclude)" if any(why == EXCLUDED for _, why in large) else ""
+    )
     return f"{len(large)} float tensor(s) of at least --min-params {selection.min_params} are not units: {named}{more}; {act} to quantize them"
 
 
@@ -237,7 +255,15 @@ def index_rows(proto) -> dict[str, int]:
     """Model inputs that index a Gather table (axis 0; token, station or series ids), each with the rows of the
     smallest table it indexes: the ids random contexts may draw without reading past a table."""
     shapes = {t.name: tuple(t.dims) for t in proto.graph.initializer}
-    shapes.update({node.output[0]: tuple(a.t.dims) for node in proto.graph.node if node.op_type == "Constant" for a in node.attribute if a.name == "value"})
+    shapes.update(
+        {
+            node.output[0]: tuple(a.t.dims)
+            for node in proto.graph.node
+            if node.op_type == "Constant"
+            for a in node.attribute
+            if a.name == "value"
+        }
+    )
     inputs, source, rows = {i.name for i in proto.graph.input}, _index_source(proto), {}
     for node in proto.graph.node:
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
@@ -274,7 +300,12 @@ def gather_rows(proto, units: list[Unit], contexts: dict, fed_inputs: set[str]) 
             indices = set()
             for node in nodes:
                 axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-                if node.op_type != "Gather" or node.input[0] != tensor.name or node.input[1] == tensor.name or axis != 0:
+                if (
+                    node.op_type != "Gather"
+                    or node.input[0] != tensor.name
+                    or node.input[1] == tensor.name
+                    or axis != 0
+                ):
                     break
                 index = source(node.input[1])
                 if index not in contexts or index in fed_inputs:
@@ -282,7 +313,9 @@ def gather_rows(proto, units: list[Unit], contexts: dict, fed_inputs: set[str]) 
                 indices.add(index)
             else:
                 count = int(tensor.shape[0])
-                touched = np.unique(np.concatenate([np.asarray(contexts[i]).reshape(-1).astype(np.int64) % count for i in indices]))
+                touched = np.unique(
+                    np.concatenate([np.asarray(contexts[i]).reshape(-1).astype(np.int64) % count for i in indices])
+                )
                 if touched.size < count:
                     rows[tensor.name] = touched
     return rows

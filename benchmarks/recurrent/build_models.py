@@ -54,7 +54,11 @@ class Forecaster(nn.Module):
         return self.head(out[:, -1]).unsqueeze(-1)
 
 
-MODELS = {"lstm": lambda: Forecaster(nn.LSTM), "gru": lambda: Forecaster(nn.GRU), "lstm_bidir": lambda: Forecaster(nn.LSTM, bidirectional=True)}
+MODELS = {
+    "lstm": lambda: Forecaster(nn.LSTM),
+    "gru": lambda: Forecaster(nn.GRU),
+    "lstm_bidir": lambda: Forecaster(nn.LSTM, bidirectional=True),
+}
 
 
 def train(model: nn.Module, series: np.ndarray, steps: int = 150, batch: int = 32) -> float:
@@ -63,8 +67,8 @@ def train(model: nn.Module, series: np.ndarray, steps: int = 150, batch: int = 3
     model.train()
     for _ in range(steps):
         starts = np.random.randint(0, TRAIN_END - CONTEXT - HORIZON, size=batch)
-        x = torch.from_numpy(np.stack([series[i:i + CONTEXT] for i in starts])[..., None])
-        y = torch.from_numpy(np.stack([series[i + CONTEXT:i + CONTEXT + HORIZON] for i in starts])[..., None])
+        x = torch.from_numpy(np.stack([series[i : i + CONTEXT] for i in starts])[..., None])
+        y = torch.from_numpy(np.stack([series[i + CONTEXT : i + CONTEXT + HORIZON] for i in starts])[..., None])
         loss = F.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -73,13 +77,18 @@ def train(model: nn.Module, series: np.ndarray, steps: int = 150, batch: int = 3
     return float(loss)
 
 
-def windows(series: np.ndarray, start: int, count: int = 8, batch: int = 4, steps: int = 8, stride: int = 211) -> tuple[np.ndarray, np.ndarray]:
+def windows(
+    series: np.ndarray, start: int, count: int = 8, batch: int = 4, steps: int = 8, stride: int = 211
+) -> tuple[np.ndarray, np.ndarray]:
     """Contexts (count, batch, 96, 1) of consecutive series 7 rows apart, and truth (count, steps, batch, 24, 1)."""
     contexts, truth = [], []
     for w in range(count):
         offsets = [start + w * stride + b * 7 for b in range(batch)]
-        contexts.append(np.stack([series[i:i + CONTEXT] for i in offsets]))
-        ahead = [np.stack([series[i + CONTEXT + k * HORIZON:i + CONTEXT + (k + 1) * HORIZON] for k in range(steps)]) for i in offsets]
+        contexts.append(np.stack([series[i : i + CONTEXT] for i in offsets]))
+        ahead = [
+            np.stack([series[i + CONTEXT + k * HORIZON : i + CONTEXT + (k + 1) * HORIZON] for k in range(steps)])
+            for i in offsets
+        ]
         truth.append(np.stack(ahead, axis=1))
     return np.stack(contexts)[..., None].astype(np.float32), np.stack(truth)[..., None].astype(np.float32)
 
@@ -89,8 +98,18 @@ def export_both(model: nn.Module, name: str, out: Path) -> None:
     sample = (torch.randn(2, CONTEXT, 1),)
     names = {"input_names": ["x"], "output_names": ["y"], "opset_version": 17}
     batch = torch.export.Dim("batch", min=1, max=1024)
-    torch.onnx.export(model, sample, str(out / f"{name}.onnx"), dynamo=True, external_data=False, dynamic_shapes=({0: batch},), **names)
-    torch.onnx.export(model, sample, str(out / f"{name}_ts.onnx"), dynamo=False, dynamic_axes={"x": [0], "y": [0]}, **names)
+    torch.onnx.export(
+        model,
+        sample,
+        str(out / f"{name}.onnx"),
+        dynamo=True,
+        external_data=False,
+        dynamic_shapes=({0: batch},),
+        **names,
+    )
+    torch.onnx.export(
+        model, sample, str(out / f"{name}_ts.onnx"), dynamo=False, dynamic_axes={"x": [0], "y": [0]}, **names
+    )
 
 
 def build(name: str, series: np.ndarray, out: Path) -> None:
@@ -110,7 +129,9 @@ def build(name: str, series: np.ndarray, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the models and their windows")
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="ETTh1.csv (default: the repository's ../shared/data)")
+    parser.add_argument(
+        "--data", type=Path, default=DEFAULT_DATA, help="ETTh1.csv (default: the repository's ../shared/data)"
+    )
     parser.add_argument("--only", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -16,6 +16,7 @@ Kelvin out. Weeks 1-3 (hours 0..503) train, week 4 (hours 504..743) test.
 
 Run from the repo root:  python examples/era5_downscale/train.py [--data PATH]
 """
+
 import argparse
 import time
 from pathlib import Path
@@ -59,13 +60,13 @@ class Downscaler(nn.Module):
         self.act = nn.GELU()
 
     def forward(self, coarse, hour):
-        up = bilinear((coarse - self.mean) / self.std)                       # (batch, 1, 33, 49)
-        bias = self.hour_embed(hour)[:, :, None, None]                       # (batch, 64, 1, 1)
+        up = bilinear((coarse - self.mean) / self.std)  # (batch, 1, 33, 49)
+        bias = self.hour_embed(hour)[:, :, None, None]  # (batch, 64, 1, 1)
         h = torch.cat([up, self.static.expand(up.shape[0], -1, -1, -1)], 1)
         for i, conv in enumerate(self.convs):
             h = conv(h)
             if i < 2:
-                h = h + bias[:, i * WIDTH:(i + 1) * WIDTH]
+                h = h + bias[:, i * WIDTH : (i + 1) * WIDTH]
             if i < len(self.convs) - 1:
                 h = self.act(h)
         return up * self.std + self.mean + self.res_std * h
@@ -83,10 +84,10 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
-    t2m = np.load(args.data)["t2m"].astype(np.float32)                     # (744, 33, 49)
-    coarse_all = torch.from_numpy(coarsen(t2m))                              # (744, 1, 11, 17)
-    fine_all = torch.from_numpy(t2m[:, None])                                # (744, 1, 33, 49)
-    hour_all = torch.from_numpy(np.arange(len(t2m)) % 24)                    # the file starts at 00 UTC
+    t2m = np.load(args.data)["t2m"].astype(np.float32)  # (744, 33, 49)
+    coarse_all = torch.from_numpy(coarsen(t2m))  # (744, 1, 11, 17)
+    fine_all = torch.from_numpy(t2m[:, None])  # (744, 1, 33, 49)
+    hour_all = torch.from_numpy(np.arange(len(t2m)) % 24)  # the file starts at 00 UTC
     x, hr, y = coarse_all[:N_TRAIN_H], hour_all[:N_TRAIN_H], fine_all[:N_TRAIN_H]
     mean, std = float(x.mean()), float(x.std())
     res_std = float((y - bilinear(x)).std())
@@ -98,7 +99,7 @@ def main():
     for ep in range(args.epochs):
         perm, tot = torch.randperm(len(x)), 0.0
         for i in range(0, len(x), bs):
-            idx = perm[i:i + bs]
+            idx = perm[i : i + bs]
             loss = ((model(x[idx], hr[idx]) - y[idx]) ** 2).mean()
             opt.zero_grad()
             loss.backward()
@@ -114,18 +115,34 @@ def main():
         pred, base = model(xt, ht).numpy(), bilinear(xt).numpy()
         near = tf.interpolate(xt, scale_factor=FACTOR, mode="nearest")[..., :NY, :NX].numpy()
     yt = yt.numpy()
-    print(f"test ({len(yt)} hours) RMSE: model {rmse(pred, yt):.3f} K, bilinear {rmse(base, yt):.3f} K, "
-          f"nearest {rmse(near, yt):.3f} K; train RMSE: model {rmse(model(x, hr).detach().numpy(), y.numpy()):.3f} K, "
-          f"bilinear {rmse(bilinear(x).numpy(), y.numpy()):.3f} K")
-    by_hour = [(rmse(pred[ht.numpy() % 24 == h], yt[ht.numpy() % 24 == h]),
-                rmse(base[ht.numpy() % 24 == h], yt[ht.numpy() % 24 == h])) for h in range(0, 24, 6)]
-    print("test RMSE by hour of day (model / bilinear, K): "
-          + ", ".join(f"{h:02d}h {m:.2f}/{b:.2f}" for h, (m, b) in zip(range(0, 24, 6), by_hour)))
+    print(
+        f"test ({len(yt)} hours) RMSE: model {rmse(pred, yt):.3f} K, bilinear {rmse(base, yt):.3f} K, "
+        f"nearest {rmse(near, yt):.3f} K; train RMSE: model {rmse(model(x, hr).detach().numpy(), y.numpy()):.3f} K, "
+        f"bilinear {rmse(bilinear(x).numpy(), y.numpy()):.3f} K"
+    )
+    by_hour = [
+        (
+            rmse(pred[ht.numpy() % 24 == h], yt[ht.numpy() % 24 == h]),
+            rmse(base[ht.numpy() % 24 == h], yt[ht.numpy() % 24 == h]),
+        )
+        for h in range(0, 24, 6)
+    ]
+    print(
+        "test RMSE by hour of day (model / bilinear, K): "
+        + ", ".join(f"{h:02d}h {m:.2f}/{b:.2f}" for h, (m, b) in zip(range(0, 24, 6), by_hour))
+    )
 
     path = HERE / "model.onnx"
-    torch.onnx.export(model, (xt[:2], ht[:2]), path, dynamo=False, opset_version=17,
-                      input_names=["coarse", "hour"], output_names=["fine"],
-                      dynamic_axes={"coarse": {0: "batch"}, "hour": {0: "batch"}, "fine": {0: "batch"}})
+    torch.onnx.export(
+        model,
+        (xt[:2], ht[:2]),
+        path,
+        dynamo=False,
+        opset_version=17,
+        input_names=["coarse", "hour"],
+        output_names=["fine"],
+        dynamic_axes={"coarse": {0: "batch"}, "hour": {0: "batch"}, "fine": {0: "batch"}},
+    )
     m = onnx.load(path)
     m.ir_version = min(m.ir_version, 10)
     onnx.checker.check_model(m)
@@ -139,23 +156,27 @@ def main():
     coarse_np, hour_np = coarse_all.numpy(), hour_all.numpy().astype(np.int64)
     for name, times in (("contexts", scoring), ("heldout", held)):
         times = times.reshape(N_WIN, PER_WIN)
-        np.savez(HERE / f"{name}.npz", coarse=coarse_np[times], hour=hour_np[times])    # (8, 4, 1, 11, 17), (8, 4)
-        np.savez(HERE / ("truth.npz" if name == "contexts" else "heldout_truth.npz"),
-                 fine=t2m[times][:, None, :, None])                                       # (8, 1, 4, 1, 33, 49)
+        np.savez(HERE / f"{name}.npz", coarse=coarse_np[times], hour=hour_np[times])  # (8, 4, 1, 11, 17), (8, 4)
+        np.savez(
+            HERE / ("truth.npz" if name == "contexts" else "heldout_truth.npz"), fine=t2m[times][:, None, :, None]
+        )  # (8, 1, 4, 1, 33, 49)
         print(f"{name} times {times.tolist()}")
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for name, truth_name in (("contexts", "truth"), ("heldout", "heldout_truth")):
         ctx, truth = np.load(HERE / f"{name}.npz"), np.load(HERE / f"{truth_name}.npz")["fine"]
-        outs = np.stack([sess.run(None, {"coarse": ctx["coarse"][w], "hour": ctx["hour"][w]})[0]
-                         for w in range(N_WIN)])[:, None]
+        outs = np.stack(
+            [sess.run(None, {"coarse": ctx["coarse"][w], "hour": ctx["hour"][w]})[0] for w in range(N_WIN)]
+        )[:, None]
         base = np.stack([bilinear(torch.from_numpy(ctx["coarse"][w])).numpy() for w in range(N_WIN)])[:, None]
         print(f"{name}: ORT RMSE {rmse(outs, truth):.3f} K, bilinear {rmse(base, truth):.3f} K")
     with torch.no_grad():
         y_pt = model(xt[:4], ht[:4]).numpy()
     y_ort = sess.run(None, {"coarse": xt[:4].numpy(), "hour": ht[:4].numpy()})[0]
-    print(f"ORT vs torch max abs diff {np.abs(y_ort - y_pt).max():.2e} K; "
-          f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B")
+    print(
+        f"ORT vs torch max abs diff {np.abs(y_ort - y_pt).max():.2e} K; "
+        f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B"
+    )
 
 
 if __name__ == "__main__":

@@ -33,9 +33,11 @@ def check(contexts, truth, label):
             pred[w, k] = s
     model = [rmse(pred[:, k], truth[:, k]) for k in range(STEPS)]
     persist = [rmse(contexts, truth[:, k]) for k in range(STEPS)]
-    print(f"{label}: rollout RMSE per lead (model / persistence, K): "
-          + ", ".join(f"{LEAD * (k + 1)}h {m:.2f}/{p:.2f}" for k, (m, p) in enumerate(zip(model, persist)))
-          + f"; RMS over leads {np.sqrt(np.mean(np.square(model))):.3f}/{np.sqrt(np.mean(np.square(persist))):.3f}")
+    print(
+        f"{label}: rollout RMSE per lead (model / persistence, K): "
+        + ", ".join(f"{LEAD * (k + 1)}h {m:.2f}/{p:.2f}" for k, (m, p) in enumerate(zip(model, persist)))
+        + f"; RMS over leads {np.sqrt(np.mean(np.square(model))):.3f}/{np.sqrt(np.mean(np.square(persist))):.3f}"
+    )
 
 
 def main() -> None:
@@ -43,18 +45,20 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--check", action="store_true", help="roll model.onnx out on held-out and scoring windows")
     args = parser.parse_args()
-    t2m = np.load(args.data)["t2m"].astype(np.float32)[:, None]        # (744, 1, 33, 49)
-    last = N_HOURS - 1 - STEPS * LEAD                                  # 695: t + 48 h stays in the test week
-    scoring = np.linspace(N_TRAIN_H, last, N_CTX).astype(int)          # as in train.py
+    t2m = np.load(args.data)["t2m"].astype(np.float32)[:, None]  # (744, 1, 33, 49)
+    last = N_HOURS - 1 - STEPS * LEAD  # 695: t + 48 h stays in the test week
+    scoring = np.linspace(N_TRAIN_H, last, N_CTX).astype(int)  # as in train.py
     starts = np.round(np.linspace(N_TRAIN_H + 3, last - 2, N)).astype(int)
     starts = np.array([s + 1 if s in scoring else s for s in starts])
     assert not set(starts.tolist()) & set(scoring.tolist()) and starts.min() >= N_TRAIN_H and starts.max() <= last
-    contexts = t2m[starts][:, None]                                                        # (16, 1, 1, 33, 49)
+    contexts = t2m[starts][:, None]  # (16, 1, 1, 33, 49)
     truth = np.stack([t2m[starts + k * LEAD] for k in range(1, STEPS + 1)], 1)[:, :, None]  # (16, 8, 1, 1, 33, 49)
     np.savez(HERE / "heldout.npz", state=contexts)
     np.savez(HERE / "heldout_truth.npz", next_state=truth)
-    print(f"held-out start hours {starts.tolist()} (hour of day {(starts % 24).tolist()}); "
-          f"scoring hours {scoring.tolist()}")
+    print(
+        f"held-out start hours {starts.tolist()} (hour of day {(starts % 24).tolist()}); "
+        f"scoring hours {scoring.tolist()}"
+    )
     if args.check:
         check(contexts, truth, "held-out")
         ctx, tru = np.load(HERE / "contexts.npz")["state"], np.load(HERE / "truth.npz")["next_state"]

@@ -9,6 +9,7 @@ the 6 h advection distance) while staying small.
 
 Run from the repo root:  python examples/era5_emulator/train.py [--data PATH]
 """
+
 import argparse
 import time
 from pathlib import Path
@@ -33,8 +34,9 @@ class Emulator(nn.Module):
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32))
         self.register_buffer("inc_std", torch.tensor(inc_std, dtype=torch.float32))
         chans = [1] + [width] * (len(dilations) - 1) + [1]
-        self.convs = nn.ModuleList(nn.Conv2d(a, b, 3, padding=d, dilation=d)
-                                   for a, b, d in zip(chans, chans[1:], dilations))
+        self.convs = nn.ModuleList(
+            nn.Conv2d(a, b, 3, padding=d, dilation=d) for a, b, d in zip(chans, chans[1:], dilations)
+        )
         self.act = nn.GELU()
 
     def forward(self, state):
@@ -58,7 +60,7 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
-    t2m = np.load(args.data)["t2m"].astype(np.float32)[:, None]        # (744, 1, 33, 49)
+    t2m = np.load(args.data)["t2m"].astype(np.float32)[:, None]  # (744, 1, 33, 49)
     train = t2m[:N_TRAIN_H]
     x, y = torch.from_numpy(train[:-LEAD]), torch.from_numpy(train[LEAD:])
     mean, std = float(train.mean()), float(train.std())
@@ -71,7 +73,7 @@ def main():
     for ep in range(args.epochs):
         perm, tot = torch.randperm(len(x)), 0.0
         for i in range(0, len(x), bs):
-            idx = perm[i:i + bs]
+            idx = perm[i : i + bs]
             loss = ((model(x[idx]) - y[idx]) ** 2).mean()
             opt.zero_grad()
             loss.backward()
@@ -92,21 +94,32 @@ def main():
             s = model(s)
             per_lead.append((rmse(s.numpy(), test[starts + k * LEAD]), rmse(test[starts], test[starts + k * LEAD])))
     print(f"test 6 h RMSE: model {rmse(pred, test[LEAD:]):.3f} K, persistence {rmse(test[:-LEAD], test[LEAD:]):.3f} K")
-    print("rollout RMSE per lead (model / persistence, K): "
-          + ", ".join(f"{6 * (k + 1)}h {m:.2f}/{p:.2f}" for k, (m, p) in enumerate(per_lead)))
-    print(f"8-step mean: model {np.sqrt(np.mean([m**2 for m, _ in per_lead])):.3f} K, "
-          f"persistence {np.sqrt(np.mean([p**2 for _, p in per_lead])):.3f} K")
+    print(
+        "rollout RMSE per lead (model / persistence, K): "
+        + ", ".join(f"{6 * (k + 1)}h {m:.2f}/{p:.2f}" for k, (m, p) in enumerate(per_lead))
+    )
+    print(
+        f"8-step mean: model {np.sqrt(np.mean([m**2 for m, _ in per_lead])):.3f} K, "
+        f"persistence {np.sqrt(np.mean([p**2 for _, p in per_lead])):.3f} K"
+    )
 
     path = HERE / "model.onnx"
-    torch.onnx.export(model, (x[:2],), path, dynamo=False, opset_version=17,
-                      input_names=["state"], output_names=["next_state"],
-                      dynamic_axes={"state": {0: "batch"}, "next_state": {0: "batch"}})
+    torch.onnx.export(
+        model,
+        (x[:2],),
+        path,
+        dynamo=False,
+        opset_version=17,
+        input_names=["state"],
+        output_names=["next_state"],
+        dynamic_axes={"state": {0: "batch"}, "next_state": {0: "batch"}},
+    )
     m = onnx.load(path)
     m.ir_version = min(m.ir_version, 10)
     onnx.checker.check_model(m)
     onnx.save(m, path)
-    t_ctx = np.linspace(N_TRAIN_H, len(t2m) - 1 - STEPS * LEAD, N_CTX).astype(int)   # absolute hours
-    ctx = t2m[t_ctx][:, None]                                                          # (6, 1, 1, 33, 49)
+    t_ctx = np.linspace(N_TRAIN_H, len(t2m) - 1 - STEPS * LEAD, N_CTX).astype(int)  # absolute hours
+    ctx = t2m[t_ctx][:, None]  # (6, 1, 1, 33, 49)
     truth = np.stack([t2m[t_ctx + k * LEAD] for k in range(1, STEPS + 1)], 1)[:, :, None]  # (6, 8, 1, 1, 33, 49)
     np.savez(HERE / "contexts.npz", state=ctx)
     np.savez(HERE / "truth.npz", next_state=truth)
@@ -114,8 +127,10 @@ def main():
     y_ort = sess.run(None, {"state": ctx[:, 0]})[0]
     with torch.no_grad():
         y_pt = model(torch.from_numpy(ctx[:, 0])).numpy()
-    print(f"context hours {t_ctx.tolist()}; ORT vs torch max abs diff {np.abs(y_ort - y_pt).max():.2e} K; "
-          f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B")
+    print(
+        f"context hours {t_ctx.tolist()}; ORT vs torch max abs diff {np.abs(y_ort - y_pt).max():.2e} K; "
+        f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B"
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ ordinary MatMul weights as initializers.
 
 Run from the repo root:  python examples/etth1_patchtst/train.py [--data PATH]
 """
+
 import argparse
 import copy
 import json
@@ -20,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 import onnxruntime as ort
 import torch
+from onnx import numpy_helper
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
@@ -63,7 +64,7 @@ class PatchTST(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
-        mu = x.mean(-1, keepdim=True)                      # RevIN: per-window statistics
+        mu = x.mean(-1, keepdim=True)  # RevIN: per-window statistics
         sd = ((x - mu) ** 2).mean(-1, keepdim=True).sqrt() + 1e-5
         z = ((x - mu) / sd).reshape(-1, L // PATCH, PATCH)
         h = self.drop(self.embed(z) + self.pos)
@@ -83,7 +84,7 @@ def windows(series, lo, hi, stride=1):
 
 def evaluate(model, x, y, bs=4096):
     with torch.no_grad():
-        p = torch.cat([model(x[i:i + bs]) for i in range(0, len(x), bs)])
+        p = torch.cat([model(x[i : i + bs]) for i in range(0, len(x), bs)])
     return ((p - y) ** 2).mean().item(), (p - y).abs().mean().item()
 
 
@@ -114,8 +115,10 @@ def main():
     raw = np.loadtxt(args.data, delimiter=",", skiprows=1, usecols=range(1, 8), dtype=np.float64)
     mean, std = raw[slice(*TRAIN)].mean(0), raw[slice(*TRAIN)].std(0)
     data = ((raw - mean) / std).astype(np.float32)
-    (HERE / "norm.json").write_text(json.dumps(
-        {"columns": COLS, "mean": mean.tolist(), "std": std.tolist(), "fit_rows": list(TRAIN)}, indent=1) + "\n")
+    (HERE / "norm.json").write_text(
+        json.dumps({"columns": COLS, "mean": mean.tolist(), "std": std.tolist(), "fit_rows": list(TRAIN)}, indent=1)
+        + "\n"
+    )
 
     train = data[slice(*TRAIN)]
     xv, yv = windows(data, *VAL, stride=4)
@@ -124,7 +127,7 @@ def main():
     best, best_state, bad, it, t0 = float("inf"), None, 0, 0, time.time()
     while bad < 6 and time.time() - t0 < args.minutes * 60:
         model.train()
-        for _ in range(100):                              # random windows from the train split
+        for _ in range(100):  # random windows from the train split
             s, c = rng.integers(0, len(train) - L - H + 1, 128), rng.integers(0, 7, 128)
             w = torch.from_numpy(train[s[:, None] + np.arange(L + H), c[:, None]])
             loss = ((model(w[:, :L]) - w[:, L:]) ** 2).mean()
@@ -145,29 +148,40 @@ def main():
     xt, yt = windows(data, *TEST)
     mse, mae = evaluate(model, xt, yt)
     naive = xt[:, -1:].expand_as(yt)
-    print(f"test ({len(xt)} series-windows): model MSE {mse:.4f} MAE {mae:.4f}; "
-          f"repeat-last MSE {((naive - yt) ** 2).mean():.4f} MAE {(naive - yt).abs().mean():.4f}")
+    print(
+        f"test ({len(xt)} series-windows): model MSE {mse:.4f} MAE {mae:.4f}; "
+        f"repeat-last MSE {((naive - yt) ** 2).mean():.4f} MAE {(naive - yt).abs().mean():.4f}"
+    )
 
     path = HERE / "model.onnx"
-    torch.onnx.export(model, (xt[:7],), path, dynamo=False, opset_version=17,
-                      input_names=["x"], output_names=["y"],
-                      dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}})
+    torch.onnx.export(
+        model,
+        (xt[:7],),
+        path,
+        dynamo=False,
+        opset_version=17,
+        input_names=["x"],
+        output_names=["y"],
+        dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}},
+    )
     m = onnx.load(path)
     m.ir_version = min(m.ir_version, 10)
     name_initializers(m, model)
     onnx.checker.check_model(m)
     onnx.save(m, path)
     starts = np.linspace(TEST[0], TEST[1] - L - STEPS * H, N_CTX).astype(int)
-    ctx = np.stack([data[s:s + L].T for s in starts])                                  # (8, 7, 512)
-    truth = np.stack([[data[s + L + k * H:s + L + (k + 1) * H].T for k in range(STEPS)] for s in starts])
+    ctx = np.stack([data[s : s + L].T for s in starts])  # (8, 7, 512)
+    truth = np.stack([[data[s + L + k * H : s + L + (k + 1) * H].T for k in range(STEPS)] for s in starts])
     np.savez(HERE / "contexts.npz", x=ctx)
-    np.savez(HERE / "truth.npz", y=truth.astype(np.float32))                           # (8, 8, 7, 96)
+    np.savez(HERE / "truth.npz", y=truth.astype(np.float32))  # (8, 8, 7, 96)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     y_ort = sess.run(None, {"x": ctx[0]})[0]
     with torch.no_grad():
         y_pt = model(torch.from_numpy(ctx[0])).numpy()
-    print(f"context rows {starts.tolist()}; ORT vs torch max abs diff {np.abs(y_ort - y_pt).max():.2e}; "
-          f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B")
+    print(
+        f"context rows {starts.tolist()}; ORT vs torch max abs diff {np.abs(y_ort - y_pt).max():.2e}; "
+        f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B"
+    )
 
 
 if __name__ == "__main__":

@@ -51,8 +51,10 @@ def check(contexts, truth, label):
             pred[w, k] = x
     err = np.sqrt(((pred - truth) ** 2).mean(axis=(0, 2, 3)))
     per = np.sqrt(((contexts[:, None] - truth) ** 2).mean(axis=(0, 2, 3)))
-    print(f"{label}: rollout RMSE (model / persistence) "
-          + ", ".join(f"step {k + 1} {err[k]:.3f}/{per[k]:.2f}" for k in (0, 4, 9, 19, 29, 39)))
+    print(
+        f"{label}: rollout RMSE (model / persistence) "
+        + ", ".join(f"step {k + 1} {err[k]:.3f}/{per[k]:.2f}" for k in (0, 4, 9, 19, 29, 39))
+    )
 
 
 def main() -> None:
@@ -60,8 +62,8 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="roll model.onnx out on held-out and scoring windows")
     args = parser.parse_args()
     traj = simulate(N_WIN, S0 + 1 + STEPS, seed=SEED)
-    contexts = traj[:, S0].astype(np.float32)[:, None, :]                       # (16, 1, 40)
-    truth = traj[:, S0 + 1:S0 + 1 + STEPS].astype(np.float32)[:, :, None]      # (16, 40, 1, 40)
+    contexts = traj[:, S0].astype(np.float32)[:, None, :]  # (16, 1, 40)
+    truth = traj[:, S0 + 1 : S0 + 1 + STEPS].astype(np.float32)[:, :, None]  # (16, 40, 1, 40)
     np.savez(HERE / "heldout.npz", x=contexts)
     np.savez(HERE / "heldout_truth.npz", x_next=truth)
     print(f"held-out: {N_WIN} fresh trajectories (seed {SEED}), state {S0} after spin-up, {STEPS} steps of truth")

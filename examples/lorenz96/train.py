@@ -9,6 +9,7 @@ ONNX model takes and returns raw states.
 
 Run from the repo root:  python examples/lorenz96/train.py
 """
+
 import argparse
 import time
 from pathlib import Path
@@ -58,7 +59,8 @@ class Emulator(nn.Module):
         self.register_buffer("inc_std", torch.tensor(inc_std, dtype=torch.float32))
         chans = [1] + [width] * depth
         self.convs = nn.ModuleList(
-            nn.Conv1d(a, b, k, padding=k // 2, padding_mode="circular") for a, b in zip(chans, chans[1:]))
+            nn.Conv1d(a, b, k, padding=k // 2, padding_mode="circular") for a, b in zip(chans, chans[1:])
+        )
         self.out = nn.Conv1d(width, 1, 1)
         self.act = nn.GELU()
 
@@ -117,32 +119,43 @@ def main():
     # valid prediction time: first lead where RMSE / climate std exceeds 0.5, 64 ICs
     starts = np.arange(0, N_REC - 201, 150)[:4]
     x0 = torch.tensor(test[:, starts].reshape(-1, N), dtype=torch.float32)
-    true = np.stack([test[:, s + 1:s + 201] for s in starts], 1).reshape(-1, 200, N)
+    true = np.stack([test[:, s + 1 : s + 201] for s in starts], 1).reshape(-1, 200, N)
     err = np.sqrt(((rollout(model, x0, 200).numpy() - true) ** 2).mean(-1)) / std
     vpt = float(np.median(np.argmax(np.concatenate([err, np.full((len(err), 1), 9)], 1) > 0.5, 1) + 1) * DT)
-    print(f"one-step RMSE {one_rmse:.4e} ({one_rmse / std:.2e} of clim std {std:.3f}); "
-          f"persistence {persist:.4e}; median VPT {vpt:.2f} time units ({vpt * 1.7:.2f} Lyapunov times)")
+    print(
+        f"one-step RMSE {one_rmse:.4e} ({one_rmse / std:.2e} of clim std {std:.3f}); "
+        f"persistence {persist:.4e}; median VPT {vpt:.2f} time units ({vpt * 1.7:.2f} Lyapunov times)"
+    )
 
     # export: batch axis dynamic; contexts = one start per held-out trajectory
     path = HERE / "model.onnx"
-    torch.onnx.export(model, (t_in[:2],), path, dynamo=False, opset_version=17,
-                      input_names=["x"], output_names=["x_next"],
-                      dynamic_axes={"x": {0: "batch"}, "x_next": {0: "batch"}})
+    torch.onnx.export(
+        model,
+        (t_in[:2],),
+        path,
+        dynamo=False,
+        opset_version=17,
+        input_names=["x"],
+        output_names=["x_next"],
+        dynamic_axes={"x": {0: "batch"}, "x_next": {0: "batch"}},
+    )
     m = onnx.load(path)
     m.ir_version = min(m.ir_version, 10)
     onnx.checker.check_model(m)
     onnx.save(m, path)
     s0 = 100
-    ctx = test[:, s0].astype(np.float32)[:, None, :]                       # (16, 1, 40)
-    truth = test[:, s0 + 1:s0 + 1 + STEPS].astype(np.float32)[:, :, None]  # (16, 40, 1, 40)
+    ctx = test[:, s0].astype(np.float32)[:, None, :]  # (16, 1, 40)
+    truth = test[:, s0 + 1 : s0 + 1 + STEPS].astype(np.float32)[:, :, None]  # (16, 40, 1, 40)
     np.savez(HERE / "contexts.npz", x=ctx)
     np.savez(HERE / "truth.npz", x_next=truth)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     y_ort = sess.run(None, {"x": ctx[:, 0]})[0]
     with torch.no_grad():
         y_pt = model(torch.from_numpy(ctx[:, 0])).numpy()
-    print(f"ORT vs torch max abs diff {np.abs(y_ort - y_pt).max():.2e}; "
-          f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B")
+    print(
+        f"ORT vs torch max abs diff {np.abs(y_ort - y_pt).max():.2e}; "
+        f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B"
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ constants in the graph. net: the 8 sectors are a periodic ring, so each sector's
 
 Run from the repo root:  python examples/pangu_lorenz96/train.py
 """
+
 import argparse
 import time
 from pathlib import Path
@@ -27,21 +28,28 @@ import torch
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
-K, J, F, HC, B, C = 8, 16, 10.0, 1.0, 10.0, 10.0   # HC is the coupling h
-DT_INT, SUB = 0.001, 10                             # emulator step DT = SUB * DT_INT = 0.01
+K, J, F, HC, B, C = 8, 16, 10.0, 1.0, 10.0, 10.0  # HC is the coupling h
+DT_INT, SUB = 0.001, 10  # emulator step DT = SUB * DT_INT = 0.01
 DT = DT_INT * SUB
-SPINUP, STEPS = 3000, 8                             # spin-up 3 time units
+SPINUP, STEPS = 3000, 8  # spin-up 3 time units
 N_TRAIN, N_TEST, N_HELD, N_REC = 64, 16, 8, 600
 SEEDS = {"train": 1, "test": 2, "heldout": 3}
-S0 = 100                                            # context index inside a test/held-out trajectory
+S0 = 100  # context index inside a test/held-out trajectory
 
 
 def tendency(x, y):
     """x (..., K), y (..., K * J) flattened with j fastest."""
-    dx = (np.roll(x, 1, -1) * (np.roll(x, -1, -1) - np.roll(x, 2, -1)) - x + F
-          - HC * C / B * y.reshape(*y.shape[:-1], K, J).sum(-1))
-    dy = (-C * B * np.roll(y, -1, -1) * (np.roll(y, -2, -1) - np.roll(y, 1, -1)) - C * y
-          + HC * C / B * np.repeat(x, J, -1))
+    dx = (
+        np.roll(x, 1, -1) * (np.roll(x, -1, -1) - np.roll(x, 2, -1))
+        - x
+        + F
+        - HC * C / B * y.reshape(*y.shape[:-1], K, J).sum(-1)
+    )
+    dy = (
+        -C * B * np.roll(y, -1, -1) * (np.roll(y, -2, -1) - np.roll(y, 1, -1))
+        - C * y
+        + HC * C / B * np.repeat(x, J, -1)
+    )
     return dx, dy
 
 
@@ -73,17 +81,18 @@ class Emulator(nn.Module):
             self.register_buffer(name, torch.tensor(value, dtype=torch.float32))
         chans = [J + 1] + [width] * depth
         self.convs = nn.ModuleList(
-            nn.Conv1d(a, b, k, padding=k // 2, padding_mode="circular") for a, b in zip(chans, chans[1:]))
+            nn.Conv1d(a, b, k, padding=k // 2, padding_mode="circular") for a, b in zip(chans, chans[1:])
+        )
         self.out = nn.Conv1d(width, J + 1, 1)
         self.act = nn.GELU()
 
     def step(self, y, x):
         """y (batch, K, J), x (batch, K) -> the same, DT later."""
         h = torch.cat([(y - self.y_mean) / self.y_std, ((x - self.x_mean) / self.x_std).unsqueeze(-1)], -1)
-        h = h.transpose(1, 2)                                       # (batch, J + 1 channels, K sectors)
+        h = h.transpose(1, 2)  # (batch, J + 1 channels, K sectors)
         for conv in self.convs:
             h = self.act(conv(h))
-        inc = self.out(h).transpose(1, 2)                           # (batch, K, J + 1)
+        inc = self.out(h).transpose(1, 2)  # (batch, K, J + 1)
         return y + self.y_inc * inc[..., :J], x + self.x_inc * inc[..., J]
 
     def forward(self, input, input_surface):
@@ -98,8 +107,10 @@ def rmse(a, b, axis=None):
 def windows(xs, ys, s0):
     """Context at index s0 of each trajectory, truth at s0 + 1 .. s0 + STEPS (float32)."""
     ctx = {"input": ys[:, s0].astype(np.float32), "input_surface": xs[:, s0].astype(np.float32)}
-    truth = {"output": ys[:, s0 + 1:s0 + 1 + STEPS].astype(np.float32),
-             "output_surface": xs[:, s0 + 1:s0 + 1 + STEPS].astype(np.float32)}
+    truth = {
+        "output": ys[:, s0 + 1 : s0 + 1 + STEPS].astype(np.float32),
+        "output_surface": xs[:, s0 + 1 : s0 + 1 + STEPS].astype(np.float32),
+    }
     return ctx, truth
 
 
@@ -134,10 +145,18 @@ def main():
     tx, ty = simulate(N_TRAIN, N_REC, SEEDS["train"])
     sx, sy = simulate(N_TEST, N_REC, SEEDS["test"])
     hx, hy = simulate(N_HELD, S0 + 1 + STEPS, SEEDS["heldout"])
-    print(f"simulated {N_TRAIN} + {N_TEST} + {N_HELD} trajectories ({time.time() - t0:.0f}s); "
-          f"X mean {tx.mean():.3f} std {tx.std():.3f}, Y mean {ty.mean():.4f} std {ty.std():.4f}")
-    stats = {"x_mean": tx.mean(), "x_std": tx.std(), "y_mean": ty.mean(), "y_std": ty.std(),
-             "x_inc": (tx[:, 1:] - tx[:, :-1]).std(), "y_inc": (ty[:, 1:] - ty[:, :-1]).std()}
+    print(
+        f"simulated {N_TRAIN} + {N_TEST} + {N_HELD} trajectories ({time.time() - t0:.0f}s); "
+        f"X mean {tx.mean():.3f} std {tx.std():.3f}, Y mean {ty.mean():.4f} std {ty.std():.4f}"
+    )
+    stats = {
+        "x_mean": tx.mean(),
+        "x_std": tx.std(),
+        "y_mean": ty.mean(),
+        "y_std": ty.std(),
+        "x_inc": (tx[:, 1:] - tx[:, :-1]).std(),
+        "y_inc": (ty[:, 1:] - ty[:, :-1]).std(),
+    }
     stats = {k: float(v) for k, v in stats.items()}
 
     def pairs(xs, ys):
@@ -168,9 +187,11 @@ def main():
 
     with torch.no_grad():
         py, px = model.step(ty_in, tx_in)
-    print(f"test one-step RMSE: X {rmse(px.numpy(), tx_out.numpy()):.2e} (persistence "
-          f"{rmse(tx_in.numpy(), tx_out.numpy()):.3f}), Y {rmse(py.numpy(), ty_out.numpy()):.2e} "
-          f"(persistence {rmse(ty_in.numpy(), ty_out.numpy()):.3f})")
+    print(
+        f"test one-step RMSE: X {rmse(px.numpy(), tx_out.numpy()):.2e} (persistence "
+        f"{rmse(tx_in.numpy(), tx_out.numpy()):.3f}), Y {rmse(py.numpy(), ty_out.numpy()):.2e} "
+        f"(persistence {rmse(ty_in.numpy(), ty_out.numpy()):.3f})"
+    )
     # 8-step rollout from many test starts
     starts = np.arange(0, N_REC - STEPS - 1, 25)
     y, x = (torch.tensor(np.concatenate(a[:, starts]), dtype=torch.float32) for a in (sy, sx))
@@ -180,21 +201,32 @@ def main():
             y, x = model.step(y, x)
             ey.append(rmse(y.numpy(), np.concatenate(sy[:, starts + k])))
             ex.append(rmse(x.numpy(), np.concatenate(sx[:, starts + k])))
-    print(f"test {STEPS}-step rollout RMSE over {len(y)} starts: X " + ", ".join(f"{e:.4f}" for e in ex)
-          + "; Y " + ", ".join(f"{e:.4f}" for e in ey))
+    print(
+        f"test {STEPS}-step rollout RMSE over {len(y)} starts: X "
+        + ", ".join(f"{e:.4f}" for e in ex)
+        + "; Y "
+        + ", ".join(f"{e:.4f}" for e in ey)
+    )
 
     path = HERE / "model.onnx"
-    torch.onnx.export(model, (ty_in[0], tx_in[0]), path, dynamo=False, opset_version=17,
-                      input_names=["input", "input_surface"], output_names=["output", "output_surface"])
+    torch.onnx.export(
+        model,
+        (ty_in[0], tx_in[0]),
+        path,
+        dynamo=False,
+        opset_version=17,
+        input_names=["input", "input_surface"],
+        output_names=["output", "output_surface"],
+    )
     m = onnx.load(path)
     m.ir_version = min(m.ir_version, 10)
     onnx.checker.check_model(m)
     onnx.save(m, path)
 
-    ctx, truth = windows(sx[:N_TEST // 2], sy[:N_TEST // 2], S0)      # 8 windows, one per test trajectory
+    ctx, truth = windows(sx[: N_TEST // 2], sy[: N_TEST // 2], S0)  # 8 windows, one per test trajectory
     np.savez(HERE / "contexts.npz", **ctx)
     np.savez(HERE / "truth.npz", **truth)
-    hctx, htruth = windows(hx, hy, S0)                                   # 8 fresh trajectories (seed 3)
+    hctx, htruth = windows(hx, hy, S0)  # 8 fresh trajectories (seed 3)
     np.savez(HERE / "heldout.npz", **hctx)
     np.savez(HERE / "heldout_truth.npz", **htruth)
 
@@ -202,8 +234,10 @@ def main():
     y_ort, x_ort = sess.run(None, {"input": ctx["input"][0], "input_surface": ctx["input_surface"][0]})
     with torch.no_grad():
         y_pt, x_pt = model(torch.from_numpy(ctx["input"][0]), torch.from_numpy(ctx["input_surface"][0]))
-    print(f"ORT vs torch max abs diff {max(np.abs(y_ort - y_pt.numpy()).max(), np.abs(x_ort - x_pt.numpy()).max()):.2e}; "
-          f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B; stats {stats}")
+    print(
+        f"ORT vs torch max abs diff {max(np.abs(y_ort - y_pt.numpy()).max(), np.abs(x_ort - x_pt.numpy()).max()):.2e}; "
+        f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B; stats {stats}"
+    )
     check_rollout(sess, ctx, truth, "scoring ")
     check_rollout(sess, hctx, htruth, "held-out")
 

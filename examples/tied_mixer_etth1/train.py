@@ -22,6 +22,7 @@ Rollout (rollout.toml): 4 steps, each 48-hour forecast appended to the history.
 
 Run from the repo root:  python examples/tied_mixer_etth1/train.py [--data PATH]
 """
+
 import argparse
 import copy
 import json
@@ -98,16 +99,16 @@ class TiedMixer(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
-        mu = x.mean(-1, keepdim=True)                                  # RevIN
+        mu = x.mean(-1, keepdim=True)  # RevIN
         sd = ((x - mu) ** 2).mean(-1, keepdim=True).sqrt() + 1e-5
         z = ((x - mu) / sd).reshape(-1, N_P, PATCH)
         h = self.drop(self.embed(z) + self.pos)
-        for r in range(REPEATS):                                       # the same weights on every pass
+        for r in range(REPEATS):  # the same weights on every pass
             h = h + self.drop(self.core.block(self.norms[2 * r](h)))
             h = h + self.drop(self.ffn(self.norms[2 * r + 1](h)))
         flat = self.proj(self.ln(h)).reshape(-1, N_P * HEAD_D)
         point = self.head(flat)
-        raw = self.q_head(flat).reshape(-1, H, N_Q)                    # deciles: median offset +/- cumulative softplus gaps
+        raw = self.q_head(flat).reshape(-1, H, N_Q)  # deciles: median offset +/- cumulative softplus gaps
         gaps = tf.softplus(raw)
         below = gaps[..., :4].sum(-1, keepdim=True) - gaps[..., :4].cumsum(-1) + gaps[..., :4]
         mid = raw[..., 4:5]
@@ -130,7 +131,7 @@ def windows(series, lo, hi, stride=1):
 
 def predict(model, x, bs=2048):
     with torch.no_grad():
-        out = [model(x[i:i + bs]) for i in range(0, len(x), bs)]
+        out = [model(x[i : i + bs]) for i in range(0, len(x), bs)]
     return torch.cat([p for p, _ in out]), torch.cat([q for _, q in out])
 
 
@@ -141,16 +142,18 @@ def rollout(sess, x):
         f = sess.run(["forecast"], {"x": x})[0]
         out.append(f)
         x = np.concatenate([x[:, H:], f], -1)
-    return np.stack(out)                                                              # (STEPS, 7, 48)
+    return np.stack(out)  # (STEPS, 7, 48)
 
 
 def check_rollout(sess, ctx, truth, label):
     pred = np.stack([rollout(sess, c) for c in ctx])
     last = ctx[:, :, -1][:, None, :, None]
     mae, per = np.abs(pred - truth).mean(axis=(0, 2, 3)), np.abs(last - truth).mean(axis=(0, 2, 3))
-    print(f"{label}: rollout MAE per step (model / repeat-last): "
-          + ", ".join(f"step {k + 1} {a:.3f}/{b:.3f}" for k, (a, b) in enumerate(zip(mae, per)))
-          + f"; all {np.abs(pred - truth).mean():.3f}/{np.abs(last - truth).mean():.3f}")
+    print(
+        f"{label}: rollout MAE per step (model / repeat-last): "
+        + ", ".join(f"step {k + 1} {a:.3f}/{b:.3f}" for k, (a, b) in enumerate(zip(mae, per)))
+        + f"; all {np.abs(pred - truth).mean():.3f}/{np.abs(last - truth).mean():.3f}"
+    )
 
 
 def main():
@@ -166,8 +169,10 @@ def main():
     raw = np.loadtxt(args.data, delimiter=",", skiprows=1, usecols=range(1, 8), dtype=np.float64)
     mean, std = raw[slice(*TRAIN)].mean(0), raw[slice(*TRAIN)].std(0)
     data = ((raw - mean) / std).astype(np.float32)
-    (HERE / "norm.json").write_text(json.dumps(
-        {"columns": COLS, "mean": mean.tolist(), "std": std.tolist(), "fit_rows": list(TRAIN)}, indent=1) + "\n")
+    (HERE / "norm.json").write_text(
+        json.dumps({"columns": COLS, "mean": mean.tolist(), "std": std.tolist(), "fit_rows": list(TRAIN)}, indent=1)
+        + "\n"
+    )
 
     train = data[slice(*TRAIN)]
     xv, yv = windows(data, *VAL, stride=8)
@@ -181,7 +186,7 @@ def main():
             print(f"wall-time cap of {args.minutes} min reached: training stopped early, results not reproducible")
             break
         model.train()
-        for _ in range(100):                                          # random windows from the train split
+        for _ in range(100):  # random windows from the train split
             s, c = rng.integers(0, len(train) - L - H + 1, 64), rng.integers(0, 7, 64)
             w = torch.from_numpy(train[s[:, None] + np.arange(L + H), c[:, None]])
             mse, pin = losses(model, w[:, :L], w[:, L:])
@@ -192,7 +197,7 @@ def main():
             it += 1
         model.eval()
         with torch.no_grad():
-            parts = [losses(model, xv[i:i + 1024], yv[i:i + 1024]) for i in range(0, len(xv), 1024)]
+            parts = [losses(model, xv[i : i + 1024], yv[i : i + 1024]) for i in range(0, len(xv), 1024)]
         val = float(np.mean([a.item() + b.item() for a, b in parts]))
         if val < best:
             best, best_state, bad = val, copy.deepcopy(model.state_dict()), 0
@@ -205,29 +210,40 @@ def main():
     xt, yt = windows(data, *TEST, stride=4)
     point, quant = predict(model, xt)
     naive = xt[:, -1:].expand_as(yt)
-    print(f"test ({len(xt)} series-windows, stride 4, horizon {H}): model MSE {((point - yt) ** 2).mean():.4f} "
-          f"MAE {(point - yt).abs().mean():.4f}; repeat-last MSE {((naive - yt) ** 2).mean():.4f} "
-          f"MAE {(naive - yt).abs().mean():.4f}")
+    print(
+        f"test ({len(xt)} series-windows, stride 4, horizon {H}): model MSE {((point - yt) ** 2).mean():.4f} "
+        f"MAE {(point - yt).abs().mean():.4f}; repeat-last MSE {((naive - yt) ** 2).mean():.4f} "
+        f"MAE {(naive - yt).abs().mean():.4f}"
+    )
     cover = (yt.unsqueeze(-1) <= quant).float().mean((0, 1))
     print("test quantile coverage: " + ", ".join(f"q{q:.1f} {c:.3f}" for q, c in zip(QS.tolist(), cover.tolist())))
 
     path = HERE / "model.onnx"
-    torch.onnx.export(model, (xt[:7],), path, dynamo=False, opset_version=17,
-                      input_names=["x"], output_names=["forecast", "quantiles"],
-                      dynamic_axes={n: {0: "batch"} for n in ("x", "forecast", "quantiles")})
+    torch.onnx.export(
+        model,
+        (xt[:7],),
+        path,
+        dynamo=False,
+        opset_version=17,
+        input_names=["x"],
+        output_names=["forecast", "quantiles"],
+        dynamic_axes={n: {0: "batch"} for n in ("x", "forecast", "quantiles")},
+    )
     m = onnx.load(path)
     m.ir_version = min(m.ir_version, 10)
     onnx.checker.check_model(m)
     onnx.save(m, path)
-    readers = {t.name: sum(1 for n in m.graph.node if n.op_type == "MatMul" and t.name in n.input) for t in m.graph.initializer}
+    readers = {
+        t.name: sum(1 for n in m.graph.node if n.op_type == "MatMul" and t.name in n.input) for t in m.graph.initializer
+    }
     print("MatMul nodes per tied weight:", {k: v for k, v in readers.items() if v > 1})
 
     # targets inside the test split; a 2048-hour history reaches back into the validation/train rows
     starts = np.linspace(TEST[0] - L, TEST[1] - L - STEPS * H, N_CTX).astype(int)
     held = (starts[:-1] + np.diff(starts) // 2).tolist() + [int(starts[-1] - np.diff(starts)[-1] // 4)]
     for name, st in (("contexts", starts), ("heldout", held)):
-        ctx = np.stack([data[s:s + L].T for s in st])                                       # (8, 7, 2048)
-        truth = np.stack([[data[s + L + k * H:s + L + (k + 1) * H].T for k in range(STEPS)] for s in st])
+        ctx = np.stack([data[s : s + L].T for s in st])  # (8, 7, 2048)
+        truth = np.stack([[data[s + L + k * H : s + L + (k + 1) * H].T for k in range(STEPS)] for s in st])
         np.savez(HERE / f"{name}.npz", x=ctx)
         np.savez(HERE / ("truth.npz" if name == "contexts" else "heldout_truth.npz"), forecast=truth.astype(np.float32))
         print(f"{name} window starts {list(map(int, st))}")
@@ -237,8 +253,10 @@ def main():
     f_ort = sess.run(["forecast"], {"x": ctx[0]})[0]
     with torch.no_grad():
         f_pt = model(torch.from_numpy(ctx[0]))[0].numpy()
-    print(f"ORT vs torch max abs diff {np.abs(f_ort - f_pt).max():.2e}; "
-          f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B")
+    print(
+        f"ORT vs torch max abs diff {np.abs(f_ort - f_pt).max():.2e}; "
+        f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B"
+    )
     check_rollout(sess, ctx, np.load(HERE / "truth.npz")["forecast"], "scoring ")
     check_rollout(sess, np.load(HERE / "heldout.npz")["x"], np.load(HERE / "heldout_truth.npz")["forecast"], "held-out")
 

@@ -20,6 +20,7 @@ training windows get a random-length padded prefix (value 0, mask 1).
 
 Run from the repo root:  python examples/timesfm_etth1/train.py [--data PATH]
 """
+
 import argparse
 import copy
 import json
@@ -28,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 import onnxruntime as ort
 import torch
+from onnx import numpy_helper
 from torch import nn
 from torch.nn import functional as tf
 
@@ -40,7 +41,7 @@ COLS = ["HUFL", "HULL", "MUFL", "MULL", "LUFL", "LULL", "OT"]
 TRAIN, VAL, TEST = (0, 8640), (8640, 11520), (11520, 14400)
 L, H, PATCH, D, HEADS, FFN, N_LAYERS, Q_HID = 512, 128, 32, 64, 4, 128, 2, 32
 STEPS, N_CTX, PAD_CTX, PAD_P, MAX_PAD = 4, 8, 64, 0.3, 448
-PADDED_CTX = (2, 5)                       # the scoring windows whose first 64 positions are padded
+PADDED_CTX = (2, 5)  # the scoring windows whose first 64 positions are padded
 QS = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
 N_P, N_Q = L // PATCH, 9
 
@@ -50,7 +51,11 @@ class ResidualBlock(nn.Module):
 
     def __init__(self, d_in, d_hid, d_out):
         super().__init__()
-        self.hidden, self.output, self.residual = nn.Linear(d_in, d_hid), nn.Linear(d_hid, d_out), nn.Linear(d_in, d_out)
+        self.hidden, self.output, self.residual = (
+            nn.Linear(d_in, d_hid),
+            nn.Linear(d_hid, d_out),
+            nn.Linear(d_in, d_out),
+        )
         self.act = nn.SiLU()
 
     def forward(self, x):
@@ -89,21 +94,21 @@ class TimesFMLike(nn.Module):
 
     def forward(self, inputs, masks):
         obs = 1.0 - masks
-        x = inputs * obs                                              # padded positions -> 0
+        x = inputs * obs  # padded positions -> 0
         n = obs.sum(-1, keepdim=True).clamp(min=1.0)
-        mu = x.sum(-1, keepdim=True) / n                              # masked RevIN statistics
+        mu = x.sum(-1, keepdim=True) / n  # masked RevIN statistics
         sd = ((((x - mu) * obs) ** 2).sum(-1, keepdim=True) / n + 1e-8).sqrt() + 1e-5
         z = ((x - mu) / sd * obs).reshape(-1, N_P, PATCH)
         mp = masks.reshape(-1, N_P, PATCH)
-        padded = mp.amin(-1)                                          # 1 where the whole patch is padded
+        padded = mp.amin(-1)  # 1 where the whole patch is padded
         h = self.drop(self.embed(torch.cat([z, mp], -1)) + self.pos)
-        bias = (padded * -1e4).reshape(-1, 1, 1, N_P)                 # attention ignores padded patches
+        bias = (padded * -1e4).reshape(-1, 1, 1, N_P)  # attention ignores padded patches
         for layer in self.layers:
             h = layer(h, bias)
         flat = (self.ln(h) * (1.0 - padded).unsqueeze(-1)).reshape(-1, N_P * D)
         point = self.head(flat)
-        raw = self.q_head(flat).reshape(-1, H, N_Q)                  # non-crossing quantiles around the median:
-        gaps = tf.softplus(raw)                                       # q_i = q_5 -/+ cumulative positive gaps
+        raw = self.q_head(flat).reshape(-1, H, N_Q)  # non-crossing quantiles around the median:
+        gaps = tf.softplus(raw)  # q_i = q_5 -/+ cumulative positive gaps
         below = gaps[..., :4].sum(-1, keepdim=True) - gaps[..., :4].cumsum(-1) + gaps[..., :4]
         mid = raw[..., 4:5]
         quant = point.unsqueeze(-1) + torch.cat([mid - below, mid, mid + gaps[..., 5:].cumsum(-1)], -1)
@@ -126,7 +131,7 @@ def windows(series, lo, hi, stride=1):
 
 def predict(model, x, m, bs=2048):
     with torch.no_grad():
-        out = [model(x[i:i + bs], m[i:i + bs]) for i in range(0, len(x), bs)]
+        out = [model(x[i : i + bs], m[i : i + bs]) for i in range(0, len(x), bs)]
     return torch.cat([p for p, _ in out]), torch.cat([q for _, q in out])
 
 
@@ -153,7 +158,7 @@ def rollout(sess, inputs, masks):
         out.append(f)
         inputs = np.concatenate([inputs[:, H:], f], -1)
         masks = np.concatenate([masks[:, H:], np.zeros_like(masks[:, :H])], -1)
-    return np.stack(out)                                                              # (STEPS, 7, 128)
+    return np.stack(out)  # (STEPS, 7, 128)
 
 
 def check_rollout(sess, ctx, truth, label):
@@ -162,9 +167,11 @@ def check_rollout(sess, ctx, truth, label):
     last = ctx["inputs"][:, :, -1][:, None, :, None]
     mae = np.abs(pred - truth).mean(axis=(0, 2, 3))
     per = np.abs(last - truth).mean(axis=(0, 2, 3))
-    print(f"{label}: rollout MAE per step (model / repeat-last): "
-          + ", ".join(f"step {k + 1} {a:.3f}/{b:.3f}" for k, (a, b) in enumerate(zip(mae, per)))
-          + f"; all {np.abs(pred - truth).mean():.3f}/{np.abs(last - truth).mean():.3f}")
+    print(
+        f"{label}: rollout MAE per step (model / repeat-last): "
+        + ", ".join(f"step {k + 1} {a:.3f}/{b:.3f}" for k, (a, b) in enumerate(zip(mae, per)))
+        + f"; all {np.abs(pred - truth).mean():.3f}/{np.abs(last - truth).mean():.3f}"
+    )
     return mae, per
 
 
@@ -181,8 +188,10 @@ def main():
     raw = np.loadtxt(args.data, delimiter=",", skiprows=1, usecols=range(1, 8), dtype=np.float64)
     mean, std = raw[slice(*TRAIN)].mean(0), raw[slice(*TRAIN)].std(0)
     data = ((raw - mean) / std).astype(np.float32)
-    (HERE / "norm.json").write_text(json.dumps(
-        {"columns": COLS, "mean": mean.tolist(), "std": std.tolist(), "fit_rows": list(TRAIN)}, indent=1) + "\n")
+    (HERE / "norm.json").write_text(
+        json.dumps({"columns": COLS, "mean": mean.tolist(), "std": std.tolist(), "fit_rows": list(TRAIN)}, indent=1)
+        + "\n"
+    )
 
     train = data[slice(*TRAIN)]
     xv, yv = windows(data, *VAL, stride=4)
@@ -197,7 +206,7 @@ def main():
             print(f"wall-time cap of {args.minutes} min reached: training stopped early, results not reproducible")
             break
         model.train()
-        for _ in range(100):                              # random windows from the train split
+        for _ in range(100):  # random windows from the train split
             s, c = rng.integers(0, len(train) - L - H + 1, 128), rng.integers(0, 7, 128)
             w = torch.from_numpy(train[s[:, None] + np.arange(L + H), c[:, None]])
             x, y = w[:, :L].clone(), w[:, L:]
@@ -212,7 +221,9 @@ def main():
             it += 1
         model.eval()
         with torch.no_grad():
-            parts = [losses(model, xv[i:i + 2048], mv[i:i + 2048], yv[i:i + 2048]) for i in range(0, len(xv), 2048)]
+            parts = [
+                losses(model, xv[i : i + 2048], mv[i : i + 2048], yv[i : i + 2048]) for i in range(0, len(xv), 2048)
+            ]
         val_mse = float(np.mean([a.item() for a, _ in parts]))
         val_pin = float(np.mean([b.item() for _, b in parts]))
         val = val_mse + val_pin
@@ -220,30 +231,45 @@ def main():
             best, best_state, bad = val, copy.deepcopy(model.state_dict()), 0
         else:
             bad += 1
-        print(f"iter {it} train {loss.item():.3f} val MSE {val_mse:.4f} pinball {val_pin:.4f} "
-              f"({time.time() - t0:.0f}s)", flush=True)
+        print(
+            f"iter {it} train {loss.item():.3f} val MSE {val_mse:.4f} pinball {val_pin:.4f} ({time.time() - t0:.0f}s)",
+            flush=True,
+        )
     model.load_state_dict(best_state)
     model.eval()
 
     xt, yt = windows(data, *TEST)
     point, quant = predict(model, xt, torch.zeros_like(xt))
     naive = xt[:, -1:].expand_as(yt)
-    print(f"test ({len(xt)} series-windows, horizon {H}): model MSE {((point - yt) ** 2).mean():.4f} "
-          f"MAE {(point - yt).abs().mean():.4f}; repeat-last MSE {((naive - yt) ** 2).mean():.4f} "
-          f"MAE {(naive - yt).abs().mean():.4f}")
+    print(
+        f"test ({len(xt)} series-windows, horizon {H}): model MSE {((point - yt) ** 2).mean():.4f} "
+        f"MAE {(point - yt).abs().mean():.4f}; repeat-last MSE {((naive - yt) ** 2).mean():.4f} "
+        f"MAE {(naive - yt).abs().mean():.4f}"
+    )
     cover = (yt.unsqueeze(-1) <= quant).float().mean((0, 1))
-    print("test quantile coverage (fraction of truth <= quantile): "
-          + ", ".join(f"q{q:.1f} {c:.3f}" for q, c in zip(QS.tolist(), cover.tolist())))
+    print(
+        "test quantile coverage (fraction of truth <= quantile): "
+        + ", ".join(f"q{q:.1f} {c:.3f}" for q, c in zip(QS.tolist(), cover.tolist()))
+    )
     mp = torch.zeros_like(xt)
     mp[:, :PAD_CTX] = 1.0
     point_p, _ = predict(model, xt * (1 - mp), mp)
-    print(f"test with the first {PAD_CTX} positions padded: MSE {((point_p - yt) ** 2).mean():.4f} "
-          f"MAE {(point_p - yt).abs().mean():.4f}")
+    print(
+        f"test with the first {PAD_CTX} positions padded: MSE {((point_p - yt) ** 2).mean():.4f} "
+        f"MAE {(point_p - yt).abs().mean():.4f}"
+    )
 
     path = HERE / "model.onnx"
-    torch.onnx.export(model, (xt[:7], torch.zeros_like(xt[:7])), path, dynamo=False, opset_version=17,
-                      input_names=["inputs", "masks"], output_names=["forecast", "quantiles"],
-                      dynamic_axes={n: {0: "batch"} for n in ("inputs", "masks", "forecast", "quantiles")})
+    torch.onnx.export(
+        model,
+        (xt[:7], torch.zeros_like(xt[:7])),
+        path,
+        dynamo=False,
+        opset_version=17,
+        input_names=["inputs", "masks"],
+        output_names=["forecast", "quantiles"],
+        dynamic_axes={n: {0: "batch"} for n in ("inputs", "masks", "forecast", "quantiles")},
+    )
     m = onnx.load(path)
     m.ir_version = min(m.ir_version, 10)
     name_initializers(m, model)
@@ -254,15 +280,16 @@ def main():
     starts = np.linspace(TEST[0], TEST[1] - L - STEPS * H, N_CTX).astype(int)
     held = (starts[:-1] + np.diff(starts) // 2).tolist() + [int(starts[-1] - np.diff(starts)[-1] // 4)]
     for name, st, padded in (("contexts", starts, PADDED_CTX), ("heldout", held, ())):
-        inputs = np.stack([data[s:s + L].T for s in st])                                       # (8, 7, 512)
+        inputs = np.stack([data[s : s + L].T for s in st])  # (8, 7, 512)
         masks = np.zeros_like(inputs)
         for w in padded:
             masks[w, :, :PAD_CTX] = 1.0
         inputs = inputs * (1 - masks)
-        truth = np.stack([[data[s + L + k * H:s + L + (k + 1) * H].T for k in range(STEPS)] for s in st])
+        truth = np.stack([[data[s + L + k * H : s + L + (k + 1) * H].T for k in range(STEPS)] for s in st])
         np.savez(HERE / f"{name}.npz", inputs=inputs, masks=masks)
-        np.savez(HERE / ("truth.npz" if name == "contexts" else "heldout_truth.npz"),
-                 forecast=truth.astype(np.float32))                                           # (8, 4, 7, 128)
+        np.savez(
+            HERE / ("truth.npz" if name == "contexts" else "heldout_truth.npz"), forecast=truth.astype(np.float32)
+        )  # (8, 4, 7, 128)
         print(f"{name} window starts {list(map(int, st))}, padded windows {list(padded)}")
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -270,10 +297,14 @@ def main():
     f_ort, q_ort = sess.run(None, {"inputs": ctx["inputs"][2], "masks": ctx["masks"][2]})
     with torch.no_grad():
         f_pt, q_pt = model(torch.from_numpy(ctx["inputs"][2]), torch.from_numpy(ctx["masks"][2]))
-    print(f"ORT vs torch max abs diff {max(np.abs(f_ort - f_pt.numpy()).max(), np.abs(q_ort - q_pt.numpy()).max()):.2e}; "
-          f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B")
+    print(
+        f"ORT vs torch max abs diff {max(np.abs(f_ort - f_pt.numpy()).max(), np.abs(q_ort - q_pt.numpy()).max()):.2e}; "
+        f"params {sum(p.numel() for p in model.parameters())}; size {path.stat().st_size} B"
+    )
     check_rollout(sess, ctx, np.load(HERE / "truth.npz")["forecast"], "scoring ")
-    check_rollout(sess, dict(np.load(HERE / "heldout.npz")), np.load(HERE / "heldout_truth.npz")["forecast"], "held-out")
+    check_rollout(
+        sess, dict(np.load(HERE / "heldout.npz")), np.load(HERE / "heldout_truth.npz")["forecast"], "held-out"
+    )
 
 
 if __name__ == "__main__":

@@ -43,41 +43,90 @@ def build(path: Path, seed: int = 0) -> Path:
 
     def linear(x: str, name: str, fan_in: int, fan_out: int) -> str:
         init[f"{name}.bias"] = np.zeros(fan_out, np.float32)
-        return node("Add", [node("MatMul", [x, weight(f"{name}.weight", (fan_in, fan_out))], f"{name}.matmul"), f"{name}.bias"], name)
+        return node(
+            "Add",
+            [node("MatMul", [x, weight(f"{name}.weight", (fan_in, fan_out))], f"{name}.matmul"), f"{name}.bias"],
+            name,
+        )
 
     # embeddings: word table (a Gather unit indexed by input_ids) + positions 0..seq-1 (a Gather on Range)
     const("zero", np.array(0, np.int64)), const("one", np.array(1, np.int64)), const("axis1", np.array([1], np.int64))
-    words = node("Gather", [weight("embeddings.word_embeddings.weight", (VOCAB, WIDTH)), "input_ids"], "embeddings.words")
+    words = node(
+        "Gather", [weight("embeddings.word_embeddings.weight", (VOCAB, WIDTH)), "input_ids"], "embeddings.words"
+    )
     seq = node("Squeeze", [node("Shape", ["input_ids"], "shape", start=1, end=2)], "seq_len")
     positions = node("Range", ["zero", seq, "one"], "position_ids")
-    placed = node("Gather", [weight("embeddings.position_embeddings.weight", (POSITIONS, WIDTH)), positions], "embeddings.positions")
+    placed = node(
+        "Gather",
+        [weight("embeddings.position_embeddings.weight", (POSITIONS, WIDTH)), positions],
+        "embeddings.positions",
+    )
     hidden = layer_norm(node("Add", [words, placed], "embeddings.sum"), "embeddings.LayerNorm")
 
     # additive attention mask [batch, 1, 1, seq]: 0 where attended, -1e4 on padding
     mask = node("Cast", ["attention_mask"], "mask_float", to=TensorProto.FLOAT)
-    const("neg", np.array(-1e4, np.float32)), const("one_f", np.array(1.0, np.float32)), const("axes12", np.array([1, 2], np.int64))
-    bias = node("Unsqueeze", [node("Mul", [node("Sub", ["one_f", mask], "unmasked"), "neg"], "mask_bias"), "axes12"], "attention_bias")
+    (
+        const("neg", np.array(-1e4, np.float32)),
+        const("one_f", np.array(1.0, np.float32)),
+        const("axes12", np.array([1, 2], np.int64)),
+    )
+    bias = node(
+        "Unsqueeze",
+        [node("Mul", [node("Sub", ["one_f", mask], "unmasked"), "neg"], "mask_bias"), "axes12"],
+        "attention_bias",
+    )
 
     head = WIDTH // HEADS
-    const("split_heads", np.array([0, -1, HEADS, head], np.int64)), const("merge_heads", np.array([0, -1, WIDTH], np.int64))
-    const("scale", np.array(1 / np.sqrt(head), np.float32)), const("half", np.array(0.5, np.float32)), const("root2", np.array(np.sqrt(2), np.float32))
+    (
+        const("split_heads", np.array([0, -1, HEADS, head], np.int64)),
+        const("merge_heads", np.array([0, -1, WIDTH], np.int64)),
+    )
+    (
+        const("scale", np.array(1 / np.sqrt(head), np.float32)),
+        const("half", np.array(0.5, np.float32)),
+        const("root2", np.array(np.sqrt(2), np.float32)),
+    )
     for i in range(LAYERS):
         p = f"encoder.layer.{i}"
 
         def heads(name: str, perm) -> str:
             projected = linear(hidden, f"{p}.attention.self.{name}", WIDTH, WIDTH)
-            return node("Transpose", [node("Reshape", [projected, "split_heads"], f"{p}.{name}.split")], f"{p}.{name}.heads", perm=perm)
+            return node(
+                "Transpose",
+                [node("Reshape", [projected, "split_heads"], f"{p}.{name}.split")],
+                f"{p}.{name}.heads",
+                perm=perm,
+            )
 
         q, k, v = heads("query", [0, 2, 1, 3]), heads("key", [0, 2, 3, 1]), heads("value", [0, 2, 1, 3])
-        scores = node("Add", [node("Mul", [node("MatMul", [q, k], f"{p}.scores.raw"), "scale"], f"{p}.scores.scaled"), bias], f"{p}.scores")
+        scores = node(
+            "Add",
+            [node("Mul", [node("MatMul", [q, k], f"{p}.scores.raw"), "scale"], f"{p}.scores.scaled"), bias],
+            f"{p}.scores",
+        )
         context = node("MatMul", [node("Softmax", [scores], f"{p}.probs", axis=-1), v], f"{p}.context.heads")
-        context = node("Reshape", [node("Transpose", [context], f"{p}.context.t", perm=[0, 2, 1, 3]), "merge_heads"], f"{p}.context")
+        context = node(
+            "Reshape",
+            [node("Transpose", [context], f"{p}.context.t", perm=[0, 2, 1, 3]), "merge_heads"],
+            f"{p}.context",
+        )
         attended = linear(context, f"{p}.attention.output.dense", WIDTH, WIDTH)
-        hidden = layer_norm(node("Add", [attended, hidden], f"{p}.attention.residual"), f"{p}.attention.output.LayerNorm")
+        hidden = layer_norm(
+            node("Add", [attended, hidden], f"{p}.attention.residual"), f"{p}.attention.output.LayerNorm"
+        )
         inner = linear(hidden, f"{p}.intermediate.dense", WIDTH, FFN)  # GELU (erf form)
-        gelu = node("Mul", [node("Mul", [inner, "half"], f"{p}.gelu.half"),
-                            node("Add", [node("Erf", [node("Div", [inner, "root2"], f"{p}.gelu.scaled")], f"{p}.gelu.erf"), "one_f"], f"{p}.gelu.sum")],
-                    f"{p}.gelu")
+        gelu = node(
+            "Mul",
+            [
+                node("Mul", [inner, "half"], f"{p}.gelu.half"),
+                node(
+                    "Add",
+                    [node("Erf", [node("Div", [inner, "root2"], f"{p}.gelu.scaled")], f"{p}.gelu.erf"), "one_f"],
+                    f"{p}.gelu.sum",
+                ),
+            ],
+            f"{p}.gelu",
+        )
         out = linear(gelu, f"{p}.output.dense", FFN, WIDTH)
         hidden = layer_norm(node("Add", [out, hidden], f"{p}.output.residual"), f"{p}.output.LayerNorm")
 
@@ -89,12 +138,18 @@ def build(path: Path, seed: int = 0) -> Path:
     node("Div", [summed, count], "embedding")
 
     graph = helper.make_graph(
-        nodes, "token_embedder",
-        [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in ("input_ids", "attention_mask")],
+        nodes,
+        "token_embedder",
+        [
+            helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"])
+            for n in ("input_ids", "attention_mask")
+        ],
         [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", WIDTH])],
         [numpy_helper.from_array(v, k) for k, v in init.items()],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="tqsdeploy examples/token_embedder/build.py")
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="tqsdeploy examples/token_embedder/build.py"
+    )
     model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)
     onnx.save_model(model, str(path))

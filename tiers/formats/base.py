@@ -137,7 +137,9 @@ class Tier(StoredForm):
         raise ValueError(f"tier '{self.name}' stores codes: encode them with a rounding method")
 
 
-def placed(quantized: "Quantized", layout: "Layout") -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None, int | None]:
+def placed(
+    quantized: "Quantized", layout: "Layout"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None, int | None]:
     """(codes, scale, zero, axis, block_size) of Wt-level codes in the stored layout, the scales shaped as
     DequantizeLinear takes them: one per tensor, per output channel, or per block of the stored reduction axis."""
     codes = layout.from_wt(quantized.codes)

@@ -55,7 +55,10 @@ class CodesTier(Tier):
 
     @classmethod
     def form_opset(cls, value: Encoded) -> int:
-        return max(_dequantize_opset(value.dtype, bool(value.block_size)), CODE_OPSETS.get(np.dtype(value.values.dtype).name, 13))
+        return max(
+            _dequantize_opset(value.dtype, bool(value.block_size)),
+            CODE_OPSETS.get(np.dtype(value.values.dtype).name, 13),
+        )
 
     def opset_for(self, dtype: str, blockwise: bool) -> int:
         return max(self.opset, _dequantize_opset(dtype, blockwise and self.blockwise))
@@ -70,7 +73,9 @@ class CodesTier(Tier):
         codes = value.values.astype(np.float32)
         if value.zero_point is not None:
             codes -= broadcast_scale(value.zero_point.astype(np.float32), value.shape, value.axis, value.block_size)
-        written = np.asarray(value.scale).astype(np.float16) if value.dtype == "float16" else value.scale  # a float16 model's scales are written as float16
+        written = (
+            np.asarray(value.scale).astype(np.float16) if value.dtype == "float16" else value.scale
+        )  # a float16 model's scales are written as float16
         codes *= broadcast_scale(written, value.shape, value.axis, value.block_size)
         return codes
 
@@ -91,7 +96,11 @@ class CodesTier(Tier):
         cache keeps them (unpacked in the graph). None for FP8 codes and blockwise scales (fed as floats)."""
         prefix = f"{name}__fed"
         dtype = np.dtype(value.dtype)
-        packed = value.values if isinstance(value.values, PackedCodes) and not value.block_size and _integer_codes(value.values.dtype) else None
+        packed = (
+            value.values
+            if isinstance(value.values, PackedCodes) and not value.block_size and _integer_codes(value.values.dtype)
+            else None
+        )
         if packed is not None and packed.data.size * (8 // packed.bits) != packed.size:
             packed = None  # codes that do not fill their last byte: fed unpacked
         if packed is None:
@@ -107,19 +116,38 @@ class CodesTier(Tier):
             container = np.int8 if ml_dtypes.iinfo(value.values.dtype).min < 0 else np.uint8
             codes = value.values if value.values.dtype == container else value.values.astype(container)
             feeds = {f"{prefix}_codes": codes}
-            nodes = [helper.make_node("Cast", [f"{prefix}_codes"], [f"{prefix}_float"], to=onnx.TensorProto.FLOAT, name=f"{prefix}_cast")]
+            nodes = [
+                helper.make_node(
+                    "Cast", [f"{prefix}_codes"], [f"{prefix}_float"], to=onnx.TensorProto.FLOAT, name=f"{prefix}_cast"
+                )
+            ]
             centred = f"{prefix}_float"
-        written = np.asarray(value.scale).astype(np.float16) if dtype == np.float16 else value.scale  # a float16 weight's scale as the file stores it
+        written = (
+            np.asarray(value.scale).astype(np.float16) if dtype == np.float16 else value.scale
+        )  # a float16 weight's scale as the file stores it
         feeds[f"{prefix}_scale"] = np.asarray(written, np.float32).reshape(view)
         if value.zero_point is not None:
             feeds[f"{prefix}_zero"] = np.asarray(value.zero_point).astype(np.float32).reshape(view)
-            nodes.append(helper.make_node("Sub", [centred, f"{prefix}_zero"], [f"{prefix}_centred"], name=f"{prefix}_sub"))
+            nodes.append(
+                helper.make_node("Sub", [centred, f"{prefix}_zero"], [f"{prefix}_centred"], name=f"{prefix}_sub")
+            )
             centred = f"{prefix}_centred"
         scaled = name if dtype == np.float32 else f"{prefix}_scaled"
         nodes.append(helper.make_node("Mul", [centred, f"{prefix}_scale"], [scaled], name=f"{prefix}_mul"))
         if scaled != name:
-            nodes.append(helper.make_node("Cast", [scaled], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{prefix}_to_{dtype.name}"))
-        inputs = [helper.make_tensor_value_info(key, helper.np_dtype_to_tensor_dtype(array.dtype), list(array.shape)) for key, array in feeds.items()]
+            nodes.append(
+                helper.make_node(
+                    "Cast",
+                    [scaled],
+                    [name],
+                    to=helper.np_dtype_to_tensor_dtype(dtype),
+                    name=f"{prefix}_to_{dtype.name}",
+                )
+            )
+        inputs = [
+            helper.make_tensor_value_info(key, helper.np_dtype_to_tensor_dtype(array.dtype), list(array.shape))
+            for key, array in feeds.items()
+        ]
         return inputs, feeds, nodes
 
 
@@ -142,11 +170,17 @@ def _dequantize_linear(name: str, value: Encoded) -> Emission:
         inputs.append(zero.name)
     nodes = [helper.make_node("DequantizeLinear", inputs, [produced], name=f"{name}__dq", **attributes)]
     if produced != name:
-        nodes.append(helper.make_node("Cast", [produced], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{name}__to_{dtype.name}"))
+        nodes.append(
+            helper.make_node(
+                "Cast", [produced], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{name}__to_{dtype.name}"
+            )
+        )
     return initializers, nodes
 
 
-def _widened(prefix: str, array: np.ndarray, value: Encoded, shared: str) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto], str]:
+def _widened(
+    prefix: str, array: np.ndarray, value: Encoded, shared: str
+) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto], str]:
     """A scale or zero point stored with its own elements and bytes, only reshaped, and the nodes that make it
     float32 and broadcastable against the weight: per axis it is stored as [1, n, 1, ...]; per block as
     [..., blocks, 1, ...], then Expanded to [..., blocks, block_size, ...], Reshaped to the blocked axis and
@@ -157,24 +191,46 @@ def _widened(prefix: str, array: np.ndarray, value: Encoded, shared: str) -> tup
     stored, tensors, nodes = array, [], []
     if array.ndim and value.block_size:
         blocks, size = array.shape[axis], int(value.block_size)
-        stored = array.reshape(shape[:axis] + [blocks, 1] + shape[axis + 1:])
-        tensors += [numpy_helper.from_array(np.array(shape[:axis] + [blocks, size] + shape[axis + 1:], np.int64), shared + "expand"),
-                    numpy_helper.from_array(np.array(shape[:axis] + [blocks * size] + shape[axis + 1:], np.int64), shared + "blocked")]
+        stored = array.reshape(shape[:axis] + [blocks, 1] + shape[axis + 1 :])
+        tensors += [
+            numpy_helper.from_array(
+                np.array(shape[:axis] + [blocks, size] + shape[axis + 1 :], np.int64), shared + "expand"
+            ),
+            numpy_helper.from_array(
+                np.array(shape[:axis] + [blocks * size] + shape[axis + 1 :], np.int64), shared + "blocked"
+            ),
+        ]
     elif array.ndim:
         stored = array.reshape([shape[i] if i == axis else 1 for i in range(len(shape))])
     tensors.insert(0, numpy_helper.from_array(np.ascontiguousarray(stored), prefix + "stored"))
     current = prefix + "stored"
     if stored.dtype != np.float32:
-        nodes.append(helper.make_node("Cast", [current], [prefix + "float"], to=onnx.TensorProto.FLOAT, name=prefix + "float"))
+        nodes.append(
+            helper.make_node("Cast", [current], [prefix + "float"], to=onnx.TensorProto.FLOAT, name=prefix + "float")
+        )
         current = prefix + "float"
     if array.ndim and value.block_size:
-        nodes += [helper.make_node("Expand", [current, shared + "expand"], [prefix + "expanded"], name=prefix + "expand"),
-                  helper.make_node("Reshape", [prefix + "expanded", shared + "blocked"], [prefix + "full"], name=prefix + "reshape")]
+        nodes += [
+            helper.make_node("Expand", [current, shared + "expand"], [prefix + "expanded"], name=prefix + "expand"),
+            helper.make_node(
+                "Reshape", [prefix + "expanded", shared + "blocked"], [prefix + "full"], name=prefix + "reshape"
+            ),
+        ]
         current = prefix + "full"
         if array.shape[axis] * int(value.block_size) != shape[axis]:
-            tensors += [numpy_helper.from_array(np.array([0], np.int64), shared + "start"), numpy_helper.from_array(np.array([shape[axis]], np.int64), shared + "stop"),
-                        numpy_helper.from_array(np.array([axis], np.int64), shared + "axis")]
-            nodes.append(helper.make_node("Slice", [current, shared + "start", shared + "stop", shared + "axis"], [prefix + "sliced"], name=prefix + "slice"))
+            tensors += [
+                numpy_helper.from_array(np.array([0], np.int64), shared + "start"),
+                numpy_helper.from_array(np.array([shape[axis]], np.int64), shared + "stop"),
+                numpy_helper.from_array(np.array([axis], np.int64), shared + "axis"),
+            ]
+            nodes.append(
+                helper.make_node(
+                    "Slice",
+                    [current, shared + "start", shared + "stop", shared + "axis"],
+                    [prefix + "sliced"],
+                    name=prefix + "slice",
+                )
+            )
             current = prefix + "sliced"
     return tensors, nodes, current
 
@@ -197,38 +253,72 @@ def _at_load(name: str, value: Encoded) -> Emission:
         tensors, nodes = tensors + zero_tensors, nodes + zero_nodes
         nodes.append(helper.make_node("Sub", [current, zero], [p + "centred"], name=p + "centre"))
         current = p + "centred"
-    scale_type = dtype if dtype.name in DEQUANTIZED_TYPES else np.dtype(np.float32)  # stored as `_dequantize_linear` stores it
-    scale_tensors, scale_nodes, scale = _widened(p + "scale_", np.asarray(value.scale, dtype=scale_type), value, p + "block_")
+    scale_type = (
+        dtype if dtype.name in DEQUANTIZED_TYPES else np.dtype(np.float32)
+    )  # stored as `_dequantize_linear` stores it
+    scale_tensors, scale_nodes, scale = _widened(
+        p + "scale_", np.asarray(value.scale, dtype=scale_type), value, p + "block_"
+    )
     tensors += [t for t in scale_tensors if t.name not in {known.name for known in tensors}]
     nodes += scale_nodes
     scaled = name if dtype == np.float32 else p + "scaled"
     nodes.append(helper.make_node("Mul", [current, scale], [scaled], name=p + "scale"))
     if scaled != name:
-        nodes.append(helper.make_node("Cast", [scaled], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{name}__to_{dtype.name}"))
+        nodes.append(
+            helper.make_node(
+                "Cast", [scaled], [name], to=helper.np_dtype_to_tensor_dtype(dtype), name=f"{name}__to_{dtype.name}"
+            )
+        )
     return tensors, nodes
 
 
-def _unpacked_codes(prefix: str, packed: PackedCodes, signed: bool) -> tuple[dict[str, np.ndarray], list[onnx.NodeProto], str]:
+def _unpacked_codes(
+    prefix: str, packed: PackedCodes, signed: bool
+) -> tuple[dict[str, np.ndarray], list[onnx.NodeProto], str]:
     """Feeds and nodes turning sub-byte codes packed as on disk (`packed.data`, 8 // bits per byte, the
     first in the low bits) into their values as float32, shaped like the weight: every byte cast to
     float, digit i = floor(byte / 2^(bits·i)) - 2^bits · floor(byte / 2^(bits·(i+1))), two's complement
     for signed codes; all small integers, so exact. The name of the result is returned."""
     per, base = 8 // packed.bits, float(2**packed.bits)
-    feeds = {f"{prefix}_packed": packed.data, f"{prefix}_column": np.array([-1, 1], np.int64), f"{prefix}_shape": np.array(packed.shape, np.int64)}
+    feeds = {
+        f"{prefix}_packed": packed.data,
+        f"{prefix}_column": np.array([-1, 1], np.int64),
+        f"{prefix}_shape": np.array(packed.shape, np.int64),
+    }
     feeds.update({f"{prefix}_div{i}": np.array(base**i, np.float32) for i in range(1, per + 1)})
     feeds[f"{prefix}_base"] = np.array(base, np.float32)
-    nodes = [helper.make_node("Cast", [f"{prefix}_packed"], [f"{prefix}_q0"], to=onnx.TensorProto.FLOAT, name=f"{prefix}_bytes")]
+    nodes = [
+        helper.make_node(
+            "Cast", [f"{prefix}_packed"], [f"{prefix}_q0"], to=onnx.TensorProto.FLOAT, name=f"{prefix}_bytes"
+        )
+    ]
     for i in range(1, per + 1):  # q_i = floor(byte / base^i)
-        nodes.append(helper.make_node("Div", [f"{prefix}_q0", f"{prefix}_div{i}"], [f"{prefix}_d{i}"], name=f"{prefix}_div{i}"))
+        nodes.append(
+            helper.make_node("Div", [f"{prefix}_q0", f"{prefix}_div{i}"], [f"{prefix}_d{i}"], name=f"{prefix}_div{i}")
+        )
         nodes.append(helper.make_node("Floor", [f"{prefix}_d{i}"], [f"{prefix}_q{i}"], name=f"{prefix}_floor{i}"))
     digits = []
     for i in range(per):  # digit i = q_i - base · q_{i+1}, a column of the [bytes, per] table
-        nodes.append(helper.make_node("Mul", [f"{prefix}_q{i + 1}", f"{prefix}_base"], [f"{prefix}_h{i}"], name=f"{prefix}_high{i}"))
-        nodes.append(helper.make_node("Sub", [f"{prefix}_q{i}", f"{prefix}_h{i}"], [f"{prefix}_x{i}"], name=f"{prefix}_digit{i}"))
-        nodes.append(helper.make_node("Reshape", [f"{prefix}_x{i}", f"{prefix}_column"], [f"{prefix}_c{i}"], name=f"{prefix}_column{i}"))
+        nodes.append(
+            helper.make_node(
+                "Mul", [f"{prefix}_q{i + 1}", f"{prefix}_base"], [f"{prefix}_h{i}"], name=f"{prefix}_high{i}"
+            )
+        )
+        nodes.append(
+            helper.make_node("Sub", [f"{prefix}_q{i}", f"{prefix}_h{i}"], [f"{prefix}_x{i}"], name=f"{prefix}_digit{i}")
+        )
+        nodes.append(
+            helper.make_node(
+                "Reshape", [f"{prefix}_x{i}", f"{prefix}_column"], [f"{prefix}_c{i}"], name=f"{prefix}_column{i}"
+            )
+        )
         digits.append(f"{prefix}_c{i}")
     nodes.append(helper.make_node("Concat", digits, [f"{prefix}_table"], axis=1, name=f"{prefix}_table"))
-    nodes.append(helper.make_node("Reshape", [f"{prefix}_table", f"{prefix}_shape"], [f"{prefix}_digits"], name=f"{prefix}_reshape"))
+    nodes.append(
+        helper.make_node(
+            "Reshape", [f"{prefix}_table", f"{prefix}_shape"], [f"{prefix}_digits"], name=f"{prefix}_reshape"
+        )
+    )
     if not signed:
         return feeds, nodes, f"{prefix}_digits"
     feeds[f"{prefix}_half"] = np.array(base / 2, np.float32)

@@ -30,7 +30,9 @@ def to_float16(weight: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         narrow = weight.astype(np.float16)
     broken = np.zeros(0, bool)
-    if np.count_nonzero(narrow) != np.count_nonzero(weight):  # nonzero values below half the smallest subnormal became 0
+    if np.count_nonzero(narrow) != np.count_nonzero(
+        weight
+    ):  # nonzero values below half the smallest subnormal became 0
         broken = (narrow == 0) & (weight != 0)
     if np.isinf(narrow).any():  # finite values past 65504 (from 65520 they round to Inf)
         past = np.isinf(narrow) & np.isfinite(weight)
@@ -69,7 +71,11 @@ class FloatTier(Tier):
     def emit(cls, name: str, value: Encoded, layout: str) -> Emission:
         """'raw': the float initializer; 'cast': the narrow one + Cast (the same in both layouts)."""
         if value.form == "raw" or value.values.dtype == np.dtype(value.dtype):
-            return [numpy_helper.from_array(np.ascontiguousarray(value.values.astype(np.dtype(value.dtype), copy=False)), name)], []
+            return [
+                numpy_helper.from_array(
+                    np.ascontiguousarray(value.values.astype(np.dtype(value.dtype), copy=False)), name
+                )
+            ], []
         stored = numpy_helper.from_array(np.ascontiguousarray(value.values), f"{name}__{value.values.dtype.name}")
         to = helper.np_dtype_to_tensor_dtype(np.dtype(value.dtype))
         return [stored], [helper.make_node("Cast", [stored.name], [name], to=to, name=f"{name}__cast")]
@@ -98,5 +104,17 @@ class FloatTier(Tier):
             return None
         prefix = f"{name}__fed"
         feeds = {f"{prefix}_half": value.values}
-        nodes = [helper.make_node("Cast", [f"{prefix}_half"], [name], to=helper.np_dtype_to_tensor_dtype(np.dtype(value.dtype)), name=f"{prefix}_cast")]
-        return [helper.make_tensor_value_info(f"{prefix}_half", onnx.TensorProto.FLOAT16, list(value.shape))], feeds, nodes
+        nodes = [
+            helper.make_node(
+                "Cast",
+                [f"{prefix}_half"],
+                [name],
+                to=helper.np_dtype_to_tensor_dtype(np.dtype(value.dtype)),
+                name=f"{prefix}_cast",
+            )
+        ]
+        return (
+            [helper.make_tensor_value_info(f"{prefix}_half", onnx.TensorProto.FLOAT16, list(value.shape))],
+            feeds,
+            nodes,
+        )

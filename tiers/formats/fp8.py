@@ -44,4 +44,6 @@ class Fp8Tier(CodesTier):
 
     def stored(self, quantized, layout, dtype: str) -> Encoded:
         codes, scale, _, axis, _ = placed(quantized, layout)
-        return Encoded(self.name, "dequantize", codes.astype(ml_dtypes.float8_e4m3fn), layout.shape, scale, None, axis, None, dtype)
+        return Encoded(
+            self.name, "dequantize", codes.astype(ml_dtypes.float8_e4m3fn), layout.shape, scale, None, axis, None, dtype
+        )

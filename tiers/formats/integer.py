@@ -55,4 +55,6 @@ class IntegerTier(CodesTier):
         codes, scale, zero, axis, block = placed(quantized, layout)
         container = CONTAINERS[self.symmetric][self.bits]
         zero_point = None if self.symmetric else np.array(zero, order="C").astype(container)
-        return Encoded(self.name, "dequantize", c_order(codes, container), layout.shape, scale, zero_point, axis, block, dtype)
+        return Encoded(
+            self.name, "dequantize", c_order(codes, container), layout.shape, scale, zero_point, axis, block, dtype
+        )

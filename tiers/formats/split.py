@@ -62,5 +62,13 @@ class Split(StoredForm):
             inputs += piece_inputs
             feeds.update(piece_feeds)
             nodes += piece_nodes
-        nodes.append(helper.make_node("Concat", [f"{name}__part{i}" for i in range(len(pieces))], [name], axis=int(value.axis), name=f"{name}__fed_concat"))
+        nodes.append(
+            helper.make_node(
+                "Concat",
+                [f"{name}__part{i}" for i in range(len(pieces))],
+                [name],
+                axis=int(value.axis),
+                name=f"{name}__fed_concat",
+            )
+        )
         return inputs, feeds, nodes

@@ -7,8 +7,8 @@ message, no traceback), 3 an internal error (a bug: please report it).
 order `--help` lists them.
 """
 
+from tqsdeploy.cli import eval_gate, export_baseline, frontier, inspect_score  # noqa: E402,F401  (registers the commands)
 from tqsdeploy.cli.app import _OneLineErrors, app
-from tqsdeploy.cli import inspect_score, export_baseline, frontier, eval_gate  # noqa: E402,F401  (registers the commands)
 
 __all__ = ["_OneLineErrors", "app", "keep_freed_memory", "main"]
 

@@ -27,6 +27,7 @@ from tqsdeploy.sweep.strategies import AUTO, AUTO_HELP, BY_NAME, strategy_names
 
 ABORT = getattr(click_exceptions, "Abort", None) or typer.Abort  # typer 0.29's click copy keeps Abort in typer itself
 
+
 class _OneLineErrors(typer.core.TyperGroup):
     """Usage errors (a wrong option, a bad value) as one line on stderr and exit 2, like every other input error."""
 
@@ -40,7 +41,9 @@ class _OneLineErrors(typer.core.TyperGroup):
         except click_exceptions.ClickException as exc:
             context = getattr(exc, "ctx", None)
             where = f" (see '{context.command_path} --help')" if context is not None else ""
-            err.print(f"[bold red]error:[/] {escape(exc.format_message())}{escape(where)}", highlight=False, soft_wrap=True)
+            err.print(
+                f"[bold red]error:[/] {escape(exc.format_message())}{escape(where)}", highlight=False, soft_wrap=True
+            )
             result = exc.exit_code
         except ABORT:
             result = 130
@@ -55,10 +58,14 @@ class _OneLineErrors(typer.core.TyperGroup):
         command = self.commands.get(name) if name else None
         if command is None:
             return
-        single = {flag: param for param in command.params if getattr(param, "opts", None) and not getattr(param, "multiple", False)
-                  for flag in (*param.opts, *getattr(param, "secondary_opts", ()))}
+        single = {
+            flag: param
+            for param in command.params
+            if getattr(param, "opts", None) and not getattr(param, "multiple", False)
+            for flag in (*param.opts, *getattr(param, "secondary_opts", ()))
+        }
         seen: dict[str, int] = {}
-        for arg in args[args.index(name) + 1:]:
+        for arg in args[args.index(name) + 1 :]:
             if arg == "--":
                 break
             param = single.get(arg.split("=", 1)[0])
@@ -67,7 +74,9 @@ class _OneLineErrors(typer.core.TyperGroup):
                 seen[flag] = seen.get(flag, 0) + 1
         repeated = [flag for flag, count in seen.items() if count > 1]
         if repeated:
-            raise click_exceptions.UsageError(f"{', '.join(repeated)} given more than once; give {'it' if len(repeated) == 1 else 'each'} once")
+            raise click_exceptions.UsageError(
+                f"{', '.join(repeated)} given more than once; give {'it' if len(repeated) == 1 else 'each'} once"
+            )
 
 
 app = typer.Typer(
@@ -91,7 +100,11 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit.")) -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """Trajectory-based quantization sensitivity (TQS) and mixed-precision PTQ for ONNX forecasting models."""
     from runtimes import return_large_allocations
 
@@ -106,9 +119,9 @@ def fail(message: str, code: int = 2) -> None:
 INTERRUPTED = {
     "score": "finished rollouts are saved in the run folder (sweep.jsonl); run the same command again to resume",
     "export": "the run folder keeps the measured tier prices (measured.jsonl) and every weight a calibration pass finished "
-              "(export-checkpoints/); run the same command again to resume from them",
+    "(export-checkpoints/); run the same command again to resume from them",
     "frontier": "it keeps every finished export and evaluation (frontier-progress.jsonl), and its score run the finished rollouts, "
-                "the measured tier prices and every weight a calibration pass finished; run the same command again to resume from them",
+    "the measured tier prices and every weight a calibration pass finished; run the same command again to resume from them",
 }
 """What an interrupted command kept, by command; the others write each output whole or not at all."""
 
@@ -132,13 +145,18 @@ def user_errors(command):
             where = f" {exc.filename}" if exc.filename else ""
             fail(f"cannot use{where}: {exc.strerror or exc}")
         except KeyboardInterrupt:
-            kept = INTERRUPTED.get(command.__name__, "no partial output was left (every file is written whole or not at all)")
+            kept = INTERRUPTED.get(
+                command.__name__, "no partial output was left (every file is written whole or not at all)"
+            )
             err.print(f"interrupted: {kept}", soft_wrap=True)
             raise typer.Exit(130)
         except Exception as exc:
             if os.environ.get("TQS_DEBUG"):
                 raise
-            fail(f"internal error ({type(exc).__name__}: {exc}); rerun with TQS_DEBUG=1 for a traceback and please report it", code=3)
+            fail(
+                f"internal error ({type(exc).__name__}: {exc}); rerun with TQS_DEBUG=1 for a traceback and please report it",
+                code=3,
+            )
 
     return wrapper
 
@@ -182,7 +200,9 @@ def print_warnings(warnings) -> None:
 def csv_windows(windows: Optional[int], contexts: Optional[Path]) -> int:
     """--windows as given, else 8; refused with an .npz, which holds its own windows (it was ignored without a word)."""
     if windows is not None and contexts is not None and Path(contexts).suffix.lower() == ".npz":
-        raise typer.BadParameter(f"--windows cuts windows from a CSV (or sizes random contexts); {contexts} holds its own windows, all of which are used")
+        raise typer.BadParameter(
+            f"--windows cuts windows from a CSV (or sizes random contexts); {contexts} holds its own windows, all of which are used"
+        )
     return 8 if windows is None else windows
 
 
@@ -224,7 +244,12 @@ def frame_table(frame, title: str, columns: list[str]) -> Table:
     table = Table(title=title, title_justify="left")
     for column in columns:
         text = column in ("unit", "shape", "op_types", "nodes")
-        table.add_column(LABELS.get(column, column), justify="left" if text else "right", overflow="fold" if text else "ellipsis", no_wrap=not text)
+        table.add_column(
+            LABELS.get(column, column),
+            justify="left" if text else "right",
+            overflow="fold" if text else "ellipsis",
+            no_wrap=not text,
+        )
     for row in frame.iter_rows(named=True):
         table.add_row(*[fmt(row.get(c)) for c in columns])
     return table
@@ -265,8 +290,13 @@ class _LiveOption(typer.models.OptionInfo):
     default, metavar, help = _Live(), _Live(), _Live()
 
 
-def live_option(default, *decls: str, metavar: Callable[[], str] | str | None = None, help: Callable[[], str] | str | None = None,
-                **settings) -> typer.models.OptionInfo:
+def live_option(
+    default,
+    *decls: str,
+    metavar: Callable[[], str] | str | None = None,
+    help: Callable[[], str] | str | None = None,
+    **settings,
+) -> typer.models.OptionInfo:
     """`typer.Option` whose default, metavar and help may be functions, read off a registry when the command is built."""
     return _LiveOption(default=default, param_decls=decls, metavar=metavar, help=help, **settings)
 
@@ -301,11 +331,15 @@ def strategy_choices() -> str:
     return "|".join(strategy_names())
 
 
-LATENCY_HELP = ("Skip timing candidate and reference (by default both are open at once and called in alternation at the eval's batch: "
-                "3 warm-up calls each, then at least 10 paired rounds and 1 s; median, p10/p90 and memory in the report).")
+LATENCY_HELP = (
+    "Skip timing candidate and reference (by default both are open at once and called in alternation at the eval's batch: "
+    "3 warm-up calls each, then at least 10 paired rounds and 1 s; median, p10/p90 and memory in the report)."
+)
 BATCHES_HELP = "Windows per call to time, e.g. 1,8 (default: the eval's own batch, every window in one call)."
-COSINE_HELP = ("Cosine similarity and nearest-neighbour agreement of the output vectors (last axis): --cosine for every output, --no-cosine for none "
-               "(default: outputs named like embeddings, e.g. embedding, pooled, sentence, last_hidden_state, shaped \\[batch, dim] or \\[batch, tokens, dim]).")
+COSINE_HELP = (
+    "Cosine similarity and nearest-neighbour agreement of the output vectors (last axis): --cosine for every output, --no-cosine for none "
+    "(default: outputs named like embeddings, e.g. embedding, pooled, sentence, last_hidden_state, shaped \\[batch, dim] or \\[batch, tokens, dim])."
+)
 
 # Options several commands share, defined once (typer reads each as a description, so one may serve many commands).
 COLUMNS = typer.Option(None, "--columns", help=COLUMNS_HELP)
@@ -313,9 +347,16 @@ ZSCORE = typer.Option(False, "--zscore", help="Standardise CSV columns before cu
 CSV_WINDOWS = typer.Option(None, "--windows", min=1, help="Windows cut from a CSV (default 8).")
 CANDIDATE = typer.Argument(..., help="The compressed ONNX model.")
 REFERENCE = typer.Option(..., "--reference", "-r", help="The original ONNX model.")
-EVAL_CONTEXTS = typer.Option(..., "--contexts", "-c", help="Context windows: .npz (one array per input) or .csv (numeric columns, cut into --windows windows).")
+EVAL_CONTEXTS = typer.Option(
+    ...,
+    "--contexts",
+    "-c",
+    help="Context windows: .npz (one array per input) or .csv (numeric columns, cut into --windows windows).",
+)
 COSINE = typer.Option(None, "--cosine/--no-cosine", help=COSINE_HELP)
-EVAL_PROVIDER = live_option("cpu", "--provider", metavar=lambda: "|".join(provider_names()), help=lambda: provider_help(sweep=False))
+EVAL_PROVIDER = live_option(
+    "cpu", "--provider", metavar=lambda: "|".join(provider_names()), help=lambda: provider_help(sweep=False)
+)
 NO_LATENCY = typer.Option(False, "--no-latency", help=LATENCY_HELP)
 LATENCY_BATCHES = typer.Option(None, "--latency-batches", help=BATCHES_HELP)
 

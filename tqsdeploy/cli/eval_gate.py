@@ -9,8 +9,26 @@ from typing import Optional
 
 import typer
 
-from tqsdeploy.cli.app import (CANDIDATE, COLUMNS, COSINE, CSV_WINDOWS, EVAL_CONTEXTS, EVAL_PROVIDER, LATENCY_BATCHES, NO_LATENCY, REFERENCE, ZSCORE, app, csv_windows, err,
-                               latency_settings, out, parse_columns, print_warnings, user_errors)
+from tqsdeploy.cli.app import (
+    CANDIDATE,
+    COLUMNS,
+    COSINE,
+    CSV_WINDOWS,
+    EVAL_CONTEXTS,
+    EVAL_PROVIDER,
+    LATENCY_BATCHES,
+    NO_LATENCY,
+    REFERENCE,
+    ZSCORE,
+    app,
+    csv_windows,
+    err,
+    latency_settings,
+    out,
+    parse_columns,
+    print_warnings,
+    user_errors,
+)
 
 
 @app.command()
@@ -23,12 +41,13 @@ def engine(
     fp16: bool = typer.Option(False, "--fp16", help="Allow FP16 kernels."),
 ):
     """Build a TensorRT engine from an ONNX model (needs a GPU and the gpu extra)."""
+    import graph_ops
     from runtimes import build_engine
 
-    import graph_ops
-
     graph_ops.load_model(model)  # same input checks as everywhere
-    path = build_engine(model, output or model.with_suffix(".plan"), max_batch=max_batch, opt_batch=opt_batch, fp16=fp16)
+    path = build_engine(
+        model, output or model.with_suffix(".plan"), max_batch=max_batch, opt_batch=opt_batch, fp16=fp16
+    )
     out.print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
 
 
@@ -55,8 +74,14 @@ def _bounds_from_options(max_degradation, min_compression, max_size, per_output,
             raise typer.BadParameter(f"--max-slowdown must be a positive finite ratio, not {max_slowdown}")
         if no_latency:
             raise typer.BadParameter("--max-slowdown needs the latency measurement that --no-latency turns off")
-    return Bounds(max_degradation=degradation, min_compression=min_compression, max_size=size, per_output=per,
-                  min_cosine=min_cosine, max_slowdown=max_slowdown)
+    return Bounds(
+        max_degradation=degradation,
+        min_compression=min_compression,
+        max_size=size,
+        per_output=per,
+        min_cosine=min_cosine,
+        max_slowdown=max_slowdown,
+    )
 
 
 def _report_prefix(candidate: Path, report: Optional[str]) -> Path:
@@ -64,7 +89,9 @@ def _report_prefix(candidate: Path, report: Optional[str]) -> Path:
     name = candidate.stem + ".eval"
     if report is None:
         return candidate.with_name(name)
-    if report.endswith(("/", os.sep)) or Path(report).is_dir():  # a folder: the default names inside it, as its reader expects
+    if (
+        report.endswith(("/", os.sep)) or Path(report).is_dir()
+    ):  # a folder: the default names inside it, as its reader expects
         return Path(report) / name
     return Path(report)
 
@@ -75,18 +102,31 @@ def eval_command(
     candidate: Path = CANDIDATE,
     reference: Path = REFERENCE,
     contexts: Path = EVAL_CONTEXTS,
-    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth (.npz, one array per trajectory output, (windows, steps, *output)); CSV contexts default to the rows after each window."),
+    truth: Optional[Path] = typer.Option(
+        None,
+        "--truth",
+        help="Ground truth (.npz, one array per trajectory output, (windows, steps, *output)); CSV contexts default to the rows after each window.",
+    ),
     windows: Optional[int] = CSV_WINDOWS,
     zscore: bool = ZSCORE,
     columns: Optional[str] = COLUMNS,
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected when omitted."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps."),
-    exact: bool = typer.Option(False, "--exact", help="Exact dequantization instead of ONNX Runtime's default int8-activation MatMulNBits."),
-    variable_axis: Optional[int] = typer.Option(None, "--variable-axis", help="Axis of each per-step output to report per variable."),
+    exact: bool = typer.Option(
+        False, "--exact", help="Exact dequantization instead of ONNX Runtime's default int8-activation MatMulNBits."
+    ),
+    variable_axis: Optional[int] = typer.Option(
+        None, "--variable-axis", help="Axis of each per-step output to report per variable."
+    ),
     cosine: Optional[bool] = COSINE,
     provider: str = EVAL_PROVIDER,
-    report: Optional[str] = typer.Option(None, "--report", metavar="PATH", help="Report prefix: writes PREFIX.json and PREFIX.md (default <candidate stem>.eval beside the candidate); "
-                                         "an existing folder or a path ending in / gets <candidate stem>.eval.json and .md inside it."),
+    report: Optional[str] = typer.Option(
+        None,
+        "--report",
+        metavar="PATH",
+        help="Report prefix: writes PREFIX.json and PREFIX.md (default <candidate stem>.eval beside the candidate); "
+        "an existing folder or a path ending in / gets <candidate stem>.eval.json and .md inside it.",
+    ),
     no_latency: bool = NO_LATENCY,
     latency_batches: Optional[str] = LATENCY_BATCHES,
 ):
@@ -96,8 +136,16 @@ def eval_command(
     from tqsdeploy.evaluation.evaluate import EvalRequest, EvalSettings, markdown, run_eval
     from tqsdeploy.files import check_writable
 
-    settings = EvalSettings(exact=exact, provider=provider, variable_axis=variable_axis, windows=csv_windows(windows, contexts), zscore=zscore, columns=parse_columns(columns), cosine=cosine,
-                            latency=latency_settings(no_latency, latency_batches))
+    settings = EvalSettings(
+        exact=exact,
+        provider=provider,
+        variable_axis=variable_axis,
+        windows=csv_windows(windows, contexts),
+        zscore=zscore,
+        columns=parse_columns(columns),
+        cosine=cosine,
+        latency=latency_settings(no_latency, latency_batches),
+    )
     prefix = _report_prefix(candidate, report)
     try:
         check_writable(prefix.parent)  # before the rollouts, so a bad --report throws no results away
@@ -117,22 +165,44 @@ def gate(
     candidate: Path = CANDIDATE,
     reference: Path = REFERENCE,
     contexts: Path = EVAL_CONTEXTS,
-    truth: Optional[Path] = typer.Option(None, "--truth", help="Ground truth (.npz); CSV contexts default to the rows after each window; without any, degradation is the drift from the reference."),
+    truth: Optional[Path] = typer.Option(
+        None,
+        "--truth",
+        help="Ground truth (.npz); CSV contexts default to the rows after each window; without any, degradation is the drift from the reference.",
+    ),
     windows: Optional[int] = CSV_WINDOWS,
     zscore: bool = ZSCORE,
     columns: Optional[str] = COLUMNS,
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML)."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps."),
-    max_degradation: Optional[str] = typer.Option(None, "--max-degradation", help="Largest allowed degradation on every output, e.g. 1%."),
-    per_output: Optional[list[str]] = typer.Option(None, "--max-degradation-output", help="Per-output bound OUTPUT=PERCENT (repeatable)."),
-    min_compression: Optional[float] = typer.Option(None, "--min-compression", help="Smallest allowed compression (reference / candidate weight bytes)."),
+    max_degradation: Optional[str] = typer.Option(
+        None, "--max-degradation", help="Largest allowed degradation on every output, e.g. 1%."
+    ),
+    per_output: Optional[list[str]] = typer.Option(
+        None, "--max-degradation-output", help="Per-output bound OUTPUT=PERCENT (repeatable)."
+    ),
+    min_compression: Optional[float] = typer.Option(
+        None, "--min-compression", help="Smallest allowed compression (reference / candidate weight bytes)."
+    ),
     max_size: Optional[str] = typer.Option(None, "--max-size", help="Largest allowed candidate file, e.g. 12MB."),
-    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Smallest allowed cosine similarity of any output vector to its reference (outputs with cosine metrics, see --cosine), e.g. 0.99."),
+    min_cosine: Optional[float] = typer.Option(
+        None,
+        "--min-cosine",
+        help="Smallest allowed cosine similarity of any output vector to its reference (outputs with cosine metrics, see --cosine), e.g. 0.99.",
+    ),
     cosine: Optional[bool] = COSINE,
-    exact: bool = typer.Option(False, "--exact", help="Exact dequantization instead of what ONNX Runtime runs by default."),
+    exact: bool = typer.Option(
+        False, "--exact", help="Exact dequantization instead of what ONNX Runtime runs by default."
+    ),
     provider: str = EVAL_PROVIDER,
-    report_dir: Path = typer.Option(Path("gate-report"), "--report-dir", help="Where gate.json, gate.md and junit.xml go."),
-    max_slowdown: Optional[float] = typer.Option(None, "--max-slowdown", help="Largest allowed candidate/reference median latency at every measured batch, e.g. 1.1."),
+    report_dir: Path = typer.Option(
+        Path("gate-report"), "--report-dir", help="Where gate.json, gate.md and junit.xml go."
+    ),
+    max_slowdown: Optional[float] = typer.Option(
+        None,
+        "--max-slowdown",
+        help="Largest allowed candidate/reference median latency at every measured batch, e.g. 1.1.",
+    ),
     no_latency: bool = NO_LATENCY,
     latency_batches: Optional[str] = LATENCY_BATCHES,
 ):
@@ -141,8 +211,18 @@ def gate(
     from tqsdeploy.evaluation.gate import GateRequest, gate_markdown, run_gate
     from tqsdeploy.files import check_writable
 
-    bounds = _bounds_from_options(max_degradation, min_compression, max_size, per_output, min_cosine, max_slowdown, no_latency)
-    settings = EvalSettings(exact=exact, provider=provider, windows=csv_windows(windows, contexts), zscore=zscore, columns=parse_columns(columns), cosine=cosine, latency=latency_settings(no_latency, latency_batches))
+    bounds = _bounds_from_options(
+        max_degradation, min_compression, max_size, per_output, min_cosine, max_slowdown, no_latency
+    )
+    settings = EvalSettings(
+        exact=exact,
+        provider=provider,
+        windows=csv_windows(windows, contexts),
+        zscore=zscore,
+        columns=parse_columns(columns),
+        cosine=cosine,
+        latency=latency_settings(no_latency, latency_batches),
+    )
     check_writable(report_dir)  # before the rollouts
     evaluation = EvalRequest(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)
     result = run_gate(GateRequest(evaluation, bounds, report_dir), warn=print_warnings)

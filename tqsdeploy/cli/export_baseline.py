@@ -12,51 +12,84 @@ from rich.markup import escape
 
 from runtimes import provider_names
 from tiers import DEFAULT_TIERS, METHOD_LABELS, METHODS, TIERS, TRT_TIERS
-from tqsdeploy.cli.app import (app, err, frame_table, live_option, or_list, out, parse_floats, progress_bar, rounding_choices, split_list,
-                               user_errors)
-from tqsdeploy.errors import InputError
+from tqsdeploy.cli.app import (
+    app,
+    err,
+    frame_table,
+    live_option,
+    or_list,
+    out,
+    parse_floats,
+    progress_bar,
+    rounding_choices,
+    split_list,
+    user_errors,
+)
 from tqsdeploy.encoding.choices import GRID_CHOICES, GRIDS_HELP
+from tqsdeploy.errors import InputError
 from tqsdeploy.export.objectives import objective_names, objectives_help
 
 
 def _say_sidecar(files, size: int, alternative: str | None = None) -> None:
     """Name a model's external-data file: shipped without it, the .onnx does not load."""
     if len(files) > 1:
-        out.print(f"  [yellow]external data:[/] {escape(' + '.join(str(f) for f in files))}: the .onnx reads its weights from the .data file, "
-                  f"so ship and keep both together in one folder" + (f" ({alternative})" if alternative and size < 2**31 else ""), soft_wrap=True)
+        out.print(
+            f"  [yellow]external data:[/] {escape(' + '.join(str(f) for f in files))}: the .onnx reads its weights from the .data file, "
+            f"so ship and keep both together in one folder"
+            + (f" ({alternative})" if alternative and size < 2**31 else ""),
+            soft_wrap=True,
+        )
 
 
 def _refuse_overwrite(*paths, elsewhere: str = "-o / --out-dir") -> None:
     """Fail before any work when an output exists (--force overwrites)."""
     for path in paths:
         if Path(path).exists():
-            raise InputError(f"{path} already exists", hint=f"pass --force to overwrite it, or choose another name with {elsewhere}")
+            raise InputError(
+                f"{path} already exists", hint=f"pass --force to overwrite it, or choose another name with {elsewhere}"
+            )
 
 
 def _feeds_matmul_integer_codes(encodings, layouts) -> bool:
     """Whether an export stores integer codes (DequantizeLinear) for a weight a MatMul reads: what ONNX
     Runtime fuses into MatMulNBits with int8 activations."""
+
     def integer(encoded) -> bool:
         if encoded.form == "split":
             return any(integer(part) for part in encoded.parts)
-        return encoded.form == "dequantize" and not np.dtype(encoded.values.dtype).name.startswith("float")  # packed codes keep their type: no unpacking
+        return encoded.form == "dequantize" and not np.dtype(encoded.values.dtype).name.startswith(
+            "float"
+        )  # packed codes keep their type: no unpacking
 
-    return any("MatMul" in layouts[name].op_types and integer(encoded) for name, encoded in encodings.items() if name in layouts)
+    return any(
+        "MatMul" in layouts[name].op_types and integer(encoded)
+        for name, encoded in encodings.items()
+        if name in layouts
+    )
 
 
 def _layout_cost(outcome, settings) -> str:
     """What the written layout costs at run time, in one line."""
     memory = f"about {outcome.memory_bytes / 1e6:.3f} MB of weights in memory after load"
-    chosen = f"{outcome.layout}" + (f" (auto for --target {settings.target})" if settings.runtime_layout == "auto" else "")
+    chosen = f"{outcome.layout}" + (
+        f" (auto for --target {settings.target})" if settings.runtime_layout == "auto" else ""
+    )
     if outcome.layout == "dequantized":
         model, file = outcome.opsets
-        speed = ("runs the original's kernels at its speed, exactly" if file <= model else
-                 f"runs the original's kernels exactly, at opset {file} (converted from {model} for the codes' types: a kernel can change speed "
-                 "with the opset, ONNX Runtime's AveragePool from 19 on ran 2.7x slower; `tqsdeploy eval` times both)")
-        return (f"{chosen}: ONNX Runtime rebuilds the float weights once when the session is created and {speed} (no dequantization per call); "
-                f"{memory} (the original's float size; the file stays {outcome.file_bytes / 1e6:.3f} MB)")
-    return (f"{chosen}: DequantizeLinear nodes; ONNX Runtime runs those before a MatMul as MatMulNBits (fast for few rows, "
-            f"slower than float for batched calls) and the others on every call; {memory}")
+        speed = (
+            "runs the original's kernels at its speed, exactly"
+            if file <= model
+            else f"runs the original's kernels exactly, at opset {file} (converted from {model} for the codes' types: a kernel can change speed "
+            "with the opset, ONNX Runtime's AveragePool from 19 on ran 2.7x slower; `tqsdeploy eval` times both)"
+        )
+        return (
+            f"{chosen}: ONNX Runtime rebuilds the float weights once when the session is created and {speed} (no dequantization per call); "
+            f"{memory} (the original's float size; the file stays {outcome.file_bytes / 1e6:.3f} MB)"
+        )
+    return (
+        f"{chosen}: DequantizeLinear nodes; ONNX Runtime runs those before a MatMul as MatMulNBits (fast for few rows, "
+        f"slower than float for batched calls) and the others on every call; {memory}"
+    )
 
 
 def _name_limit(folder: Path) -> int:
@@ -71,59 +104,165 @@ def _name_limit(folder: Path) -> int:
 def _check_output_file(path: Path, given: str | None, inputs) -> None:
     """An output must be a file name, and never one of the input model's files, --force or not."""
     if (given or "").endswith(("/", os.sep)) or path.is_dir():
-        raise InputError(f"output {given or path} is a folder; name the file (or use --out-dir where the command has it)")
-    longest = len(f".{path.name}.12345678.data.12345678.partial".encode())  # the writer's temporary beside the external data
+        raise InputError(
+            f"output {given or path} is a folder; name the file (or use --out-dir where the command has it)"
+        )
+    longest = len(
+        f".{path.name}.12345678.data.12345678.partial".encode()
+    )  # the writer's temporary beside the external data
     limit = _name_limit(path.parent)
     if longest > limit:
-        raise InputError(f"output name {path.name} is too long: its files' names reach {longest} bytes, this file system takes {limit}",
-                         hint=f"use a name of at most {limit - (longest - len(path.name.encode()))} bytes")
-    if path.suffix.lower() != ".onnx":  # an ONNX model under any name was written (-o q.npz), its records beside it as q.allocation.json
-        raise InputError(f"output {path} does not end in .onnx: the command writes an ONNX model", hint=f"name it {path.with_suffix('.onnx').name}")
+        raise InputError(
+            f"output name {path.name} is too long: its files' names reach {longest} bytes, this file system takes {limit}",
+            hint=f"use a name of at most {limit - (longest - len(path.name.encode()))} bytes",
+        )
+    if (
+        path.suffix.lower() != ".onnx"
+    ):  # an ONNX model under any name was written (-o q.npz), its records beside it as q.allocation.json
+        raise InputError(
+            f"output {path} does not end in .onnx: the command writes an ONNX model",
+            hint=f"name it {path.with_suffix('.onnx').name}",
+        )
     for source in inputs:
         if source is not None and Path(source).exists() and path.exists() and os.path.samefile(path, source):
-            raise InputError(f"output {path} is the input model's own file {source}; the input is never overwritten", hint="choose another name")
+            raise InputError(
+                f"output {path} is the input model's own file {source}; the input is never overwritten",
+                hint="choose another name",
+            )
 
 
 @app.command()
 @user_errors
 def export(
     model: Optional[Path] = typer.Argument(None, help="The scored ONNX model (default: the model of the run)."),
-    compression: Optional[str] = typer.Option(None, "--C", help="Target compression(s), e.g. 4 or 2,4,8,16 (reference stored bits / exported stored bits; see --basis)."),
-    uniform_tier: Optional[str] = typer.Option(None, "--uniform", metavar="TIER", help=f"Store every unit at this tier instead (a uniform baseline): {', '.join(TIERS)}."),
-    run: Optional[Path] = typer.Option(None, "--run", help="Score run folder (default: the model's run in tqs-runs/; without a model, the only run there)."),
-    tiers: Optional[str] = typer.Option(None, "--tiers", help=f"Tiers to choose from ({', '.join(TIERS)}); default {','.join(DEFAULT_TIERS)} (--target trt: {','.join(TRT_TIERS)})."),
-    rounding: str = live_option("qep", "--rounding", metavar=rounding_choices, help=lambda: f"How codes are chosen on each tier's grid: {or_list(METHODS)} (calibrated on the run's contexts); auto: per tier the method whose uniform model drifts least on them."),
+    compression: Optional[str] = typer.Option(
+        None,
+        "--C",
+        help="Target compression(s), e.g. 4 or 2,4,8,16 (reference stored bits / exported stored bits; see --basis).",
+    ),
+    uniform_tier: Optional[str] = typer.Option(
+        None,
+        "--uniform",
+        metavar="TIER",
+        help=f"Store every unit at this tier instead (a uniform baseline): {', '.join(TIERS)}.",
+    ),
+    run: Optional[Path] = typer.Option(
+        None,
+        "--run",
+        help="Score run folder (default: the model's run in tqs-runs/; without a model, the only run there).",
+    ),
+    tiers: Optional[str] = typer.Option(
+        None,
+        "--tiers",
+        help=f"Tiers to choose from ({', '.join(TIERS)}); default {','.join(DEFAULT_TIERS)} (--target trt: {','.join(TRT_TIERS)}).",
+    ),
+    rounding: str = live_option(
+        "qep",
+        "--rounding",
+        metavar=rounding_choices,
+        help=lambda: (
+            f"How codes are chosen on each tier's grid: {or_list(METHODS)} (calibrated on the run's contexts); auto: per tier the method whose uniform model drifts least on them."
+        ),
+    ),
     grids: str = typer.Option("auto", "--grids", metavar="|".join(GRID_CHOICES), help=GRIDS_HELP),
-    target: str = typer.Option("ort-cpu", "--target", metavar="ort-cpu|ort-cuda|trt", help="Runtime the model is for: ort-cpu (default; 'ort' too), ort-cuda or trt (restricts tiers, trt uses symmetric grids; decides --runtime-layout auto)."),
-    runtime_layout: str = typer.Option("auto", "--runtime-layout", metavar="auto|dequantized|fused", help="dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed and memory, the small file); fused: DequantizeLinear (MatMulNBits on ORT, fast for few rows; what TensorRT needs); auto (default): dequantized for ort-cpu/ort-cuda, fused for trt."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Blockwise integer quantization along the reduction axis (e.g. 32, 64, 128)."),
+    target: str = typer.Option(
+        "ort-cpu",
+        "--target",
+        metavar="ort-cpu|ort-cuda|trt",
+        help="Runtime the model is for: ort-cpu (default; 'ort' too), ort-cuda or trt (restricts tiers, trt uses symmetric grids; decides --runtime-layout auto).",
+    ),
+    runtime_layout: str = typer.Option(
+        "auto",
+        "--runtime-layout",
+        metavar="auto|dequantized|fused",
+        help="dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed and memory, the small file); fused: DequantizeLinear (MatMulNBits on ORT, fast for few rows; what TensorRT needs); auto (default): dequantized for ort-cpu/ort-cuda, fused for trt.",
+    ),
+    group_size: Optional[int] = typer.Option(
+        None, "--group-size", min=1, help="Blockwise integer quantization along the reduction axis (e.g. 32, 64, 128)."
+    ),
     objective: str = live_option("measured", "--objective", metavar=objective_names, help=objectives_help),
-    allocator: str = typer.Option("mckp", "--allocator", metavar="mckp|greedy", help="mckp (pulp, HiGHS then CBC) or greedy."),
-    fp32_fraction: Optional[float] = typer.Option(None, "--fp32-fraction", min=0.0, max=1.0, help="Share of the units' FP32 size forced to FP32 for the most sensitive units (default 0.10 with --objective paper, else 0)."),
-    no_fallback: bool = typer.Option(False, "--no-fallback", help="Ship the mixed allocation even if a uniform baseline within budget drifts less."),
-    refine: int = typer.Option(0, "--refine", min=0, help="Rounds of joint re-pricing against interactions between units (2 joint rollouts per slot per round and a calibration pass per kept round; default 0: off)."),
-    lanes: Optional[int] = typer.Option(None, "--lanes", min=1, help="Rollouts priced side by side (CPU provider; default: one per core, up to 8 and 1 + 512 MiB / model size, sessions of cores/lanes threads)."),
-    split: float = typer.Option(0.02, "--split", min=0.0, max=0.99, help="Split units holding more than this share of the parameters into output-channel groups (0: never)."),
-    basis: str = typer.Option("file", "--basis", metavar="file|units", help="What --C counts: file (every stored tensor) or units (the scored units only)."),
+    allocator: str = typer.Option(
+        "mckp", "--allocator", metavar="mckp|greedy", help="mckp (pulp, HiGHS then CBC) or greedy."
+    ),
+    fp32_fraction: Optional[float] = typer.Option(
+        None,
+        "--fp32-fraction",
+        min=0.0,
+        max=1.0,
+        help="Share of the units' FP32 size forced to FP32 for the most sensitive units (default 0.10 with --objective paper, else 0).",
+    ),
+    no_fallback: bool = typer.Option(
+        False, "--no-fallback", help="Ship the mixed allocation even if a uniform baseline within budget drifts less."
+    ),
+    refine: int = typer.Option(
+        0,
+        "--refine",
+        min=0,
+        help="Rounds of joint re-pricing against interactions between units (2 joint rollouts per slot per round and a calibration pass per kept round; default 0: off).",
+    ),
+    lanes: Optional[int] = typer.Option(
+        None,
+        "--lanes",
+        min=1,
+        help="Rollouts priced side by side (CPU provider; default: one per core, up to 8 and 1 + 512 MiB / model size, sessions of cores/lanes threads).",
+    ),
+    split: float = typer.Option(
+        0.02,
+        "--split",
+        min=0.0,
+        max=0.99,
+        help="Split units holding more than this share of the parameters into output-channel groups (0: never).",
+    ),
+    basis: str = typer.Option(
+        "file",
+        "--basis",
+        metavar="file|units",
+        help="What --C counts: file (every stored tensor) or units (the scored units only).",
+    ),
     output_given: Optional[str] = typer.Option(None, "-o", "--output", help="Output file (single target only)."),
-    out_dir: Path = typer.Option(Path("."), "--out-dir", help="Folder for <stem>.C<C>.onnx files (a model named model.onnx adds its folder's name: <folder>_model.C<C>.onnx)."),
-    provider: str = live_option("cpu", "--provider", metavar=lambda: "|".join(provider_names()), help="Execution provider for the measurement rollouts."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing output files (default: refuse before any work)."),
-    single_file: bool = typer.Option(False, "--single-file", help="Write every tensor inside the .onnx, no external-data file beside it (up to protobuf's 2 GiB; default: one file unless the input keeps its weights in external-data files or the output reaches 1 GiB)."),
-    max_drift: Optional[str] = typer.Option(None, "--max-drift", metavar="PCT", help="Largest drift (a percentage such as 1% or 0.5; as eval --exact reports it: exact dequantization) on the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate."),
-    verbose: bool = typer.Option(False, "--verbose", help="Also print where each export's time went: solver, statistics, calibration and measurement rollouts, write (the allocation JSON's profile_s)."),
+    out_dir: Path = typer.Option(
+        Path("."),
+        "--out-dir",
+        help="Folder for <stem>.C<C>.onnx files (a model named model.onnx adds its folder's name: <folder>_model.C<C>.onnx).",
+    ),
+    provider: str = live_option(
+        "cpu",
+        "--provider",
+        metavar=lambda: "|".join(provider_names()),
+        help="Execution provider for the measurement rollouts.",
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Overwrite existing output files (default: refuse before any work)."
+    ),
+    single_file: bool = typer.Option(
+        False,
+        "--single-file",
+        help="Write every tensor inside the .onnx, no external-data file beside it (up to protobuf's 2 GiB; default: one file unless the input keeps its weights in external-data files or the output reaches 1 GiB).",
+    ),
+    max_drift: Optional[str] = typer.Option(
+        None,
+        "--max-drift",
+        metavar="PCT",
+        help="Largest drift (a percentage such as 1% or 0.5; as eval --exact reports it: exact dequantization) on the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate.",
+    ),
+    verbose: bool = typer.Option(
+        False,
+        "--verbose",
+        help="Also print where each export's time went: solver, statistics, calibration and measurement rollouts, write (the allocation JSON's profile_s).",
+    ),
 ):
     """Allocate precision tiers under a compression target and write mixed-precision ONNX.
 
     Prints each model's drift from the original on the scoring contexts in percent (eval's unit) and warns above 5%.
     Exit codes: 0 written, 1 a model exceeded --max-drift (nothing written for it), 2 bad input."""
     from runtimes import for_provider
+    from tqsdeploy.evaluation.gate import parse_percent
     from tqsdeploy.export import ExportProgress, ExportSettings, Planner, find_run
 
-    from tqsdeploy.evaluation.gate import parse_percent
-
     output = Path(output_given) if output_given is not None else None  # the text kept: a trailing '/' means a folder
-    max_drift_pct = parse_percent(max_drift, "--max-drift") if max_drift is not None else None  # '5%' as gate's bounds take it
+    max_drift_pct = (
+        parse_percent(max_drift, "--max-drift") if max_drift is not None else None
+    )  # '5%' as gate's bounds take it
     if (compression is None) == (uniform_tier is None):
         raise typer.BadParameter("give exactly one of --C and --uniform")
     targets = parse_floats(compression, "--C") if compression is not None else [None]
@@ -133,7 +272,9 @@ def export(
         raise typer.BadParameter("give -o (one file) or --out-dir (a folder), not both")
     tier_names = tuple(split_list(tiers, "--tiers")) if tiers is not None else None
     if tiers is not None and uniform_tier is not None:
-        raise typer.BadParameter("--tiers is for --C (the tiers the allocation picks from); --uniform names its one tier")
+        raise typer.BadParameter(
+            "--tiers is for --C (the tiers the allocation picks from); --uniform names its one tier"
+        )
     settings = ExportSettings(
         tiers=tier_names,
         target=target,
@@ -169,11 +310,17 @@ def export(
 
     encoding = []
 
-    def on_pass(label: str, count: int, done: int, resumed: int) -> None:  # one display at a time: the tier measurements are over or not begun
-        for bar in measuring + encoding:  # a display left running would print its line every interval for the rest of the process
+    def on_pass(
+        label: str, count: int, done: int, resumed: int
+    ) -> None:  # one display at a time: the tier measurements are over or not begun
+        for bar in (
+            measuring + encoding
+        ):  # a display left running would print its line every interval for the rest of the process
             bar.stop()
         if resumed:
-            err.print(f"encoding ({label}): resuming, {resumed} of {count} weights read from the checkpoints of an interrupted export")
+            err.print(
+                f"encoding ({label}): resuming, {resumed} of {count} weights read from the checkpoints of an interrupted export"
+            )
         encoding[:] = [progress_bar(f"encoding ({label})", "weights")]
         encoding[0].start(count, done)
         if done >= count:
@@ -192,11 +339,16 @@ def export(
     from tqsdeploy.scoring.runs import model_label
 
     stem = model_label(planner.model.path)
-    paths = [output or out_dir / f"{stem}.{f'C{value:g}' if value is not None else uniform_tier.lower()}.onnx" for value in targets]
+    paths = [
+        output or out_dir / f"{stem}.{f'C{value:g}' if value is not None else uniform_tier.lower()}.onnx"
+        for value in targets
+    ]
     for path in paths:
         _check_output_file(path, output_given, (planner.model.path, *planner.model.external_files))
     if not force:
-        ours = planner.interrupted_outputs()  # an interrupted export of these settings wrote them: "run the same command again" resumes
+        ours = (
+            planner.interrupted_outputs()
+        )  # an interrupted export of these settings wrote them: "run the same command again" resumes
         for path in paths:
             if path.resolve() not in ours:
                 _refuse_overwrite(path, *(f"{path.with_suffix('')}.allocation.{kind}" for kind in ("json", "parquet")))
@@ -204,7 +356,9 @@ def export(
     rows = []
     try:
         for index, (value, path) in enumerate(zip(targets, paths)):
-            outcome = planner.export(value, path, uniform_tier=uniform_tier, max_drift_pct=max_drift_pct, final=index == len(targets) - 1)
+            outcome = planner.export(
+                value, path, uniform_tier=uniform_tier, max_drift_pct=max_drift_pct, final=index == len(targets) - 1
+            )
             fused = settings.layout == "fused" and _feeds_matmul_integer_codes(outcome.encodings, planner.layouts)
             outcome.encodings = {}  # written: the table and the record are what is left to show
             rows.append((value, outcome, fused))
@@ -221,7 +375,9 @@ def export(
         if outcome.refused:
             err.print(f"[bold red]drift too large:[/] {escape(outcome.refused)}", soft_wrap=True)
             continue
-        summary = outcome.table.group_by("tier").agg(pl.len().alias("slots"), pl.col("params").sum(), pl.col("bytes").sum())
+        summary = outcome.table.group_by("tier").agg(
+            pl.len().alias("slots"), pl.col("params").sum(), pl.col("bytes").sum()
+        )
         summary = summary.sort("bytes", descending=True)
         wanted = "uniform" if value is None else f"{value:g}x of the {settings.basis}"
         title = (
@@ -232,17 +388,33 @@ def export(
         _say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
         out.print(frame_table(summary, "", ["tier", "slots", "params", "bytes"]))
         out.print(f"  runtime layout: {_layout_cost(outcome, settings)}")
-        if planner.roundings.choice:  # what was measured so far, read as it is (asking for a tier's rounding could measure more)
-            measured = "; ".join(f"{tier}: " + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items()) for tier, drifts in planner.roundings.choice.items())
+        if (
+            planner.roundings.choice
+        ):  # what was measured so far, read as it is (asking for a tier's rounding could measure more)
+            measured = "; ".join(
+                f"{tier}: " + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items())
+                for tier, drifts in planner.roundings.choice.items()
+            )
             used = ", ".join(f"{tier} {label}" for tier, label in outcome.rounding.items())
-            asked = " and ".join(f"--{option} auto" for option, value in (("rounding", settings.rounding), ("grids", settings.grids)) if value == "auto")
-            out.print(f"  {asked}: each tier rounded as its uniform model drifted least on the scoring contexts ({escape(used)}; measured {escape(measured)})")
+            asked = " and ".join(
+                f"--{option} auto"
+                for option, value in (("rounding", settings.rounding), ("grids", settings.grids))
+                if value == "auto"
+            )
+            out.print(
+                f"  {asked}: each tier rounded as its uniform model drifted least on the scoring contexts ({escape(used)}; measured {escape(measured)})"
+            )
         if outcome.drift is not None:
             compared = ", ".join(f"{c['label']}: {c['drift_pct']:.4g}%" for c in outcome.compared[1:])
-            out.print(f"  drift from the original on the scoring contexts (exact dequantization): {outcome.drift_pct:.4g}%" + (f" (compared: {escape(compared)})" if compared else ""))
+            out.print(
+                f"  drift from the original on the scoring contexts (exact dequantization): {outcome.drift_pct:.4g}%"
+                + (f" (compared: {escape(compared)})" if compared else "")
+            )
             if fused:
-                out.print("  note: ONNX Runtime runs its DequantizeLinear→MatMul pairs as MatMulNBits with int8 activations by default, which can drift more: "
-                          "`tqsdeploy eval` measures what it runs (`--exact` for this number)")
+                out.print(
+                    "  note: ONNX Runtime runs its DequantizeLinear→MatMul pairs as MatMulNBits with int8 activations by default, which can drift more: "
+                    "`tqsdeploy eval` measures what it runs (`--exact` for this number)"
+                )
         for note in outcome.notes:
             out.print(f"  [yellow]note:[/] {escape(note)}")
         if verbose and outcome.profile:
@@ -257,27 +429,63 @@ def export(
             )
     written = [o for _, o, _ in rows if not o.refused]
     sidecars = sum(len(o.files) > 1 for o in written)
-    out.print(f"wrote {len(written)} model(s) with .allocation.parquet/.json beside each" + (f", {sidecars} of them with an external-data file (listed above)" if sidecars else ""))
+    out.print(
+        f"wrote {len(written)} model(s) with .allocation.parquet/.json beside each"
+        + (f", {sidecars} of them with an external-data file (listed above)" if sidecars else "")
+    )
     if len(written) < len(rows):
         raise typer.Exit(1)
 
 
-@app.command(help=f"Quantize every unit uniformly with {or_list(METHOD_LABELS.values())} (numpy, calibrated on ONNX Runtime).")
+@app.command(
+    help=f"Quantize every unit uniformly with {or_list(METHOD_LABELS.values())} (numpy, calibrated on ONNX Runtime)."
+)
 @user_errors
 def baseline(
     model: Path = typer.Argument(..., help="ONNX model file (never modified)."),
     method: str = live_option(..., "--method", metavar=lambda: "|".join(METHODS), help=lambda: f"{or_list(METHODS)}."),
-    bits: int = typer.Option(..., "--bits", metavar="1|2|3|4|8", help="Bits per weight: 1, 2, 3, 4 or 8 (1 = sign(w)·mean|w|; 3-bit codes travel in 4-bit containers)."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration windows (.npz in the contexts format, or a .csv cut into 8 windows); not needed for rtn."),
-    spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec: calibrate on every step of the windows' nominal rollout (default: the windows alone)."),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps calibrated on (overrides the spec)."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Input features per quantization group (default: per channel)."),
-    symmetric: bool = typer.Option(False, "--symmetric", help="Symmetric grid (INT codes, no zero point) instead of the asymmetric default."),
-    act_order: bool = typer.Option(False, "--act-order", help="GPTQ column order by decreasing Hessian diagonal (static groups)."),
+    bits: int = typer.Option(
+        ...,
+        "--bits",
+        metavar="1|2|3|4|8",
+        help="Bits per weight: 1, 2, 3, 4 or 8 (1 = sign(w)·mean|w|; 3-bit codes travel in 4-bit containers).",
+    ),
+    calib: Optional[Path] = typer.Option(
+        None,
+        "--calib",
+        help="Calibration windows (.npz in the contexts format, or a .csv cut into 8 windows); not needed for rtn.",
+    ),
+    spec: Optional[Path] = typer.Option(
+        None,
+        "--spec",
+        help="Rollout spec: calibrate on every step of the windows' nominal rollout (default: the windows alone).",
+    ),
+    steps: Optional[int] = typer.Option(
+        None, "--steps", min=1, help="Rollout steps calibrated on (overrides the spec)."
+    ),
+    group_size: Optional[int] = typer.Option(
+        None, "--group-size", min=1, help="Input features per quantization group (default: per channel)."
+    ),
+    symmetric: bool = typer.Option(
+        False, "--symmetric", help="Symmetric grid (INT codes, no zero point) instead of the asymmetric default."
+    ),
+    act_order: bool = typer.Option(
+        False, "--act-order", help="GPTQ column order by decreasing Hessian diagonal (static groups)."
+    ),
     grids: str = typer.Option("auto", "--grids", metavar="|".join(GRID_CHOICES), help=GRIDS_HELP),
     min_params: int = typer.Option(1024, "--min-params", min=1, help="Smallest tensor that is quantized."),
-    output_given: Optional[str] = typer.Option(None, "-o", "--output", help="Output ONNX (default <stem>.<method>-w<bits>.onnx; a model named model.onnx adds its folder's name)."),
-    runtime_layout: str = typer.Option("dequantized", "--runtime-layout", metavar="dequantized|fused", help="As export's: dequantized (default, export's pick for ort-cpu: float weights rebuilt at load) or fused (DequantizeLinear)."),
+    output_given: Optional[str] = typer.Option(
+        None,
+        "-o",
+        "--output",
+        help="Output ONNX (default <stem>.<method>-w<bits>.onnx; a model named model.onnx adds its folder's name).",
+    ),
+    runtime_layout: str = typer.Option(
+        "dequantized",
+        "--runtime-layout",
+        metavar="dequantized|fused",
+        help="As export's: dequantized (default, export's pick for ort-cpu: float weights rebuilt at load) or fused (DequantizeLinear).",
+    ),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output file."),
 ):
     from tiers import Rounding
@@ -294,13 +502,26 @@ def baseline(
     from tqsdeploy.scoring.runs import model_label
 
     path = Path(output_given) if output_given is not None else Path(f"{model_label(model)}.{method}-w{bits}.onnx")
-    _check_output_file(path, output_given, (model, *(graph_ops.load_model(model, load_external=False).external_files if path.exists() else ())))
+    _check_output_file(
+        path,
+        output_given,
+        (model, *(graph_ops.load_model(model, load_external=False).external_files if path.exists() else ())),
+    )
     check_writable(path.parent)  # before the calibration, not after it
     if not force:
         _refuse_overwrite(path, str(path.with_suffix("")) + ".baseline.json", elsewhere="-o")
     with progress_bar(f"{method} W{bits}", "weights") as progress:
-        settings = BaselineSettings(method, bits, spec=spec, steps=steps, group_size=group_size, symmetric=symmetric,
-                                    rounding=Rounding(method, act_order=act_order), grids=grids, min_params=min_params)
+        settings = BaselineSettings(
+            method,
+            bits,
+            spec=spec,
+            steps=steps,
+            group_size=group_size,
+            symmetric=symmetric,
+            rounding=Rounding(method, act_order=act_order),
+            grids=grids,
+            min_params=min_params,
+        )
         reports = BaselineProgress(on_start=progress.start, on_weight=lambda name: progress.advance(detail=name[-40:]))
         result = quantize_baseline(model, settings, calib, progress=reports)
     summary = write_baseline(model, result, path, runtime_layout)
@@ -312,16 +533,28 @@ def baseline(
     )
     _say_sidecar(summary["files"], summary["file_bytes"])
     if summary["layer_error"]:
-        ratio = [summary["layer_error"][k] / summary["rtn_layer_error"][k] for k in summary["layer_error"] if summary["rtn_layer_error"].get(k)]
+        ratio = [
+            summary["layer_error"][k] / summary["rtn_layer_error"][k]
+            for k in summary["layer_error"]
+            if summary["rtn_layer_error"].get(k)
+        ]
         if ratio:
-            out.print(f"  layer reconstruction error vs round to nearest on the calibration data: median {float(np.median(ratio)):.3f}x")
+            out.print(
+                f"  layer reconstruction error vs round to nearest on the calibration data: median {float(np.median(ratio)):.3f}x"
+            )
     if summary["grid_drifts_pct"]:
         drifts = ", ".join(f"{grids} {drift:.4g}%" for grids, drift in summary["grid_drifts_pct"].items())
-        out.print(f"  grids: {summary['grids']}, whose model drifted less on the calibration rollout ({drifts}; --grids auto)")
+        out.print(
+            f"  grids: {summary['grids']}, whose model drifted less on the calibration rollout ({drifts}; --grids auto)"
+        )
     for name, reason in summary["rtn_only"].items():
         out.print(f"  note: '{escape(name)}' is rounded to nearest whatever the method: {escape(reason)}")
     for note in summary["notes"]:
         out.print(f"  note: {escape(note)}")
-    unused = [option for option, given in (("--calib", calib), ("--spec", spec), ("--steps", steps)) if given is not None]
+    unused = [
+        option for option, given in (("--calib", calib), ("--spec", spec), ("--steps", steps)) if given is not None
+    ]
     if not METHODS[method].stats and unused:  # a script looping over methods passes them to all: said, not refused
-        out.print(f"  note: {method} rounds each weight to nearest and reads no calibration data: {', '.join(unused)} not used")
+        out.print(
+            f"  note: {method} rounds each weight to nearest and reads no calibration data: {', '.join(unused)} not used"
+        )

@@ -34,20 +34,20 @@ import onnx
 
 import graph_ops
 from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, tensor_graph, tensor_infos, waves
-from graph_ops.recurrent import add_recurrent_states
 from graph_ops.layout import WeightLayout
 from graph_ops.qdq import at_opset, default_opset, fed_codes_model, needed_nodes
+from graph_ops.recurrent import add_recurrent_states
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
 from tiers.solver_backend import shared_cores, solver_threads
 from tqsdeploy.encoding.checkpoints import digest
-from tqsdeploy.rollout.contexts import Contexts
-from tqsdeploy.rollout.engine import Drift, Nominal, RolloutEngine
-from tqsdeploy.errors import TqsError
 from tqsdeploy.encoding.logs import CalibrationLog
 from tqsdeploy.encoding.profiling import Profile
 from tqsdeploy.encoding.sessions import open_graph, original_nominal
+from tqsdeploy.errors import TqsError
 from tqsdeploy.rollout import RolloutSpec
+from tqsdeploy.rollout.contexts import Contexts
+from tqsdeploy.rollout.engine import Drift, Nominal, RolloutEngine
 
 FULL_CACHE_SHARE = 0.25
 """Full-precision layer inputs are kept across waves and passes while they take at most this share of the weights' bytes
@@ -122,7 +122,12 @@ class Calibrator:
         self.waves = waves(proto, self.layouts)
         calibrated = {n for wave in self.waves for n in wave}
         self.first = [n for n in self.layouts if n not in calibrated]
-        self._open_args = (proto, runtime.yielding(), workdir, data_dir)  # its runs alternate with BLAS-heavy statistics
+        self._open_args = (
+            proto,
+            runtime.yielding(),
+            workdir,
+            data_dir,
+        )  # its runs alternate with BLAS-heavy statistics
         self._rollout = rollout
         self._graph = None
         """The model with the scored weights as graph inputs and every layer input an output (no weight data)."""
@@ -177,14 +182,29 @@ class Calibrator:
             self._engine = RolloutEngine(self.session, *self._rollout)
         with self.profile.section("calibration_rollouts"):
             raised = self.opset > default_opset(self._open_args[0])
-            if self._nominal is None:  # raised: the original at its own opset, what a rollout of the written file is compared with
-                self._nominal = original_nominal(self._open_args[0], self.layouts, self.weights, self._rollout, *self._open_args[1:]) if raised else self._engine.nominal()
+            if (
+                self._nominal is None
+            ):  # raised: the original at its own opset, what a rollout of the written file is compared with
+                self._nominal = (
+                    original_nominal(
+                        self._open_args[0], self.layouts, self.weights, self._rollout, *self._open_args[1:]
+                    )
+                    if raised
+                    else self._engine.nominal()
+                )
             if raised:
                 self._engine.assume(self._nominal.batched)
             return self._engine.drift(self._nominal, self._engine.steps(dict(weights)))
 
-    def run(self, encode: EncodeFn, cross: bool, log: CalibrationLog | None = None, checkpoints=None,
-            found: Mapping[str, tuple] | None = None, reused: Mapping[str, Encoded] | None = None) -> dict[str, Encoded]:
+    def run(
+        self,
+        encode: EncodeFn,
+        cross: bool,
+        log: CalibrationLog | None = None,
+        checkpoints=None,
+        found: Mapping[str, tuple] | None = None,
+        reused: Mapping[str, Encoded] | None = None,
+    ) -> dict[str, Encoded]:
         """Encode every weight: uncalibratable ones first, then wave by wave on statistics
         collected with all earlier weights at their encodings. With `checkpoints`
         (`tqsdeploy.encoding.checkpoints.PassCheckpoints`) each finished weight is saved, and a weight saved
@@ -194,7 +214,10 @@ class Calibrator:
         log = log if log is not None else CalibrationLog()
         started = perf_counter()
         encoded: dict[str, Encoded] = {}
-        self._kept, self._ran = ([] if self.keep_activations else None), set()  # another pass's activations are not this one's
+        self._kept, self._ran = (
+            ([] if self.keep_activations else None),
+            set(),
+        )  # another pass's activations are not this one's
         self._digests = {}
         found = dict(found or {})
         reused = dict(reused or {})
@@ -205,7 +228,9 @@ class Calibrator:
                         found[name] = loaded
             missing = [n for n in names if n not in found and n not in reused]
             stats = self._collect(missing, encoded, cross, names) if index and missing else None
-            with self.profile.section("solver"):  # the solves' own sections are in their threads when they run in parallel
+            with self.profile.section(
+                "solver"
+            ):  # the solves' own sections are in their threads when they run in parallel
                 solved = self._solve(missing, stats, encode)
             solved.update({n: (reused.pop(n), None, None) for n in names if n in reused and n not in found})
             digests = []
@@ -231,7 +256,9 @@ class Calibrator:
         self._kept = None
         return encoded
 
-    def _solve(self, names: list[str], stats: dict | None, encode: EncodeFn) -> dict[str, tuple[Encoded, int | None, int | None]]:
+    def _solve(
+        self, names: list[str], stats: dict | None, encode: EncodeFn
+    ) -> dict[str, tuple[Encoded, int | None, int | None]]:
         """Encode the wave's weights (on `stats`, when collected): (encoding, rows, input width when thin) by
         name. Weights of a wave are independent, so they are solved side by side in threads (numpy and
         LAPACK release the GIL), the cores' BLAS threads split between them (`tiers.solver_backend.shared_cores`).
@@ -248,7 +275,9 @@ class Calibrator:
             if stats is not None:
                 merged = [Hessian.merge([stats[use.key][g] for use in layout.uses]) for g in range(layout.row_groups)]
                 rows = merged[0].count
-                thin = merged[0].H.shape[0] if any(m.count < 2 * m.H.shape[0] for m in merged) else None  # its input width
+                thin = (
+                    merged[0].H.shape[0] if any(m.count < 2 * m.H.shape[0] for m in merged) else None
+                )  # its input width
             # no rows at all (an RNN's R over one-step windows with no state fed): nothing to weigh, rounded to nearest
             result = encode(name, merged if merged is None or any(m.count for m in merged) else None)
             if stats is not None:
@@ -266,7 +295,9 @@ class Calibrator:
         with shared_cores(workers), ThreadPoolExecutor(workers, thread_name_prefix="tqs-solve") as pool:
             return dict(zip(names, pool.map(one, names)))
 
-    def _collect(self, wave: list[str], encoded: Mapping[str, Encoded], cross: bool, group: list[str] | None = None) -> dict:
+    def _collect(
+        self, wave: list[str], encoded: Mapping[str, Encoded], cross: bool, group: list[str] | None = None
+    ) -> dict:
         """Statistics of the `wave`'s weights (of `group`, the weights quantized next): those an earlier pass
         collected on the same encodings of every weight upstream come from `_stats_cache`."""
         every = {u.key: (u, self.layouts[name].row_groups) for name in wave for u in self.layouts[name].uses}
@@ -293,7 +324,11 @@ class Calibrator:
                     for key, (use, groups) in uses.items():
                         for samples in _sample_chunks(use, quantized[use.x]):
                             xs = layer_inputs(use, quantized[use.x][samples], groups)
-                            xf = (xs if full is quantized else layer_inputs(use, full[use.x][samples], groups)) if cross else [None] * groups
+                            xf = (
+                                (xs if full is quantized else layer_inputs(use, full[use.x][samples], groups))
+                                if cross
+                                else [None] * groups
+                            )
                             if stats[key] is None:
                                 stats[key] = [Hessian(x.shape[1], cross) for x in xs]
                             for part, x, x_fp in zip(stats[key], xs, xf):
@@ -319,13 +354,23 @@ class Calibrator:
         above = sorted(upstream.get(use.x, frozenset()))
         for name in above:
             if name in encoded and name not in self._digests:
-                self._digests[name] = digest(name, encoded[name], self.weights.get(name) if hasattr(self.weights, "get") else None)
-        return (use.key, groups, cross, tuple((name, self._digests.get(name) if name in encoded else None) for name in above))
+                self._digests[name] = digest(
+                    name, encoded[name], self.weights.get(name) if hasattr(self.weights, "get") else None
+                )
+        return (
+            use.key,
+            groups,
+            cross,
+            tuple((name, self._digests.get(name) if name in encoded else None) for name in above),
+        )
 
     def _budget(self, share: float = KEPT_SHARE) -> float:
         """Bytes a cache may hold: `share` of the weights' bytes (default `KEPT_SHARE`: kept activations, and statistics
         kept across passes, each), at least `FULL_CACHE_FLOOR`."""
-        return max(FULL_CACHE_FLOOR, share * sum(4 * int(np.prod(layout.shape, dtype=np.int64)) for layout in self.layouts.values()))
+        return max(
+            FULL_CACHE_FLOOR,
+            share * sum(4 * int(np.prod(layout.shape, dtype=np.int64)) for layout in self.layouts.values()),
+        )
 
     def _wave_session(self, fetch: list[str], encoded: Mapping[str, Encoded], group: list[str]):
         """A session computing only `fetch` from the model's inputs and the activations kept from earlier
@@ -341,11 +386,24 @@ class Calibrator:
             nodes = needed_nodes(self.graph, fetch, given)
             inside, changed = set(nodes), set(group)
             made = [o for i in nodes for o in self.graph.graph.node[i].output if o]
-            outputs += [o for o in made if o not in set(fetch) and not readers.get(o, set()) <= inside and not upstream.get(o, frozenset()) & changed]
+            outputs += [
+                o
+                for o in made
+                if o not in set(fetch)
+                and not readers.get(o, set()) <= inside
+                and not upstream.get(o, frozenset()) & changed
+            ]
             self._kept_infos.update(self._infos(outputs, encoded))
-            outputs = [o for o in outputs if o in set(fetch) or o in self._kept_infos]  # a tensor whose type cannot be told is not kept
+            outputs = [
+                o for o in outputs if o in set(fetch) or o in self._kept_infos
+            ]  # a tensor whose type cannot be told is not kept
             self._ran |= inside
-        proto, fed = fed_codes_model(self.graph, encoded, outputs, {**given, **{o: self._kept_infos[o] for o in outputs if o in self._kept_infos}})
+        proto, fed = fed_codes_model(
+            self.graph,
+            encoded,
+            outputs,
+            {**given, **{o: self._kept_infos[o] for o in outputs if o in self._kept_infos}},
+        )
         source = graph_ops.io.session_source(proto, self._open_args[2])
         del proto
         return WithDefaults(self._open_source(source), fed, self.weights), outputs
@@ -371,7 +429,9 @@ class Calibrator:
                 infos[value.name] = onnx.ValueInfoProto()
                 infos[value.name].CopyFrom(value)
                 for dim in infos[value.name].type.tensor_type.shape.dim:
-                    if dim.dim_param.startswith(UNKNOWN_DIM):  # a name inference made up: unknown to the runtime, not equal to another's
+                    if dim.dim_param.startswith(
+                        UNKNOWN_DIM
+                    ):  # a name inference made up: unknown to the runtime, not equal to another's
                         dim.ClearField("dim_param")
         return infos
 
@@ -419,11 +479,15 @@ class Calibrator:
         if self._full_cache:
             return self._full_cache[index]
         values = self._run(self.session, feeds, fetch)
-        graph_ops.release_pages(self.weights)  # a run of the original reads every weight: not kept beside the wave's work
+        graph_ops.release_pages(
+            self.weights
+        )  # a run of the original reads every weight: not kept beside the wave's work
         return values
 
     def _cache_full(self) -> list[dict[str, np.ndarray]]:
-        every = sorted({use.x for wave in self.waves for name in wave for use in self.layouts[name].uses} - self.graph_inputs)
+        every = sorted(
+            {use.x for wave in self.waves for name in wave for use in self.layouts[name].uses} - self.graph_inputs
+        )
         budget = self._budget(FULL_CACHE_SHARE)
         cached, size = [], 0
         for feeds in self.samples:
@@ -463,7 +527,9 @@ class Calibrator:
     def graph(self):
         if self._graph is None:
             proto = self._open_args[0]
-            inputs_fed = add_recurrent_states(at_opset(graph_ops.weights_as_graph_inputs(proto, list(self.layouts)), self.opset), self.layouts)
+            inputs_fed = add_recurrent_states(
+                at_opset(graph_ops.weights_as_graph_inputs(proto, list(self.layouts)), self.opset), self.layouts
+            )
             self._graph = expose_tensors(inputs_fed, layer_tensors(proto, self.layouts))
         return self._graph
 
@@ -494,5 +560,3 @@ class Calibrator:
 
     def close(self) -> None:
         self.release()
-
-

@@ -35,7 +35,9 @@ mixed allocation, the uniform fallbacks); older ones are removed as new ones beg
 
 
 def _dtype(name: str) -> np.dtype:
-    custom = getattr(ml_dtypes, name, None)  # int4, float8_e4m3fn, bfloat16 ...: numpy knows them only through ml_dtypes
+    custom = getattr(
+        ml_dtypes, name, None
+    )  # int4, float8_e4m3fn, bfloat16 ...: numpy knows them only through ml_dtypes
     return np.dtype(custom if custom is not None else name)
 
 
@@ -53,7 +55,14 @@ def _flatten(encoded: Encoded, weight: np.ndarray | None, arrays: list[np.ndarra
         arrays.append(value.reshape(-1).view(np.uint8))
         return {"index": len(arrays) - 1, "dtype": value.dtype.name, "shape": list(value.shape)}
 
-    fields = {"tier": encoded.tier, "form": encoded.form, "shape": list(encoded.shape), "axis": encoded.axis, "block_size": encoded.block_size, "dtype": encoded.dtype}
+    fields = {
+        "tier": encoded.tier,
+        "form": encoded.form,
+        "shape": list(encoded.shape),
+        "axis": encoded.axis,
+        "block_size": encoded.block_size,
+        "dtype": encoded.dtype,
+    }
     if encoded.form == "raw" and weight is not None and encoded.values is weight:
         fields["values"] = "weight"
     else:
@@ -72,8 +81,18 @@ def _restore(fields: dict, arrays: Sequence[np.ndarray], weight: np.ndarray | No
         return arrays[entry["index"]].view(_dtype(entry["dtype"])).reshape(entry["shape"])
 
     values = weight if fields["values"] == "weight" else array(fields["values"])
-    return Encoded(fields["tier"], fields["form"], values, tuple(fields["shape"]), array(fields["scale"]), array(fields["zero_point"]),
-                   fields["axis"], fields["block_size"], fields["dtype"], tuple(_restore(p, arrays, None) for p in fields["parts"]))
+    return Encoded(
+        fields["tier"],
+        fields["form"],
+        values,
+        tuple(fields["shape"]),
+        array(fields["scale"]),
+        array(fields["zero_point"]),
+        fields["axis"],
+        fields["block_size"],
+        fields["dtype"],
+        tuple(_restore(p, arrays, None) for p in fields["parts"]),
+    )
 
 
 def _digest(name: str, fields: dict, arrays: Sequence[np.ndarray]) -> bytes:
@@ -151,7 +170,10 @@ class PassCheckpoints:
         if not self.folder.exists():
             self._make_room()
         meta = {"encoded": fields, "arrays": len(arrays), "rows": rows, "thin": thin, "digest": digest.hex()}
-        write_npz(self._path(self._chain, name), {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8), **{f"a{i}": a for i, a in enumerate(arrays)}})
+        write_npz(
+            self._path(self._chain, name),
+            {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8), **{f"a{i}": a for i, a in enumerate(arrays)}},
+        )
         return digest
 
     def advance(self, digests: Sequence[bytes]) -> None:
@@ -161,7 +183,11 @@ class PassCheckpoints:
 
     def _make_room(self) -> None:
         """Drop the least recently used passes beyond `MAX_PASSES - 1` before this one begins."""
-        passes = sorted((p for p in self.folder.parent.glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime) if self.folder.parent.is_dir() else []
+        passes = (
+            sorted((p for p in self.folder.parent.glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+            if self.folder.parent.is_dir()
+            else []
+        )
         for old in passes[: max(0, len(passes) - (MAX_PASSES - 1))]:
             shutil.rmtree(old, ignore_errors=True)
 

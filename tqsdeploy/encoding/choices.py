@@ -57,7 +57,9 @@ def comparison_methods(rounding: AnyRounding, tier: Tier) -> tuple[str, ...]:
     return tuple(m for m in METHODS if m not in dominated)
 
 
-def can_still_win(method: str, rival_drift: Callable[[str], float], best_drift: float, compared: Sequence[str] = METHODS) -> bool:
+def can_still_win(
+    method: str, rival_drift: Callable[[str], float], best_drift: float, compared: Sequence[str] = METHODS
+) -> bool:
     """Whether `method`'s uniform model is worth its pass (`Method.outrun_by`): `rival_drift(m)` measures the uniform
     model of method m at the same grid, asked only when m is among the `compared` methods (the export measures
     it anyway: an RTN export compares no calibrated model, so nothing rules its RTN out); `best_drift` is the
@@ -74,9 +76,11 @@ GRID_CHOICES = ("auto", *GRIDS)
 tier and keeps the one that drifts less on the data at hand (`grid_options`, `least_drift`); or one of them."""
 
 
-GRIDS_HELP = ("Grids of the 4-bit and 2-bit tiers: per-channel (each channel on the clip-searched or the min-max grid, whichever "
-              "its solve rounds better; rtn: the clip search alone), min-max, or auto (default): for a calibrated rounding both measured, "
-              "the one whose uniform model drifts less kept per tier; for rtn per-channel.")
+GRIDS_HELP = (
+    "Grids of the 4-bit and 2-bit tiers: per-channel (each channel on the clip-searched or the min-max grid, whichever "
+    "its solve rounds better; rtn: the clip search alone), min-max, or auto (default): for a calibrated rounding both measured, "
+    "the one whose uniform model drifts less kept per tier; for rtn per-channel."
+)
 
 
 def check_grids(grids: str) -> str:

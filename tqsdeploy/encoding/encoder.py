@@ -128,7 +128,9 @@ class Encoder:
             encoded = encode(self.weights[name], self.layouts[name], tier, rounding, stats, self.group_size)
             if self.track_errors and stats is not None and tier.calibratable:
                 self._errors(name, tier, encoded, stats)
-        graph_ops.release_pages(self.weights, [name])  # read once per encoding: a pass would otherwise end with the whole model resident
+        graph_ops.release_pages(
+            self.weights, [name]
+        )  # read once per encoding: a pass would otherwise end with the whole model resident
         return encoded
 
     def _errors(self, name: str, tier: Tier, encoded: Encoded, stats: list[Hessian]) -> None:
@@ -140,10 +142,18 @@ class Encoder:
         for target, quantized in ((self.log.errors, encoded), (self.log.rtn_errors, nearest)):
             values = layout.to_wt(quantized.dequantize().astype(np.float64))
             blocks = [slice(g * rows, (g + 1) * rows) for g in range(len(stats))]
-            target[name] = float(np.sqrt(sum(output_error(original[b], values[b], s) ** 2 for b, s in zip(blocks, stats))))
+            target[name] = float(
+                np.sqrt(sum(output_error(original[b], values[b], s) ** 2 for b, s in zip(blocks, stats)))
+            )
 
-    def _pass(self, encode_one: Callable[[str, list[Hessian] | None], Encoded], rounding: AnyRounding, label: str, identity: str,
-              signature: Callable[[str], tuple] | None = None) -> dict[str, Encoded]:
+    def _pass(
+        self,
+        encode_one: Callable[[str, list[Hessian] | None], Encoded],
+        rounding: AnyRounding,
+        label: str,
+        identity: str,
+        signature: Callable[[str], tuple] | None = None,
+    ) -> dict[str, Encoded]:
         """Encode every unit tensor: directly, or sequentially on calibration statistics (checkpointed,
         see `checkpoints`; `identity` names what this pass's codes depend on besides the model).
         What a pass returns is kept compact (sub-byte codes packed as on disk) from the first weight on.
@@ -158,12 +168,19 @@ class Encoder:
             folder, base = self.checkpoints
             saved = PassCheckpoints(folder, f"{base}\n{identity}\ngroup size {self.group_size}", self.weights)
             found = saved.resume(self.calibrator.groups)
-            resumed = 0 if identity in self._checkpointed else len(found)  # a pass dropped from memory and asked again reads back its own
+            resumed = (
+                0 if identity in self._checkpointed else len(found)
+            )  # a pass dropped from memory and asked again reads back its own
             self._checkpointed.add(identity)
             self.log.reused += resumed
         taken = self._same(signature) if calibrated and signature is not None else {}
         if self.on_pass is not None:  # taken from a cached pass or read from a checkpoint: done before the pass begins
-            self.on_pass(label, len(self.layouts), len(found) + len(taken.keys() - found.keys()), resumed if saved is not None else 0)
+            self.on_pass(
+                label,
+                len(self.layouts),
+                len(found) + len(taken.keys() - found.keys()),
+                resumed if saved is not None else 0,
+            )
         report = self.on_weight
         reporting = threading.Lock()  # a wave's weights are encoded in threads side by side
 
@@ -180,7 +197,9 @@ class Encoder:
             self.log.encode_s += time.perf_counter() - started
             return result
         log = CalibrationLog()
-        if self.before_calibration is not None and len(found) < len(self.layouts):  # a pass read whole from checkpoints opens nothing
+        if self.before_calibration is not None and len(found) < len(
+            self.layouts
+        ):  # a pass read whole from checkpoints opens nothing
             self.before_calibration()
         result = self.calibrator.run(encode_kept, rounding.needs_cross, log, saved, found, taken)
         self.log.calibration_s += log.seconds
@@ -201,8 +220,10 @@ class Encoder:
 
     def _mixed_signature(self, slots, assignment, rounding) -> Callable[[str], tuple]:
         """How a mixed pass encodes each weight: its channel runs, each with its tier and that tier's rounding."""
-        return lambda name: tuple((rows, tier, rounding_at(rounding, tier) if TIERS[tier].calibratable else Rounding())
-                                  for rows, tier in self.runs(name, slots, assignment))
+        return lambda name: tuple(
+            (rows, tier, rounding_at(rounding, tier) if TIERS[tier].calibratable else Rounding())
+            for rows, tier in self.runs(name, slots, assignment)
+        )
 
     def _same(self, signature: Callable[[str], tuple]) -> dict[str, Encoded]:
         """The encodings cached passes made that a pass encoding each weight as `signature` says would make
@@ -229,11 +250,18 @@ class Encoder:
             return {name: self.tensor(name, tier, rounding) for name in self.layouts}
         key = (tier.name, rounding)
         if key not in self._uniform:
-            self._uniform[key] = self._pass(lambda name, stats: self._encode(name, tier, rounding, stats), rounding, f"uniform {tier.name} {rounding.label}",
-                                            f"uniform {_grid(tier)} {rounding!r}", lambda name: ((None, tier.name, rounding),))
+            self._uniform[key] = self._pass(
+                lambda name, stats: self._encode(name, tier, rounding, stats),
+                rounding,
+                f"uniform {tier.name} {rounding.label}",
+                f"uniform {_grid(tier)} {rounding!r}",
+                lambda name: ((None, tier.name, rounding),),
+            )
         return self._uniform[key]
 
-    def least_drifting(self, tier: Tier, options: Sequence[Rounding], measure: Callable[[Rounding], object], forget: bool = True) -> tuple[Rounding, dict]:
+    def least_drifting(
+        self, tier: Tier, options: Sequence[Rounding], measure: Callable[[Rounding], object], forget: bool = True
+    ) -> tuple[Rounding, dict]:
         """(the rounding of `options` whose uniform model at `tier` drifts least by `measure`, each one's drift), measured
         in the order given (`least_drift`); with `forget` the others' encodings are dropped (a byte per weight each): how
         `export` picks a tier's grid and method and `baseline` its grid, whatever each measures on."""
@@ -299,13 +327,21 @@ class Encoder:
         kept: their sizes are those of every rounding method's, at a fraction of the work."""
         tier = TIERS[tier] if isinstance(tier, str) else tier
         with self.profile.section("solver"):
-            forms = {name: encode(self.weights[name], self.layouts[name], tier, Rounding(), None, self.group_size, search=False) for name in self.units[unit].tensor_names}
+            forms = {
+                name: encode(
+                    self.weights[name], self.layouts[name], tier, Rounding(), None, self.group_size, search=False
+                )
+                for name in self.units[unit].tensor_names
+            }
         graph_ops.release_pages(self.weights, list(forms))
         return forms
 
     def slot(self, slot: Slot, tier: Tier | str, rounding: AnyRounding) -> dict[str, Encoded]:
         """The slot's own encodings at `tier` (its channel group only, for a split unit)."""
-        return {name: self.channels(name, self.tensor(name, tier, rounding), slot.rows) for name in self.units[slot.unit].tensor_names}
+        return {
+            name: self.channels(name, self.tensor(name, tier, rounding), slot.rows)
+            for name in self.units[slot.unit].tensor_names
+        }
 
     def slot_weights(self, slot: Slot, tier: Tier | str, rounding: AnyRounding) -> dict[str, np.ndarray]:
         """Full tensors of the slot's unit with only the slot at `tier` (the rest at full precision)."""
@@ -321,10 +357,14 @@ class Encoder:
             weights[name] = values
         return weights
 
-    def runs(self, name: str, slots: Sequence[Slot], assignment: Mapping[str, str]) -> list[tuple[tuple[int, int] | None, str]]:
+    def runs(
+        self, name: str, slots: Sequence[Slot], assignment: Mapping[str, str]
+    ) -> list[tuple[tuple[int, int] | None, str]]:
         """Consecutive channel ranges of one tensor that share a tier: what the tensor's entry of an
         allocation depends on (two allocations with the same runs store it the same)."""
-        ordered = sorted((s for s in slots if name in self.units[s.unit].tensor_names), key=lambda s: (s.rows or (0, 0))[0])
+        ordered = sorted(
+            (s for s in slots if name in self.units[s.unit].tensor_names), key=lambda s: (s.rows or (0, 0))[0]
+        )
         runs: list[tuple[tuple[int, int] | None, str]] = []
         for s in ordered:
             tier = assignment[s.name]
@@ -353,11 +393,15 @@ class Encoder:
         """Tensor `name` of a mixed allocation whose channel `runs` (`runs`) take the uniform encodings."""
         return self._join(name, runs, lambda tier: self.tensor(name, tier, rounding))
 
-    def assemble(self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: AnyRounding) -> dict[str, Encoded]:
+    def assemble(
+        self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: AnyRounding
+    ) -> dict[str, Encoded]:
         """A mixed allocation from the uniform encodings (each slot as it was priced)."""
         return {name: self.joined(name, self.runs(name, slots, assignment), rounding) for name in self.layouts}
 
-    def calibrated(self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: AnyRounding) -> dict[str, Encoded]:
+    def calibrated(
+        self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: AnyRounding
+    ) -> dict[str, Encoded]:
         """A mixed allocation calibrated as itself: every earlier wave at its own tier."""
         if not rounding.needs_stats:
             return self.assemble(slots, assignment, rounding)
@@ -370,14 +414,24 @@ class Encoder:
 
                 def pick(tier: str) -> Encoded:
                     if tier not in cache:
-                        cache[tier] = self._encode(name, TIERS[tier], rounding_at(rounding, tier) if TIERS[tier].calibratable else Rounding(), stats)
+                        cache[tier] = self._encode(
+                            name,
+                            TIERS[tier],
+                            rounding_at(rounding, tier) if TIERS[tier].calibratable else Rounding(),
+                            stats,
+                        )
                     return cache[tier]
 
                 return self._join(name, runs, pick)
 
             made = (list(slots), dict(assignment), rounding)
-            self._mixed[key] = self._pass(encode_one, rounding, f"mixed {rounding.method}", f"mixed {key!r} {list(slots)!r} {[_grid(TIERS[t]) for t in sorted(set(assignment.values()))]}",
-                                          self._mixed_signature(*made))
+            self._mixed[key] = self._pass(
+                encode_one,
+                rounding,
+                f"mixed {rounding.method}",
+                f"mixed {key!r} {list(slots)!r} {[_grid(TIERS[t]) for t in sorted(set(assignment.values()))]}",
+                self._mixed_signature(*made),
+            )
             self._mixed_made[key] = made
         return self._mixed[key]
 

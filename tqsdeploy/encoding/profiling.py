@@ -64,5 +64,9 @@ class Profile:
 def describe(split: Mapping[str, float]) -> str:
     """One line: each kind's seconds and share of the total."""
     total = split.get("total") or 1.0
-    parts = [f"{kind.replace('_', ' ')} {seconds:.1f} s ({seconds / total:.0%})" for kind, seconds in split.items() if kind != "total"]
+    parts = [
+        f"{kind.replace('_', ' ')} {seconds:.1f} s ({seconds / total:.0%})"
+        for kind, seconds in split.items()
+        if kind != "total"
+    ]
     return f"{split.get('total', 0.0):.1f} s: " + ", ".join(parts)

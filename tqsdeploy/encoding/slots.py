@@ -18,7 +18,6 @@ from tiers import Layout, Tier
 from tqsdeploy.errors import InputError
 from tqsdeploy.units import Unit, UnitSelection, select_units
 
-
 MAX_PARTS = 64
 """Most channel groups one unit is split into."""
 
@@ -54,7 +53,9 @@ def make_slots(units: Sequence[Unit], layouts: Mapping[str, WeightLayout], split
     return slots
 
 
-def checked_layouts(proto, min_params: int, group_size: int | None, tiers: Sequence[Tier]) -> tuple[list[Unit], list[str], dict[str, WeightLayout]]:
+def checked_layouts(
+    proto, min_params: int, group_size: int | None, tiers: Sequence[Tier]
+) -> tuple[list[Unit], list[str], dict[str, WeightLayout]]:
     """The weights a baseline or a frontier quantizes (units of at least `min_params`) and their layouts,
     refusing a --group-size none of them would use (`check_group_size`) before any work starts."""
     units = select_units(graph_ops.find_weight_tensors(proto), UnitSelection(min_params=min_params))
@@ -70,9 +71,13 @@ def check_group_size(group_size: int | None, layouts: Mapping[str, WeightLayout]
     if not group_size:
         return
     if not any(t.blockwise for t in tiers):
-        raise InputError(f"--group-size {group_size} would change nothing: no tier here ({', '.join(t.name for t in tiers)}) takes blocks",
-                         hint="only the integer tiers int2 to int8 do; int1, fp8 and the float tiers keep one scale per output channel")
+        raise InputError(
+            f"--group-size {group_size} would change nothing: no tier here ({', '.join(t.name for t in tiers)}) takes blocks",
+            hint="only the integer tiers int2 to int8 do; int1, fp8 and the float tiers keep one scale per output channel",
+        )
     if not any(Layout(l.shape, l.perm, l.row_groups).block_axis is not None for l in layouts.values()):
-        raise InputError(f"--group-size {group_size} would change nothing: none of this model's {len(layouts)} quantized weights is a rank-2 "
-                         f"weight with known layout (MatMul, Gemm); e.g. '{next(iter(layouts), '')}' keeps one scale per output channel",
-                         hint="leave --group-size out for this model")
+        raise InputError(
+            f"--group-size {group_size} would change nothing: none of this model's {len(layouts)} quantized weights is a rank-2 "
+            f"weight with known layout (MatMul, Gemm); e.g. '{next(iter(layouts), '')}' keeps one scale per output channel",
+            hint="leave --group-size out for this model",
+        )

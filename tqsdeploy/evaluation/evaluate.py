@@ -32,12 +32,20 @@ import graph_ops
 import graph_ops.qdq
 from runtimes import Session, for_provider, release_freed_memory
 from tqsdeploy.errors import InputError
-from tqsdeploy.evaluation.latency import LatencySettings, measure as measure_latency
+from tqsdeploy.evaluation.latency import LatencySettings
+from tqsdeploy.evaluation.latency import measure as measure_latency
 from tqsdeploy.evaluation.metrics import looks_like_embedding, metrics, side_metrics, vector_metrics
 from tqsdeploy.files import json_text, write_texts
 from tqsdeploy.progress import counted
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
-from tqsdeploy.rollout.contexts import ContextOptions, Contexts, continuation_rows, load_contexts, npz_arrays, truth_from_csv
+from tqsdeploy.rollout.contexts import (
+    ContextOptions,
+    Contexts,
+    continuation_rows,
+    load_contexts,
+    npz_arrays,
+    truth_from_csv,
+)
 from tqsdeploy.rollout.engine import RolloutEngine
 from tqsdeploy.size import compression
 
@@ -79,12 +87,20 @@ class EvalRequest:
 
 
 def evaluate_request(request: EvalRequest) -> dict:
-    return evaluate(request.candidate, request.reference, request.contexts, spec=request.spec, steps=request.steps,
-                    truth=request.truth, settings=request.settings)
+    return evaluate(
+        request.candidate,
+        request.reference,
+        request.contexts,
+        spec=request.spec,
+        steps=request.steps,
+        truth=request.truth,
+        settings=request.settings,
+    )
 
 
-def run_eval(request: EvalRequest, prefix: Path, warn: Callable[[list[str]], None] = lambda warnings: None
-             ) -> tuple[dict, Path, Path]:
+def run_eval(
+    request: EvalRequest, prefix: Path, warn: Callable[[list[str]], None] = lambda warnings: None
+) -> tuple[dict, Path, Path]:
     """`eval`: the report, told its warnings (`warn`) before it is written to PREFIX.json and PREFIX.md."""
     report = evaluate_request(request)
     warn(report.get("warnings", []))
@@ -143,32 +159,51 @@ def _runtime_mode(settings: EvalSettings, optimized_path: str, proto) -> dict:
         optimized = graph_ops.wire.skeleton(optimized_path)  # node types only: the weights stay in the file
         fused = sum(1 for n in optimized.graph.node if n.op_type == "MatMulNBits")
         per_call = graph_ops.qdq.per_call_dequantization(optimized)
-    return {"provider": settings.provider, "mode": _mode(settings, proto, fused, per_call), "matmulnbits_nodes": fused,
-            "exact": settings.exact, "per_call_dequantization": per_call}
+    return {
+        "provider": settings.provider,
+        "mode": _mode(settings, proto, fused, per_call),
+        "matmulnbits_nodes": fused,
+        "exact": settings.exact,
+        "per_call_dequantization": per_call,
+    }
 
 
 def _mode(settings: EvalSettings, proto, fused: int, per_call: dict | None) -> str:
     """The runtime mode in words: what the weights are stored as and which kernels run them."""
     provider = settings.provider
     if not _dequantizes(proto) and not _reads_codes(proto):  # the original, or an fp16 copy: nothing to fuse or fold
-        return (f"ONNX Runtime default on {provider}: float weights (no stored codes, nothing to fuse or fold); "
-                "float kernels")
+        return (
+            f"ONNX Runtime default on {provider}: float weights (no stored codes, nothing to fuse or fold); "
+            "float kernels"
+        )
     if not _dequantizes(proto):
-        checked = ("its optimized graph reads no codes" if per_call == {}
-                   else "not checked: a large file" if per_call is None
-                   else f"yet its optimized graph still reads codes: {per_call}")
-        return (f"ONNX Runtime default on {provider}: weights stored dequantized-at-load, folded into float "
-                f"initializers when the session is created ({checked}); float kernels, exact")
+        checked = (
+            "its optimized graph reads no codes"
+            if per_call == {}
+            else "not checked: a large file"
+            if per_call is None
+            else f"yet its optimized graph still reads codes: {per_call}"
+        )
+        return (
+            f"ONNX Runtime default on {provider}: weights stored dequantized-at-load, folded into float "
+            f"initializers when the session is created ({checked}); float kernels, exact"
+        )
     if settings.exact:
         return "exact dequantization (session.qdq_matmulnbits_accuracy_level=0)"
     if provider == "cpu" and fused == 0 and per_call is not None:  # say, Conv kernels: no MatMul to fuse with
-        return ("ONNX Runtime default on cpu: DequantizeLinear runs on every call (no MatMul it fuses with into "
-                "MatMulNBits); float kernels, exact")
+        return (
+            "ONNX Runtime default on cpu: DequantizeLinear runs on every call (no MatMul it fuses with into "
+            "MatMulNBits); float kernels, exact"
+        )
     if provider == "cpu":
-        return ("ONNX Runtime default: DequantizeLinear->MatMul fused into MatMulNBits with accuracy_level 4 "
-                "(int8 activations)")
-    return (f"ONNX Runtime default on {provider}: DequantizeLinear->MatMul fused into MatMulNBits, run by the GPU "
-            "kernel (float activations; accuracy_level is the CPU kernel's setting)")
+        return (
+            "ONNX Runtime default: DequantizeLinear->MatMul fused into MatMulNBits with accuracy_level 4 "
+            "(int8 activations)"
+        )
+    return (
+        f"ONNX Runtime default on {provider}: DequantizeLinear->MatMul fused into MatMulNBits, run by the GPU "
+        "kernel (float activations; accuracy_level is the CPU kernel's setting)"
+    )
 
 
 def _signature(proto) -> tuple[dict, dict]:
@@ -178,7 +213,11 @@ def _signature(proto) -> tuple[dict, dict]:
 
     def describe(value):
         tensor = value.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else "?" for d in tensor.shape.dim] if tensor.HasField("shape") else None
+        dims = (
+            [d.dim_value if d.HasField("dim_value") else "?" for d in tensor.shape.dim]
+            if tensor.HasField("shape")
+            else None
+        )
         return dims, onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
 
     return (
@@ -204,10 +243,14 @@ def _check_same_signature(candidate, reference) -> None:
         for name in [*c, *(k for k in r if k not in c)]:
             if name not in r or name not in c:
                 which, other = ("candidate", "reference") if name in c else ("reference", "candidate")
-                raise InputError(f"candidate and reference differ: the {which} has {kind} '{name}', the {other} does not "
-                                 f"(its {kind}s: {', '.join(r if name in c else c) or 'none'})")
+                raise InputError(
+                    f"candidate and reference differ: the {which} has {kind} '{name}', the {other} does not "
+                    f"(its {kind}s: {', '.join(r if name in c else c) or 'none'})"
+                )
             if not _fits(c[name], r[name]):
-                raise InputError(f"candidate and reference differ: {kind} '{name}' is {_shown(c[name])} in the candidate, {_shown(r[name])} in the reference")
+                raise InputError(
+                    f"candidate and reference differ: {kind} '{name}' is {_shown(c[name])} in the candidate, {_shown(r[name])} in the reference"
+                )
 
 
 def _shown(described) -> str:
@@ -217,8 +260,12 @@ def _shown(described) -> str:
 
 
 def load_truth(path: Path, spec: RolloutSpec, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
-    stored = npz_arrays(path, "truth file", "expected one array per trajectory output shaped (windows, steps, *output) (numpy.savez); "
-                                           "with CSV contexts, leave --truth out to use the rows after each window")
+    stored = npz_arrays(
+        path,
+        "truth file",
+        "expected one array per trajectory output shaped (windows, steps, *output) (numpy.savez); "
+        "with CSV contexts, leave --truth out to use the rows after each window",
+    )
     truth = {}
     for name in spec.trajectory:
         if name not in stored:
@@ -227,9 +274,18 @@ def load_truth(path: Path, spec: RolloutSpec, shapes: dict[str, tuple]) -> dict[
         want = shapes[name]
         if array.ndim == len(want) - 1 and len(want) > 2 and want[2] == 1 and array.shape[2:] == want[3:]:
             array = array[:, :, None]  # windows without their batch axis of one, as contexts may be given
-        if array.ndim != len(want) or array.shape[0] != want[0] or array.shape[2:] != want[2:] or array.shape[1] < want[1]:
-            expected = ", ".join([str(want[0]), f"{want[1]} or more", *map(str, want[2:])])  # longer truths are cut to the rollout
-            raise InputError(f"truth '{name}' has shape {list(array.shape)}; expected [{expected}] (windows, steps, *output)")
+        if (
+            array.ndim != len(want)
+            or array.shape[0] != want[0]
+            or array.shape[2:] != want[2:]
+            or array.shape[1] < want[1]
+        ):
+            expected = ", ".join(
+                [str(want[0]), f"{want[1]} or more", *map(str, want[2:])]
+            )  # longer truths are cut to the rollout
+            raise InputError(
+                f"truth '{name}' has shape {list(array.shape)}; expected [{expected}] (windows, steps, *output)"
+            )
         truth[name] = array[:, : want[1]].astype(np.float64)
         if not np.all(np.isfinite(truth[name])):
             raise InputError(f"truth '{name}' in {path} contains NaN or Inf")
@@ -255,8 +311,15 @@ class _Rollouts:
     reference: dict[str, np.ndarray]
 
 
-def _roll_out(candidate: "graph_ops.LoadedModel", reference: "graph_ops.LoadedModel", contexts: str | Path,
-              spec: RolloutSpec | str | Path | None, steps: int | None, truth, settings: EvalSettings) -> _Rollouts:
+def _roll_out(
+    candidate: "graph_ops.LoadedModel",
+    reference: "graph_ops.LoadedModel",
+    contexts: str | Path,
+    spec: RolloutSpec | str | Path | None,
+    steps: int | None,
+    truth,
+    settings: EvalSettings,
+) -> _Rollouts:
     """The candidate's trajectories, then the reference's, one session open at a time."""
     with tempfile.TemporaryDirectory() as tmp:
         optimized = os.path.join(tmp, "optimized.onnx")
@@ -266,7 +329,9 @@ def _roll_out(candidate: "graph_ops.LoadedModel", reference: "graph_ops.LoadedMo
     resolved = resolve_spec(spec, steps, inputs, session.outputs)
     csv = Path(contexts).suffix.lower() == ".csv"
     following = continuation_rows(resolved, session.outputs, inputs) if csv and not truth else 0
-    options = ContextOptions(windows=settings.windows, zscore=settings.zscore, seed=settings.seed, columns=settings.columns)
+    options = ContextOptions(
+        windows=settings.windows, zscore=settings.zscore, seed=settings.seed, columns=settings.columns
+    )
     ctx = load_contexts(Path(contexts), inputs, options, following=following)
     side = tuple(o.name for o in session.outputs if o.name not in resolved.trajectory)
     followed = replace(resolved, trajectory=resolved.trajectory + side)  # side outputs ride along, measured apart
@@ -284,13 +349,16 @@ def _check_reference(run: _Rollouts, reference: Path, variable_axis: int | None)
     the outputs do not have."""
     for name, values in run.reference.items():
         if not np.all(np.isfinite(values)):
-            raise InputError(f"the reference model {reference} produces NaN or Inf on these contexts "
-                             f"(output '{name}'); there is nothing to compare against")
+            raise InputError(
+                f"the reference model {reference} produces NaN or Inf on these contexts "
+                f"(output '{name}'); there is nothing to compare against"
+            )
     if variable_axis is not None:
         per_step = min(v.ndim for v in run.reference.values()) - 2  # (windows, steps, *output)
         if not -per_step <= variable_axis < per_step:
-            raise InputError(f"--variable-axis {variable_axis} is not an axis of the per-step outputs "
-                             f"(they have {per_step})")
+            raise InputError(
+                f"--variable-axis {variable_axis} is not an axis of the per-step outputs (they have {per_step})"
+            )
 
 
 def _truths(truth, contexts: str | Path, run: _Rollouts) -> tuple[dict[str, np.ndarray], str | None]:
@@ -305,15 +373,25 @@ def _truths(truth, contexts: str | Path, run: _Rollouts) -> tuple[dict[str, np.n
     return {}, None
 
 
-def _output(name: str, candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray | None, vectors: bool,
-            settings: EvalSettings) -> dict:
+def _output(
+    name: str,
+    candidate: np.ndarray,
+    reference: np.ndarray,
+    truth: np.ndarray | None,
+    vectors: bool,
+    settings: EvalSettings,
+) -> dict:
     """One trajectory output's entry: its metrics (per variable too, when asked), its cosines when read as
     vectors; a non-finite candidate has an infinite degradation."""
     if not np.all(np.isfinite(candidate)):
         entry = {"nonfinite": True, "degradation_pct": math.inf, "degradation_basis": "non-finite output"}
         if vectors:  # no similarity to speak of: a --min-cosine bound fails
-            entry["cosine"] = {"vectors": int(candidate.size // candidate.shape[-1]), "dim": int(candidate.shape[-1]),
-                               "mean": math.nan, "min": math.nan}
+            entry["cosine"] = {
+                "vectors": int(candidate.size // candidate.shape[-1]),
+                "dim": int(candidate.shape[-1]),
+                "mean": math.nan,
+                "min": math.nan,
+            }
         return entry
     entry = metrics(candidate, reference, truth, settings.bootstrap, settings.seed)
     if vectors:
@@ -321,8 +399,13 @@ def _output(name: str, candidate: np.ndarray, reference: np.ndarray, truth: np.n
     if settings.variable_axis is not None:
         axis = 2 + settings.variable_axis % (candidate.ndim - 2)
         entry["variables"] = {
-            str(i): metrics(np.take(candidate, [i], axis), np.take(reference, [i], axis),
-                            np.take(truth, [i], axis) if truth is not None else None, settings.bootstrap, settings.seed)
+            str(i): metrics(
+                np.take(candidate, [i], axis),
+                np.take(reference, [i], axis),
+                np.take(truth, [i], axis) if truth is not None else None,
+                settings.bootstrap,
+                settings.seed,
+            )
             for i in range(candidate.shape[axis])
         }
     return entry
@@ -343,9 +426,11 @@ def evaluate(
     cand_model, ref_model = _load(candidate), _load(reference)
     _check_same_signature(cand_model.proto, ref_model.proto)
     run = _roll_out(cand_model, ref_model, contexts, spec, steps, truth, settings)
-    side_outputs = {name: side_metrics(run.candidate.pop(name), run.reference.pop(name), settings.bootstrap,
-                                       settings.seed)
-                    for name in run.side if name in run.candidate and name in run.reference}
+    side_outputs = {
+        name: side_metrics(run.candidate.pop(name), run.reference.pop(name), settings.bootstrap, settings.seed)
+        for name in run.side
+        if name in run.candidate and name in run.reference
+    }
     _check_reference(run, reference, settings.variable_axis)
     truths, truth_source = _truths(truth, contexts, run)
     declared = {name: dims for name, (dims, _) in _signature(ref_model.proto)[1].items()}
@@ -356,8 +441,15 @@ def evaluate(
     latency = None
     if settings.latency is not None:
         batch = min(run.contexts.count, settings.max_batch_windows)
-        latency = measure_latency(lambda: _open(cand_model, settings), lambda: _open(ref_model, settings), run.contexts,
-                                  run.inputs, run.batched, batch, settings.latency)
+        latency = measure_latency(
+            lambda: _open(cand_model, settings),
+            lambda: _open(ref_model, settings),
+            run.contexts,
+            run.inputs,
+            run.batched,
+            batch,
+            settings.latency,
+        )
     ref_bits, cand_bits = graph_ops.weight_bits(ref_model.proto), graph_ops.weight_bits(cand_model.proto)
     ctx = run.contexts
     return {
@@ -398,23 +490,31 @@ def _output_row(name: str, o: dict) -> str:
         truth_cells = f"{t['mae']:.5g} | {t['reference_mae']:.5g} | {t['degradation_pct']:.3f} [{low:.3f}, {high:.3f}]"
     else:
         truth_cells = "- | - | " + f"{o['degradation_pct']:.3f} (drift)"
-    return (f"| {name} | {r['mae']:.5g} | {r['rmse']:.5g} | [{r['mae_ci95'][0]:.4g}, {r['mae_ci95'][1]:.4g}] | "
-            f"{r['drift_pct']:.3f} | {growth} | {truth_cells} |")
+    return (
+        f"| {name} | {r['mae']:.5g} | {r['rmse']:.5g} | [{r['mae_ci95'][0]:.4g}, {r['mae_ci95'][1]:.4g}] | "
+        f"{r['drift_pct']:.3f} | {growth} | {truth_cells} |"
+    )
 
 
 def _side_lines(side: dict) -> list[str]:
-    moved = ", ".join(f"{name} " + ("non-finite" if o.get("nonfinite") else f"{o['vs_reference']['drift_pct']:.3f}%")
-                      for name, o in side.items())
-    return ["", "Outputs outside the trajectory (drift from the reference; not scored, not gated: units feeding only "
-                "them score dead and go to the lowest tier; list them in the rollout spec's `trajectory` to protect "
-                f"them): {moved}."]
+    moved = ", ".join(
+        f"{name} " + ("non-finite" if o.get("nonfinite") else f"{o['vs_reference']['drift_pct']:.3f}%")
+        for name, o in side.items()
+    )
+    return [
+        "",
+        "Outputs outside the trajectory (drift from the reference; not scored, not gated: units feeding only "
+        "them score dead and go to the lowest tier; list them in the rollout spec's `trajectory` to protect "
+        f"them): {moved}.",
+    ]
 
 
 def _vector_lines(vectors: dict) -> list[str]:
     lines = ["", "| output (vectors) | cosine mean | cosine min | same nearest neighbour |", "|---|---|---|---|"]
     for name, v in vectors.items():
-        same = (f"{v['same_neighbour']}/{v['neighbour_vectors']}" if "same_neighbour" in v
-                else "- (fewer than 3 vectors)")
+        same = (
+            f"{v['same_neighbour']}/{v['neighbour_vectors']}" if "same_neighbour" in v else "- (fewer than 3 vectors)"
+        )
         lines.append(f"| {name} ({v['vectors']} × {v['dim']}) | {v['mean']:.6f} | {v['min']:.6f} | {same} |")
     return lines
 
@@ -429,8 +529,11 @@ def markdown(report: dict) -> str:
         f"compression {report['compression']:.2f}×; "
         f"{report['candidate_file_bytes'] / 1e6:.3f} MB vs {report['reference_file_bytes'] / 1e6:.3f} MB.",
         f"Runtime: {runtime['provider']}, {runtime['mode']}; MatMulNBits nodes: {runtime['matmulnbits_nodes']}.",
-        (f"Truth: {report['truth']}." if report.get("truth")
-         else "No truth: degradation is the drift from the reference."),
+        (
+            f"Truth: {report['truth']}."
+            if report.get("truth")
+            else "No truth: degradation is the drift from the reference."
+        ),
         "",
         "| output | MAE vs ref | RMSE vs ref | MAE 95% CI | drift % | growth/step | MAE vs truth | ref MAE vs truth "
         "| degradation % |",

@@ -28,8 +28,8 @@ from tqsdeploy.encoding import checkpoints
 from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
 from tqsdeploy.evaluation.ledger import PROGRESS, Ledger, digest, stamp
-from tqsdeploy.evaluation.report import build_report
 from tqsdeploy.evaluation.points import Candidate, rows
+from tqsdeploy.evaluation.report import build_report
 from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.files import write_json, write_table
 from tqsdeploy.scoring.gamma import ScoreSettings
@@ -97,8 +97,13 @@ def _quiet(message: str) -> None:
     pass
 
 
-def run_frontier(request: FrontierRequest, *, log: Callable[[str], None] = _quiet,
-                 notice: Callable[[str], None] = _quiet, progress=None) -> FrontierResult:
+def run_frontier(
+    request: FrontierRequest,
+    *,
+    log: Callable[[str], None] = _quiet,
+    notice: Callable[[str], None] = _quiet,
+    progress=None,
+) -> FrontierResult:
     """Build every candidate, evaluate it, write frontier.parquet/csv/json, then the report.
 
     `progress` (a `tqsdeploy.progress.Progress`) counts the steps: the score, each baseline, export and evaluation;
@@ -141,8 +146,15 @@ def _splits(request: FrontierRequest) -> list[tuple[str, Path, Path | None]]:
     splits = held_out + [("scoring", request.contexts, request.truth)]
     untimed = replace(request.settings.evaluation, latency=None)
     for _, contexts, truth in splits:
-        evaluate(request.model, request.model, contexts, spec=request.spec, steps=request.steps, truth=truth,
-                 settings=untimed)
+        evaluate(
+            request.model,
+            request.model,
+            contexts,
+            spec=request.spec,
+            steps=request.steps,
+            truth=truth,
+            settings=untimed,
+        )
     return splits
 
 
@@ -157,9 +169,10 @@ def _check_folder(out_dir: Path, force: bool) -> None:
     foreign = sorted(p.name for p in out_dir.iterdir())
     if foreign:
         shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-        raise InputError(f"{out_dir} is not a frontier's folder and not empty (it holds {shown})",
-                         hint="choose a new or empty folder with --out, "
-                              "or pass --force to write over files of the same names")
+        raise InputError(
+            f"{out_dir} is not a frontier's folder and not empty (it holds {shown})",
+            hint="choose a new or empty folder with --out, or pass --force to write over files of the same names",
+        )
 
 
 class _Steps:
@@ -197,9 +210,15 @@ def _score(request: FrontierRequest) -> ScoreRun:
     """The frontier's score run in its folder: resumed when it matches, else made again (it is this frontier's)."""
     evaluation = request.settings.evaluation
     options = ContextOptions(columns=evaluation.columns, windows=evaluation.windows, zscore=evaluation.zscore)
-    arguments = dict(spec=request.spec, steps=request.steps, out=request.out_dir / "score",
-                     settings=request.score_settings, selection=UnitSelection(min_params=request.settings.min_params),
-                     runtime=request.runtime, context_options=options)
+    arguments = dict(
+        spec=request.spec,
+        steps=request.steps,
+        out=request.out_dir / "score",
+        settings=request.score_settings,
+        selection=UnitSelection(min_params=request.settings.min_params),
+        runtime=request.runtime,
+        context_options=options,
+    )
     try:
         return score(request.model, request.contexts, **arguments)
     except InputError:  # the folder's run is for other settings; it belongs to this frontier, so replace it
@@ -209,13 +228,24 @@ def _score(request: FrontierRequest) -> ScoreRun:
 def _ledger(request: FrontierRequest, table: ScoreRun, splits, notice: Callable[[str], None]) -> Ledger:
     """The folder's ledger, keyed by everything the work depends on; `notice` says what changed since earlier work
     (which is then done again)."""
-    identity = {"score": table.fingerprint, "model": table.model.sha256, "settings": asdict(request.settings),
-                "runtime": repr(request.runtime), "splits": [(name, digest(c), digest(t)) for name, c, t in splits],
-                "code": checkpoints.code_hash()}
+    identity = {
+        "score": table.fingerprint,
+        "model": table.model.sha256,
+        "settings": asdict(request.settings),
+        "runtime": repr(request.runtime),
+        "splits": [(name, digest(c), digest(t)) for name, c, t in splits],
+        "code": checkpoints.code_hash(),
+    }
     ledger = Ledger(request.out_dir / PROGRESS, identity)
     if ledger.changed:
-        words = {"score": "score run", "model": "model", "settings": "settings", "runtime": "runtime",
-                 "splits": "contexts or truth", "code": "tqsdeploy code"}
+        words = {
+            "score": "score run",
+            "model": "model",
+            "settings": "settings",
+            "runtime": "runtime",
+            "splits": "contexts or truth",
+            "code": "tqsdeploy code",
+        }
         changed = ", ".join(words.get(k, k) for k in ledger.changed)
         notice(f"the earlier work in {request.out_dir} was for another {changed}: it is done again")
     return ledger
@@ -242,8 +272,17 @@ class _Exports:
         started = time.perf_counter()
         outcome = self.lines[0][1].export(None, path, uniform_tier=tier, rounding=method)
         timings = {"sweep": 0.0, "export": time.perf_counter() - started}
-        candidate = Candidate("baseline", LABELS[method], f"W{bits}", None, path, outcome.compression,
-                              outcome.file_bytes, timings, details={"drift_pct": outcome.drift_pct})
+        candidate = Candidate(
+            "baseline",
+            LABELS[method],
+            f"W{bits}",
+            None,
+            path,
+            outcome.compression,
+            outcome.file_bytes,
+            timings,
+            details={"drift_pct": outcome.drift_pct},
+        )
         return candidate, outcome.files
 
     def unreachable(self, line: int, target: float) -> str | None:
@@ -259,10 +298,15 @@ class _Exports:
         started = time.perf_counter()
         outcome = planner.export(target, path)
         timings = {"sweep": sweep_s, "export": time.perf_counter() - started}  # the first also prices every slot once
-        details = {"shipped": outcome.shipped, "drift_pct": outcome.drift_pct, "compared": outcome.compared,
-                   "tiers": dict(zip(outcome.table["slot"], outcome.table["tier"]))}
-        candidate = Candidate("tqs", label, setting, target, path, outcome.compression, outcome.file_bytes, timings,
-                              details=details)
+        details = {
+            "shipped": outcome.shipped,
+            "drift_pct": outcome.drift_pct,
+            "compared": outcome.compared,
+            "tiers": dict(zip(outcome.table["slot"], outcome.table["tier"])),
+        }
+        candidate = Candidate(
+            "tqs", label, setting, target, path, outcome.compression, outcome.file_bytes, timings, details=details
+        )
         return candidate, outcome.files
 
     def close(self) -> None:
@@ -321,8 +365,9 @@ def _targets(settings: FrontierSettings, baselines: list[Candidate]) -> list[tup
     return sorted(targets)
 
 
-def _tqs_points(request: FrontierRequest, exports: _Exports, targets, sweep_s: float, ledger: Ledger,
-                steps: _Steps) -> list[Candidate]:
+def _tqs_points(
+    request: FrontierRequest, exports: _Exports, targets, sweep_s: float, ledger: Ledger, steps: _Steps
+) -> list[Candidate]:
     """Every TQS-PTQ line at every target (an unreachable one is a row that says so)."""
     candidates = []
     for line, (label, _) in enumerate(exports.lines):
@@ -343,8 +388,9 @@ def _tqs_points(request: FrontierRequest, exports: _Exports, targets, sweep_s: f
     return candidates
 
 
-def _evaluations(request: FrontierRequest, candidates: list[Candidate], splits, spec: Path, ledger: Ledger,
-                 steps: _Steps) -> tuple[list[dict], dict[str, None]]:
+def _evaluations(
+    request: FrontierRequest, candidates: list[Candidate], splits, spec: Path, ledger: Ledger, steps: _Steps
+) -> tuple[list[dict], dict[str, None]]:
     """Every exported candidate evaluated on every split: the table's rows, and how ONNX Runtime ran the
     candidates, as eval says it (the models' layouts decide it, so it is read off the reports)."""
     frame_rows: list[dict] = []
@@ -368,15 +414,17 @@ def _evaluations(request: FrontierRequest, candidates: list[Candidate], splits, 
     return frame_rows, modes
 
 
-def _evaluated(request: FrontierRequest, candidate: Candidate, split, first: bool, spec: Path, ledger: Ledger,
-               steps: _Steps) -> tuple[dict, float]:
+def _evaluated(
+    request: FrontierRequest, candidate: Candidate, split, first: bool, spec: Path, ledger: Ledger, steps: _Steps
+) -> tuple[dict, float]:
     """A candidate's report on one split and the seconds it took, from the ledger where this file was evaluated
     before; a failed evaluation raises its error (again, when the ledger holds it)."""
     name, contexts, truth = split
     key = f"eval {candidate.method} {candidate.setting} {name}"
     kept = ledger.evaluation(key, candidate.path)
-    steps.begin(f"eval {candidate.method} {candidate.setting} on {name}"
-                + (": kept from an earlier run" if kept else ""))
+    steps.begin(
+        f"eval {candidate.method} {candidate.setting} on {name}" + (": kept from an earlier run" if kept else "")
+    )
     if kept is not None:
         if kept["report"] is None:
             raise TqsError(kept["error"])
@@ -395,8 +443,9 @@ def _evaluated(request: FrontierRequest, candidate: Candidate, split, first: boo
     return report, seconds
 
 
-def _write(request: FrontierRequest, candidates: list[Candidate], frame_rows: list[dict], splits,
-           modes: dict[str, None]) -> pl.DataFrame:
+def _write(
+    request: FrontierRequest, candidates: list[Candidate], frame_rows: list[dict], splits, modes: dict[str, None]
+) -> pl.DataFrame:
     """frontier.parquet, frontier.csv and frontier.json; each row gets its candidate's times, known only now."""
     for row in frame_rows:
         match = next(c for c in candidates if c.method == row["method"] and c.setting == row["setting"])
@@ -415,8 +464,10 @@ def _write(request: FrontierRequest, candidates: list[Candidate], frame_rows: li
             "score_run": str(out_dir / "score"),
             "tqs_settings": asdict(settings.export),
             "splits": [s for s, _, _ in splits],
-            "candidates": [{k: v for k, v in asdict(c).items() if k != "path"}
-                           | {"path": str(c.path) if c.path else None} for c in candidates],
+            "candidates": [
+                {k: v for k, v in asdict(c).items() if k != "path"} | {"path": str(c.path) if c.path else None}
+                for c in candidates
+            ],
             "runtime": "; ".join(modes) or "ONNX Runtime " + exact,
         },
     )

@@ -36,7 +36,9 @@ def parse_size(text: str) -> float:
     if not match or match.group(1).count(".") > 1 or match.group(1) == "." or match.group(2).lower() not in SIZE_UNITS:
         raise InputError(f"--max-size takes a size such as 12MB or 500KiB, not '{text}'")
     size = float(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
-    if not 1 <= size < math.inf:  # as --min-compression 0: a bound no model can be meant to meet (0.1B: no file has a fraction of a byte)
+    if (
+        not 1 <= size < math.inf
+    ):  # as --min-compression 0: a bound no model can be meant to meet (0.1B: no file has a fraction of a byte)
         raise InputError(f"--max-size must be a finite size of at least 1 byte, not '{text}'")
     return size
 
@@ -100,30 +102,85 @@ def check(report: dict, bounds: Bounds) -> list[Check]:
     checks = []
     for name in bounds.per_output:
         if name not in report["outputs"]:
-            raise InputError(f"--max-degradation-output names '{name}', which is not a trajectory output ({', '.join(report['outputs'])})")
+            raise InputError(
+                f"--max-degradation-output names '{name}', which is not a trajectory output ({', '.join(report['outputs'])})"
+            )
     for name, output in report["outputs"].items():
         limit = bounds.per_output.get(name, bounds.max_degradation)
         if limit is not None:
             value = output["degradation_pct"]
-            checks.append(Check(f"degradation[{name}] ({output['degradation_basis']})", value <= limit, value, f"<= {limit:g}%", limit, "<=", "%"))
+            checks.append(
+                Check(
+                    f"degradation[{name}] ({output['degradation_basis']})",
+                    value <= limit,
+                    value,
+                    f"<= {limit:g}%",
+                    limit,
+                    "<=",
+                    "%",
+                )
+            )
     if bounds.min_cosine is not None:
         vectors = {name: output["cosine"] for name, output in report["outputs"].items() if "cosine" in output}
         if not vectors:
-            raise InputError(f"--min-cosine: no output of {report['candidate']} was read as vectors", hint="pass --cosine to read every output's last axis as a vector")
+            raise InputError(
+                f"--min-cosine: no output of {report['candidate']} was read as vectors",
+                hint="pass --cosine to read every output's last axis as a vector",
+            )
         for name, v in vectors.items():
-            checks.append(Check(f"cosine_min[{name}]", v["min"] >= bounds.min_cosine, v["min"], f">= {bounds.min_cosine:g}", bounds.min_cosine, ">="))
+            checks.append(
+                Check(
+                    f"cosine_min[{name}]",
+                    v["min"] >= bounds.min_cosine,
+                    v["min"],
+                    f">= {bounds.min_cosine:g}",
+                    bounds.min_cosine,
+                    ">=",
+                )
+            )
     if bounds.min_compression is not None:
-        checks.append(Check("compression", report["compression"] >= bounds.min_compression, report["compression"], f">= {bounds.min_compression:g}x",
-                            bounds.min_compression, ">=", "x"))
+        checks.append(
+            Check(
+                "compression",
+                report["compression"] >= bounds.min_compression,
+                report["compression"],
+                f">= {bounds.min_compression:g}x",
+                bounds.min_compression,
+                ">=",
+                "x",
+            )
+        )
     if bounds.max_size is not None:
         size = report["candidate_file_bytes"]
-        checks.append(Check("size_bytes", size <= bounds.max_size, size, f"<= {bounds.max_size:.0f} bytes", bounds.max_size, "<=", "bytes"))
+        checks.append(
+            Check(
+                "size_bytes",
+                size <= bounds.max_size,
+                size,
+                f"<= {bounds.max_size:.0f} bytes",
+                bounds.max_size,
+                "<=",
+                "bytes",
+            )
+        )
     if bounds.max_slowdown is not None:
         for row in (report.get("latency") or {}).get("batches", []):
-            checks.append(Check(f"slowdown[{row['windows']} windows]", row["slowdown"] <= bounds.max_slowdown, row["slowdown"], f"<= {bounds.max_slowdown:g}x",
-                                bounds.max_slowdown, "<=", "x"))
+            checks.append(
+                Check(
+                    f"slowdown[{row['windows']} windows]",
+                    row["slowdown"] <= bounds.max_slowdown,
+                    row["slowdown"],
+                    f"<= {bounds.max_slowdown:g}x",
+                    bounds.max_slowdown,
+                    "<=",
+                    "x",
+                )
+            )
     if not checks:
-        raise InputError("gate has no bounds to check", hint="pass --max-degradation, --min-compression, --max-size, --min-cosine or --max-slowdown")
+        raise InputError(
+            "gate has no bounds to check",
+            hint="pass --max-degradation, --min-compression, --max-size, --min-cosine or --max-slowdown",
+        )
     for name, output in report["outputs"].items():  # NaN or Inf out of the candidate fails whatever was bounded
         if output.get("nonfinite") and bounds.per_output.get(name, bounds.max_degradation) is None:
             checks.append(Check(f"finite[{name}]", False, math.inf, "finite (no NaN or Inf)", None, "finite"))
@@ -134,7 +191,12 @@ def junit(checks: list[Check], candidate: str) -> str:
     """JUnit XML, one test case per bound (built with ElementTree, which escapes once)."""
     import xml.etree.ElementTree as ET
 
-    suite = ET.Element("testsuite", name=f"tqsdeploy gate: {candidate}", tests=str(len(checks)), failures=str(sum(not c.passed for c in checks)))
+    suite = ET.Element(
+        "testsuite",
+        name=f"tqsdeploy gate: {candidate}",
+        tests=str(len(checks)),
+        failures=str(sum(not c.passed for c in checks)),
+    )
     for c in checks:
         case = ET.SubElement(suite, "testcase", classname="tqsdeploy.gate", name=c.name)
         ET.SubElement(case, "properties")
@@ -148,7 +210,12 @@ def junit(checks: list[Check], candidate: str) -> str:
 
 def gate_markdown(report: dict, checks: list[Check]) -> str:
     verdict = "passed" if all(c.passed for c in checks) else "FAILED"
-    lines = [f"## tqsdeploy gate {verdict}: `{Path(report['candidate']).name}`", "", "| check | measured | bound | result |", "|---|---|---|---|"]
+    lines = [
+        f"## tqsdeploy gate {verdict}: `{Path(report['candidate']).name}`",
+        "",
+        "| check | measured | bound | result |",
+        "|---|---|---|---|",
+    ]
     for c in checks:
         lines.append(f"| {c.name} | {c.shown} | {c.bound} | {'pass' if c.passed else '**fail**'} |")
     return "\n".join(lines) + "\n\n" + markdown(report)
@@ -159,7 +226,9 @@ def write_outputs(report: dict, checks: list[Check], folder: Path) -> dict[str, 
     paths = {"json": folder / "gate.json", "markdown": folder / "gate.md", "junit": folder / "junit.xml"}
     payload = {"passed": all(c.passed for c in checks), "checks": [c.__dict__ for c in checks], "report": report}
     text = gate_markdown(report, checks)
-    write_texts({paths["json"]: json_text(payload), paths["markdown"]: text, paths["junit"]: junit(checks, report["candidate"])})
+    write_texts(
+        {paths["json"]: json_text(payload), paths["markdown"]: text, paths["junit"]: junit(checks, report["candidate"])}
+    )
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:
         with open(summary, "a", encoding="utf-8") as handle:

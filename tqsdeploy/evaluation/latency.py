@@ -62,8 +62,15 @@ def _spread(times: list[float]) -> dict:
     }
 
 
-def measure(open_candidate, open_reference, contexts: Contexts, inputs, batched: bool, default_batch: int,
-            settings: LatencySettings) -> dict:
+def measure(
+    open_candidate,
+    open_reference,
+    contexts: Contexts,
+    inputs,
+    batched: bool,
+    default_batch: int,
+    settings: LatencySettings,
+) -> dict:
     """Open both sessions (`open_*`: no-argument callables returning a `Session`), then time them in paired
     rounds at each batch size. Returns plain data: per batch size each model's median and spread in ms and
     candidate/reference (the ratio of the medians, and the median of the rounds' ratios)."""
@@ -90,10 +97,10 @@ def measure(open_candidate, open_reference, contexts: Contexts, inputs, batched:
         "batches": results,
         "memory_bytes": {"candidate": memory["candidate"], "reference": memory["reference"]},
         "memory_basis": "growth of resident memory while each session was created and first called, "
-                        "freed heap returned (approximate)",
+        "freed heap returned (approximate)",
         "method": f"{settings.warmup} warm-up calls each, then paired rounds (candidate and reference alternated, "
-                  f"order swapped each round) until at least {settings.min_rounds} rounds and "
-                  f"{settings.min_seconds:g} s (3 rounds past {settings.max_seconds:g} s)",
+        f"order swapped each round) until at least {settings.min_rounds} rounds and "
+        f"{settings.min_seconds:g} s (3 rounds past {settings.max_seconds:g} s)",
         "note": note,
     }
 
@@ -144,10 +151,14 @@ def markdown(latency: dict, mode: str) -> list[str]:
     ]
     for row in latency["batches"]:
         c, r = row["candidate"], row["reference"]
-        lines.append(f"| {row['windows']} | {c['median_ms']:.4g} [{c['p10_ms']:.4g}, {c['p90_ms']:.4g}] | {r['median_ms']:.4g} [{r['p10_ms']:.4g}, {r['p90_ms']:.4g}] | "
-                     f"{row['slowdown']:.3f}x | {row['paired_slowdown']:.3f}x | {row['rounds']} |")
+        lines.append(
+            f"| {row['windows']} | {c['median_ms']:.4g} [{c['p10_ms']:.4g}, {c['p90_ms']:.4g}] | {r['median_ms']:.4g} [{r['p10_ms']:.4g}, {r['p90_ms']:.4g}] | "
+            f"{row['slowdown']:.3f}x | {row['paired_slowdown']:.3f}x | {row['rounds']} |"
+        )
     lines.append("")
-    lines.append(f"Memory ({latency['memory_basis']}): candidate {memory['candidate'] / 1e6:.2f} MB, reference {memory['reference'] / 1e6:.2f} MB.")
+    lines.append(
+        f"Memory ({latency['memory_basis']}): candidate {memory['candidate'] / 1e6:.2f} MB, reference {memory['reference'] / 1e6:.2f} MB."
+    )
     if latency.get("note"):
         lines.append(f"Note: {latency['note']}.")
     return lines

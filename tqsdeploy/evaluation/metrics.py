@@ -21,8 +21,13 @@ NEIGHBOUR_VECTORS = 4096
 def looks_like_embedding(name: str, dims: list | None) -> bool:
     """An output read as vectors by default: named like an embedding (`EMBEDDING_NAME`) and shaped
     [batch, dim] or [batch, tokens, dim] with a fixed dim above 1."""
-    return (bool(EMBEDDING_NAME.search(name)) and dims is not None and len(dims) in (2, 3) and isinstance(dims[-1], int)
-            and dims[-1] > 1)
+    return (
+        bool(EMBEDDING_NAME.search(name))
+        and dims is not None
+        and len(dims) in (2, 3)
+        and isinstance(dims[-1], int)
+        and dims[-1] > 1
+    )
 
 
 def vector_metrics(candidate: np.ndarray, reference: np.ndarray) -> dict:
@@ -36,15 +41,17 @@ def vector_metrics(candidate: np.ndarray, reference: np.ndarray) -> dict:
     result = {"vectors": int(cosine.size), "dim": int(dim), "mean": float(cosine.mean()), "min": float(cosine.min())}
     count = min(len(c), NEIGHBOUR_VECTORS)
     if count >= 3:  # with two vectors each is the other's neighbour whatever the models do
-        same = sum(int(np.sum(_nearest(unit_c[:count], start) == _nearest(unit_r[:count], start)))
-                   for start in range(0, count, 512))
+        same = sum(
+            int(np.sum(_nearest(unit_c[:count], start) == _nearest(unit_r[:count], start)))
+            for start in range(0, count, 512)
+        )
         result.update({"same_neighbour": same, "neighbour_vectors": count})
     return result
 
 
 def _nearest(unit: np.ndarray, start: int, rows: int = 512) -> np.ndarray:
     """Index of each of rows start..start+rows' nearest other vector among `unit` (unit-norm rows)."""
-    similarity = unit[start:start + rows] @ unit.T
+    similarity = unit[start : start + rows] @ unit.T
     similarity[np.arange(similarity.shape[0]), np.arange(start, start + similarity.shape[0])] = -np.inf
     return np.argmax(similarity, axis=1)
 
@@ -63,8 +70,15 @@ def bootstrap(samples: tuple[np.ndarray, ...], statistic, rounds: int, seed: int
     for method in ("BCa", "percentile"):
         with np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            result = stats.bootstrap(samples, statistic, n_resamples=rounds, paired=True, vectorized=True,
-                                     method=method, rng=np.random.default_rng(seed))
+            result = stats.bootstrap(
+                samples,
+                statistic,
+                n_resamples=rounds,
+                paired=True,
+                vectorized=True,
+                method=method,
+                rng=np.random.default_rng(seed),
+            )
         low, high = result.confidence_interval
         if np.isfinite(low) and np.isfinite(high):
             return [float(low), float(high)]

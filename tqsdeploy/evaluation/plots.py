@@ -43,8 +43,9 @@ def _save(fig, path: Path) -> None:
     _pyplot().close(fig)
 
 
-def plots(frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], folder: Path,
-          metric: str) -> list[tuple[str, str]]:
+def plots(
+    frame: pl.DataFrame, scores: pl.DataFrame, roles: dict[str, str], folder: Path, metric: str
+) -> list[tuple[str, str]]:
     """Every figure as (file name, caption), the frontier first; `metric` is the error column the report shows."""
     overall = frame.filter((pl.col("variable") == "all") & pl.col(metric).is_not_null())
     first_output = overall["output"].drop_nulls().first() if overall.height else None
@@ -85,14 +86,16 @@ def _thin(ticks: list[float]) -> list[float]:
     return kept[::-1]
 
 
-def _frontier(overall: pl.DataFrame, splits: list[str], output: str | None, truth: bool,
-              folder: Path) -> tuple[str, str]:
+def _frontier(
+    overall: pl.DataFrame, splits: list[str], output: str | None, truth: bool, folder: Path
+) -> tuple[str, str]:
     """Drift (and, with truth, degradation) by compression: one panel per split and measure."""
     plt = _pyplot()
     panels = [("drift_pct", "drift_lo", "drift_hi", "drift from the FP32 model (% of mean |output|)")]
     if truth:
-        panels.append(("degradation_pct", "degradation_lo", "degradation_hi",
-                       "error vs truth, % worse than the FP32 model"))
+        panels.append(
+            ("degradation_pct", "degradation_lo", "degradation_hi", "error vs truth, % worse than the FP32 model")
+        )
     columns = max(len(splits), 1)
     fig, axes = plt.subplots(len(panels), columns, figsize=(6.5 * columns, 4.2 * len(panels)), squeeze=False)
     for row, panel in enumerate(panels):
@@ -102,8 +105,11 @@ def _frontier(overall: pl.DataFrame, splits: list[str], output: str | None, trut
     fig.tight_layout()
     _save(fig, folder / "frontier.png")
     measures = " (top) and error against the truth, in % of the FP32 model's own error (bottom)," if truth else ""
-    return ("frontier.png", "Drift from the FP32 model" + measures + " by compression (logarithmic axis); one line per "
-            "method through its best point at each size; shaded: 95% bootstrap interval over context windows.")
+    return (
+        "frontier.png",
+        "Drift from the FP32 model" + measures + " by compression (logarithmic axis); one line per "
+        "method through its best point at each size; shaded: 95% bootstrap interval over context windows.",
+    )
 
 
 def _frontier_panel(ax, overall: pl.DataFrame, split: str, panel: tuple[str, str, str, str]) -> None:
@@ -149,16 +155,21 @@ def _gamma_ranking(scores: pl.DataFrame, live: pl.DataFrame, roles: dict[str, st
     ax.legend(handles=handles, fontsize=8)
     fig.tight_layout()
     _save(fig, folder / "gamma_ranking.png")
-    return ("gamma_ranking.png", "γ per unit (growth rate of a perturbation's effect, nats per rollout step; below 0 "
-            "it shrinks), most sensitive first; dead units drawn at the lowest live γ.")
+    return (
+        "gamma_ranking.png",
+        "γ per unit (growth rate of a perturbation's effect, nats per rollout step; below 0 "
+        "it shrinks), most sensitive first; dead units drawn at the lowest live γ.",
+    )
 
 
 def _gamma_buckets(live: pl.DataFrame, roles: dict[str, str], folder: Path) -> tuple[str, str]:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4))
     names = ["input", "body", "output"]
-    data = [live.filter(pl.col("unit").is_in([u for u, r in roles.items() if r == name]))["gamma"].to_numpy()
-            for name in names]
+    data = [
+        live.filter(pl.col("unit").is_in([u for u, r in roles.items() if r == name]))["gamma"].to_numpy()
+        for name in names
+    ]
     for i, values in enumerate(data):
         jitter = np.random.default_rng(i).uniform(-0.12, 0.12, values.size)
         ax.scatter(np.full(values.size, i) + jitter, values, color=ROLE_COLORS[names[i]], alpha=0.8)
@@ -184,8 +195,7 @@ def _concentration(live: pl.DataFrame, folder: Path) -> tuple[str, str]:
     ax.legend()
     fig.tight_layout()
     _save(fig, folder / "concentration.png")
-    return ("concentration.png",
-            "Share of the total γ shift (γ − min γ) carried by the most sensitive k% of units.")
+    return ("concentration.png", "Share of the total γ shift (γ − min γ) carried by the most sensitive k% of units.")
 
 
 def _error_growth(first_split: pl.DataFrame, truth: bool, folder: Path) -> tuple[str, str] | None:
@@ -209,8 +219,9 @@ def _error_growth(first_split: pl.DataFrame, truth: bool, folder: Path) -> tuple
     if truth:
         reference = json.loads(points["ref_mae_by_step"][0] or "null") if points.height else None
         if reference:
-            axes[0][1].plot(range(1, len(reference) + 1), reference, "-", color="black", linewidth=1.5,
-                            label="FP32 model")
+            axes[0][1].plot(
+                range(1, len(reference) + 1), reference, "-", color="black", linewidth=1.5, label="FP32 model"
+            )
         axes[0][1].set_ylabel("MAE against the truth")
         axes[0][1].set_title("Error against the truth, the FP32 model's own included")
     axes[0][0].axhline(0, color="black", linewidth=1.0, label="FP32 model")
@@ -222,5 +233,7 @@ def _error_growth(first_split: pl.DataFrame, truth: bool, folder: Path) -> tuple
         ax.legend(fontsize=7)
     fig.tight_layout()
     _save(fig, folder / "error_growth.png")
-    return ("error_growth.png",
-            f"Error by rollout step, baselines at {setting} and TQS-PTQ at the nearest compression (linear scale).")
+    return (
+        "error_growth.png",
+        f"Error by rollout step, baselines at {setting} and TQS-PTQ at the nearest compression (linear scale).",
+    )

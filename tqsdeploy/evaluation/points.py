@@ -80,8 +80,11 @@ def rows(candidate: Candidate, split: str, report: dict | None) -> list[dict]:
     timed = (report.get("latency") or {}).get("batches")
     if timed:  # frontier --latency: the first batch size, candidate beside the reference
         first = timed[0]
-        base |= {"latency_ms": first["candidate"]["median_ms"], "reference_latency_ms": first["reference"]["median_ms"],
-                 "slowdown": first["slowdown"]}
+        base |= {
+            "latency_ms": first["candidate"]["median_ms"],
+            "reference_latency_ms": first["reference"]["median_ms"],
+            "slowdown": first["slowdown"],
+        }
     found = []
     for output, metrics in report["outputs"].items():
         for variable, m in [("all", metrics)] + list(metrics.get("variables", {}).items()):

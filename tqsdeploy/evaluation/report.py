@@ -83,8 +83,9 @@ def _verdict(low: float | None, high: float | None, against_truth: bool) -> str:
     return "within noise of FP32"
 
 
-def build_report(out_dir: str | Path, model: str | Path,
-                 buckets_patterns: dict[str, str] | None = None) -> tuple[Path, Path]:
+def build_report(
+    out_dir: str | Path, model: str | Path, buckets_patterns: dict[str, str] | None = None
+) -> tuple[Path, Path]:
     """Write report.md, report.html and the PNGs into `out_dir`."""
     out_dir = Path(out_dir)
     frame = pl.read_parquet(out_dir / "frontier.parquet")
@@ -94,9 +95,11 @@ def build_report(out_dir: str | Path, model: str | Path,
     roles = buckets(Path(model), scores["unit"].to_list(), buckets_patterns)
     figures = plots(frame, scores, roles, out_dir, metric)
 
-    blocks: list[tuple] = [("h1", f"Compression frontier: {Path(model).name}"),
-                           ("p", f"Error metric: {label}. Evaluated with {meta['runtime']}."),
-                           ("img", "frontier.png", figures[0][1])]
+    blocks: list[tuple] = [
+        ("h1", f"Compression frontier: {Path(model).name}"),
+        ("p", f"Error metric: {label}. Evaluated with {meta['runtime']}."),
+        ("img", "frontier.png", figures[0][1]),
+    ]
     ok = frame.filter(pl.col("variable") == "all")
     failed = frame.filter(~pl.col("status").str.starts_with("ok")).select("method", "setting", "status")
     failed = failed.unique(maintain_order=True)
@@ -110,8 +113,18 @@ def build_report(out_dir: str | Path, model: str | Path,
     for name, caption in figures[1:]:
         blocks.append(("img", name, caption))
     top = scores.head(10)
-    rows = [[str(r["rank"]), r["unit"], roles.get(r["unit"], "body"), str(r["params"]), _fmt(r["gamma"]),
-             _fmt(r.get("gamma_gauss")), str(r["dead"])] for r in top.iter_rows(named=True)]
+    rows = [
+        [
+            str(r["rank"]),
+            r["unit"],
+            roles.get(r["unit"], "body"),
+            str(r["params"]),
+            _fmt(r["gamma"]),
+            _fmt(r.get("gamma_gauss")),
+            str(r["dead"]),
+        ]
+        for r in top.iter_rows(named=True)
+    ]
     blocks.append(("table", "Most sensitive units", ["rank", "unit", "role", "params", "γ", "γ gauss", "dead"], rows))
     md = _markdown(blocks)
     write_text(out_dir / "report.md", md)
@@ -125,10 +138,13 @@ def _split_blocks(frame: pl.DataFrame, ok: pl.DataFrame, split: str, metric: str
     grid = grid_points(part)
     blocks: list[tuple] = [
         ("h2", f"Matched compression ({split} contexts)"),
-        ("p", "Each uniform grid point (baselines at W bits) next to TQS-PTQ at the compression nearest to it, when "
-              f"that is within {MATCH_TOLERANCE:.0%} (an objective with no such point has no row). Lower is better; "
-              "**bold**: the best in its block and every method whose 95% interval reaches the best's (their "
-              "difference is within the noise of these windows)."),
+        (
+            "p",
+            "Each uniform grid point (baselines at W bits) next to TQS-PTQ at the compression nearest to it, when "
+            f"that is within {MATCH_TOLERANCE:.0%} (an objective with no such point has no row). Lower is better; "
+            "**bold**: the best in its block and every method whose 95% interval reaches the best's (their "
+            "difference is within the noise of these windows).",
+        ),
     ]
     variables = frame.filter((pl.col("split") == split) & (pl.col("variable") != "all"))
     if variables.height == 0:  # no per-variable rows: count wins per output instead
@@ -169,9 +185,16 @@ def _matched_row(r: dict, metric: str, columns: tuple[str, str, str], best_high:
     interval = _fmt(r[value], 3) + (f" [{_fmt(r[low], 3)}, {_fmt(r[high], 3)}]" if r[low] is not None else "")
     fell_back = (r.get("shipped") or "").startswith("uniform ")  # TQS-PTQ shipped a uniform model: say which
     error = ("**" + _fmt(r[metric]) + "**") if tied else _fmt(r[metric])
-    return [r["method"], r["setting"] + (f" ({r['shipped']})" if fell_back else ""), _fmt(r["achieved_C"], 3),
-            _fmt(r["file_bytes"]), error, _fmt(r["rmse_truth"] if truth else r["rmse_ref"]), interval,
-            _verdict(r[low], r[high], truth)]
+    return [
+        r["method"],
+        r["setting"] + (f" ({r['shipped']})" if fell_back else ""),
+        _fmt(r["achieved_C"], 3),
+        _fmt(r["file_bytes"]),
+        error,
+        _fmt(r["rmse_truth"] if truth else r["rmse_ref"]),
+        interval,
+        _verdict(r[low], r[high], truth),
+    ]
 
 
 def _win_table(variables: pl.DataFrame, grid: dict[str, float], metric: str) -> tuple:
@@ -218,8 +241,10 @@ def _timing_blocks(ok: pl.DataFrame) -> list[tuple]:
         amortised = sweep / part.height if part["family"].first() == "tqs" else 0.0
         total = amortised + export + evaluate
         rows.append([method, str(part.height), f"{sweep:.2f}", f"{export:.2f}", f"{evaluate:.2f}", f"{total:.2f}"])
-    caption = ("Seconds; TQS-PTQ shares one score sweep over all its points and prices every slot once, in its first "
-               "export (both amortised in the last column)")
+    caption = (
+        "Seconds; TQS-PTQ shares one score sweep over all its points and prices every slot once, in its first "
+        "export (both amortised in the last column)"
+    )
     header = ["method", "points", "sweep (once)", "export / point", "eval / point", "total / point"]
     return [("h2", "Time per Pareto point"), ("table", caption, header, rows)]
 
@@ -285,7 +310,9 @@ def _html(blocks, folder: Path) -> str:
         elif kind == "p":
             items.append({"kind": kind, "parts": block[1].split("**")})
         elif kind == "img":
-            items.append({"kind": kind, "data": base64.b64encode((folder / block[1]).read_bytes()).decode(), "caption": block[2]})
+            items.append(
+                {"kind": kind, "data": base64.b64encode((folder / block[1]).read_bytes()).decode(), "caption": block[2]}
+            )
         elif kind == "table":
             _, title, header, rows = block
             cells = [[{"parts": c.split("**"), "numeric": _numeric(c)} for c in row] for row in rows]

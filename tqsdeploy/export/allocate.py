@@ -15,7 +15,6 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-
 from tiers import Tier
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.objectives import OBJECTIVES
@@ -99,7 +98,20 @@ def _milp_solvers(pulp) -> list[tuple[str, object]]:
     binary is installed)."""
     solvers = []
     if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
-        solvers.append(("mckp-highs", lambda: pulp.HiGHS(msg=False, timeLimit=120, gapRel=1e-9, gapAbs=0, mip_feasibility_tolerance=1e-9, dual_feasibility_tolerance=1e-10, primal_feasibility_tolerance=1e-10)))
+        solvers.append(
+            (
+                "mckp-highs",
+                lambda: pulp.HiGHS(
+                    msg=False,
+                    timeLimit=120,
+                    gapRel=1e-9,
+                    gapAbs=0,
+                    mip_feasibility_tolerance=1e-9,
+                    dual_feasibility_tolerance=1e-10,
+                    primal_feasibility_tolerance=1e-10,
+                ),
+            )
+        )
     if hasattr(pulp, "PULP_CBC_CMD"):
         solvers.append(("mckp-cbc", lambda: pulp.PULP_CBC_CMD(msg=False, timeLimit=120, gapRel=1e-9, gapAbs=0)))
     elif pulp.COIN_CMD(msg=False).available():  # PuLP 4 with a cbc binary (pip install pulp[cbc])
@@ -137,9 +149,15 @@ def _solve_mckp(choices: list[Choice], budget: int) -> tuple[dict[str, str], str
         for j, tier in enumerate(choice.cost):
             variables[choice.unit, tier] = problem.add_variable(f"x_{i}_{j}", cat="Binary")
         problem += pulp.lpSum(variables[choice.unit, t] for t in choice.cost) == 1
-    problem += pulp.lpSum(choice.cost[t] * variables[choice.unit, t] for choice in choices for t in choice.cost) <= budget
-    cap = 1e3 * max((abs(v) / scale for c in choices for v in c.loss.values() if math.isfinite(v)), default=1.0)  # a non-finite rollout: never worth it
-    problem += pulp.lpSum(min(choice.loss[t] / scale, cap) * variables[choice.unit, t] for choice in choices for t in choice.cost)
+    problem += (
+        pulp.lpSum(choice.cost[t] * variables[choice.unit, t] for choice in choices for t in choice.cost) <= budget
+    )
+    cap = 1e3 * max(
+        (abs(v) / scale for c in choices for v in c.loss.values() if math.isfinite(v)), default=1.0
+    )  # a non-finite rollout: never worth it
+    problem += pulp.lpSum(
+        min(choice.loss[t] / scale, cap) * variables[choice.unit, t] for choice in choices for t in choice.cost
+    )
     for label, make in _milp_solvers(pulp):
         try:
             with _native_stdout_silenced():
@@ -205,7 +223,9 @@ def allocate(
     check_allocator(solver)
     floor = unit_cost_floor(choices)
     budget.check(target, floor, [t.name for t in tiers])
-    slot_bits = max(budget.slot_bits(target), floor)  # a target within the size owner's tolerance of the largest C is that C
+    slot_bits = max(
+        budget.slot_bits(target), floor
+    )  # a target within the size owner's tolerance of the largest C is that C
     chosen = {c.unit: min(c.cost, key=c.cost.get) for c in choices if c.dead}
     if tiers[0].name == "fp32" and fp32_fraction > 0:
         chosen |= _most_sensitive_at_fp32(choices, chosen, fp32_fraction, slot_bits)
@@ -233,7 +253,9 @@ def allocate(
     )
 
 
-def _most_sensitive_at_fp32(choices: list[Choice], chosen: dict[str, str], fp32_fraction: float, slot_bits: float) -> dict[str, str]:
+def _most_sensitive_at_fp32(
+    choices: list[Choice], chosen: dict[str, str], fp32_fraction: float, slot_bits: float
+) -> dict[str, str]:
     """The live choices at FP32, most sensitive first, while the FP32 share and the budget allow."""
     fp32_budget = fp32_fraction * sum(32 * c.params for c in choices)
     live = sorted((c for c in choices if c.unit not in chosen), key=lambda c: -c.gamma)

@@ -24,14 +24,14 @@ from graph_ops.qdq import computes_in_half, default_opset, write_storage
 from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import Encoded, Rounding, Tier, TierError, ladder_opset, tier_for_bits
 from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
-from tqsdeploy.encoding.logs import thin_note
-from tqsdeploy.encoding.sessions import open_graph
-from tqsdeploy.rollout.contexts import ContextOptions, Contexts, load_contexts
-from tqsdeploy.errors import InputError
 from tqsdeploy.encoding.choices import check_grids, grid_options
 from tqsdeploy.encoding.encoder import Encoder, EncodingProgress
+from tqsdeploy.encoding.logs import thin_note
+from tqsdeploy.encoding.sessions import open_graph
 from tqsdeploy.encoding.slots import checked_layouts
+from tqsdeploy.errors import InputError
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
+from tqsdeploy.rollout.contexts import ContextOptions, Contexts, load_contexts
 from tqsdeploy.size import ModelSize
 from tqsdeploy.units import check_finite
 
@@ -94,8 +94,13 @@ class BaselineProgress:
     on_weight: Callable[[str], None] | None = None
 
 
-def quantize_baseline(model_path: str | Path, settings: BaselineSettings, calib: Contexts | str | Path | None = None, runtime: Runtime = DEFAULT_RUNTIME,
-                      progress: BaselineProgress = BaselineProgress()) -> BaselineResult:
+def quantize_baseline(
+    model_path: str | Path,
+    settings: BaselineSettings,
+    calib: Contexts | str | Path | None = None,
+    runtime: Runtime = DEFAULT_RUNTIME,
+    progress: BaselineProgress = BaselineProgress(),
+) -> BaselineResult:
     """Quantize a model's units uniformly at `settings.bits` with one rounding method.
 
     Defaults follow the official code (asymmetric per channel, percdamp 0.01, block 128, α = 0.25 for GPTAQ and 0.5
@@ -108,14 +113,25 @@ def quantize_baseline(model_path: str | Path, settings: BaselineSettings, calib:
     loaded, data_dir = _load(model_path)
     runtime = runtime.for_model(loaded.proto)
     units, names, layouts = checked_layouts(loaded.proto, settings.min_params, settings.group_size, [tier])
-    half = ladder_opset([tier], {layouts[n].dtype for n in names}, bool(settings.group_size)) if computes_in_half(loaded.proto) else 1
+    half = (
+        ladder_opset([tier], {layouts[n].dtype for n in names}, bool(settings.group_size))
+        if computes_in_half(loaded.proto)
+        else 1
+    )
     opset = max(default_opset(loaded.proto), half)
     weights = graph_ops.model_weights(loaded.proto, names, data_dir)
     check_finite(weights)
     graph_ops.release_pages(weights)  # the check read every weight; the encoder reads each again in turn
     source = _CalibrationSource(loaded, data_dir, layouts, names, weights, opset, runtime, settings, calib)
-    encoder = Encoder(units, layouts, weights, settings.group_size, source.calibrator if rounding.needs_stats else None, track_errors=rounding.needs_stats,
-                      progress=EncodingProgress(on_weight=progress.on_weight))
+    encoder = Encoder(
+        units,
+        layouts,
+        weights,
+        settings.group_size,
+        source.calibrator if rounding.needs_stats else None,
+        track_errors=rounding.needs_stats,
+        progress=EncodingProgress(on_weight=progress.on_weight),
+    )
     load_s = perf_counter() - started
     if progress.on_start:  # one pass per grid measured
         progress.on_start(len(layouts) * len(grid_options(tier, rounding.method, settings.grids)))
@@ -155,7 +171,11 @@ def _method(settings: BaselineSettings) -> tuple[Rounding, Tier]:
 
 def _notes(encoder: Encoder, settings: BaselineSettings) -> list[str]:
     notes = []
-    thin = thin_note(encoder.log.thin, settings.method, f"give --calib more windows (or a longer --steps rollout): {', '.join(sorted(encoder.log.thin))}")
+    thin = thin_note(
+        encoder.log.thin,
+        settings.method,
+        f"give --calib more windows (or a longer --steps rollout): {', '.join(sorted(encoder.log.thin))}",
+    )
     if thin:
         notes.append(thin)
     if settings.bits == 3:
@@ -180,8 +200,12 @@ class _CalibrationSource:
     def calibrator(self) -> Calibrator:
         settings = self.settings
         if self.calib is None:
-            raise InputError(f"{settings.method} needs calibration windows", hint="pass a contexts .npz (or use method 'rtn')")
-        graph = graph_ops.weights_as_graph_inputs(self.loaded.proto, self.names)  # the signature, without loading the weights into the runtime
+            raise InputError(
+                f"{settings.method} needs calibration windows", hint="pass a contexts .npz (or use method 'rtn')"
+            )
+        graph = graph_ops.weights_as_graph_inputs(
+            self.loaded.proto, self.names
+        )  # the signature, without loading the weights into the runtime
         session = open_graph(self.runtime, graph_ops.io.session_source(graph), self.data_dir, str(self.loaded.path))
         del graph
         inputs, outputs = [i for i in session.inputs if i.name not in self.layouts], list(session.outputs)
@@ -189,14 +213,25 @@ class _CalibrationSource:
         calib = self.calib
         contexts = calib if isinstance(calib, Contexts) else load_contexts(Path(calib), inputs, ContextOptions())
         if settings.spec is None and settings.steps is None:  # the windows themselves, one step
-            resolved = RolloutSpec(steps=1, feedback=(), trajectory=tuple(o.name for o in outputs if o.dtype.kind == "f"))
+            resolved = RolloutSpec(
+                steps=1, feedback=(), trajectory=tuple(o.name for o in outputs if o.dtype.kind == "f")
+            )
         else:
             resolved = resolve_spec(settings.spec, settings.steps, inputs, outputs)
-        return Calibrator(self.loaded.proto, self.layouts, CalibrationRollout(contexts, resolved, settings.max_batch_windows), self.runtime, data_dir=self.data_dir,
-                          weights=self.weights, opset=self.opset)
+        return Calibrator(
+            self.loaded.proto,
+            self.layouts,
+            CalibrationRollout(contexts, resolved, settings.max_batch_windows),
+            self.runtime,
+            data_dir=self.data_dir,
+            weights=self.weights,
+            opset=self.opset,
+        )
 
 
-def _grids_measured(encoder: Encoder, tier, rounding: Rounding, grids: str) -> tuple[Rounding, dict[str, float], dict[str, float]]:
+def _grids_measured(
+    encoder: Encoder, tier, rounding: Rounding, grids: str
+) -> tuple[Rounding, dict[str, float], dict[str, float]]:
     """The rounding on the grids `grids` asks for, encoded: with 'auto', where the grids differ (`grid_options`),
     the uniform model on each grid measured on the calibration rollout (`Calibrator.drift`) and the one that drifts
     less kept, as `export` keeps it on the scoring contexts. Returns (that rounding, each grid's drift in percent
@@ -216,18 +251,25 @@ def _grids_measured(encoder: Encoder, tier, rounding: Rounding, grids: str) -> t
     return chosen, {option.grids: drift.worst_pct for option, drift in measured.items()}, errors[chosen]
 
 
-def write_baseline(model_path: str | Path, result: BaselineResult, output: str | Path, layout: str = "dequantized") -> dict:
+def write_baseline(
+    model_path: str | Path, result: BaselineResult, output: str | Path, layout: str = "dequantized"
+) -> dict:
     """Write the baseline as the same deployable ONNX that `export` emits, in runtime `layout` (`graph_ops.qdq.LAYOUTS`;
     export's default for ort-cpu)."""
     loaded, data_dir = _load(model_path)
     started = perf_counter()
-    written = write_storage(loaded.proto, result.encoded, output, source=data_dir, layout=layout, opset=result.opset)  # kept tensors read from the input's files
+    written = write_storage(
+        loaded.proto, result.encoded, output, source=data_dir, layout=layout, opset=result.opset
+    )  # kept tensors read from the input's files
     return {
         "method": result.method,
         "bits": result.bits,
         "tier": result.tier,
         **ModelSize.of(loaded.proto, result.encoded).record(written, result.encoded, layout),
-        "timings_s": {**{k: round(v, 4) for k, v in result.timings.items()}, "write": round(perf_counter() - started, 4)},
+        "timings_s": {
+            **{k: round(v, 4) for k, v in result.timings.items()},
+            "write": round(perf_counter() - started, 4),
+        },
         "tensors": len(result.encoded),
         "rtn_only": result.rtn_only,
         "layer_error": result.errors,

@@ -98,8 +98,13 @@ class MixedModels:
             self.job.encoder.forget_mixed(allocation.tiers)
 
     def calibrated_candidate(self, label: str, allocation: Allocation, rounding: AnyRounding) -> Candidate:
-        return Candidate(label, allocation, self.encodings(allocation, rounding, calibrated=True), self.calibrated_drift(allocation, rounding),
-                         calibrated=True)
+        return Candidate(
+            label,
+            allocation,
+            self.encodings(allocation, rounding, calibrated=True),
+            self.calibrated_drift(allocation, rounding),
+            calibrated=True,
+        )
 
 
 def relabelled(candidate: Candidate, solver: str) -> Candidate:

@@ -34,8 +34,17 @@ MIN_SPLIT = 0.002
 class Comparison:
     """Every model considered for a target, measured, best first (`candidates`)."""
 
-    def __init__(self, job: ExportJob, sizing: Sizing, pricing: TierPricing, roundings: Roundings, uniforms: UniformModels, mixed: MixedModels,
-                 measuring: Measuring, extended: Callable[[list[Tier]], TierPricing]):
+    def __init__(
+        self,
+        job: ExportJob,
+        sizing: Sizing,
+        pricing: TierPricing,
+        roundings: Roundings,
+        uniforms: UniformModels,
+        mixed: MixedModels,
+        measuring: Measuring,
+        extended: Callable[[list[Tier]], TierPricing],
+    ):
         """`extended(tiers)`: a fresh pricing of another tier set, sharing the price list (for `BELOW_LOWEST`)."""
         self.job, self.sizing, self.pricing, self.roundings = job, sizing, pricing, roundings
         self.uniforms, self.mixed, self.measuring, self.extended = uniforms, mixed, measuring, extended
@@ -63,10 +72,21 @@ class Comparison:
         label = f"TQS-PTQ {settings.objective}/{rounding.method}"
         mixed = self.mixed.encodings(allocation, rounding)
         budget = self.sizing.budget(self.job.tiers)
-        fitting = [t for t in self.job.tiers if budget.fits(sum(self.uniform(t.name).cost_bits.values()), target)] if settings.fallback else []
+        fitting = (
+            [t for t in self.job.tiers if budget.fits(sum(self.uniform(t.name).cost_bits.values()), target)]
+            if settings.fallback
+            else []
+        )
         if self.job.scored.one_session:  # the mixed model holds what it uses; the rest of the price list can be rebuilt
             encoder.forget_uniform(keep=fitting[0].name if fitting else None, calibrated=final)
-        found = [Candidate(label, allocation, mixed, drift if drift is not None else self.measuring.measure_tiers(allocation.tiers, rounding))]
+        found = [
+            Candidate(
+                label,
+                allocation,
+                mixed,
+                drift if drift is not None else self.measuring.measure_tiers(allocation.tiers, rounding),
+            )
+        ]
         del mixed
         started = time.perf_counter()
         if self.mixed.calibrates(allocation, rounding):
@@ -92,7 +112,9 @@ class Comparison:
             best = min(found, key=rank).drift.worst_pct
             # measured by `--rounding auto` with its codes still held: free to compare
             kept = self.roundings.measured_already(tier, method) and not self.job.scored.one_session
-            rival = lambda other: self.uniforms.candidate(tier, self.roundings.measured_rounding(tier, other), target).drift.worst_pct  # noqa: E731
+            rival = lambda other: (
+                self.uniforms.candidate(tier, self.roundings.measured_rounding(tier, other), target).drift.worst_pct
+            )  # noqa: E731
             if not kept and not can_still_win(method, rival, best, compared):
                 continue
             uniform = self.uniforms.candidate(tier, self.roundings.measured_rounding(tier, method), target)
@@ -108,10 +130,16 @@ class Comparison:
         None with --tiers given, a target runtime without it, or a target that leaves room above the lowest tier."""
         below = TIERS[BELOW_LOWEST]
         settings = self.job.settings
-        if settings.tiers or settings.runtime not in below.runtimes or any(t.bits <= below.bits for t in self.job.tiers):
+        if (
+            settings.tiers
+            or settings.runtime not in below.runtimes
+            or any(t.bits <= below.bits for t in self.job.tiers)
+        ):
             return None
         lowest = min(self.job.tiers, key=lambda t: t.bits)
-        if not (lowest.calibratable and self.mixed.calibrates(self.uniform(lowest.name), self.roundings.rounding)) or not self.near_lowest(target):
+        if not (
+            lowest.calibratable and self.mixed.calibrates(self.uniform(lowest.name), self.roundings.rounding)
+        ) or not self.near_lowest(target):
             return None
         return below
 
@@ -138,7 +166,9 @@ class Comparison:
         allocation = self.extended(sorted([*self.job.tiers, below], key=precision_order)).allocate(target)
         if below.name not in allocation.tiers.values():
             return None
-        return self.mixed.calibrated_candidate(f"{label}, with {below.name}, calibrated as allocated", allocation, self.roundings.rounding)
+        return self.mixed.calibrated_candidate(
+            f"{label}, with {below.name}, calibrated as allocated", allocation, self.roundings.rounding
+        )
 
     def _keep_best(self, found: list[Candidate]) -> None:
         """Only the best candidate is ever written: for a large model, drop the others' codes as soon as they are
@@ -149,7 +179,9 @@ class Comparison:
         for candidate in found:
             if candidate is not best and candidate.encodings:
                 candidate.encodings = {}
-                if candidate.cached and (candidate.cached[1] != self.roundings.at(candidate.cached[0]) or not candidate.cached[1].needs_stats):
+                if candidate.cached and (
+                    candidate.cached[1] != self.roundings.at(candidate.cached[0]) or not candidate.cached[1].needs_stats
+                ):
                     self.job.encoder.forget(*candidate.cached)  # cheap to make again, or not this export's own rounding
                 if candidate.calibrated:
                     self.job.encoder.forget_mixed()
@@ -164,16 +196,23 @@ class Comparison:
             finer = order[order.index(tier) - 1] if order.index(tier) > 0 else None
             if finer is None:
                 return f"{achieved}: {chosen.label} is the finest tier in the set"
-            return (f"{achieved}: the next finer uniform tier ({finer}) reaches only {self.uniform(finer).compression:.3g}x, "
-                    f"and {chosen.label} drifted least of the candidates")
+            return (
+                f"{achieved}: the next finer uniform tier ({finer}) reaches only {self.uniform(finer).compression:.3g}x, "
+                f"and {chosen.label} drifted least of the candidates"
+            )
         spare = self.sizing.budget(self.job.tiers).slot_bits(target) - sum(chosen.allocation.cost_bits.values())
         slots = {s.name: s for s in self.job.cut.slots}
-        steps = [self.sizing.cost(slots[name], order[order.index(tier) - 1]) - self.sizing.cost(slots[name], tier)
-                 for name, tier in chosen.allocation.tiers.items() if order.index(tier) > 0]
+        steps = [
+            self.sizing.cost(slots[name], order[order.index(tier) - 1]) - self.sizing.cost(slots[name], tier)
+            for name, tier in chosen.allocation.tiers.items()
+            if order.index(tier) > 0
+        ]
         cheapest = min(steps, default=None)
         if cheapest is None:
             return f"{achieved}: every slot is already at the finest tier"
         if cheapest > spare:
-            return (f"{achieved}: no finer tier fits: the cheapest one-tier promotion costs {cheapest / 8:,.0f} bytes and "
-                    f"{max(spare, 0) / 8:,.0f} bytes of budget are left")
+            return (
+                f"{achieved}: no finer tier fits: the cheapest one-tier promotion costs {cheapest / 8:,.0f} bytes and "
+                f"{max(spare, 0) / 8:,.0f} bytes of budget are left"
+            )
         return f"{achieved}: the promotions that fit the budget did not lower the measured loss"

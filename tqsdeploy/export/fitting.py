@@ -46,7 +46,9 @@ class Fitter:
             return allocation
         costs = self.sizing.costs(self.tiers)
         cheapest = {s.name: min(costs[s.name], key=costs[s.name].get) for s in self.job.cut.slots}
-        return self.sizing.allocation(cheapest, target, "cheapest (the allocations missed C)", self.job.settings.objective, self.tiers)
+        return self.sizing.allocation(
+            cheapest, target, "cheapest (the allocations missed C)", self.job.settings.objective, self.tiers
+        )
 
     def _fit(self, solve: Callable[[int], Allocation], target: float) -> Allocation | None:
         """`fitted`'s shrink-then-bisect on one knapsack; None when no try within `REFITS` fits."""
@@ -81,14 +83,30 @@ class Fitter:
             if len(parts) == 1 or not shared:
                 merged.extend(parts)
                 continue
-            merged.append(Choice(unit, sum(p.params for p in parts), max(p.gamma for p in parts), all(p.dead for p in parts),
-                                 {t: sum(p.cost[t] for p in parts) for t in shared}, {t: sum(p.loss[t] for p in parts) for t in shared}))
+            merged.append(
+                Choice(
+                    unit,
+                    sum(p.params for p in parts),
+                    max(p.gamma for p in parts),
+                    all(p.dead for p in parts),
+                    {t: sum(p.cost[t] for p in parts) for t in shared},
+                    {t: sum(p.loss[t] for p in parts) for t in shared},
+                )
+            )
         return merged
 
     def _spread(self, allocation: Allocation, target: float) -> Allocation:
         """A whole-unit allocation as the slots' tiers."""
-        tiers = {slot.name: allocation.tiers.get(slot.unit, allocation.tiers.get(slot.name)) for slot in self.job.cut.slots}
-        spread = self.sizing.allocation(tiers, target, f"{allocation.solver} (whole units: the split allocations missed C)", allocation.objective, self.tiers)
+        tiers = {
+            slot.name: allocation.tiers.get(slot.unit, allocation.tiers.get(slot.name)) for slot in self.job.cut.slots
+        }
+        spread = self.sizing.allocation(
+            tiers,
+            target,
+            f"{allocation.solver} (whole units: the split allocations missed C)",
+            allocation.objective,
+            self.tiers,
+        )
         return replace(spread, predicted_loss=allocation.predicted_loss)
 
 

@@ -101,25 +101,51 @@ class ScoredModel:
         """What every price of this export depends on besides the slot's codes (`PriceList.task`)."""
         extra = {"rollout": "prefix"} if self.prices_cut else {}
         extra |= {"opset": self.opset} if self.opset > self.model_opset else {}
-        return json.dumps({"run": self.scores.identity, "runtime": repr(self.runtime), "onnxruntime": current_versions()["onnxruntime"], **extra})
+        return json.dumps(
+            {
+                "run": self.scores.identity,
+                "runtime": repr(self.runtime),
+                "onnxruntime": current_versions()["onnxruntime"],
+                **extra,
+            }
+        )
 
     def checkpoint_identity(self, settings: ExportSettings) -> str:
         """What every calibration pass depends on besides its tiers and rounding: the score run (model, contexts,
         rollout, settings), the model's hash, the target, the runtime and the versions computing the codes."""
         run = self.scores
         versions = {k: v for k, v in current_versions().items() if k != "platform"}
-        return json.dumps({"fingerprint": run.identity, "model": run.model.sha256, "contexts": run.contexts_sha256, "rollout": run.spec.to_dict(),
-                           "target": settings.target, "runtime": repr(self.runtime), "solver_dtype": solver_dtype(), "versions": versions,
-                           "code": checkpoints.code_hash()}, sort_keys=True, default=str)
+        return json.dumps(
+            {
+                "fingerprint": run.identity,
+                "model": run.model.sha256,
+                "contexts": run.contexts_sha256,
+                "rollout": run.spec.to_dict(),
+                "target": settings.target,
+                "runtime": repr(self.runtime),
+                "solver_dtype": solver_dtype(),
+                "versions": versions,
+                "code": checkpoints.code_hash(),
+            },
+            sort_keys=True,
+            default=str,
+        )
 
 
-def load_scored(run_dir: Path, model: Path | str | None, settings: ExportSettings, runtime: Runtime,
-                opset: Callable[[object, list[Unit]], int]) -> ScoredModel:
+def load_scored(
+    run_dir: Path,
+    model: Path | str | None,
+    settings: ExportSettings,
+    runtime: Runtime,
+    opset: Callable[[object, list[Unit]], int],
+) -> ScoredModel:
     """The score run in `run_dir` made ready on `model` (default: the one it scored) and `runtime`, refusing an
     unfinished run, another model, or other units; `opset(proto, units)`: the opset the files are written at."""
     run = ScoreRun.load(run_dir)
     if not run.complete:
-        raise InputError(f"the score run in {run_dir} did not finish", hint="run the same score command again to resume it")
+        raise InputError(
+            f"the score run in {run_dir} did not finish", hint="run the same score command again to resume it"
+        )
     model = Path(model) if model is not None else run.model.path
     prepared = _prepare(run, model, settings, runtime, opset)
     run.check_model(model, prepared.model.sha256)
@@ -136,8 +162,20 @@ def load_scored(run_dir: Path, model: Path | str | None, settings: ExportSetting
     weights = prepared.job.weights
     if one_session and feeds_floats:  # resident: read once from the file, not per run
         weights = {name: np.array(weights[name]) for name in names}
-    return ScoredModel(Path(run_dir), run, prepared, runtime, gamma, set(run.frame.filter(pl.col("dead"))["unit"]), layouts, sizes, weights,
-                       one_session, feeds_floats, run.strategy == "prefix" and feeds_floats)
+    return ScoredModel(
+        Path(run_dir),
+        run,
+        prepared,
+        runtime,
+        gamma,
+        set(run.frame.filter(pl.col("dead"))["unit"]),
+        layouts,
+        sizes,
+        weights,
+        one_session,
+        feeds_floats,
+        run.strategy == "prefix" and feeds_floats,
+    )
 
 
 def _prepare(run: ScoreRun, model: Path, settings: ExportSettings, runtime: Runtime, opset) -> Prepared:
@@ -152,7 +190,9 @@ def _prepare(run: ScoreRun, model: Path, settings: ExportSettings, runtime: Runt
             lanes=settings.lanes if settings.lanes is not None or run.model.bytes < FED_FLOATS_BYTES else 1,
             opset=opset,
         )
-    except USER_ERRORS:  # another model's shapes or weights fail first ('y' is not an output, no units): say which is wrong
+    except (
+        USER_ERRORS
+    ):  # another model's shapes or weights fail first ('y' is not an output, no units): say which is wrong
         run.check_model(model, graph_ops.load_model(model, load_external=False).sha256)
         raise
 

@@ -15,8 +15,8 @@ import graph_ops
 from graph_ops.qdq import at_opset, fed_codes_model
 from runtimes import WithDefaults, release_freed_memory
 from tiers import Encoded
-from tqsdeploy.encoding.sessions import open_graph, original_nominal
 from tqsdeploy.encoding.choices import AnyRounding
+from tqsdeploy.encoding.sessions import open_graph, original_nominal
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.sweep import Drift, SweepRunner
 
@@ -45,11 +45,20 @@ class Measuring:
             scored = self.scored
             if scored.one_session:
                 self.encoder.release_calibrator()
-            if self._nominal is None and scored.opset > scored.model_opset:  # drift from the original as it runs, not as converted
+            if (
+                self._nominal is None and scored.opset > scored.model_opset
+            ):  # drift from the original as it runs, not as converted
                 prepared = scored.prepared
                 rollout = (prepared.contexts, prepared.spec, prepared.job.max_batch_windows)
-                self._nominal = original_nominal(scored.model.proto, scored.layouts, scored.weights, rollout, scored.runtime, scored.run_dir,
-                                                 prepared.data_dir)
+                self._nominal = original_nominal(
+                    scored.model.proto,
+                    scored.layouts,
+                    scored.weights,
+                    rollout,
+                    scored.runtime,
+                    scored.run_dir,
+                    prepared.data_dir,
+                )
             self._runner = scored.prepared.open_runner(self._nominal)  # reopened: the original is not rolled out again
             self._nominal = self._runner.nominal
         return self._runner
@@ -107,17 +116,25 @@ class Measuring:
         if not scored.one_session:
             return runner.drift(self.weights_of(encodings))
         if self._fed_graph is None:
-            self._fed_graph = at_opset(graph_ops.weights_as_graph_inputs(scored.model.proto, list(scored.layouts)), scored.opset)  # as the file is written
+            self._fed_graph = at_opset(
+                graph_ops.weights_as_graph_inputs(scored.model.proto, list(scored.layouts)), scored.opset
+            )  # as the file is written
         proto, feeds = fed_codes_model(self._fed_graph, encodings)
         source = graph_ops.io.session_source(proto, scored.run_dir)
         del proto
-        session = WithDefaults(open_graph(scored.runtime, source, scored.prepared.data_dir, "the quantized candidate"), feeds, scored.weights)
+        session = WithDefaults(
+            open_graph(scored.runtime, source, scored.prepared.data_dir, "the quantized candidate"),
+            feeds,
+            scored.weights,
+        )
         try:
             return runner.drift({}, session=session)
         finally:
             session.close()
 
-    def measure_tiers(self, tiers: dict[str, str], rounding: AnyRounding, runner: SweepRunner | None = None, keep: bool = False) -> Drift:
+    def measure_tiers(
+        self, tiers: dict[str, str], rounding: AnyRounding, runner: SweepRunner | None = None, keep: bool = False
+    ) -> Drift:
         """Joint drift of the allocation `tiers` as priced (`Encoder.assemble`), measured once per distinct allocation
         (the export's rounding is fixed once chosen). `keep`: its float weights become the base later allocations
         differ from; a model past `FED_FLOATS_BYTES` runs a session of its codes, as `measure` does."""

@@ -98,7 +98,9 @@ def paper_weights(gammas: dict[str, float], dead: set[str]) -> dict[str, float]:
     offset = 0.0 if low > 0 else -low + 0.01 * max(high - low, 1e-6)
     biggest = high + offset
     return {
-        u: 0.0 if u in dead else (10 * biggest if g == math.inf else max(g + offset, 0.0) if math.isfinite(g) else biggest)
+        u: 0.0
+        if u in dead
+        else (10 * biggest if g == math.inf else max(g + offset, 0.0) if math.isfinite(g) else biggest)
         for u, g in gammas.items()
     }
 
@@ -106,9 +108,19 @@ def paper_weights(gammas: dict[str, float], dead: set[str]) -> dict[str, float]:
 OBJECTIVES: dict[str, Objective] = {
     o.name: o
     for o in (
-        Measured("measured", "the mean squared trajectory divergence measured with only that slot at that tier", measures=True),
+        Measured(
+            "measured",
+            "the mean squared trajectory divergence measured with only that slot at that tier",
+            measures=True,
+        ),
         Response("response", "exp(T·γ) · ||Q(θ) − θ||², a linear-response estimate of that divergence from the score"),
-        Paper("paper", "γ · 2^-bits (the paper's Algorithm 1)", fp32_share=0.10, ranks_ties=True, unread_rows_as_read=False),
+        Paper(
+            "paper",
+            "γ · 2^-bits (the paper's Algorithm 1)",
+            fp32_share=0.10,
+            ranks_ties=True,
+            unread_rows_as_read=False,
+        ),
     )
 }
 

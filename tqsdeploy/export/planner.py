@@ -67,15 +67,25 @@ def find_run(model: Path | None, run: Path | None) -> Path:
         raise InputError("no score run found in tqs-runs/", hint="run `tqsdeploy score MODEL` first or pass --run DIR")
     if len(runs) > 1:
         shown = ", ".join(str(r) for r in runs[:4]) + (", ..." if len(runs) > 4 else "")
-        raise InputError(f"tqs-runs/ holds {len(runs)} score runs ({shown}); which model?", hint="name the model (tqsdeploy export MODEL ...) or pass --run DIR")
+        raise InputError(
+            f"tqs-runs/ holds {len(runs)} score runs ({shown}); which model?",
+            hint="name the model (tqsdeploy export MODEL ...) or pass --run DIR",
+        )
     return runs[0]
 
 
 class Planner:
     """Everything needed to allocate and export for one score run; `export` writes one target's model."""
 
-    def __init__(self, run_dir: Path | str, model: Path | str | None = None, settings: ExportSettings = ExportSettings(), runtime: Runtime = DEFAULT_RUNTIME,
-                 resumable: bool = False, progress: ExportProgress = ExportProgress()):
+    def __init__(
+        self,
+        run_dir: Path | str,
+        model: Path | str | None = None,
+        settings: ExportSettings = ExportSettings(),
+        runtime: Runtime = DEFAULT_RUNTIME,
+        resumable: bool = False,
+        progress: ExportProgress = ExportProgress(),
+    ):
         """`resumable`: checkpoint every weight a calibration pass finishes in the run folder, and read back those an
         interrupted export left (`tqsdeploy.encoding.checkpoints`); `discard_checkpoints` once the export is done.
         Holds the run folder (`RunFolderShare`) until `close`."""
@@ -92,11 +102,20 @@ class Planner:
     def _compose(self, model: Path | str | None, runtime: Runtime, resumable: bool) -> None:
         settings = self.settings
         self.tiers: list[Tier] = get_tiers(list(settings.tier_names), settings.runtime, settings.group_size)
-        self.scored: ScoredModel = load_scored(self.run_dir, model, settings, runtime, output_opset(self.tiers, settings))
+        self.scored: ScoredModel = load_scored(
+            self.run_dir, model, settings, runtime, output_opset(self.tiers, settings)
+        )
         check_group_size(settings.group_size, self.scored.layouts, self.tiers)
         self.cut = SlotCut(self.scored.units, self.scored.layouts, settings.split_fraction)
         self.encoder = self._encoder(resumable)
-        self.job = ExportJob(self.scored, settings, self.tiers, self.encoder, self.cut, {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0})
+        self.job = ExportJob(
+            self.scored,
+            settings,
+            self.tiers,
+            self.encoder,
+            self.cut,
+            {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0},
+        )
         self.sizing = Sizing(self.job)
         self.measuring = Measuring(self.job)
         if self.scored.one_session:
@@ -106,8 +125,16 @@ class Planner:
         self.prices = PriceList(self.job, self.measuring, self.roundings, self.progress.on_measuring)
         self.pricing = TierPricing(self.job, self.tiers, self.prices, self.sizing)
         self.mixed = MixedModels(self.job, self.measuring)
-        self.comparison = Comparison(self.job, self.sizing, self.pricing, self.roundings, self.uniforms, self.mixed, self.measuring,
-                                     lambda tiers: TierPricing(self.job, tiers, self.prices, self.sizing))
+        self.comparison = Comparison(
+            self.job,
+            self.sizing,
+            self.pricing,
+            self.roundings,
+            self.uniforms,
+            self.mixed,
+            self.measuring,
+            lambda tiers: TierPricing(self.job, tiers, self.prices, self.sizing),
+        )
         self.writer = Writer(self.job, self.roundings)
 
     def _encoder(self, resumable: bool) -> Encoder:
@@ -116,12 +143,28 @@ class Planner:
         prepared = scored.prepared
 
         def calibrator() -> Calibrator:
-            return Calibrator(scored.model.proto, scored.layouts, CalibrationRollout(prepared.contexts, prepared.spec), scored.runtime, workdir=self.run_dir,
-                              data_dir=prepared.data_dir, weights=scored.weights, opset=scored.opset)
+            return Calibrator(
+                scored.model.proto,
+                scored.layouts,
+                CalibrationRollout(prepared.contexts, prepared.spec),
+                scored.runtime,
+                workdir=self.run_dir,
+                data_dir=prepared.data_dir,
+                weights=scored.weights,
+                opset=scored.opset,
+            )
 
         folder = (self.run_dir / checkpoints.FOLDER, scored.checkpoint_identity(self.settings)) if resumable else None
         progress = EncodingProgress(self.progress.on_pass, self.progress.on_weight)
-        return Encoder(scored.units, scored.layouts, scored.weights, self.settings.group_size, calibrator=calibrator, checkpoints=folder, progress=progress)
+        return Encoder(
+            scored.units,
+            scored.layouts,
+            scored.weights,
+            self.settings.group_size,
+            calibrator=calibrator,
+            checkpoints=folder,
+            progress=progress,
+        )
 
     # -- what the command line asks before any work -------------------------------------
 
@@ -149,12 +192,23 @@ class Planner:
 
     def interrupted_outputs(self) -> set[Path]:
         """Output files an interrupted export of this run with these settings began writing: its rerun overwrites them."""
-        return checkpoints.interrupted_outputs(self.run_dir, self.writer.outputs_identity()) if self.encoder.checkpoints else set()
+        return (
+            checkpoints.interrupted_outputs(self.run_dir, self.writer.outputs_identity())
+            if self.encoder.checkpoints
+            else set()
+        )
 
     # -- one target ----------------------------------------------------------------------
 
-    def export(self, target: float | None, path: Path | str, uniform_tier: str | None = None, rounding: str | None = None,
-               max_drift_pct: float | None = None, final: bool = False) -> Outcome:
+    def export(
+        self,
+        target: float | None,
+        path: Path | str,
+        uniform_tier: str | None = None,
+        rounding: str | None = None,
+        max_drift_pct: float | None = None,
+        final: bool = False,
+    ) -> Outcome:
         """Write the model for `target` (or every unit at `uniform_tier`, codes chosen by `rounding`, default the
         export's) and its allocation record beside it; write nothing when its drift on the scoring contexts exceeds
         `max_drift_pct` (percent, as `eval` reports drift). `final`: no other target follows."""

@@ -32,7 +32,13 @@ from tqsdeploy.sweep import Lanes, ResultLog, SweepRunner, Task, TaskResult
 class PriceList:
     """The rollouts with one slot at one tier, keyed by what they feed, cached in the run folder."""
 
-    def __init__(self, job: ExportJob, measuring: Measuring, roundings: Roundings, on_measuring: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        job: ExportJob,
+        measuring: Measuring,
+        roundings: Roundings,
+        on_measuring: Callable[[int], None] | None = None,
+    ):
         """`on_measuring(count)`: told how many rollouts a reported batch of prices is about to run."""
         self.job, self.measuring, self.roundings = job, measuring, roundings
         self.on_measuring = on_measuring
@@ -45,7 +51,9 @@ class PriceList:
         """The label of a price at `tier`: the tier, its group size, its rounding and (narrowed) solver type."""
         group = f"/g{self.job.settings.group_size}" if self.job.settings.group_size else ""
         method = self.roundings.at(tier.name).label if tier.calibratable else "rtn"
-        narrow = f"/{solver_dtype()}" if tier.calibratable and method != "rtn" and solver_dtype() != "float64" else ""  # its own prices
+        narrow = (
+            f"/{solver_dtype()}" if tier.calibratable and method != "rtn" and solver_dtype() != "float64" else ""
+        )  # its own prices
         return f"tier:{tier.name}{group}/{method}{narrow}"
 
     def task(self, slot: Slot, tier: Tier) -> Task:
@@ -66,7 +74,9 @@ class PriceList:
         """The rollout divergence of every (slot, tier) of `tasks`, with whatever was measured before; what is not in
         the run folder's list yet is rolled out (`on_result(result)` after each) and added to it."""
         started = time.perf_counter()
-        for tier in {tier.name: tier for _, tier in tasks if tier.calibratable}.values():  # each tier's pass first: the ETA is the rollouts'
+        for tier in {
+            tier.name: tier for _, tier in tasks if tier.calibratable
+        }.values():  # each tier's pass first: the ETA is the rollouts'
             if any((slot.name, tier.name) not in self._keys for slot, t in tasks if t.name == tier.name):
                 self.job.encoder.uniform(tier, self.roundings.at(tier.name))
         keys = {(slot.name, tier.name): self.task(slot, tier).key for slot, tier in tasks}
@@ -89,7 +99,9 @@ class PriceList:
         self.job.timings["pricing"] += time.perf_counter() - started
         return done
 
-    def _roll_out(self, pending: list[tuple[Slot, Tier]], done: dict[str, TaskResult], log: ResultLog, on_result) -> None:
+    def _roll_out(
+        self, pending: list[tuple[Slot, Tier]], done: dict[str, TaskResult], log: ResultLog, on_result
+    ) -> None:
         """Price `pending` on the measuring lanes (or on cut lanes, as the score swept), logging each result."""
         cut_lanes: list[SweepRunner] = []
         encoder, rounding = self.job.encoder, self.roundings.rounding if pending else None
@@ -102,7 +114,9 @@ class PriceList:
                     div_sq, nonfinite = lane.unit_divergence(slot.unit, weights)
                 else:
                     div_sq, nonfinite = lane.divergence(self.measuring.fed(weights), early_stop=False)
-                yield TaskResult(slot.name, self.task(slot, tier).probe, 0, 0.0, div_sq, nonfinite, time.perf_counter() - tick)
+                yield TaskResult(
+                    slot.name, self.task(slot, tier).probe, 0, 0.0, div_sq, nonfinite, time.perf_counter() - tick
+                )
 
         try:
             if self.job.scored.prices_cut and pending:
@@ -153,7 +167,10 @@ class TierPricing:
     def weight_error_sq(self, slot: Slot, tier: Tier) -> float:
         """||Q(θ) − θ||² of the slot at `tier`, over the rows the contexts read (a Gather table's), else all of it."""
         change = self.job.encoder.slot(slot, tier, self.prices.roundings.rounding)
-        return sum(self._read_sq(n, slot, e.dequantize().astype(np.float64) - self._original(n, slot)) for n, e in change.items())
+        return sum(
+            self._read_sq(n, slot, e.dequantize().astype(np.float64) - self._original(n, slot))
+            for n, e in change.items()
+        )
 
     def _read_sq(self, name: str, slot: Slot, error: np.ndarray) -> float:
         rows = self.job.scored.prepared.job.rows.get(name)
@@ -202,7 +219,16 @@ class TierPricing:
         choices = []
         for slot in self.job.cut.slots:
             loss = {tier.name: loss_of(slot, tier) for tier in self.tiers}
-            choices.append(Choice(slot.name, slot.params, self.gamma.get(slot.unit, 0.0), slot.unit in self.dead, costs[slot.name], loss))
+            choices.append(
+                Choice(
+                    slot.name,
+                    slot.params,
+                    self.gamma.get(slot.unit, 0.0),
+                    slot.unit in self.dead,
+                    costs[slot.name],
+                    loss,
+                )
+            )
         return self._unread_as_read(choices) if objective.unread_rows_as_read else choices
 
     def _unread_as_read(self, choices: list[Choice]) -> list[Choice]:
@@ -220,7 +246,10 @@ class TierPricing:
             params = sum(s.params for s in read)
             for slot in unread if read and params else ():
                 choice = by_slot[slot.name]
-                by_slot[slot.name] = replace(choice, loss={t: sum(by_slot[r.name].loss[t] for r in read) * slot.params / params for t in choice.loss})
+                by_slot[slot.name] = replace(
+                    choice,
+                    loss={t: sum(by_slot[r.name].loss[t] for r in read) * slot.params / params for t in choice.loss},
+                )
         return [by_slot[c.unit] for c in choices]
 
     def allocate(self, target: float, on_result=None) -> Allocation:
@@ -234,9 +263,24 @@ class TierPricing:
         budget = self.sizing.budget(self.tiers)
         while True:
             choices = self.choices(objective, on_result)
-            allocation = self.fitter.fitted(lambda options, reserve: allocate(options, self.tiers, target, budget.reserving(reserve), objective=objective,
-                                                                              fp32_fraction=settings.fp32_share, solver=settings.allocator), choices, target)
-            picked = [(slot, TIERS[allocation.tiers[slot.name]]) for slot in self.job.cut.slots if (slot.name, allocation.tiers[slot.name]) in self.unpriced]
+            allocation = self.fitter.fitted(
+                lambda options, reserve: allocate(
+                    options,
+                    self.tiers,
+                    target,
+                    budget.reserving(reserve),
+                    objective=objective,
+                    fp32_fraction=settings.fp32_share,
+                    solver=settings.allocator,
+                ),
+                choices,
+                target,
+            )
+            picked = [
+                (slot, TIERS[allocation.tiers[slot.name]])
+                for slot in self.job.cut.slots
+                if (slot.name, allocation.tiers[slot.name]) in self.unpriced
+            ]
             if not OBJECTIVES[objective].measures or not picked:
                 return allocation
             self.measured(None, picked)

@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 
 from tiers import TIERS
+from tqsdeploy.encoding.choices import drift_order
 from tqsdeploy.export.allocate import Allocation, Choice, allocate
 from tqsdeploy.export.candidates import MixedModels
 from tqsdeploy.export.fitting import Fitter
@@ -19,7 +20,6 @@ from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.measuring import Measuring
 from tqsdeploy.export.roundings import Roundings
 from tqsdeploy.export.sizing import Sizing
-from tqsdeploy.encoding.choices import drift_order
 from tqsdeploy.sweep import Drift, Lanes, SweepRunner
 
 
@@ -64,8 +64,10 @@ class Refiner:
         costs = self.sizing.costs(self.job.tiers)
         trials = [
             (slot.name, order[other])
-            for slot in self.job.cut.slots if slot.unit not in self.job.scored.dead
-            for other in (order.index(best.tiers[slot.name]) - 1, order.index(best.tiers[slot.name]) + 1) if 0 <= other < len(order)
+            for slot in self.job.cut.slots
+            if slot.unit not in self.job.scored.dead
+            for other in (order.index(best.tiers[slot.name]) - 1, order.index(best.tiers[slot.name]) + 1)
+            if 0 <= other < len(order)
         ]
         for tier in {tier for _, tier in trials} | set(best.tiers.values()):
             if TIERS[tier].calibratable:  # each tier's pass before the lanes start: they only read encodings
@@ -77,12 +79,30 @@ class Refiner:
                 drift = self.measuring.measure_tiers({**tiers, name: tier}, rounding, lane)
                 yield (name, tier), sum(drift.div_sq) - base if math.isfinite(drift.relative_rms) else math.inf
 
-        with self.job.encoder.profile.section("measurement_rollouts"), Lanes(self.measuring.lanes, [[t] for t in trials], trial) as results:
+        with (
+            self.job.encoder.profile.section("measurement_rollouts"),
+            Lanes(self.measuring.lanes, [[t] for t in trials], trial) as results,
+        ):
             losses = dict(results)  # every trial changes the whole model: one each
         choices = []
         for slot in self.job.cut.slots:
-            options = {best.tiers[slot.name]: 0.0} | {tier: losses[(name, tier)] for name, tier in trials if name == slot.name}
-            choices.append(Choice(slot.name, slot.params, 0.0, False, {t: costs[slot.name][t] for t in options}, options))
+            options = {best.tiers[slot.name]: 0.0} | {
+                tier: losses[(name, tier)] for name, tier in trials if name == slot.name
+            }
+            choices.append(
+                Choice(slot.name, slot.params, 0.0, False, {t: costs[slot.name][t] for t in options}, options)
+            )
         budget = self.sizing.budget(self.job.tiers)
-        return self.fitter.fitted(lambda options, reserve: allocate(options, self.job.tiers, best.target, budget.reserving(reserve), objective="measured",
-                                                                    fp32_fraction=0.0, solver=self.job.settings.allocator), choices, best.target)
+        return self.fitter.fitted(
+            lambda options, reserve: allocate(
+                options,
+                self.job.tiers,
+                best.target,
+                budget.reserving(reserve),
+                objective="measured",
+                fp32_fraction=0.0,
+                solver=self.job.settings.allocator,
+            ),
+            choices,
+            best.target,
+        )

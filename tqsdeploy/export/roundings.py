@@ -11,8 +11,8 @@ import time
 
 from tiers import Rounding, Tier, auto_methods
 from tqsdeploy.encoding.choices import AnyRounding, TierRoundings, grid_options, plain_rounding, rounding_at
-from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.candidates import UniformModels
+from tqsdeploy.export.job import ExportJob
 
 AUTO_METHODS = auto_methods()
 """What `--rounding auto` chooses from on a calibratable tier (listed first wins a tie; `tiers.methods`)."""
@@ -24,7 +24,9 @@ class Roundings:
     def __init__(self, job: ExportJob, uniforms: UniformModels):
         self.job, self.uniforms = job, uniforms
         settings = job.settings
-        measures = settings.rounding == "auto" or any(len(grid_options(t, settings.rounding, settings.grids)) > 1 for t in job.tiers)
+        measures = settings.rounding == "auto" or any(
+            len(grid_options(t, settings.rounding, settings.grids)) > 1 for t in job.tiers
+        )
         self._rounding: AnyRounding | None = None if measures else plain_rounding(settings.rounding, settings.grids)
         self.choice: dict[str, dict[str, float]] = {}
         """Per calibratable tier measured to choose its rounding: each rounding's uniform drift (percent) on the
@@ -63,9 +65,15 @@ class Roundings:
     def _least_drifting(self, tier: Tier, options: list[Rounding]) -> Rounding:
         """The rounding of `options` whose uniform model at `tier` drifts least, every one recorded (`choice`); a
         large model keeps only the chosen one's codes (a byte per weight each)."""
-        chosen, measured = self.job.encoder.least_drifting(tier, options, lambda rounding: self.uniforms.candidate(tier, rounding, None).drift,
-                                                           forget=self.job.scored.one_session)
-        self.choice.setdefault(tier.name, {}).update({rounding.label: drift.worst_pct for rounding, drift in measured.items()})
+        chosen, measured = self.job.encoder.least_drifting(
+            tier,
+            options,
+            lambda rounding: self.uniforms.candidate(tier, rounding, None).drift,
+            forget=self.job.scored.one_session,
+        )
+        self.choice.setdefault(tier.name, {}).update(
+            {rounding.label: drift.worst_pct for rounding, drift in measured.items()}
+        )
         return chosen
 
     def _choose(self) -> TierRoundings:
@@ -79,7 +87,9 @@ class Roundings:
         for tier in self.job.tiers:
             if not tier.calibratable or (asked != "auto" and len(grid_options(tier, asked, settings.grids)) == 1):
                 continue  # one rounding to take: nothing to measure
-            chosen.append((tier.name, self._least_drifting(tier, [self.measured_rounding(tier, method) for method in methods])))
+            chosen.append(
+                (tier.name, self._least_drifting(tier, [self.measured_rounding(tier, method) for method in methods]))
+            )
         self.job.timings["rounding"] += time.perf_counter() - started
         default = plain_rounding("qep" if asked == "auto" else asked, settings.grids)
         return TierRoundings(tuple(chosen), default, asked)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiers import DEFAULT_TIERS, METHODS, TRT_TIERS
+from tqsdeploy.encoding.choices import check_grids
+from tqsdeploy.errors import InputError
 from tqsdeploy.export.allocate import check_allocator
 from tqsdeploy.export.objectives import OBJECTIVES
-from tqsdeploy.errors import InputError
-from tqsdeploy.encoding.choices import check_grids
 from tqsdeploy.size import check_basis
 
 AUTO_ROUNDING = "auto"
@@ -64,11 +64,15 @@ class ExportSettings:
         if self.target not in TARGETS:
             raise InputError(f"unknown target '{self.target}'; choose one of {', '.join(TARGETS)}")
         if self.runtime_layout not in RUNTIME_LAYOUTS:
-            raise InputError(f"unknown runtime layout '{self.runtime_layout}'; choose one of {', '.join(RUNTIME_LAYOUTS)}")
+            raise InputError(
+                f"unknown runtime layout '{self.runtime_layout}'; choose one of {', '.join(RUNTIME_LAYOUTS)}"
+            )
         if self.objective not in OBJECTIVES:
             raise InputError(f"unknown objective '{self.objective}'; choose one of {', '.join(OBJECTIVES)}")
         if self.rounding not in (*METHODS, AUTO_ROUNDING):
-            raise InputError(f"unknown rounding '{self.rounding}'; choose one of {', '.join((*METHODS, AUTO_ROUNDING))}")
+            raise InputError(
+                f"unknown rounding '{self.rounding}'; choose one of {', '.join((*METHODS, AUTO_ROUNDING))}"
+            )
         check_grids(self.grids)
         check_basis(self.basis)
         check_allocator(self.allocator)

@@ -22,10 +22,12 @@ from tqsdeploy.units import Unit, outside_hint
 def output_opset(tiers: Sequence[Tier], settings: ExportSettings):
     """The opset function `prepare` asks for (proto, units): a graph computing in 16-bit floats is written and
     measured at the opset its tier set needs (`tiers.ladder_opset`); others at 1, each file at the lowest it needs."""
+
     def opset(proto, units: list[Unit]) -> int:
         if not computes_in_half(proto):
             return 1
         return ladder_opset(tiers, {t.dtype for u in units for t in u.tensors}, bool(settings.group_size))
+
     return opset
 
 
@@ -50,7 +52,9 @@ class Sizing:
     def budget(self, tiers: Sequence[Tier]) -> SizeBudget:
         """C on the --C basis: the stored bits outside the units at their size plus what the opset conversion adds
         (the output opset's, or the worst case over the tier set's opsets)."""
-        return self.scored.sizes.budget(self.settings.basis, self.overhead_bits(max([self.scored.opset] + [t.opset for t in tiers])))
+        return self.scored.sizes.budget(
+            self.settings.basis, self.overhead_bits(max([self.scored.opset] + [t.opset for t in tiers]))
+        )
 
     def cost(self, slot: Slot, tier: Tier | str) -> int:
         """Bits the slot's stored form puts in the file at `tier`, whatever the rounding method.
@@ -104,9 +108,16 @@ class Sizing:
             if key not in self._stretch_bits:
                 if (unit, tier) not in forms:
                     forms[(unit, tier)] = self.encoder.stored_forms(unit, tier)
-                self._stretch_bits[key] = sum(emitted_bits(n, self.encoder.channels(n, e, rows), self.settings.layout)
-                                              for n, e in forms[(unit, tier)].items())
-            costs.update(zip([slot.name for slot in slots], split_bits([self.cost(slot, tier) for slot in slots], self._stretch_bits[key])))
+                self._stretch_bits[key] = sum(
+                    emitted_bits(n, self.encoder.channels(n, e, rows), self.settings.layout)
+                    for n, e in forms[(unit, tier)].items()
+                )
+            costs.update(
+                zip(
+                    [slot.name for slot in slots],
+                    split_bits([self.cost(slot, tier) for slot in slots], self._stretch_bits[key]),
+                )
+            )
         return costs
 
     def costs(self, tiers: Sequence[Tier]) -> dict[str, dict[str, int]]:
@@ -117,9 +128,13 @@ class Sizing:
         """The slots' bits with every slot at its cheapest tier: the uniform file of the lowest tier's units."""
         return sum(min(c.values()) for c in self.costs(tiers).values())
 
-    def allocation(self, assignment: dict[str, str], target: float | None, solver: str, objective: str, tiers: Sequence[Tier]) -> Allocation:
+    def allocation(
+        self, assignment: dict[str, str], target: float | None, solver: str, objective: str, tiers: Sequence[Tier]
+    ) -> Allocation:
         """`assignment` priced as written, on the budget of the tier set `tiers`."""
-        return Allocation(dict(assignment), self.written_costs(assignment), self.budget(tiers), target, solver, objective)
+        return Allocation(
+            dict(assignment), self.written_costs(assignment), self.budget(tiers), target, solver, objective
+        )
 
     def uniform(self, tier: str, tiers: Sequence[Tier], target: float | None = None) -> Allocation:
         """Every slot at `tier`."""
@@ -129,7 +144,9 @@ class Sizing:
         """Fail before any work when a target cannot be met, saying what caps C."""
         budget, floor = self.budget(tiers), self.floor_bits(tiers)
         hint = "lower --C or add a cheaper tier"
-        if budget.fixed_bits > 0 and budget.basis_bits / floor > 1.25 * budget.compression(floor):  # the tensors outside the units bind
+        if budget.fixed_bits > 0 and budget.basis_bits / floor > 1.25 * budget.compression(
+            floor
+        ):  # the tensors outside the units bind
             hint += self._outside_hint(budget)
         for target in targets:
             budget.check(target, floor, [t.name for t in tiers], hint)
@@ -138,7 +155,11 @@ class Sizing:
         """Why the tensors that are not units cap C, and what would quantize them."""
         selection = self.scored.scores.selection
         large = outside_hint(self.scored.model.proto, [n for u in self.scored.units for n in u.tensor_names], selection)
-        why = f"{large}, or use --basis units" if large else "score with a lower --min-params (or --include) to quantize them, or use --basis units"
+        why = (
+            f"{large}, or use --basis units"
+            if large
+            else "score with a lower --min-params (or --include) to quantize them, or use --basis units"
+        )
         return (
             f"; {budget.fixed_bits / budget.basis_bits:.1%} of the stored bits are in tensors that are not units"
             + ("" if large else f" (smaller than --min-params {selection.min_params} or not weight operands)")

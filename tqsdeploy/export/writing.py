@@ -96,10 +96,19 @@ class Writer:
         if external_data is None and self.settings.single_file:
             external_data = False
         with self.encoder.profile.section("write"):
-            if self.encoder.checkpoints is not None:  # resumable: a rerun after an interruption may overwrite what this began
+            if (
+                self.encoder.checkpoints is not None
+            ):  # resumable: a rerun after an interruption may overwrite what this began
                 checkpoints.record_output(self.scored.run_dir, self.outputs_identity(), path)
-            return write_storage(self.scored.model.proto, stored, path, external_data=external_data, source=self.scored.prepared.data_dir,
-                                 layout=self.settings.layout, opset=self.scored.opset)
+            return write_storage(
+                self.scored.model.proto,
+                stored,
+                path,
+                external_data=external_data,
+                source=self.scored.prepared.data_dir,
+                layout=self.settings.layout,
+                opset=self.scored.opset,
+            )
 
     def check_single_file(self, targets: list[float | None], uniform_tier: str | None = None) -> None:
         """With `single_file`, refuse before any work an output that cannot fit one file (protobuf's 2 GiB): its size
@@ -114,10 +123,14 @@ class Writer:
             else:
                 bits = min(sizes.reference_bits, sizes.file_bits(target, self.settings.basis))
             if bits / 8 >= graph_ops.io.PROTOBUF_LIMIT:
-                raise InputError(f"--single-file: the model would hold about {bits / 8 / 2**30:.2f} GiB, past protobuf's 2 GiB limit for one .onnx file",
-                                 hint="drop --single-file: the weights then go to an external-data file beside it")
+                raise InputError(
+                    f"--single-file: the model would hold about {bits / 8 / 2**30:.2f} GiB, past protobuf's 2 GiB limit for one .onnx file",
+                    hint="drop --single-file: the weights then go to an external-data file beside it",
+                )
 
-    def notes(self, chosen: Candidate, compared: list[Candidate], uniform_tier: str | None, overshoot: str | None) -> list[str]:
+    def notes(
+        self, chosen: Candidate, compared: list[Candidate], uniform_tier: str | None, overshoot: str | None
+    ) -> list[str]:
         """What the user should know about the shipped model, in the order the summary prints them."""
         notes: list[str] = []
         if not chosen.label.startswith("TQS-PTQ") and uniform_tier is None:
@@ -130,7 +143,9 @@ class Writer:
         if overshoot is not None:
             notes.append(overshoot)
         notes += self._untested_rows(chosen)
-        side = [o.name for o in self.scored.model.proto.graph.output if o.name not in self.scored.prepared.spec.trajectory]
+        side = [
+            o.name for o in self.scored.model.proto.graph.output if o.name not in self.scored.prepared.spec.trajectory
+        ]
         if side and self.scored.dead and uniform_tier is None:
             notes.append(
                 f"{len(self.scored.dead)} unit(s) left the trajectory unchanged and went to the lowest tier; the outputs outside it ({', '.join(side)}) "
@@ -140,9 +155,15 @@ class Writer:
         # a uniform model's own rounding: asking the export's could measure every tier
         calibrated = chosen.cached[1].needs_stats if chosen.cached else self.roundings.rounding.needs_stats
         if calibrated:
-            notes += [f"'{name}' is rounded to nearest whatever the method: {reason}" for name, reason in sorted(self.encoder.log.rtn_only.items())]
-        thin = thin_note(self.encoder.log.thin, self.settings.rounding,
-                         "score with more context windows (or more --steps) to give it more, or export with --rounding rtn, which needs none")
+            notes += [
+                f"'{name}' is rounded to nearest whatever the method: {reason}"
+                for name, reason in sorted(self.encoder.log.rtn_only.items())
+            ]
+        thin = thin_note(
+            self.encoder.log.thin,
+            self.settings.rounding,
+            "score with more context windows (or more --steps) to give it more, or export with --rounding rtn, which needs none",
+        )
         if thin and calibrated:
             notes.append(thin)
         return notes
@@ -151,7 +172,13 @@ class Writer:
         """A Gather table whose rows the scoring contexts read only in part: the rest is stored untested."""
         notes = []
         for name, touched in sorted(self.scored.prepared.job.rows.items()):
-            tiers = sorted({chosen.allocation.tiers[s.name] for s in self.job.cut.slots if name in self.scored.units_by_name[s.unit].tensor_names})
+            tiers = sorted(
+                {
+                    chosen.allocation.tiers[s.name]
+                    for s in self.job.cut.slots
+                    if name in self.scored.units_by_name[s.unit].tensor_names
+                }
+            )
             notes.append(
                 f"'{name}': the scoring contexts read {len(touched)} of its {self.scored.weights[name].shape[0]} rows; it was scored and measured on those, "
                 f"and the other rows, priced as its read rows on average, are stored untested ({', '.join(tiers)} in the table): rows a deployment "
@@ -159,37 +186,95 @@ class Writer:
             )
         return notes
 
-    def refused(self, chosen: Candidate, compared: list[Candidate], path: Path, notes: list[str], max_drift_pct: float) -> Outcome:
+    def refused(
+        self, chosen: Candidate, compared: list[Candidate], path: Path, notes: list[str], max_drift_pct: float
+    ) -> Outcome:
         """Nothing written: the chosen model drifts more than `max_drift_pct` on the scoring contexts."""
-        refused = (f"{path} not written: it drifts {chosen.drift.worst_pct:.4g}% from the original on the scoring contexts, "
-                   f"above --max-drift {max_drift_pct:g}%")
-        return Outcome(chosen.allocation, path, 0, math.nan, math.nan, chosen.drift, chosen.label, [c.record() for c in compared], self.table(chosen.allocation),
-                       chosen.encodings, notes, refused=refused)
+        refused = (
+            f"{path} not written: it drifts {chosen.drift.worst_pct:.4g}% from the original on the scoring contexts, "
+            f"above --max-drift {max_drift_pct:g}%"
+        )
+        return Outcome(
+            chosen.allocation,
+            path,
+            0,
+            math.nan,
+            math.nan,
+            chosen.drift,
+            chosen.label,
+            [c.record() for c in compared],
+            self.table(chosen.allocation),
+            chosen.encodings,
+            notes,
+            refused=refused,
+        )
 
-    def ship(self, chosen: Candidate, compared: list[Candidate], target: float | None, path: Path, notes: list[str], uniform_tier: str | None,
-             clock: tuple[float, dict]) -> Outcome:
+    def ship(
+        self,
+        chosen: Candidate,
+        compared: list[Candidate],
+        target: float | None,
+        path: Path,
+        notes: list[str],
+        uniform_tier: str | None,
+        clock: tuple[float, dict],
+    ) -> Outcome:
         """Write `chosen` to `path` with its allocation record (.parquet and .json) beside it; `clock`: when the
         export of this target began, and the encoder's profile then."""
         stem = path.with_suffix("")
         for record in (Path(f"{stem}.allocation.json"), Path(f"{stem}.allocation.parquet")):
-            record.unlink(missing_ok=True)  # a kill before the new record lands leaves a model without one, never a mismatched pair
+            record.unlink(
+                missing_ok=True
+            )  # a kill before the new record lands leaves a model without one, never a mismatched pair
         written = self.write(chosen.encodings, path)
         record = self.scored.sizes.record(written, chosen.encodings, self.settings.layout)
         compression, unit_compression = record["compression"], record["unit_compression"]
-        if target is not None and uniform_tier is None and self.settings.basis == "file" and unit_compression > BASIS_GAP * compression:
+        if (
+            target is not None
+            and uniform_tier is None
+            and self.settings.basis == "file"
+            and unit_compression > BASIS_GAP * compression
+        ):
             notes.insert(0, self.basis_note(target, compression, unit_compression, chosen.allocation))
         table = self.table(chosen.allocation)
         rounding = self.rounding_by_tier(chosen)
-        summary = self._summary(chosen, compared, target, record, written, notes, uniform_tier, clock) | {"rounding_by_tier": rounding}
+        summary = self._summary(chosen, compared, target, record, written, notes, uniform_tier, clock) | {
+            "rounding_by_tier": rounding
+        }
         summary["tiers"] = table.rows(named=True)
         write_table(table, f"{stem}.allocation.parquet")
         write_json(f"{stem}.allocation.json", summary)
-        return Outcome(chosen.allocation, path, written.bytes, compression, unit_compression, chosen.drift, chosen.label, [c.record() for c in compared], table,
-                       chosen.encodings, notes, written.files, layout=self.settings.layout, memory_bytes=summary["weights_in_memory_bytes"],
-                       profile=summary["profile_s"], rounding=rounding, opsets=(self.scored.model_opset, written.opset))
+        return Outcome(
+            chosen.allocation,
+            path,
+            written.bytes,
+            compression,
+            unit_compression,
+            chosen.drift,
+            chosen.label,
+            [c.record() for c in compared],
+            table,
+            chosen.encodings,
+            notes,
+            written.files,
+            layout=self.settings.layout,
+            memory_bytes=summary["weights_in_memory_bytes"],
+            profile=summary["profile_s"],
+            rounding=rounding,
+            opsets=(self.scored.model_opset, written.opset),
+        )
 
-    def _summary(self, chosen: Candidate, compared: list[Candidate], target: float | None, record: dict, written: Written, notes: list[str],
-                 uniform_tier: str | None, clock: tuple[float, dict]) -> dict:
+    def _summary(
+        self,
+        chosen: Candidate,
+        compared: list[Candidate],
+        target: float | None,
+        record: dict,
+        written: Written,
+        notes: list[str],
+        uniform_tier: str | None,
+        clock: tuple[float, dict],
+    ) -> dict:
         """The allocation record's fields, in the order the JSON keeps them."""
         started, profiled = clock
         drift = chosen.drift
@@ -215,8 +300,11 @@ class Writer:
             "compared": [c.record() for c in compared],
             "notes": notes,
             "checkpointed_weights_reused": self.encoder.log.reused,
-            "timings_s": {**{k: round(v, 3) for k, v in self.job.timings.items()}, "calibration": round(self.encoder.log.calibration_s, 3),
-                          "total": round(time.perf_counter() - started, 3)},
+            "timings_s": {
+                **{k: round(v, 3) for k, v in self.job.timings.items()},
+                "calibration": round(self.encoder.log.calibration_s, 3),
+                "total": round(time.perf_counter() - started, 3),
+            },
             "profile_s": self.encoder.profile.split(profiled, time.perf_counter() - started),
             "solver_arrays": array_module().__name__,
             "solver_dtype": solver_dtype(),
@@ -240,7 +328,8 @@ class Writer:
             f"compression {compression:.3g}x of the file took the units to {unit_compression:.3g}x ({lowest} on {count} of {len(allocation.tiers)} slots): "
             f"{fixed / scored.reference_bits:.1%} of the stored bits ({fixed / 8:,.0f} bytes in {len(others)} tensors{which}) are not units "
             f"and stay at full size; --basis units --C {target:g} compresses the units {target:g}x and the file about {units_file:.3g}x "
-            "(check the drift of both), or " + (large if large else "score with a lower --min-params (or --include) to quantize those tensors")
+            "(check the drift of both), or "
+            + (large if large else "score with a lower --min-params (or --include) to quantize those tensors")
         )
 
     def table(self, allocation: Allocation) -> pl.DataFrame:
@@ -267,12 +356,17 @@ class Writer:
         if chosen.cached is not None:
             tier, rounding = chosen.cached
             return {tier: rounding.label} if TIERS[tier].calibratable else {}
-        return {tier: self.roundings.at(tier).label for tier in sorted(set(chosen.allocation.tiers.values())) if TIERS[tier].calibratable}
+        return {
+            tier: self.roundings.at(tier).label
+            for tier in sorted(set(chosen.allocation.tiers.values()))
+            if TIERS[tier].calibratable
+        }
 
     def loaded_weight_bytes(self, encodings: dict[str, Encoded]) -> int:
         """About how many bytes of weights an ONNX Runtime session of the written model holds after load: it folds
         fp16/bf16 Casts, INT1's unpacking and, in the 'dequantized' layout, every dequantization into a float weight
         of the original's type; 'fused' keeps DequantizeLinear's codes."""
+
         def held(encoded: Encoded) -> int:
             if encoded.form == "split":
                 return sum(held(part) for part in encoded.parts)

@@ -13,16 +13,17 @@ from pathlib import Path
 from typing import Sequence
 
 from runtimes import IOSpec
-from tqsdeploy.rollout.spec import MODES, CheckedSpec, Feedback, RolloutSpec, aligned_shape
 from tqsdeploy.rollout.detect import AmbiguousRollout, Detection, detect, detect_rollout, mask_fill, mask_like
+from tqsdeploy.rollout.spec import MODES, CheckedSpec, Feedback, RolloutSpec, aligned_shape
 from tqsdeploy.rollout.steps import next_feeds, rollout
 
 DEFAULT_STEPS = 8
 """Rollout steps of a detected spec when the user gives none."""
 
 
-def resolve_spec(spec: RolloutSpec | str | Path | None, steps: int | None, inputs: Sequence[IOSpec],
-                 outputs: Sequence[IOSpec]) -> CheckedSpec:
+def resolve_spec(
+    spec: RolloutSpec | str | Path | None, steps: int | None, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]
+) -> CheckedSpec:
     """A given spec (file or object, `steps` overriding its steps) or a detected one, checked against the signature:
     the one check a spec gets, so every stage after this one takes the `CheckedSpec` as it is."""
     if spec is None:

@@ -70,7 +70,9 @@ class Contexts:
             **({"csv": self.csv} if self.csv else {}),
         }
 
-    def chunks(self, inputs: Sequence[IOSpec], batch: bool, max_windows: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    def chunks(
+        self, inputs: Sequence[IOSpec], batch: bool, max_windows: int
+    ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
         """(window count, feeds) chunks; windows share one run when `batch`."""
         step = max(1, max_windows) if batch else 1
         for start in range(0, self.count, step):
@@ -95,16 +97,22 @@ def _check_kind(name: str, windows: np.ndarray, spec: IOSpec) -> None:
     read as numbers, fractions (or NaN) truncated into an integer input."""
     kind, want = windows.dtype.kind, spec.dtype.kind
     if kind == "c" or (kind == "b") != (want == "b") or kind not in "biufc":
-        raise InputError(f"contexts array '{name}' is {windows.dtype}, which model input '{name}' ({spec.dtype}) cannot take as it is")
+        raise InputError(
+            f"contexts array '{name}' is {windows.dtype}, which model input '{name}' ({spec.dtype}) cannot take as it is"
+        )
     if want in "iu" and kind == "f":
         if not np.all(np.isfinite(windows)):
             raise InputError(f"contexts array '{name}' contains NaN or Inf, and model input '{name}' is {spec.dtype}")
         if not np.array_equal(windows, np.round(windows)):
-            raise InputError(f"contexts array '{name}' holds fractions, and model input '{name}' is {spec.dtype} (they would be truncated)")
+            raise InputError(
+                f"contexts array '{name}' holds fractions, and model input '{name}' is {spec.dtype} (they would be truncated)"
+            )
     if want in "iu" and kind in "iuf" and windows.size:
         low, high = np.iinfo(spec.dtype).min, np.iinfo(spec.dtype).max
         if float(windows.min()) < low or float(windows.max()) > high:
-            raise InputError(f"contexts array '{name}' holds values outside {spec.dtype}'s range, the type of model input '{name}'")
+            raise InputError(
+                f"contexts array '{name}' holds values outside {spec.dtype}'s range, the type of model input '{name}'"
+            )
 
 
 def _as_windows(name: str, array: np.ndarray, spec: IOSpec) -> np.ndarray:
@@ -120,8 +128,12 @@ def _as_windows(name: str, array: np.ndarray, spec: IOSpec) -> np.ndarray:
         )
     if windows.shape[0] == 0:
         raise InputError(f"contexts array '{name}' holds no windows")
-    if windows.size == 0:  # a window with an empty axis: every rollout of it is empty, every score and drift NaN or nothing
-        raise InputError(f"contexts array '{name}' has shape {list(array.shape)}: an empty axis leaves its windows without values")
+    if (
+        windows.size == 0
+    ):  # a window with an empty axis: every rollout of it is empty, every score and drift NaN or nothing
+        raise InputError(
+            f"contexts array '{name}' has shape {list(array.shape)}: an empty axis leaves its windows without values"
+        )
     _check_kind(name, windows, spec)
     if spec.dtype.kind == "f" and not np.all(np.isfinite(windows)):
         raise InputError(f"contexts array '{name}' contains NaN or Inf")
@@ -130,7 +142,9 @@ def _as_windows(name: str, array: np.ndarray, spec: IOSpec) -> np.ndarray:
     if spec.dtype.kind == "f" and cast.dtype != windows.dtype and not np.all(np.isfinite(cast)):
         limit = float(np.finfo(spec.dtype).max)
         largest = float(np.max(np.abs(windows[~np.isfinite(cast)])))
-        raise InputError(f"contexts array '{name}' holds {largest:.3g}, beyond {spec.dtype}'s range (±{limit:.3g}), the model input's type")
+        raise InputError(
+            f"contexts array '{name}' holds {largest:.3g}, beyond {spec.dtype}'s range (±{limit:.3g}), the model input's type"
+        )
     return cast
 
 
@@ -146,17 +160,26 @@ def npz_arrays(path: Path, what: str, hint: str) -> dict[str, np.ndarray]:
         raise InputError(f"{what} {path} is not an .npz archive of arrays", hint=hint) from None
     for name, value in stored.items():
         if not isinstance(value, np.ndarray):
-            raise InputError(f"{what} {path}: its member '{name}' is not a numpy array (.npy)", hint="save the arrays with numpy.savez")
+            raise InputError(
+                f"{what} {path}: its member '{name}' is not a numpy array (.npy)",
+                hint="save the arrays with numpy.savez",
+            )
     return stored
 
 
 def load_npz(path: Path, inputs: Sequence[IOSpec]) -> Contexts:
     """One array per model input name, leading axis = context windows."""
-    stored = npz_arrays(path, "contexts file", "expected one array per model input, leading axis = windows (numpy.savez), or a .csv of numeric columns")
+    stored = npz_arrays(
+        path,
+        "contexts file",
+        "expected one array per model input, leading axis = windows (numpy.savez), or a .csv of numeric columns",
+    )
     arrays = {}
     for spec in inputs:
         if spec.name not in stored:
-            raise InputError(f"contexts file {path} has no array for model input '{spec.name}' (it has: {', '.join(stored) or 'none'})")
+            raise InputError(
+                f"contexts file {path} has no array for model input '{spec.name}' (it has: {', '.join(stored) or 'none'})"
+            )
         arrays[spec.name] = _as_windows(spec.name, stored[spec.name], spec)
     counts = {name: a.shape[0] for name, a in arrays.items()}
     if len(set(counts.values())) > 1:
@@ -190,8 +213,10 @@ def read_csv_columns(path: Path, columns: Sequence[str] | None = None) -> tuple[
     header = _header(path)
     repeated = sorted({name for name in header if header.count(name) > 1})
     if repeated:  # polars renames the second 'OT' to 'OT_duplicated_0': --columns OT would read whichever came first
-        raise InputError(f"contexts file {path} has more than one column named '{repeated[0]}' (its header: {', '.join(header)})",
-                         hint="give each column its own name")
+        raise InputError(
+            f"contexts file {path} has more than one column named '{repeated[0]}' (its header: {', '.join(header)})",
+            hint="give each column its own name",
+        )
     if columns:
         missing = [c for c in columns if c not in frame.columns]
         if missing:
@@ -238,8 +263,10 @@ def _check_utf8(path: Path) -> None:
         raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
-        raise InputError(f"contexts file {path} is not UTF-8 text ({'a UTF-16 byte order mark' if utf16 else f'byte 0x{raw[exc.start]:02x} at offset {exc.start}'})",
-                         hint="save it as UTF-8 (iconv -f ITS-ENCODING -t utf-8)") from None
+        raise InputError(
+            f"contexts file {path} is not UTF-8 text ({'a UTF-16 byte order mark' if utf16 else f'byte 0x{raw[exc.start]:02x} at offset {exc.start}'})",
+            hint="save it as UTF-8 (iconv -f ITS-ENCODING -t utf-8)",
+        ) from None
 
 
 def _header(path: Path) -> list[str]:
@@ -280,7 +307,11 @@ def describe_windows(described: dict) -> str:
         return f"{windows} context window{'s' if windows != 1 else ''}"
     names = ", ".join(csv["columns"]) if series <= 4 else f"{', '.join(csv['columns'][:2])}, …, {csv['columns'][-1]}"
     cuts = len(csv["starts"])
-    shape = f"{windows} context windows × {series} series each" if windows == cuts else f"{windows} context windows ({cuts} cuts × {series} series)"
+    shape = (
+        f"{windows} context windows × {series} series each"
+        if windows == cuts
+        else f"{windows} context windows ({cuts} cuts × {series} series)"
+    )
     return f"{shape} (CSV columns {names}): {series}x the work of one series"
 
 
@@ -297,7 +328,14 @@ def _arrange(cut: np.ndarray, layout: str, spec: IOSpec, columns: int) -> np.nda
     return cut.transpose(0, 2, 1)[:, None]
 
 
-def load_csv(path: Path, inputs: Sequence[IOSpec], windows: int, zscore: bool, columns: Sequence[str] | None = None, following: int = 0) -> Contexts:
+def load_csv(
+    path: Path,
+    inputs: Sequence[IOSpec],
+    windows: int,
+    zscore: bool,
+    columns: Sequence[str] | None = None,
+    following: int = 0,
+) -> Contexts:
     """Cut a numeric CSV into `windows` evenly spaced windows for a single-input model.
 
     A rank-2 input [batch, L] is univariate: each column becomes one series (one
@@ -313,19 +351,25 @@ def load_csv(path: Path, inputs: Sequence[IOSpec], windows: int, zscore: bool, c
     rows, count = data.shape
     length, layout = csv_layout(spec, names, path)
     if rows < length + following:
-        need = f"the model's window length {length}" + (f" plus the {following} rows of truth a rollout forecasts" if following else "")
+        need = f"the model's window length {length}" + (
+            f" plus the {following} rows of truth a rollout forecasts" if following else ""
+        )
         raise InputError(f"contexts file {path} has {rows} rows, fewer than {need}")
     distinct = rows - length - following + 1
     if windows > distinct:
         raise InputError(
-            f"contexts file {path} holds {distinct} distinct windows of {length} rows" + (f" (plus {following} rows of truth)" if following else "")
-            + f"; --windows {windows} would repeat them", hint=f"use --windows {distinct} or fewer",
+            f"contexts file {path} holds {distinct} distinct windows of {length} rows"
+            + (f" (plus {following} rows of truth)" if following else "")
+            + f"; --windows {windows} would repeat them",
+            hint=f"use --windows {distinct} or fewer",
         )
     if zscore:  # after the row checks: an empty column's mean is numpy's warnings, not an answer
         data = (data - data.mean(axis=0)) / (data.std(axis=0) + 1e-8)
     starts = np.linspace(0, rows - length - following, num=windows).round().astype(int)
     cut = np.stack([data[s : s + length] for s in starts])  # (N, L, C)
-    result = Contexts(arrays={spec.name: _as_windows(spec.name, _arrange(cut, layout, spec, count), spec)}, source=str(path))
+    result = Contexts(
+        arrays={spec.name: _as_windows(spec.name, _arrange(cut, layout, spec, count), spec)}, source=str(path)
+    )
     result.csv = {"layout": layout, "columns": names, "starts": starts.tolist(), "length": length}
     if layout == "univariate" and count > 1 and not columns:
         result.warnings.append(
@@ -344,7 +388,11 @@ def continuation_rows(spec, outputs: Sequence[IOSpec], inputs: Sequence[IOSpec])
     from tqsdeploy.rollout import aligned_shape
 
     edges = [e for e in spec.feedback if e.mode == "shift"]
-    if len(edges) != 1 or len([e for e in spec.feedback if e.mode != "advance"]) != 1 or list(spec.trajectory) != [edges[0].output]:
+    if (
+        len(edges) != 1
+        or len([e for e in spec.feedback if e.mode != "advance"]) != 1
+        or list(spec.trajectory) != [edges[0].output]
+    ):
         return 0
     out = next((o for o in outputs if o.name == edges[0].output), None)
     into = next((i for i in inputs if i.name == edges[0].input), None)
@@ -353,7 +401,9 @@ def continuation_rows(spec, outputs: Sequence[IOSpec], inputs: Sequence[IOSpec])
     return spec.steps * horizon if isinstance(horizon, int) else 0
 
 
-def truth_from_csv(contexts: Contexts, spec, inputs: Sequence[IOSpec], shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+def truth_from_csv(
+    contexts: Contexts, spec, inputs: Sequence[IOSpec], shapes: dict[str, tuple]
+) -> dict[str, np.ndarray]:
     """The ground truth of a rollout from CSV windows: the rows after each window,
     cut step by step into the forecast output's shape."""
     name = spec.trajectory[0]
@@ -361,16 +411,31 @@ def truth_from_csv(contexts: Contexts, spec, inputs: Sequence[IOSpec], shapes: d
     want = shapes[name]
     horizon = following.shape[1] // spec.steps
     columns = following.shape[2]
-    steps = [_arrange(following[:, t * horizon : (t + 1) * horizon], layout, inputs[0], columns) for t in range(spec.steps)]
+    steps = [
+        _arrange(following[:, t * horizon : (t + 1) * horizon], layout, inputs[0], columns) for t in range(spec.steps)
+    ]
     truth = np.stack(steps, axis=1)
-    if truth.shape != tuple(want) and truth.size == int(np.prod(want)) and [d for d in truth.shape if d != 1] == [d for d in want if d != 1]:
+    if (
+        truth.shape != tuple(want)
+        and truth.size == int(np.prod(want))
+        and [d for d in truth.shape if d != 1] == [d for d in want if d != 1]
+    ):
         truth = truth.reshape(want)  # a forecast with a singleton axis more ([B, 24, 1] into [B, 96])
     if truth.shape != tuple(want):
-        raise InputError(f"the rows after the CSV windows make a truth of shape {list(truth.shape)}, not the forecasts' {list(want)}", hint="pass --truth")
+        raise InputError(
+            f"the rows after the CSV windows make a truth of shape {list(truth.shape)}, not the forecasts' {list(want)}",
+            hint="pass --truth",
+        )
     return {name: truth.astype(np.float64)}
 
 
-def random_contexts(inputs: Sequence[IOSpec], windows: int, seed: int, dims: Mapping[str, int] | None = None, rows: Mapping[str, int] | None = None) -> Contexts:
+def random_contexts(
+    inputs: Sequence[IOSpec],
+    windows: int,
+    seed: int,
+    dims: Mapping[str, int] | None = None,
+    rows: Mapping[str, int] | None = None,
+) -> Contexts:
     """Random windows, only on explicit request: float inputs standard-normal; integer inputs that index a Gather
     table (`rows`: input -> table rows, `units.index_rows`) uniform over its rows, integer or boolean masks at the
     value that means present (all ones for an attention mask, zeros for a padding mask). `dims` sizes named dynamic
@@ -381,8 +446,10 @@ def random_contexts(inputs: Sequence[IOSpec], windows: int, seed: int, dims: Map
     named = {d for spec in inputs for d in spec.shape if isinstance(d, str)}
     unknown = sorted(set(dims) - named)
     if unknown:
-        raise InputError(f"--dim {unknown[0]}: no input of the model has an axis named '{unknown[0]}'",
-                         hint=f"its dynamic axes are named: {', '.join(sorted(named)) or 'none'}")
+        raise InputError(
+            f"--dim {unknown[0]}: no input of the model has an axis named '{unknown[0]}'",
+            hint=f"its dynamic axes are named: {', '.join(sorted(named)) or 'none'}",
+        )
     rng = np.random.default_rng(seed)
     arrays, drawn = {}, []
     for spec in inputs:
@@ -393,7 +460,9 @@ def random_contexts(inputs: Sequence[IOSpec], windows: int, seed: int, dims: Map
                 raise InputError(
                     f"cannot make random contexts for input '{spec.name}' {_fmt(spec.shape)}: its axis {axis} is dynamic"
                     + (f" ('{d}') and no --dim gives its size" if d else " and unnamed"),
-                    hint=(f"pass --dim {d}=N, e.g. --dim {d}=128, or " if d else "") + "write the windows to an .npz with arrays " + npz_layout(inputs),
+                    hint=(f"pass --dim {d}=N, e.g. --dim {d}=128, or " if d else "")
+                    + "write the windows to an .npz with arrays "
+                    + npz_layout(inputs),
                 )
             shape.append(size)
         shape = (windows, *shape)
@@ -405,28 +474,46 @@ def random_contexts(inputs: Sequence[IOSpec], windows: int, seed: int, dims: Map
             drawn.append(f"'{spec.name}' all {mask_fill(spec.name):g} (every position present)")
         else:
             arrays[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
-            drawn.append(f"'{spec.name}' standard-normal noise" + (" truncated to integers" if spec.dtype.kind in "iu" else ""))
-    warning = f"contexts are random, not data ({'; '.join(drawn)}): the scores describe the model off its data distribution"
+            drawn.append(
+                f"'{spec.name}' standard-normal noise" + (" truncated to integers" if spec.dtype.kind in "iu" else "")
+            )
+    warning = (
+        f"contexts are random, not data ({'; '.join(drawn)}): the scores describe the model off its data distribution"
+    )
     return Contexts(arrays=arrays, source=f"random(seed={seed})", warnings=[warning])
 
 
 def npz_layout(inputs: Sequence[IOSpec]) -> str:
     """What an .npz of windows for these inputs holds, e.g. "input_ids (windows, batch, seq) int64"."""
-    return ", ".join(f"'{s.name}' ({', '.join(['windows', *(str(d) if d is not None else '?' for d in s.shape)])}) {s.dtype}" for s in inputs)
+    return ", ".join(
+        f"'{s.name}' ({', '.join(['windows', *(str(d) if d is not None else '?' for d in s.shape)])}) {s.dtype}"
+        for s in inputs
+    )
 
 
-def load_contexts(path: Path | None, inputs: Sequence[IOSpec], options: ContextOptions = ContextOptions(), *,
-                  following: int = 0, rows: Mapping[str, int] | None = None) -> Contexts:
+def load_contexts(
+    path: Path | None,
+    inputs: Sequence[IOSpec],
+    options: ContextOptions = ContextOptions(),
+    *,
+    following: int = 0,
+    rows: Mapping[str, int] | None = None,
+) -> Contexts:
     """Dispatch on the file type; random contexts (sized by `options.dims`, ids within `rows`) only when asked;
     `following`: rows a CSV window keeps after it (evaluation's truth)."""
     dims = dict(options.dims)
     if path is not None and options.random:
         raise InputError("--random-contexts and --contexts exclude each other", hint="drop one")
     if dims and not options.random:
-        raise InputError("--dim sizes the axes of random contexts; a contexts file gives its own shapes", hint="drop --dim, or use --random-contexts")
+        raise InputError(
+            "--dim sizes the axes of random contexts; a contexts file gives its own shapes",
+            hint="drop --dim, or use --random-contexts",
+        )
     if path is None:
         if not options.random:
-            raise InputError("no contexts given", hint="pass --contexts FILE (.npz or .csv), or --random-contexts to score on noise")
+            raise InputError(
+                "no contexts given", hint="pass --contexts FILE (.npz or .csv), or --random-contexts to score on noise"
+            )
         return random_contexts(inputs, options.windows, options.seed, dims, rows)
     path = Path(path)
     suffix = path.suffix.lower()
@@ -435,7 +522,13 @@ def load_contexts(path: Path | None, inputs: Sequence[IOSpec], options: ContextO
     if options.columns:
         raise InputError("--columns picks series of a CSV; an .npz holds one array per model input")
     if options.zscore:  # an .npz would otherwise run unstandardised windows without a word
-        raise InputError("--zscore standardises the columns of a CSV; an .npz is used as it is", hint="standardise the arrays before saving them, or drop --zscore")
+        raise InputError(
+            "--zscore standardises the columns of a CSV; an .npz is used as it is",
+            hint="standardise the arrays before saving them, or drop --zscore",
+        )
     if suffix != ".npz":
-        raise InputError(f"contexts file {path} is not an .npz or a .csv", hint="expected an .npz with one array per model input (leading axis = windows) or a CSV of numeric columns")
+        raise InputError(
+            f"contexts file {path} is not an .npz or a .csv",
+            hint="expected an .npz with one array per model input (leading axis = windows) or a CSV of numeric columns",
+        )
     return load_npz(path, inputs)

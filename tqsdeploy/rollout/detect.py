@@ -16,7 +16,24 @@ from tqsdeploy.rollout.spec import Feedback, RolloutSpec, aligned_shape, same_bu
 
 HINT = "write a rollout spec (TOML, see README 'Rollout specs') and pass it with --spec"
 
-ROLE_WORDS = {"input", "inputs", "in", "output", "outputs", "out", "next", "new", "prev", "previous", "past", "current", "curr", "cur", "pred", "hat"}
+ROLE_WORDS = {
+    "input",
+    "inputs",
+    "in",
+    "output",
+    "outputs",
+    "out",
+    "next",
+    "new",
+    "prev",
+    "previous",
+    "past",
+    "current",
+    "curr",
+    "cur",
+    "pred",
+    "hat",
+}
 FORECAST_WORDS = {"forecast", "forecasts", "point", "mean", "median", "prediction", "predictions", "pred", "y", "yhat"}
 CONTEXT_WORDS = {"inputs", "input", "context", "past", "values", "x", "history", "series", "observations"}
 MASK_WORDS = {"mask", "masks", "pad", "padding", "paddings", "padded"}
@@ -28,13 +45,44 @@ output and input share a stem made of these words (and 'state') counts: 'cell_te
 STATIC_WORDS = {"land", "sea", "lsm", "orography", "topography", "soil", "lake", "static", "constant", "constants"}
 """Static fields that are masks by name (a land-sea mask), not padding that moves with the context."""
 SIDE_OUTPUT_WORDS = {
-    "quantile", "quantiles", "std", "stddev", "sigma", "var", "variance", "logvar", "scale", "lower", "upper", "interval",
-    "prob", "probs", "probability", "logits", "uncertainty", "confidence", "attention", "attn",
+    "quantile",
+    "quantiles",
+    "std",
+    "stddev",
+    "sigma",
+    "var",
+    "variance",
+    "logvar",
+    "scale",
+    "lower",
+    "upper",
+    "interval",
+    "prob",
+    "probs",
+    "probability",
+    "logits",
+    "uncertainty",
+    "confidence",
+    "attention",
+    "attn",
 }
 """Output names of heads that describe a forecast rather than continue it (quantiles, spreads, attention)."""
 COVARIATE_WORDS = {
-    "covariate", "covariates", "exog", "exogenous", "time", "timestamp", "timestamps", "calendar", "date", "dates", "mark",
-    "static", "known", "forcing", "forcings",
+    "covariate",
+    "covariates",
+    "exog",
+    "exogenous",
+    "time",
+    "timestamp",
+    "timestamps",
+    "calendar",
+    "date",
+    "dates",
+    "mark",
+    "static",
+    "known",
+    "forcing",
+    "forcings",
 }
 """Input names of what a forecaster is told about the horizon (time features, Informer's x_mark, forcings), not its state."""
 
@@ -93,7 +141,13 @@ def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
         return _one_axis_fewer(output, input)
     if output.rank == input.rank + 1:  # a singleton axis more ([B, 24, 1] into [B, 96]): paired as squeezed
         for k in reversed(range(output.rank)):
-            pair = _shift_as(output, output.shape[:k] + output.shape[k + 1:], input, f"once its singleton axis {k} is dropped") if output.shape[k] == 1 else None
+            pair = (
+                _shift_as(
+                    output, output.shape[:k] + output.shape[k + 1 :], input, f"once its singleton axis {k} is dropped"
+                )
+                if output.shape[k] == 1
+                else None
+            )
             if pair is not None:
                 return pair
         return None
@@ -103,14 +157,22 @@ def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
     differing = [i for i, (a, b) in enumerate(zip(output.shape, input.shape)) if both_ints(a, b) and a != b]
     # a named length against a number or another name (seq_len vs 96, pred_len vs seq_len): lengths that may differ;
     # the batch axis aside (exporters name it per tensor), and unnamed dims agree with anything
-    uncertain = [i for i, (a, b) in enumerate(zip(output.shape, input.shape)) if i > 0 and not both_ints(a, b) and None not in (a, b) and a != b]
+    uncertain = [
+        i
+        for i, (a, b) in enumerate(zip(output.shape, input.shape))
+        if i > 0 and not both_ints(a, b) and None not in (a, b) and a != b
+    ]
     exact = all(a == b for i, (a, b) in enumerate(zip(output.shape, input.shape)) if i not in differing)
     affinity, why = _affinity(output.name, input.name)
     if _coincidental(output.name, input.name, affinity):
         return None
     if not differing and not uncertain:
         score, edge = 105, Feedback(output.name, input.name, "replace")
-        reason = f"{_named(output)} has the shape of {_named(input)} → replace" if exact else f"{_named(output)} and {_named(input)} agree where known → replace"
+        reason = (
+            f"{_named(output)} has the shape of {_named(input)} → replace"
+            if exact
+            else f"{_named(output)} and {_named(input)} agree where known → replace"
+        )
     elif not differing and len(uncertain) == 1:
         if affinity < 2:  # a decoder's hidden state [B, dec_len, D] is not the next encoder memory [B, enc_len, D]
             return None
@@ -135,7 +197,11 @@ def _matches_but(a: tuple, b: tuple, axis: int) -> bool:
     """Shapes equal on every axis but `axis`: the same numbers or the same names (unnamed dims and the batch
     axis agree with anything). Stricter than `same_but`: a name never matches a number."""
     return len(a) == len(b) and all(
-        i == axis % len(a) or x == y or x is None or y is None or (i == 0 and not (isinstance(x, int) and isinstance(y, int)))
+        i == axis % len(a)
+        or x == y
+        or x is None
+        or y is None
+        or (i == 0 and not (isinstance(x, int) and isinstance(y, int)))
         for i, (x, y) in enumerate(zip(a, b))
     )
 
@@ -147,14 +213,23 @@ def _one_axis_fewer(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] 
     affinity, why = _affinity(output.name, input.name)
     if _coincidental(output.name, input.name, affinity):
         return None
-    fits = [i for i in range(1, input.rank)
-            if input.shape[i] != 1 and _matches_but(output.shape[:i] + (1,) + output.shape[i:], input.shape, i)]
+    fits = [
+        i
+        for i in range(1, input.rank)
+        if input.shape[i] != 1 and _matches_but(output.shape[:i] + (1,) + output.shape[i:], input.shape, i)
+    ]
     if len(fits) == 1:
         axis = fits[0] - input.rank
         reason = f"{_named(output)} is one entry of the history {_named(input)} along axis {axis} → shift"
         return 100 + affinity, Feedback(output.name, input.name, "shift", axis), f"{reason}; {why}"
     for k in reversed(range(1, input.rank)):
-        pair = _shift_as(output, output.shape[:k] + (1,) + output.shape[k:], input, f"with the input's singleton axis {k} added") if input.shape[k] == 1 else None
+        pair = (
+            _shift_as(
+                output, output.shape[:k] + (1,) + output.shape[k:], input, f"with the input's singleton axis {k} added"
+            )
+            if input.shape[k] == 1
+            else None
+        )
         if pair is not None:
             return pair
     return None
@@ -224,7 +299,9 @@ class AmbiguousRollout(RolloutError):
         self.candidates = list(candidates)
 
 
-def detect_rollout(inputs: Sequence[IOSpec], outputs: Sequence[IOSpec], steps: int | None = None, default_steps: int = 8) -> Detection:
+def detect_rollout(
+    inputs: Sequence[IOSpec], outputs: Sequence[IOSpec], steps: int | None = None, default_steps: int = 8
+) -> Detection:
     """Pair float outputs with the inputs they feed, from shapes and names.
 
     Same shape → replace; same dims but a shorter length on one axis → shift.
@@ -236,10 +313,15 @@ def detect_rollout(inputs: Sequence[IOSpec], outputs: Sequence[IOSpec], steps: i
     """
     floats_out = [s for s in outputs if s.dtype.kind == "f"]
     if not floats_out:
-        raise RolloutError(f"cannot detect the rollout: the model has no float outputs (outputs: {', '.join(s.name for s in outputs)})", hint=HINT)
+        raise RolloutError(
+            f"cannot detect the rollout: the model has no float outputs (outputs: {', '.join(s.name for s in outputs)})",
+            hint=HINT,
+        )
     targets = [s for s in inputs if s.dtype.kind == "f" and not mask_like(s.name)]
     if len(targets) > 16:  # the exact matcher walks subsets of inputs
-        raise RolloutError(f"cannot detect the rollout: {len(targets)} float inputs are too many to pair by shape", hint=HINT)
+        raise RolloutError(
+            f"cannot detect the rollout: {len(targets)} float inputs are too many to pair by shape", hint=HINT
+        )
     options = []
     for output in floats_out:
         found = []
@@ -267,7 +349,13 @@ def detect_rollout(inputs: Sequence[IOSpec], outputs: Sequence[IOSpec], steps: i
     return candidates[0]
 
 
-def _complete(chosen: list[tuple[Feedback, str]], inputs: Sequence[IOSpec], floats_out: Sequence[IOSpec], steps: int | None, default_steps: int) -> Detection:
+def _complete(
+    chosen: list[tuple[Feedback, str]],
+    inputs: Sequence[IOSpec],
+    floats_out: Sequence[IOSpec],
+    steps: int | None,
+    default_steps: int,
+) -> Detection:
     """A Detection from the chosen output edges: add mask edges, trajectory, steps."""
     edges = [edge for edge, _ in chosen]
     reasons = {edge.input: reason for edge, reason in chosen}
@@ -275,22 +363,38 @@ def _complete(chosen: list[tuple[Feedback, str]], inputs: Sequence[IOSpec], floa
     shifted = [e for e in edges if e.mode == "shift"]
     for spec in inputs:
         tokens = set(_tokens(spec.name))
-        masked = mask_like(spec.name) or (spec.dtype.kind == "b" and "observed" in tokens)  # Moirai's bool past_observed_target
+        masked = mask_like(spec.name) or (
+            spec.dtype.kind == "b" and "observed" in tokens
+        )  # Moirai's bool past_observed_target
         if spec.name in reasons or spec.dtype.kind not in "fiub" or not masked or tokens & STATIC_WORDS:
             continue
-        fitting = [e for e in shifted if same_but(shapes[e.input], spec.shape, e.axis) and _covers(spec.shape, shapes[e.input], e.axis)]
+        fitting = [
+            e
+            for e in shifted
+            if same_but(shapes[e.input], spec.shape, e.axis) and _covers(spec.shape, shapes[e.input], e.axis)
+        ]
         if len({e.axis for e in fitting}) == 1:
             fill, partner = mask_fill(spec.name), fitting[0]
             edges.append(Feedback(None, spec.name, "shift", partner.axis, fill=fill))
-            meaning = "1 = observed or attended: observed masks, Hugging Face's attention_mask" if fill else "1 = padded (TimesFM), so 0 = observed"
-            size = "same shape as" if shapes[partner.input] == spec.shape else f"shaped like (but for axis {partner.axis})"
-            reasons[spec.name] = f"mask-like name, {size} '{partner.input}': shifts with it, appending {fill!r} ({meaning}); edit fill if your mask means the opposite"
+            meaning = (
+                "1 = observed or attended: observed masks, Hugging Face's attention_mask"
+                if fill
+                else "1 = padded (TimesFM), so 0 = observed"
+            )
+            size = (
+                "same shape as" if shapes[partner.input] == spec.shape else f"shaped like (but for axis {partner.axis})"
+            )
+            reasons[spec.name] = (
+                f"mask-like name, {size} '{partner.input}': shifts with it, appending {fill!r} ({meaning}); edit fill if your mask means the opposite"
+            )
     if edges:
         fed = tuple(e.output for e, _ in chosen)
         recurrent = {e.output for e, _ in chosen if _recurrent(e)}
         forecast = tuple(name for name in fed if name not in recurrent)
         trajectory = forecast or fed  # recurrent state is fed back but is not the forecast
-        spec = RolloutSpec(steps=steps or default_steps, feedback=tuple(edges), trajectory=trajectory, origin="detected")
+        spec = RolloutSpec(
+            steps=steps or default_steps, feedback=tuple(edges), trajectory=trajectory, origin="detected"
+        )
     else:
         if steps not in (None, 1):
             raise RolloutError(
@@ -312,7 +416,12 @@ def _recurrent(edge: Feedback) -> bool:
     hidden_state_out → hidden_state_in), as opposed to a forecast variable fed back."""
     out_stem = [t for t in _tokens(edge.output or "") if t not in ROLE_WORDS]
     in_stem = [t for t in _tokens(edge.input) if t not in ROLE_WORDS]
-    return bool(out_stem) and out_stem == in_stem and bool(set(out_stem) & HIDDEN_WORDS) and set(out_stem) <= HIDDEN_WORDS | {"state", "states"}
+    return (
+        bool(out_stem)
+        and out_stem == in_stem
+        and bool(set(out_stem) & HIDDEN_WORDS)
+        and set(out_stem) <= HIDDEN_WORDS | {"state", "states"}
+    )
 
 
 def _covers(mask: tuple, context: tuple, axis: int) -> bool:
@@ -320,7 +429,6 @@ def _covers(mask: tuple, context: tuple, axis: int) -> bool:
     a one-entry 'mask' beside a multi-frame history is a static field."""
     have, need = mask[axis], context[axis]
     return not (isinstance(have, int) and isinstance(need, int)) or have >= need
-
 
 
 def _doubtful_shift(detection: Detection, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]) -> str | None:
@@ -343,6 +451,8 @@ def _doubtful_shift(detection: Detection, inputs: Sequence[IOSpec], outputs: Seq
     return None
 
 
-def detect(inputs: Sequence[IOSpec], outputs: Sequence[IOSpec], steps: int | None = None, default_steps: int = 8) -> RolloutSpec:
+def detect(
+    inputs: Sequence[IOSpec], outputs: Sequence[IOSpec], steps: int | None = None, default_steps: int = 8
+) -> RolloutSpec:
     """The detected spec alone (see `detect_rollout`)."""
     return detect_rollout(inputs, outputs, steps, default_steps).spec

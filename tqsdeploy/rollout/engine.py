@@ -25,9 +25,9 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from runtimes import Session, kept
-from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import RolloutSpec, next_feeds, rollout
+from tqsdeploy.rollout.contexts import Contexts
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,9 @@ class Divergence:
     the windows as it comes: it ends at the first non-finite step (the steps left count as inf) or, with
     `stop` and a perturbation of `delta_sq` > 0, once gamma settles. Every strategy stops the same way."""
 
-    def __init__(self, windows: int, steps: int, delta_sq: float = 0.0, eps: float = 0.0, stop: EarlyStop | None = None):
+    def __init__(
+        self, windows: int, steps: int, delta_sq: float = 0.0, eps: float = 0.0, stop: EarlyStop | None = None
+    ):
         self.windows, self.steps = windows, steps
         self.delta_sq, self.eps, self.stop = delta_sq, eps, stop
         self.div_sq: list[float] = []
@@ -70,7 +72,7 @@ class Divergence:
         if stop is None or self.delta_sq <= 0:
             return False
         self._gammas.append(math.log(max(self._cumulative, 1e-300) / (self.delta_sq + self.eps)) / t)
-        window = self._gammas[-(stop.window + 1):]
+        window = self._gammas[-(stop.window + 1) :]
         return len(window) == stop.window + 1 and max(window) - min(window) <= stop.tol
 
 
@@ -173,7 +175,9 @@ class RolloutEngine:
                 started = time.perf_counter()
                 produced = self.session.run(feeds, self.spec.run_outputs)
                 seconds = time.perf_counter() - started
-                if all(np.ndim(v) > 0 and np.shape(v)[0] % count == 0 for v in produced.values()) and self._rows_independent(count, produced):
+                if all(
+                    np.ndim(v) > 0 and np.shape(v)[0] % count == 0 for v in produced.values()
+                ) and self._rows_independent(count, produced):
                     self.batched = True
                     self.first_run = FirstRun(self.session, produced, seconds)
                     return chunks
@@ -190,7 +194,7 @@ class RolloutEngine:
         alone = self.session.run(last, self.spec.run_outputs)
         for name, values in produced.items():
             rows = np.shape(values)[0] // count
-            batched = np.asarray(values)[(count - 1) * rows:]
+            batched = np.asarray(values)[(count - 1) * rows :]
             single = np.asarray(alone[name])
             if batched.shape != single.shape:
                 return False
@@ -222,7 +226,9 @@ class RolloutEngine:
         except Exception as exc:
             raise RolloutError(f"{session.name} failed to run the rollout: {str(exc).splitlines()[0]}") from None
 
-    def window_sq(self, chunk: int, outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+    def window_sq(
+        self, chunk: int, outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None = None
+    ) -> np.ndarray:
         """Squared norm per window of a chunk's trajectory outputs (or of their difference from `reference`)."""
         return row_sq(self.spec.trajectory, outputs, reference, self.chunks[chunk][0])
 
@@ -232,9 +238,13 @@ class RolloutEngine:
         makes this call for every step of every window)."""
         return diff_sq(self.spec.trajectory, outputs, reference)
 
-    def trajectories(self, weights: Mapping[str, np.ndarray] | None = None, session: Session | None = None) -> dict[str, np.ndarray]:
+    def trajectories(
+        self, weights: Mapping[str, np.ndarray] | None = None, session: Session | None = None
+    ) -> dict[str, np.ndarray]:
         """Every trajectory output as (windows, steps, *per-window shape), float64."""
-        collected: dict[str, list[list[np.ndarray]]] = {name: [[] for _ in self.chunks] for name in self.spec.trajectory}
+        collected: dict[str, list[list[np.ndarray]]] = {
+            name: [[] for _ in self.chunks] for name in self.spec.trajectory
+        }
         for outs in self.steps(weights, session=session):
             for c, chunk_out in enumerate(outs):
                 for name in self.spec.trajectory:
@@ -242,13 +252,17 @@ class RolloutEngine:
         result = {}
         first = collected[self.spec.trajectory[0]]
         for name, per_chunk in collected.items():
-            if self.batched and any(steps[0].ndim == 0 or steps[0].shape[0] != lead[0].shape[0] for steps, lead in zip(per_chunk, first)):
+            if self.batched and any(
+                steps[0].ndim == 0 or steps[0].shape[0] != lead[0].shape[0] for steps, lead in zip(per_chunk, first)
+            ):
                 continue  # an output without the windows' batch axis (a side output of fixed shape) cannot be split by window
             parts = []
             for (count, _), steps in zip(self.chunks, per_chunk):
                 stacked = np.stack(steps, axis=0)  # (T, rows, ...) or (T, *output)
                 if self.batched:
-                    stacked = stacked.reshape(stacked.shape[0], count, -1, *stacked.shape[2:]).swapaxes(0, 1)  # (count, T, per, ...)
+                    stacked = stacked.reshape(stacked.shape[0], count, -1, *stacked.shape[2:]).swapaxes(
+                        0, 1
+                    )  # (count, T, per, ...)
                 else:
                     stacked = stacked[None]
                 parts.append(stacked)
@@ -261,7 +275,11 @@ class RolloutEngine:
         try:
             chunks = self.chunks  # the batching decision (a run of the first chunk), unless made
             made = next((r for r in (*earlier, self.first_run) if r is not None and r.session is self.session), None)
-            steps = self._continued(made.outputs) if made is not None and len(chunks) == 1 else [list(outs) for outs in self.steps()]
+            steps = (
+                self._continued(made.outputs)
+                if made is not None and len(chunks) == 1
+                else [list(outs) for outs in self.steps()]
+            )
         except RolloutError as exc:
             raise RolloutError(f"the model failed to run on the contexts: {exc}") from None
         return self.summarize(steps)
@@ -281,7 +299,9 @@ class RolloutEngine:
             for name in self.spec.trajectory:
                 for chunk_out in outs:
                     if not np.all(np.isfinite(chunk_out[name])):
-                        raise RolloutError(f"the nominal rollout produced NaN or Inf in output '{name}' at step {t + 1}")
+                        raise RolloutError(
+                            f"the nominal rollout produced NaN or Inf in output '{name}' at step {t + 1}"
+                        )
                     abs_sum[name] += float(np.abs(chunk_out[name].astype(np.float64)).sum())
             total = sum(self.window_sq(c, outs[c]).sum() for c in range(len(outs)))
             norm_sq.append(float(total / self.contexts.count))
@@ -301,7 +321,9 @@ class RolloutEngine:
         """An empty per-step divergence series over these contexts and steps."""
         return Divergence(self.contexts.count, self.spec.steps, delta_sq, eps, stop)
 
-    def divergence(self, totals: Iterable[float], delta_sq: float = 0.0, eps: float = 0.0, stop: EarlyStop | None = None) -> tuple[list[float], bool]:
+    def divergence(
+        self, totals: Iterable[float], delta_sq: float = 0.0, eps: float = 0.0, stop: EarlyStop | None = None
+    ) -> tuple[list[float], bool]:
         """Per-step mean divergence of the per-step totals over windows, and whether it went non-finite;
         the totals are read no further than the series goes (`Divergence`: early stopping)."""
         series = self.series(delta_sq, eps, stop)
@@ -360,7 +382,9 @@ def diff_sq(trajectory: Sequence[str], outputs: Mapping[str, np.ndarray], refere
     return total
 
 
-def row_sq(trajectory: Sequence[str], outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None, rows: int) -> np.ndarray:
+def row_sq(
+    trajectory: Sequence[str], outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None, rows: int
+) -> np.ndarray:
     """Squared norm per row (window, or probe x window of a probe-batched call) of the trajectory
     outputs, or of their difference from `reference`, summed over the outputs."""
     total = None

@@ -77,7 +77,9 @@ class RolloutSpec:
         if self.steps < 1:
             raise RolloutError(f"rollout needs at least 1 step, got {self.steps}")
         if self.steps > MAX_STEPS:
-            raise RolloutError(f"rollout of {self.steps} steps: at most {MAX_STEPS} are taken (a rollout keeps every step's outputs in memory)")
+            raise RolloutError(
+                f"rollout of {self.steps} steps: at most {MAX_STEPS} are taken (a rollout keeps every step's outputs in memory)"
+            )
         seen = set()
         for edge in self.feedback:
             if edge.mode not in MODES:
@@ -87,20 +89,32 @@ class RolloutSpec:
             seen.add(edge.input)
             if edge.mode == "advance":
                 if edge.output is not None or edge.by is None or edge.fill is not None or edge.length is not None:
-                    raise RolloutError(f"feedback edge for input '{edge.input}' has mode \"advance\": it takes `by` (added each step) and optionally "
-                                       "`modulo`, and no `output`, `fill` or `length`")
+                    raise RolloutError(
+                        f"feedback edge for input '{edge.input}' has mode \"advance\": it takes `by` (added each step) and optionally "
+                        "`modulo`, and no `output`, `fill` or `length`"
+                    )
                 if edge.modulo is not None and not edge.modulo > 0:
-                    raise RolloutError(f"feedback edge for input '{edge.input}' has modulo {edge.modulo:g}; it must be positive")
+                    raise RolloutError(
+                        f"feedback edge for input '{edge.input}' has modulo {edge.modulo:g}; it must be positive"
+                    )
                 continue
             if edge.by is not None or edge.modulo is not None:
-                raise RolloutError(f"feedback edge for input '{edge.input}': `by` and `modulo` only apply to mode = \"advance\"")
+                raise RolloutError(
+                    f"feedback edge for input '{edge.input}': `by` and `modulo` only apply to mode = \"advance\""
+                )
             if edge.output is None:
                 if edge.mode != "shift" or edge.fill is None:
-                    raise RolloutError(f"feedback edge for input '{edge.input}' has no output, so it needs mode = \"shift\" and a `fill` value to append")
+                    raise RolloutError(
+                        f"feedback edge for input '{edge.input}' has no output, so it needs mode = \"shift\" and a `fill` value to append"
+                    )
             elif edge.fill is not None or edge.length is not None:
-                raise RolloutError(f"feedback edge '{edge.output}' → '{edge.input}' appends its output: `fill` and `length` only apply to edges without an output")
+                raise RolloutError(
+                    f"feedback edge '{edge.output}' → '{edge.input}' appends its output: `fill` and `length` only apply to edges without an output"
+                )
             if edge.length is not None and edge.length < 1:
-                raise RolloutError(f"feedback edge for input '{edge.input}' has length {edge.length}; it must be at least 1")
+                raise RolloutError(
+                    f"feedback edge for input '{edge.input}' has length {edge.length}; it must be at least 1"
+                )
         if not self.trajectory:
             raise RolloutError("rollout spec names no trajectory outputs")
 
@@ -136,8 +150,12 @@ class RolloutSpec:
             raise RolloutError("rollout spec has no `steps` (the number of rollout steps T, e.g. steps = 8)")
         steps = _typed(data["steps"], int, "steps")
         trajectory = data.get("trajectory")
-        if trajectory is not None and (not isinstance(trajectory, list) or not all(isinstance(t, str) for t in trajectory)):
-            raise RolloutError(f"`trajectory` must be a list of output names, e.g. trajectory = [\"y\"], not {trajectory!r}")
+        if trajectory is not None and (
+            not isinstance(trajectory, list) or not all(isinstance(t, str) for t in trajectory)
+        ):
+            raise RolloutError(
+                f'`trajectory` must be a list of output names, e.g. trajectory = ["y"], not {trajectory!r}'
+            )
         raw = data.get("feedback", [])
         if not isinstance(raw, list) or not all(isinstance(e, Mapping) for e in raw):
             raise RolloutError("`feedback` must be a list of [[feedback]] tables")
@@ -170,8 +188,10 @@ class RolloutSpec:
         fed = [e.input for e in feedback]
         again = next((i for i, name in enumerate(fed) if name in fed[:i]), None)
         if again is not None:  # before the trajectory's check, which would name a key the spec may not have
-            raise RolloutError(f"[[feedback]] #{again + 1} feeds input '{fed[again]}', which #{fed.index(fed[again]) + 1} already feeds; "
-                               "an input takes one edge")
+            raise RolloutError(
+                f"[[feedback]] #{again + 1} feeds input '{fed[again]}', which #{fed.index(fed[again]) + 1} already feeds; "
+                "an input takes one edge"
+            )
         if trajectory is None:  # each output once, even where it feeds two inputs
             trajectory = list(dict.fromkeys(e.output for e in feedback if e.output is not None))
         repeated = sorted({t for t in trajectory if trajectory.count(t) > 1})
@@ -204,7 +224,11 @@ class RolloutSpec:
             if edge.mode == "shift":
                 fields["axis"] = edge.axis
             fields.update(fill=edge.fill, length=edge.length, by=edge.by, modulo=edge.modulo)
-            comment = "".join(f"# {line}\n" for line in reasons[edge.input].splitlines()) if reasons and edge.input in reasons else ""
+            comment = (
+                "".join(f"# {line}\n" for line in reasons[edge.input].splitlines())
+                if reasons and edge.input in reasons
+                else ""
+            )
             text += "\n[[feedback]]\n" + comment + tomli_w.dumps({k: v for k, v in fields.items() if v is not None})
         return text
 
@@ -215,25 +239,37 @@ class RolloutSpec:
         outs = {s.name: s for s in outputs}
         for edge in self.feedback:  # before the trajectory, which defaults to these outputs: name what the user wrote
             if edge.output is not None and edge.output not in outs:
-                raise RolloutError(f"feedback output '{edge.output}' is not a model output (outputs: {', '.join(outs)}){_guess(edge.output, outs)}")
+                raise RolloutError(
+                    f"feedback output '{edge.output}' is not a model output (outputs: {', '.join(outs)}){_guess(edge.output, outs)}"
+                )
             if edge.input not in ins:
-                raise RolloutError(f"feedback input '{edge.input}' is not a model input (inputs: {', '.join(ins)}){_guess(edge.input, ins)}")
+                raise RolloutError(
+                    f"feedback input '{edge.input}' is not a model input (inputs: {', '.join(ins)}){_guess(edge.input, ins)}"
+                )
         for name in self.trajectory:
             if name not in outs:
-                raise RolloutError(f"trajectory output '{name}' is not a model output (outputs: {', '.join(outs)}){_guess(name, outs)}")
+                raise RolloutError(
+                    f"trajectory output '{name}' is not a model output (outputs: {', '.join(outs)}){_guess(name, outs)}"
+                )
         for edge in self.feedback:
             target = ins[edge.input].shape
             if edge.mode == "advance":
                 _check_advance(edge, ins[edge.input])
                 continue
             if edge.mode == "shift" and not -len(target) <= edge.axis < len(target):
-                raise RolloutError(f"feedback edge for input '{edge.input}' {shape_text(target)} shifts along axis {edge.axis}, which it does not have")
+                raise RolloutError(
+                    f"feedback edge for input '{edge.input}' {shape_text(target)} shifts along axis {edge.axis}, which it does not have"
+                )
             if edge.output is None:
                 _check_fill(edge, ins[edge.input])
                 size = target[edge.axis] if edge.mode == "shift" and -len(target) <= edge.axis < len(target) else None
                 if edge.length is not None and isinstance(size, int) and edge.length > size:
-                    raise RolloutError(f"feedback edge for input '{edge.input}' {shape_text(target)} appends {edge.length} entries per step along axis {edge.axis}, which holds {size}")
-                if edge.length is None and not shift_siblings(self, edge, len(target), {e.input: ins[e.input].rank for e in self.feedback if e.input in ins}):
+                    raise RolloutError(
+                        f"feedback edge for input '{edge.input}' {shape_text(target)} appends {edge.length} entries per step along axis {edge.axis}, which holds {size}"
+                    )
+                if edge.length is None and not shift_siblings(
+                    self, edge, len(target), {e.input: ins[e.input].rank for e in self.feedback if e.input in ins}
+                ):
                     raise RolloutError(
                         f"feedback edge for input '{edge.input}' has no output and no `length`, and no shift edge with an output "
                         f"moves an input of the same rank along axis {edge.axis}; give `length` (entries appended per step)"
@@ -269,9 +305,13 @@ class CheckedSpec(RolloutSpec):
 def _check_advance(edge: "Feedback", spec: IOSpec) -> None:
     """An advanced input must hold numbers, and an integer one whole steps (0.5 h added to an int64 hour is 0)."""
     if spec.dtype.kind not in "iuf":
-        raise RolloutError(f"feedback edge for input '{edge.input}' advances it, but it holds {spec.dtype}, not numbers")
+        raise RolloutError(
+            f"feedback edge for input '{edge.input}' advances it, but it holds {spec.dtype}, not numbers"
+        )
     if spec.dtype.kind in "iu" and any(v is not None and v != round(v) for v in (edge.by, edge.modulo)):
-        raise RolloutError(f"feedback edge for input '{edge.input}' advances a {spec.dtype} input: `by` and `modulo` must be whole numbers")
+        raise RolloutError(
+            f"feedback edge for input '{edge.input}' advances a {spec.dtype} input: `by` and `modulo` must be whole numbers"
+        )
 
 
 def _number(value, what: str) -> float | None:
@@ -286,9 +326,13 @@ def _number(value, what: str) -> float | None:
 def _check_fill(edge: "Feedback", spec: IOSpec) -> None:
     """The fill must survive the cast to the input's type (1e40 is inf in float32; 0.5 is 0 in an int mask)."""
     if spec.dtype.kind == "f" and abs(edge.fill) > float(np.finfo(spec.dtype).max):
-        raise RolloutError(f"feedback edge for input '{edge.input}' appends fill {edge.fill:g}, beyond {spec.dtype}'s range, the input's type")
+        raise RolloutError(
+            f"feedback edge for input '{edge.input}' appends fill {edge.fill:g}, beyond {spec.dtype}'s range, the input's type"
+        )
     if spec.dtype.kind in "iub" and edge.fill != round(edge.fill):
-        raise RolloutError(f"feedback edge for input '{edge.input}' appends fill {edge.fill:g} into a {spec.dtype} input; it must be a whole number")
+        raise RolloutError(
+            f"feedback edge for input '{edge.input}' appends fill {edge.fill:g} into a {spec.dtype} input; it must be a whole number"
+        )
 
 
 def _known_keys(data: Mapping, allowed: Sequence[str], where: str) -> None:
@@ -309,7 +353,8 @@ def shift_siblings(spec: RolloutSpec, edge: Feedback, rank: int, ranks: Mapping[
     """The shift edges with an output that move an input of `edge`'s rank along the same axis."""
     axis = edge.axis % rank
     return [
-        e for e in spec.feedback
+        e
+        for e in spec.feedback
         if e.output is not None and e.mode == "shift" and ranks.get(e.input) == rank and e.axis % rank == axis
     ]
 
@@ -331,7 +376,7 @@ def aligned_shape(output: Sequence, target: Sequence, axis: int) -> tuple | None
         return None
     if len(output) == rank + 1:
         for k in reversed(range(len(output))):
-            squeezed = output[:k] + output[k + 1:]
+            squeezed = output[:k] + output[k + 1 :]
             if output[k] == 1 and same_but(squeezed, tuple(target), axis):
                 return squeezed
     return None
@@ -346,7 +391,9 @@ def same_but(a: tuple, b: tuple, axis: int) -> bool:
     if len(a) != len(b):
         return False
     skip = axis % len(a)
-    return all(i == skip or x == y or not isinstance(x, int) or not isinstance(y, int) for i, (x, y) in enumerate(zip(a, b)))
+    return all(
+        i == skip or x == y or not isinstance(x, int) or not isinstance(y, int) for i, (x, y) in enumerate(zip(a, b))
+    )
 
 
 def _guess(name: str, known) -> str:

@@ -10,7 +10,10 @@ from runtimes import Session, kept
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout.spec import RolloutSpec, aligned_shape, shift_siblings
 
-def next_feeds(feeds: Mapping[str, np.ndarray], produced: Mapping[str, np.ndarray], spec: RolloutSpec) -> dict[str, np.ndarray]:
+
+def next_feeds(
+    feeds: Mapping[str, np.ndarray], produced: Mapping[str, np.ndarray], spec: RolloutSpec
+) -> dict[str, np.ndarray]:
     """The inputs of the next step, given this step's inputs and outputs."""
     new = dict(feeds)
     appended: dict[str, int] = {}
@@ -29,7 +32,9 @@ def next_feeds(feeds: Mapping[str, np.ndarray], produced: Mapping[str, np.ndarra
         aligned = aligned_shape(output.shape, current.shape, edge.axis) if output.ndim != current.ndim else None
         if aligned is not None:
             output = output.reshape(aligned)
-        if output.ndim != current.ndim or any(o != c for i, (o, c) in enumerate(zip(output.shape, current.shape)) if i != axis):
+        if output.ndim != current.ndim or any(
+            o != c for i, (o, c) in enumerate(zip(output.shape, current.shape)) if i != axis
+        ):
             raise RolloutError(
                 f"output '{edge.output}' of shape {list(output.shape)} cannot be appended to input '{edge.input}' of shape {list(current.shape)} along axis {edge.axis}"
             )
@@ -41,12 +46,17 @@ def next_feeds(feeds: Mapping[str, np.ndarray], produced: Mapping[str, np.ndarra
         current = feeds[edge.input]
         if edge.mode == "advance":
             moved = current + (int(edge.by) if current.dtype.kind in "iu" else edge.by)
-            new[edge.input] = (np.mod(moved, int(edge.modulo) if current.dtype.kind in "iu" else edge.modulo) if edge.modulo else moved).astype(current.dtype, copy=False)
+            new[edge.input] = (
+                np.mod(moved, int(edge.modulo) if current.dtype.kind in "iu" else edge.modulo) if edge.modulo else moved
+            ).astype(current.dtype, copy=False)
             continue
         axis = edge.axis % current.ndim
         length = edge.length
         if length is None:
-            lengths = {appended[e.input] for e in shift_siblings(spec, edge, current.ndim, {k: np.ndim(v) for k, v in feeds.items()})}
+            lengths = {
+                appended[e.input]
+                for e in shift_siblings(spec, edge, current.ndim, {k: np.ndim(v) for k, v in feeds.items()})
+            }
             if len(lengths) != 1:
                 raise RolloutError(
                     f"feedback edge for input '{edge.input}' takes its shift length from its sibling shift edges, which append {sorted(lengths) or 'nothing'}; give `length`"

@@ -77,7 +77,10 @@ class ScoreSettings:
 
         beyond = [h for h in self.horizons or () if h > steps]
         if beyond:
-            raise InputError(f"--horizons {','.join(map(str, beyond))} lie beyond the rollout's {steps} steps", hint="lower them or raise --steps")
+            raise InputError(
+                f"--horizons {','.join(map(str, beyond))} lie beyond the rollout's {steps} steps",
+                hint="lower them or raise --steps",
+            )
 
     def schedule(self, steps: int) -> tuple[int, ...]:
         """Horizons at which gamma is reported: given, or 1, 2, 4, ... up to T (T included)."""
@@ -117,7 +120,9 @@ def _probe_summary(results: Sequence[TaskResult], nominal_sq, settings: ScoreSet
     steps = len(ratios)
     return {
         "gamma": math.inf if nonfinite else gamma_at(ratios[-1], steps),
-        "horizons": {h: (math.inf if nonfinite else gamma_at(ratios[h - 1], h)) if h <= steps else None for h in schedule},
+        "horizons": {
+            h: (math.inf if nonfinite else gamma_at(ratios[h - 1], h)) if h <= steps else None for h in schedule
+        },
         "a_max": math.inf if nonfinite else max(math.sqrt(ratios[h - 1]) for h in schedule if h <= steps),
         "rel_div": math.inf if nonfinite else _relative_divergence(results, nominal_sq),
         "nonfinite": nonfinite,
@@ -127,7 +132,14 @@ def _probe_summary(results: Sequence[TaskResult], nominal_sq, settings: ScoreSet
     }
 
 
-def score_frame(units: Sequence[Unit], results: dict[str, TaskResult], nominal_sq: Sequence[float], settings: ScoreSettings, steps: int, rows_read: dict | None = None) -> pl.DataFrame:
+def score_frame(
+    units: Sequence[Unit],
+    results: dict[str, TaskResult],
+    nominal_sq: Sequence[float],
+    settings: ScoreSettings,
+    steps: int,
+    rows_read: dict | None = None,
+) -> pl.DataFrame:
     """One row per unit with every score column, ranked (rank 1 = most sensitive).
 
     `rows_read` (Gather tables' rows the contexts read) fills `touched_rows`:
@@ -147,11 +159,23 @@ def score_frame(units: Sequence[Unit], results: dict[str, TaskResult], nominal_s
     )
 
 
-def _unit_row(unit: Unit, probes: dict[str, list[TaskResult]], nominal_sq: Sequence[float], settings: ScoreSettings,
-              schedule: Sequence[int], rows_read: dict) -> dict:
+def _unit_row(
+    unit: Unit,
+    probes: dict[str, list[TaskResult]],
+    nominal_sq: Sequence[float],
+    settings: ScoreSettings,
+    schedule: Sequence[int],
+    rows_read: dict,
+) -> dict:
     """One unit's row of the score table, from its probes' results."""
-    described = {"unit": unit.name, "tensors": ";".join(unit.tensor_names), "op_types": ";".join(unit.op_types),
-                 "nodes": ";".join(unit.nodes), "shape": unit.shape, "params": unit.params}
+    described = {
+        "unit": unit.name,
+        "tensors": ";".join(unit.tensor_names),
+        "op_types": ";".join(unit.op_types),
+        "nodes": ";".join(unit.nodes),
+        "shape": unit.shape,
+        "params": unit.params,
+    }
     # A weight exactly representable at the probe's bits has a zero residual: the quant probe then says nothing,
     # and the Gaussian probe (which falls back to the expected rounding-noise norm) carries the score.
     quant = _probe_summary([r for r in probes.get("quant", []) if r.delta_sq > 0], nominal_sq, settings, schedule)

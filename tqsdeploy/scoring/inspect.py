@@ -17,7 +17,9 @@ from tqsdeploy.units import UnitSelection, index_rows, nonfinite_weights, select
 
 
 def _io(specs) -> list[dict]:
-    return [{"name": s.name, "shape": [d if d is not None else "?" for d in s.shape], "dtype": str(s.dtype)} for s in specs]
+    return [
+        {"name": s.name, "shape": [d if d is not None else "?" for d in s.shape], "dtype": str(s.dtype)} for s in specs
+    ]
 
 
 def inspect_model(
@@ -28,7 +30,10 @@ def inspect_model(
 ) -> dict:
     """Signature, op census, quantizable units and the rollout, as plain data."""
     loaded = graph_ops.load_model(model, load_external=False)  # shapes and types only; the runtime reads the weights
-    tensors, unfed = graph_ops.find_weight_tensors(loaded.proto), graph_ops.layout.unfed_float_tensors(loaded.proto.graph)
+    tensors, unfed = (
+        graph_ops.find_weight_tensors(loaded.proto),
+        graph_ops.layout.unfed_float_tensors(loaded.proto.graph),
+    )
     units = select_units(tensors, selection, unfed)
     runtime = DEFAULT_RUNTIME.for_model(loaded.proto)
     source = graph_ops.io.runnable_path(loaded)
@@ -54,15 +59,28 @@ def inspect_model(
         "float_tensors": len(tensors),
         "float_params": float_params,
         "units": [
-            {"unit": u.name, "shape": u.shape, "params": u.params, "op_types": list(u.op_types), "nodes": list(u.nodes), "tensors": u.tensor_names}
+            {
+                "unit": u.name,
+                "shape": u.shape,
+                "params": u.params,
+                "op_types": list(u.op_types),
+                "nodes": list(u.nodes),
+                "tensors": u.tensor_names,
+            }
             for u in units
         ],
         "unit_params": unit_params,
         "unit_share": unit_params / float_params if float_params else 0.0,
         "rollout": rollout,
-        "notes": selection_notes(loaded, tensors, units, selection, unfed) + ([
-            f"{len(nonfinite)} weight(s) hold NaN or Inf ({', '.join(nonfinite[:3])}{', ...' if len(nonfinite) > 3 else ''}): "
-            "score, export and baseline refuse this model as it is"] if nonfinite else []),
+        "notes": selection_notes(loaded, tensors, units, selection, unfed)
+        + (
+            [
+                f"{len(nonfinite)} weight(s) hold NaN or Inf ({', '.join(nonfinite[:3])}{', ...' if len(nonfinite) > 3 else ''}): "
+                "score, export and baseline refuse this model as it is"
+            ]
+            if nonfinite
+            else []
+        ),
         "nonfinite_weights": nonfinite,
         "contexts": {
             "npz": npz_layout(session.inputs),
@@ -75,7 +93,9 @@ def inspect_model(
 def _nonfinite(loaded, units) -> list[str]:
     """The units' weights holding NaN or Inf, which score refuses: said here, before anyone starts a sweep."""
     data_dir = loaded.path.parent.resolve() if graph_ops.io.has_external_data(loaded.proto) else None
-    return nonfinite_weights(graph_ops.model_weights(loaded.proto, [n for u in units for n in u.tensor_names], data_dir))
+    return nonfinite_weights(
+        graph_ops.model_weights(loaded.proto, [n for u in units for n in u.tensor_names], data_dir)
+    )
 
 
 def _rollout(spec, steps, inputs, outputs) -> dict:
@@ -106,7 +126,9 @@ def emit_spec(info: dict, path: str | Path, force: bool = False) -> str:
     """
     path = Path(path)
     if path.exists() and os.path.samefile(path, info["model"]):
-        raise InputError(f"--emit-spec {path} is the model file itself; the input is never overwritten", hint="name a .toml file")
+        raise InputError(
+            f"--emit-spec {path} is the model file itself; the input is never overwritten", hint="name a .toml file"
+        )
     if path.exists() and not force:
         raise InputError(f"{path} already exists; pass --force to overwrite it")
     rollout = info["rollout"]
@@ -123,7 +145,9 @@ def emit_spec(info: dict, path: str | Path, force: bool = False) -> str:
         if rollout["origin"] == "detected":
             header += "# detected from the model's shapes and names; edit as needed (README 'Rollout specs')\n"
         if rollout.get("unused_outputs"):
-            header += f"# outputs that feed nothing and stay out of the trajectory: {', '.join(rollout['unused_outputs'])}\n"
+            header += (
+                f"# outputs that feed nothing and stay out of the trajectory: {', '.join(rollout['unused_outputs'])}\n"
+            )
         if rollout.get("constant_inputs"):
             header += f"# inputs held constant: {', '.join(rollout['constant_inputs'])}\n"
         body = rollout.get("toml") or RolloutSpec.from_dict(rollout).to_toml()

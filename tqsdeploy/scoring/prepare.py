@@ -15,13 +15,13 @@ from typing import Callable
 import onnx
 
 import graph_ops
+from graph_ops.qdq import at_opset, default_opset
 from runtimes import Runtime, Session
 from runtimes.derived import derived_feed, fed_as_fast
-from graph_ops.qdq import at_opset, default_opset
 from runtimes.factories import RebuildFactory, StreamedCuts, open_fed
-from tqsdeploy.rollout.contexts import ContextOptions, Contexts, load_contexts
 from tqsdeploy.errors import InputError
 from tqsdeploy.rollout import CheckedSpec, resolve_spec
+from tqsdeploy.rollout.contexts import ContextOptions, Contexts, load_contexts
 from tqsdeploy.scoring.request import ScoreRequest
 from tqsdeploy.sweep import EarlyStop, Nominal, SweepJob, SweepRunner, sweep_lanes, usable_cores
 from tqsdeploy.units import Unit, check_finite, gather_rows, index_rows, select_units, selection_notes
@@ -142,9 +142,20 @@ def prepare(request: ScoreRequest, sessions: SessionOptions = SessionOptions()) 
         quant_probe=settings.quant_probe,
     )
     return Prepared(
-        model=loaded, units=units, spec=spec, contexts=contexts, job=job, session=probe_session,
-        session_file=sources.source if isinstance(sources.source, Path) else None, data_dir=data_dir, workers=workers,
-        lanes=lanes, threads=runtime.threads, fed_as=sources.fed_as, notes=notes, opset=opset,
+        model=loaded,
+        units=units,
+        spec=spec,
+        contexts=contexts,
+        job=job,
+        session=probe_session,
+        session_file=sources.source if isinstance(sources.source, Path) else None,
+        data_dir=data_dir,
+        workers=workers,
+        lanes=lanes,
+        threads=runtime.threads,
+        fed_as=sources.fed_as,
+        notes=notes,
+        opset=opset,
     )
 
 
@@ -172,8 +183,9 @@ def _units(loaded: graph_ops.LoadedModel, request: ScoreRequest) -> tuple[list[U
     return units, selection_notes(loaded, tensors, units, request.selection, unfed)
 
 
-def _sources(loaded: graph_ops.LoadedModel, units: list[Unit], runtime: Runtime, sessions: SessionOptions,
-             data_dir: Path | None) -> tuple[_Sources, int]:
+def _sources(
+    loaded: graph_ops.LoadedModel, units: list[Unit], runtime: Runtime, sessions: SessionOptions, data_dir: Path | None
+) -> tuple[_Sources, int]:
     """The sessions' sources for a model with these units overridable, and the opset they run it at: read from
     the model's files (`data_dir`), made in memory, or, past protobuf's 2 GiB, a file with external data."""
     names = [n for u in units for n in u.tensor_names]
@@ -193,8 +205,15 @@ def _sources(loaded: graph_ops.LoadedModel, units: list[Unit], runtime: Runtime,
     return _Sources(partial(runtime.open, source), source), opset
 
 
-def _streamed(proto: onnx.ModelProto, declarations: dict[str, bytes], names: list[str], loaded: graph_ops.LoadedModel,
-              runtime: Runtime, sessions: SessionOptions, data_dir: Path) -> _Sources:
+def _streamed(
+    proto: onnx.ModelProto,
+    declarations: dict[str, bytes],
+    names: list[str],
+    loaded: graph_ops.LoadedModel,
+    runtime: Runtime,
+    sessions: SessionOptions,
+    data_dir: Path,
+) -> _Sources:
     """Sessions of a graph whose tensors stay references into the model's files; cuts are read from them too."""
     cuts = StreamedCuts(graph_ops.model_bytes(proto), runtime, data_dir)
     if sessions.runtime_keeps_weights:  # the units declared inputs too
@@ -212,8 +231,9 @@ def _streamed(proto: onnx.ModelProto, declarations: dict[str, bytes], names: lis
     return _Sources(factory, source, cuts=cuts, weights=weights)
 
 
-def _in_memory(proto: onnx.ModelProto, declarations: dict[str, bytes], units: list[Unit], names: list[str],
-               runtime: Runtime) -> _Sources:
+def _in_memory(
+    proto: onnx.ModelProto, declarations: dict[str, bytes], units: list[Unit], names: list[str], runtime: Runtime
+) -> _Sources:
     """Sessions made from the model's bytes, serialised once: the fed one a derived graph when that runs faster."""
     rebuild = RebuildFactory(graph_ops.model_bytes(proto), runtime, declarations)
     derived, fed_as = derived_feed(rebuild, units, names)
@@ -244,10 +264,14 @@ def _contexts(request: ScoreRequest, inputs: list, loaded: graph_ops.LoadedModel
     return load_contexts(path, inputs, options, rows=index_rows(loaded.proto) if options.random else None)
 
 
-def _session_file(loaded: graph_ops.LoadedModel, names: list[str], workdir: Path | None, opset: int | None = None) -> Path:
+def _session_file(
+    loaded: graph_ops.LoadedModel, names: list[str], workdir: Path | None, opset: int | None = None
+) -> Path:
     """Where the runtime's full copy of this model (with these units overridable; at `opset` when raised) lives: the
     run folder, or a temporary one; named by the model's digest, so a resumed score and export reuse it."""
-    key = hashlib.sha256((loaded.sha256 + "\x1f".join(sorted(names)) + (f"\x1fopset {opset}" if opset else "")).encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        (loaded.sha256 + "\x1f".join(sorted(names)) + (f"\x1fopset {opset}" if opset else "")).encode()
+    ).hexdigest()[:12]
     return _session_folder(workdir) / f"session-{key}.onnx"
 
 

@@ -26,16 +26,24 @@ from runtimes import Runtime
 from tqsdeploy._version import __version__
 from tqsdeploy.errors import InputError
 from tqsdeploy.files import REPLACED, file_identity
-from tqsdeploy.scoring.prepare import Prepared, SessionOptions, prepare
-from tqsdeploy.scoring.request import ScoreRequest
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.scoring.gamma import ScoreSettings
+from tqsdeploy.scoring.prepare import Prepared, SessionOptions, prepare
+from tqsdeploy.scoring.request import ScoreRequest
 from tqsdeploy.sweep import SweepSettings
 from tqsdeploy.units import UnitSelection
 
 RUN_FORMAT = 1
 """The layout of run.json this version writes and reads; a run of a newer layout is refused, not misread."""
-RUN_FILES = ("run.json", "sweep.jsonl", "measured.jsonl", "scores.parquet", "scores.csv", "rollout.toml", "contexts.npz")
+RUN_FILES = (
+    "run.json",
+    "sweep.jsonl",
+    "measured.jsonl",
+    "scores.parquet",
+    "scores.csv",
+    "rollout.toml",
+    "contexts.npz",
+)
 GENERIC_STEMS = ("model",)
 """File names exporters give every model; default output names add the folder's name to them."""
 
@@ -85,18 +93,24 @@ class ScoreRun:
         meta, where = self.meta, self.run_dir / "run.json"
         found = meta.get("format", 1)
         if not isinstance(found, int) or found > RUN_FORMAT:
-            raise InputError(f"{where} is from a newer tqsdeploy (run format {found}; this version reads {RUN_FORMAT})",
-                             hint="upgrade tqsdeploy, or score the model again with --fresh")
+            raise InputError(
+                f"{where} is from a newer tqsdeploy (run format {found}; this version reads {RUN_FORMAT})",
+                hint="upgrade tqsdeploy, or score the model again with --fresh",
+            )
         try:
             probe = dict(meta["probe"])
             probe["horizons"] = tuple(probe["horizons"]) if probe.get("horizons") else None
-            self.model = ScoredModel(Path(meta["model"]["path"]), meta["model"]["sha256"], meta["model"].get("bytes", 0))
+            self.model = ScoredModel(
+                Path(meta["model"]["path"]), meta["model"]["sha256"], meta["model"].get("bytes", 0)
+            )
             self.spec = RolloutSpec.from_dict(meta["rollout"])
             self.settings = ScoreSettings(**probe)
             self.selection = UnitSelection(**meta["selection"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise InputError(f"{where} is not a score run this version of tqsdeploy can read ({type(exc).__name__}: {exc})",
-                             hint="score the model again with --fresh") from None
+            raise InputError(
+                f"{where} is not a score run this version of tqsdeploy can read ({type(exc).__name__}: {exc})",
+                hint="score the model again with --fresh",
+            ) from None
         self.strategy = meta.get("strategy", "auto")
         self.fingerprint = meta.get("fingerprint")
         self.contexts_sha256 = meta.get("contexts", {}).get("sha256")
@@ -110,18 +124,25 @@ class ScoreRun:
         stamp = file_identity(run_dir / "run.json")  # before reading: a run.json replaced meanwhile reads as changed
         meta, scores = read_record(run_dir), run_dir / "scores.parquet"
         if (run_dir / REPLACED).is_dir():
-            raise InputError(f"{run_dir} holds a run that a score --fresh was replacing when it was stopped",
-                             hint="run that score again: it restores the earlier run if the new one has no result yet, or finishes the new one")
+            raise InputError(
+                f"{run_dir} holds a run that a score --fresh was replacing when it was stopped",
+                hint="run that score again: it restores the earlier run if the new one has no result yet, or finishes the new one",
+            )
         if meta is None or not scores.exists():
             raise InputError(f"{run_dir} is not a finished score run (no run.json / scores.parquet)")
         try:
             frame = pl.read_parquet(scores)
         except (pl.exceptions.PolarsError, OSError) as exc:
-            raise InputError(f"{scores} is not a readable score table ({str(exc).splitlines()[0]})", hint="score the model again with --fresh") from None
+            raise InputError(
+                f"{scores} is not a readable score table ({str(exc).splitlines()[0]})",
+                hint="score the model again with --fresh",
+            ) from None
         missing = [column for column in SCORE_COLUMNS if column not in frame.columns]
         if missing:
-            raise InputError(f"{scores} is not a score table this version of tqsdeploy can read (no column '{missing[0]}')",
-                             hint="score the model again with --fresh")
+            raise InputError(
+                f"{scores} is not a score table this version of tqsdeploy can read (no column '{missing[0]}')",
+                hint="score the model again with --fresh",
+            )
         run = cls(frame=frame, run_dir=run_dir, meta=meta)
         run.stamp = stamp
         return run
@@ -143,7 +164,10 @@ class ScoreRun:
         except InputError:
             now = None
         if now is None or (self.run_dir / REPLACED).is_dir() or run_identity(now) != self.identity:
-            raise InputError(f"the score run in {self.run_dir} was replaced while this export ran", hint="export again: it prices the run the folder holds now")
+            raise InputError(
+                f"the score run in {self.run_dir} was replaced while this export ran",
+                hint="export again: it prices the run the folder holds now",
+            )
         self.stamp = stamp
 
     @property
@@ -173,13 +197,31 @@ class ScoreRun:
                 hint="score this model first, or pass --run DIR of its own run",
             )
 
-    def prepare(self, model: Path, runtime: Runtime, *, strategy: str, lanes: int | None, runtime_keeps_weights: bool, opset=None) -> Prepared:
+    def prepare(
+        self,
+        model: Path,
+        runtime: Runtime,
+        *,
+        strategy: str,
+        lanes: int | None,
+        runtime_keeps_weights: bool,
+        opset=None,
+    ) -> Prepared:
         """This run's sweep made ready again on `model` and `runtime` for a later stage: the run's own contexts,
         rollout, units and probe settings, its session files kept in the run folder; `opset`: the opset its
         sessions run the model at, from the model and its units (`SessionOptions.opset`)."""
-        request = ScoreRequest(model, self.contexts_file, self.spec_file, settings=self.settings, selection=self.selection,
-                               sweep=SweepSettings(strategy=strategy, lanes=lanes), runtime=runtime)
-        sessions = SessionOptions(workdir=self.run_dir, stream=True, runtime_keeps_weights=runtime_keeps_weights, opset=opset)
+        request = ScoreRequest(
+            model,
+            self.contexts_file,
+            self.spec_file,
+            settings=self.settings,
+            selection=self.selection,
+            sweep=SweepSettings(strategy=strategy, lanes=lanes),
+            runtime=runtime,
+        )
+        sessions = SessionOptions(
+            workdir=self.run_dir, stream=True, runtime_keeps_weights=runtime_keeps_weights, opset=opset
+        )
         return prepare(request, sessions)
 
 
@@ -254,7 +296,9 @@ def model_label(model: str | Path) -> str:
     given, links not followed: a Hugging Face snapshot's model.onnx links to blobs/<hash>, which every model shares."""
     path = Path(model)
     if path.stem.lower() in GENERIC_STEMS:
-        folder = Path(os.path.abspath(path)).parent.name  # abspath: '..' and a bare name resolved lexically, not through links
+        folder = Path(
+            os.path.abspath(path)
+        ).parent.name  # abspath: '..' and a bare name resolved lexically, not through links
         return f"{folder}_{path.stem}" if folder else path.stem
     return path.stem
 

@@ -21,8 +21,19 @@ from tqsdeploy.scoring.prepare import Prepared, SessionOptions, prepare
 from tqsdeploy.scoring.replacement import Replacement, holds_nothing
 from tqsdeploy.scoring.request import ScoreProgress, ScoreRequest
 from tqsdeploy.scoring.runs import RUN_FORMAT, ScoreRun, current_versions, default_run_dir, read_record, run_fingerprint
-from tqsdeploy.sweep import ResultLog, SweepRunner, SweepSettings, Task, TaskResult, plan_tasks, stale_units
-from tqsdeploy.sweep import run_local, run_parallel, run_ray, usable_cores
+from tqsdeploy.sweep import (
+    ResultLog,
+    SweepRunner,
+    SweepSettings,
+    Task,
+    TaskResult,
+    plan_tasks,
+    run_local,
+    run_parallel,
+    run_ray,
+    stale_units,
+    usable_cores,
+)
 from tqsdeploy.sweep.executors import check_ray_address
 from tqsdeploy.sweep.settings import check_strategy
 
@@ -36,8 +47,9 @@ SESSION_PATTERNS = ("session-*.onnx*", "overridable-*.onnx", "fed-*.onnx", "grap
 """Session files a run folder may hold (graph-*, weights-*: what older versions made)."""
 
 
-def score(model: str | Path, contexts=None, *, spec=None, steps: int | None = None, out: str | Path | None = None,
-          **options) -> ScoreRun:
+def score(
+    model: str | Path, contexts=None, *, spec=None, steps: int | None = None, out: str | Path | None = None, **options
+) -> ScoreRun:
     """Run the TQS sweep on an ONNX model and return the ranked score table: the keyword form of a `ScoreRequest`.
 
     The other keywords are the request's (`settings`, `selection`, `context_options`, `runtime`, `resume`), its
@@ -64,8 +76,10 @@ def _check_machine(sweep: SweepSettings) -> None:
     if sweep.ray_address is not None:
         check_ray_address(None if sweep.ray_address == "local" else sweep.ray_address)
     if (sweep.processes(usable_cores()) > 1 or sweep.ray_address is not None) and sweep.lanes not in (None, 1):
-        raise InputError("--lanes runs tasks side by side in this process; with --workers or --ray each worker runs "
-                         "one at a time", hint="pass one of them")
+        raise InputError(
+            "--lanes runs tasks side by side in this process; with --workers or --ray each worker runs one at a time",
+            hint="pass one of them",
+        )
 
 
 @dataclass
@@ -91,8 +105,9 @@ class _Tasks:
     pending: list[Task]
 
 
-def _score(run_dir: Path, request: ScoreRequest, prepared: Prepared, progress: ScoreProgress,
-           started: float) -> ScoreRun:
+def _score(
+    run_dir: Path, request: ScoreRequest, prepared: Prepared, progress: ScoreProgress, started: float
+) -> ScoreRun:
     """`run_score` inside its claimed run folder, its sweep prepared."""
     folder = _read_folder(run_dir, prepared, request)
     if folder.fresh:
@@ -122,8 +137,9 @@ def _score(run_dir: Path, request: ScoreRequest, prepared: Prepared, progress: S
         sweep_seconds = time.perf_counter() - sweep_started
         if runner.fallbacks:
             meta["batch_fallbacks"] = runner.fallbacks  # units 'batch' ran probe by probe, and why
-        frame = score_frame(prepared.units, tasks.done, runner.nominal.norm_sq, request.settings, prepared.spec.steps,
-                            prepared.job.rows)
+        frame = score_frame(
+            prepared.units, tasks.done, runner.nominal.norm_sq, request.settings, prepared.spec.steps, prepared.job.rows
+        )
         write_table(frame, run_dir / "scores.parquet")
         write_table(frame, run_dir / "scores.csv")
         meta.update(_outcome(frame, runner, request.settings))
@@ -182,15 +198,19 @@ def _plan(run_dir: Path, prepared: Prepared, settings: ScoreSettings, folder: _F
     return _Tasks(log, done, remeasured, planned, [t for t in planned if t.key not in done])
 
 
-def _record(prepared: Prepared, request: ScoreRequest, runner: SweepRunner, tasks: _Tasks,
-            fingerprint: str | None) -> dict:
+def _record(
+    prepared: Prepared, request: ScoreRequest, runner: SweepRunner, tasks: _Tasks, fingerprint: str | None
+) -> dict:
     """run.json as the sweep starts: what is scored, how, and what the user should know."""
     meta = {
         "format": RUN_FORMAT,
         "status": "running",
         "fingerprint": fingerprint or run_fingerprint(prepared, request.settings, request.runtime),
-        "model": {"path": str(prepared.model.path.resolve()), "sha256": prepared.model.sha256,
-                  "bytes": prepared.model.file_bytes},
+        "model": {
+            "path": str(prepared.model.path.resolve()),
+            "sha256": prepared.model.sha256,
+            "bytes": prepared.model.file_bytes,
+        },
         "rollout": prepared.spec.to_dict(),
         "contexts": prepared.contexts.describe(),
         "probe": asdict(request.settings),
@@ -224,8 +244,9 @@ def _record(prepared: Prepared, request: ScoreRequest, runner: SweepRunner, task
     return meta
 
 
-def _announce(progress: ScoreProgress, runner: SweepRunner, tasks: _Tasks, prepared: Prepared,
-              sweep: SweepSettings) -> None:
+def _announce(
+    progress: ScoreProgress, runner: SweepRunner, tasks: _Tasks, prepared: Prepared, sweep: SweepSettings
+) -> None:
     """Tell the caller how many tasks there are, and how long auto's timing says the sweep will take (when it
     timed the sweep on these lanes)."""
     if progress.on_start:

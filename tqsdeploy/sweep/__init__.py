@@ -12,7 +12,18 @@ weights), `choice` (auto), `runner` (SweepRunner) and `executors` (lanes, worker
 """
 
 from tqsdeploy.rollout.engine import Drift, EarlyStop, Nominal
-from tqsdeploy.sweep.executors import Lanes, interleaved, run_lanes, run_local, run_parallel, run_ray, sweep_lanes, usable_cores, LANE_EXTRA_BYTES, LANES_MAX
+from tqsdeploy.sweep.executors import (
+    LANE_EXTRA_BYTES,
+    LANES_MAX,
+    Lanes,
+    interleaved,
+    run_lanes,
+    run_local,
+    run_parallel,
+    run_ray,
+    sweep_lanes,
+    usable_cores,
+)
 from tqsdeploy.sweep.job import SweepJob
 from tqsdeploy.sweep.probe_source import ProbeSource, stale_units
 from tqsdeploy.sweep.runner import SweepRunner
@@ -20,6 +31,26 @@ from tqsdeploy.sweep.settings import SweepSettings
 from tqsdeploy.sweep.tasks import ResultLog, Task, TaskResult, plan_tasks
 
 __all__ = [
-    "Drift", "EarlyStop", "LANES_MAX", "LANE_EXTRA_BYTES", "Lanes", "Nominal", "ProbeSource", "ResultLog", "SweepJob", "SweepRunner", "SweepSettings", "Task", "TaskResult", "interleaved", "plan_tasks", "run_lanes", "run_local",
-    "run_parallel", "run_ray", "stale_units", "sweep_lanes", "usable_cores",
+    "Drift",
+    "EarlyStop",
+    "LANES_MAX",
+    "LANE_EXTRA_BYTES",
+    "Lanes",
+    "Nominal",
+    "ProbeSource",
+    "ResultLog",
+    "SweepJob",
+    "SweepRunner",
+    "SweepSettings",
+    "Task",
+    "TaskResult",
+    "interleaved",
+    "plan_tasks",
+    "run_lanes",
+    "run_local",
+    "run_parallel",
+    "run_ray",
+    "stale_units",
+    "sweep_lanes",
+    "usable_cores",
 ]

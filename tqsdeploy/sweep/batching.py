@@ -68,10 +68,16 @@ class BatchCheck:
             for name in job.spec.trajectory:
                 got, want = np.asarray(outs[name]), np.asarray(expected[name], np.float64)
                 if got.ndim == 0 or got.shape[0] % probes or got.size != probes * want.size:
-                    return f"unit '{unit.name}': batched output '{name}' {list(got.shape)} does not keep the probes' batch"
+                    return (
+                        f"unit '{unit.name}': batched output '{name}' {list(got.shape)} does not keep the probes' batch"
+                    )
                 got = got.reshape(probes, -1)[0].astype(np.float64)
                 scale = float(np.abs(want).max(initial=0.0))
-                rtol = max(BATCH_RTOL, 10 * float(np.finfo(outs[name].dtype).eps)) if np.issubdtype(outs[name].dtype, np.floating) else 0.0
+                rtol = (
+                    max(BATCH_RTOL, 10 * float(np.finfo(outs[name].dtype).eps))
+                    if np.issubdtype(outs[name].dtype, np.floating)
+                    else 0.0
+                )
                 error = float(np.abs(got - want.reshape(-1)).max(initial=0.0))
                 if not error <= rtol * max(scale, 1e-30):
                     return (

@@ -108,8 +108,15 @@ class Choice:
         estimates = {"feed": len(job.units) * max(1, job.tasks_per_unit) * job.spec.steps * step}
         if self._small(estimates["feed"]):
             return "feed"
-        packed = sum(t.params * np.dtype(t.dtype).itemsize for u in job.units.values() for t in u.tensors if set(t.op_types) & PRE_PACKED)
-        build_s = job.session_build_s + packed / CONSTANT_BUILD_BYTES_PER_S  # the fed session packs no weight as it builds
+        packed = sum(
+            t.params * np.dtype(t.dtype).itemsize
+            for u in job.units.values()
+            for t in u.tensors
+            if set(t.op_types) & PRE_PACKED
+        )
+        build_s = (
+            job.session_build_s + packed / CONSTANT_BUILD_BYTES_PER_S
+        )  # the fed session packs no weight as it builds
         try:  # the fed session's calls bound the constant ones
             estimates["prefix"] = self._estimate_prefix(job.spec.steps * step, build_s, chunks[0][1])
         except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
@@ -162,7 +169,9 @@ class Choice:
             self.rig.first_step = made
         return made.seconds
 
-    def _estimate_rebuilt(self, unit: Unit, one: dict[str, np.ndarray], chunks, t_feed: float, prefix: bool) -> dict[str, float]:
+    def _estimate_rebuilt(
+        self, unit: Unit, one: dict[str, np.ndarray], chunks, t_feed: float, prefix: bool
+    ) -> dict[str, float]:
         """Every strategy's sweep seconds for a model held in memory (its sessions can be rebuilt): the
         constant session is built and timed (kept as the nominal session of every strategy but feed and
         prefix), a unit session and a rebuild only when a lower bound says they could win. A fed session that
@@ -177,7 +186,9 @@ class Choice:
         else:
             constant, constant_build = self.constant_session(), self.rig.constant_build_s
             t_const = _best_time(lambda: constant.run(one, names))
-        scale = self._first_step_seconds(self.rig.overridable, chunks) / max(t_feed, 1e-9)  # a real chunk over one window
+        scale = self._first_step_seconds(self.rig.overridable, chunks) / max(
+            t_feed, 1e-9
+        )  # a real chunk over one window
         step = len(chunks) * scale  # one step of every chunk, in one-window calls
         calls = job.spec.steps * step
         estimates["feed"] = units * tasks_per_unit * calls * t_feed
@@ -192,24 +203,37 @@ class Choice:
             grouped.close()
             estimates["unit"] = units * (unit_build + tasks_per_unit * calls * t_unit)
         elif job.unit_factory is not None:
-            estimates["unit"] = units * (constant_build + tasks_per_unit * calls * t_const)  # a lower bound, already too slow
+            estimates["unit"] = units * (
+                constant_build + tasks_per_unit * calls * t_const
+            )  # a lower bound, already too slow
         if units * tasks_per_unit * (constant_build + calls * t_const) < to_beat():
             started = time.perf_counter()
             job.rebuild_factory(weights).close()
             estimates["rebuild"] = units * tasks_per_unit * (time.perf_counter() - started + calls * t_const)
         else:
-            estimates["rebuild"] = units * tasks_per_unit * (constant_build + calls * t_const)  # a lower bound, already too slow
+            estimates["rebuild"] = (
+                units * tasks_per_unit * (constant_build + calls * t_const)
+            )  # a lower bound, already too slow
         if prefix:
             try:
                 # the cuts feed their weights as stored: the fed session's slowdown says what that costs, unless
                 # it is the runtime's optimized graph (as fast as a constant one), when the planner's default does
                 slowdown = None if isinstance(self.rig.overridable, DerivedFeeds) else t_feed / max(t_const, 1e-9)
-                estimates["prefix"] = self._estimate_prefix(step * t_const, constant_build, chunks[0][1], slowdown, (job.spec.steps - 1) * step * t_feed)
+                estimates["prefix"] = self._estimate_prefix(
+                    step * t_const, constant_build, chunks[0][1], slowdown, (job.spec.steps - 1) * step * t_feed
+                )
             except Exception:  # a graph the cut cannot handle (e.g. untyped activations): no prefix
                 pass
         if self.rig.batch.refusal() is None:
             try:
-                batch = self.estimate_batch(constant_build, estimates.get("unit", estimates["rebuild"]) / units, to_beat(), scale, chunks[0][0], t_const)
+                batch = self.estimate_batch(
+                    constant_build,
+                    estimates.get("unit", estimates["rebuild"]) / units,
+                    to_beat(),
+                    scale,
+                    chunks[0][0],
+                    t_const,
+                )
             except Exception:  # a rewritten graph the runtime cannot run: no batch
                 batch = None
             if batch is not None:
@@ -225,7 +249,9 @@ class Choice:
             self.rig.constant_build_s = time.perf_counter() - started
         return self.rig.constant
 
-    def estimate_batch(self, constant_build: float, fallback: float, best: float, scale: float, chunk_windows: int, t_const: float) -> float | None:
+    def estimate_batch(
+        self, constant_build: float, fallback: float, best: float, scale: float, chunk_windows: int, t_const: float
+    ) -> float | None:
         """Sweep seconds of 'batch': per unit it can batch, a batched build, its check and one batched
         rollout (the nominal slot and the probes), timed on the largest such unit with a batched call of
         one window, scaled to a real call's windows as the constant session scales from one window to its
@@ -241,7 +267,9 @@ class Choice:
         calls = job.spec.steps * math.ceil(job.contexts.count / per_call)
         per_window = t_const * max(0.0, scale - 1) / max(1, chunk_windows - 1)  # what a window more adds to a call
         per_unit = constant_build + calls * (t_const + per_window * (probes * per_call - 1))
-        if len(units) * min(fallback, per_unit) >= best:  # however many it can batch, already too slow: no rewrite tried
+        if (
+            len(units) * min(fallback, per_unit) >= best
+        ):  # however many it can batch, already too slow: no rewrite tried
             return len(units) * min(fallback, per_unit)
         batchable = [u for u in units if factory.batch_refusal(u.tensor_names) is None]
         if not batchable:
@@ -263,19 +291,30 @@ class Choice:
             check = time.perf_counter() - started
             feeds = tiled(self.rig.batch.reference[0], probes)  # the check's one window
             weights = {n: np.stack([job.weights[n]] * probes) for n in unit.tensor_names}
-            t_one = _best_time(lambda: session.run({**feeds, **weights}, job.spec.run_outputs), 2)  # the first call of a shape allocates
+            t_one = _best_time(
+                lambda: session.run({**feeds, **weights}, job.spec.run_outputs), 2
+            )  # the first call of a shape allocates
         finally:
             session.close()
         t_call = t_one * max(1.0, scale * per_call / max(1, chunk_windows))
         return refused + len(batchable) * (build + check + calls * t_call)
 
-    def _estimate_prefix(self, call_s: float, build_s: float, feeds: dict[str, np.ndarray], fed_slowdown: float | None = None, rest_s: float = 0.0) -> float:
+    def _estimate_prefix(
+        self,
+        call_s: float,
+        build_s: float,
+        feeds: dict[str, np.ndarray],
+        fed_slowdown: float | None = None,
+        rest_s: float = 0.0,
+    ) -> float:
         """Sweep seconds of 'prefix': the whole model's session with its activations as outputs (a build and
         a first step), then the planned cuts (`_plan_cuts`); with more steps, `rest_s` (steps 2..T on the
         overridable session) once for the nominal and once per task."""
         tasks_per_unit = max(1, self.job.tasks_per_unit)
         plan = self.rig.cuts.plan(call_s, build_s, feeds, fed_slowdown)
         serial = build_s + call_s + rest_s  # the whole model's session, its first step and the nominal's later steps
-        pieces = [seconds + len(group) * tasks_per_unit * rest_s for group, seconds in zip(plan.groups, plan.group_seconds)]
+        pieces = [
+            seconds + len(group) * tasks_per_unit * rest_s for group, seconds in zip(plan.groups, plan.group_seconds)
+        ]
         self._prefix_pieces = (serial, pieces)
         return serial + sum(pieces)

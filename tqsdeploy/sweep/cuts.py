@@ -20,7 +20,9 @@ class CutPlanning:
         self._walk: graph_ops.prefix.GraphWalk | None = None
         self._fed_penalty = graph_ops.prefix.FED_PENALTY
 
-    def plan(self, call_s: float, build_s: float, feeds: dict[str, np.ndarray], fed_slowdown: float | None = None) -> graph_ops.prefix.CutPlan:
+    def plan(
+        self, call_s: float, build_s: float, feeds: dict[str, np.ndarray], fed_slowdown: float | None = None
+    ) -> graph_ops.prefix.CutPlan:
         """Which units share a cut, for a whole-model rollout of `call_s` seconds and build of `build_s`;
         `fed_slowdown`, when measured, is the fed session's time over the constant one's."""
         job, graph = self.job, self.job.cut_factory.graph()

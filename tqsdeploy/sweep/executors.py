@@ -74,7 +74,10 @@ def sweep_lanes(lanes: int | None, provider: str, threads: int | None, model_byt
         raise InputError(f"--lanes must be 1 or more, not {lanes}")
     if on_gpu(provider):
         if lanes not in (None, 1):
-            raise InputError(f"--lanes {lanes} runs tasks side by side on the CPU provider only; on '{provider}' the sweep runs one lane", hint="drop --lanes")
+            raise InputError(
+                f"--lanes {lanes} runs tasks side by side on the CPU provider only; on '{provider}' the sweep runs one lane",
+                hint="drop --lanes",
+            )
         return 1
     if lanes is None:
         return max(1, min(LANES_MAX, usable_cores() // (threads or 1), 1 + LANE_EXTRA_BYTES // max(model_bytes, 1)))
@@ -86,13 +89,19 @@ def interleaved(items: Sequence[Sequence[Task]], lanes: int) -> list[Task]:
     one and tasks cost alike: the first tasks of `lanes` items, then their second ones, and so on."""
     order: list[Task] = []
     for start in range(0, len(items), lanes):
-        batch = items[start:start + lanes]
+        batch = items[start : start + lanes]
         for depth in range(max(len(item) for item in batch)):
             order.extend(item[depth] for item in batch if depth < len(item))
     return order
 
 
-def run_lanes(runner: SweepRunner, items: Sequence[Sequence[Task]], lanes: int, log: ResultLog, on_result: Callable[[TaskResult], None] | None) -> None:
+def run_lanes(
+    runner: SweepRunner,
+    items: Sequence[Sequence[Task]],
+    lanes: int,
+    log: ResultLog,
+    on_result: Callable[[TaskResult], None] | None,
+) -> None:
     """Run the work items on `lanes` threads (`Lanes`): `runner` and `lanes` - 1 of its `SweepRunner.lane`s.
 
     On the CPU provider a small model's call gains little from ONNX Runtime's intra-op threads (on 2
@@ -137,7 +146,12 @@ class Lanes:
     the CPU provider a one-thread session runs a call on the caller's thread: lanes over sessions of one
     thread each use one core each."""
 
-    def __init__(self, runners: Sequence[SweepRunner], items: Sequence[object], work: Callable[[SweepRunner, object], Iterable[object]]):
+    def __init__(
+        self,
+        runners: Sequence[SweepRunner],
+        items: Sequence[object],
+        work: Callable[[SweepRunner, object], Iterable[object]],
+    ):
         self._runners, self._work = list(runners), work
         self._pending = deque(items)
         self._taken = threading.Lock()
@@ -220,7 +234,9 @@ def run_parallel(
 
     context = multiprocessing.get_context("spawn")  # forking a process that runs ONNX Runtime threads is unsafe
     try:
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(job, strategy)) as pool:
+        with ProcessPoolExecutor(
+            workers, mp_context=context, initializer=_start_worker, initargs=(job, strategy)
+        ) as pool:
             # Sessions and probes are built per unit: keep a unit's tasks on one worker unless weights are fed.
             chunk = 1 if strategy == "feed" else max(1, job.tasks_per_unit)
             for result in pool.map(_run_in_worker, tasks, chunksize=chunk):
@@ -255,9 +271,14 @@ def check_ray_address(address: str | None) -> None:
     if not host or not port.isdigit():
         raise InputError(f"--ray takes 'local', 'auto' or a cluster address HOST:PORT, not '{address}'")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_S).close()  # [::1]:6379: IPv6 in brackets
+        socket.create_connection(
+            (host.strip("[]"), int(port)), timeout=RAY_CONNECT_S
+        ).close()  # [::1]:6379: IPv6 in brackets
     except OSError as exc:
-        raise InputError(f"no Ray cluster answers at {address} ({exc.strerror or exc})", hint="check the address ('ray status' on the head node prints it)") from None
+        raise InputError(
+            f"no Ray cluster answers at {address} ({exc.strerror or exc})",
+            hint="check the address ('ray status' on the head node prints it)",
+        ) from None
 
 
 def run_ray(
@@ -283,9 +304,15 @@ def run_ray(
     if not ray.is_initialized():  # the address was checked (`check_ray_address`) before the score's work began
         try:
             ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
-        except (ConnectionError, RuntimeError, ValueError) as exc:  # 'auto' with no cluster running, a malformed address
-            raise RolloutError(f"could not join a Ray cluster at '{address}' ({str(exc).splitlines()[0]})",
-                               hint="start one with 'ray start --head', or pass --ray local for one on this machine") from None
+        except (
+            ConnectionError,
+            RuntimeError,
+            ValueError,
+        ) as exc:  # 'auto' with no cluster running, a malformed address
+            raise RolloutError(
+                f"could not join a Ray cluster at '{address}' ({str(exc).splitlines()[0]})",
+                hint="start one with 'ray start --head', or pass --ray local for one on this machine",
+            ) from None
     actor = ray.remote(_RayWorker)
     shared = ray.put(job)
     actors = [actor.remote(shared, strategy) for _ in range(workers)]

@@ -8,10 +8,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from runtimes import Session, SessionFactory
+from tqsdeploy.rollout import CheckedSpec
 from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.rollout.engine import EarlyStop
-from tqsdeploy.rollout import CheckedSpec
 from tqsdeploy.units import Unit
+
 
 @dataclass
 class SweepJob:

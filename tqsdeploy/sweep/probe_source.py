@@ -8,8 +8,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Mapping, Sequence
 
 import graph_ops
-from tqsdeploy.sweep.probes import Perturbation, UnitProbes
 from tqsdeploy.sweep.job import SweepJob
+from tqsdeploy.sweep.probes import Perturbation, UnitProbes
 from tqsdeploy.sweep.tasks import Task, TaskResult
 
 PROBE_DEPTH_MAX = 4
@@ -42,7 +42,11 @@ def stale_units(job: SweepJob, done: Mapping[str, TaskResult]) -> set[str]:
             "quant": sum(probes.residual_sq(t) for t in probes.weights),
             "gauss": sum(probes.reference_norm(t) ** 2 for t in probes.weights),
         }
-        if any(r.probe not in expected or abs(r.delta_sq - expected[r.probe]) > STALE_RTOL[r.probe] * max(expected[r.probe], 1e-30) for r in results):
+        if any(
+            r.probe not in expected
+            or abs(r.delta_sq - expected[r.probe]) > STALE_RTOL[r.probe] * max(expected[r.probe], 1e-30)
+            for r in results
+        ):
             stale.add(name)
         graph_ops.release_pages(job.weights, unit.tensor_names)
     return stale
@@ -81,7 +85,9 @@ class ProbeSource:
     @property
     def fitting(self) -> int:
         """How many copies of the largest unit fit in `PROBE_DEPTH_BYTES` (at least one)."""
-        largest = max((sum(self.job.weights[n].nbytes for n in u.tensor_names) for u in self.job.units.values()), default=0)
+        largest = max(
+            (sum(self.job.weights[n].nbytes for n in u.tensor_names) for u in self.job.units.values()), default=0
+        )
         return max(1, PROBE_DEPTH_BYTES // max(largest, 1))
 
     def plan(self, tasks: Sequence[Task]) -> None:
@@ -105,8 +111,12 @@ class ProbeSource:
         job = self.job
         with self._lock:
             if name not in self._units:
-                wanted = {t.unit for t in tuple(self._pending)} | set(tuple(self._recent)) | {name}  # snapshots: lanes add and pop meanwhile
-                for old in [u for u in self._units if u not in wanted]:  # a streamed model's weights live in the runtime: hand back the pages the probes read
+                wanted = (
+                    {t.unit for t in tuple(self._pending)} | set(tuple(self._recent)) | {name}
+                )  # snapshots: lanes add and pop meanwhile
+                for old in [
+                    u for u in self._units if u not in wanted
+                ]:  # a streamed model's weights live in the runtime: hand back the pages the probes read
                     graph_ops.release_pages(job.weights, self._units.pop(old).unit.tensor_names)
                 probes = UnitProbes(job.units[name], job.weights, job.probe_bits, job.rows)
                 if self.depth > 1:  # the parts every draw shares, once, before several threads read them
@@ -148,7 +158,9 @@ class ProbeSource:
     def _prefetch(self, task: Task) -> None:
         if len(self._pending) < self.depth and task not in self._pending:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(PROBE_DEPTH_MAX, thread_name_prefix="tqs-probes")  # threads start only as builds need them
+                self._pool = ThreadPoolExecutor(
+                    PROBE_DEPTH_MAX, thread_name_prefix="tqs-probes"
+                )  # threads start only as builds need them
             self._pending[task] = self._pool.submit(self._build, task)
 
     def _top_up(self) -> None:

@@ -65,9 +65,15 @@ class UnitProbes:
     """The parts of a unit's perturbations that every draw shares (the quantized
     tensors and the reference norms), computed once per unit, not per task."""
 
-    def __init__(self, unit: Unit, weights: dict[str, np.ndarray], bits: int, rows: dict[str, np.ndarray] | None = None):
+    def __init__(
+        self, unit: Unit, weights: dict[str, np.ndarray], bits: int, rows: dict[str, np.ndarray] | None = None
+    ):
         self.unit = unit
-        self.rows = {name: np.unique(np.asarray(touched, np.int64)) for name, touched in (rows or {}).items() if name in unit.tensor_names}
+        self.rows = {
+            name: np.unique(np.asarray(touched, np.int64))
+            for name, touched in (rows or {}).items()
+            if name in unit.tensor_names
+        }
         """Per tensor, the rows perturbed (a Gather table's rows the contexts read, see
         `units.gather_rows`), by both probes: rows never read change no output, so
         perturbing them would only inflate ||δθ||² and dilute γ."""
@@ -93,7 +99,11 @@ class UnitProbes:
         """||Q_b(w) - w||² (over the probed rows of a table: the others are not changed)."""
         if name not in self._residual_sq:
             w, rows = self.weights[name], self.rows.get(name)
-            self._residual_sq[name] = _squared_difference(self.quantized(name), w) if rows is None else _squared_difference(self.quantized(name)[rows], w[rows])
+            self._residual_sq[name] = (
+                _squared_difference(self.quantized(name), w)
+                if rows is None
+                else _squared_difference(self.quantized(name)[rows], w[rows])
+            )
         return self._residual_sq[name]
 
     def reference_norm(self, name: str) -> float:
@@ -126,8 +136,12 @@ class UnitProbes:
         """w plus Gaussian noise of the reference norm (on the probed rows of a table), and ||change||²."""
         w, rows = self.weights[name], self.rows.get(name)
         noise = rng.standard_normal(w.shape if rows is None else (len(rows), *w.shape[1:]), dtype=np.float32)
-        flat = noise.reshape(-1)  # its norm by a float64 einsum: no BLAS threads fighting the sweep's lanes for the cores
-        noise *= np.float32(self.reference_norm(name) / max(math.sqrt(float(np.einsum("i,i->", flat, flat, dtype=np.float64))), 1e-30))
+        flat = noise.reshape(
+            -1
+        )  # its norm by a float64 einsum: no BLAS threads fighting the sweep's lanes for the cores
+        noise *= np.float32(
+            self.reference_norm(name) / max(math.sqrt(float(np.einsum("i,i->", flat, flat, dtype=np.float64))), 1e-30)
+        )
         if rows is None:
             new = np.add(w, noise, out=noise) if w.dtype == np.float32 else (w + noise).astype(w.dtype)
             return np.ascontiguousarray(new), _squared_difference(new, w)
@@ -136,6 +150,14 @@ class UnitProbes:
         return new, _squared_difference(new[rows], w[rows])
 
 
-def perturb(unit: Unit, weights: dict[str, np.ndarray], probe: str, draw: int, bits: int, seed: int, rows: dict[str, np.ndarray] | None = None) -> Perturbation:
+def perturb(
+    unit: Unit,
+    weights: dict[str, np.ndarray],
+    probe: str,
+    draw: int,
+    bits: int,
+    seed: int,
+    rows: dict[str, np.ndarray] | None = None,
+) -> Perturbation:
     """The perturbed copy of every tensor in `unit` for one probe draw (see `UnitProbes`)."""
     return UnitProbes(unit, weights, bits, rows).perturb(probe, draw, seed)

@@ -11,9 +11,9 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from runtimes import Session
+from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import CheckedSpec
 from tqsdeploy.rollout.engine import Drift, Nominal, RolloutEngine
-from tqsdeploy.errors import RolloutError
 from tqsdeploy.sweep.choice import Choice
 from tqsdeploy.sweep.job import SweepJob
 from tqsdeploy.sweep.nominal import SharedNominal
@@ -42,7 +42,9 @@ class SweepRunner:
         asked = BY_NAME.get(job.strategy)
         if asked is not None:
             asked.refuse(job)
-        constant_only = session is None and asked is not None and asked.needs_constant and job.rebuild_factory is not None
+        constant_only = (
+            session is None and asked is not None and asked.needs_constant and job.rebuild_factory is not None
+        )
         opened = job.rebuild_factory({}) if constant_only else (session or job.session_factory())
         inputs = [s for s in opened.inputs if s.name not in opened.weights]
         if not constant_only:
@@ -50,14 +52,23 @@ class SweepRunner:
             if missing:
                 raise RolloutError(f"the session cannot override weight '{sorted(missing)[0]}'")
         engine = RolloutEngine(opened, job.contexts, job.spec, job.max_batch_windows)
-        self.rig = Rig(job, engine, inputs, ProbeSource(job), overridable=None if constant_only else opened, constant=opened if constant_only else None)
+        self.rig = Rig(
+            job,
+            engine,
+            inputs,
+            ProbeSource(job),
+            overridable=None if constant_only else opened,
+            constant=opened if constant_only else None,
+        )
         self.engine, self.probes = engine, self.rig.probes
         self.choice: Choice | None = None
         """auto's timing (None when the strategy was named)."""
         self._lead: SweepRunner | None = None
         """Set on a `lane`: the runner whose sessions it shares."""
         self.chosen: Strategy = BY_NAME[job.strategy](self.rig) if constant_only else self._open_strategy()
-        self.rig.nominal = self._nominal = SharedNominal(nominal if nominal is not None and self.chosen.adopt(nominal) else self._make_nominal)
+        self.rig.nominal = self._nominal = SharedNominal(
+            nominal if nominal is not None and self.chosen.adopt(nominal) else self._make_nominal
+        )
         if not self._nominal.ready and (job.lanes <= 1 or not self.chosen.nominal_on_a_lane):
             self._nominal.get()  # nothing to run beside it (or the strategy needs it first): made now
         if job.strategy == self.strategy:
@@ -73,7 +84,9 @@ class SweepRunner:
             self.choice = Choice(rig)
             name = self.choice.choose()
         if not BY_NAME[name].possible(job):
-            name = "feed"  # a model past protobuf's limit in one file, or swept from its files: nothing to cut or rebuild
+            name = (
+                "feed"  # a model past protobuf's limit in one file, or swept from its files: nothing to cut or rebuild
+            )
         chosen = BY_NAME[name]
         if not chosen.needs_constant and rig.constant is not None:
             rig.constant.close()
@@ -156,7 +169,9 @@ class SweepRunner:
             seconds=time.perf_counter() - started,
         )
 
-    def divergence(self, weights: dict[str, np.ndarray], delta_sq: float = 0.0, early_stop: bool = True) -> tuple[list[float], bool]:
+    def divergence(
+        self, weights: dict[str, np.ndarray], delta_sq: float = 0.0, early_stop: bool = True
+    ) -> tuple[list[float], bool]:
         """Per-step mean squared trajectory divergence of the model with `weights`
         replaced, against the nominal rollout; and whether it went non-finite.
 

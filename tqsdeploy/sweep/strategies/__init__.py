@@ -24,4 +24,15 @@ def strategy_names() -> tuple[str, ...]:
     return (AUTO, *BY_NAME)
 
 
-__all__ = ["AUTO", "AUTO_HELP", "BY_NAME", "Batch", "Feed", "PerUnit", "Prefix", "Rebuild", "Strategy", "strategy_names"]
+__all__ = [
+    "AUTO",
+    "AUTO_HELP",
+    "BY_NAME",
+    "Batch",
+    "Feed",
+    "PerUnit",
+    "Prefix",
+    "Rebuild",
+    "Strategy",
+    "strategy_names",
+]

@@ -95,11 +95,21 @@ class Batch(PerUnit):
         outcomes = self._batched_divergence(session, stacked, deltas)
         seconds = (time.perf_counter() - started) / len(tasks)
         return {
-            t.key: TaskResult(unit=t.unit, probe=t.probe, draw=t.draw, delta_sq=delta_sq, div_sq=div_sq, nonfinite=nonfinite, seconds=seconds)
+            t.key: TaskResult(
+                unit=t.unit,
+                probe=t.probe,
+                draw=t.draw,
+                delta_sq=delta_sq,
+                div_sq=div_sq,
+                nonfinite=nonfinite,
+                seconds=seconds,
+            )
             for t, delta_sq, (div_sq, nonfinite) in zip(tasks, deltas, outcomes)
         }
 
-    def _batched_divergence(self, session: Session, stacked: dict[str, np.ndarray], deltas: list[float]) -> list[tuple[list[float], bool]]:
+    def _batched_divergence(
+        self, session: Session, stacked: dict[str, np.ndarray], deltas: list[float]
+    ) -> list[tuple[list[float], bool]]:
         """Per probe, what the engine's `divergence` gives: the rows of probe slot p + 1 of one batched rollout
         against those of slot 0, which holds the nominal weights (same call, so an inert unit diverges by exactly zero).
 
@@ -126,7 +136,9 @@ class Batch(PerUnit):
         except RolloutError:
             raise
         except Exception as exc:
-            raise RolloutError(f"{session.name} failed to run the batched rollout: {str(exc).splitlines()[0]}") from None
+            raise RolloutError(
+                f"{session.name} failed to run the batched rollout: {str(exc).splitlines()[0]}"
+            ) from None
         return [(s.div_sq, s.nonfinite) for s in series]
 
     def forget(self) -> None:

@@ -10,9 +10,9 @@ from onnx import helper
 
 import graph_ops
 from runtimes import Session, kept
-from tqsdeploy.rollout.engine import Nominal
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import next_feeds
+from tqsdeploy.rollout.engine import Nominal
 from tqsdeploy.sweep.job import SweepJob
 from tqsdeploy.sweep.rig import Rig
 from tqsdeploy.sweep.strategies.unit import PerUnit
@@ -82,7 +82,9 @@ class Prefix(PerUnit):
         outputs = list(self._cut_outputs)
         walk = planning.walk
         first = graph_ops.prefix.cut_order(walk, {u.name: u.tensor_names for u in job.units.values()})[0]
-        self.rig.probes.prefetch(Task(first, "quant" if job.quant_probe else "gauss", 0))  # the sweep's first task, most likely
+        self.rig.probes.prefetch(
+            Task(first, "quant" if job.quant_probe else "gauss", 0)
+        )  # the sweep's first task, most likely
         boundary = set()
         for unit in job.units.values():
             boundary.update(walk.boundary(unit.tensor_names, outputs))
@@ -110,7 +112,9 @@ class Prefix(PerUnit):
         needed = set()
         for group in self.cut_plan.groups:
             needed.update(walk.boundary(planning.weights_of(group), outputs))
-        self._activations = [{**feeds, **{n: run[n] for n in needed if n in run}} for (_, feeds), run in zip(chunks, runs)]
+        self._activations = [
+            {**feeds, **{n: run[n] for n in needed if n in run}} for (_, feeds), run in zip(chunks, runs)
+        ]
         session.close()
         return nominal
 
@@ -165,7 +169,9 @@ class Prefix(PerUnit):
                 starts.append(next_feeds(self.engine.chunks[c][1], {**self._first[c], **moved}, job.spec))
         yield total
         if job.spec.steps > 1:
-            for t, outs in enumerate(self.engine.steps(weights, job.spec.steps - 1, self.rig.overridable, starts), start=1):
+            for t, outs in enumerate(
+                self.engine.steps(weights, job.spec.steps - 1, self.rig.overridable, starts), start=1
+            ):
                 yield self.engine.step_total(nominal, t, outs)
 
     def forget(self) -> None:
