@@ -1,24 +1,14 @@
 """Sequential calibration: the statistics GPTQ, GPTAQ and QEP need, wave by wave.
 
-One ONNX Runtime session holds the model with every scored weight a plain
-input (the original values fed; the runtime keeps no copy of them) and every
-layer input exposed as an extra output: it gives the calibration samples and
-the full-precision activations. Each wave's quantized-prefix activations come
-from a session of the graph cut down to that wave's inputs, in which every
-weight quantized so far is rebuilt from its codes, fed as they are
-(`graph_ops.qdq.fed_codes_model`): a byte per weight rather than a float
-copy of each, and no layer after the wave is run. Nor any layer before the
-wave's own: each wave's session also outputs the activations that later
-layers read, and the next wave's session starts from them (fed as inputs)
-instead of the model input, so a pass runs the model about once, not once
-per wave (quadratic in depth). An activation is kept only while no weight
-upstream of it has been quantized since it was computed. Calibration samples are the
-inputs of every step of the nominal rollout from the run's context windows
-(teacher-forced: the rollout the score measured, not just its first step).
-For each wave (`graph_ops.calibration.waves`: weights whose inputs depend only
-on earlier waves) the statistics are collected with every earlier wave
-already quantized, then the wave is quantized; weights whose inputs cannot
-be rebuilt are quantized first, without statistics.
+Calibration samples are the inputs of every step of the nominal rollout from the run's context windows (the
+rollout the score measured). For each wave (`graph_ops.calibration.waves`: weights whose inputs depend only on
+earlier waves) the statistics are collected with every earlier wave already quantized, then the wave is
+quantized; weights whose inputs cannot be rebuilt go first, without statistics. One session of the calibration
+graph (`CalibrationGraph`) gives the samples and the full-precision activations; each wave's quantized-prefix
+activations come from a session of the graph cut down to that wave's inputs, every weight quantized so far rebuilt
+from its fed codes (a byte per weight, not a float copy), starting from the activations the previous wave kept
+(an activation is kept only while no weight upstream of it has been quantized since), so a pass runs the model
+about once rather than once per wave.
 """
 
 from __future__ import annotations
@@ -30,16 +20,15 @@ from time import perf_counter
 from typing import Callable, Mapping, NamedTuple
 
 import numpy as np
-import onnx
 
 import graph_ops
-from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, tensor_graph, tensor_infos, waves
+from graph_ops.calibration import layer_inputs, waves
 from graph_ops.layout import WeightLayout
-from graph_ops.qdq import at_opset, default_opset, fed_codes_model, needed_nodes
-from graph_ops.recurrent import add_recurrent_states
+from graph_ops.qdq import default_opset, fed_codes_model, needed_nodes
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
 from tiers.solver_backend import shared_cores, solver_threads
+from tqsdeploy.encoding.calibration_graph import CalibrationGraph
 from tqsdeploy.encoding.checkpoints import digest
 from tqsdeploy.encoding.logs import CalibrationLog
 from tqsdeploy.encoding.profiling import Profile
@@ -50,17 +39,15 @@ from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.rollout.engine import Drift, Nominal, RolloutEngine
 
 FULL_CACHE_SHARE = 0.25
-"""Full-precision layer inputs are kept across waves and passes while they take at most this share of the weights' bytes
-(or `FULL_CACHE_FLOOR`, whichever is more)."""
+"""Full-precision layer inputs are kept across waves and passes while they take at most this share of the
+weights' bytes (or `FULL_CACHE_FLOOR`, whichever is more)."""
 FULL_CACHE_FLOOR = 64 << 20
-"""Bytes of full-precision layer inputs kept whatever the weights' size: a small model's activations outweigh its weights
-(the ETTh1 example's 21 MB against 1 MB of weights), and without them every wave of every pass ran the original once per
-sample again (288 of its export's 289 full runs)."""
+"""Bytes of full-precision layer inputs kept whatever the weights' size: a small model's activations outweigh its
+weights, and without them every wave of every pass would run the original once per sample again
+(docs/design-notes/encoding.md, "Activations kept")."""
 KEPT_SHARE = FULL_CACHE_SHARE
 """Activations kept from one wave for the next (`Calibrator._kept`) take at most this share of the weights' bytes
-(or `FULL_CACHE_FLOOR`); past it the pass runs each wave from the model input, as before."""
-UNKNOWN_DIM = "unk__"
-"""How onnx shape inference names an axis it cannot tell (`Calibrator._infos`)."""
+(or `FULL_CACHE_FLOOR`); past it the pass runs each wave from the model input."""
 EncodeFn = Callable[[str, "list[Hessian] | None"], Encoded]
 """(weight name, its statistics per row group or None) -> the weight's encoding."""
 
@@ -71,8 +58,8 @@ class CalibrationError(TqsError):
 
 IM2COL_BYTES = 32 << 20
 """A Conv's calibration rows (im2col: a row per output position, C·k² columns, float64 in the Hessian) are built
-this many bytes at a time, a few samples of the batch at once: for all the windows of a step at once a
-0.5 MB conv emulator's export peaked at 1.75 GB with 32 windows."""
+this many bytes at a time, a few samples of the batch at once: all of a step's windows at once could take
+thousands of times the model's size (docs/design-notes/encoding.md, "Conv rows in chunks")."""
 
 
 def _sample_chunks(use, value: np.ndarray) -> list:
@@ -112,7 +99,8 @@ class Calibrator:
         data_dir: Path | None = None,
     ):
         """`rollout`: the windows and steps the statistics come from. `workdir`: where session files of a model too
-        large to pass as bytes go. `data_dir`: the folder of the data files a `proto` loaded without its external data points into.
+        large to pass as bytes go. `data_dir`: the folder of the data files a `proto` loaded without its external
+        data points into.
         `weights`: the scored weights' values; they are plain inputs of the session, fed from there when
         a run does not feed its own, so the runtime holds no copy of the model's weights.
         `opset`: the opset the output is written at: the sessions run the model converted to it (`at_opset`)."""
@@ -129,12 +117,9 @@ class Calibrator:
             data_dir,
         )  # its runs alternate with BLAS-heavy statistics
         self._rollout = rollout
-        self._graph = None
-        """The model with the scored weights as graph inputs and every layer input an output (no weight data)."""
-        self._graph_inputs: set[str] | None = None
-        self._value_infos: dict | None = None
+        self._graph = CalibrationGraph(proto, self.layouts, self.opset)
         self._kept_infos: dict = {}
-        """Value infos of the kept activations (`_infos`)."""
+        """Value infos of the kept activations (`CalibrationGraph.infos`)."""
         self._full_cache: list[dict[str, np.ndarray]] | None = None
         self._session = None
         self._samples: list | None = None
@@ -147,11 +132,9 @@ class Calibrator:
         """Per sample, the activations of this pass's last waves that later layers read (valid now)."""
         self._ran: set[int] = set()
         """Indices of the nodes this pass's wave sessions ran."""
-        self._tensors = None
-        """(weights upstream of each tensor, nodes reading each tensor) of the calibration graph."""
         self._stats_cache: dict[tuple, list[Hessian]] = {}
         """Statistics by `_stats_key`, kept across passes (within `_budget`): a pass whose weights upstream of a
-        use are encoded as an earlier pass's were collects the same rows (the ERA5 emulator's first conv: every pass)."""
+        use are encoded as an earlier pass's were collects the same rows (a first layer: every pass)."""
         self._stats_bytes = 0
         self._digests: dict[str, bytes] = {}
         """This pass's encodings' digests (`tqsdeploy.encoding.checkpoints.digest`), by weight."""
@@ -307,7 +290,7 @@ class Calibrator:
         if not uses:
             return cached
         stats: dict = {key: None for key in uses}
-        fetch = sorted({u.x for u, _ in uses.values()} - self.graph_inputs)
+        fetch = sorted({u.x for u, _ in uses.values()} - self._graph.inputs)
         if self._kept == []:
             self._kept = [{} for _ in self.samples]
         kept = self._kept  # what this wave's session reads, even if keeping stops during the wave
@@ -350,7 +333,7 @@ class Calibrator:
     def _stats_key(self, use, groups: int, cross: bool, encoded: Mapping[str, Encoded]) -> tuple:
         """What a use's statistics depend on: the use, and the encoding of every weight upstream of its
         input (None: still at full precision)."""
-        upstream, _ = self.tensors
+        upstream, _ = self._graph.tensors
         above = sorted(upstream.get(use.x, frozenset()))
         for name in above:
             if name in encoded and name not in self._digests:
@@ -380,12 +363,12 @@ class Calibrator:
         given = {}
         outputs = list(fetch)
         if self._kept is not None:
-            upstream, readers = self.tensors
+            upstream, readers = self._graph.tensors
             kept = self._kept[0] if self._kept else {}
             given = {name: self._kept_infos[name] for name in kept if name in self._kept_infos}
-            nodes = needed_nodes(self.graph, fetch, given)
+            nodes = needed_nodes(self._graph.proto, fetch, given)
             inside, changed = set(nodes), set(group)
-            made = [o for i in nodes for o in self.graph.graph.node[i].output if o]
+            made = [o for i in nodes for o in self._graph.proto.graph.node[i].output if o]
             outputs += [
                 o
                 for o in made
@@ -393,13 +376,13 @@ class Calibrator:
                 and not readers.get(o, set()) <= inside
                 and not upstream.get(o, frozenset()) & changed
             ]
-            self._kept_infos.update(self._infos(outputs, encoded))
+            self._kept_infos.update(self._graph.infos(outputs, encoded))
             outputs = [
                 o for o in outputs if o in set(fetch) or o in self._kept_infos
             ]  # a tensor whose type cannot be told is not kept
             self._ran |= inside
         proto, fed = fed_codes_model(
-            self.graph,
+            self._graph.proto,
             encoded,
             outputs,
             {**given, **{o: self._kept_infos[o] for o in outputs if o in self._kept_infos}},
@@ -408,50 +391,15 @@ class Calibrator:
         del proto
         return WithDefaults(self._open_source(source), fed, self.weights), outputs
 
-    def _infos(self, names: list[str], encoded: Mapping[str, Encoded]) -> dict:
-        """Value infos of the named activations as the session that computes them from the model input
-        knows them (onnx shape inference on it): a wave cut at them declares what ONNX Runtime would have
-        known had it computed them itself, so it fuses the same (a LayerNormalization after an Add is fused
-        only where both shapes are known, and the fused kernel rounds differently). Those whose element
-        type cannot be told are left out."""
-        if self._value_infos is None:
-            upstream, _ = self.tensors
-            self._value_infos = tensor_infos(self.graph, list(upstream), required=False)
-        names = [name for name in names if name in self._value_infos]
-        proto, _ = fed_codes_model(self.graph, encoded, names, {name: self._value_infos[name] for name in names})
-        try:
-            inferred = onnx.shape_inference.infer_shapes(proto)
-        except Exception:  # best effort: the type alone, as the graph declares it
-            inferred = proto
-        infos = {}
-        for value in inferred.graph.output:
-            if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
-                infos[value.name] = onnx.ValueInfoProto()
-                infos[value.name].CopyFrom(value)
-                for dim in infos[value.name].type.tensor_type.shape.dim:
-                    if dim.dim_param.startswith(
-                        UNKNOWN_DIM
-                    ):  # a name inference made up: unknown to the runtime, not equal to another's
-                        dim.ClearField("dim_param")
-        return infos
-
     def upstream(self, name: str) -> frozenset:
         """The weights whose encodings weight `name`'s statistics depend on: those upstream of its inputs."""
-        upstream, _ = self.tensors
-        return frozenset().union(*(upstream.get(use.x, frozenset()) for use in self.layouts[name].uses))
-
-    @property
-    def tensors(self):
-        """(weights upstream of each tensor, indices of the nodes reading each) of the calibration graph."""
-        if self._tensors is None:
-            self._tensors = tensor_graph(self.graph, self.layouts)
-        return self._tensors
+        return self._graph.upstream(name)
 
     def _keep(self, index: int, values: Mapping[str, np.ndarray], outputs: list[str]) -> None:
         """Keep sample `index`'s activations that later waves read (`outputs` past `fetch`, and `fetch`
         itself: the wave's weights read it when the next wave runs them), and drop those no node still to
         run reads; past `KEPT_SHARE` of the weights' bytes nothing is kept any more this pass."""
-        _, readers = self.tensors
+        _, readers = self._graph.tensors
         kept = self._kept[index]
         kept.update({name: values[name] for name in outputs})
         for name in [n for n in kept if readers.get(n, set()) <= self._ran]:
@@ -463,7 +411,7 @@ class Calibrator:
         """Drop the kept activations computed with any of `names` (just quantized) upstream at full precision."""
         if not self._kept:
             return
-        upstream, _ = self.tensors
+        upstream, _ = self._graph.tensors
         changed = set(names)
         for kept in self._kept:
             for name in [n for n in kept if upstream.get(n, frozenset()) & changed]:
@@ -486,7 +434,7 @@ class Calibrator:
 
     def _cache_full(self) -> list[dict[str, np.ndarray]]:
         every = sorted(
-            {use.x for wave in self.waves for name in wave for use in self.layouts[name].uses} - self.graph_inputs
+            {use.x for wave in self.waves for name in wave for use in self.layouts[name].uses} - self._graph.inputs
         )
         budget = self._budget(FULL_CACHE_SHARE)
         cached, size = [], 0
@@ -520,25 +468,8 @@ class Calibrator:
     def _open(self):
         """A session of the model with every scored weight a plain input (fed from `weights` unless a
         run feeds its own) and every layer input an output."""
-        source = graph_ops.io.session_source(self.graph, self._open_args[2])
+        source = graph_ops.io.session_source(self._graph.proto, self._open_args[2])
         return WithDefaults(self._open_source(source), self.weights)
-
-    @property
-    def graph(self):
-        if self._graph is None:
-            proto = self._open_args[0]
-            inputs_fed = add_recurrent_states(
-                at_opset(graph_ops.weights_as_graph_inputs(proto, list(self.layouts)), self.opset), self.layouts
-            )
-            self._graph = expose_tensors(inputs_fed, layer_tensors(proto, self.layouts))
-        return self._graph
-
-    @property
-    def graph_inputs(self) -> set[str]:
-        """What the calibration graph takes as inputs: the model's inputs and the scored weights."""
-        if self._graph_inputs is None:
-            self._graph_inputs = {v.name for v in self.graph.graph.input}
-        return self._graph_inputs
 
     def _open_source(self, source):
         return open_graph(self._open_args[1], source, self._open_args[3], "the calibration graph")

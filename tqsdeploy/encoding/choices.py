@@ -78,7 +78,8 @@ tier and keeps the one that drifts less on the data at hand (`grid_options`, `le
 
 GRIDS_HELP = (
     "Grids of the 4-bit and 2-bit tiers: per-channel (each channel on the clip-searched or the min-max grid, whichever "
-    "its solve rounds better; rtn: the clip search alone), min-max, or auto (default): for a calibrated rounding both measured, "
+    "its solve rounds better; rtn: the clip search alone), min-max, or auto (default): for a calibrated rounding "
+    "both measured, "
     "the one whose uniform model drifts less kept per tier; for rtn per-channel."
 )
 
@@ -110,6 +111,7 @@ def drift_order(drift) -> tuple[float, float]:
 
 
 def least_drift(measured: Mapping[Rounding, object]) -> Rounding:
-    """The rounding whose measured drift (`tqsdeploy.rollout.engine.Drift`) is least (`drift_order`; listed first wins a tie):
+    """The rounding whose measured drift (`tqsdeploy.rollout.engine.Drift`) is least (`drift_order`; listed first
+    wins a tie):
     how `export` and `baseline` choose a uniform model's grid, on the scoring contexts and the calibration windows."""
     return min(measured, key=lambda rounding: drift_order(measured[rounding]))

@@ -89,7 +89,7 @@ class Encoder:
         (`tqsdeploy.encoding.checkpoints`)."""
         self.units = {u.name: u for u in units}
         self.graph_layouts = dict(layouts)
-        self.layouts = {n: Layout(l.shape, l.perm, l.row_groups) for n, l in layouts.items()}
+        self.layouts = {n: Layout(w.shape, w.perm, w.row_groups) for n, w in layouts.items()}
         self.weights = weights
         self.group_size = group_size
         self._make_calibrator = calibrator
@@ -103,7 +103,8 @@ class Encoder:
         self.checkpoints = checkpoints
         self.log = EncoderLog()
         self.profile = Profile()
-        """Where the time goes (`tqsdeploy.encoding.profiling`): the encoder times its solves, its calibrator the rest."""
+        """Where the time goes (`tqsdeploy.encoding.profiling`): the encoder times its solves, its calibrator the "
+        "rest."""
         self.on_pass = progress.on_pass
         self._checkpointed: set[str] = set()
         """Identities of the passes this process checkpointed: what it finds under them it wrote itself."""
@@ -262,8 +263,10 @@ class Encoder:
     def least_drifting(
         self, tier: Tier, options: Sequence[Rounding], measure: Callable[[Rounding], object], forget: bool = True
     ) -> tuple[Rounding, dict]:
-        """(the rounding of `options` whose uniform model at `tier` drifts least by `measure`, each one's drift), measured
-        in the order given (`least_drift`); with `forget` the others' encodings are dropped (a byte per weight each): how
+        """(the rounding of `options` whose uniform model at `tier` drifts least by `measure`, each one's drift),
+        measured
+        in the order given (`least_drift`); with `forget` the others' encodings are dropped (a byte per weight each):
+        how
         `export` picks a tier's grid and method and `baseline` its grid, whatever each measures on."""
         measured = {rounding: measure(rounding) for rounding in options}
         chosen = least_drift(measured)
@@ -278,7 +281,8 @@ class Encoder:
         self._uniform.pop((tier if isinstance(tier, str) else tier.name, rounding), None)
 
     def forget_mixed(self, assignment: Mapping[str, str] | None = None) -> None:
-        """Drop the mixed allocations calibrated as themselves, or only `assignment`'s (remade by a calibration pass if asked again)."""
+        """Drop the mixed allocations calibrated as themselves, or only `assignment`'s (remade by a calibration pass "
+        "if asked again)."""
         if assignment is None:
             self._mixed.clear()
         else:

@@ -43,7 +43,10 @@ def thin_note(thin: Mapping[str, tuple[int, int]], method: str, remedy: str) -> 
         return None
     name, (rows, width) = min(thin.items(), key=lambda item: item[1][0] / item[1][1])
     return (
-        f"{len(thin)} weight(s) had too little calibration data for {method}: it fits each weight's rounding to the inputs "
-        f"the weight saw (one vector per window, step and position of the contexts), and these saw fewer vectors than twice "
-        f"their input size (fewest: '{name}', {rows} for {width} inputs), so their rounding rests on thin statistics; {remedy}"
+        f"{len(thin)} weight(s) had too little calibration data for {method}: it fits each weight's rounding to the "
+        "inputs "
+        "the weight saw (one vector per window, step and position of the contexts), and these saw fewer vectors "
+        "than twice "
+        f"their input size (fewest: '{name}', {rows} for {width} inputs), so their rounding rests on thin "
+        f"statistics; {remedy}"
     )

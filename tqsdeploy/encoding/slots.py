@@ -67,17 +67,21 @@ def checked_layouts(
 
 def check_group_size(group_size: int | None, layouts: Mapping[str, WeightLayout], tiers: Sequence[Tier]) -> None:
     """Refuse a --group-size nothing would use: only integer tiers take blocks, and only on rank-2 weights
-    (Conv kernels keep a scale per output channel), so it was once ignored without a word."""
+    (Conv kernels keep a scale per output channel), so a user would not know it did nothing."""
     if not group_size:
         return
     if not any(t.blockwise for t in tiers):
         raise InputError(
-            f"--group-size {group_size} would change nothing: no tier here ({', '.join(t.name for t in tiers)}) takes blocks",
-            hint="only the integer tiers int2 to int8 do; int1, fp8 and the float tiers keep one scale per output channel",
+            f"--group-size {group_size} would change nothing: no tier here ({', '.join(t.name for t in tiers)}) "
+            "takes blocks",
+            hint="only the integer tiers int2 to int8 do; int1, fp8 and the float tiers keep one scale per "
+            "output channel",
         )
-    if not any(Layout(l.shape, l.perm, l.row_groups).block_axis is not None for l in layouts.values()):
+    if not any(Layout(w.shape, w.perm, w.row_groups).block_axis is not None for w in layouts.values()):
         raise InputError(
-            f"--group-size {group_size} would change nothing: none of this model's {len(layouts)} quantized weights is a rank-2 "
-            f"weight with known layout (MatMul, Gemm); e.g. '{next(iter(layouts), '')}' keeps one scale per output channel",
+            f"--group-size {group_size} would change nothing: none of this model's {len(layouts)} quantized weights "
+            "is a rank-2 "
+            f"weight with known layout (MatMul, Gemm); e.g. '{next(iter(layouts), '')}' keeps one scale per output "
+            "channel",
             hint="leave --group-size out for this model",
         )

@@ -127,11 +127,9 @@ def _solve_status(pulp, result) -> str:
 
 
 def _loss_scale(choices: list[Choice]) -> float:
-    """What the losses are divided by in the solver: their geometric mean (nonzero, finite). Measured prices span
-    ten orders of magnitude (a slot's INT2 rollout against another's bf16 one); divided by the largest, the small
-    ones fell below the solver's tolerances and the choices among fp32, bf16 and INT8 at a low C were left to
-    them: the solution lost to exhaustive search by up to 450x on such losses, and at C 2 HiGHS and CBC disagreed on
-    lorenz96 and timesfm_etth1 (both find the optimum after this scale)."""
+    """What the losses are divided by in the solver: their geometric mean (nonzero, finite). Measured prices span ten
+    orders of magnitude; divided by the largest, the small ones would fall below the solver's tolerances
+    (docs/design-notes/export.md, "The solver's loss scale")."""
     logs = [math.log(abs(v)) for c in choices for v in c.loss.values() if math.isfinite(v) and v != 0]
     return math.exp(sum(logs) / len(logs)) if logs else 1.0
 

@@ -59,7 +59,8 @@ class BaselineResult:
     grid_drifts: dict[str, float] = field(default_factory=dict)
     """With --grids auto where they differ: each grid's uniform model's drift (percent) on the calibration rollout."""
     opset: int = 1
-    """The opset its drifts are measured at and the file written at least at: a graph computing in 16-bit floats at what the
+    """The opset its drifts are measured at and the file written at least at: a graph computing in 16-bit floats at
+    what the
     tier's form needs (`graph_ops.qdq.computes_in_half`), others at their own (the file raised as its form needs)."""
 
     @cached_property

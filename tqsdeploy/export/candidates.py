@@ -43,7 +43,8 @@ def rank(candidate: Candidate) -> tuple[float, float]:
 
 
 def _drift_key(tier: Tier, rounding: Rounding) -> tuple[str, Rounding]:
-    """A uniform model's key among the measured ones: a tier that takes no calibration is rounded to nearest by any method."""
+    """A uniform model's key among the measured ones: a tier that takes no calibration is rounded to nearest by any "
+    "method."""
     return tier.name, rounding if tier.calibratable else Rounding()
 
 

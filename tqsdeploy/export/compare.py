@@ -112,14 +112,16 @@ class Comparison:
             best = min(found, key=rank).drift.worst_pct
             # measured by `--rounding auto` with its codes still held: free to compare
             kept = self.roundings.measured_already(tier, method) and not self.job.scored.one_session
-            rival = lambda other: (
-                self.uniforms.candidate(tier, self.roundings.measured_rounding(tier, other), target).drift.worst_pct
-            )  # noqa: E731
-            if not kept and not can_still_win(method, rival, best, compared):
+            if not kept and not can_still_win(
+                method, lambda other: self._uniform_drift(tier, other, target), best, compared
+            ):
                 continue
             uniform = self.uniforms.candidate(tier, self.roundings.measured_rounding(tier, method), target)
             found.append(relabelled(uniform, uniform.label))
             self._keep_best(found)
+
+    def _uniform_drift(self, tier: Tier, method: str, target: float) -> float:
+        return self.uniforms.candidate(tier, self.roundings.measured_rounding(tier, method), target).drift.worst_pct
 
     def uniform(self, tier: str):
         """Every slot at `tier` (an allocation, priced as written)."""
@@ -145,7 +147,8 @@ class Comparison:
 
     def slack_split(self, target: float) -> float:
         """The channel-group share at which the bits `target` leaves beyond the best uniform model meeting it buy
-        `SLACK_PROMOTIONS` groups promoted one tier up (at least `MIN_SPLIT`; 1 where no tier, or every tier, meets it)."""
+        `SLACK_PROMOTIONS` groups promoted one tier up (at least `MIN_SPLIT`; 1 where no tier, or every tier, meets
+        it)."""
         ordered = sorted(self.job.tiers, key=precision_order)
         bits = [sum(self.uniform(t.name).cost_bits.values()) for t in ordered]
         budget = self.sizing.budget(self.job.tiers)
@@ -197,7 +200,8 @@ class Comparison:
             if finer is None:
                 return f"{achieved}: {chosen.label} is the finest tier in the set"
             return (
-                f"{achieved}: the next finer uniform tier ({finer}) reaches only {self.uniform(finer).compression:.3g}x, "
+                f"{achieved}: the next finer uniform tier ({finer}) reaches only "
+                f"{self.uniform(finer).compression:.3g}x, "
                 f"and {chosen.label} drifted least of the candidates"
             )
         spare = self.sizing.budget(self.job.tiers).slot_bits(target) - sum(chosen.allocation.cost_bits.values())

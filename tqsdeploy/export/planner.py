@@ -191,7 +191,8 @@ class Planner:
         return self.sizing.budget(self.tiers).compression(self.sizing.floor_bits(self.tiers))
 
     def interrupted_outputs(self) -> set[Path]:
-        """Output files an interrupted export of this run with these settings began writing: its rerun overwrites them."""
+        """Output files an interrupted export of this run with these settings began writing: its rerun overwrites "
+        "them."""
         return (
             checkpoints.interrupted_outputs(self.run_dir, self.writer.outputs_identity())
             if self.encoder.checkpoints

@@ -86,7 +86,8 @@ class PriceList:
         lock = FileLock(str(self.job.scored.run_dir / ".measured.lock"))
         lock.acquire()  # another export of this run prices the same slots: wait, then reuse what it measured
         try:
-            self.job.scored.scores.check_unchanged()  # and before each price: none goes into a run that replaced this one
+            # and before each price: none goes into a run that replaced this one
+            self.job.scored.scores.check_unchanged()
             done = log.load()
             pending = [(slot, tier) for slot, tier in tasks if keys[(slot.name, tier.name)] not in done]
             if on_result and pending and self.on_measuring:

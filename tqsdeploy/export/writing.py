@@ -124,7 +124,8 @@ class Writer:
                 bits = min(sizes.reference_bits, sizes.file_bits(target, self.settings.basis))
             if bits / 8 >= graph_ops.io.PROTOBUF_LIMIT:
                 raise InputError(
-                    f"--single-file: the model would hold about {bits / 8 / 2**30:.2f} GiB, past protobuf's 2 GiB limit for one .onnx file",
+                    f"--single-file: the model would hold about {bits / 8 / 2**30:.2f} GiB, past protobuf's 2 GiB "
+                    "limit for one .onnx file",
                     hint="drop --single-file: the weights then go to an external-data file beside it",
                 )
 
@@ -136,8 +137,10 @@ class Writer:
         if not chosen.label.startswith("TQS-PTQ") and uniform_tier is None:
             mixed = next(c for c in compared if c.label.startswith("TQS-PTQ"))
             notes.append(
-                f"shipped {chosen.label} instead of the mixed allocation: at this budget it drifts less on the scoring contexts "
-                f"({chosen.drift.worst_pct:.4g}% vs {mixed.drift.worst_pct:.4g}% for the mixed one at {mixed.allocation.compression:.3g}x); "
+                f"shipped {chosen.label} instead of the mixed allocation: at this budget it drifts less on the "
+                "scoring contexts "
+                f"({chosen.drift.worst_pct:.4g}% vs {mixed.drift.worst_pct:.4g}% for the mixed one at "
+                f"{mixed.allocation.compression:.3g}x); "
                 "--no-fallback ships the mixed one"
             )
         if overshoot is not None:
@@ -148,8 +151,10 @@ class Writer:
         ]
         if side and self.scored.dead and uniform_tier is None:
             notes.append(
-                f"{len(self.scored.dead)} unit(s) left the trajectory unchanged and went to the lowest tier; the outputs outside it ({', '.join(side)}) "
-                "were not measured and may read them: name those outputs in the rollout spec's `trajectory` to protect them "
+                f"{len(self.scored.dead)} unit(s) left the trajectory unchanged and went to the lowest tier; the "
+                f"outputs outside it ({', '.join(side)}) "
+                "were not measured and may read them: name those outputs in the rollout spec's `trajectory` to "
+                "protect them "
                 "(`tqsdeploy eval` reports their drift)"
             )
         # a uniform model's own rounding: asking the export's could measure every tier
@@ -162,7 +167,8 @@ class Writer:
         thin = thin_note(
             self.encoder.log.thin,
             self.settings.rounding,
-            "score with more context windows (or more --steps) to give it more, or export with --rounding rtn, which needs none",
+            "score with more context windows (or more --steps) to give it more, or export with --rounding rtn, which "
+            "needs none",
         )
         if thin and calibrated:
             notes.append(thin)
@@ -180,8 +186,10 @@ class Writer:
                 }
             )
             notes.append(
-                f"'{name}': the scoring contexts read {len(touched)} of its {self.scored.weights[name].shape[0]} rows; it was scored and measured on those, "
-                f"and the other rows, priced as its read rows on average, are stored untested ({', '.join(tiers)} in the table): rows a deployment "
+                f"'{name}': the scoring contexts read {len(touched)} of its {self.scored.weights[name].shape[0]} "
+                "rows; it was scored and measured on those, "
+                f"and the other rows, priced as its read rows on average, are stored untested ({', '.join(tiers)} in "
+                "the table): rows a deployment "
                 "reads that the contexts never did may be hurt more"
             )
         return notes
@@ -325,9 +333,12 @@ class Writer:
         large = outside_hint(scored.model.proto, names, scored.scores.selection)
         which = "" if large else f" smaller than --min-params {min_params} or not weight operands"
         return (
-            f"compression {compression:.3g}x of the file took the units to {unit_compression:.3g}x ({lowest} on {count} of {len(allocation.tiers)} slots): "
-            f"{fixed / scored.reference_bits:.1%} of the stored bits ({fixed / 8:,.0f} bytes in {len(others)} tensors{which}) are not units "
-            f"and stay at full size; --basis units --C {target:g} compresses the units {target:g}x and the file about {units_file:.3g}x "
+            f"compression {compression:.3g}x of the file took the units to {unit_compression:.3g}x ({lowest} on "
+            f"{count} of {len(allocation.tiers)} slots): "
+            f"{fixed / scored.reference_bits:.1%} of the stored bits ({fixed / 8:,.0f} bytes in {len(others)} "
+            f"tensors{which}) are not units "
+            f"and stay at full size; --basis units --C {target:g} compresses the units {target:g}x and the file "
+            f"about {units_file:.3g}x "
             "(check the drift of both), or "
             + (large if large else "score with a lower --min-params (or --include) to quantize those tensors")
         )
@@ -352,7 +363,8 @@ class Writer:
         return pl.DataFrame(rows)
 
     def rounding_by_tier(self, chosen: Candidate) -> dict[str, str]:
-        """The method that rounded each calibratable tier of the shipped candidate: a uniform one's own, else the export's."""
+        """The method that rounded each calibratable tier of the shipped candidate: a uniform one's own, else the "
+        "export's."""
         if chosen.cached is not None:
             tier, rounding = chosen.cached
             return {tier: rounding.label} if TIERS[tier].calibratable else {}
