@@ -1,5 +1,6 @@
 """The house rules of docs/architecture.md, checked on the source: which package may import which, no import
-cycles between modules, and no module so long that it holds several jobs."""
+cycles between modules, no module so long that it holds several jobs, no function too long or taking too many
+parameters outside the CLI, and one package per stage in tqsdeploy/."""
 
 import ast
 from pathlib import Path
@@ -14,7 +15,10 @@ ALLOWED = {
     "tiers": {"tiers", "graph_ops"},
     "graph_ops": {"graph_ops"},
 }
-MAX_LINES = 600
+MAX_LINES = 500
+MAX_FUNCTION_LINES = 80
+MAX_PARAMETERS = 8
+MAX_TOP_LEVEL_MODULES = 8
 
 
 def _modules() -> dict[str, Path]:
@@ -91,3 +95,36 @@ def test_no_module_holds_several_jobs(package):
         if name.split(".")[0] == package and (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def _functions(package: str):
+    for name, path in MODULES.items():
+        if name.split(".")[0] != package or name.startswith("tqsdeploy.cli"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield name, node
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_functions_outside_the_cli_stay_short_and_take_few_parameters(package):
+    """A command's options may be many (typer needs one parameter each); the library's functions take settings
+    objects instead, and a function past `MAX_FUNCTION_LINES` holds several steps that want names of their own."""
+    long, wide = [], []
+    for module, node in _functions(package):
+        arguments = node.args
+        count = len(arguments.posonlyargs) + len(arguments.args) + len(arguments.kwonlyargs)
+        count -= bool(arguments.args) and arguments.args[0].arg in ("self", "cls")
+        if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+            long.append(f"{module}.{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+        if count > MAX_PARAMETERS:
+            wide.append(f"{module}.{node.name} ({count} parameters)")
+    assert not long and not wide, (long, wide)
+
+
+def test_tqsdeploy_keeps_one_package_per_stage():
+    modules = sorted(p.name for p in (ROOT / "tqsdeploy").glob("*.py"))
+    assert len(modules) <= MAX_TOP_LEVEL_MODULES, modules
+    assert {"cli", "rollout", "sweep", "scoring", "encoding", "export", "evaluation"} <= {
+        p.name for p in (ROOT / "tqsdeploy").iterdir() if (p / "__init__.py").exists()
+    }
