@@ -206,6 +206,30 @@ def _monotone_repair(choices: list[Choice], chosen: dict[str, str], bits: dict[s
     return repaired
 
 
+@dataclass(frozen=True)
+class Knapsack:
+    """One allocation problem: a tier per choice from `tiers`, meeting C `target` on `budget`."""
+
+    tiers: list[Tier]
+    target: float
+    budget: SizeBudget
+    objective: str = "measured"
+    fp32_fraction: float = 0.0
+    solver: str = "mckp"
+
+    def solve(self, choices: list[Choice], reserve: int = 0) -> Allocation:
+        """`allocate` with `reserve` more bits held outside the choices (what the file writes beyond their prices)."""
+        return allocate(
+            choices,
+            self.tiers,
+            self.target,
+            self.budget.reserving(reserve),
+            objective=self.objective,
+            fp32_fraction=self.fp32_fraction,
+            solver=self.solver,
+        )
+
+
 def allocate(
     choices: list[Choice],
     tiers: list[Tier],

@@ -13,7 +13,7 @@ from typing import Callable
 
 from tiers import Tier
 from tqsdeploy.errors import InfeasibleError
-from tqsdeploy.export.allocate import Allocation, Choice
+from tqsdeploy.export.allocate import Allocation, Choice, Knapsack
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.sizing import Sizing
 
@@ -24,9 +24,6 @@ TIGHTENS = 8
 TIGHT_ENOUGH = 0.002
 """Bisection stops once the shrink is known to within this share of the slots' budget."""
 
-Solve = Callable[[list[Choice], int], Allocation]
-"""(choices, bits reserved beyond the budget's fixed bits) -> the knapsack's allocation."""
-
 
 class Fitter:
     """Makes a knapsack's allocation meet its target as the file writes it, for one tier set."""
@@ -34,14 +31,15 @@ class Fitter:
     def __init__(self, job: ExportJob, sizing: Sizing, tiers: list[Tier]):
         self.job, self.sizing, self.tiers = job, sizing, tiers
 
-    def fitted(self, solve: Solve, choices: list[Choice], target: float) -> Allocation:
+    def fitted(self, problem: Knapsack, choices: list[Choice]) -> Allocation:
         """The allocation `solve` makes for `target`, priced as written, solved again with the slots' budget shrunk
         by what its stretches wrote beyond their prices until the file meets `target` (the additive prices cannot
         see how many stretches a split unit is cut into). An overshooting shrink is bisected back up; when no shrink
         fits, the knapsack is solved over whole units; only past that, every slot at its cheapest tier."""
-        allocation = self._fit(lambda reserve: solve(choices, reserve), target)
+        target = problem.target
+        allocation = self._fit(lambda reserve: problem.solve(choices, reserve), target)
         if allocation is None and len(whole := self._whole_units(choices)) < len(choices):
-            allocation = self._fit(lambda reserve: self._spread(solve(whole, reserve), target), target)
+            allocation = self._fit(lambda reserve: self._spread(problem.solve(whole, reserve), target), target)
         if allocation is not None:
             return allocation
         costs = self.sizing.costs(self.tiers)

@@ -19,7 +19,7 @@ from filelock import FileLock
 from tiers import TIERS, Tier
 from tiers.solver_backend import solver_dtype
 from tqsdeploy.encoding.slots import Slot
-from tqsdeploy.export.allocate import Allocation, Choice, allocate
+from tqsdeploy.export.allocate import Allocation, Choice, Knapsack
 from tqsdeploy.export.fitting import Fitter
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.measuring import Measuring
@@ -261,22 +261,12 @@ class TierPricing:
         none is optimal for the true losses too."""
         settings = self.job.settings
         objective = settings.objective
-        budget = self.sizing.budget(self.tiers)
+        problem = Knapsack(
+            self.tiers, target, self.sizing.budget(self.tiers), objective, settings.fp32_share, settings.allocator
+        )
         while True:
             choices = self.choices(objective, on_result)
-            allocation = self.fitter.fitted(
-                lambda options, reserve: allocate(
-                    options,
-                    self.tiers,
-                    target,
-                    budget.reserving(reserve),
-                    objective=objective,
-                    fp32_fraction=settings.fp32_share,
-                    solver=settings.allocator,
-                ),
-                choices,
-                target,
-            )
+            allocation = self.fitter.fitted(problem, choices)
             picked = [
                 (slot, TIERS[allocation.tiers[slot.name]])
                 for slot in self.job.cut.slots

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from tiers import TIERS
 from tqsdeploy.encoding.choices import drift_order
-from tqsdeploy.export.allocate import Allocation, Choice, allocate
+from tqsdeploy.export.allocate import Allocation, Choice, Knapsack
 from tqsdeploy.export.candidates import MixedModels
 from tqsdeploy.export.fitting import Fitter
 from tqsdeploy.export.job import ExportJob
@@ -92,17 +92,7 @@ class Refiner:
             choices.append(
                 Choice(slot.name, slot.params, 0.0, False, {t: costs[slot.name][t] for t in options}, options)
             )
-        budget = self.sizing.budget(self.job.tiers)
-        return self.fitter.fitted(
-            lambda options, reserve: allocate(
-                options,
-                self.job.tiers,
-                best.target,
-                budget.reserving(reserve),
-                objective="measured",
-                fp32_fraction=0.0,
-                solver=self.job.settings.allocator,
-            ),
-            choices,
-            best.target,
+        problem = Knapsack(
+            self.job.tiers, best.target, self.sizing.budget(self.job.tiers), solver=self.job.settings.allocator
         )
+        return self.fitter.fitted(problem, choices)
