@@ -19,9 +19,10 @@ import onnx
 from onnx import helper
 
 from graph_ops.io import GraphError
-from graph_ops.layout import ConvGeometry, WeightLayout, WeightUse
+from graph_ops.layout import WeightLayout
 from graph_ops.qdq import _node_reads
 from graph_ops.recurrent import recurrent_rows
+from graph_ops.weight_use import ConvGeometry, WeightUse
 
 
 def waves(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> list[list[str]]:
