@@ -21,8 +21,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiers import solver_backend  # noqa: E402
-from tiers.gptq import Hessian, gptq, inverse_cholesky  # noqa: E402
+from tiers.gptq import gptq, inverse_cholesky  # noqa: E402
 from tiers.grid import GridSpec  # noqa: E402
+from tiers.hessian import Hessian  # noqa: E402
 
 
 def use(module: str) -> None:

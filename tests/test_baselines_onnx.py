@@ -11,7 +11,7 @@ from graph_ops import read_weights, replace_weights, weight_layouts
 from graph_ops.calibration import ConvGeometry, im2col, layer_inputs, waves
 from runtimes.ort import OrtRuntime
 from tiers import Layout, Rounding
-from tiers.gptq import Hessian
+from tiers.hessian import Hessian
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.baselines import BaselineSettings, quantize_baseline
 

@@ -19,11 +19,13 @@ from typing import Sequence
 import numpy as np
 
 import tiers.gptq as solvers
+import tiers.hessian as statistics
 from graph_ops.layout import Layout
 from tiers.encoded import Encoded
 from tiers.formats.base import Tier
-from tiers.gptq import Hessian, Quantized
+from tiers.gptq import Quantized
 from tiers.grid import Grid, find_grid
+from tiers.hessian import Hessian
 from tiers.methods import METHODS
 from tiers.solver_backend import c_order
 
@@ -181,7 +183,7 @@ def _better_rows(
     of the INT4 rows of the ETTh1 examples) are solved once; the others are solved on both grids in one
     column loop, the weight's rows followed by a copy of those rows on their min-max grids (`_both_grids`). GPTQ and
     QEP then compare the rows' objectives from that loop's own losses (`_second_lower_by_losses`); GPTAQ, and weights
-    with dead inputs, through products with H and G (`solvers.second_lower`)."""
+    with dead inputs, through products with H and G (`statistics.second_lower`)."""
     plain_spec = replace(spec, search=False)
     if group > 0 or (rounding.method == "qep" and rounding.qep_base == "rtn"):
         searched = _solve(rounding, np.array(wt), stats, spec, group)
@@ -198,7 +200,7 @@ def _better_rows(
         solved = _BothGrids(searched.take(rows), plain, (losses[:n][rows], losses[n:]))
         better = _second_lower_by_losses(rounding, original[rows], wt[rows], solved, stats, aim, product or {}, rows)
     if better is None:
-        better = solvers.second_lower(original[rows], searched.take(rows), plain, stats, aim)
+        better = statistics.second_lower(original[rows], searched.take(rows), plain, stats, aim)
     chosen = rows[better]
     for field in ("codes", "scale", "zero"):
         getattr(searched, field)[chosen] = getattr(plain, field)[better]
@@ -244,7 +246,7 @@ def _second_lower_by_losses(
     product: dict,
     rows: np.ndarray,
 ) -> np.ndarray | None:
-    """`solvers.second_lower` from what the solve already knows, without its products with H and G (as many flops
+    """`statistics.second_lower` from what the solve already knows, without its products with H and G (as many flops
     as a column loop at K = 4096): the loop's losses Lᵢ = aᵢ·(H + δI)·aᵢᵀ, aᵢ = qᵢ − w* (w* the weight it solved,
     QEP-corrected), and QEP's W·G with its damping λ. With c = w* − w = α·W·G·(H + λI)⁻¹, c·H = α·W·G − λ·c, so
 
@@ -261,8 +263,8 @@ def _second_lower_by_losses(
         return None
     first, second, losses = solved.first, solved.second, solved.losses
     better = np.zeros(original.shape[0], bool)
-    for start in range(0, original.shape[0], solvers.ERROR_ROWS):  # bounded temporaries, as `second_lower`
-        part = slice(start, min(start + solvers.ERROR_ROWS, original.shape[0]))
+    for start in range(0, original.shape[0], statistics.ERROR_ROWS):  # bounded temporaries, as `second_lower`
+        part = slice(start, min(start + statistics.ERROR_ROWS, original.shape[0]))
         one, two = first.rows(part.start, part.stop).values, second.rows(part.start, part.stop).values
         w_star = corrected[part]
         e = two - one

@@ -143,7 +143,7 @@ def solve_dtype(order: int) -> str:
     """What a solve on K = `order` inputs computes in: float32 (the precision of the official PyTorch GPTQ,
     GPTAQ and QEP code) with 'float32', and with 'auto' from `FLOAT32_FROM` on; float64 otherwise. It covers
     GPTQ/GPTAQ's column loop (`tiers.column_loop`), QEP's correction (its Cholesky solve at QEP's 100% damping
-    and its product with G) and the per-channel grid choice's products (`tiers.gptq.second_lower`). The
+    and its product with G) and the per-channel grid choice's products (`tiers.hessian.second_lower`). The
     statistics H and G, GPTQ's inverse Cholesky (`tiers.gptq.inverse_cholesky`: in float32 it moved a chaotic
     model's codes too far) and GPTAQ's P stay float64, and so do the grids and the sums. A 4096-wide QEP solve
     took 10.5 s against 14.8 s (per-channel grids) and 4.4 s against 6.5 s (min-max); on the ETTh1 example's
