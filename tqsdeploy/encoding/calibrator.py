@@ -6,7 +6,7 @@ layer input exposed as an extra output: it gives the calibration samples and
 the full-precision activations. Each wave's quantized-prefix activations come
 from a session of the graph cut down to that wave's inputs, in which every
 weight quantized so far is rebuilt from its codes, fed as they are
-(`graph_ops.qdq.fed_codes_model`): a byte per weight rather than a float
+(`graph_ops.fed_codes.fed_codes_model`): a byte per weight rather than a float
 copy of each, and no layer after the wave is run. Nor any layer before the
 wave's own: each wave's session also outputs the activations that later
 layers read, and the next wave's session starts from them (fed as inputs)
@@ -34,8 +34,9 @@ import onnx
 
 import graph_ops
 from graph_ops.calibration import expose_tensors, layer_inputs, layer_tensors, tensor_graph, tensor_infos, waves
+from graph_ops.fed_codes import fed_codes_model, needed_nodes
 from graph_ops.layout import WeightLayout
-from graph_ops.qdq import at_opset, default_opset, fed_codes_model, needed_nodes
+from graph_ops.qdq import at_opset, default_opset
 from graph_ops.recurrent import add_recurrent_states
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
