@@ -375,16 +375,8 @@ def write_storage(
     A `model` loaded without its external data names its folder in `source`:
     kept tensors are then read from the input's data files one at a time.
     """
-    from graph_ops.io import (
-        PROTOBUF_LIMIT,
-        OutputError,
-        atomic_output,
-        data_location,
-        publish_model,
-        save_model,
-        stored_bytes,
-        weight_bits,
-    )
+    from graph_ops.io import PROTOBUF_LIMIT, OutputError, stored_bytes, weight_bits
+    from graph_ops.output import atomic_output, data_location, publish_model, save_model
 
     path = Path(path)
     if external_data is None:  # an input that keeps its weights outside gets an output that does too
