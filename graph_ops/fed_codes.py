@@ -67,11 +67,9 @@ def fed_codes_model(
     and what to feed for the weights of `stored` it reads: their codes, or the floats they stand for
     where a form is not rebuilt; the other weights stay inputs, for the caller to feed.
 
-    What runs a quantized candidate at a byte per weight instead of a float copy of every weight:
-    a calibration wave (ONNX Runtime runs the whole graph whatever a run fetches, so the cut also
-    skips the layers after the wave) and a large model's measured candidates. The rebuilding nodes
-    go first in the node list, which ONNX Runtime's default order runs just before each consumer
-    (measured: 18 weights rebuilt up front would hold 18 float copies at once).
+    The cut matters to a calibration wave: ONNX Runtime runs the whole graph whatever a run fetches.
+    The rebuilding nodes go first in the node list, which ONNX Runtime's default order runs just before
+    each consumer (docs/design-notes/graph-ops.md, 'Rebuilding nodes go first').
 
     `given`: intermediate tensors the caller feeds (name -> their value info, e.g. a calibration wave's
     activations kept from the wave before): they become inputs, and what only computes them is cut too.

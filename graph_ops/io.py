@@ -47,7 +47,8 @@ class LoadedModel:
     file_bytes: int
     external_files: tuple[Path, ...]
     weights_declared_as_inputs: tuple[str, ...] = ()
-    """Float initializers the file also lists as graph inputs; they are treated as weights (`undeclare_weight_inputs`)."""
+    """Float initializers the file also lists as graph inputs; they are treated as weights
+    (`undeclare_weight_inputs`)."""
 
     @property
     def stem(self) -> str:
@@ -63,8 +64,8 @@ class LoadedModel:
 
 def _sha256_files(paths: list[Path]) -> Future:
     """Hash `paths` on a background thread: reading and hashing release the GIL, so a large model's
-    digest (about 0.6 ms per MB) overlaps its session build and the checks that follow the load.
-    A daemon thread: a command that never asks for the digest (or is interrupted) does not wait for it at exit."""
+    digest overlaps its session build and the checks that follow the load. A daemon thread: a command
+    that never asks for the digest (or is interrupted) does not wait for it at exit."""
     future: Future = Future()
 
     def digest() -> None:
@@ -162,7 +163,8 @@ def _external_files(proto: onnx.ModelProto, folder: Path, own_name: str = "") ->
         end = (info.offset or 0) + (info.length or 0)
         if end > size:
             raise GraphError(
-                f"external data file '{info.location}' is truncated: tensor '{tensor.name}' needs bytes up to {end}, file has {size}"
+                f"external data file '{info.location}' is truncated: tensor '{tensor.name}' needs bytes up to {end}, "
+                f"file has {size}"
             )
         files[target] = None
     return list(files)
@@ -278,7 +280,8 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedMod
             sort_nodes(proto)
         except Exception as exc:  # a cycle, or names the sort cannot follow
             raise GraphError(
-                f"{path} is not a valid ONNX model: its nodes are out of order and cannot be sorted ({str(exc).splitlines()[0]})"
+                f"{path} is not a valid ONNX model: its nodes are out of order and cannot be sorted "
+                f"({str(exc).splitlines()[0]})"
             ) from None
         invalid = _check(checkable())
     externals = _external_files(proto, path.parent, path.name)

@@ -69,7 +69,8 @@ def upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
         converted = version_converter.convert_version(model, opset)
     except Exception as exc:
         raise GraphError(
-            f"cannot convert the model from opset {current} to {opset} (needed by the chosen tiers): {str(exc).splitlines()[0]}"
+            f"cannot convert the model from opset {current} to {opset} (needed by the chosen tiers): "
+            f"{str(exc).splitlines()[0]}"
         ) from None
     return converted
 
@@ -79,8 +80,8 @@ HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 def computes_in_half(model: onnx.ModelProto) -> bool:
     """Whether the graph holds or makes 16-bit float tensors (initializers, declared values, Casts to them). ONNX
-    Runtime optimizes such a graph differently at a declared opset of 20 or more (lorenz96 in float16: 7e-4 after
-    one step, 0.16% over 40), so an export measures it at the opset it writes; float32 graphs ran the same."""
+    Runtime optimizes such a graph differently at a declared opset of 20 or more, so an export measures it at the
+    opset it writes (docs/design-notes/graph-ops.md, 'Half-precision graphs are measured at the written opset')."""
     graph = model.graph
     declared = [*graph.input, *graph.output, *graph.value_info]
     return (
@@ -161,7 +162,8 @@ def _copy_without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _tensor_bytes(tensor: onnx.TensorProto, source: Path | None = None) -> bytes | memoryview:
-    """A tensor's payload; one that points into an external-data file is read from it (`source`: the input model's folder)."""
+    """A tensor's payload; one that points into an external-data file is read from it (`source`: the input
+    model's folder)."""
     if external_data_helper.uses_external_data(tensor):
         if source is None:
             raise GraphError(f"tensor '{tensor.name}' lives in external data, but no folder to read it from was given")
@@ -243,9 +245,9 @@ def _skeleton(
     skeleton.graph.input.extend(stand_ins)
     annotated = list(skeleton.graph.value_info)
     skeleton = upgrade_opset(skeleton, opset)
-    # The converter infers shapes and records them as value_info; ONNX Runtime fuses more with them (on the
-    # ETTh1 example an Add + LayerNormalization became a SkipLayerNormalization 5x slower than the pair),
-    # so the output keeps the annotations the model came with, and runs the graph the original runs.
+    # The converter infers shapes and records them as value_info; ONNX Runtime fuses more with them, into kernels
+    # that can be slower than the ops they replace (docs/design-notes/graph-ops.md, 'The converter's shapes are
+    # dropped'), so the output keeps the annotations the model came with, and runs the graph the original runs.
     del skeleton.graph.value_info[:]
     skeleton.graph.value_info.extend(annotated)
     temporary = {v.name for v in stand_ins}
@@ -319,7 +321,8 @@ def _check_emitted(
     except Exception as exc:
         kinds = sorted({onnx.helper.tensor_dtype_to_np_dtype(w.type.tensor_type.elem_type).name for w in weights})
         raise GraphError(
-            f"the quantized weights cannot be written as valid ONNX for this model's {'/'.join(kinds)} weights: {str(exc).strip().splitlines()[0]}"
+            f"the quantized weights cannot be written as valid ONNX for this model's {'/'.join(kinds)} weights: "
+            f"{str(exc).strip().splitlines()[0]}"
         ) from None
 
 
@@ -330,8 +333,9 @@ def apply_storage(
     layout: str = "fused",
     opset: int = 1,
 ) -> onnx.ModelProto:
-    """A new model whose named weights are stored as given, in `layout` (`LAYOUTS`), at `opset` at least, every tensor
-    inside it (kept ones that point into the input's external data, in folder `source`, are read in). Input untouched."""
+    """A new model whose named weights are stored as given, in `layout` (`LAYOUTS`), at `opset` at least, every
+    tensor inside it (kept ones that point into the input's external data, in folder `source`, are read in). Input
+    untouched."""
     return _build(model, stored, lambda tensor: _loaded(tensor, source), layout, opset)
 
 
@@ -385,7 +389,8 @@ def write_storage(
         built = apply_storage(model, stored, source, layout, opset)
         if stored_bytes(built) >= PROTOBUF_LIMIT:  # only when one file was asked for: the default streams from 1 GiB
             raise OutputError(
-                f"cannot write {path} as one file: it holds {stored_bytes(built) / 2**30:.2f} GiB, past protobuf's 2 GiB limit"
+                f"cannot write {path} as one file: it holds {stored_bytes(built) / 2**30:.2f} GiB, "
+                "past protobuf's 2 GiB limit"
             )
         return Written((save_model(built, path, external_data=False),), weight_bits(built), default_opset(built))
     location = data_location(path)
