@@ -1,10 +1,12 @@
-"""RTN, GPTQ, GPTAQ and QEP rounding in numpy (the solves in float32 or float64, `solver_backend.solve_dtype`), on a tier's grid.
+"""RTN, GPTQ, GPTAQ and QEP rounding on a tier's grid, in numpy (the solves in float32 or float64:
+`solver_backend.solve_dtype`).
 
 Everything works on Wt [N, K]: one row per output channel, one column per
 input feature, the layout every official implementation uses (IST-DASLab/gptq,
 GPTAQ, FujitsuResearch/qep; the methods are summarised in docs/baselines.md).
-Callers map their stored weight to Wt and back (`graph_ops.layout.Layout`). The grid is
-the tier's (`tiers.grid`): these functions only decide which grid point each
+Callers map their stored weight to Wt and back (`graph_ops.layout.Layout`) and
+gather the statistics solved on (`tiers.hessian.Hessian`). The grid is the
+tier's (`tiers.grid`): these functions only decide which grid point each
 weight lands on. Each returns codes, per-row (or per row-group) scales and zero
 points, and the fake-quantized Wt.
 
@@ -45,7 +47,8 @@ class Quantized:
     """A quantized Wt: codes, parameters per row and group, and the fake-quantized values."""
 
     codes: np.ndarray
-    """[N, K] float32 holding the codes (integers; for fp8 grids the FP8 values, scale·code being the weight), all exact in float32."""
+    """[N, K] float32 holding the codes (integers; for fp8 grids the FP8 values, scale·code being the weight), all
+    exact in float32."""
     scale: np.ndarray
     """[N, groups] fp64, float32-representable (groups = 1 per channel)."""
     zero: np.ndarray
@@ -134,12 +137,12 @@ _LAPACK: tuple | None = None
 
 
 def _lapack(order: int):
-    """scipy's LAPACK (in-place potrf/trtri/potrs, which numpy lacks), imported on first use (0.15 s).
+    """scipy's LAPACK (in-place potrf/trtri/potrs, which numpy lacks), imported on first use.
 
     Where scipy brings its own OpenBLAS beside numpy's, its threads spin after each call and fight
-    numpy's for the cores: a calibration of small layers ran 1.4x slower on 2 cores. So that copy
-    runs one thread below `LAPACK_THREADS_FROM` (calls of milliseconds) and all of them above
-    (calls of seconds, where the spinning is noise)."""
+    numpy's for the cores (docs/design-notes/tiers.md, 'scipy's own OpenBLAS'). So that copy runs
+    one thread below `LAPACK_THREADS_FROM` (calls of milliseconds) and all of them above (calls of
+    seconds, where the spinning is noise)."""
     global _LAPACK
     if _LAPACK is None:
         from threadpoolctl import ThreadpoolController
@@ -147,9 +150,10 @@ def _lapack(order: int):
         before = {lib.filepath for lib in ThreadpoolController().lib_controllers}
         from scipy.linalg import lapack
 
+        # loaded with scipy, or scipy's wheel's own (scipy imported earlier)
         own = [
             lib
-            for lib in ThreadpoolController().lib_controllers  # loaded with scipy, or scipy's wheel's own (scipy imported earlier)
+            for lib in ThreadpoolController().lib_controllers
             if lib.user_api == "blas" and (lib.filepath not in before or Path(lib.filepath).parent.name == "scipy.libs")
         ]
         _LAPACK = (lapack, [(lib, lib.num_threads) for lib in own])
@@ -166,10 +170,9 @@ def _lapack(order: int):
 
 def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
     """Upper U with UᵀU = (H + λI)⁻¹, λ = percdamp·mean(diag H), in float64 whatever `solver_dtype` says: at
-    GPTQ's 1% damping H + λI can be as ill-conditioned as 100·K, and a float32 U moved enough codes on the
-    lorenz96 example that its TQS-PTQ model at the W4 size drifted 5.4% on the scoring contexts against 2.9%
-    (benchmarks/results/solver-float32.md); it is one factorization per statistic, shared by every weight,
-    tier and grid solved on it.
+    GPTQ's 1% damping H + λI can be as ill-conditioned as 100·K, and a float32 U moves enough codes to change a
+    chaotic model's drift (docs/design-notes/tiers.md, 'GPTQ's inverse Cholesky stays float64'); it is one
+    factorization per statistic, shared by every weight, tier and grid solved on it.
 
     The official sequence (Cholesky, its inverse as torch's cholesky_inverse, Cholesky of that:
     potrf/potri/potrf, 4/3·K³ flops) gives the same U as one Cholesky of H with its rows and columns
@@ -210,15 +213,15 @@ ROW_PART = 1 << 20
 """Elements per row part at least when a solve splits its rows over idle cores (`_row_parts`)."""
 ROW_PART_ROWS = 1024
 """Rows per part at least: below this a column's numpy calls are too short to release the GIL for long, and
-two parts ran no faster than one (BERT-size layers, 384-1536 rows)."""
+two parts gain nothing over one (docs/design-notes/tiers.md, 'Row parts')."""
 
 
 def _row_parts(rows: int, columns: int) -> list[slice]:
     """Consecutive row ranges a solve runs side by side, one per core it has to itself: rows are independent in
     every column loop (each row's rounding error feeds only its own later columns, through U and P, which every
     part shares), so the parts give the codes of one solve. A solve alone in its wave has every core (a chain of
-    large layers, one per wave): a 4096 x 4096 INT4 solve on 2 cores took 3.6 s in two parts against 5.0 s whole.
-    Where a wave's weights already run side by side (`backend.THREAD_CAP`), each keeps its share."""
+    large layers, one per wave; docs/design-notes/tiers.md, 'Row parts'). Where a wave's weights already run
+    side by side (`backend.THREAD_CAP`), each keeps its share."""
     cores = backend.THREAD_CAP if backend.THREAD_CAP is not None else backend.solver_threads()
     count = max(1, min(cores, rows // ROW_PART_ROWS, rows * columns // ROW_PART))
     step = -(-rows // count)
@@ -415,7 +418,8 @@ def damping(cache: "Hessian", percdamp: float) -> float | None:
 
 
 def _damped_cholesky(H: np.ndarray, percdampqep: float, dtype=np.float64) -> np.ndarray:
-    """Lower Cholesky factor (Fortran order, `dtype`) of H + λI, λ = percdampqep·mean(diag H), damping raised 10x on failure."""
+    """Lower Cholesky factor (Fortran order, `dtype`) of H + λI, λ = percdampqep·mean(diag H), damping raised 10x
+    on failure."""
     lapack = _lapack(H.shape[0])
     potrf = lapack.spotrf if dtype == np.float32 else lapack.dpotrf
     mean = float(np.mean(np.diag(H)))
