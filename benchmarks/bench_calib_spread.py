@@ -10,7 +10,8 @@ Where the windows come from: the tied mixer's from the ETTh1 rows its contexts s
 whose rollout feeds its outputs back by replacement (lorenz96, pangu_lorenz96) from the states of truth.npz,
 the scoring trajectories' later states (never the held-out ones).
 
-    python benchmarks/bench_calib_spread.py [--example lorenz96] [--cli new=PATH,old=PATH] [--methods qep] [--bits 4,2] [--sets 5]
+    python benchmarks/bench_calib_spread.py [--example lorenz96] [--cli new=PATH,old=PATH]
+        [--methods qep] [--bits 4,2] [--sets 5]
 
 A PATH ending in .py runs with this Python (benchmarks/cli_min_max_grids.py: today's code on 95188a9's min-max grids).
 
@@ -65,7 +66,8 @@ def etth1_sets(folder: Path, example: Path, count: int = SETS) -> list[Path]:
 
 
 def trajectory_sets(folder: Path, example: Path, count: int = SETS) -> list[Path]:
-    """A replace-feedback rollout: `count` seeded sets of truth.npz states (seeds 100, 101, ...), fed back as its spec says."""
+    """A replace-feedback rollout: `count` seeded sets of truth.npz states (seeds 100, 101, ...), fed back as its
+    spec says."""
     spec = tomllib.loads((example / "rollout.toml").read_text())
     pairs = {f["output"]: f["input"] for f in spec["feedback"] if f["mode"] == "replace"}
     contexts, truth = np.load(example / "contexts.npz"), np.load(example / "truth.npz")
@@ -175,13 +177,16 @@ def tqs_spread(args, example: Path, folder: Path, sets: list[Path], clis: dict[s
     for label in clis:
         for tier, drifts in uniform[label].items():
             print(
-                f"{args.example} {label} uniform {tier}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {' '.join(f'{d:.4g}' for d in drifts)}; last = contexts.npz)"
+                f"{args.example} {label} uniform {tier}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} "
+                f"(sets: {' '.join(f'{d:.4g}' for d in drifts)}; last = contexts.npz)"
             )
         for (c, drifts), tier in zip(tqs[label].items(), tiers):
             ratios = np.array(drifts) / np.array(uniform[label][tier])
             print(
-                f"{args.example} {label} TQS-PTQ C{c}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {' '.join(f'{d:.4g}' for d in drifts)}); "
-                f"/ uniform {tier} per set {ratios.mean():.3f} ± {ratios.std():.2g}, below it on {int((ratios < 1).sum())} of {len(ratios)}"
+                f"{args.example} {label} TQS-PTQ C{c}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} "
+                f"(sets: {' '.join(f'{d:.4g}' for d in drifts)}); "
+                f"/ uniform {tier} per set {ratios.mean():.3f} ± {ratios.std():.2g}, below it on "
+                f"{int((ratios < 1).sum())} of {len(ratios)}"
             )
 
 
@@ -238,7 +243,8 @@ def main() -> None:
                         drifts.append(held_out_drift(out, example))
                     values = " ".join(f"{d:.4g}" for d in drifts)
                     print(
-                        f"{args.example} {method} W{bits} {label}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} (sets: {values}; last = contexts.npz)",
+                        f"{args.example} {method} W{bits} {label}: held-out drift % {np.mean(drifts):.4g} ± "
+                        f"{np.std(drifts):.2g} (sets: {values}; last = contexts.npz)",
                         flush=True,
                     )
 

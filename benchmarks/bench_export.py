@@ -209,10 +209,13 @@ def write(rows: list[dict], stem: str, note: str, results: Path = RESULTS) -> No
     lines = [
         f"Export time to result, {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs. {note}",
         "",
-        "Each figure is one process timed from outside (wall seconds); 'inside' is export's own total, split by its `profile_s`",
-        "(ONNX Runtime = calibration + measurement rollouts). Ratio = export / `baseline --method qep` at the nearest uniform grid.",
+        "Each figure is one process timed from outside (wall seconds); 'inside' is export's own total, split by its "
+        "`profile_s`",
+        "(ONNX Runtime = calibration + measurement rollouts). Ratio = export / `baseline --method qep` at the nearest "
+        "uniform grid.",
         "",
-        "| model | params | C | export s | inside s | ONNX Runtime s | solver s | statistics s | baseline | baseline s | ratio | shipped | drift % |",
+        "| model | params | C | export s | inside s | ONNX Runtime s | solver s | statistics s | baseline | baseline s "
+        "| ratio | shipped | drift % |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -220,8 +223,10 @@ def write(rows: list[dict], stem: str, note: str, results: Path = RESULTS) -> No
             lines.append(f"| {r['model']} | | | failed: {r['error'].splitlines()[0][:120]} | | | | | | | | | |")
             continue
         lines.append(
-            f"| {r['model']} | {r['params']:,} | {r['C']} | {r['export_s']:.1f} | {r['export_inside_s']:.1f} | {r['onnxruntime_s']:.1f} | {r['solver_s']:.1f} | "
-            f"{r['statistics_s']:.1f} | {r['baseline']} | {r['baseline_s']:.1f} | {r['ratio']:.2f} | {r['shipped']} | {r['drift_pct']:.4g} |"
+            f"| {r['model']} | {r['params']:,} | {r['C']} | {r['export_s']:.1f} | {r['export_inside_s']:.1f} | "
+            f"{r['onnxruntime_s']:.1f} | {r['solver_s']:.1f} | "
+            f"{r['statistics_s']:.1f} | {r['baseline']} | {r['baseline_s']:.1f} | {r['ratio']:.2f} | {r['shipped']} | "
+            f"{r['drift_pct']:.4g} |"
         )
     (results / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -212,11 +212,15 @@ def latency_rows(exported: dict[str, Path], tmp: Path) -> list[dict]:
 def markdown(meta: dict, rows: list[dict], latencies: list[dict]) -> str:
     labels = ["cpu auto", "cuda feed", "cuda batch", "cuda prefix", "cuda auto"]
     lines = [
-        f"GPU benchmark, {meta['date']}: {meta['env'].get('gpu')}; ONNX Runtime {meta['env']['onnxruntime']} (CUDA {meta['env'].get('ort_cuda')}, cuDNN {meta['env'].get('ort_cudnn')}); "
-        f"CPU: {meta['cpus']} cores of the same machine, ONNX Runtime default threads; probes: {meta['probes']}; median of {meta['rounds']} rounds; TensorRT: {meta['env']['tensorrt']}.",
+        f"GPU benchmark, {meta['date']}: {meta['env'].get('gpu')}; ONNX Runtime {meta['env']['onnxruntime']} (CUDA "
+        f"{meta['env'].get('ort_cuda')}, cuDNN {meta['env'].get('ort_cudnn')}); "
+        f"CPU: {meta['cpus']} cores of the same machine, ONNX Runtime default threads; probes: {meta['probes']}; "
+        f"median of {meta['rounds']} rounds; TensorRT: {meta['env']['tensorrt']}.",
         "",
-        "Throughput = perturbed rollouts (L·(1+N)) per second of `score` wall, end to end (load, builds, auto's timing, nominal, every task). "
-        "GPU ratio = wall / (L·(1+N) × one plain CUDA rollout), the #12 measure; GPU batch scaling = a plain CUDA rollout carrying 1 + N + 1 times the windows / that many plain rollouts (≤ 0.8: launch-bound).",
+        "Throughput = perturbed rollouts (L·(1+N)) per second of `score` wall, end to end (load, builds, auto's "
+        "timing, nominal, every task). "
+        "GPU ratio = wall / (L·(1+N) × one plain CUDA rollout), the #12 measure; GPU batch scaling = a plain CUDA "
+        "rollout carrying 1 + N + 1 times the windows / that many plain rollouts (≤ 0.8: launch-bound).",
         "",
         "| model | params | T | windows | rollouts | plain rollout ms (cpu / cuda) | GPU batch scaling | "
         + " | ".join(f"{lb}: rollouts/s (GPU ratio)" for lb in labels)
@@ -233,14 +237,16 @@ def markdown(meta: dict, rows: list[dict], latencies: list[dict]) -> str:
             else:
                 cells.append("refused" if lb in r["refused"] else "—")
         lines.append(
-            f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['steps']} | {r['windows']} | {r['rollouts']} | {r['plain_rollout_ms']['cpu']} / {r['plain_rollout_ms']['cuda']} | "
+            f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['steps']} | {r['windows']} | {r['rollouts']} | "
+            f"{r['plain_rollout_ms']['cpu']} / {r['plain_rollout_ms']['cuda']} | "
             f"{r['gpu_batch_scaling'] if r['gpu_batch_scaling'] is not None else 'no batch axis'} | "
             + " | ".join(cells)
             + f" | {', '.join(r['auto_picks'])} | {r['gpu_ratio_task_loop'].get('cuda auto', '—')} |"
         )
     lines += [
         "",
-        "Agreement with the CPU score (quant probe γ, units alive on both): Spearman ρ / largest |Δγ| (nats/step) / dead units identical:",
+        "Agreement with the CPU score (quant probe γ, units alive on both): Spearman ρ / largest |Δγ| (nats/step) / "
+        "dead units identical:",
         "",
     ]
     lines += [
@@ -261,7 +267,8 @@ def markdown(meta: dict, rows: list[dict], latencies: list[dict]) -> str:
     if latencies:
         lines += [
             "",
-            "Latency of one call over all context windows (median of 50 after 5 warm-ups), ONNX Runtime default optimizations:",
+            "Latency of one call over all context windows (median of 50 after 5 warm-ups), ONNX Runtime default "
+            "optimizations:",
             "",
         ]
         lines += ["| example | model | file kB | CUDA ms | CPU ms |", "|---|---|---|---|---|"]
@@ -272,7 +279,8 @@ def markdown(meta: dict, rows: list[dict], latencies: list[dict]) -> str:
     if meta["env"]["tensorrt"] != "importable":
         lines += [
             "",
-            "TensorRT engines (refit sweep, `tqsdeploy engine` latency): not run, `tensorrt` is not installed on this machine.",
+            "TensorRT engines (refit sweep, `tqsdeploy engine` latency): not run, `tensorrt` is not installed on this "
+            "machine.",
         ]
     return "\n".join(lines) + "\n"
 

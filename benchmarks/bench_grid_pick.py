@@ -85,8 +85,10 @@ def main() -> None:
     picked = np.where(np.array(calib["today"]) <= np.array(calib["min-max"]), today, plain)
     difference = picked - plain
     print(
-        f"{args.example} W{args.bits} held-out drift %: today {today.mean():.4g}, min-max {plain.mean():.4g}, picked {picked.mean():.4g} "
-        f"(today's on {int((picked == today).sum())} of {len(today)}); picked - min-max {difference.mean():+.3g} ± {difference.std(ddof=1):.2g}, "
+        f"{args.example} W{args.bits} held-out drift %: today {today.mean():.4g}, min-max {plain.mean():.4g}, picked "
+        f"{picked.mean():.4g} "
+        f"(today's on {int((picked == today).sum())} of {len(today)}); picked - min-max {difference.mean():+.3g} ± "
+        f"{difference.std(ddof=1):.2g}, "
         f"t = {difference.mean() / (difference.std(ddof=1) / np.sqrt(len(difference))):.2f}"
     )
 

@@ -40,7 +40,9 @@ both_grids, encode, least_drifting = tq._both_grids, qz.Encoder._encode, ec.Cand
 
 def _both_grids(rounding, wt, stats, spec, plain_spec):
     searched, rows, plain, losses = both_grids(rounding, wt, stats, spec, plain_spec)
-    proxy = Quantized(searched.codes.copy(), searched.scale.copy(), searched.zero.copy(), searched.spec, searched.group_size)
+    proxy = Quantized(
+        searched.codes.copy(), searched.scale.copy(), searched.zero.copy(), searched.spec, searched.group_size
+    )
     if rows.size:  # every row on its min-max grid: the rows whose grids differ from the stacked loop's copy
         proxy.codes[rows], proxy.scale[rows], proxy.zero[rows] = plain.codes, plain.scale, plain.zero
     local.parts.append(proxy)
@@ -50,7 +52,11 @@ def _encode(self, name, tier, rounding, stats):
     local.parts = []
     encoded = encode(self, name, tier, rounding, stats)
     if rounding.grids != "min-max" and rounding.needs_stats:
-        proxy = tq.to_encoded(Quantized.stack(local.parts), self.layouts[name], tier, encoded.dtype).compact() if local.parts else encoded
+        proxy = (
+            tq.to_encoded(Quantized.stack(local.parts), self.layouts[name], tier, encoded.dtype).compact()
+            if local.parts
+            else encoded
+        )
         proxies[(tier.name, rounding.method, name)] = proxy
     return encoded
 
@@ -60,8 +66,15 @@ def _least_drifting(self, tier, options):
         encodings = {name: proxies.get((tier.name, method, name)) for name in self.encoder.layouts}
         if all(e is not None for e in encodings.values()):
             measured = self.rounding_choice.get(tier.name, {})
-            found.append({"tier": tier.name, "method": method, "per_channel": measured.get(method), "min_max": measured.get(method + "/min-max"),
-                          "proxy": self.measure(encodings).worst_pct})
+            found.append(
+                {
+                    "tier": tier.name,
+                    "method": method,
+                    "per_channel": measured.get(method),
+                    "min_max": measured.get(method + "/min-max"),
+                    "proxy": self.measure(encodings).worst_pct,
+                }
+            )
     return chosen
 
 tq._both_grids, qz.Encoder._encode, ec.CandidateBuilding._least_drifting = _both_grids, _encode, _least_drifting
@@ -136,16 +149,20 @@ def study(name: str, tmp: Path) -> list[dict]:
 def write(rows: list[dict], stem: str) -> None:
     (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
     lines = [
-        "Grid choice of `export --C 4` (`--grids auto`, scoring contexts): the real min-max pass against the min-max model taken from the",
-        "per-channel pass (proxy); drift % is the worst output's on the scoring contexts (`benchmarks/bench_grid_proxy.py`).",
+        "Grid choice of `export --C 4` (`--grids auto`, scoring contexts): the real min-max pass against the min-max "
+        "model taken from the",
+        "per-channel pass (proxy); drift % is the worst output's on the scoring contexts "
+        "(`benchmarks/bench_grid_proxy.py`).",
         "",
-        "| model | tier | method | per-channel % | min-max % | proxy % | chosen | proxy chooses | proxy / per-channel |",
+        "| model | tier | method | per-channel % | min-max % | proxy % | chosen | proxy chooses | proxy / per-channel "
+        "|",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         flag = "" if r["chosen"] == r["proxy_chooses"] else " (differs)"
         lines.append(
-            f"| {r['model']} | {r['tier']} | {r['method']} | {r['per_channel']:.4g} | {r['min_max']:.4g} | {r['proxy']:.4g} | {r['chosen']} | "
+            f"| {r['model']} | {r['tier']} | {r['method']} | {r['per_channel']:.4g} | {r['min_max']:.4g} | "
+            f"{r['proxy']:.4g} | {r['chosen']} | "
             f"{r['proxy_chooses']}{flag} | {r['proxy_over_per_channel']:.3f} |"
         )
     path = RESULTS / f"{stem}.md"

@@ -37,7 +37,8 @@ def main() -> None:
     lines = [
         "# Integer grids: symmetric vs asymmetric",
         "",
-        "Made by `python benchmarks/bench_grids.py`. Drift from the FP32 model (%, lower is better) on held-out windows",
+        "Made by `python benchmarks/bench_grids.py`. Drift from the FP32 model (%, lower is better) on held-out "
+        "windows",
         "(scoring windows where an example has none), ONNX Runtime default mode.",
         "",
     ]

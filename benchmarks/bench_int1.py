@@ -63,7 +63,8 @@ def main() -> None:
         "",
     ]
     lines += [
-        "| weight | storage | file bytes | session build ms | run ms (batch 8) | rel. error vs exact fp32 of the same signs |",
+        "| weight | storage | file bytes | session build ms | run ms (batch 8) | rel. error vs exact fp32 of the same "
+        "signs |",
         "|---|---|---|---|---|---|",
     ]
     for n in (512, 2048):

@@ -282,14 +282,19 @@ def write(rows: list[dict], args) -> None:
         "# Latency of `export --C 4` against FP32 (`benchmarks/bench_latency.py`)",
         "",
         f"{time.strftime('%Y-%m-%d')}, {platform.platform()}, {platform.processor() or 'CPU'}, ONNX Runtime "
-        f"{__import__('onnxruntime').__version__} {args.provider} provider with its default threads; the machine's 2 cores were shared with other "
-        "jobs, so read the ratios (paired rounds, medians), not the milliseconds. CUDA was not measured: no GPU was lent to this run.",
+        f"{__import__('onnxruntime').__version__} {args.provider} provider with its default threads; the machine's 2 "
+        "cores were shared with other "
+        "jobs, so read the ratios (paired rounds, medians), not the milliseconds. CUDA was not measured: no GPU was "
+        "lent to this run.",
         "",
         "ratio = variant median / FP32 median over the same paired rounds; paired = median of the rounds' ratios. "
-        "Held-out drift: mean |variant − FP32| / mean |FP32| on the held-out windows (generated models: fresh random windows), "
-        "as ONNX Runtime runs the variant (`eval`'s default). Memory: resident-memory growth of the session's creation and first call, the heap freed meanwhile returned first.",
+        "Held-out drift: mean |variant − FP32| / mean |FP32| on the held-out windows (generated models: fresh random "
+        "windows), "
+        "as ONNX Runtime runs the variant (`eval`'s default). Memory: resident-memory growth of the session's creation "
+        "and first call, the heap freed meanwhile returned first.",
         "",
-        "| model | variant | windows/call | FP32 ms | variant ms | ratio | paired | file MB (FP32) | memory MB (FP32) | held-out drift % | per-call dequantization |",
+        "| model | variant | windows/call | FP32 ms | variant ms | ratio | paired | file MB (FP32) | memory MB (FP32) "
+        "| held-out drift % | per-call dequantization |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -300,8 +305,10 @@ def write(rows: list[dict], args) -> None:
             else ("-" if per_call is None else ", ".join(f"{k} {v}" for k, v in per_call.items()))
         )
         lines.append(
-            f"| {r['model']} | {r['variant']} | {r['windows_per_call']} | {r['fp32_ms']:.3f} | {r['variant_ms']:.3f} | **{r['ratio']:.3f}** | {r['paired_ratio']:.3f} | "
-            f"{r['file_mb']:.3f} ({r['fp32_mb']:.3f}) | {r['memory_mb']:.1f} ({r['fp32_memory_mb']:.1f}) | {r['heldout_drift_pct']:.4g} | {shown} |"
+            f"| {r['model']} | {r['variant']} | {r['windows_per_call']} | {r['fp32_ms']:.3f} | {r['variant_ms']:.3f} | "
+            f"**{r['ratio']:.3f}** | {r['paired_ratio']:.3f} | "
+            f"{r['file_mb']:.3f} ({r['fp32_mb']:.3f}) | {r['memory_mb']:.1f} ({r['fp32_memory_mb']:.1f}) | "
+            f"{r['heldout_drift_pct']:.4g} | {shown} |"
         )
     lines += [
         "",
@@ -315,14 +322,16 @@ def write(rows: list[dict], args) -> None:
         if "compression" in r and r["model"] not in seen:
             seen.add(r["model"])
             lines.append(
-                f"| {r['model']} | {r['compression']:.3f} | {r['shipped']} | {r['scoring_drift_pct']:.4g} | {r['score_s']:.1f} | {r['export_s']:.1f} |"
+                f"| {r['model']} | {r['compression']:.3f} | {r['shipped']} | {r['scoring_drift_pct']:.4g} | "
+                f"{r['score_s']:.1f} | {r['export_s']:.1f} |"
             )
     default = [r for r in rows if r["variant"].startswith("C4 dequantized")]
     worst = max(default, key=lambda r: r["ratio"]) if default else None
     if worst:
         lines += [
             "",
-            f"Done-when check: the default layout for `--target ort-cpu` (dequantized) is at most {worst['ratio']:.3f}x FP32 "
+            f"Done-when check: the default layout for `--target ort-cpu` (dequantized) is at most "
+            f"{worst['ratio']:.3f}x FP32 "
             f"(worst: {worst['model']} at {worst['windows_per_call']} windows/call); target <= 1.05.",
         ]
     (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
@@ -343,7 +352,8 @@ def main() -> None:
     parser.add_argument(
         "--workdir",
         default=None,
-        help="Keep the scored and exported models here (default: a temporary folder); a second run times them again without scoring or exporting.",
+        help="Keep the scored and exported models here (default: a temporary folder); a second run times them again "
+        "without scoring or exporting.",
     )
     parser.add_argument(
         "--out",

@@ -6,7 +6,8 @@ detected) with external data, puts it in a read-only folder, and runs as
 subprocesses under /usr/bin/time -v: inspect, score, score again (must resume),
 export --C 4, eval (and with --baseline a uniform baseline). Checks the model folder gains no files.
 
-    python benchmarks/bench_memory.py [--gb 0.3,1.2,2.5] [--rounding rtn] [--fallback-below 1] [--defaults] [--baseline qep]
+    python benchmarks/bench_memory.py [--gb 0.3,1.2,2.5] [--rounding rtn] [--fallback-below 1] [--defaults]
+        [--baseline qep]
 
 Writes benchmarks/results/memory.md. Run it alone: it needs about 1.5 x the
 largest model + 1 GB of free RAM and 2 x the largest model of free disk in /tmp.
@@ -274,7 +275,8 @@ def main() -> None:
         "--fallback-below",
         type=float,
         default=float("inf"),
-        help="Export compares the uniform baselines (a calibration pass per method) only for models below this many GB; larger ones export with --no-fallback.",
+        help="Export compares the uniform baselines (a calibration pass per method) only for models below this many "
+        "GB; larger ones export with --no-fallback.",
     )
     parser.add_argument("--out", default=str(RESULTS / "memory.md"), help="Where to write the table.")
     parser.add_argument(
@@ -304,17 +306,22 @@ def main() -> None:
         if layout != "inline" or float(gb) < 2.0  # protobuf cannot hold 2 GiB in one file
     ]
     lines = [
-        f"Peak RSS per command, {time.strftime('%Y-%m-%d')}, {platform.platform()}, {os.cpu_count()} cores (shared machine).",
-        f"State-to-state MatMul chains with external data in a read-only folder; score: --probe quant, 4 random windows, {args.steps} steps;"
-        f" export --C 4 {'with default settings' if args.defaults else f'--rounding {args.rounding} --refine 0'}. Target: peak <= 1.5 x model + 0.5 GB.",
+        f"Peak RSS per command, {time.strftime('%Y-%m-%d')}, {platform.platform()}, {os.cpu_count()} cores (shared "
+        "machine).",
+        f"State-to-state MatMul chains with external data in a read-only folder; score: --probe quant, 4 random "
+        f"windows, {args.steps} steps;"
+        f" export --C 4 {'with default settings' if args.defaults else f'--rounding {args.rounding} --refine 0'}. "
+        "Target: peak <= 1.5 x model + 0.5 GB.",
         "",
-        "| model GB | weights | command | exit | peak RSS GB | target GB | met | seconds | model folder untouched | error |",
+        "| model GB | weights | command | exit | peak RSS GB | target GB | met | seconds | model folder untouched | "
+        "error |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         met = "yes" if r["rc"] == 0 and r["peak_gb"] <= r["target_gb"] else "no"
         lines.append(
-            f"| {r['model_gb']:.2f} | {r['layout']} | {r['command']} | {r['rc']} | {r['peak_gb']:.2f} | {r['target_gb']:.2f} | {met} | {r['seconds']:.1f} | {r['model_folder_untouched']} | {r['error'][:120]} |"
+            f"| {r['model_gb']:.2f} | {r['layout']} | {r['command']} | {r['rc']} | {r['peak_gb']:.2f} | "
+            f"{r['target_gb']:.2f} | {met} | {r['seconds']:.1f} | {r['model_folder_untouched']} | {r['error'][:120]} |"
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")

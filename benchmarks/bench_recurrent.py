@@ -47,8 +47,9 @@ def tqsdeploy(args: list[str], cwd: Path, log: Path) -> str | None:
 
 
 def code_under_test(cwd: Path) -> dict:
-    """Where the tqsdeploy that the commands import lives, its checkout's HEAD, the last commit that changed its library code, and whether
-    that code has uncommitted changes (so a wrong PYTHONPATH, or a result of uncommitted code, shows)."""
+    """Where the tqsdeploy that the commands import lives, its checkout's HEAD, the last commit that changed its
+    library code, and whether that code has uncommitted changes (so a wrong PYTHONPATH, or a result of
+    uncommitted code, shows)."""
     probe = "import pathlib, tqsdeploy; print(pathlib.Path(tqsdeploy.__file__).resolve().parents[1])"
     root = subprocess.run(
         [sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True, check=True

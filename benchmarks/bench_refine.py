@@ -1,9 +1,9 @@
 """What joint refinement (`export --refine`) buys on each example (run on demand; minutes).
 
 Reuses the score runs that `benchmarks/run_frontiers.py` leaves in tqs-frontier/<example>/score (scoring afresh, with
-the frontier's settings, where they are absent), exports TQS-PTQ (default settings otherwise) at the committed frontier's
-matched W2/W4/W8 points (benchmarks/results/frontier/<example>/frontier.csv) with --refine 0 and the default, and
-evaluates both on the held-out windows (scoring windows where an example has none).
+the frontier's settings, where they are absent), exports TQS-PTQ (default settings otherwise) at the committed
+frontier's matched W2/W4/W8 points (benchmarks/results/frontier/<example>/frontier.csv) with --refine 0 and the
+default, and evaluates both on the held-out windows (scoring windows where an example has none).
 
     python benchmarks/bench_refine.py [--examples etth1_patchtst,...] [--rounds 0,2]
 
@@ -59,8 +59,10 @@ def main() -> None:
     rounds = [int(r) for r in args.rounds.split(",")]
     lines = [
         f"# Joint refinement (`export --refine N`)\n\n{time.strftime('%Y-%m-%d')}, {platform.platform()}. Made by "
-        "`python benchmarks/bench_refine.py`. Worst output drift from the FP32 model (%, lower is better), ONNX Runtime default "
-        "mode, at the frontier's points matched to the uniform QEP baselines; export seconds include pricing each slot once "
+        "`python benchmarks/bench_refine.py`. Worst output drift from the FP32 model (%, lower is better), ONNX "
+        "Runtime default "
+        "mode, at the frontier's points matched to the uniform QEP baselines; export seconds include pricing each slot "
+        "once "
         "when a round count is first used (prices are cached in the score run).\n"
     ]
     for example in args.examples.split(","):

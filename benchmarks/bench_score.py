@@ -156,7 +156,8 @@ def _plain_rollout(
     runtime: OrtRuntime | None = None,
 ) -> float:
     """Best time of one nominal rollout over all contexts on a plain session of the unmodified model
-    (with `tiles`, every context window repeated that many times along the batch); CPU unless `runtime` names a provider."""
+    (with `tiles`, every context window repeated that many times along the batch); CPU unless `runtime` names a
+    provider."""
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
@@ -242,7 +243,8 @@ def bench(
         for _ in range(rounds):
             measure_scaling()
             for strategy in [s for s in strategies if s not in refused]:
-                # paired: the denominator is timed just before each sweep, as this machine's speed drifts between minutes
+                # paired: the denominator is timed just before each sweep, as this machine's speed drifts between
+                # minutes
                 plains.append(plain_rollout())
                 started = time.perf_counter()
                 try:
@@ -356,25 +358,34 @@ def main() -> None:
         "probes": f"quant + {args.probes} gauss",
         "rounds": args.rounds,
         "date": time.strftime("%Y-%m-%d"),
-        "note": "taken on a shared 2-core virtual machine whose speed drifts by tens of percent from one minute to the next: the plain rollout is timed in every round beside the strategies, so ratios are meaningful and absolute times are not",
+        "note": "taken on a shared 2-core virtual machine whose speed drifts by tens of percent from one minute to the "
+        "next: the plain rollout is timed in every round beside the strategies, so ratios are meaningful and absolute "
+        "times are not",
         "skipped": skipped,
     }
     (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     names = ["feed", "rebuild", "unit", "prefix", "batch", "auto"]
     lines = [
-        f"Score-sweep benchmark, {meta['date']}, {meta['machine']}, {setup}; probes: {meta['probes']}, median of {args.rounds} interleaved rounds.",
+        f"Score-sweep benchmark, {meta['date']}, {meta['machine']}, {setup}; probes: {meta['probes']}, median of "
+        f"{args.rounds} interleaved rounds.",
         "",
         f"Note: {meta['note']}.",
         "",
-        "ratio = score wall (end to end: load, session builds, auto's timing, nominal, every task) / (L·(1+N) rollouts × one plain ONNX Runtime rollout, the best of 3 timed just before that sweep), median over rounds (auto's range over the rounds in its own column); "
-        "speed-up = feed wall / strategy wall. The last column is auto's task loop alone (the `sweep` timing in run.json) over the same denominator. "
-        "batch scaling = a plain rollout with every window repeated P + 1 times (what a probe-batched call carries) / (P + 1) plain rollouts, paired and measured once per round plus once before, the median: "
-        "at most 0.8 the model is launch-bound and the issue's target is ratio ≤ 0.8, otherwise it is compute-bound and the target is ≤ 1.02 "
+        "ratio = score wall (end to end: load, session builds, auto's timing, nominal, every task) / (L·(1+N) rollouts "
+        "× one plain ONNX Runtime rollout, the best of 3 timed just before that sweep), median over rounds (auto's "
+        "range over the rounds in its own column); "
+        "speed-up = feed wall / strategy wall. The last column is auto's task loop alone (the `sweep` timing in "
+        "run.json) over the same denominator. "
+        "batch scaling = a plain rollout with every window repeated P + 1 times (what a probe-batched call carries) / "
+        "(P + 1) plain rollouts, paired and measured once per round plus once before, the median: "
+        "at most 0.8 the model is launch-bound and the issue's target is ratio ≤ 0.8, otherwise it is compute-bound "
+        "and the target is ≤ 1.02 "
         "(a model without a batch axis runs window by window and cannot be batched).",
         "",
         "| model | units | params | T | windows | rollouts | plain rollout ms | batch scaling (bound, target) | "
         + " | ".join(f"{s} s (ratio, ×)" for s in names)
-        + " | auto's pick | auto's ratio, range over rounds | target met by auto (median) | auto, task loop only: ratio | lanes × threads |",
+        + " | auto's pick | auto's ratio, range over rounds | target met by auto (median) | auto, task loop only: "
+        "ratio | lanes × threads |",
         "|" + "---|" * (13 + len(names)),
     ]
     for r in rows:
@@ -388,8 +399,10 @@ def main() -> None:
             for s in names
         ]
         lines.append(
-            f"| {r['model']} | {r['units']} | {r['params'] / 1e6:.2f}M | {r['steps']} | {r['windows']} | {r['rollouts']} | {r['plain_rollout_s'] * 1e3:.1f} | "
-            f"{r['batch_scaling'] if r['batch_scaling'] is not None else 'no batch axis'} ({r['bound']}, ≤ {r['target']}) | "
+            f"| {r['model']} | {r['units']} | {r['params'] / 1e6:.2f}M | {r['steps']} | {r['windows']} | "
+            f"{r['rollouts']} | {r['plain_rollout_s'] * 1e3:.1f} | "
+            f"{r['batch_scaling'] if r['batch_scaling'] is not None else 'no batch axis'} ({r['bound']}, ≤ "
+            f"{r['target']}) | "
             + " | ".join(cells)
             + f" | {', '.join(r['auto_picks'])} | {r['ratio_range']['auto'][0]}–{r['ratio_range']['auto'][1]} | "
             + ("yes" if r["ratio"]["auto"] <= r["target"] else "no")
@@ -407,7 +420,8 @@ def main() -> None:
     if any(r["ran_as"] for r in rows):
         lines += [
             "",
-            '"ran as feed": the model holds 64 MiB or more (or external data), so score streams it from its file, where only feed and prefix run (README, Sweep strategies).',
+            '"ran as feed": the model holds 64 MiB or more (or external data), so score streams it from its file, '
+            "where only feed and prefix run (README, Sweep strategies).",
         ]
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped)]

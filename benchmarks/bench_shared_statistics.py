@@ -100,17 +100,22 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     (RESULTS / "shared-statistics.json").write_text(json.dumps(rows, indent=1) + "\n")
     lines = [
-        "Pricing from one shared statistics pass (the original model's statistics, every tier solved on them) against one",
-        "sequential pass per tier (export's), refinement off. Spearman / median ratio: the single-slot prices of the two ways.",
+        "Pricing from one shared statistics pass (the original model's statistics, every tier solved on them) against "
+        "one",
+        "sequential pass per tier (export's), refinement off. Spearman / median ratio: the single-slot prices of the "
+        "two ways.",
         "",
-        "| example | C | tier | Spearman | median shared / per-tier | slots allocated differently | drift % per-tier | drift % shared (own codes) | drift % shared allocation on per-tier codes |",
+        "| example | C | tier | Spearman | median shared / per-tier | slots allocated differently | drift % per-tier | "
+        "drift % shared (own codes) | drift % shared allocation on per-tier codes |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         for tier in [k for k, v in row.items() if isinstance(v, dict)]:
             lines.append(
-                f"| {row['example']} | {row['C']:g} | {tier} | {row[tier]['spearman']} | {row[tier]['median_shared_over_per_tier']} | "
-                f"{row['slots_allocated_differently']} of {row['slots']} | {row['drift_pct_per_tier']:.4g} | {row['drift_pct_shared_own_codes']:.4g} | "
+                f"| {row['example']} | {row['C']:g} | {tier} | {row[tier]['spearman']} | "
+                f"{row[tier]['median_shared_over_per_tier']} | "
+                f"{row['slots_allocated_differently']} of {row['slots']} | {row['drift_pct_per_tier']:.4g} | "
+                f"{row['drift_pct_shared_own_codes']:.4g} | "
                 f"{row['drift_pct_shared_allocation_on_per_tier_codes']:.4g} |"
             )
     (RESULTS / "shared-statistics.md").write_text("\n".join(lines) + "\n")

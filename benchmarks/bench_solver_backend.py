@@ -21,8 +21,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiers import solver_backend  # noqa: E402
-from tiers.gptq import Hessian, gptq, inverse_cholesky  # noqa: E402
+from tiers.gptq import gptq, inverse_cholesky  # noqa: E402
 from tiers.grid import GridSpec  # noqa: E402
+from tiers.hessian import Hessian  # noqa: E402
 
 
 def use(module: str) -> None:
@@ -87,13 +88,15 @@ def main() -> None:
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}
     (args.out / "solver_backend.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [
-        f"Rounding solver, numpy vs CuPy, {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs ({args.rows} calibration rows; best of 2, the solve once).",
+        f"Rounding solver, numpy vs CuPy, {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs ({args.rows} "
+        "calibration rows; best of 2, the solve once).",
         "",
         "| K | arrays | statistics s | inverse Cholesky s | GPTQ int4 solve s | codes equal to numpy |",
         "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['order']} | {r['arrays']} | {r['statistics_s']} | {r['inverse_cholesky_s']} | {r['gptq_int4_s']} | {r.get('codes_equal_to_numpy', '')} |"
+        f"| {r['order']} | {r['arrays']} | {r['statistics_s']} | {r['inverse_cholesky_s']} | {r['gptq_int4_s']} | "
+        f"{r.get('codes_equal_to_numpy', '')} |"
         for r in rows
     ]
     (args.out / "solver_backend.md").write_text("\n".join(lines) + "\n")

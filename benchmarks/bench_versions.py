@@ -6,7 +6,8 @@ user types; each version calibrates as it does by default) and evaluates every f
 `evaluate` in exact dequantization on the example's held-out windows and rollout spec, so only the codes
 differ. Prints a table and writes benchmarks/results/versions.csv and .md.
 
-    python benchmarks/bench_versions.py --old /path/to/old/checkout/.venv/bin/tqsdeploy [--methods qep] [--bits 4,2] [--stem versions]
+    python benchmarks/bench_versions.py --old /path/to/old/checkout/.venv/bin/tqsdeploy
+        [--methods qep] [--bits 4,2] [--stem versions]
 """
 
 from __future__ import annotations
@@ -84,9 +85,13 @@ def main() -> None:
     )
     results = REPO / "benchmarks" / "results"
     frame.write_csv(results / f"{args.stem}.csv")
-    header = f"| example | method | bits | held-out drift % {args.old_label} | held-out drift % new | new / old |\n|---|---|---|---|---|---|\n"
+    header = (
+        f"| example | method | bits | held-out drift % {args.old_label} | held-out drift % new | new / old |\n"
+        "|---|---|---|---|---|---|\n"
+    )
     lines = [
-        f"| {r['example']} | {r['method']} | W{r['bits']} | {r[f'drift_pct_{args.old_label}']:.4g} | {r['drift_pct_new']:.4g} | {r['ratio']:.3f} |"
+        f"| {r['example']} | {r['method']} | W{r['bits']} | {r[f'drift_pct_{args.old_label}']:.4g} | "
+        f"{r['drift_pct_new']:.4g} | {r['ratio']:.3f} |"
         for r in frame.iter_rows(named=True)
     ]
     (results / f"{args.stem}.md").write_text(__doc__.splitlines()[0] + "\n\n" + header + "\n".join(lines) + "\n")

@@ -2,7 +2,8 @@
 
 At 95188a9 `baseline` rounded onto min-max grids (its clip search was off by default); today's code restricted to
 them reproduces 95188a9's uniform QEP digit for digit on lorenz96 and the tied mixer (calib_spread.md), so it stands
-in for the old checkout: `python benchmarks/bench_calib_spread.py --cli today=$(which tqsdeploy),minmax=benchmarks/cli_min_max_grids.py`,
+in for the old checkout:
+`python benchmarks/bench_calib_spread.py --cli today=$(which tqsdeploy),minmax=benchmarks/cli_min_max_grids.py`,
 or `python benchmarks/cli_min_max_grids.py baseline MODEL --method qep --bits 2 ...`."""
 
 import sys

@@ -1,7 +1,7 @@
 """The compression frontier of every bundled example (run on demand; minutes).
 
-Runs `tqsdeploy frontier` on each example with its truth and held-out windows into tqs-frontier/<example>/ and copies report.md,
-report.html, the plots and frontier.csv into benchmarks/results/frontier/<example>/.
+Runs `tqsdeploy frontier` on each example with its truth and held-out windows into tqs-frontier/<example>/ and copies
+report.md, report.html, the plots and frontier.csv into benchmarks/results/frontier/<example>/.
 
     python benchmarks/run_frontiers.py [--examples etth1_patchtst,...]
 """

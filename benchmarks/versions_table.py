@@ -41,7 +41,8 @@ def main() -> None:
     old = [c for c in versions.columns if c.startswith("drift_pct_") and c != "drift_pct_new"][0]
     label = old.removeprefix("drift_pct_")
     lines = [
-        f"| example | grid | uniform QEP {label} (windows) | uniform QEP now (windows) | uniform QEP now (rollout) | best uniform of both versions | TQS-PTQ at the grid's size | TQS-PTQ / best uniform |",
+        f"| example | grid | uniform QEP {label} (windows) | uniform QEP now (windows) | uniform QEP now (rollout) | "
+        "best uniform of both versions | TQS-PTQ at the grid's size | TQS-PTQ / best uniform |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for example in sorted(set(versions["example"]) | set(qep_only["example"])):
@@ -81,9 +82,12 @@ def main() -> None:
     note = (
         "Every number is one run (one calibration set, the default seed) on a machine shared with other work; held-out "
         "W2/W4 drifts swing by about the calibration-set spread in calib_spread.md (lorenz96 W2 ± 1.2-1.5 points), so "
-        "ratios within a few percent of 1 are ties. TQS-PTQ is the frontier's shipped model at each grid's uniform file size "
-        "(its stored bits the same within a few; it may ship that uniform model, a ratio of 1). The three examples without versions-methods rows compare against "
-        "uniform QEP of both versions (versions.csv; W4 and W2 only, so their W8 rows have no versions columns) and today's rollout-calibrated "
+        "ratios within a few percent of 1 are ties. TQS-PTQ is the frontier's shipped model at each grid's uniform "
+        "file size "
+        "(its stored bits the same within a few; it may ship that uniform model, a ratio of 1). The three examples "
+        "without versions-methods rows compare against "
+        "uniform QEP of both versions (versions.csv; W4 and W2 only, so their W8 rows have no versions columns) and "
+        "today's rollout-calibrated "
         "RTN/GPTQ/GPTAQ/QEP (their frontiers)."
     )
     text = __doc__.splitlines()[0] + "\n\n" + note + "\n\n" + "\n".join(lines) + "\n"

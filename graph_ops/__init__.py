@@ -7,9 +7,11 @@ protos, paths and plain dataclasses.
 """
 
 from graph_ops import batch, derived, prefix, wire
-from graph_ops.io import GraphError, LoadedModel, load_model, model_bytes, save_model, weight_bits
-from graph_ops.layout import WeightLayout, WeightUse, weight_layouts
+from graph_ops.io import GraphError, LoadedModel, load_model, model_bytes, weight_bits
+from graph_ops.layout import WeightLayout, weight_layouts
+from graph_ops.output import save_model
 from graph_ops.overridable import input_declarations, lift_constants, make_weights_overridable, weights_as_graph_inputs
+from graph_ops.weight_use import WeightUse
 from graph_ops.weights import (
     FileWeights,
     WeightTensor,

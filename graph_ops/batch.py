@@ -192,7 +192,8 @@ class _Builder:
         # the batch must be X's row axis (X rank 2, W on the right) or a broadcast axis W does not reach
         if len(shape) < 2 or not ((side == 1 and rank == 2 and len(shape) == 2) or (rank >= 3 and len(shape) < rank)):
             raise BatchError(
-                f"{_label(node)} reads weight '{w}' {shape} with an operand of rank {rank}: its batch axis is not a broadcast axis"
+                f"{_label(node)} reads weight '{w}' {shape} with an operand of rank {rank}: "
+                "its batch axis is not a broadcast axis"
             )
         weight = self.stacked(w, [self.probes] + [1] * (rank - len(shape)) + shape)
         parts = [self.split(x), weight] if side else [weight, self.split(x)]

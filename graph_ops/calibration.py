@@ -5,7 +5,7 @@ multiply its Wt [N, K] (read off the graph by `graph_ops.layout`). This
 module orders the weight nodes into waves so that each wave's inputs depend
 only on earlier waves (`waves`), adds the needed activations as graph outputs
 (`expose_tensors`) and unfolds them into rows (`im2col`, `layer_inputs`); each
-wave runs on `graph_ops.qdq.fed_codes_model`, the graph cut down to its inputs.
+wave runs on `graph_ops.fed_codes.fed_codes_model`, the graph cut down to its inputs.
 Numpy and onnx only.
 """
 
@@ -18,10 +18,11 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from graph_ops.fed_codes import node_reads
 from graph_ops.io import GraphError
-from graph_ops.layout import ConvGeometry, WeightLayout, WeightUse
-from graph_ops.qdq import _node_reads
+from graph_ops.layout import WeightLayout
 from graph_ops.recurrent import recurrent_rows
+from graph_ops.weight_use import ConvGeometry, WeightUse
 
 
 def waves(model: onnx.ModelProto, layouts: dict[str, WeightLayout]) -> list[list[str]]:
@@ -107,7 +108,7 @@ def tensor_graph(model: onnx.ModelProto, weights) -> tuple[dict[str, frozenset[s
     upstream: dict[str, frozenset[str]] = {}
     readers: dict[str, set[int]] = defaultdict(set)
     for index, node in enumerate(model.graph.node):
-        reads = _node_reads(node)
+        reads = node_reads(node)
         above = frozenset(reads & weights).union(*(upstream.get(name, frozenset()) for name in reads))
         for name in reads:
             readers[name].add(index)

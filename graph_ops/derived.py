@@ -4,8 +4,9 @@ ONNX Runtime rewrites a model as it loads it, and some rewrites need the
 weights to be constants: on the CPU its NCHWc layout transformer reorders each
 2-D Conv weight into blocks for its fastest kernels, and constant folding
 transposes MatMul weights once instead of on every call. A weight declared
-overridable keeps neither, so a session fed its weights ran the bundled Conv
-forecasters' calls 1.35-1.4x slower than a constant one. The optimized graph
+overridable keeps neither, so a session fed its weights runs slower kernels
+than a constant one (docs/design-notes/graph-ops.md, 'Fed weights in the
+runtime's own layout'). The optimized graph
 the runtime saves holds the rearranged copies, and each copy is a
 rearrangement of the original elements: optimizing the model once more with
 every weight replaced by the numbers of its elements (1, 2, 3, ... across
@@ -13,7 +14,7 @@ all the weights, exact in float32 up to 2^24) gives, in each copy, the number
 of the element each position took (0 where the layout pads). Feeding a
 perturbed weight is then a gather into each of its copies, and the session
 of the optimized graph, with those copies overridable, runs the kernels a
-constant session runs (outputs bit-identical on the bundled Conv models).
+constant session runs, to the same outputs.
 
 `weight_map` refuses, with the reason, whatever is not such a gather: a
 weight scaled or fused into another value (a BatchNorm folded into a Conv),

@@ -1,4 +1,4 @@
-"""The only place ONNX files are read and written.
+"""The only place ONNX files are read (`graph_ops.output` puts written ones in place).
 
 Loading validates what users get wrong (not ONNX, truncated files, external
 data that is missing or escapes the model folder) and turns each case into a
@@ -8,18 +8,14 @@ traceback. The input file is only ever read.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
-import mmap
 import os
-import re
 import threading
-import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -40,62 +36,6 @@ class OutputError(GraphError):
     """An output could not be written (read-only folder, full disk); the message names the file."""
 
 
-@contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
-    """A temporary path beside `path` that replaces `path` only when the block succeeds.
-
-    An interrupted or failed write leaves the previous file (or none) under
-    the final name, never a truncated one; write failures become one-line
-    `OutputError`s naming the file.
-    """
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # 'File exists' / 'Not a directory' alone do not say which path is the file in the way
-        blocker = next((p for p in (path.parent, *path.parent.parents) if p.exists() and not p.is_dir()), None)
-        why = f"{blocker} is a file, not a folder" if blocker is not None else exc.strerror or exc
-        raise OutputError(f"cannot create folder {path.parent}: {why}") from None
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
-    try:
-        yield temporary
-        os.replace(temporary, path)
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        if temporary.exists():
-            temporary.unlink()
-
-
-def missing_folders(folder: str | os.PathLike) -> list[Path]:
-    """`folder` and those of its parents that do not exist yet, deepest first (what creating it would make)."""
-    folder = Path(folder).absolute()
-    return [parent for parent in (folder, *folder.parents) if not parent.exists()]
-
-
-def remove_empty_folders(folders: list[Path]) -> None:
-    """Remove the folders (deepest first) that are still empty; a folder that gained files stays."""
-    for folder in folders:
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-
-
-def check_writable(folder: str | os.PathLike) -> None:
-    """Fail now, before any work, when `folder` cannot take new files.
-
-    Folders the check had to create are removed again, so a command that then
-    fails on its input leaves no empty output folder behind."""
-    created = missing_folders(folder)
-    try:
-        with atomic_output(Path(folder) / ".tqs-write-check") as probe:
-            try:
-                probe.write_bytes(b"")
-            except OSError as exc:  # the folder, not the probe's own name, is what the user can act on
-                raise OutputError(f"cannot write into folder {folder}: {exc.strerror or exc}") from None
-        (Path(folder) / ".tqs-write-check").unlink(missing_ok=True)
-    finally:
-        remove_empty_folders(created)
-
-
 @dataclass
 class LoadedModel:
     """A model (weights in memory, or referenced in its external-data files), plus where it came from."""
@@ -107,7 +47,8 @@ class LoadedModel:
     file_bytes: int
     external_files: tuple[Path, ...]
     weights_declared_as_inputs: tuple[str, ...] = ()
-    """Float initializers the file also lists as graph inputs; they are treated as weights (`undeclare_weight_inputs`)."""
+    """Float initializers the file also lists as graph inputs; they are treated as weights
+    (`undeclare_weight_inputs`)."""
 
     @property
     def stem(self) -> str:
@@ -123,8 +64,8 @@ class LoadedModel:
 
 def _sha256_files(paths: list[Path]) -> Future:
     """Hash `paths` on a background thread: reading and hashing release the GIL, so a large model's
-    digest (about 0.6 ms per MB) overlaps its session build and the checks that follow the load.
-    A daemon thread: a command that never asks for the digest (or is interrupted) does not wait for it at exit."""
+    digest overlaps its session build and the checks that follow the load. A daemon thread: a command
+    that never asks for the digest (or is interrupted) does not wait for it at exit."""
     future: Future = Future()
 
     def digest() -> None:
@@ -222,7 +163,8 @@ def _external_files(proto: onnx.ModelProto, folder: Path, own_name: str = "") ->
         end = (info.offset or 0) + (info.length or 0)
         if end > size:
             raise GraphError(
-                f"external data file '{info.location}' is truncated: tensor '{tensor.name}' needs bytes up to {end}, file has {size}"
+                f"external data file '{info.location}' is truncated: tensor '{tensor.name}' needs bytes up to {end}, "
+                f"file has {size}"
             )
         files[target] = None
     return list(files)
@@ -338,7 +280,8 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> LoadedMod
             sort_nodes(proto)
         except Exception as exc:  # a cycle, or names the sort cannot follow
             raise GraphError(
-                f"{path} is not a valid ONNX model: its nodes are out of order and cannot be sorted ({str(exc).splitlines()[0]})"
+                f"{path} is not a valid ONNX model: its nodes are out of order and cannot be sorted "
+                f"({str(exc).splitlines()[0]})"
             ) from None
         invalid = _check(checkable())
     externals = _external_files(proto, path.parent, path.name)
@@ -398,6 +341,8 @@ def session_source(
         return model_bytes(proto)
     import tempfile
 
+    from graph_ops.output import save_model
+
     folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="tqs-session-"))
     return save_model(proto, folder / name, external_data=True)
 
@@ -415,93 +360,3 @@ def runnable_path(loaded: "LoadedModel") -> Path | None:
 def model_bytes(proto: onnx.ModelProto) -> bytes:
     """Serialise a model below the protobuf limit (callers check the size first)."""
     return proto.SerializeToString()
-
-
-def data_location(path: Path) -> str:
-    """A fresh external-data file name for model `path`: a new write never overwrites the data an
-    older copy of the model still points to, so model and data change together, at the model's rename."""
-    return f"{path.name}.{uuid.uuid4().hex[:8]}.data"
-
-
-def publish_model(path: Path, location: str | None, write: Callable[[Path], None]) -> None:
-    """Put a model in place: `write` fills a temporary model file (and may write the external-data file
-    `location` beside `path`, None: the model holds its weights), which then replaces `path` atomically.
-
-    A failed or interrupted write removes `location` (no model points to it: a full disk keeps no orphan
-    of the model's size). After the rename, the data file the replaced model pointed to goes, and nothing
-    else: a name this writer did not make, or one another model in the folder still points to (a copy,
-    the input itself), is never removed."""
-    try:
-        replaced = _data_files_of(path)
-        with atomic_output(path) as temporary:
-            write(temporary)
-    except BaseException:
-        if location is not None:
-            path.with_name(location).unlink(missing_ok=True)
-        raise
-    ours = re.compile(re.escape(path.name) + r"\.[0-9a-f]{8}\.data")
-    for name in replaced - {location}:
-        stale = path.with_name(name)
-        if ours.fullmatch(name) and stale.is_file() and not _named_by_other_model(stale, path):
-            stale.unlink(missing_ok=True)
-
-
-def _data_files_of(path: Path) -> set[str]:
-    """External-data file names the model now at `path` points to (none: no model there, not one we can
-    read, or one holding its weights inside, which is too large to parse for nothing)."""
-    try:
-        if not path.is_file() or path.stat().st_size > SKELETON_BYTES:
-            return set()
-        proto = onnx.load(str(path), load_external_data=False)
-    except Exception:  # noqa: BLE001 - whatever is there, nothing of it is removed
-        return set()
-    return {
-        external_data_helper.ExternalDataInfo(t).location
-        for t in iter_tensors(proto.graph)
-        if external_data_helper.uses_external_data(t)
-    }
-
-
-def _named_by_other_model(data: Path, model: Path) -> bool:
-    """Whether another .onnx file in the folder holds the data file's name (a reference stores it as plain
-    bytes): a search, not a parse, so a model of any size is cheap to rule out; unreadable counts as named."""
-    needle = data.name.encode()
-    for other in data.parent.glob("*.onnx"):
-        if other == model or not other.is_file():
-            continue
-        try:
-            with open(other, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
-                if view.find(needle) != -1:
-                    return True
-        except ValueError:  # an empty file cannot be mapped, and names nothing
-            continue
-        except OSError:
-            return True
-    return False
-
-
-def save_model(proto: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
-    """Write a model atomically, with a side-car external-data file above 2 GiB (or when asked).
-
-    With external data the proto's tensors are moved out of it (onnx does so in place).
-    """
-    path = Path(path)
-    if external_data is None:
-        external_data = stored_bytes(proto) >= PROTOBUF_LIMIT
-    if not external_data:
-        publish_model(path, None, lambda temporary: onnx.save_model(proto, str(temporary)))
-        return path
-    location = data_location(path)
-    publish_model(
-        path,
-        location,
-        lambda temporary: onnx.save_model(
-            proto,
-            str(temporary),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=location,
-            size_threshold=1024,
-        ),
-    )
-    return path

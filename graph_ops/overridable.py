@@ -3,8 +3,9 @@
 Each chosen weight stays an initializer and is also declared a graph input
 (an *overridable initializer*, ONNX IR >= 4): a runtime session built once can
 then run the nominal model (feed nothing) or any perturbed variant (feed the
-replacement) without being rebuilt, which is ~6x cheaper per perturbation than
-building a session per variant. Constant nodes holding weights become
+replacement) without being rebuilt, far cheaper per perturbation than building
+a session per variant (docs/design-notes/graph-ops.md, 'Overridable
+initializers'). Constant nodes holding weights become
 initializers first so they can be overridden too.
 """
 

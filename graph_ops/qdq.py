@@ -69,7 +69,8 @@ def upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
         converted = version_converter.convert_version(model, opset)
     except Exception as exc:
         raise GraphError(
-            f"cannot convert the model from opset {current} to {opset} (needed by the chosen tiers): {str(exc).splitlines()[0]}"
+            f"cannot convert the model from opset {current} to {opset} (needed by the chosen tiers): "
+            f"{str(exc).splitlines()[0]}"
         ) from None
     return converted
 
@@ -79,8 +80,8 @@ HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 def computes_in_half(model: onnx.ModelProto) -> bool:
     """Whether the graph holds or makes 16-bit float tensors (initializers, declared values, Casts to them). ONNX
-    Runtime optimizes such a graph differently at a declared opset of 20 or more (lorenz96 in float16: 7e-4 after
-    one step, 0.16% over 40), so an export measures it at the opset it writes; float32 graphs ran the same."""
+    Runtime optimizes such a graph differently at a declared opset of 20 or more, so an export measures it at the
+    opset it writes (docs/design-notes/graph-ops.md, 'Half-precision graphs are measured at the written opset')."""
     graph = model.graph
     declared = [*graph.input, *graph.output, *graph.value_info]
     return (
@@ -125,106 +126,6 @@ def _emit(name: str, value: StoredWeight, layout: str = "fused") -> tuple[list[o
     return value.emit(name, layout)
 
 
-def fed_weight(
-    name: str, value: StoredWeight
-) -> tuple[list[onnx.ValueInfoProto], dict[str, np.ndarray], list[onnx.NodeProto]] | None:
-    """Graph inputs, their values and the nodes that rebuild weight `name` from its codes at run time (the
-    stored format's `fed`): what a calibration run feeds instead of a float copy of every weight quantized so
-    far. None for a form better fed as floats."""
-    return value.fed(name)
-
-
-def _node_reads(node: onnx.NodeProto) -> set[str]:
-    """Every name a node reads, those its subgraphs read from the outer scope included (over-approximated)."""
-    names = {i for i in node.input if i}
-    for attribute in node.attribute:
-        graphs = list(attribute.graphs) + ([attribute.g] if attribute.HasField("g") else [])
-        for graph in graphs:
-            for inner in graph.node:
-                names |= _node_reads(inner)
-    return names
-
-
-def needed_nodes(
-    model: onnx.ModelProto, outputs: list[str], given: Mapping[str, object] | set[str] = frozenset()
-) -> list[int]:
-    """Indices (in graph order) of the nodes that compute `outputs` from the graph's inputs and the `given`
-    tensors: a walk back from the outputs that stops at a given tensor."""
-    given = set(given) - set(outputs)
-    needed = set(outputs)
-    kept = []
-    for index in range(len(model.graph.node) - 1, -1, -1):
-        node = model.graph.node[index]
-        if any(o in needed for o in node.output):
-            kept.append(index)
-            needed |= _node_reads(node) - given
-    kept.reverse()
-    return kept
-
-
-def fed_codes_model(
-    model: onnx.ModelProto,
-    stored: Mapping[str, StoredWeight],
-    outputs: list[str] | None = None,
-    given: Mapping[str, onnx.ValueInfoProto] | None = None,
-) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """`model` (weights as graph inputs) cut down to what computes `outputs` (default: its own outputs),
-    with every weight of `stored` it reads rebuilt from its codes (`fed_weight`). Returns the model
-    and what to feed for the weights of `stored` it reads: their codes, or the floats they stand for
-    where a form is not rebuilt; the other weights stay inputs, for the caller to feed.
-
-    What runs a quantized candidate at a byte per weight instead of a float copy of every weight:
-    a calibration wave (ONNX Runtime runs the whole graph whatever a run fetches, so the cut also
-    skips the layers after the wave) and a large model's measured candidates. The rebuilding nodes
-    go first in the node list, which ONNX Runtime's default order runs just before each consumer
-    (measured: 18 weights rebuilt up front would hold 18 float copies at once).
-
-    `given`: intermediate tensors the caller feeds (name -> their value info, e.g. a calibration wave's
-    activations kept from the wave before): they become inputs, and what only computes them is cut too.
-    An output may be any tensor the kept nodes compute when `given` holds its value info."""
-    graph = model.graph
-    given = dict(given or {})
-    outputs = list(outputs) if outputs is not None else [v.name for v in graph.output]
-    kept_indices = needed_nodes(model, outputs, given)
-    kept = [graph.node[i] for i in kept_indices]
-    needed = set(outputs).union(*(_node_reads(node) for node in kept))
-    rebuilt, feeds, inputs = [], {}, []
-    for value in graph.input:
-        form = (
-            stored.get(value.name) if value.name in needed else None
-        )  # an unused input stays declared (ONNX Runtime wants every input fed; it reads no unused one)
-        fed = fed_weight(value.name, form) if form is not None else None
-        if fed is None:
-            inputs.append(value)
-            if form is not None:  # fed as the float it stands for (raw: the weight itself, no copy)
-                feeds[value.name] = (
-                    np.asarray(form.values).astype(form.dtype, copy=False) if form.form == "raw" else form.dequantize()
-                )
-            continue
-        new_inputs, new_feeds, nodes = fed
-        inputs += new_inputs
-        feeds.update(new_feeds)
-        rebuilt += nodes
-    made = {o for node in kept for o in node.output}  # a given tensor that a kept node makes anyway is not fed
-    inputs += [given[name] for name in given if name in needed and name not in made]
-    infos = {**given, **{v.name: v for v in graph.output}}
-    missing = [name for name in outputs if name not in infos]
-    if missing:
-        raise GraphError(f"tensors {missing[:3]} are not outputs of the graph")
-    cut = helper.make_graph(
-        rebuilt + kept,
-        graph.name,
-        inputs,
-        [infos[name] for name in dict.fromkeys(outputs)],
-        [t for t in graph.initializer if t.name in needed],
-        value_info=[v for v in graph.value_info if v.name in needed and v.name not in given],
-    )
-    cut.sparse_initializer.extend(t for t in graph.sparse_initializer if t.values.name in needed)
-    result = helper.make_model(cut, opset_imports=list(model.opset_import), ir_version=model.ir_version)
-    result.functions.extend(model.functions)
-    return result, feeds
-
-
 def emitted_bits(name: str, value: StoredWeight, layout: str = "fused") -> int:
     """Bits of every tensor the weight's stored form puts in the file (what eval and gate count)."""
     return sum(tensor_bits(t) for t in _emit(name, value, layout)[0])
@@ -261,7 +162,8 @@ def _copy_without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _tensor_bytes(tensor: onnx.TensorProto, source: Path | None = None) -> bytes | memoryview:
-    """A tensor's payload; one that points into an external-data file is read from it (`source`: the input model's folder)."""
+    """A tensor's payload; one that points into an external-data file is read from it (`source`: the input
+    model's folder)."""
     if external_data_helper.uses_external_data(tensor):
         if source is None:
             raise GraphError(f"tensor '{tensor.name}' lives in external data, but no folder to read it from was given")
@@ -343,9 +245,9 @@ def _skeleton(
     skeleton.graph.input.extend(stand_ins)
     annotated = list(skeleton.graph.value_info)
     skeleton = upgrade_opset(skeleton, opset)
-    # The converter infers shapes and records them as value_info; ONNX Runtime fuses more with them (on the
-    # ETTh1 example an Add + LayerNormalization became a SkipLayerNormalization 5x slower than the pair),
-    # so the output keeps the annotations the model came with, and runs the graph the original runs.
+    # The converter infers shapes and records them as value_info; ONNX Runtime fuses more with them, into kernels
+    # that can be slower than the ops they replace (docs/design-notes/graph-ops.md, 'The converter's shapes are
+    # dropped'), so the output keeps the annotations the model came with, and runs the graph the original runs.
     del skeleton.graph.value_info[:]
     skeleton.graph.value_info.extend(annotated)
     temporary = {v.name for v in stand_ins}
@@ -419,7 +321,8 @@ def _check_emitted(
     except Exception as exc:
         kinds = sorted({onnx.helper.tensor_dtype_to_np_dtype(w.type.tensor_type.elem_type).name for w in weights})
         raise GraphError(
-            f"the quantized weights cannot be written as valid ONNX for this model's {'/'.join(kinds)} weights: {str(exc).strip().splitlines()[0]}"
+            f"the quantized weights cannot be written as valid ONNX for this model's {'/'.join(kinds)} weights: "
+            f"{str(exc).strip().splitlines()[0]}"
         ) from None
 
 
@@ -430,8 +333,9 @@ def apply_storage(
     layout: str = "fused",
     opset: int = 1,
 ) -> onnx.ModelProto:
-    """A new model whose named weights are stored as given, in `layout` (`LAYOUTS`), at `opset` at least, every tensor
-    inside it (kept ones that point into the input's external data, in folder `source`, are read in). Input untouched."""
+    """A new model whose named weights are stored as given, in `layout` (`LAYOUTS`), at `opset` at least, every
+    tensor inside it (kept ones that point into the input's external data, in folder `source`, are read in). Input
+    untouched."""
     return _build(model, stored, lambda tensor: _loaded(tensor, source), layout, opset)
 
 
@@ -475,16 +379,8 @@ def write_storage(
     A `model` loaded without its external data names its folder in `source`:
     kept tensors are then read from the input's data files one at a time.
     """
-    from graph_ops.io import (
-        PROTOBUF_LIMIT,
-        OutputError,
-        atomic_output,
-        data_location,
-        publish_model,
-        save_model,
-        stored_bytes,
-        weight_bits,
-    )
+    from graph_ops.io import PROTOBUF_LIMIT, OutputError, stored_bytes, weight_bits
+    from graph_ops.output import atomic_output, data_location, publish_model, save_model
 
     path = Path(path)
     if external_data is None:  # an input that keeps its weights outside gets an output that does too
@@ -493,7 +389,8 @@ def write_storage(
         built = apply_storage(model, stored, source, layout, opset)
         if stored_bytes(built) >= PROTOBUF_LIMIT:  # only when one file was asked for: the default streams from 1 GiB
             raise OutputError(
-                f"cannot write {path} as one file: it holds {stored_bytes(built) / 2**30:.2f} GiB, past protobuf's 2 GiB limit"
+                f"cannot write {path} as one file: it holds {stored_bytes(built) / 2**30:.2f} GiB, "
+                "past protobuf's 2 GiB limit"
             )
         return Written((save_model(built, path, external_data=False),), weight_bits(built), default_opset(built))
     location = data_location(path)

@@ -22,13 +22,14 @@ RECURRENT_OPS = ("RNN", "GRU", "LSTM")
 class RecurrentGeometry:
     """How the X rows of an RNN/GRU/LSTM weight are rebuilt. W multiplies the input x_t; R the state h_{t-1},
     which is Y one step back in the order each direction runs (Y[:-1] forward, Y[1:] reverse), and the initial
-    state when one is fed (a zero one adds nothing). Wt's columns hold one block per direction the operand stores, and each
-    direction's rows fill only its own block: the solver sees one Hessian per direction, not their sum."""
+    state when one is fed (a zero one adds nothing). Wt's columns hold one block per direction the operand stores,
+    and each direction's rows fill only its own block: the solver sees one Hessian per direction, not their sum."""
 
     operand: str
     """'W' (input weights) or 'R' (recurrence weights)."""
     directions: tuple[tuple[int, str], ...]
-    """(index on Y's direction axis, 'forward'/'reverse') for each direction block of the operand, in Wt column order."""
+    """(index on Y's direction axis, 'forward'/'reverse') for each direction block of the operand, in Wt column
+    order."""
     batch_first: bool
     """ONNX layout 1: X [batch, seq, I], Y [batch, seq, directions, H]; else time first."""
     data: str

@@ -87,11 +87,13 @@ class Runtime(Protocol):
         ...
 
     def with_threads(self, threads: int) -> "Runtime":
-        """This runtime with `threads` CPU threads per session, for sessions sharing the cores (itself where they do not apply)."""
+        """This runtime with `threads` CPU threads per session, for sessions sharing the cores (itself where
+        they do not apply)."""
         ...
 
     def yielding(self) -> "Runtime":
-        """This runtime with sessions whose idle threads sleep instead of spinning, for calls that alternate with numpy work."""
+        """This runtime with sessions whose idle threads sleep instead of spinning, for calls that alternate with
+        numpy work."""
         ...
 
     def open(self, model: "ModelSource", external_data_dir: Path | None = None) -> Session:

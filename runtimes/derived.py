@@ -67,15 +67,16 @@ FED_OPTIMIZED = "the runtime's optimized graph (weights in its layouts)"
 
 
 def _nchwc_conv(tensor) -> bool:
-    """Whether a 2-D Conv reads this weight: the Conv ONNX Runtime's CPU NCHWc layout takes, when the weight is constant."""
+    """Whether a 2-D Conv reads this weight: the Conv ONNX Runtime's CPU NCHWc layout takes, when the weight is
+    constant."""
     return "Conv" in tensor.op_types and len(tensor.shape) == 4
 
 
 def fed_as_fast(tensor) -> bool:
     """Whether ONNX Runtime's CPU kernels run this weight fed as fast as constant: read only by Gather or by a Conv
     the NCHWc layout does not take (1-D, 3-D), which pre-pack nothing (a fed MatMul, Gemm or recurrent weight is
-    not pre-packed; a fed 2-D Conv weight misses NCHWc). Measured: the same outputs to the bit, calls within 1-4%
-    (the feeding itself) on lorenz96 and pangu_lorenz96."""
+    not pre-packed; a fed 2-D Conv weight misses NCHWc): the same outputs, the calls slower only by the feeding
+    itself (docs/design-notes/runtimes.md, 'Weights fed as fast as constant')."""
     return bool(tensor.op_types) and not _nchwc_conv(tensor) and set(tensor.op_types) <= {"Gather", "Conv"}
 
 

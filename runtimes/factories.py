@@ -42,7 +42,8 @@ class CutSessions:
         return self._open(self.model + graph_ops.prefix.activation_outputs(self.graph(), names, self._types))
 
     def downstream(self, weights, outputs, types) -> tuple[Session | None, "graph_ops.prefix.Cut"]:
-        """A session of the part downstream of `weights` (fed as overridable), or None when no output depends on them."""
+        """A session of the part downstream of `weights` (fed as overridable), or None when no output depends on
+        them."""
         cut = graph_ops.prefix.cut_downstream(self.graph(), list(weights), list(outputs), types)
         return (self._open(graph_ops.model_bytes(cut.model)) if cut.outputs else None), cut
 
@@ -86,7 +87,8 @@ class RebuildFactory(CutSessions):
         return graph_ops.batch.refusal(self.graph(), weights, self._tensor_ranks())
 
     def batched(self, weights, probes: int) -> Session:
-        """A session running `probes` probes of `weights` in one call (`graph_ops.batch`); raises BatchError when it cannot."""
+        """A session running `probes` probes of `weights` in one call (`graph_ops.batch`); raises BatchError when it
+        cannot."""
         return self.runtime.open(
             graph_ops.model_bytes(graph_ops.batch.batch_probes(self.graph(), weights, probes, self._tensor_ranks()))
         )

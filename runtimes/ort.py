@@ -86,8 +86,8 @@ class OrtRuntime:
     def yielding(self) -> "OrtRuntime":
         """This runtime with its sessions' intra-op threads sleeping between calls instead of spinning. For a
         session whose calls alternate with numpy work: ONNX Runtime's idle threads otherwise spin for a while
-        after each call and starve numpy's BLAS threads (on 2 cores the demo's calibration passes ran 2.2x
-        slower: 24.5 s against 10.9 s, Hessian products of 0.4 ms taking 50)."""
+        after each call and starve numpy's BLAS threads (docs/design-notes/runtimes.md, 'Idle threads sleep
+        between calls')."""
         entry = ("session.intra_op.allow_spinning", "0")
         return self if entry in self.config else dataclasses.replace(self, config=self.config + (entry,))
 
@@ -158,7 +158,8 @@ class OrtRuntime:
             # scores and timings would then silently belong to another provider than the one asked for.
             raise RuntimeUnavailable(
                 f"execution provider '{self.provider}' failed to load ({wanted} fell back to {got}; are its libraries "
-                f"{'(TensorRT) ' if self.provider == 'tensorrt' else '(CUDA, cuDNN) '}on LD_LIBRARY_PATH?); choose another --provider"
+                f"{'(TensorRT) ' if self.provider == 'tensorrt' else '(CUDA, cuDNN) '}on LD_LIBRARY_PATH?); "
+                "choose another --provider"
             )
         if isinstance(source, bytes) and self.provider == "cpu":
             # ONNX Runtime keeps the serialised model only to re-create the session when a GPU
@@ -258,7 +259,8 @@ def return_large_allocations() -> None:
     """Have every allocation of `LARGE_ALLOCATION` bytes or more (weights, codes, activations) mapped on its
     own and handed back to the OS when freed. glibc otherwise raises that limit after the first large free
     (up to 32 MiB), and weight-sized arrays freed afterwards stay in its heap, counted in the process's
-    resident memory from then on (a 0.3 GB model's export kept 0.34 GB that way). A no-op without glibc."""
+    resident memory from then on (docs/design-notes/runtimes.md, 'Large allocations go back to the OS'). A
+    no-op without glibc."""
     import ctypes
 
     try:

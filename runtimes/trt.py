@@ -31,7 +31,8 @@ def _import():
         from polygraphy.backend import trt as poly
     except ImportError as exc:
         raise RuntimeUnavailable(
-            f"TensorRT runtime needs tensorrt and polygraphy ({exc}); install the GPU extra: pip install 'tqsdeploy[gpu]'"
+            f"TensorRT runtime needs tensorrt and polygraphy ({exc}); "
+            "install the GPU extra: pip install 'tqsdeploy[gpu]'"
         ) from None
     return trt, poly
 
@@ -103,7 +104,8 @@ def make(provider: str, threads: int | None = None, **options) -> TrtRuntime:
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(TrtRuntime)})
     if unknown:
         raise RuntimeUnavailable(
-            f"native TensorRT ('{provider}') has no setting {', '.join(unknown)}; choose an ONNX Runtime provider (cpu, cuda or tensorrt)"
+            f"native TensorRT ('{provider}') has no setting {', '.join(unknown)}; "
+            "choose an ONNX Runtime provider (cpu, cuda or tensorrt)"
         )
     return TrtRuntime(provider=provider, **options)
 

@@ -6,15 +6,14 @@ import pytest
 from tiers.gptq import (
     GptaqSettings,
     GptqSettings,
-    Hessian,
     gptaq,
     gptq,
     inverse_cholesky,
-    output_error,
     qep_correct,
     rtn,
 )
 from tiers.grid import GridSpec, find_grid
+from tiers.hessian import Hessian, output_error
 
 
 def asym(bits, search=False):

@@ -11,7 +11,7 @@ from graph_ops import read_weights, replace_weights, weight_layouts
 from graph_ops.calibration import ConvGeometry, im2col, layer_inputs, waves
 from runtimes.ort import OrtRuntime
 from tiers import Layout, Rounding
-from tiers.gptq import Hessian
+from tiers.hessian import Hessian
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.baselines import BaselineSettings, quantize_baseline
 
@@ -309,7 +309,7 @@ def _calibration_graph(model_path: Path, names: list[str], exposed: list[str]) -
 def test_fed_codes_model_rebuilds_quantized_weights_and_cuts_later_layers(mlp):
     """A wave's session reads the weights quantized so far as their codes (a byte per weight, not a float
     copy), computes exactly what the dequantized floats give, and runs nothing past the wave."""
-    from graph_ops.qdq import fed_codes_model, fed_weight
+    from graph_ops.fed_codes import fed_codes_model, fed_weight
     from tiers import TIERS, encode, split
 
     model, _, x = mlp
@@ -428,7 +428,7 @@ def test_a_float16_model_rebuilds_its_weights_from_codes_exactly(tmp_path, tier)
     import models
 
     import graph_ops
-    from graph_ops.qdq import fed_codes_model
+    from graph_ops.fed_codes import fed_codes_model
     from tiers import TIERS, encode
 
     proto = onnx.load(str(models.fp16_mlp(tmp_path / "half.onnx")))

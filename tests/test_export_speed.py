@@ -13,6 +13,7 @@ from test_export import scored  # noqa: F401 - the export tests' scored MLP, a f
 from typer.testing import CliRunner
 
 import tiers.gptq as solvers
+import tiers.hessian as statistics
 from graph_ops.layout import Layout
 from tiers import TIERS, Hessian, Rounding, solver_backend
 from tiers.quantizer import quantize
@@ -46,7 +47,7 @@ def test_inverse_cholesky_is_the_official_one(rows, dtype, monkeypatch):
 
 
 def test_batched_statistics_equal_the_formula(monkeypatch):
-    monkeypatch.setattr(solvers, "STATS_BATCH_BYTES", 8 * 16 * 30)  # a fold every few adds
+    monkeypatch.setattr(statistics, "STATS_BATCH_BYTES", 8 * 16 * 30)  # a fold every few adds
     rng = np.random.default_rng(1)
     xs = [rng.standard_normal((n, 16)).astype(np.float32) for n in (7, 13, 1, 25, 9)]
     fulls = [x + 0.1 * rng.standard_normal(x.shape).astype(np.float32) for x in xs]
@@ -180,7 +181,7 @@ def test_float32_solves_give_the_float64_codes_on_a_trained_models_layers(tmp_pa
     of float64's."""
     from pathlib import Path
 
-    from tiers.gptq import output_error
+    from tiers.hessian import output_error
     from tiers.quantizer import encode
 
     example = Path(__file__).resolve().parents[1] / "examples" / "etth1_patchtst"

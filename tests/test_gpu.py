@@ -243,8 +243,9 @@ needs_cupy = pytest.mark.skipif(not _cupy_device(), reason="needs CuPy with a CU
 def _solve_on(module: str, method: str, monkeypatch):
     """One solve with tiers.solver_backend's products on `module` (numpy or cupy), from the same statistics."""
     from tiers import solver_backend
-    from tiers.gptq import Hessian, gptaq, gptq, qep_correct
+    from tiers.gptq import gptaq, gptq, qep_correct
     from tiers.grid import GridSpec
+    from tiers.hessian import Hessian
 
     monkeypatch.setenv("TQS_ARRAYS", "numpy" if module == "numpy" else "auto")
     monkeypatch.setattr(solver_backend, "_ARRAY_MODULE", None)

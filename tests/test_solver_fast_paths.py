@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 import tiers.gptq as solvers
+import tiers.hessian as statistics
 from tiers import grid, quantizer
-from tiers.gptq import Hessian, Quantized
+from tiers.gptq import Quantized
 from tiers.grid import GridSpec
+from tiers.hessian import Hessian
 from tqsdeploy.encoding.choices import can_still_win
 
 GRIDS = [
@@ -37,7 +39,7 @@ def _two_objectives(rounding, original, wt, stats, spec):
     searched = quantizer._solve(rounding, np.array(wt), stats, spec, -1)
     plain = quantizer._solve(rounding, np.array(wt), stats, replace(spec, search=False), -1)
     aim = 1.0 if rounding.needs_cross and rounding.strength else 0.0
-    better = solvers.row_objective(original, plain.values, stats, aim) < solvers.row_objective(
+    better = statistics.row_objective(original, plain.values, stats, aim) < statistics.row_objective(
         original, searched.values, stats, aim
     )
     fields = (np.where(better[:, None], getattr(plain, f), getattr(searched, f)) for f in ("codes", "scale", "zero"))
@@ -86,9 +88,9 @@ def test_the_grid_choice_from_the_loops_losses_keeps_every_code(seed, method, dt
         if method == "qep"
         else np.array(wt)
     )
-    products = solvers.second_lower
+    products = statistics.second_lower
     monkeypatch.setattr(
-        solvers, "second_lower", lambda *a: products(*a) if seed == 5 else pytest.fail("the products decided")
+        statistics, "second_lower", lambda *a: products(*a) if seed == 5 else pytest.fail("the products decided")
     )
     for spec in GRIDS:
         slow, _ = _two_objectives(rounding, wt, solved, stats, spec)
@@ -123,7 +125,7 @@ def test_rows_the_search_left_on_min_max_are_solved_once_and_keep_their_codes(bi
 def test_rows_on_the_same_values_keep_the_first():
     wt, stats = _problem(0, 300, 32, 20)
     one = solvers.rtn(wt, GridSpec("int", 4, False, False))
-    assert not solvers.second_lower(wt, one, one, stats, 1.0).any()
+    assert not statistics.second_lower(wt, one, one, stats, 1.0).any()
 
 
 def _exhaustive(rows, trials, spec, monkeypatch):

@@ -11,8 +11,9 @@ writer all read through its format.
 from graph_ops.layout import Layout
 from tiers.encoded import Encoded
 from tiers.formats.base import StoredForm, register_form
-from tiers.gptq import Hessian, Quantized
+from tiers.gptq import Quantized
 from tiers.grid import GridSpec
+from tiers.hessian import Hessian
 from tiers.methods import METHOD_LABELS, METHODS, Method, auto_methods
 from tiers.quantizer import GRIDS, RTN, Rounding, encode, quantize, split, to_encoded
 from tiers.registry import (

@@ -1,11 +1,11 @@
 """GPTQ's column loop with lazy batch updates, on numpy or, for large integer-grid weights, on CuPy.
 
 One loop for both array libraries (`xp`): on the host it is tuned for numpy (a block's columns held as
-contiguous rows, each column brought up to date by one matrix-vector product); on a GPU the weight, U (and GPTAQ's P), the
-codes and the block updates stay on the device and only the grids cross, fitted on the host where the clip
-search lives. `tiers.solver_backend.loop_on_device` says which: the device pays a dozen kernel launches per
-column, so it wins only on large weights. Same float64 operations in the same order either way, so the
-device's codes differ from the host's only where another summation order tips a rounding tie
+contiguous rows, each column brought up to date by one matrix-vector product); on a GPU the weight, U (and
+GPTAQ's P), the codes and the block updates stay on the device and only the grids cross, fitted on the host
+where the clip search lives. `tiers.solver_backend.loop_on_device` says which: the device pays a dozen kernel
+launches per column, so it wins only on large weights. Same float64 operations in the same order either way,
+so the device's codes differ from the host's only where another summation order tips a rounding tie
 (tests/test_gpu.py holds it to ≥ 99.9% equal codes).
 """
 
@@ -136,7 +136,7 @@ def _column(W1t, E1t, U, P, b0: int, i: int):
     they entered it (and, before row i, as they were rounded), E1t their errors so far. One matrix-vector product
     per column (two with GPTAQ's P) in place of the official rank-one update of every later column of the block
     after each one: the same sums, each worked out once, and a pass over the earlier errors instead of three over
-    the later columns (BERT-size layers: 2-3x faster loops)."""
+    the later columns (docs/design-notes/tiers.md, 'One product per column')."""
     if i == 0:
         return W1t[0].copy()
     c = b0 + i

@@ -142,7 +142,8 @@ class Encoded:
         )  # a split's parts expand one by one
 
     def emit(self, name: str, layout: str) -> "Emission":
-        """Initializers and nodes that produce tensor `name` in the file, in runtime `layout` (`graph_ops.qdq.LAYOUTS`)."""
+        """Initializers and nodes that produce tensor `name` in the file, in runtime `layout`
+        (`graph_ops.qdq.LAYOUTS`)."""
         return form_of(self.form).emit(name, self.expand(), layout)
 
     @property

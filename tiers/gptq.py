@@ -1,10 +1,12 @@
-"""RTN, GPTQ, GPTAQ and QEP rounding in numpy (the solves in float32 or float64, `solver_backend.solve_dtype`), on a tier's grid.
+"""RTN, GPTQ, GPTAQ and QEP rounding on a tier's grid, in numpy (the solves in float32 or float64:
+`solver_backend.solve_dtype`).
 
 Everything works on Wt [N, K]: one row per output channel, one column per
 input feature, the layout every official implementation uses (IST-DASLab/gptq,
 GPTAQ, FujitsuResearch/qep; the methods are summarised in docs/baselines.md).
-Callers map their stored weight to Wt and back (`graph_ops.layout.Layout`). The grid is
-the tier's (`tiers.grid`): these functions only decide which grid point each
+Callers map their stored weight to Wt and back (`graph_ops.layout.Layout`) and
+gather the statistics solved on (`tiers.hessian.Hessian`). The grid is the
+tier's (`tiers.grid`): these functions only decide which grid point each
 weight lands on. Each returns codes, per-row (or per row-group) scales and zero
 points, and the fake-quantized Wt.
 
@@ -22,7 +24,6 @@ caller's statistics.
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,7 +33,8 @@ import numpy as np
 from tiers import solver_backend as backend
 from tiers.column_loop import LoopPlan, column_loop, supported_on_device
 from tiers.grid import Grid, GridSpec, codes_on, find_grid
-from tiers.solver_backend import c_order, device_inverse_cholesky, gram
+from tiers.hessian import Hessian, cached, in_dtype, working_dtype
+from tiers.solver_backend import c_order, device_inverse_cholesky
 
 ROUND_BLOCK = 1 << 20
 """Elements rounded at a time (8 MiB per float64 temporary)."""
@@ -45,7 +47,8 @@ class Quantized:
     """A quantized Wt: codes, parameters per row and group, and the fake-quantized values."""
 
     codes: np.ndarray
-    """[N, K] float32 holding the codes (integers; for fp8 grids the FP8 values, scale·code being the weight), all exact in float32."""
+    """[N, K] float32 holding the codes (integers; for fp8 grids the FP8 values, scale·code being the weight), all
+    exact in float32."""
     scale: np.ndarray
     """[N, groups] fp64, float32-representable (groups = 1 per channel)."""
     zero: np.ndarray
@@ -134,12 +137,12 @@ _LAPACK: tuple | None = None
 
 
 def _lapack(order: int):
-    """scipy's LAPACK (in-place potrf/trtri/potrs, which numpy lacks), imported on first use (0.15 s).
+    """scipy's LAPACK (in-place potrf/trtri/potrs, which numpy lacks), imported on first use.
 
     Where scipy brings its own OpenBLAS beside numpy's, its threads spin after each call and fight
-    numpy's for the cores: a calibration of small layers ran 1.4x slower on 2 cores. So that copy
-    runs one thread below `LAPACK_THREADS_FROM` (calls of milliseconds) and all of them above
-    (calls of seconds, where the spinning is noise)."""
+    numpy's for the cores (docs/design-notes/tiers.md, 'scipy's own OpenBLAS'). So that copy runs
+    one thread below `LAPACK_THREADS_FROM` (calls of milliseconds) and all of them above (calls of
+    seconds, where the spinning is noise)."""
     global _LAPACK
     if _LAPACK is None:
         from threadpoolctl import ThreadpoolController
@@ -147,9 +150,10 @@ def _lapack(order: int):
         before = {lib.filepath for lib in ThreadpoolController().lib_controllers}
         from scipy.linalg import lapack
 
+        # loaded with scipy, or scipy's wheel's own (scipy imported earlier)
         own = [
             lib
-            for lib in ThreadpoolController().lib_controllers  # loaded with scipy, or scipy's wheel's own (scipy imported earlier)
+            for lib in ThreadpoolController().lib_controllers
             if lib.user_api == "blas" and (lib.filepath not in before or Path(lib.filepath).parent.name == "scipy.libs")
         ]
         _LAPACK = (lapack, [(lib, lib.num_threads) for lib in own])
@@ -164,25 +168,11 @@ def _lapack(order: int):
     return lapack
 
 
-def _working_dtype(order: int):
-    """What QEP's correction and the grid choice's products with H and G compute in (`solver_backend.solve_dtype`)."""
-    return np.float32 if backend.solve_dtype(order) == "float32" else np.float64
-
-
-def _in_dtype(cache: "Hessian | None", name: str, matrix: np.ndarray, dtype) -> np.ndarray:
-    """The statistic's `matrix` (H or G) in `dtype`: itself in float64, else a copy kept with the statistic
-    (`cache`) under `name`, so QEP's correction and the grid choice cast it once."""
-    if dtype == np.float64:
-        return np.asarray(matrix, np.float64)
-    return _cached(cache, (name, dtype.__name__), lambda: np.ascontiguousarray(matrix, dtype=dtype))
-
-
 def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
     """Upper U with UᵀU = (H + λI)⁻¹, λ = percdamp·mean(diag H), in float64 whatever `solver_dtype` says: at
-    GPTQ's 1% damping H + λI can be as ill-conditioned as 100·K, and a float32 U moved enough codes on the
-    lorenz96 example that its TQS-PTQ model at the W4 size drifted 5.4% on the scoring contexts against 2.9%
-    (benchmarks/results/solver-float32.md); it is one factorization per statistic, shared by every weight,
-    tier and grid solved on it.
+    GPTQ's 1% damping H + λI can be as ill-conditioned as 100·K, and a float32 U moves enough codes to change a
+    chaotic model's drift (docs/design-notes/tiers.md, 'GPTQ's inverse Cholesky stays float64'); it is one
+    factorization per statistic, shared by every weight, tier and grid solved on it.
 
     The official sequence (Cholesky, its inverse as torch's cholesky_inverse, Cholesky of that:
     potrf/potri/potrf, 4/3·K³ flops) gives the same U as one Cholesky of H with its rows and columns
@@ -219,30 +209,19 @@ def _damped(H: np.ndarray, damp: float) -> np.ndarray:
     return damped
 
 
-def _cached(cache: "Hessian | None", key: tuple, make):
-    """make(), kept in `cache.factors` under `key` when the statistic is given: solves on one Hessian
-    (both grids of `_better_rows`, sibling weights such as q/k/v, every tier of a mixed pass) factor it once."""
-    if cache is None:
-        return make()
-    with cache.lock:
-        if key not in cache.factors:
-            cache.factors[key] = make()
-        return cache.factors[key]
-
-
 ROW_PART = 1 << 20
 """Elements per row part at least when a solve splits its rows over idle cores (`_row_parts`)."""
 ROW_PART_ROWS = 1024
 """Rows per part at least: below this a column's numpy calls are too short to release the GIL for long, and
-two parts ran no faster than one (BERT-size layers, 384-1536 rows)."""
+two parts gain nothing over one (docs/design-notes/tiers.md, 'Row parts')."""
 
 
 def _row_parts(rows: int, columns: int) -> list[slice]:
     """Consecutive row ranges a solve runs side by side, one per core it has to itself: rows are independent in
     every column loop (each row's rounding error feeds only its own later columns, through U and P, which every
     part shares), so the parts give the codes of one solve. A solve alone in its wave has every core (a chain of
-    large layers, one per wave): a 4096 x 4096 INT4 solve on 2 cores took 3.6 s in two parts against 5.0 s whole.
-    Where a wave's weights already run side by side (`backend.THREAD_CAP`), each keeps its share."""
+    large layers, one per wave; docs/design-notes/tiers.md, 'Row parts'). Where a wave's weights already run
+    side by side (`backend.THREAD_CAP`), each keeps its share."""
     cores = backend.THREAD_CAP if backend.THREAD_CAP is not None else backend.solver_threads()
     count = max(1, min(cores, rows // ROW_PART_ROWS, rows * columns // ROW_PART))
     step = -(-rows // count)
@@ -327,7 +306,7 @@ def gptq(
     """
     percdamp, act_order = settings.percdamp, settings.act_order
     Wt, H, _, plan = _prepare(Wt, H, spec, settings, own)
-    U = _cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
+    U = cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
     return _solve(Wt, U, None, plan, grid, losses)
 
 
@@ -348,8 +327,8 @@ def gptaq(
     """
     percdamp, act_order, alpha = settings.percdamp, settings.act_order, settings.alpha
     Wt, H, dead, plan = _prepare(Wt, H, spec, settings, own)
-    U = _cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
-    P = _cached(cache, ("P", percdamp, act_order, alpha), lambda: _asymmetric_terms(G, U, dead, plan.perm, alpha))
+    U = cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
+    P = cached(cache, ("P", percdamp, act_order, alpha), lambda: _asymmetric_terms(G, U, dead, plan.perm, alpha))
     return _solve(Wt, U, P, plan, grid)
 
 
@@ -399,9 +378,9 @@ def qep_correct(
     if alpha == 0:
         return np.asarray(Wt, np.float64) if own else np.array(Wt, np.float64)
     Wt, H, _ = _dead(Wt, H, own)
-    dtype = _working_dtype(H.shape[0])
-    factor = _cached(cache, ("qep", percdampqep, dtype.__name__), lambda: _damped_cholesky(H, percdampqep, dtype))
-    rhs = Wt.astype(dtype, copy=False) @ _in_dtype(cache, "G", H_delta, dtype)
+    dtype = working_dtype(H.shape[0])
+    factor = cached(cache, ("qep", percdampqep, dtype.__name__), lambda: _damped_cholesky(H, percdampqep, dtype))
+    rhs = Wt.astype(dtype, copy=False) @ in_dtype(cache, "G", H_delta, dtype)
     if product is not None:
         product["WG"], product["damping"] = (
             rhs.copy(),
@@ -439,7 +418,8 @@ def damping(cache: "Hessian", percdamp: float) -> float | None:
 
 
 def _damped_cholesky(H: np.ndarray, percdampqep: float, dtype=np.float64) -> np.ndarray:
-    """Lower Cholesky factor (Fortran order, `dtype`) of H + λI, λ = percdampqep·mean(diag H), damping raised 10x on failure."""
+    """Lower Cholesky factor (Fortran order, `dtype`) of H + λI, λ = percdampqep·mean(diag H), damping raised 10x
+    on failure."""
     lapack = _lapack(H.shape[0])
     potrf = lapack.spotrf if dtype == np.float32 else lapack.dpotrf
     mean = float(np.mean(np.diag(H)))
@@ -453,179 +433,3 @@ def _damped_cholesky(H: np.ndarray, percdampqep: float, dtype=np.float64) -> np.
             return factor
         damp = max(damp, 1e-6 * abs(mean) or 1e-12) * 10
     raise np.linalg.LinAlgError(f"damped Hessian is not positive definite even with damping {damp / 10:.3g}")
-
-
-def _scaled(product: np.ndarray, factor: float) -> np.ndarray:
-    """factor · product in place: the same values as `factor * product` without a second K x K temporary."""
-    product *= factor
-    return product
-
-
-STATS_BATCH_BYTES = 32 << 20
-"""Calibration rows (as float64) gathered before they enter a statistic: one XᵀX of a few thousand rows
-runs several times faster than one per sample of a few dozen (BLAS's fixed costs, and a K x K rescale each)."""
-
-
-class Hessian:
-    """Running averages H = (2/n)·X̂ᵀX̂ and, with `cross`, G = (2/n)·(X_fp − X̂)ᵀX̂.
-
-    Both share one sample count n, which GPTAQ's P needs (its scale relative
-    to H matters, H's own scale does not). Rows are samples (tokens, patches);
-    X is never stored beyond a batch of rows (`STATS_BATCH_BYTES`), folded in
-    when the batch is full or the statistic is read. Factorizations of H that
-    the solvers need are kept with it (`factors`), so every weight, tier and
-    grid solved on the same statistic pays for them once.
-    """
-
-    def __init__(self, columns: int, cross: bool = False):
-        self._H = np.zeros((columns, columns))
-        self._G = np.zeros((columns, columns)) if cross else None
-        self._count = 0
-        self._pending: list[tuple[np.ndarray, np.ndarray | None]] = []
-        self._pending_rows = 0
-        self.factors: dict = {}
-        """Solver-side products of H (and G), by what they depend on: filled by `tiers.gptq.factor`."""
-        self.lock = threading.Lock()
-        """Held while a factor is computed: weights solved in parallel on one statistic compute it once."""
-
-    @property
-    def count(self) -> int:
-        """Rows seen (n), pending ones included."""
-        return self._count + self._pending_rows
-
-    @count.setter
-    def count(self, value: int) -> None:
-        self._fold()
-        self._count = value
-
-    @property
-    def H(self) -> np.ndarray:
-        self._fold()
-        return self._H
-
-    @property
-    def G(self) -> np.ndarray | None:
-        self._fold()
-        return self._G
-
-    def add(self, x: np.ndarray, x_fp: np.ndarray | None = None) -> None:
-        """Rows x (and their full-precision counterparts; `x_fp is x` says they are the same, G gains nothing)."""
-        columns = self._H.shape[0]
-        x = np.asarray(x).reshape(-1, columns)
-        if x.shape[0] == 0:
-            return
-        if self._G is not None:
-            if x_fp is None:
-                raise ValueError("a cross statistic needs the full-precision inputs too")
-            x_fp = None if x_fp is x else np.asarray(x_fp).reshape(x.shape)
-        self._pending.append((x, x_fp))
-        self._pending_rows += x.shape[0]
-        if self._pending_rows * columns * 8 >= STATS_BATCH_BYTES:
-            self._fold()
-
-    def _fold(self) -> None:
-        """The pending rows into H (and G) in one product each."""
-        if not self._pending:
-            return
-        pending, self._pending, rows, self._pending_rows = self._pending, [], self._pending_rows, 0
-        x = (
-            np.concatenate([np.asarray(p[0], np.float64) for p in pending])
-            if len(pending) > 1
-            else np.asarray(pending[0][0], np.float64)
-        )
-        keep = self._count / (self._count + rows)
-        self._count += rows
-        self._H *= keep
-        self._H += _scaled(gram(x, x), 2.0 / self._count)
-        if self._G is not None:
-            self._G *= keep
-            if any(p[1] is not None for p in pending):
-                delta = (
-                    np.concatenate(
-                        [
-                            np.asarray(p[1], np.float64) - p[0] if p[1] is not None else np.zeros(p[0].shape)
-                            for p in pending
-                        ]
-                    )
-                    if len(pending) > 1
-                    else np.asarray(pending[0][1], np.float64) - x
-                )
-                self._G += _scaled(gram(delta, x), 2.0 / self._count)
-        self.factors.clear()
-
-    @classmethod
-    def merge(cls, parts: list["Hessian"]) -> "Hessian":
-        """One statistic over the union of the parts' samples (shared weights, several uses); one part is itself."""
-        if len(parts) == 1:
-            return parts[0]
-        merged = cls(parts[0].H.shape[0], parts[0].G is not None)
-        for part in parts:
-            part._fold()
-        merged.count = sum(p.count for p in parts)
-        for part in parts:
-            if part.count:
-                merged._H += part.H * (part.count / merged.count)
-                if merged._G is not None:
-                    merged._G += part.G * (part.count / merged.count)
-        return merged
-
-
-ERROR_ROWS = 512
-"""Rows of ΔW per product with H in `row_objective` (bounds its temporaries to two ERROR_ROWS x K arrays)."""
-
-
-def row_objective(Wt: np.ndarray, Q: np.ndarray, stats: Hessian, strength: float = 0.0) -> np.ndarray:
-    """Per output channel, (2/n)·‖X̂·q − X_α·w‖² from the statistics alone, X_α = X̂ + α·(X_fp − X̂) the
-    inputs a method aims at (α = 0: the calibration inputs themselves, GPTQ's aim; GPTAQ and QEP move
-    α of the way to the full-precision ones), less the part that is the same for every q of the row.
-    With d = q − w it is d·H·dᵀ − 2α·d·Gᵀ·wᵀ; ΔW·H through BLAS a block of rows at a time (a
-    three-operand einsum loops in plain C)."""
-    rows = np.zeros(Wt.shape[0])
-    for start in range(0, Wt.shape[0], ERROR_ROWS):
-        w = np.asarray(Wt[start : start + ERROR_ROWS], np.float64)
-        delta = np.asarray(Q[start : start + ERROR_ROWS], np.float64) - w
-        rows[start : start + len(w)] = np.einsum("ij,ij->i", delta @ stats.H, delta)
-        if strength and stats.G is not None:
-            rows[start : start + len(w)] -= 2 * strength * np.einsum("ij,ij->i", delta @ stats.G.T, w)
-    return rows
-
-
-def second_lower(
-    Wt: np.ndarray, first: Quantized, second: Quantized, stats: Hessian, strength: float = 0.0
-) -> np.ndarray:
-    """Per output channel, whether `second`'s `row_objective` is below `first`'s (ties keep `first`).
-
-    Worked out from their difference, not as two objectives: with e = q₂ − q₁ and dᵢ = qᵢ − w,
-    obj₂ − obj₁ = e·H·(d₁ + d₂)ᵀ − 2α·e·Gᵀ·wᵀ (H symmetric), one product with H (and one with G)
-    where the two objectives took two each: half the flops of the per-channel grid choice, which at
-    K = 4096 cost as much as a column loop. Rows whose values are the same on both (e = 0) tie and
-    skip the products. The products run in `solver_backend.solve_dtype`, the sums in float64. GPTQ and QEP
-    decide without them, from their column loop's losses (`tiers.quantizer._second_lower_by_losses`)."""
-    dtype = _working_dtype(stats.H.shape[0])
-    H = _in_dtype(stats, "H", stats.H, dtype)
-    G = _in_dtype(stats, "G", stats.G, dtype) if strength and stats.G is not None else None
-    better = np.zeros(Wt.shape[0], bool)
-    for start in range(0, Wt.shape[0], ERROR_ROWS):
-        stop = min(start + ERROR_ROWS, Wt.shape[0])
-        one, two = first.rows(start, stop).values, second.rows(start, stop).values
-        e = two - one
-        differ = np.flatnonzero((e != 0).any(axis=1))
-        if differ.size == 0:
-            continue
-        w = np.asarray(Wt[start:stop], np.float64)[differ]
-        e, one, two = e[differ], one[differ], two[differ]
-        one -= w
-        two -= w
-        one += two  # d₁ + d₂
-        e = e.astype(dtype, copy=False)
-        change = np.einsum("ij,ij->i", e @ H, one)
-        if G is not None:
-            change -= 2 * strength * np.einsum("ij,ij->i", e @ G.T, w)
-        better[start + differ] = change < 0
-    return better
-
-
-def output_error(Wt: np.ndarray, Q: np.ndarray, stats: Hessian) -> float:
-    """‖X·Wtᵀ − X·Qᵀ‖_F on the samples behind `stats`, from H alone (XᵀX = n/2·H)."""
-    squared = float(row_objective(Wt, Q, stats).sum()) * stats.count / 2
-    return float(np.sqrt(max(squared, 0.0)))

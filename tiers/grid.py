@@ -34,8 +34,8 @@ SEARCH_NORM, SEARCH_STEPS, SEARCH_STEP = 2.4, 80, 0.01
 """GPTQ `Quantizer` defaults for the MSE clip search (norm 2.4, grid 100, maxshrink 0.8)."""
 SEARCH_BLOCK = 1 << 18
 """Elements per row block of the search at most (2 MiB of float64 per temporary). Each
-block is ~10 numpy calls per shrink step, and every call hands the GIL over: with 32 K-element blocks
-two threads searched a 2048 x 2048 weight in 1.68 s against 1.93 s on one; with 256 K, 0.94 s."""
+block is ~10 numpy calls per shrink step, and every call hands the GIL over: blocks this large keep
+the threads searching rather than waiting (docs/design-notes/tiers.md, 'Clip search blocks')."""
 SEARCH_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 """Threads the search spreads its row blocks over (the cores this process may use, at most 8)."""
 SEARCH_SPLIT = 1 << 16
@@ -220,8 +220,8 @@ def _search(
     of 80 shrinks. Here a float32 pass (1.2·log2 of the squared error and exp2, ~4x cheaper than float64's
     power) first prices every shrink; a shrink whose float32 price is further from the row's least than
     float32's rounding can move it cannot be the float64 minimum, so the exact float64 sums are only worked
-    out for the few that remain (1-5 per row): the same grids as the exact search, in 0.27 (4 bits) and
-    0.40 (2 bits) of its time on a BERT's first six weights.
+    out for the few that remain (1-5 per row): the same grids as the exact search, in a fraction of its time
+    (docs/design-notes/tiers.md, 'The float32 screen').
     Rows of extreme magnitude take the exact search alone.
     """
     trials = _trials(lo, hi, spec)
@@ -306,7 +306,7 @@ FLOOR_FROM_BITS = 3
 step) that on Gaussian rows of 4096 no floor of 32 values per side reached it before the last shrink."""
 FLOOR_BLOCK = 4
 """Shrinks that share one floor (`_clip_floors`): a row leaves the screen at most 3 shrinks later than with a floor
-per shrink, and the floors take a quarter of the time (they took half the screen's time at 4 bits on a BERT)."""
+per shrink, and the floors take a quarter of the time (docs/design-notes/tiers.md, 'The float32 screen')."""
 FLOOR_MARGIN = 1e-9
 """Relative allowance for the summation order of a floor against the full sum it bounds."""
 

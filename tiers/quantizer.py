@@ -19,21 +19,21 @@ from typing import Sequence
 import numpy as np
 
 import tiers.gptq as solvers
+import tiers.hessian as statistics
 from graph_ops.layout import Layout
 from tiers.encoded import Encoded
 from tiers.formats.base import Tier
-from tiers.gptq import Hessian, Quantized
+from tiers.gptq import Quantized
 from tiers.grid import Grid, find_grid
+from tiers.hessian import Hessian
 from tiers.methods import METHODS
 from tiers.solver_backend import c_order
 
 GRIDS = ("per-channel", "min-max")
 """Which grid a clip-searched tier (4 bits and fewer) rounds onto: 'per-channel', each output channel on the
 clip-searched or the plain min-max grid, whichever gives it the lower calibration objective after the solve
-(`_better_rows`); 'min-max', the plain min-max grid alone. Neither wins everywhere: over 20 calibration sets
-uniform QEP on lorenz96 at W2 drifted 1.89 points more held-out with the per-channel choice than on min-max
-grids (t = 5.5), while at W4 (-0.85, t = -3.9) and on the tied mixer at W2 (-1.49, t = -3.8) it drifted less
-(benchmarks/results/calib_spread.md); `export` and `baseline` measure both (`--grids auto`)."""
+(`_better_rows`); 'min-max', the plain min-max grid alone. Neither wins everywhere (docs/design-notes/tiers.md,
+'Per-channel or min-max grids'), so `export` and `baseline` measure both (`--grids auto`)."""
 
 
 @dataclass(frozen=True)
@@ -166,22 +166,20 @@ def _better_rows(
     calibration objective after the solve.
 
     The clip search (`tiers.grid`) picks the grid that rounds the weights themselves best; a
-    compensating solve then moves them, and a clipped grid can cost more than it saved: on the
-    weight-tied mixer example (thin Hessians of the heads) GPTQ and QEP on searched grids drifted
-    1.2-1.6x more than on min-max ones at W4 and W2. Rows are independent in every solve (each row's
-    error feeds only its own later columns), so each keeps its better grid, judged by the error the
-    next layer sees: ‖X̂q − X_fp·w‖, the quantized-prefix output against the full-precision layer's,
-    wherever the cross statistics exist (GPTAQ, QEP). Their α (GPTAQ's 0.25, QEP's perccorr 0.5) damps
-    how far a solve moves the weights, not what the result is worth: judged at QEP's α = 0.5 the
-    choice took clipped grids whose outputs sit further from full precision, and uniform QEP W2 on
-    lorenz96 drifted 1.09x more than on min-max grids alone over 6 calibration sets (at α = 1: 1.04x,
-    and W4 0.82x). GPTQ, or a method at α = 0, compares ‖X̂(q − w)‖, so α = 0 stays exactly the base.
+    compensating solve then moves them, and a clipped grid can cost more than it saved (thin Hessians
+    especially). Rows are independent in every solve (each row's error feeds only its own later
+    columns), so each keeps its better grid, judged by the error the next layer sees: ‖X̂q − X_fp·w‖,
+    the quantized-prefix output against the full-precision layer's, wherever the cross statistics exist
+    (GPTAQ, QEP). Their α (GPTAQ's 0.25, QEP's perccorr 0.5) damps how far a solve moves the weights,
+    not what the result is worth, so the judgement is at α = 1. GPTQ, or a method at α = 0, compares
+    ‖X̂(q − w)‖, so α = 0 stays exactly the base (docs/design-notes/tiers.md, 'Per-channel or min-max
+    grids').
 
-    Per channel, both grids are fitted first and the rows whose searched grid is the min-max one (13-20%
-    of the INT4 rows of the ETTh1 examples) are solved once; the others are solved on both grids in one
-    column loop, the weight's rows followed by a copy of those rows on their min-max grids (`_both_grids`). GPTQ and
-    QEP then compare the rows' objectives from that loop's own losses (`_second_lower_by_losses`); GPTAQ, and weights
-    with dead inputs, through products with H and G (`solvers.second_lower`)."""
+    Per channel, both grids are fitted first and the rows whose searched grid is the min-max one are
+    solved once; the others are solved on both grids in one column loop, the weight's rows followed by a
+    copy of those rows on their min-max grids (`_both_grids`). GPTQ and QEP then compare the rows'
+    objectives from that loop's own losses (`_second_lower_by_losses`); GPTAQ, and weights with dead
+    inputs, through products with H and G (`statistics.second_lower`)."""
     plain_spec = replace(spec, search=False)
     if group > 0 or (rounding.method == "qep" and rounding.qep_base == "rtn"):
         searched = _solve(rounding, np.array(wt), stats, spec, group)
@@ -198,7 +196,7 @@ def _better_rows(
         solved = _BothGrids(searched.take(rows), plain, (losses[:n][rows], losses[n:]))
         better = _second_lower_by_losses(rounding, original[rows], wt[rows], solved, stats, aim, product or {}, rows)
     if better is None:
-        better = solvers.second_lower(original[rows], searched.take(rows), plain, stats, aim)
+        better = statistics.second_lower(original[rows], searched.take(rows), plain, stats, aim)
     chosen = rows[better]
     for field in ("codes", "scale", "zero"):
         getattr(searched, field)[chosen] = getattr(plain, field)[better]
@@ -210,8 +208,8 @@ def _both_grids(
 ) -> tuple[Quantized, np.ndarray, Quantized]:
     """(every row solved on its searched grid, the rows whose searched grid is not the min-max one, those rows
     solved on the min-max grid), from one column loop over both. The grids are fitted as the solver fits them,
-    to the weight with its dead inputs zeroed (in place: `wt` is this call's own); one loop pays numpy's per-column calls once, not twice (at the
-    BERT's 384-1536 rows they are most of a solve)."""
+    to the weight with its dead inputs zeroed (in place: `wt` is this call's own); one loop pays numpy's
+    per-column calls once, not twice (on layers of a few hundred rows they are most of a solve)."""
     dead = np.diag(stats.H) == 0
     wt[:, dead] = 0  # as the solver zeroes them in `wt`, this call's own, before it solves
     searched_grid, plain_grid = find_grid(wt, spec), find_grid(wt, plain_spec)
@@ -244,7 +242,7 @@ def _second_lower_by_losses(
     product: dict,
     rows: np.ndarray,
 ) -> np.ndarray | None:
-    """`solvers.second_lower` from what the solve already knows, without its products with H and G (as many flops
+    """`statistics.second_lower` from what the solve already knows, without its products with H and G (as many flops
     as a column loop at K = 4096): the loop's losses Lᵢ = aᵢ·(H + δI)·aᵢᵀ, aᵢ = qᵢ − w* (w* the weight it solved,
     QEP-corrected), and QEP's W·G with its damping λ. With c = w* − w = α·W·G·(H + λI)⁻¹, c·H = α·W·G − λ·c, so
 
@@ -261,8 +259,8 @@ def _second_lower_by_losses(
         return None
     first, second, losses = solved.first, solved.second, solved.losses
     better = np.zeros(original.shape[0], bool)
-    for start in range(0, original.shape[0], solvers.ERROR_ROWS):  # bounded temporaries, as `second_lower`
-        part = slice(start, min(start + solvers.ERROR_ROWS, original.shape[0]))
+    for start in range(0, original.shape[0], statistics.ERROR_ROWS):  # bounded temporaries, as `second_lower`
+        part = slice(start, min(start + statistics.ERROR_ROWS, original.shape[0]))
         one, two = first.rows(part.start, part.stop).values, second.rows(part.start, part.stop).values
         w_star = corrected[part]
         e = two - one

@@ -41,8 +41,8 @@ TIERS: dict[str, Tier] = {
 """Built-in tiers by name, from most to least precise."""
 
 DEFAULT_TIERS = ("fp32", "fp16", "bf16", "int8-asym", "int4-asym", "int2-asym")
-"""The paper's five-tier ladder (FP32, BF16, INT8, INT4, INT2) on asymmetric grids, which beat
-symmetric ones at 2-4 bits on every example (benchmarks/results/grids.md), with fp16 beside bf16:
+"""The paper's five-tier ladder (FP32, BF16, INT8, INT4, INT2) on asymmetric grids, which round 2-4-bit
+weights better than symmetric ones (docs/design-notes/tiers.md, 'Asymmetric grids'), with fp16 beside bf16:
 at the same 16 bits fp16 keeps 3 more mantissa bits (an 8x smaller rounding error on every weight
 inside its range), bf16 stays for weights past fp16's range. Both are priced only when an
 allocation picks one (`Export.allocate`), so the extra tier costs a rollout only where it is used."""
@@ -87,7 +87,8 @@ def get_tiers(names: list[str] | tuple[str, ...], target: str = "ort", group_siz
             )
         if target == "trt" and tier.name == "int4" and group_size not in TRT_BLOCK_SIZES:
             raise TierError(
-                f"TensorRT runs INT4 weights only in blocks of {' or '.join(map(str, TRT_BLOCK_SIZES))}; pass --group-size 64 or 128"
+                f"TensorRT runs INT4 weights only in blocks of {' or '.join(map(str, TRT_BLOCK_SIZES))}; "
+                "pass --group-size 64 or 128"
             )
         tiers.append(tier)
     if not tiers:

@@ -2,9 +2,10 @@
 
 `array_module` picks the array library of the heavy products (CuPy on a CUDA device when the `gpu` extra
 is installed, numpy otherwise): the same calls run in CI under numpy. On CuPy the statistics' products, the
-inverse Cholesky and GPTQ's column loop on integer grids (`tiers.column_loop`) run on the device. `shared_cores` splits the cores'
-BLAS threads between solves that run side by side (`tqsdeploy.encoding.calibrator`), so parallel solves never
-ask for more threads than threadpoolctl says numpy may use.
+inverse Cholesky and GPTQ's column loop on integer grids (`tiers.column_loop`) run on the device.
+`shared_cores` splits the cores' BLAS threads between solves that run side by side
+(`tqsdeploy.encoding.calibrator`), so parallel solves never ask for more threads than threadpoolctl says
+numpy may use.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ _ARRAY_MODULE = None
 def array_module():
     """The array library the heavy products run in: CuPy when the optional `gpu` extra installed it and a
     CUDA device is visible, else numpy (TQS_ARRAYS=numpy forces numpy). Same calls either way (CuPy
-    mirrors numpy's API), so CI runs this code under numpy. Run on an H100 (CuPy 14.2): codes equal to numpy's
-    (tests/test_gpu.py, benchmarks/results/solver_backend-h100.md)."""
+    mirrors numpy's API), so CI runs this code under numpy; tests/test_gpu.py holds the device's codes to
+    numpy's (docs/design-notes/tiers.md, 'On the device')."""
     global _ARRAY_MODULE
     if _ARRAY_MODULE is None:
         _ARRAY_MODULE = np
@@ -38,14 +39,12 @@ def array_module():
 
 
 DEVICE_FROM_ORDER = 1024
-"""K from which the statistics' products and the inverse Cholesky go to the device. Measured on an H100
-(benchmarks/results/solver_backend-h100.md): at K = 1024 the device is already 2-3x faster; below it the
-copies and launches cost more than the host's BLAS call."""
+"""K from which the statistics' products and the inverse Cholesky go to the device: below it the copies and
+launches cost more than the host's BLAS call (docs/design-notes/tiers.md, 'On the device')."""
 DEVICE_LOOP_FROM = 2048 * 2048
 """Weight elements (N·K) from which GPTQ's column loop runs on the device (`tiers.column_loop`). Its K
-columns are each a dozen small kernel launches: on an H100 the device loop was as fast as the host's at
-1024 x 1024, 1.7x faster at 2048 x 2048 and 3.6x at 4096 x 4096, and a BERT-size export whose weights are
-768 wide ran its passes slower than on a 2-core CPU with every weight on the device."""
+columns are each a dozen small kernel launches, so smaller weights loop faster on the host
+(docs/design-notes/tiers.md, 'On the device')."""
 
 
 def on_device(order: int) -> bool:
@@ -93,10 +92,8 @@ def c_order(view: np.ndarray, dtype=None) -> np.ndarray:
     """A C-ordered copy of `view` (cast to `dtype`), the same values as np.array(view, dtype, order="C").
 
     numpy copies a transposed or reversed matrix a destination row at a time, so every element it reads from a
-    column-major source is another cache line; tile by tile both stay in cache. At 4096 x 4096 on this 2-core
-    machine (best of 5): GPTQ's U from LAPACK's column-major factor 0.15 -> 0.07 s, a stored float32 MatMul
-    weight as float64 Wt 0.17 -> 0.06 s, Wt-level codes into a stored 4-bit container 0.14 -> 0.05 s; each is made
-    per weight (or statistic) and pass."""
+    column-major source is another cache line; tile by tile both stay in cache. Such copies are made per weight
+    (or statistic) and pass (docs/design-notes/tiers.md, 'Tiled copies')."""
     dtype = np.dtype(view.dtype if dtype is None else dtype)
     if view.ndim != 2 or view.flags.c_contiguous or min(view.shape) <= COPY_TILE:
         return np.array(view, dtype, order="C")
@@ -126,8 +123,8 @@ def environment_problem() -> str | None:
 
 FLOAT32_FROM = 1024
 """Input width K from which `solve_dtype` is float32 under 'auto'. Below it a solve is numpy's per-call
-cost more than flops (float32 ran the BERT's 384-wide layers no faster), and float64 keeps the examples'
-codes, whose layers are all narrower, exactly as they were."""
+cost more than flops, so float32 gains nothing there and narrower layers keep float64's codes
+(docs/design-notes/tiers.md, 'Solves in float32 from K = 1024')."""
 
 
 def solver_dtype() -> str:
@@ -143,12 +140,10 @@ def solve_dtype(order: int) -> str:
     """What a solve on K = `order` inputs computes in: float32 (the precision of the official PyTorch GPTQ,
     GPTAQ and QEP code) with 'float32', and with 'auto' from `FLOAT32_FROM` on; float64 otherwise. It covers
     GPTQ/GPTAQ's column loop (`tiers.column_loop`), QEP's correction (its Cholesky solve at QEP's 100% damping
-    and its product with G) and the per-channel grid choice's products (`tiers.gptq.second_lower`). The
+    and its product with G) and the per-channel grid choice's products (`tiers.hessian.second_lower`). The
     statistics H and G, GPTQ's inverse Cholesky (`tiers.gptq.inverse_cholesky`: in float32 it moved a chaotic
-    model's codes too far) and GPTAQ's P stay float64, and so do the grids and the sums. A 4096-wide QEP solve
-    took 10.5 s against 14.8 s (per-channel grids) and 4.4 s against 6.5 s (min-max); on the ETTh1 example's
-    layers float32 kept 99.5% of float64's codes, each layer's reconstruction error 0.9993-1.0000x float64's
-    (tests/test_export_speed.py); held-out quality: benchmarks/results/solver-float32.md."""
+    model's codes too far) and GPTAQ's P stay float64, and so do the grids and the sums. What float32 saves and
+    what it keeps: docs/design-notes/tiers.md, 'Solves in float32 from K = 1024'."""
     chosen = solver_dtype()
     return "float32" if chosen == "float32" or (chosen == "auto" and order >= FLOAT32_FROM) else "float64"
 
@@ -166,8 +161,8 @@ def solver_threads() -> int:
     """Cores the solvers may use: numpy's BLAS threads as threadpoolctl sees them now (the core count, or
     what OMP_NUM_THREADS / threadpool_limits set), so parallel solves never exceed a limit the user set.
     The libraries in `MANAGED_BLAS` are left out: counted, the first small LAPACK call (which sets scipy's
-    copy to one thread) made this 1 for the rest of the process, and every calibration wave solved its
-    weights one at a time."""
+    copy to one thread) would make this 1 for the rest of the process, and every calibration wave would
+    solve its weights one at a time."""
     from threadpoolctl import threadpool_info
 
     counts = [

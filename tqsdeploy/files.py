@@ -3,7 +3,7 @@
 An interrupted command (Ctrl-C, kill -9, a full disk) therefore leaves the
 previous file or none under each final name, never a truncated one; write
 failures are one-line input errors naming the file. Models go through
-`graph_ops.io.save_model` / `graph_ops.qdq.write_storage`, which do the same
+`graph_ops.output.save_model` / `graph_ops.qdq.write_storage`, which do the same
 for a model and its external data together.
 """
 
@@ -20,7 +20,8 @@ from typing import Iterator
 
 import numpy as np
 
-from graph_ops.io import OutputError, atomic_output, check_writable, missing_folders, remove_empty_folders
+from graph_ops.io import OutputError
+from graph_ops.output import atomic_output, check_writable, missing_folders, remove_empty_folders
 
 __all__ = [
     "RunFolderShare",

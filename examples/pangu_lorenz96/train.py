@@ -160,7 +160,9 @@ def main():
     stats = {k: float(v) for k, v in stats.items()}
 
     def pairs(xs, ys):
-        f = lambda a: torch.tensor(a.reshape(-1, *a.shape[2:]), dtype=torch.float32)
+        def f(a):
+            return torch.tensor(a.reshape(-1, *a.shape[2:]), dtype=torch.float32)
+
         return f(ys[:, :-1]), f(xs[:, :-1]), f(ys[:, 1:]), f(xs[:, 1:])
 
     y_in, x_in, y_out, x_out = pairs(tx, ty)

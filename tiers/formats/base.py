@@ -42,7 +42,8 @@ class StoredForm:
 
     @classmethod
     def emit(cls, name: str, value: "Encoded", layout: str) -> Emission:
-        """Initializers and nodes that produce tensor `name` from `value`, in runtime `layout` (`graph_ops.qdq.LAYOUTS`)."""
+        """Initializers and nodes that produce tensor `name` from `value`, in runtime `layout`
+        (`graph_ops.qdq.LAYOUTS`)."""
         raise NotImplementedError
 
     @classmethod
@@ -62,7 +63,8 @@ class StoredForm:
 
     @classmethod
     def payload_bits(cls, value: "Encoded") -> int:
-        """Bits of values, scales (priced in the weight's type) and zero points: what the weight itself costs on disk."""
+        """Bits of values, scales (priced in the weight's type) and zero points: what the weight itself costs on
+        disk."""
         bits = int(value.values.size) * element_bits(value.values.dtype)
         if value.scale is not None:
             bits += int(np.asarray(value.scale).size) * element_bits(value.dtype)

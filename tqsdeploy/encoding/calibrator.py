@@ -23,8 +23,9 @@ import numpy as np
 
 import graph_ops
 from graph_ops.calibration import layer_inputs, waves
+from graph_ops.fed_codes import fed_codes_model, needed_nodes
 from graph_ops.layout import WeightLayout
-from graph_ops.qdq import default_opset, fed_codes_model, needed_nodes
+from graph_ops.qdq import default_opset
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
 from tiers.solver_backend import shared_cores, solver_threads

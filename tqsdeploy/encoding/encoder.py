@@ -36,7 +36,7 @@ import numpy as np
 import graph_ops
 from graph_ops.layout import WeightLayout
 from tiers import TIERS, Encoded, Hessian, Layout, Rounding, Tier, encode, split
-from tiers.gptq import output_error
+from tiers.hessian import output_error
 from tqsdeploy.encoding.choices import AnyRounding, least_drift, rounding_at
 from tqsdeploy.encoding.logs import CalibrationLog, EncoderLog
 from tqsdeploy.encoding.profiling import Profile

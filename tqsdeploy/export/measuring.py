@@ -12,7 +12,8 @@ from dataclasses import replace
 import numpy as np
 
 import graph_ops
-from graph_ops.qdq import at_opset, fed_codes_model
+from graph_ops.fed_codes import fed_codes_model
+from graph_ops.qdq import at_opset
 from runtimes import WithDefaults, release_freed_memory
 from tiers import Encoded
 from tqsdeploy.encoding.choices import AnyRounding
