@@ -133,7 +133,8 @@ def eval_command(
     """Roll out candidate and reference from the same contexts and compare them (and the truth), and time both."""
     from graph_ops.io import OutputError
     from tqsdeploy.errors import InputError
-    from tqsdeploy.evaluation.evaluate import EvalRequest, EvalSettings, markdown, run_eval
+    from tqsdeploy.evaluation.eval_report import markdown
+    from tqsdeploy.evaluation.evaluate import EvalRequest, EvalSettings, run_eval
     from tqsdeploy.files import check_writable
 
     settings = EvalSettings(
