@@ -105,7 +105,8 @@ def eval_command(
     truth: Optional[Path] = typer.Option(
         None,
         "--truth",
-        help="Ground truth (.npz, one array per trajectory output, (windows, steps, *output)); CSV contexts default to the rows after each window.",
+        help="Ground truth (.npz, one array per trajectory output, (windows, steps, *output)); "
+        "CSV contexts default to the rows after each window.",
     ),
     windows: Optional[int] = CSV_WINDOWS,
     zscore: bool = ZSCORE,
@@ -169,7 +170,8 @@ def gate(
     truth: Optional[Path] = typer.Option(
         None,
         "--truth",
-        help="Ground truth (.npz); CSV contexts default to the rows after each window; without any, degradation is the drift from the reference.",
+        help="Ground truth (.npz); CSV contexts default to the rows after each window; "
+        "without any, degradation is the drift from the reference.",
     ),
     windows: Optional[int] = CSV_WINDOWS,
     zscore: bool = ZSCORE,
@@ -189,7 +191,8 @@ def gate(
     min_cosine: Optional[float] = typer.Option(
         None,
         "--min-cosine",
-        help="Smallest allowed cosine similarity of any output vector to its reference (outputs with cosine metrics, see --cosine), e.g. 0.99.",
+        help="Smallest allowed cosine similarity of any output vector to its reference "
+        "(outputs with cosine metrics, see --cosine), e.g. 0.99.",
     ),
     cosine: Optional[bool] = COSINE,
     exact: bool = typer.Option(
