@@ -13,7 +13,8 @@ from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
 from tqsdeploy.cli import app
-from tqsdeploy.evaluation.evaluate import evaluate, markdown
+from tqsdeploy.evaluation.eval_report import markdown
+from tqsdeploy.evaluation.evaluate import evaluate
 
 
 def _model(path, w_side):

@@ -1,11 +1,12 @@
 """Every command: a bad input is one line on stderr and exit 2, a failed gate
-exits 1; never a traceback."""
+exits 1, a bug exits 3; never a traceback (unless TQS_DEBUG=1 asks for it)."""
 
 import models
 import pytest
 from typer.testing import CliRunner
 
 from tqsdeploy.cli import app
+from tqsdeploy.errors import InternalError
 
 runner = CliRunner()
 
@@ -426,3 +427,50 @@ def test_export_refuses_an_output_that_is_not_named_onnx(two_branch, tmp_path):
         lines
     )
     assert not (tmp_path / "q.npz").exists() and not list(tmp_path.glob("q.*"))
+
+
+def _broken_inspect(*args, **kwargs):
+    raise InternalError("an invariant of inspect broke")
+
+
+def test_an_internal_error_is_one_line_and_exit_3(two_branch, monkeypatch):
+    """A bug (an InternalError, as any exception nothing expects) is one line naming it, exit 3, no traceback."""
+    import tqsdeploy.scoring.inspect
+
+    monkeypatch.delenv("TQS_DEBUG", raising=False)
+    monkeypatch.setattr(tqsdeploy.scoring.inspect, "inspect_model", _broken_inspect)
+    model, _ = two_branch
+    result, lines = _run(["inspect", model])
+    assert result.exit_code == 3, (result.exit_code, lines)
+    assert len(lines) == 1 and lines[0].startswith("error: internal error (InternalError: an invariant"), lines
+    assert "TQS_DEBUG=1" in lines[0] and "Traceback" not in result.output
+
+
+def test_tqs_debug_shows_an_internal_errors_traceback(two_branch, tmp_path):
+    """TQS_DEBUG=1 lets the bug through: the command dies with Python's traceback, which names where it was raised."""
+    import os
+    import subprocess
+    import sys
+
+    model, _ = two_branch
+    script = (
+        "import sys, tqsdeploy.scoring.inspect as inspect\n"
+        "from tqsdeploy.errors import InternalError\n"
+        "def broken(*args, **kwargs):\n"
+        "    raise InternalError('an invariant of inspect broke')\n"
+        "inspect.inspect_model = broken\n"
+        "from tqsdeploy.cli import main\n"
+        "sys.argv = ['tqsdeploy', 'inspect', sys.argv[1]]\n"
+        "main()\n"
+    )
+    for debug, code in (("1", 1), ("", 3)):
+        env = {**os.environ, "TQS_DEBUG": debug}
+        done = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True, text=True, env=env)
+        assert done.returncode == code, (debug, done.returncode, done.stderr)
+        if debug:
+            assert "Traceback (most recent call last)" in done.stderr and "in broken" in done.stderr, done.stderr
+            assert (
+                done.stderr.strip().splitlines()[-1] == "tqsdeploy.errors.InternalError: an invariant of inspect broke"
+            )
+        else:
+            assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr

@@ -7,7 +7,7 @@ import polars as pl
 import pytest
 
 from tqsdeploy import Feedback, RolloutSpec, ScoreSettings, score
-from tqsdeploy.errors import InputError, RolloutError
+from tqsdeploy.errors import InputError, InternalError, RolloutError
 from tqsdeploy.rollout import CheckedSpec
 from tqsdeploy.scoring.prepare import prepare
 from tqsdeploy.scoring.request import ScoreProgress, ScoreRequest
@@ -84,7 +84,7 @@ def test_every_runner_of_a_prepared_job_takes_its_checked_spec_and_no_other(two_
         again = SweepRunner(replace(prepared.job, strategy="unit"))  # as export reopens the job another way
         again.close()
         unchecked = RolloutSpec(3, prepared.spec.feedback, prepared.spec.trajectory)
-        with pytest.raises(TypeError, match="CheckedSpec"):
+        with pytest.raises(InternalError, match="CheckedSpec"):
             SweepRunner(replace(prepared.job, spec=unchecked))
     finally:
         runner.close()

@@ -10,7 +10,7 @@ from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.scoring.prepare import prepare
 from tqsdeploy.scoring.request import ScoreRequest
-from tqsdeploy.scoring.runs import ScoreTable
+from tqsdeploy.scoring.runs import ScoreRun
 from tqsdeploy.sweep import SweepSettings
 from tqsdeploy.sweep.probes import UnitProbes, perturb, quantization_probe
 from tqsdeploy.units import UnitSelection
@@ -85,7 +85,7 @@ def test_prefix_keeps_dead_units_exactly_dead(two_branch, tmp_path, steps):
         ],
     )
     assert result.exit_code == 0, result.output
-    table = ScoreTable.load(tmp_path / "run")
+    table = ScoreRun.load(tmp_path / "run")
     assert f"strategy prefix ({len(table.meta['prefix_cuts'])} cuts)" in " ".join(result.output.split())
     rows = {r["unit"]: r for r in table.frame.iter_rows(named=True)}
     assert rows["Wdead"]["dead"] and rows["Wdead"]["rel_divergence"] == 0.0 and not rows["Wsmall"]["dead"]

@@ -2,20 +2,20 @@
 mixed-precision post-training quantization for ONNX forecasting models.
 
 Library entry points (the CLI is a thin layer over these):
-    score(model, contexts, ...) -> ScoreRun (also named ScoreTable)
+    score(model, contexts, ...) -> ScoreRun
     ScoreRun.load(run_dir) -> ScoreRun
     inspect_model(model, ...) -> dict
 """
 
-from tqsdeploy._version import __version__  # noqa: E402,F401
-from tqsdeploy.errors import InputError, RolloutError, TqsError  # noqa: E402
-from tqsdeploy.rollout import Feedback, RolloutSpec  # noqa: E402
-from tqsdeploy.scoring.gamma import SENTINEL_GAMMA, ScoreSettings  # noqa: E402
-from tqsdeploy.scoring.inspect import inspect_model  # noqa: E402
-from tqsdeploy.scoring.prepare import ContextOptions  # noqa: E402
-from tqsdeploy.scoring.runs import ScoreRun, ScoreTable  # noqa: E402
-from tqsdeploy.scoring.score import score  # noqa: E402
-from tqsdeploy.units import Unit, UnitSelection  # noqa: E402
+from tqsdeploy._version import __version__  # noqa: F401
+from tqsdeploy.errors import InputError, RolloutError, TqsError
+from tqsdeploy.rollout import Feedback, RolloutSpec
+from tqsdeploy.scoring.gamma import SENTINEL_GAMMA, ScoreSettings
+from tqsdeploy.scoring.inspect import inspect_model
+from tqsdeploy.scoring.prepare import ContextOptions
+from tqsdeploy.scoring.runs import ScoreRun
+from tqsdeploy.scoring.score import score
+from tqsdeploy.units import Unit, UnitSelection
 
 __all__ = [
     "SENTINEL_GAMMA",
@@ -26,7 +26,6 @@ __all__ = [
     "RolloutSpec",
     "ScoreRun",
     "ScoreSettings",
-    "ScoreTable",
     "TqsError",
     "Unit",
     "UnitSelection",

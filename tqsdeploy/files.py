@@ -120,16 +120,39 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
     large model's session file, say), which would otherwise make the folder
     "not a run folder and not empty" and block the next, correct command.
     """
-    from filelock import FileLock, Timeout
+    folder = Path(folder)
+    _check_run_folder(folder)
+    check_writable(folder)
+    made = missing_folders(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = _lock_run_folder(folder)
+    for stale in folder.glob(".*.partial"):  # a write a killed command left (`atomic_output`): no writer now
+        stale.unlink(missing_ok=True)
+    before, recorded = {p.name for p in folder.iterdir()}, file_identity(folder / RUN_MARKER)
+    try:
+        yield folder
+    except BaseException:
+        # refused (or stopped) before recording a run: what it made goes
+        if file_identity(folder / RUN_MARKER) in (None, recorded):
+            for path in folder.iterdir():
+                if path.name not in before and path.name != LOCK_NAME and path.is_file():
+                    path.unlink(missing_ok=True)
+        raise
+    finally:
+        lock.release()
+        if made and [p.name for p in folder.iterdir()] == [LOCK_NAME]:  # refused before writing: leave no trace
+            (folder / LOCK_NAME).unlink(missing_ok=True)
+            remove_empty_folders(made)
 
+
+def _check_run_folder(folder: Path) -> None:
+    """Refuse a file, or a folder of the user's own files, as a run folder."""
     from tqsdeploy.errors import InputError
 
-    folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"run folder {folder} is a file")
-    if (
-        folder.is_dir() and not (folder / RUN_MARKER).exists() and not (folder / REPLACED).is_dir()
-    ):  # .replaced: a run killed as it began
+    # .replaced: a run killed as it began
+    if folder.is_dir() and not (folder / RUN_MARKER).exists() and not (folder / REPLACED).is_dir():
         foreign = sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME)
         if foreign:
             shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
@@ -137,9 +160,14 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
                 f"{folder} is not a tqsdeploy run folder and not empty (it holds {shown})",
                 hint="choose a new or empty folder with --out",
             )
-    check_writable(folder)
-    made = missing_folders(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+
+
+def _lock_run_folder(folder: Path):
+    """The run folder's lock, held; refused at once while another command writes it or an export reads it."""
+    from filelock import FileLock, Timeout
+
+    from tqsdeploy.errors import InputError
+
     lock = FileLock(str(folder / LOCK_NAME))
     try:
         lock.acquire(timeout=0)
@@ -150,31 +178,10 @@ def claim_run_folder(folder: str | os.PathLike) -> Iterator[Path]:
                 f"an export is reading the score run in {folder}"
                 if exporting
                 else f"another tqsdeploy command is writing to {folder}",
-                hint="wait for it to finish (in Python: close its Planner, or use it in a with block), or use another folder",
+                hint="wait for it to finish (in Python: close its Planner, or use it in a with block), "
+                "or use another folder",
             ) from None
-    for stale in folder.glob(
-        ".*.partial"
-    ):  # a write a killed command left (`atomic_output`): nobody else writes here now
-        stale.unlink(missing_ok=True)
-    before, recorded = {p.name for p in folder.iterdir()}, file_identity(folder / RUN_MARKER)
-    try:
-        yield folder
-    except BaseException:
-        if file_identity(folder / RUN_MARKER) in (
-            None,
-            recorded,
-        ):  # refused (or stopped) before recording a run: what it made goes
-            for path in folder.iterdir():
-                if path.name not in before and path.name != LOCK_NAME and path.is_file():
-                    path.unlink(missing_ok=True)
-        raise
-    finally:
-        lock.release()
-        if made and [p.name for p in folder.iterdir()] == [
-            LOCK_NAME
-        ]:  # refused before writing anything: leave no trace
-            (folder / LOCK_NAME).unlink(missing_ok=True)
-            remove_empty_folders(made)
+    return lock
 
 
 def _only_shared(folder: Path) -> bool:
@@ -207,8 +214,8 @@ class RunFolderShare:
     Exports share the folder (two exports of one run coordinate their prices through `.measured.lock`); a
     command that writes the run (`claim_run_folder`: score, whose --fresh replaces it) needs the folder alone. So
     a score is refused while an export reads the run, and an export while a score writes it: a score --fresh
-    that replaced the run under a running export got that export's prices, measured on the old rollout, in its
-    new run, where later exports reused them. A folder that cannot be locked (read-only, a file system without
+    that replaced the run under a running export would get that export's prices, measured on the old rollout, in
+    its new run, where later exports would reuse them. A folder that cannot be locked (read-only, a file system without
     flock) is read without the hold; the export still checks the run before each price it writes
     (`ScoreRun.check_unchanged`)."""
 

@@ -159,7 +159,8 @@ class Progress:
                 text += f", {_duration(elapsed)} elapsed, ETA {_duration(elapsed / fresh * (self.total - self.done))}"
             elif self._estimate is not None:  # nothing finished yet: the estimate, less the time since it was made
                 seconds, made = self._estimate
-                text += f", {_duration(elapsed)} elapsed, ETA about {_duration(max(0.0, seconds - (now - made)))} (estimated)"
+                left = _duration(max(0.0, seconds - (now - made)))
+                text += f", {_duration(elapsed)} elapsed, ETA about {left} (estimated)"
             else:
                 text += f", {_duration(elapsed)} elapsed"
         else:

@@ -38,7 +38,8 @@ def check_target(target: float) -> float:
         raise InputError(f"compression target must be a positive number, not {target}")
     if target < 1:  # the original's bits over the export's: below 1 asks for a larger file, which no tier makes
         raise InputError(
-            f"compression target {target:g} is below 1: C is the original's size over the exported one (1 keeps it as it is)"
+            f"compression target {target:g} is below 1: "
+            "C is the original's size over the exported one (1 keeps it as it is)"
         )
     return float(target)
 
@@ -95,7 +96,8 @@ class SizeBudget:
         """Refuse a target out of reach, naming the largest reachable C."""
         if not self.reachable(floor_bits, target):
             raise InfeasibleError(
-                f"compression {target:g} is out of reach with tiers {', '.join(tiers)}: the largest reachable is {reachable_label(self.compression(floor_bits))}",
+                f"compression {target:g} is out of reach with tiers {', '.join(tiers)}: "
+                f"the largest reachable is {reachable_label(self.compression(floor_bits))}",
                 hint=hint,
             )
 

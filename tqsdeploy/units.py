@@ -90,14 +90,14 @@ def select_units(
     if not chosen and large_unfed:
         kinds = "/".join(sorted(set(large_unfed.values())))
         raise InputError(
-            f"no quantizable tensors: the model's {len(large_unfed)} large weights are {kinds} ({_names(large_unfed)}), "
-            "which ONNX Runtime cannot be fed from numpy, so they cannot be perturbed",
+            f"no quantizable tensors: the model's {len(large_unfed)} large weights are {kinds} "
+            f"({_names(large_unfed)}), which ONNX Runtime cannot be fed from numpy, so they cannot be perturbed",
             hint="save the model with float32 or float16 weights",
         )
     if not chosen:
         raise InputError(
-            f"no quantizable tensors: none of the model's {len(tensors)} float tensors feeds a MatMul/Gemm/Conv/Gather/Einsum/RNN weight "
-            f"with at least {selection.min_params} parameters",
+            f"no quantizable tensors: none of the model's {len(tensors)} float tensors "
+            f"feeds a MatMul/Gemm/Conv/Gather/Einsum/RNN weight with at least {selection.min_params} parameters",
             hint="lower --min-params or name tensors with --include REGEX",
         )
     if selection.granularity == "tensor":
@@ -140,13 +140,14 @@ def selection_notes(
     unfed = _large(unfed, selection)
     if unfed:
         notes.append(
-            f"{len(unfed)} {'/'.join(sorted(set(unfed.values())))} weight(s) are not units ({_names(unfed)}): ONNX Runtime cannot be fed "
-            "them from numpy, so they are neither scored nor quantized"
+            f"{len(unfed)} {'/'.join(sorted(set(unfed.values())))} weight(s) are not units ({_names(unfed)}): "
+            "ONNX Runtime cannot be fed them from numpy, so they are neither scored nor quantized"
         )
     declared = loaded.weights_declared_as_inputs
     if declared:
         notes.append(
-            f"{len(declared)} weight(s) are also listed as graph inputs (as keep_initializers_as_inputs exports write them): "
+            f"{len(declared)} weight(s) are also listed as graph inputs "
+            "(as keep_initializers_as_inputs exports write them): "
             "they are treated as the model's weights, and compressed models no longer list them as inputs"
         )
     chosen = {name for unit in units for name in unit.tensor_names}
@@ -158,7 +159,8 @@ def selection_notes(
     ]
     if hidden:
         notes.append(
-            f"{len(hidden)} weight(s) read only inside Scan/Loop/If bodies are not units ({_names(t.name for t in hidden)}; "
+            f"{len(hidden)} weight(s) read only inside Scan/Loop/If bodies are not units "
+            f"({_names(t.name for t in hidden)}; "
             f"{sum(t.params for t in hidden):,} params): name them with --include to score and quantize them"
         )
     skipped = large_outside(loaded.proto, tensors, chosen | {t.name for t in hidden}, selection)
@@ -168,7 +170,8 @@ def selection_notes(
     if len(skipped) > NAMED:
         rest = [t for t, _ in skipped[NAMED:]]
         notes.append(
-            f"{len(rest)} more float tensor(s) of at least --min-params {selection.min_params} are not units ({sum(t.params for t in rest):,} params)"
+            f"{len(rest)} more float tensor(s) of at least --min-params {selection.min_params} are not units "
+            f"({sum(t.params for t in rest):,} params)"
         )
     return notes
 
@@ -209,7 +212,10 @@ def outside_hint(proto, unit_names, selection: UnitSelection) -> str | None:
     act = "name them with --include" + (
         " (or drop them from --exclude)" if any(why == EXCLUDED for _, why in large) else ""
     )
-    return f"{len(large)} float tensor(s) of at least --min-params {selection.min_params} are not units: {named}{more}; {act} to quantize them"
+    return (
+        f"{len(large)} float tensor(s) of at least --min-params {selection.min_params} are not units: "
+        f"{named}{more}; {act} to quantize them"
+    )
 
 
 def nonfinite_weights(weights: dict, stop_at_first: bool = False) -> list[str]:
@@ -240,7 +246,8 @@ INDEX_PRESERVING = ("Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flat
 
 
 def _index_source(proto):
-    """name -> the tensor whose values it carries unchanged (through casts and reshapes): for an index, the model input."""
+    """name -> the tensor whose values it carries unchanged (through casts and reshapes): for an index, the model
+    input."""
     producer = {name: node for node in proto.graph.node for name in node.output}
 
     def source(name: str) -> str:

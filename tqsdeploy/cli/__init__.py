@@ -7,7 +7,7 @@ message, no traceback), 3 an internal error (a bug: please report it).
 order `--help` lists them.
 """
 
-from tqsdeploy.cli import eval_gate, export_baseline, frontier, inspect_score  # noqa: E402,F401  (registers the commands)
+from tqsdeploy.cli import eval_gate, export_baseline, frontier, inspect_score  # noqa: F401  (registers the commands)
 from tqsdeploy.cli.app import _OneLineErrors, app
 
 __all__ = ["_OneLineErrors", "app", "keep_freed_memory", "main"]
@@ -16,8 +16,7 @@ __all__ = ["_OneLineErrors", "app", "keep_freed_memory", "main"]
 HEAP_TRIM_BYTES = 256 << 20
 """Freed memory glibc keeps at the top of the heap before giving it back (its default follows the largest freed
 block up to 64 MiB). Solvers and rollouts free and remake temporaries of a few MiB all the time; given back, each
-came back as fresh pages. The 22M BERT's `export --C 8`, paired, two rounds: 47.4, 48.5 -> 44.4, 44.3 s wall,
-10.4, 11.8 -> 7.6, 7.5 s in the kernel, peak resident 831 -> 917 MB, the same file."""
+would come back as fresh pages, paid for in kernel time (docs/design-notes/cli.md, 'Heap trimming')."""
 HEAP_MMAP_BYTES = 64 << 20
 """Blocks this large or larger are mapped on their own and returned when freed (setting the trim threshold fixes
 glibc's otherwise adaptive mapping threshold: without this it would stay at 128 KiB)."""

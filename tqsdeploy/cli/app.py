@@ -118,16 +118,19 @@ def fail(message: str, code: int = 2) -> None:
 
 INTERRUPTED = {
     "score": "finished rollouts are saved in the run folder (sweep.jsonl); run the same command again to resume",
-    "export": "the run folder keeps the measured tier prices (measured.jsonl) and every weight a calibration pass finished "
-    "(export-checkpoints/); run the same command again to resume from them",
-    "frontier": "it keeps every finished export and evaluation (frontier-progress.jsonl), and its score run the finished rollouts, "
-    "the measured tier prices and every weight a calibration pass finished; run the same command again to resume from them",
+    "export": "the run folder keeps the measured tier prices (measured.jsonl) "
+    "and every weight a calibration pass finished (export-checkpoints/); "
+    "run the same command again to resume from them",
+    "frontier": "it keeps every finished export and evaluation (frontier-progress.jsonl), "
+    "and its score run the finished rollouts, the measured tier prices and every weight a calibration pass finished; "
+    "run the same command again to resume from them",
 }
 """What an interrupted command kept, by command; the others write each output whole or not at all."""
 
 
 def user_errors(command):
-    """Turn user errors into one line + exit 2, bugs into exit 3, Ctrl-C into what it kept and exit 130."""
+    """Turn user errors into one line + exit 2, bugs (an `InternalError`, or any exception nothing expects) into
+    one line + exit 3 (TQS_DEBUG=1 raises them, traceback and all), Ctrl-C into what it kept and exit 130."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -150,11 +153,12 @@ def user_errors(command):
             )
             err.print(f"interrupted: {kept}", soft_wrap=True)
             raise typer.Exit(130)
-        except Exception as exc:
+        except Exception as exc:  # a bug: an `InternalError` (an invariant broke) or what nothing above expects
             if os.environ.get("TQS_DEBUG"):
                 raise
             fail(
-                f"internal error ({type(exc).__name__}: {exc}); rerun with TQS_DEBUG=1 for a traceback and please report it",
+                f"internal error ({type(exc).__name__}: {exc}); "
+                "rerun with TQS_DEBUG=1 for a traceback and please report it",
                 code=3,
             )
 
@@ -163,7 +167,7 @@ def user_errors(command):
 
 def split_list(text: str, option: str) -> list[str]:
     """A comma-separated option's items, stripped; an empty item ('4,,8', '4,') is refused: a typo
-    there once dropped a value silently."""
+    there would otherwise drop a value silently."""
     items = [item.strip() for item in text.split(",")]
     if "" in items:
         raise typer.BadParameter(f"{option} has an empty item in {text!r} (a doubled, leading or trailing comma)")
@@ -198,10 +202,12 @@ def print_warnings(warnings) -> None:
 
 
 def csv_windows(windows: Optional[int], contexts: Optional[Path]) -> int:
-    """--windows as given, else 8; refused with an .npz, which holds its own windows (it was ignored without a word)."""
+    """--windows as given, else 8; refused with an .npz, which holds its own windows (and would ignore it without
+    a word)."""
     if windows is not None and contexts is not None and Path(contexts).suffix.lower() == ".npz":
         raise typer.BadParameter(
-            f"--windows cuts windows from a CSV (or sizes random contexts); {contexts} holds its own windows, all of which are used"
+            "--windows cuts windows from a CSV (or sizes random contexts); "
+            f"{contexts} holds its own windows, all of which are used"
         )
     return 8 if windows is None else windows
 
@@ -231,7 +237,8 @@ def fmt(value) -> str:
 
 
 def progress_bar(description: str, unit: str, total: int | None = None):
-    """The one progress display (tqsdeploy.progress): a bar on a terminal, periodic lines with ETA elsewhere; on stderr."""
+    """The one progress display (tqsdeploy.progress): a bar on a terminal, periodic lines with ETA elsewhere; on
+    stderr."""
     from tqsdeploy.progress import Progress
 
     return Progress(err, description, total, unit)
@@ -297,7 +304,8 @@ def live_option(
     help: Callable[[], str] | str | None = None,
     **settings,
 ) -> typer.models.OptionInfo:
-    """`typer.Option` whose default, metavar and help may be functions, read off a registry when the command is built."""
+    """`typer.Option` whose default, metavar and help may be functions, read off a registry when the command is
+    built."""
     return _LiveOption(default=default, param_decls=decls, metavar=metavar, help=help, **settings)
 
 
@@ -332,13 +340,16 @@ def strategy_choices() -> str:
 
 
 LATENCY_HELP = (
-    "Skip timing candidate and reference (by default both are open at once and called in alternation at the eval's batch: "
+    "Skip timing candidate and reference "
+    "(by default both are open at once and called in alternation at the eval's batch: "
     "3 warm-up calls each, then at least 10 paired rounds and 1 s; median, p10/p90 and memory in the report)."
 )
 BATCHES_HELP = "Windows per call to time, e.g. 1,8 (default: the eval's own batch, every window in one call)."
 COSINE_HELP = (
-    "Cosine similarity and nearest-neighbour agreement of the output vectors (last axis): --cosine for every output, --no-cosine for none "
-    "(default: outputs named like embeddings, e.g. embedding, pooled, sentence, last_hidden_state, shaped \\[batch, dim] or \\[batch, tokens, dim])."
+    "Cosine similarity and nearest-neighbour agreement of the output vectors (last axis): "
+    "--cosine for every output, --no-cosine for none "
+    "(default: outputs named like embeddings, e.g. embedding, pooled, sentence, last_hidden_state, "
+    "shaped \\[batch, dim] or \\[batch, tokens, dim])."
 )
 
 # Options several commands share, defined once (typer reads each as a description, so one may serve many commands).

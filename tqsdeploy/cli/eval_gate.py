@@ -105,7 +105,8 @@ def eval_command(
     truth: Optional[Path] = typer.Option(
         None,
         "--truth",
-        help="Ground truth (.npz, one array per trajectory output, (windows, steps, *output)); CSV contexts default to the rows after each window.",
+        help="Ground truth (.npz, one array per trajectory output, (windows, steps, *output)); "
+        "CSV contexts default to the rows after each window.",
     ),
     windows: Optional[int] = CSV_WINDOWS,
     zscore: bool = ZSCORE,
@@ -133,7 +134,8 @@ def eval_command(
     """Roll out candidate and reference from the same contexts and compare them (and the truth), and time both."""
     from graph_ops.io import OutputError
     from tqsdeploy.errors import InputError
-    from tqsdeploy.evaluation.evaluate import EvalRequest, EvalSettings, markdown, run_eval
+    from tqsdeploy.evaluation.eval_report import markdown
+    from tqsdeploy.evaluation.evaluate import EvalRequest, EvalSettings, run_eval
     from tqsdeploy.files import check_writable
 
     settings = EvalSettings(
@@ -168,7 +170,8 @@ def gate(
     truth: Optional[Path] = typer.Option(
         None,
         "--truth",
-        help="Ground truth (.npz); CSV contexts default to the rows after each window; without any, degradation is the drift from the reference.",
+        help="Ground truth (.npz); CSV contexts default to the rows after each window; "
+        "without any, degradation is the drift from the reference.",
     ),
     windows: Optional[int] = CSV_WINDOWS,
     zscore: bool = ZSCORE,
@@ -188,7 +191,8 @@ def gate(
     min_cosine: Optional[float] = typer.Option(
         None,
         "--min-cosine",
-        help="Smallest allowed cosine similarity of any output vector to its reference (outputs with cosine metrics, see --cosine), e.g. 0.99.",
+        help="Smallest allowed cosine similarity of any output vector to its reference "
+        "(outputs with cosine metrics, see --cosine), e.g. 0.99.",
     ),
     cosine: Optional[bool] = COSINE,
     exact: bool = typer.Option(

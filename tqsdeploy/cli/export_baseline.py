@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -25,110 +24,15 @@ from tqsdeploy.cli.app import (
     split_list,
     user_errors,
 )
+from tqsdeploy.cli.outputs import (
+    check_output_file,
+    feeds_matmul_integer_codes,
+    layout_cost,
+    refuse_overwrite,
+    say_sidecar,
+)
 from tqsdeploy.encoding.choices import GRID_CHOICES, GRIDS_HELP
-from tqsdeploy.errors import InputError
 from tqsdeploy.export.objectives import objective_names, objectives_help
-
-
-def _say_sidecar(files, size: int, alternative: str | None = None) -> None:
-    """Name a model's external-data file: shipped without it, the .onnx does not load."""
-    if len(files) > 1:
-        out.print(
-            f"  [yellow]external data:[/] {escape(' + '.join(str(f) for f in files))}: the .onnx reads its weights from the .data file, "
-            f"so ship and keep both together in one folder"
-            + (f" ({alternative})" if alternative and size < 2**31 else ""),
-            soft_wrap=True,
-        )
-
-
-def _refuse_overwrite(*paths, elsewhere: str = "-o / --out-dir") -> None:
-    """Fail before any work when an output exists (--force overwrites)."""
-    for path in paths:
-        if Path(path).exists():
-            raise InputError(
-                f"{path} already exists", hint=f"pass --force to overwrite it, or choose another name with {elsewhere}"
-            )
-
-
-def _feeds_matmul_integer_codes(encodings, layouts) -> bool:
-    """Whether an export stores integer codes (DequantizeLinear) for a weight a MatMul reads: what ONNX
-    Runtime fuses into MatMulNBits with int8 activations."""
-
-    def integer(encoded) -> bool:
-        if encoded.form == "split":
-            return any(integer(part) for part in encoded.parts)
-        return encoded.form == "dequantize" and not np.dtype(encoded.values.dtype).name.startswith(
-            "float"
-        )  # packed codes keep their type: no unpacking
-
-    return any(
-        "MatMul" in layouts[name].op_types and integer(encoded)
-        for name, encoded in encodings.items()
-        if name in layouts
-    )
-
-
-def _layout_cost(outcome, settings) -> str:
-    """What the written layout costs at run time, in one line."""
-    memory = f"about {outcome.memory_bytes / 1e6:.3f} MB of weights in memory after load"
-    chosen = f"{outcome.layout}" + (
-        f" (auto for --target {settings.target})" if settings.runtime_layout == "auto" else ""
-    )
-    if outcome.layout == "dequantized":
-        model, file = outcome.opsets
-        speed = (
-            "runs the original's kernels at its speed, exactly"
-            if file <= model
-            else f"runs the original's kernels exactly, at opset {file} (converted from {model} for the codes' types: a kernel can change speed "
-            "with the opset, ONNX Runtime's AveragePool from 19 on ran 2.7x slower; `tqsdeploy eval` times both)"
-        )
-        return (
-            f"{chosen}: ONNX Runtime rebuilds the float weights once when the session is created and {speed} (no dequantization per call); "
-            f"{memory} (the original's float size; the file stays {outcome.file_bytes / 1e6:.3f} MB)"
-        )
-    return (
-        f"{chosen}: DequantizeLinear nodes; ONNX Runtime runs those before a MatMul as MatMulNBits (fast for few rows, "
-        f"slower than float for batched calls) and the others on every call; {memory}"
-    )
-
-
-def _name_limit(folder: Path) -> int:
-    """Longest file name (bytes) the file system of `folder` (or of its nearest existing parent) takes."""
-    existing = next((p for p in (folder, *folder.absolute().parents) if p.is_dir()), Path("/"))
-    try:
-        return os.pathconf(existing, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        return 255
-
-
-def _check_output_file(path: Path, given: str | None, inputs) -> None:
-    """An output must be a file name, and never one of the input model's files, --force or not."""
-    if (given or "").endswith(("/", os.sep)) or path.is_dir():
-        raise InputError(
-            f"output {given or path} is a folder; name the file (or use --out-dir where the command has it)"
-        )
-    longest = len(
-        f".{path.name}.12345678.data.12345678.partial".encode()
-    )  # the writer's temporary beside the external data
-    limit = _name_limit(path.parent)
-    if longest > limit:
-        raise InputError(
-            f"output name {path.name} is too long: its files' names reach {longest} bytes, this file system takes {limit}",
-            hint=f"use a name of at most {limit - (longest - len(path.name.encode()))} bytes",
-        )
-    if (
-        path.suffix.lower() != ".onnx"
-    ):  # an ONNX model under any name was written (-o q.npz), its records beside it as q.allocation.json
-        raise InputError(
-            f"output {path} does not end in .onnx: the command writes an ONNX model",
-            hint=f"name it {path.with_suffix('.onnx').name}",
-        )
-    for source in inputs:
-        if source is not None and Path(source).exists() and path.exists() and os.path.samefile(path, source):
-            raise InputError(
-                f"output {path} is the input model's own file {source}; the input is never overwritten",
-                hint="choose another name",
-            )
 
 
 @app.command()
@@ -154,14 +58,16 @@ def export(
     tiers: Optional[str] = typer.Option(
         None,
         "--tiers",
-        help=f"Tiers to choose from ({', '.join(TIERS)}); default {','.join(DEFAULT_TIERS)} (--target trt: {','.join(TRT_TIERS)}).",
+        help=f"Tiers to choose from ({', '.join(TIERS)}); default {','.join(DEFAULT_TIERS)} (--target trt: "
+        f"{','.join(TRT_TIERS)}).",
     ),
     rounding: str = live_option(
         "qep",
         "--rounding",
         metavar=rounding_choices,
         help=lambda: (
-            f"How codes are chosen on each tier's grid: {or_list(METHODS)} (calibrated on the run's contexts); auto: per tier the method whose uniform model drifts least on them."
+            f"How codes are chosen on each tier's grid: {or_list(METHODS)} (calibrated on the run's contexts); auto: "
+            "per tier the method whose uniform model drifts least on them."
         ),
     ),
     grids: str = typer.Option("auto", "--grids", metavar="|".join(GRID_CHOICES), help=GRIDS_HELP),
@@ -169,13 +75,16 @@ def export(
         "ort-cpu",
         "--target",
         metavar="ort-cpu|ort-cuda|trt",
-        help="Runtime the model is for: ort-cpu (default; 'ort' too), ort-cuda or trt (restricts tiers, trt uses symmetric grids; decides --runtime-layout auto).",
+        help="Runtime the model is for: ort-cpu (default; 'ort' too), ort-cuda or trt (restricts tiers, trt uses "
+        "symmetric grids; decides --runtime-layout auto).",
     ),
     runtime_layout: str = typer.Option(
         "auto",
         "--runtime-layout",
         metavar="auto|dequantized|fused",
-        help="dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed and memory, the small file); fused: DequantizeLinear (MatMulNBits on ORT, fast for few rows; what TensorRT needs); auto (default): dequantized for ort-cpu/ort-cuda, fused for trt.",
+        help="dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed and "
+        "memory, the small file); fused: DequantizeLinear (MatMulNBits on ORT, fast for few rows; what TensorRT "
+        "needs); auto (default): dequantized for ort-cpu/ort-cuda, fused for trt.",
     ),
     group_size: Optional[int] = typer.Option(
         None, "--group-size", min=1, help="Blockwise integer quantization along the reduction axis (e.g. 32, 64, 128)."
@@ -189,7 +98,8 @@ def export(
         "--fp32-fraction",
         min=0.0,
         max=1.0,
-        help="Share of the units' FP32 size forced to FP32 for the most sensitive units (default 0.10 with --objective paper, else 0).",
+        help="Share of the units' FP32 size forced to FP32 for the most sensitive units (default 0.10 with "
+        "--objective paper, else 0).",
     ),
     no_fallback: bool = typer.Option(
         False, "--no-fallback", help="Ship the mixed allocation even if a uniform baseline within budget drifts less."
@@ -198,13 +108,15 @@ def export(
         0,
         "--refine",
         min=0,
-        help="Rounds of joint re-pricing against interactions between units (2 joint rollouts per slot per round and a calibration pass per kept round; default 0: off).",
+        help="Rounds of joint re-pricing against interactions between units (2 joint rollouts per slot per round "
+        "and a calibration pass per kept round; default 0: off).",
     ),
     lanes: Optional[int] = typer.Option(
         None,
         "--lanes",
         min=1,
-        help="Rollouts priced side by side (CPU provider; default: one per core, up to 8 and 1 + 512 MiB / model size, sessions of cores/lanes threads).",
+        help="Rollouts priced side by side (CPU provider; default: one per core, up to 8 and 1 + 512 MiB / model "
+        "size, sessions of cores/lanes threads).",
     ),
     split: float = typer.Option(
         0.02,
@@ -223,7 +135,8 @@ def export(
     out_dir: Path = typer.Option(
         Path("."),
         "--out-dir",
-        help="Folder for <stem>.C<C>.onnx files (a model named model.onnx adds its folder's name: <folder>_model.C<C>.onnx).",
+        help="Folder for <stem>.C<C>.onnx files (a model named model.onnx adds its folder's name: "
+        "<folder>_model.C<C>.onnx).",
     ),
     provider: str = live_option(
         "cpu",
@@ -237,18 +150,22 @@ def export(
     single_file: bool = typer.Option(
         False,
         "--single-file",
-        help="Write every tensor inside the .onnx, no external-data file beside it (up to protobuf's 2 GiB; default: one file unless the input keeps its weights in external-data files or the output reaches 1 GiB).",
+        help="Write every tensor inside the .onnx, no external-data file beside it (up to protobuf's 2 GiB; "
+        "default: one file unless the input keeps its weights in external-data files "
+        "or the output reaches 1 GiB).",
     ),
     max_drift: Optional[str] = typer.Option(
         None,
         "--max-drift",
         metavar="PCT",
-        help="Largest drift (a percentage such as 1% or 0.5; as eval --exact reports it: exact dequantization) on the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate.",
+        help="Largest drift (a percentage such as 1% or 0.5; as eval --exact reports it: exact dequantization) on "
+        "the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate.",
     ),
     verbose: bool = typer.Option(
         False,
         "--verbose",
-        help="Also print where each export's time went: solver, statistics, calibration and measurement rollouts, write (the allocation JSON's profile_s).",
+        help="Also print where each export's time went: solver, statistics, calibration and measurement rollouts, "
+        "write (the allocation JSON's profile_s).",
     ),
 ):
     """Allocate precision tiers under a compression target and write mixed-precision ONNX.
@@ -319,7 +236,8 @@ def export(
             bar.stop()
         if resumed:
             err.print(
-                f"encoding ({label}): resuming, {resumed} of {count} weights read from the checkpoints of an interrupted export"
+                f"encoding ({label}): resuming, {resumed} of {count} weights read from the checkpoints of an "
+                "interrupted export"
             )
         encoding[:] = [progress_bar(f"encoding ({label})", "weights")]
         encoding[0].start(count, done)
@@ -344,14 +262,14 @@ def export(
         for value in targets
     ]
     for path in paths:
-        _check_output_file(path, output_given, (planner.model.path, *planner.model.external_files))
+        check_output_file(path, output_given, (planner.model.path, *planner.model.external_files))
     if not force:
         ours = (
             planner.interrupted_outputs()
         )  # an interrupted export of these settings wrote them: "run the same command again" resumes
         for path in paths:
             if path.resolve() not in ours:
-                _refuse_overwrite(path, *(f"{path.with_suffix('')}.allocation.{kind}" for kind in ("json", "parquet")))
+                refuse_overwrite(path, *(f"{path.with_suffix('')}.allocation.{kind}" for kind in ("json", "parquet")))
 
     rows = []
     try:
@@ -359,7 +277,7 @@ def export(
             outcome = planner.export(
                 value, path, uniform_tier=uniform_tier, max_drift_pct=max_drift_pct, final=index == len(targets) - 1
             )
-            fused = settings.layout == "fused" and _feeds_matmul_integer_codes(outcome.encodings, planner.layouts)
+            fused = settings.layout == "fused" and feeds_matmul_integer_codes(outcome.encodings, planner.layouts)
             outcome.encodings = {}  # written: the table and the record are what is left to show
             rows.append((value, outcome, fused))
         planner.discard_checkpoints()  # every model is written (or refused by --max-drift): nothing left to resume
@@ -381,13 +299,14 @@ def export(
         summary = summary.sort("bytes", descending=True)
         wanted = "uniform" if value is None else f"{value:g}x of the {settings.basis}"
         title = (
-            f"{outcome.path}: target {wanted}; compression {outcome.compression:.3f}x of the file, {outcome.unit_compression:.3f}x of the units; "
+            f"{outcome.path}: target {wanted}; compression {outcome.compression:.3f}x of the file, "
+            f"{outcome.unit_compression:.3f}x of the units; "
             f"{outcome.file_bytes / 1e6:.3f} MB on disk; shipped {outcome.shipped}"
         )
         out.print(escape(title))
-        _say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
+        say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
         out.print(frame_table(summary, "", ["tier", "slots", "params", "bytes"]))
-        out.print(f"  runtime layout: {_layout_cost(outcome, settings)}")
+        out.print(f"  runtime layout: {layout_cost(outcome, settings)}")
         if (
             planner.roundings.choice
         ):  # what was measured so far, read as it is (asking for a tier's rounding could measure more)
@@ -402,7 +321,8 @@ def export(
                 if value == "auto"
             )
             out.print(
-                f"  {asked}: each tier rounded as its uniform model drifted least on the scoring contexts ({escape(used)}; measured {escape(measured)})"
+                f"  {asked}: each tier rounded as its uniform model drifted least on the scoring contexts "
+                f"({escape(used)}; measured {escape(measured)})"
             )
         if outcome.drift is not None:
             compared = ", ".join(f"{c['label']}: {c['drift_pct']:.4g}%" for c in outcome.compared[1:])
@@ -412,7 +332,8 @@ def export(
             )
             if fused:
                 out.print(
-                    "  note: ONNX Runtime runs its DequantizeLinear→MatMul pairs as MatMulNBits with int8 activations by default, which can drift more: "
+                    "  note: ONNX Runtime runs its DequantizeLinear→MatMul pairs as MatMulNBits with int8 "
+                    "activations by default, which can drift more: "
                     "`tqsdeploy eval` measures what it runs (`--exact` for this number)"
                 )
         for note in outcome.notes:
@@ -423,8 +344,9 @@ def export(
             out.print(f"  time: {describe(outcome.profile)}")
         if outcome.drift_pct is not None and not outcome.drift_pct <= WARN_DRIFT_PCT:
             err.print(
-                f"[bold yellow]warning:[/] {escape(str(outcome.path))} drifts {outcome.drift_pct:.4g}% from the original on the scoring contexts "
-                f"(above {WARN_DRIFT_PCT:g}%): it may be badly damaged; check it with `tqsdeploy eval`, or pass --max-drift PCT to fail instead",
+                f"[bold yellow]warning:[/] {escape(str(outcome.path))} drifts {outcome.drift_pct:.4g}% "
+                f"from the original on the scoring contexts (above {WARN_DRIFT_PCT:g}%): it may be badly damaged; "
+                "check it with `tqsdeploy eval`, or pass --max-drift PCT to fail instead",
                 soft_wrap=True,
             )
     written = [o for _, o, _ in rows if not o.refused]
@@ -484,7 +406,8 @@ def baseline(
         "dequantized",
         "--runtime-layout",
         metavar="dequantized|fused",
-        help="As export's: dequantized (default, export's pick for ort-cpu: float weights rebuilt at load) or fused (DequantizeLinear).",
+        help="As export's: dequantized (default, export's pick for ort-cpu: float weights rebuilt at load) or fused "
+        "(DequantizeLinear).",
     ),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output file."),
 ):
@@ -502,14 +425,14 @@ def baseline(
     from tqsdeploy.scoring.runs import model_label
 
     path = Path(output_given) if output_given is not None else Path(f"{model_label(model)}.{method}-w{bits}.onnx")
-    _check_output_file(
+    check_output_file(
         path,
         output_given,
         (model, *(graph_ops.load_model(model, load_external=False).external_files if path.exists() else ())),
     )
     check_writable(path.parent)  # before the calibration, not after it
     if not force:
-        _refuse_overwrite(path, str(path.with_suffix("")) + ".baseline.json", elsewhere="-o")
+        refuse_overwrite(path, str(path.with_suffix("")) + ".baseline.json", elsewhere="-o")
     with progress_bar(f"{method} W{bits}", "weights") as progress:
         settings = BaselineSettings(
             method,
@@ -528,10 +451,11 @@ def baseline(
     write_json(str(path.with_suffix("")) + ".baseline.json", summary)
     timings = summary["timings_s"]
     out.print(
-        f"{path}: {method} W{bits} ({summary['tier']}), {summary['tensors']} tensors, compression {summary['compression']:.3f}x of the file "
-        f"({summary['unit_compression']:.3f}x of the units), {summary['file_bytes'] / 1e6:.3f} MB; calibration {timings['calibration']:.2f} s"
+        f"{path}: {method} W{bits} ({summary['tier']}), {summary['tensors']} tensors, "
+        f"compression {summary['compression']:.3f}x of the file ({summary['unit_compression']:.3f}x of the units), "
+        f"{summary['file_bytes'] / 1e6:.3f} MB; calibration {timings['calibration']:.2f} s"
     )
-    _say_sidecar(summary["files"], summary["file_bytes"])
+    say_sidecar(summary["files"], summary["file_bytes"])
     if summary["layer_error"]:
         ratio = [
             summary["layer_error"][k] / summary["rtn_layer_error"][k]
@@ -540,7 +464,8 @@ def baseline(
         ]
         if ratio:
             out.print(
-                f"  layer reconstruction error vs round to nearest on the calibration data: median {float(np.median(ratio)):.3f}x"
+                "  layer reconstruction error vs round to nearest on the calibration data: median "
+                f"{float(np.median(ratio)):.3f}x"
             )
     if summary["grid_drifts_pct"]:
         drifts = ", ".join(f"{grids} {drift:.4g}%" for grids, drift in summary["grid_drifts_pct"].items())
@@ -556,5 +481,6 @@ def baseline(
     ]
     if not METHODS[method].stats and unused:  # a script looping over methods passes them to all: said, not refused
         out.print(
-            f"  note: {method} rounds each weight to nearest and reads no calibration data: {', '.join(unused)} not used"
+            f"  note: {method} rounds each weight to nearest and reads no calibration data: "
+            f"{', '.join(unused)} not used"
         )

@@ -99,7 +99,8 @@ def frontier(
     latency: bool = typer.Option(
         False,
         "--latency",
-        help="Also time every model against the original (as eval does, on the first split's windows): latency_ms, reference_latency_ms and slowdown columns; about 1 s and two sessions per point.",
+        help="Also time every model against the original (as eval does, on the first split's windows): "
+        "latency_ms, reference_latency_ms and slowdown columns; about 1 s and two sessions per point.",
     ),
     out_dir: Path = typer.Option(
         None,
@@ -111,7 +112,8 @@ def frontier(
     force: bool = typer.Option(
         False,
         "--force",
-        help="Write into an --out folder that holds other files (report.md, frontier.csv and the like there are overwritten).",
+        help="Write into an --out folder that holds other files "
+        "(report.md, frontier.csv and the like there are overwritten).",
     ),
 ):
     """Score once, export TQS-PTQ at every C, run the uniform baselines, evaluate all, and report."""

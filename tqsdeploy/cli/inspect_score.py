@@ -98,8 +98,9 @@ def inspect(
             )
         if rollout.get("constant_inputs") and not rollout.get("single_step"):
             out.print(
-                f"  inputs held constant: {', '.join(rollout['constant_inputs'])} (a calendar input that moves each step takes an edge with "
-                f'mode = "advance" in a --spec: README, Rollout specs)'
+                f"  inputs held constant: {', '.join(rollout['constant_inputs'])} "
+                "(a calendar input that moves each step takes an edge with "
+                'mode = "advance" in a --spec: README, Rollout specs)'
             )
     contexts = info["contexts"]
     line = f"contexts: an .npz with arrays {contexts['npz']}"
@@ -118,7 +119,10 @@ def inspect(
 def _describe_rollout(rollout: dict) -> str:
     """One line: steps, edges and trajectory; a single-step model said plainly."""
     if not rollout["feedback"]:
-        return f"rollout ({rollout['origin']}): single-step model, nothing fed back: T = {rollout['steps']}, trajectory = its float outputs {rollout['trajectory']}"
+        return (
+            f"rollout ({rollout['origin']}): single-step model, nothing fed back: T = {rollout['steps']}, "
+            f"trajectory = its float outputs {rollout['trajectory']}"
+        )
 
     def edge(e: dict) -> str:
         meaning = (
@@ -132,7 +136,10 @@ def _describe_rollout(rollout: dict) -> str:
         return f"{source} → {e['input']} ({e['mode']}{extra})"
 
     edges = "; ".join(edge(e) for e in rollout["feedback"])
-    return f"rollout ({rollout['origin']}): {counted(rollout['steps'], 'step')}; {edges}; trajectory {rollout['trajectory']}"
+    return (
+        f"rollout ({rollout['origin']}): {counted(rollout['steps'], 'step')}; {edges}; "
+        f"trajectory {rollout['trajectory']}"
+    )
 
 
 @app.command()
@@ -143,7 +150,8 @@ def score(
         None,
         "--contexts",
         "-c",
-        help="Context windows: .npz (one array per input, leading axis = windows) or .csv. Required unless --random-contexts.",
+        help="Context windows: .npz (one array per input, leading axis = windows) or .csv. "
+        "Required unless --random-contexts.",
     ),
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML); detected from shapes when omitted."),
     steps: Optional[int] = typer.Option(
@@ -190,7 +198,8 @@ def score(
     random_contexts: bool = typer.Option(
         False,
         "--random-contexts",
-        help="Score on random windows instead of data (warns): float inputs standard normal, ids uniform over the rows of the table they index, masks all present.",
+        help="Score on random windows instead of data (warns): float inputs standard normal, "
+        "ids uniform over the rows of the table they index, masks all present.",
     ),
     dims: Optional[list[str]] = typer.Option(
         None,
@@ -216,12 +225,14 @@ def score(
         None,
         "--lanes",
         min=1,
-        help="Rollouts run side by side in this process, sharing one session (CPU provider; default: one per core, up to 8 and 1 + 512 MiB / model size, threads split between them).",
+        help="Rollouts run side by side in this process, sharing one session "
+        "(CPU provider; default: one per core, up to 8 and 1 + 512 MiB / model size, threads split between them).",
     ),
     ray: Optional[str] = typer.Option(
         None,
         "--ray",
-        help="Run the sweep on Ray: 'local' starts a local cluster, 'auto' or an address joins one (pip install 'tqsdeploy\\[ray]').",
+        help="Run the sweep on Ray: 'local' starts a local cluster, 'auto' or an address joins one "
+        "(pip install 'tqsdeploy\\[ray]').",
     ),
     strategy: str = live_option("auto", "--strategy", metavar=strategy_choices, help=strategy_help),
     fresh: bool = typer.Option(False, "--fresh", help="Discard an existing run in the output folder."),
@@ -332,8 +343,10 @@ def _print_summary(table, top: int) -> None:
     if fed_runs and meta.get("fed_session") == FED_OPTIMIZED:
         cuts += ", weights fed in ONNX Runtime's layouts"
     out.print(
-        f"{meta['units']} units, {meta['dead_units']} dead; rollout {counted(meta['rollout']['steps'], 'step')} ({meta['rollout']['origin']}); "
-        f"{describe_windows(meta['contexts'])}; strategy {meta['strategy']}{cuts}{_lanes(meta)}; Spearman(γ_quant, γ_gauss) = {fmt(rho)}; "
+        f"{meta['units']} units, {meta['dead_units']} dead; "
+        f"rollout {counted(meta['rollout']['steps'], 'step')} ({meta['rollout']['origin']}); "
+        f"{describe_windows(meta['contexts'])}; strategy {meta['strategy']}{cuts}{_lanes(meta)}; "
+        f"Spearman(γ_quant, γ_gauss) = {fmt(rho)}; "
         f"sweep {meta['timings_s']['sweep']:.2f} s"
     )
     out.print(_describe_rollout(meta["rollout"]), highlight=False)

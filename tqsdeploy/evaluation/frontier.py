@@ -41,7 +41,8 @@ from tqsdeploy.units import UnitSelection
 
 MATCH_DIGITS = 6
 """A TQS target at a grid point is the baseline's compression cut at this decimal: the same size within a few bits,
-so the export may still ship that uniform model where nothing it builds drifts less (docs/design-notes/evaluation.md)."""
+so the export may still ship that uniform model where nothing it builds drifts less
+(docs/design-notes/evaluation.md)."""
 
 LABELS = METHOD_LABELS
 TQS_LABEL = "TQS-PTQ"

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Callable
 
 from tqsdeploy.errors import InputError
-from tqsdeploy.evaluation.evaluate import EvalRequest, evaluate_request, markdown
+from tqsdeploy.evaluation.eval_report import markdown
+from tqsdeploy.evaluation.evaluate import EvalRequest, evaluate_request
 from tqsdeploy.files import json_text, write_texts
 
 SIZE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
@@ -36,9 +37,8 @@ def parse_size(text: str) -> float:
     if not match or match.group(1).count(".") > 1 or match.group(1) == "." or match.group(2).lower() not in SIZE_UNITS:
         raise InputError(f"--max-size takes a size such as 12MB or 500KiB, not '{text}'")
     size = float(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
-    if (
-        not 1 <= size < math.inf
-    ):  # as --min-compression 0: a bound no model can be meant to meet (0.1B: no file has a fraction of a byte)
+    # as --min-compression 0: a bound no model can be meant to meet (0.1B: no file has a fraction of a byte)
+    if not 1 <= size < math.inf:
         raise InputError(f"--max-size must be a finite size of at least 1 byte, not '{text}'")
     return size
 
@@ -99,12 +99,29 @@ class Check:
 
 
 def check(report: dict, bounds: Bounds) -> list[Check]:
-    checks = []
+    """Every bound as a `Check` on the report, in the order gate.md lists them; a candidate's NaN or Inf output
+    fails a check of its own where no degradation bound covers it."""
+    checks = [*_degradation_checks(report, bounds), *_cosine_checks(report, bounds), *_file_checks(report, bounds)]
+    if not checks:
+        raise InputError(
+            "gate has no bounds to check",
+            hint="pass --max-degradation, --min-compression, --max-size, --min-cosine or --max-slowdown",
+        )
+    for name, output in report["outputs"].items():  # NaN or Inf out of the candidate fails whatever was bounded
+        if output.get("nonfinite") and bounds.per_output.get(name, bounds.max_degradation) is None:
+            checks.append(Check(f"finite[{name}]", False, math.inf, "finite (no NaN or Inf)", None, "finite"))
+    return checks
+
+
+def _degradation_checks(report: dict, bounds: Bounds) -> list[Check]:
+    """--max-degradation and --max-degradation-output, one check per bounded trajectory output."""
     for name in bounds.per_output:
         if name not in report["outputs"]:
             raise InputError(
-                f"--max-degradation-output names '{name}', which is not a trajectory output ({', '.join(report['outputs'])})"
+                f"--max-degradation-output names '{name}', "
+                f"which is not a trajectory output ({', '.join(report['outputs'])})"
             )
+    checks = []
     for name, output in report["outputs"].items():
         limit = bounds.per_output.get(name, bounds.max_degradation)
         if limit is not None:
@@ -120,24 +137,35 @@ def check(report: dict, bounds: Bounds) -> list[Check]:
                     "%",
                 )
             )
-    if bounds.min_cosine is not None:
-        vectors = {name: output["cosine"] for name, output in report["outputs"].items() if "cosine" in output}
-        if not vectors:
-            raise InputError(
-                f"--min-cosine: no output of {report['candidate']} was read as vectors",
-                hint="pass --cosine to read every output's last axis as a vector",
-            )
-        for name, v in vectors.items():
-            checks.append(
-                Check(
-                    f"cosine_min[{name}]",
-                    v["min"] >= bounds.min_cosine,
-                    v["min"],
-                    f">= {bounds.min_cosine:g}",
-                    bounds.min_cosine,
-                    ">=",
-                )
-            )
+    return checks
+
+
+def _cosine_checks(report: dict, bounds: Bounds) -> list[Check]:
+    """--min-cosine, one check per output read as vectors."""
+    if bounds.min_cosine is None:
+        return []
+    vectors = {name: output["cosine"] for name, output in report["outputs"].items() if "cosine" in output}
+    if not vectors:
+        raise InputError(
+            f"--min-cosine: no output of {report['candidate']} was read as vectors",
+            hint="pass --cosine to read every output's last axis as a vector",
+        )
+    return [
+        Check(
+            f"cosine_min[{name}]",
+            v["min"] >= bounds.min_cosine,
+            v["min"],
+            f">= {bounds.min_cosine:g}",
+            bounds.min_cosine,
+            ">=",
+        )
+        for name, v in vectors.items()
+    ]
+
+
+def _file_checks(report: dict, bounds: Bounds) -> list[Check]:
+    """--min-compression, --max-size and --max-slowdown (one check per batch size timed)."""
+    checks = []
     if bounds.min_compression is not None:
         checks.append(
             Check(
@@ -176,14 +204,6 @@ def check(report: dict, bounds: Bounds) -> list[Check]:
                     "x",
                 )
             )
-    if not checks:
-        raise InputError(
-            "gate has no bounds to check",
-            hint="pass --max-degradation, --min-compression, --max-size, --min-cosine or --max-slowdown",
-        )
-    for name, output in report["outputs"].items():  # NaN or Inf out of the candidate fails whatever was bounded
-        if output.get("nonfinite") and bounds.per_output.get(name, bounds.max_degradation) is None:
-            checks.append(Check(f"finite[{name}]", False, math.inf, "finite (no NaN or Inf)", None, "finite"))
     return checks
 
 

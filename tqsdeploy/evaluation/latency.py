@@ -146,18 +146,21 @@ def markdown(latency: dict, mode: str) -> list[str]:
         "",
         f"Latency ({mode}; {latency['method']}):",
         "",
-        "| windows per call | candidate ms (median [p10, p90]) | reference ms (median [p10, p90]) | slowdown (ratio of medians) | paired slowdown (median of rounds) | rounds |",
+        "| windows per call | candidate ms (median [p10, p90]) | reference ms (median [p10, p90]) "
+        "| slowdown (ratio of medians) | paired slowdown (median of rounds) | rounds |",
         "|---|---|---|---|---|---|",
     ]
     for row in latency["batches"]:
         c, r = row["candidate"], row["reference"]
         lines.append(
-            f"| {row['windows']} | {c['median_ms']:.4g} [{c['p10_ms']:.4g}, {c['p90_ms']:.4g}] | {r['median_ms']:.4g} [{r['p10_ms']:.4g}, {r['p90_ms']:.4g}] | "
+            f"| {row['windows']} | {c['median_ms']:.4g} [{c['p10_ms']:.4g}, {c['p90_ms']:.4g}] "
+            f"| {r['median_ms']:.4g} [{r['p10_ms']:.4g}, {r['p90_ms']:.4g}] | "
             f"{row['slowdown']:.3f}x | {row['paired_slowdown']:.3f}x | {row['rounds']} |"
         )
     lines.append("")
     lines.append(
-        f"Memory ({latency['memory_basis']}): candidate {memory['candidate'] / 1e6:.2f} MB, reference {memory['reference'] / 1e6:.2f} MB."
+        f"Memory ({latency['memory_basis']}): candidate {memory['candidate'] / 1e6:.2f} MB, "
+        f"reference {memory['reference'] / 1e6:.2f} MB."
     )
     if latency.get("note"):
         lines.append(f"Note: {latency['note']}.")

@@ -276,22 +276,30 @@ def _numeric(cell: str) -> bool:
 
 PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>tqsdeploy frontier</title>
-<style>body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}table{border-collapse:collapse;margin:1em 0}\
-td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}td.num{text-align:right;font-variant-numeric:tabular-nums}th{background:#f3f3f3}\
-caption{text-align:left;font-weight:bold;padding:4px 0}img{max-width:100%}figcaption{color:#555;font-size:90%}</style></head>
+<style>body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}\
+table{border-collapse:collapse;margin:1em 0}\
+td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}\
+td.num{text-align:right;font-variant-numeric:tabular-nums}th{background:#f3f3f3}\
+caption{text-align:left;font-weight:bold;padding:4px 0}img{max-width:100%}\
+figcaption{color:#555;font-size:90%}</style></head>
 <body>
-{%- macro text(parts) %}{% for part in parts %}{% if loop.index is even %}<b>{{ part }}</b>{% else %}{{ part }}{% endif %}{% endfor %}{% endmacro %}
+{%- macro text(parts) %}{% for part in parts %}\
+{% if loop.index is even %}<b>{{ part }}</b>{% else %}{{ part }}{% endif %}\
+{% endfor %}{% endmacro %}
 {%- for block in blocks %}
 {%- if block.kind in ("h1", "h2", "h3") %}
 <{{ block.kind }}>{{ block.text }}</{{ block.kind }}>
 {%- elif block.kind == "p" %}
 <p>{{ text(block.parts) }}</p>
 {%- elif block.kind == "img" %}
-<figure><img src="data:image/png;base64,{{ block.data }}" alt="{{ block.caption }}"><figcaption>{{ block.caption }}</figcaption></figure>
+<figure><img src="data:image/png;base64,{{ block.data }}" alt="{{ block.caption }}">\
+<figcaption>{{ block.caption }}</figcaption></figure>
 {%- elif block.kind == "table" %}
 <table>{% if block.title %}<caption>{{ block.title }}</caption>{% endif %}
 <thead><tr>{% for h in block.header %}<th>{{ h }}</th>{% endfor %}</tr></thead>
-<tbody>{% for row in block.rows %}<tr>{% for cell in row %}<td{% if cell.numeric %} class="num"{% endif %}>{{ text(cell.parts) }}</td>{% endfor %}</tr>{% endfor %}</tbody></table>
+<tbody>{% for row in block.rows %}<tr>{% for cell in row %}\
+<td{% if cell.numeric %} class="num"{% endif %}>{{ text(cell.parts) }}</td>\
+{% endfor %}</tr>{% endfor %}</tbody></table>
 {%- endif %}
 {%- endfor %}
 </body></html>

@@ -18,6 +18,7 @@ import numpy as np
 
 from runtimes import IOSpec
 from tqsdeploy.errors import InputError
+from tqsdeploy.rollout.csv_file import csv_layout, read_csv_columns
 
 
 @dataclass(frozen=True)
@@ -98,14 +99,16 @@ def _check_kind(name: str, windows: np.ndarray, spec: IOSpec) -> None:
     kind, want = windows.dtype.kind, spec.dtype.kind
     if kind == "c" or (kind == "b") != (want == "b") or kind not in "biufc":
         raise InputError(
-            f"contexts array '{name}' is {windows.dtype}, which model input '{name}' ({spec.dtype}) cannot take as it is"
+            f"contexts array '{name}' is {windows.dtype}, "
+            f"which model input '{name}' ({spec.dtype}) cannot take as it is"
         )
     if want in "iu" and kind == "f":
         if not np.all(np.isfinite(windows)):
             raise InputError(f"contexts array '{name}' contains NaN or Inf, and model input '{name}' is {spec.dtype}")
         if not np.array_equal(windows, np.round(windows)):
             raise InputError(
-                f"contexts array '{name}' holds fractions, and model input '{name}' is {spec.dtype} (they would be truncated)"
+                f"contexts array '{name}' holds fractions, and model input '{name}' is {spec.dtype} "
+                "(they would be truncated)"
             )
     if want in "iu" and kind in "iuf" and windows.size:
         low, high = np.iinfo(spec.dtype).min, np.iinfo(spec.dtype).max
@@ -123,14 +126,13 @@ def _as_windows(name: str, array: np.ndarray, spec: IOSpec) -> np.ndarray:
         windows = array[:, None]
     else:
         raise InputError(
-            f"contexts array '{name}' has shape {list(array.shape)}, which does not fit model input '{name}' {_fmt(spec.shape)}; "
-            f"expected (windows, *{_fmt(spec.shape)})"
+            f"contexts array '{name}' has shape {list(array.shape)}, "
+            f"which does not fit model input '{name}' {_fmt(spec.shape)}; expected (windows, *{_fmt(spec.shape)})"
         )
     if windows.shape[0] == 0:
         raise InputError(f"contexts array '{name}' holds no windows")
-    if (
-        windows.size == 0
-    ):  # a window with an empty axis: every rollout of it is empty, every score and drift NaN or nothing
+    # a window with an empty axis: every rollout of it is empty, every score and drift NaN or nothing
+    if windows.size == 0:
         raise InputError(
             f"contexts array '{name}' has shape {list(array.shape)}: an empty axis leaves its windows without values"
         )
@@ -143,7 +145,8 @@ def _as_windows(name: str, array: np.ndarray, spec: IOSpec) -> np.ndarray:
         limit = float(np.finfo(spec.dtype).max)
         largest = float(np.max(np.abs(windows[~np.isfinite(cast)])))
         raise InputError(
-            f"contexts array '{name}' holds {largest:.3g}, beyond {spec.dtype}'s range (±{limit:.3g}), the model input's type"
+            f"contexts array '{name}' holds {largest:.3g}, beyond {spec.dtype}'s range (±{limit:.3g}), "
+            "the model input's type"
         )
     return cast
 
@@ -178,124 +181,14 @@ def load_npz(path: Path, inputs: Sequence[IOSpec]) -> Contexts:
     for spec in inputs:
         if spec.name not in stored:
             raise InputError(
-                f"contexts file {path} has no array for model input '{spec.name}' (it has: {', '.join(stored) or 'none'})"
+                f"contexts file {path} has no array for model input '{spec.name}' "
+                f"(it has: {', '.join(stored) or 'none'})"
             )
         arrays[spec.name] = _as_windows(spec.name, stored[spec.name], spec)
     counts = {name: a.shape[0] for name, a in arrays.items()}
     if len(set(counts.values())) > 1:
         raise InputError(f"contexts arrays disagree on the number of windows: {counts}")
     return Contexts(arrays=arrays, source=str(path))
-
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-def read_csv_columns(path: Path, columns: Sequence[str] | None = None) -> tuple[np.ndarray, list[str]]:
-    """The numeric columns of a CSV as float64 (rows, columns), strictly.
-
-    `columns` picks series by name; otherwise every column where most cells are
-    numbers is used (dates and labels, where none are, are skipped). A used
-    column's cell that is empty, not a number, not finite or beyond float32's
-    range is an error naming its line and column, never a dropped column or an
-    Inf in the model's input.
-    """
-    import polars as pl
-
-    try:
-        _check_utf8(path)
-        frame = pl.read_csv(path, infer_schema=False)
-    except InputError:
-        raise
-    except FileNotFoundError:
-        raise InputError(f"contexts file {path} does not exist") from None
-    except Exception as exc:
-        raise InputError(f"contexts file {path} is not a readable CSV ({str(exc).splitlines()[0]})") from None
-    header = _header(path)
-    repeated = sorted({name for name in header if header.count(name) > 1})
-    if repeated:  # polars renames the second 'OT' to 'OT_duplicated_0': --columns OT would read whichever came first
-        raise InputError(
-            f"contexts file {path} has more than one column named '{repeated[0]}' (its header: {', '.join(header)})",
-            hint="give each column its own name",
-        )
-    if columns:
-        missing = [c for c in columns if c not in frame.columns]
-        if missing:
-            raise InputError(f"contexts file {path} has no column '{missing[0]}' (it has: {', '.join(frame.columns)})")
-        used = list(columns)
-    else:
-        used = []
-        for name in frame.columns:
-            cells = frame[name].str.strip_chars()
-            filled = cells.drop_nulls().filter(cells.drop_nulls() != "")
-            if filled.len() and filled.cast(pl.Float64, strict=False).drop_nulls().len() > filled.len() / 2:
-                used.append(name)
-        if not used:
-            raise InputError(f"contexts file {path} has no numeric columns", hint="name the series with --columns")
-    data = np.empty((frame.height, len(used)), np.float64)
-    for j, name in enumerate(used):
-        cells = frame[name].str.strip_chars()
-        values = cells.cast(pl.Float64, strict=False).to_numpy()
-        bad = np.flatnonzero(~np.isfinite(values) | (np.abs(np.nan_to_num(values)) > FLOAT32_MAX))
-        if bad.size:
-            row = int(bad[0])
-            cell = cells[row]
-            line = row + 2  # the header is line 1
-            if cell is None or cell == "":
-                why = "is empty (a missing value)"
-            elif np.isnan(values[row]) and cell.lower() not in ("nan", "+nan", "-nan"):
-                why = f"'{cell}' is not a number"
-            elif np.isfinite(values[row]):
-                why = f"{cell} is beyond float32's range (±{FLOAT32_MAX:.3g}), the models' input type"
-            else:
-                why = f"'{cell}' is not finite"
-            more = f" ({bad.size} such cells in this column)" if bad.size > 1 else ""
-            raise InputError(f"contexts file {path}, line {line}, column '{name}': {why}{more}")
-        data[:, j] = values
-    return data, used
-
-
-def _check_utf8(path: Path) -> None:
-    """A CSV must be UTF-8: polars reads other encodings lossily (a Latin-1 '°C' header became 'temp\ufffdC', a
-    UTF-16 file 'no numeric columns'), so a column name or a cell would be silently something else."""
-    with open(path, "rb") as handle:
-        raw = handle.read()
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
-        raise InputError(
-            f"contexts file {path} is not UTF-8 text ({'a UTF-16 byte order mark' if utf16 else f'byte 0x{raw[exc.start]:02x} at offset {exc.start}'})",
-            hint="save it as UTF-8 (iconv -f ITS-ENCODING -t utf-8)",
-        ) from None
-
-
-def _header(path: Path) -> list[str]:
-    """The CSV's column names as written (polars renames repeated ones)."""
-    import csv
-
-    with open(path, newline="", encoding="utf-8-sig", errors="replace") as handle:
-        return [name.strip() for name in next(csv.reader(handle), [])]
-
-
-def csv_layout(spec: IOSpec, names: Sequence[str], path: Path | str = "the CSV") -> tuple[int, str]:
-    """Window length and layout ('univariate', 'time-major', 'channel-major') of a CSV's columns `names` for a model input."""
-    shape, columns = spec.shape, len(names)
-    if spec.rank == 2 and isinstance(shape[1], int):
-        return shape[1], "univariate"
-    if spec.rank == 3 and shape[2] == columns and isinstance(shape[1], int):
-        return shape[1], "time-major"
-    if spec.rank == 3 and shape[1] == columns and isinstance(shape[2], int):
-        return shape[2], "channel-major"
-    fewer = [d for d in shape[1:] if isinstance(d, int) and d < columns] if spec.rank == 3 else []
-    if fewer:  # a fixed series axis: the model cannot take every column, so which ones is the user's choice
-        k = min(fewer)
-        raise InputError(
-            f"model input '{spec.name}' {_fmt(shape)} takes {k} series per window, and {path} has {columns} numeric columns ({', '.join(names)})",
-            hint=f"pick {k} with --columns, e.g. --columns {','.join(names[-k:])}",
-        )
-    raise InputError(
-        f"cannot cut CSV columns ({columns}) into model input '{spec.name}' {_fmt(shape)}; expected [batch, L], [batch, L, {columns}] or [batch, {columns}, L]"
-    )
 
 
 def describe_windows(described: dict) -> str:
@@ -373,7 +266,8 @@ def load_csv(
     result.csv = {"layout": layout, "columns": names, "starts": starts.tolist(), "length": length}
     if layout == "univariate" and count > 1 and not columns:
         result.warnings.append(
-            f"model input '{spec.name}' {_fmt(spec.shape)} takes one series per batch row, and each of the {count} numeric columns of {path} "
+            f"model input '{spec.name}' {_fmt(spec.shape)} takes one series per batch row, "
+            f"and each of the {count} numeric columns of {path} "
             f"({', '.join(names)}) was taken as a series: {count} series per window, {count}x the work of one; "
             f"pass --columns to use fewer (e.g. --columns {names[-1]}, the series you forecast)"
         )
@@ -423,7 +317,8 @@ def truth_from_csv(
         truth = truth.reshape(want)  # a forecast with a singleton axis more ([B, 24, 1] into [B, 96])
     if truth.shape != tuple(want):
         raise InputError(
-            f"the rows after the CSV windows make a truth of shape {list(truth.shape)}, not the forecasts' {list(want)}",
+            f"the rows after the CSV windows make a truth of shape {list(truth.shape)}, "
+            f"not the forecasts' {list(want)}",
             hint="pass --truth",
         )
     return {name: truth.astype(np.float64)}
@@ -458,8 +353,8 @@ def random_contexts(
             size = d if isinstance(d, int) else dims.get(d, 1 if axis == 0 else None)
             if size is None:
                 raise InputError(
-                    f"cannot make random contexts for input '{spec.name}' {_fmt(spec.shape)}: its axis {axis} is dynamic"
-                    + (f" ('{d}') and no --dim gives its size" if d else " and unnamed"),
+                    f"cannot make random contexts for input '{spec.name}' {_fmt(spec.shape)}: "
+                    f"its axis {axis} is dynamic" + (f" ('{d}') and no --dim gives its size" if d else " and unnamed"),
                     hint=(f"pass --dim {d}=N, e.g. --dim {d}=128, or " if d else "")
                     + "write the windows to an .npz with arrays "
                     + npz_layout(inputs),

@@ -84,7 +84,8 @@ COVARIATE_WORDS = {
     "forcing",
     "forcings",
 }
-"""Input names of what a forecaster is told about the horizon (time features, Informer's x_mark, forcings), not its state."""
+"""Input names of what a forecaster is told about the horizon (time features, Informer's x_mark, forcings), not its
+state."""
 
 
 def _tokens(name: str) -> list[str]:
@@ -153,7 +154,10 @@ def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
         return None
     if output.rank != input.rank:
         return None
-    both_ints = lambda a, b: isinstance(a, int) and isinstance(b, int)  # noqa: E731
+
+    def both_ints(a, b) -> bool:
+        return isinstance(a, int) and isinstance(b, int)
+
     differing = [i for i, (a, b) in enumerate(zip(output.shape, input.shape)) if both_ints(a, b) and a != b]
     # a named length against a number or another name (seq_len vs 96, pred_len vs seq_len): lengths that may differ;
     # the batch axis aside (exporters name it per tensor), and unnamed dims agree with anything
@@ -182,14 +186,18 @@ def _pairing(output: IOSpec, input: IOSpec) -> tuple[int, Feedback, str] | None:
     elif len(differing) == 1 and not uncertain and output.shape[differing[0]] < input.shape[differing[0]]:
         axis = differing[0] - input.rank
         score, edge = 100, Feedback(output.name, input.name, "shift", axis)
-        reason = f"{_named(output)} appends to {_named(input)} along axis {axis} ({output.shape[differing[0]]} < {input.shape[differing[0]]}) → shift"
+        reason = (
+            f"{_named(output)} appends to {_named(input)} along axis {axis} "
+            f"({output.shape[differing[0]]} < {input.shape[differing[0]]}) → shift"
+        )
     else:
         return None
     return score + (1 if exact else 0) + affinity, edge, f"{reason}; {why}"
 
 
 def _named(spec: IOSpec) -> str:
-    """A tensor in a reason: its name and shape, so a line keyed by the input never shows the output's shape as the input's."""
+    """A tensor in a reason: its name and shape, so a line keyed by the input never shows the output's shape as the
+    input's."""
     return f"'{spec.name}' {shape_text(spec.shape)}"
 
 
@@ -314,7 +322,8 @@ def detect_rollout(
     floats_out = [s for s in outputs if s.dtype.kind == "f"]
     if not floats_out:
         raise RolloutError(
-            f"cannot detect the rollout: the model has no float outputs (outputs: {', '.join(s.name for s in outputs)})",
+            "cannot detect the rollout: the model has no float outputs "
+            f"(outputs: {', '.join(s.name for s in outputs)})",
             hint=HINT,
         )
     targets = [s for s in inputs if s.dtype.kind == "f" and not mask_like(s.name)]
@@ -335,15 +344,18 @@ def detect_rollout(
     doubt = _doubtful_shift(candidates[0], inputs, outputs) if len(candidates) == 1 else None
     if doubt:
         raise AmbiguousRollout(
-            f"cannot detect the rollout: {doubt}; if that is the rollout, copy it into rollout.toml and pass --spec rollout.toml, "
-            f"else write the spec that is (run 'tqsdeploy inspect MODEL --emit-spec rollout.toml'):\n# --- candidate 1 ---\n{candidates[0].spec.to_toml(candidates[0].reasons)}",
+            f"cannot detect the rollout: {doubt}; "
+            "if that is the rollout, copy it into rollout.toml and pass --spec rollout.toml, "
+            "else write the spec that is (run 'tqsdeploy inspect MODEL --emit-spec rollout.toml'):\n"
+            f"# --- candidate 1 ---\n{candidates[0].spec.to_toml(candidates[0].reasons)}",
             candidates,
         )
     if len(candidates) > 1:
         blocks = "\n".join(f"# --- candidate {i} ---\n{c.spec.to_toml(c.reasons)}" for i, c in enumerate(candidates, 1))
         raise AmbiguousRollout(
             f"cannot detect the rollout: {len(candidates)} pairings of outputs to inputs fit equally well; "
-            f"copy one of these into rollout.toml and pass --spec rollout.toml (or run 'tqsdeploy inspect MODEL --emit-spec rollout.toml'):\n{blocks}",
+            "copy one of these into rollout.toml and pass --spec rollout.toml "
+            f"(or run 'tqsdeploy inspect MODEL --emit-spec rollout.toml'):\n{blocks}",
             candidates,
         )
     return candidates[0]
@@ -359,8 +371,41 @@ def _complete(
     """A Detection from the chosen output edges: add mask edges, trajectory, steps."""
     edges = [edge for edge, _ in chosen]
     reasons = {edge.input: reason for edge, reason in chosen}
+    for edge, reason in _mask_edges(inputs, edges, reasons):
+        edges.append(edge)
+        reasons[edge.input] = reason
+    if edges:
+        fed = tuple(e.output for e, _ in chosen)
+        recurrent = {e.output for e, _ in chosen if _recurrent(e)}
+        forecast = tuple(name for name in fed if name not in recurrent)
+        trajectory = forecast or fed  # recurrent state is fed back but is not the forecast
+        spec = RolloutSpec(
+            steps=steps or default_steps, feedback=tuple(edges), trajectory=trajectory, origin="detected"
+        )
+    else:
+        if steps not in (None, 1):
+            raise RolloutError(
+                "the model is single-step (no float output can feed an input), "
+                f"so --steps {steps} would repeat the same step; use --steps 1 or a spec",
+                hint=HINT,
+            )
+        spec = RolloutSpec(steps=1, feedback=(), trajectory=tuple(s.name for s in floats_out), origin="detected")
+    fed_outputs = {e.output for e in edges}
+    return Detection(
+        spec=spec,
+        reasons=reasons,
+        unused_outputs=tuple(s.name for s in floats_out if s.name not in fed_outputs) if edges else (),
+        constant_inputs=tuple(s.name for s in inputs if s.name not in reasons),
+    )
+
+
+def _mask_edges(
+    inputs: Sequence[IOSpec], edges: Sequence[Feedback], reasons: dict[str, str]
+) -> list[tuple[Feedback, str]]:
+    """An edge and its reason for each mask-like input no edge feeds that moves with one shift edge's input."""
     shapes = {s.name: s.shape for s in inputs}
     shifted = [e for e in edges if e.mode == "shift"]
+    found = []
     for spec in inputs:
         tokens = set(_tokens(spec.name))
         masked = mask_like(spec.name) or (
@@ -375,7 +420,6 @@ def _complete(
         ]
         if len({e.axis for e in fitting}) == 1:
             fill, partner = mask_fill(spec.name), fitting[0]
-            edges.append(Feedback(None, spec.name, "shift", partner.axis, fill=fill))
             meaning = (
                 "1 = observed or attended: observed masks, Hugging Face's attention_mask"
                 if fill
@@ -384,31 +428,12 @@ def _complete(
             size = (
                 "same shape as" if shapes[partner.input] == spec.shape else f"shaped like (but for axis {partner.axis})"
             )
-            reasons[spec.name] = (
-                f"mask-like name, {size} '{partner.input}': shifts with it, appending {fill!r} ({meaning}); edit fill if your mask means the opposite"
+            reason = (
+                f"mask-like name, {size} '{partner.input}': shifts with it, appending {fill!r} ({meaning}); "
+                "edit fill if your mask means the opposite"
             )
-    if edges:
-        fed = tuple(e.output for e, _ in chosen)
-        recurrent = {e.output for e, _ in chosen if _recurrent(e)}
-        forecast = tuple(name for name in fed if name not in recurrent)
-        trajectory = forecast or fed  # recurrent state is fed back but is not the forecast
-        spec = RolloutSpec(
-            steps=steps or default_steps, feedback=tuple(edges), trajectory=trajectory, origin="detected"
-        )
-    else:
-        if steps not in (None, 1):
-            raise RolloutError(
-                f"the model is single-step (no float output can feed an input), so --steps {steps} would repeat the same step; use --steps 1 or a spec",
-                hint=HINT,
-            )
-        spec = RolloutSpec(steps=1, feedback=(), trajectory=tuple(s.name for s in floats_out), origin="detected")
-    fed_outputs = {e.output for e in edges}
-    return Detection(
-        spec=spec,
-        reasons=reasons,
-        unused_outputs=tuple(s.name for s in floats_out if s.name not in fed_outputs) if edges else (),
-        constant_inputs=tuple(s.name for s in inputs if s.name not in reasons),
-    )
+            found.append((Feedback(None, spec.name, "shift", partner.axis, fill=fill), reason))
+    return found
 
 
 def _recurrent(edge: Feedback) -> bool:
@@ -445,8 +470,10 @@ def _doubtful_shift(detection: Detection, inputs: Sequence[IOSpec], outputs: Seq
         have, put = ins[edge.input][edge.axis], aligned[edge.axis]
         if isinstance(have, int) and isinstance(put, int) and 2 * put > have:
             return (
-                f"output '{edge.output}' {shape_text(outs[edge.output])} would shift into input '{edge.input}' {shape_text(ins[edge.input])} along axis {edge.axis}, "
-                f"replacing {put} of its {have} entries every step: more like a state with extra channels (forcings, static fields) than a history"
+                f"output '{edge.output}' {shape_text(outs[edge.output])} would shift into "
+                f"input '{edge.input}' {shape_text(ins[edge.input])} along axis {edge.axis}, "
+                f"replacing {put} of its {have} entries every step: "
+                "more like a state with extra channels (forcings, static fields) than a history"
             )
     return None
 

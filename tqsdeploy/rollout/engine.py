@@ -78,8 +78,8 @@ class Divergence:
 
 STACK_BYTES = 1 << 20
 """A model run window by window has its step's divergence taken over all windows at once when the step's
-outputs hold at most this much: numpy's per-call cost, not the arithmetic, is then what a window costs
-(pangu_lorenz96: 64 small calls per rollout), and it holds the GIL the other lanes wait for."""
+outputs hold at most this much: numpy's per-call cost, not the arithmetic, is then what a window costs, and it
+holds the GIL the other lanes wait for (docs/design-notes/rollout.md, 'Small steps stacked')."""
 
 
 @dataclass
@@ -254,8 +254,8 @@ class RolloutEngine:
         for name, per_chunk in collected.items():
             if self.batched and any(
                 steps[0].ndim == 0 or steps[0].shape[0] != lead[0].shape[0] for steps, lead in zip(per_chunk, first)
-            ):
-                continue  # an output without the windows' batch axis (a side output of fixed shape) cannot be split by window
+            ):  # an output without the windows' batch axis (a side output of fixed shape) cannot be split by window
+                continue
             parts = []
             for (count, _), steps in zip(self.chunks, per_chunk):
                 stacked = np.stack(steps, axis=0)  # (T, rows, ...) or (T, *output)
@@ -333,7 +333,8 @@ class RolloutEngine:
         return series.div_sq, series.nonfinite
 
     def drift(self, nominal: Nominal, steps: Iterable[list[dict[str, np.ndarray]]]) -> Drift:
-        """Divergence of the rollout `steps` ([step][chunk] outputs) from the nominal, over every step, in every unit reports use."""
+        """Divergence of the rollout `steps` ([step][chunk] outputs) from the nominal, over every step, in every unit
+        reports use."""
         div_sq: list[float] = []
         abs_diff = {name: 0.0 for name in self.spec.trajectory}
         for t, outs in enumerate(steps, start=1):
@@ -373,8 +374,8 @@ def _difference(values: np.ndarray, other: np.ndarray) -> np.ndarray:
 
 def diff_sq(trajectory: Sequence[str], outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> float:
     """Sum over the trajectory outputs of ||output - reference||^2, accumulated in float64. By einsum, not a
-    BLAS dot: OpenBLAS's own threads would fight the sweep's lanes for the cores (era5_downscale's rebuild
-    sweep ran 1.4x slower with `@`)."""
+    BLAS dot: OpenBLAS's own threads would fight the sweep's lanes for the cores (docs/design-notes/rollout.md,
+    'Divergence by einsum')."""
     total = 0.0
     for name in trajectory:
         values = _difference(np.asarray(outputs[name]), np.asarray(reference[name])).reshape(-1)
@@ -390,7 +391,7 @@ def row_sq(
     total = None
     for name in trajectory:
         # differences in the outputs' own float precision (exact for nearby values), squared and summed in
-        # float64 by one einsum: 8x faster than three float64 copies, the host's share of a GPU sweep
+        # float64 by one einsum, not three float64 copies: the host's share of a GPU sweep
         values = np.asarray(outputs[name])
         if reference is not None:
             values = _difference(values, np.asarray(reference[name]))

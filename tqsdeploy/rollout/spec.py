@@ -22,8 +22,8 @@ from tqsdeploy.errors import RolloutError
 
 MODES = ("replace", "shift", "advance")
 MAX_STEPS = 100_000
-"""Longest rollout taken: the trajectories of every window stay in memory (a 33 x 49 grid over 10⁵ steps: 0.6 GB a
-window), and a typo'd step count would otherwise run silently for hours; the paper's and the examples' are 1-64."""
+"""Longest rollout taken: the trajectories of every window stay in memory, and a typo'd step count would otherwise
+run silently for hours (docs/design-notes/rollout.md, 'MAX_STEPS')."""
 SPEC_KEYS = ("steps", "trajectory", "feedback", "origin")
 EDGE_KEYS = ("output", "input", "mode", "axis", "fill", "length", "by", "modulo")
 
@@ -78,7 +78,8 @@ class RolloutSpec:
             raise RolloutError(f"rollout needs at least 1 step, got {self.steps}")
         if self.steps > MAX_STEPS:
             raise RolloutError(
-                f"rollout of {self.steps} steps: at most {MAX_STEPS} are taken (a rollout keeps every step's outputs in memory)"
+                f"rollout of {self.steps} steps: at most {MAX_STEPS} are taken "
+                "(a rollout keeps every step's outputs in memory)"
             )
         seen = set()
         for edge in self.feedback:
@@ -90,8 +91,8 @@ class RolloutSpec:
             if edge.mode == "advance":
                 if edge.output is not None or edge.by is None or edge.fill is not None or edge.length is not None:
                     raise RolloutError(
-                        f"feedback edge for input '{edge.input}' has mode \"advance\": it takes `by` (added each step) and optionally "
-                        "`modulo`, and no `output`, `fill` or `length`"
+                        f"feedback edge for input '{edge.input}' has mode \"advance\": it takes `by` (added each step) "
+                        "and optionally `modulo`, and no `output`, `fill` or `length`"
                     )
                 if edge.modulo is not None and not edge.modulo > 0:
                     raise RolloutError(
@@ -105,11 +106,13 @@ class RolloutSpec:
             if edge.output is None:
                 if edge.mode != "shift" or edge.fill is None:
                     raise RolloutError(
-                        f"feedback edge for input '{edge.input}' has no output, so it needs mode = \"shift\" and a `fill` value to append"
+                        f"feedback edge for input '{edge.input}' has no output, "
+                        'so it needs mode = "shift" and a `fill` value to append'
                     )
             elif edge.fill is not None or edge.length is not None:
                 raise RolloutError(
-                    f"feedback edge '{edge.output}' → '{edge.input}' appends its output: `fill` and `length` only apply to edges without an output"
+                    f"feedback edge '{edge.output}' → '{edge.input}' appends its output: "
+                    "`fill` and `length` only apply to edges without an output"
                 )
             if edge.length is not None and edge.length < 1:
                 raise RolloutError(
@@ -189,8 +192,8 @@ class RolloutSpec:
         again = next((i for i, name in enumerate(fed) if name in fed[:i]), None)
         if again is not None:  # before the trajectory's check, which would name a key the spec may not have
             raise RolloutError(
-                f"[[feedback]] #{again + 1} feeds input '{fed[again]}', which #{fed.index(fed[again]) + 1} already feeds; "
-                "an input takes one edge"
+                f"[[feedback]] #{again + 1} feeds input '{fed[again]}', "
+                f"which #{fed.index(fed[again]) + 1} already feeds; an input takes one edge"
             )
         if trajectory is None:  # each output once, even where it feeds two inputs
             trajectory = list(dict.fromkeys(e.output for e in feedback if e.output is not None))
@@ -237,63 +240,83 @@ class RolloutSpec:
         checked, so that what runs it need not check it again."""
         ins = {s.name: s for s in inputs}
         outs = {s.name: s for s in outputs}
+        self._check_names(ins, outs)
+        for edge in self.feedback:
+            self._check_edge(edge, ins, outs)
+        if self.steps > 1 and not any(e.output is not None or e.mode == "advance" for e in self.feedback):
+            raise RolloutError(
+                f"the rollout feeds nothing back, so all {self.steps} steps would repeat step 1; "
+                "a model without feedback is single-step: use steps = 1 (--steps 1)"
+            )
+        return CheckedSpec(steps=self.steps, feedback=self.feedback, trajectory=self.trajectory, origin=self.origin)
+
+    def _check_names(self, ins: Mapping[str, IOSpec], outs: Mapping[str, IOSpec]) -> None:
+        """Every name the spec gives is one of the model's inputs or outputs."""
         for edge in self.feedback:  # before the trajectory, which defaults to these outputs: name what the user wrote
             if edge.output is not None and edge.output not in outs:
                 raise RolloutError(
-                    f"feedback output '{edge.output}' is not a model output (outputs: {', '.join(outs)}){_guess(edge.output, outs)}"
+                    f"feedback output '{edge.output}' is not a model output "
+                    f"(outputs: {', '.join(outs)}){_guess(edge.output, outs)}"
                 )
             if edge.input not in ins:
                 raise RolloutError(
-                    f"feedback input '{edge.input}' is not a model input (inputs: {', '.join(ins)}){_guess(edge.input, ins)}"
+                    f"feedback input '{edge.input}' is not a model input "
+                    f"(inputs: {', '.join(ins)}){_guess(edge.input, ins)}"
                 )
         for name in self.trajectory:
             if name not in outs:
                 raise RolloutError(
                     f"trajectory output '{name}' is not a model output (outputs: {', '.join(outs)}){_guess(name, outs)}"
                 )
-        for edge in self.feedback:
-            target = ins[edge.input].shape
-            if edge.mode == "advance":
-                _check_advance(edge, ins[edge.input])
-                continue
-            if edge.mode == "shift" and not -len(target) <= edge.axis < len(target):
-                raise RolloutError(
-                    f"feedback edge for input '{edge.input}' {shape_text(target)} shifts along axis {edge.axis}, which it does not have"
-                )
-            if edge.output is None:
-                _check_fill(edge, ins[edge.input])
-                size = target[edge.axis] if edge.mode == "shift" and -len(target) <= edge.axis < len(target) else None
-                if edge.length is not None and isinstance(size, int) and edge.length > size:
-                    raise RolloutError(
-                        f"feedback edge for input '{edge.input}' {shape_text(target)} appends {edge.length} entries per step along axis {edge.axis}, which holds {size}"
-                    )
-                if edge.length is None and not shift_siblings(
-                    self, edge, len(target), {e.input: ins[e.input].rank for e in self.feedback if e.input in ins}
-                ):
-                    raise RolloutError(
-                        f"feedback edge for input '{edge.input}' has no output and no `length`, and no shift edge with an output "
-                        f"moves an input of the same rank along axis {edge.axis}; give `length` (entries appended per step)"
-                    )
-                continue
-            source = outs[edge.output].shape
-            if edge.mode == "shift" and len(source) != len(target):
-                source = aligned_shape(source, target, edge.axis) or source
-            if len(source) != len(target):
-                raise RolloutError(
-                    f"output '{edge.output}' has rank {len(source)} but input '{edge.input}' has rank {len(target)}; they cannot feed each other"
-                )
-            skip = edge.axis % len(target) if edge.mode == "shift" else None
-            for axis, (a, b) in enumerate(zip(source, target)):
-                if axis != skip and isinstance(a, int) and isinstance(b, int) and a != b:
-                    raise RolloutError(
-                        f"output '{edge.output}' {shape_text(source)} does not fit input '{edge.input}' {shape_text(target)} "
-                        f"for mode '{edge.mode}' (axis {axis} differs)"
-                    )
-        if self.steps > 1 and not any(e.output is not None or e.mode == "advance" for e in self.feedback):
+
+    def _check_edge(self, edge: Feedback, ins: Mapping[str, IOSpec], outs: Mapping[str, IOSpec]) -> None:
+        """One edge's shapes: what it feeds fits the input it feeds, along the axis it shifts."""
+        target = ins[edge.input].shape
+        if edge.mode == "advance":
+            _check_advance(edge, ins[edge.input])
+            return
+        if edge.mode == "shift" and not -len(target) <= edge.axis < len(target):
             raise RolloutError(
-                f"the rollout feeds nothing back, so all {self.steps} steps would repeat step 1; a model without feedback is single-step: use steps = 1 (--steps 1)"
+                f"feedback edge for input '{edge.input}' {shape_text(target)} shifts along axis {edge.axis}, "
+                "which it does not have"
             )
-        return CheckedSpec(steps=self.steps, feedback=self.feedback, trajectory=self.trajectory, origin=self.origin)
+        if edge.output is None:
+            self._check_outputless(edge, ins)
+            return
+        source = outs[edge.output].shape
+        if edge.mode == "shift" and len(source) != len(target):
+            source = aligned_shape(source, target, edge.axis) or source
+        if len(source) != len(target):
+            raise RolloutError(
+                f"output '{edge.output}' has rank {len(source)} but input '{edge.input}' has rank {len(target)}; "
+                "they cannot feed each other"
+            )
+        skip = edge.axis % len(target) if edge.mode == "shift" else None
+        for axis, (a, b) in enumerate(zip(source, target)):
+            if axis != skip and isinstance(a, int) and isinstance(b, int) and a != b:
+                raise RolloutError(
+                    f"output '{edge.output}' {shape_text(source)} does not fit "
+                    f"input '{edge.input}' {shape_text(target)} for mode '{edge.mode}' (axis {axis} differs)"
+                )
+
+    def _check_outputless(self, edge: Feedback, ins: Mapping[str, IOSpec]) -> None:
+        """An edge without an output appends its fill: a length it fits, given or taken from a sibling shift edge."""
+        target = ins[edge.input].shape
+        _check_fill(edge, ins[edge.input])
+        size = target[edge.axis] if edge.mode == "shift" and -len(target) <= edge.axis < len(target) else None
+        if edge.length is not None and isinstance(size, int) and edge.length > size:
+            raise RolloutError(
+                f"feedback edge for input '{edge.input}' {shape_text(target)} appends {edge.length} entries per step "
+                f"along axis {edge.axis}, which holds {size}"
+            )
+        if edge.length is None and not shift_siblings(
+            self, edge, len(target), {e.input: ins[e.input].rank for e in self.feedback if e.input in ins}
+        ):
+            raise RolloutError(
+                f"feedback edge for input '{edge.input}' has no output and no `length`, "
+                "and no shift edge with an output moves an input of the same rank "
+                f"along axis {edge.axis}; give `length` (entries appended per step)"
+            )
 
 
 @dataclass(frozen=True, eq=False)
@@ -310,7 +333,8 @@ def _check_advance(edge: "Feedback", spec: IOSpec) -> None:
         )
     if spec.dtype.kind in "iu" and any(v is not None and v != round(v) for v in (edge.by, edge.modulo)):
         raise RolloutError(
-            f"feedback edge for input '{edge.input}' advances a {spec.dtype} input: `by` and `modulo` must be whole numbers"
+            f"feedback edge for input '{edge.input}' advances a {spec.dtype} input: "
+            "`by` and `modulo` must be whole numbers"
         )
 
 
@@ -327,11 +351,13 @@ def _check_fill(edge: "Feedback", spec: IOSpec) -> None:
     """The fill must survive the cast to the input's type (1e40 is inf in float32; 0.5 is 0 in an int mask)."""
     if spec.dtype.kind == "f" and abs(edge.fill) > float(np.finfo(spec.dtype).max):
         raise RolloutError(
-            f"feedback edge for input '{edge.input}' appends fill {edge.fill:g}, beyond {spec.dtype}'s range, the input's type"
+            f"feedback edge for input '{edge.input}' appends fill {edge.fill:g}, "
+            f"beyond {spec.dtype}'s range, the input's type"
         )
     if spec.dtype.kind in "iub" and edge.fill != round(edge.fill):
         raise RolloutError(
-            f"feedback edge for input '{edge.input}' appends fill {edge.fill:g} into a {spec.dtype} input; it must be a whole number"
+            f"feedback edge for input '{edge.input}' appends fill {edge.fill:g} into a {spec.dtype} input; "
+            "it must be a whole number"
         )
 
 

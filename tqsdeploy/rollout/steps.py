@@ -24,7 +24,8 @@ def next_feeds(
         if edge.mode == "replace":
             if output.shape != current.shape:
                 raise RolloutError(
-                    f"output '{edge.output}' has shape {list(output.shape)} but input '{edge.input}' has shape {list(current.shape)}; mode 'replace' needs equal shapes"
+                    f"output '{edge.output}' has shape {list(output.shape)} "
+                    f"but input '{edge.input}' has shape {list(current.shape)}; mode 'replace' needs equal shapes"
                 )
             new[edge.input] = output.astype(current.dtype, copy=False)
             continue
@@ -36,7 +37,8 @@ def next_feeds(
             o != c for i, (o, c) in enumerate(zip(output.shape, current.shape)) if i != axis
         ):
             raise RolloutError(
-                f"output '{edge.output}' of shape {list(output.shape)} cannot be appended to input '{edge.input}' of shape {list(current.shape)} along axis {edge.axis}"
+                f"output '{edge.output}' of shape {list(output.shape)} cannot be appended to "
+                f"input '{edge.input}' of shape {list(current.shape)} along axis {edge.axis}"
             )
         appended[edge.input] = output.shape[axis]
         new[edge.input] = _shifted(current, output.astype(current.dtype, copy=False), axis)
@@ -59,7 +61,8 @@ def next_feeds(
             }
             if len(lengths) != 1:
                 raise RolloutError(
-                    f"feedback edge for input '{edge.input}' takes its shift length from its sibling shift edges, which append {sorted(lengths) or 'nothing'}; give `length`"
+                    f"feedback edge for input '{edge.input}' takes its shift length from its sibling shift edges, "
+                    f"which append {sorted(lengths) or 'nothing'}; give `length`"
                 )
             length = lengths.pop()
         shape = list(current.shape)

@@ -35,14 +35,7 @@ def inspect_model(
         graph_ops.layout.unfed_float_tensors(loaded.proto.graph),
     )
     units = select_units(tensors, selection, unfed)
-    runtime = DEFAULT_RUNTIME.for_model(loaded.proto)
-    source = graph_ops.io.runnable_path(loaded)
-    if source is None:  # IR too new: the runtime gets a clamped copy (in a temporary folder when over 2 GiB)
-        loaded = graph_ops.load_model(model)
-        with tempfile.TemporaryDirectory(prefix="tqs-inspect-") as folder:
-            session = runtime.open(graph_ops.io.session_source(graph_ops.io.runtime_compatible(loaded.proto), folder))
-    else:
-        session = runtime.open(source)
+    loaded, session = _open(model, loaded)
     rollout = _rollout(spec, steps, session.inputs, session.outputs)
     nonfinite = _nonfinite(loaded, units)
     unit_params = sum(u.params for u in units)
@@ -58,24 +51,15 @@ def inspect_model(
         "ops": dict(Counter(n.op_type for n in loaded.proto.graph.node).most_common()),
         "float_tensors": len(tensors),
         "float_params": float_params,
-        "units": [
-            {
-                "unit": u.name,
-                "shape": u.shape,
-                "params": u.params,
-                "op_types": list(u.op_types),
-                "nodes": list(u.nodes),
-                "tensors": u.tensor_names,
-            }
-            for u in units
-        ],
+        "units": [_unit(u) for u in units],
         "unit_params": unit_params,
         "unit_share": unit_params / float_params if float_params else 0.0,
         "rollout": rollout,
         "notes": selection_notes(loaded, tensors, units, selection, unfed)
         + (
             [
-                f"{len(nonfinite)} weight(s) hold NaN or Inf ({', '.join(nonfinite[:3])}{', ...' if len(nonfinite) > 3 else ''}): "
+                f"{len(nonfinite)} weight(s) hold NaN or Inf "
+                f"({', '.join(nonfinite[:3])}{', ...' if len(nonfinite) > 3 else ''}): "
                 "score, export and baseline refuse this model as it is"
             ]
             if nonfinite
@@ -87,6 +71,30 @@ def inspect_model(
             "dynamic_axes": sorted({d for s in session.inputs for d in s.shape[1:] if isinstance(d, str)}),
             "index_rows": index_rows(loaded.proto),
         },
+    }
+
+
+def _open(model: str | Path, loaded):
+    """A session of the model, and the model as loaded for it (with its weights where the runtime needs a copy)."""
+    runtime = DEFAULT_RUNTIME.for_model(loaded.proto)
+    source = graph_ops.io.runnable_path(loaded)
+    if source is None:  # IR too new: the runtime gets a clamped copy (in a temporary folder when over 2 GiB)
+        loaded = graph_ops.load_model(model)
+        with tempfile.TemporaryDirectory(prefix="tqs-inspect-") as folder:
+            return loaded, runtime.open(
+                graph_ops.io.session_source(graph_ops.io.runtime_compatible(loaded.proto), folder)
+            )
+    return loaded, runtime.open(source)
+
+
+def _unit(u) -> dict:
+    return {
+        "unit": u.name,
+        "shape": u.shape,
+        "params": u.params,
+        "op_types": list(u.op_types),
+        "nodes": list(u.nodes),
+        "tensors": u.tensor_names,
     }
 
 

@@ -126,7 +126,8 @@ class ScoreRun:
         if (run_dir / REPLACED).is_dir():
             raise InputError(
                 f"{run_dir} holds a run that a score --fresh was replacing when it was stopped",
-                hint="run that score again: it restores the earlier run if the new one has no result yet, or finishes the new one",
+                hint="run that score again: it restores the earlier run if the new one has no result yet, "
+                "or finishes the new one",
             )
         if meta is None or not scores.exists():
             raise InputError(f"{run_dir} is not a finished score run (no run.json / scores.parquet)")
@@ -192,8 +193,8 @@ class ScoreRun:
         """Refuse a model other than the one the run scored (run.json keeps its SHA-256)."""
         if sha256 != self.model.sha256:
             raise InputError(
-                f"{model} is not the model the run in {self.run_dir} was scored on: that run was made for a different model ({self.model.path}), "
-                "their SHA-256 differ",
+                f"{model} is not the model the run in {self.run_dir} was scored on: "
+                f"that run was made for a different model ({self.model.path}), their SHA-256 differ",
                 hint="score this model first, or pass --run DIR of its own run",
             )
 
@@ -225,10 +226,6 @@ class ScoreRun:
         return prepare(request, sessions)
 
 
-ScoreTable = ScoreRun
-"""The name `score` has returned since its first version."""
-
-
 def read_record(run_dir: Path) -> dict | None:
     """run.json of the folder as written, or None when it has none."""
     path = Path(run_dir) / "run.json"
@@ -256,7 +253,8 @@ def score_runs(folder: Path) -> list[Path]:
 
 
 def run_fingerprint(prepared: Prepared, settings: ScoreSettings, runtime: Runtime) -> str:
-    """What determines a run's results (model, rollout, contexts, settings, units, provider): a run resumes only into its own."""
+    """What determines a run's results (model, rollout, contexts, settings, units, provider): a run resumes only into
+    its own."""
     spec = prepared.spec.to_dict()
     spec.pop("origin")
     identity = {

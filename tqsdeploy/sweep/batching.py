@@ -81,7 +81,8 @@ class BatchCheck:
                 error = float(np.abs(got - want.reshape(-1)).max(initial=0.0))
                 if not error <= rtol * max(scale, 1e-30):
                     return (
-                        f"unit '{unit.name}': batched output '{name}' at step {t} differs from the unbatched run by {error:.3g} "
+                        f"unit '{unit.name}': batched output '{name}' at step {t} "
+                        f"differs from the unbatched run by {error:.3g} "
                         f"(output scale {scale:.3g}): an op mixes rows across the batch"
                     )
         return None

@@ -19,9 +19,8 @@ from tqsdeploy.units import Unit
 CONSTANT_BUILD_BYTES_PER_S = 1e9
 """How fast ONNX Runtime builds a session of constant weights read from a model's files: it reads and
 pre-packs every weight of the ops in `PRE_PACKED` (a session whose weights are overridable packs none as it
-builds): 0.27-0.34 s for a 0.3 GB MatMul chain, 1.2-2.9 s for 1.2 GB, 35 ms for the BERT-size model's
-43 MB of MatMul weights on a 2-core x86 machine. What 'auto' prices a cut of a model swept from its files
-with, without building one."""
+builds). What 'auto' prices a cut of a model swept from its files with, without building one
+(docs/design-notes/sweep.md, 'Session builds')."""
 PRE_PACKED = {"MatMul", "Gemm", "Conv", "ConvTranspose", "LSTM", "GRU", "RNN"}
 
 PICK_MARGIN = 0.95
@@ -86,7 +85,8 @@ class Choice:
         bound = len(job.units) * max(1, job.tasks_per_unit) * job.spec.steps * job.contexts.count * t_feed
         if self._small(bound):
             return "feed"
-        try:  # the fed session decides the batching: its run is the scale run, and the nominal's first step if feed wins
+        # the fed session decides the batching: its run is the scale run, and the nominal's first step if feed wins
+        try:
             chunks = self.engine.chunks
         except Exception:
             return "feed"  # let the nominal rollout report what is wrong
@@ -178,7 +178,6 @@ class Choice:
         runs the constant session's kernels (`SweepJob.fed_keeps_kernels`) stands in for it: no rebuilt
         session can then beat feed, and none is built."""
         job, names = self.job, self.job.spec.run_outputs
-        weights = {n: job.weights[n] for n in unit.tensor_names}
         tasks_per_unit, units = max(1, job.tasks_per_unit), len(job.units)
         estimates = {}
         if job.fed_keeps_kernels:  # the constant session's kernels already: its times stand in
@@ -186,34 +185,20 @@ class Choice:
         else:
             constant, constant_build = self.constant_session(), self.rig.constant_build_s
             t_const = _best_time(lambda: constant.run(one, names))
-        scale = self._first_step_seconds(self.rig.overridable, chunks) / max(
-            t_feed, 1e-9
-        )  # a real chunk over one window
+        # a real chunk over one window
+        scale = self._first_step_seconds(self.rig.overridable, chunks) / max(t_feed, 1e-9)
         step = len(chunks) * scale  # one step of every chunk, in one-window calls
         calls = job.spec.steps * step
         estimates["feed"] = units * tasks_per_unit * calls * t_feed
         # A unit session costs at least a plain build per unit and a rebuild one per task, and
         # neither runs faster than the constant session: each is timed only when that bound could be picked.
-        to_beat = lambda: min(PICK_MARGIN * estimates["feed"], *estimates.values())  # noqa: E731
-        if job.unit_factory is not None and units * (constant_build + tasks_per_unit * calls * t_const) < to_beat():
-            started = time.perf_counter()
-            grouped = job.unit_factory(unit.tensor_names)
-            unit_build = time.perf_counter() - started
-            t_unit = _best_time(lambda: grouped.run({**one, **weights}, names))
-            grouped.close()
-            estimates["unit"] = units * (unit_build + tasks_per_unit * calls * t_unit)
-        elif job.unit_factory is not None:
-            estimates["unit"] = units * (
-                constant_build + tasks_per_unit * calls * t_const
-            )  # a lower bound, already too slow
-        if units * tasks_per_unit * (constant_build + calls * t_const) < to_beat():
-            started = time.perf_counter()
-            job.rebuild_factory(weights).close()
-            estimates["rebuild"] = units * tasks_per_unit * (time.perf_counter() - started + calls * t_const)
-        else:
-            estimates["rebuild"] = (
-                units * tasks_per_unit * (constant_build + calls * t_const)
-            )  # a lower bound, already too slow
+
+        def to_beat() -> float:
+            return min(PICK_MARGIN * estimates["feed"], *estimates.values())
+
+        if job.unit_factory is not None:
+            estimates["unit"] = self._estimate_unit(unit, one, calls, t_const, constant_build, to_beat())
+        estimates["rebuild"] = self._estimate_rebuild(unit, calls, t_const, constant_build, to_beat())
         if prefix:
             try:
                 # the cuts feed their weights as stored: the fed session's slowdown says what that costs, unless
@@ -239,6 +224,36 @@ class Choice:
             if batch is not None:
                 estimates["batch"] = batch
         return estimates
+
+    def _estimate_unit(
+        self, unit: Unit, one: dict[str, np.ndarray], calls: float, t_const: float, constant_build: float, best: float
+    ) -> float:
+        """Sweep seconds of 'unit': `unit`'s session built and timed, or only the lower bound (a plain build per
+        unit, the constant session's calls) where that is already no better than `best`."""
+        job = self.job
+        tasks_per_unit, units = max(1, job.tasks_per_unit), len(job.units)
+        bound = units * (constant_build + tasks_per_unit * calls * t_const)
+        if not bound < best:
+            return bound  # a lower bound, already too slow
+        weights = {n: job.weights[n] for n in unit.tensor_names}
+        started = time.perf_counter()
+        grouped = job.unit_factory(unit.tensor_names)
+        unit_build = time.perf_counter() - started
+        t_unit = _best_time(lambda: grouped.run({**one, **weights}, job.spec.run_outputs))
+        grouped.close()
+        return units * (unit_build + tasks_per_unit * calls * t_unit)
+
+    def _estimate_rebuild(self, unit: Unit, calls: float, t_const: float, constant_build: float, best: float) -> float:
+        """Sweep seconds of 'rebuild': one rebuild of `unit` timed, or only the lower bound (a plain build per
+        task, the constant session's calls) where that is already no better than `best`."""
+        job = self.job
+        tasks = len(job.units) * max(1, job.tasks_per_unit)
+        bound = tasks * (constant_build + calls * t_const)
+        if not bound < best:
+            return bound  # a lower bound, already too slow
+        started = time.perf_counter()
+        job.rebuild_factory({n: job.weights[n] for n in unit.tensor_names}).close()
+        return tasks * (time.perf_counter() - started + calls * t_const)
 
     def constant_session(self) -> Session:
         """The session of the model with its weights constant, built once (auto's timing; the nominal session

@@ -75,7 +75,8 @@ def sweep_lanes(lanes: int | None, provider: str, threads: int | None, model_byt
     if on_gpu(provider):
         if lanes not in (None, 1):
             raise InputError(
-                f"--lanes {lanes} runs tasks side by side on the CPU provider only; on '{provider}' the sweep runs one lane",
+                f"--lanes {lanes} runs tasks side by side on the CPU provider only; "
+                f"on '{provider}' the sweep runs one lane",
                 hint="drop --lanes",
             )
         return 1
@@ -104,11 +105,11 @@ def run_lanes(
 ) -> None:
     """Run the work items on `lanes` threads (`Lanes`): `runner` and `lanes` - 1 of its `SweepRunner.lane`s.
 
-    On the CPU provider a small model's call gains little from ONNX Runtime's intra-op threads (on 2
-    cores, 2 threads ran the bundled examples' rollouts 0.4-1.9x as fast as 1), while independent tasks
-    on one thread each run ~2x as fast: the sweep's tasks are independent, so they run side by side in one
-    process, sharing the session (feed), the nominal and the probe builds. Only this thread writes the
-    log and reports progress, so an interruption leaves a resumable table as a one-lane run does.
+    On the CPU provider a small model's call gains little from ONNX Runtime's intra-op threads, while
+    independent tasks on one thread each scale with the cores (docs/design-notes/sweep.md, 'Lanes'): the
+    sweep's tasks are independent, so they run side by side in one process, sharing the session (feed), the
+    nominal and the probe builds. Only this thread writes the log and reports progress, so an interruption
+    leaves a resumable table as a one-lane run does.
     """
     runner.probes.share(lanes)
     runner.expect(interleaved(items, lanes))

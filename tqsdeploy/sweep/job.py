@@ -47,7 +47,8 @@ class SweepJob:
     quant_probe: bool = True
     """Whether a unit's tasks include the quant probe (the rest are Gaussian draws), for 'batch'."""
     cut_factory: object | None = None
-    """Opens the sessions 'prefix' runs (`runtimes.factories.CutSessions`: of the model in memory, or read from its files)."""
+    """Opens the sessions 'prefix' runs (`runtimes.factories.CutSessions`: of the model in memory, or read from its
+    files)."""
     session_build_s: float = 0.0
     """Seconds the overridable session took to build (what 'auto' weighs cut builds against when it has no other)."""
     lanes: int = 1

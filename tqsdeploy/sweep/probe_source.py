@@ -56,12 +56,11 @@ class ProbeSource:
     """Each task's perturbation, built ahead on helper threads while the current rollout runs.
 
     Drawing Gaussian noise and quantizing a unit are numpy work that releases the GIL, so on a
-    machine with a core to spare they cost no sweep time (a fifth of a BERT-size sweep otherwise).
-    On the CPU provider one build runs ahead (ONNX Runtime has the other cores). On a GPU a
-    rollout of a small model takes a millisecond or two while a draw over a 1M-weight unit takes
-    several on one core, so `depth` builds run ahead at once, on that many threads (measured on an
-    H100: the sweep otherwise waits on the CPU). A unit's shared parts (`UnitProbes`) are made once,
-    under a lock; `depth` + 1 perturbations are alive at a time.
+    machine with a core to spare they cost no sweep time. On the CPU provider one build runs ahead
+    (ONNX Runtime has the other cores). On a GPU a rollout of a small model is quicker than a draw
+    over a large unit on one core, so `depth` builds run ahead at once, on that many threads: the
+    sweep would otherwise wait on the CPU (docs/design-notes/sweep.md, 'Probes built ahead'). A unit's
+    shared parts (`UnitProbes`) are made once, under a lock; `depth` + 1 perturbations are alive at a time.
     """
 
     def __init__(self, job: SweepJob, depth: int = 1):
@@ -78,7 +77,8 @@ class ProbeSource:
         """The units of the last tasks handed out, one per lane: their shared parts stay while lanes use them."""
 
     def share(self, lanes: int) -> None:
-        """Serve `lanes` runners at once: a build ahead for each (within `PROBE_DEPTH_BYTES`), and every unit a lane is on kept."""
+        """Serve `lanes` runners at once: a build ahead for each (within `PROBE_DEPTH_BYTES`), and every unit a lane
+        is on kept."""
         self.depth = max(self.depth, min(lanes, self.fitting))
         self._recent = deque(self._recent, maxlen=max(1, lanes))
 

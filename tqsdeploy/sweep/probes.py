@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tqsdeploy.errors import InternalError
 from tqsdeploy.units import Unit
 
 PROBES = ("quant", "gauss")
@@ -121,7 +122,7 @@ class UnitProbes:
         on a table probed at the rows the contexts read, only on those rows.
         """
         if probe not in PROBES:
-            raise ValueError(f"unknown probe '{probe}'")
+            raise InternalError(f"unknown probe '{probe}'")  # tasks are planned with the probes of `PROBES` only
         replaced, delta_sq = {}, 0.0
         rng = np.random.default_rng([seed, zlib.crc32(self.unit.name.encode()), draw]) if probe == "gauss" else None
         for name in self.weights:

@@ -26,10 +26,12 @@ class Rig:
     overridable: Session | None
     """The session whose scored weights are fed (None once closed: one model copy in memory, not two)."""
     constant: Session | None = None
-    """The session of the model with its weights constant (auto's timing; the nominal session of 'rebuild', 'unit', 'batch')."""
+    """The session of the model with its weights constant (auto's timing; the nominal session of 'rebuild', 'unit',
+    'batch')."""
     constant_build_s: float = 0.0
     first_step: FirstRun | None = None
-    """auto's timed run of one real step on a single-chunk sweep: the nominal's first step if its session makes the nominal."""
+    """auto's timed run of one real step on a single-chunk sweep: the nominal's first step if its session makes the
+    nominal."""
     nominal: SharedNominal | None = None
     batch: BatchCheck = field(init=False)
     cuts: CutPlanning = field(init=False)

@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from runtimes import Session
-from tqsdeploy.errors import RolloutError
+from tqsdeploy.errors import InternalError, RolloutError
 from tqsdeploy.rollout import CheckedSpec
 from tqsdeploy.rollout.engine import Drift, Nominal, RolloutEngine
 from tqsdeploy.sweep.choice import Choice
@@ -37,7 +37,9 @@ class SweepRunner:
 
     def __init__(self, job: SweepJob, session: Session | None = None, nominal: Nominal | None = None):
         if not isinstance(job.spec, CheckedSpec):  # what a job's spec is typed as, so nothing checks it here again
-            raise TypeError("a sweep's job takes a CheckedSpec (rollout.resolve_spec), not an unchecked RolloutSpec")
+            raise InternalError(
+                "a sweep's job takes a CheckedSpec (rollout.resolve_spec), not an unchecked RolloutSpec"
+            )
         self.job = job
         asked = BY_NAME.get(job.strategy)
         if asked is not None:

@@ -98,14 +98,14 @@ class ResultLog:
         return results
 
     def append(self, result: TaskResult) -> None:
-        record = dict(vars(result))  # flat fields: dataclasses.asdict's deep copy cost the BERT's sweep 10 ms
+        record = dict(vars(result))  # flat fields: no deep copy (dataclasses.asdict) per task
         record["div_sq"] = [v if math.isfinite(v) else None for v in result.div_sq]
         try:  # a full disk names this file (load drops a half-written last line on resume)
             if self._handle is None:
                 self._handle = open(self.path, "a", encoding="utf-8")
             self._handle.write(json.dumps(record) + "\n")
             now = time.monotonic()
-            if now - self._last_flush > FLUSH_EVERY_S:  # a line per task would cost a write call each (BERT: 0.3 ms)
+            if now - self._last_flush > FLUSH_EVERY_S:  # not a write call per task (docs/design-notes/sweep.md)
                 self._handle.flush()
                 self._last_flush = now
             if now - self._last_sync > 1.0:

@@ -65,7 +65,8 @@ class Prefix(PerUnit):
     def refuse(cls, job: SweepJob) -> None:
         if job.spec.steps != 1 and job.rebuild_factory is None:
             raise RolloutError(
-                f"strategy 'prefix' on a model streamed from its files needs a single-step rollout; this one has {job.spec.steps} steps",
+                "strategy 'prefix' on a model streamed from its files needs a single-step rollout; "
+                f"this one has {job.spec.steps} steps",
                 hint="use --steps 1 or --strategy feed",
             )
 

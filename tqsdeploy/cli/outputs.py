@@ -1,0 +1,113 @@
+"""What the model-writing commands (`export`, `baseline`) check of their output files before any work, and say
+about the files they wrote."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from rich.markup import escape
+
+from tqsdeploy.cli.app import out
+from tqsdeploy.errors import InputError
+
+
+def say_sidecar(files, size: int, alternative: str | None = None) -> None:
+    """Name a model's external-data file: shipped without it, the .onnx does not load."""
+    if len(files) > 1:
+        out.print(
+            f"  [yellow]external data:[/] {escape(' + '.join(str(f) for f in files))}: "
+            "the .onnx reads its weights from the .data file, so ship and keep both together in one folder"
+            + (f" ({alternative})" if alternative and size < 2**31 else ""),
+            soft_wrap=True,
+        )
+
+
+def refuse_overwrite(*paths, elsewhere: str = "-o / --out-dir") -> None:
+    """Fail before any work when an output exists (--force overwrites)."""
+    for path in paths:
+        if Path(path).exists():
+            raise InputError(
+                f"{path} already exists", hint=f"pass --force to overwrite it, or choose another name with {elsewhere}"
+            )
+
+
+def feeds_matmul_integer_codes(encodings, layouts) -> bool:
+    """Whether an export stores integer codes (DequantizeLinear) for a weight a MatMul reads: what ONNX
+    Runtime fuses into MatMulNBits with int8 activations."""
+
+    def integer(encoded) -> bool:
+        if encoded.form == "split":
+            return any(integer(part) for part in encoded.parts)
+        # packed codes keep their type: no unpacking
+        return encoded.form == "dequantize" and not np.dtype(encoded.values.dtype).name.startswith("float")
+
+    return any(
+        "MatMul" in layouts[name].op_types and integer(encoded)
+        for name, encoded in encodings.items()
+        if name in layouts
+    )
+
+
+def layout_cost(outcome, settings) -> str:
+    """What the written layout costs at run time, in one line."""
+    memory = f"about {outcome.memory_bytes / 1e6:.3f} MB of weights in memory after load"
+    chosen = f"{outcome.layout}" + (
+        f" (auto for --target {settings.target})" if settings.runtime_layout == "auto" else ""
+    )
+    if outcome.layout == "dequantized":
+        model, file = outcome.opsets
+        speed = (
+            "runs the original's kernels at its speed, exactly"
+            if file <= model
+            else f"runs the original's kernels exactly, at opset {file} "
+            f"(converted from {model} for the codes' types: a kernel can change speed with the opset, "
+            "ONNX Runtime's AveragePool from 19 on ran 2.7x slower; `tqsdeploy eval` times both)"
+        )
+        return (
+            f"{chosen}: ONNX Runtime rebuilds the float weights once when the session is created "
+            f"and {speed} (no dequantization per call); "
+            f"{memory} (the original's float size; the file stays {outcome.file_bytes / 1e6:.3f} MB)"
+        )
+    return (
+        f"{chosen}: DequantizeLinear nodes; ONNX Runtime runs those before a MatMul as MatMulNBits (fast for few rows, "
+        f"slower than float for batched calls) and the others on every call; {memory}"
+    )
+
+
+def name_limit(folder: Path) -> int:
+    """Longest file name (bytes) the file system of `folder` (or of its nearest existing parent) takes."""
+    existing = next((p for p in (folder, *folder.absolute().parents) if p.is_dir()), Path("/"))
+    try:
+        return os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def check_output_file(path: Path, given: str | None, inputs) -> None:
+    """An output must be a file name, and never one of the input model's files, --force or not."""
+    if (given or "").endswith(("/", os.sep)) or path.is_dir():
+        raise InputError(
+            f"output {given or path} is a folder; name the file (or use --out-dir where the command has it)"
+        )
+    longest = len(f".{path.name}.12345678.data.12345678.partial".encode())  # the writer's temporary beside the data
+    limit = name_limit(path.parent)
+    if longest > limit:
+        raise InputError(
+            f"output name {path.name} is too long: its files' names reach {longest} bytes, "
+            f"this file system takes {limit}",
+            hint=f"use a name of at most {limit - (longest - len(path.name.encode()))} bytes",
+        )
+    # else an ONNX model would be written under any name (-o q.npz), its records beside it as q.allocation.json
+    if path.suffix.lower() != ".onnx":
+        raise InputError(
+            f"output {path} does not end in .onnx: the command writes an ONNX model",
+            hint=f"name it {path.with_suffix('.onnx').name}",
+        )
+    for source in inputs:
+        if source is not None and Path(source).exists() and path.exists() and os.path.samefile(path, source):
+            raise InputError(
+                f"output {path} is the input model's own file {source}; the input is never overwritten",
+                hint="choose another name",
+            )
