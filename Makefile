@@ -12,7 +12,7 @@ EXAMPLE ?= examples/etth1_patchtst
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,plots,ray]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,ray]'
 	touch $(STAMP)
 
 RUN ?= tqs-runs/$(notdir $(EXAMPLE))

@@ -100,11 +100,6 @@ def downstream_nodes(graph: onnx.GraphProto, weights: set[str]) -> tuple[list[on
     return [walk.nodes[i] for i in found], affected
 
 
-def boundary_tensors(model: onnx.ModelProto, weights: list[str], outputs: list[str]) -> tuple[str, ...]:
-    """The unaffected tensors the downstream part of `weights` reads (inputs and upstream activations)."""
-    return GraphWalk(model.graph).boundary(weights, outputs)
-
-
 def element_types(model: onnx.ModelProto) -> dict[str, int]:
     """Element type of every tensor shape inference can type."""
     return {v.name: v.type.tensor_type.elem_type for v in inferred_values(model) if v.type.tensor_type.elem_type}

@@ -9,8 +9,8 @@ import onnx
 
 import graph_ops
 from graph_ops.calibration import expose_tensors, layer_tensors, tensor_graph, tensor_infos
-from graph_ops.layout import WeightLayout
 from graph_ops.fed_codes import fed_codes_model
+from graph_ops.layout import WeightLayout
 from graph_ops.qdq import at_opset
 from graph_ops.recurrent import add_recurrent_states
 from tiers import Encoded
