@@ -10,18 +10,17 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import models
 import numpy as np
 import pytest
+from conftest import REPO
 
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.errors import InputError
 from tqsdeploy.export import ExportProgress, Planner
 from tqsdeploy.files import claim_run_folder
 
-REPO = Path(__file__).resolve().parents[1]
 SETTINGS = ScoreSettings(gauss_draws=0)
 
 

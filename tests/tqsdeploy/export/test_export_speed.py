@@ -8,6 +8,7 @@ import sys
 import models
 import numpy as np
 import pytest
+from conftest import REPO
 from scipy.linalg import lapack
 from test_export import scored  # noqa: F401 - the export tests' scored MLP, a fixture
 from typer.testing import CliRunner
@@ -178,12 +179,11 @@ def test_float32_solves_give_the_float64_codes_on_a_trained_models_layers(tmp_pa
     pass, every weight solved both ways on the same statistics), >= 99% of the codes are float64's (rows whose
     per-channel grid choice flips aside, at most 1% of rows) and each layer's reconstruction error is within 1%
     of float64's."""
-    from pathlib import Path
 
     from tiers.gptq import output_error
     from tiers.quantizer import encode
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "etth1_patchtst"
+    example = REPO / "examples" / "etth1_patchtst"
     score(
         example / "model.onnx",
         example / "contexts.npz",

@@ -2,17 +2,16 @@
 random contexts that read the embedding table, --dim for named axes, and the whole chain on examples/token_embedder."""
 
 import json
-from pathlib import Path
 
 import models
 import numpy as np
 import onnx
 import pytest
+from conftest import REPO
 from typer.testing import CliRunner
 
 from tqsdeploy.cli import app
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "examples" / "token_embedder" / "model.onnx"
 runner = CliRunner()
 

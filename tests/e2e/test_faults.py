@@ -10,18 +10,17 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import models
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import REPO
 from typer.testing import CliRunner
 
 from tqsdeploy.cli import app
 
-REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 

@@ -5,11 +5,11 @@ checked without one (clear errors when the stack is missing) runs everywhere.
 """
 
 import importlib.util
-from pathlib import Path
 
 import numpy as np
 import onnxruntime
 import pytest
+from conftest import REPO
 from typer.testing import CliRunner
 
 from tqsdeploy.cli import app
@@ -108,7 +108,7 @@ def test_device_binding_path_runs_rollouts_as_plain_runs_do(two_branch, tmp_path
         assert all(np.array_equal(want[k], got[k]) for k in want)
 
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = REPO / "examples"
 GAMMA_TOLERANCE = 0.02
 """Largest |γ_cuda − γ_cpu| (nats/step) allowed on a unit alive on both, with TF32 off."""
 

@@ -5,8 +5,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("tqsdeploy", "graph_ops", "runtimes", "tiers")
 ALLOWED = {
     "tqsdeploy": set(PACKAGES),
@@ -20,8 +20,8 @@ MAX_LINES = 600
 def _modules() -> dict[str, Path]:
     found = {}
     for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
+        for path in (REPO / package).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
             found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 

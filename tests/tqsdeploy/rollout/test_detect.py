@@ -4,6 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO
 from models import _model
 from onnx import TensorProto, helper
 from typer.testing import CliRunner
@@ -15,7 +16,6 @@ from tqsdeploy.rollout import AmbiguousRollout, Feedback, RolloutSpec, detect, d
 from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.rollout.engine import RolloutEngine
 
-REPO = Path(__file__).resolve().parents[1]
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
 runner = CliRunner()
 

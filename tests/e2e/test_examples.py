@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO
 from typer.testing import CliRunner
 
 from tqsdeploy.cli import app
 
-REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 pytestmark = pytest.mark.slow
 
