@@ -7,11 +7,7 @@ import models
 import numpy as np
 import onnx
 import pytest
-from typer.testing import CliRunner
-
-from tqsdeploy.cli import app
-
-runner = CliRunner()
+from conftest import cli
 
 
 def _digest(path):
@@ -19,7 +15,7 @@ def _digest(path):
 
 
 def _fails(args, *phrases, code=2):
-    result = runner.invoke(app, [str(a) for a in args])
+    result = cli(*args)
     text = result.output + (result.stderr if result.stderr_bytes is not None else "")
     assert result.exit_code == code, text
     assert "Traceback" not in text
@@ -81,7 +77,7 @@ def test_external_data_outside_folder(tmp_path, ctx):
 
 def test_external_data_loads_when_valid(tmp_path, ctx):
     path = _external(tmp_path, "weights.bin")
-    result = runner.invoke(app, ["score", str(path), "-c", str(ctx), "-o", str(tmp_path / "run"), "--steps", "2"])
+    result = cli("score", path, "-c", ctx, "-o", tmp_path / "run", "--steps", "2")
     assert result.exit_code == 0, result.output
 
 
@@ -134,9 +130,7 @@ def test_a_refused_score_of_a_streamed_model_leaves_nothing_that_blocks_the_next
     run = tmp_path / "runs" / "big"
     _fails(["score", model, "-c", tmp_path / "wrong.npz", "-o", run, "--steps", 2], "does not fit model input 'x'")
     assert not run.exists() and not (tmp_path / "runs").exists()
-    result = runner.invoke(
-        app, [str(a) for a in ["score", model, "-c", tmp_path / "right.npz", "-o", run, "--steps", 2, "--probes", 1]]
-    )
+    result = cli("score", model, "-c", tmp_path / "right.npz", "-o", run, "--steps", 2, "--probes", 1)
     assert result.exit_code == 0, result.output
     run.joinpath("keep.txt").write_text("the user's")  # a refusal in a finished run folder removes only what it made
     before = sorted(p.name for p in run.iterdir())
@@ -230,7 +224,7 @@ def test_single_step_model_refuses_more_steps(tmp_path):
 def test_model_file_untouched_by_a_full_run(two_branch, tmp_path):
     model, ctx_path = two_branch
     before = _digest(model)
-    result = runner.invoke(app, ["score", str(model), "-c", str(ctx_path), "-o", str(tmp_path / "run")])
+    result = cli("score", model, "-c", ctx_path, "-o", tmp_path / "run")
     assert result.exit_code == 0
     assert _digest(model) == before
 
@@ -255,19 +249,14 @@ def test_nodes_out_of_order_are_sorted_not_refused(two_branch, tmp_path):
         onnx.checker.check_model(str(shuffled))
     before = _digest(shuffled)
     for name, path in [("sorted", model), ("shuffled", shuffled)]:
-        result = runner.invoke(
-            app,
-            ["score", str(path), "-c", str(ctx_path), "-o", str(tmp_path / name), "--steps", "3", "--strategy", "feed"],
-        )
+        result = cli("score", path, "-c", ctx_path, "-o", tmp_path / name, "--steps", "3", "--strategy", "feed")
         assert result.exit_code == 0, result.output
     import polars as pl
 
     tables = [pl.read_parquet(tmp_path / name / "scores.parquet").sort("unit") for name in ("sorted", "shuffled")]
     assert tables[0]["unit"].to_list() == tables[1]["unit"].to_list()
     assert np.allclose(tables[0]["gamma"].to_numpy(), tables[1]["gamma"].to_numpy(), rtol=1e-6)
-    result = runner.invoke(
-        app, ["export", str(shuffled), "--run", str(tmp_path / "shuffled"), "--C", "4", "-o", str(tmp_path / "q.onnx")]
-    )
+    result = cli("export", shuffled, "--run", tmp_path / "shuffled", "--C", "4", "-o", tmp_path / "q.onnx")
     assert result.exit_code == 0, result.output
     onnx.checker.check_model(str(tmp_path / "q.onnx"))  # what tqsdeploy writes is in order
     assert _digest(shuffled) == before
@@ -452,7 +441,7 @@ def test_a_trajectory_naming_an_output_twice_is_refused():
 def test_a_mistyped_solver_variable_is_refused_before_any_work(two_branch, tmp_path, monkeypatch, variable, value):
     model, contexts = two_branch
     monkeypatch.setenv(variable, value)
-    result = runner.invoke(app, ["score", str(model), "-c", str(contexts), "-o", str(tmp_path / "run")])
+    result = cli("score", model, "-c", contexts, "-o", tmp_path / "run")
     assert result.exit_code == 2
     assert variable in result.output and value in result.output
     assert not (tmp_path / "run").exists()
@@ -506,22 +495,19 @@ def test_a_group_size_nothing_can_take_is_refused_not_ignored(tmp_path, args, ph
                 .astype(np.float32)
             },
         )
-        result = runner.invoke(
-            app,
-            [
-                "score",
-                str(conv),
-                "-c",
-                str(contexts),
-                "--steps",
-                "2",
-                "--probe",
-                "quant",
-                "--min-params",
-                "1",
-                "-o",
-                str(tmp_path / "run"),
-            ],
+        result = cli(
+            "score",
+            conv,
+            "-c",
+            contexts,
+            "--steps",
+            "2",
+            "--probe",
+            "quant",
+            "--min-params",
+            "1",
+            "-o",
+            tmp_path / "run",
         )
         assert result.exit_code == 0, result.output
     _fails([a.format(conv=conv, mlp=mlp, tmp=tmp_path) for a in args], "--group-size", phrase)
@@ -618,26 +604,20 @@ def test_a_truth_of_the_wrong_length_says_longer_ones_are_fine(tmp_path, pair):
         "truth 'y' has shape [4, 2, 1, 32]; expected [3, 2 or more, 1, 32]",
     )
     np.savez(tmp_path / "long.npz", y=np.zeros((3, 9, 1, 32)))
-    result = runner.invoke(
-        app,
-        [
-            str(a)
-            for a in [
-                "eval",
-                model,
-                "-r",
-                model,
-                "-c",
-                ctx,
-                "--steps",
-                2,
-                "--truth",
-                tmp_path / "long.npz",
-                "--no-latency",
-                "--report",
-                tmp_path / "r",
-            ]
-        ],
+    result = cli(
+        "eval",
+        model,
+        "-r",
+        model,
+        "-c",
+        ctx,
+        "--steps",
+        2,
+        "--truth",
+        tmp_path / "long.npz",
+        "--no-latency",
+        "--report",
+        tmp_path / "r",
     )
     assert result.exit_code == 0, result.output
 
@@ -652,26 +632,20 @@ def test_a_truth_without_the_batch_axis_of_one_reads_as_contexts_do(tmp_path, pa
     np.savez(tmp_path / "full.npz", y=truth[:, :, None])
     maes = []
     for name in ("flat", "full"):
-        result = runner.invoke(
-            app,
-            [
-                str(a)
-                for a in [
-                    "eval",
-                    model,
-                    "-r",
-                    model,
-                    "-c",
-                    ctx,
-                    "--steps",
-                    2,
-                    "--truth",
-                    tmp_path / f"{name}.npz",
-                    "--no-latency",
-                    "--report",
-                    tmp_path / name,
-                ]
-            ],
+        result = cli(
+            "eval",
+            model,
+            "-r",
+            model,
+            "-c",
+            ctx,
+            "--steps",
+            2,
+            "--truth",
+            tmp_path / f"{name}.npz",
+            "--no-latency",
+            "--report",
+            tmp_path / name,
         )
         assert result.exit_code == 0, result.output
         maes.append(json.loads((tmp_path / f"{name}.json").read_text())["outputs"]["y"]["vs_truth"]["mae"])
@@ -715,13 +689,7 @@ def test_feedback_edges_one_per_input_and_an_output_may_feed_two(tmp_path):
     )
     assert "trajectory" not in message, message
     spec.write_text('steps = 3\n[[feedback]]\noutput = "y"\ninput = "x"\n[[feedback]]\noutput = "y"\ninput = "prev"\n')
-    result = runner.invoke(
-        app,
-        [
-            str(a)
-            for a in ["score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--probes", 1]
-        ],
-    )
+    result = cli("score", model, "-c", tmp_path / "c.npz", "--spec", spec, "-o", tmp_path / "run", "--probes", 1)
     assert result.exit_code == 0, result.output
     assert "trajectory ['y']" in result.output
 
@@ -743,18 +711,18 @@ def test_inspect_says_which_weights_hold_nan_or_inf(tmp_path):
     )
     model = tmp_path / "nan_weight.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(model))
-    result = runner.invoke(app, ["inspect", str(model), "--min-params", "1"])
+    result = cli("inspect", model, "--min-params", "1")
     assert result.exit_code == 0, result.output
     assert "1 weight(s) hold NaN or Inf (W): score, export and baseline refuse this model" in " ".join(
         result.output.split()
     )
-    result = runner.invoke(app, ["inspect", str(model), "--min-params", "1", "--json"])
+    result = cli("inspect", model, "--min-params", "1", "--json")
     assert json.loads(result.output)["nonfinite_weights"] == ["W"]
     clean = tmp_path / "clean.onnx"
     weight[3, 4] = 1.0
     graph.initializer[0].CopyFrom(numpy_helper.from_array(weight, "W"))
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(clean))
-    result = runner.invoke(app, ["inspect", str(clean), "--min-params", "1", "--json"])
+    result = cli("inspect", clean, "--min-params", "1", "--json")
     assert json.loads(result.output)["nonfinite_weights"] == []
 
 
@@ -788,7 +756,7 @@ def test_a_failed_fresh_score_keeps_the_finished_run_it_would_replace(tmp_path, 
     old run's files as they were (byte for byte), and a score that fails in a new folder leaves no folder behind."""
     model = models.two_branch(tmp_path / "m.onnx")
     run = tmp_path / "run"
-    assert runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run)]).exit_code == 0
+    assert cli("score", model, "-c", ctx, "-o", run).exit_code == 0
     kept = {path.name: _digest(path) for path in run.iterdir() if path.is_file() and not path.name.startswith(".")}
     huge = tmp_path / "huge.npz"
     np.savez(huge, x=np.full((3, 1, 32), 3e38, np.float32))
@@ -800,7 +768,7 @@ def test_a_failed_fresh_score_keeps_the_finished_run_it_would_replace(tmp_path, 
 
 def test_an_unknown_strategy_is_refused_before_a_finished_run_is_read(tmp_path, ctx):
     model = models.two_branch(tmp_path / "m.onnx")
-    assert runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(tmp_path / "run")]).exit_code == 0
+    assert cli("score", model, "-c", ctx, "-o", tmp_path / "run").exit_code == 0
     _fails(["score", model, "-c", ctx, "-o", tmp_path / "run", "--strategy", "fast"], "unknown strategy 'fast'")
     _fails(["score", model, "-c", ctx, "-o", tmp_path / "run", "--steps", 10**20], "at most 100000 are taken")
 
@@ -820,7 +788,7 @@ def test_an_unreachable_ray_cluster_is_refused_at_once(tmp_path, ctx):
 def test_a_damaged_score_table(tmp_path, ctx):
     model = models.two_branch(tmp_path / "m.onnx")
     run = tmp_path / "run"
-    assert runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run)]).exit_code == 0
+    assert cli("score", model, "-c", ctx, "-o", run).exit_code == 0
     (run / "scores.parquet").write_bytes(b"")
     _fails(
         ["export", model, "--run", run, "--C", 4, "-o", tmp_path / "q.onnx"],
@@ -855,7 +823,7 @@ def test_a_csv_that_is_not_utf8_and_a_compression_below_one(tmp_path, ctx):
     wide = tmp_path / "wide.csv"
     wide.write_bytes("a,b\n1,2\n".encode("utf-16"))
     _fails(["score", model, "-c", wide, "-o", tmp_path / "run"], "is not UTF-8 text (a UTF-16 byte order mark)")
-    assert runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(tmp_path / "run")]).exit_code == 0
+    assert cli("score", model, "-c", ctx, "-o", tmp_path / "run").exit_code == 0
     _fails(
         ["export", model, "--run", tmp_path / "run", "--C", 0.5, "-o", tmp_path / "q.onnx"],
         "compression target 0.5 is below 1",
@@ -871,13 +839,13 @@ def test_a_run_set_aside_by_a_killed_fresh_score_comes_back(tmp_path, ctx):
 
     model = models.two_branch(tmp_path / "m.onnx")
     run = tmp_path / "run"
-    assert runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run)]).exit_code == 0
+    assert cli("score", model, "-c", ctx, "-o", run).exit_code == 0
     scores = _digest(run / "scores.parquet")
     (run / ".replaced").mkdir()
     for name in ("run.json", "sweep.jsonl", "scores.parquet", "scores.csv", "rollout.toml", "contexts.npz"):
         shutil.move(run / name, run / ".replaced" / name)
     (run / "run.json").write_text('{"format": 1, "status": "running", "fingerprint": "another"}')
-    result = runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run)])
+    result = cli("score", model, "-c", ctx, "-o", run)
     assert result.exit_code == 0, result.output
     assert (
         "resuming" in " ".join(result.output.split())
@@ -896,6 +864,6 @@ def test_a_score_killed_as_it_began_in_a_new_folder_does_not_block_the_rerun(tmp
     (run / "run.json").write_text('{"format": 1, "status": "starting"}')
     (run / "rollout.toml").write_text("steps = 1\n")
     (run / ".contexts.npz.0123abcd.partial").write_bytes(b"PK")
-    result = runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run)])
+    result = cli("score", model, "-c", ctx, "-o", run)
     assert result.exit_code == 0, result.output
     assert (run / "scores.parquet").exists() and not list(run.glob(".*.partial")) and not (run / ".replaced").exists()

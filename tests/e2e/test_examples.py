@@ -9,18 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
-from typer.testing import CliRunner
+from conftest import REPO, invoke
 
-from tqsdeploy.cli import app
-
-runner = CliRunner()
 pytestmark = pytest.mark.slow
-
-
-def _run(*args):
-    result = runner.invoke(app, [str(a) for a in args])
-    return result.exit_code, result.output + (result.stderr or "")
 
 
 @pytest.mark.parametrize("example", ["etth1_patchtst", "era5_emulator", "lorenz96", "tied_mixer_etth1"])
@@ -30,15 +21,15 @@ def test_score_export_eval_gate(example, tmp_path):
     shutil.copy(folder / "model.onnx", model)
     before = model.read_bytes()
     common = ["--contexts", folder / "contexts.npz", "--spec", folder / "rollout.toml"]
-    code, text = _run("score", model, *common, "--out", tmp_path / "run", "--probes", "1")
+    code, text = invoke("score", model, *common, "--out", tmp_path / "run", "--probes", "1", layout=True)
     assert code == 0, text
     scores = json.loads((tmp_path / "run" / "run.json").read_text())
     assert scores["status"] == "complete" and scores["units"] >= 3
-    code, text = _run("export", model, "--run", tmp_path / "run", "--C", "4", "--out-dir", tmp_path)
+    code, text = invoke("export", model, "--run", tmp_path / "run", "--C", "4", "--out-dir", tmp_path, layout=True)
     assert code == 0, text
     allocation = json.loads((tmp_path / f"{example}.C4.allocation.json").read_text())
     assert 4 <= allocation["compression"] <= 4 * 1.02
-    code, text = _run(
+    code, text = invoke(
         "eval",
         tmp_path / f"{example}.C4.onnx",
         "--reference",
@@ -48,12 +39,13 @@ def test_score_export_eval_gate(example, tmp_path):
         folder / "truth.npz",
         "--report",
         tmp_path / "eval",
+        layout=True,
     )
     assert code == 0, text
     report = json.loads((tmp_path / "eval.json").read_text())
     output = next(iter(report["outputs"].values()))
     assert output["vs_truth"]["reference_mae"] > 0 and report["compression"] == allocation["compression"]
-    code, text = _run(
+    code, text = invoke(
         "gate",
         tmp_path / f"{example}.C4.onnx",
         "--reference",
@@ -65,6 +57,7 @@ def test_score_export_eval_gate(example, tmp_path):
         "1000%",
         "--report-dir",
         tmp_path / "gate",
+        layout=True,
     )
     assert code == 0, text
     assert model.read_bytes() == before
@@ -111,7 +104,7 @@ def test_qep_w2_on_the_weight_tied_example_stays_within_the_min_max_grids_drift(
     from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
 
     folder = REPO / "examples" / "tied_mixer_etth1"
-    code, text = _run(
+    code, text = invoke(
         "baseline",
         folder / "model.onnx",
         "--method",
@@ -122,6 +115,7 @@ def test_qep_w2_on_the_weight_tied_example_stays_within_the_min_max_grids_drift(
         folder / "contexts.npz",
         "-o",
         tmp_path / "qep.onnx",
+        layout=True,
     )
     assert code == 0, text
     report = evaluate(
@@ -145,7 +139,7 @@ def test_qep_w2_on_lorenz96_keeps_the_grid_that_does_no_worse_than_95188a9s(tmp_
     drift = {}
     for grids in ("auto", "per-channel", "min-max"):
         out = tmp_path / f"qep.{grids}.onnx"
-        code, text = _run(
+        code, text = invoke(
             "baseline",
             folder / "model.onnx",
             "--method",
@@ -160,6 +154,7 @@ def test_qep_w2_on_lorenz96_keeps_the_grid_that_does_no_worse_than_95188a9s(tmp_
             grids,
             "-o",
             out,
+            layout=True,
         )
         assert code == 0, text
         report = evaluate(

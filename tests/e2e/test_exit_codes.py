@@ -3,15 +3,11 @@ exits 1; never a traceback."""
 
 import models
 import pytest
-from typer.testing import CliRunner
-
-from tqsdeploy.cli import app
-
-runner = CliRunner()
+from conftest import cli
 
 
 def _run(args):
-    result = runner.invoke(app, [str(a) for a in args])
+    result = cli(*args)
     stderr = result.stderr if result.stderr_bytes is not None else result.output
     return result, [line for line in stderr.splitlines() if line.strip()]
 

@@ -16,12 +16,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import REPO
-from typer.testing import CliRunner
-
-from tqsdeploy.cli import app
-
-runner = CliRunner()
+from conftest import REPO, cli
 
 
 def _cli(*args, limit_bytes=None, wait=True):
@@ -61,7 +56,7 @@ def _one_line(result, *phrases):
 def scored(two_branch, tmp_path):
     model, ctx = two_branch
     run = tmp_path / "run"
-    result = runner.invoke(app, ["score", str(model), "-c", str(ctx), "-o", str(run), "--probe", "quant"])
+    result = cli("score", model, "-c", ctx, "-o", run, "--probe", "quant")
     assert result.exit_code == 0, result.output
     return model, ctx, run
 
@@ -110,13 +105,7 @@ def test_a_fresh_score_that_cannot_write_its_first_record_puts_the_old_run_back(
         sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == before
         and not (run / ".replaced").exists()
     ), list(run.iterdir())
-    assert (
-        runner.invoke(
-            app,
-            ["export", str(model), "--run", str(run), "--C", "4", "--rounding", "rtn", "-o", str(tmp_path / "q.onnx")],
-        ).exit_code
-        == 0
-    )
+    assert cli("export", model, "--run", run, "--C", "4", "--rounding", "rtn", "-o", tmp_path / "q.onnx").exit_code == 0
 
 
 def test_kill_during_export_never_leaves_a_mismatched_pair(scored, tmp_path):
@@ -173,7 +162,7 @@ def _unwritable(tmp_path):
 def test_unwritable_out_dir_fails_before_the_work(scored, tmp_path):
     model, _, run = scored
     out = _unwritable(tmp_path)
-    result = runner.invoke(app, ["export", str(model), "--run", str(run), "--C", "4", "--out-dir", str(out)])
+    result = cli("export", model, "--run", run, "--C", "4", "--out-dir", out)
     assert result.exit_code == 2, result.output
     assert str(out.parent) in " ".join(result.output.split())
     assert not (run / "measured.jsonl").exists(), "the tiers were measured before the folder was checked"
@@ -182,9 +171,7 @@ def test_unwritable_out_dir_fails_before_the_work(scored, tmp_path):
 def test_unwritable_report_fails_before_eval(two_branch, tmp_path):
     model, ctx = two_branch
     report = _unwritable(tmp_path) / "r"
-    result = runner.invoke(
-        app, ["eval", str(model), "--reference", str(model), "--contexts", str(ctx), "--report", str(report)]
-    )
+    result = cli("eval", model, "--reference", model, "--contexts", ctx, "--report", report)
     assert result.exit_code == 2, result.output
     assert str(report.parent.parent) in " ".join(result.output.split())
     assert "rollout" not in result.output.lower()
@@ -214,9 +201,7 @@ def test_a_report_set_is_replaced_whole_or_not_at_all(two_branch, tmp_path, comm
         if command == "gate"
         else ["--report", str(folder / "r")]
     )
-    result = runner.invoke(
-        app, [command, str(model), "--reference", str(model), "--contexts", str(ctx), "--no-latency", *where]
-    )
+    result = cli(command, model, "--reference", model, "--contexts", ctx, "--no-latency", *where)
     assert result.exit_code == 2, result.output
     assert str(blocker) in " ".join(result.output.split())
     assert {p.name: p.read_text() for p in folder.iterdir() if p.is_file()} == {
@@ -234,14 +219,12 @@ def test_export_refuses_nonfinite_weights(tmp_path, bad):
     values.flat[3] = bad
     weight.CopyFrom(onnx.numpy_helper.from_array(values, weight.name))
     onnx.save(proto, model)
-    result = runner.invoke(app, ["export", str(model), "--uniform", "int4", "--out-dir", str(tmp_path / "out")])
+    result = cli("export", model, "--uniform", "int4", "--out-dir", tmp_path / "out")
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.onnx"))
     np.savez(tmp_path / "ctx.npz", x=np.ones((2, 1, 32), np.float32))
-    scored = runner.invoke(
-        app, ["score", str(model), "-c", str(tmp_path / "ctx.npz"), "-o", str(tmp_path / "run")]
-    )  # not gamma = inf
+    scored = cli("score", model, "-c", tmp_path / "ctx.npz", "-o", tmp_path / "run")  # not gamma = inf
     assert scored.exit_code == 2 and f"weight '{weight.name}' contains NaN or Inf" in " ".join(scored.output.split()), (
         scored.output
     )

@@ -13,11 +13,9 @@ import shlex
 import models
 import numpy as np
 import pytest
-from conftest import REPO
-from typer.testing import CliRunner
+from conftest import REPO, cli
 
 from runtimes import OrtRuntime
-from tqsdeploy.cli import app
 
 FENCE = re.compile(r"(?:<!--\s*(not run:[^>]*)-->\s*\n)?```(\w*)\n(.*?)```", re.S)
 PAGES = ["README.md", *sorted(path.relative_to(REPO).as_posix() for path in (REPO / "docs").glob("*.md"))]
@@ -95,13 +93,13 @@ def shell_words(command: str, variables: dict[str, str]) -> list[str]:
 @pytest.mark.parametrize("page, line, body", runnable("bash"))
 def test_bash_block(workdir, page, line, body):
     (workdir / "examples").symlink_to(REPO / "examples")
-    runner, variables = CliRunner(), {}
+    variables = {}
     for command in body.strip().splitlines():
         words = shell_words(command, variables)
         if not words:
             continue
         assert words[0] == "tqsdeploy", f"{page} line {line}: only tqsdeploy commands run here: {command}"
-        result = runner.invoke(app, words[1:])
+        result = cli(*words[1:])
         assert result.exit_code == 0, f"{page} line {line}: {command}\n{result.output}"
 
 

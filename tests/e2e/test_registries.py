@@ -3,28 +3,21 @@ choices and help, run, and show in the reports, with nothing else in the toolkit
 registration is undone they are gone again (as tests/test_formats.py does for a tier)."""
 
 import json
+from functools import partial
 
 import models
 import numpy as np
 import onnx
 import polars as pl
 import pytest
-from typer.testing import CliRunner
+from conftest import invoke
 
 from runtimes import RUNTIMES, OrtRuntime, Provider
 from tiers import METHODS, Method
-from tqsdeploy.cli import app
 from tqsdeploy.export.objectives import OBJECTIVES, Objective
 from tqsdeploy.sweep.strategies import BY_NAME, Feed
 
-runner = CliRunner()
-
-
-def _invoke(*args):
-    result = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "250"})
-    return result.exit_code, " ".join(
-        (result.output + (result.stderr or "")).replace("│", " ").split()
-    )  # help wraps inside a box
+wide_invoke = partial(invoke, columns=250, unbox=True)  # help wraps inside a box
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +41,14 @@ def test_a_registered_method_is_offered_run_and_labelled(small, monkeypatch):
     model, contexts, folder = small
     with monkeypatch.context() as registered:
         registered.setitem(METHODS, "fake", FAKE_METHOD)
-        code, text = _invoke("baseline", "--help")
+        code, text = wide_invoke("baseline", "--help")
         assert code == 0 and "rtn|gptq|gptaq|qep|fake" in text and "rtn, gptq, gptaq, qep or fake." in text
-        code, text = _invoke("export", "--help")
+        code, text = wide_invoke("export", "--help")
         assert "rtn|gptq|gptaq|qep|fake|auto" in text and "grid: rtn, gptq, gptaq, qep or fake (calibrated" in text
-        code, text = _invoke("frontier", "--help")
+        code, text = wide_invoke("frontier", "--help")
         assert "rtn|gptq|gptaq|qep|fake|auto" in text and "[default: rtn,gptq,gptaq,qep,fake]" in text
 
-        code, text = _invoke(
+        code, text = wide_invoke(
             "baseline", model, "--method", "fake", "--bits", "4", "--calib", contexts, "-o", folder / "fake4.onnx"
         )
         assert code == 0, text
@@ -63,14 +56,14 @@ def test_a_registered_method_is_offered_run_and_labelled(small, monkeypatch):
             "fake W4 (int4-asym)" in text
             and "fake rounds each weight to nearest and reads no calibration data: --calib not used" in text
         )
-        code, text = _invoke("baseline", model, "--method", "rtn", "--bits", "4", "-o", folder / "rtn4.onnx")
+        code, text = wide_invoke("baseline", model, "--method", "rtn", "--bits", "4", "-o", folder / "rtn4.onnx")
         assert code == 0, text
         fake, rtn = _weights(folder / "fake4.onnx"), _weights(folder / "rtn4.onnx")
         assert fake.keys() == rtn.keys() and all(np.array_equal(fake[n], rtn[n]) for n in fake)
         assert json.loads((folder / "fake4.baseline.json").read_text())["method"] == "fake"
 
         out = folder / "front"
-        code, text = _invoke(
+        code, text = wide_invoke(
             "frontier",
             model,
             "-c",
@@ -91,9 +84,9 @@ def test_a_registered_method_is_offered_run_and_labelled(small, monkeypatch):
         assert ("FAKE", "W4") in set(zip(frame["method"], frame["setting"]))
         assert "FAKE" in (out / "report.md").read_text()
     assert "fake" not in METHODS
-    code, text = _invoke("baseline", "--help")
+    code, text = wide_invoke("baseline", "--help")
     assert "|fake" not in text and "qep or fake" not in text
-    code, text = _invoke("baseline", model, "--method", "fake", "--bits", "4", "-o", folder / "gone.onnx")
+    code, text = wide_invoke("baseline", model, "--method", "fake", "--bits", "4", "-o", folder / "gone.onnx")
     assert code == 2 and "--method must be one of rtn, gptq, gptaq, qep" in text
 
 
@@ -107,25 +100,25 @@ FAKE_PROVIDER = Provider("fake", __name__, "ONNX Runtime's CPU provider under an
 
 def test_a_registered_runtime_is_offered_and_evaluates(small, monkeypatch):
     model, contexts, folder = small
-    code, text = _invoke("baseline", model, "--method", "rtn", "--bits", "4", "-o", folder / "candidate.onnx")
+    code, text = wide_invoke("baseline", model, "--method", "rtn", "--bits", "4", "-o", folder / "candidate.onnx")
     assert code == 0, text
     with monkeypatch.context() as registered:
         registered.setitem(RUNTIMES, "fake", FAKE_PROVIDER)
-        code, text = _invoke("eval", "--help")
+        code, text = wide_invoke("eval", "--help")
         assert "cpu|cuda|tensorrt|fake" in text and "cpu, cuda, tensorrt or fake." in text
-        code, text = _invoke("score", "--help")
+        code, text = wide_invoke("score", "--help")
         assert "cpu|cuda|tensorrt|trt-engine|fake" in text
         assert (
             "or trt-engine (native TensorRT, weights refitted), or fake (ONNX Runtime's CPU provider under another name)."
             in text
         )
-        code, text = _invoke("export", "--help")
+        code, text = wide_invoke("export", "--help")
         assert "cpu|cuda|tensorrt|fake" in text
 
         reports = {}
         for provider in ("fake", "cpu"):
             prefix = folder / f"eval-{provider}"
-            code, text = _invoke(
+            code, text = wide_invoke(
                 "eval",
                 folder / "candidate.onnx",
                 "-r",
@@ -145,7 +138,7 @@ def test_a_registered_runtime_is_offered_and_evaluates(small, monkeypatch):
         assert reports["fake"]["runtime"]["provider"] == "fake"
         assert reports["fake"]["outputs"] == reports["cpu"]["outputs"]  # the same runtime underneath: the same numbers
     assert "fake" not in RUNTIMES
-    code, text = _invoke("eval", "--help")
+    code, text = wide_invoke("eval", "--help")
     assert "cpu|cuda|tensorrt " in text and "fake" not in text
 
 
@@ -160,7 +153,7 @@ def test_a_registered_strategy_is_offered_and_scores(small, monkeypatch):
     model, contexts, folder = small
     with monkeypatch.context() as registered:
         registered.setitem(BY_NAME, "fake", FakeFeed)
-        code, text = _invoke("score", "--help")
+        code, text = wide_invoke("score", "--help")
         assert (
             "auto|feed|rebuild|unit|prefix|batch|fake" in text
             and "dynamic-batch models), fake (feed under another name) or auto (time them" in text
@@ -168,13 +161,13 @@ def test_a_registered_strategy_is_offered_and_scores(small, monkeypatch):
         scores = {}
         for strategy in ("fake", "feed"):
             run = folder / f"run-{strategy}"
-            code, text = _invoke("score", model, "-c", contexts, "--steps", "3", "--strategy", strategy, "-o", run)
+            code, text = wide_invoke("score", model, "-c", contexts, "--steps", "3", "--strategy", strategy, "-o", run)
             assert code == 0, text
             assert json.loads((run / "run.json").read_text())["strategy"] == strategy
             scores[strategy] = pl.read_parquet(run / "scores.parquet").sort("unit")
         assert scores["fake"]["gamma"].to_list() == scores["feed"]["gamma"].to_list()
     assert "fake" not in BY_NAME
-    code, text = _invoke(
+    code, text = wide_invoke(
         "score", model, "-c", contexts, "--steps", "3", "--strategy", "fake", "-o", folder / "run-gone"
     )
     assert code == 2 and "unknown strategy 'fake'; choose one of auto, feed, rebuild, unit, prefix, batch" in text
@@ -191,14 +184,14 @@ def test_a_registered_objective_is_offered_allocated_and_recorded(small, monkeyp
     """A fake objective in `OBJECTIVES` reaches export's and frontier's --objective, allocates an export whose record
     names it, and is refused again once unregistered."""
     model, contexts, folder = small
-    code, text = _invoke("score", model, "--contexts", contexts, "--steps", "3", "--out", folder / "objective-run")
+    code, text = wide_invoke("score", model, "--contexts", contexts, "--steps", "3", "--out", folder / "objective-run")
     assert code == 0, text
     with monkeypatch.context() as registered:
         registered.setitem(OBJECTIVES, "flat", _Flat("flat", "a test's flat price"))
         for command in ("export", "frontier"):
-            code, text = _invoke(command, "--help")
+            code, text = wide_invoke(command, "--help")
             assert code == 0 and "measured|response|paper|flat" in text, text
-        code, text = _invoke(
+        code, text = wide_invoke(
             "export",
             model,
             "--run",
@@ -216,7 +209,7 @@ def test_a_registered_objective_is_offered_allocated_and_recorded(small, monkeyp
         record = json.loads((folder / "flat.allocation.json").read_text())
         assert record["objective"] == "flat" or record["shipped"].startswith("uniform"), record["shipped"]
         assert "TQS-PTQ flat/rtn" in {c["label"].split(",")[0] for c in record["compared"]}
-    code, text = _invoke(
+    code, text = wide_invoke(
         "export",
         model,
         "--run",

@@ -7,22 +7,13 @@ import models
 import numpy as np
 import onnx
 import pytest
-from conftest import REPO
-from typer.testing import CliRunner
-
-from tqsdeploy.cli import app
+from conftest import REPO, invoke
 
 MODEL = REPO / "examples" / "token_embedder" / "model.onnx"
-runner = CliRunner()
-
-
-def _invoke(*args):
-    result = runner.invoke(app, [str(a) for a in args])
-    return result.exit_code, " ".join((result.output + (result.stderr or "")).split())
 
 
 def test_random_contexts_of_a_token_model_read_the_table_and_attend_everywhere(tmp_path):
-    code, text = _invoke(
+    code, text = invoke(
         "score", MODEL, "--random-contexts", "--dim", "seq=24", "--windows", 4, "--probes", 1, "--out", tmp_path / "run"
     )
     assert code == 0, text
@@ -39,7 +30,7 @@ def test_random_contexts_of_a_token_model_read_the_table_and_attend_everywhere(t
 
 
 def test_without_a_size_for_seq_the_error_names_dim_and_the_npz_layout(tmp_path):
-    code, text = _invoke("score", MODEL, "--random-contexts", "--out", tmp_path / "run")
+    code, text = invoke("score", MODEL, "--random-contexts", "--out", tmp_path / "run")
     assert code == 2 and "Traceback" not in text
     assert (
         "cannot make random contexts for input 'input_ids' [batch, seq]: its axis 1 is dynamic ('seq') and no --dim gives its size"
@@ -53,7 +44,7 @@ def test_without_a_size_for_seq_the_error_names_dim_and_the_npz_layout(tmp_path)
 
 
 def test_inspect_says_what_contexts_to_write_and_what_random_ones_need():
-    code, text = _invoke("inspect", MODEL)
+    code, text = invoke("inspect", MODEL)
     assert (
         code == 0
         and "contexts: an .npz with arrays 'input_ids' (windows, batch, seq) int64, 'attention_mask' (windows, batch, seq) int64"
@@ -76,14 +67,14 @@ def test_inspect_says_what_contexts_to_write_and_what_random_ones_need():
     ],
 )
 def test_dim_values_that_cannot_be_meant_are_refused(tmp_path, args, phrase):
-    code, text = _invoke("score", MODEL, "--random-contexts", *args, "--out", tmp_path / "run")
+    code, text = invoke("score", MODEL, "--random-contexts", *args, "--out", tmp_path / "run")
     assert code == 2 and phrase in text and "Traceback" not in text, text
 
 
 def test_a_dim_past_the_position_table_is_named_in_the_error(tmp_path):
     """--dim seq=500 on a model with 128 positions failed with ONNX Runtime's broadcast message alone, which names
     an Add node, not the size the user gave."""
-    code, text = _invoke(
+    code, text = invoke(
         "score", MODEL, "--random-contexts", "--dim", "seq=500", "--windows", 2, "--out", tmp_path / "run"
     )
     assert code == 2 and "Traceback" not in text, text
@@ -93,7 +84,7 @@ def test_a_dim_past_the_position_table_is_named_in_the_error(tmp_path):
 
 
 def test_dim_with_a_contexts_file_is_refused(tmp_path):
-    code, text = _invoke(
+    code, text = invoke(
         "score",
         MODEL,
         "-c",
@@ -110,7 +101,7 @@ def test_ids_stay_within_the_smallest_table_they_index(tmp_path):
     """An int32 id [batch] read through a Cast by a 100-row table: random ids lie in 0..99, never negative
     (standard-normal noise cast to int64 gave -2..2)."""
     model = models.gather_forecaster(tmp_path / "emb.onnx", rows=100, cast_ids=True)
-    code, text = _invoke(
+    code, text = invoke(
         "score", model, "--random-contexts", "--windows", 64, "--steps", 2, "--probes", 1, "--out", tmp_path / "run"
     )
     assert code == 0, text
@@ -127,9 +118,9 @@ def test_the_token_example_goes_inspect_score_export_eval_gate(tmp_path, monkeyp
         MODEL.stat().st_size < 500_000 and proto.ir_version <= 13 and max(o.version for o in proto.opset_import) <= 26
     )
     before = MODEL.read_bytes()
-    code, text = _invoke("inspect", MODEL)
+    code, text = invoke("inspect", MODEL)
     assert code == 0 and "single-step model" in text and "embeddings.word_embeddings.weight" in text, text
-    code, text = _invoke("score", MODEL, "--random-contexts", "--dim", "seq=64", "--probes", 1)
+    code, text = invoke("score", MODEL, "--random-contexts", "--dim", "seq=64", "--probes", 1)
     assert code == 0, text
     run = tmp_path / "tqs-runs" / "token_embedder_model"
     meta = json.loads((run / "run.json").read_text())
@@ -138,14 +129,14 @@ def test_the_token_example_goes_inspect_score_export_eval_gate(tmp_path, monkeyp
         and meta["rollout"]["feedback"] == []
         and meta["contexts"]["shapes"]["input_ids"] == [8, 1, 64]
     )
-    code, text = _invoke("export", "--C", 4)
+    code, text = invoke("export", "--C", 4)
     assert code == 0, text
     allocation = json.loads((tmp_path / "token_embedder_model.C4.allocation.json").read_text())
     assert 4 <= allocation["compression"] <= 4 * 1.05
     sentences = REPO / "examples" / "token_embedder" / "contexts.npz"
-    code, text = _invoke("eval", "token_embedder_model.C4.onnx", "--reference", MODEL, "--contexts", sentences)
+    code, text = invoke("eval", "token_embedder_model.C4.onnx", "--reference", MODEL, "--contexts", sentences)
     assert code == 0 and "16 context windows × 1 step" in text and "| embedding (16 × 48) |" in text, text
-    code, text = _invoke(
+    code, text = invoke(
         "gate",
         "token_embedder_model.C4.onnx",
         "--reference",

@@ -12,13 +12,10 @@ import models
 import numpy as np
 import onnx
 import pytest
-from typer.testing import CliRunner
+from conftest import cli
 
 import graph_ops
 from runtimes import OrtRuntime
-from tqsdeploy.cli import app
-
-runner = CliRunner()
 
 
 def _data_files(folder, name="q.onnx"):
@@ -85,21 +82,18 @@ def test_baseline_never_overwrites_the_inputs_external_data_even_with_force(tmp_
     )
     digest = hashlib.sha256((tmp_path / "weights.onnx").read_bytes()).hexdigest()
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
-    result = runner.invoke(
-        app,
-        [
-            "baseline",
-            str(tmp_path / "m.onnx"),
-            "--method",
-            "rtn",
-            "--bits",
-            "4",
-            "--calib",
-            str(tmp_path / "c.npz"),
-            "-o",
-            str(tmp_path / "weights.onnx"),
-            "--force",
-        ],
+    result = cli(
+        "baseline",
+        tmp_path / "m.onnx",
+        "--method",
+        "rtn",
+        "--bits",
+        "4",
+        "--calib",
+        tmp_path / "c.npz",
+        "-o",
+        tmp_path / "weights.onnx",
+        "--force",
     )
     assert result.exit_code == 2 and "the input model's own file" in result.output, result.output
     assert hashlib.sha256((tmp_path / "weights.onnx").read_bytes()).hexdigest() == digest
@@ -109,20 +103,8 @@ def test_an_output_name_too_long_for_the_file_system_is_refused_before_the_work(
     model = models.mlp_forecaster(tmp_path / "m.onnx")
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
     name = "q" * 230 + ".onnx"  # fits the file system itself, but not the writer's temporary data file beside it
-    result = runner.invoke(
-        app,
-        [
-            "baseline",
-            str(model),
-            "--method",
-            "rtn",
-            "--bits",
-            "4",
-            "--calib",
-            str(tmp_path / "c.npz"),
-            "-o",
-            str(tmp_path / name),
-        ],
+    result = cli(
+        "baseline", model, "--method", "rtn", "--bits", "4", "--calib", tmp_path / "c.npz", "-o", tmp_path / name
     )
     assert (
         result.exit_code == 2 and "too long" in result.output and "at most 223 bytes" in " ".join(result.output.split())
@@ -132,28 +114,9 @@ def test_an_output_name_too_long_for_the_file_system_is_refused_before_the_work(
 
 def test_export_refuses_to_overwrite_a_lone_allocation_table(two_branch, tmp_path):
     model, ctx = two_branch
-    assert (
-        runner.invoke(
-            app, ["score", str(model), "-c", str(ctx), "-o", str(tmp_path / "run"), "--probe", "quant"]
-        ).exit_code
-        == 0
-    )
+    assert cli("score", model, "-c", ctx, "-o", tmp_path / "run", "--probe", "quant").exit_code == 0
     (tmp_path / "q.allocation.parquet").write_text("mine")
-    result = runner.invoke(
-        app,
-        [
-            "export",
-            str(model),
-            "--run",
-            str(tmp_path / "run"),
-            "--C",
-            "4",
-            "--rounding",
-            "rtn",
-            "-o",
-            str(tmp_path / "q.onnx"),
-        ],
-    )
+    result = cli("export", model, "--run", tmp_path / "run", "--C", "4", "--rounding", "rtn", "-o", tmp_path / "q.onnx")
     assert result.exit_code == 2 and "q.allocation.parquet already exists" in " ".join(result.output.split()), (
         result.output
     )

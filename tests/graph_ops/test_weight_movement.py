@@ -7,23 +7,14 @@ import models
 import numpy as np
 import onnx
 import pytest
+from conftest import invoke, scored_run
 from onnx import TensorProto, helper, numpy_helper
-from typer.testing import CliRunner
 
 import graph_ops
 from graph_ops import weight_layouts
 from runtimes import OrtRuntime
-from tqsdeploy import ScoreSettings, score
-from tqsdeploy.cli import app
 from tqsdeploy.export import Planner
 from tqsdeploy.units import UnitSelection, select_units, selection_notes
-
-runner = CliRunner()
-
-
-def _invoke(*args):
-    result = runner.invoke(app, [str(a) for a in args])
-    return result.exit_code, " ".join((result.output + (result.stderr or "")).split())
 
 
 def test_gate_sliced_lstm_weights_are_per_row_units(tmp_path):
@@ -81,20 +72,16 @@ def test_moving_output_channels_keeps_calibration_and_moving_inputs_does_not():
     ), columns
 
 
-@pytest.fixture(scope="module")
-def scored(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sliced_lstm")
-    model = models.sliced_lstm(folder / "lstm.onnx")
-    np.savez(folder / "ctx.npz", x=np.random.default_rng(1).standard_normal((3, 2, 6, 16)).astype(np.float32))
-    score(model, folder / "ctx.npz", steps=2, out=folder / "run", settings=ScoreSettings(gauss_draws=1))
-    return model, folder
+scored = scored_run(
+    lambda folder: models.sliced_lstm(folder / "lstm.onnx"), (3, 2, 6, 16), seed=1, steps=2, name="sliced_lstm"
+)
 
 
 @pytest.mark.parametrize("tier", ["int8", "int4"])
 def test_export_runs_through_the_slices_and_matches_numpy_fake_quant(scored, tier):
     """The written file keeps the Slice/Concat chain and runs it on the dequantized weights: ONNX Runtime gives
     what the fake-quantized float model gives, and each stored row holds its own grid."""
-    model, folder = scored
+    model, _, folder = scored
     with Planner(folder / "run") as planner:
         outcome = planner.export(None, folder / f"lstm.{tier}.onnx", uniform_tier=tier)
         fake = outcome.fake_quantized()
@@ -121,7 +108,7 @@ def test_an_unfollowed_path_is_named_by_inspect_and_export(tmp_path):
     """R reaches the LSTM through a Mul nothing follows: inspect names it, its size and the path; export's
     out-of-reach hint names it instead of suggesting a lower --min-params (it is above it)."""
     model = models.sliced_lstm(tmp_path / "lstm.onnx", unfollowed=True)
-    code, text = _invoke("inspect", model, "--json")
+    code, text = invoke("inspect", model, "--json")
     info = json.loads(text[text.index("{") :])
     assert code == 0 and [u["unit"] for u in info["units"]] == ["rnn.weight_ih"], text
     assert (
@@ -129,11 +116,11 @@ def test_an_unfollowed_path_is_named_by_inspect_and_export(tmp_path):
         in info["notes"][0]
     )
     np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(1).standard_normal((2, 1, 6, 16)).astype(np.float32))
-    code, text = _invoke(
+    code, text = invoke(
         "score", model, "-c", tmp_path / "ctx.npz", "--steps", "2", "--probes", "1", "--out", tmp_path / "run"
     )
     assert code == 0 and "'rnn.weight_hh' (1,024 params) is not a unit" in text, text
-    code, text = _invoke("export", model, "--run", tmp_path / "run", "--C", "4", "--out-dir", tmp_path)
+    code, text = invoke("export", model, "--run", tmp_path / "run", "--C", "4", "--out-dir", tmp_path)
     assert code == 2 and "out of reach" in text and "'rnn.weight_hh' (1,024 params: reaches LSTM through Mul" in text, (
         text
     )

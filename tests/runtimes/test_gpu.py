@@ -9,10 +9,8 @@ import importlib.util
 import numpy as np
 import onnxruntime
 import pytest
-from conftest import REPO
-from typer.testing import CliRunner
+from conftest import REPO, cli
 
-from tqsdeploy.cli import app
 from tqsdeploy.scoring import score
 
 HAS_CUDA = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
@@ -24,12 +22,10 @@ needs_trt = pytest.mark.skipif(not (HAS_CUDA and HAS_TRT), reason="needs a CUDA 
 @pytest.mark.skipif(HAS_TRT, reason="TensorRT is installed here")
 def test_missing_tensorrt_is_an_input_error(two_branch, tmp_path):
     model, contexts = two_branch
-    result = CliRunner().invoke(
-        app, ["score", str(model), "-c", str(contexts), "--provider", "trt-engine", "-o", str(tmp_path / "run")]
-    )
+    result = cli("score", model, "-c", contexts, "--provider", "trt-engine", "-o", tmp_path / "run")
     assert result.exit_code == 2
     assert "tensorrt and polygraphy" in result.output + (result.stderr or "")
-    result = CliRunner().invoke(app, ["engine", str(model), "-o", str(tmp_path / "m.plan")])
+    result = cli("engine", model, "-o", tmp_path / "m.plan")
     assert result.exit_code == 2
 
 
@@ -220,9 +216,7 @@ def _loads(library: str) -> bool:
 )
 def test_tensorrt_provider_that_fails_to_load_is_refused_not_run_on_cuda(two_branch, tmp_path):
     model, contexts = two_branch
-    result = CliRunner().invoke(
-        app, ["score", str(model), "-c", str(contexts), "--provider", "tensorrt", "-o", str(tmp_path / "run")]
-    )
+    result = cli("score", model, "-c", contexts, "--provider", "tensorrt", "-o", tmp_path / "run")
     assert result.exit_code == 2, result.output
     message = result.output + (result.stderr or "")
     assert "'tensorrt' failed to load" in message and "Traceback" not in message

@@ -8,8 +8,8 @@ import models
 import numpy as np
 import onnx
 import pytest
+from conftest import cli
 from onnx import helper, numpy_helper
-from typer.testing import CliRunner
 
 import graph_ops
 from graph_ops.qdq import apply_storage, conversion_overhead_bits, emitted_bits, write_storage
@@ -19,7 +19,6 @@ from tiers.encoded import Encoded, broadcast_scale
 from tiers.formats.base import Tier, placed
 from tiers.grid import Grid, GridSpec, f32, register_grid
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.cli import app
 
 register_grid(
     "ternary",
@@ -151,20 +150,17 @@ def test_one_file_tier_exports_end_to_end(registered, tmp_path):
     contexts = tmp_path / "ctx.npz"
     np.savez(contexts, x=np.random.default_rng(5).standard_normal((4, 2, 64)).astype(np.float32))
     score(model, contexts, steps=3, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
-    result = CliRunner().invoke(
-        app,
-        [
-            "export",
-            str(model),
-            "--run",
-            str(tmp_path / "run"),
-            "--uniform",
-            "ternary",
-            "--rounding",
-            "gptq",
-            "-o",
-            str(tmp_path / "t.onnx"),
-        ],
+    result = cli(
+        "export",
+        model,
+        "--run",
+        tmp_path / "run",
+        "--uniform",
+        "ternary",
+        "--rounding",
+        "gptq",
+        "-o",
+        tmp_path / "t.onnx",
     )
     assert result.exit_code == 0, result.output
     meta = json.loads((tmp_path / "t.allocation.json").read_text())

@@ -5,10 +5,9 @@ import re
 
 import models
 import numpy as np
+from conftest import cli
 from rich.console import Console
-from typer.testing import CliRunner
 
-from tqsdeploy.cli import app
 from tqsdeploy.progress import Progress
 
 
@@ -43,10 +42,9 @@ def test_score_export_baseline_and_frontier_print_progress_off_a_terminal(tmp_pa
     np.savez(
         contexts, x=np.random.default_rng(1).standard_normal((3, 1, 32)).astype(np.float32), ids=np.array([[1]] * 3)
     )
-    runner = CliRunner()
 
     def run(*args):
-        result = runner.invoke(app, [str(a) for a in args])
+        result = cli(*args)
         assert result.exit_code == 0, result.output
         return result.output
 
@@ -139,19 +137,10 @@ def test_every_encoding_pass_of_an_export_runs_to_its_end_and_no_display_outlive
     from tqsdeploy.progress import HEARTBEAT_THREAD
 
     model, contexts = two_branch
-    runner = CliRunner()
-    result = runner.invoke(
-        app, [str(a) for a in ("score", model, "-c", contexts, "--steps", 4, "--out", tmp_path / "run")]
-    )
+    result = cli("score", model, "-c", contexts, "--steps", 4, "--out", tmp_path / "run")
     assert result.exit_code == 0, result.output
     for target in (3, 6):
-        result = runner.invoke(
-            app,
-            [
-                str(a)
-                for a in ("export", model, "--run", tmp_path / "run", "--C", target, "--out-dir", tmp_path, "--force")
-            ],
-        )
+        result = cli("export", model, "--run", tmp_path / "run", "--C", target, "--out-dir", tmp_path, "--force")
         assert result.exit_code == 0, result.output
         begun = re.findall(r"^encoding \(([^)]*)\): \d+/\d+ weights", result.output, re.M)
         ended = re.findall(r"^encoding \(([^)]*)\): (\d+)/\2 weights \(100%\), done in", result.output, re.M)

@@ -3,11 +3,10 @@
 import models
 import numpy as np
 import pytest
-from typer.testing import CliRunner
+from conftest import cli
 
 import graph_ops
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.cli import app
 from tqsdeploy.errors import InfeasibleError, InputError
 from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.export.allocate import allocate
@@ -156,7 +155,7 @@ def test_an_allocation_that_never_fits_its_written_size_falls_back_to_the_cheape
 
 
 def test_a_bad_allocator_is_refused_up_front(tmp_path):
-    result = CliRunner().invoke(app, ["export", "--run", str(tmp_path / "nowhere"), "--C", "4", "--allocator", "dp"])
+    result = cli("export", "--run", tmp_path / "nowhere", "--C", "4", "--allocator", "dp")
     text = result.output  # stdout and stderr together
     assert result.exit_code == 2 and len(text.strip().splitlines()) == 1, text
     assert "unknown allocator 'dp'; choose one of mckp, greedy" in " ".join(text.split())

@@ -6,16 +6,9 @@ import xml.etree.ElementTree as ET
 import models
 import numpy as np
 import pytest
-from typer.testing import CliRunner
+from conftest import invoke
 
 from tqsdeploy.cli import app
-
-runner = CliRunner()
-
-
-def _invoke(*args):
-    result = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "250"})
-    return result.exit_code, result.output + (result.stderr or "")
 
 
 @pytest.mark.parametrize(
@@ -54,7 +47,7 @@ def _invoke(*args):
     ],
 )
 def test_help_shows_choices(command, shown):
-    code, text = _invoke(command, "--help")
+    code, text = invoke(command, "--help", columns=250, layout=True)
     assert code == 0
     for phrase in shown:
         assert phrase in text, f"{command} --help lacks {phrase!r}"
@@ -64,9 +57,9 @@ def test_gate_reports_units_numeric_bounds_and_escapes_once(tmp_path):
     model = models.shift_model(tmp_path / "shift.onnx")
     np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(0).standard_normal((3, 2, 16)).astype(np.float32))
     candidate = tmp_path / "a&b.onnx"
-    code, text = _invoke("baseline", model, "--method", "rtn", "--bits", 4, "-o", candidate)
+    code, text = invoke("baseline", model, "--method", "rtn", "--bits", 4, "-o", candidate, columns=250, layout=True)
     assert code == 0, text
-    code, text = _invoke(
+    code, text = invoke(
         "gate",
         candidate,
         "-r",
@@ -81,6 +74,8 @@ def test_gate_reports_units_numeric_bounds_and_escapes_once(tmp_path):
         100,
         "--report-dir",
         tmp_path / "g",
+        columns=250,
+        layout=True,
     )
     assert code == 1, text
     gate = json.loads((tmp_path / "g" / "gate.json").read_text())
@@ -105,7 +100,7 @@ def test_inspect_of_a_spec_without_feedback(tmp_path):
     model = models.shift_model(tmp_path / "shift.onnx")
     spec = tmp_path / "one.toml"
     spec.write_text('steps = 1\ntrajectory = ["y"]\n')
-    code, text = _invoke("inspect", model, "--spec", spec)
+    code, text = invoke("inspect", model, "--spec", spec, columns=250, layout=True)
     assert code == 0 and "single-step model, nothing fed back: T = 1" in text, text
 
 
@@ -134,7 +129,7 @@ def test_no_help_text_is_eaten_by_rich_markup():
 
     group = typer.main.get_command(app)
     for name, command in group.commands.items():
-        code, text = _invoke(name, "--help")
+        code, text = invoke(name, "--help", columns=250, layout=True)
         assert code == 0
         shown = " ".join(text.replace("│", " ").split())
         for param in command.params:

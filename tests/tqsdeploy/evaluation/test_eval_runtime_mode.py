@@ -5,11 +5,7 @@ import json
 import models
 import numpy as np
 import pytest
-from typer.testing import CliRunner
-
-from tqsdeploy.cli import app
-
-runner = CliRunner()
+from conftest import cli
 
 
 @pytest.mark.parametrize(
@@ -31,39 +27,23 @@ def test_the_runtime_line_claims_no_int8_fusion_that_did_not_happen(tmp_path, la
     candidate = model
     if layout:
         candidate = tmp_path / "q.onnx"
-        result = runner.invoke(
-            app,
-            [
-                "baseline",
-                str(model),
-                "--method",
-                "rtn",
-                "--bits",
-                "8",
-                "--min-params",
-                "1",
-                "--runtime-layout",
-                layout,
-                "-o",
-                str(candidate),
-            ],
+        result = cli(
+            "baseline",
+            model,
+            "--method",
+            "rtn",
+            "--bits",
+            "8",
+            "--min-params",
+            "1",
+            "--runtime-layout",
+            layout,
+            "-o",
+            candidate,
         )
         assert result.exit_code == 0, result.output
-    result = runner.invoke(
-        app,
-        [
-            "eval",
-            str(candidate),
-            "-r",
-            str(model),
-            "-c",
-            str(contexts),
-            "--steps",
-            "2",
-            "--no-latency",
-            "--report",
-            str(tmp_path / "ev"),
-        ],
+    result = cli(
+        "eval", candidate, "-r", model, "-c", contexts, "--steps", "2", "--no-latency", "--report", tmp_path / "ev"
     )
     assert result.exit_code == 0, result.output
     runtime = json.loads((tmp_path / "ev.json").read_text())["runtime"]

@@ -9,10 +9,9 @@ import json
 
 import numpy as np
 import onnx
+from conftest import cli
 from onnx import TensorProto, helper
-from typer.testing import CliRunner
 
-from tqsdeploy.cli import app
 from tqsdeploy.evaluation.evaluate import evaluate, markdown
 
 
@@ -74,22 +73,19 @@ def test_side_outputs_are_reported_apart_and_not_gated(tmp_path):
     )
     assert "Outputs outside the trajectory" in markdown(report) and "side " in markdown(report)
 
-    result = CliRunner().invoke(
-        app,
-        [
-            "gate",
-            str(candidate),
-            "--reference",
-            str(reference),
-            "--contexts",
-            str(tmp_path / "c.npz"),
-            "--spec",
-            str(tmp_path / "spec.toml"),
-            "--max-degradation",
-            "0.001%",
-            "--report-dir",
-            str(tmp_path / "g"),
-        ],
+    result = cli(
+        "gate",
+        candidate,
+        "--reference",
+        reference,
+        "--contexts",
+        tmp_path / "c.npz",
+        "--spec",
+        tmp_path / "spec.toml",
+        "--max-degradation",
+        "0.001%",
+        "--report-dir",
+        tmp_path / "g",
     )
     assert result.exit_code == 0, (
         result.output

@@ -6,13 +6,10 @@ import models
 import numpy as np
 import onnxruntime as ort
 import pytest
+from conftest import invoke
 from onnx import TensorProto, helper
-from typer.testing import CliRunner
 
-from tqsdeploy.cli import app
 from tqsdeploy.evaluation.metrics import looks_like_embedding
-
-runner = CliRunner()
 
 
 def _encoder(path, noise: float):
@@ -36,16 +33,11 @@ def _encoder(path, noise: float):
     return models._model(nodes, inputs, outputs, {"table": table, "Whead": head}, path)
 
 
-def _invoke(*args):
-    result = runner.invoke(app, [str(a) for a in args])
-    return result.exit_code, " ".join((result.output + (result.stderr or "")).split())
-
-
 def test_eval_reports_cosine_and_same_neighbour_for_embedding_outputs_as_numpy_computes_them(tmp_path):
     reference, candidate = _encoder(tmp_path / "ref.onnx", 0.0), _encoder(tmp_path / "cand.onnx", 0.6)
     ids = np.random.default_rng(2).integers(0, 50, (4, 4, 6))  # 4 windows of 4 sentences of 6 tokens
     np.savez(tmp_path / "ctx.npz", input_ids=ids)
-    code, text = _invoke(
+    code, text = invoke(
         "eval", candidate, "--reference", reference, "--contexts", tmp_path / "ctx.npz", "--report", tmp_path / "r"
     )
     assert code == 0, text
@@ -80,7 +72,7 @@ def test_eval_reports_cosine_and_same_neighbour_for_embedding_outputs_as_numpy_c
         in (tmp_path / "r.md").read_text()
     )
 
-    code, text = _invoke(
+    code, text = invoke(
         "eval",
         candidate,
         "--reference",
@@ -92,7 +84,7 @@ def test_eval_reports_cosine_and_same_neighbour_for_embedding_outputs_as_numpy_c
         "--cosine",
     )
     assert code == 0 and "cosine" in json.loads((tmp_path / "all.json").read_text())["outputs"]["logits"], text
-    code, text = _invoke(
+    code, text = invoke(
         "eval",
         candidate,
         "--reference",
@@ -117,11 +109,11 @@ def test_eval_reports_cosine_and_same_neighbour_for_embedding_outputs_as_numpy_c
         "--report-dir",
         tmp_path / "g",
     )
-    code, text = _invoke(*gate, "--min-cosine", f"{cosine.min() - 1e-4:.6f}")
+    code, text = invoke(*gate, "--min-cosine", f"{cosine.min() - 1e-4:.6f}")
     assert code == 0, text
-    code, text = _invoke(*gate, "--min-cosine", "0.999")
+    code, text = invoke(*gate, "--min-cosine", "0.999")
     assert code == 1 and f"cosine_min[sentence_embedding] = {cosine.min():.6g} violates >= 0.999" in text, text
-    code, text = _invoke(*gate, "--min-cosine", "0.9", "--no-cosine")
+    code, text = invoke(*gate, "--min-cosine", "0.9", "--no-cosine")
     assert code == 2 and "--min-cosine: no output" in text and "--cosine" in text, text
 
 

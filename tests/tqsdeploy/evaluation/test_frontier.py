@@ -7,12 +7,9 @@ import numpy as np
 import onnx
 import polars as pl
 import pytest
-from typer.testing import CliRunner
+from conftest import invoke
 
 from runtimes import OrtRuntime
-from tqsdeploy.cli import app
-
-runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +21,9 @@ def small(tmp_path_factory):
     return model, contexts, folder
 
 
-def _invoke(*args):
-    result = runner.invoke(app, [str(a) for a in args])
-    return result.exit_code, " ".join((result.output + (result.stderr or "")).split())
-
-
 def test_baseline_command_writes_a_runnable_dequantizelinear_model(small):
     model, contexts, folder = small
-    code, text = _invoke(
+    code, text = invoke(
         "baseline",
         model,
         "--method",
@@ -54,14 +46,14 @@ def test_baseline_command_writes_a_runnable_dequantizelinear_model(small):
     got = OrtRuntime(exact_qdq=True).open(folder / "gptq4.onnx").run({"x": x})["y"]
     want = OrtRuntime().open(model).run({"x": x})["y"]
     assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
-    code, text = _invoke("baseline", model, "--method", "gptq", "--bits", "4")
+    code, text = invoke("baseline", model, "--method", "gptq", "--bits", "4")
     assert code == 2 and "needs calibration windows" in text
 
 
 def test_frontier_end_to_end(small):
     model, contexts, folder = small
     out = folder / "front"
-    code, text = _invoke(
+    code, text = invoke(
         "frontier",
         model,
         "-c",
@@ -109,7 +101,7 @@ def test_frontier_end_to_end(small):
 def test_baseline_of_a_float16_model_stays_float16(tmp_path):
     model = models.fp16_mlp(tmp_path / "half.onnx")
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((8, 4, 32)).astype(np.float16))
-    code, text = _invoke(
+    code, text = invoke(
         "baseline", model, "--method", "gptq", "--bits", "4", "--calib", tmp_path / "c.npz", "-o", tmp_path / "g.onnx"
     )
     assert code == 0, text
@@ -124,7 +116,7 @@ def test_frontier_latency_times_every_point_against_the_original(small):
     slowdown being their ratio; the default frontier times nothing."""
     model, contexts, folder = small
     out = folder / "timed"
-    code, text = _invoke(
+    code, text = invoke(
         "frontier",
         model,
         "-c",
@@ -156,7 +148,7 @@ def test_frontier_points_are_what_export_gives_int1_near_the_int2_size(small):
         folder / "mlp128.onnx", hidden=128
     )  # wide enough that int1 earns its stretches at the W2 size
     out = folder / "front-int1"
-    code, text = _invoke(
+    code, text = invoke(
         "frontier", model, "-c", contexts, "--steps", "4", "--C", "2", "--baselines", "rtn", "--bits", "2", "-o", out
     )
     assert code == 0, text
@@ -165,7 +157,7 @@ def test_frontier_points_are_what_export_gives_int1_near_the_int2_size(small):
     with_int1 = [c for c in record["compared"] if "with int1" in c["label"]]
     assert with_int1 and with_int1[0]["compression"] >= 0.999 * record["target_compression"], record["compared"]
     alone = folder / "alone-int1.onnx"
-    code, text = _invoke("export", model, "--run", out / "score", "--C", record["target_compression"], "-o", alone)
+    code, text = invoke("export", model, "--run", out / "score", "--C", record["target_compression"], "-o", alone)
     assert code == 0, text
     exported = json.loads(alone.with_suffix(".allocation.json").read_text())
     assert sorted(c["label"] for c in exported["compared"]) == labels and exported["tiers"] == record["tiers"]
@@ -179,7 +171,7 @@ def test_a_win_by_a_uniform_fallback_is_not_counted_as_the_allocators(small):
 
     model, contexts, folder = small
     out = folder / "front-fallback"
-    code, text = _invoke(
+    code, text = invoke(
         "frontier", model, "-c", contexts, "--steps", "4", "--C", "2", "--baselines", "rtn", "--bits", "4", "-o", out
     )
     assert code == 0, text
@@ -217,9 +209,9 @@ def test_an_allocation_that_cannot_fit_its_split_stretches_falls_back_to_whole_u
     export compares lands far past the target it was allocated for."""
     model, contexts, folder = small
     run = folder / "fit-run"
-    code, text = _invoke("score", model, "-c", contexts, "--steps", "4", "-o", run)
+    code, text = invoke("score", model, "-c", contexts, "--steps", "4", "-o", run)
     assert code == 0, text
-    code, text = _invoke("export", model, "--run", run, "--C", "11.388", "-o", folder / "fit.onnx")
+    code, text = invoke("export", model, "--run", run, "--C", "11.388", "-o", folder / "fit.onnx")
     assert code == 0, text
     record = json.loads((folder / "fit.allocation.json").read_text())
     for candidate in record["compared"]:
@@ -301,15 +293,15 @@ def test_frontier_refuses_a_folder_of_other_files_unless_forced_and_resumes_its_
         "-o",
         out,
     ]
-    code, text = _invoke(*command)
+    code, text = invoke(*command)
     assert code == 2 and f"{out} is not a frontier's folder" in text and "report.md" in text and "--force" in text, text
     assert sorted(p.name for p in out.iterdir()) == ["report.md"] and (out / "report.md").read_text() == "my notes"
-    code, text = _invoke(*command, "--force")
+    code, text = invoke(*command, "--force")
     assert code == 0, text
     assert (out / "report.md").read_text() != "my notes" and (out / "frontier.csv").exists()
-    code, text = _invoke(*command)  # the folder is the frontier's own now: taken up again, not refused
+    code, text = invoke(*command)  # the folder is the frontier's own now: taken up again, not refused
     assert code == 0 and "kept from an earlier run" in text, text
-    code, text = _invoke(*command[:-4], "--bits", "8", "-o", out)  # another setting: everything again, and it says why
+    code, text = invoke(*command[:-4], "--bits", "8", "-o", out)  # another setting: everything again, and it says why
     assert (
         code == 0
         and "was for another settings: it is done again" in " ".join(text.split())

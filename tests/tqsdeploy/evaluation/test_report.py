@@ -5,10 +5,9 @@ from html.parser import HTMLParser
 import models
 import numpy as np
 import polars as pl
-from typer.testing import CliRunner
+from conftest import cli
 
 from runtimes import OrtRuntime
-from tqsdeploy.cli import app
 
 VOID = {"meta", "img", "br", "hr", "link", "input"}
 
@@ -47,26 +46,23 @@ def test_report_has_intervals_verdicts_and_valid_html(tmp_path):
             steps.append(state + np.random.default_rng(step).normal(0, 0.05, state.shape).astype(np.float32))
         truth.append(np.stack(steps))
     np.savez(tmp_path / "truth.npz", y=np.stack(truth))
-    result = CliRunner().invoke(
-        app,
-        [
-            "frontier",
-            str(model),
-            "-c",
-            str(tmp_path / "ctx.npz"),
-            "--truth",
-            str(tmp_path / "truth.npz"),
-            "--steps",
-            "4",
-            "--C",
-            "4",
-            "--baselines",
-            "rtn",
-            "--bits",
-            "2,4",
-            "-o",
-            str(tmp_path / "f"),
-        ],
+    result = cli(
+        "frontier",
+        model,
+        "-c",
+        tmp_path / "ctx.npz",
+        "--truth",
+        tmp_path / "truth.npz",
+        "--steps",
+        "4",
+        "--C",
+        "4",
+        "--baselines",
+        "rtn",
+        "--bits",
+        "2,4",
+        "-o",
+        tmp_path / "f",
     )
     assert result.exit_code == 0, result.output
     frame = pl.read_parquet(tmp_path / "f" / "frontier.parquet").filter(pl.col("variable") == "all")

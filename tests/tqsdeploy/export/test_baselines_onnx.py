@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import cli
 from onnx import TensorProto, helper, numpy_helper
 
 from graph_ops import read_weights, replace_weights, weight_layouts
@@ -480,28 +481,11 @@ def test_steps_without_a_spec_calibrates_on_the_detected_rollout(tmp_path):
 def test_rtn_baseline_says_it_read_no_calibration_options(tmp_path):
     """`baseline --method rtn --calib c.npz --steps 3` used neither, without a word."""
     import models
-    from typer.testing import CliRunner
-
-    from tqsdeploy.cli import app
 
     model = models.two_branch(tmp_path / "m.onnx")
     ctx = tmp_path / "missing-but-unread.npz"
-    result = CliRunner().invoke(
-        app,
-        [
-            "baseline",
-            str(model),
-            "--method",
-            "rtn",
-            "--bits",
-            "4",
-            "--calib",
-            str(ctx),
-            "--steps",
-            "3",
-            "-o",
-            str(tmp_path / "q.onnx"),
-        ],
+    result = cli(
+        "baseline", model, "--method", "rtn", "--bits", "4", "--calib", ctx, "--steps", "3", "-o", tmp_path / "q.onnx"
     )
     assert result.exit_code == 0, result.output
     assert "--calib, --steps not used" in " ".join(result.output.split())

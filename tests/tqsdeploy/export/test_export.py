@@ -8,34 +8,24 @@ import models
 import numpy as np
 import onnx
 import pytest
-from typer.testing import CliRunner
+from conftest import cli, invoke, scored_run
 
 import graph_ops
 from runtimes import OrtRuntime
 from tiers import METHODS, Rounding
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.cli import app
 from tqsdeploy.export import ExportSettings, Planner
 from tqsdeploy.export.compare import MIN_SPLIT, SLACK_PROMOTIONS
 from tqsdeploy.export.roundings import AUTO_METHODS
 
-runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def scored(tmp_path_factory):
-    """A 131k-parameter residual MLP, its contexts, and a finished score run."""
-    folder = tmp_path_factory.mktemp("export")
-    model = models.mlp_forecaster(folder / "mlp.onnx", n=128, hidden=256)
-    contexts = folder / "ctx.npz"
-    np.savez(contexts, x=np.random.default_rng(5).standard_normal((6, 2, 128)).astype(np.float32))
-    score(model, contexts, steps=6, out=folder / "run", settings=ScoreSettings(gauss_draws=1))
-    return model, contexts, folder
-
-
-def _invoke(args):
-    result = runner.invoke(app, [str(a) for a in args])
-    return result.exit_code, " ".join((result.output + (result.stderr or "")).split())
+# A 131k-parameter residual MLP, its contexts, and a finished score run.
+scored = scored_run(
+    lambda folder: models.mlp_forecaster(folder / "mlp.onnx", n=128, hidden=256),
+    (6, 2, 128),
+    seed=5,
+    steps=6,
+    name="export",
+)
 
 
 def test_exported_model_is_valid_and_matches_numpy_fake_quant(scored):
@@ -99,11 +89,11 @@ def test_measured_losses_are_cached_in_the_run(scored):
 def test_cli_export_frontier_and_uniform(scored):
     model, _, folder = scored
     out = folder / "cli"
-    code, text = _invoke(["export", model, "--run", folder / "run", "--C", "2,4,8", "--out-dir", out])
+    code, text = invoke("export", model, "--run", folder / "run", "--C", "2,4,8", "--out-dir", out)
     assert code == 0, text
     for c in (2, 4, 8):
         assert (out / f"mlp.C{c}.onnx").exists() and (out / f"mlp.C{c}.allocation.parquet").exists()
-    code, text = _invoke(["export", model, "--run", folder / "run", "--uniform", "int4", "--out-dir", out])
+    code, text = invoke("export", model, "--run", folder / "run", "--uniform", "int4", "--out-dir", out)
     assert code == 0, text
     meta = json.loads((out / "mlp.int4.allocation.json").read_text())
     assert {row["tier"] for row in meta["tiers"]} == {"int4"}
@@ -143,7 +133,7 @@ def test_export_bad_input(scored, tmp_path):
         (["export", model, "--run", folder / "run", "--C", "4", "--objective", "vibes"], "unknown objective"),
     ]
     for args, phrase in cases:
-        code, text = _invoke(args)
+        code, text = invoke(*args)
         assert code == 2 and phrase in text and "Traceback" not in text, text
 
 
@@ -164,8 +154,8 @@ def test_eval_and_gate(scored, tmp_path, monkeypatch):
             trajectory.append(state + 0.01)
         steps.append(np.stack(trajectory))
     np.savez(truth, y=np.stack(steps))
-    code, text = _invoke(
-        ["eval", candidate, "-r", model, "-c", contexts, "--steps", 6, "--truth", truth, "--report", tmp_path / "ev"]
+    code, text = invoke(
+        "eval", candidate, "-r", model, "-c", contexts, "--steps", 6, "--truth", truth, "--report", tmp_path / "ev"
     )
     assert code == 0, text
     report = json.loads((tmp_path / "ev.json").read_text())
@@ -177,43 +167,39 @@ def test_eval_and_gate(scored, tmp_path, monkeypatch):
 
     summary = tmp_path / "summary.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
-    code, text = _invoke(
-        [
-            "gate",
-            candidate,
-            "-r",
-            model,
-            "-c",
-            contexts,
-            "--steps",
-            6,
-            "--max-degradation",
-            "50%",
-            "--min-compression",
-            "3.5",
-            "--report-dir",
-            tmp_path / "pass",
-        ]
+    code, text = invoke(
+        "gate",
+        candidate,
+        "-r",
+        model,
+        "-c",
+        contexts,
+        "--steps",
+        6,
+        "--max-degradation",
+        "50%",
+        "--min-compression",
+        "3.5",
+        "--report-dir",
+        tmp_path / "pass",
     )
     assert code == 0, text
     assert 'failures="0"' in (tmp_path / "pass" / "junit.xml").read_text()
-    code, text = _invoke(
-        [
-            "gate",
-            candidate,
-            "-r",
-            model,
-            "-c",
-            contexts,
-            "--steps",
-            6,
-            "--max-degradation",
-            "0.0001%",
-            "--min-compression",
-            "8",
-            "--report-dir",
-            tmp_path / "fail",
-        ]
+    code, text = invoke(
+        "gate",
+        candidate,
+        "-r",
+        model,
+        "-c",
+        contexts,
+        "--steps",
+        6,
+        "--max-degradation",
+        "0.0001%",
+        "--min-compression",
+        "8",
+        "--report-dir",
+        tmp_path / "fail",
     )
     assert code == 1, text
     junit = (tmp_path / "fail" / "junit.xml").read_text()
@@ -221,7 +207,7 @@ def test_eval_and_gate(scored, tmp_path, monkeypatch):
     assert summary.read_text().count("tqsdeploy gate") == 2
 
     other = models.shift_model(tmp_path / "shift.onnx")
-    code, text = _invoke(["eval", other, "-r", model, "-c", contexts, "--steps", 2])
+    code, text = invoke("eval", other, "-r", model, "-c", contexts, "--steps", 2)
     assert code == 2 and "input 'x' is [?, 16] float in the candidate, [?, 128] float in the reference" in " ".join(
         text.split()
     )
@@ -229,7 +215,7 @@ def test_eval_and_gate(scored, tmp_path, monkeypatch):
 
 def test_infeasible_target_in_a_list_fails_before_writing(scored, tmp_path):
     model, _, folder = scored
-    code, text = _invoke(["export", model, "--run", folder / "run", "--C", "2,40", "--out-dir", tmp_path / "none"])
+    code, text = invoke("export", model, "--run", folder / "run", "--C", "2,40", "--out-dir", tmp_path / "none")
     assert code == 2 and "largest reachable is" in text
     assert not (tmp_path / "none").exists() or not list((tmp_path / "none").iterdir())
 
@@ -239,9 +225,9 @@ def test_export_without_arguments_uses_the_newest_score_run(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     models.mlp_forecaster(tmp_path / "fresh.onnx")
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 1, 32)).astype(np.float32))
-    code, text = _invoke(["score", "fresh.onnx", "-c", "c.npz", "--steps", "3", "--probes", "1"])
+    code, text = invoke("score", "fresh.onnx", "-c", "c.npz", "--steps", "3", "--probes", "1")
     assert code == 0, text
-    code, text = _invoke(["export", "--C", "2"])
+    code, text = invoke("export", "--C", "2")
     assert code == 0, text
     assert (tmp_path / "fresh.C2.onnx").exists() and (tmp_path / "fresh.C2.allocation.json").exists()
 
@@ -427,36 +413,32 @@ def test_baseline_equals_a_uniform_export_with_that_rounding(scored, tmp_path, m
     fewer both measure the grids (--grids auto) on that rollout and keep the same one."""
     model, _, folder = scored
     tier = {2: "int2-asym", 4: "int4-asym", 8: "int8-asym"}[bits]
-    code, text = _invoke(
-        [
-            "export",
-            model,
-            "--run",
-            folder / "run",
-            "--uniform",
-            tier,
-            "--rounding",
-            method,
-            "-o",
-            tmp_path / "exported.onnx",
-        ]
+    code, text = invoke(
+        "export",
+        model,
+        "--run",
+        folder / "run",
+        "--uniform",
+        tier,
+        "--rounding",
+        method,
+        "-o",
+        tmp_path / "exported.onnx",
     )
     assert code == 0, text
-    code, text = _invoke(
-        [
-            "baseline",
-            model,
-            "--method",
-            method,
-            "--bits",
-            bits,
-            "--calib",
-            folder / "run" / "contexts.npz",
-            "--spec",
-            folder / "run" / "rollout.toml",
-            "-o",
-            tmp_path / "baseline.onnx",
-        ]
+    code, text = invoke(
+        "baseline",
+        model,
+        "--method",
+        method,
+        "--bits",
+        bits,
+        "--calib",
+        folder / "run" / "contexts.npz",
+        "--spec",
+        folder / "run" / "rollout.toml",
+        "-o",
+        tmp_path / "baseline.onnx",
     )
     assert code == 0, text
     exported, baseline = onnx.load(str(tmp_path / "exported.onnx")), onnx.load(str(tmp_path / "baseline.onnx"))
@@ -482,32 +464,30 @@ def test_baseline_equals_a_uniform_export_with_that_rounding(scored, tmp_path, m
 
 def test_compression_is_one_number_in_export_eval_and_gate(scored, tmp_path):
     model, contexts, folder = scored
-    code, text = _invoke(
-        ["export", model, "--run", folder / "run", "--C", "5", "-o", tmp_path / "m.onnx", "--refine", "0"]
+    code, text = invoke(
+        "export", model, "--run", folder / "run", "--C", "5", "-o", tmp_path / "m.onnx", "--refine", "0"
     )
     assert code == 0, text
     exported = json.loads((tmp_path / "m.allocation.json").read_text())["compression"]
     assert 5 <= exported <= 5.1
-    code, text = _invoke(
-        ["eval", tmp_path / "m.onnx", "-r", model, "-c", contexts, "--steps", 2, "--report", tmp_path / "ev"]
+    code, text = invoke(
+        "eval", tmp_path / "m.onnx", "-r", model, "-c", contexts, "--steps", 2, "--report", tmp_path / "ev"
     )
     assert code == 0, text
     assert json.loads((tmp_path / "ev.json").read_text())["compression"] == exported
-    code, text = _invoke(
-        [
-            "gate",
-            tmp_path / "m.onnx",
-            "-r",
-            model,
-            "-c",
-            contexts,
-            "--steps",
-            2,
-            "--min-compression",
-            "5",
-            "--report-dir",
-            tmp_path / "g",
-        ]
+    code, text = invoke(
+        "gate",
+        tmp_path / "m.onnx",
+        "-r",
+        model,
+        "-c",
+        contexts,
+        "--steps",
+        2,
+        "--min-compression",
+        "5",
+        "--report-dir",
+        tmp_path / "g",
     )
     assert code == 0, text
     measured = next(
@@ -582,21 +562,19 @@ def test_eval_and_gate_time_candidate_and_reference(scored, tmp_path):
     planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", refine=0))
     planner.export(None, candidate, uniform_tier="int4-asym")
     planner.close()
-    code, text = _invoke(
-        [
-            "eval",
-            candidate,
-            "-r",
-            model,
-            "-c",
-            contexts,
-            "--steps",
-            2,
-            "--latency-batches",
-            "1,4",
-            "--report",
-            tmp_path / "ev",
-        ]
+    code, text = invoke(
+        "eval",
+        candidate,
+        "-r",
+        model,
+        "-c",
+        contexts,
+        "--steps",
+        2,
+        "--latency-batches",
+        "1,4",
+        "--report",
+        tmp_path / "ev",
     )
     assert code == 0, text
     report = json.loads((tmp_path / "ev.json").read_text())
@@ -617,49 +595,45 @@ def test_eval_and_gate_time_candidate_and_reference(scored, tmp_path):
     assert set(report["latency"]["memory_bytes"]) == {"candidate", "reference"}
     assert "| 4 | " in (tmp_path / "ev.md").read_text() and "paired slowdown" in text
 
-    code, text = _invoke(
-        ["eval", candidate, "-r", model, "-c", contexts, "--steps", 2, "--no-latency", "--report", tmp_path / "quiet"]
+    code, text = invoke(
+        "eval", candidate, "-r", model, "-c", contexts, "--steps", 2, "--no-latency", "--report", tmp_path / "quiet"
     )
     assert code == 0 and json.loads((tmp_path / "quiet.json").read_text())["latency"] is None, text
-    code, text = _invoke(
-        [
-            "gate",
-            candidate,
-            "-r",
-            model,
-            "-c",
-            contexts,
-            "--steps",
-            2,
-            "--max-slowdown",
-            "1e-6",
-            "--report-dir",
-            tmp_path / "slow",
-        ]
+    code, text = invoke(
+        "gate",
+        candidate,
+        "-r",
+        model,
+        "-c",
+        contexts,
+        "--steps",
+        2,
+        "--max-slowdown",
+        "1e-6",
+        "--report-dir",
+        tmp_path / "slow",
     )
     assert code == 1 and "slowdown[6 windows]" in text, text  # the eval's own batch: all 6 windows in one call
     checks = json.loads((tmp_path / "slow" / "gate.json").read_text())["checks"]
     assert [c["name"] for c in checks] == ["slowdown[6 windows]"] and not checks[0]["passed"]
-    code, text = _invoke(
-        [
-            "gate",
-            candidate,
-            "-r",
-            model,
-            "-c",
-            contexts,
-            "--steps",
-            2,
-            "--max-slowdown",
-            "1000",
-            "--report-dir",
-            tmp_path / "fast",
-        ]
+    code, text = invoke(
+        "gate",
+        candidate,
+        "-r",
+        model,
+        "-c",
+        contexts,
+        "--steps",
+        2,
+        "--max-slowdown",
+        "1000",
+        "--report-dir",
+        tmp_path / "fast",
     )
     assert code == 0, text
-    code, text = _invoke(["gate", candidate, "-r", model, "-c", contexts, "--max-slowdown", "1.1", "--no-latency"])
+    code, text = invoke("gate", candidate, "-r", model, "-c", contexts, "--max-slowdown", "1.1", "--no-latency")
     assert code == 2 and "--max-slowdown needs the latency measurement" in text and "Traceback" not in text, text
-    code, text = _invoke(["eval", candidate, "-r", model, "-c", contexts, "--latency-batches", "0,8"])
+    code, text = invoke("eval", candidate, "-r", model, "-c", contexts, "--latency-batches", "0,8")
     assert code == 2 and "--latency-batches takes positive window counts" in text, text
 
 
@@ -759,9 +733,7 @@ def test_grids_auto_keeps_per_searched_tier_the_grid_whose_uniform_model_drifts_
 
 def test_a_bad_rounding_is_refused_in_one_line(scored):
     model, _, folder = scored
-    result = CliRunner().invoke(
-        app, ["export", str(model), "--run", str(folder / "run"), "--C", "4", "--rounding", "best"]
-    )
+    result = cli("export", model, "--run", folder / "run", "--C", "4", "--rounding", "best")
     text = result.output + (result.stderr or "")
     assert result.exit_code == 2 and "unknown rounding 'best'" in text and "auto" in text and "Traceback" not in text
     assert len([line for line in text.splitlines() if line.strip()]) <= 2, text
@@ -769,7 +741,7 @@ def test_a_bad_rounding_is_refused_in_one_line(scored):
         ["export", str(model), "--run", str(folder / "run"), "--C", "4"],
         ["baseline", str(model), "--method", "qep", "--bits", "4"],
     ):
-        result = CliRunner().invoke(app, [*command, "--grids", "clipped"])
+        result = cli(*command, "--grids", "clipped")
         text = result.output + (result.stderr or "")
         assert (
             result.exit_code == 2
@@ -874,10 +846,7 @@ def test_the_progress_counts_the_rollouts_the_finer_cut_runs(scored, tmp_path):
     planner = Planner(run, settings=ExportSettings(refine=0))
     target = 0.99 * planner.comparison.uniform("int2-asym").compression
     planner.close()
-    result = runner.invoke(
-        app,
-        [str(a) for a in ("export", model, "--run", run, "--C", f"{target:.4f}", "--refine", 0, "--out-dir", tmp_path)],
-    )
+    result = cli("export", model, "--run", run, "--C", f"{target:.4f}", "--refine", 0, "--out-dir", tmp_path)
     assert result.exit_code == 0, result.output
     counts = [
         (int(done), int(total)) for done, total in re.findall(r"measuring tiers: (\d+)/(\d+) rollouts", result.output)

@@ -6,21 +6,17 @@ change the model written. Real sessions, real solver, a small MLP (seconds)."""
 import shutil
 
 import models
-import numpy as np
-import pytest
+from conftest import scored_run
 
-from tqsdeploy import ScoreSettings, score
 from tqsdeploy.export import ExportSettings, Planner
 
-
-@pytest.fixture(scope="module")
-def scored(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("determinism")
-    model = models.mlp_forecaster(folder / "mlp.onnx", n=64, hidden=128)
-    contexts = folder / "ctx.npz"
-    np.savez(contexts, x=np.random.default_rng(5).standard_normal((6, 2, 64)).astype(np.float32))
-    score(model, contexts, steps=6, out=folder / "run", settings=ScoreSettings(gauss_draws=1))
-    return model, folder
+scored = scored_run(
+    lambda folder: models.mlp_forecaster(folder / "mlp.onnx", n=64, hidden=128),
+    (6, 2, 64),
+    seed=5,
+    steps=6,
+    name="determinism",
+)
 
 
 def _run(folder, into):
@@ -41,7 +37,7 @@ def test_other_exports_before_do_not_change_the_model(scored, tmp_path):
     """Target A exported alone in a fresh run folder, and in another after targets B and C (the frontier's
     order: B near the INT2 size, where the slots are cut finer and float copies get priced lazily), writes the
     same allocation and the same bytes."""
-    model, folder = scored
+    model, _, folder = scored
     planner = Planner(_run(folder, tmp_path / "fresh"))
     int2 = planner.comparison.uniform("int2-asym").compression
     alone = _export(planner, 4, tmp_path / "alone.onnx")
@@ -59,7 +55,7 @@ def test_prices_of_other_codes_under_the_same_label_are_not_reused(scored, tmp_p
     """A run folder whose price list an older version left: its QEP made other codes (here round-to-nearest's,
     really measured) under today's label. The export prices today's codes again and writes what a fresh run
     folder writes (lorenz96 at the W4 size: 3.62% held-out drift from such a folder, 3.12% from a fresh one)."""
-    model, folder = scored
+    model, _, folder = scored
     planner = Planner(_run(folder, tmp_path / "fresh"))
     alone = _export(planner, 4, tmp_path / "alone.onnx")
     planner.close()

@@ -6,19 +6,11 @@ import models
 import numpy as np
 import onnx
 import pytest
-from typer.testing import CliRunner
+from conftest import invoke
 
 import graph_ops
 from runtimes import OrtRuntime
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.cli import app
-
-runner = CliRunner()
-
-
-def _invoke(*args):
-    result = runner.invoke(app, [str(a) for a in args])
-    return result.exit_code, " ".join((result.output + (result.stderr or "")).split())
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +27,7 @@ def run(tmp_path_factory):
 
 def test_damaged_export_warns_in_percent_and_max_drift_fails_without_writing(run, tmp_path):
     model, folder = run
-    code, text = _invoke("export", model, "--run", folder / "run", "--uniform", "int2", "--out-dir", tmp_path)
+    code, text = invoke("export", model, "--run", folder / "run", "--uniform", "int2", "--out-dir", tmp_path)
     allocation = json.loads((tmp_path / "emb.int2.allocation.json").read_text())
     drift = allocation["drift_pct"]
     assert code == 0 and drift > 5
@@ -51,7 +43,7 @@ def test_damaged_export_warns_in_percent_and_max_drift_fails_without_writing(run
 
     assert f"warning: {tmp_path / 'emb.int2.onnx'} drifts {drift:.4g}% " in text and "may be badly damaged" in text
 
-    code, text = _invoke(
+    code, text = invoke(
         "export",
         model,
         "--run",
@@ -65,19 +57,19 @@ def test_damaged_export_warns_in_percent_and_max_drift_fails_without_writing(run
     )
     assert code == 0 and "runtime layout: fused: DequantizeLinear nodes" in text, text
     assert "MatMulNBits with int8 activations" in text and "`tqsdeploy eval` measures what it runs" in text
-    code, text = _invoke(
+    code, text = invoke(
         "export", model, "--run", folder / "run", "--uniform", "int2", "--out-dir", tmp_path / "trt", "--target", "gpu"
     )
     assert (
         code == 2 and "unknown target 'gpu'; choose one of ort-cpu, ort-cuda, trt" in text and "Traceback" not in text
     ), text
 
-    code, text = _invoke(
+    code, text = invoke(
         "export", model, "--run", folder / "run", "--C", "3", "--max-drift", "0.000001", "--out-dir", tmp_path
     )
     assert code == 1 and "not written" in text and "above --max-drift 1e-06%" in text, text
     assert not (tmp_path / "emb.C3.onnx").exists() and not (tmp_path / "emb.C3.allocation.json").exists()
-    code, text = _invoke(
+    code, text = invoke(
         "export", model, "--run", folder / "run", "--C", "3", "--max-drift", "100", "--out-dir", tmp_path
     )
     assert code == 0 and (tmp_path / "emb.C3.onnx").exists() and "warning" not in text, text
@@ -86,7 +78,7 @@ def test_damaged_export_warns_in_percent_and_max_drift_fails_without_writing(run
 def test_a_shipped_uniform_candidate_and_an_overshoot_are_explained(run, tmp_path):
     model, folder = run
     # the paper objective with 30% forced to FP32 starves the rest: uniform INT4 drifts less at C = 5
-    code, text = _invoke(
+    code, text = invoke(
         "export",
         model,
         "--run",
@@ -111,7 +103,7 @@ def test_a_shipped_uniform_candidate_and_an_overshoot_are_explained(run, tmp_pat
         and "more than 5% above the target 5x: the next finer uniform tier (int8-asym) reaches only" in text
     )
     # one unit per tier step: nothing between all-INT2 and FP32 fits C = 2
-    code, text = _invoke(
+    code, text = invoke(
         "export",
         model,
         "--run",
@@ -138,27 +130,27 @@ def test_outputs_of_models_named_model_onnx_do_not_collide_and_are_not_overwritt
             x=np.random.default_rng(1).standard_normal((2, 1, 32)).astype(np.float32),
             ids=np.array([[5]] * 2),
         )
-        code, text = _invoke("score", f"{name}/model.onnx", "-c", f"{name}/ctx.npz", "--steps", "2", "--probes", "1")
+        code, text = invoke("score", f"{name}/model.onnx", "-c", f"{name}/ctx.npz", "--steps", "2", "--probes", "1")
         assert code == 0 and f"tqs-runs/{name}_model" in text, text
-    code, text = _invoke("export", "--C", "2")
+    code, text = invoke("export", "--C", "2")
     assert code == 2 and "holds 2 score runs" in text and "which model?" in text, text
-    code, text = _invoke("export", "a/model.onnx", "--run", "tqs-runs/b_model", "--C", "2")
+    code, text = invoke("export", "a/model.onnx", "--run", "tqs-runs/b_model", "--C", "2")
     assert code == 2 and f"made for a different model ({tmp_path / 'b' / 'model.onnx'})" in text, text
     for name in ("a", "b"):
-        code, text = _invoke("export", f"{name}/model.onnx", "--C", "2")
+        code, text = invoke("export", f"{name}/model.onnx", "--C", "2")
         assert code == 0 and (tmp_path / f"{name}_model.C2.onnx").exists(), text
     before = (tmp_path / "a_model.C2.onnx").stat().st_mtime_ns
-    code, text = _invoke("export", "a/model.onnx", "--C", "2")
+    code, text = invoke("export", "a/model.onnx", "--C", "2")
     assert code == 2 and "a_model.C2.onnx already exists" in text and "--force" in text
     assert (tmp_path / "a_model.C2.onnx").stat().st_mtime_ns == before
-    code, text = _invoke("export", "a/model.onnx", "--C", "2", "--force")
+    code, text = invoke("export", "a/model.onnx", "--C", "2", "--force")
     assert code == 0, text
 
 
 def test_infeasible_hint_says_when_tensors_below_min_params_cap_c(tmp_path):
     model = models.gather_forecaster(tmp_path / "emb.onnx")
     np.savez(tmp_path / "ctx.npz", x=np.zeros((2, 1, 32), np.float32), ids=np.array([[5]] * 2))
-    code, text = _invoke(
+    code, text = invoke(
         "score",
         model,
         "-c",
@@ -173,7 +165,7 @@ def test_infeasible_hint_says_when_tensors_below_min_params_cap_c(tmp_path):
         tmp_path / "run",
     )
     assert code == 0, text
-    code, text = _invoke("export", model, "--run", tmp_path / "run", "--C", "5", "--out-dir", tmp_path)
+    code, text = invoke("export", model, "--run", tmp_path / "run", "--C", "5", "--out-dir", tmp_path)
     assert (
         code == 2
         and "largest reachable is" in text
@@ -188,7 +180,7 @@ def test_file_basis_that_crushes_the_units_says_so_and_what_basis_units_gives(tm
     compression such an export then reaches), and says nothing when the ratios agree."""
     model = models.mlp_forecaster(tmp_path / "mlp.onnx", n=32, hidden=128)
     np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(2).standard_normal((3, 1, 32)).astype(np.float32))
-    code, text = _invoke(
+    code, text = invoke(
         "score",
         model,
         "-c",
@@ -204,7 +196,7 @@ def test_file_basis_that_crushes_the_units_says_so_and_what_basis_units_gives(tm
     )
     assert code == 0, text
     common = ("--run", tmp_path / "run", "--refine", "0", "--rounding", "rtn")
-    code, text = _invoke("export", model, *common, "--C", "2", "--out-dir", tmp_path)
+    code, text = invoke("export", model, *common, "--C", "2", "--out-dir", tmp_path)
     meta = json.loads((tmp_path / "mlp.C2.allocation.json").read_text())
     assert code == 0 and meta["unit_compression"] > 1.5 * meta["compression"], text
     note = meta["notes"][0]
@@ -214,7 +206,7 @@ def test_file_basis_that_crushes_the_units_says_so_and_what_basis_units_gives(tm
     assert "are not units and stay at full size" in note and "4 tensors smaller than --min-params 8192" in note
     said = float(note.split("--basis units --C 2 compresses the units 2x and the file about ")[1].split("x")[0])
     assert " ".join(note.split()) in text
-    code, text = _invoke("export", model, *common, "--C", "2", "--basis", "units", "-o", tmp_path / "units.onnx")
+    code, text = invoke("export", model, *common, "--C", "2", "--basis", "units", "-o", tmp_path / "units.onnx")
     units = json.loads((tmp_path / "units.allocation.json").read_text())
     assert code == 0 and units["notes"] == [] and "took the units" not in text, text
     assert said == pytest.approx(units["compression"], rel=0.05)
@@ -234,7 +226,7 @@ def test_another_models_file_with_this_run_is_named_as_the_wrong_model(tmp_path)
         models.gather_forecaster(tmp_path / "emb.onnx"),
     ]  # was: contexts have no array for model input 'ids'
     for other in others:
-        code, text = _invoke("export", other, "--run", tmp_path / "run", "--C", 2, "--out-dir", tmp_path)
+        code, text = invoke("export", other, "--run", tmp_path / "run", "--C", 2, "--out-dir", tmp_path)
         assert code == 2 and f"{other} is not the model the run in {tmp_path / 'run'} was scored on" in text, text
         assert f"made for a different model ({model})" in text and "Traceback" not in text
 
@@ -245,7 +237,7 @@ def test_too_little_calibration_data_is_said_in_plain_words(tmp_path):
     model = models.mlp_forecaster(tmp_path / "a.onnx")
     np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(0).standard_normal((2, 1, 32)).astype(np.float32))
     score(model, tmp_path / "ctx.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
-    code, text = _invoke("export", model, "--run", tmp_path / "run", "--C", 4, "--out-dir", tmp_path)
+    code, text = invoke("export", model, "--run", tmp_path / "run", "--C", 4, "--out-dir", tmp_path)
     assert code == 0, text
     assert (
         "3 weight(s) had too little calibration data for qep" in text
@@ -253,7 +245,7 @@ def test_too_little_calibration_data_is_said_in_plain_words(tmp_path):
     )
     assert "fewer vectors than twice their input size (fewest: 'W3', 4 for 64 inputs)" in text
     assert "score with more context windows (or more --steps)" in text and "--rounding rtn, which needs none" in text
-    code, text = _invoke(
+    code, text = invoke(
         "baseline", model, "--method", "gptq", "--bits", 4, "--calib", tmp_path / "ctx.npz", "-o", tmp_path / "b.onnx"
     )
     assert code == 0 and "had too little calibration data for gptq" in text and "give --calib more windows" in text, (
@@ -268,7 +260,7 @@ def test_the_rtn_export_the_note_advises_runs_no_calibration_and_ships_rtn_codes
     model = models.mlp_forecaster(tmp_path / "a.onnx")
     np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(0).standard_normal((2, 1, 32)).astype(np.float32))
     score(model, tmp_path / "ctx.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
-    code, text = _invoke(
+    code, text = invoke(
         "export", model, "--run", tmp_path / "run", "--C", 4, "--rounding", "rtn", "--out-dir", tmp_path
     )
     assert code == 0, text
@@ -295,11 +287,11 @@ def test_a_float16_export_reports_the_drift_of_the_file_it_writes(tmp_path, args
     assert not np.array_equal(*alone)  # the declared opset alone moves the outputs: the effect this test needs
     np.savez(tmp_path / "c.npz", x=x)
     score(model, tmp_path / "c.npz", steps=20, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
-    code, text = _invoke("export", model, "--run", tmp_path / "run", *args, "-o", tmp_path / "q.onnx")
+    code, text = invoke("export", model, "--run", tmp_path / "run", *args, "-o", tmp_path / "q.onnx")
     assert code == 0, text
     reported = json.loads((tmp_path / "q.allocation.json").read_text())["drift_pct"]
     assert onnx.load(str(tmp_path / "q.onnx")).opset_import[0].version >= 21
-    code, text = _invoke(
+    code, text = invoke(
         "eval",
         tmp_path / "q.onnx",
         "-r",

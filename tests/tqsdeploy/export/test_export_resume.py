@@ -12,20 +12,19 @@ import time
 import models
 import numpy as np
 import pytest
+from conftest import scored_run
 
-from tqsdeploy import ScoreSettings, score
 from tqsdeploy.encoding.checkpoints import FOLDER
 from tqsdeploy.export import ExportSettings, Planner
 
-
-@pytest.fixture(scope="module")
-def scored(tmp_path_factory):
-    """A residual MLP with the shared weight split into channel groups, and a finished score run."""
-    folder = tmp_path_factory.mktemp("resume")
-    model = models.mlp_forecaster(folder / "mlp.onnx", n=32, hidden=64)
-    np.savez(folder / "ctx.npz", x=np.random.default_rng(3).standard_normal((4, 2, 32)).astype(np.float32))
-    score(model, folder / "ctx.npz", steps=3, out=folder / "run", settings=ScoreSettings(gauss_draws=1))
-    return model, folder
+# A residual MLP with the shared weight split into channel groups, and a finished score run.
+scored = scored_run(
+    lambda folder: models.mlp_forecaster(folder / "mlp.onnx", n=32, hidden=64),
+    (4, 2, 32),
+    seed=3,
+    steps=3,
+    name="resume",
+)
 
 
 def _export(run, path, on_weight=None):
@@ -48,7 +47,7 @@ def _export(run, path, on_weight=None):
 
 
 def test_an_interrupted_export_resumes_from_its_checkpoints_and_writes_the_same_bytes(scored, tmp_path):
-    model, folder = scored
+    model, _, folder = scored
     for name in ("whole", "cut"):
         shutil.copytree(folder / "run", tmp_path / name)
     whole, all_encoded = _export(tmp_path / "whole", tmp_path / "whole.onnx")
@@ -73,7 +72,7 @@ def test_an_interrupted_export_resumes_from_its_checkpoints_and_writes_the_same_
 
 def test_checkpoints_of_other_settings_are_not_used(scored, tmp_path):
     """A checkpoint's key covers the rounding settings: GPTQ's saved weights are not read by a QEP pass."""
-    model, folder = scored
+    model, _, folder = scored
     shutil.copytree(folder / "run", tmp_path / "run")
     from tiers import TIERS, Rounding
 
@@ -93,7 +92,7 @@ def test_checkpoints_of_other_settings_are_not_used(scored, tmp_path):
 def test_a_pass_asked_again_in_one_export_is_not_reported_as_resumed(scored, tmp_path):
     """An export drops a uniform pass from memory and reads it back from its own checkpoints when asked again:
     done at once, and not counted or announced as an interrupted export's weights."""
-    model, folder = scored
+    model, _, folder = scored
     shutil.copytree(folder / "run", tmp_path / "run")
     from tiers import TIERS, Rounding
 
@@ -112,7 +111,7 @@ def test_a_pass_asked_again_in_one_export_is_not_reported_as_resumed(scored, tmp
 def _whole_and_command(scored, tmp_path, options: list[str], whole: str, cut: str):
     """An uninterrupted export into tmp_path/`whole` from a copy of the score run, and the same export's command
     line from another copy (tmp_path/run) into tmp_path/`cut`."""
-    model, folder = scored
+    model, _, folder = scored
     for name in ("run", "whole"):
         shutil.copytree(folder / "run", tmp_path / name)
     export = lambda run, out: [
@@ -183,7 +182,7 @@ def test_interrupted_exports_keep_at_most_max_passes(scored, tmp_path, monkeypat
     from tiers import TIERS, Rounding
     from tqsdeploy.encoding import checkpoints
 
-    model, folder = scored
+    model, _, folder = scored
     shutil.copytree(folder / "run", tmp_path / "run")
     monkeypatch.setattr(checkpoints, "MAX_PASSES", 2)
     planner = Planner(tmp_path / "run", resumable=True)

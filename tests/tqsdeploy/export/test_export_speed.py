@@ -8,20 +8,26 @@ import sys
 import models
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, cli, scored_run
 from scipy.linalg import lapack
-from test_export import scored  # noqa: F401 - the export tests' scored MLP, a fixture
-from typer.testing import CliRunner
 
 import tiers.gptq as solvers
 from graph_ops.layout import Layout
 from tiers import TIERS, Hessian, Rounding, solver_backend
 from tiers.quantizer import quantize
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.cli import app
 from tqsdeploy.encoding.choices import comparison_methods
 from tqsdeploy.encoding.profiling import KINDS, Profile
 from tqsdeploy.export import ExportSettings, Planner
+
+# The export tests' scored MLP (tests/tqsdeploy/export/test_export.py).
+scored = scored_run(
+    lambda folder: models.mlp_forecaster(folder / "mlp.onnx", n=128, hidden=256),
+    (6, 2, 128),
+    seed=5,
+    steps=6,
+    name="export",
+)
 
 
 def _official_inverse_cholesky(H, percdamp):
@@ -114,22 +120,19 @@ def test_parallel_wave_solves_equal_one_at_a_time(tmp_path, monkeypatch):
 
 def test_export_records_and_prints_where_its_time_went(scored):
     model, _, folder = scored
-    result = CliRunner().invoke(
-        app,
-        [
-            "export",
-            str(model),
-            "--run",
-            str(folder / "run"),
-            "--C",
-            "4",
-            "--out-dir",
-            str(folder),
-            "--force",
-            "--verbose",
-            "--refine",
-            "0",
-        ],
+    result = cli(
+        "export",
+        model,
+        "--run",
+        folder / "run",
+        "--C",
+        "4",
+        "--out-dir",
+        folder,
+        "--force",
+        "--verbose",
+        "--refine",
+        "0",
     )
     assert result.exit_code == 0, result.output
     assert "time:" in result.output and "solver" in result.output

@@ -6,16 +6,7 @@ import models
 import numpy as np
 import onnxruntime as ort
 import pytest
-from typer.testing import CliRunner
-
-from tqsdeploy.cli import app
-
-runner = CliRunner()
-
-
-def _invoke(*args):
-    result = runner.invoke(app, [str(a) for a in args])
-    return result.exit_code, " ".join((result.output + (result.stderr or "")).split())
+from conftest import invoke
 
 
 def _write_csv(path, data, header="date,a,b", cells=None):
@@ -33,7 +24,7 @@ def series(tmp_path_factory):
     t = np.arange(120)
     data = np.stack([np.sin(t / 5.0), np.cos(t / 7.0) + 0.1 * t / 120], axis=1)
     csv = _write_csv(folder / "data.csv", data)
-    code, text = _invoke("baseline", model, "--method", "rtn", "--bits", 4, "-o", folder / "cand.onnx")
+    code, text = invoke("baseline", model, "--method", "rtn", "--bits", 4, "-o", folder / "cand.onnx")
     assert code == 0, text
     return model, folder / "cand.onnx", csv, data
 
@@ -50,7 +41,7 @@ def _rollout(model, window, steps):
 
 def test_eval_takes_a_csv_and_its_continuation_is_the_truth(series, tmp_path):
     model, candidate, csv, data = series
-    code, text = _invoke(
+    code, text = invoke(
         "eval", candidate, "-r", model, "-c", csv, "--steps", 3, "--windows", 5, "--report", tmp_path / "ev"
     )
     assert code == 0, text
@@ -72,11 +63,11 @@ def test_eval_takes_a_csv_and_its_continuation_is_the_truth(series, tmp_path):
 def test_gate_takes_a_csv_with_chosen_columns(series, tmp_path):
     model, candidate, csv, _ = series
     common = ["-r", model, "-c", csv, "--steps", 2, "--columns", "b", "--report-dir", tmp_path]
-    code, text = _invoke("gate", candidate, *common, "--max-degradation", "1000%")
+    code, text = invoke("gate", candidate, *common, "--max-degradation", "1000%")
     assert code == 0, text
     gate = json.loads((tmp_path / "gate.json").read_text())
     assert gate["report"]["truth"] and "truth" in gate["checks"][0]["name"]
-    code, text = _invoke("gate", candidate, *common, "--max-degradation", "0%")
+    code, text = invoke("gate", candidate, *common, "--max-degradation", "0%")
     assert code == 1, text
 
 
@@ -96,7 +87,7 @@ def test_bad_csv_cells_are_named(series, tmp_path, cells, phrase):
         ["score", model, "-c", bad, "--steps", 2, "--out", tmp_path / "run"],
         ["eval", candidate, "-r", model, "-c", bad, "--steps", 2],
     ):
-        code, text = _invoke(*command)
+        code, text = invoke(*command)
         assert code == 2 and phrase in text and "Traceback" not in text, text
 
 
@@ -111,7 +102,7 @@ def test_wrong_context_files_say_what_was_expected(series, tmp_path):
     ]
     for path, extra, phrase in cases:
         for command in ("eval", "gate"):
-            code, text = _invoke(
+            code, text = invoke(
                 command,
                 candidate,
                 "-r",
@@ -121,7 +112,7 @@ def test_wrong_context_files_say_what_was_expected(series, tmp_path):
                 "--steps",
                 2,
                 *extra,
-                *(["--min-compression", 1] if command == "gate" else []),
+                *["--min-compression", 1] if command == "gate" else [],
             )
             assert code == 2 and phrase in text and "contains pickled data" not in text, text
 
@@ -130,7 +121,7 @@ def test_more_windows_than_the_csv_holds_are_refused(series, tmp_path):
     """120 rows, windows of 16 and 4 rows of truth after them: 101 distinct windows. Asking for more once
     repeated windows silently, and --windows 100000 ran out of memory."""
     model, candidate, csv, _ = series
-    code, text = _invoke(
+    code, text = invoke(
         "eval",
         candidate,
         "-r",
@@ -147,7 +138,7 @@ def test_more_windows_than_the_csv_holds_are_refused(series, tmp_path):
         tmp_path / "r",
     )
     assert code == 2 and "holds 101 distinct windows" in text and "--windows 101 or fewer" in text, text
-    code, text = _invoke(
+    code, text = invoke(
         "eval",
         candidate,
         "-r",
@@ -180,7 +171,7 @@ def test_a_univariate_model_fed_every_column_says_what_it_multiplies_and_a_fixed
         + "\n".join(f"2020-01-{i % 28 + 1:02d},{np.sin(i / 5)},{np.cos(i / 7)},{i / 120}" for i in t)
         + "\n"
     )
-    code, text = _invoke(
+    code, text = invoke(
         "score",
         model,
         "-c",
@@ -206,7 +197,7 @@ def test_a_univariate_model_fed_every_column_says_what_it_multiplies_and_a_fixed
         and "3 series per window, 3x the work of one; pass --columns to use fewer (e.g. --columns c" in text
     )
     assert any("3x the work of one" in w for w in json.loads((tmp_path / "all" / "run.json").read_text())["warnings"])
-    code, text = _invoke(
+    code, text = invoke(
         "score",
         model,
         "-c",
@@ -239,7 +230,7 @@ def test_a_univariate_model_fed_every_column_says_what_it_multiplies_and_a_fixed
         {"flat": np.array([-1, 16]), "W": rng.standard_normal((16, 4)).astype(np.float32), "last": np.array([2])},
         tmp_path / "fixed.onnx",
     )
-    code, text = _invoke(
+    code, text = invoke(
         "score", fixed, "-c", csv, "--windows", 4, "--steps", 2, "--min-params", 16, "-o", tmp_path / "fixed"
     )
     assert (
@@ -248,7 +239,7 @@ def test_a_univariate_model_fed_every_column_says_what_it_multiplies_and_a_fixed
         and "has 3 numeric columns (a, b, c)" in text
     ), text
     assert "pick 1 with --columns, e.g. --columns c" in text and not (tmp_path / "fixed").exists()
-    code, text = _invoke(
+    code, text = invoke(
         "score",
         fixed,
         "-c",
@@ -280,7 +271,7 @@ def test_eval_of_every_csv_column_says_so_as_score_does(tmp_path):
         + "\n".join(f"2020-01-{i % 28 + 1:02d},{np.sin(i / 5)},{np.cos(i / 7)},{i / 120}" for i in t)
         + "\n"
     )
-    code, text = _invoke(
+    code, text = invoke(
         "eval", model, "-r", model, "-c", csv, "--windows", 4, "--steps", 2, "--no-latency", "--report", tmp_path / "r"
     )
     assert code == 0, text
@@ -289,7 +280,7 @@ def test_eval_of_every_csv_column_says_so_as_score_does(tmp_path):
         "warning: model input 'x' [batch, 16] takes one series per batch row" in text
         and "pass --columns to use fewer" in text
     )
-    code, text = _invoke(
+    code, text = invoke(
         "eval",
         model,
         "-r",
@@ -312,7 +303,7 @@ def test_eval_of_every_csv_column_says_so_as_score_does(tmp_path):
 def test_frontier_cuts_a_csv_as_score_does(series, tmp_path):
     """frontier takes --windows and --zscore like score, eval and gate: its score run holds the windows asked for."""
     model, _, csv, data = series
-    code, text = _invoke(
+    code, text = invoke(
         "frontier",
         model,
         "-c",

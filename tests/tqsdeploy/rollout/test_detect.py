@@ -4,20 +4,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, cli
 from models import _model
 from onnx import TensorProto, helper
-from typer.testing import CliRunner
 
 from runtimes import IOSpec, OrtRuntime
-from tqsdeploy.cli import app
 from tqsdeploy.errors import RolloutError
 from tqsdeploy.rollout import AmbiguousRollout, Feedback, RolloutSpec, detect, detect_rollout, next_feeds
 from tqsdeploy.rollout.contexts import Contexts
 from tqsdeploy.rollout.engine import RolloutEngine
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
-runner = CliRunner()
 
 
 def _w(rng, *shape):
@@ -204,11 +201,9 @@ def test_ambiguous_pairing_lists_toml_candidates(tmp_path):
         toml = block.split("\n", 1)[1]
         (tmp_path / "c.toml").write_text(toml)
         assert RolloutSpec.from_toml(tmp_path / "c.toml").feedback == candidate.spec.feedback
-    result = runner.invoke(
-        app, ["score", str(path), "--random-contexts", "--min-params", "1", "--out", str(tmp_path / "run")]
-    )
+    result = cli("score", path, "--random-contexts", "--min-params", "1", "--out", tmp_path / "run")
     assert result.exit_code == 2 and "candidate 2" in result.output + (result.stderr or "")
-    result = runner.invoke(app, ["inspect", str(path), "--min-params", "1", "--emit-spec", str(tmp_path / "spec.toml")])
+    result = cli("inspect", path, "--min-params", "1", "--emit-spec", tmp_path / "spec.toml")
     assert result.exit_code == 0
     written = (tmp_path / "spec.toml").read_text()
     assert "AMBIGUOUS" in written and "# [[feedback]]" in written
@@ -237,10 +232,7 @@ def test_strict_spec_parsing(tmp_path, text, message):
 def test_unknown_names_list_the_models_names(tmp_path):
     path = timesfm_shaped(tmp_path / "m.onnx")
     (tmp_path / "s.toml").write_text('steps = 2\ntrajectory = ["yy"]\n')
-    result = runner.invoke(
-        app,
-        ["score", str(path), "--spec", str(tmp_path / "s.toml"), "--random-contexts", "--out", str(tmp_path / "run")],
-    )
+    result = cli("score", path, "--spec", tmp_path / "s.toml", "--random-contexts", "--out", tmp_path / "run")
     text = " ".join((result.output + (result.stderr or "")).split())
     assert result.exit_code == 2 and "'yy' is not a model output (outputs: forecast, quantiles)" in text
     (tmp_path / "s.toml").write_text(
@@ -253,7 +245,7 @@ def test_unknown_names_list_the_models_names(tmp_path):
 def test_emit_spec_round_trip_and_no_overwrite(tmp_path):
     path = timesfm_shaped(tmp_path / "m.onnx")
     target = tmp_path / "rollout.toml"
-    result = runner.invoke(app, ["inspect", str(path), "--steps", "3", "--emit-spec", str(target)])
+    result = cli("inspect", path, "--steps", "3", "--emit-spec", target)
     assert result.exit_code == 0, result.output
     emitted = RolloutSpec.from_toml(target)
     detected = detect(*_signature(path), steps=3)
@@ -264,9 +256,9 @@ def test_emit_spec_round_trip_and_no_overwrite(tmp_path):
     )
     assert "quantiles" in target.read_text()  # listed as an unused output
     before = target.read_text()
-    result = runner.invoke(app, ["inspect", str(path), "--emit-spec", str(target)])
+    result = cli("inspect", path, "--emit-spec", target)
     assert result.exit_code == 2 and "--force" in result.output + (result.stderr or "") and target.read_text() == before
-    assert runner.invoke(app, ["inspect", str(path), "--emit-spec", str(target), "--force"]).exit_code == 0
+    assert cli("inspect", path, "--emit-spec", target, "--force").exit_code == 0
 
 
 def test_spec_free_score_of_a_timesfm_shaped_model(tmp_path):
@@ -276,20 +268,8 @@ def test_spec_free_score_of_a_timesfm_shaped_model(tmp_path):
     masks = np.zeros((3, 1, 32), np.float32)
     masks[0, :, :10] = 1
     np.savez(tmp_path / "ctx.npz", inputs=rng.standard_normal((3, 1, 32)).astype(np.float32), masks=masks)
-    result = runner.invoke(
-        app,
-        [
-            "score",
-            str(path),
-            "--contexts",
-            str(tmp_path / "ctx.npz"),
-            "--steps",
-            "3",
-            "--probes",
-            "1",
-            "--out",
-            str(tmp_path / "run"),
-        ],
+    result = cli(
+        "score", path, "--contexts", tmp_path / "ctx.npz", "--steps", "3", "--probes", "1", "--out", tmp_path / "run"
     )
     text = " ".join((result.output + (result.stderr or "")).split())
     assert result.exit_code == 0, text
@@ -502,7 +482,7 @@ def test_reason_lines_name_the_output_and_the_input_and_one_step_is_singular(tmp
     import models
 
     shift = models.shift_model(tmp_path / "s.onnx", length=16, horizon=4)
-    result = runner.invoke(app, ["inspect", str(shift)])
+    result = cli("inspect", shift)
     text = " ".join(result.output.split())
     assert (
         result.exit_code == 0 and "x: 'y' [batch, 4] appends to 'x' [batch, 16] along axis -1 (4 < 16) → shift" in text
@@ -514,23 +494,9 @@ def test_reason_lines_name_the_output_and_the_input_and_one_step_is_singular(tmp
         ids=rng.integers(0, 100, (2, 3)),
         img=rng.standard_normal((2, 3, 4, 8, 8)).astype(np.float32),
     )
-    result = runner.invoke(
-        app, ["score", str(single), "-c", str(tmp_path / "c.npz"), "--probes", "1", "--out", str(tmp_path / "run")]
-    )
+    result = cli("score", single, "-c", tmp_path / "c.npz", "--probes", "1", "--out", tmp_path / "run")
     text = " ".join(result.output.split())
     assert result.exit_code == 0 and "rollout 1 step (detected)" in text and "1 steps" not in text, text
-    result = runner.invoke(
-        app,
-        [
-            "eval",
-            str(single),
-            "--reference",
-            str(single),
-            "-c",
-            str(tmp_path / "c.npz"),
-            "--report",
-            str(tmp_path / "e"),
-        ],
-    )
+    result = cli("eval", single, "--reference", single, "-c", tmp_path / "c.npz", "--report", tmp_path / "e")
     text = " ".join(result.output.split())
     assert result.exit_code == 0 and "2 context windows × 1 step;" in text, text

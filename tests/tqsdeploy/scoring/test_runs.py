@@ -6,12 +6,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from conftest import cli
 
 import runtimes
 from runtimes.trt import TrtRuntime
 from tqsdeploy import ScoreRun, ScoreSettings, UnitSelection, score
-from tqsdeploy.cli import app
 from tqsdeploy.errors import InputError
 from tqsdeploy.scoring.runs import RUN_FORMAT, model_label
 
@@ -61,9 +60,7 @@ def test_a_run_prepares_its_own_sweep_again(run, two_branch):
 
 
 def _export_fails(run_dir: Path, model, *phrases):
-    result = CliRunner().invoke(
-        app, ["export", str(model), "--run", str(run_dir), "--C", "4", "-o", str(run_dir.parent / "q.onnx")]
-    )
+    result = cli("export", model, "--run", run_dir, "--C", "4", "-o", run_dir.parent / "q.onnx")
     text = " ".join((result.output + (result.stderr if result.stderr_bytes is not None else "")).split())
     assert result.exit_code == 2 and "Traceback" not in text, text
     for phrase in phrases:
@@ -136,7 +133,7 @@ def test_a_linked_model_is_labelled_by_the_path_given_not_its_target(two_branch,
         model_label("lnk/model.onnx") == "lnk_model" and model_label(tmp_path / "snap" / "model.onnx") == "snap_model"
     )
     assert model_label("snap/../lnk/model.onnx") == "lnk_model"
-    result = CliRunner().invoke(app, ["score", "snap/model.onnx", "-c", str(ctx), "--probe", "quant"])
+    result = cli("score", "snap/model.onnx", "-c", ctx, "--probe", "quant")
     assert result.exit_code == 0, result.output
     assert (tmp_path / "tqs-runs" / "snap_model" / "run.json").exists(), sorted(
         p.name for p in (tmp_path / "tqs-runs").iterdir()

@@ -9,6 +9,7 @@ give exactly what the in-memory path gives.
 import models
 import numpy as np
 import onnx
+from conftest import cli
 
 import graph_ops
 from runtimes import OrtRuntime
@@ -134,24 +135,8 @@ def test_baselines_of_external_data_models_read_the_files_and_match_in_memory_on
     assert np.array_equal(run(tmp_path / "out_inline" / "q.onnx"), run(tmp_path / "out_ext" / "q.onnx"))
     assert sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in external.parent.iterdir()) == before
 
-    from typer.testing import CliRunner
-
-    from tqsdeploy.cli import app
-
-    result = CliRunner().invoke(
-        app,
-        [
-            "baseline",
-            str(external),
-            "--method",
-            "rtn",
-            "--bits",
-            "4",
-            "--min-params",
-            "64",
-            "-o",
-            str(tmp_path / "cli" / "q.onnx"),
-        ],
+    result = cli(
+        "baseline", external, "--method", "rtn", "--bits", "4", "--min-params", "64", "-o", tmp_path / "cli" / "q.onnx"
     )
     data = list((tmp_path / "cli").glob("q.onnx.*.data"))
     assert result.exit_code == 0 and len(data) == 1, result.output
@@ -385,18 +370,15 @@ def test_export_names_its_external_data_file_and_single_file_writes_one(tmp_path
     import json
     import shutil
 
-    from typer.testing import CliRunner
-
-    from tqsdeploy.cli import app
-
     inline = models.mlp_forecaster(tmp_path / "inline.onnx")
     external = _external_copy(inline, tmp_path / "ext")
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
     score(external, tmp_path / "c.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=0))
-    invoke = lambda *args: CliRunner().invoke(
-        app, ["export", str(external), "--run", str(tmp_path / "run"), "--C", "4", "--rounding", "rtn", *map(str, args)]
-    )  # noqa: E731
-    result = invoke("-o", tmp_path / "two" / "q.onnx")
+
+    def export(*args):
+        return cli("export", external, "--run", tmp_path / "run", "--C", "4", "--rounding", "rtn", *args)
+
+    result = export("-o", tmp_path / "two" / "q.onnx")
     text = " ".join(result.output.split())
     meta = json.loads((tmp_path / "two" / "q.allocation.json").read_text())
     data = [p for p in (tmp_path / "two").iterdir() if p.suffix == ".data"]
@@ -408,7 +390,7 @@ def test_export_names_its_external_data_file_and_single_file_writes_one(tmp_path
     )
     assert "(--single-file writes one file)" in text and "1 of them with an external-data file" in text
 
-    result = invoke("--single-file", "-o", tmp_path / "one" / "q.onnx")
+    result = export("--single-file", "-o", tmp_path / "one" / "q.onnx")
     meta = json.loads((tmp_path / "one" / "q.allocation.json").read_text())
     assert result.exit_code == 0 and "external data" not in result.output, result.output
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [

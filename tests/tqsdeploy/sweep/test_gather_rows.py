@@ -7,10 +7,9 @@ import models
 import numpy as np
 import polars as pl
 import pytest
-from typer.testing import CliRunner
+from conftest import cli
 
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.cli import app
 from tqsdeploy.scoring.prepare import prepare
 from tqsdeploy.scoring.request import ScoreRequest
 from tqsdeploy.sweep import SweepSettings
@@ -52,9 +51,7 @@ def test_gather_table_scored_on_the_rows_the_contexts_read(tmp_path):
     )  # undiluted: ln(~50)/4 higher
     assert "touched_rows" in pl.read_csv(tmp_path / "run" / "scores.csv").columns
 
-    result = CliRunner().invoke(
-        app, ["export", str(model), "--run", str(tmp_path / "run"), "--C", "2", "--out-dir", str(tmp_path / "out")]
-    )
+    result = cli("export", model, "--run", tmp_path / "run", "--C", "2", "--out-dir", tmp_path / "out")
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "'emb': the scoring contexts read 2 of its 100 rows" in text

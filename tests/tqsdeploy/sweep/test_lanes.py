@@ -6,11 +6,10 @@ import threading
 import models
 import numpy as np
 import pytest
-from typer.testing import CliRunner
+from conftest import cli
 
 from runtimes import OrtRuntime
 from tqsdeploy import ScoreSettings, score
-from tqsdeploy.cli import app
 from tqsdeploy.errors import InputError, RolloutError
 from tqsdeploy.sweep import LANE_EXTRA_BYTES, ProbeSource, Task, interleaved, plan_tasks, sweep_lanes
 from tqsdeploy.sweep.probes import UnitProbes
@@ -156,40 +155,23 @@ def test_default_lanes_split_the_cores(two_branch, tmp_path):
 
 def test_cli_refuses_lanes_with_workers_in_one_line(two_branch, tmp_path):
     model, contexts = two_branch
-    result = CliRunner().invoke(
-        app,
-        [
-            "score",
-            str(model),
-            "--contexts",
-            str(contexts),
-            "--steps",
-            "2",
-            "--lanes",
-            "2",
-            "--workers",
-            "2",
-            "--out",
-            str(tmp_path / "r"),
-        ],
+    result = cli(
+        "score",
+        model,
+        "--contexts",
+        contexts,
+        "--steps",
+        "2",
+        "--lanes",
+        "2",
+        "--workers",
+        "2",
+        "--out",
+        tmp_path / "r",
     )
     assert result.exit_code == 2
     assert "--lanes runs tasks side by side in this process" in result.output and "Traceback" not in result.output
-    result = CliRunner().invoke(
-        app,
-        [
-            "score",
-            str(model),
-            "--contexts",
-            str(contexts),
-            "--steps",
-            "2",
-            "--lanes",
-            "2",
-            "--out",
-            str(tmp_path / "ok"),
-        ],
-    )
+    result = cli("score", model, "--contexts", contexts, "--steps", "2", "--lanes", "2", "--out", tmp_path / "ok")
     assert result.exit_code == 0, result.output
     assert "strategy" in result.output and "2 lanes" in " ".join(result.output.split())
 

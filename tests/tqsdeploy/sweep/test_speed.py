@@ -3,6 +3,7 @@
 import models
 import numpy as np
 import pytest
+from conftest import cli
 
 from tqsdeploy import ScoreSettings, score
 from tqsdeploy.errors import RolloutError
@@ -64,25 +65,10 @@ def test_every_strategy_gives_feeds_scores(tmp_path, case):
 
 @pytest.mark.parametrize("steps", [1, 3])
 def test_prefix_keeps_dead_units_exactly_dead(two_branch, tmp_path, steps):
-    from typer.testing import CliRunner
-
-    from tqsdeploy.cli import app
 
     model, contexts = two_branch
-    result = CliRunner().invoke(
-        app,
-        [
-            "score",
-            str(model),
-            "--contexts",
-            str(contexts),
-            "--steps",
-            str(steps),
-            "--strategy",
-            "prefix",
-            "--out",
-            str(tmp_path / "run"),
-        ],
+    result = cli(
+        "score", model, "--contexts", contexts, "--steps", steps, "--strategy", "prefix", "--out", tmp_path / "run"
     )
     assert result.exit_code == 0, result.output
     table = ScoreTable.load(tmp_path / "run")

@@ -6,6 +6,7 @@ import models
 import numpy as np
 import polars as pl
 import pytest
+from conftest import cli
 
 from tqsdeploy import SENTINEL_GAMMA, ScoreSettings, score
 from tqsdeploy.errors import InputError
@@ -209,46 +210,36 @@ def test_cli_csv_contexts_random_contexts_and_inspect_json(tmp_path):
     import json
 
     import models
-    from typer.testing import CliRunner
 
-    from tqsdeploy.cli import app
-
-    runner = CliRunner()
     model = models.shift_model(tmp_path / "shift.onnx")
     rows = np.random.default_rng(0).standard_normal((200, 3)).cumsum(axis=0)
     (tmp_path / "series.csv").write_text(
         "date,a,b,c\n" + "\n".join(f"2020-01-{i % 28 + 1:02d},{a},{b},{c}" for i, (a, b, c) in enumerate(rows))
     )
-    result = runner.invoke(
-        app,
-        [
-            "score",
-            str(model),
-            "-c",
-            str(tmp_path / "series.csv"),
-            "--windows",
-            "4",
-            "--zscore",
-            "--steps",
-            "3",
-            "--min-params",
-            "16",
-            "-o",
-            str(tmp_path / "csv"),
-        ],
+    result = cli(
+        "score",
+        model,
+        "-c",
+        tmp_path / "series.csv",
+        "--windows",
+        "4",
+        "--zscore",
+        "--steps",
+        "3",
+        "--min-params",
+        "16",
+        "-o",
+        tmp_path / "csv",
     )
     assert result.exit_code == 0, result.output
     meta = json.loads((tmp_path / "csv" / "run.json").read_text())
     assert meta["contexts"]["shapes"]["x"] == [4, 3, 16] and meta["rollout"]["feedback"][0]["mode"] == "shift"
-    result = runner.invoke(
-        app,
-        ["score", str(model), "--random-contexts", "--steps", "2", "--min-params", "16", "-o", str(tmp_path / "rnd")],
-    )
+    result = cli("score", model, "--random-contexts", "--steps", "2", "--min-params", "16", "-o", tmp_path / "rnd")
     assert result.exit_code == 0 and "contexts are random, not data ('x' standard-normal noise)" in " ".join(
         (result.output + (result.stderr or "")).split()
     )
     assert json.loads((tmp_path / "rnd" / "run.json").read_text())["warnings"]
-    result = runner.invoke(app, ["inspect", str(model), "--json", "--min-params", "16"])
+    result = cli("inspect", model, "--json", "--min-params", "16")
     info = json.loads(result.output)
     assert [u["unit"] for u in info["units"]] == ["W1", "W2"] and info["rollout"]["feedback"][0]["axis"] == -1
 
