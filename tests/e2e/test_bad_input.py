@@ -482,7 +482,8 @@ def test_a_mistyped_solver_variable_is_refused_before_any_work(two_branch, tmp_p
     ],
 )
 def test_a_group_size_nothing_can_take_is_refused_not_ignored(tmp_path, args, phrase):
-    """--group-size on a Conv-only model or with --bits 1 once wrote per-channel scales with exit 0, as if it had been applied."""
+    """--group-size on a Conv-only model or with --bits 1 once wrote per-channel scales with exit 0, as if it had
+    been applied."""
     conv, mlp = models.conv_stack(tmp_path / "conv.onnx"), models.mlp_forecaster(tmp_path / "mlp.onnx")
     if "export" in args or "frontier" in args:
         contexts = tmp_path / "c.npz"
@@ -582,7 +583,8 @@ def test_eval_names_the_input_the_two_models_disagree_on(tmp_path, pair):
 
 
 def test_a_mistyped_feedback_output_is_named_as_the_user_wrote_it(tmp_path):
-    """A typo in [[feedback]] output was reported as 'trajectory output ... is not a model output', a key the spec never had."""
+    """A typo in [[feedback]] output was reported as 'trajectory output ... is not a model output', a key the spec
+    never had."""
     model = models.shift_model(tmp_path / "shift.onnx")
     np.savez(tmp_path / "c.npz", x=np.ones((2, 1, 16), np.float32))
     spec = tmp_path / "spec.toml"

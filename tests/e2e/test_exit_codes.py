@@ -233,7 +233,8 @@ def test_an_output_named_as_a_folder_is_refused(two_branch, tmp_path):
 
 
 def test_a_score_refused_before_writing_leaves_no_run_folder(two_branch, tmp_path):
-    """The run folder is created and locked before the inputs are read; a refusal must not leave it (lock file and all)."""
+    """The run folder is created and locked before the inputs are read; a refusal must not leave it (lock file and
+    all)."""
     _, ctx = two_branch
     result, lines = _run(["score", tmp_path / "typo.onnx", "-c", ctx, "-o", tmp_path / "runs" / "x"])
     assert result.exit_code == 2 and "does not exist" in lines[0], lines
@@ -255,7 +256,8 @@ def test_frontier_checks_its_truth_before_any_work(two_branch, tmp_path):
 
 
 def test_a_candidate_that_outputs_nan_fails_any_gate(two_branch, tmp_path):
-    """A gate on size alone once passed (exit 0) a candidate whose rollout was NaN: non-finite outputs fail every gate."""
+    """A gate on size alone once passed (exit 0) a candidate whose rollout was NaN: non-finite outputs fail every
+    gate."""
     model, ctx = two_branch
     broken = models.nan_model(tmp_path / "broken.onnx")  # same signature as two_branch: x, y [batch, 32]
     result, lines = _run(
@@ -388,7 +390,8 @@ def test_a_default_report_beside_a_read_only_candidate_hints_at_report(two_branc
 
 
 def test_export_max_drift_takes_a_percentage_as_gate_bounds_do(two_branch, tmp_path):
-    """--max-drift 5% was refused ('Input should be a valid number') though gate's bounds take '5%' and README writes PCT."""
+    """--max-drift 5% was refused ('Input should be a valid number') though gate's bounds take '5%' and README
+    writes PCT."""
     model, ctx = two_branch
     assert _run(["score", model, "-c", ctx, "--probe", "quant", "--steps", 2, "-o", tmp_path / "run"])[0].exit_code == 0
     common = ["export", model, "--run", tmp_path / "run", "--C", "4", "--rounding", "rtn", "--refine", "0"]

@@ -32,9 +32,8 @@ def _cli(*args, limit_bytes=None, wait=True):
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }  # keep a PYTHONPATH that brings dependencies
-    if (
-        limit_bytes is not None
-    ):  # Python's own .pyc writes are cut at the limit too (a short write, no error): truncated caches crashed later runs
+    # Python's own .pyc writes are cut at the limit too (a short write, no error): truncated caches crashed later runs
+    if limit_bytes is not None:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
     if not wait:
         return subprocess.Popen(

@@ -86,7 +86,10 @@ def shell_words(command: str, variables: dict[str, str]) -> list[str]:
     if words and all(re.fullmatch(r"[A-Za-z_]\w*=.*", word) for word in words):
         variables.update(word.split("=", 1) for word in words)
         return []
-    expand = lambda word: re.sub(r"\$(\w+)|\$\{(\w+)\}", lambda m: variables[m.group(1) or m.group(2)], word)
+
+    def expand(word):
+        return re.sub(r"\$(\w+)|\$\{(\w+)\}", lambda m: variables[m.group(1) or m.group(2)], word)
+
     return [expand(word) for word in words]
 
 

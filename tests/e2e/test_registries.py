@@ -1,6 +1,6 @@
-"""A rounding method, a runtime, a sweep strategy and an allocation objective each defined by one entry in its registry reach the CLI's
-choices and help, run, and show in the reports, with nothing else in the toolkit edited; once the test's
-registration is undone they are gone again (as tests/test_formats.py does for a tier)."""
+"""A rounding method, a runtime, a sweep strategy and an allocation objective each defined by one entry in its
+registry reach the CLI's choices and help, run, and show in the reports, with nothing else in the toolkit edited;
+once the test's registration is undone they are gone again (as tests/tiers/test_formats.py does for a tier)."""
 
 import json
 from functools import partial
@@ -91,7 +91,8 @@ def test_a_registered_method_is_offered_run_and_labelled(small, monkeypatch):
 
 
 def make(provider, threads=None, **options):
-    """The fake provider's runtime: ONNX Runtime on the CPU (what `runtimes.for_provider` calls in the entry's module)."""
+    """The fake provider's runtime: ONNX Runtime on the CPU (what `runtimes.for_provider` calls in the entry's
+    module)."""
     return OrtRuntime(threads=threads, **options)
 
 
@@ -109,8 +110,8 @@ def test_a_registered_runtime_is_offered_and_evaluates(small, monkeypatch):
         code, text = wide_invoke("score", "--help")
         assert "cpu|cuda|tensorrt|trt-engine|fake" in text
         assert (
-            "or trt-engine (native TensorRT, weights refitted), or fake (ONNX Runtime's CPU provider under another name)."
-            in text
+            "or trt-engine (native TensorRT, weights refitted), "
+            "or fake (ONNX Runtime's CPU provider under another name)." in text
         )
         code, text = wide_invoke("export", "--help")
         assert "cpu|cuda|tensorrt|fake" in text

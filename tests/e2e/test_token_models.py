@@ -23,8 +23,8 @@ def test_random_contexts_of_a_token_model_read_the_table_and_attend_everywhere(t
     assert ids.min() >= 0 and ids.max() < 1000 and len(np.unique(ids)) > 50  # the word table's 1000 rows, spread over
     assert (mask == 1).all()
     assert (
-        "'input_ids' uniform over the 1000 rows of the table it indexes; 'attention_mask' all 1 (every position present)"
-        in text
+        "'input_ids' uniform over the 1000 rows of the table it indexes; "
+        "'attention_mask' all 1 (every position present)" in text
     )
     assert "rollout 1 step (detected)" in text
 
@@ -33,8 +33,8 @@ def test_without_a_size_for_seq_the_error_names_dim_and_the_npz_layout(tmp_path)
     code, text = invoke("score", MODEL, "--random-contexts", "--out", tmp_path / "run")
     assert code == 2 and "Traceback" not in text
     assert (
-        "cannot make random contexts for input 'input_ids' [batch, seq]: its axis 1 is dynamic ('seq') and no --dim gives its size"
-        in text
+        "cannot make random contexts for input 'input_ids' [batch, seq]: "
+        "its axis 1 is dynamic ('seq') and no --dim gives its size" in text
     )
     assert (
         "pass --dim seq=N" in text
@@ -47,7 +47,8 @@ def test_inspect_says_what_contexts_to_write_and_what_random_ones_need():
     code, text = invoke("inspect", MODEL)
     assert (
         code == 0
-        and "contexts: an .npz with arrays 'input_ids' (windows, batch, seq) int64, 'attention_mask' (windows, batch, seq) int64"
+        and "contexts: an .npz with arrays 'input_ids' (windows, batch, seq) int64, "
+        "'attention_mask' (windows, batch, seq) int64"
         in text
     ), text
     assert "--random-contexts needs --dim seq=N; 'input_ids' indexes a table of 1000 rows" in text
@@ -111,7 +112,8 @@ def test_ids_stay_within_the_smallest_table_they_index(tmp_path):
 
 @pytest.mark.slow
 def test_the_token_example_goes_inspect_score_export_eval_gate(tmp_path, monkeypatch):
-    """The README's walk-through for a token model, with its checks: single-step, ids within the table, C = 4, a gate."""
+    """The README's walk-through for a token model, with its checks: single-step, ids within the table, C = 4,
+    a gate."""
     monkeypatch.chdir(tmp_path)
     proto = onnx.load(str(MODEL))
     assert (

@@ -191,7 +191,10 @@ def test_a_bidirectional_lstm_whose_directions_are_stacked_by_concat_calibrates_
     layouts = weight_layouts(onnx.load(str(path)))
     x = rng.standard_normal((SEQ, BATCH, INPUTS))
     Y = OrtRuntime().open(path).run({"x": x.astype(np.float32)})["Y"]
-    onnx_order = lambda w: np.concatenate([w[g * HIDDEN : (g + 1) * HIDDEN] for g in (0, 3, 1, 2)])  # noqa: E731  (as _gate_sliced)
+
+    def onnx_order(w):
+        return np.concatenate([w[g * HIDDEN : (g + 1) * HIDDEN] for g in (0, 3, 1, 2)])  # as _gate_sliced
+
     W = np.stack([onnx_order(init["weight_ih"]), onnx_order(init["weight_ih_reverse"])])
     R = np.stack([onnx_order(init["weight_hh"]), onnx_order(init["weight_hh_reverse"])])
     for d, suffix in enumerate(("", "_reverse")):

@@ -112,8 +112,8 @@ def test_an_unfollowed_path_is_named_by_inspect_and_export(tmp_path):
     info = json.loads(text[text.index("{") :])
     assert code == 0 and [u["unit"] for u in info["units"]] == ["rnn.weight_ih"], text
     assert (
-        "'rnn.weight_hh' (1,024 params) is not a unit: reaches LSTM through Mul, Slice, Concat, Unsqueeze (not followed); name it with --include"
-        in info["notes"][0]
+        "'rnn.weight_hh' (1,024 params) is not a unit: reaches LSTM through Mul, Slice, Concat, Unsqueeze "
+        "(not followed); name it with --include" in info["notes"][0]
     )
     np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(1).standard_normal((2, 1, 6, 16)).astype(np.float32))
     code, text = invoke(

@@ -120,7 +120,9 @@ def test_one_file_tier_is_priced_as_it_is_written(registered):
 def test_one_file_tier_runs_as_numpy_says(registered, tmp_path):
     model = onnx.load(str(models.mlp_forecaster(tmp_path / "mlp.onnx")))
     layouts = graph_ops.weight_layouts(model)
-    weights = graph_ops.read_weights(model, [n for n, l in layouts.items() if l.is_operand_weight])
+    weights = graph_ops.read_weights(
+        model, [n for n, weight_layout in layouts.items() if weight_layout.is_operand_weight]
+    )
     stored = {n: encode(w, layouts[n], TERNARY) for n, w in weights.items()}
     for layout in ("fused", "dequantized"):
         exported = apply_storage(model, stored, layout=layout)
@@ -169,8 +171,8 @@ def test_one_file_tier_exports_end_to_end(registered, tmp_path):
     assert graph_ops.weight_bits(proto) == meta["weight_bits"]
     units = {
         n
-        for n, l in graph_ops.weight_layouts(onnx.load(str(model))).items()
-        if l.is_operand_weight and l.params >= 1024
+        for n, layout in graph_ops.weight_layouts(onnx.load(str(model))).items()
+        if layout.is_operand_weight and layout.params >= 1024
     }
     unit_bits = sum(graph_ops.io.tensor_bits(t) for t in proto.graph.initializer if t.name.split("__")[0] in units)
     assert unit_bits == 8 * sum(row["bytes"] for row in meta["tiers"])

@@ -213,7 +213,8 @@ def test_the_screens_residual_is_the_grids_own_rounding(dtype):
 def test_a_small_lapack_call_leaves_the_solvers_their_cores():
     """A LAPACK call of small order sets scipy's own OpenBLAS to one thread (`tiers.gptq._lapack`); the cores the
     solvers may use still follow numpy's BLAS. Counted with scipy's copy, every calibration wave after the first
-    small call solved its weights one at a time (on a quiet 2-core machine the same speed: BLAS threads filled the cores)."""
+    small call solved its weights one at a time (on a quiet 2-core machine the same speed: BLAS threads filled the
+    cores)."""
     from threadpoolctl import threadpool_info
 
     from tiers import solver_backend

@@ -134,13 +134,16 @@ def encoder(tmp_path_factory):
     weights = graph_ops.read_weights(model.proto, list(layouts))
     contexts = Contexts({"x": np.random.default_rng(1).standard_normal((6, 8, 32)).astype(np.float32)}, "test")
     spec = RolloutSpec.from_dict({"steps": 3, "feedback": [{"output": "y", "input": "x"}]})
-    make = lambda: Encoder(
-        units,
-        layouts,
-        weights,
-        calibrator=lambda: Calibrator(model.proto, layouts, CalibrationRollout(contexts, spec), weights=weights),
-        track_errors=True,
-    )  # noqa: E731
+
+    def make():
+        return Encoder(
+            units,
+            layouts,
+            weights,
+            calibrator=lambda: Calibrator(model.proto, layouts, CalibrationRollout(contexts, spec), weights=weights),
+            track_errors=True,
+        )
+
     coder = make()
     yield model, coder, make
     coder.close()

@@ -30,7 +30,10 @@ def test_weight_operands_found_through_layout_ops(assorted):
 
 def test_selection_threshold_include_exclude(assorted):
     tensors = graph_ops.find_weight_tensors(assorted.proto)
-    names = lambda sel: sorted(u.name for u in select_units(tensors, sel))  # noqa: E731
+
+    def names(sel):
+        return sorted(u.name for u in select_units(tensors, sel))
+
     assert names(UnitSelection()) == ["const_w", "emb", "gemm_w"]  # conv_t has 288 params
     assert names(UnitSelection(min_params=1)) == ["const_w", "conv_t", "emb", "gemm_w"]
     assert names(UnitSelection(include="gemm_b")) == ["const_w", "emb", "gemm_b", "gemm_w"]

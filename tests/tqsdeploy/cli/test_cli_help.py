@@ -105,7 +105,8 @@ def test_inspect_of_a_spec_without_feedback(tmp_path):
 
 
 def test_an_abort_or_exit_passing_the_group_is_handled():
-    """A closed pipe under --help or Ctrl-C at a prompt surfaces as Abort/SystemExit at the group: no AttributeError traceback."""
+    """A closed pipe under --help or Ctrl-C at a prompt surfaces as Abort/SystemExit at the group: no AttributeError
+    traceback."""
     import typer
 
     from tqsdeploy.cli import _OneLineErrors

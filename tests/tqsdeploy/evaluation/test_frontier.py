@@ -89,7 +89,8 @@ def test_frontier_end_to_end(small):
         assert (out / name).stat().st_size > 5000
     report = (out / "report.md").read_text()
     assert "W4 grid" in report and "Time per Pareto point" in report and "Win counts" in report and "| 2 |" in report
-    # how the models ran, as eval saw it: the default (dequantized) layout is folded to float weights at load, no MatMulNBits
+    # how the models ran, as eval saw it: the default (dequantized) layout is folded to float weights at load,
+    # no MatMulNBits
     assert (
         "Evaluated with ONNX Runtime default on cpu: weights stored dequantized-at-load" in report
         and "accuracy_level 4" not in report
@@ -229,25 +230,28 @@ def test_an_interrupted_frontier_keeps_its_finished_exports_and_evaluations(smal
     import time
 
     model, contexts, _ = small
-    command = lambda out: [
-        sys.executable,
-        "-m",
-        "tqsdeploy",
-        "frontier",
-        str(model),
-        "-c",
-        str(contexts),
-        "--steps",
-        "3",
-        "--C",
-        "2,4",  # noqa: E731
-        "--baselines",
-        "rtn,gptq",
-        "--bits",
-        "4",
-        "-o",
-        str(out),
-    ]
+
+    def command(out):
+        return [
+            sys.executable,
+            "-m",
+            "tqsdeploy",
+            "frontier",
+            str(model),
+            "-c",
+            str(contexts),
+            "--steps",
+            "3",
+            "--C",
+            "2,4",
+            "--baselines",
+            "rtn,gptq",
+            "--bits",
+            "4",
+            "-o",
+            str(out),
+        ]
+
     assert subprocess.run(command(tmp_path / "whole"), capture_output=True, timeout=600).returncode == 0
     out = tmp_path / "cut"
     process = subprocess.Popen(command(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -272,7 +276,8 @@ def test_an_interrupted_frontier_keeps_its_finished_exports_and_evaluations(smal
 
 
 def test_frontier_refuses_a_folder_of_other_files_unless_forced_and_resumes_its_own(small, tmp_path):
-    """frontier --out once wrote over a user's report.md and frontier.csv without a word; score refuses such a folder."""
+    """frontier --out once wrote over a user's report.md and frontier.csv without a word; score refuses such a
+    folder."""
     model, contexts, _ = small
     out = tmp_path / "proj"
     out.mkdir()

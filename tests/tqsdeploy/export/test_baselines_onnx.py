@@ -79,7 +79,7 @@ def _run_proto(proto, feeds):
 def test_mlp_bindings_follow_transpose_and_gemm_layouts(mlp):
     model, _, _ = mlp
     layouts = weight_layouts(onnx.load(str(model)), ["W1", "W2", "W3"])
-    tiers_layouts = {n: Layout(l.shape, l.perm, l.row_groups) for n, l in layouts.items()}
+    tiers_layouts = {n: Layout(layout.shape, layout.perm, layout.row_groups) for n, layout in layouts.items()}
     assert [tiers_layouts[n].wt_shape for n in ("W1", "W2", "W3")] == [(32, 16), (32, 32), (8, 32)]
     assert layouts["W1"].perm == (1, 0) and layouts["W2"].perm == (0, 1) and layouts["W3"].perm == (0, 1)
     assert all(b.calibratable for b in layouts.values())
@@ -472,7 +472,10 @@ def test_steps_without_a_spec_calibrates_on_the_detected_rollout(tmp_path):
     ctx = tmp_path / "ctx.npz"
     np.savez(ctx, x=np.random.default_rng(3).standard_normal((4, 2, 32)).astype(np.float32))
     spec = RolloutSpec.from_dict({"steps": 4, "feedback": [{"output": "y", "input": "x", "mode": "replace"}]})
-    codes = lambda result: {n: e.values.tobytes() for n, e in result.encoded.items()}  # noqa: E731
+
+    def codes(result):
+        return {n: e.values.tobytes() for n, e in result.encoded.items()}
+
     with_steps = codes(quantize_baseline(model, BaselineSettings("gptq", 2, steps=4), ctx))
     assert with_steps == codes(quantize_baseline(model, BaselineSettings("gptq", 2, spec=spec), ctx))
     assert with_steps != codes(quantize_baseline(model, BaselineSettings("gptq", 2), ctx))
@@ -499,7 +502,10 @@ def test_auto_grids_keep_the_grid_whose_model_drifts_less_on_the_calibration_win
     from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
 
     model, calib, _ = mlp
-    codes = lambda result: {n: e.values.tobytes() for n, e in result.encoded.items()}  # noqa: E731
+
+    def codes(result):
+        return {n: e.values.tobytes() for n, e in result.encoded.items()}
+
     chosen = quantize_baseline(model, BaselineSettings("qep", 2), calib)
     assert set(chosen.grid_drifts) == set(GRIDS) and chosen.grids in GRIDS
     assert chosen.grid_drifts[chosen.grids] == min(chosen.grid_drifts.values())

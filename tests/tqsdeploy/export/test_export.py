@@ -409,8 +409,8 @@ def test_an_emitted_weight_of_the_wrong_type_is_refused_before_writing(tmp_path)
 
 @pytest.mark.parametrize("method,bits", [("rtn", 2), ("gptq", 4), ("qep", 8), ("qep", 2)])
 def test_baseline_equals_a_uniform_export_with_that_rounding(scored, tmp_path, method, bits):
-    """`baseline --method X --bits b` on the run's windows and spec is `export --uniform <tier b> --rounding X`: at 4 bits and
-    fewer both measure the grids (--grids auto) on that rollout and keep the same one."""
+    """`baseline --method X --bits b` on the run's windows and spec is `export --uniform <tier b> --rounding X`: at
+    4 bits and fewer both measure the grids (--grids auto) on that rollout and keep the same one."""
     model, _, folder = scored
     tier = {2: "int2-asym", 4: "int4-asym", 8: "int8-asym"}[bits]
     code, text = invoke(

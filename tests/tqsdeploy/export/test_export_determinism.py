@@ -1,4 +1,5 @@
-"""An export's answer is a function of (model, contexts, spec, target, settings): not of what else its run folder priced.
+"""An export's answer is a function of (model, contexts, spec, target, settings): not of what else its run folder
+priced.
 
 The price list (measured.jsonl) is a cache shared by every export of a run folder; it may save time but never
 change the model written. Real sessions, real solver, a small MLP (seconds)."""

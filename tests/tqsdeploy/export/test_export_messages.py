@@ -1,4 +1,5 @@
-"""What export tells its user: damage warnings, --max-drift, why a result differs from the request, safe output names."""
+"""What export tells its user: damage warnings, --max-drift, why a result differs from the request, safe output
+names."""
 
 import json
 

@@ -114,17 +114,20 @@ def _whole_and_command(scored, tmp_path, options: list[str], whole: str, cut: st
     model, _, folder = scored
     for name in ("run", "whole"):
         shutil.copytree(folder / "run", tmp_path / name)
-    export = lambda run, out: [
-        sys.executable,
-        "-m",
-        "tqsdeploy",
-        "export",
-        str(model),
-        "--run",
-        str(run),
-        *options,
-        str(out),
-    ]  # noqa: E731
+
+    def export(run, out):
+        return [
+            sys.executable,
+            "-m",
+            "tqsdeploy",
+            "export",
+            str(model),
+            "--run",
+            str(run),
+            *options,
+            str(out),
+        ]
+
     assert (
         subprocess.run(export(tmp_path / "whole", tmp_path / whole), capture_output=True, timeout=300).returncode == 0
     )
@@ -161,8 +164,8 @@ def test_ctrl_c_during_export_says_what_is_kept_and_the_rerun_resumes(scored, tm
     )
     text = " ".join(stderr.split())
     assert (
-        "interrupted: the run folder keeps the measured tier prices (measured.jsonl) and every weight a calibration pass finished (export-checkpoints/)"
-        in text
+        "interrupted: the run folder keeps the measured tier prices (measured.jsonl) "
+        "and every weight a calibration pass finished (export-checkpoints/)" in text
     )
     assert not (tmp_path / "q.onnx").exists()
     kept = len(list((tmp_path / "run" / FOLDER).rglob("*.npz")))

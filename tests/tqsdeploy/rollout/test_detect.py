@@ -184,7 +184,10 @@ def test_point_and_quantile_heads(tmp_path):
 def _ambiguous(path):
     rng = np.random.default_rng(5)
     nodes = [helper.make_node("MatMul", ["a", "W"], ["c"]), helper.make_node("MatMul", ["b", "W"], ["d"])]
-    io = lambda names: [_vi(n, F, ["n", 4]) for n in names]  # noqa: E731
+
+    def io(names):
+        return [_vi(n, F, ["n", 4]) for n in names]
+
     return _model(nodes, io("ab"), io("cd"), {"W": _w(rng, 4, 4)}, path)
 
 
@@ -351,7 +354,10 @@ def test_shapes_that_fit_by_coincidence_feed_no_covariate_and_no_side_head(tmp_p
 
 def _sig(inputs, outputs):
     """IOSpecs from (name, shape[, dtype]) tuples."""
-    make = lambda items: [IOSpec(i[0], tuple(i[1]), np.dtype(i[2] if len(i) > 2 else np.float32)) for i in items]  # noqa: E731
+
+    def make(items):
+        return [IOSpec(i[0], tuple(i[1]), np.dtype(i[2] if len(i) > 2 else np.float32)) for i in items]
+
     return make(inputs), make(outputs)
 
 
@@ -431,7 +437,8 @@ def test_no_feedback_runs_after_the_last_step(tmp_path):
 @pytest.mark.parametrize(
     "inputs,outputs,feedback,trajectory",
     [
-        # lengths that may differ: a fixed horizon into a named context, named into named; shifts only with names that say so
+        # lengths that may differ: a fixed horizon into a named context, named into named; shifts only with names
+        # that say so
         (
             [("past_values", ("B", 96, 7)), ("future_time_features", ("B", "horizon", 4))],
             [("prediction", ("B", "horizon", 7))],

@@ -156,7 +156,9 @@ def _saved(tmp_path, name, nodes, inputs, outputs, weights):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    io = lambda items: [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in items]  # noqa: E731
+    def io(items):
+        return [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in items]
+
     graph = helper.make_graph(
         nodes, name, io(inputs), io(outputs), [numpy_helper.from_array(v, k) for k, v in weights.items()]
     )

@@ -44,7 +44,10 @@ def test_external_data_models_score_and_evaluate_as_in_memory_ones(tmp_path):
 
     a = score(inline, tmp_path / "c.npz", steps=4, out=tmp_path / "run_inline", settings=settings, strategy="feed")
     b = score(external, tmp_path / "c.npz", steps=4, out=tmp_path / "run_ext", settings=settings)
-    gammas = lambda table: dict(zip(table.frame["unit"], table.frame["gamma"]))
+
+    def gammas(table):
+        return dict(zip(table.frame["unit"], table.frame["gamma"]))
+
     assert gammas(a) == gammas(b)
 
     # the run folder holds the graph only: its session file is far smaller than the weights it points at
@@ -88,7 +91,10 @@ def test_external_data_models_score_and_evaluate_as_in_memory_ones(tmp_path):
         outcome.path.parent.glob("q.onnx.*.data")
     )  # an input with external data gives an output with external data
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
-    run = lambda path: OrtRuntime(exact_qdq=True).open(path, external_data_dir=path.parent).run({"x": x})["y"]
+
+    def run(path):
+        return OrtRuntime(exact_qdq=True).open(path, external_data_dir=path.parent).run({"x": x})["y"]
+
     assert np.array_equal(run(outcome.path), run(expected.path))
     reports = [evaluate(outcome.path, reference, tmp_path / "c.npz", steps=4) for reference in (inline, external)]
     assert (
@@ -131,7 +137,10 @@ def test_baselines_of_external_data_models_read_the_files_and_match_in_memory_on
         and written["inline"]["external_data"] is None
     )
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
-    run = lambda path: OrtRuntime(exact_qdq=True).open(path, external_data_dir=path.parent).run({"x": x})["y"]
+
+    def run(path):
+        return OrtRuntime(exact_qdq=True).open(path, external_data_dir=path.parent).run({"x": x})["y"]
+
     assert np.array_equal(run(tmp_path / "out_inline" / "q.onnx"), run(tmp_path / "out_ext" / "q.onnx"))
     assert sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in external.parent.iterdir()) == before
 
@@ -178,7 +187,10 @@ def test_large_single_file_models_are_streamed_from_the_file_itself(tmp_path, mo
     )  # everything but the payloads, as protobuf parses it
 
     streamed = score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "streamed", settings=settings)
-    gammas = lambda table: dict(zip(table.frame["unit"], table.frame["gamma"]))
+
+    def gammas(table):
+        return dict(zip(table.frame["unit"], table.frame["gamma"]))
+
     assert gammas(plain) == gammas(streamed)
     assert not list((tmp_path / "streamed").glob("*.data")) and not list((tmp_path / "streamed").glob("weights-*"))
 
@@ -255,9 +267,9 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
             )  # reopened after each calibration pass without rolling the original out again
         planner.close()
     assert outcomes[0].compared == outcomes[1].compared == outcomes[2].compared
-    assert any(
-        p.startswith("mixed") for p in passes[1]
-    )  # a calibration pass after measuring began (the mixed one; a QEP export runs no GPTQ/GPTAQ fallback), in turns with it
+    # a calibration pass after measuring began (the mixed one; a QEP export runs no GPTQ/GPTAQ fallback), in turns
+    # with it
+    assert any(p.startswith("mixed") for p in passes[1])
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
     ys = [OrtRuntime(exact_qdq=True).open(o.path).run({"x": x})["y"] for o in outcomes]
     assert np.array_equal(ys[0], ys[1]) and np.array_equal(ys[0], ys[2])
@@ -385,8 +397,8 @@ def test_export_names_its_external_data_file_and_single_file_writes_one(tmp_path
     assert result.exit_code == 0 and len(data) == 1, text
     assert meta["files"] == [str(tmp_path / "two" / "q.onnx"), str(data[0])] and meta["external_data"] == str(data[0])
     assert (
-        f"external data: {tmp_path / 'two' / 'q.onnx'} + {data[0]}: the .onnx reads its weights from the .data file, so ship and keep both together"
-        in text
+        f"external data: {tmp_path / 'two' / 'q.onnx'} + {data[0]}: the .onnx reads its weights from the .data file, "
+        "so ship and keep both together" in text
     )
     assert "(--single-file writes one file)" in text and "1 of them with an external-data file" in text
 

@@ -72,7 +72,8 @@ def _conv(tmp_path):
 
 
 def _assorted(tmp_path):
-    """Gather, Gemm (transB=0), a Constant-node MatMul weight, and a Conv weight read through a Transpose (not batched)."""
+    """Gather, Gemm (transB=0), a Constant-node MatMul weight, and a Conv weight read through a Transpose (not
+    batched)."""
     return (*models.assorted_case(tmp_path), UnitSelection(min_params=100))
 
 
@@ -129,7 +130,8 @@ def test_rows_mixed_across_the_batch_refuse_batch_and_auto_skips_it(tmp_path):
     contexts = Contexts(_state((4, 2, 32)), source="test")
     with pytest.raises(
         RolloutError,
-        match=r"strategy 'batch' cannot run this model: unit 'W': batched output 'y' at step 1 differs .* mixes rows across the batch",
+        match=r"strategy 'batch' cannot run this model: unit 'W': batched output 'y' at step 1 differs "
+        r".* mixes rows across the batch",
     ):
         score(model, contexts, spec=STATE, out=tmp_path / "batch", strategy="batch")
     auto = score(model, contexts, spec=STATE, out=tmp_path / "auto", settings=SETTINGS)
