@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue #32's GPU checks in one command, each step under its own time limit so a slow one cannot eat the rest:
-#   tests     tests/test_gpu.py (CUDA provider paths, the CuPy solver path's codes) and the device loop's CI test
+#   tests     tests/runtimes/test_gpu.py (CUDA provider paths, the CuPy solver path's codes) and the device loop's CI test
 #   solver    the rounding solver on numpy vs CuPy (benchmarks/bench_solver_backend.py)
 #   bert      export's time to result on the BERT-size encoder, CUDA measurement rollouts, CuPy solver
 #   etth1     the same for the bundled ETTh1 example
@@ -24,7 +24,7 @@ step() { local limit=$1 name=$2; shift 2; echo "== $name (limit ${limit}s)"; loc
 bench=(python3 benchmarks/bench_export.py --results-dir "$out" --logs "$out/logs")
 for s in $steps; do
     case $s in
-        tests) step 90 tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_baselines_math.py -k "gpu or cuda or device or cupy" ;;
+        tests) step 90 tests python3 -m pytest -q -p no:cacheprovider tests/runtimes/test_gpu.py tests/tiers/test_baselines_math.py -k "gpu or cuda or device or cupy" ;;
         solver) step 60 solver python3 benchmarks/bench_solver_backend.py --orders 1024,2048,4096 --out "$out" ;;
         bert) step 200 export_bert "${bench[@]}" --models bert --provider cuda --out export-gpu-bert --note "CUDA measurement rollouts, CuPy solver" ;;
         etth1) step 60 export_etth1 "${bench[@]}" --models etth1_patchtst --provider cuda --out export-gpu-etth1 --note "CUDA measurement rollouts, CuPy solver" ;;

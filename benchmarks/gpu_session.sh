@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for a machine with an NVIDIA GPU: install the [gpu] extra, run tests/test_gpu.py and
+# One command for a machine with an NVIDIA GPU: install the [gpu] extra, run tests/runtimes/test_gpu.py and
 # benchmarks/bench_gpu.py, and keep every log in OUT_DIR.
 #
 #   benchmarks/gpu_session.sh OUT_DIR [bench_gpu.py arguments...]
@@ -31,7 +31,7 @@ export LD_LIBRARY_PATH="${nvidia_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     python3 -c "import sys, onnxruntime as o; print(sys.version); print('onnxruntime', o.__version__, o.get_available_providers())"
     python3 -c "import tensorrt; print('tensorrt', tensorrt.__version__)" 2>&1 | tail -1
 } 2>&1 | tee "$out/env.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log"
+python3 -m pytest -q -p no:cacheprovider tests/runtimes/test_gpu.py 2>&1 | tee "$out/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 python3 benchmarks/bench_gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench_gpu.log"
 bench=${PIPESTATUS[0]}

@@ -8,7 +8,7 @@ initializer, so the weights the sweep feeds by name map one to one.
 tensorrt and polygraphy are imported only when a TensorRT runtime is used, so
 CPU-only installs never need them (`pip install 'tqsdeploy[gpu]'`). This path
 is written against the TensorRT 10 / Polygraphy 0.49+ documentation and is
-not exercised by CI, which has no GPU (see tests/test_gpu.py).
+not exercised by CI, which has no GPU (see tests/runtimes/test_gpu.py).
 """
 
 from __future__ import annotations

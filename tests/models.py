@@ -241,7 +241,8 @@ def gather_forecaster(path: Path, rows: int = 100, n: int = 32, seed: int = 0, c
 
 
 def gemm_pair(path: Path, n: int = 32, hidden: int = 64, seed: int = 0) -> Path:
-    """y = 0.5 * x + Gemm(tanh(Gemm(x, W1ᵀ, b1, transB=1)), W2, b2, alpha=0.3, beta=2): both Gemm layouts, biases as weights."""
+    """y = 0.5 * x + Gemm(tanh(Gemm(x, W1ᵀ, b1, transB=1)), W2, b2, alpha=0.3, beta=2): both Gemm layouts, biases
+    as weights."""
     rng = np.random.default_rng(seed)
     init = {
         "W1": (rng.standard_normal((hidden, n)) / np.sqrt(n)).astype(np.float32),

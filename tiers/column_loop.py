@@ -6,7 +6,7 @@ GPTAQ's P), the codes and the block updates stay on the device and only the grid
 where the clip search lives. `tiers.solver_backend.loop_on_device` says which: the device pays a dozen kernel
 launches per column, so it wins only on large weights. Same float64 operations in the same order either way,
 so the device's codes differ from the host's only where another summation order tips a rounding tie
-(tests/test_gpu.py holds it to ≥ 99.9% equal codes).
+(tests/runtimes/test_gpu.py holds it to ≥ 99.9% equal codes).
 """
 
 from __future__ import annotations

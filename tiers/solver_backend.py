@@ -22,7 +22,7 @@ _ARRAY_MODULE = None
 def array_module():
     """The array library the heavy products run in: CuPy when the optional `gpu` extra installed it and a
     CUDA device is visible, else numpy (TQS_ARRAYS=numpy forces numpy). Same calls either way (CuPy
-    mirrors numpy's API), so CI runs this code under numpy; tests/test_gpu.py holds the device's codes to
+    mirrors numpy's API), so CI runs this code under numpy; tests/runtimes/test_gpu.py holds the device's codes to
     numpy's (docs/design-notes/tiers.md, 'On the device')."""
     global _ARRAY_MODULE
     if _ARRAY_MODULE is None:

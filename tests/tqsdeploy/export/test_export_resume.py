@@ -1,0 +1,214 @@
+"""An interrupted export resumes: calibration passes are checkpointed weight by weight in the run folder,
+and the rerun writes the same bytes as an uninterrupted export."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import models
+import numpy as np
+import pytest
+from conftest import scored_run
+
+from tqsdeploy.encoding.checkpoints import FOLDER
+from tqsdeploy.export import ExportSettings, Planner
+
+# A residual MLP with the shared weight split into channel groups, and a finished score run.
+scored = scored_run(
+    lambda folder: models.mlp_forecaster(folder / "mlp.onnx", n=32, hidden=64),
+    (4, 2, 32),
+    seed=3,
+    steps=3,
+    name="resume",
+)
+
+
+def _export(run, path, on_weight=None):
+    """Export C 4 with QEP rounding (every pass calibrated); the weights it encoded itself, in order."""
+    planner = Planner(run, settings=ExportSettings(refine=1), resumable=True)
+    encoded = []
+
+    def count(name):
+        encoded.append(name)
+        if on_weight is not None:
+            on_weight(len(encoded))
+
+    planner.encoder.on_weight = count
+    try:
+        outcome = planner.export(4, path, final=True)
+        planner.discard_checkpoints()
+    finally:
+        planner.close()
+    return outcome, encoded
+
+
+def test_an_interrupted_export_resumes_from_its_checkpoints_and_writes_the_same_bytes(scored, tmp_path):
+    model, _, folder = scored
+    for name in ("whole", "cut"):
+        shutil.copytree(folder / "run", tmp_path / name)
+    whole, all_encoded = _export(tmp_path / "whole", tmp_path / "whole.onnx")
+    assert not (tmp_path / "whole" / FOLDER).exists()  # a finished export leaves no checkpoints
+
+    def interrupt(count):
+        if count == 5:
+            raise KeyboardInterrupt  # what Ctrl-C raises, here between the 5th weight's encoding and its checkpoint
+
+    with pytest.raises(KeyboardInterrupt):
+        _export(tmp_path / "cut", tmp_path / "cut.onnx", interrupt)
+    assert not (tmp_path / "cut.onnx").exists()
+    assert len(list((tmp_path / "cut" / FOLDER).rglob("*.npz"))) == 4
+    resumed, encoded = _export(tmp_path / "cut", tmp_path / "cut.onnx")
+    assert (
+        len(encoded) == len(all_encoded) - 4 and len(all_encoded) > 8
+    )  # the four finished weights are read, not encoded again
+    assert (tmp_path / "cut.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes()
+    assert resumed.notes == whole.notes  # what calibration said of the reused weights comes back with them
+    assert not (tmp_path / "cut" / FOLDER).exists()
+
+
+def test_checkpoints_of_other_settings_are_not_used(scored, tmp_path):
+    """A checkpoint's key covers the rounding settings: GPTQ's saved weights are not read by a QEP pass."""
+    model, _, folder = scored
+    shutil.copytree(folder / "run", tmp_path / "run")
+    from tiers import TIERS, Rounding
+
+    planner = Planner(tmp_path / "run", resumable=True)
+    planner.encoder.uniform(TIERS["int4-asym"], Rounding("gptq"))
+    planner.close()
+    saved = len(list((tmp_path / "run" / FOLDER).rglob("*.npz")))
+    assert saved == len(planner.layouts)
+    again = Planner(tmp_path / "run", resumable=True)
+    again.encoder.uniform(TIERS["int4-asym"], Rounding("qep"))
+    assert again.encoder.log.reused == 0
+    again.encoder.uniform(TIERS["int4-asym"], Rounding("gptq"))
+    assert again.encoder.log.reused == saved
+    again.close()
+
+
+def test_a_pass_asked_again_in_one_export_is_not_reported_as_resumed(scored, tmp_path):
+    """An export drops a uniform pass from memory and reads it back from its own checkpoints when asked again:
+    done at once, and not counted or announced as an interrupted export's weights."""
+    model, _, folder = scored
+    shutil.copytree(folder / "run", tmp_path / "run")
+    from tiers import TIERS, Rounding
+
+    planner = Planner(tmp_path / "run", resumable=True)
+    calls = []
+    planner.encoder.on_pass = lambda label, count, done, resumed: calls.append((count, done, resumed))
+    first = planner.encoder.uniform(TIERS["int4-asym"], Rounding("gptq"))
+    planner.encoder.forget("int4-asym", Rounding("gptq"))
+    again = planner.encoder.uniform(TIERS["int4-asym"], Rounding("gptq"))
+    planner.close()
+    count = len(planner.layouts)
+    assert calls == [(count, 0, 0), (count, count, 0)] and planner.encoder.log.reused == 0
+    assert all(np.array_equal(first[name].dequantize(), again[name].dequantize()) for name in first)
+
+
+def _whole_and_command(scored, tmp_path, options: list[str], whole: str, cut: str):
+    """An uninterrupted export into tmp_path/`whole` from a copy of the score run, and the same export's command
+    line from another copy (tmp_path/run) into tmp_path/`cut`."""
+    model, _, folder = scored
+    for name in ("run", "whole"):
+        shutil.copytree(folder / "run", tmp_path / name)
+
+    def export(run, out):
+        return [
+            sys.executable,
+            "-m",
+            "tqsdeploy",
+            "export",
+            str(model),
+            "--run",
+            str(run),
+            *options,
+            str(out),
+        ]
+
+    assert (
+        subprocess.run(export(tmp_path / "whole", tmp_path / whole), capture_output=True, timeout=300).returncode == 0
+    )
+    return model, export(tmp_path / "run", tmp_path / cut)
+
+
+def _holds(ready) -> bool:
+    try:
+        return bool(ready())
+    except FileNotFoundError:
+        return False
+
+
+def _interrupted(command: list[str], ready, env: dict | None = None) -> str:
+    """Run `command`, send a real SIGINT once `ready()` holds, and return its stderr (it must exit 130).
+    A folder `ready` globs may not exist yet: on Python 3.11 pathlib's glob then raises instead of finding nothing."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
+    while process.poll() is None and not _holds(ready):
+        time.sleep(0.005)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130, stdout + stderr
+    return stderr
+
+
+def test_ctrl_c_during_export_says_what_is_kept_and_the_rerun_resumes(scored, tmp_path):
+    """The command line, interrupted by a real SIGINT once the first checkpoint is on disk; the rerun, in
+    another process, writes what an uninterrupted export writes."""
+    model, command = _whole_and_command(scored, tmp_path, ["--C", "4", "-o"], "whole.onnx", "q.onnx")
+    stderr = _interrupted(
+        command, lambda: list((tmp_path / "run" / FOLDER).rglob("*.npz")), {"TQS_PROGRESS_INTERVAL": "0.05"}
+    )
+    text = " ".join(stderr.split())
+    assert (
+        "interrupted: the run folder keeps the measured tier prices (measured.jsonl) "
+        "and every weight a calibration pass finished (export-checkpoints/)" in text
+    )
+    assert not (tmp_path / "q.onnx").exists()
+    kept = len(list((tmp_path / "run" / FOLDER).rglob("*.npz")))
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    text = " ".join(rerun.stderr.split())
+    assert (
+        sum(int(n) for n in re.findall(r"resuming, (\d+) of \d+ weights read from the checkpoints", text)) == kept > 0
+    ), text
+    assert (tmp_path / "q.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes() and not (
+        tmp_path / "run" / FOLDER
+    ).exists()
+
+
+def test_interrupted_exports_keep_at_most_max_passes(scored, tmp_path, monkeypatch):
+    """Checkpoints do not pile up: beyond MAX_PASSES the least recently used pass is dropped."""
+    from tiers import TIERS, Rounding
+    from tqsdeploy.encoding import checkpoints
+
+    model, _, folder = scored
+    shutil.copytree(folder / "run", tmp_path / "run")
+    monkeypatch.setattr(checkpoints, "MAX_PASSES", 2)
+    planner = Planner(tmp_path / "run", resumable=True)
+    passes = []
+    for method in ("gptq", "gptaq", "qep"):
+        planner.encoder.uniform(TIERS["int4-asym"], Rounding(method))
+        passes.append({p.name for p in (tmp_path / "run" / FOLDER).iterdir()})
+    planner.close()
+    assert [len(p) for p in passes] == [1, 2, 2]
+    assert passes[0] < passes[1] and not passes[0] & passes[2]  # the oldest (gptq) went when the third began
+
+
+def test_a_rerun_after_ctrl_c_between_two_targets_overwrites_what_the_interrupted_export_wrote(scored, tmp_path):
+    """`--C 4,8` interrupted once the C4 model is written: the same command again (no --force) resumes and writes
+    what an uninterrupted export writes; a file of the same name that no interrupted export began is still refused."""
+    model, command = _whole_and_command(scored, tmp_path, ["--C", "4,8", "--out-dir"], "w", "q")
+    _interrupted(command, lambda: list((tmp_path / "q").glob("*.C4.allocation.json")))
+    assert (tmp_path / "q" / "mlp.C4.onnx").exists()
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    for name in ("mlp.C4.onnx", "mlp.C8.onnx"):
+        assert (tmp_path / "q" / name).read_bytes() == (tmp_path / "w" / name).read_bytes()
+    again = subprocess.run(
+        command, capture_output=True, text=True, timeout=300
+    )  # finished: nothing of it is left to resume
+    assert again.returncode == 2 and "already exists" in again.stderr
