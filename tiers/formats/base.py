@@ -77,6 +77,13 @@ class StoredForm:
         """What a calibration run feeds to rebuild the weight in the graph; None: fed as the floats it stands for."""
         return None
 
+    @classmethod
+    def native(cls, name: str, value: "Encoded", use, options) -> "NativePlan | None":
+        """The weight in a form ONNX Runtime's low-bit kernels read (`graph_ops.native`), for consumers that read it
+        as `use` (`NativeUse`) on a runtime taking `options` (`tiers.formats.native.NativeOptions`); None: written in
+        the dequantized layout instead."""
+        return None
+
 
 FORMS: dict[str, type[StoredForm]] = {}
 """Stored form name -> the class that writes it."""

@@ -147,6 +147,7 @@ def eval_command(
         columns=parse_columns(columns),
         cosine=cosine,
         latency=latency_settings(no_latency, latency_batches),
+        memory=not no_latency,
     )
     prefix = _report_prefix(candidate, report)
     try:
@@ -226,6 +227,7 @@ def gate(
         columns=parse_columns(columns),
         cosine=cosine,
         latency=latency_settings(no_latency, latency_batches),
+        memory=not no_latency,
     )
     check_writable(report_dir)  # before the rollouts
     evaluation = EvalRequest(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)

@@ -74,17 +74,29 @@ def export(
     target: str = typer.Option(
         "ort-cpu",
         "--target",
-        metavar="ort-cpu|ort-cuda|trt",
+        metavar="ort-cpu|ort-cuda|trt[@RELEASE]",
         help="Runtime the model is for: ort-cpu (default; 'ort' too), ort-cuda or trt (restricts tiers, trt uses "
-        "symmetric grids; decides --runtime-layout auto).",
+        "symmetric grids; decides --runtime-layout auto). ONNX Runtime targets take @RELEASE, the oldest release "
+        "the file must load on (e.g. ort-cpu@1.20; default 1.24, the oldest tqsdeploy runs on): the file keeps "
+        "within its IR version, opset, code types and kernels.",
+    ),
+    kernel_accuracy: str = typer.Option(
+        "int8",
+        "--kernel-accuracy",
+        metavar="int8|exact",
+        help="How ONNX Runtime's MatMulNBits kernels compute (native layout): int8 (default) quantizes activations "
+        "inside the kernel, fast at every code width, about 1e-3 relative error per product; exact computes in "
+        "float, 2- and 8-bit codes then run many times slower than a float MatMul.",
     ),
     runtime_layout: str = typer.Option(
         "auto",
         "--runtime-layout",
-        metavar="auto|dequantized|fused",
-        help="dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed and "
-        "memory, the small file); fused: DequantizeLinear (MatMulNBits on ORT, fast for few rows; what TensorRT "
-        "needs); auto (default): dequantized for ort-cpu/ort-cuda, fused for trt.",
+        metavar="auto|native|dequantized|fused",
+        help="native: ONNX Runtime's own low-bit kernels where they take a weight (MatMulNBits for MatMul/Gemm "
+        "weights, GatherBlockQuantized for embedding tables: small in memory, float speed), dequantized for the "
+        "others; dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed "
+        "and memory, the small file); fused: DequantizeLinear (what TensorRT needs); auto (default): native for "
+        "ort-cpu/ort-cuda, fused for trt.",
     ),
     group_size: Optional[int] = typer.Option(
         None, "--group-size", min=1, help="Blockwise integer quantization along the reduction axis (e.g. 32, 64, 128)."
@@ -196,6 +208,7 @@ def export(
         tiers=tier_names,
         target=target,
         runtime_layout=runtime_layout,
+        kernel_accuracy=kernel_accuracy,
         group_size=group_size,
         objective=objective,
         rounding=rounding,
@@ -403,11 +416,11 @@ def baseline(
         help="Output ONNX (default <stem>.<method>-w<bits>.onnx; a model named model.onnx adds its folder's name).",
     ),
     runtime_layout: str = typer.Option(
-        "dequantized",
+        "native",
         "--runtime-layout",
-        metavar="dequantized|fused",
-        help="As export's: dequantized (default, export's pick for ort-cpu: float weights rebuilt at load) or fused "
-        "(DequantizeLinear).",
+        metavar="native|dequantized|fused",
+        help="As export's: native (default, export's pick for ort-cpu: ONNX Runtime's low-bit kernels where they "
+        "take a weight), dequantized (float weights rebuilt at load) or fused (DequantizeLinear).",
     ),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output file."),
 ):
@@ -419,8 +432,8 @@ def baseline(
         raise typer.BadParameter(f"--method must be one of {', '.join(METHODS)}")
     if bits not in (1, 2, 3, 4, 8):
         raise typer.BadParameter("--bits must be 1, 2, 3, 4 or 8")
-    if runtime_layout not in ("dequantized", "fused"):
-        raise typer.BadParameter("--runtime-layout must be dequantized or fused")
+    if runtime_layout not in ("native", "dequantized", "fused"):
+        raise typer.BadParameter("--runtime-layout must be native, dequantized or fused")
     import graph_ops
     from tqsdeploy.scoring.runs import model_label
 

@@ -56,6 +56,16 @@ def layout_cost(outcome, settings) -> str:
     chosen = f"{outcome.layout}" + (
         f" (auto for --target {settings.target})" if settings.runtime_layout == "auto" else ""
     )
+    loads = f"; loads on ONNX Runtime {outcome.oldest_release} or later" if outcome.oldest_release else ""
+    if outcome.layout == "native":
+        counts: dict[str, int] = {}
+        for form in outcome.runs_as.values():
+            counts[form] = counts.get(form, 0) + 1
+        forms = ", ".join(f"{n} as {form}" for form, n in sorted(counts.items(), key=lambda item: -item[1]))
+        return (
+            f"{chosen}: of {len(outcome.runs_as)} unit tensors ONNX Runtime runs {forms} "
+            f"(the allocation JSON's runs_as names each); {memory}{loads}"
+        )
     if outcome.layout == "dequantized":
         model, file = outcome.opsets
         speed = (
@@ -68,11 +78,11 @@ def layout_cost(outcome, settings) -> str:
         return (
             f"{chosen}: ONNX Runtime rebuilds the float weights once when the session is created "
             f"and {speed} (no dequantization per call); "
-            f"{memory} (the original's float size; the file stays {outcome.file_bytes / 1e6:.3f} MB)"
+            f"{memory} (the original's float size; the file stays {outcome.file_bytes / 1e6:.3f} MB){loads}"
         )
     return (
         f"{chosen}: DequantizeLinear nodes; ONNX Runtime runs those before a MatMul as MatMulNBits (fast for few rows, "
-        f"slower than float for batched calls) and the others on every call; {memory}"
+        f"slower than float for batched calls) and the others on every call; {memory}{loads}"
     )
 
 

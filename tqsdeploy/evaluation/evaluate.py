@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 
 import graph_ops
+import graph_ops.native
 import graph_ops.qdq
 from runtimes import Session, for_provider, release_freed_memory
 from tqsdeploy.errors import InputError
@@ -70,6 +71,9 @@ class EvalSettings:
     latency: LatencySettings | None = None
     """Time candidate and reference (`tqsdeploy.evaluation.latency`); None: not measured (the CLI measures by
     default)."""
+    memory: bool = False
+    """Measure each model's resident memory in a fresh process (`runtimes.memory`): peak and steady growth of a
+    session created and called on the contexts' first batch (the CLI measures it with the latency)."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,20 @@ def _reads_codes(proto) -> bool:
     return bool(graph_ops.qdq.per_call_dequantization(proto))
 
 
+def _native_kernels(proto) -> str:
+    """The native low-bit nodes a written model holds, in words ('' for none): MatMulNBits by code width and
+    accuracy level (4: int8 activations), GatherBlockQuantized by code width."""
+    found: dict[str, int] = {}
+    for node in proto.graph.node:
+        if node.op_type in graph_ops.native.NATIVE_OPS:
+            attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            bits = attributes.get("bits", 4)
+            level = f", accuracy_level {attributes.get('accuracy_level', 0)}" if node.op_type == "MatMulNBits" else ""
+            key = f"{node.op_type} ({bits}-bit{level})"
+            found[key] = found.get(key, 0) + 1
+    return ", ".join(f"{count} {key}" for key, count in sorted(found.items()))
+
+
 def _dequantizes(proto) -> bool:
     return any(n.op_type == "DequantizeLinear" for n in proto.graph.node)
 
@@ -170,6 +188,10 @@ def _runtime_mode(settings: EvalSettings, optimized_path: str, proto) -> dict:
 def _mode(settings: EvalSettings, proto, fused: int, per_call: dict | None) -> str:
     """The runtime mode in words: what the weights are stored as and which kernels run them."""
     provider = settings.provider
+    native = _native_kernels(proto)
+    if native:
+        rest = "; the other weights as below" if _dequantizes(proto) or _reads_codes(proto) else ""
+        return f"ONNX Runtime's own low-bit kernels on {provider} read the codes of {native}{rest}"
     if not _dequantizes(proto) and not _reads_codes(proto):  # the original, or an fp16 copy: nothing to fuse or fold
         return (
             f"ONNX Runtime default on {provider}: float weights (no stored codes, nothing to fuse or fold); "
@@ -439,6 +461,7 @@ def evaluate(
         vectors = settings.cosine or (settings.cosine is None and looks_like_embedding(name, declared.get(name)))
         outputs[name] = _output(name, run.candidate[name], run.reference[name], truths.get(name), vectors, settings)
     latency = _latency(run, cand_model, ref_model, settings) if settings.latency is not None else None
+    memory = _memory(run, candidate, reference, settings) if settings.memory else None
     ref_bits, cand_bits = graph_ops.weight_bits(ref_model.proto), graph_ops.weight_bits(cand_model.proto)
     ctx = run.contexts
     return {
@@ -460,6 +483,42 @@ def evaluate(
         "side_outputs": side_outputs,
         "degradation_pct": max(o["degradation_pct"] for o in outputs.values()),
         "latency": latency,
+        "memory": memory,
+        "forms": _forms(cand_model.proto),
+    }
+
+
+def _forms(proto) -> dict:
+    """What ONNX Runtime runs for each stored weight of the candidate and the bytes it holds for it after load
+    (`graph_ops.native.runtime_forms`), and the totals by form."""
+    forms = graph_ops.native.runtime_forms(proto)
+    totals: dict[str, dict] = {}
+    for form in forms.values():
+        kind = totals.setdefault(form.form, {"tensors": 0, "bytes": 0})
+        kind["tensors"] += 1
+        kind["bytes"] += form.bytes
+    return {"by_tensor": {name: {"form": f.form, "bytes": f.bytes} for name, f in forms.items()}, "totals": totals}
+
+
+def _memory(run: _Rollouts, candidate: Path, reference: Path, settings: EvalSettings) -> dict | None:
+    """Each model's resident memory in a fresh process on the contexts' first batch (`runtimes.memory`); None
+    where it cannot be read (not Linux)."""
+    from runtimes.memory import measure as measure_memory
+    from tqsdeploy.evaluation.latency import batch_feeds
+
+    feeds = batch_feeds(run.contexts, run.inputs, run.batched, min(run.contexts.count, settings.max_batch_windows))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "feeds.npz"
+        np.savez(path, **feeds)
+        found = {label: measure_memory(model, path, settings.provider) for label, model in
+                 (("candidate", candidate), ("reference", reference))}
+    if any(value is None for value in found.values()):
+        return None
+    reference_peak = max(found["reference"].peak_bytes, 1)
+    return {
+        **{label: {"peak_bytes": value.peak_bytes, "steady_bytes": value.steady_bytes} for label, value in found.items()},
+        "peak_ratio": found["candidate"].peak_bytes / reference_peak,
+        "basis": "resident-set growth of a fresh process from just before the session is created to after 3 calls",
     }
 
 

@@ -29,6 +29,7 @@ from tqsdeploy.encoding.slots import check_group_size
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.candidates import Candidate, MixedModels, UniformModels
 from tqsdeploy.export.compare import Comparison
+from tqsdeploy.export.forms import WeightForms
 from tqsdeploy.export.job import ExportJob, ScoredModel, SlotCut, load_scored
 from tqsdeploy.export.measuring import Measuring
 from tqsdeploy.export.pricing import PriceList, TierPricing
@@ -106,7 +107,8 @@ class Planner:
             self.run_dir, model, settings, runtime, output_opset(self.tiers, settings)
         )
         check_group_size(settings.group_size, self.scored.layouts, self.tiers)
-        self.cut = SlotCut(self.scored.units, self.scored.layouts, settings.split_fraction)
+        forms = WeightForms(self.scored.model.proto, self.scored.layouts, settings.policy)
+        self.cut = SlotCut(self.scored.units, self.scored.layouts, settings.split_fraction, forms.whole_tensors())
         self.encoder = self._encoder(resumable)
         self.job = ExportJob(
             self.scored,
@@ -115,6 +117,7 @@ class Planner:
             self.encoder,
             self.cut,
             {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0},
+            forms,
         )
         self.sizing = Sizing(self.job)
         self.measuring = Measuring(self.job)

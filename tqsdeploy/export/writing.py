@@ -19,6 +19,7 @@ import graph_ops
 from graph_ops.qdq import Written, write_storage
 from tiers import TIERS, Encoded, get_tiers
 from tiers.solver_backend import array_module, solver_dtype
+from runtimes.ort_versions import oldest_release, version_text
 from tqsdeploy.encoding import checkpoints
 from tqsdeploy.encoding.logs import thin_note
 from tqsdeploy.errors import InputError
@@ -68,6 +69,10 @@ class Outcome:
     """The rounding method of each calibratable tier the file stores."""
     opsets: tuple[int, int] = (0, 0)
     """(the model's, the file's) default-domain opset: a conversion can change a kernel's speed."""
+    runs_as: dict[str, str] = field(default_factory=dict)
+    """What ONNX Runtime runs for each unit tensor (`WeightForms.runs_as`)."""
+    oldest_release: str | None = None
+    """The oldest ONNX Runtime release that loads the file (`runtimes.ort_versions.oldest_release`), and why."""
 
     def fake_quantized(self) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the file (exact dequantization)."""
@@ -106,8 +111,9 @@ class Writer:
                 path,
                 external_data=external_data,
                 source=self.scored.prepared.data_dir,
-                layout=self.settings.layout,
+                layout={name: self.job.forms.layout_of(e) for name, e in stored.items()},
                 opset=self.scored.opset,
+                native=self.job.forms.plans(stored),
             )
 
     def check_single_file(self, targets: list[float | None], uniform_tier: str | None = None) -> None:
@@ -235,7 +241,8 @@ class Writer:
                 missing_ok=True
             )  # a kill before the new record lands leaves a model without one, never a mismatched pair
         written = self.write(chosen.encodings, path)
-        record = self.scored.sizes.record(written, chosen.encodings, self.settings.layout)
+        unit_bits = sum(self.job.forms.bits(name, e) for name, e in chosen.encodings.items())
+        record = self.scored.sizes.record(written, unit_bits, self.settings.layout)
         compression, unit_compression = record["compression"], record["unit_compression"]
         if (
             target is not None
@@ -246,8 +253,12 @@ class Writer:
             notes.insert(0, self.basis_note(target, compression, unit_compression, chosen.allocation))
         table = self.table(chosen.allocation)
         rounding = self.rounding_by_tier(chosen)
+        loads_on, why = oldest_release(graph_ops.load_model(path, load_external=False).proto)
+        runs_as = {name: self.job.forms.runs_as(name, e) for name, e in sorted(chosen.encodings.items())}
         summary = self._summary(chosen, compared, target, record, written, notes, uniform_tier, clock) | {
-            "rounding_by_tier": rounding
+            "rounding_by_tier": rounding,
+            "runs_as": runs_as,
+            "oldest_onnxruntime": {"release": version_text(loads_on), "because": why},
         }
         summary["tiers"] = table.rows(named=True)
         write_table(table, f"{stem}.allocation.parquet")
@@ -270,6 +281,8 @@ class Writer:
             profile=summary["profile_s"],
             rounding=rounding,
             opsets=(self.scored.model_opset, written.opset),
+            runs_as=runs_as,
+            oldest_release=version_text(loads_on) + (f" ({'; '.join(why)})" if why else ""),
         )
 
     def _summary(
@@ -379,11 +392,15 @@ class Writer:
         fp16/bf16 Casts, INT1's unpacking and, in the 'dequantized' layout, every dequantization into a float weight
         of the original's type; 'fused' keeps DequantizeLinear's codes."""
 
-        def held(encoded: Encoded) -> int:
+        forms = self.job.forms
+
+        def held(name: str, encoded: Encoded) -> int:
+            if forms.plan(name, encoded) is not None:  # codes, scales and the float parts the kernels read
+                return forms.bits(name, encoded) // 8
             if encoded.form == "split":
-                return sum(held(part) for part in encoded.parts)
-            if encoded.form == "dequantize" and self.settings.layout == "fused":
+                return sum(held(f"{name}__part{i}", part) for i, part in enumerate(encoded.parts))
+            if encoded.form == "dequantize" and forms.layout_of(encoded) == "fused":
                 return encoded.payload_bits // 8
             return math.prod(encoded.shape) * np.dtype(encoded.dtype).itemsize
 
-        return self.scored.sizes.outside_bits // 8 + sum(held(e) for e in encodings.values())
+        return self.scored.sizes.outside_bits // 8 + sum(held(n, e) for n, e in encodings.items())
