@@ -145,6 +145,8 @@ class OrtRuntime:
         for key, value in self.config:
             options.add_session_config_entry(key, value)
         source = model if isinstance(model, bytes) else os.fspath(model)
+        if self.exact_qdq:
+            source, external_data_dir = _exact_kernels(source, external_data_dir, options)
         session = ort.InferenceSession(
             source,
             sess_options=options,
@@ -168,6 +170,27 @@ class OrtRuntime:
             session.disable_fallback()
             session._model_bytes = None
         return OrtSession(session, self.provider)
+
+
+def _exact_kernels(source: bytes | str, external_data_dir: Path | None, options) -> tuple[bytes | str, Path | None]:
+    """`source` with its MatMulNBits nodes computing in float (accuracy_level 0): what `exact_qdq` asks of the
+    kernels a file names itself, as the session option asks it of the ones ONNX Runtime fuses. Unchanged when
+    every MatMulNBits already computes exactly (or there is none)."""
+    import onnx
+
+    proto = onnx.load_model_from_string(source) if isinstance(source, bytes) else onnx.load(source, load_external_data=False)
+    changed = False
+    for node in proto.graph.node:
+        if node.op_type == "MatMulNBits":
+            for attribute in node.attribute:
+                if attribute.name == "accuracy_level" and attribute.i != 0:
+                    attribute.i, changed = 0, True
+    if not changed:
+        return source, external_data_dir
+    if external_data_dir is None and not isinstance(source, bytes):  # its external data beside the file it came from
+        external_data_dir = Path(source).parent
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_dir))
+    return proto.SerializeToString(), external_data_dir
 
 
 def make(provider: str, threads: int | None = None, **options) -> OrtRuntime:
