@@ -452,8 +452,9 @@ def baseline(
     timings = summary["timings_s"]
     out.print(
         f"{path}: {method} W{bits} ({summary['tier']}), {summary['tensors']} tensors, "
-        f"compression {summary['compression']:.3f}x of the file ({summary['unit_compression']:.3f}x of the units), "
-        f"{summary['file_bytes'] / 1e6:.3f} MB; calibration {timings['calibration']:.2f} s"
+        f"stored tensor bits {summary['compression']:.3f}x smaller than the original's "
+        f"({summary['unit_compression']:.3f}x on the quantized units), {summary['file_bytes']:,} bytes on disk; "
+        f"calibration {timings['calibration']:.2f} s"
     )
     say_sidecar(summary["files"], summary["file_bytes"])
     if summary["layer_error"]:
