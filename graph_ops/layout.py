@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from graph_ops.names import weight_labels
 from graph_ops.weight_use import WEIGHT_OPERANDS, WeightUse, node_attributes, use_layout
 
 PASS_THROUGH = {"Transpose", "Reshape", "Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
@@ -151,6 +152,9 @@ class WeightLayout(Layout):
     """Compute ops it feeds as a weight; empty if it feeds none (still float)."""
     nodes: tuple[str, ...] = ()
     """Names of the compute nodes it feeds, which often say more than an exporter's tensor name."""
+    label: str = ""
+    """What reports call it: its module path where an exporter generated its name (`graph_ops.names`), else its
+    name (`display`)."""
     uses: tuple[WeightUse, ...] = ()
     rtn_reason: str | None = None
     """Why calibration inputs cannot be rebuilt (None when they can)."""
@@ -158,6 +162,11 @@ class WeightLayout(Layout):
     @property
     def is_operand_weight(self) -> bool:
         return bool(self.op_types)
+
+    @property
+    def display(self) -> str:
+        """Its label, or its name where it has none."""
+        return self.label or self.name
 
     @property
     def calibratable(self) -> bool:
@@ -399,9 +408,10 @@ def weight_layouts(model: onnx.ModelProto, names: list[str] | set[str] | None = 
     wanted = set(names) if names is not None else None
     if wanted is not None and wanted - stored.keys():
         raise KeyError(f"no stored tensor named {sorted(wanted - stored.keys())[0]!r}")
-    layouts = {}
+    layouts, labels = {}, weight_labels(graph, {name: tensor for name, (tensor, _) in stored.items()})
     for name, (tensor, source) in stored.items():
         if (wanted is not None and name not in wanted) or tensor.data_type not in FLOAT_TYPES or name in graph_inputs:
             continue
-        layouts[name] = _layout(name, tensor, source, _reach(name, consumers, len(tensor.dims), stored), set(stored))
+        layout = _layout(name, tensor, source, _reach(name, consumers, len(tensor.dims), stored), set(stored))
+        layouts[name] = replace(layout, label=labels[name])
     return layouts

@@ -476,3 +476,69 @@ def sliced_lstm(
     init["seq_axis"] = np.array([1], np.int64)
     io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", seq, n]) for name in ("x", "y")]
     return _model(nodes, io[:1], io[1:], init, path)
+
+
+def _scoped(node, scopes: list[str], fx_args: str = "") -> onnx.NodeProto:
+    """`node` with the metadata torch's dynamo exporter leaves: its module scopes and the FX node it came from."""
+    helper.set_metadata_props(
+        node,
+        {
+            "pkg.torch.onnx.name_scopes": repr(scopes),
+            "pkg.torch.onnx.fx_node": f"%{scopes[-1]} : call_function[target=torch.ops.aten.linear.default]"
+            f"(args = ({fx_args}), kwargs = {{}})",
+        },
+    )
+    return node
+
+
+def exporter_names(path: Path, seed: int = 0) -> Path:
+    """A shift forecaster x [batch, 64] -> y [batch, 16] whose weights carry the names exporters generate, each with
+    what the reading node says of its module (`graph_ops.names`):
+
+    - `val_3` (MatMul), `val_7` (through a Transpose): dynamo's `pkg.torch.onnx.name_scopes` and FX node, naming
+      `encoder.fc.weight` and `mix.weight`; an int64 `val_2` read in `encoder.fc` does not claim its name;
+    - `val_20`, `val_21`: two weights of one module with no parameter named, whose label is shared (`pair.matmul`);
+    - `onnx::MatMul_12`: TorchScript's, its node named `/head/proj/MatMul`;
+    - `decoder.weight`: a readable name, kept."""
+    rng = np.random.default_rng(seed)
+
+    def weight(rows, cols):
+        return (rng.standard_normal((rows, cols)) / np.sqrt(rows)).astype(np.float32)
+
+    init = {
+        "val_3": weight(64, 64),
+        "val_7": weight(64, 64),
+        "val_20": weight(64, 64),
+        "val_21": weight(64, 64),
+        "onnx::MatMul_12": weight(64, 32),
+        "decoder.weight": weight(32, 16),
+        "val_2": np.array([-1, 64], np.int64),
+    }
+    nodes = [
+        _scoped(
+            helper.make_node("MatMul", ["x", "val_3"], ["h1"], name="node_MatMul_4"),
+            ["", "encoder", "encoder.fc", "linear"],
+            "%x, %p_encoder_fc_weight, %p_encoder_fc_bias",
+        ),
+        _scoped(
+            helper.make_node("Reshape", ["h1", "val_2"], ["h1r"], name="node_view"),
+            ["", "encoder", "encoder.fc", "view"],
+            "%linear, %p_encoder_fc_weight",
+        ),
+        helper.make_node("Tanh", ["h1r"], ["t1"]),
+        _scoped(helper.make_node("Transpose", ["val_7"], ["w7"], perm=[1, 0]), ["", "mix", "t"], "%p_mix_weight"),
+        _scoped(helper.make_node("MatMul", ["t1", "w7"], ["h2"]), ["", "mix", "linear_1"], "%t1, %p_mix_weight"),
+        _scoped(helper.make_node("MatMul", ["h2", "val_20"], ["a"]), ["", "pair", "matmul"], "%h2, %w"),
+        _scoped(helper.make_node("MatMul", ["h2", "val_21"], ["b"]), ["", "pair", "matmul"], "%h2, %w"),
+        helper.make_node("Add", ["a", "b"], ["h3"]),
+        helper.make_node("Tanh", ["h3"], ["t3"]),
+        helper.make_node("MatMul", ["t3", "onnx::MatMul_12"], ["p"], name="/head/proj/MatMul"),
+        helper.make_node("MatMul", ["p", "decoder.weight"], ["y"], name="node_MatMul_30"),
+    ]
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])],
+        init,
+        path,
+    )

@@ -1,11 +1,14 @@
 """Progress of long work, one helper for every command.
 
 On a terminal: a rich bar with counts, elapsed time and ETA. Anywhere else
-(CI logs, files, pipes) a bar prints nothing useful, so one plain line is
-printed every `interval` seconds or each tenth of the work, whichever comes
-first, with the time elapsed and the ETA (from an estimate until the first item
-ends, if the caller has one): an 18-minute score in CI shows it is alive and
-when it will end. A step that runs longer than the interval still gets its line (a
+(CI logs, files, pipes) a bar prints nothing useful, so plain lines are
+printed: one when a display's work is done ("encoding (mixed qep): 14/14
+weights (100%), done in 3 s"), and between those at most one every `interval`
+seconds for the whole command (every display on one console shares the pace),
+with the time elapsed and the ETA (from an estimate until the first item ends,
+if the caller has one): an 18-minute score in CI shows it is alive and when it
+will end, and a 9-second export prints a line per finished stage and nothing
+else. A step that runs longer than the interval still gets its line (a
 background timer), so a log never goes quiet for long.
 """
 
@@ -32,6 +35,26 @@ INTERVAL_S = float(os.environ.get("TQS_PROGRESS_INTERVAL", 10.0))
 """Seconds between plain progress lines when the output is not a terminal."""
 HEARTBEAT_THREAD = "tqs-progress"
 """The name of a display's timer thread: one still alive after a command is a display nobody stopped."""
+
+
+class _Pace:
+    """When a console last got a plain line, shared by every display on it: one command's displays together print
+    at most one timed line per interval, however many stages they show."""
+
+    _last: dict[int, float] = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    def due(cls, console: Console, since: float, interval: float, now: float) -> bool:
+        """Whether a timed line is due: `interval` seconds after the later of `since` (the display's start) and the
+        console's last line."""
+        with cls._lock:
+            return now - max(since, cls._last.get(id(console), since)) >= interval
+
+    @classmethod
+    def printed(cls, console: Console, now: float) -> None:
+        with cls._lock:
+            cls._last[id(console)] = now
 
 
 def counted(count: int, noun: str) -> str:
@@ -68,8 +91,7 @@ class Progress:
         self._bar: RichProgress | None = None
         self._task = None
         self._started = None
-        self._last_line = 0.0
-        self._last_tenth = 0
+        self._said_done = False
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._timer: threading.Thread | None = None
@@ -86,11 +108,11 @@ class Progress:
     def start(self, total: int, done: int = 0) -> None:
         """Begin (or resize) the display; `done` counts work finished before (a resumed run)."""
         self.total, self.done = total, done
+        if done < total:
+            self._said_done = False
         if self._started is None:
             self._started = time.monotonic()
             self._resumed = done
-            self._last_line = self._started
-            self._last_tenth = self._tenth()
         if not self.tty and self._timer is None and self.interval > 0:
             self._stopped.clear()  # a display stopped before it began (or between uses) beats again
             self._timer = threading.Thread(target=self._heartbeat, daemon=True, name=HEARTBEAT_THREAD)
@@ -117,9 +139,6 @@ class Progress:
         the ETA shown until the first item ends, after which the items' own pace takes over."""
         self._estimate = (seconds, time.monotonic())
 
-    def _tenth(self) -> int:
-        return int(10 * self.done / self.total) if self.total else 0
-
     def advance(self, count: int = 1, detail: str | None = None) -> None:
         if self._started is None:
             self.start(self.total or 0)
@@ -131,23 +150,26 @@ class Progress:
             return
         with self._lock:
             now = time.monotonic()
-            if (
-                now - self._last_line >= self.interval
-                or self._tenth() > self._last_tenth
-                or (self.total and self.done >= self.total)
-            ):
+            if self._finished():
+                if not self._said_done:  # the stage's line, once
+                    self._said_done = True
+                    self._line(now)
+            elif _Pace.due(self.console, self._started, self.interval, now):
                 self._line(now)
+
+    def _finished(self) -> bool:
+        return bool(self.total and self.done >= self.total)
 
     def _heartbeat(self) -> None:
         """Print the line when a step outlasts the interval without an advance."""
         while not self._stopped.wait(self.interval / 4):
             with self._lock:
                 now = time.monotonic()
-                if now - self._last_line >= self.interval and not (self.total and self.done >= self.total):
+                if not self._finished() and _Pace.due(self.console, self._started, self.interval, now):
                     self._line(now)
 
     def _line(self, now: float) -> None:
-        self._last_line, self._last_tenth = now, self._tenth()
+        _Pace.printed(self.console, now)
         elapsed = now - self._started
         text = f"{self.description}: {self.done}"
         if self.total:
@@ -165,7 +187,7 @@ class Progress:
                 text += f", {_duration(elapsed)} elapsed"
         else:
             text += f" {self.unit}, {_duration(elapsed)} elapsed"
-        if self.detail:
+        if self.detail and not self._finished():  # what it is working on; nothing once it is done
             text += f" [{self.detail}]"
         self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 

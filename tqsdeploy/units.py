@@ -43,6 +43,12 @@ class Unit:
         return [t.name for t in self.tensors]
 
     @property
+    def label(self) -> str:
+        """What reports call it: a one-tensor unit's module path where the exporter generated its name
+        (`graph_ops.names`), else its name; `name` stays its identity (runs, prices, allocations)."""
+        return self.tensors[0].display if len(self.tensors) == 1 and self.name == self.tensors[0].name else self.name
+
+    @property
     def params(self) -> int:
         return sum(t.params for t in self.tensors)
 
@@ -80,9 +86,9 @@ def select_units(
     chosen = []
     for tensor in tensors:
         wanted = tensor.is_operand_weight and tensor.params >= selection.min_params
-        if include is not None and include.search(tensor.name):
+        if include is not None and _matches(include, tensor):
             wanted = True
-        if exclude is not None and exclude.search(tensor.name):
+        if exclude is not None and _matches(exclude, tensor):
             wanted = False
         if wanted:
             chosen.append(tensor)
@@ -109,10 +115,21 @@ def select_units(
         raise InputError("--granularity block needs --block-pattern REGEX (its first group names the block)")
     blocks: dict[str, list[WeightTensor]] = {}
     for tensor in chosen:
-        match = pattern.search(tensor.name)
+        match = pattern.search(tensor.name) or pattern.search(tensor.display)
         key = (match.group(1) if match.groups() else match.group(0)) if match else tensor.name
         blocks.setdefault(key, []).append(tensor)
     return [Unit(name=key, tensors=tuple(group)) for key, group in blocks.items()]
+
+
+def called(name: str, label: str) -> str:
+    """How messages name a weight or unit: `'layers.0.attn.q.weight' (val_17)` where its label is not its stored
+    name, else `'head.weight'`."""
+    return f"'{label}'" if label == name else f"'{label}' ({name})"
+
+
+def _matches(pattern: re.Pattern, tensor: WeightTensor) -> bool:
+    """--include/--exclude match a tensor's stored name or the module path reports show for it."""
+    return bool(pattern.search(tensor.name) or pattern.search(tensor.display))
 
 
 def _large(unfed: dict[str, tuple[str, int]] | None, selection: UnitSelection) -> dict[str, str]:
@@ -166,7 +183,10 @@ def selection_notes(
     skipped = large_outside(loaded.proto, tensors, chosen | {t.name for t in hidden}, selection)
     for tensor, why in skipped[:NAMED]:
         act = "drop it from --exclude" if why == EXCLUDED else "name it with --include"
-        notes.append(f"'{tensor.name}' ({tensor.params:,} params) is not a unit: {why}; {act} to score and quantize it")
+        notes.append(
+            f"{called(tensor.name, tensor.display)} ({tensor.params:,} params) is not a unit: {why}; {act} to score "
+            "and quantize it"
+        )
     if len(skipped) > NAMED:
         rest = [t for t, _ in skipped[NAMED:]]
         notes.append(
@@ -207,7 +227,7 @@ def outside_hint(proto, unit_names, selection: UnitSelection) -> str | None:
     held = sum(sizes.get(t.name, 0) for t, _ in large)
     if not large or held * 2 < sum(sizes.values()):
         return None
-    named = "; ".join(f"'{t.name}' ({t.params:,} params: {why})" for t, why in large[:NAMED])
+    named = "; ".join(f"{called(t.name, t.display)} ({t.params:,} params: {why})" for t, why in large[:NAMED])
     more = f"; {len(large) - NAMED} more" if len(large) > NAMED else ""
     act = "name them with --include" + (
         " (or drop them from --exclude)" if any(why == EXCLUDED for _, why in large) else ""

@@ -181,3 +181,66 @@ def test_the_demo_evaluates_and_gates_on_windows_the_score_never_saw():
             and "--truth $(EXAMPLE)/heldout_truth.npz" in lines[command]
         ), lines[command]
     assert (REPO / "examples" / "etth1_patchtst" / "heldout_truth.npz").exists()
+
+
+def test_a_model_from_torchs_default_exporter_reads_as_its_modules_and_says_what_its_numbers_are(tmp_path):
+    """Issue 55's walk-through: a PatchTST-like forecaster exported with torch.onnx.export(dynamo=True,
+    external_data=True) goes through inspect -> score from a CSV -> export -> eval -> gate. Its units read as module
+    paths, the export summary names both sizes, the slots, the drift's windows and every candidate, and the gate says
+    what it judged."""
+    import re
+    import time
+
+    folder = REPO / "examples" / "patchtst_dynamo"
+    model, data = folder / "model.onnx", folder / "model.onnx.data"
+    before = (model.read_bytes(), data.read_bytes())
+
+    code, text = invoke("inspect", model, "--json")
+    assert code == 0, text
+    units = {u["unit"]: u["label"] for u in json.loads(text)["units"]}
+    assert len(units) == 14 and units["head.weight"] == "head.weight"
+    generated = {name: label for name, label in units.items() if name.startswith("val_")}
+    assert len(generated) == 13 and all(
+        re.fullmatch(r"embed\.weight|layers\.[01]\.(attn\.[qkvo]|ff\.(up|down))\.weight", label)
+        for label in generated.values()
+    ), generated
+    assert len(set(units.values())) == 14
+
+    run = tmp_path / "run"
+    code, text = invoke("score", model, "--contexts", folder / "score.csv", "--windows", 8, "--out", run)
+    assert code == 0 and "8 context windows" in text, text
+    started = time.monotonic()
+    code, printed = invoke("export", model, "--run", run, "--C", 4, "--out-dir", tmp_path, layout=True)
+    seconds, text = time.monotonic() - started, " ".join(printed.split())
+    assert code == 0, text
+    record = json.loads((tmp_path / "patchtst_dynamo_model.C4.allocation.json").read_text())
+    disk = f"{record['reference_file_bytes']:,} → {record['file_bytes']:,} ({record['disk_compression']:.2f}x"
+    assert record["reference_file_bytes"] == len(before[0]) + len(before[1]) and f"bytes on disk {disk}" in text
+    assert f"stored tensor bits {record['compression']:.3f}x smaller than the original's (what --C counts" in text
+    assert f"here 14 units as {record['slots']} slots ('head.weight' in " in text
+    assert f"{record['drift_pct']:.4g}% on the 8 scoring windows, in-sample" in text
+    assert f"shipped {record['shipped']!r}" in text and "(mixed: each slot at the tier the allocation chose" in text
+    assert all(f"{c['label']} {c['drift_pct']:.4g}%" in text for c in record["compared"]), record["compared"]
+    assert not re.search(r"'val_\d+'", text)  # no unit named by its generated name alone
+    labels = {row["label"] for row in record["tiers"] if row["unit"].startswith("val_")}
+    assert labels and not any(label.startswith("val_") for label in labels)
+    progress = re.findall(r"^(?:encoding|measuring tiers).*$", printed, re.M)
+    timed = [line for line in progress if "done in" not in line]
+    assert progress and len(timed) <= seconds / 10 + 1, progress  # a line per stage, a few more on time
+
+    heldout = ["--reference", model, "--contexts", folder / "heldout.csv", "--windows", 16, "--no-latency"]
+    candidate = tmp_path / "patchtst_dynamo_model.C4.onnx"
+    code, text = invoke("eval", candidate, *heldout, "--report", tmp_path / "eval")
+    assert code == 0, text
+    output = json.loads((tmp_path / "eval.json").read_text())["outputs"]["forecast"]
+    point, (low, high) = output["degradation_pct"], output["degradation_ci95"]
+    assert output["degradation_basis"] == "truth" and low < point < high and output["vs_reference"]["drift_std_pct"] > 0
+    bound = f"{(point + high) / 2:.6g}%"
+    for on, exit_code in (("upper", 1), ("point", 0)):
+        code, text = invoke(
+            "gate", candidate, *heldout, "--max-degradation", bound, "--on", on, "--report-dir", tmp_path / on
+        )
+        gate = json.loads((tmp_path / on / "gate.json").read_text())
+        assert code == exit_code and gate["on"] == on and gate["checks"][0]["on"] == on, text
+        assert f"(--on {on}" in text
+    assert (model.read_bytes(), data.read_bytes()) == before

@@ -209,7 +209,9 @@ def test_a_registered_objective_is_offered_allocated_and_recorded(small, monkeyp
         assert code == 0, text
         record = json.loads((folder / "flat.allocation.json").read_text())
         assert record["objective"] == "flat" or record["shipped"].startswith("uniform"), record["shipped"]
-        assert "TQS-PTQ flat/rtn" in {c["label"].split(",")[0] for c in record["compared"]}
+        assert ("mixed, as priced", "flat", "rtn") in {
+            (c["label"], c["objective"], c["rounding"]) for c in record["compared"]
+        }
     code, text = wide_invoke(
         "export",
         model,

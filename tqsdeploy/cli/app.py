@@ -28,8 +28,27 @@ from tqsdeploy.sweep.strategies import AUTO, AUTO_HELP, BY_NAME, strategy_names
 ABORT = getattr(click_exceptions, "Abort", None) or typer.Abort  # typer 0.29's click copy keeps Abort in typer itself
 
 
+def _flags_without_types(params: list) -> list:
+    """Boolean flags with no type beside them in --help: typer shows `<bool>` after `--no-latency`, which reads as a
+    flag that takes a value (`--no-latency true`: 'unexpected extra argument')."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""  # shown as nothing; a flag reads no value, so nothing else uses it
+    return params
+
+
+class _Command(typer.core.TyperCommand):
+    """Every command's class: its flags read as flags in --help (`_flags_without_types`)."""
+
+    def get_params(self, ctx):
+        return _flags_without_types(super().get_params(ctx))
+
+
 class _OneLineErrors(typer.core.TyperGroup):
     """Usage errors (a wrong option, a bad value) as one line on stderr and exit 2, like every other input error."""
+
+    def get_params(self, ctx):
+        return _flags_without_types(super().get_params(ctx))
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
@@ -79,7 +98,14 @@ class _OneLineErrors(typer.core.TyperGroup):
             )
 
 
-app = typer.Typer(
+class _App(typer.Typer):
+    """The typer app whose commands are `_Command`s."""
+
+    def command(self, *args, cls=None, **settings):
+        return super().command(*args, cls=cls or _Command, **settings)
+
+
+app = _App(
     cls=_OneLineErrors,
     name="tqsdeploy",
     help="Trajectory-based quantization sensitivity (TQS) and mixed-precision PTQ for ONNX forecasting models.",
@@ -245,12 +271,33 @@ def progress_bar(description: str, unit: str, total: int | None = None):
 
 
 LABELS = {"gamma": "γ", "gamma_quant": "γ quant", "gamma_gauss": "γ gauss", "a_max": "A max", "params": "params"}
+ONNX_NAME = "onnx name"
+"""The column beside a unit's or slot's label that keeps its ONNX name (`labelled`)."""
+
+
+def labelled(frame, key: str = "unit"):
+    """A table whose `key` column reads as users know their model: the label (the module path where the exporter
+    generated the ONNX name, `graph_ops.names`), with the ONNX name in an `onnx name` column beside it when any
+    label differs from it."""
+    import polars as pl
+
+    if "label" not in frame.columns:
+        return frame
+    label = pl.col("label").fill_null(pl.col(key))
+    if frame.filter(label != pl.col(key)).height == 0:
+        return frame
+    return frame.with_columns(pl.col(key).alias(ONNX_NAME), label.alias(key))
+
+
+def name_columns(frame, key: str = "unit") -> list[str]:
+    """The name columns of a `labelled` table: the label, and the ONNX name where it differs."""
+    return [key, ONNX_NAME] if ONNX_NAME in frame.columns else [key]
 
 
 def frame_table(frame, title: str, columns: list[str]) -> Table:
     table = Table(title=title, title_justify="left")
     for column in columns:
-        text = column in ("unit", "shape", "op_types", "nodes")
+        text = column in ("unit", "slot", ONNX_NAME, "shape", "op_types", "nodes")
         table.add_column(
             LABELS.get(column, column),
             justify="left" if text else "right",

@@ -51,9 +51,11 @@ def engine(
     out.print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
 
 
-def _bounds_from_options(max_degradation, min_compression, max_size, per_output, min_cosine, max_slowdown, no_latency):
+def _bounds_from_options(
+    max_degradation, min_compression, max_size, per_output, min_cosine, max_slowdown, no_latency, on, max_drift_std
+):
     """gate's bounds, each option checked in turn (the first wrong one is the one reported)."""
-    from tqsdeploy.evaluation.gate import Bounds, parse_percent, parse_size
+    from tqsdeploy.evaluation.gate import JUDGED, Bounds, parse_percent, parse_size
 
     per = {}
     for item in per_output or []:
@@ -68,6 +70,9 @@ def _bounds_from_options(max_degradation, min_compression, max_size, per_output,
     if min_cosine is not None and not -1 <= min_cosine <= 1:
         raise typer.BadParameter(f"--min-cosine is a cosine similarity between -1 and 1, not {min_cosine}")
     degradation = parse_percent(max_degradation, "--max-degradation") if max_degradation else None
+    drift_std = parse_percent(max_drift_std, "--max-drift-std") if max_drift_std else None
+    if on not in JUDGED:
+        raise typer.BadParameter(f"--on takes {' or '.join(JUDGED)}, not '{on}'")
     size = parse_size(max_size) if max_size else None
     if max_slowdown is not None:
         if not (math.isfinite(max_slowdown) and max_slowdown > 0):
@@ -81,6 +86,8 @@ def _bounds_from_options(max_degradation, min_compression, max_size, per_output,
         per_output=per,
         min_cosine=min_cosine,
         max_slowdown=max_slowdown,
+        on=on,
+        max_drift_std=drift_std,
     )
 
 
@@ -180,7 +187,24 @@ def gate(
     spec: Optional[Path] = typer.Option(None, "--spec", help="Rollout spec (TOML)."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Rollout steps."),
     max_degradation: Optional[str] = typer.Option(
-        None, "--max-degradation", help="Largest allowed degradation on every output, e.g. 1%."
+        None,
+        "--max-degradation",
+        help="Largest allowed degradation on every output, e.g. 1%: against the truth when there is one, else the "
+        "drift from the reference as % of its mean |value| (judged as --on says).",
+    ),
+    on: str = typer.Option(
+        "upper",
+        "--on",
+        metavar="upper|point",
+        help="What the degradation and drift bounds judge: upper (default), the upper end of the 95% interval over "
+        "the windows, so a model passes only when the windows show it within the bound; point, the estimate alone.",
+    ),
+    max_drift_std: Optional[str] = typer.Option(
+        None,
+        "--max-drift-std",
+        metavar="PCT",
+        help="Largest allowed drift from the reference as % of the reference's standard deviation on every output, "
+        "e.g. 5% (offset-free: a constant added to the series leaves it as it is; judged as --on says).",
     ),
     per_output: Optional[list[str]] = typer.Option(
         None, "--max-degradation-output", help="Per-output bound OUTPUT=PERCENT (repeatable)."
@@ -217,7 +241,7 @@ def gate(
     from tqsdeploy.files import check_writable
 
     bounds = _bounds_from_options(
-        max_degradation, min_compression, max_size, per_output, min_cosine, max_slowdown, no_latency
+        max_degradation, min_compression, max_size, per_output, min_cosine, max_slowdown, no_latency, on, max_drift_std
     )
     settings = EvalSettings(
         exact=exact,

@@ -26,10 +26,13 @@ from tqsdeploy.cli.app import (
 )
 from tqsdeploy.cli.outputs import (
     check_output_file,
+    drift_lines,
     feeds_matmul_integer_codes,
     layout_cost,
     refuse_overwrite,
     say_sidecar,
+    size_line,
+    slots_line,
 )
 from tqsdeploy.encoding.choices import GRID_CHOICES, GRIDS_HELP
 from tqsdeploy.export.objectives import objective_names, objectives_help
@@ -298,70 +301,11 @@ def export(
         for bar in measuring + encoding:
             bar.stop()
         planner.close()
-    import polars as pl
-
-    from tqsdeploy.export.writing import WARN_DRIFT_PCT
-
     for value, outcome, fused in rows:
         if outcome.refused:
             err.print(f"[bold red]drift too large:[/] {escape(outcome.refused)}", soft_wrap=True)
             continue
-        summary = outcome.table.group_by("tier").agg(
-            pl.len().alias("slots"), pl.col("params").sum(), pl.col("bytes").sum()
-        )
-        summary = summary.sort("bytes", descending=True)
-        wanted = "uniform" if value is None else f"{value:g}x of the {settings.basis}"
-        title = (
-            f"{outcome.path}: target {wanted}; compression {outcome.compression:.3f}x of the file, "
-            f"{outcome.unit_compression:.3f}x of the units; "
-            f"{outcome.file_bytes / 1e6:.3f} MB on disk; shipped {outcome.shipped}"
-        )
-        out.print(escape(title))
-        say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
-        out.print(frame_table(summary, "", ["tier", "slots", "params", "bytes"]))
-        out.print(f"  runtime layout: {layout_cost(outcome, settings)}")
-        if (
-            planner.roundings.choice
-        ):  # what was measured so far, read as it is (asking for a tier's rounding could measure more)
-            measured = "; ".join(
-                f"{tier}: " + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items())
-                for tier, drifts in planner.roundings.choice.items()
-            )
-            used = ", ".join(f"{tier} {label}" for tier, label in outcome.rounding.items())
-            asked = " and ".join(
-                f"--{option} auto"
-                for option, value in (("rounding", settings.rounding), ("grids", settings.grids))
-                if value == "auto"
-            )
-            out.print(
-                f"  {asked}: each tier rounded as its uniform model drifted least on the scoring contexts "
-                f"({escape(used)}; measured {escape(measured)})"
-            )
-        if outcome.drift is not None:
-            compared = ", ".join(f"{c['label']}: {c['drift_pct']:.4g}%" for c in outcome.compared[1:])
-            out.print(
-                f"  drift from the original on the scoring contexts (exact dequantization): {outcome.drift_pct:.4g}%"
-                + (f" (compared: {escape(compared)})" if compared else "")
-            )
-            if fused:
-                out.print(
-                    "  note: ONNX Runtime runs its DequantizeLinear→MatMul pairs as MatMulNBits with int8 "
-                    "activations by default, which can drift more: "
-                    "`tqsdeploy eval` measures what it runs (`--exact` for this number)"
-                )
-        for note in outcome.notes:
-            out.print(f"  [yellow]note:[/] {escape(note)}")
-        if verbose and outcome.profile:
-            from tqsdeploy.encoding.profiling import describe
-
-            out.print(f"  time: {describe(outcome.profile)}")
-        if outcome.drift_pct is not None and not outcome.drift_pct <= WARN_DRIFT_PCT:
-            err.print(
-                f"[bold yellow]warning:[/] {escape(str(outcome.path))} drifts {outcome.drift_pct:.4g}% "
-                f"from the original on the scoring contexts (above {WARN_DRIFT_PCT:g}%): it may be badly damaged; "
-                "check it with `tqsdeploy eval`, or pass --max-drift PCT to fail instead",
-                soft_wrap=True,
-            )
+        _print_outcome(planner, settings, value, outcome, fused, verbose)
     written = [o for _, o, _ in rows if not o.refused]
     sidecars = sum(len(o.files) > 1 for o in written)
     out.print(
@@ -370,6 +314,62 @@ def export(
     )
     if len(written) < len(rows):
         raise typer.Exit(1)
+
+
+def _print_outcome(planner, settings, value, outcome, fused: bool, verbose: bool) -> None:
+    """One written model's summary: what was asked and shipped, its size both ways, the tiers and what a slot is,
+    the runtime layout, the drift and on which windows, the candidates and what each is, the notes."""
+    import polars as pl
+
+    from tqsdeploy.export.writing import WARN_DRIFT_PCT
+
+    wanted = "uniform" if value is None else f"{value:g}x of the {settings.basis}"
+    out.print(escape(f"{outcome.path}: target {wanted}; shipped {outcome.shipped!r}"), soft_wrap=True)
+    out.print(f"  size: {escape(size_line(outcome, planner.model.file_bytes))}", soft_wrap=True)
+    say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
+    summary = outcome.table.group_by("tier").agg(pl.len().alias("slots"), pl.col("params").sum(), pl.col("bytes").sum())
+    out.print(frame_table(summary.sort("bytes", descending=True), "", ["tier", "slots", "params", "bytes"]))
+    out.print(f"  slots: {escape(slots_line(outcome.table, planner.scored.units))}", soft_wrap=True)
+    out.print(f"  runtime layout: {layout_cost(outcome, settings)}")
+    if (
+        planner.roundings.choice
+    ):  # what was measured so far, read as it is (asking for a tier's rounding could measure more)
+        measured = "; ".join(
+            f"{tier}: " + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items())
+            for tier, drifts in planner.roundings.choice.items()
+        )
+        used = ", ".join(f"{tier} {label}" for tier, label in outcome.rounding.items())
+        asked = " and ".join(
+            f"--{option} auto"
+            for option, value in (("rounding", settings.rounding), ("grids", settings.grids))
+            if value == "auto"
+        )
+        out.print(
+            f"  {asked}: each tier rounded as its uniform model drifted least on the scoring contexts "
+            f"({escape(used)}; measured {escape(measured)})"
+        )
+    if outcome.drift is not None:
+        for line in drift_lines(outcome, planner.scored.prepared.contexts.count):
+            out.print(f"  {escape(line)}", soft_wrap=True)
+        if fused:
+            out.print(
+                "  note: ONNX Runtime runs its DequantizeLinear→MatMul pairs as MatMulNBits with int8 "
+                "activations by default, which can drift more: "
+                "`tqsdeploy eval` measures what it runs (`--exact` for this number)"
+            )
+    for note in outcome.notes:
+        out.print(f"  [yellow]note:[/] {escape(note)}")
+    if verbose and outcome.profile:
+        from tqsdeploy.encoding.profiling import describe
+
+        out.print(f"  time: {describe(outcome.profile)}")
+    if outcome.drift_pct is not None and not outcome.drift_pct <= WARN_DRIFT_PCT:
+        err.print(
+            f"[bold yellow]warning:[/] {escape(str(outcome.path))} drifts {outcome.drift_pct:.4g}% "
+            f"from the original on the scoring contexts (above {WARN_DRIFT_PCT:g}%): it may be badly damaged; "
+            "check it with `tqsdeploy eval`, or pass --max-drift PCT to fail instead",
+            soft_wrap=True,
+        )
 
 
 @app.command(
@@ -465,8 +465,9 @@ def baseline(
     timings = summary["timings_s"]
     out.print(
         f"{path}: {method} W{bits} ({summary['tier']}), {summary['tensors']} tensors, "
-        f"compression {summary['compression']:.3f}x of the file ({summary['unit_compression']:.3f}x of the units), "
-        f"{summary['file_bytes'] / 1e6:.3f} MB; calibration {timings['calibration']:.2f} s"
+        f"stored tensor bits {summary['compression']:.3f}x smaller than the original's "
+        f"({summary['unit_compression']:.3f}x on the quantized units), {summary['file_bytes']:,} bytes on disk; "
+        f"calibration {timings['calibration']:.2f} s"
     )
     say_sidecar(summary["files"], summary["file_bytes"])
     if summary["layer_error"]:

@@ -18,7 +18,9 @@ from tqsdeploy.cli.app import (
     err,
     fmt,
     frame_table,
+    labelled,
     live_option,
+    name_columns,
     out,
     parse_columns,
     parse_dims,
@@ -71,14 +73,14 @@ def inspect(
     out.print("  ops: " + ", ".join(f"{k}×{v}" for k, v in info["ops"].items()))
     import polars as pl
 
-    units = pl.DataFrame(
-        [{**u, "op_types": ";".join(u["op_types"]), "nodes": ";".join(u["nodes"])} for u in info["units"]]
+    units = labelled(
+        pl.DataFrame([{**u, "op_types": ";".join(u["op_types"]), "nodes": ";".join(u["nodes"])} for u in info["units"]])
     )
     out.print(
         frame_table(
             units,
             f"{units.height} units, {info['unit_params']:,} params ({info['unit_share']:.1%} of float weights)",
-            ["unit", "shape", "params", "op_types", "nodes"],
+            [*name_columns(units), "shape", "params", "op_types", "nodes"],
         )
     )
     for note in info["notes"]:
@@ -327,8 +329,8 @@ def _print_summary(table, top: int) -> None:
     from runtimes.derived import FED_OPTIMIZED
     from tqsdeploy.rollout.contexts import describe_windows
 
-    frame = table.frame
-    columns = ["rank", "unit", "shape", "params", "gamma", "gamma_quant", "gamma_gauss", "a_max", "dead"]
+    frame = labelled(table.frame)
+    columns = ["rank", *name_columns(frame), "shape", "params", "gamma", "gamma_quant", "gamma_gauss", "a_max", "dead"]
     if frame.height <= 2 * top:
         out.print(frame_table(frame, f"All {frame.height} units, most sensitive first", columns))
     else:

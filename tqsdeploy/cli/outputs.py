@@ -121,3 +121,51 @@ def check_output_file(path: Path, given: str | None, inputs) -> None:
                 f"output {path} is the input model's own file {source}; the input is never overwritten",
                 hint="choose another name",
             )
+
+
+def size_line(outcome, reference_bytes: int) -> str:
+    """Both sizes, each named: the stored tensor bits --C counts, and the bytes on disk (graph and framing too)."""
+    disk = reference_bytes / max(outcome.file_bytes, 1)
+    return (
+        f"stored tensor bits {outcome.compression:.3f}x smaller than the original's (what --C counts; "
+        f"{outcome.unit_compression:.3f}x on the scored units alone); bytes on disk {reference_bytes:,} → "
+        f"{outcome.file_bytes:,} ({disk:.2f}x, the files with their graph and framing)"
+    )
+
+
+def slots_line(table, units) -> str:
+    """What the tier table counts: slots, and which units were cut into channel groups to become them."""
+    import polars as pl
+
+    per_unit = table.group_by("unit", maintain_order=True).agg(pl.len().alias("slots"))
+    cut = per_unit.filter(pl.col("slots") > 1)
+    labels = {u.name: u.label for u in units}
+    line = (
+        f"the table counts slots, what one tier is given to: a whole unit (a weight tensor that was scored), or a "
+        f"group of output channels of a unit that holds a large share of the parameters (cut so the budget is spent "
+        f"finely; --split sets the share, 0 never cuts); here {per_unit.height} units as {table.height} slots"
+    )
+    if cut.height:
+        named = ", ".join(f"'{labels.get(u, u)}' in {n}" for u, n in cut.head(3).iter_rows())
+        line += f" ({named}{', ...' if cut.height > 3 else ''})"
+    return line + "; the .allocation.parquet lists each slot and its tier"
+
+
+def drift_lines(outcome, windows: int) -> list[str]:
+    """The drift, naming its windows (the scoring ones: in-sample), and every candidate compared, each explained."""
+    from tqsdeploy.export.candidates import explain
+    from tqsdeploy.progress import counted
+
+    lines = [
+        f"drift from the original (exact dequantization): {outcome.drift_pct:.4g}% on the "
+        f"{counted(windows, 'scoring window')}, in-sample (the score and the calibration saw them): held-out "
+        "windows usually drift more; measure them with `tqsdeploy eval`"
+    ]
+    if len(outcome.compared) > 1:
+        cells = "; ".join(
+            f"{c['label']} {c['drift_pct']:.4g}%" + (" (shipped)" if c["label"] == outcome.shipped else "")
+            for c in outcome.compared
+        )
+        lines.append(f"candidates, drift on the same windows: {cells}")
+        lines.append(f"  ({explain([c['label'] for c in outcome.compared])})")
+    return lines

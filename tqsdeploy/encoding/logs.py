@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
+
+from tqsdeploy.units import called
 
 
 @dataclass
@@ -36,17 +39,33 @@ class CalibrationLog:
     """Weights that saw fewer rows than twice their input width (rank-deficient Hessians), with that width."""
 
 
-def thin_note(thin: Mapping[str, tuple[int, int]], method: str, remedy: str) -> str | None:
+def thin_note(
+    thin: Mapping[str, tuple[int, int]],
+    method: str,
+    remedy: str,
+    windows: int | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> str | None:
     """Weights that saw too few calibration rows (`EncoderLog.thin`: name -> (rows, input width)) in a
-    newcomer's words: what the rows are, how few, and what to do (`remedy`); None when there are none."""
+    newcomer's words: what the rows are, how few, and what to do (`remedy`); None when there are none. With the
+    number of context `windows` the rows came from, also how many windows would give the thinnest weight the rows it
+    needs (twice its input width, at the rows each window gave it). `labels`: what reports call each weight."""
     if not thin:
         return None
     name, (rows, width) = min(thin.items(), key=lambda item: item[1][0] / item[1][1])
+    enough = ""
+    if windows and rows:
+        needed = math.ceil(2 * width * windows / rows)
+        enough = (
+            f"; at the {rows / windows:.3g} vectors each window gave it, about {needed:,} windows (now {windows:,}) "
+            f"would give it the {2 * width:,} it needs and remove this note"
+        )
     return (
         f"{len(thin)} weight(s) had too little calibration data for {method}: it fits each weight's rounding to the "
         "inputs "
         "the weight saw (one vector per window, step and position of the contexts), and these saw fewer vectors "
         "than twice "
-        f"their input size (fewest: '{name}', {rows} for {width} inputs), so their rounding rests on thin "
-        f"statistics; {remedy}"
+        f"their input size (fewest: {called(name, (labels or {}).get(name, name))}, {rows} for {width} inputs), "
+        "so their rounding rests on thin "
+        f"statistics{enough}; {remedy}"
     )

@@ -24,12 +24,20 @@ MAX_PARTS = 64
 
 @dataclass(frozen=True)
 class Slot:
-    """What the allocator assigns one tier to: a whole unit, or output channels start..stop of a one-tensor unit."""
+    """What the allocator assigns one tier to: a whole unit, or output channels start..stop of a one-tensor unit
+    (a channel group: a unit holding a large share of the weights is cut so the budget can be spent finely)."""
 
     name: str
     unit: str
     params: int
     rows: tuple[int, int] | None = None
+    label: str = ""
+    """What reports call it: its unit's label (`Unit.label`, a module path where the exporter generated the name),
+    with the channels `[a:b]` of a channel group; `name` stays its identity."""
+
+    @property
+    def display(self) -> str:
+        return self.label or self.name
 
 
 def make_slots(
@@ -45,15 +53,23 @@ def make_slots(
         limit = split_fraction * total
         kept = unit.tensors[0].name in whole
         if kept or split_fraction <= 0 or len(unit.tensors) != 1 or layout.perm is None or unit.params <= limit:
-            slots.append(Slot(unit.name, unit.name, unit.params))
+            slots.append(Slot(unit.name, unit.name, unit.params, label=unit.label))
             continue
         channels = layout.shape[layout.perm[0]]
         parts = max(1, min(channels, MAX_PARTS, math.ceil(unit.params / limit)))
         bounds = np.linspace(0, channels, parts + 1).round().astype(int)
         per_channel = unit.params // channels
         for a, b in zip(bounds[:-1], bounds[1:]):
-            name = unit.name if parts == 1 else f"{unit.name}[{a}:{b}]"
-            slots.append(Slot(name, unit.name, per_channel * (b - a), None if parts == 1 else (int(a), int(b))))
+            cut = "" if parts == 1 else f"[{a}:{b}]"
+            slots.append(
+                Slot(
+                    unit.name + cut,
+                    unit.name,
+                    per_channel * (b - a),
+                    None if parts == 1 else (int(a), int(b)),
+                    unit.label + cut,
+                )
+            )
     return slots
 
 

@@ -17,7 +17,7 @@ def _series(columns: list[str] | None) -> str:
 
 def _output_row(name: str, o: dict) -> str:
     if o.get("nonfinite"):
-        return f"| {name} | non-finite | | | | | | | inf |"
+        return f"| {name} | non-finite | | | | | | | | inf |"
     r, t = o["vs_reference"], o.get("vs_truth")
     growth = f"{r['growth_rate']:.4f}" if r["growth_rate"] is not None else "-"
     if t:
@@ -27,8 +27,17 @@ def _output_row(name: str, o: dict) -> str:
         truth_cells = "- | - | " + f"{o['degradation_pct']:.3f} (drift)"
     return (
         f"| {name} | {r['mae']:.5g} | {r['rmse']:.5g} | [{r['mae_ci95'][0]:.4g}, {r['mae_ci95'][1]:.4g}] | "
-        f"{r['drift_pct']:.3f} | {growth} | {truth_cells} |"
+        f"{r['drift_pct']:.3f} | {_std_cell(r)} | {growth} | {truth_cells} |"
     )
+
+
+def _std_cell(r: dict) -> str:
+    """The offset-free drift (% of the reference's standard deviation) with its interval; '-' in reports made
+    before it existed."""
+    if "drift_std_pct" not in r:
+        return "-"
+    low, high = r["drift_std_pct_ci95"]
+    return f"{r['drift_std_pct']:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def _side_lines(side: dict) -> list[str]:
@@ -69,10 +78,12 @@ def markdown(report: dict) -> str:
             if report.get("truth")
             else "No truth: degradation is the drift from the reference."
         ),
+        "Drift is the MAE from the reference as % of the reference's mean |value| (moves with the series' offset) "
+        "and as % of its standard deviation over every window, step and value (offset-free).",
         "",
-        "| output | MAE vs ref | RMSE vs ref | MAE 95% CI | drift % | growth/step | MAE vs truth | ref MAE vs truth "
-        "| degradation % |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| output | MAE vs ref | RMSE vs ref | MAE 95% CI | drift % of mean abs(ref) | drift % of ref std [95% CI] "
+        "| growth/step | MAE vs truth | ref MAE vs truth | degradation % |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [_output_row(name, o) for name, o in report["outputs"].items()]
     if report.get("side_outputs"):

@@ -135,6 +135,8 @@ def run_frontier(
     steps.advance("writing")
     frame = _write(request, candidates, frame_rows, splits, modes)
     report, page = build_report(out_dir, request.model, dict(request.buckets) or None)
+    if steps.kept:  # said once: off a terminal the steps' own lines are few
+        notice(f"{steps.kept} of {steps.started} steps kept from an earlier run ({PROGRESS}): only the others ran")
     return FrontierResult(frame, report, page)
 
 
@@ -176,12 +178,16 @@ def _check_folder(out_dir: Path, force: bool) -> None:
         )
 
 
+KEPT = ": kept from an earlier run"
+"""How a step the ledger already holds is named on the progress display."""
+
+
 class _Steps:
     """The frontier's steps on its progress display: each one logged, and counted done when the next begins."""
 
     def __init__(self, log: Callable[[str], None], progress, baselines: int, splits: int):
         self.log, self.progress, self.baselines, self.splits = log, progress, baselines, splits
-        self.started = 0
+        self.started = self.kept = 0
 
     def plan(self, exports: int) -> None:
         """The score, every baseline, `exports` TQS-PTQ exports and the evaluation of them all on every split."""
@@ -195,6 +201,7 @@ class _Steps:
 
     def begin(self, message: str) -> None:
         self.log(message)
+        self.kept += message.endswith(KEPT)
         if self.progress is not None:
             if self.started:
                 self.progress.advance(detail=message)
@@ -337,7 +344,7 @@ def _baselines(request: FrontierRequest, exports: _Exports, ledger: Ledger, step
         for method in request.settings.baselines:
             name = f"{LABELS[method]} W{bits}"
             if (kept := _kept(ledger, f"export {name}")) is not None:
-                steps.begin(f"baseline {name}: kept from an earlier run")
+                steps.begin(f"baseline {name}{KEPT}")
                 candidates.append(kept)
                 continue
             steps.begin(f"baseline {name}")
@@ -378,7 +385,7 @@ def _tqs_points(
                 continue
             key = f"export {label} {setting}"
             if (kept := _kept(ledger, key)) is not None:
-                steps.begin(f"{key}: kept from an earlier run")
+                steps.begin(f"{key}{KEPT}")
                 candidates.append(kept)
                 continue
             steps.begin(key)
@@ -423,9 +430,7 @@ def _evaluated(
     name, contexts, truth = split
     key = f"eval {candidate.method} {candidate.setting} {name}"
     kept = ledger.evaluation(key, candidate.path)
-    steps.begin(
-        f"eval {candidate.method} {candidate.setting} on {name}" + (": kept from an earlier run" if kept else "")
-    )
+    steps.begin(f"eval {candidate.method} {candidate.setting} on {name}" + (KEPT if kept else ""))
     if kept is not None:
         if kept["report"] is None:
             raise TqsError(kept["error"])

@@ -43,10 +43,21 @@ def parse_size(text: str) -> float:
     return size
 
 
+JUDGED = {"upper": "upper end of the 95% interval", "point": "point estimate"}
+"""What a degradation or drift bound judges (`gate --on`): the interval's upper end (the default: a model passes
+only when the windows show it within the bound) or the estimate alone."""
+DEFAULT_ON = "upper"
+
+
 @dataclass(frozen=True)
 class Bounds:
     max_degradation: float | None = None
     """Percent, on every trajectory output."""
+    on: str = DEFAULT_ON
+    """What the degradation and drift bounds judge: 'upper' (the upper end of the 95% interval over windows) or
+    'point' (the estimate); `JUDGED`."""
+    max_drift_std: float | None = None
+    """Percent of the reference's standard deviation (`drift_std_pct`, offset-free), on every trajectory output."""
     min_compression: float | None = None
     max_size: float | None = None
     """Bytes of the candidate file (external data included)."""
@@ -91,21 +102,42 @@ class Check:
     operator: str = "<="
     unit: str = ""
     """'%', 'x' or 'bytes': the unit of `measured` and `limit`."""
+    on: str | None = None
+    """For a degradation or drift bound: what `measured` is ('upper' end of the interval, or the 'point' estimate)."""
+    estimate: float | None = None
+    """For a degradation or drift bound: the point estimate, whichever `on` judged."""
+    interval: list[float] | None = None
+    """For a degradation or drift bound: its 95% interval over windows."""
 
     @property
     def shown(self) -> str:
-        """The measured value with its unit."""
-        return f"{self.measured:.6g}{self.unit if self.unit in ('%', 'x') else ' ' + self.unit}".rstrip()
+        """The measured value with its unit (and for a bound on an interval, the estimate and the interval)."""
+        value = f"{self.measured:.6g}{self.unit if self.unit in ('%', 'x') else ' ' + self.unit}".rstrip()
+        if self.on == "upper" and self.interval is not None:
+            low, high = self.interval
+            return f"{value} (upper of [{low:.4g}, {high:.4g}]; estimate {self.estimate:.4g}{self.unit})"
+        if self.on == "point" and self.interval is not None:
+            low, high = self.interval
+            return f"{value} (estimate; interval [{low:.4g}, {high:.4g}])"
+        return value
 
 
 def check(report: dict, bounds: Bounds) -> list[Check]:
     """Every bound as a `Check` on the report, in the order gate.md lists them; a candidate's NaN or Inf output
     fails a check of its own where no degradation bound covers it."""
-    checks = [*_degradation_checks(report, bounds), *_cosine_checks(report, bounds), *_file_checks(report, bounds)]
+    if bounds.on not in JUDGED:
+        raise InputError(f"--on must be {' or '.join(JUDGED)}, not '{bounds.on}'")
+    checks = [
+        *_degradation_checks(report, bounds),
+        *_drift_checks(report, bounds),
+        *_cosine_checks(report, bounds),
+        *_file_checks(report, bounds),
+    ]
     if not checks:
         raise InputError(
             "gate has no bounds to check",
-            hint="pass --max-degradation, --min-compression, --max-size, --min-cosine or --max-slowdown",
+            hint="pass --max-degradation, --max-drift-std, --min-compression, --max-size, --min-cosine or "
+            "--max-slowdown",
         )
     for name, output in report["outputs"].items():  # NaN or Inf out of the candidate fails whatever was bounded
         if output.get("nonfinite") and bounds.per_output.get(name, bounds.max_degradation) is None:
@@ -125,19 +157,59 @@ def _degradation_checks(report: dict, bounds: Bounds) -> list[Check]:
     for name, output in report["outputs"].items():
         limit = bounds.per_output.get(name, bounds.max_degradation)
         if limit is not None:
-            value = output["degradation_pct"]
             checks.append(
-                Check(
-                    f"degradation[{name}] ({output['degradation_basis']})",
-                    value <= limit,
-                    value,
-                    f"<= {limit:g}%",
+                _judged(
+                    f"degradation[{name}] ({output['degradation_basis']}",
+                    output["degradation_pct"],
+                    output.get("degradation_ci95"),
                     limit,
-                    "<=",
-                    "%",
+                    bounds.on,
                 )
             )
     return checks
+
+
+def _drift_checks(report: dict, bounds: Bounds) -> list[Check]:
+    """--max-drift-std, one check per trajectory output: the drift as % of the reference's standard deviation."""
+    if bounds.max_drift_std is None:
+        return []
+    checks = []
+    for name, output in report["outputs"].items():
+        drift = output.get("vs_reference")
+        if drift is None:  # a non-finite candidate: no drift to speak of
+            checks.append(
+                Check(f"drift_std[{name}]", False, math.inf, f"<= {bounds.max_drift_std:g}%", None, "<=", "%")
+            )
+            continue
+        checks.append(
+            _judged(
+                f"drift_std[{name}] (% of the reference's std",
+                drift["drift_std_pct"],
+                drift.get("drift_std_pct_ci95"),
+                bounds.max_drift_std,
+                bounds.on,
+            )
+        )
+    return checks
+
+
+def _judged(name: str, estimate: float, interval: list[float] | None, limit: float, on: str) -> Check:
+    """A bound on a measurement with an interval over windows, judged on its upper end or its estimate (`on`);
+    `name` is closed with what was judged, e.g. 'degradation[y] (truth, upper 95%)'."""
+    upper = on == "upper" and interval is not None
+    value = interval[1] if upper else estimate
+    return Check(
+        f"{name}, {'upper 95%' if upper else 'estimate'})",
+        value <= limit,
+        value,
+        f"<= {limit:g}%",
+        limit,
+        "<=",
+        "%",
+        "upper" if upper else "point",
+        estimate,
+        interval,
+    )
 
 
 def _cosine_checks(report: dict, bounds: Bounds) -> list[Check]:
@@ -220,12 +292,31 @@ def junit(checks: list[Check], candidate: str) -> str:
     for c in checks:
         case = ET.SubElement(suite, "testcase", classname="tqsdeploy.gate", name=c.name)
         ET.SubElement(case, "properties")
-        for key, value in (("measured", c.measured), ("limit", c.limit), ("operator", c.operator), ("unit", c.unit)):
+        judged = (("on", c.on), ("estimate", c.estimate), ("interval", c.interval)) if c.on else ()
+        for key, value in (
+            ("measured", c.measured),
+            ("limit", c.limit),
+            ("operator", c.operator),
+            ("unit", c.unit),
+            *judged,
+        ):
             ET.SubElement(case.find("properties"), "property", name=key, value=str(value))
         if not c.passed:
             ET.SubElement(case, "failure", message=f"{c.shown} violates {c.bound}")
     ET.indent(suite)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suite, encoding="unicode") + "\n"
+
+
+def judged_line(checks: list[Check]) -> str | None:
+    """Which number the degradation and drift bounds judged, in words (None when there are no such bounds)."""
+    on = next((c.on for c in checks if c.on), None)
+    if on is None:
+        return None
+    other = next(k for k in JUDGED if k != on)
+    return (
+        f"Degradation and drift bounds judge the {JUDGED[on]} over the context windows (--on {on}"
+        f"{', the default' if on == DEFAULT_ON else ''}; --on {other} judges the {JUDGED[other]})."
+    )
 
 
 def gate_markdown(report: dict, checks: list[Check]) -> str:
@@ -238,13 +329,21 @@ def gate_markdown(report: dict, checks: list[Check]) -> str:
     ]
     for c in checks:
         lines.append(f"| {c.name} | {c.shown} | {c.bound} | {'pass' if c.passed else '**fail**'} |")
-    return "\n".join(lines) + "\n\n" + markdown(report)
+    judged = judged_line(checks)
+    return "\n".join(lines + (["", judged] if judged else [])) + "\n\n" + markdown(report)
 
 
 def write_outputs(report: dict, checks: list[Check], folder: Path) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"json": folder / "gate.json", "markdown": folder / "gate.md", "junit": folder / "junit.xml"}
-    payload = {"passed": all(c.passed for c in checks), "checks": [c.__dict__ for c in checks], "report": report}
+    on = next((c.on for c in checks if c.on), None)
+    payload = {
+        "passed": all(c.passed for c in checks),
+        "on": on,
+        "judged": JUDGED.get(on),
+        "checks": [c.__dict__ for c in checks],
+        "report": report,
+    }
     text = gate_markdown(report, checks)
     write_texts(
         {paths["json"]: json_text(payload), paths["markdown"]: text, paths["junit"]: junit(checks, report["candidate"])}

@@ -109,22 +109,32 @@ def metrics(candidate: np.ndarray, reference: np.ndarray, truth: np.ndarray | No
     result = {"vs_reference": _vs_reference(candidate, reference, rounds, seed)}
     if truth is not None:
         result["vs_truth"] = _vs_truth(candidate, reference, truth, rounds, seed)
-    measured = result["vs_truth"]["degradation_pct"] if truth is not None else result["vs_reference"]["drift_pct"]
-    result["degradation_pct"] = measured
+    basis = result["vs_truth"] if truth is not None else result["vs_reference"]
+    result["degradation_pct"] = basis["degradation_pct" if truth is not None else "drift_pct"]
+    result["degradation_ci95"] = basis["degradation_ci95" if truth is not None else "drift_pct_ci95"]
     result["degradation_basis"] = "truth" if truth is not None else "reference drift"
     return result
 
 
 def _vs_reference(candidate: np.ndarray, reference: np.ndarray, rounds: int, seed: int) -> dict:
+    """The drift from the reference: MAE and its interval over windows, as % of mean |reference| (`drift_pct`,
+    which a constant offset of the series shrinks or grows) and as % of the reference's standard deviation over
+    every window, step and value (`drift_std_pct`: offset-free, what the series' own variability makes of it)."""
     n, t = candidate.shape[:2]
     diff = np.abs(candidate - reference).reshape(n, t, -1)
     mae_window = diff.mean(axis=(1, 2))
     ref_scale = float(np.abs(reference).mean()) or 1e-30
+    ref_std = float(np.std(reference, dtype=np.float64)) or 1e-30
+    interval = bootstrap((mae_window,), window_mean, rounds, seed)
     return {
         "mae": float(diff.mean()),
         "rmse": float(np.sqrt(np.square(diff).mean())),
-        "mae_ci95": bootstrap((mae_window,), window_mean, rounds, seed),
+        "mae_ci95": interval,
         "drift_pct": float(diff.mean() / ref_scale * 100),
+        "drift_pct_ci95": [v / ref_scale * 100 for v in interval],
+        "reference_std": ref_std,
+        "drift_std_pct": float(diff.mean() / ref_std * 100),
+        "drift_std_pct_ci95": [v / ref_std * 100 for v in interval],
         "mae_by_step": diff.mean(axis=(0, 2)).tolist(),
         "mae_by_window": mae_window.tolist(),
         "growth_rate": _growth_rate(diff.mean(axis=(0, 2))),

@@ -146,7 +146,10 @@ def _gamma_ranking(scores: pl.DataFrame, live: pl.DataFrame, roles: dict[str, st
     colors = [ROLE_COLORS[roles.get(u, "body")] if not d else "black" for u, d in zip(scores["unit"], scores["dead"])]
     floor = live["gamma"].min() if live.height else None
     ax.bar(range(scores.height), scores["gamma"].clip(lower_bound=floor), color=colors)
-    ax.set_xticks(range(scores.height), scores["unit"], rotation=90, fontsize=7)
+    names = (
+        scores["label"] if "label" in scores.columns else scores["unit"]
+    )  # module paths where the exporter made up names
+    ax.set_xticks(range(scores.height), names.fill_null(scores["unit"]), rotation=90, fontsize=7)
     ax.set_ylabel("γ (nats/step)")
     negative = live.height > 0 and bool((live["gamma"] < 0).all())
     shrinking = ": every γ < 0, each perturbation's effect shrinks over the rollout" if negative else ""

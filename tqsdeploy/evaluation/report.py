@@ -116,7 +116,7 @@ def build_report(
     rows = [
         [
             str(r["rank"]),
-            r["unit"],
+            r["unit"] if r.get("label") in (None, r["unit"]) else f"{r['label']} ({r['unit']})",
             roles.get(r["unit"], "body"),
             str(r["params"]),
             _fmt(r["gamma"]),

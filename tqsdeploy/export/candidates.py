@@ -14,6 +14,35 @@ from tqsdeploy.export.measuring import Measuring
 from tqsdeploy.export.sizing import Sizing
 from tqsdeploy.sweep import Drift
 
+MIXED = "mixed"
+AS_PRICED = f"{MIXED}, as priced"
+CALIBRATED = f"{MIXED}, calibrated as allocated"
+KINDS = {
+    MIXED: "each slot at the tier the allocation chose for it",
+    "as priced": "each slot's codes taken from its tier's uniform model, as its price was measured",
+    "calibrated as allocated": "the codes fitted again with every other slot already at its own tier, as the file "
+    "would run",
+    "with ": "the allocation with the named tier added below the lowest one",
+    "uniform": "every slot at one tier, rounded by the method named",
+}
+"""What the words of a candidate's label mean (`explain`): the models an export compares, in a newcomer's words."""
+
+
+def mixed_with(tier: str) -> str:
+    """The mixed candidate allocated with `tier` added below the lowest tier."""
+    return f"{MIXED} with {tier}, calibrated as allocated"
+
+
+def explain(labels) -> str:
+    """What each kind of candidate among `labels` is, once: 'mixed: ...; as priced: ...; uniform: ...'."""
+    words = [word for word in KINDS if any(word in label for label in labels)]
+    return "; ".join(f"{word.strip() if word != 'with ' else 'with TIER'}: {KINDS[word]}" for word in words)
+
+
+def about(label: str) -> str:
+    """One candidate's label in words, for its record."""
+    return "; ".join(KINDS[word] for word in KINDS if word in label)
+
 
 @dataclass
 class Candidate:
@@ -27,10 +56,16 @@ class Candidate:
     """For a uniform model: the encoder's (tier, rounding) cache its encodings are."""
     calibrated: bool = False
     """The mixed allocation calibrated as itself (its encodings are the encoder's mixed cache)."""
+    rounding: str = ""
+    """How its codes were chosen: a uniform model's method (and grid), or the export's for a mixed one ('auto': per
+    tier)."""
 
     def record(self) -> dict:
         return {
             "label": self.label,
+            "about": about(self.label),
+            "objective": self.allocation.objective,
+            "rounding": self.rounding,
             "compression": round(self.allocation.compression, 6),
             "drift_pct": None if self.drift is None else self.drift.worst_pct,
             "relative_rms": None if self.drift is None else self.drift.relative_rms,
@@ -59,11 +94,19 @@ class UniformModels:
     def candidate(self, tier: Tier, rounding: Rounding, target: float | None) -> Candidate:
         allocation = self.sizing.uniform(tier.name, self.job.tiers, target)
         encodings = self.job.encoder.uniform(tier, rounding)
-        label = f"uniform {tier.name} {rounding.label if tier.calibratable else 'rtn'}"
+        method = rounding.label if tier.calibratable else "rtn"
         key = _drift_key(tier, rounding)
         if key not in self._drifts:
             self._drifts[key] = self.measuring.measure(encodings)
-        return Candidate(label, allocation, encodings, self._drifts[key], (tier.name, rounding))
+        return Candidate(
+            f"uniform {tier.name} {method}",
+            allocation,
+            encodings,
+            self._drifts[key],
+            (tier.name, rounding),
+            False,
+            method,
+        )
 
     def measured(self, tier: Tier, rounding: Rounding) -> bool:
         return _drift_key(tier, rounding) in self._drifts
@@ -105,6 +148,7 @@ class MixedModels:
             self.encodings(allocation, rounding, calibrated=True),
             self.calibrated_drift(allocation, rounding),
             calibrated=True,
+            rounding=rounding.method,
         )
 
 

@@ -10,7 +10,16 @@ from typing import Callable
 
 from tiers import TIERS, Tier, precision_order
 from tqsdeploy.encoding.choices import can_still_win, comparison_methods
-from tqsdeploy.export.candidates import Candidate, MixedModels, UniformModels, rank, relabelled
+from tqsdeploy.export.candidates import (
+    AS_PRICED,
+    CALIBRATED,
+    Candidate,
+    MixedModels,
+    UniformModels,
+    mixed_with,
+    rank,
+    relabelled,
+)
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.measuring import Measuring
 from tqsdeploy.export.pricing import TierPricing
@@ -69,7 +78,6 @@ class Comparison:
         if settings.refine:
             allocation, drift = self.refiner.refine(allocation)
         rounding = self.roundings.rounding
-        label = f"TQS-PTQ {settings.objective}/{rounding.method}"
         mixed = self.mixed.encodings(allocation, rounding)
         budget = self.sizing.budget(self.job.tiers)
         fitting = (
@@ -81,20 +89,21 @@ class Comparison:
             encoder.forget_uniform(keep=fitting[0].name if fitting else None, calibrated=final)
         found = [
             Candidate(
-                label,
+                AS_PRICED,
                 allocation,
                 mixed,
                 drift if drift is not None else self.measuring.measure_tiers(allocation.tiers, rounding),
+                rounding=rounding.method,
             )
         ]
         del mixed
         started = time.perf_counter()
         if self.mixed.calibrates(allocation, rounding):
-            found.append(self.mixed.calibrated_candidate(label + ", calibrated as allocated", allocation, rounding))
+            found.append(self.mixed.calibrated_candidate(CALIBRATED, allocation, rounding))
             self._keep_best(found)
         below = self.below_lowest(target)
         if below is not None:
-            candidate = self._with_tier_below(below, target, label)
+            candidate = self._with_tier_below(below, target)
             if candidate is not None:
                 found.append(candidate)
                 self._keep_best(found)
@@ -163,15 +172,13 @@ class Comparison:
         lowest = min(self.job.tiers, key=lambda t: t.bits)
         return target >= NEAR_LOWEST * self.uniform(lowest.name).compression
 
-    def _with_tier_below(self, below: Tier, target: float, label: str) -> Candidate | None:
+    def _with_tier_below(self, below: Tier, target: float) -> Candidate | None:
         """The mixed model allocated with `below` added to the tiers (its slots priced once, in the run's cache),
         calibrated as itself; None when the allocation does not use it (it is then the mixed one)."""
         allocation = self.extended(sorted([*self.job.tiers, below], key=precision_order)).allocate(target)
         if below.name not in allocation.tiers.values():
             return None
-        return self.mixed.calibrated_candidate(
-            f"{label}, with {below.name}, calibrated as allocated", allocation, self.roundings.rounding
-        )
+        return self.mixed.calibrated_candidate(mixed_with(below.name), allocation, self.roundings.rounding)
 
     def _keep_best(self, found: list[Candidate]) -> None:
         """Only the best candidate is ever written: for a large model, drop the others' codes as soon as they are

@@ -24,12 +24,12 @@ from tqsdeploy.encoding import checkpoints
 from tqsdeploy.encoding.logs import thin_note
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.allocate import Allocation
-from tqsdeploy.export.candidates import Candidate
+from tqsdeploy.export.candidates import MIXED, Candidate, explain
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.roundings import Roundings
 from tqsdeploy.files import write_json, write_table
 from tqsdeploy.sweep import Drift
-from tqsdeploy.units import outside_hint
+from tqsdeploy.units import called, outside_hint
 
 WARN_DRIFT_PCT = 5.0
 """Drift (percent, as `eval` reports it) above which export warns that the model it wrote may be damaged."""
@@ -81,6 +81,24 @@ class Outcome:
     @property
     def drift_pct(self) -> float | None:
         return None if self.drift is None else self.drift.worst_pct
+
+
+def explained(windows: int, labels: list[str]) -> dict[str, str]:
+    """What the allocation record's figures mean, for a reader of the JSON alone."""
+    return {
+        "compression": "the original's stored tensor bits over this file's (initializers and Constant values, scales "
+        "and zero points included): what --C counts with --basis file",
+        "unit_compression": "the same over the scored units alone (--basis units)",
+        "disk_compression": "bytes on disk, the original's files over this file's (external data included): the "
+        "graph and protobuf framing count here, so it differs from compression",
+        "drift_pct": f"the worst output's mean |exported - original| as % of mean |original|, exact dequantization, "
+        f"on the {windows} scoring windows: in-sample (the score and the calibration saw them); held-out windows "
+        "usually drift more (tqsdeploy eval)",
+        "slot": "what one tier is given to (a row of `tiers`): a whole unit, or a group of output channels of a unit "
+        "holding a large share of the parameters (--split); `label` is what reports call it, `slot` and `unit` its "
+        "ONNX names",
+        "compared": explain(labels),
+    }
 
 
 class Writer:
@@ -140,8 +158,8 @@ class Writer:
     ) -> list[str]:
         """What the user should know about the shipped model, in the order the summary prints them."""
         notes: list[str] = []
-        if not chosen.label.startswith("TQS-PTQ") and uniform_tier is None:
-            mixed = next(c for c in compared if c.label.startswith("TQS-PTQ"))
+        if not chosen.label.startswith(MIXED) and uniform_tier is None:
+            mixed = next(c for c in compared if c.label.startswith(MIXED))
             notes.append(
                 f"shipped {chosen.label} instead of the mixed allocation: at this budget it drifts less on the "
                 "scoring contexts "
@@ -167,7 +185,7 @@ class Writer:
         calibrated = chosen.cached[1].needs_stats if chosen.cached else self.roundings.rounding.needs_stats
         if calibrated:
             notes += [
-                f"'{name}' is rounded to nearest whatever the method: {reason}"
+                f"{self.called(name)} is rounded to nearest whatever the method: {reason}"
                 for name, reason in sorted(self.encoder.log.rtn_only.items())
             ]
         thin = thin_note(
@@ -175,10 +193,17 @@ class Writer:
             self.settings.rounding,
             "score with more context windows (or more --steps) to give it more, or export with --rounding rtn, which "
             "needs none",
+            self.scored.prepared.contexts.count,
+            {name: layout.display for name, layout in self.scored.layouts.items()},
         )
         if thin and calibrated:
             notes.append(thin)
         return notes
+
+    def called(self, name: str) -> str:
+        """A unit tensor as notes name it: its label, with its ONNX name where they differ (`units.called`)."""
+        layout = self.scored.layouts.get(name)
+        return called(name, layout.display if layout is not None else name)
 
     def _untested_rows(self, chosen: Candidate) -> list[str]:
         """A Gather table whose rows the scoring contexts read only in part: the rest is stored untested."""
@@ -192,8 +217,8 @@ class Writer:
                 }
             )
             notes.append(
-                f"'{name}': the scoring contexts read {len(touched)} of its {self.scored.weights[name].shape[0]} "
-                "rows; it was scored and measured on those, "
+                f"{self.called(name)}: the scoring contexts read {len(touched)} of its "
+                f"{self.scored.weights[name].shape[0]} rows; it was scored and measured on those, "
                 f"and the other rows, priced as its read rows on average, are stored untested ({', '.join(tiers)} in "
                 "the table): rows a deployment "
                 "reads that the contexts never did may be hurt more"
@@ -305,6 +330,8 @@ class Writer:
             "target_compression": target,
             "basis": self.settings.basis,
             **record,
+            "reference_file_bytes": self.scored.model.file_bytes,
+            "disk_compression": self.scored.model.file_bytes / max(written.bytes, 1),
             "target": self.settings.target,
             "weights_in_memory_bytes": self.loaded_weight_bytes(chosen.encodings),
             "opset": {"model": self.scored.model_opset, "file": written.opset},
@@ -318,6 +345,10 @@ class Writer:
             "drift_pct": drift.worst_pct if drift else None,
             "drift_pct_by_output": drift.pct if drift else None,
             "relative_rms_drift": drift.relative_rms if drift else None,
+            "drift_windows": self.scored.prepared.contexts.count,
+            "units": len(self.scored.units),
+            "slots": len(self.job.cut.slots),
+            "explained": explained(self.scored.prepared.contexts.count, [c.label for c in compared]),
             "compared": [c.record() for c in compared],
             "notes": notes,
             "checkpointed_weights_reused": self.encoder.log.reused,
@@ -363,6 +394,7 @@ class Writer:
             rows.append(
                 {
                     "slot": slot.name,
+                    "label": slot.display,
                     "unit": slot.unit,
                     "channels": None if slot.rows is None else f"{slot.rows[0]}:{slot.rows[1]}",
                     "tier": tier,

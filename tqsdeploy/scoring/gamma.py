@@ -170,6 +170,7 @@ def _unit_row(
     """One unit's row of the score table, from its probes' results."""
     described = {
         "unit": unit.name,
+        "label": unit.label,
         "tensors": ";".join(unit.tensor_names),
         "op_types": ";".join(unit.op_types),
         "nodes": ";".join(unit.nodes),

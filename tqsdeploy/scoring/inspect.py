@@ -90,6 +90,7 @@ def _open(model: str | Path, loaded):
 def _unit(u) -> dict:
     return {
         "unit": u.name,
+        "label": u.label,
         "shape": u.shape,
         "params": u.params,
         "op_types": list(u.op_types),

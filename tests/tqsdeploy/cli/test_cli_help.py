@@ -41,7 +41,7 @@ from tqsdeploy.cli import app
         ),
         ("baseline", ["rtn|gptq|gptaq|qep", "1|2|3|4|8", "dequantized|fused", "required"]),
         ("eval", ["--columns", "--windows", "--no-latency", "--latency-batches", "required"]),
-        ("gate", ["--columns", "--max-slowdown", "--no-latency", "required"]),
+        ("gate", ["--columns", "--max-slowdown", "--no-latency", "required", "upper|point", "--max-drift-std"]),
         ("frontier", ["--columns"]),
         ("inspect", ["--spec"]),
     ],
@@ -86,7 +86,9 @@ def test_gate_reports_units_numeric_bounds_and_escapes_once(tmp_path):
         and compression["limit"] == 100.0
         and compression["operator"] == ">="
     )
-    assert f"degradation[y] (reference drift) = {degradation['measured']:.6g}% violates <= 0%" in " ".join(text.split())
+    assert degradation["on"] == "upper" and degradation["measured"] == degradation["interval"][1] >= 0
+    shown = f"degradation[y] (reference drift, upper 95%) = {degradation['measured']:.6g}% (upper of"
+    assert shown in " ".join(text.split())
     suite = ET.parse(tmp_path / "g" / "junit.xml").getroot()
     assert suite.get("name") == f"tqsdeploy gate: {candidate}" and suite.get("failures") == "2"
     case = suite.find("testcase[@name='compression']")
@@ -136,3 +138,20 @@ def test_no_help_text_is_eaten_by_rich_markup():
         for param in command.params:
             wanted = " ".join((getattr(param, "help", None) or "").replace("\\[", "[").split())
             assert wanted in shown, f"{name} --help shows {param.name}'s help altered: {wanted!r}"
+
+
+def test_flags_read_as_flags_in_help():
+    """A flag shows no type: `--no-latency <bool>` read as a flag taking a value (`--no-latency true` then fails with
+    'unexpected extra argument'); options that take one keep theirs."""
+    import typer
+
+    group = typer.main.get_command(app)
+    code, text = invoke("--help", columns=250, layout=True)
+    assert code == 0 and "<bool>" not in text and "--version" in text
+    for name in group.commands:
+        code, text = invoke(name, "--help", columns=250, layout=True)
+        assert code == 0 and "<bool>" not in text, f"{name} --help shows <bool>"
+        assert "<path>" in text or "<int" in text or "<str>" in text, name
+    code, text = invoke("eval", "--help", columns=250, layout=True)
+    row = next(line for line in text.splitlines() if "--no-latency" in line)
+    assert row.split("--no-latency")[1].split()[0] == "Skip", row  # the help follows the flag, nothing between
