@@ -39,6 +39,8 @@ class NativePart:
     attributes: dict
     initializers: tuple[onnx.TensorProto, ...] = ()
     nodes: tuple[onnx.NodeProto, ...] = ()
+    shape: tuple[int, ...] = ()
+    """A float part's weight shape (what `nodes` must produce)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,11 @@ def native_uses(model: onnx.ModelProto) -> dict[str, NativeUse]:
                     for inner in graph.node:
                         for name in inner.input:
                             found.setdefault(name, set()).add(None)
-    return {name: next(iter(uses)) for name, uses in found.items() if len(uses) == 1 and None not in uses and name not in outputs}
+    return {
+        name: next(iter(uses))
+        for name, uses in found.items()
+        if len(uses) == 1 and None not in uses and name not in outputs
+    }
 
 
 def _use(node: onnx.NodeProto, index: int, rank: int) -> NativeUse | None:
@@ -85,7 +91,9 @@ def _use(node: onnx.NodeProto, index: int, rank: int) -> NativeUse | None:
     if node.op_type == "MatMul" and index == 1:
         return NativeUse(MATMUL, 1)
     if node.op_type == "Gemm" and index == 1 and not attributes.get("transA", 0):
-        if attributes.get("alpha", 1.0) == 1.0 and (len(node.input) < 3 or not node.input[2] or attributes.get("beta", 1.0) == 1.0):
+        if attributes.get("alpha", 1.0) == 1.0 and (
+            len(node.input) < 3 or not node.input[2] or attributes.get("beta", 1.0) == 1.0
+        ):
             return NativeUse(MATMUL, 0 if attributes.get("transB", 0) else 1)
     if node.op_type == "Gather" and index == 0 and attributes.get("axis", 0) == 0:
         return NativeUse(GATHER, 0)
@@ -115,8 +123,16 @@ def _matmul(node: onnx.NodeProto, plan: NativePlan) -> list[onnx.NodeProto]:
     made = []
     for piece, part in zip(pieces, plan.parts):
         domain = DOMAIN if part.op in NATIVE_OPS else ""
-        made.append(helper.make_node(part.op, [activation, *part.inputs], [piece], name=f"{node.name or output}__{piece}",
-                                     domain=domain, **part.attributes))
+        made.append(
+            helper.make_node(
+                part.op,
+                [activation, *part.inputs],
+                [piece],
+                name=f"{node.name or output}__{piece}",
+                domain=domain,
+                **part.attributes,
+            )
+        )
     if len(pieces) > 1:
         made.append(helper.make_node("Concat", pieces, [joined], axis=-1, name=f"{node.name or output}__concat"))
     if bias is not None:
@@ -126,8 +142,16 @@ def _matmul(node: onnx.NodeProto, plan: NativePlan) -> list[onnx.NodeProto]:
 
 def _gather(node: onnx.NodeProto, plan: NativePlan) -> list[onnx.NodeProto]:
     (part,) = plan.parts
-    return [helper.make_node(part.op, [part.inputs[0], node.input[1], *part.inputs[1:]], list(node.output), domain=DOMAIN,
-                             name=node.name or f"{node.output[0]}__gbq", **part.attributes)]
+    return [
+        helper.make_node(
+            part.op,
+            [part.inputs[0], node.input[1], *part.inputs[1:]],
+            list(node.output),
+            domain=DOMAIN,
+            name=node.name or f"{node.output[0]}__gbq",
+            **part.attributes,
+        )
+    ]
 
 
 def with_domain(model: onnx.ModelProto) -> None:
@@ -163,7 +187,9 @@ def runtime_forms(model: onnx.ModelProto) -> dict[str, RuntimeForm]:
             seen.update(fresh)
             previous = found.get(label)
             kinds = sorted({kind, *(previous.form.split(" + ") if previous else ())})
-            found[label] = RuntimeForm(" + ".join(kinds), sum(sizes[n] for n in fresh) + (previous.bytes if previous else 0))
+            found[label] = RuntimeForm(
+                " + ".join(kinds), sum(sizes[n] for n in fresh) + (previous.bytes if previous else 0)
+            )
         elif node.op_type == "DequantizeLinear" and index not in constant and stored:
             found[node.output[0]] = RuntimeForm("DequantizeLinear every call", sum(sizes[n] for n in stored))
             seen.update(stored)
@@ -189,8 +215,11 @@ def _constant_nodes(model: onnx.ModelProto, initializers: set[str]) -> dict[int,
     mapped to outputs another constant node reads (the last outputs of each chain are the folded weights)."""
     known, chain = set(initializers), {}
     for index, node in enumerate(model.graph.node):
-        if node.op_type != "DequantizeLinear" and node.op_type not in NATIVE_OPS and node.input and all(
-            not name or name in known for name in node.input
+        if (
+            node.op_type != "DequantizeLinear"
+            and node.op_type not in NATIVE_OPS
+            and node.input
+            and all(not name or name in known for name in node.input)
         ):
             known.update(node.output)
             chain[index] = ""

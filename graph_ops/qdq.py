@@ -296,7 +296,20 @@ def _build(
     for tensor in list(model.graph.initializer) + list(lifted.values()):
         if tensor.name in native:
             skeleton.graph.initializer.extend(sink(t) for t in native[tensor.name].initializers)
-            new_nodes.extend(rewrite_consumers(skeleton.graph, tensor.name, native[tensor.name]))
+            producers = rewrite_consumers(skeleton.graph, tensor.name, native[tensor.name])
+            if producers:  # the float parts' weights, checked as the other layouts' are
+                read = {name for node in producers for name in node.input}
+                emitted += [
+                    helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                    for t in native[tensor.name].initializers
+                    if t.name in read
+                ]
+                replaced += [
+                    helper.make_tensor_value_info(part.inputs[0], tensor.data_type, list(part.shape))
+                    for part in native[tensor.name].parts
+                    if part.nodes
+                ]
+            new_nodes.extend(producers)
         elif tensor.name in stored:
             initializers, nodes = _emit(tensor.name, stored[tensor.name], _layout_of(layout, tensor.name))
             if nodes:

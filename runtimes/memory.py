@@ -27,8 +27,9 @@ class SessionMemory:
     """Resident-set growth after the calls."""
 
 
-def measure(model: str | Path, feeds: str | Path, provider: str = "cpu", threads: int | None = None,
-            timeout_s: float = 600) -> SessionMemory | None:
+def measure(
+    model: str | Path, feeds: str | Path, provider: str = "cpu", threads: int | None = None, timeout_s: float = 600
+) -> SessionMemory | None:
     """The session's memory on `feeds` (a .npz of one array per input), or None where it cannot be read (not
     Linux, or the child failed: its reason is not the caller's business, the measurement is simply absent)."""
     if not Path("/proc/self/clear_refs").exists():

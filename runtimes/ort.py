@@ -178,7 +178,11 @@ def _exact_kernels(source: bytes | str, external_data_dir: Path | None, options)
     every MatMulNBits already computes exactly (or there is none)."""
     import onnx
 
-    proto = onnx.load_model_from_string(source) if isinstance(source, bytes) else onnx.load(source, load_external_data=False)
+    proto = (
+        onnx.load_model_from_string(source)
+        if isinstance(source, bytes)
+        else onnx.load(source, load_external_data=False)
+    )
     changed = False
     for node in proto.graph.node:
         if node.op_type == "MatMulNBits":

@@ -89,7 +89,9 @@ def _node_needs(node: onnx.NodeProto, types: dict[str, int]) -> list[tuple[tuple
     if node.op_type == "GatherBlockQuantized":
         bits = attributes.get("bits", 4)
         first = GATHER_BITS_FROM.get(bits, (99, 0))
-        return [(max(first, (1, 23) if "bits" in attributes else (1, 20)), f"GatherBlockQuantized with {bits}-bit codes")]
+        return [
+            (max(first, (1, 23) if "bits" in attributes else (1, 20)), f"GatherBlockQuantized with {bits}-bit codes")
+        ]
     if node.op_type == "Cast" and read & SUB_BYTE:
         return [((1, 23), "a Cast from 4-bit codes")]
     if read & TWO_BIT:

@@ -54,7 +54,9 @@ def test_matrix_weights_as_matmulnbits_compute_the_dequantized_model(tmp_path, t
     assert sum(n.op_type == "MatMulNBits" for n in nodes) >= 4 and not any(n.op_type == "MatMul" for n in nodes)
     fake = graph_ops.replace_weights(proto, {n: e.dequantize() for n, e in stored.items()})
     x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
-    reference = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    reference = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[
+        0
+    ]
     np.testing.assert_allclose(_run(written.path, {"x": x}), reference, rtol=1e-5, atol=1e-6)
 
 
@@ -75,11 +77,19 @@ def test_blockwise_codes_keep_their_blocks(tmp_path):
     proto = onnx.load(path)
     stored = _encoded(proto, "int4-asym", group_size=32)
     written = _write_native(proto, stored, tmp_path / "native.onnx")
-    blocks = {a.i for n in onnx.load(written.path).graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"}
+    blocks = {
+        a.i
+        for n in onnx.load(written.path).graph.node
+        if n.op_type == "MatMulNBits"
+        for a in n.attribute
+        if a.name == "block_size"
+    }
     assert blocks == {32}
     fake = graph_ops.replace_weights(proto, {n: e.dequantize() for n, e in stored.items()})
     x = np.random.default_rng(2).standard_normal((2, 64)).astype(np.float32)
-    reference = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    reference = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[
+        0
+    ]
     np.testing.assert_allclose(_run(written.path, {"x": x}), reference, rtol=1e-5, atol=1e-6)
 
 
@@ -89,9 +99,11 @@ def test_channel_groups_at_different_tiers_are_one_kernel_each_joined(tmp_path):
     proto = onnx.load(models.linear_map(tmp_path / "lin.onnx", np.random.default_rng(0).standard_normal((96, 96)) / 10))
     weight = onnx.numpy_helper.to_array(proto.graph.initializer[0])
     layout = _layouts(proto, ["W"])["W"]
-    parts = [encode(weight[:, :32], Layout((96, 32), layout.perm, 1), TIERS["int8-asym"], Rounding(), None),
-             encode(weight[:, 32:64], Layout((96, 32), layout.perm, 1), TIERS["int4-asym"], Rounding(), None),
-             TIERS["fp32"].float_copy(weight[:, 64:])]
+    parts = [
+        encode(weight[:, :32], Layout((96, 32), layout.perm, 1), TIERS["int8-asym"], Rounding(), None),
+        encode(weight[:, 32:64], Layout((96, 32), layout.perm, 1), TIERS["int4-asym"], Rounding(), None),
+        TIERS["fp32"].float_copy(weight[:, 64:]),
+    ]
     joined = split(parts, layout)
     written = _write_native(proto, {"W": joined}, tmp_path / "native.onnx")
     ops = [n.op_type for n in onnx.load(written.path).graph.node]

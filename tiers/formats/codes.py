@@ -17,8 +17,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from tiers.encoded import Encoded, PackedCodes, broadcast_scale
 from graph_ops.native import GATHER, NativePlan
+from tiers.encoded import Encoded, PackedCodes, broadcast_scale
 from tiers.formats.base import Emission, Fed, Tier, register_form
 from tiers.formats.native import gather_part, matmul_part
 

@@ -65,6 +65,7 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
 def _block_size(k: int, n: int, bits: int, zero: bool) -> int:
     """The block size storing a per-channel grid in the fewest bytes (codes padded to whole blocks, a 4-byte scale
     and a zero point per block); a tie goes to the larger block."""
+
     def size(block: int) -> float:
         blocks = -(-k // block)
         return n * (blocks * block * bits / 8 + blocks * 4 + (blocks * bits / 8 if zero else 0))
@@ -92,8 +93,10 @@ def matmul_part(name: str, value: Encoded, use: NativeUse, options: NativeOption
     scale, zero = _per_block(value, n, blocks, use.n_axis)
     offset = 1 << (bits - 1) if signed else 0
     wt = np.concatenate([wt + offset, np.zeros((n, blocks * block - k), np.int16)], axis=1).reshape(n, blocks, block)
-    tensors = [numpy_helper.from_array(_pack(wt, bits), f"{name}__nbits"),
-               numpy_helper.from_array(scale.astype(value.dtype), f"{name}__nbits_scale")]
+    tensors = [
+        numpy_helper.from_array(_pack(wt, bits), f"{name}__nbits"),
+        numpy_helper.from_array(scale.astype(value.dtype), f"{name}__nbits_scale"),
+    ]
     if zero is not None:
         tensors.append(numpy_helper.from_array(_pack(zero.astype(np.int16) + offset, bits), f"{name}__nbits_zero"))
     attributes = {"K": k, "N": n, "bits": bits, "block_size": block, "accuracy_level": options.accuracy_level}
@@ -130,6 +133,7 @@ def gather_part(name: str, value: Encoded, options: NativeOptions) -> NativePart
 
 def _per_block(value: Encoded, n: int, blocks: int, n_axis: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Scale and zero point as [N, blocks]: a per-channel (or per-tensor) grid's repeated, a blockwise one's as is."""
+
     def shaped(array):
         if array is None:
             return None
@@ -144,12 +148,18 @@ def _per_block(value: Encoded, n: int, blocks: int, n_axis: int) -> tuple[np.nda
 def float_part(name: str, value: Encoded) -> NativePart:
     """A part the kernels cannot take, as a float weight its own form's dequantized layout makes (folded at load)."""
     initializers, nodes = value.emit(name, "dequantized")
-    return NativePart("MatMul", (name,), {}, tuple(initializers), tuple(nodes) or _identity(name, initializers))
+    return NativePart(
+        "MatMul", (name,), {}, tuple(initializers), tuple(nodes) or _identity(name, initializers), tuple(value.shape)
+    )
 
 
 def _identity(name: str, initializers) -> tuple:
     """A raw part's tensor is its own initializer: no node produces it."""
-    return () if any(t.name == name for t in initializers) else (helper.make_node("Identity", [initializers[0].name], [name]),)
+    return (
+        ()
+        if any(t.name == name for t in initializers)
+        else (helper.make_node("Identity", [initializers[0].name], [name]),)
+    )
 
 
 __all__ = ["GATHER", "MATMUL", "NativeOptions", "float_part", "gather_part", "matmul_part"]

@@ -9,8 +9,8 @@ from typing import ClassVar
 import numpy as np
 from onnx import helper
 
-from tiers.encoded import Encoded
 from graph_ops.native import MATMUL, NativePlan
+from tiers.encoded import Encoded
 from tiers.formats.base import Emission, Fed, StoredForm, register_form
 from tiers.formats.native import float_part
 

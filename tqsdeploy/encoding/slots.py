@@ -41,7 +41,10 @@ class Slot:
 
 
 def make_slots(
-    units: Sequence[Unit], layouts: Mapping[str, WeightLayout], split_fraction: float, whole: frozenset[str] = frozenset()
+    units: Sequence[Unit],
+    layouts: Mapping[str, WeightLayout],
+    split_fraction: float,
+    whole: frozenset[str] = frozenset(),
 ) -> list[Slot]:
     """Units as slots; a one-tensor unit with known layout holding more than `split_fraction`
     of all unit parameters is split into channel groups of about that share each, unless its tensor is in `whole`

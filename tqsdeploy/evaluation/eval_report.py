@@ -116,13 +116,18 @@ def forms_lines(report: dict) -> list[str]:
     lines = []
     totals = (report.get("forms") or {}).get("totals") or {}
     if totals:
-        parts = ", ".join(f"{t['tensors']} {form} ({t['bytes'] / 1e6:.2f} MB)" for form, t in
-                          sorted(totals.items(), key=lambda item: -item[1]["bytes"]))
+        parts = ", ".join(
+            f"{t['tensors']} {form} ({t['bytes'] / 1e6:.2f} MB)"
+            for form, t in sorted(totals.items(), key=lambda item: -item[1]["bytes"])
+        )
         lines += ["", f"Weights as ONNX Runtime runs them (bytes held after load): {parts}."]
     memory = report.get("memory")
     if memory:
-        lines += ["", f"Memory ({memory['basis']}): candidate peak {memory['candidate']['peak_bytes'] / 1e6:.1f} MB, "
-                  f"steady {memory['candidate']['steady_bytes'] / 1e6:.1f} MB; reference peak "
-                  f"{memory['reference']['peak_bytes'] / 1e6:.1f} MB, steady {memory['reference']['steady_bytes'] / 1e6:.1f} MB "
-                  f"({memory['peak_ratio']:.2f}x the reference's peak)."]
+        lines += [
+            "",
+            f"Memory ({memory['basis']}): candidate peak {memory['candidate']['peak_bytes'] / 1e6:.1f} MB, "
+            f"steady {memory['candidate']['steady_bytes'] / 1e6:.1f} MB; reference peak "
+            f"{memory['reference']['peak_bytes'] / 1e6:.1f} MB, steady {memory['reference']['steady_bytes'] / 1e6:.1f} MB "
+            f"({memory['peak_ratio']:.2f}x the reference's peak).",
+        ]
     return lines

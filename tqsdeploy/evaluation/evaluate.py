@@ -510,13 +510,18 @@ def _memory(run: _Rollouts, candidate: Path, reference: Path, settings: EvalSett
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "feeds.npz"
         np.savez(path, **feeds)
-        found = {label: measure_memory(model, path, settings.provider) for label, model in
-                 (("candidate", candidate), ("reference", reference))}
+        found = {
+            label: measure_memory(model, path, settings.provider)
+            for label, model in (("candidate", candidate), ("reference", reference))
+        }
     if any(value is None for value in found.values()):
         return None
     reference_peak = max(found["reference"].peak_bytes, 1)
     return {
-        **{label: {"peak_bytes": value.peak_bytes, "steady_bytes": value.steady_bytes} for label, value in found.items()},
+        **{
+            label: {"peak_bytes": value.peak_bytes, "steady_bytes": value.steady_bytes}
+            for label, value in found.items()
+        },
         "peak_ratio": found["candidate"].peak_bytes / reference_peak,
         "basis": "resident-set growth of a fresh process from just before the session is created to after 3 calls",
     }

@@ -253,9 +253,7 @@ def _grids_measured(
     return chosen, {option.grids: drift.worst_pct for option, drift in measured.items()}, errors[chosen]
 
 
-def write_baseline(
-    model_path: str | Path, result: BaselineResult, output: str | Path, layout: str = "native"
-) -> dict:
+def write_baseline(model_path: str | Path, result: BaselineResult, output: str | Path, layout: str = "native") -> dict:
     """Write the baseline as the same deployable ONNX that `export` emits, in runtime `layout` (`graph_ops.qdq.LAYOUTS`;
     export's default for ort-cpu)."""
     loaded, data_dir = _load(model_path)

@@ -34,8 +34,9 @@ class FormPolicy:
     min_params: int = NativeOptions.min_params
 
     def options(self) -> NativeOptions:
-        return NativeOptions(self.release.matmul_bits(), self.release.gather_bits(), KERNEL_ACCURACY[self.kernel_accuracy],
-                             min_params=0)
+        return NativeOptions(
+            self.release.matmul_bits(), self.release.gather_bits(), KERNEL_ACCURACY[self.kernel_accuracy], min_params=0
+        )
 
 
 class WeightForms:
@@ -46,7 +47,8 @@ class WeightForms:
         self._options = policy.options()
         uses = native_uses(proto) if policy.layout == "native" else {}
         self.uses: dict[str, NativeUse] = {
-            name: use for name, use in uses.items()
+            name: use
+            for name, use in uses.items()
             if name in layouts and int(np.prod(layouts[name].shape, dtype=np.int64)) >= policy.min_params
         }
         """The weights whose consumers all read a native form, large enough to pay for its kernel."""
@@ -69,7 +71,12 @@ class WeightForms:
         if self.policy.layout != "native":
             return self.policy.layout
         codes = encoded.values if encoded.form == "dequantize" else None
-        if codes is not None and not self.policy.release.casts_sub_byte and np.dtype(codes.dtype).itemsize == 1 and "4" in str(codes.dtype):
+        if (
+            codes is not None
+            and not self.policy.release.casts_sub_byte
+            and np.dtype(codes.dtype).itemsize == 1
+            and "4" in str(codes.dtype)
+        ):
             return "fused"
         return "dequantized"
 

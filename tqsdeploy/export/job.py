@@ -202,7 +202,11 @@ class SlotCut:
     """The slots the allocator assigns one tier each: units, large ones cut into channel groups of `fraction`."""
 
     def __init__(
-        self, units: Sequence[Unit], layouts: dict[str, WeightLayout], fraction: float, whole: frozenset[str] = frozenset()
+        self,
+        units: Sequence[Unit],
+        layouts: dict[str, WeightLayout],
+        fraction: float,
+        whole: frozenset[str] = frozenset(),
     ):
         """`whole`: tensors never cut (their written form takes one tier per tensor)."""
         self._units, self._layouts, self._whole = units, layouts, whole

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtimes.ort_versions import IR_FROM, Release, parse_version, version_text
 from tiers import DEFAULT_TIERS, METHODS, TRT_TIERS
 from tqsdeploy.encoding.choices import check_grids
 from tqsdeploy.errors import InputError
-from runtimes.ort_versions import IR_FROM, Release, parse_version, version_text
 from tqsdeploy.export.allocate import check_allocator
 from tqsdeploy.export.forms import KERNEL_ACCURACY, FormPolicy
 from tqsdeploy.export.objectives import OBJECTIVES
@@ -146,5 +146,7 @@ def _release(text: str, engine: str) -> Release:
         raise InputError(f"--target {engine}@{text}: {exc}") from None
     oldest, newest = min(IR_FROM.values()), max(IR_FROM.values())
     if not oldest <= version:
-        raise InputError(f"--target {engine}@{text}: files are written for ONNX Runtime {version_text(oldest)} or later")
+        raise InputError(
+            f"--target {engine}@{text}: files are written for ONNX Runtime {version_text(oldest)} or later"
+        )
     return Release(min(version, newest) if version > newest else version)

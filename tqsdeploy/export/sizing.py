@@ -110,8 +110,7 @@ class Sizing:
                 if (unit, tier) not in forms:
                     forms[(unit, tier)] = self.encoder.stored_forms(unit, tier)
                 self._stretch_bits[key] = sum(
-                    self.forms.bits(n, self.encoder.channels(n, e, rows))
-                    for n, e in forms[(unit, tier)].items()
+                    self.forms.bits(n, self.encoder.channels(n, e, rows)) for n, e in forms[(unit, tier)].items()
                 )
             costs.update(
                 zip(

@@ -17,9 +17,9 @@ import polars as pl
 
 import graph_ops
 from graph_ops.qdq import Written, write_storage
+from runtimes.ort_versions import oldest_release, version_text
 from tiers import TIERS, Encoded, get_tiers
 from tiers.solver_backend import array_module, solver_dtype
-from runtimes.ort_versions import oldest_release, version_text
 from tqsdeploy.encoding import checkpoints
 from tqsdeploy.encoding.logs import thin_note
 from tqsdeploy.errors import InputError
