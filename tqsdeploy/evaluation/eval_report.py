@@ -127,7 +127,8 @@ def forms_lines(report: dict) -> list[str]:
             "",
             f"Memory ({memory['basis']}): candidate peak {memory['candidate']['peak_bytes'] / 1e6:.1f} MB, "
             f"steady {memory['candidate']['steady_bytes'] / 1e6:.1f} MB; reference peak "
-            f"{memory['reference']['peak_bytes'] / 1e6:.1f} MB, steady {memory['reference']['steady_bytes'] / 1e6:.1f} MB "
+            f"{memory['reference']['peak_bytes'] / 1e6:.1f} MB, "
+            f"steady {memory['reference']['steady_bytes'] / 1e6:.1f} MB "
             f"({memory['peak_ratio']:.2f}x the reference's peak).",
         ]
     return lines
