@@ -23,8 +23,8 @@ from graph_ops.io import element_bits
 from tiers.grid import GridSpec
 
 if TYPE_CHECKING:
-    from graph_ops.native import NativePlan
     from graph_ops.layout import Layout
+    from graph_ops.native import NativePlan
     from tiers.encoded import Encoded
     from tiers.gptq import Quantized
 
