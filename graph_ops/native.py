@@ -120,17 +120,20 @@ def _matmul(node: onnx.NodeProto, plan: NativePlan) -> list[onnx.NodeProto]:
     bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
     joined = output if bias is None else f"{output}__unbiased"
     pieces = [joined] if len(plan.parts) == 1 else [f"{output}__part{i}" for i in range(len(plan.parts))]
+    transposed = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
     made = []
     for piece, part in zip(pieces, plan.parts):
-        domain = DOMAIN if part.op in NATIVE_OPS else ""
+        op, attributes = part.op, dict(part.attributes)
+        if op == "MatMul" and transposed:  # a float part keeps the weight's [N, K] storage: Gemm reads it transposed
+            op, attributes = "Gemm", {**attributes, "transB": 1}
         made.append(
             helper.make_node(
-                part.op,
+                op,
                 [activation, *part.inputs],
                 [piece],
                 name=f"{node.name or output}__{piece}",
-                domain=domain,
-                **part.attributes,
+                domain=DOMAIN if op in NATIVE_OPS else "",
+                **attributes,
             )
         )
     if len(pieces) > 1:

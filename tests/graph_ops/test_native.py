@@ -112,6 +112,27 @@ def test_channel_groups_at_different_tiers_are_one_kernel_each_joined(tmp_path):
     np.testing.assert_allclose(_run(written.path, {"x": x}), x @ joined.dequantize(), rtol=1e-5, atol=1e-6)
 
 
+def test_channel_groups_of_a_transposed_gemm_weight_keep_its_storage(tmp_path):
+    """Gemm(x, W1, b1, transB=1) stores W1 as [N, K]: its int4 group becomes MatMulNBits, its float group a Gemm
+    reading the slice transposed (a MatMul would multiply by [N, K]), the bias added once after the Concat."""
+    proto = onnx.load(models.gemm_pair(tmp_path / "gemm.onnx", n=32, hidden=96))
+    weight = onnx.numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == "W1"))
+    layout = _layouts(proto, ["W1"])["W1"]
+    assert layout.perm == (0, 1)  # output channels along axis 0
+    parts = [
+        encode(weight[:64], Layout((64, 32), layout.perm, 1), TIERS["int4-asym"], Rounding(), None),
+        TIERS["fp32"].float_copy(weight[64:]),
+    ]
+    joined = split(parts, layout)
+    written = _write_native(proto, {"W1": joined}, tmp_path / "native.onnx")
+    ops = [n.op_type for n in onnx.load(written.path).graph.node]
+    assert ops.count("MatMulNBits") == 1 and "Concat" in ops
+    fake = graph_ops.replace_weights(proto, {"W1": joined.dequantize()})
+    x = np.random.default_rng(5).standard_normal((3, 32)).astype(np.float32)
+    want = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(_run(written.path, {"x": x}), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("tier", ["int4-asym", "int4", "int8-asym", "int8"])
 def test_tables_as_gatherblockquantized_gather_the_dequantized_rows(tmp_path, tier):
     path = models.gather_forecaster(tmp_path / "emb.onnx", rows=100, n=32)

@@ -144,6 +144,9 @@ class Sizing:
         """Fail before any work when a target cannot be met, saying what caps C."""
         budget, floor = self.budget(tiers), self.floor_bits(tiers)
         hint = "lower --C or add a cheaper tier"
+        release = self.settings.release if self.settings.engine.startswith("ort") else None
+        if release is not None and release.version < (1, 24) and not any(t.name.startswith("int2") for t in tiers):
+            hint += f" (2-bit tiers need ONNX Runtime 1.24: --target {self.settings.target} leaves them out)"
         if budget.fixed_bits > 0 and budget.basis_bits / floor > 1.25 * budget.compression(
             floor
         ):  # the tensors outside the units bind
