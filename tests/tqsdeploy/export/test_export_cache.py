@@ -71,7 +71,7 @@ def test_a_warm_export_writes_the_bytes_a_cold_one_writes_and_encodes_nothing(sc
 def test_a_second_export_at_another_target_runs_no_pass_the_first_ran(scored, tmp_path):
     """C 4, then C 8: every pass of the first is read from the cache; what C 8 encodes is new work (its mixed
     allocation, the uniform models at the tier it can compare with); the prices of the slots already priced are
-    not rolled out again, and the file is what a fresh run folder writes."""
+    not rolled out again, and the file is what a fresh run folder writes (also near the INT2 size after both)."""
     run = _run(scored, tmp_path)
     first, first_passes, _ = _export(run, 4, tmp_path / "c4.onnx")
     second, passes, encoded = _export(run, 8, tmp_path / "c8.onnx")
@@ -85,6 +85,31 @@ def test_a_second_export_at_another_target_runs_no_pass_the_first_ran(scored, tm
     assert second.cache["read"]["prices"] > 0 and second.cache["read"]["choice"] > 0
     fresh, _, _ = _export(_run(scored, tmp_path, "fresh"), 8, tmp_path / "fresh.onnx")
     assert (tmp_path / "fresh.onnx").read_bytes() == (tmp_path / "c8.onnx").read_bytes()
+    planner = Planner(run)
+    near = 0.99 * planner.comparison.uniform("int2-asym").compression  # int1 joins the tiers, slots are cut finer
+    planner.close()
+    _export(run, near, tmp_path / "near.onnx")
+    _export(_run(scored, tmp_path, "near"), near, tmp_path / "near-fresh.onnx")
+    assert (tmp_path / "near.onnx").read_bytes() == (tmp_path / "near-fresh.onnx").read_bytes()
+
+
+def test_a_large_models_warm_export_writes_what_its_cold_one_writes(scored, tmp_path, monkeypatch):
+    """Past ONE_SESSION_BYTES candidates run from their codes (and past FED_FLOATS_BYTES the allocation as priced
+    too) and losing codes are dropped from memory: the cache serves them the same, byte for byte."""
+    import sys
+
+    job_module = sys.modules["tqsdeploy.export.job"]
+    plain = tmp_path / "plain.onnx"
+    _export(_run(scored, tmp_path, "plain"), 4, plain, cache=None)
+    for floats in (1 << 40, 0):
+        monkeypatch.setattr(job_module, "ONE_SESSION_BYTES", 0)
+        monkeypatch.setattr(job_module, "FED_FLOATS_BYTES", floats)
+        run = _run(scored, tmp_path, f"run{floats}")
+        _export(run, 4, tmp_path / f"cold{floats}.onnx")
+        warm, _, encoded = _export(run, 4, tmp_path / f"warm{floats}.onnx")
+        assert not encoded and warm.cache["read"]["drift"] > 0
+        cold_bytes = (tmp_path / f"cold{floats}.onnx").read_bytes()
+        assert cold_bytes == (tmp_path / f"warm{floats}.onnx").read_bytes() == plain.read_bytes()
 
 
 def test_entries_of_other_settings_or_other_code_are_never_read(scored, tmp_path, monkeypatch):
