@@ -46,7 +46,8 @@ class ExportProgress:
     """What an export reports as it goes (a command line's progress bars); every callback optional."""
 
     on_pass: Callable[[str, int, int, int], None] | None = None
-    """A pass begins: its label, its weights, how many are done already, how many an interrupted export left."""
+    """A pass begins: its label, its weights, how many are done already, how many of them an earlier export left in
+    the run's cache."""
     on_weight: Callable[[str], None] | None = None
     """A weight of a pass is encoded."""
     on_measuring: Callable[[int], None] | None = None
