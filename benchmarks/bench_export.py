@@ -7,11 +7,14 @@ MatMul stack of G GB (benchmarks/bench_memory.py's generator): `tqsdeploy score`
 baseline --method qep` at the uniform grid nearest that C (32 / bits: W8 for C 4, W4 for C 8) on the same
 contexts and rollout, each a process of its own timed from outside. Reported: export wall, the ONNX Runtime
 time inside it (calibration and measurement rollouts), its solver and statistics time (the allocation
-JSON's `profile_s`), and the ratio export / baseline.
+JSON's `profile_s`), and the ratio export / baseline. Then (issue 57) a second `export` of the same run at
+another C (1.5 C), which reads what the first left in the run's cache (second / first), and for the bundled
+examples `tqsdeploy frontier --C 2,4,8` with RTN, GPTQ, GPTAQ and QEP at W8/W4/W2 (its held-out windows where the
+example has them) in a folder of its own, against the score plus one export (`--no-frontier`: skipped).
 
     python benchmarks/bench_export.py [--models etth1_patchtst,...,bert] [--stack-gb 1.0] [--out export-quiet]
                                       [--note TEXT] [--changed TEXT] [--provider cuda] [--arrays numpy]
-                                      [--solver-dtype float64] [--results-dir DIR]
+                                      [--solver-dtype float64] [--results-dir DIR] [--no-frontier]
 
 `--provider` runs score's and export's measurement rollouts on that ONNX Runtime provider (calibration rollouts
 and the baseline stay on the CPU); `--arrays numpy` sets TQS_ARRAYS=numpy, keeping the solvers' products on the
@@ -146,6 +149,26 @@ def bench(name: str, tmp: Path, stack_gb: float, provider: str = "cpu", logs: Pa
         ],
         log,
     )
+    second_C = 1.5 * item["C"]
+    second_s = timed(
+        [
+            *TQS,
+            "export",
+            str(item["model"]),
+            "--run",
+            str(run),
+            "--C",
+            f"{second_C:g}",
+            "-o",
+            str(tmp / f"{name}.second.onnx"),
+            "--force",
+            "--verbose",
+            *on,
+        ],
+        log,
+    )
+    second = json.loads((tmp / f"{name}.second.allocation.json").read_text())
+    frontier_s = frontier(name, item, tmp, log, on) if FRONTIER and name in EVERY_EXAMPLE else None
     params = sum(
         int(np.prod(t.dims)) for t in onnx.load(str(item["model"]), load_external_data=False).graph.initializer
     )
@@ -168,7 +191,47 @@ def bench(name: str, tmp: Path, stack_gb: float, provider: str = "cpu", logs: Pa
         "shipped": record.get("shipped"),
         "compression": round(record.get("compression", 0.0), 3),
         "drift_pct": record.get("drift_pct"),
+        "second_C": second_C,
+        "second_export_s": round(second_s, 2),
+        "second_ratio": round(second_s / export_s, 2),
+        "second_profile_s": second.get("profile_s", {}),
+        "second_cache": second.get("cache"),
+        "frontier_s": None if frontier_s is None else round(frontier_s, 2),
+        "frontier_ratio": None if frontier_s is None else round(frontier_s / (score_s + export_s), 2),
     }
+
+
+FRONTIER = True
+"""Time a frontier of every bundled example (`--no-frontier`: not)."""
+FRONTIER_TARGETS = "2,4,8"
+
+
+def frontier(name: str, item: dict, tmp: Path, log: Path, on: list[str]) -> float:
+    """Wall seconds of `tqsdeploy frontier --C 2,4,8` (every baseline method at W8/W4/W2, the default) in a folder
+    of its own: it scores again, as a user's first frontier does."""
+    folder = REPO / "examples" / name
+    held_out = (
+        ["--eval-contexts", str(folder / "heldout.npz"), "--eval-truth", str(folder / "heldout_truth.npz")]
+        if (folder / "heldout.npz").exists()
+        else []
+    )
+    truth = ["--truth", str(folder / "truth.npz")] if (folder / "truth.npz").exists() else []
+    command = [
+        *TQS,
+        "frontier",
+        str(item["model"]),
+        "--contexts",
+        str(item["contexts"]),
+        "--spec",
+        str(item["spec"]),
+        *truth,
+        *held_out,
+        "--C",
+        FRONTIER_TARGETS,
+        "--out",
+        str(tmp / f"{name}_frontier"),
+    ]
+    return timed(command, log)
 
 
 NAMED = ("etth1_patchtst", "bert", "stack")
@@ -181,7 +244,8 @@ def headline(rows: list[dict]) -> str:
     named = [r for r in done if r["model"] in NAMED or len(done) <= 3]
     parts = [
         f"{r['model']} {r['export_s']:.1f} s (solver {r['solver_s']:.1f}) {r['ratio']:.2f}x, "
-        f"drift {r['drift_pct']:.4g}%"
+        f"drift {r['drift_pct']:.4g}%, second {r['second_ratio']:.2f}x"
+        + (f", frontier {r['frontier_ratio']:.2f}x" if r.get("frontier_ratio") is not None else "")
         for r in named
     ]
     rest = [r for r in done if r not in named]
@@ -212,21 +276,26 @@ def write(rows: list[dict], stem: str, note: str, results: Path = RESULTS) -> No
         "Each figure is one process timed from outside (wall seconds); 'inside' is export's own total, split by its "
         "`profile_s`",
         "(ONNX Runtime = calibration + measurement rollouts). Ratio = export / `baseline --method qep` at the nearest "
-        "uniform grid.",
+        "uniform grid. Second: `export --C 1.5C` of the same run after the first (its cache warm); frontier: "
+        f"`frontier --C {FRONTIER_TARGETS}` with every baseline method at W8/W4/W2 (held-out windows where the "
+        "example has them), scoring in a folder of its own.",
         "",
         "| model | params | C | export s | inside s | ONNX Runtime s | solver s | statistics s | baseline | baseline s "
-        "| ratio | shipped | drift % |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ratio | shipped | drift % | second C | second s | second / first | score s | frontier s "
+        "| frontier / (score + export) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | | | failed: {r['error'].splitlines()[0][:120]} | | | | | | | | | |")
+            lines.append(f"| {r['model']} | | | failed: {r['error'].splitlines()[0][:120]} |" + " |" * 15)
             continue
+        front = "- | -" if r.get("frontier_s") is None else f"{r['frontier_s']:.1f} | {r['frontier_ratio']:.2f}"
         lines.append(
             f"| {r['model']} | {r['params']:,} | {r['C']} | {r['export_s']:.1f} | {r['export_inside_s']:.1f} | "
             f"{r['onnxruntime_s']:.1f} | {r['solver_s']:.1f} | "
             f"{r['statistics_s']:.1f} | {r['baseline']} | {r['baseline_s']:.1f} | {r['ratio']:.2f} | {r['shipped']} | "
-            f"{r['drift_pct']:.4g} |"
+            f"{r['drift_pct']:.4g} | {r['second_C']:g} | {r['second_export_s']:.1f} | {r['second_ratio']:.2f} | "
+            f"{r['score_s']:.1f} | {front} |"
         )
     (results / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -269,7 +338,10 @@ def main() -> None:
         default=None,
         help="keep each model's score/export/baseline output here (default: a temporary folder)",
     )
+    parser.add_argument("--no-frontier", action="store_true", help="skip the frontier column (minutes per example)")
     args = parser.parse_args()
+    global FRONTIER
+    FRONTIER = not args.no_frontier
     if args.arrays == "numpy":
         EXTRA_ENV["TQS_ARRAYS"] = "numpy"
     if args.solver_dtype:

@@ -46,6 +46,14 @@ class PriceList:
         self._keys: dict[tuple[str, str], Task] = {}
         """(slot, tier) -> its entry in the price list: its codes are this export's, fixed once made."""
         self._measured: dict[str, TaskResult] | None = None
+        self._counted: set[str] = set()
+        """Price keys this export measured or counted as read from the run folder's list."""
+
+    @staticmethod
+    def drop(run_dir) -> None:
+        """Remove the run folder's measured prices (`export --fresh`), waiting for an export pricing now."""
+        with FileLock(str(run_dir / ".measured.lock")):
+            (run_dir / "measured.jsonl").unlink(missing_ok=True)
 
     def probe(self, tier: Tier) -> str:
         """The label of a price at `tier`: the tier, its group size, its rounding and (narrowed) solver type."""
@@ -89,6 +97,7 @@ class PriceList:
             # and before each price: none goes into a run that replaced this one
             self.job.scored.scores.check_unchanged()
             done = log.load()
+            self._count_reused(keys.values(), done)
             pending = [(slot, tier) for slot, tier in tasks if keys[(slot.name, tier.name)] not in done]
             if on_result and pending and self.on_measuring:
                 self.on_measuring(len(pending))
@@ -99,6 +108,14 @@ class PriceList:
         self._measured = done
         self.job.timings["pricing"] += time.perf_counter() - started
         return done
+
+    def _count_reused(self, keys, done: dict[str, TaskResult]) -> None:
+        """Prices an earlier export measured, counted once as read from the run's cache (`export --verbose`)."""
+        cache = self.job.cache
+        for key in keys:
+            if cache is not None and key in done and key not in self._counted:
+                self._counted.add(key)
+                cache.read["prices"] += 1
 
     def _roll_out(
         self, pending: list[tuple[Slot, Tier]], done: dict[str, TaskResult], log: ResultLog, on_result
@@ -129,6 +146,9 @@ class PriceList:
                     self.job.scored.scores.check_unchanged()
                     log.append(result)
                     done[result.key] = result
+                    self._counted.add(result.key)
+                    if self.job.cache is not None:
+                        self.job.cache.made["prices"] += 1
                     if on_result:
                         on_result(result)
         finally:
