@@ -63,7 +63,7 @@ this many bytes at a time, a few samples of the batch at once: all of a step's w
 thousands of times the model's size (docs/design-notes/encoding.md, "Conv rows in chunks")."""
 
 
-def _sample_chunks(use, value: np.ndarray) -> list:
+def sample_chunks(use, value: np.ndarray) -> list:
     """Index slices of the activation's leading (batch) axis whose im2col rows fit `IM2COL_BYTES`; the whole
     activation for a use that is not a Conv (its rows are the activation itself)."""
     value = np.asarray(value)
@@ -111,12 +111,7 @@ class Calibrator:
         self.waves = waves(proto, self.layouts)
         calibrated = {n for wave in self.waves for n in wave}
         self.first = [n for n in self.layouts if n not in calibrated]
-        self._open_args = (
-            proto,
-            runtime.yielding(),
-            workdir,
-            data_dir,
-        )  # its runs alternate with BLAS-heavy statistics
+        self._open_args = (proto, runtime.yielding(), workdir, data_dir)  # its runs alternate with BLAS statistics
         self._rollout = rollout
         self._graph = CalibrationGraph(proto, self.layouts, self.opset)
         self._kept_infos: dict = {}
@@ -306,7 +301,7 @@ class Calibrator:
                 full = self._full(index, feeds, fetch) if cross and encoded else quantized
                 with self.profile.section("statistics"):
                     for key, (use, groups) in uses.items():
-                        for samples in _sample_chunks(use, quantized[use.x]):
+                        for samples in sample_chunks(use, quantized[use.x]):
                             xs = layer_inputs(use, quantized[use.x][samples], groups)
                             xf = (
                                 (xs if full is quantized else layer_inputs(use, full[use.x][samples], groups))
@@ -432,6 +427,12 @@ class Calibrator:
             self.weights
         )  # a run of the original reads every weight: not kept beside the wave's work
         return values
+
+    def full_inputs(self, names: list[str]):
+        """Per calibration sample, its model inputs and the full-precision layer inputs `names` (`_full`)."""
+        fetch = sorted(set(names) - self._graph.inputs)
+        for index, feeds in enumerate(self.samples):
+            yield self._full(index, feeds, fetch)
 
     def _cache_full(self) -> list[dict[str, np.ndarray]]:
         every = sorted(
