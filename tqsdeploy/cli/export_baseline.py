@@ -130,6 +130,14 @@ def export(
         max=0.99,
         help="Split units holding more than this share of the parameters into output-channel groups (0: never).",
     ),
+    group_prices: str = typer.Option(
+        "shared",
+        "--group-prices",
+        metavar="shared|exact",
+        help="A channel group's price: shared (default), its unit's rollout times the group's share of the unit's "
+        "layer-output error (a rollout per unit and tier however finely units are cut), or exact, a rollout of its "
+        "own per tier.",
+    ),
     basis: str = typer.Option(
         "file",
         "--basis",
@@ -224,6 +232,7 @@ def export(
         fallback=not no_fallback,
         refine=refine,
         split_fraction=split,
+        group_prices=group_prices,
         basis=basis,
         lanes=lanes,
         single_file=single_file,

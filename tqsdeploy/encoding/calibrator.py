@@ -63,7 +63,7 @@ this many bytes at a time, a few samples of the batch at once: all of a step's w
 thousands of times the model's size (docs/design-notes/encoding.md, "Conv rows in chunks")."""
 
 
-def _sample_chunks(use, value: np.ndarray) -> list:
+def sample_chunks(use, value: np.ndarray) -> list:
     """Index slices of the activation's leading (batch) axis whose im2col rows fit `IM2COL_BYTES`; the whole
     activation for a use that is not a Conv (its rows are the activation itself)."""
     value = np.asarray(value)
@@ -302,7 +302,7 @@ class Calibrator:
                 full = self._full(index, feeds, fetch) if cross and encoded else quantized
                 with self.profile.section("statistics"):
                     for key, (use, groups) in uses.items():
-                        for samples in _sample_chunks(use, quantized[use.x]):
+                        for samples in sample_chunks(use, quantized[use.x]):
                             xs = layer_inputs(use, quantized[use.x][samples], groups)
                             xf = (
                                 (xs if full is quantized else layer_inputs(use, full[use.x][samples], groups))
@@ -434,6 +434,12 @@ class Calibrator:
             self.weights
         )  # a run of the original reads every weight: not kept beside the wave's work
         return values
+
+    def full_inputs(self, names: list[str]):
+        """Per calibration sample, its model inputs and the full-precision layer inputs `names` (`_full`)."""
+        fetch = sorted(set(names) - self._graph.inputs)
+        for index, feeds in enumerate(self.samples):
+            yield self._full(index, feeds, fetch)
 
     def _cache_full(self) -> list[dict[str, np.ndarray]]:
         every = sorted(
