@@ -21,6 +21,7 @@ EXTRA = {
     "lorenz96": ["--variable-axis", "1", "--min-params", str(MIN_PARAMS["lorenz96"])],
     "era5_emulator": ["--min-params", str(MIN_PARAMS["era5_emulator"])],
     "tied_mixer_etth1": ["--variable-axis", "0"],
+    "dwconv_mixer_etth1": ["--variable-axis", "0"],
 }
 
 
@@ -28,7 +29,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--examples",
-        default="etth1_patchtst,era5_emulator,lorenz96,tied_mixer_etth1,pangu_lorenz96,timesfm_etth1,era5_downscale",
+        default="etth1_patchtst,era5_emulator,lorenz96,tied_mixer_etth1,pangu_lorenz96,timesfm_etth1,era5_downscale,"
+        "dwconv_mixer_etth1",
     )
     args = parser.parse_args()
     for example in args.examples.split(","):

@@ -11,6 +11,7 @@ numpy may use.
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -62,10 +63,49 @@ def _on_host(value) -> np.ndarray:
     return value if isinstance(value, np.ndarray) else array_module().asnumpy(value)
 
 
+ONE_THREAD_BELOW = 256
+"""Statistics' products of fewer columns run on one BLAS thread (`gram`): they take milliseconds, and on a busy
+machine a second BLAS thread waiting for a core made each take a third of a second (a 7168 x 48 cross term on 2
+cores shared with other jobs: 4.6 ms on one thread, 313 ms on two; docs/design-notes/tiers.md, 'Small products on
+one thread')."""
+_NUMPY_BLAS: list | None = None
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """numpy's BLAS on one thread for the block; in the main thread only (the setting is the process's, and solves
+    running side by side set their own, `shared_cores`)."""
+    global _NUMPY_BLAS
+    if threading.current_thread() is not threading.main_thread() or THREAD_CAP is not None:
+        yield
+        return
+    if _NUMPY_BLAS is None:
+        from threadpoolctl import ThreadpoolController
+
+        _NUMPY_BLAS = [
+            lib
+            for lib in ThreadpoolController().lib_controllers
+            if lib.user_api == "blas" and lib.filepath not in MANAGED_BLAS
+        ]
+    before = [(lib, lib.num_threads) for lib in _NUMPY_BLAS]
+    for lib, threads in before:
+        if threads != 1:
+            lib.set_num_threads(1)
+    try:
+        yield
+    finally:
+        for lib, threads in before:
+            if threads != 1:
+                lib.set_num_threads(threads)
+
+
 def gram(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """aᵀ·b (float64), on the device when there is one: the statistics' K x K products."""
+    """aᵀ·b (float64), on the device when there is one: the statistics' K x K products (small ones on one thread)."""
     if not on_device(a.shape[1]):
-        return a.T @ b
+        if a.shape[1] >= ONE_THREAD_BELOW:
+            return a.T @ b
+        with one_thread():
+            return a.T @ b
     xp = array_module()
     a_dev = xp.asarray(a)
     return _on_host(a_dev.T @ (a_dev if b is a else xp.asarray(b)))

@@ -17,12 +17,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Callable
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
+    ProgressColumn,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -30,6 +32,7 @@ from rich.progress import (
 from rich.progress import (
     Progress as RichProgress,
 )
+from rich.text import Text
 
 INTERVAL_S = float(os.environ.get("TQS_PROGRESS_INTERVAL", 10.0))
 """Seconds between plain progress lines when the output is not a terminal."""
@@ -71,6 +74,18 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
+class _Remaining(ProgressColumn):
+    """The bar's ETA from the caller's estimate (`Progress.remaining`), counting down between updates."""
+
+    def __init__(self, remaining: Callable[[], float]):
+        super().__init__()
+        self._left = remaining
+
+    def render(self, task) -> Text:
+        seconds = int(max(0.0, self._left()))
+        return Text(f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}", style="progress.remaining")
+
+
 class Progress:
     """`with Progress(console, "scoring", total, "rollouts") as bar: bar.advance()`.
 
@@ -96,6 +111,9 @@ class Progress:
         self._stopped = threading.Event()
         self._timer: threading.Thread | None = None
         self._estimate: tuple[float, float] | None = None
+        self.remaining: Callable[[], float] | None = None
+        """Seconds left, by the caller's estimate of each item's cost (items that differ in cost by orders of
+        magnitude: the frontier's steps): the ETA shown, from the start, instead of the items' pace."""
 
     def __enter__(self) -> "Progress":
         if self.total is not None:
@@ -126,7 +144,7 @@ class Progress:
                     TextColumn(self.unit),
                     TimeElapsedColumn(),
                     TextColumn("ETA"),
-                    TimeRemainingColumn(),
+                    TimeRemainingColumn() if self.remaining is None else _Remaining(self.remaining),
                     console=self.console,
                 )
                 self._bar.start()
@@ -177,6 +195,8 @@ class Progress:
             fresh = self.done - self._resumed
             if self.done >= self.total:
                 text += f", done in {_duration(elapsed)}"
+            elif self.remaining is not None:
+                text += f", {_duration(elapsed)} elapsed, ETA {_duration(self.remaining())}"
             elif fresh > 0:
                 text += f", {_duration(elapsed)} elapsed, ETA {_duration(elapsed / fresh * (self.total - self.done))}"
             elif self._estimate is not None:  # nothing finished yet: the estimate, less the time since it was made

@@ -158,6 +158,7 @@ def _alive_gammas(table):
         "pangu_lorenz96",
         "era5_downscale",
         "tied_mixer_etth1",
+        "dwconv_mixer_etth1",
     ],
 )
 def test_cuda_scores_rank_units_as_cpu_does_on_every_example(example, tmp_path):

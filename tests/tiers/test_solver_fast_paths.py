@@ -296,3 +296,36 @@ def test_a_tiled_copy_has_the_bytes_of_numpys_copy(tile, monkeypatch):
         mine, numpys = solver_backend.c_order(view, dtype), np.array(view, dtype or view.dtype, order="C")
         assert mine.flags.c_contiguous and mine.dtype == numpys.dtype and mine.shape == numpys.shape
         assert mine.tobytes() == numpys.tobytes()
+
+
+def test_small_statistics_products_run_on_one_thread_and_leave_the_threads_as_they_were():
+    """`gram` below `ONE_THREAD_BELOW` columns: the product within rounding of numpy's, numpy's BLAS on one thread
+    while it runs and on its own count after; not in a solve's thread, whose count `shared_cores` set."""
+    import threading
+
+    from threadpoolctl import threadpool_info
+
+    from tiers import solver_backend
+
+    def threads():
+        return [lib["num_threads"] for lib in threadpool_info() if lib.get("user_api") == "blas"]
+
+    before = threads()
+    if max(before, default=1) < 2:
+        pytest.skip("numpy's BLAS runs one thread here: nothing to limit")
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((3000, 48)), rng.standard_normal((3000, 48))
+    np.testing.assert_allclose(solver_backend.gram(a, b), a.T @ b, rtol=1e-12, atol=1e-10)
+    with solver_backend.one_thread():
+        assert min(threads()) == max(threads()) == 1
+    assert threads() == before
+    seen = []
+
+    def in_a_solve_thread():
+        with solver_backend.one_thread():
+            seen.append(threads())
+
+    worker = threading.Thread(target=in_a_solve_thread)
+    worker.start()
+    worker.join()
+    assert seen == [before]

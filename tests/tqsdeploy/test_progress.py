@@ -71,6 +71,28 @@ def test_terminal_gets_a_rich_bar():
     assert "measuring tiers" in text and "3/3" in text and "ETA" in text and "━" in text
 
 
+def test_an_estimate_of_what_is_left_is_the_eta_from_the_start_on_a_line_and_on_a_bar():
+    """Items that differ in cost by orders of magnitude (the frontier's steps) show the caller's estimate, before the
+    first item ends and after, not the items' pace."""
+    left = [3725.0]
+    stream = io.StringIO()
+    with Progress(Console(file=stream, width=200), "frontier", 10, "steps", interval=0) as bar:
+        bar.remaining = lambda: left[0]
+        bar.advance()
+        left[0] = 65.0
+        bar.advance()
+    lines = stream.getvalue().splitlines()
+    assert "1/10 steps (10%)" in lines[0] and lines[0].endswith("ETA 1 h 02 min")
+    assert lines[1].endswith("ETA 1 min 05 s")
+    stream = io.StringIO()
+    bar = Progress(Console(file=stream, force_terminal=True, width=120), "frontier", unit="steps")
+    bar.remaining = lambda: 3725.0
+    bar.start(10)
+    bar.advance()
+    bar.stop()
+    assert "1:02:05" in stream.getvalue()
+
+
 def test_score_export_baseline_and_frontier_print_progress_off_a_terminal(tmp_path):
     model = models.gather_forecaster(tmp_path / "emb.onnx")
     contexts = tmp_path / "ctx.npz"

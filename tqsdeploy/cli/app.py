@@ -145,7 +145,7 @@ def fail(message: str, code: int = 2) -> None:
 INTERRUPTED = {
     "score": "finished rollouts are saved in the run folder (sweep.jsonl); run the same command again to resume",
     "export": "the run folder keeps the measured tier prices (measured.jsonl) "
-    "and every weight a calibration pass finished (export-checkpoints/); "
+    "and every weight a pass finished (export-cache/); "
     "run the same command again to resume from them",
     "frontier": "it keeps every finished export and evaluation (frontier-progress.jsonl), "
     "and its score run the finished rollouts, the measured tier prices and every weight a calibration pass finished; "

@@ -25,6 +25,8 @@ from tqsdeploy.cli.app import (
     user_errors,
 )
 from tqsdeploy.cli.outputs import (
+    ExportDisplay,
+    cache_use,
     check_output_file,
     drift_lines,
     feeds_matmul_integer_codes,
@@ -140,6 +142,14 @@ def export(
         max=0.99,
         help="Split units holding more than this share of the parameters into output-channel groups (0: never).",
     ),
+    group_prices: str = typer.Option(
+        "shared",
+        "--group-prices",
+        metavar="shared|exact",
+        help="A channel group's price: shared (default), its unit's rollout times the group's share of the unit's "
+        "layer-output error (a rollout per unit and tier however finely units are cut), or exact, a rollout of its "
+        "own per tier.",
+    ),
     basis: str = typer.Option(
         "file",
         "--basis",
@@ -180,7 +190,20 @@ def export(
         False,
         "--verbose",
         help="Also print where each export's time went: solver, statistics, calibration and measurement rollouts, "
-        "write (the allocation JSON's profile_s).",
+        "write (the allocation JSON's profile_s), and what it reused from the run's cache.",
+    ),
+    fresh: bool = typer.Option(
+        False,
+        "--fresh",
+        help="Drop the run's export cache (export-cache/: encoded weights, drifts, grid choices) and its measured "
+        "prices first: everything is made again.",
+    ),
+    cache_bytes: Optional[str] = typer.Option(
+        None,
+        "--cache-bytes",
+        metavar="SIZE",
+        help="Cap of the run's export cache, e.g. 512M or 2G (least recently used entries go first; default "
+        "TQS_CACHE_BYTES, else 8 bytes per unit parameter, at least 64M).",
     ),
 ):
     """Allocate precision tiers under a compression target and write mixed-precision ONNX.
@@ -188,8 +211,9 @@ def export(
     Prints each model's drift from the original on the scoring contexts in percent (eval's unit) and warns above 5%.
     Exit codes: 0 written, 1 a model exceeded --max-drift (nothing written for it), 2 bad input."""
     from runtimes import for_provider
+    from tqsdeploy.encoding.run_cache import parse_bytes
     from tqsdeploy.evaluation.gate import parse_percent
-    from tqsdeploy.export import ExportProgress, ExportSettings, Planner, find_run
+    from tqsdeploy.export import CacheOptions, ExportSettings, Planner, find_run
 
     output = Path(output_given) if output_given is not None else None  # the text kept: a trailing '/' means a folder
     max_drift_pct = (
@@ -221,6 +245,7 @@ def export(
         fallback=not no_fallback,
         refine=refine,
         split_fraction=split,
+        group_prices=group_prices,
         basis=basis,
         lanes=lanes,
         single_file=single_file,
@@ -230,43 +255,9 @@ def export(
     check_writable(output.parent if output is not None else out_dir)  # before the work, not after it
     run_dir = find_run(model, run)
     check_writable(run_dir)  # its prices and checkpoints are written as the export goes
-    measuring = []
-
-    def on_measuring(count: int) -> None:  # a batch of tier measurements begins: one display per batch, its own ETA
-        for bar in measuring:
-            bar.stop()
-        measuring[:] = [progress_bar("measuring tiers", "rollouts")]
-        measuring[0].start(count)
-
-    def on_result(result) -> None:
-        measuring[0].advance(detail=result.unit[-40:])
-
-    encoding = []
-
-    def on_pass(
-        label: str, count: int, done: int, resumed: int
-    ) -> None:  # one display at a time: the tier measurements are over or not begun
-        for bar in (
-            measuring + encoding
-        ):  # a display left running would print its line every interval for the rest of the process
-            bar.stop()
-        if resumed:
-            err.print(
-                f"encoding ({label}): resuming, {resumed} of {count} weights read from the checkpoints of an "
-                "interrupted export"
-            )
-        encoding[:] = [progress_bar(f"encoding ({label})", "weights")]
-        encoding[0].start(count, done)
-        if done >= count:
-            encoding[0].stop()
-
-    def on_weight(name: str) -> None:
-        encoding[0].advance(detail=name[-40:])
-        if encoding[0].done >= encoding[0].total:
-            encoding[0].stop()
-
-    progress = ExportProgress(on_pass=on_pass, on_weight=on_weight, on_measuring=on_measuring, on_price=on_result)
-    planner = Planner(run_dir, model, settings, for_provider(provider), resumable=True, progress=progress)
+    display = ExportDisplay(verbose)
+    cache = CacheOptions(parse_bytes(cache_bytes, "--cache-bytes") if cache_bytes is not None else None, fresh)
+    planner = Planner(run_dir, model, settings, for_provider(provider), cache=cache, progress=display.progress())
     if compression:
         planner.check_targets(targets)
     planner.check_single_file(targets, uniform_tier)
@@ -296,16 +287,21 @@ def export(
             fused = settings.layout == "fused" and feeds_matmul_integer_codes(outcome.encodings, planner.layouts)
             outcome.encodings = {}  # written: the table and the record are what is left to show
             rows.append((value, outcome, fused))
-        planner.discard_checkpoints()  # every model is written (or refused by --max-drift): nothing left to resume
+        planner.finished()  # every model is written (or refused by --max-drift): nothing left to resume
     finally:
-        for bar in measuring + encoding:
-            bar.stop()
+        display.stop()
         planner.close()
     for value, outcome, fused in rows:
         if outcome.refused:
             err.print(f"[bold red]drift too large:[/] {escape(outcome.refused)}", soft_wrap=True)
             continue
         _print_outcome(planner, settings, value, outcome, fused, verbose)
+    if verbose and planner.cache is not None:
+        held = planner.cache.note
+        out.print(
+            f"the run's export cache ({run_dir / 'export-cache'}) holds {held.get('entries', 0)} entries, "
+            f"{held.get('bytes', 0) / 1e6:.3g} MB of its {planner.cache.cap / 1e6:.3g} MB cap (cache.json lists them)"
+        )
     written = [o for _, o, _ in rows if not o.refused]
     sidecars = sum(len(o.files) > 1 for o in written)
     out.print(
@@ -363,6 +359,8 @@ def _print_outcome(planner, settings, value, outcome, fused: bool, verbose: bool
         from tqsdeploy.encoding.profiling import describe
 
         out.print(f"  time: {describe(outcome.profile)}")
+    if verbose and outcome.cache:
+        out.print(f"  cache: {cache_use(outcome.cache)}")
     if outcome.drift_pct is not None and not outcome.drift_pct <= WARN_DRIFT_PCT:
         err.print(
             f"[bold yellow]warning:[/] {escape(str(outcome.path))} drifts {outcome.drift_pct:.4g}% "

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from rich.markup import escape
 
-from tqsdeploy.cli.app import out
+from tqsdeploy.cli.app import err, out, progress_bar
 from tqsdeploy.errors import InputError
 
 
@@ -169,3 +169,60 @@ def drift_lines(outcome, windows: int) -> list[str]:
         lines.append(f"candidates, drift on the same windows: {cells}")
         lines.append(f"  ({explain([c['label'] for c in outcome.compared])})")
     return lines
+
+
+CACHED = {"weights": "encoded weights", "drift": "drifts", "choice": "grid choices", "prices": "tier prices"}
+"""What `export --verbose` counts of the run's cache, by kind (`RunCache.since`)."""
+
+
+def cache_use(cache: dict) -> str:
+    """One line: what an export read from the run's cache and what it added."""
+
+    def counts(way: str) -> str:
+        return ", ".join(f"{cache[way].get(kind, 0)} {words}" for kind, words in CACHED.items())
+
+    return f"reused {counts('read')}; made {counts('made')}"
+
+
+class ExportDisplay:
+    """An export's progress bars, one at a time: a bar per batch of tier measurements and per encoding pass (a bar
+    left running would print its line every interval for the rest of the process)."""
+
+    def __init__(self, verbose: bool):
+        self.verbose = verbose
+        self.measuring: list = []
+        self.encoding: list = []
+
+    def progress(self):
+        from tqsdeploy.export import ExportProgress
+
+        return ExportProgress(
+            on_pass=self.on_pass, on_weight=self.on_weight, on_measuring=self.on_measuring, on_price=self.on_result
+        )
+
+    def on_measuring(self, count: int) -> None:
+        """A batch of tier measurements begins: one display per batch, its own ETA."""
+        self.stop()
+        self.measuring[:] = [progress_bar("measuring tiers", "rollouts")]
+        self.measuring[0].start(count)
+
+    def on_result(self, result) -> None:
+        self.measuring[0].advance(detail=result.unit[-40:])
+
+    def on_pass(self, label: str, count: int, done: int, cached: int) -> None:
+        self.stop()
+        if cached and self.verbose:
+            err.print(f"encoding ({label}): {cached} of {count} weights read from the run's cache")
+        self.encoding[:] = [progress_bar(f"encoding ({label})", "weights")]
+        self.encoding[0].start(count, done)
+        if done >= count:
+            self.encoding[0].stop()
+
+    def on_weight(self, name: str) -> None:
+        self.encoding[0].advance(detail=name[-40:])
+        if self.encoding[0].done >= self.encoding[0].total:
+            self.encoding[0].stop()
+
+    def stop(self) -> None:
+        for bar in self.measuring + self.encoding:
+            bar.stop()

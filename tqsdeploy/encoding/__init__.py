@@ -1,1 +1,1 @@
-"""Encoding: every (weight, tier, rounding) encoded once, calibrated wave by wave, checkpointed."""
+"""Encoding: every (weight, tier, rounding) encoded once, calibrated wave by wave, kept in the run's cache."""

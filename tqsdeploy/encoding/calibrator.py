@@ -63,7 +63,7 @@ this many bytes at a time, a few samples of the batch at once: all of a step's w
 thousands of times the model's size (docs/design-notes/encoding.md, "Conv rows in chunks")."""
 
 
-def _sample_chunks(use, value: np.ndarray) -> list:
+def sample_chunks(use, value: np.ndarray) -> list:
     """Index slices of the activation's leading (batch) axis whose im2col rows fit `IM2COL_BYTES`; the whole
     activation for a use that is not a Conv (its rows are the activation itself)."""
     value = np.asarray(value)
@@ -111,12 +111,8 @@ class Calibrator:
         self.waves = waves(proto, self.layouts)
         calibrated = {n for wave in self.waves for n in wave}
         self.first = [n for n in self.layouts if n not in calibrated]
-        self._open_args = (
-            proto,
-            runtime.yielding(),
-            workdir,
-            data_dir,
-        )  # its runs alternate with BLAS-heavy statistics
+        self._group_of = {name: index for index, names in enumerate(self.groups) for name in names}
+        self._open_args = (proto, runtime.yielding(), workdir, data_dir)  # runs alternate with BLAS-heavy statistics
         self._rollout = rollout
         self._graph = CalibrationGraph(proto, self.layouts, self.opset)
         self._kept_infos: dict = {}
@@ -217,16 +213,16 @@ class Calibrator:
             ):  # the solves' own sections are in their threads when they run in parallel
                 solved = self._solve(missing, stats, encode)
             solved.update({n: (reused.pop(n), None, None) for n in names if n in reused and n not in found})
-            digests = []
+            digests = {}
             for name in names:
                 if name in found:
                     encoded[name], meta = found.pop(name)
                     rows, thin = meta.get("rows"), meta.get("thin")
-                    digests.append(meta["digest"])
+                    digests[name] = meta["digest"]
                 else:
                     encoded[name], rows, thin = solved.pop(name)
                     if checkpoints is not None:
-                        digests.append(checkpoints.save(name, encoded[name], rows, thin))
+                        digests[name] = checkpoints.save(name, encoded[name], rows, thin)
                 if rows is not None:
                     log.rows[name] = rows
                 if thin:
@@ -306,7 +302,7 @@ class Calibrator:
                 full = self._full(index, feeds, fetch) if cross and encoded else quantized
                 with self.profile.section("statistics"):
                     for key, (use, groups) in uses.items():
-                        for samples in _sample_chunks(use, quantized[use.x]):
+                        for samples in sample_chunks(use, quantized[use.x]):
                             xs = layer_inputs(use, quantized[use.x][samples], groups)
                             xf = (
                                 (xs if full is quantized else layer_inputs(use, full[use.x][samples], groups))
@@ -396,6 +392,12 @@ class Calibrator:
         """The weights whose encodings weight `name`'s statistics depend on: those upstream of its inputs."""
         return self._graph.upstream(name)
 
+    def depends_on(self, name: str) -> frozenset:
+        """The weights whose codes weight `name`'s codes depend on: those upstream of its inputs encoded before it
+        (the rest, itself included, are at full precision when its statistics are collected)."""
+        group = self._group_of[name]
+        return frozenset(u for u in self._graph.upstream(name) if self._group_of.get(u, group) < group)
+
     def _keep(self, index: int, values: Mapping[str, np.ndarray], outputs: list[str]) -> None:
         """Keep sample `index`'s activations that later waves read (`outputs` past `fetch`, and `fetch`
         itself: the wave's weights read it when the next wave runs them), and drop those no node still to
@@ -432,6 +434,12 @@ class Calibrator:
             self.weights
         )  # a run of the original reads every weight: not kept beside the wave's work
         return values
+
+    def full_inputs(self, names: list[str]):
+        """Per calibration sample, its model inputs and the full-precision layer inputs `names` (`_full`)."""
+        fetch = sorted(set(names) - self._graph.inputs)
+        for index, feeds in enumerate(self.samples):
+            yield self._full(index, feeds, fetch)
 
     def _cache_full(self) -> list[dict[str, np.ndarray]]:
         every = sorted(

@@ -1,37 +1,34 @@
-"""Checkpoints of calibration passes, so that an interrupted export resumes where it stopped.
+"""Every weight a pass encoded, kept in the run's cache: an interrupted export resumes, and a later one reuses it.
 
-A calibrated pass (GPTQ, GPTAQ, QEP) encodes the weights wave by wave, each wave on statistics
-collected with every earlier wave at its codes: the slow part of an export (a 22-minute pass on a
-user's model). Each weight it finishes is written at once to the run folder
-(`export-checkpoints/<pass>/<key>.npz`) under a key that hashes everything its codes depend on: the
-pass's identity (the score run's fingerprint of model, contexts, rollout and settings; the tier or
-the allocation; the rounding settings; group size; runtime; versions and sources) and the codes of every weight
-of the earlier waves. A rerun finds them, skips those weights and the statistics only they needed,
-and writes the same bytes; a weight whose inputs changed gets another key and is encoded again.
-
-A successful export removes the folder (`discard`); an interrupted one leaves the passes it reached,
-at most `MAX_PASSES` of them (the least recently written go first), each about a byte per weight.
+A calibrated pass (GPTQ, GPTAQ, QEP) encodes the weights wave by wave, each wave on statistics collected with every
+earlier wave at its codes: the slow part of an export (a 22-minute pass on a user's model). Each weight it finishes
+is written at once to the run's cache (`run_cache`, `export-cache/weights/<key>.npz`) under a key that hashes
+everything its codes depend on: the export's identity (the score run's fingerprint of model, contexts, rollout and
+settings; the target; the runtime; opset; versions and sources), the group size, how the pass encodes the weight
+(its channel runs, each with its tier, grid and rounding) and the codes of every weight its statistics depend on
+(those upstream of its inputs). So a rerun finds what an interrupted export finished, a later export at another C
+finds every weight an earlier pass (uniform or mixed) encoded the same way on the same inputs, and a weight whose
+inputs changed gets another key and is encoded again. Passes that round to nearest are kept the same way.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import shutil
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
 
 from tiers import Encoded
 from tiers.encoded import PackedCodes
+from tqsdeploy.encoding import run_cache
+from tqsdeploy.encoding.run_cache import FOLDER, RunCache
 from tqsdeploy.files import write_npz
 
-FOLDER = "export-checkpoints"
-MAX_PASSES = 16
-"""Passes kept in a run folder's checkpoints (an export makes up to ~10: one per calibrated tier, the
-mixed allocation, the uniform fallbacks); older ones are removed as new ones begin."""
+__all__ = ["FOLDER", "PassCheckpoints", "code_hash", "digest", "finished", "interrupted_outputs", "record_output"]
 
 
 def _dtype(name: str) -> np.dtype:
@@ -110,91 +107,93 @@ def digest(name: str, encoded: Encoded, weight: np.ndarray | None = None) -> byt
 
 
 class PassCheckpoints:
-    """The finished weights of one calibration pass, on disk under keys chained through its waves."""
+    """One pass's weights in the run's cache, each under a key of what its codes depend on (see the module)."""
 
-    def __init__(self, root: Path, identity: str, weights: Mapping[str, np.ndarray]):
-        self.folder = Path(root) / hashlib.sha256(identity.encode()).hexdigest()[:24]
-        self.weights = weights
-        self._chain = hashlib.sha256(identity.encode())
+    def __init__(
+        self,
+        cache: RunCache,
+        identity: str,
+        weights: Mapping[str, np.ndarray],
+        signature: Callable[[str], str],
+        upstream: Callable[[str], frozenset],
+    ):
+        """`identity`: what every weight of the pass depends on besides itself; `signature(name)`: how the pass
+        encodes the weight; `upstream(name)`: the weights whose codes its statistics depend on."""
+        self.cache, self.identity, self.weights = cache, identity, weights
+        self.signature, self.upstream = signature, upstream
+        self.digests: dict[str, bytes] = {}
+        """The codes' digest of every weight of this pass encoded or read so far."""
         self.reused = 0
-        """Weights this pass read from checkpoints instead of encoding them."""
+        """Weights this pass read from the cache that this process did not write."""
 
-    def _path(self, chain, name: str) -> Path:
-        key = chain.copy()
-        key.update(b"\0" + name.encode())
-        return self.folder / f"{key.hexdigest()[:32]}.npz"
+    def _path(self, name: str) -> Path | None:
+        above = sorted(self.upstream(name))
+        if any(u not in self.digests for u in above):
+            return None  # an input's codes are not known yet
+        parts = [self.identity, name, self.signature(name), *(f"{u} {self.digests[u].hex()}" for u in above)]
+        return self.cache.path("weights", run_cache.key(*parts))
 
     def resume(self, groups: Sequence[Sequence[str]]) -> dict[str, tuple[Encoded, dict]]:
-        """Every checkpoint this pass can use, by weight: (encoding, what calibration said of it), read
-        group by group while each earlier group was found whole (a later group's keys need its codes)."""
+        """Every weight this pass can read from the cache, by weight: (encoding, what calibration said of it), read
+        group by group (a weight's key needs the codes of those upstream)."""
         found: dict[str, tuple[Encoded, dict]] = {}
-        chain = self._chain.copy()
         for names in groups:
             for name in names:
-                loaded = self._load(chain, name)
+                loaded = self.load(name)
                 if loaded is not None:
                     found[name] = loaded
-            if any(name not in found for name in names):
-                break
-            for name in names:
-                chain.update(found[name][1]["digest"])
-        self.reused = len(found)
-        if self.folder.is_dir():
-            self.folder.touch()  # in use: the last to be dropped by the cap
+                    self.digests[name] = loaded[1]["digest"]
         return found
 
     def load(self, name: str) -> tuple[Encoded, dict] | None:
-        """The weight's checkpoint under the current key (the groups before it as encoded), if any."""
-        return self._load(self._chain, name)
-
-    def _load(self, chain, name: str) -> tuple[Encoded, dict] | None:
-        path = self._path(chain, name)
-        if not path.exists():
+        """The weight's entry under its current key (the weights upstream as encoded), if any."""
+        path = self._path(name)
+        if path is None or not path.exists():
             return None
         try:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(bytes(data["meta"]).decode())
                 arrays = [data[f"a{i}"] for i in range(meta["arrays"])]
             encoded = _restore(meta["encoded"], arrays, self.weights.get(name))
-        except Exception:  # a damaged or foreign file: encode the weight again
+        except Exception:  # a damaged or foreign file (or one evicted while read): encode the weight again
             return None
         meta["digest"] = bytes.fromhex(meta["digest"])
+        self.reused += not self.cache.mine(path)
+        self.cache.used(path, "weights")
         return encoded, meta
 
     def save(self, name: str, encoded: Encoded, rows: int | None = None, thin: int | None = None) -> bytes:
         """Write one finished weight (with the calibration rows behind it and, when they were too few, its
-        input width); its digest for the chain."""
+        input width) unless the cache holds it already; its digest, for the keys of the weights downstream."""
         arrays: list[np.ndarray] = []
         fields = _flatten(encoded, self.weights.get(name), arrays)
         digest = _digest(name, fields, arrays)
-        if not self.folder.exists():
-            self._make_room()
-        meta = {"encoded": fields, "arrays": len(arrays), "rows": rows, "thin": thin, "digest": digest.hex()}
-        write_npz(
-            self._path(self._chain, name),
-            {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8), **{f"a{i}": a for i, a in enumerate(arrays)}},
-        )
+        path = self._path(name)
+        if path is not None and path.exists():  # the same codes under the same key (another pass's): kept as written
+            self.cache.used(path, "weights")
+            return digest
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            meta = {"encoded": fields, "arrays": len(arrays), "rows": rows, "thin": thin, "digest": digest.hex()}
+            write_npz(
+                path,
+                {
+                    "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8),
+                    **{f"a{i}": a for i, a in enumerate(arrays)},
+                },
+            )
+            self.cache.wrote(path, "weights", f"{name}: {self.signature(name)}")
         return digest
 
-    def advance(self, digests: Sequence[bytes]) -> None:
-        """A group is finished: later groups' keys depend on its codes."""
-        for digest in digests:
-            self._chain.update(digest)
-
-    def _make_room(self) -> None:
-        """Drop the least recently used passes beyond `MAX_PASSES - 1` before this one begins."""
-        passes = (
-            sorted((p for p in self.folder.parent.glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
-            if self.folder.parent.is_dir()
-            else []
-        )
-        for old in passes[: max(0, len(passes) - (MAX_PASSES - 1))]:
-            shutil.rmtree(old, ignore_errors=True)
+    def advance(self, digests: Mapping[str, bytes]) -> None:
+        """A group is finished: the keys of the weights downstream depend on its codes."""
+        self.digests.update(digests)
 
 
+@functools.lru_cache(maxsize=1)
 def code_hash() -> str:
-    """A hash of the toolkit's own sources: a pass resumed after tqsdeploy changed (its version number
-    may not have) encodes afresh instead of joining codes of two versions."""
+    """A hash of the toolkit's own sources (read once per process): a pass resumed after tqsdeploy changed (its
+    version number may not have) encodes afresh instead of joining codes of two versions."""
     digest = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent
     for package in ("graph_ops", "runtimes", "tiers", "tqsdeploy"):
@@ -203,13 +202,8 @@ def code_hash() -> str:
     return digest.hexdigest()
 
 
-def discard(run_dir: Path) -> None:
-    """Remove a run folder's checkpoints (the export they served has finished)."""
-    shutil.rmtree(Path(run_dir) / FOLDER, ignore_errors=True)
-
-
 OUTPUTS = "outputs.json"
-"""In the checkpoints folder: the files an export began writing, under its identity (`record_output`)."""
+"""In the cache folder: the files an export began writing, under its identity (`record_output`)."""
 
 
 def record_output(run_dir: Path, identity: str, path: Path) -> None:
@@ -222,6 +216,16 @@ def record_output(run_dir: Path, identity: str, path: Path) -> None:
     mine = set(known.get(identity, [])) | {str(Path(path).resolve())}
     record.parent.mkdir(parents=True, exist_ok=True)
     write_json(record, {**known, identity: sorted(mine)})
+
+
+def finished(run_dir: Path, identity: str) -> None:
+    """The export of this identity wrote every file it began: none is left for a rerun to overwrite."""
+    from tqsdeploy.files import write_json
+
+    record = Path(run_dir) / FOLDER / OUTPUTS
+    known = _outputs(record)
+    if known.pop(identity, None) is not None:
+        write_json(record, known)
 
 
 def interrupted_outputs(run_dir: Path, identity: str) -> set[Path]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -59,13 +58,19 @@ def _grid(tier: Tier) -> str:
     return f"{tier.name}: {tier.family} {tier.bits} bits, {'symmetric' if tier.symmetric else 'asymmetric'}"
 
 
+def _described(how: tuple) -> str:
+    """A weight's channel runs with their tiers (by `_grid`) and roundings, in words the same in every process."""
+    return "; ".join(f"{rows} {_grid(TIERS[tier])} {rounding!r}" for rows, tier, rounding in how)
+
+
 @dataclass(frozen=True)
 class EncodingProgress:
     """What an encoder reports as it goes (progress bars); both optional."""
 
     on_pass: Callable[[str, int, int, int], None] | None = None
     """A pass begins: its label, how many weights it has, how many of them are done already (taken from a cached
-    pass or read from checkpoints) and how many of those an earlier process left (an interrupted export's)."""
+    pass or read from the run's cache) and how many of those an earlier process left (an earlier or interrupted
+    export's)."""
     on_weight: Callable[[str], None] | None = None
     """A weight of a pass is encoded."""
 
@@ -81,11 +86,11 @@ class Encoder:
         group_size: int | None = None,
         calibrator: Callable[[], object] | None = None,
         track_errors: bool = False,
-        checkpoints: tuple[Path, str] | None = None,
+        checkpoints: tuple[object, str] | None = None,
         progress: EncodingProgress = EncodingProgress(),
     ):
-        """`checkpoints`: (folder, identity of what the encodings depend on besides the pass): calibrated
-        passes save each finished weight there and read back what an interrupted run saved
+        """`checkpoints`: (the run's cache, `run_cache.RunCache`; what the encodings depend on besides the pass):
+        passes save each finished weight there and read back what an earlier or interrupted export saved
         (`tqsdeploy.encoding.checkpoints`)."""
         self.units = {u.name: u for u in units}
         self.graph_layouts = dict(layouts)
@@ -101,13 +106,12 @@ class Encoder:
         self._mixed_made: dict[tuple, tuple] = {}
         """(slots, assignment, rounding) of each `_mixed` entry: how it encoded each weight (`_same`)."""
         self.checkpoints = checkpoints
+        """(the run's cache, what every encoding depends on besides the pass), or None: no cache."""
         self.log = EncoderLog()
         self.profile = Profile()
         """Where the time goes (`tqsdeploy.encoding.profiling`): the encoder times its solves, its calibrator the "
         "rest."""
         self.on_pass = progress.on_pass
-        self._checkpointed: set[str] = set()
-        """Identities of the passes this process checkpointed: what it finds under them it wrote itself."""
         self.on_weight = progress.on_weight
         self.before_calibration: Callable[[], None] | None = None
         """Called before a calibration pass (to free memory the pass does not need)."""
@@ -152,36 +156,24 @@ class Encoder:
         encode_one: Callable[[str, list[Hessian] | None], Encoded],
         rounding: AnyRounding,
         label: str,
-        identity: str,
-        signature: Callable[[str], tuple] | None = None,
+        signature: Callable[[str], tuple],
     ) -> dict[str, Encoded]:
-        """Encode every unit tensor: directly, or sequentially on calibration statistics (checkpointed,
-        see `checkpoints`; `identity` names what this pass's codes depend on besides the model).
-        What a pass returns is kept compact (sub-byte codes packed as on disk) from the first weight on.
-        `signature(name)`: how this pass encodes the weight (`_signatures`): a weight that a cached pass
-        encoded the same way, on statistics from weights all encoded the same way, is taken from it."""
+        """Encode every unit tensor: directly, or sequentially on calibration statistics, each weight read from the
+        run's cache where an earlier pass encoded it the same way on the same inputs and written there otherwise
+        (`checkpoints`). What a pass returns is kept compact (sub-byte codes packed as on disk) from the first
+        weight on. `signature(name)`: how this pass encodes the weight (its channel runs with their tiers and
+        roundings): a weight that a cached pass in memory encoded the same way, on statistics from weights all
+        encoded the same way, is taken from it (`_same`)."""
         self.log.passes.append(label)
         calibrated = rounding.needs_stats and any(layout.calibratable for layout in self.graph_layouts.values())
-        saved, found = None, {}
-        if calibrated and self.checkpoints is not None:
-            from tqsdeploy.encoding.checkpoints import PassCheckpoints
-
-            folder, base = self.checkpoints
-            saved = PassCheckpoints(folder, f"{base}\n{identity}\ngroup size {self.group_size}", self.weights)
-            found = saved.resume(self.calibrator.groups)
-            resumed = (
-                0 if identity in self._checkpointed else len(found)
-            )  # a pass dropped from memory and asked again reads back its own
-            self._checkpointed.add(identity)
-            self.log.reused += resumed
-        taken = self._same(signature) if calibrated and signature is not None else {}
-        if self.on_pass is not None:  # taken from a cached pass or read from a checkpoint: done before the pass begins
-            self.on_pass(
-                label,
-                len(self.layouts),
-                len(found) + len(taken.keys() - found.keys()),
-                resumed if saved is not None else 0,
-            )
+        saved = self._stored(signature, calibrated, rounding.needs_cross)
+        groups = self.calibrator.groups if calibrated else [list(self.layouts)]
+        found = saved.resume(groups) if saved is not None else {}
+        reused = saved.reused if saved is not None else 0
+        self.log.reused += reused
+        taken = self._same(signature) if calibrated else {}
+        if self.on_pass is not None:  # taken from a cached pass or read from the cache: done before the pass begins
+            self.on_pass(label, len(self.layouts), len(found) + len(taken.keys() - found.keys()), reused)
         report = self.on_weight
         reporting = threading.Lock()  # a wave's weights are encoded in threads side by side
 
@@ -194,19 +186,41 @@ class Encoder:
 
         if not calibrated:
             started = time.perf_counter()
-            result = {name: encode_kept(name, None) for name in self.layouts}
+            result = {}
+            for name in self.layouts:
+                result[name] = found[name][0] if name in found else encode_kept(name, None)
+                if saved is not None and name not in found:
+                    saved.save(name, result[name])
             self.log.encode_s += time.perf_counter() - started
             return result
         log = CalibrationLog()
         if self.before_calibration is not None and len(found) < len(
             self.layouts
-        ):  # a pass read whole from checkpoints opens nothing
+        ):  # a pass read whole from the cache opens nothing
             self.before_calibration()
         result = self.calibrator.run(encode_kept, rounding.needs_cross, log, saved, found, taken)
+        if saved is not None:
+            saved.cache.settle()  # the cap holds between passes, not only when the export ends
         self.log.calibration_s += log.seconds
         for name, width in log.thin.items():  # with what the note says: the rows it saw against its input width
             self.log.thin[name] = (log.rows.get(name, 0), width)
         return result
+
+    def _stored(self, signature: Callable[[str], tuple], calibrated: bool, cross: bool):
+        """The pass's entries in the run's cache (`checkpoints.PassCheckpoints`), or None without a cache."""
+        if self.checkpoints is None:
+            return None
+        from tqsdeploy.encoding.checkpoints import PassCheckpoints
+
+        cache, base = self.checkpoints
+        kind = ("calibrated" + (" with cross terms" if cross else "")) if calibrated else "direct"
+        return PassCheckpoints(
+            cache,
+            f"{base}\ngroup size {self.group_size}",
+            self.weights,
+            lambda name: f"{kind}: {_described(signature(name))}",
+            self.calibrator.depends_on if calibrated else lambda name: frozenset(),
+        )
 
     def _signatures(self) -> list[tuple[Callable[[str], tuple], dict[str, Encoded]]]:
         """The cached calibrated passes, each as (how it encoded a weight, its encodings): the channel runs of
@@ -255,7 +269,6 @@ class Encoder:
                 lambda name, stats: self._encode(name, tier, rounding, stats),
                 rounding,
                 f"uniform {tier.name} {rounding.label}",
-                f"uniform {_grid(tier)} {rounding!r}",
                 lambda name: ((None, tier.name, rounding),),
             )
         return self._uniform[key]
@@ -430,11 +443,7 @@ class Encoder:
 
             made = (list(slots), dict(assignment), rounding)
             self._mixed[key] = self._pass(
-                encode_one,
-                rounding,
-                f"mixed {rounding.method}",
-                f"mixed {key!r} {list(slots)!r} {[_grid(TIERS[t]) for t in sorted(set(assignment.values()))]}",
-                self._mixed_signature(*made),
+                encode_one, rounding, f"mixed {rounding.method}", self._mixed_signature(*made)
             )
             self._mixed_made[key] = made
         return self._mixed[key]

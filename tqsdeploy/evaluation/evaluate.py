@@ -341,8 +341,10 @@ def _roll_out(
     steps: int | None,
     truth,
     settings: EvalSettings,
+    references: dict | None = None,
 ) -> _Rollouts:
-    """The candidate's trajectories, then the reference's, one session open at a time."""
+    """The candidate's trajectories, then the reference's (from `references` when an earlier call rolled it out on
+    the same windows and settings), one session open at a time."""
     with tempfile.TemporaryDirectory() as tmp:
         optimized = os.path.join(tmp, "optimized.onnx")
         session = _open(candidate, settings, optimized)
@@ -360,9 +362,14 @@ def _roll_out(
     engine = RolloutEngine(session, ctx, followed, settings.max_batch_windows)
     cand = engine.trajectories()
     _closed(session)
-    session = _open(reference, settings)
-    ref = trajectories(session, ctx, followed, settings.max_batch_windows)
-    _closed(session)
+    key = (reference.sha256, str(contexts), repr(followed), following, repr(replace(settings, latency=None)))
+    ref = dict(references[key]) if references is not None and key in references else None
+    if ref is None:
+        session = _open(reference, settings)
+        ref = trajectories(session, ctx, followed, settings.max_batch_windows)
+        _closed(session)
+        if references is not None:
+            references[key] = dict(ref)
     return _Rollouts(resolved, ctx, inputs, engine.batched, mode, following, side, cand, ref)
 
 
@@ -442,12 +449,14 @@ def evaluate(
     steps: int | None = None,
     truth: str | Path | None = None,
     settings: EvalSettings = EvalSettings(),
+    references: dict | None = None,
 ) -> dict:
-    """Metrics of `candidate` against `reference` (and the truth), as plain data."""
+    """Metrics of `candidate` against `reference` (and the truth), as plain data. `references`: the reference's
+    trajectories kept between calls that share it (the frontier's), rolled out once per windows and settings."""
     candidate, reference = Path(candidate), Path(reference)
     cand_model, ref_model = _load(candidate), _load(reference)
     _check_same_signature(cand_model.proto, ref_model.proto)
-    run = _roll_out(cand_model, ref_model, contexts, spec, steps, truth, settings)
+    run = _roll_out(cand_model, ref_model, contexts, spec, steps, truth, settings, references)
     side_outputs = {
         name: side_metrics(run.candidate.pop(name), run.reference.pop(name), settings.bootstrap, settings.seed)
         for name in run.side

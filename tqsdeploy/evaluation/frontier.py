@@ -28,9 +28,10 @@ from tqsdeploy.encoding import checkpoints
 from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
 from tqsdeploy.evaluation.ledger import PROGRESS, Ledger, digest, stamp
+from tqsdeploy.evaluation.plan import FrontierSteps, StepPlan, expect_points, expect_start, model_shape
 from tqsdeploy.evaluation.points import Candidate, rows
 from tqsdeploy.evaluation.report import build_report
-from tqsdeploy.export import ExportSettings, Planner
+from tqsdeploy.export import CacheOptions, ExportSettings, Planner
 from tqsdeploy.files import write_json, write_table
 from tqsdeploy.scoring.gamma import ScoreSettings
 from tqsdeploy.scoring.prepare import ContextOptions
@@ -112,43 +113,51 @@ def run_frontier(
     request = replace(request, model=Path(request.model), out_dir=Path(request.out_dir))
     settings, out_dir = request.settings, request.out_dir
     _check_folder(out_dir, request.force)
-    splits = _splits(request)
+    splits, checks = _splits(request)
     (out_dir / "models").mkdir(parents=True, exist_ok=True)
     (out_dir / PROGRESS).touch()  # first of all: it marks the folder as this frontier's, however early interrupted
-    lines_count = 1 + len(settings.variants)
-    steps = _Steps(log, progress, len(settings.bits) * len(settings.baselines), len(splits))
-    steps.plan(len(settings.targets) * lines_count)
-    steps.begin("scoring (resumes a matching run)")
+    steps = FrontierSteps(log, progress, StepPlan(rollout_s=checks[-1] / 3, check_s=sum(checks) / len(checks)))
+    shape = model_shape(request.model, settings.min_params, settings.export.split_fraction)
+    names = [name for name, _, _ in splits]
+    expect_start(steps, settings, request.score_settings, shape, names)
+    steps.begin("score", "scoring (resumes a matching run)")
     table = _score(request)
     sweep_s = table.timings_s["sweep"]
     ledger = _ledger(request, table, splits, notice)
     exports = _Exports(request)
-    candidates = _baselines(request, exports, ledger, steps)
-    exports.open_variants()
-    targets = _targets(settings, [c for c in candidates if c.family == "baseline"])
-    steps.plan(len(targets) * lines_count)
-    candidates += _tqs_points(request, exports, targets, sweep_s, ledger, steps)
-    exports.close()
-    evaluated = sum(c.path is not None for c in candidates)  # failed and infeasible points are not evaluated
-    steps.plan_left(1 + evaluated * len(splits))
+    try:
+        candidates = _baselines(request, exports, ledger, steps)
+        exports.open_variants()
+        targets = _targets(settings, [c for c in candidates if c.family == "baseline"])
+        guessed = [(None, f"C?@W{bits}") for bits in settings.bits]
+        expect_points(steps, settings, shape, targets, names, guessed)
+        steps.show()
+        candidates += _tqs_points(request, exports, targets, sweep_s, ledger, steps)
+        exports.finished()
+    finally:
+        exports.close()
     frame_rows, modes = _evaluations(request, candidates, splits, table.spec_file, ledger, steps)
-    steps.advance("writing")
+    steps.begin("write", "writing")
     frame = _write(request, candidates, frame_rows, splits, modes)
     report, page = build_report(out_dir, request.model, dict(request.buckets) or None)
+    steps.done()
     if steps.kept:  # said once: off a terminal the steps' own lines are few
         notice(f"{steps.kept} of {steps.started} steps kept from an earlier run ({PROGRESS}): only the others ran")
     return FrontierResult(frame, report, page)
 
 
-def _splits(request: FrontierRequest) -> list[tuple[str, Path, Path | None]]:
+def _splits(request: FrontierRequest) -> tuple[list[tuple[str, Path, Path | None]], list[float]]:
     """(name, contexts, truth) of every split, held-out first; each checked by evaluating the reference against
-    itself, so contexts, truth and spec fail before any work."""
+    itself, so contexts, truth and spec fail before any work; and the seconds each check took (what the ETA
+    starts from)."""
     if request.eval_truth is not None and request.eval_contexts is None:
         raise InputError("--eval-truth is the truth of --eval-contexts, which is missing")
     held_out = [("held-out", request.eval_contexts, request.eval_truth)] if request.eval_contexts else []
     splits = held_out + [("scoring", request.contexts, request.truth)]
     untimed = replace(request.settings.evaluation, latency=None)
+    seconds = []
     for _, contexts, truth in splits:
+        started = time.perf_counter()
         evaluate(
             request.model,
             request.model,
@@ -158,7 +167,8 @@ def _splits(request: FrontierRequest) -> list[tuple[str, Path, Path | None]]:
             truth=truth,
             settings=untimed,
         )
-    return splits
+        seconds.append(time.perf_counter() - started)
+    return splits, seconds
 
 
 def _check_folder(out_dir: Path, force: bool) -> None:
@@ -176,42 +186,6 @@ def _check_folder(out_dir: Path, force: bool) -> None:
             f"{out_dir} is not a frontier's folder and not empty (it holds {shown})",
             hint="choose a new or empty folder with --out, or pass --force to write over files of the same names",
         )
-
-
-KEPT = ": kept from an earlier run"
-"""How a step the ledger already holds is named on the progress display."""
-
-
-class _Steps:
-    """The frontier's steps on its progress display: each one logged, and counted done when the next begins."""
-
-    def __init__(self, log: Callable[[str], None], progress, baselines: int, splits: int):
-        self.log, self.progress, self.baselines, self.splits = log, progress, baselines, splits
-        self.started = self.kept = 0
-
-    def plan(self, exports: int) -> None:
-        """The score, every baseline, `exports` TQS-PTQ exports and the evaluation of them all on every split."""
-        if self.progress is not None:
-            points = self.baselines + exports
-            self.progress.start(1 + points + points * self.splits, self.progress.done)
-
-    def plan_left(self, left: int) -> None:
-        if self.progress is not None:
-            self.progress.start(self.progress.done + left, self.progress.done)
-
-    def begin(self, message: str) -> None:
-        self.log(message)
-        self.kept += message.endswith(KEPT)
-        if self.progress is not None:
-            if self.started:
-                self.progress.advance(detail=message)
-            else:
-                self.progress.detail = message
-            self.started += 1
-
-    def advance(self, message: str) -> None:
-        if self.progress is not None:
-            self.progress.advance(detail=message)
 
 
 def _score(request: FrontierRequest) -> ScoreRun:
@@ -270,7 +244,7 @@ class _Exports:
 
     def _planner(self, settings: ExportSettings) -> Planner:
         request = self.request
-        return Planner(request.out_dir / "score", request.model, settings, request.runtime, resumable=True)
+        return Planner(request.out_dir / "score", request.model, settings, request.runtime, cache=CacheOptions())
 
     def open_variants(self) -> None:
         self.lines += [(label, self._planner(variant)) for label, variant in self.request.settings.variants]
@@ -317,8 +291,11 @@ class _Exports:
         )
         return candidate, outcome.files
 
+    def finished(self) -> None:
+        for _, planner in self.lines:  # every export is written; the run's cache stays for a later frontier or export
+            planner.finished()
+
     def close(self) -> None:
-        self.lines[0][1].discard_checkpoints()  # every export is written: no calibration pass is left to resume
         for _, planner in self.lines:
             planner.close()
 
@@ -336,7 +313,7 @@ def _record(ledger: Ledger, key: str, candidate: Candidate, files) -> None:
     ledger.put_export(key, asdict(candidate) | {"path": str(candidate.path) if candidate.path else None}, files)
 
 
-def _baselines(request: FrontierRequest, exports: _Exports, ledger: Ledger, steps: _Steps) -> list[Candidate]:
+def _baselines(request: FrontierRequest, exports: _Exports, ledger: Ledger, steps: FrontierSteps) -> list[Candidate]:
     """Every uniform baseline: each bit width by each rounding method (a failed one is a row that says why)."""
     candidates = []
     for bits in request.settings.bits:
@@ -344,10 +321,10 @@ def _baselines(request: FrontierRequest, exports: _Exports, ledger: Ledger, step
         for method in request.settings.baselines:
             name = f"{LABELS[method]} W{bits}"
             if (kept := _kept(ledger, f"export {name}")) is not None:
-                steps.begin(f"baseline {name}{KEPT}")
+                steps.begin(f"export {name}", f"baseline {name}: kept from an earlier run", kept=True)
                 candidates.append(kept)
                 continue
-            steps.begin(f"baseline {name}")
+            steps.begin(f"export {name}", f"baseline {name}")
             path = request.out_dir / "models" / f"{request.model.stem}.{method}-w{bits}.onnx"
             try:
                 candidate, files = exports.baseline(method, bits, tier.name, path)
@@ -374,21 +351,22 @@ def _targets(settings: FrontierSettings, baselines: list[Candidate]) -> list[tup
 
 
 def _tqs_points(
-    request: FrontierRequest, exports: _Exports, targets, sweep_s: float, ledger: Ledger, steps: _Steps
+    request: FrontierRequest, exports: _Exports, targets, sweep_s: float, ledger: Ledger, steps: FrontierSteps
 ) -> list[Candidate]:
     """Every TQS-PTQ line at every target (an unreachable one is a row that says so)."""
     candidates = []
     for line, (label, _) in enumerate(exports.lines):
         for target, setting in targets:
+            key = f"export {label} {setting}"
             if (why := exports.unreachable(line, target)) is not None:
                 candidates.append(Candidate("tqs", label, setting, target, None, None, None, {}, why))
+                steps.drop(key)
                 continue
-            key = f"export {label} {setting}"
             if (kept := _kept(ledger, key)) is not None:
-                steps.begin(f"{key}{KEPT}")
+                steps.begin(key, f"{key}: kept from an earlier run", kept=True)
                 candidates.append(kept)
                 continue
-            steps.begin(key)
+            steps.begin(key, key)
             path = request.out_dir / "models" / f"{request.model.stem}.{label.replace(' ', '_')}.{setting}.onnx"
             candidate, files = exports.point(line, target, setting, path, sweep_s)
             candidates.append(candidate)
@@ -397,19 +375,23 @@ def _tqs_points(
 
 
 def _evaluations(
-    request: FrontierRequest, candidates: list[Candidate], splits, spec: Path, ledger: Ledger, steps: _Steps
+    request: FrontierRequest, candidates: list[Candidate], splits, spec: Path, ledger: Ledger, steps: FrontierSteps
 ) -> tuple[list[dict], dict[str, None]]:
     """Every exported candidate evaluated on every split: the table's rows, and how ONNX Runtime ran the
     candidates, as eval says it (the models' layouts decide it, so it is read off the reports)."""
     frame_rows: list[dict] = []
     modes: dict[str, None] = {}
+    references: dict = {}
     for candidate in candidates:
         for split in splits:
             if candidate.path is None:
+                steps.drop(f"eval {candidate.method} {candidate.setting} {split[0]}")
                 frame_rows.extend(rows(candidate, split[0], None))
                 continue
             try:
-                report, seconds = _evaluated(request, candidate, split, split is splits[0], spec, ledger, steps)
+                report, seconds = _evaluated(
+                    request, candidate, split, split is splits[0], spec, ledger, steps, references
+                )
             except TqsError as exc:
                 candidate.status = f"eval failed: {exc}"
                 frame_rows.extend(rows(candidate, split[0], None))
@@ -423,14 +405,23 @@ def _evaluations(
 
 
 def _evaluated(
-    request: FrontierRequest, candidate: Candidate, split, first: bool, spec: Path, ledger: Ledger, steps: _Steps
+    request: FrontierRequest,
+    candidate: Candidate,
+    split,
+    first: bool,
+    spec: Path,
+    ledger: Ledger,
+    steps: FrontierSteps,
+    references: dict,
 ) -> tuple[dict, float]:
     """A candidate's report on one split and the seconds it took, from the ledger where this file was evaluated
-    before; a failed evaluation raises its error (again, when the ledger holds it)."""
+    before; a failed evaluation raises its error (again, when the ledger holds it). `references`: the original's
+    trajectories, rolled out once per split for every candidate."""
     name, contexts, truth = split
     key = f"eval {candidate.method} {candidate.setting} {name}"
     kept = ledger.evaluation(key, candidate.path)
-    steps.begin(f"eval {candidate.method} {candidate.setting} on {name}" + (KEPT if kept else ""))
+    message = f"eval {candidate.method} {candidate.setting} on {name}" + (": kept from an earlier run" if kept else "")
+    steps.begin(key, message, kept=kept is not None)
     if kept is not None:
         if kept["report"] is None:
             raise TqsError(kept["error"])
@@ -439,7 +430,9 @@ def _evaluated(
     settings = request.settings.evaluation  # latency timed once, on the first split
     settings = settings if first else replace(settings, latency=None)
     try:
-        report = evaluate(candidate.path, request.model, contexts, spec=spec, truth=truth, settings=settings)
+        report = evaluate(
+            candidate.path, request.model, contexts, spec=spec, truth=truth, settings=settings, references=references
+        )
     except TqsError as exc:
         seconds = time.perf_counter() - started
         ledger.put(key, {"report": None, "error": str(exc), "seconds": seconds, "stamp": stamp(candidate.path)})

@@ -111,6 +111,10 @@ class UniformModels:
     def measured(self, tier: Tier, rounding: Rounding) -> bool:
         return _drift_key(tier, rounding) in self._drifts
 
+    def remember(self, tier: Tier, rounding: Rounding, drift: Drift) -> None:
+        """The uniform model's drift, measured by an earlier export of the run (`Roundings`' cached choice)."""
+        self._drifts[_drift_key(tier, rounding)] = drift
+
 
 class MixedModels:
     """A mixed allocation's encodings, as priced (assembled from the uniform encodings) or calibrated as itself."""

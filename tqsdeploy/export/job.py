@@ -24,6 +24,7 @@ from tiers import Tier
 from tiers.solver_backend import solver_dtype
 from tqsdeploy.encoding import checkpoints
 from tqsdeploy.encoding.encoder import Encoder
+from tqsdeploy.encoding.run_cache import RunCache
 from tqsdeploy.encoding.slots import Slot, make_slots
 from tqsdeploy.errors import USER_ERRORS, InputError
 from tqsdeploy.export.forms import WeightForms
@@ -124,12 +125,27 @@ class ScoredModel:
                 "rollout": run.spec.to_dict(),
                 "target": settings.target,
                 "runtime": repr(self.runtime),
+                "opset": self.opset,
                 "solver_dtype": solver_dtype(),
                 "versions": versions,
                 "code": checkpoints.code_hash(),
             },
             sort_keys=True,
             default=str,
+        )
+
+    def measure_identity(self, settings: ExportSettings) -> str:
+        """What a candidate's drift depends on besides the codes it feeds (`Measuring.measure`): the score run and
+        its contexts, the runtime, its version and threads (lanes), the opset, how candidates are fed, the code."""
+        return json.dumps(
+            {
+                "codes": self.checkpoint_identity(settings),
+                "prices": self.price_identity(),
+                "lanes": self.prepared.lanes,
+                "one_session": self.one_session,
+                "feeds_floats": self.feeds_floats,
+            },
+            sort_keys=True,
         )
 
 
@@ -237,3 +253,5 @@ class ExportJob:
     timings: dict[str, float]
     forms: WeightForms
     """How each weight is written for the target (priced and written alike)."""
+    cache: RunCache | None = None
+    """The run's cache of drifts and choices (the encoder keeps its codes there), or None: measured every time."""

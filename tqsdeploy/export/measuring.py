@@ -7,7 +7,7 @@ its weights dequantized once per distinct tensor.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 
@@ -16,6 +16,7 @@ from graph_ops.fed_codes import fed_codes_model
 from graph_ops.qdq import at_opset
 from runtimes import WithDefaults, release_freed_memory
 from tiers import Encoded
+from tqsdeploy.encoding import checkpoints, run_cache
 from tqsdeploy.encoding.choices import AnyRounding
 from tqsdeploy.encoding.sessions import open_graph, original_nominal
 from tqsdeploy.export.job import ExportJob
@@ -27,6 +28,9 @@ class Measuring:
 
     def __init__(self, job: ExportJob):
         self.scored, self.encoder, self.cut = job.scored, job.encoder, job.cut
+        self.settings, self.cache = job.settings, job.cache
+        self._identity: str | None = None
+        """What every drift depends on besides the codes (`ScoredModel.measure_identity`), made on first use."""
         self._runner: SweepRunner | None = None
         self._lanes: list[SweepRunner] = []
         self._nominal = None
@@ -105,10 +109,35 @@ class Measuring:
 
     def measure(self, encodings: dict[str, Encoded], runner: SweepRunner | None = None) -> Drift:
         """Joint drift of the model with these encodings on the scoring contexts (on `runner`, one of the `lanes`,
-        when given). A one-session model's candidate runs on a session that rebuilds each quantized weight from its
-        codes just before it is used: a byte per weight fed instead of a float copy, the same values computed."""
+        when given; else kept in the run's cache under the digest of the codes). A one-session model's candidate
+        runs on a session that rebuilds each quantized weight from its codes just before it is used: a byte per
+        weight fed instead of a float copy, the same values computed."""
+        name = self._cache_key("measure", encodings) if runner is None else None
+        if (kept := self._kept(name)) is not None:
+            return kept
         with self.encoder.profile.section("measurement_rollouts"):
-            return self._measure(encodings, runner)
+            drift = self._measure(encodings, runner)
+        self._keep(name, drift)
+        return drift
+
+    def _cache_key(self, how: str, encodings: dict[str, Encoded]) -> str | None:
+        """The run-cache key of the drift of `encodings` measured `how` (None without a cache): the digest of every
+        code fed, and what else the rollout depends on (`ScoredModel.measure_identity`)."""
+        if self.cache is None:
+            return None
+        if self._identity is None:
+            self._identity = self.scored.measure_identity(self.settings)
+        weights = self.scored.weights
+        parts = [checkpoints.digest(n, encodings[n], weights.get(n)).hex() for n in sorted(encodings)]
+        return run_cache.key(self._identity, how, *sorted(encodings), *parts)
+
+    def _kept(self, name: str | None) -> Drift | None:
+        value = self.cache.value("drift", name) if name is not None else None
+        return Drift(**value) if value is not None else None
+
+    def _keep(self, name: str | None, drift: Drift) -> None:
+        if name is not None:
+            self.cache.keep("drift", name, f"drift {drift.worst_pct:.4g}%", asdict(drift))
 
     def _measure(self, encodings: dict[str, Encoded], runner: SweepRunner | None) -> Drift:
         scored = self.scored
@@ -142,6 +171,15 @@ class Measuring:
         key = tuple(sorted(tiers.items()))
         if key in self._joint_drifts:
             return self._joint_drifts[key]
+        name = None
+        if runner is None and not keep and self.cache is not None:  # a separate path: fed floats to a shared session
+            fed = self.scored.one_session and self.scored.feeds_floats
+            name = self._cache_key(
+                "as priced" if fed else "measure", self.encoder.assemble(self.cut.slots, tiers, rounding)
+            )
+        if (kept := self._kept(name)) is not None:
+            self._joint_drifts[key] = kept
+            return kept
         with self.encoder.profile.section("measurement_rollouts"):
             if not self.scored.feeds_floats:
                 drift = self._measure(self.encoder.assemble(self.cut.slots, tiers, rounding), runner)
@@ -151,6 +189,7 @@ class Measuring:
                 graph_ops.release_pages(self.scored.weights)
                 drift = runner.drift(self.fed(weights), session=self.fed_session if self.scored.one_session else None)
         self._joint_drifts[key] = drift
+        self._keep(name, drift)
         return drift
 
     def joint_weights(self, tiers: dict[str, str], rounding: AnyRounding, keep: bool = False) -> dict[str, np.ndarray]:

@@ -22,9 +22,10 @@ from typing import Callable
 
 from runtimes import DEFAULT_RUNTIME, Runtime
 from tiers import Tier, get_tiers
-from tqsdeploy.encoding import checkpoints
+from tqsdeploy.encoding import checkpoints, run_cache
 from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
 from tqsdeploy.encoding.encoder import Encoder, EncodingProgress
+from tqsdeploy.encoding.run_cache import CacheOptions, RunCache
 from tqsdeploy.encoding.slots import check_group_size
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.candidates import Candidate, MixedModels, UniformModels
@@ -46,7 +47,8 @@ class ExportProgress:
     """What an export reports as it goes (a command line's progress bars); every callback optional."""
 
     on_pass: Callable[[str, int, int, int], None] | None = None
-    """A pass begins: its label, its weights, how many are done already, how many an interrupted export left."""
+    """A pass begins: its label, its weights, how many are done already, how many of them an earlier export left in
+    the run's cache."""
     on_weight: Callable[[str], None] | None = None
     """A weight of a pass is encoded."""
     on_measuring: Callable[[int], None] | None = None
@@ -84,23 +86,24 @@ class Planner:
         model: Path | str | None = None,
         settings: ExportSettings = ExportSettings(),
         runtime: Runtime = DEFAULT_RUNTIME,
-        resumable: bool = False,
+        cache: CacheOptions | None = None,
         progress: ExportProgress = ExportProgress(),
     ):
-        """`resumable`: checkpoint every weight a calibration pass finishes in the run folder, and read back those an
-        interrupted export left (`tqsdeploy.encoding.checkpoints`); `discard_checkpoints` once the export is done.
-        Holds the run folder (`RunFolderShare`) until `close`."""
+        """`cache`: keep every weight a pass encodes, every candidate's drift and every grid choice in the run
+        folder's cache, and read back what earlier or interrupted exports of the run left there
+        (`tqsdeploy.encoding.run_cache`); `finished` once every file is written. None: nothing is kept but the
+        prices. Holds the run folder (`RunFolderShare`) until `close`."""
         self.run_dir = Path(run_dir)
         self.settings = settings
         self.progress = progress
         self._share = RunFolderShare(self.run_dir)
         try:
-            self._compose(model, runtime, resumable)
+            self._compose(model, runtime, cache)
         except BaseException:
             self._share.release()
             raise
 
-    def _compose(self, model: Path | str | None, runtime: Runtime, resumable: bool) -> None:
+    def _compose(self, model: Path | str | None, runtime: Runtime, cache: CacheOptions | None) -> None:
         settings = self.settings
         self.tiers: list[Tier] = get_tiers(list(settings.tier_names), settings.runtime, settings.group_size)
         self.scored: ScoredModel = load_scored(
@@ -109,7 +112,15 @@ class Planner:
         check_group_size(settings.group_size, self.scored.layouts, self.tiers)
         forms = WeightForms(self.scored.model.proto, self.scored.layouts, settings.policy)
         self.cut = SlotCut(self.scored.units, self.scored.layouts, settings.split_fraction, forms.whole_tensors())
-        self.encoder = self._encoder(resumable)
+        if cache is not None and cache.fresh:
+            run_cache.drop(self.run_dir)
+            PriceList.drop(self.run_dir)
+        self.cache = (
+            RunCache(self.run_dir, run_cache.cap_bytes(cache.cap_bytes, sum(u.params for u in self.scored.units)))
+            if cache is not None
+            else None
+        )
+        self.encoder = self._encoder()
         self.job = ExportJob(
             self.scored,
             settings,
@@ -118,6 +129,7 @@ class Planner:
             self.cut,
             {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0},
             forms,
+            self.cache,
         )
         self.sizing = Sizing(self.job)
         self.measuring = Measuring(self.job)
@@ -140,7 +152,7 @@ class Planner:
         )
         self.writer = Writer(self.job, self.roundings)
 
-    def _encoder(self, resumable: bool) -> Encoder:
+    def _encoder(self) -> Encoder:
         """The one encoder of this export, its calibrator made on first use from the scored model."""
         scored = self.scored
         prepared = scored.prepared
@@ -157,7 +169,7 @@ class Planner:
                 opset=scored.opset,
             )
 
-        folder = (self.run_dir / checkpoints.FOLDER, scored.checkpoint_identity(self.settings)) if resumable else None
+        folder = (self.cache, scored.checkpoint_identity(self.settings)) if self.cache is not None else None
         progress = EncodingProgress(self.progress.on_pass, self.progress.on_weight)
         return Encoder(
             scored.units,
@@ -216,7 +228,7 @@ class Planner:
         """Write the model for `target` (or every unit at `uniform_tier`, codes chosen by `rounding`, default the
         export's) and its allocation record beside it; write nothing when its drift on the scoring contexts exceeds
         `max_drift_pct` (percent, as `eval` reports drift). `final`: no other target follows."""
-        clock = (time.perf_counter(), self.encoder.profile.snapshot())
+        clock = (time.perf_counter(), self.encoder.profile.snapshot(), self.cache.counts() if self.cache else None)
         path = Path(path)
         if uniform_tier is not None:
             compared = [self._uniform(uniform_tier, rounding, target)]
@@ -238,15 +250,22 @@ class Planner:
         chosen = self.roundings.at(tier.name) if asked == "auto" else self.roundings.measured_rounding(tier, asked)
         return self.uniforms.candidate(tier, chosen, target)
 
-    def discard_checkpoints(self) -> None:
-        """The export finished: its calibration checkpoints have nothing left to resume."""
-        checkpoints.discard(self.run_dir)
+    def finished(self) -> None:
+        """Every model is written: none is left for a rerun to overwrite (`interrupted_outputs`); the cache stays for
+        the next export of the run."""
+        if self.cache is not None:
+            checkpoints.finished(self.run_dir, self.writer.outputs_identity())
 
     def close(self) -> None:
-        """Sessions, solver threads and the hold on the run folder released (a score may then replace the run)."""
+        """Sessions, solver threads and the hold on the run folder released (a score may then replace the run); the
+        cache trimmed to its cap and its note written."""
         self.measuring.release_runner()
         self.encoder.close()
-        self._share.release()
+        try:
+            if self.cache is not None:
+                self.cache.settle()
+        finally:
+            self._share.release()
 
     def __enter__(self) -> "Planner":
         return self

@@ -1,9 +1,10 @@
 """Prices: what each slot costs and loses at each tier, and the allocation they solve to.
 
 `PriceList` measures and caches the rollouts behind the measured objective (one per slot and tier, in the run
-folder's `measured.jsonl`, shared by every export of the run). `TierPricing` turns one tier set's prices into
-the knapsack's choices and allocates; an export keeps one for its tiers and makes another when it also tries
-the tier below its lowest.
+folder's `measured.jsonl`, shared by every export of the run; a channel group's from its unit's rollout by its
+share of the unit's layer-output error, `shares.GroupShares`, unless `--group-prices exact`). `TierPricing`
+turns one tier set's prices into the knapsack's choices and allocates; an export keeps one for its tiers and
+makes another when it also tries the tier below its lowest.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.measuring import Measuring
 from tqsdeploy.export.objectives import LAZY_BITS, OBJECTIVES
 from tqsdeploy.export.roundings import Roundings
+from tqsdeploy.export.shares import GroupShares
 from tqsdeploy.export.sizing import Sizing
 from tqsdeploy.sweep import Lanes, ResultLog, SweepRunner, Task, TaskResult
 
 
 class PriceList:
-    """The rollouts with one slot at one tier, keyed by what they feed, cached in the run folder."""
+    """The rollouts with one slot at one tier, keyed by what they feed, cached in the run folder; with shared group
+    prices a channel group's is its unit's rollout times the group's share (`GroupShares`)."""
 
     def __init__(
         self,
@@ -46,6 +49,17 @@ class PriceList:
         self._keys: dict[tuple[str, str], Task] = {}
         """(slot, tier) -> its entry in the price list: its codes are this export's, fixed once made."""
         self._measured: dict[str, TaskResult] | None = None
+        self._counted: set[str] = set()
+        """Price keys this export measured or counted as read from the run folder's list."""
+        self.shares = GroupShares(job) if job.settings.group_prices == "shared" else None
+        self._shared: dict[str, TaskResult] = {}
+        """Group prices made from their unit's rollout, by `key`: made in memory, never in the run folder's list."""
+
+    @staticmethod
+    def drop(run_dir) -> None:
+        """Remove the run folder's measured prices (`export --fresh`), waiting for an export pricing now."""
+        with FileLock(str(run_dir / ".measured.lock")):
+            (run_dir / "measured.jsonl").unlink(missing_ok=True)
 
     def probe(self, tier: Tier) -> str:
         """The label of a price at `tier`: the tier, its group size, its rounding and (narrowed) solver type."""
@@ -70,8 +84,27 @@ class PriceList:
             self._keys[key] = Task(slot.name, f"{self.probe(tier)}#{digest.hexdigest()}")
         return self._keys[key]
 
+    def shared(self, slot: Slot) -> bool:
+        """Whether the slot's price comes from its unit's rollout (a channel group, `--group-prices shared`)."""
+        return self.shares is not None and slot.rows is not None
+
+    def key(self, slot: Slot, tier: Tier) -> str:
+        """Where the price of (slot, tier) is in what `measure` returns."""
+        return self._shared_task(slot, tier).key if self.shared(slot) else self.task(slot, tier).key
+
+    def _shared_task(self, slot: Slot, tier: Tier) -> Task:
+        """A shared group price's entry: its own codes' label, marked as made from its unit's rollout."""
+        task = self.task(slot, tier)
+        return Task(task.unit, task.probe.replace("#", "#shared-", 1))
+
+    def rolled(self, slot: Slot, tier: Tier) -> tuple[Slot, Tier]:
+        """The (slot, tier) whose rollout prices (slot, tier): its whole unit's for a shared channel group."""
+        if not self.shared(slot):
+            return slot, tier
+        return Slot(slot.unit, slot.unit, self.job.scored.units_by_name[slot.unit].params), tier
+
     def measure(self, tasks: list[tuple[Slot, Tier]], on_result=None) -> dict[str, TaskResult]:
-        """The rollout divergence of every (slot, tier) of `tasks`, with whatever was measured before; what is not in
+        """The price of every (slot, tier) of `tasks` (by `key`), with whatever was measured before; what is not in
         the run folder's list yet is rolled out (`on_result(result)` after each) and added to it."""
         started = time.perf_counter()
         for tier in {
@@ -79,9 +112,10 @@ class PriceList:
         }.values():  # each tier's pass first: the ETA is the rollouts'
             if any((slot.name, tier.name) not in self._keys for slot, t in tasks if t.name == tier.name):
                 self.job.encoder.uniform(tier, self.roundings.at(tier.name))
-        keys = {(slot.name, tier.name): self.task(slot, tier).key for slot, tier in tasks}
-        if self._measured is not None and all(key in self._measured for key in keys.values()):
+        if self._measured is not None and all(self.key(slot, tier) in self._measured for slot, tier in tasks):
             return self._measured
+        rolled = list({(s.name, t.name): (s, t) for s, t in (self.rolled(*task) for task in tasks)}.values())
+        keys = {(slot.name, tier.name): self.task(slot, tier).key for slot, tier in rolled}
         log = ResultLog(self.job.scored.run_dir / "measured.jsonl")
         lock = FileLock(str(self.job.scored.run_dir / ".measured.lock"))
         lock.acquire()  # another export of this run prices the same slots: wait, then reuse what it measured
@@ -89,16 +123,53 @@ class PriceList:
             # and before each price: none goes into a run that replaced this one
             self.job.scored.scores.check_unchanged()
             done = log.load()
-            pending = [(slot, tier) for slot, tier in tasks if keys[(slot.name, tier.name)] not in done]
+            self._count_reused(keys.values(), done)
+            pending = [(slot, tier) for slot, tier in rolled if keys[(slot.name, tier.name)] not in done]
             if on_result and pending and self.on_measuring:
                 self.on_measuring(len(pending))
             self._roll_out(pending, done, log, on_result)
+            own = [  # a group whose unit's rollout did not stay finite: priced by its own
+                (s, t)
+                for s, t in tasks
+                if self.shared(s)
+                and done[self.task(*self.rolled(s, t)).key].nonfinite
+                and self.task(s, t).key not in done
+            ]
+            if on_result and own and self.on_measuring:
+                self.on_measuring(len(own))
+            self._roll_out(own, done, log, on_result)
         finally:
             log.close()
             lock.release()
-        self._measured = done
+        self._share_out(tasks, done)
+        self._measured = {**done, **self._shared}
         self.job.timings["pricing"] += time.perf_counter() - started
-        return done
+        return self._measured
+
+    def _share_out(self, tasks: list[tuple[Slot, Tier]], done: dict[str, TaskResult]) -> None:
+        """The shared channel groups' prices of `tasks`: their unit's rollout divergence times their share."""
+        groups = [(s, t) for s, t in tasks if self.shared(s) and self.key(s, t) not in self._shared]
+        if not groups:
+            return
+        self.shares.prepare(groups, self.roundings.rounding)
+        for slot, tier in groups:
+            whole = done[self.task(*self.rolled(slot, tier)).key]
+            if whole.nonfinite:
+                own = done[self.task(slot, tier).key]
+                div_sq, nonfinite = own.div_sq, own.nonfinite
+            else:
+                share = self.shares.share(slot, tier)
+                div_sq, nonfinite = [value * share for value in whole.div_sq], False
+            task = self._shared_task(slot, tier)
+            self._shared[task.key] = TaskResult(task.unit, task.probe, 0, 0.0, div_sq, nonfinite, 0.0)
+
+    def _count_reused(self, keys, done: dict[str, TaskResult]) -> None:
+        """Prices an earlier export measured, counted once as read from the run's cache (`export --verbose`)."""
+        cache = self.job.cache
+        for key in keys:
+            if cache is not None and key in done and key not in self._counted:
+                self._counted.add(key)
+                cache.read["prices"] += 1
 
     def _roll_out(
         self, pending: list[tuple[Slot, Tier]], done: dict[str, TaskResult], log: ResultLog, on_result
@@ -129,6 +200,9 @@ class PriceList:
                     self.job.scored.scores.check_unchanged()
                     log.append(result)
                     done[result.key] = result
+                    self._counted.add(result.key)
+                    if self.job.cache is not None:
+                        self.job.cache.made["prices"] += 1
                     if on_result:
                         on_result(result)
         finally:
@@ -163,7 +237,7 @@ class TierPricing:
         return self.prices.probe(tier)
 
     def price_key(self, slot: Slot, tier: Tier) -> str:
-        return self.prices.task(slot, tier).key
+        return self.prices.key(slot, tier)
 
     def weight_error_sq(self, slot: Slot, tier: Tier) -> float:
         """||Q(θ) − θ||² of the slot at `tier`, over the rows the contexts read (a Gather table's), else all of it."""

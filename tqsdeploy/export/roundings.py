@@ -8,11 +8,14 @@ slot's price, the mixed model and its calibration as itself then all use the sam
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 from tiers import Rounding, Tier, auto_methods
+from tqsdeploy.encoding import run_cache
 from tqsdeploy.encoding.choices import AnyRounding, TierRoundings, grid_options, plain_rounding, rounding_at
 from tqsdeploy.export.candidates import UniformModels
 from tqsdeploy.export.job import ExportJob
+from tqsdeploy.sweep import Drift
 
 AUTO_METHODS = auto_methods()
 """What `--rounding auto` chooses from on a calibratable tier (listed first wins a tie; `tiers.methods`)."""
@@ -64,17 +67,42 @@ class Roundings:
 
     def _least_drifting(self, tier: Tier, options: list[Rounding]) -> Rounding:
         """The rounding of `options` whose uniform model at `tier` drifts least, every one recorded (`choice`); a
-        large model keeps only the chosen one's codes (a byte per weight each)."""
-        chosen, measured = self.job.encoder.least_drifting(
-            tier,
-            options,
-            lambda rounding: self.uniforms.candidate(tier, rounding, None).drift,
-            forget=self.job.scored.one_session,
-        )
+        large model keeps only the chosen one's codes (a byte per weight each). The choice and the drifts behind it
+        are kept in the run's cache: a later export of the run reads them instead of loading every option's codes."""
+        name = self._cache_key(tier, options)
+        kept = self.job.cache.value("choice", name) if name is not None else None
+        if kept is not None:
+            measured = {rounding: Drift(**drift) for rounding, drift in zip(options, kept["drifts"])}
+            for rounding, drift in measured.items():
+                self.uniforms.remember(tier, rounding, drift)  # measured, as far as the comparison asks
+            chosen = options[kept["chosen"]]
+        else:
+            chosen, measured = self.job.encoder.least_drifting(
+                tier,
+                options,
+                lambda rounding: self.uniforms.candidate(tier, rounding, None).drift,
+                forget=self.job.scored.one_session,
+            )
+            if name is not None:
+                value = {"chosen": options.index(chosen), "drifts": [asdict(measured[r]) for r in options]}
+                self.job.cache.keep("choice", name, f"{tier.name}: {chosen.label} of {len(options)}", value)
         self.choice.setdefault(tier.name, {}).update(
             {rounding.label: drift.worst_pct for rounding, drift in measured.items()}
         )
         return chosen
+
+    def _cache_key(self, tier: Tier, options: list[Rounding]) -> str | None:
+        """What a choice among `options` at `tier` depends on: every option's codes (the export's identity, the
+        group size, the tier and the rounding) and what their drifts are measured on."""
+        if self.job.cache is None:
+            return None
+        scored, settings = self.job.scored, self.job.settings
+        return run_cache.key(
+            scored.measure_identity(settings),
+            f"group size {settings.group_size}",
+            f"{tier.name}: {tier.family} {tier.bits} bits, {'symmetric' if tier.symmetric else 'asymmetric'}",
+            *(repr(rounding) for rounding in options),
+        )
 
     def _choose(self) -> TierRoundings:
         """Per calibratable tier, the rounding whose uniform model drifts least: among `AUTO_METHODS` with

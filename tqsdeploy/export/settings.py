@@ -16,6 +16,8 @@ from tqsdeploy.size import check_basis
 AUTO_ROUNDING = "auto"
 """`--rounding auto`: per tier the method whose uniform model at that tier drifts least on the scoring contexts
 (`export.roundings`); any other value is one method of `tiers.METHODS` for every tier."""
+GROUP_PRICES = ("shared", "exact")
+"""`--group-prices`: a channel group's price from its unit's rollout (`shares.GroupShares`), or a rollout of its own."""
 TARGETS = ("ort-cpu", "ort-cuda", "trt")
 """Where the exported model will run (`--target`); 'ort' is read as 'ort-cpu'."""
 RUNTIME_LAYOUTS = ("auto", "native", "dequantized", "fused")
@@ -54,6 +56,9 @@ class ExportSettings:
     by default: on the frontiers it rarely changed the model and cost a quarter of an export (benchmarks/results)."""
     split_fraction: float = 0.02
     """Units holding more than this share of the unit parameters are split into channel groups of about this share."""
+    group_prices: str = "shared"
+    """A channel group's price: 'shared', its unit's rollout times the group's share of the unit's layer-output error
+    (`shares.GroupShares`: a rollout per unit and tier at any cut), or 'exact', a rollout of its own per tier."""
     basis: str = "file"
     """What --C divides: 'file' (every stored tensor) or 'units' (the scored units only)."""
     single_file: bool = False
@@ -91,6 +96,8 @@ class ExportSettings:
         check_allocator(self.allocator)
         if self.refine < 0:
             raise InputError(f"--refine takes a number of rounds >= 0, not {self.refine}")
+        if self.group_prices not in GROUP_PRICES:
+            raise InputError(f"unknown --group-prices '{self.group_prices}'; choose one of {', '.join(GROUP_PRICES)}")
         if not 0 <= self.split_fraction < 1:
             raise InputError(f"--split takes a fraction in [0, 1), not {self.split_fraction}")
 

@@ -73,6 +73,8 @@ class Outcome:
     """What ONNX Runtime runs for each unit tensor (`WeightForms.runs_as`)."""
     oldest_release: str | None = None
     """The oldest ONNX Runtime release that loads the file (`runtimes.ort_versions.oldest_release`), and why."""
+    cache: dict | None = None
+    """What this export read from the run's cache and added to it, by kind (`RunCache.since`); None: no cache."""
 
     def fake_quantized(self) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the file (exact dequantization)."""
@@ -256,10 +258,10 @@ class Writer:
         path: Path,
         notes: list[str],
         uniform_tier: str | None,
-        clock: tuple[float, dict],
+        clock: tuple[float, dict, dict | None],
     ) -> Outcome:
         """Write `chosen` to `path` with its allocation record (.parquet and .json) beside it; `clock`: when the
-        export of this target began, and the encoder's profile then."""
+        export of this target began, and the encoder's profile and the cache's counts then."""
         stem = path.with_suffix("")
         for record in (Path(f"{stem}.allocation.json"), Path(f"{stem}.allocation.parquet")):
             record.unlink(
@@ -304,6 +306,7 @@ class Writer:
             layout=self.settings.layout,
             memory_bytes=summary["weights_in_memory_bytes"],
             profile=summary["profile_s"],
+            cache=summary["cache"],
             rounding=rounding,
             opsets=(self.scored.model_opset, written.opset),
             runs_as=runs_as,
@@ -319,10 +322,10 @@ class Writer:
         written: Written,
         notes: list[str],
         uniform_tier: str | None,
-        clock: tuple[float, dict],
+        clock: tuple[float, dict, dict | None],
     ) -> dict:
         """The allocation record's fields, in the order the JSON keeps them."""
-        started, profiled = clock
+        started, profiled, _ = clock
         drift = chosen.drift
         return {
             "model": str(self.scored.model.path),
@@ -351,7 +354,7 @@ class Writer:
             "explained": explained(self.scored.prepared.contexts.count, [c.label for c in compared]),
             "compared": [c.record() for c in compared],
             "notes": notes,
-            "checkpointed_weights_reused": self.encoder.log.reused,
+            "cache": self.job.cache.since(clock[2]) if self.job.cache is not None else None,
             "timings_s": {
                 **{k: round(v, 3) for k, v in self.job.timings.items()},
                 "calibration": round(self.encoder.log.calibration_s, 3),

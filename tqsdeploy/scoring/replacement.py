@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+from tqsdeploy.encoding.run_cache import FOLDER as CACHE
 from tqsdeploy.files import REPLACED, write_json
 from tqsdeploy.scoring.runs import RUN_FILES, RUN_FORMAT, read_record
 from tqsdeploy.sweep import ResultLog
@@ -20,9 +21,9 @@ def holds_nothing(run_dir: Path, existing: dict) -> bool:
 class Replacement:
     """A new run in a folder, taking the place of whatever run it held only once it has a result.
 
-    On entry the previous run's files (`RUN_FILES`) move into `.replaced/`; a run that fails or is stopped
-    before its first task result (a nominal rollout that gives NaN, a model that fails on the contexts,
-    Ctrl-C) removes what it wrote and moves them back, so `--fresh` never costs a finished run for nothing
+    On entry the previous run's files (`RUN_FILES`) and its export cache move into `.replaced/`; a run that fails
+    or is stopped before its first task result (a nominal rollout that gives NaN, a model that fails on the
+    contexts, Ctrl-C) removes what it wrote and moves them back, so `--fresh` never costs a finished run for nothing
     and the corrected command finds the folder as it was. The first result discards them."""
 
     def __init__(self, run_dir: Path, fresh: bool):
@@ -54,6 +55,8 @@ class Replacement:
                     os.link(self.run_dir / name, gathering / name)
                 except OSError:  # a file system without hard links
                     shutil.copy2(self.run_dir / name, gathering / name)
+            if (self.run_dir / CACHE).is_dir():  # the export cache was made from the run set aside: it goes with it
+                (self.run_dir / CACHE).rename(gathering / CACHE)
             gathering.rename(self.aside)
             for name in present:
                 (self.run_dir / name).unlink()
@@ -85,5 +88,7 @@ class Replacement:
         for name in RUN_FILES:
             (self.run_dir / name).unlink(missing_ok=True)
         for kept in self.aside.iterdir():
+            if kept.is_dir():
+                shutil.rmtree(self.run_dir / kept.name, ignore_errors=True)
             kept.replace(self.run_dir / kept.name)
         self.aside.rmdir()

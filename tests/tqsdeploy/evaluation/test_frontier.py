@@ -312,3 +312,37 @@ def test_frontier_refuses_a_folder_of_other_files_unless_forced_and_resumes_its_
         and "was for another settings: it is done again" in " ".join(text.split())
         and "kept from an earlier run" not in text
     ), text
+
+
+def test_the_frontier_plans_every_step_and_estimates_its_time_before_the_first(small, tmp_path):
+    """The display counts every step from the start (the matched points guessed, one per baseline width) and its ETA
+    is the plan's estimate by kind of work, positive before the first step; the held-out reference rolls out once
+    per split, and the TQS-PTQ export encodes no uniform pass the baselines ran (they share the run's cache)."""
+    import io
+
+    from rich.console import Console
+
+    from tqsdeploy.evaluation.frontier import FrontierRequest, FrontierSettings, run_frontier
+    from tqsdeploy.progress import Progress
+
+    model, contexts, _ = small
+    seen = []
+
+    class Recording(Progress):
+        def start(self, total, done=0):
+            seen.append((total, done, self.remaining() if self.remaining is not None else None))
+            super().start(total, done)
+
+    progress = Recording(Console(file=io.StringIO()), "frontier", unit="steps", interval=0)
+    settings = FrontierSettings(targets=(4,), baselines=("rtn", "qep"), bits=(4,))
+    request = FrontierRequest(model, contexts, tmp_path / "front", steps=4, eval_contexts=contexts, settings=settings)
+    run_frontier(request, progress=progress)
+    progress.stop()
+    first_total, _, estimate = seen[0]
+    assert estimate is not None and estimate > 0
+    # score, 2 baselines, C4 and the W4-matched point, 4 candidates on 2 splits, the report
+    assert first_total == 1 + 2 + 2 + 4 * 2 + 1 == progress.done == progress.total
+    assert all(total == first_total for total, _, _ in seen)
+    record = json.loads((tmp_path / "front" / "models" / "mlp.TQS-PTQ.C4.allocation.json").read_text())
+    passes = len(record["tiers"])  # three weights, one slot each
+    assert record["cache"]["made"].get("weights", 0) <= passes  # the mixed pass at most: QEP W4 came from the baseline

@@ -256,12 +256,25 @@ def test_too_little_calibration_data_is_said_in_plain_words(tmp_path):
 def test_the_rtn_export_the_note_advises_runs_no_calibration_and_ships_rtn_codes(tmp_path):
     """The thin-statistics note says to export with --rounding rtn, 'which needs none'; such an export still
     calibrated uniform GPTQ, GPTAQ and QEP models on those few windows to compare with, and shipped one
-    (lorenz96: 'shipped uniform int4-asym gptaq' after --rounding rtn). It compares uniform RTN alone."""
+    (lorenz96: 'shipped uniform int4-asym gptaq' after --rounding rtn). It compares uniform RTN alone. (Shared
+    channel-group prices weigh each group by its inputs' second moment, one capture pass: `--group-prices exact`
+    keeps this export free of any.)"""
     model = models.mlp_forecaster(tmp_path / "a.onnx")
     np.savez(tmp_path / "ctx.npz", x=np.random.default_rng(0).standard_normal((2, 1, 32)).astype(np.float32))
     score(model, tmp_path / "ctx.npz", steps=2, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=1))
     code, text = invoke(
-        "export", model, "--run", tmp_path / "run", "--C", 4, "--rounding", "rtn", "--out-dir", tmp_path
+        "export",
+        model,
+        "--run",
+        tmp_path / "run",
+        "--C",
+        4,
+        "--rounding",
+        "rtn",
+        "--group-prices",
+        "exact",
+        "--out-dir",
+        tmp_path,
     )
     assert code == 0, text
     meta = json.loads((tmp_path / "a.C4.allocation.json").read_text())

@@ -1,5 +1,5 @@
-"""An interrupted export resumes: calibration passes are checkpointed weight by weight in the run folder,
-and the rerun writes the same bytes as an uninterrupted export."""
+"""An interrupted export resumes: every pass keeps its weights one by one in the run folder's cache, and the rerun
+writes the same bytes as an uninterrupted export."""
 
 import os
 import re
@@ -15,7 +15,7 @@ import pytest
 from conftest import scored_run
 
 from tqsdeploy.encoding.checkpoints import FOLDER
-from tqsdeploy.export import ExportSettings, Planner
+from tqsdeploy.export import CacheOptions, ExportSettings, Planner
 
 # A residual MLP with the shared weight split into channel groups, and a finished score run.
 scored = scored_run(
@@ -29,7 +29,7 @@ scored = scored_run(
 
 def _export(run, path, on_weight=None):
     """Export C 4 with QEP rounding (every pass calibrated); the weights it encoded itself, in order."""
-    planner = Planner(run, settings=ExportSettings(refine=1), resumable=True)
+    planner = Planner(run, settings=ExportSettings(refine=1), cache=CacheOptions())
     encoded = []
 
     def count(name):
@@ -40,7 +40,7 @@ def _export(run, path, on_weight=None):
     planner.encoder.on_weight = count
     try:
         outcome = planner.export(4, path, final=True)
-        planner.discard_checkpoints()
+        planner.finished()
     finally:
         planner.close()
     return outcome, encoded
@@ -51,7 +51,7 @@ def test_an_interrupted_export_resumes_from_its_checkpoints_and_writes_the_same_
     for name in ("whole", "cut"):
         shutil.copytree(folder / "run", tmp_path / name)
     whole, all_encoded = _export(tmp_path / "whole", tmp_path / "whole.onnx")
-    assert not (tmp_path / "whole" / FOLDER).exists()  # a finished export leaves no checkpoints
+    assert list((tmp_path / "whole" / FOLDER).rglob("*.npz"))  # a finished export keeps its cache for the next
 
     def interrupt(count):
         if count == 5:
@@ -67,7 +67,6 @@ def test_an_interrupted_export_resumes_from_its_checkpoints_and_writes_the_same_
     )  # the four finished weights are read, not encoded again
     assert (tmp_path / "cut.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes()
     assert resumed.notes == whole.notes  # what calibration said of the reused weights comes back with them
-    assert not (tmp_path / "cut" / FOLDER).exists()
 
 
 def test_checkpoints_of_other_settings_are_not_used(scored, tmp_path):
@@ -76,12 +75,12 @@ def test_checkpoints_of_other_settings_are_not_used(scored, tmp_path):
     shutil.copytree(folder / "run", tmp_path / "run")
     from tiers import TIERS, Rounding
 
-    planner = Planner(tmp_path / "run", resumable=True)
+    planner = Planner(tmp_path / "run", cache=CacheOptions())
     planner.encoder.uniform(TIERS["int4-asym"], Rounding("gptq"))
     planner.close()
     saved = len(list((tmp_path / "run" / FOLDER).rglob("*.npz")))
     assert saved == len(planner.layouts)
-    again = Planner(tmp_path / "run", resumable=True)
+    again = Planner(tmp_path / "run", cache=CacheOptions())
     again.encoder.uniform(TIERS["int4-asym"], Rounding("qep"))
     assert again.encoder.log.reused == 0
     again.encoder.uniform(TIERS["int4-asym"], Rounding("gptq"))
@@ -96,7 +95,7 @@ def test_a_pass_asked_again_in_one_export_is_not_reported_as_resumed(scored, tmp
     shutil.copytree(folder / "run", tmp_path / "run")
     from tiers import TIERS, Rounding
 
-    planner = Planner(tmp_path / "run", resumable=True)
+    planner = Planner(tmp_path / "run", cache=CacheOptions())
     calls = []
     planner.encoder.on_pass = lambda label, count, done, resumed: calls.append((count, done, resumed))
     first = planner.encoder.uniform(TIERS["int4-asym"], Rounding("gptq"))
@@ -156,46 +155,25 @@ def _interrupted(command: list[str], ready, env: dict | None = None) -> str:
 
 
 def test_ctrl_c_during_export_says_what_is_kept_and_the_rerun_resumes(scored, tmp_path):
-    """The command line, interrupted by a real SIGINT once the first checkpoint is on disk; the rerun, in
-    another process, writes what an uninterrupted export writes."""
-    model, command = _whole_and_command(scored, tmp_path, ["--C", "4", "-o"], "whole.onnx", "q.onnx")
+    """The command line, interrupted by a real SIGINT once the first weight is in the cache; the rerun, in another
+    process, reads every weight kept (one may serve several passes) and writes what an uninterrupted export
+    writes."""
+    model, command = _whole_and_command(scored, tmp_path, ["--verbose", "--C", "4", "-o"], "whole.onnx", "q.onnx")
     stderr = _interrupted(
         command, lambda: list((tmp_path / "run" / FOLDER).rglob("*.npz")), {"TQS_PROGRESS_INTERVAL": "0.05"}
     )
     text = " ".join(stderr.split())
     assert (
         "interrupted: the run folder keeps the measured tier prices (measured.jsonl) "
-        "and every weight a calibration pass finished (export-checkpoints/)" in text
+        "and every weight a pass finished (export-cache/)" in text
     )
     assert not (tmp_path / "q.onnx").exists()
     kept = len(list((tmp_path / "run" / FOLDER).rglob("*.npz")))
     rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     text = " ".join(rerun.stderr.split())
-    assert (
-        sum(int(n) for n in re.findall(r"resuming, (\d+) of \d+ weights read from the checkpoints", text)) == kept > 0
-    ), text
-    assert (tmp_path / "q.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes() and not (
-        tmp_path / "run" / FOLDER
-    ).exists()
-
-
-def test_interrupted_exports_keep_at_most_max_passes(scored, tmp_path, monkeypatch):
-    """Checkpoints do not pile up: beyond MAX_PASSES the least recently used pass is dropped."""
-    from tiers import TIERS, Rounding
-    from tqsdeploy.encoding import checkpoints
-
-    model, _, folder = scored
-    shutil.copytree(folder / "run", tmp_path / "run")
-    monkeypatch.setattr(checkpoints, "MAX_PASSES", 2)
-    planner = Planner(tmp_path / "run", resumable=True)
-    passes = []
-    for method in ("gptq", "gptaq", "qep"):
-        planner.encoder.uniform(TIERS["int4-asym"], Rounding(method))
-        passes.append({p.name for p in (tmp_path / "run" / FOLDER).iterdir()})
-    planner.close()
-    assert [len(p) for p in passes] == [1, 2, 2]
-    assert passes[0] < passes[1] and not passes[0] & passes[2]  # the oldest (gptq) went when the third began
+    assert sum(int(n) for n in re.findall(r"(\d+) of \d+ weights read from the run's cache", text)) >= kept > 0, text
+    assert (tmp_path / "q.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes()
 
 
 def test_a_rerun_after_ctrl_c_between_two_targets_overwrites_what_the_interrupted_export_wrote(scored, tmp_path):

@@ -271,7 +271,7 @@ def test_a_model_swept_in_cuts_is_priced_in_cuts_at_the_same_prices(tmp_path):
     for strategy, planner in planners.items():
         measured = planner.pricing.measured()
         priced[strategy] = {
-            (slot.name, tier.name): measured[planner.prices.task(slot, tier).key].div_sq
+            (slot.name, tier.name): measured[planner.prices.key(slot, tier)].div_sq
             for slot, tier in planner.pricing.measured_tasks()
         }
         planner.close()

@@ -292,6 +292,7 @@ def test_spec_free_score_of_a_timesfm_shaped_model(tmp_path):
         "era5_downscale",
         "token_embedder",
         "tied_mixer_etth1",
+        "dwconv_mixer_etth1",
     ],
 )
 def test_examples_detect_their_committed_spec(example):

@@ -1,0 +1,129 @@
+"""Channel groups priced from their unit's rollout: each group's share of the unit's layer-output error.
+
+Near a uniform size a unit is cut into many channel groups (`compare.slack_split`), and a rollout per group and
+tier made pricing grow with the cut (issue 57: 1,392 pricing rollouts, 80% of a 34-minute export). With
+`--group-prices shared` (the default) a group's price at a tier is its unit's price there (one rollout, the same
+at every cut) times the group's share of the unit's layer-output error at that tier: Σ over the group's output
+channels c of δw_c·H·δw_cᵀ, δw_c the channel's rounding error and H the second moment of the weight's
+full-precision inputs on the calibration rollout (`input_moments`). For one linear layer whose outputs are the
+trajectory these are the exact prices (output channels add); elsewhere they assume that a unit's channels reach
+the trajectory alike (docs/design-notes/export.md, "Channel groups priced from their unit").
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from graph_ops.calibration import layer_inputs
+from tiers import Tier
+from tqsdeploy.encoding.calibrator import sample_chunks
+from tqsdeploy.encoding.choices import AnyRounding
+from tqsdeploy.encoding.slots import Slot
+from tqsdeploy.export.job import ExportJob
+
+FULL_ORDER = 1024
+"""Inputs up to this width weigh the error by their full second moment H (K x K); wider ones by its diagonal only,
+a vector per weight where a 4096-wide layer's H takes 128 MiB."""
+
+
+def input_moments(calibrator, names: Iterable[str]) -> dict[str, list[np.ndarray] | None]:
+    """Per weight of `names`: per row group, the mean X·Xᵀ of its full-precision inputs over the calibration rollout,
+    merged over the nodes that read it (K x K, or its diagonal past `FULL_ORDER`); None for a weight calibration
+    cannot feed (its inputs are not rebuilt, `Calibrator.first`)."""
+    layouts = calibrator.layouts
+    names = list(names)
+    fed = [n for n in names if layouts[n].calibratable and n not in calibrator.first]
+    uses = {u.key: (u, layouts[n].row_groups) for n in fed for u in layouts[n].uses}
+    sums: dict[tuple, np.ndarray] = {}
+    counts: dict[tuple, int] = {}
+    for values in calibrator.full_inputs(sorted({u.x for u, _ in uses.values()})):
+        for key, (use, groups) in uses.items():
+            for chunk in sample_chunks(use, values[use.x]):
+                for group, x in enumerate(layer_inputs(use, np.asarray(values[use.x])[chunk], groups)):
+                    x = np.asarray(x, np.float64)
+                    part = x.T @ x if x.shape[1] <= FULL_ORDER else np.einsum("ij,ij->j", x, x)
+                    sums[(key, group)] = part + sums[(key, group)] if (key, group) in sums else part
+                    counts[(key, group)] = counts.get((key, group), 0) + x.shape[0]
+    moments: dict[str, list[np.ndarray] | None] = {}
+    for name in names:
+        keys = [u.key for u in layouts[name].uses] if name in fed else []
+        groups = range(layouts[name].row_groups)
+        if not keys or any((k, g) not in sums for k in keys for g in groups):
+            moments[name] = None
+            continue
+        moments[name] = [sum(sums[(k, g)] for k in keys) / max(1, sum(counts[(k, g)] for k in keys)) for g in groups]
+    return moments
+
+
+def channel_errors(wt_original: np.ndarray, wt_encoded: np.ndarray, moments: list[np.ndarray] | None) -> np.ndarray:
+    """Per output channel (row of Wt), δw·H·δwᵀ with δw = encoded − original and H its row group's moment (a
+    diagonal: Σ δw²·h); without moments ‖δw‖²."""
+    delta = np.asarray(wt_encoded, np.float64) - np.asarray(wt_original, np.float64)
+    if moments is None:
+        return np.einsum("ij,ij->i", delta, delta)
+    rows = delta.shape[0] // len(moments)
+    parts = []
+    for group, moment in enumerate(moments):
+        block = delta[group * rows : (group + 1) * rows]
+        parts.append(np.einsum("ij,ij->i", block @ moment, block) if moment.ndim == 2 else np.square(block) @ moment)
+    return np.concatenate(parts)
+
+
+class GroupShares:
+    """Each channel group's share of its unit's layer-output error at a tier, for `PriceList`'s shared prices."""
+
+    def __init__(self, job: ExportJob):
+        self.job = job
+        self._errors: dict[tuple[str, str], np.ndarray] = {}
+        """(unit, tier) -> the unit's per-channel layer-output errors at the tier, as priced (the uniform codes)."""
+
+    def share(self, slot: Slot, tier: Tier) -> float:
+        """The group's share of its unit's error at `tier` (`prepare` made it); its share of the channels where
+        the tier leaves the unit exact."""
+        errors = self._errors[(slot.unit, tier.name)]
+        start, stop = slot.rows
+        total = float(errors.sum())
+        return float(errors[start:stop].sum()) / total if total > 0 else (stop - start) / len(errors)
+
+    def prepare(self, tasks: Iterable[tuple[Slot, Tier]], rounding: AnyRounding) -> None:
+        """The errors of every (unit, tier) of the group slots in `tasks` not made yet: one pass over the calibration
+        samples for the units' moments, dropped once their errors are made."""
+        wanted: dict[str, set[str]] = {}
+        tiers: dict[str, Tier] = {}
+        for slot, tier in tasks:
+            if slot.rows is not None and (slot.unit, tier.name) not in self._errors:
+                wanted.setdefault(slot.unit, set()).add(tier.name)
+                tiers[tier.name] = tier
+        if not wanted:
+            return
+        scored, encoder = self.job.scored, self.job.encoder
+        names = {unit: scored.units_by_name[unit].tensor_names[0] for unit in wanted}
+        moments = self._moments(list(names.values()))
+        for unit, tier_names in wanted.items():
+            name = names[unit]
+            layout = encoder.layouts[name]
+            original = layout.to_wt(np.asarray(scored.weights[name], np.float64))
+            read = self._read_rows(name, layout.channels)
+            for tier_name in tier_names:
+                encoded = encoder.tensor(name, tiers[tier_name], rounding).dequantize()
+                errors = channel_errors(original, layout.to_wt(encoded), moments[name])
+                self._errors[(unit, tier_name)] = errors * read if read is not None else errors
+
+    def _moments(self, names: list[str]) -> Mapping[str, list[np.ndarray] | None]:
+        calibrator = self.job.encoder.calibrator
+        with self.job.encoder.profile.section("statistics"):
+            moments = input_moments(calibrator, names)
+        if self.job.scored.one_session:
+            self.job.encoder.release_calibrator()  # a copy of the model: not held beside the measuring session
+        return moments
+
+    def _read_rows(self, name: str, channels: int) -> np.ndarray | None:
+        """A Gather table's rows the scoring contexts read (1) and those they never read (0); None otherwise."""
+        rows = self.job.scored.prepared.job.rows.get(name)
+        if rows is None:
+            return None
+        read = np.zeros(channels)
+        read[np.asarray(rows, np.int64)] = 1.0
+        return read
