@@ -31,6 +31,7 @@ from tqsdeploy.cli.outputs import (
     drift_lines,
     feeds_matmul_integer_codes,
     layout_cost,
+    memory_line,
     refuse_overwrite,
     say_sidecar,
     size_line,
@@ -186,6 +187,14 @@ def export(
         help="Largest drift (a percentage such as 1% or 0.5; as eval --exact reports it: exact dequantization) on "
         "the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate.",
     ),
+    memory: bool = typer.Option(
+        True,
+        "--memory/--no-memory",
+        envvar="TQS_MEMORY",
+        help="Measure each written model's session memory (peak and steady, in a fresh process, on the first scoring "
+        "window) beside the original's: in the summary and the allocation JSON's session_memory. A second or so "
+        "per model; --no-memory skips it.",
+    ),
     verbose: bool = typer.Option(
         False,
         "--verbose",
@@ -257,7 +266,9 @@ def export(
     check_writable(run_dir)  # its prices and checkpoints are written as the export goes
     display = ExportDisplay(verbose)
     cache = CacheOptions(parse_bytes(cache_bytes, "--cache-bytes") if cache_bytes is not None else None, fresh)
-    planner = Planner(run_dir, model, settings, for_provider(provider), cache=cache, progress=display.progress())
+    planner = Planner(
+        run_dir, model, settings, for_provider(provider), cache=cache, progress=display.progress(), memory=memory
+    )
     if compression:
         planner.check_targets(targets)
     planner.check_single_file(targets, uniform_tier)
@@ -327,6 +338,8 @@ def _print_outcome(planner, settings, value, outcome, fused: bool, verbose: bool
     out.print(frame_table(summary.sort("bytes", descending=True), "", ["tier", "slots", "params", "bytes"]))
     out.print(f"  slots: {escape(slots_line(outcome.table, planner.scored.units))}", soft_wrap=True)
     out.print(f"  runtime layout: {layout_cost(outcome, settings)}")
+    if (line := memory_line(outcome)) is not None:
+        out.print(f"  {escape(line)}", soft_wrap=True)
     if (
         planner.roundings.choice
     ):  # what was measured so far, read as it is (asking for a tier's rounding could measure more)

@@ -50,6 +50,18 @@ def feeds_matmul_integer_codes(encodings, layouts) -> bool:
     )
 
 
+def memory_line(outcome) -> str | None:
+    """The written model's session memory beside the original's, measured in a fresh process; None when not."""
+    found = outcome.session_memory
+    if not found:
+        return None
+    return (
+        f"session memory: peak {found['peak_bytes'] / 1e6:.1f} MB, steady {found['steady_bytes'] / 1e6:.1f} MB; "
+        f"the original's {found['original_peak_bytes'] / 1e6:.1f} / {found['original_steady_bytes'] / 1e6:.1f} MB "
+        f"({found['peak_ratio']:.2f}x its peak; {found['basis']})"
+    )
+
+
 def layout_cost(outcome, settings) -> str:
     """What the written layout costs at run time, in one line."""
     memory = f"about {outcome.memory_bytes / 1e6:.3f} MB of weights in memory after load"

@@ -95,7 +95,8 @@ def markdown(report: dict) -> str:
     if report.get("latency"):
         from tqsdeploy.evaluation.latency import markdown as latency_lines
 
-        lines += latency_lines(report["latency"], f"{runtime['provider']}, {runtime['mode']}")
+        mode = f"{runtime['provider']}, {runtime['mode']}"
+        lines += latency_lines(report["latency"], mode, fresh_memory=bool(report.get("memory")))
     return "\n".join(lines) + "\n"
 
 

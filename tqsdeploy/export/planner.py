@@ -30,6 +30,7 @@ from tqsdeploy.encoding.slots import check_group_size
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.candidates import Candidate, MixedModels, UniformModels
 from tqsdeploy.export.compare import Comparison
+from tqsdeploy.export.deployed import DeployedMemory
 from tqsdeploy.export.forms import WeightForms
 from tqsdeploy.export.job import ExportJob, ScoredModel, SlotCut, load_scored
 from tqsdeploy.export.measuring import Measuring
@@ -88,14 +89,16 @@ class Planner:
         runtime: Runtime = DEFAULT_RUNTIME,
         cache: CacheOptions | None = None,
         progress: ExportProgress = ExportProgress(),
+        memory: bool = False,
     ):
         """`cache`: keep every weight a pass encodes, every candidate's drift and every grid choice in the run
         folder's cache, and read back what earlier or interrupted exports of the run left there
         (`tqsdeploy.encoding.run_cache`); `finished` once every file is written. None: nothing is kept but the
-        prices. Holds the run folder (`RunFolderShare`) until `close`."""
+        prices. `memory`: measure each written model's session memory in a fresh process beside the original's
+        (`deployed.DeployedMemory`; ONNX Runtime targets). Holds the run folder (`RunFolderShare`) until `close`."""
         self.run_dir = Path(run_dir)
         self.settings = settings
-        self.progress = progress
+        self.progress, self._memory = progress, memory
         self._share = RunFolderShare(self.run_dir)
         try:
             self._compose(model, runtime, cache)
@@ -150,7 +153,12 @@ class Planner:
             self.measuring,
             lambda tiers: TierPricing(self.job, tiers, self.prices, self.sizing),
         )
-        self.writer = Writer(self.job, self.roundings)
+        deployed = (
+            DeployedMemory(self.scored, runtime.provider)
+            if self._memory and settings.engine.startswith("ort") and hasattr(runtime, "provider")
+            else None
+        )
+        self.writer = Writer(self.job, self.roundings, deployed)
 
     def _encoder(self) -> Encoder:
         """The one encoder of this export, its calibrator made on first use from the scored model."""
@@ -261,6 +269,7 @@ class Planner:
         cache trimmed to its cap and its note written."""
         self.measuring.release_runner()
         self.encoder.close()
+        self.writer.close()
         try:
             if self.cache is not None:
                 self.cache.settle()

@@ -25,6 +25,7 @@ from tqsdeploy.encoding.logs import thin_note
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.allocate import Allocation
 from tqsdeploy.export.candidates import MIXED, Candidate, explain
+from tqsdeploy.export.deployed import DeployedMemory
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.roundings import Roundings
 from tqsdeploy.files import write_json, write_table
@@ -71,6 +72,8 @@ class Outcome:
     """(the model's, the file's) default-domain opset: a conversion can change a kernel's speed."""
     runs_as: dict[str, str] = field(default_factory=dict)
     """What ONNX Runtime runs for each unit tensor (`WeightForms.runs_as`)."""
+    session_memory: dict | None = None
+    """The session's peak and steady memory in a fresh process beside the original's (`DeployedMemory`)."""
     oldest_release: str | None = None
     """The oldest ONNX Runtime release that loads the file (`runtimes.ort_versions.oldest_release`), and why."""
     cache: dict | None = None
@@ -106,9 +109,14 @@ def explained(windows: int, labels: list[str]) -> dict[str, str]:
 class Writer:
     """Writes an export's chosen candidate and what to say about it."""
 
-    def __init__(self, job: ExportJob, roundings: Roundings):
-        self.job, self.roundings = job, roundings
+    def __init__(self, job: ExportJob, roundings: Roundings, deployed: DeployedMemory | None = None):
+        """`deployed`: measures each written model's session memory (None: not measured)."""
+        self.job, self.roundings, self.deployed = job, roundings, deployed
         self.scored, self.settings, self.encoder = job.scored, job.settings, job.encoder
+
+    def close(self) -> None:
+        if self.deployed is not None:
+            self.deployed.close()
 
     def outputs_identity(self) -> str:
         """What an output file depends on: the calibration passes' identity and the settings."""
@@ -286,6 +294,7 @@ class Writer:
             "rounding_by_tier": rounding,
             "runs_as": runs_as,
             "oldest_onnxruntime": {"release": version_text(loads_on), "because": why},
+            "session_memory": self.deployed.measure(path) if self.deployed is not None else None,
         }
         summary["tiers"] = table.rows(named=True)
         write_table(table, f"{stem}.allocation.parquet")
@@ -311,6 +320,7 @@ class Writer:
             opsets=(self.scored.model_opset, written.opset),
             runs_as=runs_as,
             oldest_release=version_text(loads_on) + (f" ({'; '.join(why)})" if why else ""),
+            session_memory=summary["session_memory"],
         )
 
     def _summary(

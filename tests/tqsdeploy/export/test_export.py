@@ -535,7 +535,7 @@ def test_int1_is_priced_as_written_when_its_unit_is_split(scored, tmp_path):
 def test_conv_calibration_rows_are_built_a_few_samples_at_a_time(tmp_path, monkeypatch):
     """A Conv's im2col rows for every window of a step at once took a 0.5 MB emulator's export to 1.75 GB; built
     a sample at a time they give the same Hessians (to float rounding), so the same QEP codes."""
-    import tqsdeploy.encoding.calibrator as calibrate
+    import graph_ops.calibration as calibrate
 
     model = models.conv_stack(tmp_path / "conv.onnx")
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((6, 1, 5, 8, 8)).astype(np.float32))
