@@ -45,7 +45,8 @@ oldest-ort:
 	test -x .venv-ort-$(ORT_1_20)/bin/python || ($(PYTHON) -m venv .venv-ort-$(ORT_1_20) && \
 		.venv-ort-$(ORT_1_20)/bin/python -m pip install --quiet --disable-pip-version-check onnxruntime==$(ORT_1_20) numpy)
 	TQS_ORT_1_20_PYTHON=$(CURDIR)/.venv-ort-$(ORT_1_20)/bin/python $(ORT_VENV)/bin/python -m pytest -q \
-		tests/e2e/test_runtime_releases.py tests/graph_ops/test_native.py tests/tqsdeploy/export/test_export.py
+		tests/e2e/test_runtime_releases.py tests/graph_ops/test_native.py tests/tqsdeploy/export/test_export.py \
+		tests/e2e/test_examples.py::test_a_model_from_torchs_default_exporter_reads_as_its_modules_and_says_what_its_numbers_are
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_score.py

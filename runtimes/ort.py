@@ -145,6 +145,10 @@ class OrtRuntime:
         for key, value in self.config:
             options.add_session_config_entry(key, value)
         source = model if isinstance(model, bytes) else os.fspath(model)
+        if external_data_dir is not None and not isinstance(source, bytes) and _elsewhere(source, external_data_dir):
+            # a graph file whose tensors live in another folder (score's session files): ONNX Runtime 1.24 reads a
+            # path's external data beside it whatever the folder option says, and honours the option for bytes
+            source = Path(source).read_bytes()
         if self.exact_qdq:
             source, external_data_dir = _exact_kernels(source, external_data_dir, options)
         session = ort.InferenceSession(
@@ -176,6 +180,11 @@ FP16_INITIALIZER_FUSION_FIXED = (1, 32)
 """ONNX Runtime 1.24 to 1.27 (measured; 1.28 to 1.31 not) crash in FuseFp16InitializerToFp32NodeTransformer, at the
 "all" level, on a float16 initializer that is also a graph input: what `overridable` sessions declare to feed a
 scored weight. 1.32 runs it."""
+
+
+def _elsewhere(path: str, folder: Path) -> bool:
+    """Whether a model file's external data folder is not its own, and the file small enough to pass as bytes."""
+    return Path(path).resolve().parent != Path(folder).resolve() and os.path.getsize(path) < (1 << 30)
 
 
 def _broken_optimizers(version: str) -> list[str]:

@@ -68,7 +68,7 @@ def layout_cost(outcome, settings) -> str:
     chosen = f"{outcome.layout}" + (
         f" (auto for --target {settings.target})" if settings.runtime_layout == "auto" else ""
     )
-    loads = f"; loads on ONNX Runtime {outcome.oldest_release} or later" if outcome.oldest_release else ""
+    loads = f"; loads on ONNX Runtime {outcome.oldest_release}" if outcome.oldest_release else ""
     if outcome.layout == "native":
         counts: dict[str, int] = {}
         for form in outcome.runs_as.values():

@@ -75,7 +75,8 @@ class Outcome:
     session_memory: dict | None = None
     """The session's peak and steady memory in a fresh process beside the original's (`DeployedMemory`)."""
     oldest_release: str | None = None
-    """The oldest ONNX Runtime release that loads the file (`runtimes.ort_versions.oldest_release`), and why."""
+    """The oldest ONNX Runtime release that loads the file, in words (`runtimes.ort_versions.oldest_release`): "1.23
+    or later (a Cast from 4-bit codes)"."""
     cache: dict | None = None
     """What this export read from the run's cache and added to it, by kind (`RunCache.since`); None: no cache."""
 
@@ -319,7 +320,7 @@ class Writer:
             rounding=rounding,
             opsets=(self.scored.model_opset, written.opset),
             runs_as=runs_as,
-            oldest_release=version_text(loads_on) + (f" ({'; '.join(why)})" if why else ""),
+            oldest_release=f"{version_text(loads_on)} or later" + (f" ({'; '.join(why)})" if why else ""),
             session_memory=summary["session_memory"],
         )
 
