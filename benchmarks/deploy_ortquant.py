@@ -36,7 +36,10 @@ def quantize(model: onnx.ModelProto, ops: tuple[str, ...], algorithm: str, block
 
 def main(source: str, out: str, algorithm: str, block: int) -> None:
     model = onnx.load(source)
-    external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in onnx.load(source, False).graph.initializer)
+    external = any(
+        t.data_location == onnx.TensorProto.EXTERNAL
+        for t in onnx.load(source, load_external_data=False).graph.initializer
+    )
     if algorithm == "hqq":
         model = quantize(model, ("MatMul",), "hqq", block)
         if any(n.op_type == "Gather" for n in model.graph.node):

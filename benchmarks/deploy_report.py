@@ -88,8 +88,9 @@ def _times(value: float, reference: float) -> str:
 def _latency(entry: dict | None) -> str:
     if not entry:
         return "-"
+    fast = f", p10 {entry['p10_ratio']:.2f}" if "p10_ratio" in entry else ""
     return (
-        f"**{entry['paired_ratio']:.3f}** [{entry['paired_p25']:.2f}-{entry['paired_p75']:.2f}] "
+        f"**{entry['paired_ratio']:.3f}** [{entry['paired_p25']:.2f}-{entry['paired_p75']:.2f}{fast}] "
         f"{entry['candidate_ms']:.3g} ms"
     )
 
@@ -238,7 +239,9 @@ METHOD = (
     "by malloc_trim); it repeats to about +-1 MB. **latency**: median over paired rounds of variant/FP32 (the two "
     "sessions open in one process, called in alternation, order swapped each round; 3 warm-up calls each, at least "
     "{rounds} rounds and {seconds:g} s per batch); [p25-p75] of the rounds' ratios is the noise, then the variant's "
-    "median ms. The fp32 row times FP32 against a second FP32 session: its spread is the noise floor. **accuracy**: "
+    "median ms; p10: the ratio of the two 10th percentiles (where calls that waited on a descheduled thread make the "
+    "times bimodal, as on an oversubscribed machine, the fast mode is the model's cost). The fp32 row times FP32 "
+    "against a second FP32 session: its spread is the noise floor. **accuracy**: "
     "`tqsdeploy.evaluation.evaluate.evaluate` on the held-out windows, as ONNX Runtime runs the variant (eval's "
     "default): drift % = mean |variant - FP32| / mean |FP32| (the worst trajectory output), and against the truth "
     "where there is one; token models: cosine of each embedding to FP32's. **runtime nodes**: op types of the graph "
