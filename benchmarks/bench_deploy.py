@@ -47,7 +47,10 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 RESULTS = REPO / "benchmarks" / "results"
 ORT_VARIANTS = ("ort-rtn-b32", "ort-rtn-b128", "ort-hqq-b32", "ort-hqq-b128")
-PYDEPS = ("onnx-ir==1.1.0", "sympy", "mpmath")
+PYDEPS = {
+    "onnx_ir": ("onnx-ir==1.1.0", "sympy", "mpmath"),
+    "torch": ("torch==2.13.0", "networkx", "filelock", "jinja2", "markupsafe", "fsspec"),  # HQQ's solver
+}
 
 
 def export_layouts() -> list[str]:
@@ -174,6 +177,10 @@ class Builder:
         if not found:
             self._export(folder, layout)
             found = sorted(folder.glob(f"*.C{c}.onnx"))
+        if not found:
+            log = self.folder / f"export-{layout or 'default'}.C{c}.log"
+            errors = [ln for ln in log.read_text().splitlines() if ln.startswith("error")] if log.exists() else []
+            raise RuntimeError(f"export --C {c} wrote nothing: {errors[:1] or log}")
         allocation = json.loads(Path(str(found[0]).replace(".onnx", ".allocation.json")).read_text())
         flags = " ".join(
             [f"--C {c}", *self.case.get("export_flags", [])] + ([f"--runtime-layout {layout}"] if layout else [])
@@ -189,17 +196,28 @@ class Builder:
                    "--C", ",".join(map(str, wanted)), "--out-dir", str(folder)]  # fmt: skip
         command += self.case.get("export_flags", []) + (["--runtime-layout", layout] if layout else [])
         folder.mkdir(exist_ok=True)
-        self._record(f"export {layout or 'default'} C{','.join(map(str, wanted))}",
-                     timed(command, folder.parent / f"export-{layout or 'default'}.log"))  # fmt: skip
+        log = folder.parent / f"export-{layout or 'default'}.log"
+        try:
+            self._record(f"export {layout or 'default'} C{','.join(map(str, wanted))}", timed(command, log))
+        except RuntimeError:
+            if len(wanted) == 1:
+                raise
+            for c in wanted:  # one C out of reach fails the whole call: each alone, so the others are still written
+                alone = command[: command.index("--C") + 1] + [str(c)] + command[command.index("--C") + 2 :]
+                try:
+                    self._record(f"export {layout or 'default'} C{c}", timed(alone, log.with_suffix(f".C{c}.log")))
+                except RuntimeError:
+                    pass
 
 
 def ensure_pydeps(work: Path) -> Path:
-    """onnx_ir and what it imports, installed without dependencies into the work folder (the project's onnx and
-    numpy stay the ones imported)."""
+    """onnx_ir (and torch, for HQQ) with what they import, installed without dependencies into the work folder (the
+    project's onnx and numpy stay the ones imported)."""
     target = work / "pydeps"
-    if not (target / "onnx_ir").exists():
-        command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *PYDEPS]
-        subprocess.run(command, check=True)
+    for module, packages in PYDEPS.items():
+        if not (target / module).exists():
+            command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *packages]
+            subprocess.run(command, check=True)
     return target
 
 

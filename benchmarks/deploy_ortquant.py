@@ -5,7 +5,8 @@
 to MatMulNBits and Gather tables to GatherBlockQuantized in one pass. Its `RTNWeightOnlyQuantConfig` (Intel Neural
 Compressor's RTN) is not used: it takes no block size and fails on the token embedder's 48-wide weights. HQQ
 quantizes MatMul only ("Gather quantization is not supported yet in HQQ"), so `hqq` runs HQQ on MatMul and then
-DEFAULT on Gather at the same block size: MatMul + Gather, as issue 56 compares.
+DEFAULT on Gather at the same block size: MatMul + Gather, as issue 56 compares (Gather only where a model gathers
+from a table). HQQ imports torch: the work folder's pydeps get the local CPU build.
 """
 
 from __future__ import annotations
@@ -34,18 +35,26 @@ def quantize(model: onnx.ModelProto, ops: tuple[str, ...], algorithm: str, block
     return quantizer.model.model
 
 
+def gathers_a_table(model: onnx.ModelProto) -> bool:
+    """Whether a Gather reads an initializer (an embedding table). Only then is Gather asked for: asking makes the
+    quantizer lift the opset to 21 for int4, which breaks graphs written for an older opset (ReduceMin's axes)."""
+    tables = {t.name for t in model.graph.initializer}
+    return any(n.op_type == "Gather" and n.input[0] in tables for n in model.graph.node)
+
+
 def main(source: str, out: str, algorithm: str, block: int) -> None:
     model = onnx.load(source)
+    gather = gathers_a_table(model)
     external = any(
         t.data_location == onnx.TensorProto.EXTERNAL
         for t in onnx.load(source, load_external_data=False).graph.initializer
     )
     if algorithm == "hqq":
         model = quantize(model, ("MatMul",), "hqq", block)
-        if any(n.op_type == "Gather" for n in model.graph.node):
+        if gather:
             model = quantize(model, ("Gather",), "rtn", block)
     else:
-        model = quantize(model, ("MatMul", "Gather"), "rtn", block)
+        model = quantize(model, ("MatMul", "Gather") if gather else ("MatMul",), "rtn", block)
     large = external or sum(t.ByteSize() for t in model.graph.initializer) > (1 << 30)
     onnx.save_model(model, out, save_as_external_data=large, location=Path(out).name + ".data")
 
