@@ -14,7 +14,6 @@ from tiers import DEFAULT_TIERS, METHOD_LABELS, METHODS, TIERS, TRT_TIERS
 from tqsdeploy.cli.app import (
     app,
     err,
-    frame_table,
     live_option,
     or_list,
     out,
@@ -26,16 +25,11 @@ from tqsdeploy.cli.app import (
 )
 from tqsdeploy.cli.outputs import (
     ExportDisplay,
-    cache_use,
     check_output_file,
-    drift_lines,
     feeds_matmul_integer_codes,
-    layout_cost,
-    memory_line,
+    print_outcome,
     refuse_overwrite,
     say_sidecar,
-    size_line,
-    slots_line,
 )
 from tqsdeploy.encoding.choices import GRID_CHOICES, GRIDS_HELP
 from tqsdeploy.export.objectives import objective_names, objectives_help
@@ -306,7 +300,7 @@ def export(
         if outcome.refused:
             err.print(f"[bold red]drift too large:[/] {escape(outcome.refused)}", soft_wrap=True)
             continue
-        _print_outcome(planner, settings, value, outcome, fused, verbose)
+        print_outcome(planner, settings, value, outcome, fused, verbose)
     if verbose and planner.cache is not None:
         held = planner.cache.note
         out.print(
@@ -321,66 +315,6 @@ def export(
     )
     if len(written) < len(rows):
         raise typer.Exit(1)
-
-
-def _print_outcome(planner, settings, value, outcome, fused: bool, verbose: bool) -> None:
-    """One written model's summary: what was asked and shipped, its size both ways, the tiers and what a slot is,
-    the runtime layout, the drift and on which windows, the candidates and what each is, the notes."""
-    import polars as pl
-
-    from tqsdeploy.export.writing import WARN_DRIFT_PCT
-
-    wanted = "uniform" if value is None else f"{value:g}x of the {settings.basis}"
-    out.print(escape(f"{outcome.path}: target {wanted}; shipped {outcome.shipped!r}"), soft_wrap=True)
-    out.print(f"  size: {escape(size_line(outcome, planner.model.file_bytes))}", soft_wrap=True)
-    say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
-    summary = outcome.table.group_by("tier").agg(pl.len().alias("slots"), pl.col("params").sum(), pl.col("bytes").sum())
-    out.print(frame_table(summary.sort("bytes", descending=True), "", ["tier", "slots", "params", "bytes"]))
-    out.print(f"  slots: {escape(slots_line(outcome.table, planner.scored.units))}", soft_wrap=True)
-    out.print(f"  runtime layout: {layout_cost(outcome, settings)}")
-    if (line := memory_line(outcome)) is not None:
-        out.print(f"  {escape(line)}", soft_wrap=True)
-    if (
-        planner.roundings.choice
-    ):  # what was measured so far, read as it is (asking for a tier's rounding could measure more)
-        measured = "; ".join(
-            f"{tier}: " + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items())
-            for tier, drifts in planner.roundings.choice.items()
-        )
-        used = ", ".join(f"{tier} {label}" for tier, label in outcome.rounding.items())
-        asked = " and ".join(
-            f"--{option} auto"
-            for option, value in (("rounding", settings.rounding), ("grids", settings.grids))
-            if value == "auto"
-        )
-        out.print(
-            f"  {asked}: each tier rounded as its uniform model drifted least on the scoring contexts "
-            f"({escape(used)}; measured {escape(measured)})"
-        )
-    if outcome.drift is not None:
-        for line in drift_lines(outcome, planner.scored.prepared.contexts.count):
-            out.print(f"  {escape(line)}", soft_wrap=True)
-        if fused:
-            out.print(
-                "  note: ONNX Runtime runs its DequantizeLinear→MatMul pairs as MatMulNBits with int8 "
-                "activations by default, which can drift more: "
-                "`tqsdeploy eval` measures what it runs (`--exact` for this number)"
-            )
-    for note in outcome.notes:
-        out.print(f"  [yellow]note:[/] {escape(note)}")
-    if verbose and outcome.profile:
-        from tqsdeploy.encoding.profiling import describe
-
-        out.print(f"  time: {describe(outcome.profile)}")
-    if verbose and outcome.cache:
-        out.print(f"  cache: {cache_use(outcome.cache)}")
-    if outcome.drift_pct is not None and not outcome.drift_pct <= WARN_DRIFT_PCT:
-        err.print(
-            f"[bold yellow]warning:[/] {escape(str(outcome.path))} drifts {outcome.drift_pct:.4g}% "
-            f"from the original on the scoring contexts (above {WARN_DRIFT_PCT:g}%): it may be badly damaged; "
-            "check it with `tqsdeploy eval`, or pass --max-drift PCT to fail instead",
-            soft_wrap=True,
-        )
 
 
 @app.command(
