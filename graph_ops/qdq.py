@@ -22,6 +22,7 @@ import onnx
 from onnx import external_data_helper, helper, numpy_helper, version_converter
 
 from graph_ops.io import MAX_IR_VERSION, MAX_OPSET, GraphError, tensor_bits
+from graph_ops.native import NATIVE_OPS, NativePlan, rewrite_consumers, with_domain
 from graph_ops.overridable import lift_in_place
 
 
@@ -109,8 +110,11 @@ def at_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     return converted
 
 
-LAYOUTS = ("dequantized", "fused")
+LAYOUTS = ("native", "dequantized", "fused")
 """How integer and FP8 codes reach their consumers (`export --runtime-layout`):
+- 'native': ONNX Runtime's own low-bit kernels where they take the weight (MatMulNBits for MatMul/Gemm weights,
+  GatherBlockQuantized for embedding tables: `graph_ops.native`, the consumers rewritten), the 'dequantized'
+  layout for every other weight;
 - 'fused': DequantizeLinear, which ONNX Runtime fuses with a MatMul into MatMulNBits (weights stay compressed in
   memory; fast for few rows, slower than float for batched calls; DequantizeLinear before other ops runs on every
   call) and which TensorRT's explicit quantization reads;
@@ -123,7 +127,12 @@ def _emit(name: str, value: StoredWeight, layout: str = "fused") -> tuple[list[o
     """Initializers and nodes that produce tensor `name` from its stored form, in `layout` (see `LAYOUTS`)."""
     if layout not in LAYOUTS:
         raise GraphError(f"unknown runtime layout '{layout}'; choose one of {', '.join(LAYOUTS)}")
-    return value.emit(name, layout)
+    return value.emit(name, "dequantized" if layout == "native" else layout)
+
+
+def _layout_of(layout: str | Mapping[str, str], name: str) -> str:
+    """One layout for every weight, or one per weight (a runtime that takes a form for some weights only)."""
+    return layout if isinstance(layout, str) else layout[name]
 
 
 def emitted_bits(name: str, value: StoredWeight, layout: str = "fused") -> int:
@@ -272,9 +281,12 @@ def _build(
     sink: Callable[[onnx.TensorProto], onnx.TensorProto],
     layout: str = "fused",
     opset: int = 1,
+    native: Mapping[str, NativePlan] | None = None,
 ) -> onnx.ModelProto:
     """The model with `stored` weights in `layout`, at `opset` or the lowest above it that holds them; every
-    initializer passes through `sink` (kept, or moved to external data)."""
+    initializer passes through `sink` (kept, or moved to external data). `native`: the weights whose consumers are
+    rewritten to ONNX Runtime's low-bit kernels (`graph_ops.native`), their plans."""
+    native = native or {}
     skeleton, lifted = _skeleton(model, set(stored), max(default_opset(model), required_opset(stored), opset))
     present = {t.name for t in model.graph.initializer} | set(lifted)
     missing = set(stored) - present
@@ -282,8 +294,24 @@ def _build(
         raise GraphError(f"no weight named '{sorted(missing)[0]}' in the model")
     new_nodes, emitted, replaced = [], [], []
     for tensor in list(model.graph.initializer) + list(lifted.values()):
-        if tensor.name in stored:
-            initializers, nodes = _emit(tensor.name, stored[tensor.name], layout)
+        if tensor.name in native:
+            skeleton.graph.initializer.extend(sink(t) for t in native[tensor.name].initializers)
+            producers = rewrite_consumers(skeleton.graph, tensor.name, native[tensor.name])
+            if producers:  # the float parts' weights, checked as the other layouts' are
+                read = {name for node in producers for name in node.input}
+                emitted += [
+                    helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                    for t in native[tensor.name].initializers
+                    if t.name in read
+                ]
+                replaced += [
+                    helper.make_tensor_value_info(part.inputs[0], tensor.data_type, list(part.shape))
+                    for part in native[tensor.name].parts
+                    if part.nodes
+                ]
+            new_nodes.extend(producers)
+        elif tensor.name in stored:
+            initializers, nodes = _emit(tensor.name, stored[tensor.name], _layout_of(layout, tensor.name))
             if nodes:
                 emitted += [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in initializers]
                 replaced.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
@@ -298,6 +326,8 @@ def _build(
     nodes = new_nodes + list(skeleton.graph.node)
     del skeleton.graph.node[:]
     skeleton.graph.node.extend(nodes)
+    if native:
+        with_domain(skeleton)
     minimum_ir = helper.find_min_ir_version_for(list(skeleton.opset_import), ignore_unknown=True)
     skeleton.ir_version = min(max(skeleton.ir_version, minimum_ir), MAX_IR_VERSION)
     return skeleton
@@ -332,11 +362,12 @@ def apply_storage(
     source: Path | None = None,
     layout: str = "fused",
     opset: int = 1,
+    native: Mapping[str, NativePlan] | None = None,
 ) -> onnx.ModelProto:
     """A new model whose named weights are stored as given, in `layout` (`LAYOUTS`), at `opset` at least, every
     tensor inside it (kept ones that point into the input's external data, in folder `source`, are read in). Input
     untouched."""
-    return _build(model, stored, lambda tensor: _loaded(tensor, source), layout, opset)
+    return _build(model, stored, lambda tensor: _loaded(tensor, source), layout, opset, native)
 
 
 @dataclass(frozen=True)
@@ -366,6 +397,7 @@ def write_storage(
     source: Path | None = None,
     layout: str = "fused",
     opset: int = 1,
+    native: Mapping[str, NativePlan] | None = None,
 ) -> Written:
     """Write `model` with `stored` weights to `path`, atomically (external data together with its model).
 
@@ -386,7 +418,7 @@ def write_storage(
     if external_data is None:  # an input that keeps its weights outside gets an output that does too
         external_data = source is not None or stored_bytes(model) >= STREAM_THRESHOLD
     if not external_data:
-        built = apply_storage(model, stored, source, layout, opset)
+        built = apply_storage(model, stored, source, layout, opset, native)
         if stored_bytes(built) >= PROTOBUF_LIMIT:  # only when one file was asked for: the default streams from 1 GiB
             raise OutputError(
                 f"cannot write {path} as one file: it holds {stored_bytes(built) / 2**30:.2f} GiB, "
@@ -397,7 +429,7 @@ def write_storage(
     with atomic_output(path.with_name(location)) as partial:  # the data lands under its final name first ...
         data = _DataFile(partial, location, source)
         try:
-            built = _build(model, stored, data.reference, layout, opset)
+            built = _build(model, stored, data.reference, layout, opset, native)
         finally:
             data.close()
     publish_model(
@@ -428,6 +460,8 @@ def per_call_dequantization(optimized: onnx.ModelProto) -> dict[str, int]:
     codes = {t.name for t in optimized.graph.initializer if t.data_type in CODE_TYPES}
     found: dict[str, int] = {}
     for node in optimized.graph.node:
+        if node.op_type in NATIVE_OPS:  # low-bit kernels: reading codes every call is what keeps the weight small
+            continue
         if any(i in codes for i in node.input):
             found[node.op_type] = found.get(node.op_type, 0) + 1
     return found

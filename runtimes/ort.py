@@ -145,11 +145,17 @@ class OrtRuntime:
         for key, value in self.config:
             options.add_session_config_entry(key, value)
         source = model if isinstance(model, bytes) else os.fspath(model)
+        if external_data_dir is not None and not isinstance(source, bytes) and _elsewhere(source, external_data_dir):
+            # a graph file whose tensors live in another folder (score's session files): ONNX Runtime 1.24 reads a
+            # path's external data beside it whatever the folder option says, and honours the option for bytes
+            source = Path(source).read_bytes()
+        if self.exact_qdq:
+            source, external_data_dir = _exact_kernels(source, external_data_dir, options)
         session = ort.InferenceSession(
             source,
             sess_options=options,
             providers=self.providers(),
-            disabled_optimizers=list(self.disabled_optimizers) or None,
+            disabled_optimizers=[*self.disabled_optimizers, *_broken_optimizers(ort.__version__)] or None,
         )
         wanted, got = PROVIDERS[self.provider][0], session.get_providers()[0]
         if got != wanted:
@@ -168,6 +174,49 @@ class OrtRuntime:
             session.disable_fallback()
             session._model_bytes = None
         return OrtSession(session, self.provider)
+
+
+FP16_INITIALIZER_FUSION_FIXED = (1, 32)
+"""ONNX Runtime 1.24 to 1.27 (measured; 1.28 to 1.31 not) crash in FuseFp16InitializerToFp32NodeTransformer, at the
+"all" level, on a float16 initializer that is also a graph input: what `overridable` sessions declare to feed a
+scored weight. 1.32 runs it."""
+
+
+def _elsewhere(path: str, folder: Path) -> bool:
+    """Whether a model file's external data folder is not its own, and the file small enough to pass as bytes."""
+    return Path(path).resolve().parent != Path(folder).resolve() and os.path.getsize(path) < (1 << 30)
+
+
+def _broken_optimizers(version: str) -> list[str]:
+    """Graph transformers to leave out on this release: without the float16 one, the initializer's Cast to float32
+    is folded at load all the same."""
+    release = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())  # '1.32.0.dev…' too
+    return ["FuseFp16InitializerToFp32NodeTransformer"] if release < FP16_INITIALIZER_FUSION_FIXED else []
+
+
+def _exact_kernels(source: bytes | str, external_data_dir: Path | None, options) -> tuple[bytes | str, Path | None]:
+    """`source` with its MatMulNBits nodes computing in float (accuracy_level 0): what `exact_qdq` asks of the
+    kernels a file names itself, as the session option asks it of the ones ONNX Runtime fuses. Unchanged when
+    every MatMulNBits already computes exactly (or there is none)."""
+    import onnx
+
+    proto = (
+        onnx.load_model_from_string(source)
+        if isinstance(source, bytes)
+        else onnx.load(source, load_external_data=False)
+    )
+    changed = False
+    for node in proto.graph.node:
+        if node.op_type == "MatMulNBits":
+            for attribute in node.attribute:
+                if attribute.name == "accuracy_level" and attribute.i != 0:
+                    attribute.i, changed = 0, True
+    if not changed:
+        return source, external_data_dir
+    if external_data_dir is None and not isinstance(source, bytes):  # its external data beside the file it came from
+        external_data_dir = Path(source).parent
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_dir))
+    return proto.SerializeToString(), external_data_dir
 
 
 def make(provider: str, threads: int | None = None, **options) -> OrtRuntime:

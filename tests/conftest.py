@@ -1,6 +1,7 @@
 """What every test folder shares: tests/ on sys.path (so `import models` and `from conftest import ...` work from
 any subfolder), the repository root, one way to run the CLI in this process, and the module's score run."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
+# export measures each written model's memory in a fresh process (a second or so per model): the tests that read it
+# ask for it (`--memory`); the rest of the suite's hundred-odd exports skip it
+os.environ.setdefault("TQS_MEMORY", "0")
 
 import models  # noqa: E402
 

@@ -25,6 +25,7 @@ from graph_ops.io import element_bits
 from tiers.formats.base import form_of
 
 if TYPE_CHECKING:
+    from graph_ops.native import NativePlan
     from tiers.formats.base import Emission, Fed
 
 
@@ -145,6 +146,13 @@ class Encoded:
         """Initializers and nodes that produce tensor `name` in the file, in runtime `layout`
         (`graph_ops.qdq.LAYOUTS`)."""
         return form_of(self.form).emit(name, self.expand(), layout)
+
+    def native(self, name: str, use, options) -> "NativePlan | None":
+        """Tensor `name` as ONNX Runtime's own low-bit kernels read it (`graph_ops.native`), for consumers that read
+        it as `use`, or None where its form or the kernels do not allow it (`tiers.formats.native`)."""
+        if int(np.prod(self.shape, dtype=np.int64)) < options.min_params:
+            return None
+        return form_of(self.form).native(name, self if self.form == "split" else self.expand(), use, options)
 
     @property
     def opset(self) -> int:

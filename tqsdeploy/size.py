@@ -143,11 +143,9 @@ class ModelSize:
             return self.reference_bits / check_target(target)
         return self.outside_bits + self.unit_reference_bits / check_target(target)
 
-    def record(self, written, encodings: dict, layout: str) -> dict:
-        """What the record of a written file (`graph_ops.qdq.Written`) holding `encodings` (unit tensor name ->
-        stored form) in runtime `layout` says about its size: export's and baseline's alike."""
-        from graph_ops.qdq import emitted_bits
-
+    def record(self, written, unit_bits: int, layout: str) -> dict:
+        """What the record of a written file (`graph_ops.qdq.Written`) in runtime `layout` says about its size, its
+        unit tensors taking `unit_bits` in it: export's and baseline's alike."""
         return {
             "output": str(written.path),
             "file_bytes": written.bytes,
@@ -155,7 +153,7 @@ class ModelSize:
             "external_data": str(written.files[1]) if len(written.files) > 1 else None,
             "runtime_layout": layout,
             "compression": self.file_compression(written.weight_bits),
-            "unit_compression": self.unit_compression(sum(emitted_bits(n, e, layout) for n, e in encodings.items())),
+            "unit_compression": self.unit_compression(unit_bits),
             "weight_bits": written.weight_bits,
             "reference_bits": self.reference_bits,
         }

@@ -193,6 +193,8 @@ def test_a_model_from_torchs_default_exporter_reads_as_its_modules_and_says_what
     import re
     import time
 
+    from runtimes.ort_versions import OLDEST_SUPPORTED, parse_version
+
     folder = REPO / "examples" / "patchtst_dynamo"
     model, data = folder / "model.onnx", folder / "model.onnx.data"
     before = (model.read_bytes(), data.read_bytes())
@@ -223,6 +225,8 @@ def test_a_model_from_torchs_default_exporter_reads_as_its_modules_and_says_what
     assert f"{record['drift_pct']:.4g}% on the 8 scoring windows, in-sample" in text
     assert f"shipped {record['shipped']!r}" in text and "(mixed: each slot at the tier the allocation chose" in text
     assert all(f"{c['label']} {c['drift_pct']:.4g}%" in text for c in record["compared"]), record["compared"]
+    loads_on = record["oldest_onnxruntime"]["release"]  # the file says which runtime it needs
+    assert parse_version(loads_on) <= OLDEST_SUPPORTED and f"loads on ONNX Runtime {loads_on} or later" in text
     assert not re.search(r"'val_\d+'", text)  # no unit named by its generated name alone
     labels = {row["label"] for row in record["tiers"] if row["unit"].startswith("val_")}
     assert labels and not any(label.startswith("val_") for label in labels)

@@ -94,7 +94,9 @@ def test_prices_measured_on_a_replaced_run_are_not_reused(run):
     planner = Planner(run_dir, progress=ExportProgress(on_measuring=counted.append))
     planner.pricing.measured(on_result=lambda result: None)
     planner.close()
-    assert counted == [len(planner.pricing.measured_tasks())]
+    prices = planner.prices  # a channel group is priced from its unit's rollout (--group-prices shared)
+    rolled = {prices.task(*prices.rolled(slot, tier)).key for slot, tier in planner.pricing.measured_tasks()}
+    assert counted == [len(rolled)]
     fresh = {
         key: value
         for key, value in _prices((run_dir / "measured.jsonl").read_text()).items()
@@ -104,7 +106,7 @@ def test_prices_measured_on_a_replaced_run_are_not_reused(run):
     clean.pricing.measured()
     clean.close()
     assert (
-        len(fresh) == len(planner.pricing.measured_tasks())
+        len(fresh) == len(rolled)
         and _prices((run_dir.parent / "clean" / "measured.jsonl").read_text()) == fresh
     )
 

@@ -135,12 +135,13 @@ def test_mixed_int1_and_blockwise_files_meet_c_on_each_basis(odd_run, basis):
 
 def test_an_allocation_that_never_fits_its_written_size_falls_back_to_the_cheapest_tiers(odd_run):
     """A solver that ignores the shrunk budget (and the whole units it is offered) keeps writing more than C allows:
-    after `REFITS` tries every slot goes to its cheapest tier, which is priced as written and meets C."""
+    after `REFITS` tries every slot goes to its cheapest tier, which is priced as written and meets C. (The
+    dequantized layout: its blocks' shape constants are what the additive prices leave out.)"""
     model, folder = odd_run
-    planner = Planner(
-        folder / "run",
-        settings=ExportSettings(rounding="rtn", objective="paper", refine=0, group_size=32, fallback=False),
+    settings = ExportSettings(
+        rounding="rtn", objective="paper", refine=0, group_size=32, fallback=False, runtime_layout="dequantized"
     )
+    planner = Planner(folder / "run", settings=settings)
     budget, choices = planner.sizing.budget(planner.tiers), planner.pricing.choices()
     unshrunk = allocate(choices, planner.tiers, 6, budget, objective="paper")
     assert sum(planner.sizing.written_costs(unshrunk.tiers).values()) > budget.slot_bits(

@@ -24,6 +24,7 @@ from tiers.grid import GridSpec
 
 if TYPE_CHECKING:
     from graph_ops.layout import Layout
+    from graph_ops.native import NativePlan
     from tiers.encoded import Encoded
     from tiers.gptq import Quantized
 
@@ -75,6 +76,13 @@ class StoredForm:
     @classmethod
     def fed(cls, name: str, value: "Encoded") -> Fed | None:
         """What a calibration run feeds to rebuild the weight in the graph; None: fed as the floats it stands for."""
+        return None
+
+    @classmethod
+    def native(cls, name: str, value: "Encoded", use, options) -> "NativePlan | None":
+        """The weight in a form ONNX Runtime's low-bit kernels read (`graph_ops.native`), for consumers that read it
+        as `use` (`NativeUse`) on a runtime taking `options` (`tiers.formats.native.NativeOptions`); None: written in
+        the dequantized layout instead."""
         return None
 
 

@@ -17,8 +17,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from graph_ops.native import GATHER, NativePlan
 from tiers.encoded import Encoded, PackedCodes, broadcast_scale
 from tiers.formats.base import Emission, Fed, Tier, register_form
+from tiers.formats.native import gather_part, matmul_part
 
 CODE_OPSETS: dict[str, int] = {}
 """Code type (numpy name) -> lowest opset whose DequantizeLinear takes it, from every codes tier's `code_opsets`."""
@@ -66,6 +68,11 @@ class CodesTier(Tier):
     @classmethod
     def emit(cls, name: str, value: Encoded, layout: str) -> Emission:
         return _at_load(name, value) if layout == "dequantized" else _dequantize_linear(name, value)
+
+    @classmethod
+    def native(cls, name: str, value: Encoded, use, options) -> NativePlan | None:
+        part = gather_part(name, value, options) if use.kind == GATHER else matmul_part(name, value, use, options)
+        return None if part is None else NativePlan(use.kind, (part,))
 
     @classmethod
     def dequantized(cls, value: Encoded) -> np.ndarray:

@@ -3,13 +3,16 @@ form, joined by a Concat along the output-channel axis. Not a tier: a container 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 import numpy as np
 from onnx import helper
 
+from graph_ops.native import MATMUL, NativePlan
 from tiers.encoded import Encoded
 from tiers.formats.base import Emission, Fed, StoredForm, register_form
+from tiers.formats.native import float_part
 
 
 @register_form
@@ -28,6 +31,19 @@ class Split(StoredForm):
             pieces.append(piece)
         nodes.append(helper.make_node("Concat", pieces, [name], axis=int(value.axis), name=f"{name}__concat"))
         return initializers, nodes
+
+    @classmethod
+    def native(cls, name: str, value: Encoded, use, options) -> NativePlan | None:
+        """Channel groups of a matrix weight each as its own MatMulNBits, or as a float weight where the kernel cannot
+        take its tier, their outputs joined (`graph_ops.native`); None for a table, or when no group goes native."""
+        if use.kind != MATMUL or value.axis != use.n_axis:
+            return None
+        parts = []
+        for index, part in enumerate(value.parts):
+            piece = f"{name}__part{index}"
+            plan = part.native(piece, use, replace(options, min_params=0)) if part.form != "split" else None
+            parts.append(plan.parts[0] if plan is not None else float_part(piece, part))
+        return NativePlan(MATMUL, tuple(parts)) if any(p.op != "MatMul" for p in parts) else None
 
     @classmethod
     def form_opset(cls, value: Encoded) -> int:

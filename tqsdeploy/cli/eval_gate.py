@@ -52,10 +52,19 @@ def engine(
 
 
 def _bounds_from_options(
-    max_degradation, min_compression, max_size, per_output, min_cosine, max_slowdown, no_latency, on, max_drift_std
+    max_degradation,
+    min_compression,
+    max_size,
+    per_output,
+    min_cosine,
+    max_slowdown,
+    no_latency,
+    on,
+    max_drift_std,
+    max_memory=None,
 ):
     """gate's bounds, each option checked in turn (the first wrong one is the one reported)."""
-    from tqsdeploy.evaluation.gate import JUDGED, Bounds, parse_percent, parse_size
+    from tqsdeploy.evaluation.gate import JUDGED, Bounds, parse_memory, parse_percent, parse_size
 
     per = {}
     for item in per_output or []:
@@ -79,7 +88,11 @@ def _bounds_from_options(
             raise typer.BadParameter(f"--max-slowdown must be a positive finite ratio, not {max_slowdown}")
         if no_latency:
             raise typer.BadParameter("--max-slowdown needs the latency measurement that --no-latency turns off")
+    memory = parse_memory(max_memory) if max_memory else (None, None)
+    if max_memory and no_latency:
+        raise typer.BadParameter("--max-memory needs the memory measurement that --no-latency turns off")
     return Bounds(
+        max_memory=memory,
         max_degradation=degradation,
         min_compression=min_compression,
         max_size=size,
@@ -154,6 +167,7 @@ def eval_command(
         columns=parse_columns(columns),
         cosine=cosine,
         latency=latency_settings(no_latency, latency_batches),
+        memory=not no_latency,
     )
     prefix = _report_prefix(candidate, report)
     try:
@@ -231,6 +245,13 @@ def gate(
         "--max-slowdown",
         help="Largest allowed candidate/reference median latency at every measured batch, e.g. 1.1.",
     ),
+    max_memory: Optional[str] = typer.Option(
+        None,
+        "--max-memory",
+        metavar="SIZE|RATIOx",
+        help="Largest allowed peak memory of the candidate's session (resident-set growth of a fresh process while "
+        "it is created and called): a size such as 64MB, or a ratio to the reference's such as 0.5x.",
+    ),
     no_latency: bool = NO_LATENCY,
     latency_batches: Optional[str] = LATENCY_BATCHES,
 ):
@@ -240,7 +261,16 @@ def gate(
     from tqsdeploy.files import check_writable
 
     bounds = _bounds_from_options(
-        max_degradation, min_compression, max_size, per_output, min_cosine, max_slowdown, no_latency, on, max_drift_std
+        max_degradation,
+        min_compression,
+        max_size,
+        per_output,
+        min_cosine,
+        max_slowdown,
+        no_latency,
+        on,
+        max_drift_std,
+        max_memory,
     )
     settings = EvalSettings(
         exact=exact,
@@ -250,6 +280,7 @@ def gate(
         columns=parse_columns(columns),
         cosine=cosine,
         latency=latency_settings(no_latency, latency_batches),
+        memory=not no_latency,
     )
     check_writable(report_dir)  # before the rollouts
     evaluation = EvalRequest(candidate, reference, contexts, spec=spec, steps=steps, truth=truth, settings=settings)

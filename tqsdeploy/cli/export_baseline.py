@@ -14,7 +14,6 @@ from tiers import DEFAULT_TIERS, METHOD_LABELS, METHODS, TIERS, TRT_TIERS
 from tqsdeploy.cli.app import (
     app,
     err,
-    frame_table,
     live_option,
     or_list,
     out,
@@ -26,15 +25,11 @@ from tqsdeploy.cli.app import (
 )
 from tqsdeploy.cli.outputs import (
     ExportDisplay,
-    cache_use,
     check_output_file,
-    drift_lines,
     feeds_matmul_integer_codes,
-    layout_cost,
+    print_outcome,
     refuse_overwrite,
     say_sidecar,
-    size_line,
-    slots_line,
 )
 from tqsdeploy.encoding.choices import GRID_CHOICES, GRIDS_HELP
 from tqsdeploy.export.objectives import objective_names, objectives_help
@@ -79,17 +74,29 @@ def export(
     target: str = typer.Option(
         "ort-cpu",
         "--target",
-        metavar="ort-cpu|ort-cuda|trt",
+        metavar="ort-cpu|ort-cuda|trt[@RELEASE]",
         help="Runtime the model is for: ort-cpu (default; 'ort' too), ort-cuda or trt (restricts tiers, trt uses "
-        "symmetric grids; decides --runtime-layout auto).",
+        "symmetric grids; decides --runtime-layout auto). ONNX Runtime targets take @RELEASE, the oldest release "
+        "the file must load on (e.g. ort-cpu@1.20; default 1.24, the oldest tqsdeploy runs on): the file keeps "
+        "within its IR version, opset, code types and kernels.",
+    ),
+    kernel_accuracy: str = typer.Option(
+        "int8",
+        "--kernel-accuracy",
+        metavar="int8|exact",
+        help="How ONNX Runtime's MatMulNBits kernels compute (native layout): int8 (default) quantizes activations "
+        "inside the kernel, fast at every code width, about 1e-3 relative error per product; exact computes in "
+        "float, 2- and 8-bit codes then run many times slower than a float MatMul.",
     ),
     runtime_layout: str = typer.Option(
         "auto",
         "--runtime-layout",
-        metavar="auto|dequantized|fused",
-        help="dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed and "
-        "memory, the small file); fused: DequantizeLinear (MatMulNBits on ORT, fast for few rows; what TensorRT "
-        "needs); auto (default): dequantized for ort-cpu/ort-cuda, fused for trt.",
+        metavar="auto|native|dequantized|fused",
+        help="native: ONNX Runtime's own low-bit kernels where they take a weight (MatMulNBits for MatMul/Gemm "
+        "weights, GatherBlockQuantized for embedding tables: small in memory, float speed), dequantized for the "
+        "others; dequantized: codes rebuilt by plain ops ONNX Runtime folds into float weights at load (FP32 speed "
+        "and memory, the small file); fused: DequantizeLinear (what TensorRT needs); auto (default): native for "
+        "ort-cpu/ort-cuda, fused for trt.",
     ),
     group_size: Optional[int] = typer.Option(
         None, "--group-size", min=1, help="Blockwise integer quantization along the reduction axis (e.g. 32, 64, 128)."
@@ -174,6 +181,14 @@ def export(
         help="Largest drift (a percentage such as 1% or 0.5; as eval --exact reports it: exact dequantization) on "
         "the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate.",
     ),
+    memory: bool = typer.Option(
+        True,
+        "--memory/--no-memory",
+        envvar="TQS_MEMORY",
+        help="Measure each written model's session memory (peak and steady, in a fresh process, on the first scoring "
+        "window) beside the original's: in the summary and the allocation JSON's session_memory. A second or so "
+        "per model; --no-memory skips it.",
+    ),
     verbose: bool = typer.Option(
         False,
         "--verbose",
@@ -223,6 +238,7 @@ def export(
         tiers=tier_names,
         target=target,
         runtime_layout=runtime_layout,
+        kernel_accuracy=kernel_accuracy,
         group_size=group_size,
         objective=objective,
         rounding=rounding,
@@ -244,7 +260,9 @@ def export(
     check_writable(run_dir)  # its prices and checkpoints are written as the export goes
     display = ExportDisplay(verbose)
     cache = CacheOptions(parse_bytes(cache_bytes, "--cache-bytes") if cache_bytes is not None else None, fresh)
-    planner = Planner(run_dir, model, settings, for_provider(provider), cache=cache, progress=display.progress())
+    planner = Planner(
+        run_dir, model, settings, for_provider(provider), cache=cache, progress=display.progress(), memory=memory
+    )
     if compression:
         planner.check_targets(targets)
     planner.check_single_file(targets, uniform_tier)
@@ -282,7 +300,7 @@ def export(
         if outcome.refused:
             err.print(f"[bold red]drift too large:[/] {escape(outcome.refused)}", soft_wrap=True)
             continue
-        _print_outcome(planner, settings, value, outcome, fused, verbose)
+        print_outcome(planner, settings, value, outcome, fused, verbose)
     if verbose and planner.cache is not None:
         held = planner.cache.note
         out.print(
@@ -297,64 +315,6 @@ def export(
     )
     if len(written) < len(rows):
         raise typer.Exit(1)
-
-
-def _print_outcome(planner, settings, value, outcome, fused: bool, verbose: bool) -> None:
-    """One written model's summary: what was asked and shipped, its size both ways, the tiers and what a slot is,
-    the runtime layout, the drift and on which windows, the candidates and what each is, the notes."""
-    import polars as pl
-
-    from tqsdeploy.export.writing import WARN_DRIFT_PCT
-
-    wanted = "uniform" if value is None else f"{value:g}x of the {settings.basis}"
-    out.print(escape(f"{outcome.path}: target {wanted}; shipped {outcome.shipped!r}"), soft_wrap=True)
-    out.print(f"  size: {escape(size_line(outcome, planner.model.file_bytes))}", soft_wrap=True)
-    say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
-    summary = outcome.table.group_by("tier").agg(pl.len().alias("slots"), pl.col("params").sum(), pl.col("bytes").sum())
-    out.print(frame_table(summary.sort("bytes", descending=True), "", ["tier", "slots", "params", "bytes"]))
-    out.print(f"  slots: {escape(slots_line(outcome.table, planner.scored.units))}", soft_wrap=True)
-    out.print(f"  runtime layout: {layout_cost(outcome, settings)}")
-    if (
-        planner.roundings.choice
-    ):  # what was measured so far, read as it is (asking for a tier's rounding could measure more)
-        measured = "; ".join(
-            f"{tier}: " + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items())
-            for tier, drifts in planner.roundings.choice.items()
-        )
-        used = ", ".join(f"{tier} {label}" for tier, label in outcome.rounding.items())
-        asked = " and ".join(
-            f"--{option} auto"
-            for option, value in (("rounding", settings.rounding), ("grids", settings.grids))
-            if value == "auto"
-        )
-        out.print(
-            f"  {asked}: each tier rounded as its uniform model drifted least on the scoring contexts "
-            f"({escape(used)}; measured {escape(measured)})"
-        )
-    if outcome.drift is not None:
-        for line in drift_lines(outcome, planner.scored.prepared.contexts.count):
-            out.print(f"  {escape(line)}", soft_wrap=True)
-        if fused:
-            out.print(
-                "  note: ONNX Runtime runs its DequantizeLinear→MatMul pairs as MatMulNBits with int8 "
-                "activations by default, which can drift more: "
-                "`tqsdeploy eval` measures what it runs (`--exact` for this number)"
-            )
-    for note in outcome.notes:
-        out.print(f"  [yellow]note:[/] {escape(note)}")
-    if verbose and outcome.profile:
-        from tqsdeploy.encoding.profiling import describe
-
-        out.print(f"  time: {describe(outcome.profile)}")
-    if verbose and outcome.cache:
-        out.print(f"  cache: {cache_use(outcome.cache)}")
-    if outcome.drift_pct is not None and not outcome.drift_pct <= WARN_DRIFT_PCT:
-        err.print(
-            f"[bold yellow]warning:[/] {escape(str(outcome.path))} drifts {outcome.drift_pct:.4g}% "
-            f"from the original on the scoring contexts (above {WARN_DRIFT_PCT:g}%): it may be badly damaged; "
-            "check it with `tqsdeploy eval`, or pass --max-drift PCT to fail instead",
-            soft_wrap=True,
-        )
 
 
 @app.command(
@@ -401,11 +361,11 @@ def baseline(
         help="Output ONNX (default <stem>.<method>-w<bits>.onnx; a model named model.onnx adds its folder's name).",
     ),
     runtime_layout: str = typer.Option(
-        "dequantized",
+        "native",
         "--runtime-layout",
-        metavar="dequantized|fused",
-        help="As export's: dequantized (default, export's pick for ort-cpu: float weights rebuilt at load) or fused "
-        "(DequantizeLinear).",
+        metavar="native|dequantized|fused",
+        help="As export's: native (default, export's pick for ort-cpu: ONNX Runtime's low-bit kernels where they "
+        "take a weight), dequantized (float weights rebuilt at load) or fused (DequantizeLinear).",
     ),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output file."),
 ):
@@ -417,8 +377,8 @@ def baseline(
         raise typer.BadParameter(f"--method must be one of {', '.join(METHODS)}")
     if bits not in (1, 2, 3, 4, 8):
         raise typer.BadParameter("--bits must be 1, 2, 3, 4 or 8")
-    if runtime_layout not in ("dequantized", "fused"):
-        raise typer.BadParameter("--runtime-layout must be dequantized or fused")
+    if runtime_layout not in ("native", "dequantized", "fused"):
+        raise typer.BadParameter("--runtime-layout must be native, dequantized or fused")
     import graph_ops
     from tqsdeploy.scoring.runs import model_label
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from rich.markup import escape
 
-from tqsdeploy.cli.app import err, out, progress_bar
+from tqsdeploy.cli.app import err, frame_table, out, progress_bar
 from tqsdeploy.errors import InputError
 
 
@@ -50,12 +50,34 @@ def feeds_matmul_integer_codes(encodings, layouts) -> bool:
     )
 
 
+def memory_line(outcome) -> str | None:
+    """The written model's session memory beside the original's, measured in a fresh process; None when not."""
+    found = outcome.session_memory
+    if not found:
+        return None
+    return (
+        f"session memory: peak {found['peak_bytes'] / 1e6:.1f} MB, steady {found['steady_bytes'] / 1e6:.1f} MB; "
+        f"the original's {found['original_peak_bytes'] / 1e6:.1f} / {found['original_steady_bytes'] / 1e6:.1f} MB "
+        f"({found['peak_ratio']:.2f}x its peak; {found['basis']})"
+    )
+
+
 def layout_cost(outcome, settings) -> str:
     """What the written layout costs at run time, in one line."""
     memory = f"about {outcome.memory_bytes / 1e6:.3f} MB of weights in memory after load"
     chosen = f"{outcome.layout}" + (
         f" (auto for --target {settings.target})" if settings.runtime_layout == "auto" else ""
     )
+    loads = f"; loads on ONNX Runtime {outcome.oldest_release}" if outcome.oldest_release else ""
+    if outcome.layout == "native":
+        counts: dict[str, int] = {}
+        for form in outcome.runs_as.values():
+            counts[form] = counts.get(form, 0) + 1
+        forms = ", ".join(f"{n} as {form}" for form, n in sorted(counts.items(), key=lambda item: -item[1]))
+        return (
+            f"{chosen}: of {len(outcome.runs_as)} unit tensors ONNX Runtime runs {forms} "
+            f"(the allocation JSON's runs_as names each); {memory}{loads}"
+        )
     if outcome.layout == "dequantized":
         model, file = outcome.opsets
         speed = (
@@ -68,11 +90,11 @@ def layout_cost(outcome, settings) -> str:
         return (
             f"{chosen}: ONNX Runtime rebuilds the float weights once when the session is created "
             f"and {speed} (no dequantization per call); "
-            f"{memory} (the original's float size; the file stays {outcome.file_bytes / 1e6:.3f} MB)"
+            f"{memory} (the original's float size; the file stays {outcome.file_bytes / 1e6:.3f} MB){loads}"
         )
     return (
         f"{chosen}: DequantizeLinear nodes; ONNX Runtime runs those before a MatMul as MatMulNBits (fast for few rows, "
-        f"slower than float for batched calls) and the others on every call; {memory}"
+        f"slower than float for batched calls) and the others on every call; {memory}{loads}"
     )
 
 
@@ -216,3 +238,63 @@ class ExportDisplay:
     def stop(self) -> None:
         for bar in self.measuring + self.encoding:
             bar.stop()
+
+
+def print_outcome(planner, settings, value, outcome, fused: bool, verbose: bool) -> None:
+    """One written model's summary: what was asked and shipped, its size both ways, the tiers and what a slot is,
+    the runtime layout, the drift and on which windows, the candidates and what each is, the notes."""
+    import polars as pl
+
+    from tqsdeploy.export.writing import WARN_DRIFT_PCT
+
+    wanted = "uniform" if value is None else f"{value:g}x of the {settings.basis}"
+    out.print(escape(f"{outcome.path}: target {wanted}; shipped {outcome.shipped!r}"), soft_wrap=True)
+    out.print(f"  size: {escape(size_line(outcome, planner.model.file_bytes))}", soft_wrap=True)
+    say_sidecar(outcome.files, outcome.file_bytes, "--single-file writes one file")
+    summary = outcome.table.group_by("tier").agg(pl.len().alias("slots"), pl.col("params").sum(), pl.col("bytes").sum())
+    out.print(frame_table(summary.sort("bytes", descending=True), "", ["tier", "slots", "params", "bytes"]))
+    out.print(f"  slots: {escape(slots_line(outcome.table, planner.scored.units))}", soft_wrap=True)
+    out.print(f"  runtime layout: {layout_cost(outcome, settings)}")
+    if (line := memory_line(outcome)) is not None:
+        out.print(f"  {escape(line)}", soft_wrap=True)
+    if (
+        planner.roundings.choice
+    ):  # what was measured so far, read as it is (asking for a tier's rounding could measure more)
+        measured = "; ".join(
+            f"{tier}: " + ", ".join(f"{m} {d:.4g}%" for m, d in drifts.items())
+            for tier, drifts in planner.roundings.choice.items()
+        )
+        used = ", ".join(f"{tier} {label}" for tier, label in outcome.rounding.items())
+        asked = " and ".join(
+            f"--{option} auto"
+            for option, value in (("rounding", settings.rounding), ("grids", settings.grids))
+            if value == "auto"
+        )
+        out.print(
+            f"  {asked}: each tier rounded as its uniform model drifted least on the scoring contexts "
+            f"({escape(used)}; measured {escape(measured)})"
+        )
+    if outcome.drift is not None:
+        for line in drift_lines(outcome, planner.scored.prepared.contexts.count):
+            out.print(f"  {escape(line)}", soft_wrap=True)
+        if fused:
+            out.print(
+                "  note: ONNX Runtime runs its DequantizeLinear→MatMul pairs as MatMulNBits with int8 "
+                "activations by default, which can drift more: "
+                "`tqsdeploy eval` measures what it runs (`--exact` for this number)"
+            )
+    for note in outcome.notes:
+        out.print(f"  [yellow]note:[/] {escape(note)}")
+    if verbose and outcome.profile:
+        from tqsdeploy.encoding.profiling import describe
+
+        out.print(f"  time: {describe(outcome.profile)}")
+    if verbose and outcome.cache:
+        out.print(f"  cache: {cache_use(outcome.cache)}")
+    if outcome.drift_pct is not None and not outcome.drift_pct <= WARN_DRIFT_PCT:
+        err.print(
+            f"[bold yellow]warning:[/] {escape(str(outcome.path))} drifts {outcome.drift_pct:.4g}% "
+            f"from the original on the scoring contexts (above {WARN_DRIFT_PCT:g}%): it may be badly damaged; "
+            "check it with `tqsdeploy eval`, or pass --max-drift PCT to fail instead",
+            soft_wrap=True,
+        )

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, NamedTuple
 import numpy as np
 
 import graph_ops
-from graph_ops.calibration import layer_inputs, waves
+from graph_ops.calibration import layer_inputs, sample_chunks, waves
 from graph_ops.fed_codes import fed_codes_model, needed_nodes
 from graph_ops.layout import WeightLayout
 from graph_ops.qdq import default_opset
@@ -55,25 +55,6 @@ EncodeFn = Callable[[str, "list[Hessian] | None"], Encoded]
 
 class CalibrationError(TqsError):
     """Calibration could not run (non-finite activations, an unusable graph)."""
-
-
-IM2COL_BYTES = 32 << 20
-"""A Conv's calibration rows (im2col: a row per output position, C·k² columns, float64 in the Hessian) are built
-this many bytes at a time, a few samples of the batch at once: all of a step's windows at once could take
-thousands of times the model's size (docs/design-notes/encoding.md, "Conv rows in chunks")."""
-
-
-def sample_chunks(use, value: np.ndarray) -> list:
-    """Index slices of the activation's leading (batch) axis whose im2col rows fit `IM2COL_BYTES`; the whole
-    activation for a use that is not a Conv (its rows are the activation itself)."""
-    value = np.asarray(value)
-    if use.conv is None or value.ndim < 2 or value.shape[0] <= 1:
-        return [...]
-    per_sample = int(np.prod(value.shape[1:], dtype=np.int64)) * int(np.prod(use.conv.kernel, dtype=np.int64)) * 8
-    if use.conv.transposed:  # its rows are the upsampled input's windows
-        per_sample *= int(np.prod(use.conv.strides, dtype=np.int64))
-    step = max(1, IM2COL_BYTES // max(per_sample, 1))
-    return [slice(start, start + step) for start in range(0, value.shape[0], step)]
 
 
 class CalibrationRollout(NamedTuple):

@@ -91,10 +91,12 @@ def markdown(report: dict) -> str:
     vectors = {name: o["cosine"] for name, o in report["outputs"].items() if "cosine" in o}
     if vectors:
         lines += _vector_lines(vectors)
+    lines += forms_lines(report)
     if report.get("latency"):
         from tqsdeploy.evaluation.latency import markdown as latency_lines
 
-        lines += latency_lines(report["latency"], f"{runtime['provider']}, {runtime['mode']}")
+        mode = f"{runtime['provider']}, {runtime['mode']}"
+        lines += latency_lines(report["latency"], mode, fresh_memory=bool(report.get("memory")))
     return "\n".join(lines) + "\n"
 
 
@@ -108,3 +110,26 @@ def write_report(report: dict, prefix: Path) -> tuple[Path, Path]:
     json_path, md_path = Path(f"{prefix}.json"), Path(f"{prefix}.md")
     write_texts({json_path: json_text(report), md_path: markdown(report)})
     return json_path, md_path
+
+
+def forms_lines(report: dict) -> list[str]:
+    """What the runtime runs for the candidate's weights, and the memory it takes, in a sentence each."""
+    lines = []
+    totals = (report.get("forms") or {}).get("totals") or {}
+    if totals:
+        parts = ", ".join(
+            f"{t['tensors']} {form} ({t['bytes'] / 1e6:.2f} MB)"
+            for form, t in sorted(totals.items(), key=lambda item: -item[1]["bytes"])
+        )
+        lines += ["", f"Weights as ONNX Runtime runs them (bytes held after load): {parts}."]
+    memory = report.get("memory")
+    if memory:
+        lines += [
+            "",
+            f"Memory ({memory['basis']}): candidate peak {memory['candidate']['peak_bytes'] / 1e6:.1f} MB, "
+            f"steady {memory['candidate']['steady_bytes'] / 1e6:.1f} MB; reference peak "
+            f"{memory['reference']['peak_bytes'] / 1e6:.1f} MB, "
+            f"steady {memory['reference']['steady_bytes'] / 1e6:.1f} MB "
+            f"({memory['peak_ratio']:.2f}x the reference's peak).",
+        ]
+    return lines

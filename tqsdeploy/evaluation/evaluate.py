@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 
 import graph_ops
+import graph_ops.native
 import graph_ops.qdq
 from runtimes import Session, for_provider, release_freed_memory
 from tqsdeploy.errors import InputError
@@ -36,6 +37,7 @@ from tqsdeploy.evaluation.eval_report import write_report
 from tqsdeploy.evaluation.latency import LatencySettings
 from tqsdeploy.evaluation.latency import measure as measure_latency
 from tqsdeploy.evaluation.metrics import looks_like_embedding, metrics, side_metrics, vector_metrics
+from tqsdeploy.evaluation.runtime_forms import CHECKED_FOLDING_BYTES, dequantizes, forms, reads_codes, runtime_mode
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
 from tqsdeploy.rollout.contexts import (
     ContextOptions,
@@ -70,6 +72,9 @@ class EvalSettings:
     latency: LatencySettings | None = None
     """Time candidate and reference (`tqsdeploy.evaluation.latency`); None: not measured (the CLI measures by
     default)."""
+    memory: bool = False
+    """Measure each model's resident memory in a fresh process (`runtimes.memory`): peak and steady growth of a
+    session created and called on the contexts' first batch (the CLI measures it with the latency)."""
 
 
 @dataclass(frozen=True)
@@ -116,24 +121,9 @@ def _load(path: Path) -> "graph_ops.LoadedModel":
     return graph_ops.load_model(path, load_external=False)  # sizes need shapes only; the runtime reads the weights
 
 
-CHECKED_FOLDING_BYTES = 256 << 20
-"""Largest file whose dequantized layout eval has ONNX Runtime write out folded (float-size) to check that no
-dequantization runs per call; past it the check would write gigabytes."""
-
-
-def _reads_codes(proto) -> bool:
-    """Whether any node reads stored codes (integer or FP8 initializers): DequantizeLinear, or the
-    'dequantized' layout's Casts."""
-    return bool(graph_ops.qdq.per_call_dequantization(proto))
-
-
-def _dequantizes(proto) -> bool:
-    return any(n.op_type == "DequantizeLinear" for n in proto.graph.node)
-
-
 def _open(loaded: "graph_ops.LoadedModel", settings: EvalSettings, optimized: str | None = None) -> Session:
-    folds = loaded.file_bytes < CHECKED_FOLDING_BYTES and _reads_codes(loaded.proto)
-    if not _dequantizes(loaded.proto) and not folds:
+    folds = loaded.file_bytes < CHECKED_FOLDING_BYTES and reads_codes(loaded.proto)
+    if not dequantizes(loaded.proto) and not folds:
         optimized = None  # nothing to fuse or fold: no need for ONNX Runtime to write out a whole copy of the model
     runtime = for_provider(settings.provider, exact_qdq=settings.exact, optimized_model_path=optimized)
     runtime = runtime.for_model(loaded.proto)
@@ -148,61 +138,6 @@ def _closed(session: Session) -> None:
     session at a time, so its peak is one model, not two."""
     session.close()
     release_freed_memory()
-
-
-def _runtime_mode(settings: EvalSettings, optimized_path: str, proto) -> dict:
-    """How the runtime ran the candidate, read off the graph ONNX Runtime optimised (written to `optimized_path`
-    where there was anything to fuse or fold)."""
-    fused, per_call = 0, None
-    if os.path.exists(optimized_path):
-        optimized = graph_ops.wire.skeleton(optimized_path)  # node types only: the weights stay in the file
-        fused = sum(1 for n in optimized.graph.node if n.op_type == "MatMulNBits")
-        per_call = graph_ops.qdq.per_call_dequantization(optimized)
-    return {
-        "provider": settings.provider,
-        "mode": _mode(settings, proto, fused, per_call),
-        "matmulnbits_nodes": fused,
-        "exact": settings.exact,
-        "per_call_dequantization": per_call,
-    }
-
-
-def _mode(settings: EvalSettings, proto, fused: int, per_call: dict | None) -> str:
-    """The runtime mode in words: what the weights are stored as and which kernels run them."""
-    provider = settings.provider
-    if not _dequantizes(proto) and not _reads_codes(proto):  # the original, or an fp16 copy: nothing to fuse or fold
-        return (
-            f"ONNX Runtime default on {provider}: float weights (no stored codes, nothing to fuse or fold); "
-            "float kernels"
-        )
-    if not _dequantizes(proto):
-        checked = (
-            "its optimized graph reads no codes"
-            if per_call == {}
-            else "not checked: a large file"
-            if per_call is None
-            else f"yet its optimized graph still reads codes: {per_call}"
-        )
-        return (
-            f"ONNX Runtime default on {provider}: weights stored dequantized-at-load, folded into float "
-            f"initializers when the session is created ({checked}); float kernels, exact"
-        )
-    if settings.exact:
-        return "exact dequantization (session.qdq_matmulnbits_accuracy_level=0)"
-    if provider == "cpu" and fused == 0 and per_call is not None:  # say, Conv kernels: no MatMul to fuse with
-        return (
-            "ONNX Runtime default on cpu: DequantizeLinear runs on every call (no MatMul it fuses with into "
-            "MatMulNBits); float kernels, exact"
-        )
-    if provider == "cpu":
-        return (
-            "ONNX Runtime default: DequantizeLinear->MatMul fused into MatMulNBits with accuracy_level 4 "
-            "(int8 activations)"
-        )
-    return (
-        f"ONNX Runtime default on {provider}: DequantizeLinear->MatMul fused into MatMulNBits, run by the GPU "
-        "kernel (float activations; accuracy_level is the CPU kernel's setting)"
-    )
 
 
 def _signature(proto) -> tuple[dict, dict]:
@@ -326,7 +261,7 @@ def _roll_out(
     with tempfile.TemporaryDirectory() as tmp:
         optimized = os.path.join(tmp, "optimized.onnx")
         session = _open(candidate, settings, optimized)
-        mode = _runtime_mode(settings, optimized, candidate.proto)
+        mode = runtime_mode(settings, optimized, candidate.proto)
     inputs = [s for s in session.inputs if s.name not in session.weights]
     resolved = resolve_spec(spec, steps, inputs, session.outputs)
     csv = Path(contexts).suffix.lower() == ".csv"
@@ -448,6 +383,7 @@ def evaluate(
         vectors = settings.cosine or (settings.cosine is None and looks_like_embedding(name, declared.get(name)))
         outputs[name] = _output(name, run.candidate[name], run.reference[name], truths.get(name), vectors, settings)
     latency = _latency(run, cand_model, ref_model, settings) if settings.latency is not None else None
+    memory = _memory(run, candidate, reference, settings) if settings.memory else None
     ref_bits, cand_bits = graph_ops.weight_bits(ref_model.proto), graph_ops.weight_bits(cand_model.proto)
     ctx = run.contexts
     return {
@@ -469,6 +405,35 @@ def evaluate(
         "side_outputs": side_outputs,
         "degradation_pct": max(o["degradation_pct"] for o in outputs.values()),
         "latency": latency,
+        "memory": memory,
+        "forms": forms(cand_model.proto),
+    }
+
+
+def _memory(run: _Rollouts, candidate: Path, reference: Path, settings: EvalSettings) -> dict | None:
+    """Each model's resident memory in a fresh process on the contexts' first batch (`runtimes.memory`); None
+    where it cannot be read (not Linux)."""
+    from runtimes.memory import measure as measure_memory
+    from tqsdeploy.evaluation.latency import batch_feeds
+
+    feeds = batch_feeds(run.contexts, run.inputs, run.batched, min(run.contexts.count, settings.max_batch_windows))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "feeds.npz"
+        np.savez(path, **feeds)
+        found = {
+            label: measure_memory(model, path, settings.provider)
+            for label, model in (("candidate", candidate), ("reference", reference))
+        }
+    if any(value is None for value in found.values()):
+        return None
+    reference_peak = max(found["reference"].peak_bytes, 1)
+    return {
+        **{
+            label: {"peak_bytes": value.peak_bytes, "steady_bytes": value.steady_bytes}
+            for label, value in found.items()
+        },
+        "peak_ratio": found["candidate"].peak_bytes / reference_peak,
+        "basis": "resident-set growth of a fresh process from just before the session is created to after 3 calls",
     }
 
 

@@ -32,15 +32,27 @@ def parse_percent(text: str, option: str) -> float:
     return value
 
 
-def parse_size(text: str) -> float:
+def parse_size(text: str, option: str = "--max-size") -> float:
     match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(1).count(".") > 1 or match.group(1) == "." or match.group(2).lower() not in SIZE_UNITS:
-        raise InputError(f"--max-size takes a size such as 12MB or 500KiB, not '{text}'")
+        raise InputError(f"{option} takes a size such as 12MB or 500KiB, not '{text}'")
     size = float(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
     # as --min-compression 0: a bound no model can be meant to meet (0.1B: no file has a fraction of a byte)
     if not 1 <= size < math.inf:
-        raise InputError(f"--max-size must be a finite size of at least 1 byte, not '{text}'")
+        raise InputError(f"{option} must be a finite size of at least 1 byte, not '{text}'")
     return size
+
+
+def parse_memory(text: str) -> tuple[float | None, float | None]:
+    """`--max-memory`: (bytes, None) for a size such as 64MB, (None, ratio) for a ratio to the reference such as
+    0.5x."""
+    ratio = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*x\s*", text)
+    if ratio:
+        value = float(ratio.group(1))
+        if not 0 < value < math.inf:
+            raise InputError(f"--max-memory as a ratio must be positive, not '{text}'")
+        return None, value
+    return parse_size(text, "--max-memory"), None
 
 
 JUDGED = {"upper": "upper end of the 95% interval", "point": "point estimate"}
@@ -67,6 +79,8 @@ class Bounds:
     """Smallest cosine similarity of any vector, on every output with cosine metrics."""
     max_slowdown: float | None = None
     """Largest candidate/reference median latency, at every batch size measured."""
+    max_memory: tuple[float | None, float | None] = (None, None)
+    """The candidate session's peak memory (fresh process): at most these bytes, or this ratio to the reference's."""
 
 
 @dataclass(frozen=True)
@@ -132,12 +146,13 @@ def check(report: dict, bounds: Bounds) -> list[Check]:
         *_drift_checks(report, bounds),
         *_cosine_checks(report, bounds),
         *_file_checks(report, bounds),
+        *_memory_checks(report, bounds),
     ]
     if not checks:
         raise InputError(
             "gate has no bounds to check",
-            hint="pass --max-degradation, --max-drift-std, --min-compression, --max-size, --min-cosine or "
-            "--max-slowdown",
+            hint="pass --max-degradation, --max-drift-std, --min-compression, --max-size, --min-cosine, "
+            "--max-slowdown or --max-memory",
         )
     for name, output in report["outputs"].items():  # NaN or Inf out of the candidate fails whatever was bounded
         if output.get("nonfinite") and bounds.per_output.get(name, bounds.max_degradation) is None:
@@ -277,6 +292,31 @@ def _file_checks(report: dict, bounds: Bounds) -> list[Check]:
                 )
             )
     return checks
+
+
+def _memory_checks(report: dict, bounds: Bounds) -> list[Check]:
+    """--max-memory: the candidate session's peak in a fresh process; a gate that could not measure it fails."""
+    most, ratio = bounds.max_memory
+    if most is None and ratio is None:
+        return []
+    memory = report.get("memory")
+    if not memory:
+        bound = f"<= {most:.0f} bytes" if most is not None else f"<= {ratio:g}x the reference's peak"
+        return [Check("memory_peak", False, math.nan, f"{bound} (not measured: needs Linux's /proc)", None)]
+    peak = memory["candidate"]["peak_bytes"]
+    if most is not None:
+        return [Check("memory_peak_bytes", peak <= most, peak, f"<= {most:.0f} bytes", most, "<=", "bytes")]
+    return [
+        Check(
+            "memory_peak_ratio",
+            memory["peak_ratio"] <= ratio,
+            memory["peak_ratio"],
+            f"<= {ratio:g}x the reference's peak",
+            ratio,
+            "<=",
+            "x",
+        )
+    ]
 
 
 def junit(checks: list[Check], candidate: str) -> str:

@@ -139,8 +139,9 @@ def _timed(sessions: dict[str, Session], feeds: dict[str, np.ndarray], size: int
     }
 
 
-def markdown(latency: dict, mode: str) -> list[str]:
-    """The report's latency lines: one table row per batch size."""
+def markdown(latency: dict, mode: str, fresh_memory: bool = False) -> list[str]:
+    """The report's latency lines: one table row per batch size; the in-process memory line unless the report
+    has the fresh-process measurement (`fresh_memory`), which it then stands for."""
     memory = latency["memory_bytes"]
     lines = [
         "",
@@ -158,10 +159,11 @@ def markdown(latency: dict, mode: str) -> list[str]:
             f"{row['slowdown']:.3f}x | {row['paired_slowdown']:.3f}x | {row['rounds']} |"
         )
     lines.append("")
-    lines.append(
-        f"Memory ({latency['memory_basis']}): candidate {memory['candidate'] / 1e6:.2f} MB, "
-        f"reference {memory['reference'] / 1e6:.2f} MB."
-    )
+    if not fresh_memory:
+        lines.append(
+            f"Memory ({latency['memory_basis']}): candidate {memory['candidate'] / 1e6:.2f} MB, "
+            f"reference {memory['reference'] / 1e6:.2f} MB."
+        )
     if latency.get("note"):
         lines.append(f"Note: {latency['note']}.")
     return lines

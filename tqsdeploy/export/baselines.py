@@ -30,6 +30,7 @@ from tqsdeploy.encoding.logs import thin_note
 from tqsdeploy.encoding.sessions import open_graph
 from tqsdeploy.encoding.slots import checked_layouts
 from tqsdeploy.errors import InputError
+from tqsdeploy.export.forms import FormPolicy, WeightForms
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
 from tqsdeploy.rollout.contexts import ContextOptions, Contexts, load_contexts
 from tqsdeploy.size import ModelSize
@@ -252,21 +253,28 @@ def _grids_measured(
     return chosen, {option.grids: drift.worst_pct for option, drift in measured.items()}, errors[chosen]
 
 
-def write_baseline(
-    model_path: str | Path, result: BaselineResult, output: str | Path, layout: str = "dequantized"
-) -> dict:
+def write_baseline(model_path: str | Path, result: BaselineResult, output: str | Path, layout: str = "native") -> dict:
     """Write the baseline as the same deployable ONNX that `export` emits, in runtime `layout` (`graph_ops.qdq.LAYOUTS`;
     export's default for ort-cpu)."""
     loaded, data_dir = _load(model_path)
     started = perf_counter()
+    forms = WeightForms(loaded.proto, graph_ops.weight_layouts(loaded.proto, list(result.encoded)), FormPolicy(layout))
     written = write_storage(
-        loaded.proto, result.encoded, output, source=data_dir, layout=layout, opset=result.opset
+        loaded.proto,
+        result.encoded,
+        output,
+        source=data_dir,
+        layout={name: forms.layout_of(e) for name, e in result.encoded.items()},
+        opset=result.opset,
+        native=forms.plans(result.encoded),
     )  # kept tensors read from the input's files
+    unit_bits = sum(forms.bits(name, e) for name, e in result.encoded.items())
     return {
         "method": result.method,
         "bits": result.bits,
         "tier": result.tier,
-        **ModelSize.of(loaded.proto, result.encoded).record(written, result.encoded, layout),
+        **ModelSize.of(loaded.proto, result.encoded).record(written, unit_bits, layout),
+        "runs_as": {name: forms.runs_as(name, e) for name, e in sorted(result.encoded.items())},
         "timings_s": {
             **{k: round(v, 4) for k, v in result.timings.items()},
             "write": round(perf_counter() - started, 4),

@@ -27,6 +27,7 @@ from tqsdeploy.encoding.encoder import Encoder
 from tqsdeploy.encoding.run_cache import RunCache
 from tqsdeploy.encoding.slots import Slot, make_slots
 from tqsdeploy.errors import USER_ERRORS, InputError
+from tqsdeploy.export.forms import WeightForms
 from tqsdeploy.export.settings import ExportSettings
 from tqsdeploy.scoring.prepare import Prepared
 from tqsdeploy.scoring.runs import ScoreRun, current_versions
@@ -216,8 +217,15 @@ def _prepare(run: ScoreRun, model: Path, settings: ExportSettings, runtime: Runt
 class SlotCut:
     """The slots the allocator assigns one tier each: units, large ones cut into channel groups of `fraction`."""
 
-    def __init__(self, units: Sequence[Unit], layouts: dict[str, WeightLayout], fraction: float):
-        self._units, self._layouts = units, layouts
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        layouts: dict[str, WeightLayout],
+        fraction: float,
+        whole: frozenset[str] = frozenset(),
+    ):
+        """`whole`: tensors never cut (their written form takes one tier per tensor)."""
+        self._units, self._layouts, self._whole = units, layouts, whole
         self.fraction = fraction
         self.slots: list[Slot] = []
         self.slots_of: dict[str, list[Slot]] = {}
@@ -226,7 +234,7 @@ class SlotCut:
     def use(self, fraction: float) -> None:
         """Cut the units at `fraction` (`make_slots`)."""
         self.fraction = fraction
-        self.slots = make_slots(self._units, self._layouts, fraction)
+        self.slots = make_slots(self._units, self._layouts, fraction, self._whole)
         self.slots_of = {}
         for slot in self.slots:
             self.slots_of.setdefault(slot.unit, []).append(slot)
@@ -243,5 +251,7 @@ class ExportJob:
     encoder: Encoder
     cut: SlotCut
     timings: dict[str, float]
+    forms: WeightForms
+    """How each weight is written for the target (priced and written alike)."""
     cache: RunCache | None = None
     """The run's cache of drifts and choices (the encoder keeps its codes there), or None: measured every time."""

@@ -30,6 +30,8 @@ from tqsdeploy.encoding.slots import check_group_size
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.candidates import Candidate, MixedModels, UniformModels
 from tqsdeploy.export.compare import Comparison
+from tqsdeploy.export.deployed import DeployedMemory
+from tqsdeploy.export.forms import WeightForms
 from tqsdeploy.export.job import ExportJob, ScoredModel, SlotCut, load_scored
 from tqsdeploy.export.measuring import Measuring
 from tqsdeploy.export.pricing import PriceList, TierPricing
@@ -87,14 +89,16 @@ class Planner:
         runtime: Runtime = DEFAULT_RUNTIME,
         cache: CacheOptions | None = None,
         progress: ExportProgress = ExportProgress(),
+        memory: bool = False,
     ):
         """`cache`: keep every weight a pass encodes, every candidate's drift and every grid choice in the run
         folder's cache, and read back what earlier or interrupted exports of the run left there
         (`tqsdeploy.encoding.run_cache`); `finished` once every file is written. None: nothing is kept but the
-        prices. Holds the run folder (`RunFolderShare`) until `close`."""
+        prices. `memory`: measure each written model's session memory in a fresh process beside the original's
+        (`deployed.DeployedMemory`; ONNX Runtime targets). Holds the run folder (`RunFolderShare`) until `close`."""
         self.run_dir = Path(run_dir)
         self.settings = settings
-        self.progress = progress
+        self.progress, self._memory = progress, memory
         self._share = RunFolderShare(self.run_dir)
         try:
             self._compose(model, runtime, cache)
@@ -109,7 +113,8 @@ class Planner:
             self.run_dir, model, settings, runtime, output_opset(self.tiers, settings)
         )
         check_group_size(settings.group_size, self.scored.layouts, self.tiers)
-        self.cut = SlotCut(self.scored.units, self.scored.layouts, settings.split_fraction)
+        forms = WeightForms(self.scored.model.proto, self.scored.layouts, settings.policy)
+        self.cut = SlotCut(self.scored.units, self.scored.layouts, settings.split_fraction, forms.whole_tensors())
         if cache is not None and cache.fresh:
             run_cache.drop(self.run_dir)
             PriceList.drop(self.run_dir)
@@ -126,6 +131,7 @@ class Planner:
             self.encoder,
             self.cut,
             {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0},
+            forms,
             self.cache,
         )
         self.sizing = Sizing(self.job)
@@ -147,7 +153,12 @@ class Planner:
             self.measuring,
             lambda tiers: TierPricing(self.job, tiers, self.prices, self.sizing),
         )
-        self.writer = Writer(self.job, self.roundings)
+        deployed = (
+            DeployedMemory(self.scored, runtime.provider)
+            if self._memory and settings.engine.startswith("ort") and hasattr(runtime, "provider")
+            else None
+        )
+        self.writer = Writer(self.job, self.roundings, deployed)
 
     def _encoder(self) -> Encoder:
         """The one encoder of this export, its calibrator made on first use from the scored model."""
@@ -258,6 +269,7 @@ class Planner:
         cache trimmed to its cap and its note written."""
         self.measuring.release_runner()
         self.encoder.close()
+        self.writer.close()
         try:
             if self.cache is not None:
                 self.cache.settle()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtimes.ort_versions import IR_FROM, Release, parse_version, version_text
 from tiers import DEFAULT_TIERS, METHODS, TRT_TIERS
 from tqsdeploy.encoding.choices import check_grids
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.allocate import check_allocator
+from tqsdeploy.export.forms import KERNEL_ACCURACY, FormPolicy
 from tqsdeploy.export.objectives import OBJECTIVES
 from tqsdeploy.size import check_basis
 
@@ -18,11 +20,11 @@ GROUP_PRICES = ("shared", "exact")
 """`--group-prices`: a channel group's price from its unit's rollout (`shares.GroupShares`), or a rollout of its own."""
 TARGETS = ("ort-cpu", "ort-cuda", "trt")
 """Where the exported model will run (`--target`); 'ort' is read as 'ort-cpu'."""
-RUNTIME_LAYOUTS = ("auto", "dequantized", "fused")
-AUTO_LAYOUT = {"ort-cpu": "dequantized", "ort-cuda": "dequantized", "trt": "fused"}
-"""What `--runtime-layout auto` writes for each target: ONNX Runtime targets dequantize once at load (its float
-kernels beat MatMulNBits on batched windows, docs/export.md); TensorRT builds its low-bit kernels from
-DequantizeLinear nodes, which 'fused' keeps."""
+RUNTIME_LAYOUTS = ("auto", "native", "dequantized", "fused")
+AUTO_LAYOUT = {"ort-cpu": "native", "ort-cuda": "native", "trt": "fused"}
+"""What `--runtime-layout auto` writes for each target: ONNX Runtime's own low-bit kernels where they take a weight
+(the model stays small in memory and runs at float speed), TensorRT's DequantizeLinear nodes (it builds its low-bit
+kernels from them)."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,10 @@ class ExportSettings:
     tiers: tuple[str, ...] | None = None
     """Tier names; None: the default ladder of the target (asymmetric grids for ort, symmetric for trt)."""
     target: str = "ort-cpu"
-    """ort-cpu, ort-cuda or trt ('ort': ort-cpu): the runtime the model is written for (tiers, `runtime_layout`)."""
+    """ort-cpu, ort-cuda or trt ('ort': ort-cpu), optionally @RELEASE (ort-cpu@1.20): the runtime the model is
+    written for (tiers, `runtime_layout`, and for ONNX Runtime the oldest release the file must load on)."""
+    kernel_accuracy: str = "int8"
+    """How ONNX Runtime's MatMulNBits computes (`forms.KERNEL_ACCURACY`): int8 activations (fast), or exact."""
     runtime_layout: str = "auto"
     """How codes reach their consumers (`graph_ops.qdq.LAYOUTS`); 'auto': `AUTO_LAYOUT` of the target."""
     group_size: int | None = None
@@ -64,10 +69,18 @@ class ExportSettings:
     None: as `score` decides, except past `job.FED_FLOATS_BYTES`, whose candidates run one at a time."""
 
     def __post_init__(self):
-        if self.target == "ort":
-            object.__setattr__(self, "target", "ort-cpu")
-        if self.target not in TARGETS:
-            raise InputError(f"unknown target '{self.target}'; choose one of {', '.join(TARGETS)}")
+        engine, _, release = self.target.partition("@")
+        if engine == "ort":
+            engine = "ort-cpu"
+        if engine not in TARGETS:
+            raise InputError(f"unknown target '{engine}'; choose one of {', '.join(TARGETS)}")
+        if release:
+            _release(release, engine)
+        object.__setattr__(self, "target", engine + (f"@{release}" if release else ""))
+        if self.kernel_accuracy not in KERNEL_ACCURACY:
+            raise InputError(
+                f"unknown kernel accuracy '{self.kernel_accuracy}'; choose one of {', '.join(KERNEL_ACCURACY)}"
+            )
         if self.runtime_layout not in RUNTIME_LAYOUTS:
             raise InputError(
                 f"unknown runtime layout '{self.runtime_layout}'; choose one of {', '.join(RUNTIME_LAYOUTS)}"
@@ -89,23 +102,58 @@ class ExportSettings:
             raise InputError(f"--split takes a fraction in [0, 1), not {self.split_fraction}")
 
     @property
+    def engine(self) -> str:
+        """The target without its release: ort-cpu, ort-cuda or trt."""
+        return self.target.partition("@")[0]
+
+    @property
+    def release(self) -> Release:
+        """The oldest ONNX Runtime release the file must load on (`runtimes.ort_versions`)."""
+        given = self.target.partition("@")[2]
+        return _release(given, self.engine) if given else Release()
+
+    @property
     def layout(self) -> str:
         """The runtime layout written: the one asked for, or the target's (`AUTO_LAYOUT`)."""
-        return AUTO_LAYOUT[self.target] if self.runtime_layout == "auto" else self.runtime_layout
+        return AUTO_LAYOUT[self.engine] if self.runtime_layout == "auto" else self.runtime_layout
+
+    @property
+    def policy(self) -> FormPolicy:
+        """How each weight may be written for the target (`forms.WeightForms`)."""
+        return FormPolicy(self.layout, self.release, self.kernel_accuracy)
 
     @property
     def runtime(self) -> str:
         """The tier registry's name for the target's runtime ('ort' or 'trt')."""
-        return "trt" if self.target == "trt" else "ort"
+        return "trt" if self.engine == "trt" else "ort"
 
     @property
     def tier_names(self) -> tuple[str, ...]:
         if self.tiers:
             return tuple(self.tiers)
-        return TRT_TIERS if self.target == "trt" else DEFAULT_TIERS
+        if self.engine == "trt":
+            return TRT_TIERS
+        two_bit = self.release.version >= (1, 24)  # 2-bit codes load from ONNX Runtime 1.24
+        return tuple(t for t in DEFAULT_TIERS if two_bit or not t.startswith("int2"))
 
     @property
     def fp32_share(self) -> float:
         if self.fp32_fraction is not None:
             return self.fp32_fraction
         return OBJECTIVES[self.objective].fp32_share
+
+
+def _release(text: str, engine: str) -> Release:
+    """The ONNX Runtime release of `--target ENGINE@RELEASE`, refused where nothing was measured on it."""
+    if engine == "trt":
+        raise InputError(f"--target trt@{text}: a release is for ONNX Runtime targets (ort-cpu, ort-cuda)")
+    try:
+        version = parse_version(text)
+    except ValueError as exc:
+        raise InputError(f"--target {engine}@{text}: {exc}") from None
+    oldest, newest = min(IR_FROM.values()), max(IR_FROM.values())
+    if not oldest <= version:
+        raise InputError(
+            f"--target {engine}@{text}: files are written for ONNX Runtime {version_text(oldest)} or later"
+        )
+    return Release(min(version, newest) if version > newest else version)

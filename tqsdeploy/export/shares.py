@@ -16,9 +16,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from graph_ops.calibration import layer_inputs
+from graph_ops.calibration import layer_inputs, sample_chunks
 from tiers import Tier
-from tqsdeploy.encoding.calibrator import sample_chunks
 from tqsdeploy.encoding.choices import AnyRounding
 from tqsdeploy.encoding.slots import Slot
 from tqsdeploy.export.job import ExportJob

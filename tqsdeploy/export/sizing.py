@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from graph_ops.qdq import computes_in_half, conversion_overhead_bits, emitted_bits
+from graph_ops.qdq import computes_in_half, conversion_overhead_bits
 from tiers import TIERS, Encoded, Tier, ladder_opset
 from tqsdeploy.encoding.slots import Slot
 from tqsdeploy.export.allocate import Allocation
@@ -36,6 +36,7 @@ class Sizing:
 
     def __init__(self, job: ExportJob):
         self.scored, self.settings, self.encoder, self.cut = job.scored, job.settings, job.encoder, job.cut
+        self.forms = job.forms
         self._overhead: dict[int, int] = {}
         self._costs: dict[tuple[float, str, str], int] = {}
         """(cut, slot, tier) -> bits: a slot's share of its unit's bits depends on the other slots of the cut."""
@@ -65,7 +66,7 @@ class Sizing:
         key = (self.cut.fraction, slot.name, tier.name)
         if key not in self._costs:  # every slot of the unit at once: one stored form per tensor
             forms = self.encoder.stored_forms(slot.unit, tier)
-            written = {n: emitted_bits(n, e, self.settings.layout) for n, e in forms.items()}
+            written = {n: self.forms.bits(n, e) for n, e in forms.items()}
             slots = self.cut.slots_of[slot.unit]
             shares = [self._share_bits(other, forms, written) for other in slots]
             for other, bits in zip(slots, split_bits(shares, sum(written.values()))):
@@ -109,8 +110,7 @@ class Sizing:
                 if (unit, tier) not in forms:
                     forms[(unit, tier)] = self.encoder.stored_forms(unit, tier)
                 self._stretch_bits[key] = sum(
-                    emitted_bits(n, self.encoder.channels(n, e, rows), self.settings.layout)
-                    for n, e in forms[(unit, tier)].items()
+                    self.forms.bits(n, self.encoder.channels(n, e, rows)) for n, e in forms[(unit, tier)].items()
                 )
             costs.update(
                 zip(
@@ -144,6 +144,9 @@ class Sizing:
         """Fail before any work when a target cannot be met, saying what caps C."""
         budget, floor = self.budget(tiers), self.floor_bits(tiers)
         hint = "lower --C or add a cheaper tier"
+        release = self.settings.release if self.settings.engine.startswith("ort") else None
+        if release is not None and release.version < (1, 24) and not any(t.name.startswith("int2") for t in tiers):
+            hint += f" (2-bit tiers need ONNX Runtime 1.24: --target {self.settings.target} leaves them out)"
         if budget.fixed_bits > 0 and budget.basis_bits / floor > 1.25 * budget.compression(
             floor
         ):  # the tensors outside the units bind

@@ -17,6 +17,7 @@ import polars as pl
 
 import graph_ops
 from graph_ops.qdq import Written, write_storage
+from runtimes.ort_versions import oldest_release, version_text
 from tiers import TIERS, Encoded, get_tiers
 from tiers.solver_backend import array_module, solver_dtype
 from tqsdeploy.encoding import checkpoints
@@ -24,6 +25,7 @@ from tqsdeploy.encoding.logs import thin_note
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.allocate import Allocation
 from tqsdeploy.export.candidates import MIXED, Candidate, explain
+from tqsdeploy.export.deployed import DeployedMemory
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.roundings import Roundings
 from tqsdeploy.files import write_json, write_table
@@ -68,6 +70,13 @@ class Outcome:
     """The rounding method of each calibratable tier the file stores."""
     opsets: tuple[int, int] = (0, 0)
     """(the model's, the file's) default-domain opset: a conversion can change a kernel's speed."""
+    runs_as: dict[str, str] = field(default_factory=dict)
+    """What ONNX Runtime runs for each unit tensor (`WeightForms.runs_as`)."""
+    session_memory: dict | None = None
+    """The session's peak and steady memory in a fresh process beside the original's (`DeployedMemory`)."""
+    oldest_release: str | None = None
+    """The oldest ONNX Runtime release that loads the file, in words (`runtimes.ort_versions.oldest_release`): "1.23
+    or later (a Cast from 4-bit codes)"."""
     cache: dict | None = None
     """What this export read from the run's cache and added to it, by kind (`RunCache.since`); None: no cache."""
 
@@ -101,9 +110,14 @@ def explained(windows: int, labels: list[str]) -> dict[str, str]:
 class Writer:
     """Writes an export's chosen candidate and what to say about it."""
 
-    def __init__(self, job: ExportJob, roundings: Roundings):
-        self.job, self.roundings = job, roundings
+    def __init__(self, job: ExportJob, roundings: Roundings, deployed: DeployedMemory | None = None):
+        """`deployed`: measures each written model's session memory (None: not measured)."""
+        self.job, self.roundings, self.deployed = job, roundings, deployed
         self.scored, self.settings, self.encoder = job.scored, job.settings, job.encoder
+
+    def close(self) -> None:
+        if self.deployed is not None:
+            self.deployed.close()
 
     def outputs_identity(self) -> str:
         """What an output file depends on: the calibration passes' identity and the settings."""
@@ -126,8 +140,9 @@ class Writer:
                 path,
                 external_data=external_data,
                 source=self.scored.prepared.data_dir,
-                layout=self.settings.layout,
+                layout={name: self.job.forms.layout_of(e) for name, e in stored.items()},
                 opset=self.scored.opset,
+                native=self.job.forms.plans(stored),
             )
 
     def check_single_file(self, targets: list[float | None], uniform_tier: str | None = None) -> None:
@@ -262,7 +277,8 @@ class Writer:
                 missing_ok=True
             )  # a kill before the new record lands leaves a model without one, never a mismatched pair
         written = self.write(chosen.encodings, path)
-        record = self.scored.sizes.record(written, chosen.encodings, self.settings.layout)
+        unit_bits = sum(self.job.forms.bits(name, e) for name, e in chosen.encodings.items())
+        record = self.scored.sizes.record(written, unit_bits, self.settings.layout)
         compression, unit_compression = record["compression"], record["unit_compression"]
         if (
             target is not None
@@ -273,8 +289,13 @@ class Writer:
             notes.insert(0, self.basis_note(target, compression, unit_compression, chosen.allocation))
         table = self.table(chosen.allocation)
         rounding = self.rounding_by_tier(chosen)
+        loads_on, why = oldest_release(graph_ops.load_model(path, load_external=False).proto)
+        runs_as = {name: self.job.forms.runs_as(name, e) for name, e in sorted(chosen.encodings.items())}
         summary = self._summary(chosen, compared, target, record, written, notes, uniform_tier, clock) | {
-            "rounding_by_tier": rounding
+            "rounding_by_tier": rounding,
+            "runs_as": runs_as,
+            "oldest_onnxruntime": {"release": version_text(loads_on), "because": why},
+            "session_memory": self.deployed.measure(path) if self.deployed is not None else None,
         }
         summary["tiers"] = table.rows(named=True)
         write_table(table, f"{stem}.allocation.parquet")
@@ -298,6 +319,9 @@ class Writer:
             cache=summary["cache"],
             rounding=rounding,
             opsets=(self.scored.model_opset, written.opset),
+            runs_as=runs_as,
+            oldest_release=f"{version_text(loads_on)} or later" + (f" ({'; '.join(why)})" if why else ""),
+            session_memory=summary["session_memory"],
         )
 
     def _summary(
@@ -414,11 +438,15 @@ class Writer:
         fp16/bf16 Casts, INT1's unpacking and, in the 'dequantized' layout, every dequantization into a float weight
         of the original's type; 'fused' keeps DequantizeLinear's codes."""
 
-        def held(encoded: Encoded) -> int:
+        forms = self.job.forms
+
+        def held(name: str, encoded: Encoded) -> int:
+            if forms.plan(name, encoded) is not None:  # codes, scales and the float parts the kernels read
+                return forms.bits(name, encoded) // 8
             if encoded.form == "split":
-                return sum(held(part) for part in encoded.parts)
-            if encoded.form == "dequantize" and self.settings.layout == "fused":
+                return sum(held(f"{name}__part{i}", part) for i, part in enumerate(encoded.parts))
+            if encoded.form == "dequantize" and forms.layout_of(encoded) == "fused":
                 return encoded.payload_bits // 8
             return math.prod(encoded.shape) * np.dtype(encoded.dtype).itemsize
 
-        return self.scored.sizes.outside_bits // 8 + sum(held(e) for e in encodings.values())
+        return self.scored.sizes.outside_bits // 8 + sum(held(n, e) for n, e in encodings.items())

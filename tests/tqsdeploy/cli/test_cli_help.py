@@ -33,7 +33,7 @@ from tqsdeploy.cli import app
                 "mckp|greedy",
                 "file|units",
                 "ort-cpu|ort-cuda|trt",
-                "auto|dequantized|fused",
+                "auto|native|dequantized|fused",
                 "int4-asym",
                 "--max-drift",
                 "--force",

@@ -346,9 +346,10 @@ def test_float16_models_keep_their_type(tmp_path, tier):
     want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.io.runtime_compatible(fake))).run({"x": x})["y"]
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
-    assert (
-        outcome.layout == "dequantized"
-    )  # the default for ort-cpu: ONNX Runtime's default session runs the fake-quantized weights exactly
+    # the default for ort-cpu is the native layout; these 32-wide weights are below its kernels' --min-params, so
+    # they fold at load and ONNX Runtime's default session runs the fake-quantized weights exactly
+    assert outcome.layout == "native"
+    assert not any(form.startswith(("MatMulNBits", "GatherBlockQuantized")) for form in outcome.runs_as.values())
     np.testing.assert_array_equal(OrtRuntime().open(outcome.path).run({"x": x})["y"], want)
     if tier in ("fp32", "fp16", "bf16"):  # no float tier narrower than fp16: the weights stay as they are
         assert outcome.compression == pytest.approx(1.0)
@@ -534,7 +535,7 @@ def test_int1_is_priced_as_written_when_its_unit_is_split(scored, tmp_path):
 def test_conv_calibration_rows_are_built_a_few_samples_at_a_time(tmp_path, monkeypatch):
     """A Conv's im2col rows for every window of a step at once took a 0.5 MB emulator's export to 1.75 GB; built
     a sample at a time they give the same Hessians (to float rounding), so the same QEP codes."""
-    import tqsdeploy.encoding.calibrator as calibrate
+    import graph_ops.calibration as calibrate
 
     model = models.conv_stack(tmp_path / "conv.onnx")
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((6, 1, 5, 8, 8)).astype(np.float32))
@@ -553,14 +554,45 @@ def test_conv_calibration_rows_are_built_a_few_samples_at_a_time(tmp_path, monke
         np.testing.assert_allclose(chunked[name], whole[name], rtol=0, atol=1e-6 * np.abs(whole[name]).max())
 
 
+def test_default_export_runs_on_onnx_runtimes_own_kernels_and_eval_says_so(scored, tmp_path):
+    """The default layout (native, for --target ort-cpu): the 128x256 weights are MatMulNBits nodes reading 4-bit
+    codes, the file says the oldest ONNX Runtime that loads it, and eval names each tensor's form and the bytes it
+    holds; exactly dequantized (`--exact`, accuracy level 0) it computes the numpy fake-quantized model."""
+    model, contexts, folder = scored
+    candidate = tmp_path / "mlp.int4.onnx"
+    planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", refine=0))
+    outcome = planner.export(None, candidate, uniform_tier="int4-asym")
+    fake = graph_ops.replace_weights(planner.model.proto, outcome.fake_quantized())
+    planner.close()
+    assert outcome.layout == "native"
+    assert set(outcome.runs_as.values()) == {"MatMulNBits 4-bit"}
+    assert outcome.oldest_release.startswith("1.")
+    record = json.loads(candidate.with_suffix(".allocation.json").read_text())
+    assert record["runs_as"] == outcome.runs_as and record["oldest_onnxruntime"]["release"]
+    x = np.load(contexts)["x"][0]
+    exact = OrtRuntime(exact_qdq=True).open(candidate).run({"x": x})["y"]
+    want = OrtRuntime().open(graph_ops.model_bytes(graph_ops.io.runtime_compatible(fake))).run({"x": x})["y"]
+    np.testing.assert_allclose(exact, want, rtol=1e-4, atol=1e-5)
+    code, text = invoke(
+        "eval", candidate, "-r", model, "-c", contexts, "--steps", 2, "--no-latency", "--report", tmp_path / "ev"
+    )
+    assert code == 0, text
+    report = json.loads((tmp_path / "ev.json").read_text())
+    assert report["runtime"]["mode"].startswith("ONNX Runtime's own low-bit kernels")
+    totals = report["forms"]["totals"]
+    assert set(totals) == {"MatMulNBits 4-bit"} and totals["MatMulNBits 4-bit"]["tensors"] == 3
+    float_bytes = 4 * (128 * 256 + 256 * 256 + 128 * 256)
+    assert totals["MatMulNBits 4-bit"]["bytes"] < float_bytes / 6  # codes, scales and zero points: about 1/7
+
+
 def test_eval_and_gate_time_candidate_and_reference(scored, tmp_path):
     """eval reports both models' latency (median and spread at each requested batch, paired rounds), their memory
-    and the runtime mode: the default export (the dequantized layout) is folded at load, its optimized graph
+    and the runtime mode: the dequantized layout is folded at load, its optimized graph
     reading no codes; `gate --max-slowdown` is a bound like the others (exit 1 when exceeded), and `--no-latency`
     turns the timing off (asking for both is bad input)."""
     model, contexts, folder = scored
     candidate = tmp_path / "mlp.int4.onnx"
-    planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", refine=0))
+    planner = Planner(folder / "run", settings=ExportSettings(rounding="rtn", refine=0, runtime_layout="dequantized"))
     planner.export(None, candidate, uniform_tier="int4-asym")
     planner.close()
     code, text = invoke(

@@ -1,0 +1,259 @@
+"""Weights ONNX Runtime runs compressed: a MatMul's or Gemm's weight as com.microsoft MatMulNBits, a Gather's table
+as GatherBlockQuantized. Unlike every other stored form, these replace the weight's consumers, not the weight: the
+float weight is never built, so the codes are what the session holds and its kernels read.
+
+`native_uses` says which weights can go native (every consumer of one kind); a stored weight gives its `NativePlan`
+(the parts along the output channels, each a MatMulNBits or a float weight); `rewrite_consumers` puts it in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import helper
+
+MATMUL = "matmul"
+GATHER = "gather"
+DOMAIN = "com.microsoft"
+NATIVE_OPS = ("MatMulNBits", "GatherBlockQuantized")
+"""The op types a native weight becomes: they read codes on every call by design, which is what keeps them small."""
+
+
+@dataclass(frozen=True)
+class NativeUse:
+    """How every consumer of a weight reads it: `kind` MATMUL (the weight is B of MatMul or Gemm, its output channels
+    along `n_axis`) or GATHER (the table of a Gather along axis 0)."""
+
+    kind: str
+    n_axis: int
+
+
+@dataclass(frozen=True)
+class NativePart:
+    """Output channels of a native weight: a MatMulNBits or GatherBlockQuantized node's inputs after the activation
+    (its tensors) and attributes, or (`op` 'MatMul') a float weight `inputs[0]` that `nodes` produce."""
+
+    op: str
+    inputs: tuple[str, ...]
+    attributes: dict
+    initializers: tuple[onnx.TensorProto, ...] = ()
+    nodes: tuple[onnx.NodeProto, ...] = ()
+    shape: tuple[int, ...] = ()
+    """A float part's weight shape (what `nodes` must produce)."""
+
+
+@dataclass(frozen=True)
+class NativePlan:
+    kind: str
+    parts: tuple[NativePart, ...]
+    nodes: tuple[onnx.NodeProto, ...] = field(default=())
+
+    @property
+    def initializers(self) -> list[onnx.TensorProto]:
+        return [t for part in self.parts for t in part.initializers]
+
+    @property
+    def producers(self) -> list[onnx.NodeProto]:
+        """Nodes that make the float parts' weights (folded at load, like the dequantized layout's)."""
+        return [n for part in self.parts for n in part.nodes]
+
+
+def native_uses(model: onnx.ModelProto) -> dict[str, NativeUse]:
+    """The initializers whose every consumer can read a native form: a 2-D B of MatMul, or of Gemm with transA 0,
+    alpha 1 and beta 1, or the data of a Gather along axis 0; consumers of different kinds, or any other reader
+    (a graph output, a subgraph), leave the weight to the other layouts."""
+    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
+    outputs = {o.name for o in model.graph.output}
+    found: dict[str, set] = {}
+    for node in model.graph.node:
+        for index, name in enumerate(node.input):
+            if name in shapes:
+                found.setdefault(name, set()).add(_use(node, index, len(shapes[name])))
+    for node in model.graph.node:  # weights read inside a subgraph cannot be rewritten here
+        for attribute in node.attribute:
+            if attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+                for graph in [attribute.g, *attribute.graphs]:
+                    for inner in graph.node:
+                        for name in inner.input:
+                            found.setdefault(name, set()).add(None)
+    return {
+        name: next(iter(uses))
+        for name, uses in found.items()
+        if len(uses) == 1 and None not in uses and name not in outputs
+    }
+
+
+def _use(node: onnx.NodeProto, index: int, rank: int) -> NativeUse | None:
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if node.domain not in ("", "ai.onnx") or rank != 2:
+        return None
+    if node.op_type == "MatMul" and index == 1:
+        return NativeUse(MATMUL, 1)
+    if node.op_type == "Gemm" and index == 1 and not attributes.get("transA", 0):
+        if attributes.get("alpha", 1.0) == 1.0 and (
+            len(node.input) < 3 or not node.input[2] or attributes.get("beta", 1.0) == 1.0
+        ):
+            return NativeUse(MATMUL, 0 if attributes.get("transB", 0) else 1)
+    if node.op_type == "Gather" and index == 0 and attributes.get("axis", 0) == 0:
+        return NativeUse(GATHER, 0)
+    return None
+
+
+def rewrite_consumers(graph: onnx.GraphProto, name: str, plan: NativePlan) -> list[onnx.NodeProto]:
+    """Replace every consumer of weight `name` by the plan's nodes, in place; returns the nodes that produce its
+    float parts' weights (for the caller to put first, with the other producers)."""
+    nodes = []
+    for node in graph.node:
+        if name not in node.input:
+            nodes.append(node)
+            continue
+        nodes += _gather(node, plan) if plan.kind == GATHER else _matmul(node, plan)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return plan.producers
+
+
+def _matmul(node: onnx.NodeProto, plan: NativePlan) -> list[onnx.NodeProto]:
+    """`node` (MatMul or Gemm) as one node per part along the output channels, joined by Concat, plus Gemm's bias."""
+    activation, output = node.input[0], node.output[0]
+    bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
+    joined = output if bias is None else f"{output}__unbiased"
+    pieces = [joined] if len(plan.parts) == 1 else [f"{output}__part{i}" for i in range(len(plan.parts))]
+    transposed = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
+    made = []
+    for piece, part in zip(pieces, plan.parts):
+        op, attributes = part.op, dict(part.attributes)
+        if op == "MatMul" and transposed:  # a float part keeps the weight's [N, K] storage: Gemm reads it transposed
+            op, attributes = "Gemm", {**attributes, "transB": 1}
+        made.append(
+            helper.make_node(
+                op,
+                [activation, *part.inputs],
+                [piece],
+                name=f"{node.name or output}__{piece}",
+                domain=DOMAIN if op in NATIVE_OPS else "",
+                **attributes,
+            )
+        )
+    if len(pieces) > 1:
+        made.append(helper.make_node("Concat", pieces, [joined], axis=-1, name=f"{node.name or output}__concat"))
+    if bias is not None:
+        made.append(helper.make_node("Add", [joined, bias], [output], name=f"{node.name or output}__bias"))
+    return made
+
+
+def _gather(node: onnx.NodeProto, plan: NativePlan) -> list[onnx.NodeProto]:
+    (part,) = plan.parts
+    return [
+        helper.make_node(
+            part.op,
+            [part.inputs[0], node.input[1], *part.inputs[1:]],
+            list(node.output),
+            domain=DOMAIN,
+            name=node.name or f"{node.output[0]}__gbq",
+            **part.attributes,
+        )
+    ]
+
+
+def with_domain(model: onnx.ModelProto) -> None:
+    """Declare the com.microsoft domain the native ops come from (version 1), if the model does not yet."""
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+
+
+@dataclass(frozen=True)
+class RuntimeForm:
+    """What a session runs for one weight of a written model, and the bytes it holds for it after load."""
+
+    form: str
+    bytes: int
+
+
+def runtime_forms(model: onnx.ModelProto) -> dict[str, RuntimeForm]:
+    """Each stored weight of a written model (its codes, or its float initializer) by what ONNX Runtime makes of it:
+    'MatMulNBits b-bit' / 'GatherBlockQuantized' (the kernels read the codes), 'DequantizeLinear every call', 'folded
+    at load' (constant nodes ONNX Runtime turns into a float tensor), or 'float'. Read off the file alone."""
+    from graph_ops.io import tensor_bits
+
+    sizes = {t.name: tensor_bits(t) // 8 for t in model.graph.initializer}
+    constant = _constant_nodes(model, set(sizes))
+    found: dict[str, RuntimeForm] = {}
+    seen: set[str] = set()
+    for index, node in enumerate(model.graph.node):
+        stored = [name for name in node.input if name in sizes]
+        if node.op_type in NATIVE_OPS:
+            label = _weight_label(node.input[1] if node.op_type == "MatMulNBits" else node.input[0])
+            kind = f"{node.op_type} {_bits(node)}-bit"
+            fresh = [name for name in stored if name not in seen]
+            seen.update(fresh)
+            previous = found.get(label)
+            kinds = sorted({kind, *(previous.form.split(" + ") if previous else ())})
+            found[label] = RuntimeForm(
+                " + ".join(kinds), sum(sizes[n] for n in fresh) + (previous.bytes if previous else 0)
+            )
+        elif node.op_type == "DequantizeLinear" and index not in constant and stored:
+            found[node.output[0]] = RuntimeForm("DequantizeLinear every call", sum(sizes[n] for n in stored))
+            seen.update(stored)
+    shapes = _shapes(model) if constant else {}
+    for index in constant:
+        node = model.graph.node[index]
+        for output in node.output:
+            if output in constant.values() or not output:
+                continue
+            count = shapes.get(output)
+            found[output] = RuntimeForm("folded at load", 4 * count if count is not None else 0)
+            seen.update(n for n in node.input if n in sizes)
+    for node in model.graph.node:  # float weights read as they are
+        for name in node.input:
+            if name in sizes and name not in seen and sizes[name] >= 1024:
+                found[name] = RuntimeForm("float", sizes[name])
+                seen.add(name)
+    return found
+
+
+def _constant_nodes(model: onnx.ModelProto, initializers: set[str]) -> dict[int, str]:
+    """Indices of the nodes computed from initializers alone (what ONNX Runtime folds at load, DequantizeLinear aside),
+    mapped to outputs another constant node reads (the last outputs of each chain are the folded weights)."""
+    known, chain = set(initializers), {}
+    for index, node in enumerate(model.graph.node):
+        if (
+            node.op_type != "DequantizeLinear"
+            and node.op_type not in NATIVE_OPS
+            and node.input
+            and all(not name or name in known for name in node.input)
+        ):
+            known.update(node.output)
+            chain[index] = ""
+    inner = {name for index in chain for name in model.graph.node[index].input}
+    return {index: next((o for o in model.graph.node[index].output if o in inner), "") for index in chain}
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, int]:
+    """Element counts of the tensors shape inference can tell."""
+    from graph_ops.prefix import inferred_values
+
+    counts = {}
+    for value in inferred_values(model):
+        dims = value.type.tensor_type.shape.dim
+        if dims and all(d.HasField("dim_value") for d in dims):
+            total = 1
+            for d in dims:
+                total *= d.dim_value
+            counts[value.name] = total
+    return counts
+
+
+def _weight_label(name: str) -> str:
+    """The weight a native tensor stores: its name without the form's suffix and the channel group's."""
+    for suffix in ("__nbits", "__gbq"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    head, _, tail = name.rpartition("__part")
+    return head if head and tail.isdigit() else name
+
+
+def _bits(node: onnx.NodeProto) -> int:
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return int(attributes.get("bits", 4))

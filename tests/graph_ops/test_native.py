@@ -1,0 +1,182 @@
+"""Weights written in ONNX Runtime's own low-bit kernels (MatMulNBits, GatherBlockQuantized) compute exactly what the
+codes' numpy dequantization says, on a real session: every code width, signed and asymmetric grids, per-channel and
+blockwise scales, a weight shared by two MatMuls, Gemm with transB, channel groups at different tiers, and tables;
+the file needs the ONNX Runtime release `oldest_release` names, and `runtime_forms` reads back what runs."""
+
+import models
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import graph_ops
+from graph_ops.native import GATHER, MATMUL, NativeUse, native_uses, runtime_forms
+from graph_ops.qdq import write_storage
+from runtimes.ort_versions import oldest_release
+from tiers import TIERS, Rounding, encode, split
+from tiers.formats.native import NativeOptions
+from tiers.quantizer import Layout
+
+EXACT = NativeOptions(accuracy_level=0, min_params=0)
+
+
+def _layouts(proto, names):
+    found = graph_ops.weight_layouts(proto, names)
+    return {n: Layout(found[n].shape, found[n].perm, found[n].row_groups) for n in names}
+
+
+def _encoded(proto, tier: str, group_size=None) -> dict:
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    names = [n for n, w in weights.items() if w.ndim == 2 and w.size >= 512]
+    layouts = _layouts(proto, names)
+    return {n: encode(weights[n], layouts[n], TIERS[tier], Rounding(), None, group_size) for n in names}
+
+
+def _run(path, feeds) -> np.ndarray:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def _write_native(proto, stored, path, options=EXACT):
+    uses = native_uses(proto)
+    plans = {n: e.native(n, uses[n], options) for n, e in stored.items() if n in uses}
+    return write_storage(proto, stored, path, layout="native", native={n: p for n, p in plans.items() if p})
+
+
+@pytest.mark.parametrize("tier", ["int8-asym", "int4-asym", "int2-asym", "int8", "int4", "int2"])
+def test_matrix_weights_as_matmulnbits_compute_the_dequantized_model(tmp_path, tier):
+    """MatMul weights (one shared by two MatMuls) and a Gemm's transposed B: every consumer becomes MatMulNBits, and
+    at accuracy level 0 the session's outputs equal the float model built from the dequantized codes."""
+    path = models.mlp_forecaster(tmp_path / "mlp.onnx", n=64, hidden=128)
+    proto = onnx.load(path)
+    stored = _encoded(proto, tier)
+    written = _write_native(proto, stored, tmp_path / "native.onnx")
+    nodes = onnx.load(written.path).graph.node
+    assert sum(n.op_type == "MatMulNBits" for n in nodes) >= 4 and not any(n.op_type == "MatMul" for n in nodes)
+    fake = graph_ops.replace_weights(proto, {n: e.dequantize() for n, e in stored.items()})
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    reference = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[
+        0
+    ]
+    np.testing.assert_allclose(_run(written.path, {"x": x}), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_int8_activations_stay_within_a_small_relative_error(tmp_path):
+    path = models.mlp_forecaster(tmp_path / "mlp.onnx", n=64, hidden=128)
+    proto = onnx.load(path)
+    stored = _encoded(proto, "int4-asym")
+    exact = _write_native(proto, stored, tmp_path / "exact.onnx")
+    fast = _write_native(proto, stored, tmp_path / "fast.onnx", NativeOptions(accuracy_level=4, min_params=0))
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    a, b = _run(exact.path, {"x": x}), _run(fast.path, {"x": x})
+    error = np.abs(a - b).max() / np.abs(a).max()
+    assert 0 < error < 1e-2, error
+
+
+def test_blockwise_codes_keep_their_blocks(tmp_path):
+    path = models.mlp_forecaster(tmp_path / "mlp.onnx", n=64, hidden=128)
+    proto = onnx.load(path)
+    stored = _encoded(proto, "int4-asym", group_size=32)
+    written = _write_native(proto, stored, tmp_path / "native.onnx")
+    blocks = {
+        a.i
+        for n in onnx.load(written.path).graph.node
+        if n.op_type == "MatMulNBits"
+        for a in n.attribute
+        if a.name == "block_size"
+    }
+    assert blocks == {32}
+    fake = graph_ops.replace_weights(proto, {n: e.dequantize() for n, e in stored.items()})
+    x = np.random.default_rng(2).standard_normal((2, 64)).astype(np.float32)
+    reference = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[
+        0
+    ]
+    np.testing.assert_allclose(_run(written.path, {"x": x}), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_channel_groups_at_different_tiers_are_one_kernel_each_joined(tmp_path):
+    """A weight whose output channels sit on int8, int4 and fp32 becomes two MatMulNBits and a float MatMul,
+    concatenated: the outputs equal the dequantized model's."""
+    proto = onnx.load(models.linear_map(tmp_path / "lin.onnx", np.random.default_rng(0).standard_normal((96, 96)) / 10))
+    weight = onnx.numpy_helper.to_array(proto.graph.initializer[0])
+    layout = _layouts(proto, ["W"])["W"]
+    parts = [
+        encode(weight[:, :32], Layout((96, 32), layout.perm, 1), TIERS["int8-asym"], Rounding(), None),
+        encode(weight[:, 32:64], Layout((96, 32), layout.perm, 1), TIERS["int4-asym"], Rounding(), None),
+        TIERS["fp32"].float_copy(weight[:, 64:]),
+    ]
+    joined = split(parts, layout)
+    written = _write_native(proto, {"W": joined}, tmp_path / "native.onnx")
+    ops = [n.op_type for n in onnx.load(written.path).graph.node]
+    assert ops.count("MatMulNBits") == 2 and ops.count("MatMul") == 1 and "Concat" in ops
+    x = np.random.default_rng(3).standard_normal((5, 96)).astype(np.float32)
+    np.testing.assert_allclose(_run(written.path, {"x": x}), x @ joined.dequantize(), rtol=1e-5, atol=1e-6)
+
+
+def test_channel_groups_of_a_transposed_gemm_weight_keep_its_storage(tmp_path):
+    """Gemm(x, W1, b1, transB=1) stores W1 as [N, K]: its int4 group becomes MatMulNBits, its float group a Gemm
+    reading the slice transposed (a MatMul would multiply by [N, K]), the bias added once after the Concat."""
+    proto = onnx.load(models.gemm_pair(tmp_path / "gemm.onnx", n=32, hidden=96))
+    weight = onnx.numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == "W1"))
+    layout = _layouts(proto, ["W1"])["W1"]
+    assert layout.perm == (0, 1)  # output channels along axis 0
+    parts = [
+        encode(weight[:64], Layout((64, 32), layout.perm, 1), TIERS["int4-asym"], Rounding(), None),
+        TIERS["fp32"].float_copy(weight[64:]),
+    ]
+    joined = split(parts, layout)
+    written = _write_native(proto, {"W1": joined}, tmp_path / "native.onnx")
+    ops = [n.op_type for n in onnx.load(written.path).graph.node]
+    assert ops.count("MatMulNBits") == 1 and "Concat" in ops
+    fake = graph_ops.replace_weights(proto, {"W1": joined.dequantize()})
+    x = np.random.default_rng(5).standard_normal((3, 32)).astype(np.float32)
+    want = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(_run(written.path, {"x": x}), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tier", ["int4-asym", "int4", "int8-asym", "int8"])
+def test_tables_as_gatherblockquantized_gather_the_dequantized_rows(tmp_path, tier):
+    path = models.gather_forecaster(tmp_path / "emb.onnx", rows=100, n=32)
+    proto = onnx.load(path)
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    stored = {"emb": encode(weights["emb"], _layouts(proto, ["emb"])["emb"], TIERS[tier], Rounding(), None)}
+    assert native_uses(proto)["emb"] == NativeUse(GATHER, 0)
+    written = _write_native(proto, stored, tmp_path / "native.onnx")
+    assert "GatherBlockQuantized" in [n.op_type for n in onnx.load(written.path).graph.node]
+    feeds = {"x": np.random.default_rng(4).standard_normal((2, 32)).astype(np.float32), "ids": np.array([3, 97])}
+    fake = graph_ops.replace_weights(proto, {"emb": stored["emb"].dequantize()})
+    reference = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(_run(written.path, feeds), reference, rtol=1e-6, atol=1e-7)
+
+
+def test_the_oldest_release_follows_what_the_file_holds(tmp_path):
+    """4-bit MatMulNBits on an opset-17 model loads from 1.20; 8-bit codes need 1.23, 2-bit 1.24, and the
+    dequantized layout's Cast from 4-bit codes 1.23."""
+    path = models.mlp_forecaster(tmp_path / "mlp.onnx", n=64, hidden=128)
+    proto = onnx.load(path)
+    for tier, release in (("int4-asym", (1, 20)), ("int8-asym", (1, 23)), ("int2-asym", (1, 24))):
+        written = _write_native(proto, _encoded(proto, tier), tmp_path / f"{tier}.onnx")
+        assert oldest_release(onnx.load(written.path))[0] == release, tier
+    folded = write_storage(proto, _encoded(proto, "int4-asym"), tmp_path / "folded.onnx", layout="dequantized")
+    version, why = oldest_release(onnx.load(folded.path))
+    assert version == (1, 23) and "a Cast from 4-bit codes" in why
+
+
+def test_runtime_forms_name_what_runs_and_what_it_holds(tmp_path):
+    path = models.mlp_forecaster(tmp_path / "mlp.onnx", n=64, hidden=128)
+    proto = onnx.load(path)
+    stored = _encoded(proto, "int4-asym")
+    native = runtime_forms(onnx.load(_write_native(proto, stored, tmp_path / "native.onnx").path))
+    folded = runtime_forms(onnx.load(write_storage(proto, stored, tmp_path / "folded.onnx", layout="dequantized").path))
+    assert {native[n].form for n in stored} == {"MatMulNBits 4-bit"}
+    assert {folded[n].form for n in stored} == {"folded at load"}
+    for name, encoded in stored.items():  # codes held, against a float copy of the weight
+        assert native[name].bytes < folded[name].bytes == 4 * encoded.dequantize().size
+
+
+def test_a_weight_read_by_another_kind_of_node_is_not_native(tmp_path):
+    proto = onnx.load(models.mlp_forecaster(tmp_path / "mlp.onnx", n=64, hidden=128))
+    uses = native_uses(proto)
+    assert all(u.kind == MATMUL for u in uses.values())
+    name = next(iter(uses))
+    proto.graph.node.append(onnx.helper.make_node("Identity", [name], ["leak"]))
+    assert name not in native_uses(proto)

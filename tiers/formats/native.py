@@ -1,0 +1,165 @@
+"""Integer codes in the forms ONNX Runtime's own low-bit kernels read: MatMulNBits for a matrix weight, and
+GatherBlockQuantized for an embedding table (`graph_ops.native` rewrites the consumers).
+
+Both kernels take blocks of codes along the reduction axis with a scale (and zero point) per block; a per-channel
+grid is the same grid with its scale repeated in each block, so the values computed are the codes' exact
+dequantization. The layouts are those onnxruntime's kernels read (docs/design-notes/tiers.md, "Native forms").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+from onnx import helper, numpy_helper
+
+from graph_ops.native import GATHER, MATMUL, NativePart, NativeUse
+from tiers.encoded import Encoded
+
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+"""Block sizes every supported ONNX Runtime takes for MatMulNBits (powers of two from 16)."""
+
+
+@dataclass(frozen=True)
+class NativeOptions:
+    """What the target runtime's kernels take, and how they are asked to compute."""
+
+    matmul_bits: tuple[int, ...] = (2, 4, 8)
+    """Code widths its MatMulNBits runs (4 from ONNX Runtime 1.20, 8 from 1.23, 2 from 1.24)."""
+    gather_bits: tuple[int, ...] = (4, 8)
+    """Code widths its GatherBlockQuantized runs (4 from 1.20, 8 from 1.23)."""
+    accuracy_level: int = 4
+    """MatMulNBits' `accuracy_level`: 4 quantizes activations to int8 inside the kernel (fast at every width), 0
+    computes in float (exact, but 2- and 8-bit codes then run many times slower than a float MatMul)."""
+    min_params: int = 16384
+    """Smaller weights stay float weights folded at load: the kernels' fixed cost outweighs their reads."""
+
+
+def _code_bits(codes: np.ndarray) -> tuple[int, bool] | None:
+    """(bits, signed) of integer codes of 2, 4 or 8 bits; None for other codes (FP8)."""
+    try:
+        info = ml_dtypes.iinfo(codes.dtype)
+    except ValueError:
+        return None
+    bits = {np.int8: 8, np.uint8: 8}.get(codes.dtype.type, info.bits)
+    return (bits, info.min < 0) if bits in (2, 4, 8) else None
+
+
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned codes, last axis packed least significant bits first (what both kernels read)."""
+    per = 8 // bits
+    codes = codes.astype(np.uint8)
+    if per == 1:
+        return codes
+    pad = -codes.shape[-1] % per
+    if pad:
+        codes = np.concatenate([codes, np.zeros(codes.shape[:-1] + (pad,), np.uint8)], axis=-1)
+    codes = codes.reshape(codes.shape[:-1] + (-1, per))
+    packed = np.zeros(codes.shape[:-1], np.uint8)
+    for i in range(per):
+        packed |= codes[..., i] << np.uint8(i * bits)
+    return packed
+
+
+def _block_size(k: int, n: int, bits: int, zero: bool) -> int:
+    """The block size storing a per-channel grid in the fewest bytes (codes padded to whole blocks, a 4-byte scale
+    and a zero point per block); a tie goes to the larger block."""
+
+    def size(block: int) -> float:
+        blocks = -(-k // block)
+        return n * (blocks * block * bits / 8 + blocks * 4 + (blocks * bits / 8 if zero else 0))
+
+    return min(reversed(BLOCK_SIZES), key=size)
+
+
+def matmul_part(name: str, value: Encoded, use: NativeUse, options: NativeOptions) -> NativePart | None:
+    """MatMulNBits of a 2-D weight's integer codes; None where the kernel cannot take them as they are."""
+    found = _code_bits(value.values) if value.form == "dequantize" and len(value.shape) == 2 else None
+    if found is None or found[0] not in options.matmul_bits or value.dtype not in ("float32", "float16"):
+        return None
+    bits, signed = found
+    codes = np.asarray(value.values).astype(np.int16)
+    k_axis = 1 - use.n_axis
+    blocked = value.block_size is not None
+    if blocked and (value.axis != k_axis or value.block_size not in BLOCK_SIZES):
+        return None
+    if not blocked and value.axis is not None and value.axis != use.n_axis:
+        return None
+    wt = codes if use.n_axis == 0 else codes.T  # [N, K]
+    n, k = wt.shape
+    block = value.block_size if blocked else _block_size(k, n, bits, value.zero_point is not None)
+    blocks = -(-k // block)
+    scale, zero = _per_block(value, n, blocks, use.n_axis)
+    offset = 1 << (bits - 1) if signed else 0
+    wt = np.concatenate([wt + offset, np.zeros((n, blocks * block - k), np.int16)], axis=1).reshape(n, blocks, block)
+    tensors = [
+        numpy_helper.from_array(_pack(wt, bits), f"{name}__nbits"),
+        numpy_helper.from_array(scale.astype(value.dtype), f"{name}__nbits_scale"),
+    ]
+    if zero is not None:
+        tensors.append(numpy_helper.from_array(_pack(zero.astype(np.int16) + offset, bits), f"{name}__nbits_zero"))
+    attributes = {"K": k, "N": n, "bits": bits, "block_size": block, "accuracy_level": options.accuracy_level}
+    return NativePart("MatMulNBits", tuple(t.name for t in tensors), attributes, tuple(tensors))
+
+
+def gather_part(name: str, value: Encoded, options: NativeOptions) -> NativePart | None:
+    """GatherBlockQuantized of a table's integer codes, one scale per row repeated per block; None otherwise."""
+    found = _code_bits(value.values) if value.form == "dequantize" and len(value.shape) == 2 else None
+    if found is None or found[0] not in options.gather_bits or value.block_size or value.axis not in (0, None):
+        return None
+    bits, signed = found
+    rows, width = value.shape
+    block = next((b for b in reversed(BLOCK_SIZES) if width % b == 0), None)
+    if block is None or value.dtype not in ("float32", "float16"):
+        return None
+    blocks = width // block
+    scale, zero = _per_block(value, rows, blocks, 0)
+    codes = np.asarray(value.values)
+    if bits == 4:  # the table as an ordinary 4-bit tensor (ONNX packing), its zero points the same type
+        tensors = [numpy_helper.from_array(np.ascontiguousarray(codes), f"{name}__gbq")]
+        attributes = {"gather_axis": 0, "quantize_axis": 1, "block_size": block}
+        zero_tensor = None if zero is None else np.ascontiguousarray(zero.astype(codes.dtype))
+    else:  # 8-bit: unsigned bytes, `bits` declared (ONNX Runtime 1.23 and later)
+        offset = 128 if signed else 0
+        tensors = [numpy_helper.from_array((codes.astype(np.int16) + offset).astype(np.uint8), f"{name}__gbq")]
+        attributes = {"gather_axis": 0, "quantize_axis": 1, "block_size": block, "bits": 8}
+        zero_tensor = None if zero is None else (zero.astype(np.int16) + offset).astype(np.uint8)
+    tensors.append(numpy_helper.from_array(scale.astype(value.dtype), f"{name}__gbq_scale"))
+    if zero_tensor is not None:
+        tensors.append(numpy_helper.from_array(zero_tensor, f"{name}__gbq_zero"))
+    return NativePart("GatherBlockQuantized", tuple(t.name for t in tensors), attributes, tuple(tensors))
+
+
+def _per_block(value: Encoded, n: int, blocks: int, n_axis: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Scale and zero point as [N, blocks]: a per-channel (or per-tensor) grid's repeated, a blockwise one's as is."""
+
+    def shaped(array):
+        if array is None:
+            return None
+        array = np.asarray(array)
+        if value.block_size:
+            return array if n_axis == 0 else array.T
+        return np.repeat(np.broadcast_to(array.reshape(-1), (n,)).reshape(n, 1), blocks, axis=1)
+
+    return np.ascontiguousarray(shaped(value.scale), np.float32), shaped(value.zero_point)
+
+
+def float_part(name: str, value: Encoded) -> NativePart:
+    """A part the kernels cannot take, as a float weight its own form's dequantized layout makes (folded at load)."""
+    initializers, nodes = value.emit(name, "dequantized")
+    return NativePart(
+        "MatMul", (name,), {}, tuple(initializers), tuple(nodes) or _identity(name, initializers), tuple(value.shape)
+    )
+
+
+def _identity(name: str, initializers) -> tuple:
+    """A raw part's tensor is its own initializer: no node produces it."""
+    return (
+        ()
+        if any(t.name == name for t in initializers)
+        else (helper.make_node("Identity", [initializers[0].name], [name]),)
+    )
+
+
+__all__ = ["GATHER", "MATMUL", "NativeOptions", "float_part", "gather_part", "matmul_part"]

@@ -1,0 +1,61 @@
+"""What a written model takes where it runs: its session's resident memory, measured in a fresh process
+(`runtimes.memory`) beside the original's, on the first context window of the score run.
+
+A fresh process because the exporting one holds the original, the encodings and its own sessions: only a child
+that does nothing else sees what a deployment pays (the peak while ONNX Runtime folds constants included).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from runtimes.memory import measure
+from tqsdeploy.export.job import ScoredModel
+
+BASIS = (
+    "resident-set growth of a fresh process from just before the session is created to after 3 calls on the "
+    "first scoring window"
+)
+
+
+class DeployedMemory:
+    """Peak and steady memory of each written model's session and of the original's (measured once)."""
+
+    def __init__(self, scored: ScoredModel, provider: str):
+        self.scored, self.provider = scored, provider
+        self._folder = Path(tempfile.mkdtemp(prefix="tqs-memory-"))
+        self._feeds: Path | None = None
+        self._original = None
+        self._measured_original = False
+
+    def measure(self, path: Path) -> dict | None:
+        """The model at `path` against the original, or None where memory cannot be read (not Linux, or the
+        child failed)."""
+        feeds = self._feed_file()
+        if not self._measured_original:
+            self._original, self._measured_original = measure(self.scored.model.path, feeds, self.provider), True
+        written = measure(path, feeds, self.provider)
+        if written is None or self._original is None:
+            return None
+        return {
+            "peak_bytes": written.peak_bytes,
+            "steady_bytes": written.steady_bytes,
+            "original_peak_bytes": self._original.peak_bytes,
+            "original_steady_bytes": self._original.steady_bytes,
+            "peak_ratio": written.peak_bytes / max(self._original.peak_bytes, 1),
+            "basis": BASIS,
+        }
+
+    def _feed_file(self) -> Path:
+        if self._feeds is None:
+            arrays = self.scored.prepared.contexts.arrays
+            self._feeds = self._folder / "feeds.npz"
+            np.savez(self._feeds, **{name: values[0] for name, values in arrays.items()})
+        return self._feeds
+
+    def close(self) -> None:
+        shutil.rmtree(self._folder, ignore_errors=True)

@@ -1,0 +1,114 @@
+"""How each weight is written for the export's target: in ONNX Runtime's own low-bit kernels where they take it
+(`graph_ops.native`: MatMulNBits, GatherBlockQuantized), else in a layout (`graph_ops.qdq.LAYOUTS`).
+
+Sizing prices a weight and the writer writes it through this one object, so the bits priced are the bits written;
+`runs_as` says in words what the runtime runs for each tensor (the summary and the allocation record show it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from graph_ops.io import tensor_bits
+from graph_ops.native import GATHER, NativePlan, NativeUse, native_uses
+from graph_ops.qdq import emitted_bits
+from runtimes.ort_versions import Release
+from tiers import Encoded
+from tiers.formats.native import NativeOptions
+
+KERNEL_ACCURACY = {"int8": 4, "exact": 0}
+"""`--kernel-accuracy` -> MatMulNBits' accuracy_level: 'int8' quantizes activations inside the kernel (fast at every
+code width, about 1e-3 relative error per product), 'exact' computes in float (2- and 8-bit codes then run far
+slower than a float MatMul: docs/design-notes/export.md, "Kernel accuracy")."""
+
+
+@dataclass(frozen=True)
+class FormPolicy:
+    """What the target allows: its layout, the release it must load on, the kernels' accuracy."""
+
+    layout: str
+    release: Release = Release()
+    kernel_accuracy: str = "int8"
+    min_params: int = NativeOptions.min_params
+
+    def options(self) -> NativeOptions:
+        return NativeOptions(
+            self.release.matmul_bits(), self.release.gather_bits(), KERNEL_ACCURACY[self.kernel_accuracy], min_params=0
+        )
+
+
+class WeightForms:
+    """Each unit tensor's written form, decided per tensor once (its consumers and size) and per encoding."""
+
+    def __init__(self, proto, layouts: dict, policy: FormPolicy):
+        self.policy = policy
+        self._options = policy.options()
+        uses = native_uses(proto) if policy.layout == "native" else {}
+        self.uses: dict[str, NativeUse] = {
+            name: use
+            for name, use in uses.items()
+            if name in layouts and int(np.prod(layouts[name].shape, dtype=np.int64)) >= policy.min_params
+        }
+        """The weights whose consumers all read a native form, large enough to pay for its kernel."""
+
+    def whole_tensors(self) -> frozenset[str]:
+        """Tensors whose native form takes one tier for the whole tensor: tables read by GatherBlockQuantized (a
+        table cut into rows at several tiers would be a float copy in memory)."""
+        return frozenset(name for name, use in self.uses.items() if use.kind == GATHER)
+
+    def plan(self, name: str, encoded: Encoded) -> NativePlan | None:
+        """The native plan of tensor `name` at `encoded` (a whole tensor, or a channel stretch of it), or None."""
+        use = self.uses.get(name)
+        if use is None or encoded.dtype != "float32":
+            return None
+        return encoded.native(name, use, self._options)
+
+    def layout_of(self, encoded: Encoded) -> str:
+        """The layout a tensor not written natively takes: the dequantized one, unless its release cannot Cast
+        4-bit codes (before ONNX Runtime 1.23), where DequantizeLinear loads instead."""
+        if self.policy.layout != "native":
+            return self.policy.layout
+        codes = encoded.values if encoded.form == "dequantize" else None
+        if (
+            codes is not None
+            and not self.policy.release.casts_sub_byte
+            and np.dtype(codes.dtype).itemsize == 1
+            and "4" in str(codes.dtype)
+        ):
+            return "fused"
+        return "dequantized"
+
+    def bits(self, name: str, encoded: Encoded) -> int:
+        """Bits of every tensor the weight puts in the file, as the writer writes it."""
+        plan = self.plan(name, encoded)
+        if plan is not None:
+            return sum(tensor_bits(t) for t in plan.initializers)
+        return emitted_bits(name, encoded, self.layout_of(encoded))
+
+    def plans(self, encodings: dict[str, Encoded]) -> dict[str, NativePlan]:
+        """The native plans of a whole model's encodings (what `graph_ops.qdq.write_storage` rewrites)."""
+        found = {name: self.plan(name, encoded) for name, encoded in encodings.items()}
+        return {name: plan for name, plan in found.items() if plan is not None}
+
+    def runs_as(self, name: str, encoded: Encoded) -> str:
+        """What ONNX Runtime runs for the tensor, in words: the kernel and its code widths, or a folded float."""
+        plan = self.plan(name, encoded)
+        if plan is not None:
+            widths = sorted({p.attributes.get("bits", 4) for p in plan.parts if p.op != "MatMul"})
+            kernel = "GatherBlockQuantized" if plan.kind == GATHER else "MatMulNBits"
+            folded = " + float parts" if any(p.op == "MatMul" for p in plan.parts) else ""
+            return f"{kernel} {'/'.join(map(str, widths))}-bit{folded}"
+        if encoded.form == "raw":
+            return "float (as stored)"
+        if encoded.form == "dequantize" and self.layout_of(encoded) == "fused":
+            return "DequantizeLinear every call"
+        return "float, folded at load"
+
+    def with_layout(self, layout: str) -> "WeightForms":
+        """The same decisions written in another layout (a benchmark's second file)."""
+        forms = WeightForms.__new__(WeightForms)
+        forms.policy, forms._options = replace(self.policy, layout=layout), self._options
+        forms.uses = self.uses if layout == "native" else {}
+        return forms
