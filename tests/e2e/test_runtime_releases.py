@@ -49,7 +49,7 @@ def test_the_declared_floor_is_the_release_written_for_by_default():
 
 
 def test_the_default_export_says_which_release_loads_it_and_keeps_to_the_floor(scored, tmp_path):
-    model, _, folder = scored
+    model, contexts, folder = scored
     code, text = invoke("export", model, "--run", folder / "run", "--C", "4,8", "--out-dir", tmp_path)
     assert code == 0, text
     for target in ("C4", "C8"):
@@ -63,6 +63,23 @@ def test_the_default_export_says_which_release_loads_it_and_keeps_to_the_floor(s
             o.version <= 26 for o in proto.opset_import if o.domain in ("", "ai.onnx")
         )
     assert parse_version(onnxruntime.__version__) >= OLDEST_SUPPORTED  # and this runtime (the floor in CI) ran them
+    code, text = invoke(
+        "eval",
+        tmp_path / "mlp.C8.onnx",
+        "-r",
+        model,
+        "-c",
+        contexts,
+        "--steps",
+        2,
+        "--no-latency",
+        "--report",
+        tmp_path / "ev",
+    )
+    assert code == 0, text
+    said = json.loads((tmp_path / "ev.json").read_text())["oldest_onnxruntime"]
+    assert said == json.loads((tmp_path / "mlp.C8.allocation.json").read_text())["oldest_onnxruntime"]
+    assert f"Loads on ONNX Runtime {said['release']} or later" in text
 
 
 def test_an_unknown_or_too_old_release_is_refused_in_one_line(scored, tmp_path):

@@ -122,6 +122,10 @@ def forms_lines(report: dict) -> list[str]:
             for form, t in sorted(totals.items(), key=lambda item: -item[1]["bytes"])
         )
         lines += ["", f"Weights as ONNX Runtime runs them (bytes held after load): {parts}."]
+    oldest = report.get("oldest_onnxruntime")
+    if oldest:
+        because = f" ({'; '.join(oldest['because'])})" if oldest["because"] else ""
+        lines += ["", f"Loads on ONNX Runtime {oldest['release']} or later{because}."]
     memory = report.get("memory")
     if memory:
         lines += [

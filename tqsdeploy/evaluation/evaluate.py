@@ -37,7 +37,14 @@ from tqsdeploy.evaluation.eval_report import write_report
 from tqsdeploy.evaluation.latency import LatencySettings
 from tqsdeploy.evaluation.latency import measure as measure_latency
 from tqsdeploy.evaluation.metrics import looks_like_embedding, metrics, side_metrics, vector_metrics
-from tqsdeploy.evaluation.runtime_forms import CHECKED_FOLDING_BYTES, dequantizes, forms, reads_codes, runtime_mode
+from tqsdeploy.evaluation.runtime_forms import (
+    CHECKED_FOLDING_BYTES,
+    dequantizes,
+    forms,
+    oldest_onnxruntime,
+    reads_codes,
+    runtime_mode,
+)
 from tqsdeploy.rollout import RolloutSpec, resolve_spec
 from tqsdeploy.rollout.contexts import (
     ContextOptions,
@@ -407,6 +414,7 @@ def evaluate(
         "latency": latency,
         "memory": memory,
         "forms": forms(cand_model.proto),
+        "oldest_onnxruntime": oldest_onnxruntime(cand_model.proto),
     }
 
 

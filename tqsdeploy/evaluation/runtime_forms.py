@@ -113,3 +113,11 @@ def forms(proto) -> dict:
         kind["tensors"] += 1
         kind["bytes"] += form.bytes
     return {"by_tensor": {name: {"form": f.form, "bytes": f.bytes} for name, f in forms.items()}, "totals": totals}
+
+
+def oldest_onnxruntime(proto) -> dict:
+    """The oldest ONNX Runtime release that loads the candidate, and what in the file needs it."""
+    from runtimes.ort_versions import oldest_release, version_text
+
+    release, why = oldest_release(proto)
+    return {"release": version_text(release), "because": why}
