@@ -17,7 +17,7 @@ from tiers import TIERS, Rounding, encode, split
 from tiers.formats.native import NativeOptions
 from tiers.quantizer import Layout
 
-EXACT = NativeOptions(accuracy_level=0, min_params=0)
+EXACT = NativeOptions(accuracy_level=0, min_params=0, split_min_bytes=0)
 
 
 def _layouts(proto, names):
@@ -110,6 +110,27 @@ def test_channel_groups_at_different_tiers_are_one_kernel_each_joined(tmp_path):
     assert ops.count("MatMulNBits") == 2 and ops.count("MatMul") == 1 and "Concat" in ops
     x = np.random.default_rng(3).standard_normal((5, 96)).astype(np.float32)
     np.testing.assert_allclose(_run(written.path, {"x": x}), x @ joined.dequantize(), rtol=1e-5, atol=1e-6)
+
+
+def test_adjacent_groups_at_one_tier_are_one_kernel_and_a_small_split_weight_folds(tmp_path):
+    """Groups [int4 | int4 | int8]: the two int4 groups become one MatMulNBits over their 64 channels, the outputs
+    still the dequantized model's; with the default options this 36 KB weight, needing two kernels, is folded."""
+    proto = onnx.load(models.linear_map(tmp_path / "lin.onnx", np.random.default_rng(6).standard_normal((96, 96)) / 10))
+    weight = onnx.numpy_helper.to_array(proto.graph.initializer[0])
+    layout = _layouts(proto, ["W"])["W"]
+    tiers = ["int4-asym", "int4-asym", "int8-asym"]
+    parts = [
+        encode(weight[:, 32 * i : 32 * (i + 1)], Layout((96, 32), layout.perm, 1), TIERS[tier], Rounding(), None)
+        for i, tier in enumerate(tiers)
+    ]
+    joined = split(parts, layout)
+    written = _write_native(proto, {"W": joined}, tmp_path / "native.onnx")
+    nodes = onnx.load(written.path).graph.node
+    widths = sorted(a.i for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "N")
+    assert widths == [32, 64]
+    x = np.random.default_rng(7).standard_normal((5, 96)).astype(np.float32)
+    np.testing.assert_allclose(_run(written.path, {"x": x}), x @ joined.dequantize(), rtol=1e-5, atol=1e-6)
+    assert joined.native("W", native_uses(proto)["W"], NativeOptions(min_params=0)) is None
 
 
 def test_channel_groups_of_a_transposed_gemm_weight_keep_its_storage(tmp_path):

@@ -34,6 +34,12 @@ class NativeOptions:
     computes in float (exact, but 2- and 8-bit codes then run many times slower than a float MatMul)."""
     min_params: int = 16384
     """Smaller weights stay float weights folded at load: the kernels' fixed cost outweighs their reads."""
+    min_k: int = 256
+    """MatMul weights with fewer input channels stay folded too: below it the kernel ran 1.4-2.8x slower than the
+    float MatMul here at every code width (docs/design-notes/export.md, "Which weights are written natively")."""
+    split_min_bytes: int = 1 << 20
+    """A weight whose channel groups need several kernels is folded instead when its float copy is smaller than
+    this: each kernel costs about 10 µs a call, which a small weight's few reads cannot earn back."""
 
 
 def _code_bits(codes: np.ndarray) -> tuple[int, bool] | None:
@@ -163,3 +169,33 @@ def _identity(name: str, initializers) -> tuple:
 
 
 __all__ = ["GATHER", "MATMUL", "NativeOptions", "float_part", "gather_part", "matmul_part"]
+
+
+def merged(parts: tuple[NativePart, ...]) -> tuple[NativePart, ...]:
+    """Adjacent MatMulNBits parts with the same attributes and inputs as one kernel over their output channels:
+    codes, scales and zero points are all [N, ...], so they concatenate along N."""
+    out: list[NativePart] = []
+    for part in parts:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and part.op == last.op == "MatMulNBits"
+            and _without_n(part.attributes) == _without_n(last.attributes)
+            and len(part.initializers) == len(last.initializers)
+            and all(a.data_type == b.data_type for a, b in zip(part.initializers, last.initializers))
+        ):
+            tensors = tuple(
+                numpy_helper.from_array(
+                    np.concatenate([numpy_helper.to_array(a), numpy_helper.to_array(b)], axis=0), a.name
+                )
+                for a, b in zip(last.initializers, part.initializers)
+            )
+            attributes = {**last.attributes, "N": last.attributes["N"] + part.attributes["N"]}
+            out[-1] = NativePart("MatMulNBits", last.inputs, attributes, tensors)
+        else:
+            out.append(part)
+    return tuple(out)
+
+
+def _without_n(attributes: dict) -> dict:
+    return {key: value for key, value in attributes.items() if key != "N"}

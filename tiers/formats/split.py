@@ -12,7 +12,7 @@ from onnx import helper
 from graph_ops.native import MATMUL, NativePlan
 from tiers.encoded import Encoded
 from tiers.formats.base import Emission, Fed, StoredForm, register_form
-from tiers.formats.native import float_part
+from tiers.formats.native import float_part, merged
 
 
 @register_form
@@ -43,7 +43,10 @@ class Split(StoredForm):
             piece = f"{name}__part{index}"
             plan = part.native(piece, use, replace(options, min_params=0)) if part.form != "split" else None
             parts.append(plan.parts[0] if plan is not None else float_part(piece, part))
-        return NativePlan(MATMUL, tuple(parts)) if any(p.op != "MatMul" for p in parts) else None
+        parts = merged(tuple(parts))
+        if len(parts) > 1 and 4 * int(np.prod(value.shape)) < options.split_min_bytes:
+            return None  # several kernels for a small weight: slower than its folded float copy
+        return NativePlan(MATMUL, parts) if any(p.op != "MatMul" for p in parts) else None
 
     @classmethod
     def form_opset(cls, value: Encoded) -> int:

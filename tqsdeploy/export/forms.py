@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from graph_ops.io import tensor_bits
-from graph_ops.native import GATHER, NativePlan, NativeUse, native_uses
+from graph_ops.native import GATHER, MATMUL, NativePlan, NativeUse, native_uses
 from graph_ops.qdq import emitted_bits
 from runtimes.ort_versions import Release
 from tiers import Encoded
@@ -39,6 +39,13 @@ class FormPolicy:
         )
 
 
+def _pays(shape, use: NativeUse, policy: FormPolicy) -> bool:
+    """Whether a weight is large enough for its kernel: parameters, and for a MatMul its input channels."""
+    if int(np.prod(shape, dtype=np.int64)) < policy.min_params:
+        return False
+    return use.kind != MATMUL or len(shape) != 2 or shape[1 - use.n_axis] >= NativeOptions.min_k
+
+
 class WeightForms:
     """Each unit tensor's written form, decided per tensor once (its consumers and size) and per encoding."""
 
@@ -47,9 +54,7 @@ class WeightForms:
         self._options = policy.options()
         uses = native_uses(proto) if policy.layout == "native" else {}
         self.uses: dict[str, NativeUse] = {
-            name: use
-            for name, use in uses.items()
-            if name in layouts and int(np.prod(layouts[name].shape, dtype=np.int64)) >= policy.min_params
+            name: use for name, use in uses.items() if name in layouts and _pays(layouts[name].shape, use, policy)
         }
         """The weights whose consumers all read a native form, large enough to pay for its kernel."""
 

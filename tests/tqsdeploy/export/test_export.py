@@ -555,8 +555,8 @@ def test_conv_calibration_rows_are_built_a_few_samples_at_a_time(tmp_path, monke
 
 
 def test_default_export_runs_on_onnx_runtimes_own_kernels_and_eval_says_so(scored, tmp_path):
-    """The default layout (native, for --target ort-cpu): the 128x256 weights are MatMulNBits nodes reading 4-bit
-    codes, the file says the oldest ONNX Runtime that loads it, and eval names each tensor's form and the bytes it
+    """The default layout (native, for --target ort-cpu): the weights reading 256 inputs are MatMulNBits nodes reading
+    4-bit codes, the file says the oldest ONNX Runtime that loads it, and eval names each tensor's form and the bytes it
     holds; exactly dequantized (`--exact`, accuracy level 0) it computes the numpy fake-quantized model."""
     model, contexts, folder = scored
     candidate = tmp_path / "mlp.int4.onnx"
@@ -565,7 +565,8 @@ def test_default_export_runs_on_onnx_runtimes_own_kernels_and_eval_says_so(score
     fake = graph_ops.replace_weights(planner.model.proto, outcome.fake_quantized())
     planner.close()
     assert outcome.layout == "native"
-    assert set(outcome.runs_as.values()) == {"MatMulNBits 4-bit"}
+    # W1 reads 128 input channels, below the kernel's NativeOptions.min_k: folded; Wshared and W3 read 256
+    assert outcome.runs_as == {"W1": "float, folded at load", "W3": "MatMulNBits 4-bit", "Wshared": "MatMulNBits 4-bit"}
     assert outcome.oldest_release.startswith("1.")
     record = json.loads(candidate.with_suffix(".allocation.json").read_text())
     assert record["runs_as"] == outcome.runs_as and record["oldest_onnxruntime"]["release"]
@@ -580,8 +581,8 @@ def test_default_export_runs_on_onnx_runtimes_own_kernels_and_eval_says_so(score
     report = json.loads((tmp_path / "ev.json").read_text())
     assert report["runtime"]["mode"].startswith("ONNX Runtime's own low-bit kernels")
     totals = report["forms"]["totals"]
-    assert set(totals) == {"MatMulNBits 4-bit"} and totals["MatMulNBits 4-bit"]["tensors"] == 3
-    float_bytes = 4 * (128 * 256 + 256 * 256 + 128 * 256)
+    assert totals["MatMulNBits 4-bit"]["tensors"] == 2 and totals["folded at load"]["bytes"] == 4 * 128 * 256
+    float_bytes = 4 * (256 * 256 + 128 * 256)
     assert totals["MatMulNBits 4-bit"]["bytes"] < float_bytes / 6  # codes, scales and zero points: about 1/7
 
 
