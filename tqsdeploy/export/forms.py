@@ -46,6 +46,14 @@ def _pays(shape, use: NativeUse, policy: FormPolicy) -> bool:
     return use.kind != MATMUL or len(shape) != 2 or shape[1 - use.n_axis] >= NativeOptions.min_k
 
 
+def _has_4_bit_codes(encoded: Encoded) -> bool:
+    """Whether the encoding (or any channel group of it) stores 4-bit integer codes."""
+    if encoded.form == "split":
+        return any(_has_4_bit_codes(part) for part in encoded.parts)
+    codes = encoded.values if encoded.form == "dequantize" else None
+    return codes is not None and np.dtype(codes.dtype).itemsize == 1 and "4" in str(codes.dtype)
+
+
 class WeightForms:
     """Each unit tensor's written form, decided per tensor once (its consumers and size) and per encoding."""
 
@@ -75,13 +83,7 @@ class WeightForms:
         4-bit codes (before ONNX Runtime 1.23), where DequantizeLinear loads instead."""
         if self.policy.layout != "native":
             return self.policy.layout
-        codes = encoded.values if encoded.form == "dequantize" else None
-        if (
-            codes is not None
-            and not self.policy.release.casts_sub_byte
-            and np.dtype(codes.dtype).itemsize == 1
-            and "4" in str(codes.dtype)
-        ):
+        if not self.policy.release.casts_sub_byte and _has_4_bit_codes(encoded):
             return "fused"
         return "dequantized"
 
