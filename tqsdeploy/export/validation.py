@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from tqsdeploy.errors import InputError
+from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
 from tqsdeploy.export.candidates import Candidate, rank
 
@@ -90,9 +90,17 @@ class Validation:
         path = self.options.windows
         if not path.is_file():
             raise InputError(f"--validate {path}: no such file", hint="pass an .npz of windows (or a .csv)")
-        report = evaluate(
-            self.reference, self.reference, path, spec=self.spec, settings=self.settings, references=self._references
-        )
+        try:
+            report = evaluate(
+                self.reference,
+                self.reference,
+                path,
+                spec=self.spec,
+                settings=self.settings,
+                references=self._references,
+            )
+        except TqsError as exc:
+            raise InputError(f"--validate {path}: {exc.args[0]}", hint=exc.hint) from exc
         return int(report["windows"])
 
     @property
