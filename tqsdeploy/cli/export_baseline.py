@@ -31,6 +31,7 @@ from tqsdeploy.cli.outputs import (
     print_search,
     refuse_overwrite,
     say_sidecar,
+    say_trial,
 )
 from tqsdeploy.encoding.choices import GRID_CHOICES, GRIDS_HELP
 from tqsdeploy.export.objectives import objective_names, objectives_help
@@ -230,7 +231,8 @@ def export(
     """Allocate precision tiers under a compression target and write mixed-precision ONNX.
 
     Prints each model's drift from the original on the scoring contexts in percent (eval's unit) and warns above 5%.
-    Exit codes: 0 written, 1 a model exceeded --max-drift (nothing written for it), 2 bad input."""
+    Exit codes: 0 written, 1 a model exceeded --max-drift or, without --C, no model met it (nothing written for it),
+    2 bad input."""
     from runtimes import for_provider
     from tqsdeploy.encoding.run_cache import parse_bytes
     from tqsdeploy.evaluation.gate import parse_percent
@@ -246,6 +248,10 @@ def export(
             "give exactly one of --C and --uniform (or --max-drift alone: the most compressed "
             "model within it on --validate windows)"
         )
+    if judged_on not in ("upper", "point"):
+        raise typer.BadParameter(f"--on takes upper or point, not {judged_on!r}")
+    if judged_on != "upper" and validate is None:
+        raise typer.BadParameter("--on says what --max-drift judges on the --validate windows: pass --validate FILE")
     if searching and validate is None:
         raise typer.BadParameter(
             "--max-drift without --C judges the drift on validation windows: pass --validate FILE (windows the score "
@@ -317,7 +323,7 @@ def export(
             if searching:
                 from tqsdeploy.export.budget import search
 
-                found = search(planner, max_drift_pct, path)
+                found = search(planner, max_drift_pct, path, on_trial=say_trial)
                 if found.outcome is None:
                     break
                 value, outcome = found.chosen.target, found.outcome

@@ -310,6 +310,18 @@ def print_outcome(planner, settings, value, outcome, fused: bool, verbose: bool)
         )
 
 
+def say_trial(trial) -> None:
+    """A target the budget search tried, as it lands (on stderr: the progress, not the result)."""
+    verdict = "meets the budget" if trial.meets else "over the budget"
+    err.print(
+        escape(
+            f"budget search: C {trial.target:.4g} ({trial.compression:.4g}x, {trial.shipped}): {trial.drift.text()}"
+            f" on the validation windows, {verdict}"
+        ),
+        soft_wrap=True,
+    )
+
+
 def print_search(found) -> None:
     """`export --max-drift` without --C: every target tried with its drift on the validation windows, then what was
     chosen (or, on stderr, that nothing met the budget)."""

@@ -103,7 +103,6 @@ def search(
     if not (math.isfinite(budget_pct) and budget_pct >= 0):
         raise InputError(f"--max-drift takes a finite percentage of at least 0, not {budget_pct:g}")
     found = BudgetSearch(budget_pct, validation.on)
-    tried: dict[float, Trial] = {}
 
     def trial(target: float) -> Trial:
         compared = planner.choose(target)
@@ -114,7 +113,6 @@ def search(
             target, chosen.allocation.compression, chosen.label, drift, scoring, drift.judged(found.on) <= budget_pct
         )
         found.trials.append(made)
-        tried[target] = made
         on_trial(made)
         return made
 
