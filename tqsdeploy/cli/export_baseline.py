@@ -250,13 +250,6 @@ def export(
         )
     if judged_on not in ("upper", "point"):
         raise typer.BadParameter(f"--on takes upper or point, not {judged_on!r}")
-    if judged_on != "upper" and validate is None:
-        raise typer.BadParameter("--on says what --max-drift judges on the --validate windows: pass --validate FILE")
-    if searching and validate is None:
-        raise typer.BadParameter(
-            "--max-drift without --C judges the drift on validation windows: pass --validate FILE (windows the score "
-            "and calibration never saw, e.g. heldout.npz), or --C to bound one model"
-        )
     targets = parse_floats(compression, "--C") if compression is not None else [None]
     if output is not None and len(targets) > 1:
         raise typer.BadParameter("-o names one file; use --out-dir with several --C values")
@@ -290,6 +283,15 @@ def export(
 
     check_writable(output.parent if output is not None else out_dir)  # before the work, not after it
     run_dir = find_run(model, run)
+    if validate is None and (run_dir / "validation.npz").exists():  # score --validation held them out
+        validate = run_dir / "validation.npz"
+    if searching and validate is None:
+        raise typer.BadParameter(
+            "--max-drift without --C judges the drift on validation windows: pass --validate FILE (windows the score "
+            "and calibration never saw, e.g. heldout.npz), score with --validation N, or pass --C to bound one model"
+        )
+    if judged_on != "upper" and validate is None:
+        raise typer.BadParameter("--on says what --max-drift judges on the --validate windows: pass --validate FILE")
     check_writable(run_dir)  # its prices and checkpoints are written as the export goes
     display = ExportDisplay(verbose)
     cache = CacheOptions(parse_bytes(cache_bytes, "--cache-bytes") if cache_bytes is not None else None, fresh)

@@ -138,3 +138,29 @@ def test_bad_budget_input_is_one_line_and_exit_2(scored, tmp_path, arguments, me
     code, text = invoke("export", model, "--run", folder / "run", *arguments, "--out-dir", tmp_path / "out")
     assert code == 2 and message in text and "Traceback" not in text, text
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_score_validation_holds_windows_out_and_export_chooses_on_them(tmp_path):
+    model = models.mlp_forecaster(tmp_path / "m.onnx")
+    windows = np.random.default_rng(4).standard_normal((8, 1, 32)).astype(np.float32)
+    np.savez(tmp_path / "ctx.npz", x=windows)
+    run = tmp_path / "run"
+    code, text = invoke(
+        "score", model, "--contexts", tmp_path / "ctx.npz", "--steps", 4, "--validation", 3, "--out", run
+    )
+    assert code == 0, text
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["contexts"]["windows"] == 5 and meta["validation"]["windows"] == 3
+    assert np.array_equal(np.load(run / "contexts.npz")["x"], windows[:5])  # swept and calibrated on
+    assert np.array_equal(np.load(run / "validation.npz")["x"], windows[5:])  # neither
+    code, text = invoke("export", model, "--run", run, "--C", "4.6", "--out-dir", tmp_path / "out")
+    chosen_on = json.loads((tmp_path / "out" / "m.C4.6.allocation.json").read_text())["chosen_on"]
+    assert code == 0 and chosen_on["windows"] == "validation" and chosen_on["count"] == 3, text
+    assert chosen_on["source"] == str(run / "validation.npz")
+    code, text = invoke("export", model, "--run", run, "--max-drift", "1%", "--out-dir", tmp_path / "budget")
+    assert code in (0, 1) and "search for the most compressed model within 1%" in text, text
+    # a score without --validation in the same folder leaves no stale held-out windows behind
+    code, text = invoke("score", model, "--contexts", tmp_path / "ctx.npz", "--steps", 4, "--out", run, "--fresh")
+    assert code == 0 and not (run / "validation.npz").exists(), text
+    code, text = invoke("score", model, "--contexts", tmp_path / "ctx.npz", "--validation", 8, "--out", tmp_path / "r2")
+    assert code == 2 and "--validation 8 holds out every window of the 8 context windows" in text, text
