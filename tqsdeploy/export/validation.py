@@ -81,8 +81,8 @@ class Validation:
         self.settings = replace(options.settings, latency=None, memory=False)
         self._references: dict = {}
         self._drifts: dict[tuple, ValidationDrift] = {}
+        self.windows = self._check()  # before the scratch folder is made: a refused file leaves none behind
         self._scratch = Path(tempfile.mkdtemp(prefix=".validate-", dir=scratch))
-        self.windows = self._check()
 
     def _check(self) -> int:
         """The original against itself on the windows: a file of the wrong inputs or shapes fails here, before any

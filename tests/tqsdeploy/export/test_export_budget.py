@@ -63,6 +63,7 @@ def test_the_chosen_model_meets_the_budget_on_the_validation_windows_and_the_nex
     nearest = min(t["target_C"] for t in above)
     assert nearest <= 1.05 * chosen["target_C"], budget["tried"]
     assert f"chose C {chosen['target_C']:.4g}" in text and "search for the most compressed model within 1%" in text
+    assert not list((folder / "run").glob(".validate-*"))  # the candidates' scratch files are gone
     # the nearest larger C as one export with --C, bounded on the same windows: refused, nothing written
     code, said = invoke(
         "export", model, "--run", folder / "run", "--C", f"{nearest}", "--max-drift", "1%", "--validate", validation,
@@ -138,6 +139,7 @@ def test_bad_budget_input_is_one_line_and_exit_2(scored, tmp_path, arguments, me
     code, text = invoke("export", model, "--run", folder / "run", *arguments, "--out-dir", tmp_path / "out")
     assert code == 2 and message in text and "Traceback" not in text, text
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+    assert not list((folder / "run").glob(".validate-*"))  # no scratch folder left in the run
 
 
 def test_score_validation_holds_windows_out_and_export_chooses_on_them(tmp_path):
