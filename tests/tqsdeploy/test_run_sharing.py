@@ -105,10 +105,7 @@ def test_prices_measured_on_a_replaced_run_are_not_reused(run):
     clean = Planner(run_dir.parent / "clean")
     clean.pricing.measured()
     clean.close()
-    assert (
-        len(fresh) == len(rolled)
-        and _prices((run_dir.parent / "clean" / "measured.jsonl").read_text()) == fresh
-    )
+    assert len(fresh) == len(rolled) and _prices((run_dir.parent / "clean" / "measured.jsonl").read_text()) == fresh
 
 
 def test_an_export_whose_run_was_replaced_under_it_stops_in_one_line(run, tmp_path):
