@@ -42,10 +42,12 @@ def runnable(language: str) -> list:
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
-    """forecaster.onnx, ctx.npz and truth.npz (the reference's own rollout, shifted by 0.01) in the working folder."""
+    """forecaster.onnx, ctx.npz, heldout.npz (other windows) and truth.npz (the reference's own rollout of ctx.npz,
+    shifted by 0.01) in the working folder."""
     model = models.mlp_forecaster(tmp_path / "forecaster.onnx", n=32, hidden=64)
     x = np.random.default_rng(0).standard_normal((4, 2, 32)).astype(np.float32)
     np.savez(tmp_path / "ctx.npz", x=x)
+    np.savez(tmp_path / "heldout.npz", x=np.random.default_rng(1).standard_normal((6, 2, 32)).astype(np.float32))
     session = OrtRuntime().open(model)
     truth = []
     for window in x:

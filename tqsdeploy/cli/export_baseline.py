@@ -28,8 +28,10 @@ from tqsdeploy.cli.outputs import (
     check_output_file,
     feeds_matmul_integer_codes,
     print_outcome,
+    print_search,
     refuse_overwrite,
     say_sidecar,
+    say_trial,
 )
 from tqsdeploy.encoding.choices import GRID_CHOICES, GRIDS_HELP
 from tqsdeploy.export.objectives import objective_names, objectives_help
@@ -178,8 +180,25 @@ def export(
         None,
         "--max-drift",
         metavar="PCT",
-        help="Largest drift (a percentage such as 1% or 0.5; as eval --exact reports it: exact dequantization) on "
-        "the scoring contexts: a model drifting more is not written and export exits 1, like a failed gate.",
+        help="Largest drift (a percentage such as 1% or 0.5). Without --C: the most compressed model within it on the "
+        "--validate windows (a search over C, prices reused; exit 1 when none meets it). With --C or --uniform: a "
+        "model drifting more is not written and export exits 1, like a failed gate (on the --validate windows when "
+        "given, else on the scoring contexts as eval --exact reports it).",
+    ),
+    validate: Optional[Path] = typer.Option(
+        None,
+        "--validate",
+        metavar="FILE",
+        help="Validation windows (.npz with the model's input names, as the score's contexts, or a .csv) held out "
+        "from pricing and calibration: they choose between the mixed and the uniform candidates, and judge "
+        "--max-drift, each candidate measured as `tqsdeploy eval` does.",
+    ),
+    judged_on: str = typer.Option(
+        "upper",
+        "--on",
+        metavar="upper|point",
+        help="What --max-drift judges on the --validate windows: upper (default, as gate's): the upper end of the "
+        "drift's 95% interval over the windows; point: the estimate.",
     ),
     memory: bool = typer.Option(
         True,
@@ -212,7 +231,8 @@ def export(
     """Allocate precision tiers under a compression target and write mixed-precision ONNX.
 
     Prints each model's drift from the original on the scoring contexts in percent (eval's unit) and warns above 5%.
-    Exit codes: 0 written, 1 a model exceeded --max-drift (nothing written for it), 2 bad input."""
+    Exit codes: 0 written, 1 a model exceeded --max-drift or, without --C, no model met it (nothing written for it),
+    2 bad input."""
     from runtimes import for_provider
     from tqsdeploy.encoding.run_cache import parse_bytes
     from tqsdeploy.evaluation.gate import parse_percent
@@ -222,8 +242,14 @@ def export(
     max_drift_pct = (
         parse_percent(max_drift, "--max-drift") if max_drift is not None else None
     )  # '5%' as gate's bounds take it
-    if (compression is None) == (uniform_tier is None):
-        raise typer.BadParameter("give exactly one of --C and --uniform")
+    searching = compression is None and uniform_tier is None and max_drift_pct is not None
+    if (compression is None) == (uniform_tier is None) and not searching:
+        raise typer.BadParameter(
+            "give exactly one of --C and --uniform (or --max-drift alone: the most compressed "
+            "model within it on --validate windows)"
+        )
+    if judged_on not in ("upper", "point"):
+        raise typer.BadParameter(f"--on takes upper or point, not {judged_on!r}")
     targets = parse_floats(compression, "--C") if compression is not None else [None]
     if output is not None and len(targets) > 1:
         raise typer.BadParameter("-o names one file; use --out-dir with several --C values")
@@ -257,22 +283,32 @@ def export(
 
     check_writable(output.parent if output is not None else out_dir)  # before the work, not after it
     run_dir = find_run(model, run)
+    if validate is None and (run_dir / "validation.npz").exists():  # score --validation held them out
+        validate = run_dir / "validation.npz"
+    if searching and validate is None:
+        raise typer.BadParameter(
+            "--max-drift without --C judges the drift on validation windows: pass --validate FILE (windows the score "
+            "and calibration never saw, e.g. heldout.npz), score with --validation N, or pass --C to bound one model"
+        )
+    if judged_on != "upper" and validate is None:
+        raise typer.BadParameter("--on says what --max-drift judges on the --validate windows: pass --validate FILE")
     check_writable(run_dir)  # its prices and checkpoints are written as the export goes
     display = ExportDisplay(verbose)
     cache = CacheOptions(parse_bytes(cache_bytes, "--cache-bytes") if cache_bytes is not None else None, fresh)
-    planner = Planner(
-        run_dir, model, settings, for_provider(provider), cache=cache, progress=display.progress(), memory=memory
-    )
+    from tqsdeploy.evaluation.evaluate import EvalSettings
+    from tqsdeploy.export.validation import ValidationOptions
+
+    checked = ValidationOptions(validate, judged_on, EvalSettings(provider=provider)) if validate else None
+    planner = Planner(run_dir, model, settings, for_provider(provider), cache, display.progress(), memory, checked)
     if compression:
         planner.check_targets(targets)
-    planner.check_single_file(targets, uniform_tier)
+    if not searching:
+        planner.check_single_file(targets, uniform_tier)
     from tqsdeploy.scoring.runs import model_label
 
     stem = model_label(planner.model.path)
-    paths = [
-        output or out_dir / f"{stem}.{f'C{value:g}' if value is not None else uniform_tier.lower()}.onnx"
-        for value in targets
-    ]
+    named = f"drift{max_drift_pct:g}pct" if searching else (uniform_tier or "").lower()  # C known only at the end
+    paths = [output or out_dir / f"{stem}.{f'C{value:g}' if value is not None else named}.onnx" for value in targets]
     for path in paths:
         check_output_file(path, output_given, (planner.model.path, *planner.model.external_files))
     if not force:
@@ -283,12 +319,20 @@ def export(
             if path.resolve() not in ours:
                 refuse_overwrite(path, *(f"{path.with_suffix('')}.allocation.{kind}" for kind in ("json", "parquet")))
 
-    rows = []
+    rows, found = [], None
     try:
         for index, (value, path) in enumerate(zip(targets, paths)):
-            outcome = planner.export(
-                value, path, uniform_tier=uniform_tier, max_drift_pct=max_drift_pct, final=index == len(targets) - 1
-            )
+            if searching:
+                from tqsdeploy.export.budget import search
+
+                found = search(planner, max_drift_pct, path, on_trial=say_trial)
+                if found.outcome is None:
+                    break
+                value, outcome = found.chosen.target, found.outcome
+            else:
+                outcome = planner.export(
+                    value, path, uniform_tier=uniform_tier, max_drift_pct=max_drift_pct, final=index == len(targets) - 1
+                )
             fused = settings.layout == "fused" and feeds_matmul_integer_codes(outcome.encodings, planner.layouts)
             outcome.encodings = {}  # written: the table and the record are what is left to show
             rows.append((value, outcome, fused))
@@ -296,6 +340,8 @@ def export(
     finally:
         display.stop()
         planner.close()
+    if found is not None:
+        print_search(found)
     for value, outcome, fused in rows:
         if outcome.refused:
             err.print(f"[bold red]drift too large:[/] {escape(outcome.refused)}", soft_wrap=True)
@@ -313,7 +359,7 @@ def export(
         f"wrote {len(written)} model(s) with .allocation.parquet/.json beside each"
         + (f", {sidecars} of them with an external-data file (listed above)" if sidecars else "")
     )
-    if len(written) < len(rows):
+    if len(written) < len(rows) or (found is not None and found.outcome is None):
         raise typer.Exit(1)
 
 

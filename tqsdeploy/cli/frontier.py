@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Optional
@@ -102,6 +103,20 @@ def frontier(
         help="Also time every model against the original (as eval does, on the first split's windows): "
         "latency_ms, reference_latency_ms and slowdown columns; about 1 s and two sessions per point.",
     ),
+    budget: Optional[str] = typer.Option(
+        None,
+        "--budget",
+        metavar="PCT",
+        help="A drift budget (e.g. 1%): frontier.csv's meets_budget marks the points within it on the first split "
+        "(held-out when given) and the report names the most compressed one, judged as export --max-drift judges.",
+    ),
+    budget_on: str = typer.Option(
+        "upper",
+        "--budget-on",
+        metavar="upper|point",
+        help="What --budget judges: upper (default): the upper end of the drift's 95% interval over windows; point: "
+        "the estimate.",
+    ),
     out_dir: Path = typer.Option(
         None,
         "--out",
@@ -121,10 +136,14 @@ def frontier(
 
     from tqsdeploy.evaluation.evaluate import EvalSettings
     from tqsdeploy.evaluation.frontier import FrontierRequest, FrontierSettings, run_frontier
+    from tqsdeploy.evaluation.gate import parse_percent
     from tqsdeploy.export import ExportSettings
     from tqsdeploy.scoring.runs import model_label
 
     patterns = _bucket_patterns(buckets)
+    if budget_on not in ("upper", "point"):
+        raise typer.BadParameter(f"--budget-on takes upper or point, not {budget_on!r}")
+    budgeted = (parse_percent(budget, "--budget"), budget_on) if budget is not None else None
     tier_names = _checked_tiers(model, tiers, group_size, min_params)
     if baselines.strip() and any(b not in (1, 2, 3, 4, 8) for b in parse_floats(bits, "--bits")):
         raise typer.BadParameter(f"--bits takes 1, 2, 3, 4 and 8, not {bits!r}")
@@ -160,6 +179,7 @@ def frontier(
         settings=settings,
         force=force,
         buckets=patterns,
+        budget=budgeted,
     )
     with progress_bar("frontier", "steps") as progress:
         result = run_frontier(
@@ -174,9 +194,15 @@ def frontier(
         frame_table(
             shown.sort(["family", "method", "achieved_C"]),
             f"Frontier ({split} contexts)",
-            ["method", "setting", "achieved_C", "file_bytes", "mae_ref", "mae_truth", metric, "status"],
+            ["method", "setting", "achieved_C", "file_bytes", "mae_ref", "mae_truth", metric, "status"]
+            + (["meets_budget"] if budgeted is not None else []),
         )
     )
+    if budgeted is not None:
+        from tqsdeploy.evaluation.report import budget_line
+
+        meta = json.loads((folder / "frontier.json").read_text())
+        out.print(escape(budget_line(meta["budget"]).replace("**", "")), soft_wrap=True)
     out.print(f"wrote {folder}/frontier.parquet, {result.report}, {result.page} and plots")
 
 

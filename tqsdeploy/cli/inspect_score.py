@@ -165,6 +165,14 @@ def score(
         "-o",
         help="Run folder (default tqs-runs/<model stem>; <folder>_model for a file named model.onnx).",
     ),
+    validation: int = typer.Option(
+        0,
+        "--validation",
+        metavar="N",
+        min=0,
+        help="Hold the last N context windows out of the sweep and the calibration: kept as the run's "
+        "validation.npz, export chooses between its candidates and judges --max-drift on them (as --validate).",
+    ),
     probe: str = typer.Option("both", "--probe", metavar="quant|gauss|both", help="quant, gauss or both."),
     probe_bits: int = typer.Option(6, "--probe-bits", help="Bits of the symmetric per-tensor quantization probe."),
     probes: int = typer.Option(4, "--probes", help="Gaussian probe draws per unit."),
@@ -307,6 +315,7 @@ def score(
                 dims=parse_dims(dims),
             ),
             sweep=SweepSettings(strategy=strategy, workers=workers, ray_address=ray, lanes=lanes),
+            validation=validation,
         )
         table = run_score(request, ScoreProgress(on_start=on_start, on_result=on_result, on_estimate=progress.estimate))
     except RolloutError as exc:

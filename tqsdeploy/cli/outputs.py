@@ -277,6 +277,16 @@ def print_outcome(planner, settings, value, outcome, fused: bool, verbose: bool)
     if outcome.drift is not None:
         for line in drift_lines(outcome, planner.scored.prepared.contexts.count):
             out.print(f"  {escape(line)}", soft_wrap=True)
+        chosen_on = outcome.chosen_on or {}
+        if chosen_on.get("windows") == "validation":
+            mine = next((c for c in chosen_on["candidates"] if c["label"] == outcome.shipped), {})
+            if mine.get("drift_pct") is not None:
+                low, high = mine["drift_ci95"]
+                out.print(
+                    f"  on the {chosen_on['count']} validation windows ({escape(chosen_on['source'])}, as eval "
+                    f"measures): {mine['drift_pct']:.4g}% (95% interval {low:.4g}-{high:.4g}%)",
+                    soft_wrap=True,
+                )
         if fused:
             out.print(
                 "  note: ONNX Runtime runs its DequantizeLinear→MatMul pairs as MatMulNBits with int8 "
@@ -298,3 +308,53 @@ def print_outcome(planner, settings, value, outcome, fused: bool, verbose: bool)
             "check it with `tqsdeploy eval`, or pass --max-drift PCT to fail instead",
             soft_wrap=True,
         )
+
+
+def say_trial(trial) -> None:
+    """A target the budget search tried, as it lands (on stderr: the progress, not the result)."""
+    verdict = "meets the budget" if trial.meets else "over the budget"
+    err.print(
+        escape(
+            f"budget search: C {trial.target:.4g} ({trial.compression:.4g}x, {trial.shipped}): {trial.drift.text()}"
+            f" on the validation windows, {verdict}"
+        ),
+        soft_wrap=True,
+    )
+
+
+def print_search(found) -> None:
+    """`export --max-drift` without --C: every target tried with its drift on the validation windows, then what was
+    chosen (or, on stderr, that nothing met the budget)."""
+    judged = "the upper end of the 95% interval" if found.on == "upper" else "the estimate"
+    out.print(
+        f"search for the most compressed model within {found.budget_pct:g}% on the validation windows ({judged} "
+        "judged; drift from the original as eval reports it):"
+    )
+    for trial in sorted(found.trials, key=lambda t: t.target):
+        verdict = "meets the budget" if trial.meets else "over the budget"
+        out.print(
+            escape(
+                f"  C {trial.target:.4g}: {trial.shipped} at {trial.compression:.4g}x, drift {trial.drift.text()} "
+                f"({trial.drift.output}), {verdict}"
+            ),
+            soft_wrap=True,
+        )
+    if found.chosen is None:
+        least = min(found.trials, key=lambda t: t.target)
+        err.print(
+            escape(
+                f"no model meets --max-drift {found.budget_pct:g}% on the validation windows: the least compressed "
+                f"tried, C {least.target:.4g} ({least.compression:.4g}x), drifts {least.drift.text()}; nothing written"
+            ),
+            soft_wrap=True,
+        )
+        return
+    chosen = found.chosen
+    out.print(
+        escape(
+            f"chose C {chosen.target:.4g} ({chosen.compression:.4g}x, {chosen.shipped}): drift {chosen.drift.text()} "
+            f"on the validation windows, within {found.budget_pct:g}% ({len(found.trials)} targets tried, one planner: "
+            "prices and encoded passes reused)"
+        ),
+        soft_wrap=True,
+    )

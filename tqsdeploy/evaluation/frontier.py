@@ -29,7 +29,7 @@ from tqsdeploy.errors import InputError, TqsError
 from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
 from tqsdeploy.evaluation.ledger import PROGRESS, Ledger, digest, stamp
 from tqsdeploy.evaluation.plan import FrontierSteps, StepPlan, expect_points, expect_start, model_shape
-from tqsdeploy.evaluation.points import Candidate, rows
+from tqsdeploy.evaluation.points import Candidate, mark_budget, rows
 from tqsdeploy.evaluation.report import build_report
 from tqsdeploy.export import CacheOptions, ExportSettings, Planner
 from tqsdeploy.files import write_json, write_table
@@ -84,6 +84,9 @@ class FrontierRequest:
     """Write into a folder of other files (`_check_folder`)."""
     buckets: tuple[tuple[str, str], ...] = ()
     """The report's role buckets as (role, regex on unit names); none: from the graph structure."""
+    budget: tuple[float, str] | None = None
+    """`--budget PCT`: (percent, 'upper' or 'point'): mark the points whose drift on the first split (held-out when
+    given) stays within it, and the most compressed of them (`points.mark_budget`); not part of the ledger's key."""
 
 
 @dataclass(frozen=True)
@@ -451,6 +454,7 @@ def _write(
         row["eval_s"] = match.timings.get("eval")
         for key in ("sweep", "export"):
             row.setdefault(f"{key}_s", match.timings.get(key))
+    budget = mark_budget(frame_rows, splits[0][0], request.budget)
     frame = pl.DataFrame(frame_rows, infer_schema_length=None)
     out_dir, settings = request.out_dir, request.settings
     write_table(frame, out_dir / "frontier.parquet")
@@ -468,6 +472,7 @@ def _write(
                 for c in candidates
             ],
             "runtime": "; ".join(modes) or "ONNX Runtime " + exact,
+            "budget": budget,
         },
     )
     return frame

@@ -90,3 +90,36 @@ def rows(candidate: Candidate, split: str, report: dict | None) -> list[dict]:
         for variable, m in [("all", metrics)] + list(metrics.get("variables", {}).items()):
             found.append({**base, "output": output, "variable": variable, **_measured(m)})
     return found
+
+
+def mark_budget(frame_rows: list[dict], split: str, budget: tuple[float, str] | None) -> dict | None:
+    """Set every row's `meets_budget` (None without a budget): whether its point's worst output drifts at most
+    budget[0] percent from the original on `split`, judging budget[1] ('upper': the upper end of the 95% interval
+    over windows, as `export --max-drift` does; 'point': the estimate). Returns the most compressed point within it
+    (None when none is)."""
+    if budget is None:
+        for row in frame_rows:
+            row["meets_budget"] = None
+        return None
+    limit, on = budget
+    worst: dict[tuple, float] = {}
+    for row in frame_rows:
+        if row["split"] != split or row.get("variable") != "all":
+            continue
+        value = row.get("drift_hi" if on == "upper" else "drift_pct")
+        usable = row["status"] == "ok" and value is not None
+        key = (row["method"], row["setting"])
+        worst[key] = max(worst.get(key, 0.0), value if usable else float("inf"))
+    meets = {key: value <= limit for key, value in worst.items()}
+    for row in frame_rows:
+        row["meets_budget"] = meets.get((row["method"], row["setting"]), False)
+    passing = [r for r in frame_rows if r["split"] == split and r.get("variable") == "all" and r["meets_budget"]]
+    if not passing:
+        return {"max_drift_pct": limit, "judged": on, "split": split, "point": None}
+    best = max(passing, key=lambda r: (r["achieved_C"] or 0.0, -worst[(r["method"], r["setting"])]))
+    return {
+        "max_drift_pct": limit,
+        "judged": on,
+        "split": split,
+        "point": {k: best[k] for k in ("method", "setting", "achieved_C", "drift_pct", "drift_lo", "drift_hi")},
+    }

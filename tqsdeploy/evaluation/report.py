@@ -100,6 +100,8 @@ def build_report(
         ("p", f"Error metric: {label}. Evaluated with {meta['runtime']}."),
         ("img", "frontier.png", figures[0][1]),
     ]
+    if meta.get("budget"):
+        blocks.append(("p", budget_line(meta["budget"])))
     ok = frame.filter(pl.col("variable") == "all")
     failed = frame.filter(~pl.col("status").str.starts_with("ok")).select("method", "setting", "status")
     failed = failed.unique(maintain_order=True)
@@ -130,6 +132,20 @@ def build_report(
     write_text(out_dir / "report.md", md)
     write_text(out_dir / "report.html", _html(blocks, out_dir))
     return out_dir / "report.md", out_dir / "report.html"
+
+
+def budget_line(budget: dict) -> str:
+    """`frontier --budget`: the most compressed point within the drift budget, in one sentence."""
+    judged = "the upper end of its 95% interval over windows" if budget["judged"] == "upper" else "its estimate"
+    said = f"Drift budget {budget['max_drift_pct']:g}% on the {budget['split']} contexts ({judged} judged)"
+    point = budget["point"]
+    if point is None:
+        return f"{said}: no point meets it (meets_budget in frontier.csv)."
+    return (
+        f"{said}: the most compressed point within it is **{point['method']} {point['setting']}** at "
+        f"{_fmt(point['achieved_C'], 3)}x, drift {_fmt(point['drift_pct'])}% (95% interval "
+        f"{_fmt(point['drift_lo'])}-{_fmt(point['drift_hi'])}%); meets_budget in frontier.csv marks every point."
+    )
 
 
 def _split_blocks(frame: pl.DataFrame, ok: pl.DataFrame, split: str, metric: str, label: str) -> list[tuple]:

@@ -38,6 +38,7 @@ from tqsdeploy.export.pricing import PriceList, TierPricing
 from tqsdeploy.export.roundings import Roundings
 from tqsdeploy.export.settings import ExportSettings
 from tqsdeploy.export.sizing import Sizing, output_opset
+from tqsdeploy.export.validation import Validation, ValidationOptions
 from tqsdeploy.export.writing import Outcome, Writer
 from tqsdeploy.files import RunFolderShare
 from tqsdeploy.scoring.runs import default_run_dir, score_runs
@@ -90,21 +91,33 @@ class Planner:
         cache: CacheOptions | None = None,
         progress: ExportProgress = ExportProgress(),
         memory: bool = False,
+        validate: ValidationOptions | None = None,
     ):
         """`cache`: keep every weight a pass encodes, every candidate's drift and every grid choice in the run
         folder's cache, and read back what earlier or interrupted exports of the run left there
         (`tqsdeploy.encoding.run_cache`); `finished` once every file is written. None: nothing is kept but the
         prices. `memory`: measure each written model's session memory in a fresh process beside the original's
-        (`deployed.DeployedMemory`; ONNX Runtime targets). Holds the run folder (`RunFolderShare`) until `close`."""
+        (`deployed.DeployedMemory`; ONNX Runtime targets). `validate`: windows held out from pricing and
+        calibration that choose between the candidates (`validation.Validation`). Holds the run folder
+        (`RunFolderShare`) until `close`."""
         self.run_dir = Path(run_dir)
         self.settings = settings
         self.progress, self._memory = progress, memory
+        self.validation: Validation | None = None
         self._share = RunFolderShare(self.run_dir)
         try:
             self._compose(model, runtime, cache)
         except BaseException:
             self._share.release()
             raise
+        if validate is not None:
+            try:
+                self.validation = Validation(
+                    validate, self.scored.model.path, self.run_dir / "rollout.toml", self.run_dir
+                )
+            except BaseException:
+                self.close()
+                raise
 
     def _compose(self, model: Path | str | None, runtime: Runtime, cache: CacheOptions | None) -> None:
         settings = self.settings
@@ -232,24 +245,45 @@ class Planner:
         rounding: str | None = None,
         max_drift_pct: float | None = None,
         final: bool = False,
+        record: dict | None = None,
     ) -> Outcome:
         """Write the model for `target` (or every unit at `uniform_tier`, codes chosen by `rounding`, default the
-        export's) and its allocation record beside it; write nothing when its drift on the scoring contexts exceeds
-        `max_drift_pct` (percent, as `eval` reports drift). `final`: no other target follows."""
+        export's) and its allocation record beside it, `record`'s fields added; write nothing when its drift exceeds
+        `max_drift_pct` (percent, as `eval` reports drift: on the validation windows when the planner has them, else
+        on the scoring contexts). `final`: no other target follows."""
         clock = (time.perf_counter(), self.encoder.profile.snapshot(), self.cache.counts() if self.cache else None)
         path = Path(path)
         if uniform_tier is not None:
-            compared = [self._uniform(uniform_tier, rounding, target)]
+            compared = self._validated([self._uniform(uniform_tier, rounding, target)])
         else:
-            compared = self.comparison.candidates(target, self.progress.on_price, final)
+            compared = self.choose(target, final)
         chosen = compared[0]
         overshoot = None
         if target is not None and uniform_tier is None and chosen.allocation.compression > 1.05 * target:
             overshoot = self.comparison.overshoot(chosen, target)
-        notes = self.writer.notes(chosen, compared, uniform_tier, overshoot)
-        if max_drift_pct is not None and chosen.drift is not None and not chosen.drift.worst_pct <= max_drift_pct:
-            return self.writer.refused(chosen, compared, path, notes, max_drift_pct)
-        return self.writer.ship(chosen, compared, target, path, notes, uniform_tier, clock)
+        notes = self.writer.notes(chosen, compared, uniform_tier, overshoot, self.validation)
+        if max_drift_pct is not None and not self.within(chosen, max_drift_pct):
+            return self.writer.refused(chosen, compared, path, notes, max_drift_pct, self.validation)
+        chose = self.validation.record(compared) if self.validation is not None else {"windows": "scoring"}
+        extra = {"chosen_on": chose, **(record or {})}
+        return self.writer.ship(chosen, compared, target, path, notes, uniform_tier, clock, extra)
+
+    def choose(self, target: float, final: bool = False) -> list[Candidate]:
+        """Every candidate for `target`, best first: on the validation windows when the planner has them, else on
+        the scoring contexts (`Comparison.candidates`); nothing is written."""
+        return self._validated(self.comparison.candidates(target, self.progress.on_price, final))
+
+    def _validated(self, compared: list[Candidate]) -> list[Candidate]:
+        if self.validation is None:
+            return compared
+        return self.validation.ranked(compared, lambda encodings, path: self.writer.write(encodings, path))
+
+    def within(self, candidate: Candidate, max_drift_pct: float) -> bool:
+        """Whether `candidate` drifts at most `max_drift_pct`: on the validation windows (what `--on` judges) when
+        the planner has them, else on the scoring contexts (exact dequantization)."""
+        if self.validation is not None and (drift := self.validation.known(candidate)) is not None:
+            return drift.judged(self.validation.on) <= max_drift_pct
+        return candidate.drift is None or candidate.drift.worst_pct <= max_drift_pct
 
     def _uniform(self, tier_name: str, rounding: str | None, target: float | None) -> Candidate:
         """`export --uniform`: every unit at one tier, rounded as asked (auto: the export's choice at that tier)."""
@@ -270,6 +304,8 @@ class Planner:
         self.measuring.release_runner()
         self.encoder.close()
         self.writer.close()
+        if self.validation is not None:
+            self.validation.close()
         try:
             if self.cache is not None:
                 self.cache.settle()

@@ -28,6 +28,7 @@ from tqsdeploy.export.candidates import MIXED, Candidate, explain
 from tqsdeploy.export.deployed import DeployedMemory
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.roundings import Roundings
+from tqsdeploy.export.validation import Validation
 from tqsdeploy.files import write_json, write_table
 from tqsdeploy.sweep import Drift
 from tqsdeploy.units import called, outside_hint
@@ -79,6 +80,10 @@ class Outcome:
     or later (a Cast from 4-bit codes)"."""
     cache: dict | None = None
     """What this export read from the run's cache and added to it, by kind (`RunCache.since`); None: no cache."""
+    chosen_on: dict | None = None
+    """Which windows chose between the candidates (the allocation JSON's `chosen_on`)."""
+    budget: dict | None = None
+    """`export --max-drift` without --C: the search and what it tried (the allocation JSON's `budget`)."""
 
     def fake_quantized(self) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the file (exact dequantization)."""
@@ -165,19 +170,29 @@ class Writer:
                 )
 
     def notes(
-        self, chosen: Candidate, compared: list[Candidate], uniform_tier: str | None, overshoot: str | None
+        self,
+        chosen: Candidate,
+        compared: list[Candidate],
+        uniform_tier: str | None,
+        overshoot: str | None,
+        validation: Validation | None = None,
     ) -> list[str]:
         """What the user should know about the shipped model, in the order the summary prints them."""
         notes: list[str] = []
         if not chosen.label.startswith(MIXED) and uniform_tier is None:
             mixed = next(c for c in compared if c.label.startswith(MIXED))
+            where, (own, other) = "scoring contexts", (chosen.drift.worst_pct, mixed.drift.worst_pct)
+            if validation is not None and validation.known(chosen) and validation.known(mixed):
+                where, (own, other) = "validation windows", (validation.known(chosen).pct, validation.known(mixed).pct)
             notes.append(
                 f"shipped {chosen.label} instead of the mixed allocation: at this budget it drifts less on the "
-                "scoring contexts "
-                f"({chosen.drift.worst_pct:.4g}% vs {mixed.drift.worst_pct:.4g}% for the mixed one at "
+                f"{where} "
+                f"({own:.4g}% vs {other:.4g}% for the mixed one at "
                 f"{mixed.allocation.compression:.3g}x); "
                 "--no-fallback ships the mixed one"
             )
+        if validation is not None and len(compared) > 1:
+            notes.append(validation.note(chosen, compared))
         if overshoot is not None:
             notes.append(overshoot)
         notes += self._untested_rows(chosen)
@@ -237,13 +252,23 @@ class Writer:
         return notes
 
     def refused(
-        self, chosen: Candidate, compared: list[Candidate], path: Path, notes: list[str], max_drift_pct: float
+        self,
+        chosen: Candidate,
+        compared: list[Candidate],
+        path: Path,
+        notes: list[str],
+        max_drift_pct: float,
+        validation: Validation | None = None,
     ) -> Outcome:
-        """Nothing written: the chosen model drifts more than `max_drift_pct` on the scoring contexts."""
-        refused = (
-            f"{path} not written: it drifts {chosen.drift.worst_pct:.4g}% from the original on the scoring contexts, "
-            f"above --max-drift {max_drift_pct:g}%"
-        )
+        """Nothing written: the chosen model drifts more than `max_drift_pct` (on the validation windows when given,
+        else on the scoring contexts)."""
+        measured = validation.known(chosen) if validation is not None else None
+        if measured is not None:
+            judged = "the upper end of its 95% interval" if validation.on == "upper" else "the estimate"
+            how = f"{measured.text()} on the {validation.windows} validation windows ({judged} judged)"
+        else:
+            how = f"{chosen.drift.worst_pct:.4g}% on the scoring contexts"
+        refused = f"{path} not written: it drifts {how} from the original, above --max-drift {max_drift_pct:g}%"
         return Outcome(
             chosen.allocation,
             path,
@@ -268,9 +293,11 @@ class Writer:
         notes: list[str],
         uniform_tier: str | None,
         clock: tuple[float, dict, dict | None],
+        extra: dict | None = None,
     ) -> Outcome:
-        """Write `chosen` to `path` with its allocation record (.parquet and .json) beside it; `clock`: when the
-        export of this target began, and the encoder's profile and the cache's counts then."""
+        """Write `chosen` to `path` with its allocation record (.parquet and .json, `extra`'s fields added) beside
+        it; `clock`: when the export of this target began, and the encoder's profile and the cache's counts
+        then."""
         stem = path.with_suffix("")
         for record in (Path(f"{stem}.allocation.json"), Path(f"{stem}.allocation.parquet")):
             record.unlink(
@@ -296,6 +323,7 @@ class Writer:
             "runs_as": runs_as,
             "oldest_onnxruntime": {"release": version_text(loads_on), "because": why},
             "session_memory": self.deployed.measure(path) if self.deployed is not None else None,
+            **(extra or {}),
         }
         summary["tiers"] = table.rows(named=True)
         write_table(table, f"{stem}.allocation.parquet")
@@ -322,6 +350,8 @@ class Writer:
             runs_as=runs_as,
             oldest_release=f"{version_text(loads_on)} or later" + (f" ({'; '.join(why)})" if why else ""),
             session_memory=summary["session_memory"],
+            chosen_on=summary.get("chosen_on"),
+            budget=summary.get("budget"),
         )
 
     def _summary(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -73,6 +73,8 @@ class Prepared:
     """ONNX Runtime intra-op threads per session (None: its default, every core)."""
     fed_as: str = "weights as stored"
     """What the fed session is a graph of (`derived_feed`), for run.json."""
+    held_out: Contexts | None = None
+    """The windows `ScoreRequest.validation` held out of the contexts (neither swept nor calibrated on)."""
     notes: list[str] = field(default_factory=list)
     """What the user should know about the unit selection (`units.selection_notes`)."""
     opset: int = 0
@@ -116,7 +118,7 @@ def prepare(request: ScoreRequest, sessions: SessionOptions = SessionOptions()) 
     spec = resolve_spec(request.spec, request.steps, inputs, probe_session.outputs)
     settings = request.settings
     settings.check_horizons(spec.steps)
-    contexts = _contexts(request, inputs, loaded)
+    contexts, held_out = _held_out(_contexts(request, inputs, loaded), request.validation)
     weights = sources.weights if streamed else graph_ops.read_weights(loaded.proto, names)
     check_finite(weights)
     job = SweepJob(
@@ -154,6 +156,7 @@ def prepare(request: ScoreRequest, sessions: SessionOptions = SessionOptions()) 
         lanes=lanes,
         threads=runtime.threads,
         fed_as=sources.fed_as,
+        held_out=held_out,
         notes=notes,
         opset=opset,
     )
@@ -262,6 +265,28 @@ def _contexts(request: ScoreRequest, inputs: list, loaded: graph_ops.LoadedModel
     options = request.context_options
     path = Path(request.contexts) if request.contexts is not None else None
     return load_contexts(path, inputs, options, rows=index_rows(loaded.proto) if options.random else None)
+
+
+def _held_out(contexts: Contexts, count: int) -> tuple[Contexts, Contexts | None]:
+    """(the windows scored, the last `count` held out for validation); None held out for a count of 0."""
+    if not count:
+        return contexts, None
+    if not 0 < count < contexts.count:
+        raise InputError(
+            f"--validation {count} holds out {'every window' if count >= contexts.count else 'a negative count'} of "
+            f"the {contexts.count} context windows: none would be left to score",
+            hint="hold out fewer windows, or pass more contexts",
+        )
+
+    def part(rows: slice) -> Contexts:
+        csv = contexts.csv
+        if csv and "starts" in csv:
+            csv = {**csv, "starts": csv["starts"][rows]}
+        following = contexts.following[rows] if contexts.following is not None else None
+        arrays = {name: array[rows] for name, array in contexts.arrays.items()}
+        return replace(contexts, arrays=arrays, csv=csv, following=following, warnings=list(contexts.warnings))
+
+    return part(slice(None, -count)), part(slice(-count, None))
 
 
 def _session_file(

@@ -35,6 +35,9 @@ class ScoreRequest:
     context_options: ContextOptions = ContextOptions()
     sweep: SweepSettings = SweepSettings()
     runtime: Runtime = DEFAULT_RUNTIME
+    validation: int = 0
+    """Windows held out of the end of the contexts (`score --validation`): neither swept nor calibrated on, kept as
+    the run's validation.npz for export to choose and judge models on."""
 
 
 @dataclass(frozen=True)

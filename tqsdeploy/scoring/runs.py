@@ -43,6 +43,7 @@ RUN_FILES = (
     "scores.csv",
     "rollout.toml",
     "contexts.npz",
+    "validation.npz",
 )
 GENERIC_STEMS = ("model",)
 """File names exporters give every model; default output names add the folder's name to them."""
@@ -178,6 +179,12 @@ class ScoreRun:
     @property
     def contexts_file(self) -> Path:
         return self.run_dir / "contexts.npz"
+
+    @property
+    def validation_file(self) -> Path | None:
+        """The windows `score --validation` held out, or None."""
+        path = self.run_dir / "validation.npz"
+        return path if path.exists() else None
 
     @property
     def spec_file(self) -> Path:

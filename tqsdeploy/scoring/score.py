@@ -116,6 +116,10 @@ def _score(
         tasks = _plan(run_dir, prepared, request.settings, folder)
         write_text(run_dir / "rollout.toml", prepared.spec.to_toml())
         write_npz(run_dir / "contexts.npz", prepared.contexts.arrays)
+        if prepared.held_out is not None:
+            write_npz(run_dir / "validation.npz", prepared.held_out.arrays)
+        else:
+            (run_dir / "validation.npz").unlink(missing_ok=True)  # an earlier score's held-out windows: not this one's
         runner = prepared.open_runner()
         prepared_s = time.perf_counter() - started  # with the nominal rollout when it ran alone
         nominal_on_lane = not runner.nominal_made  # made by the sweep's first lane, beside the first tasks
@@ -213,6 +217,7 @@ def _record(
         },
         "rollout": prepared.spec.to_dict(),
         "contexts": prepared.contexts.describe(),
+        "validation": prepared.held_out.describe() | {"file": "validation.npz"} if prepared.held_out else None,
         "probe": asdict(request.settings),
         "selection": asdict(request.selection),
         "provider": request.runtime.provider,

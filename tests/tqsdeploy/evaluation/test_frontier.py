@@ -346,3 +346,35 @@ def test_the_frontier_plans_every_step_and_estimates_its_time_before_the_first(s
     record = json.loads((tmp_path / "front" / "models" / "mlp.TQS-PTQ.C4.allocation.json").read_text())
     passes = len(record["tiers"])  # three weights, one slot each
     assert record["cache"]["made"].get("weights", 0) <= passes  # the mixed pass at most: QEP W4 came from the baseline
+
+
+def test_frontier_budget_marks_the_points_within_it_on_the_held_out_windows(small, tmp_path):
+    model, contexts, _ = small
+    held_out = tmp_path / "held.npz"
+    np.savez(held_out, x=np.random.default_rng(5).standard_normal((6, 2, 32)).astype(np.float32))
+    out = tmp_path / "front"
+    common = ["frontier", model, "-c", contexts, "--eval-contexts", held_out, "--steps", "3", "--C", "2,4,8"]
+    common += ["--baselines", "rtn", "--bits", "4,8", "-o", out]
+    code, text = invoke(*common, "--budget", "1%")
+    assert code == 0, text
+    frame = pl.read_csv(out / "frontier.csv").filter(pl.col("variable") == "all")
+    held = frame.filter(pl.col("split") == "held-out")
+    for row in held.iter_rows(named=True):  # the worst output's interval's upper end within 1%, as export judges
+        assert row["meets_budget"] == (row["status"] == "ok" and row["drift_hi"] <= 1.0), row
+    passing = held.filter(pl.col("meets_budget"))
+    assert passing.height and held.filter(~pl.col("meets_budget")).height  # the budget splits this frontier
+    budget = json.loads((out / "frontier.json").read_text())["budget"]
+    point = budget["point"]
+    best = passing.filter((pl.col("method") == point["method"]) & (pl.col("setting") == point["setting"]))
+    assert best.height == 1 and budget["split"] == "held-out"
+    best = best.row(0, named=True)
+    assert best["achieved_C"] == passing["achieved_C"].max()  # the most compressed within the budget
+    line = f"the most compressed point within it is **{best['method']} {best['setting']}**"
+    assert line in (out / "report.md").read_text() and line.replace("**", "") in text
+    # another budget on the same folder: every export and evaluation kept, only the marks change
+    code, text = invoke(*common, "--budget", "0.0001")
+    kept = pl.read_csv(out / "frontier.csv").filter((pl.col("variable") == "all") & (pl.col("split") == "held-out"))
+    assert code == 0 and "kept from an earlier run" in text and not kept["meets_budget"].any(), text
+    assert "no point meets it" in (out / "report.md").read_text()
+    code, text = invoke(*common, "--budget", "-1")
+    assert code == 2 and "--budget takes a percentage" in text and "Traceback" not in text
