@@ -144,17 +144,82 @@ def _matmul(node: onnx.NodeProto, plan: NativePlan) -> list[onnx.NodeProto]:
 
 
 def _gather(node: onnx.NodeProto, plan: NativePlan) -> list[onnx.NodeProto]:
-    (part,) = plan.parts
-    return [
-        helper.make_node(
-            part.op,
-            [part.inputs[0], node.input[1], *part.inputs[1:]],
-            list(node.output),
-            domain=DOMAIN,
-            name=node.name or f"{node.output[0]}__gbq",
-            **part.attributes,
+    """`node` as one GatherBlockQuantized per row group (a float Gather for a float group); with several groups each
+    gathers its own rows at indices shifted and clipped into its range, and Where keeps, per index, the group that
+    holds it. Indices are taken as non-negative (what a token table reads)."""
+    ids, output, label = node.input[1], node.output[0], node.name or node.output[0]
+    if len(plan.parts) == 1:
+        return [_gathered(plan.parts[0], ids, output, label)]
+    made, picked, start = [], [], 0
+    for index, part in enumerate(plan.parts):
+        rows, piece = part.shape[0], f"{output}__rows{index}"
+        local = f"{piece}__ids"
+        bounds = [
+            _index_constant(made, f"{piece}__{what}", value, ids)
+            for what, value in (("start", start), ("last", rows - 1), ("zero", 0))
+        ]
+        made.append(helper.make_node("Sub", [ids, bounds[0]], [f"{local}__shifted"], name=f"{label}__{piece}_sub"))
+        made.append(
+            helper.make_node(
+                "Clip", [f"{local}__shifted", bounds[2], bounds[1]], [local], name=f"{label}__{piece}_clip"
+            )
         )
-    ]
+        made.append(_gathered(part, local, piece, f"{label}__{piece}"))
+        start += rows
+        picked.append((piece, _index_constant(made, f"{piece}__end", start, ids)))
+    chosen = picked[-1][0]
+    for index in range(len(picked) - 2, -1, -1):
+        piece, end = picked[index]
+        inside = f"{piece}__inside"
+        made.append(helper.make_node("Less", [ids, end], [f"{inside}__flat"], name=f"{label}__{piece}_less"))
+        made.append(
+            helper.make_node(
+                "Unsqueeze",
+                [f"{inside}__flat", _axes(made, f"{inside}__axes")],
+                [inside],
+                name=f"{label}__{piece}_unsqueeze",
+            )
+        )
+        target = output if index == 0 else f"{piece}__chosen"
+        made.append(helper.make_node("Where", [inside, piece, chosen], [target], name=f"{label}__{piece}_where"))
+        chosen = target
+    return made
+
+
+def _gathered(part: NativePart, ids: str, output: str, label: str) -> onnx.NodeProto:
+    if part.op == "Gather":  # a float group: its rows as a float table, folded at load
+        return helper.make_node("Gather", [part.inputs[0], ids], [output], axis=0, name=label)
+    return helper.make_node(
+        part.op,
+        [part.inputs[0], ids, *part.inputs[1:]],
+        [output],
+        domain=DOMAIN,
+        name=f"{label}__gbq",
+        **part.attributes,
+    )
+
+
+def _index_constant(made: list, name: str, value: int, like: str) -> str:
+    """A scalar `value` in the indices' own integer type (int32 or int64, whichever the model feeds)."""
+    made.append(
+        helper.make_node(
+            "Constant",
+            [],
+            [f"{name}__int64"],
+            value=helper.make_tensor(f"{name}__v", onnx.TensorProto.INT64, [], [value]),
+        )
+    )
+    made.append(helper.make_node("CastLike", [f"{name}__int64", like], [name]))
+    return name
+
+
+def _axes(made: list, name: str) -> str:
+    made.append(
+        helper.make_node(
+            "Constant", [], [name], value=helper.make_tensor(f"{name}__v", onnx.TensorProto.INT64, [1], [-1])
+        )
+    )
+    return name
 
 
 def with_domain(model: onnx.ModelProto) -> None:

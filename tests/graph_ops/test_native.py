@@ -169,6 +169,43 @@ def test_tables_as_gatherblockquantized_gather_the_dequantized_rows(tmp_path, ti
     np.testing.assert_allclose(_run(written.path, feeds), reference, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("ids", [np.array([0, 3, 24, 25, 49, 50, 74, 75, 99]), np.array([99, 0])])
+def test_a_table_cut_into_row_groups_gathers_each_from_its_own_kernel(tmp_path, ids):
+    """Rows [0:25) int8, [25:50) int4, [50:75) int4, [75:100) fp32: the two int4 groups are one GatherBlockQuantized,
+    the fp32 rows a float Gather, and every index, at either edge of a group, reads its row as the dequantized table
+    does; 2-bit rows on a release without 2-bit GatherBlockQuantized are the same codes in 4-bit containers."""
+    proto = onnx.load(models.gather_forecaster(tmp_path / "emb.onnx", rows=100, n=32))
+    table = next(onnx.numpy_helper.to_array(t) for t in proto.graph.initializer if t.name == "emb")
+    layout = _layouts(proto, ["emb"])["emb"]
+    rows = Layout((25, 32), layout.perm, 1)
+    parts = [
+        encode(table[i * 25 : (i + 1) * 25], rows, TIERS[tier], Rounding(), None)
+        for i, tier in enumerate(["int8-asym", "int4-asym", "int4-asym"])
+    ]
+    parts.append(TIERS["fp32"].float_copy(table[75:]))
+    joined = split(parts, layout)
+    written = _write_native(proto, {"emb": joined}, tmp_path / "native.onnx")
+    ops = [n.op_type for n in onnx.load(written.path).graph.node]
+    assert ops.count("GatherBlockQuantized") == 2 and ops.count("Where") == 2
+    feeds = {"x": np.zeros((len(ids), 32), np.float32), "ids": ids}
+    fake = graph_ops.replace_weights(proto, {"emb": joined.dequantize()})
+    want = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(_run(written.path, feeds), want, rtol=1e-6, atol=1e-7)
+
+    two_bit = split(
+        [
+            encode(table[:50], Layout((50, 32), layout.perm, 1), TIERS["int2-asym"], Rounding(), None),
+            encode(table[50:], Layout((50, 32), layout.perm, 1), TIERS["int8-asym"], Rounding(), None),
+        ],
+        layout,
+    )
+    older = _write_native(proto, {"emb": two_bit}, tmp_path / "two.onnx", NativeOptions((2, 4, 8), (4, 8), 0, 0))
+    assert [n.op_type for n in onnx.load(older.path).graph.node].count("GatherBlockQuantized") == 2
+    fake = graph_ops.replace_weights(proto, {"emb": two_bit.dequantize()})
+    want = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(_run(older.path, feeds), want, rtol=1e-6, atol=1e-7)
+
+
 def test_the_oldest_release_follows_what_the_file_holds(tmp_path):
     """4-bit MatMulNBits on an opset-17 model loads from 1.20; 8-bit codes need 1.23, 2-bit 1.24, and the
     dequantized layout's Cast from 4-bit codes 1.23."""

@@ -8,7 +8,7 @@ dequantization. The layouts are those onnxruntime's kernels read (docs/design-no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ml_dtypes
 import numpy as np
@@ -112,6 +112,8 @@ def matmul_part(name: str, value: Encoded, use: NativeUse, options: NativeOption
 def gather_part(name: str, value: Encoded, options: NativeOptions) -> NativePart | None:
     """GatherBlockQuantized of a table's integer codes, one scale per row repeated per block; None otherwise."""
     found = _code_bits(value.values) if value.form == "dequantize" and len(value.shape) == 2 else None
+    if found is not None and found[0] == 2 and 2 not in options.gather_bits and 4 in options.gather_bits:
+        value, found = _widened(value), (4, found[1])  # the same codes in 4-bit containers: exact, twice the bytes
     if found is None or found[0] not in options.gather_bits or value.block_size or value.axis not in (0, None):
         return None
     bits, signed = found
@@ -134,7 +136,26 @@ def gather_part(name: str, value: Encoded, options: NativeOptions) -> NativePart
     tensors.append(numpy_helper.from_array(scale.astype(value.dtype), f"{name}__gbq_scale"))
     if zero_tensor is not None:
         tensors.append(numpy_helper.from_array(zero_tensor, f"{name}__gbq_zero"))
-    return NativePart("GatherBlockQuantized", tuple(t.name for t in tensors), attributes, tuple(tensors))
+    return NativePart(
+        "GatherBlockQuantized", tuple(t.name for t in tensors), attributes, tuple(tensors), shape=tuple(value.shape)
+    )
+
+
+def _widened(value: Encoded) -> Encoded:
+    """2-bit codes and zero points as 4-bit ones of the same values (a release whose kernel takes no 2-bit)."""
+    wide = ml_dtypes.int4 if ml_dtypes.iinfo(value.values.dtype).min < 0 else ml_dtypes.uint4
+    zero = None if value.zero_point is None else np.asarray(value.zero_point).astype(np.int16).astype(wide)
+    return replace(value, values=np.asarray(value.values).astype(np.int16).astype(wide), zero_point=zero)
+
+
+def table_part(name: str, value: Encoded, options: NativeOptions) -> NativePart:
+    """Rows of a table: GatherBlockQuantized where the kernel takes their codes, else a Gather on the rows' float
+    copy (folded at load, like any float part)."""
+    part = gather_part(name, value, options)
+    if part is not None:
+        return part
+    folded = float_part(name, value)
+    return NativePart("Gather", folded.inputs, {}, folded.initializers, folded.nodes, folded.shape)
 
 
 def _per_block(value: Encoded, n: int, blocks: int, n_axis: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -179,7 +200,8 @@ def merged(parts: tuple[NativePart, ...]) -> tuple[NativePart, ...]:
         last = out[-1] if out else None
         if (
             last is not None
-            and part.op == last.op == "MatMulNBits"
+            and part.op == last.op
+            and part.op in ("MatMulNBits", "GatherBlockQuantized")
             and _without_n(part.attributes) == _without_n(last.attributes)
             and len(part.initializers) == len(last.initializers)
             and all(a.data_type == b.data_type for a, b in zip(part.initializers, last.initializers))
@@ -190,8 +212,11 @@ def merged(parts: tuple[NativePart, ...]) -> tuple[NativePart, ...]:
                 )
                 for a, b in zip(last.initializers, part.initializers)
             )
-            attributes = {**last.attributes, "N": last.attributes["N"] + part.attributes["N"]}
-            out[-1] = NativePart("MatMulNBits", last.inputs, attributes, tensors)
+            attributes = dict(last.attributes)
+            if "N" in attributes:
+                attributes["N"] += part.attributes["N"]
+            shape = (last.shape[0] + part.shape[0], *last.shape[1:]) if last.shape and part.shape else ()
+            out[-1] = NativePart(part.op, last.inputs, attributes, tensors, shape=shape)
         else:
             out.append(part)
     return tuple(out)

@@ -9,10 +9,10 @@ from typing import ClassVar
 import numpy as np
 from onnx import helper
 
-from graph_ops.native import MATMUL, NativePlan
+from graph_ops.native import GATHER, MATMUL, NativePlan
 from tiers.encoded import Encoded
 from tiers.formats.base import Emission, Fed, StoredForm, register_form
-from tiers.formats.native import float_part, merged
+from tiers.formats.native import float_part, merged, table_part
 
 
 @register_form
@@ -36,6 +36,8 @@ class Split(StoredForm):
     def native(cls, name: str, value: Encoded, use, options) -> NativePlan | None:
         """Channel groups of a matrix weight each as its own MatMulNBits, or as a float weight where the kernel cannot
         take its tier, their outputs joined (`graph_ops.native`); None for a table, or when no group goes native."""
+        if use.kind == GATHER:
+            return cls._table(name, value, options)
         if use.kind != MATMUL or value.axis != use.n_axis:
             return None
         parts = []
@@ -47,6 +49,15 @@ class Split(StoredForm):
         if len(parts) > 1 and 4 * int(np.prod(value.shape)) < options.split_min_bytes:
             return None  # several kernels for a small weight: slower than its folded float copy
         return NativePlan(MATMUL, parts) if any(p.op != "MatMul" for p in parts) else None
+
+    @classmethod
+    def _table(cls, name: str, value: Encoded, options) -> NativePlan | None:
+        """Row groups of a Gather table, each as its own GatherBlockQuantized (or float Gather), the rows picked by
+        index range (`graph_ops.native`); None for a table cut along its columns or with no group native."""
+        if value.axis != 0 or any(part.form == "split" for part in value.parts):
+            return None
+        parts = merged(tuple(table_part(f"{name}__part{i}", part, options) for i, part in enumerate(value.parts)))
+        return NativePlan(GATHER, parts) if any(p.op != "Gather" for p in parts) else None
 
     @classmethod
     def form_opset(cls, value: Encoded) -> int:

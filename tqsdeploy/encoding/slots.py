@@ -40,22 +40,15 @@ class Slot:
         return self.label or self.name
 
 
-def make_slots(
-    units: Sequence[Unit],
-    layouts: Mapping[str, WeightLayout],
-    split_fraction: float,
-    whole: frozenset[str] = frozenset(),
-) -> list[Slot]:
+def make_slots(units: Sequence[Unit], layouts: Mapping[str, WeightLayout], split_fraction: float) -> list[Slot]:
     """Units as slots; a one-tensor unit with known layout holding more than `split_fraction`
-    of all unit parameters is split into channel groups of about that share each, unless its tensor is in `whole`
-    (a form that takes one tier per tensor, such as ONNX Runtime's GatherBlockQuantized)."""
+    of all unit parameters is split into channel groups of about that share each."""
     total = sum(u.params for u in units)
     slots = []
     for unit in units:
         layout = layouts[unit.tensors[0].name]
         limit = split_fraction * total
-        kept = unit.tensors[0].name in whole
-        if kept or split_fraction <= 0 or len(unit.tensors) != 1 or layout.perm is None or unit.params <= limit:
+        if split_fraction <= 0 or len(unit.tensors) != 1 or layout.perm is None or unit.params <= limit:
             slots.append(Slot(unit.name, unit.name, unit.params, label=unit.label))
             continue
         channels = layout.shape[layout.perm[0]]

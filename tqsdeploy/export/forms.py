@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from graph_ops.io import tensor_bits
-from graph_ops.native import GATHER, MATMUL, NativePlan, NativeUse, native_uses
+from graph_ops.native import GATHER, MATMUL, NATIVE_OPS, NativePlan, NativeUse, native_uses
 from graph_ops.qdq import emitted_bits
 from runtimes.ort_versions import Release
 from tiers import Encoded
@@ -66,11 +66,6 @@ class WeightForms:
         }
         """The weights whose consumers all read a native form, large enough to pay for its kernel."""
 
-    def whole_tensors(self) -> frozenset[str]:
-        """Tensors whose native form takes one tier for the whole tensor: tables read by GatherBlockQuantized (a
-        table cut into rows at several tiers would be a float copy in memory)."""
-        return frozenset(name for name, use in self.uses.items() if use.kind == GATHER)
-
     def plan(self, name: str, encoded: Encoded) -> NativePlan | None:
         """The native plan of tensor `name` at `encoded` (a whole tensor, or a channel stretch of it), or None."""
         use = self.uses.get(name)
@@ -103,9 +98,9 @@ class WeightForms:
         """What ONNX Runtime runs for the tensor, in words: the kernel and its code widths, or a folded float."""
         plan = self.plan(name, encoded)
         if plan is not None:
-            widths = sorted({p.attributes.get("bits", 4) for p in plan.parts if p.op != "MatMul"})
+            widths = sorted({p.attributes.get("bits", 4) for p in plan.parts if p.op in NATIVE_OPS})
             kernel = "GatherBlockQuantized" if plan.kind == GATHER else "MatMulNBits"
-            folded = " + float parts" if any(p.op == "MatMul" for p in plan.parts) else ""
+            folded = " + float parts" if any(p.op not in NATIVE_OPS for p in plan.parts) else ""
             return f"{kernel} {'/'.join(map(str, widths))}-bit{folded}"
         if encoded.form == "raw":
             return "float (as stored)"

@@ -217,15 +217,8 @@ def _prepare(run: ScoreRun, model: Path, settings: ExportSettings, runtime: Runt
 class SlotCut:
     """The slots the allocator assigns one tier each: units, large ones cut into channel groups of `fraction`."""
 
-    def __init__(
-        self,
-        units: Sequence[Unit],
-        layouts: dict[str, WeightLayout],
-        fraction: float,
-        whole: frozenset[str] = frozenset(),
-    ):
-        """`whole`: tensors never cut (their written form takes one tier per tensor)."""
-        self._units, self._layouts, self._whole = units, layouts, whole
+    def __init__(self, units: Sequence[Unit], layouts: dict[str, WeightLayout], fraction: float):
+        self._units, self._layouts = units, layouts
         self.fraction = fraction
         self.slots: list[Slot] = []
         self.slots_of: dict[str, list[Slot]] = {}
@@ -234,7 +227,7 @@ class SlotCut:
     def use(self, fraction: float) -> None:
         """Cut the units at `fraction` (`make_slots`)."""
         self.fraction = fraction
-        self.slots = make_slots(self._units, self._layouts, fraction, self._whole)
+        self.slots = make_slots(self._units, self._layouts, fraction)
         self.slots_of = {}
         for slot in self.slots:
             self.slots_of.setdefault(slot.unit, []).append(slot)

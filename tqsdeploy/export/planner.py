@@ -127,7 +127,7 @@ class Planner:
         )
         check_group_size(settings.group_size, self.scored.layouts, self.tiers)
         forms = WeightForms(self.scored.model.proto, self.scored.layouts, settings.policy)
-        self.cut = SlotCut(self.scored.units, self.scored.layouts, settings.split_fraction, forms.whole_tensors())
+        self.cut = SlotCut(self.scored.units, self.scored.layouts, settings.split_fraction)
         if cache is not None and cache.fresh:
             run_cache.drop(self.run_dir)
             PriceList.drop(self.run_dir)
