@@ -56,7 +56,9 @@ class Split(StoredForm):
         index range (`graph_ops.native`); None for a table cut along its columns or with no group native."""
         if value.axis != 0 or any(part.form == "split" for part in value.parts):
             return None
-        parts = merged(tuple(table_part(f"{name}__part{i}", part, options) for i, part in enumerate(value.parts)))
+        parts = merged(
+            tuple(table_part(f"{name}__part{i}", part.expand(), options) for i, part in enumerate(value.parts))
+        )
         return NativePlan(GATHER, parts) if any(p.op != "Gather" for p in parts) else None
 
     @classmethod
