@@ -206,6 +206,21 @@ def test_a_table_cut_into_row_groups_gathers_each_from_its_own_kernel(tmp_path, 
     np.testing.assert_allclose(_run(older.path, feeds), want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("k,bits", [(384, 4), (1024, 2)])
+def test_2_bit_codes_of_a_narrow_weight_run_in_4_bit_containers(tmp_path, k, bits):
+    """Below `min_k_2bit` input channels the 2-bit kernel is slower than the float MatMul: the same codes go in 4-bit
+    containers, and the outputs are still the dequantized model's."""
+    proto = onnx.load(models.linear_map(tmp_path / "lin.onnx", np.random.default_rng(8).standard_normal((k, k)) / k))
+    stored = _encoded(proto, "int2-asym")
+    written = _write_native(proto, stored, tmp_path / "native.onnx")
+    node = next(n for n in onnx.load(written.path).graph.node if n.op_type == "MatMulNBits")
+    assert next(a.i for a in node.attribute if a.name == "bits") == bits
+    fake = graph_ops.replace_weights(proto, {n: e.dequantize() for n, e in stored.items()})
+    x = np.random.default_rng(9).standard_normal((3, k)).astype(np.float32)
+    want = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(_run(written.path, {"x": x}), want, rtol=1e-5, atol=1e-6)
+
+
 def test_the_oldest_release_follows_what_the_file_holds(tmp_path):
     """4-bit MatMulNBits on an opset-17 model loads from 1.20; 8-bit codes need 1.23, 2-bit 1.24, and the
     dequantized layout's Cast from 4-bit codes 1.23."""

@@ -37,6 +37,9 @@ class NativeOptions:
     min_k: int = 256
     """MatMul weights with fewer input channels stay folded too: below it the kernel ran 1.4-2.8x slower than the
     float MatMul here at every code width (docs/design-notes/export.md, "Which weights are written natively")."""
+    min_k_2bit: int = 1024
+    """2-bit codes of a MatMul weight with fewer input channels are written in 4-bit containers (the same codes,
+    exact): the 2-bit kernel ran 1.3-1.6x slower than the float MatMul at K = 384, the 4-bit one 0.9-1.1x."""
     split_min_bytes: int = 1 << 20
     """A weight whose channel groups need several kernels is folded instead when its float copy is smaller than
     this: each kernel costs about 10 µs a call, which a small weight's few reads cannot earn back."""
@@ -82,6 +85,10 @@ def _block_size(k: int, n: int, bits: int, zero: bool) -> int:
 def matmul_part(name: str, value: Encoded, use: NativeUse, options: NativeOptions) -> NativePart | None:
     """MatMulNBits of a 2-D weight's integer codes; None where the kernel cannot take them as they are."""
     found = _code_bits(value.values) if value.form == "dequantize" and len(value.shape) == 2 else None
+    k = value.shape[1 - use.n_axis] if found is not None else 0
+    if found is not None and found[0] == 2 and 4 in options.matmul_bits:
+        if 2 not in options.matmul_bits or k < options.min_k_2bit:
+            value, found = _widened(value), (4, found[1])
     if found is None or found[0] not in options.matmul_bits or value.dtype not in ("float32", "float16"):
         return None
     bits, signed = found
