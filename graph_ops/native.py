@@ -31,8 +31,9 @@ class NativeUse:
 
 @dataclass(frozen=True)
 class NativePart:
-    """Output channels of a native weight: a MatMulNBits or GatherBlockQuantized node's inputs after the activation
-    (its tensors) and attributes, or (`op` 'MatMul') a float weight `inputs[0]` that `nodes` produce."""
+    """Output channels (a table's rows) of a native weight: a MatMulNBits or GatherBlockQuantized node's inputs after
+    the activation or indices (its tensors) and attributes, or (`op` 'MatMul', 'Gather') a float weight `inputs[0]`
+    that `nodes` produce."""
 
     op: str
     inputs: tuple[str, ...]
@@ -40,7 +41,7 @@ class NativePart:
     initializers: tuple[onnx.TensorProto, ...] = ()
     nodes: tuple[onnx.NodeProto, ...] = ()
     shape: tuple[int, ...] = ()
-    """A float part's weight shape (what `nodes` must produce)."""
+    """The part's weight shape: what a float part's `nodes` must produce, and a table part's rows."""
 
 
 @dataclass(frozen=True)
@@ -150,23 +151,17 @@ def _gather(node: onnx.NodeProto, plan: NativePlan) -> list[onnx.NodeProto]:
     ids, output, label = node.input[1], node.output[0], node.name or node.output[0]
     if len(plan.parts) == 1:
         return [_gathered(plan.parts[0], ids, output, label)]
-    made, picked, start = [], [], 0
+    made, picked, end = [], [], 0
+    zero = start = _index_constant(made, f"{output}__rows_zero", 0, ids)
     for index, part in enumerate(plan.parts):
         rows, piece = part.shape[0], f"{output}__rows{index}"
-        local = f"{piece}__ids"
-        bounds = [
-            _index_constant(made, f"{piece}__{what}", value, ids)
-            for what, value in (("start", start), ("last", rows - 1), ("zero", 0))
-        ]
-        made.append(helper.make_node("Sub", [ids, bounds[0]], [f"{local}__shifted"], name=f"{label}__{piece}_sub"))
-        made.append(
-            helper.make_node(
-                "Clip", [f"{local}__shifted", bounds[2], bounds[1]], [local], name=f"{label}__{piece}_clip"
-            )
-        )
+        local, last = f"{piece}__ids", _index_constant(made, f"{piece}__last", rows - 1, ids)
+        made.append(helper.make_node("Sub", [ids, start], [f"{local}__shifted"], name=f"{label}__{piece}_sub"))
+        made.append(helper.make_node("Clip", [f"{local}__shifted", zero, last], [local], name=f"{label}__{piece}_clip"))
         made.append(_gathered(part, local, piece, f"{label}__{piece}"))
-        start += rows
-        picked.append((piece, _index_constant(made, f"{piece}__end", start, ids)))
+        end += rows
+        start = _index_constant(made, f"{piece}__end", end, ids)  # the next group's first row
+        picked.append((piece, start))
     chosen = picked[-1][0]
     for index in range(len(picked) - 2, -1, -1):
         piece, end = picked[index]
@@ -250,7 +245,7 @@ def runtime_forms(model: onnx.ModelProto) -> dict[str, RuntimeForm]:
         stored = [name for name in node.input if name in sizes]
         if node.op_type in NATIVE_OPS:
             label = _weight_label(node.input[1] if node.op_type == "MatMulNBits" else node.input[0])
-            kind = f"{node.op_type} {_bits(node)}-bit"
+            kind = f"{node.op_type} {kernel_bits(node)}-bit"
             fresh = [name for name in stored if name not in seen]
             seen.update(fresh)
             previous = found.get(label)
@@ -319,6 +314,6 @@ def _weight_label(name: str) -> str:
     return head if head and tail.isdigit() else name
 
 
-def _bits(node: onnx.NodeProto) -> int:
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return int(attributes.get("bits", 4))
+def kernel_bits(node: onnx.NodeProto) -> int:
+    """The code width a MatMulNBits or GatherBlockQuantized node reads (the contrib ops' default is 4)."""
+    return next((int(a.i) for a in node.attribute if a.name == "bits"), 4)

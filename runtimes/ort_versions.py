@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
+from graph_ops.native import kernel_bits
+
 OLDEST_SUPPORTED = (1, 24)
 """The oldest release tqsdeploy runs on and writes for by default (pyproject.toml's lower bound): the first with
 2-bit codes (DequantizeLinear opset 25, MatMulNBits bits 2) and IR 13."""
@@ -84,10 +86,10 @@ def _node_needs(node: onnx.NodeProto, types: dict[str, int]) -> list[tuple[tuple
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     read = {types.get(name) for name in node.input}
     if node.op_type == "MatMulNBits":
-        bits = attributes.get("bits", 4)
+        bits = kernel_bits(node)
         return [(NBITS_FROM.get(bits, (99, 0)), f"MatMulNBits with {bits}-bit codes")]
     if node.op_type == "GatherBlockQuantized":
-        bits = attributes.get("bits", 4)
+        bits = kernel_bits(node)
         first = GATHER_BITS_FROM.get(bits, (99, 0))
         return [
             (max(first, (1, 23) if "bits" in attributes else (1, 20)), f"GatherBlockQuantized with {bits}-bit codes")

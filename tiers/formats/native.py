@@ -85,15 +85,14 @@ def _block_size(k: int, n: int, bits: int, zero: bool) -> int:
 def matmul_part(name: str, value: Encoded, use: NativeUse, options: NativeOptions) -> NativePart | None:
     """MatMulNBits of a 2-D weight's integer codes; None where the kernel cannot take them as they are."""
     found = _code_bits(value.values) if value.form == "dequantize" and len(value.shape) == 2 else None
-    k = value.shape[1 - use.n_axis] if found is not None else 0
+    k_axis = 1 - use.n_axis
     if found is not None and found[0] == 2 and 4 in options.matmul_bits:
-        if 2 not in options.matmul_bits or k < options.min_k_2bit:
+        if 2 not in options.matmul_bits or value.shape[k_axis] < options.min_k_2bit:
             value, found = _widened(value), (4, found[1])
     if found is None or found[0] not in options.matmul_bits or value.dtype not in ("float32", "float16"):
         return None
     bits, signed = found
     codes = np.asarray(value.values).astype(np.int16)
-    k_axis = 1 - use.n_axis
     blocked = value.block_size is not None
     if blocked and (value.axis != k_axis or value.block_size not in BLOCK_SIZES):
         return None

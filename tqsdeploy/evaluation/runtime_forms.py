@@ -33,9 +33,8 @@ def _native_kernels(proto) -> str:
     for node in proto.graph.node:
         if node.op_type in graph_ops.native.NATIVE_OPS:
             attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-            bits = attributes.get("bits", 4)
             level = f", accuracy_level {attributes.get('accuracy_level', 0)}" if node.op_type == "MatMulNBits" else ""
-            key = f"{node.op_type} ({bits}-bit{level})"
+            key = f"{node.op_type} ({graph_ops.native.kernel_bits(node)}-bit{level})"
             found[key] = found.get(key, 0) + 1
     return ", ".join(f"{count} {key}" for key, count in sorted(found.items()))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import ml_dtypes
 import numpy as np
 
 from graph_ops.io import tensor_bits
@@ -32,6 +33,7 @@ class FormPolicy:
     release: Release = Release()
     kernel_accuracy: str = "int8"
     min_params: int = NativeOptions.min_params
+    min_k: int = NativeOptions.min_k
 
     def options(self) -> NativeOptions:
         return NativeOptions(
@@ -43,7 +45,11 @@ def _pays(shape, use: NativeUse, policy: FormPolicy) -> bool:
     """Whether a weight is large enough for its kernel: parameters, and for a MatMul its input channels."""
     if int(np.prod(shape, dtype=np.int64)) < policy.min_params:
         return False
-    return use.kind != MATMUL or len(shape) != 2 or shape[1 - use.n_axis] >= NativeOptions.min_k
+    return use.kind != MATMUL or len(shape) != 2 or shape[1 - use.n_axis] >= policy.min_k
+
+
+FOUR_BIT = (np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4))
+"""4-bit integer codes: what ONNX Runtime before 1.23 cannot Cast (`runtimes.ort_versions.SUB_BYTE`)."""
 
 
 def _has_4_bit_codes(encoded: Encoded) -> bool:
@@ -51,7 +57,7 @@ def _has_4_bit_codes(encoded: Encoded) -> bool:
     if encoded.form == "split":
         return any(_has_4_bit_codes(part) for part in encoded.parts)
     codes = encoded.values if encoded.form == "dequantize" else None
-    return codes is not None and np.dtype(codes.dtype).itemsize == 1 and "4" in str(codes.dtype)
+    return codes is not None and np.dtype(codes.dtype) in FOUR_BIT
 
 
 class WeightForms:
