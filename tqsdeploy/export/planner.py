@@ -168,7 +168,7 @@ class Planner:
         )
         deployed = (
             DeployedMemory(self.scored, runtime.provider)
-            if self._memory and settings.engine.startswith("ort") and hasattr(runtime, "provider")
+            if self._memory and settings.engine.startswith("ort")
             else None
         )
         self.writer = Writer(self.job, self.roundings, deployed)
