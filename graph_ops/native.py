@@ -8,16 +8,21 @@ float weight is never built, so the codes are what the session holds and its ker
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 MATMUL = "matmul"
 GATHER = "gather"
 DOMAIN = "com.microsoft"
 NATIVE_OPS = ("MatMulNBits", "GatherBlockQuantized")
 """The op types a native weight becomes: they read codes on every call by design, which is what keeps them small."""
+GATHERED_CODES = "GatheredCodes"
+"""A table part whose packed codes a plain Gather reads, the picked rows unpacked and dequantized after it (standard
+ops: widths GatherBlockQuantized does not take); its inputs are codes, scale [and zero point]."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +155,7 @@ def _gather(node: onnx.NodeProto, plan: NativePlan) -> list[onnx.NodeProto]:
     holds it. Indices are taken as non-negative (what a token table reads)."""
     ids, output, label = node.input[1], node.output[0], node.name or node.output[0]
     if len(plan.parts) == 1:
-        return [_gathered(plan.parts[0], ids, output, label)]
+        return _gathered(plan.parts[0], ids, output, label)
     made, picked, end = [], [], 0
     zero = start = _index_constant(made, f"{output}__rows_zero", 0, ids)
     for index, part in enumerate(plan.parts):
@@ -158,7 +163,7 @@ def _gather(node: onnx.NodeProto, plan: NativePlan) -> list[onnx.NodeProto]:
         local, last = f"{piece}__ids", _index_constant(made, f"{piece}__last", rows - 1, ids)
         made.append(helper.make_node("Sub", [ids, start], [f"{local}__shifted"], name=f"{label}__{piece}_sub"))
         made.append(helper.make_node("Clip", [f"{local}__shifted", zero, last], [local], name=f"{label}__{piece}_clip"))
-        made.append(_gathered(part, local, piece, f"{label}__{piece}"))
+        made += _gathered(part, local, piece, f"{label}__{piece}")
         end += rows
         start = _index_constant(made, f"{piece}__end", end, ids)  # the next group's first row
         picked.append((piece, start))
@@ -181,17 +186,66 @@ def _gather(node: onnx.NodeProto, plan: NativePlan) -> list[onnx.NodeProto]:
     return made
 
 
-def _gathered(part: NativePart, ids: str, output: str, label: str) -> onnx.NodeProto:
+def _gathered(part: NativePart, ids: str, output: str, label: str) -> list[onnx.NodeProto]:
     if part.op == "Gather":  # a float group: its rows as a float table, folded at load
-        return helper.make_node("Gather", [part.inputs[0], ids], [output], axis=0, name=label)
-    return helper.make_node(
-        part.op,
-        [part.inputs[0], ids, *part.inputs[1:]],
-        [output],
-        domain=DOMAIN,
-        name=f"{label}__gbq",
-        **part.attributes,
-    )
+        return [helper.make_node("Gather", [part.inputs[0], ids], [output], axis=0, name=label)]
+    if part.op == GATHERED_CODES:
+        return _unpacked(part, ids, output, label)
+    return [
+        helper.make_node(
+            part.op,
+            [part.inputs[0], ids, *part.inputs[1:]],
+            [output],
+            domain=DOMAIN,
+            name=f"{label}__gbq",
+            **part.attributes,
+        )
+    ]
+
+
+def _unpacked(part: NativePart, ids: str, output: str, label: str) -> list[onnx.NodeProto]:
+    """Gather the rows' packed bytes, shift each of the `8 / bits` planes out ([..., planes, bytes] -> [..., W]),
+    then (codes - zero) * scale with the rows' own scale and zero point: the dequantized table's rows, exactly."""
+    bits, width, dtype = part.attributes["bits"], part.attributes["width"], part.attributes["dtype"]
+    per, p, made = 8 // bits, f"{output}__unpack", []
+    codes = f"{p}_bytes"
+    made.append(helper.make_node("Gather", [part.inputs[0], ids], [codes], axis=0, name=f"{label}__codes"))
+    if per > 1:
+        shifts = _constant(made, f"{p}_shifts", np.arange(per, dtype=np.uint8).reshape(per, 1) * bits)
+        mask = _constant(made, f"{p}_mask", np.array((1 << bits) - 1, np.uint8))
+        wide = _constant(made, f"{p}_width", np.array([per * -(-width // per)], np.int64))
+        made += [
+            helper.make_node("Unsqueeze", [codes, _axes(made, f"{p}_plane_axis", -2)], [f"{p}_planes"]),
+            helper.make_node("BitShift", [f"{p}_planes", shifts], [f"{p}_shifted"], direction="RIGHT"),
+            helper.make_node("BitwiseAnd", [f"{p}_shifted", mask], [f"{p}_masked"]),
+            helper.make_node("Shape", [ids], [f"{p}_ids_shape"]),
+            helper.make_node("Concat", [f"{p}_ids_shape", wide], [f"{p}_shape"], axis=0),
+            helper.make_node("Reshape", [f"{p}_masked", f"{p}_shape"], [f"{p}_codes"]),
+        ]
+        codes = f"{p}_codes"
+        if per * -(-width // per) != width:  # the padding columns of the last plane
+            start, end = _constant(made, f"{p}_start", np.array([0], np.int64)), f"{p}_end"
+            _constant(made, end, np.array([width], np.int64))
+            made.append(helper.make_node("Slice", [codes, start, end, _axes(made, f"{p}_last", -1)], [f"{p}_used"]))
+            codes = f"{p}_used"
+    to = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    made.append(helper.make_node("Cast", [codes], [f"{p}_float"], to=to))
+    if len(part.inputs) > 2:  # a zero point per row, gathered with it
+        made.append(helper.make_node("Gather", [part.inputs[2], ids], [f"{p}_zero_codes"], axis=0))
+        made.append(helper.make_node("Cast", [f"{p}_zero_codes"], [f"{p}_zero"], to=to))
+    else:
+        _constant(made, f"{p}_zero", np.array(part.attributes["offset"], np.dtype(dtype)))
+    made += [
+        helper.make_node("Sub", [f"{p}_float", f"{p}_zero"], [f"{p}_centred"]),
+        helper.make_node("Gather", [part.inputs[1], ids], [f"{p}_scale"], axis=0),
+        helper.make_node("Mul", [f"{p}_centred", f"{p}_scale"], [output], name=f"{label}__dequantize"),
+    ]
+    return made
+
+
+def _constant(made: list, name: str, value: np.ndarray) -> str:
+    made.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, f"{name}__v")))
+    return name
 
 
 def _index_constant(made: list, name: str, value: int, like: str) -> str:
@@ -208,13 +262,8 @@ def _index_constant(made: list, name: str, value: int, like: str) -> str:
     return name
 
 
-def _axes(made: list, name: str) -> str:
-    made.append(
-        helper.make_node(
-            "Constant", [], [name], value=helper.make_tensor(f"{name}__v", onnx.TensorProto.INT64, [1], [-1])
-        )
-    )
-    return name
+def _axes(made: list, name: str, axis: int = -1) -> str:
+    return _constant(made, name, np.array([axis], np.int64))
 
 
 def with_domain(model: onnx.ModelProto) -> None:
@@ -243,13 +292,17 @@ def runtime_forms(model: onnx.ModelProto) -> dict[str, RuntimeForm]:
     seen: set[str] = set()
     for index, node in enumerate(model.graph.node):
         stored = [name for name in node.input if name in sizes]
-        if node.op_type in NATIVE_OPS:
+        packed = _packed_codes(node.input[0]) if node.op_type == "Gather" and stored else None
+        if node.op_type in NATIVE_OPS or packed is not None:
             label = _weight_label(node.input[1] if node.op_type == "MatMulNBits" else node.input[0])
-            kind = f"{node.op_type} {kernel_bits(node)}-bit"
+            if packed is not None:  # a packed-codes table part's codes, or its scale or zero point ('')
+                kind = f"Gather of {packed}-bit codes" if packed else ""
+            else:
+                kind = f"{node.op_type} {kernel_bits(node)}-bit"
             fresh = [name for name in stored if name not in seen]
             seen.update(fresh)
             previous = found.get(label)
-            kinds = sorted({kind, *(previous.form.split(" + ") if previous else ())})
+            kinds = sorted({kind, *(previous.form.split(" + ") if previous else ())} - {""})
             found[label] = RuntimeForm(
                 " + ".join(kinds), sum(sizes[n] for n in fresh) + (previous.bytes if previous else 0)
             )
@@ -305,8 +358,24 @@ def _shapes(model: onnx.ModelProto) -> dict[str, int]:
     return counts
 
 
+PACKED_CODES = re.compile(r"__gcodes(\d|_scale|_zero)$")
+"""The tensors of a table part `gathered_part` wrote: codes (`__gcodes<bits>`), scale and zero point."""
+
+
+def _packed_codes(name: str) -> str | None:
+    """'<bits>' for a gathered-codes part's codes, '' for its scale or zero point, None for any other tensor."""
+    found = PACKED_CODES.search(name)
+    return None if found is None else (found.group(1) if found.group(1).isdigit() else "")
+
+
+def gathers_packed_codes(node: onnx.NodeProto) -> bool:
+    """A Gather of a packed-codes table part's tensors: it reads only the rows its indices pick, on every call."""
+    return node.op_type == "Gather" and bool(node.input) and _packed_codes(node.input[0]) is not None
+
+
 def _weight_label(name: str) -> str:
     """The weight a native tensor stores: its name without the form's suffix and the channel group's."""
+    name = PACKED_CODES.sub("", name)
     for suffix in ("__nbits", "__gbq"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]

@@ -22,7 +22,7 @@ import onnx
 from onnx import external_data_helper, helper, numpy_helper, version_converter
 
 from graph_ops.io import MAX_IR_VERSION, MAX_OPSET, GraphError, tensor_bits
-from graph_ops.native import NATIVE_OPS, NativePlan, rewrite_consumers, with_domain
+from graph_ops.native import NATIVE_OPS, NativePlan, gathers_packed_codes, rewrite_consumers, with_domain
 from graph_ops.overridable import lift_in_place
 
 
@@ -460,7 +460,7 @@ def per_call_dequantization(optimized: onnx.ModelProto) -> dict[str, int]:
     codes = {t.name for t in optimized.graph.initializer if t.data_type in CODE_TYPES}
     found: dict[str, int] = {}
     for node in optimized.graph.node:
-        if node.op_type in NATIVE_OPS:  # low-bit kernels: reading codes every call is what keeps the weight small
+        if node.op_type in NATIVE_OPS or gathers_packed_codes(node):  # reading codes every call keeps them small
             continue
         if any(i in codes for i in node.input):
             found[node.op_type] = found.get(node.op_type, 0) + 1

@@ -173,7 +173,7 @@ def test_tables_as_gatherblockquantized_gather_the_dequantized_rows(tmp_path, ti
 def test_a_table_cut_into_row_groups_gathers_each_from_its_own_kernel(tmp_path, ids):
     """Rows [0:25) int8, [25:50) int4, [50:75) int4, [75:100) fp32: the two int4 groups are one GatherBlockQuantized,
     the fp32 rows a float Gather, and every index, at either edge of a group, reads its row as the dequantized table
-    does; 2-bit rows on a release without 2-bit GatherBlockQuantized are the same codes in 4-bit containers."""
+    does; 2-bit rows on a release without 2-bit GatherBlockQuantized are a Gather of their packed 2-bit codes."""
     proto = onnx.load(models.gather_forecaster(tmp_path / "emb.onnx", rows=100, n=32))
     table = next(onnx.numpy_helper.to_array(t) for t in proto.graph.initializer if t.name == "emb")
     layout = _layouts(proto, ["emb"])["emb"]
@@ -200,10 +200,70 @@ def test_a_table_cut_into_row_groups_gathers_each_from_its_own_kernel(tmp_path, 
         layout,
     )
     older = _write_native(proto, {"emb": two_bit}, tmp_path / "two.onnx", NativeOptions((2, 4, 8), (4, 8), 0, 0))
-    assert [n.op_type for n in onnx.load(older.path).graph.node].count("GatherBlockQuantized") == 2
+    assert [n.op_type for n in onnx.load(older.path).graph.node].count("GatherBlockQuantized") == 1
+    assert runtime_forms(onnx.load(older.path))["emb"].form == "Gather of 2-bit codes + GatherBlockQuantized 8-bit"
     fake = graph_ops.replace_weights(proto, {"emb": two_bit.dequantize()})
     want = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     np.testing.assert_allclose(_run(older.path, feeds), want, rtol=1e-6, atol=1e-7)
+
+
+def _rank_2_ids(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The table model with ids [a, batch] (a token model's [batch, sequence]); y [a, batch, n] by broadcasting."""
+    ids = next(i for i in proto.graph.input if i.name == "ids")
+    ids.type.tensor_type.shape.dim.insert(0, onnx.TensorShapeProto.Dimension(dim_param="a"))
+    proto.graph.output[0].type.tensor_type.ClearField("shape")
+    return proto
+
+
+@pytest.mark.parametrize(
+    "tiers,gather_bits",
+    [
+        (["int1"], (4, 8)),
+        (["int2-asym"], (4, 8)),
+        (["int2"], (2, 4, 8)),  # a width no GatherBlockQuantized block divides (30)
+        (["int2-asym", "int1", "int2", "int8-asym"], (4, 8)),
+    ],
+)
+@pytest.mark.parametrize("ids", [np.array([0, 24, 25, 49, 50, 74, 75, 99]), np.array([[99, 0, 25], [50, 49, 74]])])
+def test_rows_no_kernel_takes_are_gathered_as_packed_codes_and_dequantized_after(tmp_path, tiers, gather_bits, ids):
+    """Sign bits, 2-bit codes on a release whose GatherBlockQuantized takes none, codes of a row width no block
+    divides: a Gather reads their packed bytes and only the picked rows are unpacked, exactly the dequantized table's
+    rows, for 1-D and 2-D indices; the session holds the codes (no float copy of the table is folded)."""
+    proto = onnx.load(models.gather_forecaster(tmp_path / "emb.onnx", rows=100, n=30))
+    proto = _rank_2_ids(proto) if ids.ndim == 2 else proto
+    table = next(onnx.numpy_helper.to_array(t) for t in proto.graph.initializer if t.name == "emb")
+    layout, size = _layouts(proto, ["emb"])["emb"], 100 // len(tiers)
+    parts = [
+        encode(table[i * size : (i + 1) * size], Layout((size, 30), layout.perm, 1), TIERS[tier], Rounding(), None)
+        for i, tier in enumerate(tiers)
+    ]
+    stored = split(parts, layout).compact() if len(parts) > 1 else parts[0]
+    written = _write_native(
+        proto, {"emb": stored}, tmp_path / "native.onnx", NativeOptions((2, 4, 8), gather_bits, 0, 0)
+    )
+    held = runtime_forms(onnx.load(written.path))["emb"]
+    assert "Gather of" in held.form and "folded" not in held.form and held.bytes < table.nbytes / 3
+    feeds = {"x": np.zeros((ids.shape[-1], 30), np.float32), "ids": ids}
+    fake = graph_ops.replace_weights(proto, {"emb": stored.dequantize()})
+    want = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = _run(written.path, feeds)
+    assert got.shape == want.shape == (*ids.shape, 30)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_sign_bits_of_a_matrix_weight_run_as_2_bit_codes_around_a_zero_point(tmp_path):
+    """MatMulNBits takes no 1-bit codes: INT1's signs become 2-bit codes {0, 2} with zero point 1, exactly +-|s|, in
+    the kernel rather than a float copy folded at load."""
+    proto = onnx.load(
+        models.linear_map(tmp_path / "lin.onnx", np.random.default_rng(3).standard_normal((1024, 1024)) / 32)
+    )
+    stored = _encoded(proto, "int1")
+    written = _write_native(proto, stored, tmp_path / "native.onnx")
+    assert {f.form for f in runtime_forms(onnx.load(written.path)).values()} == {"MatMulNBits 2-bit"}
+    fake = graph_ops.replace_weights(proto, {n: e.dequantize() for n, e in stored.items()})
+    x = np.random.default_rng(4).standard_normal((3, 1024)).astype(np.float32)
+    want = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(_run(written.path, {"x": x}), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("k,bits", [(384, 4), (1024, 2)])

@@ -20,7 +20,7 @@ from onnx import helper, numpy_helper
 from graph_ops.native import GATHER, NativePlan
 from tiers.encoded import Encoded, PackedCodes, broadcast_scale
 from tiers.formats.base import Emission, Fed, Tier, register_form
-from tiers.formats.native import gather_part, matmul_part
+from tiers.formats.native import gather_part, gathered_part, matmul_part
 
 CODE_OPSETS: dict[str, int] = {}
 """Code type (numpy name) -> lowest opset whose DequantizeLinear takes it, from every codes tier's `code_opsets`."""
@@ -71,7 +71,10 @@ class CodesTier(Tier):
 
     @classmethod
     def native(cls, name: str, value: Encoded, use, options) -> NativePlan | None:
-        part = gather_part(name, value, options) if use.kind == GATHER else matmul_part(name, value, use, options)
+        if use.kind == GATHER:
+            part = gather_part(name, value, options) or gathered_part(name, value)
+        else:
+            part = matmul_part(name, value, use, options)
         return None if part is None else NativePlan(use.kind, (part,))
 
     @classmethod

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 from onnx import helper, numpy_helper
 
-from graph_ops.native import GATHER, MATMUL, NativePart, NativeUse
+from graph_ops.native import GATHER, GATHERED_CODES, MATMUL, NativePart, NativeUse
 from tiers.encoded import Encoded
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -116,10 +116,9 @@ def matmul_part(name: str, value: Encoded, use: NativeUse, options: NativeOption
 
 
 def gather_part(name: str, value: Encoded, options: NativeOptions) -> NativePart | None:
-    """GatherBlockQuantized of a table's integer codes, one scale per row repeated per block; None otherwise."""
+    """GatherBlockQuantized of a table's integer codes, one scale per row repeated per block; None where the kernel
+    does not take them (`gathered_part` then keeps them as codes)."""
     found = _code_bits(value.values) if value.form == "dequantize" and len(value.shape) == 2 else None
-    if found is not None and found[0] == 2 and 2 not in options.gather_bits and 4 in options.gather_bits:
-        value, found = _widened(value), (4, found[1])  # the same codes in 4-bit containers: exact, twice the bytes
     if found is None or found[0] not in options.gather_bits or value.block_size or value.axis not in (0, None):
         return None
     bits, signed = found
@@ -155,13 +154,60 @@ def _widened(value: Encoded) -> Encoded:
 
 
 def table_part(name: str, value: Encoded, options: NativeOptions) -> NativePart:
-    """Rows of a table: GatherBlockQuantized where the kernel takes their codes, else a Gather on the rows' float
-    copy (folded at load, like any float part)."""
-    part = gather_part(name, value, options)
+    """Rows of a table: GatherBlockQuantized where the kernel takes their codes, else a Gather of their packed codes,
+    else (float rows) a Gather on the rows' float copy (folded at load, like any float part)."""
+    part = gather_part(name, value, options) or gathered_part(name, value)
     if part is not None:
         return part
     folded = float_part(name, value)
     return NativePart("Gather", folded.inputs, {}, folded.initializers, folded.nodes, folded.shape)
+
+
+def gathered_part(name: str, value: Encoded) -> NativePart | None:
+    """A table's per-row integer or sign codes, packed in bytes that a Gather reads, unpacked and dequantized after
+    it (`graph_ops.native`): only the rows an index picks become floats, so the session holds the codes, for the
+    widths GatherBlockQuantized does not take on the target (2-bit before ONNX Runtime 1.27, sign bits, 8-bit before
+    1.23). None for other forms, blockwise scales, or a table read along another axis."""
+    if len(value.shape) != 2 or value.block_size or value.axis not in (0, None):
+        return None
+    if value.dtype not in ("float32", "float16"):
+        return None
+    rows, width = value.shape
+    if value.form == "packed_sign":  # bit b -> (b - 0.5) * 2|s|: exactly -|s| or +|s|
+        bits, codes = 1, np.unpackbits(np.asarray(value.values))[: rows * width].reshape(rows, width)
+        scale, zero, offset = 2 * np.asarray(value.scale, np.float32).reshape(-1, 1), None, 0.5
+    elif value.form == "dequantize" and (found := _code_bits(value.values)) is not None:
+        bits, signed = found
+        offset = 1 << (bits - 1) if signed else 0
+        codes = (np.asarray(value.values).astype(np.int16) + offset).astype(np.uint8)
+        scale, zero = _per_block(value, rows, 1, 0)
+        zero = None if zero is None else (zero.astype(np.int16) + offset).astype(np.uint8)
+    else:
+        return None
+    scale = np.broadcast_to(scale, (rows, 1))
+    tensors = [
+        numpy_helper.from_array(_planes(codes, bits), f"{name}__gcodes{bits}"),
+        numpy_helper.from_array(np.ascontiguousarray(scale).astype(value.dtype), f"{name}__gcodes_scale"),
+    ]
+    if zero is not None:
+        tensors.append(numpy_helper.from_array(np.ascontiguousarray(zero), f"{name}__gcodes_zero"))
+    attributes = {"bits": bits, "width": width, "offset": float(offset), "dtype": value.dtype}
+    return NativePart(GATHERED_CODES, tuple(t.name for t in tensors), attributes, tuple(tensors), shape=(rows, width))
+
+
+def _planes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """[rows, W] codes as [rows, ceil(W / per)] bytes, byte j holding columns j, j + W', j + 2W', ... at bits 0, b,
+    2b, ... (W' the bytes per row): one shift per plane and a reshape unpack them, whatever the indices' shape."""
+    per = 8 // bits
+    rows, width = codes.shape
+    wide = -(-width // per)
+    padded = np.zeros((rows, per * wide), np.uint8)
+    padded[:, :width] = codes
+    planes = padded.reshape(rows, per, wide)
+    packed = np.zeros((rows, wide), np.uint8)
+    for k in range(per):
+        packed |= planes[:, k, :] << np.uint8(k * bits)
+    return packed
 
 
 def _per_block(value: Encoded, n: int, blocks: int, n_axis: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -195,7 +241,7 @@ def _identity(name: str, initializers) -> tuple:
     )
 
 
-__all__ = ["GATHER", "MATMUL", "NativeOptions", "float_part", "gather_part", "matmul_part"]
+__all__ = ["GATHER", "MATMUL", "NativeOptions", "float_part", "gather_part", "gathered_part", "matmul_part"]
 
 
 def merged(parts: tuple[NativePart, ...]) -> tuple[NativePart, ...]:
@@ -207,7 +253,7 @@ def merged(parts: tuple[NativePart, ...]) -> tuple[NativePart, ...]:
         if (
             last is not None
             and part.op == last.op
-            and part.op in ("MatMulNBits", "GatherBlockQuantized")
+            and part.op in ("MatMulNBits", "GatherBlockQuantized", GATHERED_CODES)
             and _without_n(part.attributes) == _without_n(last.attributes)
             and len(part.initializers) == len(last.initializers)
             and all(a.data_type == b.data_type for a, b in zip(part.initializers, last.initializers))

@@ -6,11 +6,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import ClassVar
 
+import ml_dtypes
 import numpy as np
 from onnx import helper, numpy_helper
 
+from graph_ops.native import GATHER, NativePlan
 from tiers.encoded import Encoded, broadcast_scale
 from tiers.formats.base import Emission, Tier, placed, register_form
+from tiers.formats.native import gathered_part, matmul_part
 from tiers.grid import Grid, GridSpec, f32, register_grid
 
 
@@ -57,6 +60,23 @@ class SignTier(Tier):
     def take_channels(cls, value: Encoded, index: np.ndarray, shape: tuple[int, ...], channel_axis: int) -> Encoded:
         packed = np.packbits(np.take(cls._signs(value), index, axis=channel_axis).reshape(-1))
         return replace(value, values=packed, shape=shape, scale=np.take(value.scale, index, axis=0))
+
+    @classmethod
+    def native(cls, name: str, value: Encoded, use, options) -> NativePlan | None:
+        """A table's sign bits as packed codes a Gather reads; a matrix weight's as 2-bit codes {0, 2} around a zero
+        point of 1 (exactly -|s| and +|s|), since MatMulNBits takes no 1-bit codes: twice the bits, but codes in
+        memory rather than a float copy folded at load."""
+        if use.kind == GATHER:
+            part = gathered_part(name, value)
+        else:
+            part = matmul_part(name, cls._two_bit(value), use, options)
+        return None if part is None else NativePlan(use.kind, (part,))
+
+    @classmethod
+    def _two_bit(cls, value: Encoded) -> Encoded:
+        codes = (cls._signs(value).astype(np.uint8) * 2).astype(ml_dtypes.uint2)
+        zero = np.ones(np.asarray(value.scale).shape, ml_dtypes.uint2)
+        return replace(value, form="dequantize", values=codes, zero_point=zero)
 
     @classmethod
     def emit(cls, name: str, value: Encoded, layout: str) -> Emission:

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from graph_ops.io import tensor_bits
-from graph_ops.native import GATHER, MATMUL, NATIVE_OPS, NativePlan, NativeUse, native_uses
+from graph_ops.native import GATHER, GATHERED_CODES, MATMUL, NATIVE_OPS, NativePlan, NativeUse, native_uses
 from graph_ops.qdq import emitted_bits
 from runtimes.ort_versions import Release
 from tiers import Encoded
@@ -60,6 +60,21 @@ def _has_4_bit_codes(encoded: Encoded) -> bool:
     return codes is not None and np.dtype(codes.dtype) in FOUR_BIT
 
 
+def _plan_words(plan: NativePlan) -> str:
+    """'MatMulNBits 2/4-bit', 'GatherBlockQuantized 4-bit + Gather of 2-bit codes + float parts', ..."""
+    words = []
+    widths = sorted({p.attributes.get("bits", 4) for p in plan.parts if p.op in NATIVE_OPS})
+    if widths:
+        kernel = "GatherBlockQuantized" if plan.kind == GATHER else "MatMulNBits"
+        words.append(f"{kernel} {'/'.join(map(str, widths))}-bit")
+    packed = sorted({p.attributes["bits"] for p in plan.parts if p.op == GATHERED_CODES})
+    if packed:
+        words.append(f"Gather of {'/'.join(map(str, packed))}-bit codes")
+    if any(p.op not in (*NATIVE_OPS, GATHERED_CODES) for p in plan.parts):
+        words.append("float parts")
+    return " + ".join(words)
+
+
 class WeightForms:
     """Each unit tensor's written form, decided per tensor once (its consumers and size) and per encoding."""
 
@@ -104,10 +119,7 @@ class WeightForms:
         """What ONNX Runtime runs for the tensor, in words: the kernel and its code widths, or a folded float."""
         plan = self.plan(name, encoded)
         if plan is not None:
-            widths = sorted({p.attributes.get("bits", 4) for p in plan.parts if p.op in NATIVE_OPS})
-            kernel = "GatherBlockQuantized" if plan.kind == GATHER else "MatMulNBits"
-            folded = " + float parts" if any(p.op not in NATIVE_OPS for p in plan.parts) else ""
-            return f"{kernel} {'/'.join(map(str, widths))}-bit{folded}"
+            return _plan_words(plan)
         if encoded.form == "raw":
             return "float (as stored)"
         if encoded.form == "dequantize" and self.layout_of(encoded) == "fused":
