@@ -89,6 +89,7 @@ class Fitter:
                     all(p.dead for p in parts),
                     {t: sum(p.cost[t] for p in parts) for t in shared},
                     {t: sum(p.loss[t] for p in parts) for t in shared},
+                    {t: sum(p.resident[t] for p in parts) for t in shared} if parts[0].resident else {},
                 )
             )
         return merged
