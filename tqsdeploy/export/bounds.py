@@ -95,9 +95,11 @@ def unmet_after_writing(bounds: dict, path) -> BoundUnmet | None:
     """The failure to report when a written model's record says a bound was not met (None: all met)."""
     said = []
     if (memory := bounds.get("memory")) and not memory["met"]:
+        peak = memory["measured_peak_bytes"]
+        seen = f"measured peak {peak:,} bytes, " if peak is not None else ""
         said.append(
-            f"--max-memory {memory['asked']}: measured peak {memory['measured_peak_bytes']:,} bytes above the bound "
-            f"{memory['bound_bytes']:,} (priced {memory['priced_bytes']:,})"
+            f"--max-memory {memory['asked']}: {seen}priced {memory['priced_bytes']:,} bytes, above the bound "
+            f"{memory['bound_bytes']:,}"
         )
     if (slowdown := bounds.get("slowdown")) and not slowdown["met"]:
         seen = f"measured {slowdown['measured']:.3f}x" if slowdown["measured"] is not None else "not measured"

@@ -42,6 +42,8 @@ class Sizing:
         """(cut, slot, tier) -> bits: a slot's share of its unit's bits depends on the other slots of the cut."""
         self._resident: dict[tuple[float, str, str], int] = {}
         """(cut, slot, tier) -> bytes the slot holds in a session after load (`WeightForms.resident_bytes`)."""
+        self._joined: dict[tuple, int] = {}
+        """(cut, tensor, channel runs) -> resident bytes of a unit tensor split over tiers (`written_resident`)."""
         self._stretch_bits: dict[tuple[str, str, tuple[int, int]], int] = {}
 
     def overhead_bits(self, opset: int) -> int:
@@ -154,6 +156,22 @@ class Sizing:
     def resident_of(self, tiers: dict[str, str]) -> int:
         """The slots' resident bytes under the assignment `tiers` (slot -> tier), as priced."""
         return sum(self.resident(slot, tiers[slot.name]) for slot in self.cut.slots)
+
+    def written_resident(self, tiers: dict[str, str]) -> int:
+        """The slots' resident bytes as the assignment `tiers` is written: a unit split over tiers is one tensor whose
+        form (a kernel, or a float folded at load) depends on all its stretches, which no additive price knows."""
+        total = 0
+        for unit, slots in self.cut.slots_of.items():
+            if len({tiers[s.name] for s in slots}) == 1:
+                total += sum(self.resident(s, tiers[s.name]) for s in slots)
+                continue
+            for name in self.scored.units_by_name[unit].tensor_names:
+                runs = self.encoder.runs(name, slots, tiers)
+                key = (self.cut.fraction, name, tuple(runs))
+                if key not in self._joined:
+                    self._joined[key] = self.forms.resident_bytes(name, self.encoder.stored_joined(unit, name, runs))
+                total += self._joined[key]
+        return total
 
     def floor_bits(self, tiers: Sequence[Tier]) -> int:
         """The slots' bits with every slot at its cheapest tier: the uniform file of the lowest tier's units."""
