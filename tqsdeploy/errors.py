@@ -32,6 +32,11 @@ class InfeasibleError(TqsError):
     """A requested target cannot be met."""
 
 
+class BoundUnmet(TqsError):
+    """A deployment bound (`export --max-memory`, `--max-slowdown`) cannot be met or was not met as measured: exit
+    1, as a failed gate."""
+
+
 class InternalError(RuntimeError):
     """A bug in tqsdeploy, never the user's fault."""
 

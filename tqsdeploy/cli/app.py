@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_exceptions
 from runtimes import RUNTIMES, provider_names
 from tiers import METHODS
-from tqsdeploy.errors import USER_ERRORS
+from tqsdeploy.errors import USER_ERRORS, BoundUnmet
 from tqsdeploy.sweep.strategies import AUTO, AUTO_HELP, BY_NAME, strategy_names
 
 ABORT = getattr(click_exceptions, "Abort", None) or typer.Abort  # typer 0.29's click copy keeps Abort in typer itself
@@ -168,6 +168,8 @@ def user_errors(command):
             return command(*args, **kwargs)
         except (typer.Exit, click_exceptions.ClickException):
             raise
+        except BoundUnmet as exc:  # before USER_ERRORS: a bound out of reach fails like a gate
+            fail(str(exc), code=1)
         except USER_ERRORS as exc:
             fail(str(exc))
         except OSError as exc:  # disk full, permissions, a vanished folder: the machine's state, not a bug

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import typer
 from rich.markup import escape
 
@@ -27,10 +26,10 @@ from tqsdeploy.cli.outputs import (
     ExportDisplay,
     check_output_file,
     feeds_matmul_integer_codes,
+    print_baseline,
     print_outcome,
     print_search,
     refuse_overwrite,
-    say_sidecar,
     say_trial,
 )
 from tqsdeploy.encoding.choices import GRID_CHOICES, GRIDS_HELP
@@ -185,6 +184,23 @@ def export(
         "model drifting more is not written and export exits 1, like a failed gate (on the --validate windows when "
         "given, else on the scoring contexts as eval --exact reports it).",
     ),
+    max_memory: Optional[str] = typer.Option(
+        None,
+        "--max-memory",
+        metavar="SIZE|RATIOx",
+        help="Resident memory bound (as gate's: 64MB, or 0.5x the original's), a second knapsack constraint on each "
+        "slot's bytes after load (kernel codes natively, the float a folded weight becomes). With memory measured "
+        "(--memory) it bounds the session's peak: the original's non-weight memory is measured once and added; "
+        "with --no-memory it covers the weights alone. Exit 1 when out of reach, or when the written model's "
+        "measured peak exceeds it.",
+    ),
+    max_slowdown: Optional[float] = typer.Option(
+        None,
+        "--max-slowdown",
+        metavar="X",
+        help="Latency bound, e.g. 1.05: not priced (weights the kernels run slower than float are folded already); "
+        "the written model is timed against the original as eval does, exit 1 when slower (the file is kept).",
+    ),
     validate: Optional[Path] = typer.Option(
         None,
         "--validate",
@@ -232,11 +248,12 @@ def export(
 
     Prints each model's drift from the original on the scoring contexts in percent (eval's unit) and warns above 5%.
     Exit codes: 0 written, 1 a model exceeded --max-drift or, without --C, no model met it (nothing written for it),
-    2 bad input."""
+    or --max-memory/--max-slowdown cannot be or was not met, 2 bad input."""
     from runtimes import for_provider
     from tqsdeploy.encoding.run_cache import parse_bytes
     from tqsdeploy.evaluation.gate import parse_percent
     from tqsdeploy.export import CacheOptions, ExportSettings, Planner, find_run
+    from tqsdeploy.export.bounds import unmet_after_writing
 
     output = Path(output_given) if output_given is not None else None  # the text kept: a trailing '/' means a folder
     max_drift_pct = (
@@ -278,6 +295,8 @@ def export(
         basis=basis,
         lanes=lanes,
         single_file=single_file,
+        max_memory=max_memory,
+        max_slowdown=max_slowdown,
     )
     from tqsdeploy.files import check_writable
 
@@ -302,6 +321,7 @@ def export(
     planner = Planner(run_dir, model, settings, for_provider(provider), cache, display.progress(), memory, checked)
     if compression:
         planner.check_targets(targets)
+    planner.check_memory(uniform_tier)
     if not searching:
         planner.check_single_file(targets, uniform_tier)
     from tqsdeploy.scoring.runs import model_label
@@ -359,7 +379,10 @@ def export(
         f"wrote {len(written)} model(s) with .allocation.parquet/.json beside each"
         + (f", {sidecars} of them with an external-data file (listed above)" if sidecars else "")
     )
-    if len(written) < len(rows) or (found is not None and found.outcome is None):
+    unmet = [e for o in written if o.bounds and (e := unmet_after_writing(o.bounds, o.path)) is not None]
+    for problem in unmet:
+        err.print(f"[bold red]bound not met:[/] {escape(str(problem))}", soft_wrap=True)
+    if len(written) < len(rows) or (found is not None and found.outcome is None) or unmet:
         raise typer.Exit(1)
 
 
@@ -453,39 +476,4 @@ def baseline(
         result = quantize_baseline(model, settings, calib, progress=reports)
     summary = write_baseline(model, result, path, runtime_layout)
     write_json(str(path.with_suffix("")) + ".baseline.json", summary)
-    timings = summary["timings_s"]
-    out.print(
-        f"{path}: {method} W{bits} ({summary['tier']}), {summary['tensors']} tensors, "
-        f"stored tensor bits {summary['compression']:.3f}x smaller than the original's "
-        f"({summary['unit_compression']:.3f}x on the quantized units), {summary['file_bytes']:,} bytes on disk; "
-        f"calibration {timings['calibration']:.2f} s"
-    )
-    say_sidecar(summary["files"], summary["file_bytes"])
-    if summary["layer_error"]:
-        ratio = [
-            summary["layer_error"][k] / summary["rtn_layer_error"][k]
-            for k in summary["layer_error"]
-            if summary["rtn_layer_error"].get(k)
-        ]
-        if ratio:
-            out.print(
-                "  layer reconstruction error vs round to nearest on the calibration data: median "
-                f"{float(np.median(ratio)):.3f}x"
-            )
-    if summary["grid_drifts_pct"]:
-        drifts = ", ".join(f"{grids} {drift:.4g}%" for grids, drift in summary["grid_drifts_pct"].items())
-        out.print(
-            f"  grids: {summary['grids']}, whose model drifted less on the calibration rollout ({drifts}; --grids auto)"
-        )
-    for name, reason in summary["rtn_only"].items():
-        out.print(f"  note: '{escape(name)}' is rounded to nearest whatever the method: {escape(reason)}")
-    for note in summary["notes"]:
-        out.print(f"  note: {escape(note)}")
-    unused = [
-        option for option, given in (("--calib", calib), ("--spec", spec), ("--steps", steps)) if given is not None
-    ]
-    if not METHODS[method].stats and unused:  # a script looping over methods passes them to all: said, not refused
-        out.print(
-            f"  note: {method} rounds each weight to nearest and reads no calibration data: "
-            f"{', '.join(unused)} not used"
-        )
+    print_baseline(summary, path, method, bits, {"--calib": calib, "--spec": spec, "--steps": steps})

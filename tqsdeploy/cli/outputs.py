@@ -62,6 +62,26 @@ def memory_line(outcome) -> str | None:
     )
 
 
+def bounds_lines(outcome) -> list[str]:
+    """`--max-memory` and `--max-slowdown`: each bound against what was priced and measured, and whether it held."""
+    found = outcome.bounds or {}
+    lines = []
+    if memory := found.get("memory"):
+        peak = memory["measured_peak_bytes"]
+        measured = f", measured peak {peak / 1e6:.2f} MB" if peak is not None else ", not measured"
+        lines.append(
+            f"--max-memory {memory['asked']} ({memory['bound_bytes'] / 1e6:.2f} MB; {memory['covers']}): priced "
+            f"{memory['priced_bytes'] / 1e6:.2f} MB{measured}: {'met' if memory['met'] else 'NOT MET'}"
+        )
+    if slowdown := found.get("slowdown"):
+        seen = f"{slowdown['measured']:.3f}x" if slowdown["measured"] is not None else "not measured"
+        lines.append(
+            f"--max-slowdown {slowdown['asked']:g}: measured {seen} against the original: "
+            f"{'met' if slowdown['met'] else 'NOT MET'}"
+        )
+    return lines
+
+
 def layout_cost(outcome, settings) -> str:
     """What the written layout costs at run time, in one line."""
     memory = f"about {outcome.memory_bytes / 1e6:.3f} MB of weights in memory after load"
@@ -257,6 +277,8 @@ def print_outcome(planner, settings, value, outcome, fused: bool, verbose: bool)
     out.print(f"  runtime layout: {layout_cost(outcome, settings)}")
     if (line := memory_line(outcome)) is not None:
         out.print(f"  {escape(line)}", soft_wrap=True)
+    for line in bounds_lines(outcome):
+        out.print(f"  {escape(line)}", soft_wrap=True)
     if (
         planner.roundings.choice
     ):  # what was measured so far, read as it is (asking for a tier's rounding could measure more)
@@ -358,3 +380,44 @@ def print_search(found) -> None:
         ),
         soft_wrap=True,
     )
+
+
+def print_baseline(summary: dict, path, method: str, bits: int, given_inputs: dict) -> None:
+    """`baseline`'s summary: the file, its size and calibration time, the layer errors, grids and notes;
+    `given_inputs`: the calibration options given (named, to say when the method reads none of them)."""
+    from tiers import METHODS
+
+    timings = summary["timings_s"]
+    out.print(
+        f"{path}: {method} W{bits} ({summary['tier']}), {summary['tensors']} tensors, "
+        f"stored tensor bits {summary['compression']:.3f}x smaller than the original's "
+        f"({summary['unit_compression']:.3f}x on the quantized units), {summary['file_bytes']:,} bytes on disk; "
+        f"calibration {timings['calibration']:.2f} s"
+    )
+    say_sidecar(summary["files"], summary["file_bytes"])
+    if summary["layer_error"]:
+        ratio = [
+            summary["layer_error"][k] / summary["rtn_layer_error"][k]
+            for k in summary["layer_error"]
+            if summary["rtn_layer_error"].get(k)
+        ]
+        if ratio:
+            out.print(
+                "  layer reconstruction error vs round to nearest on the calibration data: median "
+                f"{float(np.median(ratio)):.3f}x"
+            )
+    if summary["grid_drifts_pct"]:
+        drifts = ", ".join(f"{grids} {drift:.4g}%" for grids, drift in summary["grid_drifts_pct"].items())
+        out.print(
+            f"  grids: {summary['grids']}, whose model drifted less on the calibration rollout ({drifts}; --grids auto)"
+        )
+    for name, reason in summary["rtn_only"].items():
+        out.print(f"  note: '{escape(name)}' is rounded to nearest whatever the method: {escape(reason)}")
+    for note in summary["notes"]:
+        out.print(f"  note: {escape(note)}")
+    unused = [option for option, given in given_inputs.items() if given is not None]
+    if not METHODS[method].stats and unused:  # a script looping over methods passes them to all: said, not refused
+        out.print(
+            f"  note: {method} rounds each weight to nearest and reads no calibration data: "
+            f"{', '.join(unused)} not used"
+        )

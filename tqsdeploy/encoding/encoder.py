@@ -406,6 +406,11 @@ class Encoder:
             parts.append(self.channels(name, expanded[tier], rows))
         return split(parts, self.layouts[name]).compact()
 
+    def stored_joined(self, unit: str, name: str, runs) -> Encoded:
+        """Tensor `name` of unit `unit` with channel `runs` at their tiers, in the stored forms (`stored_forms`):
+        the form the file writes for a unit split over tiers, to price it as written."""
+        return self._join(name, runs, lambda tier: self.stored_forms(unit, tier)[name])
+
     def joined(self, name: str, runs, rounding: AnyRounding) -> Encoded:
         """Tensor `name` of a mixed allocation whose channel `runs` (`runs`) take the uniform encodings."""
         return self._join(name, runs, lambda tier: self.tensor(name, tier, rounding))

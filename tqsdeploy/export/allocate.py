@@ -13,10 +13,10 @@ import enum
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tiers import Tier
-from tqsdeploy.errors import InputError
+from tqsdeploy.errors import BoundUnmet, InputError
 from tqsdeploy.export.objectives import OBJECTIVES
 from tqsdeploy.size import SizeBudget
 
@@ -40,6 +40,8 @@ class Choice:
     dead: bool
     cost: dict[str, int]
     loss: dict[str, float]
+    resident: dict[str, int] = field(default_factory=dict)
+    """Bytes held in a session after load per tier (`Sizing.resident`); read only under a memory bound."""
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,9 @@ def _loss_scale(choices: list[Choice]) -> float:
     return math.exp(sum(logs) / len(logs)) if logs else 1.0
 
 
-def _solve_mckp(choices: list[Choice], budget: int) -> tuple[dict[str, str], str]:
-    """Exact multiple-choice knapsack with pulp: HiGHS first, then CBC where PuLP bundles it."""
+def _solve_mckp(choices: list[Choice], budget: int, memory: int | None = None) -> tuple[dict[str, str], str]:
+    """Exact multiple-choice knapsack with pulp: HiGHS first, then CBC where PuLP bundles it; `memory`: a second
+    constraint, the choices' resident bytes at most this (None: none)."""
     import pulp
 
     if not choices:
@@ -150,6 +153,9 @@ def _solve_mckp(choices: list[Choice], budget: int) -> tuple[dict[str, str], str
     problem += (
         pulp.lpSum(choice.cost[t] * variables[choice.unit, t] for choice in choices for t in choice.cost) <= budget
     )
+    if memory is not None:
+        held = pulp.lpSum(c.resident[t] * variables[c.unit, t] for c in choices for t in c.cost)
+        problem += held <= memory, "resident_bytes"
     cap = 1e3 * max(
         (abs(v) / scale for c in choices for v in c.loss.values() if math.isfinite(v)), default=1.0
     )  # a non-finite rollout: never worth it
@@ -170,32 +176,53 @@ def _solve_mckp(choices: list[Choice], budget: int) -> tuple[dict[str, str], str
     return {}, "failed"
 
 
-def _greedy(choices: list[Choice], tiers: list[Tier], budget: int) -> dict[str, str]:
+def _solve(
+    choices: list[Choice], tiers: list[Tier], solver: str, budget: int, memory: int | None = None
+) -> tuple[dict[str, str], str]:
+    """A tier per choice within `budget` bits (and `memory` resident bytes) by `solver`, and how it was solved."""
+    if solver == "mckp":
+        solved, label = _solve_mckp(choices, budget, memory)
+        if label != "failed":
+            return solved, label
+        return _greedy(choices, tiers, budget, memory), "greedy (MCKP solver failed)"
+    return _greedy(choices, tiers, budget, memory), solver
+
+
+def _greedy(choices: list[Choice], tiers: list[Tier], budget: int, memory: int | None = None) -> dict[str, str]:
     """The paper's greedy: in decreasing gamma, give each unit the most precise
-    tier that still leaves room for every later unit at its cheapest tier."""
+    tier that still leaves room for every later unit at its cheapest tier (in bits, and in resident bytes
+    under a `memory` bound)."""
     ordered = sorted(choices, key=lambda c: -c.gamma if math.isfinite(c.gamma) else -math.inf)
     remaining_floor = unit_cost_floor(ordered)
-    spent, chosen = 0, {}
+    held_floor = sum(min(c.resident.values()) for c in ordered) if memory is not None else 0
+    spent, held, chosen = 0, 0, {}
     for choice in ordered:
-        floor = min(choice.cost.values())
-        remaining_floor -= floor
-        for tier in tiers:
-            if tier.name in choice.cost and spent + choice.cost[tier.name] + remaining_floor <= budget:
-                chosen[choice.unit] = tier.name
-                break
-        else:
-            chosen[choice.unit] = min(choice.cost, key=choice.cost.get)
+        remaining_floor -= min(choice.cost.values())
+        held_floor -= min(choice.resident.values()) if memory is not None else 0
+
+        def fits(tier: str) -> bool:
+            if memory is not None and held + choice.resident[tier] + held_floor > memory:
+                return False
+            return spent + choice.cost[tier] + remaining_floor <= budget
+
+        chosen[choice.unit] = next(
+            (t.name for t in tiers if t.name in choice.cost and fits(t.name)), min(choice.cost, key=choice.cost.get)
+        )
         spent += choice.cost[chosen[choice.unit]]
+        held += choice.resident[chosen[choice.unit]] if memory is not None else 0
     return chosen
 
 
-def _monotone_repair(choices: list[Choice], chosen: dict[str, str], bits: dict[str, int]) -> dict[str, str]:
-    """Among units with identical costs, hand the more precise tiers to the more
-    sensitive units. Cost is unchanged and, under the paper objective, the loss
+def _monotone_repair(
+    choices: list[Choice], chosen: dict[str, str], bits: dict[str, int], memory: bool = False
+) -> dict[str, str]:
+    """Among units with identical costs (and, under a `memory` bound, identical resident bytes), hand the more
+    precise tiers to the more sensitive units. Cost is unchanged and, under the paper objective, the loss
     cannot rise; it removes ties a solver's tolerance may leave."""
     groups: dict[tuple, list[Choice]] = {}
     for choice in choices:
-        groups.setdefault(tuple(sorted(choice.cost.items())), []).append(choice)
+        key = tuple(sorted(choice.cost.items())) + (tuple(sorted(choice.resident.items())) if memory else ())
+        groups.setdefault(key, []).append(choice)
     repaired = dict(chosen)
     for members in groups.values():
         if len(members) < 2:
@@ -204,6 +231,39 @@ def _monotone_repair(choices: list[Choice], chosen: dict[str, str], bits: dict[s
         for choice, tier in zip(sorted(members, key=lambda c: -c.gamma), assigned):
             repaired[choice.unit] = tier
     return repaired
+
+
+@dataclass(frozen=True)
+class MemoryCap:
+    """`export --max-memory` as the knapsack reads it: the resident bytes the slots may hold, and what the message
+    of a bound out of reach adds to theirs (the tensors outside the slots, the session's own memory)."""
+
+    slot_bytes: int
+    outside_bytes: int
+    asked: str
+    """The bound in the user's words, and what it covers: "--max-memory 40MB (session peak)"."""
+
+    def unmet(self, least_slot_bytes: int, target: float | None) -> BoundUnmet:
+        at = f" at C {target:g}" if target is not None else ""
+        return BoundUnmet(
+            f"{self.asked} cannot be met{at}: the smallest reachable resident size{at} is "
+            f"{(least_slot_bytes + self.outside_bytes) / 1e6:.4g} MB "
+            f"({least_slot_bytes + self.outside_bytes:,} bytes)"
+        )
+
+
+def held_bytes(choices: list[Choice], chosen: dict[str, str]) -> int:
+    """The resident bytes of `choices` at the tiers `chosen` gives them."""
+    return sum(c.resident[chosen[c.unit]] for c in choices if c.unit in chosen)
+
+
+def _least_held(choices: list[Choice], budget: int) -> int:
+    """The fewest resident bytes `choices` reach within `budget` bits (a knapsack whose loss is the bytes)."""
+    bytes_as_loss = [replace(c, loss={t: float(v) for t, v in c.resident.items()}) for c in choices]
+    solved, label = _solve_mckp(bytes_as_loss, budget)
+    if label == "failed":
+        return sum(min(c.resident.values()) for c in choices)
+    return held_bytes(choices, solved)
 
 
 @dataclass(frozen=True)
@@ -216,6 +276,8 @@ class Knapsack:
     objective: str = "measured"
     fp32_fraction: float = 0.0
     solver: str = "mckp"
+    memory: MemoryCap | None = None
+    """A bound on the slots' resident bytes (`export --max-memory`); None: bits alone."""
 
     def solve(self, choices: list[Choice], reserve: int = 0) -> Allocation:
         """`allocate` with `reserve` more bits held outside the choices (what the file writes beyond their prices)."""
@@ -227,6 +289,7 @@ class Knapsack:
             objective=self.objective,
             fp32_fraction=self.fp32_fraction,
             solver=self.solver,
+            memory=self.memory,
         )
 
 
@@ -239,9 +302,11 @@ def allocate(
     objective: str = "measured",
     fp32_fraction: float = 0.10,
     solver: str = "mckp",
+    memory: MemoryCap | None = None,
 ) -> Allocation:
     """Algorithm 1 with the chosen objective and solver: one tier per choice so that the slots fit `budget` at C
-    `target`; the allocation's size is `budget` and its costs the choices' own."""
+    `target` (and, under `memory`, its resident bytes); the allocation's size is `budget` and its costs the choices'
+    own. The memory bound is added only when the allocation without it breaks it: a loose bound changes nothing."""
     check_allocator(solver)
     floor = unit_cost_floor(choices)
     budget.check(target, floor, [t.name for t in tiers])
@@ -250,19 +315,26 @@ def allocate(
     )  # a target within the size owner's tolerance of the largest C is that C
     chosen = {c.unit: min(c.cost, key=c.cost.get) for c in choices if c.dead}
     if tiers[0].name == "fp32" and fp32_fraction > 0:
-        chosen |= _most_sensitive_at_fp32(choices, chosen, fp32_fraction, slot_bits)
+        cap = memory.slot_bytes if memory is not None else None
+        chosen |= _most_sensitive_at_fp32(choices, chosen, fp32_fraction, slot_bits, cap)
     rest = [c for c in choices if c.unit not in chosen]
     remaining = slot_bits - sum(c.cost[chosen[c.unit]] for c in choices if c.unit in chosen)
-    label = solver
-    if solver == "mckp":
-        solved, label = _solve_mckp(rest, int(remaining))
-        if label == "failed":
-            solved, label = _greedy(rest, tiers, remaining), "greedy (MCKP solver failed)"
-    else:
-        solved = _greedy(rest, tiers, remaining)
-    chosen.update(solved)
-    if objective in OBJECTIVES and OBJECTIVES[objective].ranks_ties:
-        chosen = _monotone_repair(choices, chosen, {t.name: t.bits for t in tiers})
+    ranks_ties = objective in OBJECTIVES and OBJECTIVES[objective].ranks_ties
+    bits = {t.name: t.bits for t in tiers}
+
+    def repaired(solved: dict[str, str], by_memory: bool = False) -> dict[str, str]:
+        found = chosen | solved
+        return _monotone_repair(choices, found, bits, by_memory) if ranks_ties else found
+
+    solved, label = _solve(rest, tiers, solver, int(remaining))
+    found = repaired(solved)
+    if memory is not None and held_bytes(choices, found) > memory.slot_bytes:
+        placed = held_bytes(choices, chosen)
+        solved, label = _solve(rest, tiers, solver, int(remaining), memory.slot_bytes - placed)
+        found = repaired(solved, by_memory=True)
+        if held_bytes(choices, found) > memory.slot_bytes:
+            raise memory.unmet(placed + _least_held(rest, int(remaining)), target)
+    chosen = found
     by_unit = {c.unit: c for c in choices}
     return Allocation(
         tiers=chosen,
@@ -276,18 +348,29 @@ def allocate(
 
 
 def _most_sensitive_at_fp32(
-    choices: list[Choice], chosen: dict[str, str], fp32_fraction: float, slot_bits: float
+    choices: list[Choice],
+    chosen: dict[str, str],
+    fp32_fraction: float,
+    slot_bits: float,
+    memory: int | None = None,
 ) -> dict[str, str]:
-    """The live choices at FP32, most sensitive first, while the FP32 share and the budget allow."""
+    """The live choices at FP32, most sensitive first, while the FP32 share and the budget allow (and the `memory`
+    bound on the slots' resident bytes)."""
     fp32_budget = fp32_fraction * sum(32 * c.params for c in choices)
     live = sorted((c for c in choices if c.unit not in chosen), key=lambda c: -c.gamma)
     placed = sum(c.cost[chosen[c.unit]] for c in choices if c.unit in chosen)
     live_floor = unit_cost_floor(live)
+    held = held_bytes(choices, chosen) + sum(min(c.resident.values()) for c in live) if memory is not None else 0
     spent_fp32, found = 0, {}
     for choice in live:
         cost, cheapest = choice.cost["fp32"], min(choice.cost.values())
         if spent_fp32 + cost > fp32_budget or placed + cost + live_floor - cheapest > slot_bits:
             break
+        if memory is not None:
+            more = choice.resident["fp32"] - min(choice.resident.values())
+            if held + more > memory:
+                break
+            held += more
         found[choice.unit] = "fp32"
         spent_fp32 += cost
         placed += cost

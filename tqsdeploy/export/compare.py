@@ -81,7 +81,11 @@ class Comparison:
         mixed = self.mixed.encodings(allocation, rounding)
         budget = self.sizing.budget(self.job.tiers)
         fitting = (
-            [t for t in self.job.tiers if budget.fits(sum(self.uniform(t.name).cost_bits.values()), target)]
+            [
+                t
+                for t in self.job.tiers
+                if budget.fits(sum(self.uniform(t.name).cost_bits.values()), target) and self._holds(t.name)
+            ]
             if settings.fallback
             else []
         )
@@ -113,6 +117,12 @@ class Comparison:
         timings["compare"] += time.perf_counter() - started
         timings["uniform_comparison"] = timings.get("uniform_comparison", 0.0) + time.perf_counter() - uniform_started
         return sorted(found, key=rank)
+
+    def _holds(self, tier: str) -> bool:
+        """Whether the uniform model at `tier` keeps within `--max-memory` (always, without it)."""
+        cap = self.job.knapsack_memory()
+        uniform = {slot.name: tier for slot in self.job.cut.slots}
+        return cap is None or self.sizing.resident_of(uniform) <= cap.slot_bytes
 
     def _add_uniform(self, found: list[Candidate], tier: Tier, target: float) -> None:
         """The uniform models at `tier`, one per method that can still beat the best so far (`can_still_win`)."""

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from runtimes.memory import measure
+from runtimes import IOSpec
+from runtimes.memory import SessionMemory, measure
+from tqsdeploy.evaluation.latency import LatencySettings
+from tqsdeploy.evaluation.latency import measure as measure_latency
 from tqsdeploy.export.job import ScoredModel
 
 BASIS = (
@@ -35,11 +38,9 @@ class DeployedMemory:
     def measure(self, path: Path) -> dict | None:
         """The model at `path` against the original, or None where memory cannot be read (not Linux, or the
         child failed)."""
-        feeds = self._feed_file()
-        if not self._measured_original:
-            self._original, self._measured_original = measure(self.scored.model.path, feeds, self.provider), True
-        written = measure(path, feeds, self.provider)
-        if written is None or self._original is None:
+        original = self.original()
+        written = measure(path, self._feed_file(), self.provider)
+        if written is None or original is None:
             return None
         return {
             "peak_bytes": written.peak_bytes,
@@ -50,6 +51,13 @@ class DeployedMemory:
             "basis": BASIS,
         }
 
+    def original(self) -> SessionMemory | None:
+        """The original's session memory, measured once (None where it cannot be read)."""
+        if not self._measured_original:
+            self._original = measure(self.scored.model.path, self._feed_file(), self.provider)
+            self._measured_original = True
+        return self._original
+
     def _feed_file(self) -> Path:
         if self._feeds is None:
             arrays = self.scored.prepared.contexts.arrays
@@ -59,3 +67,19 @@ class DeployedMemory:
 
     def close(self) -> None:
         shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def timed_against_original(scored: ScoredModel, path: Path) -> dict:
+    """The written model and the original timed in paired rounds on the first scoring window, one window per call,
+    as `eval` times a candidate against its reference (`evaluation.latency`)."""
+    contexts, runtime = scored.prepared.contexts, scored.runtime
+    inputs = [IOSpec(name, values.shape[1:], values.dtype) for name, values in contexts.arrays.items()]
+    return measure_latency(
+        lambda: runtime.open(path),
+        lambda: runtime.open(scored.model.path),
+        contexts,
+        inputs,
+        False,
+        1,
+        LatencySettings(),
+    )

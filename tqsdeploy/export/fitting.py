@@ -35,11 +35,15 @@ class Fitter:
         """The allocation `solve` makes for `target`, priced as written, solved again with the slots' budget shrunk
         by what its stretches wrote beyond their prices until the file meets `target` (the additive prices cannot
         see how many stretches a split unit is cut into). An overshooting shrink is bisected back up; when no shrink
-        fits, the knapsack is solved over whole units; only past that, every slot at its cheapest tier."""
+        fits (or the split allocation breaks the memory bound as written), the knapsack is solved over whole units;
+        only past that, every slot at its cheapest tier."""
         target = problem.target
         allocation = self._fit(lambda reserve: problem.solve(choices, reserve), target)
-        if allocation is None and len(whole := self._whole_units(choices)) < len(choices):
-            allocation = self._fit(lambda reserve: self._spread(problem.solve(whole, reserve), target), target)
+        holds = allocation is not None and self._holds(allocation, problem)
+        if not holds and len(whole := self._whole_units(choices)) < len(choices):
+            whole_units = self._fit(lambda reserve: self._spread(problem.solve(whole, reserve), target), target)
+            if allocation is None or (whole_units is not None and self._holds(whole_units, problem)):
+                allocation = whole_units
         if allocation is not None:
             return allocation
         costs = self.sizing.costs(self.tiers)
@@ -47,6 +51,13 @@ class Fitter:
         return self.sizing.allocation(
             cheapest, target, "cheapest (the allocations missed C)", self.job.settings.objective, self.tiers
         )
+
+    def _holds(self, allocation: Allocation, problem: Knapsack) -> bool:
+        """Whether `allocation` keeps within the problem's memory bound as written (a unit split over tiers may
+        fold to float where its slots were priced in a kernel); always, without one. A split allocation that does
+        not is solved again over whole units, whose prices are exact."""
+        cap = problem.memory
+        return cap is None or self.sizing.written_resident(allocation.tiers) <= cap.slot_bytes
 
     def _fit(self, solve: Callable[[int], Allocation], target: float) -> Allocation | None:
         """`fitted`'s shrink-then-bisect on one knapsack; None when no try within `REFITS` fits."""
@@ -89,6 +100,7 @@ class Fitter:
                     all(p.dead for p in parts),
                     {t: sum(p.cost[t] for p in parts) for t in shared},
                     {t: sum(p.loss[t] for p in parts) for t in shared},
+                    {t: sum(p.resident[t] for p in parts) for t in shared} if parts[0].resident else {},
                 )
             )
         return merged

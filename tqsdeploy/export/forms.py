@@ -7,6 +7,7 @@ Sizing prices a weight and the writer writes it through this one object, so the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import ml_dtypes
@@ -103,12 +104,32 @@ class WeightForms:
             return "fused"
         return "dequantized"
 
+    def priced(self, name: str, encoded: Encoded) -> tuple[int, int]:
+        """(bits the weight puts in the file, bytes it holds in an ONNX Runtime session after load), from one plan:
+        the allocator prices both here, the writer writes the first and reports the second."""
+        plan = self.plan(name, encoded)
+        if plan is not None:  # codes, scales and the float parts the kernels read
+            bits = sum(tensor_bits(t) for t in plan.initializers)
+            return bits, bits // 8
+        return emitted_bits(name, encoded, self.layout_of(encoded)), self._loaded_bytes(name, encoded)
+
     def bits(self, name: str, encoded: Encoded) -> int:
         """Bits of every tensor the weight puts in the file, as the writer writes it."""
-        plan = self.plan(name, encoded)
-        if plan is not None:
-            return sum(tensor_bits(t) for t in plan.initializers)
-        return emitted_bits(name, encoded, self.layout_of(encoded))
+        return self.priced(name, encoded)[0]
+
+    def resident_bytes(self, name: str, encoded: Encoded) -> int:
+        """About the bytes the weight holds in an ONNX Runtime session after load, as `runs_as` says it runs."""
+        return self.priced(name, encoded)[1]
+
+    def _loaded_bytes(self, name: str, encoded: Encoded) -> int:
+        """A weight not in a kernel after load: DequantizeLinear's codes (its float output is a per-call
+        activation), else the float weight ONNX Runtime folds it into (fp16/bf16 Casts, INT1's unpacking, the
+        dequantized layout), of the original's type."""
+        if encoded.form == "split":
+            return sum(self.resident_bytes(f"{name}__part{i}", part) for i, part in enumerate(encoded.parts))
+        if encoded.form == "dequantize" and self.layout_of(encoded) == "fused":
+            return encoded.payload_bits // 8
+        return math.prod(encoded.shape) * np.dtype(encoded.dtype).itemsize
 
     def plans(self, encodings: dict[str, Encoded]) -> dict[str, NativePlan]:
         """The native plans of a whole model's encodings (what `graph_ops.qdq.write_storage` rewrites)."""

@@ -27,6 +27,8 @@ from tqsdeploy.encoding.encoder import Encoder
 from tqsdeploy.encoding.run_cache import RunCache
 from tqsdeploy.encoding.slots import Slot, make_slots
 from tqsdeploy.errors import USER_ERRORS, InputError
+from tqsdeploy.export.allocate import MemoryCap
+from tqsdeploy.export.bounds import MemoryBound
 from tqsdeploy.export.forms import WeightForms
 from tqsdeploy.export.settings import ExportSettings
 from tqsdeploy.scoring.prepare import Prepared
@@ -248,3 +250,9 @@ class ExportJob:
     """How each weight is written for the target (priced and written alike)."""
     cache: RunCache | None = None
     """The run's cache of drifts and choices (the encoder keeps its codes there), or None: measured every time."""
+    memory: MemoryBound | None = None
+    """`export --max-memory`: the bound every allocation keeps its resident bytes within; None: no bound."""
+
+    def knapsack_memory(self) -> MemoryCap | None:
+        """What the knapsack reads of the memory bound (None: none)."""
+        return self.memory.cap() if self.memory is not None else None

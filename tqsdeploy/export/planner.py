@@ -28,6 +28,7 @@ from tqsdeploy.encoding.encoder import Encoder, EncodingProgress
 from tqsdeploy.encoding.run_cache import CacheOptions, RunCache
 from tqsdeploy.encoding.slots import check_group_size
 from tqsdeploy.errors import InputError
+from tqsdeploy.export.bounds import MemoryBound
 from tqsdeploy.export.candidates import Candidate, MixedModels, UniformModels
 from tqsdeploy.export.compare import Comparison
 from tqsdeploy.export.deployed import DeployedMemory
@@ -137,6 +138,11 @@ class Planner:
             else None
         )
         self.encoder = self._encoder()
+        deployed = (
+            DeployedMemory(self.scored, runtime.provider)
+            if self._memory and settings.engine.startswith("ort")
+            else None
+        )
         self.job = ExportJob(
             self.scored,
             settings,
@@ -146,6 +152,7 @@ class Planner:
             {"rounding": 0.0, "pricing": 0.0, "refine": 0.0, "compare": 0.0},
             forms,
             self.cache,
+            self._memory_bound(deployed),
         )
         self.sizing = Sizing(self.job)
         self.measuring = Measuring(self.job)
@@ -166,12 +173,21 @@ class Planner:
             self.measuring,
             lambda tiers: TierPricing(self.job, tiers, self.prices, self.sizing),
         )
-        deployed = (
-            DeployedMemory(self.scored, runtime.provider)
-            if self._memory and settings.engine.startswith("ort")
-            else None
-        )
         self.writer = Writer(self.job, self.roundings, deployed)
+
+    def _memory_bound(self, deployed: DeployedMemory | None) -> MemoryBound | None:
+        """`--max-memory` in bytes: with memory measured, on the session's peak (the original's overhead beyond its
+        weights measured once, in a fresh process); else on the weights alone."""
+        if self.settings.max_memory is None:
+            return None
+        original = deployed.original() if deployed is not None else None
+        sizes = self.scored.sizes
+        return MemoryBound.of(
+            self.settings.max_memory,
+            sizes.reference_bits // 8,
+            sizes.outside_bits // 8,
+            original.peak_bytes if original is not None else None,
+        )
 
     def _encoder(self) -> Encoder:
         """The one encoder of this export, its calibrator made on first use from the scored model."""
@@ -215,6 +231,17 @@ class Planner:
     def check_targets(self, targets: list[float]) -> None:
         """Fail before any work when a target cannot be met."""
         self.sizing.check_targets(targets, self.tiers)
+
+    def check_memory(self, uniform_tier: str | None = None) -> None:
+        """Fail before any work when `--max-memory` is below every slot at its smallest resident form (or, for
+        `uniform_tier`, below that uniform model's)."""
+        bound = self.job.memory
+        if bound is None:
+            return
+        if uniform_tier is not None:
+            bound.check(self.sizing.resident_of({s.name: uniform_tier for s in self.cut.slots}))
+            return
+        bound.check(sum(min(held.values()) for held in self.sizing.residents(self.tiers).values()))
 
     def check_single_file(self, targets: list[float | None], uniform_tier: str | None = None) -> None:
         self.writer.check_single_file(targets, uniform_tier)

@@ -288,6 +288,7 @@ class TierPricing:
         objective = OBJECTIVES[name]
         measured = self.measured(on_result, self.eager_tasks()) if objective.measures else None
         costs = self.sizing.costs(self.tiers)
+        residents = self.sizing.residents(self.tiers) if self.job.memory is not None else {}
         loss_of, unpriced = objective.losses(self, measured)
         if objective.measures:
             self.unpriced = unpriced
@@ -302,6 +303,7 @@ class TierPricing:
                     slot.unit in self.dead,
                     costs[slot.name],
                     loss,
+                    residents.get(slot.name, {}),
                 )
             )
         return self._unread_as_read(choices) if objective.unread_rows_as_read else choices
@@ -336,7 +338,13 @@ class TierPricing:
         settings = self.job.settings
         objective = settings.objective
         problem = Knapsack(
-            self.tiers, target, self.sizing.budget(self.tiers), objective, settings.fp32_share, settings.allocator
+            self.tiers,
+            target,
+            self.sizing.budget(self.tiers),
+            objective,
+            settings.fp32_share,
+            settings.allocator,
+            self.job.knapsack_memory(),
         )
         while True:
             choices = self.choices(objective, on_result)

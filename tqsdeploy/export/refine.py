@@ -62,6 +62,7 @@ class Refiner:
         """One round: every live slot one tier up and one down in the context of `best`, priced jointly, re-solved."""
         order = [t.name for t in self.job.tiers]
         costs = self.sizing.costs(self.job.tiers)
+        held = self.sizing.residents(self.job.tiers) if self.job.memory is not None else {}
         trials = [
             (slot.name, order[other])
             for slot in self.job.cut.slots
@@ -89,10 +90,15 @@ class Refiner:
             options = {best.tiers[slot.name]: 0.0} | {
                 tier: losses[(name, tier)] for name, tier in trials if name == slot.name
             }
+            resident = {t: held[slot.name][t] for t in options} if held else {}
             choices.append(
-                Choice(slot.name, slot.params, 0.0, False, {t: costs[slot.name][t] for t in options}, options)
+                Choice(slot.name, slot.params, 0.0, False, {t: costs[slot.name][t] for t in options}, options, resident)
             )
         problem = Knapsack(
-            self.job.tiers, best.target, self.sizing.budget(self.job.tiers), solver=self.job.settings.allocator
+            self.job.tiers,
+            best.target,
+            self.sizing.budget(self.job.tiers),
+            solver=self.job.settings.allocator,
+            memory=self.job.knapsack_memory(),
         )
         return self.fitter.fitted(problem, choices)

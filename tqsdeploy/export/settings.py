@@ -8,7 +8,9 @@ from runtimes.ort_versions import IR_FROM, Release, parse_version, version_text
 from tiers import DEFAULT_TIERS, METHODS, TRT_TIERS
 from tqsdeploy.encoding.choices import check_grids
 from tqsdeploy.errors import InputError
+from tqsdeploy.evaluation.gate import parse_memory
 from tqsdeploy.export.allocate import check_allocator
+from tqsdeploy.export.bounds import check_slowdown
 from tqsdeploy.export.forms import KERNEL_ACCURACY, FormPolicy
 from tqsdeploy.export.objectives import OBJECTIVES
 from tqsdeploy.size import check_basis
@@ -64,6 +66,11 @@ class ExportSettings:
     single_file: bool = False
     """Write every tensor inside the .onnx (refused past protobuf's 2 GiB); False: one file unless the input keeps
     its weights in external-data files or the output reaches 1 GiB (`graph_ops.qdq.write_storage`)."""
+    max_memory: str | None = None
+    """`--max-memory SIZE|RATIOx`, as gate reads it: the resident memory the allocation must keep within
+    (`export.bounds`); None: no bound."""
+    max_slowdown: float | None = None
+    """`--max-slowdown X`: the written model's latency over the original's, measured after writing; None: none."""
     lanes: int | None = None
     """Rollouts that do not depend on each other (pricing, refinement's trials) run this many at once (`sweep.Lanes`);
     None: as `score` decides, except past `job.FED_FLOATS_BYTES`, whose candidates run one at a time."""
@@ -94,6 +101,9 @@ class ExportSettings:
         check_grids(self.grids)
         check_basis(self.basis)
         check_allocator(self.allocator)
+        if self.max_memory is not None:
+            parse_memory(self.max_memory)
+        check_slowdown(self.max_slowdown)
         if self.refine < 0:
             raise InputError(f"--refine takes a number of rounds >= 0, not {self.refine}")
         if self.group_prices not in GROUP_PRICES:

@@ -40,6 +40,10 @@ class Sizing:
         self._overhead: dict[int, int] = {}
         self._costs: dict[tuple[float, str, str], int] = {}
         """(cut, slot, tier) -> bits: a slot's share of its unit's bits depends on the other slots of the cut."""
+        self._resident: dict[tuple[float, str, str], int] = {}
+        """(cut, slot, tier) -> bytes the slot holds in a session after load (`WeightForms.resident_bytes`)."""
+        self._joined: dict[tuple, int] = {}
+        """(cut, tensor, channel runs) -> resident bytes of a unit tensor split over tiers (`written_resident`)."""
         self._stretch_bits: dict[tuple[str, str, tuple[int, int]], int] = {}
 
     def overhead_bits(self, opset: int) -> int:
@@ -64,22 +68,43 @@ class Sizing:
         once per stored run; the shares of a unit's slots sum to exactly what the unit at one tier writes."""
         tier = TIERS[tier] if isinstance(tier, str) else tier
         key = (self.cut.fraction, slot.name, tier.name)
-        if key not in self._costs:  # every slot of the unit at once: one stored form per tensor
-            forms = self.encoder.stored_forms(slot.unit, tier)
-            written = {n: self.forms.bits(n, e) for n, e in forms.items()}
-            slots = self.cut.slots_of[slot.unit]
-            shares = [self._share_bits(other, forms, written) for other in slots]
-            for other, bits in zip(slots, split_bits(shares, sum(written.values()))):
-                self._costs[(self.cut.fraction, other.name, tier.name)] = bits
+        if key not in self._costs:
+            self._price_unit(slot.unit, tier)
         return self._costs[key]
+
+    def resident(self, slot: Slot, tier: Tier | str) -> int:
+        """Bytes the slot holds in an ONNX Runtime session after load at `tier` (`WeightForms.resident_bytes`): its
+        channel share of its unit's, priced beside `cost` from the same stored forms."""
+        tier = TIERS[tier] if isinstance(tier, str) else tier
+        key = (self.cut.fraction, slot.name, tier.name)
+        if key not in self._resident:
+            self._price_unit(slot.unit, tier)
+        return self._resident[key]
+
+    def _price_unit(self, unit: str, tier: Tier) -> None:
+        """Every slot of the unit at once, bits and resident bytes: one stored form per tensor."""
+        forms = self.encoder.stored_forms(unit, tier)
+        priced = {n: self.forms.priced(n, e) for n, e in forms.items()}
+        written, resident = {n: p[0] for n, p in priced.items()}, {n: p[1] for n, p in priced.items()}
+        slots = self.cut.slots_of[unit]
+        shares = [self._share_bits(other, forms, written) for other in slots]
+        held = [sum(resident[n] * self._channel_share(other, n) for n in forms) for other in slots]
+        for other, bits, nbytes in zip(
+            slots, split_bits(shares, sum(written.values())), split_bits(held, sum(resident.values()))
+        ):
+            self._costs[(self.cut.fraction, other.name, tier.name)] = bits
+            self._resident[(self.cut.fraction, other.name, tier.name)] = nbytes
+
+    def _channel_share(self, slot: Slot, name: str) -> float:
+        """The share of tensor `name`'s channels the slot holds (1 for a whole unit)."""
+        return 1.0 if slot.rows is None else (slot.rows[1] - slot.rows[0]) / self.encoder.layouts[name].channels
 
     def _share_bits(self, slot: Slot, forms: dict[str, Encoded], written: dict[str, int]) -> float:
         """The slot's payload plus its channel share of what each tensor's form writes beside its payload."""
         bits = 0.0
         for name, encoded in forms.items():
             part = self.encoder.channels(name, encoded, slot.rows)
-            share = 1.0 if slot.rows is None else (slot.rows[1] - slot.rows[0]) / self.encoder.layouts[name].channels
-            bits += part.payload_bits + (written[name] - encoded.payload_bits) * share
+            bits += part.payload_bits + (written[name] - encoded.payload_bits) * self._channel_share(slot, name)
         return bits
 
     def stretches(self, tiers: dict[str, str]) -> list[tuple[str, str, list[Slot]]]:
@@ -123,6 +148,30 @@ class Sizing:
     def costs(self, tiers: Sequence[Tier]) -> dict[str, dict[str, int]]:
         """Every slot's cost at every tier of the set."""
         return {slot.name: {tier.name: self.cost(slot, tier) for tier in tiers} for slot in self.cut.slots}
+
+    def residents(self, tiers: Sequence[Tier]) -> dict[str, dict[str, int]]:
+        """Every slot's resident bytes at every tier of the set."""
+        return {slot.name: {tier.name: self.resident(slot, tier) for tier in tiers} for slot in self.cut.slots}
+
+    def resident_of(self, tiers: dict[str, str]) -> int:
+        """The slots' resident bytes under the assignment `tiers` (slot -> tier), as priced."""
+        return sum(self.resident(slot, tiers[slot.name]) for slot in self.cut.slots)
+
+    def written_resident(self, tiers: dict[str, str]) -> int:
+        """The slots' resident bytes as the assignment `tiers` is written: a unit split over tiers is one tensor whose
+        form (a kernel, or a float folded at load) depends on all its stretches, which no additive price knows."""
+        total = 0
+        for unit, slots in self.cut.slots_of.items():
+            if len({tiers[s.name] for s in slots}) == 1:
+                total += sum(self.resident(s, tiers[s.name]) for s in slots)
+                continue
+            for name in self.scored.units_by_name[unit].tensor_names:
+                runs = self.encoder.runs(name, slots, tiers)
+                key = (self.cut.fraction, name, tuple(runs))
+                if key not in self._joined:
+                    self._joined[key] = self.forms.resident_bytes(name, self.encoder.stored_joined(unit, name, runs))
+                total += self._joined[key]
+        return total
 
     def floor_bits(self, tiers: Sequence[Tier]) -> int:
         """The slots' bits with every slot at its cheapest tier: the uniform file of the lowest tier's units."""

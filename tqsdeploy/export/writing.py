@@ -24,8 +24,9 @@ from tqsdeploy.encoding import checkpoints
 from tqsdeploy.encoding.logs import thin_note
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.allocate import Allocation
+from tqsdeploy.export.bounds import slowdown_record
 from tqsdeploy.export.candidates import MIXED, Candidate, explain
-from tqsdeploy.export.deployed import DeployedMemory
+from tqsdeploy.export.deployed import DeployedMemory, timed_against_original
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.roundings import Roundings
 from tqsdeploy.export.validation import Validation
@@ -84,6 +85,8 @@ class Outcome:
     """Which windows chose between the candidates (the allocation JSON's `chosen_on`)."""
     budget: dict | None = None
     """`export --max-drift` without --C: the search and what it tried (the allocation JSON's `budget`)."""
+    bounds: dict | None = None
+    """`export --max-memory`/`--max-slowdown`: asked, priced, measured, met (the allocation JSON's `bounds`)."""
 
     def fake_quantized(self) -> dict[str, np.ndarray]:
         """The weights the runtime computes from the file (exact dequantization)."""
@@ -325,6 +328,7 @@ class Writer:
             "session_memory": self.deployed.measure(path) if self.deployed is not None else None,
             **(extra or {}),
         }
+        summary["bounds"] = self.bounds(chosen, path, summary["session_memory"])
         summary["tiers"] = table.rows(named=True)
         write_table(table, f"{stem}.allocation.parquet")
         write_json(f"{stem}.allocation.json", summary)
@@ -352,7 +356,20 @@ class Writer:
             session_memory=summary["session_memory"],
             chosen_on=summary.get("chosen_on"),
             budget=summary.get("budget"),
+            bounds=summary["bounds"],
         )
+
+    def bounds(self, chosen: Candidate, path: Path, session_memory: dict | None) -> dict | None:
+        """The allocation JSON's `bounds` (`export.bounds`): each bound asked, as priced and as measured, and whether
+        it was met; None when none was asked."""
+        found = {}
+        if self.job.memory is not None:
+            slot_bytes = self.loaded_weight_bytes(chosen.encodings) - self.scored.sizes.outside_bits // 8
+            peak = session_memory["peak_bytes"] if session_memory else None
+            found["memory"] = self.job.memory.record(slot_bytes, peak)
+        if self.settings.max_slowdown is not None:
+            found["slowdown"] = slowdown_record(self.settings.max_slowdown, timed_against_original(self.scored, path))
+        return found or None
 
     def _summary(
         self,
@@ -464,19 +481,7 @@ class Writer:
         }
 
     def loaded_weight_bytes(self, encodings: dict[str, Encoded]) -> int:
-        """About how many bytes of weights an ONNX Runtime session of the written model holds after load: it folds
-        fp16/bf16 Casts, INT1's unpacking and, in the 'dequantized' layout, every dequantization into a float weight
-        of the original's type; 'fused' keeps DequantizeLinear's codes."""
-
+        """About how many bytes of weights an ONNX Runtime session of the written model holds after load: the
+        tensors outside the units as stored, each unit tensor as `WeightForms.resident_bytes` prices it."""
         forms = self.job.forms
-
-        def held(name: str, encoded: Encoded) -> int:
-            if forms.plan(name, encoded) is not None:  # codes, scales and the float parts the kernels read
-                return forms.bits(name, encoded) // 8
-            if encoded.form == "split":
-                return sum(held(f"{name}__part{i}", part) for i, part in enumerate(encoded.parts))
-            if encoded.form == "dequantize" and forms.layout_of(encoded) == "fused":
-                return encoded.payload_bits // 8
-            return math.prod(encoded.shape) * np.dtype(encoded.dtype).itemsize
-
-        return self.scored.sizes.outside_bits // 8 + sum(held(n, e) for n, e in encodings.items())
+        return self.scored.sizes.outside_bits // 8 + sum(forms.resident_bytes(n, e) for n, e in encodings.items())
