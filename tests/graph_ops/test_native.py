@@ -72,6 +72,24 @@ def test_int8_activations_stay_within_a_small_relative_error(tmp_path):
     assert 0 < error < 1e-2, error
 
 
+@pytest.mark.parametrize("group_size", [None, 256])
+def test_2_bit_codes_run_in_blocks_of_at_most_128(tmp_path, group_size):
+    """2-bit MatMulNBits has no fast kernel for blocks of 256: a per-channel grid picks blocks of at most 128, and a
+    group size of 256 is written as pairs of 128-blocks sharing its scale and zero point (K = 1100: the last group
+    half padding), still exactly the dequantized model."""
+    a = np.random.default_rng(6).standard_normal((1100, 1100)) / 33
+    proto = onnx.load(models.linear_map(tmp_path / "lin.onnx", a))
+    stored = _encoded(proto, "int2-asym", group_size=group_size)
+    written = _write_native(proto, stored, tmp_path / "native.onnx")
+    node = next(n for n in onnx.load(written.path).graph.node if n.op_type == "MatMulNBits")
+    attributes = {a.name: a.i for a in node.attribute}
+    assert attributes["bits"] == 2 and attributes["block_size"] <= 128
+    fake = graph_ops.replace_weights(proto, {n: e.dequantize() for n, e in stored.items()})
+    x = np.random.default_rng(7).standard_normal((2, 1100)).astype(np.float32)
+    want = ort.InferenceSession(fake.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(_run(written.path, {"x": x}), want, rtol=1e-5, atol=1e-5)
+
+
 def test_blockwise_codes_keep_their_blocks(tmp_path):
     path = models.mlp_forecaster(tmp_path / "mlp.onnx", n=64, hidden=128)
     proto = onnx.load(path)

@@ -19,6 +19,10 @@ from tiers.encoded import Encoded
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 """Block sizes every supported ONNX Runtime takes for MatMulNBits (powers of two from 16)."""
+LARGEST_FAST_BLOCK = {2: 128}
+"""Code width -> the largest block its MatMulNBits runs fast: 2-bit codes in blocks of 256 ran 11-71x slower than the
+float MatMul (no fast kernel; blocks of 128: 0.04-0.96x), so wider blocks are written as blocks of 128 sharing a scale
+(docs/design-notes/export.md, "Which weights are written natively")."""
 
 
 @dataclass(frozen=True)
@@ -73,13 +77,14 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
 
 def _block_size(k: int, n: int, bits: int, zero: bool) -> int:
     """The block size storing a per-channel grid in the fewest bytes (codes padded to whole blocks, a 4-byte scale
-    and a zero point per block); a tie goes to the larger block."""
+    and a zero point per block) among those its width's kernel runs fast; a tie goes to the larger block."""
 
     def size(block: int) -> float:
         blocks = -(-k // block)
         return n * (blocks * block * bits / 8 + blocks * 4 + (blocks * bits / 8 if zero else 0))
 
-    return min(reversed(BLOCK_SIZES), key=size)
+    fast = [b for b in BLOCK_SIZES if b <= LARGEST_FAST_BLOCK.get(bits, b)]
+    return min(reversed(fast), key=size)
 
 
 def matmul_part(name: str, value: Encoded, use: NativeUse, options: NativeOptions) -> NativePart | None:
@@ -103,6 +108,12 @@ def matmul_part(name: str, value: Encoded, use: NativeUse, options: NativeOption
     block = value.block_size if blocked else _block_size(k, n, bits, value.zero_point is not None)
     blocks = -(-k // block)
     scale, zero = _per_block(value, n, blocks, use.n_axis)
+    fast = LARGEST_FAST_BLOCK.get(bits, block)
+    if block > fast:  # the same grid in smaller blocks, each repeating its block's scale and zero point
+        blocks = -(-k // fast)
+        scale = np.repeat(scale, block // fast, axis=1)[:, :blocks]
+        zero = None if zero is None else np.repeat(zero, block // fast, axis=1)[:, :blocks]
+        block = fast
     offset = 1 << (bits - 1) if signed else 0
     wt = np.concatenate([wt + offset, np.zeros((n, blocks * block - k), np.int16)], axis=1).reshape(n, blocks, block)
     tensors = [
