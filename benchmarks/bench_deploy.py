@@ -126,7 +126,9 @@ class Builder:
         if variant == "fp32":
             return Path(self.case["model"]), "the original"
         if variant == "fp16":
-            return self._fp16(), "onnxconverter_common.float16.convert_float_to_float16(keep_io_types=True), Casts to float its outputs retyped float16 made Casts to float16"
+            return self._fp16(), (
+                "onnxconverter_common.float16.convert_float_to_float16(keep_io_types=True), Casts it retyped fixed"
+            )
         if variant.startswith("ort-"):
             return self._ort(variant)
         match = re.fullmatch(r"tqs-c(\d+)(?:-([a-z0-9_]+))?", variant)
