@@ -409,8 +409,8 @@ class Calibrator:
     def _full(self, index: int, feeds, fetch) -> dict[str, np.ndarray]:
         """Full-precision layer inputs of sample `index`. They are the same for every wave and every
         pass, so all of them come from one run per sample and are kept while they take at most
-        `FULL_CACHE_SHARE` of the weights' bytes (or `FULL_INPUTS_FLOOR`); a run with nothing fed reads every original weight,
-        which late in a pass would sit beside the quantized copies of most of them."""
+        `FULL_CACHE_SHARE` of the weights' bytes (or `FULL_INPUTS_FLOOR`); a run with nothing fed reads every
+        original weight, which late in a pass would sit beside the quantized copies of most of them."""
         if self._full_cache is None:
             self._full_cache = self._cache_full()
         if self._full_cache:
