@@ -32,17 +32,50 @@ def measure(
 ) -> SessionMemory | None:
     """The session's memory on `feeds` (a .npz of one array per input), or None where it cannot be read (not
     Linux, or the child failed: its reason is not the caller's business, the measurement is simply absent)."""
+    return measure_each([model], feeds, provider, threads, timeout_s)[0]
+
+
+def measure_each(
+    models: list[str | Path],
+    feeds: str | Path,
+    provider: str = "cpu",
+    threads: int | None = None,
+    timeout_s: float = 600,
+) -> list[SessionMemory | None]:
+    """`measure` of each model, their children run side by side: each reads only its own resident set, so what one
+    measures does not depend on the other, and the caller waits for one child's start-up (most of its time), not
+    one per model."""
     if not Path("/proc/self/clear_refs").exists():
+        return [None] * len(models)
+    command = [sys.executable, "-m", "runtimes.memory"]
+    options = ["--provider", provider] + (["--threads", str(threads)] if threads else [])
+    children = []
+    for model in models:
+        try:
+            children.append(
+                subprocess.Popen(
+                    [*command, str(model), str(feeds), *options],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
+            )
+        except OSError:
+            children.append(None)
+    return [_result(child, timeout_s) for child in children]
+
+
+def _result(child: subprocess.Popen | None, timeout_s: float) -> SessionMemory | None:
+    if child is None:
         return None
-    command = [sys.executable, "-m", "runtimes.memory", str(model), str(feeds), "--provider", provider]
-    if threads:
-        command += ["--threads", str(threads)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except (OSError, subprocess.TimeoutExpired):
+        out, _ = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
         return None
     try:
-        found = json.loads(done.stdout.strip().splitlines()[-1])
+        found = json.loads(out.strip().splitlines()[-1])
     except (IndexError, ValueError):
         return None
     return SessionMemory(int(found["peak_bytes"]), int(found["steady_bytes"]))

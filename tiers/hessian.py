@@ -87,11 +87,7 @@ class Hessian:
         if not self._pending:
             return
         pending, self._pending, rows, self._pending_rows = self._pending, [], self._pending_rows, 0
-        x = (
-            np.concatenate([np.asarray(p[0], np.float64) for p in pending])
-            if len(pending) > 1
-            else np.asarray(pending[0][0], np.float64)
-        )
+        x = _stacked([p[0] for p in pending], rows)
         keep = self._count / (self._count + rows)
         self._count += rows
         self._H *= keep
@@ -99,17 +95,7 @@ class Hessian:
         if self._G is not None:
             self._G *= keep
             if any(p[1] is not None for p in pending):
-                delta = (
-                    np.concatenate(
-                        [
-                            np.asarray(p[1], np.float64) - p[0] if p[1] is not None else np.zeros(p[0].shape)
-                            for p in pending
-                        ]
-                    )
-                    if len(pending) > 1
-                    else np.asarray(pending[0][1], np.float64) - x
-                )
-                self._G += _scaled(gram(delta, x), 2.0 / self._count)
+                self._G += _scaled(gram(_deltas(pending, x), x), 2.0 / self._count)
         self.factors.clear()
 
     @classmethod
@@ -127,6 +113,36 @@ class Hessian:
                 if merged._G is not None:
                     merged._G += part.G * (part.count / merged.count)
         return merged
+
+
+def _stacked(parts: list[np.ndarray], rows: int) -> np.ndarray:
+    """The parts' rows as one float64 array, each cast straight into its place (the values of concatenating their
+    float64 copies, without those copies: on a grouped conv's strided im2col columns they were most of a fold)."""
+    if len(parts) == 1:
+        return np.asarray(parts[0], np.float64)
+    stacked = np.empty((rows, parts[0].shape[1]))
+    start = 0
+    for part in parts:
+        stacked[start : start + part.shape[0]] = part
+        start += part.shape[0]
+    return stacked
+
+
+def _deltas(pending: list[tuple[np.ndarray, np.ndarray | None]], x: np.ndarray) -> np.ndarray:
+    """X_fp − X̂ of the pending rows in float64 (zero where a part has no full-precision counterpart), each part
+    subtracted into its place: the same values as the float64 difference of each part, concatenated."""
+    if len(pending) == 1:
+        return np.asarray(pending[0][1], np.float64) - x
+    delta = np.empty_like(x)
+    start = 0
+    for quantized, full in pending:
+        stop = start + quantized.shape[0]
+        if full is None:
+            delta[start:stop] = 0.0
+        else:
+            np.subtract(full, x[start:stop], out=delta[start:stop], dtype=np.float64)
+        start = stop
+    return delta
 
 
 def _scaled(product: np.ndarray, factor: float) -> np.ndarray:

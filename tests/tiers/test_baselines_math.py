@@ -50,6 +50,25 @@ def test_hessian_is_running_average_of_two_over_n_xtx():
     np.testing.assert_allclose(Hessian.merge(halves).H, stats.H, rtol=1e-12, atol=1e-12)
 
 
+def test_rows_added_in_strided_float32_parts_fold_to_the_bits_of_one_float64_batch():
+    """A grouped conv's rows arrive as strided float32 column slices, some without a full-precision counterpart
+    (`x_fp is x`): folded together they give H and G bit for bit as one add of the float64 rows and differences."""
+    rng = np.random.default_rng(4)
+    wide = rng.standard_normal((90, 3 * 7)).astype(np.float32)
+    wide_fp = wide + 0.1 * rng.standard_normal(wide.shape).astype(np.float32)
+    parts = [(slice(0, 30), True), (slice(30, 55), False), (slice(55, 90), True)]
+    folded = Hessian(7, cross=True)
+    for rows, has_fp in parts:
+        x = wide[rows, 7:14]  # a strided view: the middle group's columns
+        folded.add(x, wide_fp[rows, 7:14] if has_fp else x)
+    x = np.asarray(wide[:, 7:14], np.float64)
+    delta = np.asarray(wide_fp[:, 7:14], np.float64) - x
+    delta[30:55] = 0.0
+    np.testing.assert_array_equal(folded.H, 2 / 90 * (x.T @ x))
+    np.testing.assert_array_equal(folded.G, 2 / 90 * (delta.T @ x))
+    assert folded.count == 90
+
+
 @pytest.mark.parametrize("spec", [asym(3), sym(3), asym(3, search=True), GridSpec("sign", 1)])
 def test_gptq_same_codes_for_any_block_size(spec):
     _, _, wt, stats = _problem()

@@ -340,6 +340,7 @@ def test_full_precision_layer_inputs_are_kept_across_waves_with_the_same_codes(e
     for share in (1e9, 0.0):  # this small model's activations outweigh its weights: force both ways
         monkeypatch.setattr(calibrate, "FULL_CACHE_SHARE", share)
         monkeypatch.setattr(calibrate, "FULL_CACHE_FLOOR", 0)
+        monkeypatch.setattr(calibrate, "FULL_INPUTS_FLOOR", 0)
         coder = encoder[2]()
         stored = coder.uniform(TIERS["int2-asym"], Rounding("qep"))
         assert bool(coder.calibrator._full_cache) == (share > 0)

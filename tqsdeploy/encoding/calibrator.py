@@ -46,6 +46,11 @@ FULL_CACHE_FLOOR = 64 << 20
 """Bytes of full-precision layer inputs kept whatever the weights' size: a small model's activations outweigh its
 weights, and without them every wave of every pass would run the original once per sample again
 (docs/design-notes/encoding.md, "Activations kept")."""
+FULL_INPUTS_FLOOR = 512 << 20
+"""Bytes the full-precision layer inputs may take whatever the weights' size, more than `FULL_CACHE_FLOOR`: they are
+the same in every wave of every pass, so without them each wave runs the original once per sample again (the
+dwconv example's 2048-long contexts: 239 MiB of inputs, 72 runs of the original a pass;
+docs/design-notes/encoding.md, "Activations kept")."""
 KEPT_SHARE = FULL_CACHE_SHARE
 """Activations kept from one wave for the next (`Calibrator._kept`) take at most this share of the weights' bytes
 (or `FULL_CACHE_FLOOR`); past it the pass runs each wave from the model input."""
@@ -404,8 +409,8 @@ class Calibrator:
     def _full(self, index: int, feeds, fetch) -> dict[str, np.ndarray]:
         """Full-precision layer inputs of sample `index`. They are the same for every wave and every
         pass, so all of them come from one run per sample and are kept while they take at most
-        `FULL_CACHE_SHARE` of the weights' bytes; a run with nothing fed reads every original weight,
-        which late in a pass would sit beside the quantized copies of most of them."""
+        `FULL_CACHE_SHARE` of the weights' bytes (or `FULL_INPUTS_FLOOR`); a run with nothing fed reads every
+        original weight, which late in a pass would sit beside the quantized copies of most of them."""
         if self._full_cache is None:
             self._full_cache = self._cache_full()
         if self._full_cache:
@@ -426,7 +431,7 @@ class Calibrator:
         every = sorted(
             {use.x for wave in self.waves for name in wave for use in self.layouts[name].uses} - self._graph.inputs
         )
-        budget = self._budget(FULL_CACHE_SHARE)
+        budget = max(FULL_INPUTS_FLOOR, self._budget(FULL_CACHE_SHARE))
         cached, size = [], 0
         for feeds in self.samples:
             values = self._run(self.session, feeds, every)

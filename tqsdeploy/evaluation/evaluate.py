@@ -421,17 +421,14 @@ def evaluate(
 def _memory(run: _Rollouts, candidate: Path, reference: Path, settings: EvalSettings) -> dict | None:
     """Each model's resident memory in a fresh process on the contexts' first batch (`runtimes.memory`); None
     where it cannot be read (not Linux)."""
-    from runtimes.memory import measure as measure_memory
+    from runtimes.memory import measure_each
     from tqsdeploy.evaluation.latency import batch_feeds
 
     feeds = batch_feeds(run.contexts, run.inputs, run.batched, min(run.contexts.count, settings.max_batch_windows))
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "feeds.npz"
         np.savez(path, **feeds)
-        found = {
-            label: measure_memory(model, path, settings.provider)
-            for label, model in (("candidate", candidate), ("reference", reference))
-        }
+        found = dict(zip(("candidate", "reference"), measure_each([candidate, reference], path, settings.provider)))
     if any(value is None for value in found.values()):
         return None
     reference_peak = max(found["reference"].peak_bytes, 1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from runtimes import IOSpec
-from runtimes.memory import SessionMemory, measure
+from runtimes.memory import SessionMemory, measure_each
 from tqsdeploy.evaluation.latency import LatencySettings
 from tqsdeploy.evaluation.latency import measure as measure_latency
 from tqsdeploy.export.job import ScoredModel
@@ -37,10 +37,13 @@ class DeployedMemory:
 
     def measure(self, path: Path) -> dict | None:
         """The model at `path` against the original, or None where memory cannot be read (not Linux, or the
-        child failed)."""
-        original = self.original()
-        written = measure(path, self._feed_file(), self.provider)
-        if written is None or original is None:
+        child failed). The original's child runs beside the first written model's (one start-up waited for)."""
+        if self._measured_original:
+            written = measure_each([path], self._feed_file(), self.provider)[0]
+        else:
+            written, self._original = measure_each([path, self.scored.model.path], self._feed_file(), self.provider)
+            self._measured_original = True
+        if written is None or self._original is None:
             return None
         return {
             "peak_bytes": written.peak_bytes,
@@ -54,7 +57,7 @@ class DeployedMemory:
     def original(self) -> SessionMemory | None:
         """The original's session memory, measured once (None where it cannot be read)."""
         if not self._measured_original:
-            self._original = measure(self.scored.model.path, self._feed_file(), self.provider)
+            self._original = measure_each([self.scored.model.path], self._feed_file(), self.provider)[0]
             self._measured_original = True
         return self._original
 
