@@ -72,7 +72,7 @@ class CodesTier(Tier):
     @classmethod
     def native(cls, name: str, value: Encoded, use, options) -> NativePlan | None:
         if use.kind == GATHER:
-            part = gather_part(name, value, options) or gathered_part(name, value, options)
+            part = gather_part(name, value, options) or gathered_part(name, value)
         else:
             part = matmul_part(name, value, use, options)
         return None if part is None else NativePlan(use.kind, (part,))

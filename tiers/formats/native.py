@@ -45,10 +45,8 @@ class NativeOptions:
     """2-bit codes of a MatMul weight with fewer input channels are written in 4-bit containers (the same codes,
     exact): the 2-bit kernel ran 1.3-1.6x slower than the float MatMul at K = 384, the 4-bit one 0.9-1.1x."""
     split_min_bytes: int = 1 << 20
-    """A weight whose channel groups need several kernels (a table whose row groups need several gathers, or a
-    table's codes unpacked after a Gather) is folded instead when its float copy is smaller than this: each costs
-    about 10 µs a call, which a small weight's few reads cannot earn back (a 92 K-parameter token model's table in
-    row groups ran 2x FP32 at batch 1)."""
+    """A weight whose channel groups need several kernels is folded instead when its float copy is smaller than
+    this: each kernel costs about 10 µs a call, which a small weight's few reads cannot earn back."""
 
 
 def _code_bits(codes: np.ndarray) -> tuple[int, bool] | None:
@@ -176,15 +174,12 @@ def table_part(name: str, value: Encoded, options: NativeOptions) -> NativePart:
     return NativePart("Gather", folded.inputs, {}, folded.initializers, folded.nodes, folded.shape)
 
 
-def gathered_part(name: str, value: Encoded, options: NativeOptions | None = None) -> NativePart | None:
+def gathered_part(name: str, value: Encoded) -> NativePart | None:
     """A table's per-row integer or sign codes, packed in bytes that a Gather reads, unpacked and dequantized after
     it (`graph_ops.native`): only the rows an index picks become floats, so the session holds the codes, for the
     widths GatherBlockQuantized does not take on the target (2-bit before ONNX Runtime 1.27, sign bits, 8-bit before
-    1.23). None for other forms, blockwise scales, a table read along another axis, or (given the whole table's
-    `options`) one whose float copy is under `split_min_bytes`: its unpacking costs more than the folded table."""
+    1.23). None for other forms, blockwise scales, or a table read along another axis."""
     if len(value.shape) != 2 or value.block_size or value.axis not in (0, None):
-        return None
-    if options is not None and 4 * int(np.prod(value.shape)) < options.split_min_bytes:
         return None
     if value.dtype not in ("float32", "float16"):
         return None

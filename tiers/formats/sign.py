@@ -67,7 +67,7 @@ class SignTier(Tier):
         point of 1 (exactly -|s| and +|s|), since MatMulNBits takes no 1-bit codes: twice the bits, but codes in
         memory rather than a float copy folded at load."""
         if use.kind == GATHER:
-            part = gathered_part(name, value, options)
+            part = gathered_part(name, value)
         else:
             part = matmul_part(name, cls._two_bit(value), use, options)
         return None if part is None else NativePlan(use.kind, (part,))

@@ -59,8 +59,6 @@ class Split(StoredForm):
         parts = merged(
             tuple(table_part(f"{name}__part{i}", part.expand(), options) for i, part in enumerate(value.parts))
         )
-        if len(parts) > 1 and 4 * int(np.prod(value.shape)) < options.split_min_bytes:
-            return None  # a small table read through several groups: slower than its folded float copy
         return NativePlan(GATHER, parts) if any(p.op != "Gather" for p in parts) else None
 
     @classmethod
