@@ -35,6 +35,10 @@ class FormPolicy:
     kernel_accuracy: str = "int8"
     min_params: int = NativeOptions.min_params
     min_k: int = NativeOptions.min_k
+    min_table_bytes: int = NativeOptions.split_min_bytes
+    """A table whose float copy is smaller is folded: its row groups' gathers, or its codes unpacked after a Gather,
+    cost more per call than its folded float rows (a 92 K-parameter token model's row-grouped table ran 2x FP32 at
+    batch 1); a megabyte is noise beside a session's own memory."""
 
     def options(self) -> NativeOptions:
         return NativeOptions(
@@ -43,9 +47,13 @@ class FormPolicy:
 
 
 def _pays(shape, use: NativeUse, policy: FormPolicy) -> bool:
-    """Whether a weight is large enough for its kernel: parameters, and for a MatMul its input channels."""
-    if int(np.prod(shape, dtype=np.int64)) < policy.min_params:
+    """Whether a weight is large enough for its kernel: parameters, for a MatMul its input channels, for a table its
+    float size (decided for the whole tensor, so that its slots are priced in the form the writer gives it)."""
+    size = int(np.prod(shape, dtype=np.int64))
+    if size < policy.min_params:
         return False
+    if use.kind == GATHER:
+        return 4 * size >= policy.min_table_bytes
     return use.kind != MATMUL or len(shape) != 2 or shape[1 - use.n_axis] >= policy.min_k
 
 

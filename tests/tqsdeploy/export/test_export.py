@@ -887,3 +887,15 @@ def test_the_progress_counts_the_rollouts_the_finer_cut_runs(scored, tmp_path):
     ]
     assert counts and all(done <= total for done, total in counts), counts
     assert counts[-1][0] == counts[-1][1]
+
+
+@pytest.mark.parametrize("rows,native", [(1000, False), (8192, True)])
+def test_a_table_goes_native_only_when_its_float_copy_reaches_a_megabyte(tmp_path, rows, native):
+    """A table is decided once, whole: under `min_table_bytes` (1 MB as float: 1000 x 32 is 128 KB) it is folded,
+    so each of its slots is priced in the form the writer gives it; 8192 x 32 (1 MB) runs as GatherBlockQuantized."""
+    from tqsdeploy.export.forms import FormPolicy, WeightForms
+
+    proto = onnx.load(models.gather_forecaster(tmp_path / "emb.onnx", rows=rows, n=32))
+    layouts = graph_ops.weight_layouts(proto, ["emb"])
+    forms = WeightForms(proto, layouts, FormPolicy("native"))
+    assert ("emb" in forms.uses) is native
