@@ -224,8 +224,8 @@ def _unpacked(part: NativePart, ids: str, output: str, label: str) -> list[onnx.
         ]
         codes = f"{p}_codes"
         if per * -(-width // per) != width:  # the padding columns of the last plane
-            start, end = _constant(made, f"{p}_start", np.array([0], np.int64)), f"{p}_end"
-            _constant(made, end, np.array([width], np.int64))
+            start = _constant(made, f"{p}_start", np.array([0], np.int64))
+            end = _constant(made, f"{p}_end", np.array([width], np.int64))
             made.append(helper.make_node("Slice", [codes, start, end, _axes(made, f"{p}_last", -1)], [f"{p}_used"]))
             codes = f"{p}_used"
     to = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
