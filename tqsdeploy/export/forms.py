@@ -84,6 +84,16 @@ def _plan_words(plan: NativePlan) -> str:
     return " + ".join(words)
 
 
+def _held_bytes(plan: NativePlan, dtype: str) -> int:
+    """Bytes a native plan holds after load: its kernels' codes, scales and zero points as stored, and its float
+    parts (channel groups at a tier no kernel takes, folded at load) as floats of the weight's type."""
+    kernel_bits = sum(
+        tensor_bits(t) for p in plan.parts if p.op in (*NATIVE_OPS, GATHERED_CODES) for t in p.initializers
+    )
+    floats = sum(math.prod(p.shape) for p in plan.parts if p.op not in (*NATIVE_OPS, GATHERED_CODES))
+    return kernel_bits // 8 + floats * np.dtype(dtype).itemsize
+
+
 class WeightForms:
     """Each unit tensor's written form, decided per tensor once (its consumers and size) and per encoding."""
 
@@ -116,9 +126,8 @@ class WeightForms:
         """(bits the weight puts in the file, bytes it holds in an ONNX Runtime session after load), from one plan:
         the allocator prices both here, the writer writes the first and reports the second."""
         plan = self.plan(name, encoded)
-        if plan is not None:  # codes, scales and the float parts the kernels read
-            bits = sum(tensor_bits(t) for t in plan.initializers)
-            return bits, bits // 8
+        if plan is not None:
+            return sum(tensor_bits(t) for t in plan.initializers), _held_bytes(plan, encoded.dtype)
         return emitted_bits(name, encoded, self.layout_of(encoded)), self._loaded_bytes(name, encoded)
 
     def bits(self, name: str, encoded: Encoded) -> int:

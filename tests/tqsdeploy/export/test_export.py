@@ -899,3 +899,29 @@ def test_a_table_goes_native_only_when_its_float_copy_reaches_a_megabyte(tmp_pat
     layouts = graph_ops.weight_layouts(proto, ["emb"])
     forms = WeightForms(proto, layouts, FormPolicy("native"))
     assert ("emb" in forms.uses) is native
+
+
+def test_a_native_weight_holds_its_kernels_codes_and_its_float_groups_as_floats(tmp_path):
+    """A 512 x 512 weight (1 MB as float: native even when split) with half its output channels at int4 and half at
+    fp16: after load it holds the MatMulNBits tensors as stored and the fp16 half as float32, folded from its Cast,
+    which `resident_bytes` prices (twice the fp16 half's bytes in the file)."""
+    from graph_ops.io import tensor_bits
+    from tiers import TIERS, encode, split
+    from tiers.quantizer import Layout
+    from tqsdeploy.export.forms import FormPolicy, WeightForms
+
+    proto = onnx.load(models.linear_map(tmp_path / "lin.onnx", np.random.default_rng(0).standard_normal((512, 512))))
+    layouts = graph_ops.weight_layouts(proto, ["W"])
+    weight, perm = onnx.numpy_helper.to_array(proto.graph.initializer[0]), layouts["W"].perm
+    joined = split(
+        [
+            encode(weight[:, :256], Layout((512, 256), perm, 1), TIERS["int4-asym"], Rounding(), None),
+            encode(weight[:, 256:], Layout((512, 256), perm, 1), TIERS["fp16"], Rounding(), None),
+        ],
+        Layout(weight.shape, perm, 1),
+    )
+    forms = WeightForms(proto, layouts, FormPolicy("native"))
+    kernel, folded = forms.plan("W", joined).parts
+    assert (kernel.op, folded.op) == ("MatMulNBits", "MatMul")
+    codes = sum(tensor_bits(t) for t in kernel.initializers) // 8
+    assert forms.resident_bytes("W", joined) == codes + 512 * 256 * 4
