@@ -73,13 +73,21 @@ class _Block:
 
 
 def column_loop(
-    xp, Wt: np.ndarray, U: np.ndarray, P, plan: LoopPlan, grid: Grid | None = None, losses: np.ndarray | None = None
+    xp,
+    Wt: np.ndarray,
+    U: np.ndarray,
+    P,
+    plan: LoopPlan,
+    grid: Grid | None = None,
+    losses: np.ndarray | None = None,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, list[Grid]]:
     """The GPTQ column loop; P adds GPTAQ's asymmetric terms. Returns the codes ([N, K] float32, on the host, in the
     caller's column order) and the grids in column order. With numpy it works on Wt in place. `grid`: each row's
     per-channel grid, fitted by the caller (else fitted here to Wt). `losses` ([N] float64, host): each row's
     Σ eᵢ² added to it, eᵢ = (wᵢ − qᵢ)/Uᵢᵢ the column errors; without P it is (w − q)·(H + λI)·(w − q)ᵀ of the
-    weights the loop started from (the OBS identity behind GPTQ's `Losses`).
+    weights the loop started from (the OBS identity behind GPTQ's `Losses`). `out`: an [N, K] float32 host array the
+    codes are written to (numpy only; a solve split in row parts fills one array, not one per part to join).
 
     A block's columns are held as rows (W1ᵀ, E1ᵀ). Where the official loop follows each column with a rank-one
     update of the block's later columns (`W1[:, i:] -= outer(e, U[c, c:])`), each column here takes the block's
@@ -94,7 +102,7 @@ def column_loop(
     )  # TQS_SOLVER_DTYPE: the loop's updates (the grids stay float64)
     W, Ud = xp.asarray(Wt, dtype=dtype), xp.asarray(U, dtype=dtype)
     Pd = None if P is None else xp.asarray(P, dtype=dtype)
-    codes = xp.zeros((N, K), xp.float32)
+    codes = out if out is not None and xp is np else xp.zeros((N, K), xp.float32)
     fitted: dict[int, Grid] = {}
     ready: dict[int, _Rounder] = {}
     rounder = _Rounder(find_grid(Wt, spec) if grid is None else grid, spec, xp) if group_size <= 0 else None

@@ -34,7 +34,7 @@ from tiers import solver_backend as backend
 from tiers.column_loop import LoopPlan, column_loop, supported_on_device
 from tiers.grid import Grid, GridSpec, codes_on, find_grid
 from tiers.hessian import Hessian, cached, in_dtype, working_dtype
-from tiers.solver_backend import c_order, device_inverse_cholesky
+from tiers.solver_backend import c_order, device_inverse_cholesky, solve_dtype
 
 ROUND_BLOCK = 1 << 20
 """Elements rounded at a time (8 MiB per float64 temporary)."""
@@ -118,9 +118,10 @@ def rtn(Wt: np.ndarray, spec: GridSpec, group_size: int = -1) -> Quantized:
 
 def _dead(Wt: np.ndarray, H: np.ndarray, own: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Dead inputs (zero Hessian diagonal) neutralised, as GPTQ does: Wt a private copy (the solvers
-    update it in place) unless the caller hands over its own (`own`), H copied only when it has dead
-    inputs to change (K x K float64)."""
-    Wt = np.asarray(Wt, np.float64) if own else np.array(Wt, np.float64)
+    update it in place) unless the caller hands over its own (`own`: a float32 one stays float32, the dtype a
+    float32 column loop reads without a copy), H copied only when it has dead inputs to change (K x K float64)."""
+    kept = Wt.dtype if own and Wt.dtype == np.float32 else np.float64  # a float32 Wt handed over is the loop's own
+    Wt = np.asarray(Wt, kept) if own else np.array(Wt, np.float64)
     dead = np.diag(H) == 0
     if dead.any():
         H = np.array(H, np.float64)
@@ -237,17 +238,32 @@ def _solve(Wt, U, P, plan: LoopPlan, grid: Grid | None = None, losses: np.ndarra
         codes, grids = column_loop(xp, Wt, U, P, plan, grid, losses)
         return _pack(codes, grids, plan.spec, plan.group_size)
 
+    dtype = np.float32 if solve_dtype(Wt.shape[1]) == "float32" else np.float64
+    U, P = np.asarray(U, dtype), None if P is None else np.asarray(P, dtype)  # cast once, shared by every part
+    codes = np.empty(Wt.shape, np.float32)  # each part fills its rows: no per-part codes to join
+
     def part(rows: slice):
         own_grids = None if plan.static_grids is None else [g.rows(rows) for g in plan.static_grids]
         own = replace(plan, static_grids=own_grids)
-        return column_loop(
-            xp, Wt[rows], U, P, own, None if grid is None else grid.rows(rows), None if losses is None else losses[rows]
+        view = codes[rows]
+        held, grids = column_loop(
+            xp,
+            Wt[rows],
+            U,
+            P,
+            own,
+            None if grid is None else grid.rows(rows),
+            None if losses is None else losses[rows],
+            out=view,
         )
+        if held is not view:
+            view[...] = held  # a permuted loop hands back its own array
+        return grids
 
     with backend.shared_cores(len(parts)), ThreadPoolExecutor(len(parts), thread_name_prefix="tqs-rows") as pool:
         solved = list(pool.map(part, parts))
-    grids = [Grid.stack([s[1][g] for s in solved]) for g in range(len(solved[0][1]))]
-    return _pack(np.concatenate([s[0] for s in solved]), grids, plan.spec, plan.group_size)
+    grids = [Grid.stack([s[g] for s in solved]) for g in range(len(solved[0]))]
+    return _pack(codes, grids, plan.spec, plan.group_size)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from tiers.gptq import Quantized
 from tiers.grid import Grid, find_grid
 from tiers.hessian import Hessian
 from tiers.methods import METHODS
-from tiers.solver_backend import c_order
+from tiers.solver_backend import c_order, solve_dtype
 
 GRIDS = ("per-channel", "min-max")
 """Which grid a clip-searched tier (4 bits and fewer) rounds onto: 'per-channel', each output channel on the
@@ -113,18 +113,21 @@ def quantize(
     group = _group(layout, group_size) if tier.blockwise else -1
     if stats is None or not rounding.needs_stats or not tier.calibratable or layout.perm is None:
         return solvers.rtn(layout.to_wt(np.asarray(weight, np.float64)), spec, group)
-    wt = c_order(layout.to_wt(np.asarray(weight)), np.float64)  # the solvers' own copy: they work on it in place
+    weight = np.asarray(weight)
+    wt = c_order(layout.to_wt(weight), np.float64)  # the solvers' own copy: they work on it in place
+    kept = _exact_dtype(weight)
     rows = wt.shape[0] // len(stats)
     parts = []
     for g, part in enumerate(stats):
         block = wt[g * rows : (g + 1) * rows]
-        parts.append(_method(rounding, block, part, spec, group, correct))
+        parts.append(_method(rounding, block, part, spec, group, correct, kept))
     return Quantized.stack(parts)
 
 
-def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: bool) -> Quantized:
-    """`wt` is this call's own: every solver works on it in place."""
-    original = np.array(wt) if spec.search else None
+def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: bool, kept=np.float64) -> Quantized:
+    """`wt` is this call's own: every solver works on it in place. `kept`: a dtype that holds the weight's values
+    exactly (float32 for a float32 weight), for the copy of them the grid choice compares against."""
+    original = np.array(wt, kept) if spec.search else None
     product: dict | None = {} if original is not None else None
     if rounding.method == "qep":
         wt = solvers.qep_correct(
@@ -193,10 +196,10 @@ def _better_rows(
     better = None
     if losses is not None:  # one loop solved both grids (per channel)
         n = wt.shape[0]
-        solved = _BothGrids(searched.take(rows), plain, (losses[:n][rows], losses[n:]))
-        better = _second_lower_by_losses(rounding, original[rows], wt[rows], solved, stats, aim, product or {}, rows)
+        solved = _BothGrids(searched, plain, (losses[:n][rows], losses[n:]))
+        better = _second_lower_by_losses(rounding, original, wt, solved, stats, aim, product or {}, rows)
     if better is None:
-        better = statistics.second_lower(original[rows], searched.take(rows), plain, stats, aim)
+        better = statistics.second_lower(np.asarray(original[rows], np.float64), searched.take(rows), plain, stats, aim)
     chosen = rows[better]
     for field in ("codes", "scale", "zero"):
         getattr(searched, field)[chosen] = getattr(plain, field)[better]
@@ -217,15 +220,29 @@ def _both_grids(
     if rows.size == 0:
         return _solve(rounding, wt, stats, spec, -1, searched_grid), rows, None, None
     n = wt.shape[0]
-    stacked = np.concatenate([wt, wt[rows]])
+    stacked = np.empty((n + rows.size, wt.shape[1]), _loop_dtype(wt.shape[1]))  # what the loop reads: not cast again
+    stacked[:n], stacked[n:] = wt, wt[rows]
     losses = None if dead.any() or rounding.act_order else np.zeros(n + rows.size)
     both = _solve(rounding, stacked, stats, spec, -1, Grid.stack([searched_grid, plain_grid.rows(rows)]), losses)
     return both.rows(0, n), rows, both.rows(n, n + rows.size), losses
 
 
+def _exact_dtype(weight: np.ndarray):
+    """The narrowest dtype that holds `weight`'s values exactly among float32 and float64: what a copy of them kept
+    beside the solve's float64 one needs."""
+    return np.float32 if weight.dtype.kind == "f" and weight.dtype.itemsize <= 4 else np.float64
+
+
+def _loop_dtype(columns: int):
+    """The dtype GPTQ's column loop works in for a weight of `columns` inputs (`solve_dtype`): the rows it solves are
+    made in it, so the loop takes them as they are rather than a copy cast from float64."""
+    return np.float32 if solve_dtype(columns) == "float32" else np.float64
+
+
 @dataclass(frozen=True)
 class _BothGrids:
-    """The same rows solved in one column loop on two grids: their codes on each, and the loop's losses of each."""
+    """The same rows solved in one column loop on two grids: their codes on each (`first` holds every row of the
+    weight, `second` only the rows compared), and the loop's losses of each (of the rows compared)."""
 
     first: Quantized
     second: Quantized
@@ -250,7 +267,8 @@ def _second_lower_by_losses(
 
     (GPTQ: c = 0 and aim 0; `solved` holds q₁, q₂, L₁ and L₂). None where a term is missing (GPTAQ's loop has
     other terms; a QEP weight left uncorrected has no W·G; a damping raised past the nominal one): the products
-    decide then. `rows`: the weight's rows these are."""
+    decide then. `rows`: the weight's rows compared; `original` and `corrected` hold every row of the weight, read
+    a part of `rows` at a time (bounded temporaries, no copy of the rows compared)."""
     if rounding.method not in ("gptq", "qep") or rounding.qep_base != "gptq":
         return None
     delta = solvers.damping(stats, rounding.percdamp)
@@ -258,11 +276,11 @@ def _second_lower_by_losses(
     if delta is None or (aim and product_of is None) or (product_of is not None and product["damping"] is None):
         return None
     first, second, losses = solved.first, solved.second, solved.losses
-    better = np.zeros(original.shape[0], bool)
-    for start in range(0, original.shape[0], statistics.ERROR_ROWS):  # bounded temporaries, as `second_lower`
-        part = slice(start, min(start + statistics.ERROR_ROWS, original.shape[0]))
-        one, two = first.rows(part.start, part.stop).values, second.rows(part.start, part.stop).values
-        w_star = corrected[part]
+    better = np.zeros(rows.size, bool)
+    for start in range(0, rows.size, statistics.ERROR_ROWS):  # bounded temporaries, as `second_lower`
+        part = slice(start, min(start + statistics.ERROR_ROWS, rows.size))
+        one, two = first.take(rows[part]).values, second.rows(part.start, part.stop).values
+        w_star = np.asarray(corrected[rows[part]], np.float64)
         e = two - one
         one -= w_star
         two -= w_star
@@ -273,7 +291,7 @@ def _second_lower_by_losses(
         )
         if product_of is not None:
             pull = (rounding.strength - aim) * np.asarray(product_of[rows[part]], np.float64) - product["damping"] * (
-                w_star - original[part]
+                w_star - np.asarray(original[rows[part]], np.float64)
             )
             change += 2 * np.einsum("ij,ij->i", e, pull)
         better[part] = change < 0

@@ -10,7 +10,8 @@ import pytest
 
 import tiers.gptq as solvers
 import tiers.hessian as statistics
-from tiers import grid, quantizer
+from graph_ops.layout import Layout
+from tiers import TIERS, grid, quantizer
 from tiers.gptq import Quantized
 from tiers.grid import GridSpec
 from tiers.hessian import Hessian
@@ -329,3 +330,38 @@ def test_small_statistics_products_run_on_one_thread_and_leave_the_threads_as_th
     worker.start()
     worker.join()
     assert seen == [before]
+
+
+@pytest.mark.parametrize("method", ["qep", "gptq", "gptaq"])
+def test_narrow_working_copies_give_the_codes_of_float64_ones(monkeypatch, method):
+    """A float32 solve takes its stacked rows in float32 (not float64 cast again in the loop) and keeps the weight's
+    values beside it in float32 (exact for a float32 weight), its row parts writing one codes array: the codes and
+    grids of float64 copies, whole or in parts."""
+    rng = np.random.default_rng(3)
+    k, rows = 64, 90
+    x = rng.standard_normal((400, k)) * rng.uniform(0.1, 3, k)
+    stats = Hessian(k, cross=True)
+    stats.add(x, x + 0.2 * rng.standard_normal(x.shape))
+    weight = (rng.standard_normal((k, rows)) * rng.uniform(0.5, 2, rows)).astype(np.float32)
+    weight[:3] *= 6  # outlying inputs: the clip search moves those rows to another grid than min-max
+    layout = Layout.channels_on((k, rows), 1)  # a MatMul weight [K, N]: output channels on its last axis
+    monkeypatch.setenv("TQS_SOLVER_DTYPE", "float32")
+    monkeypatch.setattr(solvers, "ROW_PART", 1)
+    monkeypatch.setattr(solvers, "ROW_PART_ROWS", 1)
+    monkeypatch.setattr(solvers.backend, "THREAD_CAP", 3)
+    tier = TIERS["int4-asym"]
+
+    def solved():
+        stats.factors.clear()
+        return quantizer.quantize(weight, layout, tier, quantizer.Rounding(method), [stats])
+
+    narrow = solved()
+    monkeypatch.setattr(quantizer, "_loop_dtype", lambda columns: np.float64)
+    monkeypatch.setattr(quantizer, "_exact_dtype", lambda weight: np.float64)
+    wide = solved()
+    monkeypatch.setattr(solvers, "ROW_PART", 1 << 40)
+    whole = solved()
+    for other in (wide, whole):
+        np.testing.assert_array_equal(narrow.codes, other.codes)
+        np.testing.assert_array_equal(narrow.scale, other.scale)
+        np.testing.assert_array_equal(narrow.zero, other.zero)
