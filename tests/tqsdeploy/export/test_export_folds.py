@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from conftest import invoke, scored_run
 
+from tqsdeploy import score
+from tqsdeploy.errors import InputError
 from tqsdeploy.export.folds import Selection, fold_windows, kind_of
 
 scored = scored_run(lambda folder: models.mlp_forecaster(folder / "m.onnx"), (8, 1, 32), seed=0, steps=4, name="folds")
@@ -140,3 +142,11 @@ def test_selection_and_folds_read_as_documented():
     assert fold_windows(6, 6) == [[i] for i in range(6)]
     assert kind_of("uniform int2-asym qep/min-max") == "uniform int2-asym qep"
     assert kind_of("mixed, calibrated as allocated") == "mixed, calibrated as allocated"
+
+
+@pytest.mark.parametrize("held_out", [(0, 0), (8,), (-1,), tuple(range(8))])
+def test_windows_held_out_by_index_must_be_distinct_windows_leaving_some_to_score(scored, tmp_path, held_out):
+    model, contexts, _ = scored
+    with pytest.raises(InputError, match="are not distinct windows of the 8 context windows leaving some to score"):
+        score(model, contexts, steps=2, out=tmp_path / "run", held_out=held_out)
+    assert not (tmp_path / "run" / "run.json").exists()
