@@ -11,6 +11,7 @@ priced and calibrated on, and shipped.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -224,7 +225,7 @@ class Folds:
             "output's drift from the original",
             "kinds": [
                 {"label": k, "pooled_drift_pct": pooled.get(k), "drift_pct_by_fold": [j.drifts.get(k) for j in judged]}
-                for k in sorted({k for j in judged for k in j.drifts}, key=lambda k: (k not in pooled, pooled.get(k)))
+                for k in sorted({k for j in judged for k in j.drifts}, key=lambda k: (pooled.get(k, math.inf), k))
             ],
             "chosen": chosen,
             "shipped": shipped.label,
