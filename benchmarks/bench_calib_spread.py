@@ -17,13 +17,17 @@ A PATH ending in .py runs with this Python (benchmarks/cli_min_max_grids.py: tod
 
 With `--tqs C[,C...] --uniform TIER[,TIER...]` it measures TQS-PTQ instead: per set, `score` on the set (the frontier's
 settings), `export --C C` and `export --uniform TIER` (the rollout-calibrated uniform model the export compares),
-both from that run, each set's held-out drift of both and their paired ratio, mean ± sd.
+both from that run, each set's held-out drift of both and their paired ratio, mean ± sd. `--select kfold:4[,...]`
+adds, per selection, `export --C C --select SEL` from the same run beside today's default selection (its held-out drift
+and ratio to the same uniform model), and `--keep DIR` keeps the runs (the folds' sub-runs among them) and prints each
+shipped model's kind.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -36,7 +40,8 @@ import numpy as np
 from tqsdeploy.evaluation.evaluate import EvalSettings, evaluate
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data" / "ETTh1.csv"
+DATA = Path(os.environ.get("ETTH1_CSV", REPO.parent / "shared" / "data" / "ETTh1.csv"))
+"""ETTh1 rows (a worktree elsewhere: ETTH1_CSV names the file)."""
 SETS = 5
 SPANS = {"tied_mixer_etth1": (9472, 12160), "timesfm_etth1": (11520, 13376), "etth1_patchtst": (11520, 13120)}
 """The ETTh1 rows each example's contexts.npz windows start in (its targets in the test rows)."""
@@ -109,6 +114,8 @@ def tqs_spread(args, example: Path, folder: Path, sets: list[Path], clis: dict[s
     tiers = tiers * len(targets) if len(tiers) == 1 else tiers
     uniform = {label: {t: [] for t in tiers} for label in clis}
     tqs = {label: {c: [] for c in targets} for label in clis}
+    selections = [s for s in args.select.split(",") if s]
+    variants = {label: {c: [] for c in targets} for label in (f"{cli} {s}" for cli in clis for s in selections)}
     for k, calib in enumerate(sets):
         run = folder / f"run{k}"
         subprocess.run(
@@ -167,6 +174,19 @@ def tqs_spread(args, example: Path, folder: Path, sets: list[Path], clis: dict[s
                     cwd=folder,
                 )
                 tqs[label][c].append(held_out_drift(out, example))
+                for selection in selections:
+                    out = folder / f"tqs{k}.{label}.{selection.replace(':', '')}.C{c}.onnx"
+                    export = [*command_of(cli), "export", str(example / "model.onnx"), "--run", str(run), "--C", c]
+                    subprocess.run(
+                        [*export, "--select", selection, "-o", str(out)], check=True, capture_output=True, cwd=folder
+                    )
+                    variants[f"{label} {selection}"][c].append(held_out_drift(out, example))
+                    shipped = json.loads(out.with_suffix(".allocation.json").read_text())["chosen_on"]["shipped"]
+                    print(
+                        f"set {k} {label} --select {selection} C{c}: {variants[f'{label} {selection}'][c][-1]:.4g} "
+                        f"({shipped})",
+                        flush=True,
+                    )
             print(
                 f"set {k} {label}: "
                 + ", ".join(f"uniform {t} {d[-1]:.4g}" for t, d in uniform[label].items())
@@ -187,6 +207,20 @@ def tqs_spread(args, example: Path, folder: Path, sets: list[Path], clis: dict[s
                 f"(sets: {' '.join(f'{d:.4g}' for d in drifts)}); "
                 f"/ uniform {tier} per set {ratios.mean():.3f} ± {ratios.std():.2g}, below it on "
                 f"{int((ratios < 1).sum())} of {len(ratios)}"
+            )
+    report_variants(args, variants, uniform, tiers)
+
+
+def report_variants(args, variants: dict, uniform: dict, tiers: list[str]) -> None:
+    """`--select`: each selection's held-out drift at each C, and per set against the same uniform model."""
+    for label, by_c in variants.items():
+        for (c, drifts), tier in zip(by_c.items(), tiers):
+            ratios = np.array(drifts) / np.array(uniform[label.split()[0]][tier][: len(drifts)])
+            print(
+                f"{args.example} {label} C{c}: held-out drift % {np.mean(drifts):.4g} ± {np.std(drifts):.2g} "
+                f"(sets: {' '.join(f'{d:.4g}' for d in drifts)}); / uniform {tier} per set {ratios.mean():.3f} ± "
+                f"{ratios.std():.2g}, below it on {int((ratios < 1).sum())}, above on {int((ratios > 1).sum())} "
+                f"of {len(ratios)}"
             )
 
 
@@ -209,11 +243,14 @@ def main() -> None:
     parser.add_argument(
         "--uniform", default="int4-asym", help="the uniform tier --tqs compares with: one, or one per C"
     )
+    parser.add_argument("--select", default="", help="with --tqs: export --select values measured beside the default")
+    parser.add_argument("--keep", default=None, help="a folder to work in and keep (default: a temporary one)")
     args = parser.parse_args()
     example = REPO / "examples" / args.example
     clis = dict(item.split("=", 1) for item in args.cli.split(","))
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
+        folder = Path(args.keep or tmp)
+        folder.mkdir(parents=True, exist_ok=True)
         drawn = (etth1_sets if (example / "norm.json").exists() else trajectory_sets)(folder, example, args.sets)
         sets = drawn + [example / "contexts.npz"]
         if args.tqs:

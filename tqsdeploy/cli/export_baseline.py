@@ -209,6 +209,16 @@ def export(
         "from pricing and calibration: they choose between the mixed and the uniform candidates, and judge "
         "--max-drift, each candidate measured as `tqsdeploy eval` does.",
     ),
+    select: Optional[str] = typer.Option(
+        None,
+        "--select",
+        metavar="scoring|validation|kfold[:K]",
+        help="What chooses between the mixed and the uniform candidates of --C: scoring (the contexts they were "
+        "priced and calibrated on), validation (the --validate windows, or the run's score --validation ones) or "
+        "kfold[:K] (K folds of the scoring windows, default 3: per fold a score run of the other windows, kept in "
+        "the run's folds/, judges every kind of candidate on the fold; the kind drifting least over the folds is "
+        "built from every window and shipped). Default: validation when there are validation windows, else scoring.",
+    ),
     judged_on: str = typer.Option(
         "upper",
         "--on",
@@ -302,8 +312,12 @@ def export(
 
     check_writable(output.parent if output is not None else out_dir)  # before the work, not after it
     run_dir = find_run(model, run)
-    if validate is None and (run_dir / "validation.npz").exists():  # score --validation held them out
-        validate = run_dir / "validation.npz"
+    from tqsdeploy.export.folds import FoldOptions, Selection
+
+    held = validate is not None or (run_dir / "validation.npz").exists()
+    selection = Selection.asked(select, held, validate is not None, compression is not None)
+    if validate is None and (run_dir / "validation.npz").exists() and selection.how == "validation":
+        validate = run_dir / "validation.npz"  # score --validation held them out
     if searching and validate is None:
         raise typer.BadParameter(
             "--max-drift without --C judges the drift on validation windows: pass --validate FILE (windows the score "
@@ -318,6 +332,8 @@ def export(
     from tqsdeploy.export.validation import ValidationOptions
 
     checked = ValidationOptions(validate, judged_on, EvalSettings(provider=provider)) if validate else None
+    if selection.folds:
+        checked = FoldOptions(selection.folds, EvalSettings(provider=provider))
     planner = Planner(run_dir, model, settings, for_provider(provider), cache, display.progress(), memory, checked)
     if compression:
         planner.check_targets(targets)

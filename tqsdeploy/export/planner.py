@@ -29,9 +29,10 @@ from tqsdeploy.encoding.run_cache import CacheOptions, RunCache
 from tqsdeploy.encoding.slots import check_group_size
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.bounds import MemoryBound
-from tqsdeploy.export.candidates import Candidate, MixedModels, UniformModels
+from tqsdeploy.export.candidates import Candidate, MixedModels, UniformModels, relabelled
 from tqsdeploy.export.compare import Comparison
 from tqsdeploy.export.deployed import DeployedMemory
+from tqsdeploy.export.folds import FoldOptions, Folds
 from tqsdeploy.export.forms import WeightForms
 from tqsdeploy.export.job import ExportJob, ScoredModel, SlotCut, load_scored
 from tqsdeploy.export.measuring import Measuring
@@ -92,26 +93,29 @@ class Planner:
         cache: CacheOptions | None = None,
         progress: ExportProgress = ExportProgress(),
         memory: bool = False,
-        validate: ValidationOptions | None = None,
+        validate: ValidationOptions | FoldOptions | None = None,
     ):
         """`cache`: keep every weight a pass encodes, every candidate's drift and every grid choice in the run
         folder's cache, and read back what earlier or interrupted exports of the run left there
         (`tqsdeploy.encoding.run_cache`); `finished` once every file is written. None: nothing is kept but the
         prices. `memory`: measure each written model's session memory in a fresh process beside the original's
         (`deployed.DeployedMemory`; ONNX Runtime targets). `validate`: windows held out from pricing and
-        calibration that choose between the candidates (`validation.Validation`). Holds the run folder
+        calibration that choose between the candidates (`validation.Validation`), or `FoldOptions`: the kind of
+        model chosen on folds of the scoring windows instead (`folds.Folds`). Holds the run folder
         (`RunFolderShare`) until `close`."""
         self.run_dir = Path(run_dir)
         self.settings = settings
         self.progress, self._memory = progress, memory
+        self.runtime, self._cache_options = runtime, cache
         self.validation: Validation | None = None
+        self.folds: Folds | None = None
         self._share = RunFolderShare(self.run_dir)
         try:
             self._compose(model, runtime, cache)
         except BaseException:
             self._share.release()
             raise
-        if validate is not None:
+        if isinstance(validate, ValidationOptions):
             try:
                 self.validation = Validation(
                     validate, self.scored.model.path, self.run_dir / "rollout.toml", self.run_dir
@@ -119,6 +123,26 @@ class Planner:
             except BaseException:
                 self.close()
                 raise
+        if isinstance(validate, FoldOptions):
+            try:
+                scores, path = self.scored.scores, self.scored.model.path
+                self.folds = Folds(scores, path, runtime, validate.folds, self._sub_planner, validate.settings)
+            except BaseException:
+                self.close()
+                raise
+
+    def _sub_planner(self, run_dir: Path, validate: ValidationOptions) -> "Planner":
+        """A planner of a fold's sub-run (`Folds`): this export's settings, cache and progress, judged on its fold."""
+        return Planner(
+            run_dir,
+            self.scored.model.path,
+            self.settings,
+            self.runtime,
+            self._cache_options,
+            self.progress,
+            False,
+            validate,
+        )
 
     def _compose(self, model: Path | str | None, runtime: Runtime, cache: CacheOptions | None) -> None:
         settings = self.settings
@@ -280,18 +304,23 @@ class Planner:
         on the scoring contexts). `final`: no other target follows."""
         clock = (time.perf_counter(), self.encoder.profile.snapshot(), self.cache.counts() if self.cache else None)
         path = Path(path)
+        chose, folded = None, None
         if uniform_tier is not None:
             compared = self._validated([self._uniform(uniform_tier, rounding, target)])
+        elif self.folds is not None:
+            self.folds.judged(target)  # the sub-runs first, each closed before the full run's candidates are built
+            compared, chose, folded = self.folds.ranked(target, self.choose(target, final), self._by_label(target))
         else:
             compared = self.choose(target, final)
         chosen = compared[0]
         overshoot = None
         if target is not None and uniform_tier is None and chosen.allocation.compression > 1.05 * target:
             overshoot = self.comparison.overshoot(chosen, target)
-        notes = self.writer.notes(chosen, compared, uniform_tier, overshoot, self.validation)
+        notes = self.writer.notes(chosen, compared, uniform_tier, overshoot, self.validation, folded)
         if max_drift_pct is not None and not self.within(chosen, max_drift_pct):
             return self.writer.refused(chosen, compared, path, notes, max_drift_pct, self.validation)
-        chose = self.validation.record(compared) if self.validation is not None else {"windows": "scoring"}
+        if chose is None:
+            chose = self.validation.record(compared) if self.validation is not None else {"windows": "scoring"}
         extra = {"chosen_on": chose, **(record or {})}
         return self.writer.ship(chosen, compared, target, path, notes, uniform_tier, clock, extra)
 
@@ -299,6 +328,19 @@ class Planner:
         """Every candidate for `target`, best first: on the validation windows when the planner has them, else on
         the scoring contexts (`Comparison.candidates`); nothing is written."""
         return self._validated(self.comparison.candidates(target, self.progress.on_price, final))
+
+    def _by_label(self, target: float) -> Callable[[str], Candidate | None]:
+        """A uniform candidate by its label ('uniform TIER METHOD') for the folds' choice when the full run's
+        comparison pruned it; None for another label."""
+
+        def build(label: str) -> Candidate | None:
+            words = label.split()
+            if len(words) != 3 or words[0] != "uniform" or words[1] not in {t.name for t in self.tiers}:
+                return None
+            uniform = self._uniform(words[1], words[2], target)
+            return relabelled(uniform, uniform.label)  # as the comparison names a uniform model shipped for a target
+
+        return build
 
     def _validated(self, compared: list[Candidate]) -> list[Candidate]:
         if self.validation is None:

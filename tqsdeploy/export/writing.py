@@ -179,10 +179,12 @@ class Writer:
         uniform_tier: str | None,
         overshoot: str | None,
         validation: Validation | None = None,
+        folded: str | None = None,
     ) -> list[str]:
-        """What the user should know about the shipped model, in the order the summary prints them."""
-        notes: list[str] = []
-        if not chosen.label.startswith(MIXED) and uniform_tier is None:
+        """What the user should know about the shipped model, in the order the summary prints them; `folded`: how
+        the folds of `export --select kfold` chose it (said instead of the scoring contexts' comparison)."""
+        notes: list[str] = [folded] if folded is not None else []
+        if not chosen.label.startswith(MIXED) and uniform_tier is None and folded is None:
             mixed = next(c for c in compared if c.label.startswith(MIXED))
             where, (own, other) = "scoring contexts", (chosen.drift.worst_pct, mixed.drift.worst_pct)
             if validation is not None and validation.known(chosen) and validation.known(mixed):

@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import onnx
 
 import graph_ops
@@ -118,7 +119,7 @@ def prepare(request: ScoreRequest, sessions: SessionOptions = SessionOptions()) 
     spec = resolve_spec(request.spec, request.steps, inputs, probe_session.outputs)
     settings = request.settings
     settings.check_horizons(spec.steps)
-    contexts, held_out = _held_out(_contexts(request, inputs, loaded), request.validation)
+    contexts, held_out = _held_out(_contexts(request, inputs, loaded), request.validation, request.held_out)
     weights = sources.weights if streamed else graph_ops.read_weights(loaded.proto, names)
     check_finite(weights)
     job = SweepJob(
@@ -267,26 +268,51 @@ def _contexts(request: ScoreRequest, inputs: list, loaded: graph_ops.LoadedModel
     return load_contexts(path, inputs, options, rows=index_rows(loaded.proto) if options.random else None)
 
 
-def _held_out(contexts: Contexts, count: int) -> tuple[Contexts, Contexts | None]:
-    """(the windows scored, the last `count` held out for validation); None held out for a count of 0."""
-    if not count:
+def _held_out(contexts: Contexts, count: int, indices: tuple[int, ...] = ()) -> tuple[Contexts, Contexts | None]:
+    """(the windows scored, those held out for validation: the last `count`, or the windows at `indices`); None held
+    out for neither."""
+    if not count and not indices:
         return contexts, None
+    if count and indices:
+        raise InputError("hold out windows by count (--validation) or by index, not both")
+    if indices:
+        chosen = sorted(set(indices))
+        if (
+            len(chosen) != len(indices)
+            or chosen[0] < 0
+            or chosen[-1] >= contexts.count
+            or len(chosen) >= contexts.count
+        ):
+            raise InputError(
+                f"held-out windows {list(indices)} are not distinct windows of the {contexts.count} context windows "
+                "leaving some to score"
+            )
+        rest = [i for i in range(contexts.count) if i not in set(chosen)]
+        return _part(contexts, np.array(rest)), _part(contexts, np.array(chosen))
     if not 0 < count < contexts.count:
         raise InputError(
             f"--validation {count} holds out {'every window' if count >= contexts.count else 'a negative count'} of "
             f"the {contexts.count} context windows: none would be left to score",
             hint="hold out fewer windows, or pass more contexts",
         )
+    return _part(contexts, slice(None, -count)), _part(contexts, slice(-count, None))
 
-    def part(rows: slice) -> Contexts:
-        csv = contexts.csv
-        if csv and "starts" in csv:
-            csv = {**csv, "starts": csv["starts"][rows]}
-        following = contexts.following[rows] if contexts.following is not None else None
-        arrays = {name: array[rows] for name, array in contexts.arrays.items()}
-        return replace(contexts, arrays=arrays, csv=csv, following=following, warnings=list(contexts.warnings))
 
-    return part(slice(None, -count)), part(slice(-count, None))
+def _part(contexts: Contexts, rows) -> Contexts:
+    """The windows at `rows` (a slice or an index array), with what is kept of each."""
+    csv = contexts.csv
+    if csv and "starts" in csv:
+        csv = {**csv, "starts": _rows_of(csv["starts"], rows)}
+    following = contexts.following[rows] if contexts.following is not None else None
+    arrays = {name: array[rows] for name, array in contexts.arrays.items()}
+    return replace(contexts, arrays=arrays, csv=csv, following=following, warnings=list(contexts.warnings))
+
+
+def _rows_of(values, rows):
+    """`values[rows]` for a list as for an array (a CSV's start rows are kept as a list for run.json)."""
+    if isinstance(values, list):
+        return [values[i] for i in rows] if not isinstance(rows, slice) else values[rows]
+    return values[rows]
 
 
 def _session_file(

@@ -38,6 +38,9 @@ class ScoreRequest:
     validation: int = 0
     """Windows held out of the end of the contexts (`score --validation`): neither swept nor calibrated on, kept as
     the run's validation.npz for export to choose and judge models on."""
+    held_out: tuple[int, ...] = ()
+    """Windows held out by index instead (a fold of `export --select kfold`: the other windows scored); kept as
+    validation.npz like `validation`'s, and their indices in run.json."""
 
 
 @dataclass(frozen=True)

@@ -217,7 +217,7 @@ def _record(
         },
         "rollout": prepared.spec.to_dict(),
         "contexts": prepared.contexts.describe(),
-        "validation": prepared.held_out.describe() | {"file": "validation.npz"} if prepared.held_out else None,
+        "validation": _held_out_record(prepared, request),
         "probe": asdict(request.settings),
         "selection": asdict(request.selection),
         "provider": request.runtime.provider,
@@ -247,6 +247,14 @@ def _record(
     if runner.cut_plan is not None:
         meta["prefix_cuts"] = [list(group) for group in runner.cut_plan.groups]  # units sharing one cut session
     return meta
+
+
+def _held_out_record(prepared: Prepared, request: ScoreRequest) -> dict | None:
+    """What run.json says of the held-out windows: their description, file, and (held out by index) which."""
+    if prepared.held_out is None:
+        return None
+    record = prepared.held_out.describe() | {"file": "validation.npz"}
+    return record | ({"held_out_windows": sorted(request.held_out)} if request.held_out else {})
 
 
 def _announce(
