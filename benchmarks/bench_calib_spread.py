@@ -17,7 +17,8 @@ A PATH ending in .py runs with this Python (benchmarks/cli_min_max_grids.py: tod
 
 With `--tqs C[,C...] --uniform TIER[,TIER...]` it measures TQS-PTQ instead: per set, `score` on the set (the frontier's
 settings), `export --C C` and `export --uniform TIER` (the rollout-calibrated uniform model the export compares),
-both from that run, each set's held-out drift of both and their paired ratio, mean ± sd. `--select kfold:4[,...]`
+both from that run, each set's held-out drift of both and their paired ratio, mean ± sd (a C of W: the uniform
+model's own size, read from its record). `--select kfold:4[,...]`
 adds, per selection, `export --C C --select SEL` from the same run beside today's default selection (its held-out drift
 and ratio to the same uniform model), and `--keep DIR` keeps the runs (the folds' sub-runs among them) and prints each
 shipped model's kind.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -106,6 +108,12 @@ def command_of(cli: str) -> list[str]:
     return [*([sys.executable] if cli.endswith(".py") else []), cli]
 
 
+def uniform_size(record: Path) -> str:
+    """`--tqs W`: the uniform model's own compression (from its allocation record), cut to 6 decimals so that
+    the uniform model fits it: TQS-PTQ at that grid's size as today's code writes it."""
+    return f"{math.floor(json.loads(record.read_text())['compression'] * 1e6) / 1e6:.6f}"
+
+
 def tqs_spread(args, example: Path, folder: Path, sets: list[Path], clis: dict[str, str]) -> None:
     """`--tqs`: per set a score run (the first CLI's), then with every CLI TQS-PTQ at each C and the uniform model of
     its grid (`--uniform`, one tier per C) exported from that run, held-out drift of each."""
@@ -155,8 +163,9 @@ def tqs_spread(args, example: Path, folder: Path, sets: list[Path], clis: dict[s
                     cwd=folder,
                 )
                 uniform[label][tier].append(held_out_drift(out, example))
-            for c in tqs[label]:
+            for c, tier in zip(tqs[label], tiers):
                 out = folder / f"tqs{k}.{label}.C{c}.onnx"
+                value = c if c != "W" else uniform_size(folder / f"uniform{k}.{label}.{tier}.allocation.json")
                 subprocess.run(
                     [
                         *command_of(cli),
@@ -165,7 +174,7 @@ def tqs_spread(args, example: Path, folder: Path, sets: list[Path], clis: dict[s
                         "--run",
                         str(run),
                         "--C",
-                        c,
+                        value,
                         "-o",
                         str(out),
                     ],
@@ -176,7 +185,7 @@ def tqs_spread(args, example: Path, folder: Path, sets: list[Path], clis: dict[s
                 tqs[label][c].append(held_out_drift(out, example))
                 for selection in selections:
                     out = folder / f"tqs{k}.{label}.{selection.replace(':', '')}.C{c}.onnx"
-                    export = [*command_of(cli), "export", str(example / "model.onnx"), "--run", str(run), "--C", c]
+                    export = [*command_of(cli), "export", str(example / "model.onnx"), "--run", str(run), "--C", value]
                     subprocess.run(
                         [*export, "--select", selection, "-o", str(out)], check=True, capture_output=True, cwd=folder
                     )
