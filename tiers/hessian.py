@@ -88,14 +88,27 @@ class Hessian:
             return
         pending, self._pending, rows, self._pending_rows = self._pending, [], self._pending_rows, 0
         x = _stacked([p[0] for p in pending], rows)
+        crossed = self._G is not None and any(p[1] is not None for p in pending)
+        self._fold_rows(x, _deltas(pending, x) if crossed else None)
+
+    def fold_in(self, x: np.ndarray, delta: np.ndarray | None = None) -> None:
+        """Rows stacked as one fold would stack them (float64, C order) and their X_fp − X̂ (None: none), folded
+        in at once after any pending rows: what adding them and reading H does, without the float32 copies
+        the pending rows are (`tqsdeploy.encoding.wave_statistics`)."""
+        self._fold()
+        if x.shape[0]:
+            self._fold_rows(x, delta if self._G is not None else None)
+
+    def _fold_rows(self, x: np.ndarray, delta: np.ndarray | None) -> None:
+        rows = x.shape[0]
         keep = self._count / (self._count + rows)
         self._count += rows
         self._H *= keep
         self._H += _scaled(gram(x, x), 2.0 / self._count)
         if self._G is not None:
             self._G *= keep
-            if any(p[1] is not None for p in pending):
-                self._G += _scaled(gram(_deltas(pending, x), x), 2.0 / self._count)
+            if delta is not None:
+                self._G += _scaled(gram(delta, x), 2.0 / self._count)
         self.factors.clear()
 
     @classmethod

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, NamedTuple
 import numpy as np
 
 import graph_ops
-from graph_ops.calibration import layer_inputs, sample_chunks, waves
+from graph_ops.calibration import waves
 from graph_ops.fed_codes import fed_codes_model, needed_nodes
 from graph_ops.layout import WeightLayout
 from graph_ops.qdq import default_opset
@@ -34,6 +34,7 @@ from tqsdeploy.encoding.checkpoints import digest
 from tqsdeploy.encoding.logs import CalibrationLog
 from tqsdeploy.encoding.profiling import Profile
 from tqsdeploy.encoding.sessions import open_graph, original_nominal
+from tqsdeploy.encoding.wave_statistics import WaveStatistics
 from tqsdeploy.errors import TqsError
 from tqsdeploy.rollout import RolloutSpec
 from tqsdeploy.rollout.contexts import Contexts
@@ -272,7 +273,7 @@ class Calibrator:
         uses = {key: value for key, value in every.items() if key not in cached}
         if not uses:
             return cached
-        stats: dict = {key: None for key in uses}
+        statistics = WaveStatistics(uses, cross, len(self.samples))
         fetch = sorted({u.x for u, _ in uses.values()} - self._graph.inputs)
         if self._kept == []:
             self._kept = [{} for _ in self.samples]
@@ -287,25 +288,12 @@ class Calibrator:
                     self._keep(index, quantized, outputs)
                 full = self._full(index, feeds, fetch) if cross and encoded else quantized
                 with self.profile.section("statistics"):
-                    for key, (use, groups) in uses.items():
-                        for samples in sample_chunks(use, quantized[use.x]):
-                            xs = layer_inputs(use, quantized[use.x][samples], groups)
-                            xf = (
-                                (xs if full is quantized else layer_inputs(use, full[use.x][samples], groups))
-                                if cross
-                                else [None] * groups
-                            )
-                            if stats[key] is None:
-                                stats[key] = [Hessian(x.shape[1], cross) for x in xs]
-                            for part, x, x_fp in zip(stats[key], xs, xf):
-                                part.add(x, x_fp)  # x_fp is x before any weight is quantized: no cross term to add
+                    statistics.add(quantized, None if full is quantized else full)
         finally:
             if session is not None:
                 session.close()  # its arena holds activations, not weights: freed with it, no trim needed
         with self.profile.section("statistics"):
-            for parts in stats.values():
-                for part in parts or ():
-                    part.H  # the last rows folded in here, not inside a solve's timing
+            stats = statistics.finish()  # the last rows folded in here, not inside a solve's timing
         for key, parts in stats.items():
             size = sum(p.H.nbytes + (p.G.nbytes if p.G is not None else 0) for p in parts or ())
             if parts and self._stats_bytes + size <= self._budget():

@@ -1,0 +1,141 @@
+"""One calibration wave's statistics, gathered sample by sample (`Calibrator._collect`).
+
+A Conv's rows (im2col) are its activation repeated once per kernel tap. While every sample's rows of one of its
+statistics fit one fold (`tiers.hessian.STATS_BATCH_BYTES`) they all sat in the statistic's pending rows until it was
+read: a tied depthwise conv of the dwconv example (10 uses, 2048-hour contexts) held 1.25 GB of them a wave, paging
+that memory in cost more than building it, and each fold then cast and subtracted 64 strided blocks of 17 columns.
+Such a use keeps its activations instead (a kernel's worth smaller) and, once its last sample is in, casts each
+group's windows straight into the float64 rows a fold stacks, one use at a time: the same products of the same
+values in the same order, so the same bits (tests/tqsdeploy/encoding/test_wave_statistics.py).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from graph_ops.calibration import grouped_windows, layer_inputs, sample_chunks
+from tiers import Hessian
+from tiers.hessian import STATS_BATCH_BYTES
+
+
+class WaveStatistics:
+    """H (and G, with `cross`) of every use of a wave, from the samples `add` is given."""
+
+    def __init__(self, uses: Mapping[tuple, tuple], cross: bool, samples: int):
+        """`uses`: (use, row groups) by use key; `samples`: how many `add` calls there will be."""
+        self.uses = dict(uses)
+        self.cross = cross
+        self.samples = samples
+        self.stats: dict[tuple, list[Hessian] | None] = {key: None for key in self.uses}
+        self._held: dict[tuple, list[tuple[np.ndarray, np.ndarray | None]]] | None = None
+        """Activations (quantized, full or None) of the uses whose rows wait for the last sample, by key."""
+
+    def add(self, quantized: Mapping[str, np.ndarray], full: Mapping[str, np.ndarray] | None) -> None:
+        """One sample's layer inputs, with the quantized prefix and at full precision (None: the same ones)."""
+        if self._held is None:
+            self._held = {key: [] for key, (use, groups) in self.uses.items() if self._waits(use, groups, quantized)}
+        for key, (use, groups) in self.uses.items():
+            x_fp = None if full is None else full[use.x]
+            if key in self._held:
+                self._held[key].append((quantized[use.x], x_fp))
+            else:
+                self._rows(key, quantized[use.x], x_fp)
+
+    def finish(self) -> dict[tuple, list[Hessian] | None]:
+        """The statistics, every row folded in (the held uses' rows built here, one use at a time)."""
+        for key, held in (self._held or {}).items():
+            use, groups = self.uses[key]
+            if held and all(_windowed(use, x, groups) for x, _ in held):
+                self._fold_windows(
+                    key, [(x[c], f if f is None else f[c]) for x, f in held for c in sample_chunks(use, x)]
+                )
+            else:
+                for x, x_fp in held:
+                    self._rows(key, x, x_fp)
+            held.clear()
+            for part in self.stats[key] or ():
+                part.H  # folded now: its pending rows are freed before the next use's are built
+        for parts in self.stats.values():
+            for part in parts or ():
+                part.H
+        return self.stats
+
+    def _waits(self, use, groups: int, quantized: Mapping[str, np.ndarray]) -> bool:
+        """Whether a Conv use's rows of all samples fit one fold of each of its statistics (estimated from this
+        sample), so that keeping its activations until the last sample holds less than its pending rows would."""
+        if use.conv is None:
+            return False
+        value = np.asarray(quantized[use.x])
+        rows_bytes = value.size * int(np.prod(use.conv.kernel, dtype=np.int64)) * 8 // max(groups, 1)
+        if use.conv.transposed:
+            rows_bytes *= int(np.prod(use.conv.strides, dtype=np.int64))
+        return rows_bytes * self.samples < STATS_BATCH_BYTES
+
+    def _rows(self, key: tuple, value: np.ndarray, full: np.ndarray | None) -> None:
+        use, groups = self.uses[key]
+        for samples in sample_chunks(use, value):
+            xs = layer_inputs(use, value[samples], groups)
+            xf = (xs if full is None else layer_inputs(use, full[samples], groups)) if self.cross else [None] * groups
+            if self.stats[key] is None:
+                self.stats[key] = [Hessian(x.shape[1], self.cross) for x in xs]
+            for part, x, x_fp in zip(self.stats[key], xs, xf):
+                part.add(x, x_fp)  # x_fp is x before any weight is quantized: no cross term to add
+
+    def _fold_windows(self, key: tuple, chunks: list[tuple[np.ndarray, np.ndarray | None]]) -> None:
+        """Each group's rows of every chunk cast straight from the windows into the float64 rows a fold stacks (and
+        X_fp − X̂ subtracted into place), in the batches `Hessian.add` would fold: the same products of the same
+        values, without an im2col copy or a pending float32 row."""
+        use, groups = self.uses[key]
+        views = [
+            (grouped_windows(x, use.conv, groups), None if f is None else grouped_windows(f, use.conv, groups))
+            for x, f in chunks
+        ]
+        shapes = [view[0].shape for view, _ in views]
+        rows = [int(np.prod(shape[: 1 + len(use.conv.kernel)], dtype=np.int64)) for shape in shapes]
+        columns = int(np.prod(shapes[0][1 + len(use.conv.kernel) :], dtype=np.int64))
+        if self.stats[key] is None:
+            self.stats[key] = [Hessian(columns, self.cross) for _ in range(groups)]
+        for batch in _batches(rows, columns):
+            total = sum(rows[i] for i in batch)
+            crossed = self.cross and any(views[i][1] is not None for i in batch)
+            x = np.empty(
+                (total, columns)
+            )  # every group's rows in turn: fresh pages per group cost more than the copies
+            delta = np.empty_like(x) if crossed else None
+            for group, part in enumerate(self.stats[key]):
+                start = 0
+                for i in batch:
+                    view, full = views[i]
+                    into = x[start : start + rows[i]].reshape(shapes[i])
+                    np.copyto(into, view[group])
+                    if delta is not None:
+                        difference = delta[start : start + rows[i]].reshape(shapes[i])
+                        if full is None:
+                            difference[...] = 0.0
+                        else:
+                            np.subtract(full[group], into, out=difference)
+                    start += rows[i]
+                part.fold_in(x, delta)
+
+
+def _windowed(use, value: np.ndarray, groups: int) -> bool:
+    """Whether `use`'s rows of `value` are its grouped windows (`graph_ops.calibration.grouped_windows`)."""
+    conv = use.conv
+    return not conv.transposed and value.ndim == 2 + len(conv.kernel) and value.shape[1] % groups == 0
+
+
+def _batches(rows: list[int], columns: int) -> list[list[int]]:
+    """The chunks (by index) each fold of `Hessian.add` takes: a fold once the pending rows reach
+    `STATS_BATCH_BYTES`, the rest when the statistic is read; chunks with no rows are not added."""
+    batches, pending, taken = [], [], 0
+    for index, count in enumerate(rows):
+        if not count:
+            continue
+        pending.append(index)
+        taken += count
+        if taken * columns * 8 >= STATS_BATCH_BYTES:
+            batches.append(pending)
+            pending, taken = [], 0
+    return batches + ([pending] if pending else [])
