@@ -34,7 +34,7 @@ from tiers import solver_backend as backend
 from tiers.column_loop import LoopPlan, column_loop, supported_on_device
 from tiers.grid import Grid, GridSpec, codes_on, find_grid
 from tiers.hessian import Hessian, cached, in_dtype, working_dtype
-from tiers.solver_backend import c_order, device_inverse_cholesky, solve_dtype
+from tiers.solver_backend import c_order, device_inverse_cholesky
 
 ROUND_BLOCK = 1 << 20
 """Elements rounded at a time (8 MiB per float64 temporary)."""
@@ -238,7 +238,7 @@ def _solve(Wt, U, P, plan: LoopPlan, grid: Grid | None = None, losses: np.ndarra
         codes, grids = column_loop(xp, Wt, U, P, plan, grid, losses)
         return _pack(codes, grids, plan.spec, plan.group_size)
 
-    dtype = np.float32 if solve_dtype(Wt.shape[1]) == "float32" else np.float64
+    dtype = working_dtype(Wt.shape[1])
     U, P = np.asarray(U, dtype), None if P is None else np.asarray(P, dtype)  # cast once, shared by every part
     codes = np.empty(Wt.shape, np.float32)  # each part fills its rows: no per-part codes to join
 

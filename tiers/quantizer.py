@@ -25,9 +25,9 @@ from tiers.encoded import Encoded
 from tiers.formats.base import Tier
 from tiers.gptq import Quantized
 from tiers.grid import Grid, find_grid
-from tiers.hessian import Hessian
+from tiers.hessian import Hessian, working_dtype
 from tiers.methods import METHODS
-from tiers.solver_backend import c_order, solve_dtype
+from tiers.solver_backend import c_order
 
 GRIDS = ("per-channel", "min-max")
 """Which grid a clip-searched tier (4 bits and fewer) rounds onto: 'per-channel', each output channel on the
@@ -220,7 +220,7 @@ def _both_grids(
     if rows.size == 0:
         return _solve(rounding, wt, stats, spec, -1, searched_grid), rows, None, None
     n = wt.shape[0]
-    stacked = np.empty((n + rows.size, wt.shape[1]), _loop_dtype(wt.shape[1]))  # what the loop reads: not cast again
+    stacked = np.empty((n + rows.size, wt.shape[1]), working_dtype(wt.shape[1]))  # the loop's dtype: not cast again
     stacked[:n], stacked[n:] = wt, wt[rows]
     losses = None if dead.any() or rounding.act_order else np.zeros(n + rows.size)
     both = _solve(rounding, stacked, stats, spec, -1, Grid.stack([searched_grid, plain_grid.rows(rows)]), losses)
@@ -231,12 +231,6 @@ def _exact_dtype(weight: np.ndarray):
     """The narrowest dtype that holds `weight`'s values exactly among float32 and float64: what a copy of them kept
     beside the solve's float64 one needs."""
     return np.float32 if weight.dtype.kind == "f" and weight.dtype.itemsize <= 4 else np.float64
-
-
-def _loop_dtype(columns: int):
-    """The dtype GPTQ's column loop works in for a weight of `columns` inputs (`solve_dtype`): the rows it solves are
-    made in it, so the loop takes them as they are rather than a copy cast from float64."""
-    return np.float32 if solve_dtype(columns) == "float32" else np.float64
 
 
 @dataclass(frozen=True)

@@ -356,7 +356,7 @@ def test_narrow_working_copies_give_the_codes_of_float64_ones(monkeypatch, metho
         return quantizer.quantize(weight, layout, tier, quantizer.Rounding(method), [stats])
 
     narrow = solved()
-    monkeypatch.setattr(quantizer, "_loop_dtype", lambda columns: np.float64)
+    monkeypatch.setattr(quantizer, "working_dtype", lambda columns: np.float64)
     monkeypatch.setattr(quantizer, "_exact_dtype", lambda weight: np.float64)
     wide = solved()
     monkeypatch.setattr(solvers, "ROW_PART", 1 << 40)
