@@ -76,12 +76,18 @@ def case(name: str, tmp: Path, stack_gb: float) -> dict:
         (tmp / "stack.toml").write_text('steps = 2\ntrajectory = ["y"]\n[[feedback]]\noutput = "y"\ninput = "x"\n')
         return {"model": model, "contexts": tmp / "stack_ctx.npz", "spec": tmp / "stack.toml", "C": 8}
     folder = REPO / "examples" / name
+    csv = not (folder / "contexts.npz").exists() and (folder / "score.csv").exists()  # patchtst_dynamo: CSVs, no spec
     return {
         "model": folder / "model.onnx",
-        "contexts": folder / "contexts.npz",
-        "spec": folder / "rollout.toml",
+        "contexts": folder / ("score.csv" if csv else "contexts.npz"),
+        "spec": folder / "rollout.toml" if (folder / "rollout.toml").exists() else None,
         "C": 4,
     }
+
+
+def rollout_flags(item: dict) -> list[str]:
+    """--spec where the example has a rollout spec (else the rollout is found from the graph, as a user's is)."""
+    return [] if item["spec"] is None else ["--spec", str(item["spec"])]
 
 
 EXTRA_ENV: dict[str, str] = {}
@@ -150,7 +156,7 @@ def bench(
 ) -> dict:
     item = case(name, tmp, stack_gb)
     run, log = tmp / f"{name}_run", (logs or tmp) / f"{name}.log"
-    common = ["--contexts", str(item["contexts"]), "--spec", str(item["spec"])]
+    common = ["--contexts", str(item["contexts"]), *rollout_flags(item)]
     on = ["--provider", provider]
     score_s = timed([*TQS, "score", str(item["model"]), *common, "--out", str(run), *on], log)
     export_s, record, rollouts = export(item, run, item["C"], tmp / f"{name}.export.onnx", on, log)
@@ -179,8 +185,7 @@ def bench(
             str(bits),
             "--calib",
             str(item["contexts"]),
-            "--spec",
-            str(item["spec"]),
+            *rollout_flags(item),
             "-o",
             str(tmp / f"{name}.qep-w{bits}.onnx"),
             "--force",
@@ -253,6 +258,8 @@ def frontier(name: str, item: dict, tmp: Path, log: Path, on: list[str]) -> floa
     held_out = (
         ["--eval-contexts", str(folder / "heldout.npz"), "--eval-truth", str(folder / "heldout_truth.npz")]
         if (folder / "heldout.npz").exists()
+        else ["--eval-contexts", str(folder / "heldout.csv")]
+        if (folder / "heldout.csv").exists()
         else []
     )
     truth = ["--truth", str(folder / "truth.npz")] if (folder / "truth.npz").exists() else []
@@ -262,8 +269,7 @@ def frontier(name: str, item: dict, tmp: Path, log: Path, on: list[str]) -> floa
         str(item["model"]),
         "--contexts",
         str(item["contexts"]),
-        "--spec",
-        str(item["spec"]),
+        *rollout_flags(item),
         *truth,
         *held_out,
         "--C",
