@@ -22,6 +22,16 @@ UPDATE_BLOCK = 1 << 20
 """Elements of a lazy-batch update computed at a time (8 MiB of float64), not the rest of the weight at once."""
 
 
+def code_dtype(spec: GridSpec):
+    """What a loop's codes are held in: a byte for integer codes of at most 8 bits (uint8 unsigned, int8 signed; the
+    same integers a float32 array would hold, a quarter of its size: a 4096² weight's both-grid solve holds 32 MB of
+    codes, not 128), float32 for the kinds whose codes are not integers (fp8 values, signs)."""
+    if spec.kind in GRID_KINDS or spec.bits > 8:
+        return np.float32
+    low, _ = spec.code_range
+    return np.int8 if low < 0 else np.uint8
+
+
 def supported_on_device(spec: GridSpec) -> bool:
     """Integer grids (every int tier's min-max kind); sign and fp8 grids round through their formats' numpy code."""
     return spec.kind not in GRID_KINDS
@@ -82,12 +92,12 @@ def column_loop(
     losses: np.ndarray | None = None,
     out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, list[Grid]]:
-    """The GPTQ column loop; P adds GPTAQ's asymmetric terms. Returns the codes ([N, K] float32, on the host, in the
-    caller's column order) and the grids in column order. With numpy it works on Wt in place. `grid`: each row's
-    per-channel grid, fitted by the caller (else fitted here to Wt). `losses` ([N] float64, host): each row's
-    Σ eᵢ² added to it, eᵢ = (wᵢ − qᵢ)/Uᵢᵢ the column errors; without P it is (w − q)·(H + λI)·(w − q)ᵀ of the
-    weights the loop started from (the OBS identity behind GPTQ's `Losses`). `out`: an [N, K] float32 host array the
-    codes are written to (numpy only; a solve split in row parts fills one array, not one per part to join).
+    """The GPTQ column loop; P adds GPTAQ's asymmetric terms. Returns the codes ([N, K] in `code_dtype`, on the
+    host, in the caller's column order) and the grids in column order. With numpy it works on Wt in place. `grid`:
+    each row's per-channel grid, fitted by the caller (else fitted here to Wt). `losses` ([N] float64, host): each
+    row's Σ eᵢ² added to it, eᵢ = (wᵢ − qᵢ)/Uᵢᵢ the column errors; without P it is (w − q)·(H + λI)·(w − q)ᵀ of the
+    weights the loop started from (the OBS identity behind GPTQ's `Losses`). `out`: an [N, K] `code_dtype` host
+    array the codes are written to (numpy only; a solve split in row parts fills one array, not one per part to join).
 
     A block's columns are held as rows (W1ᵀ, E1ᵀ). Where the official loop follows each column with a rank-one
     update of the block's later columns (`W1[:, i:] -= outer(e, U[c, c:])`), each column here takes the block's
@@ -102,7 +112,7 @@ def column_loop(
     )  # TQS_SOLVER_DTYPE: the loop's updates (the grids stay float64)
     W, Ud = xp.asarray(Wt, dtype=dtype), xp.asarray(U, dtype=dtype)
     Pd = None if P is None else xp.asarray(P, dtype=dtype)
-    codes = out if out is not None and xp is np else xp.zeros((N, K), xp.float32)
+    codes = out if out is not None and xp is np else xp.zeros((N, K), code_dtype(spec))
     fitted: dict[int, Grid] = {}
     ready: dict[int, _Rounder] = {}
     rounder = _Rounder(find_grid(Wt, spec) if grid is None else grid, spec, xp) if group_size <= 0 else None

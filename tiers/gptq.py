@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 
 from tiers import solver_backend as backend
-from tiers.column_loop import LoopPlan, column_loop, supported_on_device
+from tiers.column_loop import LoopPlan, code_dtype, column_loop, supported_on_device
 from tiers.grid import Grid, GridSpec, codes_on, find_grid
-from tiers.hessian import Hessian, cached, in_dtype, working_dtype
-from tiers.solver_backend import c_order, device_inverse_cholesky
+from tiers.hessian import Hessian, cached, working_dtype
+from tiers.solver_backend import COPY_TILE, c_order, device_inverse_cholesky
 
 ROUND_BLOCK = 1 << 20
 """Elements rounded at a time (8 MiB per float64 temporary)."""
@@ -47,8 +47,8 @@ class Quantized:
     """A quantized Wt: codes, parameters per row and group, and the fake-quantized values."""
 
     codes: np.ndarray
-    """[N, K] float32 holding the codes (integers; for fp8 grids the FP8 values, scale·code being the weight), all
-    exact in float32."""
+    """[N, K] codes: integers (a byte each from the column loop, `tiers.column_loop.code_dtype`; float32 from
+    round to nearest), or for fp8 grids the FP8 values in float32, scale·code being the weight."""
     scale: np.ndarray
     """[N, groups] fp64, float32-representable (groups = 1 per channel)."""
     zero: np.ndarray
@@ -195,12 +195,35 @@ def inverse_cholesky(H: np.ndarray, percdamp: float) -> np.ndarray:
         if info == 0:
             factor, info = lapack.dtrtri(factor, lower=1, overwrite_c=1)
         if info == 0:
-            upper = c_order(factor[::-1, ::-1])  # J·L⁻¹·J, lower reversed into upper (factor is column-major)
+            upper = _reversed_in_place(work) if np.shares_memory(factor, work) else c_order(factor[::-1, ::-1])
             del work, factor
             if np.all(np.isfinite(upper)):
                 return upper
         damp = max(damp, 1e-6 * abs(mean) or 1e-12) * 10
     raise np.linalg.LinAlgError(f"Hessian is not positive definite even with damping {damp / 10:.3g}")
+
+
+def _reversed_in_place(work: np.ndarray) -> np.ndarray:
+    """J·L⁻¹·J in C order in `work`'s own buffer, where LAPACK left L⁻¹ column-major (so `work`, read in C order,
+    holds its transpose): a transpose by tiles, then the buffer reversed end to end. The values `c_order` of the
+    reversed factor would copy, without a second K x K array (128 MB at K = 4096, beside the first)."""
+    order, tile = work.shape[0], COPY_TILE
+    for i0 in range(0, order, tile):
+        i1 = min(i0 + tile, order)
+        work[i0:i1, i0:i1] = work[i0:i1, i0:i1].T.copy()
+        for j0 in range(i1, order, tile):
+            j1 = min(j0 + tile, order)
+            above = work[i0:i1, j0:j1].copy()
+            work[i0:i1, j0:j1] = work[j0:j1, i0:i1].T
+            work[j0:j1, i0:i1] = above.T
+    flat = work.reshape(-1)
+    size, step = flat.size, tile * tile
+    for start in range(0, size // 2, step):
+        stop = min(start + step, size // 2)
+        head = flat[start:stop].copy()
+        flat[start:stop] = flat[size - stop : size - start][::-1]
+        flat[size - stop : size - start] = head[::-1]
+    return work
 
 
 def _damped(H: np.ndarray, damp: float) -> np.ndarray:
@@ -240,7 +263,7 @@ def _solve(Wt, U, P, plan: LoopPlan, grid: Grid | None = None, losses: np.ndarra
 
     dtype = working_dtype(Wt.shape[1])
     U, P = np.asarray(U, dtype), None if P is None else np.asarray(P, dtype)  # cast once, shared by every part
-    codes = np.empty(Wt.shape, np.float32)  # each part fills its rows: no per-part codes to join
+    codes = np.empty(Wt.shape, code_dtype(plan.spec))  # each part fills its rows: no per-part codes to join
 
     def part(rows: slice):
         own_grids = None if plan.static_grids is None else [g.rows(rows) for g in plan.static_grids]
@@ -322,8 +345,25 @@ def gptq(
     """
     percdamp, act_order = settings.percdamp, settings.act_order
     Wt, H, _, plan = _prepare(Wt, H, spec, settings, own)
-    U = cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
-    return _solve(Wt, U, None, plan, grid, losses)
+    return _solve(Wt, _loop_factor(cache, H, percdamp, act_order), None, plan, grid, losses)
+
+
+def _loop_factor(cache: "Hessian | None", H: np.ndarray, percdamp: float, act_order: bool) -> np.ndarray:
+    """GPTQ's U as its column loop reads it: in the loop's dtype (`working_dtype`), so a float32 loop holds one
+    float32 copy of it and no float64 one beside it (128 MB at K = 4096); float64 loops read the float64 U
+    GPTAQ shares. The corner entry `damping` reads is kept in float64 beside a float32 U."""
+    key = ("U", percdamp, act_order)
+    dtype = working_dtype(H.shape[0])
+    if dtype == np.float64 or (cache is not None and key in cache.factors):
+        return cached(cache, key, lambda: inverse_cholesky(H, percdamp))
+
+    def narrowed():
+        upper = inverse_cholesky(H, percdamp)
+        if cache is not None:
+            cache.factors[("U corner", percdamp, act_order)] = float(upper[-1, -1])
+        return np.asarray(upper, dtype)
+
+    return cached(cache, (*key, dtype.__name__), narrowed)
 
 
 def gptaq(
@@ -396,7 +436,7 @@ def qep_correct(
     Wt, H, _ = _dead(Wt, H, own)
     dtype = working_dtype(H.shape[0])
     factor = cached(cache, ("qep", percdampqep, dtype.__name__), lambda: _damped_cholesky(H, percdampqep, dtype))
-    rhs = Wt.astype(dtype, copy=False) @ in_dtype(cache, "G", H_delta, dtype)
+    rhs = Wt.astype(dtype, copy=False) @ np.asarray(H_delta, dtype)  # a cast made for this product, not kept
     if product is not None:
         product["WG"], product["damping"] = (
             rhs.copy(),
@@ -427,10 +467,11 @@ def damping(cache: "Hessian", percdamp: float) -> float | None:
     """The λ of the U that `gptq` factored from `cache`'s H (percdamp·mean diag H) when it is kept there and was
     not raised by a failed Cholesky (its last diagonal entry is 1/√(H_KK + λ)); None otherwise."""
     U = cache.factors.get(("U", percdamp, False))
-    if U is None:
+    corner = float(U[-1, -1]) if U is not None else cache.factors.get(("U corner", percdamp, False))
+    if corner is None:
         return None
     H = cache.H
-    return _nominal_damping(H, percdamp, 1.0 / float(U[-1, -1]) ** 2 - float(H[-1, -1]), 1e-9)
+    return _nominal_damping(H, percdamp, 1.0 / corner**2 - float(H[-1, -1]), 1e-9)
 
 
 def _damped_cholesky(H: np.ndarray, percdampqep: float, dtype=np.float64) -> np.ndarray:

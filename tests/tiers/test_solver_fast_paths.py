@@ -365,3 +365,62 @@ def test_narrow_working_copies_give_the_codes_of_float64_ones(monkeypatch, metho
         np.testing.assert_array_equal(narrow.codes, other.codes)
         np.testing.assert_array_equal(narrow.scale, other.scale)
         np.testing.assert_array_equal(narrow.zero, other.zero)
+
+
+@pytest.mark.parametrize("order", [7, 300, 601])
+def test_the_inverse_cholesky_turned_in_place_has_the_bytes_of_the_reversed_copy(order, monkeypatch):
+    """U = J·L⁻¹·J written into LAPACK's own buffer (a tiled transpose, then the buffer reversed) holds the bytes of
+    the C-ordered copy of the reversed factor, at orders below, across and off the tile size."""
+    monkeypatch.setattr(solvers, "COPY_TILE", 128)
+    rng = np.random.default_rng(order)
+    x = rng.standard_normal((2 * order, order))
+    H = x.T @ x / order
+    lapack = solvers._lapack(order)
+    work = solvers._damped(H[::-1, ::-1], 0.01 * float(np.mean(np.diag(H))))
+    factor, info = lapack.dpotrf(work.T, lower=1, clean=1, overwrite_a=1)
+    factor, info2 = lapack.dtrtri(factor, lower=1, overwrite_c=1)
+    assert info == info2 == 0
+    copied = solvers.c_order(factor[::-1, ::-1])
+    turned = solvers.inverse_cholesky(H, 0.01)
+    assert turned.flags.c_contiguous and np.array_equal(turned, copied)
+    assert np.array_equal(turned, np.triu(turned))  # upper triangular, as GPTQ's loop reads it
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_a_loops_codes_are_held_in_a_byte_and_are_the_float_loops_codes(symmetric):
+    """Integer codes of at most 8 bits come out of the column loop as uint8 (int8 for signed grids): the integers a
+    float32 array would hold, a quarter of its bytes."""
+    from tiers.column_loop import LoopPlan, column_loop
+
+    rng = np.random.default_rng(5)
+    k, rows = 48, 20
+    x = rng.standard_normal((200, k))
+    U = solvers.inverse_cholesky(x.T @ x / 200, 0.01)
+    weight = rng.standard_normal((rows, k))
+    spec = GridSpec("int", 4, symmetric)
+    plan = LoopPlan(spec, -1, 16)
+    codes, _ = column_loop(np, weight.copy(), U, None, plan)
+    floats, _ = column_loop(np, weight.copy(), U, None, plan, out=np.zeros((rows, k), np.float32))
+    assert codes.dtype == (np.int8 if symmetric else np.uint8)
+    assert np.array_equal(codes.astype(np.float32), floats) and (codes < 0).any() == symmetric
+
+
+def test_a_float32_loop_keeps_no_float64_u_and_still_reads_its_damping(monkeypatch):
+    """A GPTQ solve whose column loop runs in float32 keeps U in float32 only (no float64 copy beside it), the grid
+    choice still reads the nominal damping from it, and the codes are those of a solve handed the float64 U."""
+    monkeypatch.setenv("TQS_SOLVER_DTYPE", "float32")
+    rng = np.random.default_rng(9)
+    k, rows = 64, 40
+    x = rng.standard_normal((300, k))
+    stats = Hessian(k)
+    stats.add(x)
+    weight = rng.standard_normal((rows, k))
+    spec = GridSpec("int", 4, False)
+    narrow = solvers.gptq(weight, stats.H, spec, cache=stats)
+    kept = {key: value for key, value in stats.factors.items() if isinstance(value, np.ndarray)}
+    assert [value.dtype for value in kept.values()] == [np.float32]
+    assert solvers.damping(stats, 0.01) == pytest.approx(0.01 * float(np.mean(np.diag(stats.H))), rel=1e-12)
+    stats.factors.clear()
+    stats.factors[("U", 0.01, False)] = solvers.inverse_cholesky(stats.H, 0.01)  # as a GPTAQ solve leaves it
+    wide = solvers.gptq(weight, stats.H, spec, cache=stats)
+    assert np.array_equal(narrow.codes, wide.codes) and np.array_equal(narrow.scale, wide.scale)

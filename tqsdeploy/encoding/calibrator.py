@@ -55,8 +55,22 @@ docs/design-notes/encoding.md, "Activations kept")."""
 KEPT_SHARE = FULL_CACHE_SHARE
 """Activations kept from one wave for the next (`Calibrator._kept`) take at most this share of the weights' bytes
 (or `FULL_CACHE_FLOOR`); past it the pass runs each wave from the model input."""
+TRIM_AFTER_BYTES = 64 << 20
+"""A wave whose statistics took this many bytes or more hands the heap its solves freed back to the OS when it is
+done: the column loops' block temporaries (MiBs each, under the size glibc maps on its own) otherwise stay in every
+solver thread's arena, about 15 MB each, 0.2 GB on the 1 GB stack (docs/design-notes/encoding.md, "The heap after
+a large wave"). Smaller waves keep theirs for the next, as the CLI's heap settings intend."""
 EncodeFn = Callable[[str, "list[Hessian] | None"], Encoded]
 """(weight name, its statistics per row group or None) -> the weight's encoding."""
+
+
+def _statistics_bytes(stats: dict | None) -> int:
+    """Bytes of a wave's statistics (H, and G where kept), by use and row group."""
+    return sum(
+        part.H.nbytes + (part.G.nbytes if part.G is not None else 0)
+        for parts in (stats or {}).values()
+        for part in parts or ()
+    )
 
 
 class CalibrationError(TqsError):
@@ -217,8 +231,11 @@ class Calibrator:
             if checkpoints is not None:
                 checkpoints.advance(digests)
             self._forget(names)
+            large = _statistics_bytes(stats) >= TRIM_AFTER_BYTES
             stats = None  # K x K float64 per use: gone before the next wave collects its own
             graph_ops.release_pages(self.weights)
+            if large:
+                release_freed_memory()
         log.seconds += perf_counter() - started
         self._kept = None
         return encoded
@@ -464,12 +481,18 @@ class Calibrator:
             self._session = self._open()
         return self._session
 
-    def release(self) -> None:
-        """Close the session (it holds a copy of the model) until the next pass needs it."""
+    def release(self, statistics: bool = False) -> None:
+        """Close the session (it holds a copy of the model) until the next pass needs it; with `statistics` drop
+        the statistics kept across passes too."""
+        if statistics and self._stats_cache:
+            self._stats_cache.clear()
+            self._stats_bytes = 0
         if self._session is not None:
             self._session.close()
             self._session = None
             self._engine = None
+            release_freed_memory()
+        elif statistics:
             release_freed_memory()
 
     def close(self) -> None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from tiers import TIERS, Encoded, Rounding, Tier
 from tqsdeploy.encoding.choices import AnyRounding, drift_order
@@ -59,6 +60,9 @@ class Candidate:
     rounding: str = ""
     """How its codes were chosen: a uniform model's method (and grid), or the export's for a mixed one ('auto': per
     tier)."""
+    remake: Callable[[], dict[str, Encoded]] | None = None
+    """Makes its encodings again after a large model dropped them while other candidates were calibrated
+    (`Comparison.candidates`): from the encoder, whose uniform encodings the run's cache holds."""
 
     def record(self) -> dict:
         return {

@@ -103,6 +103,9 @@ class Comparison:
         del mixed
         started = time.perf_counter()
         if self.mixed.calibrates(allocation, rounding):
+            if self.job.scored.one_session:  # not held through the pass: remade from the run's cache if it wins
+                found[0].encodings = {}
+                found[0].remake = lambda: self.mixed.encodings(allocation, rounding)
             found.append(self.mixed.calibrated_candidate(CALIBRATED, allocation, rounding))
             self._keep_best(found)
         below = self.below_lowest(target)
@@ -116,6 +119,9 @@ class Comparison:
             self._add_uniform(found, fitting[0], target)
         timings["compare"] += time.perf_counter() - started
         timings["uniform_comparison"] = timings.get("uniform_comparison", 0.0) + time.perf_counter() - uniform_started
+        best = min(found, key=rank)
+        if not best.encodings and best.remake is not None:
+            best.encodings = best.remake()
         return sorted(found, key=rank)
 
     def _holds(self, tier: str) -> bool:

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 from filelock import FileLock
 
+import graph_ops
 from tiers import TIERS, Tier
 from tiers.solver_backend import solver_dtype
 from tqsdeploy.encoding.slots import Slot
@@ -141,6 +142,8 @@ class PriceList:
         finally:
             log.close()
             lock.release()
+        if pending or own:  # the rollouts made every weight's mapped pages resident; what follows reads none of them
+            graph_ops.release_pages(self.job.scored.weights)
         self._share_out(tasks, done)
         self._measured = {**done, **self._shared}
         self.job.timings["pricing"] += time.perf_counter() - started

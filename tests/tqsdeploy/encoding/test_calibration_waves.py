@@ -120,3 +120,22 @@ def test_a_mixed_pass_solves_only_what_changed_and_makes_the_same_codes(tmp_path
         np.testing.assert_array_equal(refined[name].dequantize(), again[name].dequantize(), err_msg=name)
     coder.close()
     fresh.close()
+
+
+@pytest.mark.parametrize("threshold, trims", [(0, True), (1 << 40, False)])
+def test_a_wave_with_large_statistics_hands_the_heap_back_and_keeps_its_codes(tmp_path, monkeypatch, threshold, trims):
+    """After a wave whose statistics took `TRIM_AFTER_BYTES` or more the freed heap goes back to the OS (one trim
+    per wave); below it a pass trims nothing but its session's close, and the codes are the same either way."""
+    import tqsdeploy.encoding.calibrator as calibrator_module
+
+    path = models.deep_residual_stack(tmp_path / "stack.onnx")
+    trimmed = []
+    monkeypatch.setattr(calibrator_module, "TRIM_AFTER_BYTES", threshold)
+    monkeypatch.setattr(calibrator_module, "release_freed_memory", lambda: trimmed.append(1))
+    encoded, _, calibrator = _pass(path, True, "qep", [], monkeypatch)
+    closing = 1  # the calibration session's close hands its arena back too
+    assert len(trimmed) - closing == (len(calibrator.groups) if trims else 0)
+    monkeypatch.setattr(calibrator_module, "TRIM_AFTER_BYTES", 1 << 40 if trims else 0)
+    again, _, _ = _pass(path, True, "qep", [], monkeypatch)
+    for name in encoded:
+        np.testing.assert_array_equal(encoded[name].dequantize(), again[name].dequantize(), err_msg=name)

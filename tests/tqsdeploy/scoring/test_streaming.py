@@ -256,6 +256,7 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
             planner.scored.one_session
         ):  # the calibrator's session is closed while measuring, and the losers' codes are gone
             assert planner.measuring._runner is not None and planner.encoder._calibrator._session is None
+            assert not planner.encoder._calibrator._stats_cache  # nor its statistics beside the measuring session
             assert planner.measuring._fed_graph is not None  # candidates ran rebuilding their weights from fed codes
             kept = {rounding.method for (_, rounding) in planner.encoder._uniform}
             assert len(kept - {planner.roundings.rounding.method}) <= 1
@@ -425,3 +426,45 @@ def test_export_names_its_external_data_file_and_single_file_writes_one(tmp_path
         .run({"x": x})["y"]
     )
     np.testing.assert_array_equal(alone, pair)
+
+
+def test_a_large_models_as_priced_candidate_is_not_held_through_the_mixed_pass_and_ships_the_same(
+    tmp_path, monkeypatch
+):
+    """Past ONE_SESSION_BYTES the mixed model as priced is not held while the allocation is calibrated as itself
+    (up to a byte per weight fewer through that pass); where it wins it is made again from the run's cache and the
+    export writes the files a small model's export writes."""
+    import sys
+
+    from tqsdeploy.export.candidates import MixedModels
+    from tqsdeploy.export.compare import Comparison
+    from tqsdeploy.rollout.engine import Drift
+
+    job_module = sys.modules["tqsdeploy.export.job"]
+    model = models.mlp_forecaster(tmp_path / "m.onnx", n=32, hidden=64)
+    np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
+    score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=2))
+    calibrated_drift, keep_best = MixedModels.calibrated_drift, Comparison._keep_best
+
+    def losing(self, allocation, rounding):  # the calibrated model made and measured, then made to lose
+        calibrated_drift(self, allocation, rounding)
+        return Drift(1.0, {"y": 1e9}, [1.0])
+
+    held = []
+    monkeypatch.setattr(MixedModels, "calibrated_drift", losing)
+    monkeypatch.setattr(
+        Comparison,
+        "_keep_best",
+        lambda self, found: (held.append({c.label: bool(c.encodings) for c in found}), keep_best(self, found))[1],
+    )
+    written = []
+    for limit in (1 << 40, 0):
+        monkeypatch.setattr(job_module, "ONE_SESSION_BYTES", limit)
+        held.clear()
+        planner = Planner(tmp_path / "run", model)
+        outcome = planner.export(4, tmp_path / f"out{limit}" / "q.onnx")
+        assert outcome.shipped == "mixed, as priced" and outcome.compared[0]["drift_pct"] < 1e9
+        assert held[0]["mixed, as priced"] == (limit != 0)  # after the calibrated pass: held only by a small model
+        written.append((outcome.path.read_bytes(), outcome.path.with_suffix(".allocation.parquet").read_bytes()))
+        planner.close()
+    assert written[0] == written[1]
