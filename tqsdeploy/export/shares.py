@@ -16,6 +16,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+import graph_ops
 from graph_ops.calibration import layer_inputs, sample_chunks
 from tiers import Tier
 from tqsdeploy.encoding.choices import AnyRounding
@@ -57,16 +58,24 @@ def input_moments(calibrator, names: Iterable[str]) -> dict[str, list[np.ndarray
 
 
 def channel_errors(wt_original: np.ndarray, wt_encoded: np.ndarray, moments: list[np.ndarray] | None) -> np.ndarray:
-    """Per output channel (row of Wt), δw·H·δwᵀ with δw = encoded − original and H its row group's moment (a
-    diagonal: Σ δw²·h); without moments ‖δw‖²."""
-    delta = np.asarray(wt_encoded, np.float64) - np.asarray(wt_original, np.float64)
-    if moments is None:
-        return np.einsum("ij,ij->i", delta, delta)
-    rows = delta.shape[0] // len(moments)
+    """Per output channel (row of Wt), δw·H·δwᵀ with δw = encoded − original in float64 and H its row group's moment
+    (a diagonal: Σ δw²·h); without moments ‖δw‖². One float64 array of a row group at a time, squared in place
+    (the original and the encoding stay in their own dtypes): the products, and so their bits, are those of
+    whole-group copies."""
+    groups = 1 if moments is None else len(moments)
+    rows = wt_original.shape[0] // groups
     parts = []
-    for group, moment in enumerate(moments):
-        block = delta[group * rows : (group + 1) * rows]
-        parts.append(np.einsum("ij,ij->i", block @ moment, block) if moment.ndim == 2 else np.square(block) @ moment)
+    for group in range(groups):
+        block = slice(group * rows, (group + 1) * rows)
+        delta = np.asarray(wt_encoded[block], np.float64)
+        delta -= wt_original[block]
+        moment = None if moments is None else moments[group]
+        if moment is None:
+            parts.append(np.einsum("ij,ij->i", delta, delta))
+        elif moment.ndim == 2:
+            parts.append(np.einsum("ij,ij->i", delta @ moment, delta))
+        else:
+            parts.append(np.square(delta, out=delta) @ moment)
     return np.concatenate(parts)
 
 
@@ -103,7 +112,7 @@ class GroupShares:
         for unit, tier_names in wanted.items():
             name = names[unit]
             layout = encoder.layouts[name]
-            original = layout.to_wt(np.asarray(scored.weights[name], np.float64))
+            original = layout.to_wt(np.asarray(scored.weights[name]))  # cast a block of rows at a time
             read = self._read_rows(name, layout.channels)
             for tier_name in tier_names:
                 encoded = encoder.tensor(name, tiers[tier_name], rounding).dequantize()
@@ -114,6 +123,7 @@ class GroupShares:
         calibrator = self.job.encoder.calibrator
         with self.job.encoder.profile.section("statistics"):
             moments = input_moments(calibrator, names)
+        graph_ops.release_pages(self.job.scored.weights)  # the rollout read every weight; the errors read a few
         if self.job.scored.one_session:
             self.job.encoder.release_calibrator()  # a copy of the model: not held beside the measuring session
         return moments

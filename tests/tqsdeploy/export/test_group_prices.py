@@ -90,3 +90,26 @@ def test_shared_prices_are_the_exact_ones_where_output_channels_add(tmp_path):
     assert prices["shared"].keys() == prices["exact"].keys() and len(prices["exact"]) == 20
     for key, exact in prices["exact"].items():
         assert exact > 0 and prices["shared"][key] == pytest.approx(exact, rel=1e-5), key
+
+
+@pytest.mark.parametrize("moments", ["none", "full", "diagonal"])
+def test_channel_errors_from_one_float64_array_are_those_of_float64_copies(moments):
+    """Per-channel layer-output errors made from one float64 array per row group (a grouped Conv's two here),
+    squared in place, are the bytes of the products of float64 copies of the original and the encoding."""
+    from tqsdeploy.export import shares
+
+    rng = np.random.default_rng(4)
+    rows, k = 2 * 37, 12
+    original = rng.standard_normal((rows, k)).astype(np.float32)
+    encoded = (original + 0.01 * rng.standard_normal((rows, k))).astype(np.float32)
+    x = rng.standard_normal((50, k))
+    moment = {"none": None, "full": [x.T @ x / 50] * 2, "diagonal": [np.mean(x * x, axis=0)] * 2}[moments]
+    delta = encoded.astype(np.float64) - original.astype(np.float64)
+    if moment is None:
+        whole = np.einsum("ij,ij->i", delta, delta)
+    else:
+        halves = [delta[:37], delta[37:]]
+        whole = np.concatenate(
+            [np.einsum("ij,ij->i", h @ m, h) if m.ndim == 2 else np.square(h) @ m for h, m in zip(halves, moment)]
+        )
+    assert np.array_equal(shares.channel_errors(original, encoded, moment), whole)
