@@ -228,6 +228,7 @@ class Planner:
                 data_dir=prepared.data_dir,
                 weights=scored.weights,
                 opset=scored.opset,
+                keep_statistics=not scored.one_session,  # dropped between its passes (`release_calibrator`)
             )
 
         folder = (self.cache, scored.checkpoint_identity(self.settings)) if self.cache is not None else None
