@@ -66,11 +66,7 @@ EncodeFn = Callable[[str, "list[Hessian] | None"], Encoded]
 
 def _statistics_bytes(stats: dict | None) -> int:
     """Bytes of a wave's statistics (H, and G where kept), by use and row group."""
-    return sum(
-        part.H.nbytes + (part.G.nbytes if part.G is not None else 0)
-        for parts in (stats or {}).values()
-        for part in parts or ()
-    )
+    return sum(p.H.nbytes + (0 if p.G is None else p.G.nbytes) for parts in (stats or {}).values() for p in parts or ())
 
 
 class CalibrationError(TqsError):
@@ -99,16 +95,13 @@ class Calibrator:
         opset: int = 1,
         workdir: Path | None = None,
         data_dir: Path | None = None,
-        keep_statistics: bool = True,
     ):
         """`rollout`: the windows and steps the statistics come from. `workdir`: where session files of a model too
         large to pass as bytes go. `data_dir`: the folder of the data files a `proto` loaded without its external
         data points into.
         `weights`: the scored weights' values; they are plain inputs of the session, fed from there when
         a run does not feed its own, so the runtime holds no copy of the model's weights.
-        `opset`: the opset the output is written at: the sessions run the model converted to it (`at_opset`).
-        `keep_statistics`: keep statistics across passes (`_stats_cache`); False where every pass is followed by a
-        release that drops them (a large model), so that none is held through a pass for nothing."""
+        `opset`: the opset the output is written at: the sessions run the model converted to it (`at_opset`)."""
         self.layouts = dict(layouts)
         self.opset = max(opset, default_opset(proto))
         self.weights = weights
@@ -137,7 +130,8 @@ class Calibrator:
         """Statistics by `_stats_key`, kept across passes (within `_budget`): a pass whose weights upstream of a
         use are encoded as an earlier pass's were collects the same rows (a first layer: every pass)."""
         self._stats_bytes = 0
-        self._keep_statistics = keep_statistics
+        self.keep_statistics = True
+        """Keep statistics across passes (False where a release drops them after every pass: a large model's)."""
         self._digests: dict[str, bytes] = {}
         """This pass's encodings' digests (`tqsdeploy.encoding.checkpoints.digest`), by weight."""
         self.profile = Profile()
@@ -317,7 +311,7 @@ class Calibrator:
             stats = statistics.finish()  # the last rows folded in here, not inside a solve's timing
         for key, parts in stats.items():
             size = sum(p.H.nbytes + (p.G.nbytes if p.G is not None else 0) for p in parts or ())
-            if parts and self._keep_statistics and self._stats_bytes + size <= self._budget():
+            if parts and self.keep_statistics and self._stats_bytes + size <= self._budget():
                 self._stats_cache[keys[key]] = parts
                 self._stats_bytes += size
         return {**stats, **cached}

@@ -219,7 +219,7 @@ class Planner:
         prepared = scored.prepared
 
         def calibrator() -> Calibrator:
-            return Calibrator(
+            made = Calibrator(
                 scored.model.proto,
                 scored.layouts,
                 CalibrationRollout(prepared.contexts, prepared.spec),
@@ -228,8 +228,9 @@ class Planner:
                 data_dir=prepared.data_dir,
                 weights=scored.weights,
                 opset=scored.opset,
-                keep_statistics=not scored.one_session,  # dropped between its passes (`release_calibrator`)
             )
+            made.keep_statistics = not scored.one_session  # dropped between its passes (`release_calibrator`)
+            return made
 
         folder = (self.cache, scored.checkpoint_identity(self.settings)) if self.cache is not None else None
         progress = EncodingProgress(self.progress.on_pass, self.progress.on_weight)
