@@ -64,9 +64,9 @@ EncodeFn = Callable[[str, "list[Hessian] | None"], Encoded]
 """(weight name, its statistics per row group or None) -> the weight's encoding."""
 
 
-def _statistics_bytes(stats: dict | None) -> int:
-    """Bytes of a wave's statistics (H, and G where kept), by use and row group."""
-    return sum(p.H.nbytes + (0 if p.G is None else p.G.nbytes) for parts in (stats or {}).values() for p in parts or ())
+def _statistics_bytes(parts: "list[Hessian] | None") -> int:
+    """Bytes of one use's statistics (H, and G where kept), over its row groups."""
+    return sum(p.H.nbytes + (0 if p.G is None else p.G.nbytes) for p in parts or ())
 
 
 class CalibrationError(TqsError):
@@ -131,7 +131,8 @@ class Calibrator:
         use are encoded as an earlier pass's were collects the same rows (a first layer: every pass)."""
         self._stats_bytes = 0
         self.keep_statistics = True
-        """Keep statistics across passes (False where a release drops them after every pass: a large model's)."""
+        """Keep statistics across passes. False for a large model: its measuring session opens between passes, and
+        statistics held beside it would be up to a quarter of the model more (`KEPT_SHARE`)."""
         self._digests: dict[str, bytes] = {}
         """This pass's encodings' digests (`tqsdeploy.encoding.checkpoints.digest`), by weight."""
         self.profile = Profile()
@@ -229,7 +230,7 @@ class Calibrator:
             if checkpoints is not None:
                 checkpoints.advance(digests)
             self._forget(names)
-            large = _statistics_bytes(stats) >= TRIM_AFTER_BYTES
+            large = sum(_statistics_bytes(parts) for parts in (stats or {}).values()) >= TRIM_AFTER_BYTES
             stats = None  # K x K float64 per use: gone before the next wave collects its own
             graph_ops.release_pages(self.weights)
             if large:
@@ -310,7 +311,7 @@ class Calibrator:
         with self.profile.section("statistics"):
             stats = statistics.finish()  # the last rows folded in here, not inside a solve's timing
         for key, parts in stats.items():
-            size = sum(p.H.nbytes + (p.G.nbytes if p.G is not None else 0) for p in parts or ())
+            size = _statistics_bytes(parts)
             if parts and self.keep_statistics and self._stats_bytes + size <= self._budget():
                 self._stats_cache[keys[key]] = parts
                 self._stats_bytes += size
@@ -479,18 +480,12 @@ class Calibrator:
             self._session = self._open()
         return self._session
 
-    def release(self, statistics: bool = False) -> None:
-        """Close the session (it holds a copy of the model) until the next pass needs it; with `statistics` drop
-        the statistics kept across passes too."""
-        if statistics and self._stats_cache:
-            self._stats_cache.clear()
-            self._stats_bytes = 0
+    def release(self) -> None:
+        """Close the session (it holds a copy of the model) until the next pass needs it."""
         if self._session is not None:
             self._session.close()
             self._session = None
             self._engine = None
-            release_freed_memory()
-        elif statistics:
             release_freed_memory()
 
     def close(self) -> None:

@@ -313,12 +313,9 @@ class Encoder:
         self._single.clear()
 
     def release_calibrator(self) -> None:
-        """Close the calibration session (a copy of the model) until the next pass opens it again, and drop the
-        statistics kept across passes: a large model's measuring session reads every weight, and beside it they
-        would be a quarter of the model more (`calibrator.KEPT_SHARE`); a later pass collects its first waves
-        again."""
+        """Close the calibration session (a copy of the model) until the next pass opens it again."""
         if self._calibrator is not None:
-            self._calibrator.release(statistics=True)
+            self._calibrator.release()
 
     def tensor(self, name: str, tier: Tier | str, rounding: AnyRounding) -> Encoded:
         """One unit tensor's entry of `uniform(tier, rounding)`; a tier that needs no calibration

@@ -229,7 +229,7 @@ class Planner:
                 weights=scored.weights,
                 opset=scored.opset,
             )
-            made.keep_statistics = not scored.one_session  # dropped between its passes (`release_calibrator`)
+            made.keep_statistics = not scored.one_session  # measured between its passes (`Calibrator.keep_statistics`)
             return made
 
         folder = (self.cache, scored.checkpoint_identity(self.settings)) if self.cache is not None else None

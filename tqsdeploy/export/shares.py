@@ -112,7 +112,7 @@ class GroupShares:
         for unit, tier_names in wanted.items():
             name = names[unit]
             layout = encoder.layouts[name]
-            original = layout.to_wt(np.asarray(scored.weights[name]))  # cast a block of rows at a time
+            original = layout.to_wt(np.asarray(scored.weights[name]))  # cast a row group at a time (`channel_errors`)
             read = self._read_rows(name, layout.channels)
             for tier_name in tier_names:
                 encoded = encoder.tensor(name, tiers[tier_name], rounding).dequantize()
