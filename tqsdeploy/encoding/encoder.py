@@ -40,6 +40,7 @@ from tqsdeploy.encoding.choices import AnyRounding, least_drift, rounding_at
 from tqsdeploy.encoding.logs import CalibrationLog, EncoderLog
 from tqsdeploy.encoding.profiling import Profile
 from tqsdeploy.encoding.slots import Slot
+from tqsdeploy.encoding.spill import Spill
 from tqsdeploy.units import Unit
 
 UNCACHED_FORMS = ("raw", "cast")
@@ -115,6 +116,9 @@ class Encoder:
         self.on_weight = progress.on_weight
         self.before_calibration: Callable[[], None] | None = None
         """Called before a calibration pass (to free memory the pass does not need)."""
+        self.spill: Spill | None = None
+        """Where a large model's uniform passes are kept, mapped from files (`tqsdeploy.encoding.spill`); None: in
+        memory."""
         for name, layout in self.graph_layouts.items():
             if layout.rtn_reason:
                 self.log.rtn_only[name] = layout.rtn_reason
@@ -179,6 +183,7 @@ class Encoder:
 
         def encode_kept(name, stats):
             encoded = encode_one(name, stats).compact()
+            self.release_kept()  # what a mixed weight took from the kept passes is copied into its own codes
             if report is not None:
                 with reporting:
                     report(name)
@@ -271,7 +276,14 @@ class Encoder:
                 f"uniform {tier.name} {rounding.label}",
                 lambda name: ((None, tier.name, rounding),),
             )
+            if self.spill is not None:
+                self._uniform[key] = self.spill.keep(self._uniform[key], self.weights)
         return self._uniform[key]
+
+    def release_kept(self) -> None:
+        """Hand back the pages of the kept passes read so far (`spill`; nothing to do without one)."""
+        if self.spill is not None:
+            self.spill.release()
 
     def least_drifting(
         self, tier: Tier, options: Sequence[Rounding], measure: Callable[[Rounding], object], forget: bool = True
@@ -419,7 +431,11 @@ class Encoder:
         self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: AnyRounding
     ) -> dict[str, Encoded]:
         """A mixed allocation from the uniform encodings (each slot as it was priced)."""
-        return {name: self.joined(name, self.runs(name, slots, assignment), rounding) for name in self.layouts}
+        assembled = {}
+        for name in self.layouts:
+            assembled[name] = self.joined(name, self.runs(name, slots, assignment), rounding)
+            self.release_kept()  # a weight cut from several tiers' passes holds copies of what it took
+        return assembled
 
     def calibrated(
         self, slots: Sequence[Slot], assignment: Mapping[str, str], rounding: AnyRounding
@@ -456,3 +472,6 @@ class Encoder:
     def close(self) -> None:
         if self._calibrator is not None:
             self._calibrator.close()
+        if self.spill is not None:
+            self._uniform.clear()
+            self.spill.close()

@@ -143,6 +143,7 @@ class Measuring:
         scored = self.scored
         runner = runner or self.runner  # opening it rolls out the original, reading every weight
         graph_ops.release_pages(scored.weights)  # the originals of what is fed are not read by this run
+        self.encoder.release_kept()  # nor the kept passes' codes, but for those this run feeds
         if not scored.one_session:
             return runner.drift(self.weights_of(encodings))
         if self._fed_graph is None:

@@ -27,6 +27,7 @@ from tqsdeploy.encoding.calibrator import CalibrationRollout, Calibrator
 from tqsdeploy.encoding.encoder import Encoder, EncodingProgress
 from tqsdeploy.encoding.run_cache import CacheOptions, RunCache
 from tqsdeploy.encoding.slots import check_group_size
+from tqsdeploy.encoding.spill import Spill
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.bounds import MemoryBound
 from tqsdeploy.export.candidates import Candidate, MixedModels, UniformModels, relabelled
@@ -182,6 +183,7 @@ class Planner:
         self.measuring = Measuring(self.job)
         if self.scored.one_session:
             self.encoder.before_calibration = self.measuring.release_runner
+            self.encoder.spill = Spill(self.run_dir)  # kept passes in file pages, not beside the model's own
         self.uniforms = UniformModels(self.job, self.sizing, self.measuring)
         self.roundings = Roundings(self.job, self.uniforms)
         self.prices = PriceList(self.job, self.measuring, self.roundings, self.progress.on_measuring)

@@ -82,6 +82,7 @@ class PriceList:
                 values = np.ascontiguousarray(encoded.dequantize())
                 digest.update(f"{name} {values.dtype} {values.shape}".encode())
                 digest.update(values.tobytes())
+            self.job.encoder.release_kept()  # every slot's codes are read here once; the rollouts read them again
             self._keys[key] = Task(slot.name, f"{self.probe(tier)}#{digest.hexdigest()}")
         return self._keys[key]
 
@@ -183,6 +184,7 @@ class PriceList:
 
         def price(lane: SweepRunner, item):
             for slot, tier in item:
+                encoder.release_kept()  # the codes fed so far are not read again
                 weights = encoder.slot_weights(slot, tier, rounding)
                 tick = time.perf_counter()
                 if cut_lanes:

@@ -118,6 +118,8 @@ class GroupShares:
                 encoded = encoder.tensor(name, tiers[tier_name], rounding).dequantize()
                 errors = channel_errors(original, layout.to_wt(encoded), moments[name])
                 self._errors[(unit, tier_name)] = errors * read if read is not None else errors
+                encoder.release_kept()  # each tier's codes are read here once
+            graph_ops.release_pages(scored.weights, [name])  # and the weight: the whole model would end resident
 
     def _moments(self, names: list[str]) -> Mapping[str, list[np.ndarray] | None]:
         calibrator = self.job.encoder.calibrator

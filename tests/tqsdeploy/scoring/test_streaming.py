@@ -224,11 +224,12 @@ def test_a_truncated_large_single_file_model_is_an_input_error(tmp_path, monkeyp
 
 def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_path, monkeypatch):
     """Past ONE_SESSION_BYTES export keeps one session of the model at a time (measuring and calibrating take
-    turns, losing fallback encodings are dropped, candidates run from their codes): the candidates, their
-    drifts and the written model are unchanged."""
+    turns, losing fallback encodings are dropped, candidates run from their codes, the kept uniform passes are read
+    from files): the candidates, their drifts and the written model are unchanged."""
     import sys
 
     job_module, measuring_module = sys.modules["tqsdeploy.export.job"], sys.modules["tqsdeploy.export.measuring"]
+    monkeypatch.setattr(sys.modules["tqsdeploy.encoding.spill"], "MIN_BYTES", 0)  # every array, however small
     model = models.mlp_forecaster(tmp_path / "m.onnx", n=32, hidden=64)
     np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).standard_normal((3, 2, 32)).astype(np.float32))
     score(model, tmp_path / "c.npz", steps=4, out=tmp_path / "run", settings=ScoreSettings(gauss_draws=2))
@@ -258,6 +259,10 @@ def test_large_models_measure_and_calibrate_in_turns_with_the_same_result(tmp_pa
             assert planner.measuring._runner is not None and planner.encoder._calibrator._session is None
             assert not planner.encoder._calibrator._stats_cache  # nor its statistics beside the measuring session
             assert planner.measuring._fed_graph is not None  # candidates ran rebuilding their weights from fed codes
+            assert planner.encoder.spill.bytes > 0 and planner.encoder._uniform
+            for kept in planner.encoder._uniform.values():  # file pages, not anonymous memory
+                codes = [e.values if isinstance(e.values, np.ndarray) else e.values.data for e in kept.values()]
+                assert codes and all(not c.flags.writeable and not c.flags.owndata for c in codes)
             kept = {rounding.method for (_, rounding) in planner.encoder._uniform}
             assert len(kept - {planner.roundings.rounding.method}) <= 1
             assert (
