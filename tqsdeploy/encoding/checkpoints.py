@@ -28,7 +28,17 @@ from tqsdeploy.encoding import run_cache
 from tqsdeploy.encoding.run_cache import FOLDER, RunCache
 from tqsdeploy.files import write_npz
 
-__all__ = ["FOLDER", "PassCheckpoints", "code_hash", "digest", "finished", "interrupted_outputs", "record_output"]
+__all__ = [
+    "FOLDER",
+    "PassCheckpoints",
+    "code_hash",
+    "digest",
+    "finished",
+    "flatten",
+    "interrupted_outputs",
+    "record_output",
+    "restore",
+]
 
 
 def _dtype(name: str) -> np.dtype:
@@ -38,7 +48,7 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(custom if custom is not None else name)
 
 
-def _flatten(encoded: Encoded, weight: np.ndarray | None, arrays: list[np.ndarray]) -> dict:
+def flatten(encoded: Encoded, weight: np.ndarray | None, arrays: list[np.ndarray]) -> dict:
     """The encoding as JSON-able fields, its arrays appended to `arrays` (raw bytes: ml_dtypes types
     do not survive np.load without pickle). A 'raw' encoding that is the weight itself is stored as a
     reference to it: the file writer keeps such a weight as it is, and it costs nothing to keep."""
@@ -65,11 +75,13 @@ def _flatten(encoded: Encoded, weight: np.ndarray | None, arrays: list[np.ndarra
     else:
         fields["values"] = array(encoded.values)
     fields["scale"], fields["zero_point"] = array(encoded.scale), array(encoded.zero_point)
-    fields["parts"] = [_flatten(part, None, arrays) for part in encoded.parts]
+    fields["parts"] = [flatten(part, None, arrays) for part in encoded.parts]
     return fields
 
 
-def _restore(fields: dict, arrays: Sequence[np.ndarray], weight: np.ndarray | None) -> Encoded:
+def restore(fields: dict, arrays: Sequence[np.ndarray], weight: np.ndarray | None) -> Encoded:
+    """The encoding `flatten` made `fields` of, its arrays viewed from `arrays` (raw bytes, wherever they are)."""
+
     def array(entry):
         if entry is None:
             return None
@@ -88,7 +100,7 @@ def _restore(fields: dict, arrays: Sequence[np.ndarray], weight: np.ndarray | No
         fields["axis"],
         fields["block_size"],
         fields["dtype"],
-        tuple(_restore(p, arrays, None) for p in fields["parts"]),
+        tuple(restore(p, arrays, None) for p in fields["parts"]),
     )
 
 
@@ -103,7 +115,7 @@ def digest(name: str, encoded: Encoded, weight: np.ndarray | None = None) -> byt
     """What identifies the weight's encoding, codes and all (the checkpoints' key, and
     `tqsdeploy.encoding.calibrator`'s statistics cache's)."""
     arrays: list[np.ndarray] = []
-    return _digest(name, _flatten(encoded, weight, arrays), arrays)
+    return _digest(name, flatten(encoded, weight, arrays), arrays)
 
 
 class PassCheckpoints:
@@ -154,7 +166,7 @@ class PassCheckpoints:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(bytes(data["meta"]).decode())
                 arrays = [data[f"a{i}"] for i in range(meta["arrays"])]
-            encoded = _restore(meta["encoded"], arrays, self.weights.get(name))
+            encoded = restore(meta["encoded"], arrays, self.weights.get(name))
         except Exception:  # a damaged or foreign file (or one evicted while read): encode the weight again
             return None
         meta["digest"] = bytes.fromhex(meta["digest"])
@@ -166,7 +178,7 @@ class PassCheckpoints:
         """Write one finished weight (with the calibration rows behind it and, when they were too few, its
         input width) unless the cache holds it already; its digest, for the keys of the weights downstream."""
         arrays: list[np.ndarray] = []
-        fields = _flatten(encoded, self.weights.get(name), arrays)
+        fields = flatten(encoded, self.weights.get(name), arrays)
         digest = _digest(name, fields, arrays)
         path = self._path(name)
         if path is not None and path.exists():  # the same codes under the same key (another pass's): kept as written

@@ -13,13 +13,12 @@ import mmap
 import os
 import tempfile
 import weakref
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from tiers import Encoded
-from tiers.encoded import PackedCodes
+from tqsdeploy.encoding.checkpoints import flatten, restore
 
 ALIGN = 64
 """Each array starts on this many bytes (the kernels' vector width; a page would waste more than it gains)."""
@@ -38,64 +37,46 @@ class Spill:
         """Bytes moved to files so far (what anonymous memory no longer holds)."""
 
     def keep(self, encodings: dict[str, Encoded], weights=None) -> dict[str, Encoded]:
-        """`encodings` with their large arrays read from a file instead of memory (the same values, read-only). A
-        'raw' encoding that is the weight itself (`weights[name]`) is left as it is: it is the model's."""
-        arrays: list[np.ndarray] = []
-
-        def collect(encoded: Encoded) -> None:
-            for value in (_data(encoded.values), encoded.scale, encoded.zero_point):
-                if isinstance(value, np.ndarray) and value.nbytes >= MIN_BYTES:
-                    arrays.append(value)
-            for part in encoded.parts:
-                collect(part)
-
-        own = {n: e for n, e in encodings.items() if weights is None or e.values is not weights.get(n)}
-        for encoded in own.values():
-            collect(encoded)
-        if not arrays:
+        """`encodings` with their large arrays read from a file instead of memory (the same values, read-only),
+        each taken apart and put together as the run's cache does (`checkpoints.flatten`, `restore`). An encoding
+        with no large array, such as a 'raw' one that is the weight itself (`weights[name]`), is left as it is."""
+        weights = weights or {}
+        flat = {}
+        for name, encoded in encodings.items():
+            arrays: list[np.ndarray] = []
+            fields = flatten(encoded, weights.get(name), arrays)
+            if any(_large(a) for a in arrays):
+                flat[name] = (fields, arrays)
+        if not flat:
             return encodings
         self.folder.mkdir(parents=True, exist_ok=True)
         offsets, position = {}, 0
         handle, path = tempfile.mkstemp(dir=self.folder, prefix=".spill-")
         try:
             with os.fdopen(handle, "wb") as sink:
-                for value in arrays:
-                    if id(value) in offsets:
-                        continue
-                    padding = -position % ALIGN
-                    sink.write(b"\0" * padding)
-                    position += padding
-                    offsets[id(value)] = position
-                    sink.write(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)  # int4 &c.: no buffer
-                    position += value.nbytes
+                for name, (_, arrays) in flat.items():
+                    for index, raw in enumerate(arrays):
+                        if not _large(raw):
+                            continue
+                        padding = -position % ALIGN
+                        sink.write(b"\0" * padding)
+                        offsets[(name, index)] = position = position + padding
+                        sink.write(raw.data)
+                        position += raw.nbytes
             with open(path, "rb") as source:
                 mapped = mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_READ)
         finally:
             os.unlink(path)
         self._maps.append(weakref.ref(mapped))
         self.bytes += position
-
-        def mapped_view(value):
-            if not isinstance(value, np.ndarray) or id(value) not in offsets:
-                return value
-            raw = np.frombuffer(mapped, np.uint8, value.nbytes, offsets[id(value)])  # read-only: the map is
-            return raw.view(value.dtype).reshape(value.shape)
-
-        def moved(encoded: Encoded) -> Encoded:
-            values = encoded.values
-            if isinstance(values, PackedCodes):
-                values = PackedCodes(mapped_view(values.data), values.dtype, values.shape)
-            else:
-                values = mapped_view(values)
-            return replace(
-                encoded,
-                values=values,
-                scale=mapped_view(encoded.scale),
-                zero_point=mapped_view(encoded.zero_point),
-                parts=tuple(moved(p) for p in encoded.parts),
-            )
-
-        return {n: moved(e) if n in own else e for n, e in encodings.items()}
+        kept = dict(encodings)
+        for name, (fields, arrays) in flat.items():
+            views = [
+                np.frombuffer(mapped, np.uint8, raw.nbytes, offsets[(name, i)]) if (name, i) in offsets else raw
+                for i, raw in enumerate(arrays)
+            ]  # read-only: the map is
+            kept[name] = restore(fields, views, weights.get(name))
+        return kept
 
     def release(self) -> None:
         """Hand the pages read so far back to the operating system (the next read faults them in from the file)."""
@@ -117,5 +98,6 @@ class Spill:
         self._maps.clear()
 
 
-def _data(values):
-    return values.data if isinstance(values, PackedCodes) else values
+def _large(raw: np.ndarray) -> bool:
+    """Whether an array goes to the file (an empty one has nothing to map)."""
+    return 0 < raw.nbytes and raw.nbytes >= MIN_BYTES
