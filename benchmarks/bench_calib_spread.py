@@ -120,6 +120,7 @@ def tqs_spread(args, example: Path, folder: Path, sets: list[Path], clis: dict[s
     extra = ["--min-params", str(MIN_PARAMS[args.example])] if args.example in MIN_PARAMS else []
     targets, tiers = args.tqs.split(","), args.uniform.split(",")
     tiers = tiers * len(targets) if len(tiers) == 1 else tiers
+    targets = [f"W@{t}" if c == "W" else c for c, t in zip(targets, tiers)]  # `--tqs W,W`: one key per uniform size
     uniform = {label: {t: [] for t in tiers} for label in clis}
     tqs = {label: {c: [] for c in targets} for label in clis}
     selections = [s for s in args.select.split(",") if s]
@@ -165,7 +166,8 @@ def tqs_spread(args, example: Path, folder: Path, sets: list[Path], clis: dict[s
                 uniform[label][tier].append(held_out_drift(out, example))
             for c, tier in zip(tqs[label], tiers):
                 out = folder / f"tqs{k}.{label}.C{c}.onnx"
-                value = c if c != "W" else uniform_size(folder / f"uniform{k}.{label}.{tier}.allocation.json")
+                record = folder / f"uniform{k}.{label}.{tier}.allocation.json"
+                value = uniform_size(record) if c.startswith("W@") else c
                 subprocess.run(
                     [
                         *command_of(cli),

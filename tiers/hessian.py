@@ -175,6 +175,53 @@ def cached(cache: "Hessian | None", key: tuple, make):
         return cache.factors[key]
 
 
+THIN_ROWS_PER_INPUT = 2
+"""A statistic of fewer rows than this many per input is thin (`shrinkage`; export's note names such weights)."""
+MAX_SHRINKAGE = 1 - 1e-6
+"""The most `shrinkage` returns: a weight on an all-but-identity H is rounded to nearest, with a finite damping."""
+
+
+def shrinkage(stats: Hessian) -> float:
+    """How far a thin statistic's H is pulled toward μ·I (μ = mean diag H): the oracle-approximating shrinkage
+    intensity ρ (Chen, Wiesel, Eldar and Hero 2010) from n rows and width p,
+
+        ρ = min(1, ((1 − 2/p)·tr H² + (tr H)²) / ((n + 1 − 2/p)·(tr H² − (tr H)²/p))),
+
+    0 where the rows are not thin (n ≥ `THIN_ROWS_PER_INPUT`·p: those solves stay as they were). Why: a solve
+    fits the rows it saw; with fewer rows than inputs, H has no information outside their span, and the codes
+    it fits drift more on other windows than rounding to nearest does (a 5800-wide stack on 8 rows: 65.9% held out
+    against 38.3%). Shrinking H, and G with it, by ρ is the same as raising each damping percent p to
+    (p + ρ)/(1 − ρ) (`shrunk_rounding`), so no shrunk copy of H is made."""
+    width, rows = stats.H.shape[0], stats.count
+    if rows == 0 or rows >= THIN_ROWS_PER_INPUT * width:
+        return 0.0
+
+    def intensity() -> float:
+        H = stats.H
+        trace = float(np.trace(H))
+        squares = float(np.vdot(H, H))
+        spread = squares - trace * trace / width
+        if spread <= 0:
+            return MAX_SHRINKAGE
+        rho = ((1 - 2 / width) * squares + trace * trace) / ((rows + 1 - 2 / width) * spread)
+        return min(MAX_SHRINKAGE, max(0.0, rho))
+
+    return cached(stats, ("shrinkage",), intensity)
+
+
+def ridge(stats: Hessian) -> float:
+    """What `shrinkage` adds to H's diagonal in the solves' frame (H + ρ/(1 − ρ)·μ·I): the objectives that judge a
+    rounding from H (`second_lower`, the grid choice) add it times ‖q − w‖², so they judge on the shrunk H too."""
+    rho = shrinkage(stats)
+    return rho / (1 - rho) * float(np.mean(np.diag(stats.H))) if rho else 0.0
+
+
+def shrunk_damping(percent: float, rho: float) -> float:
+    """A damping percent of H once H is shrunk by ρ toward μ·I: (1 − ρ)·H + ρ·μ·I + p·μ·I is (1 − ρ)·(H +
+    (p + ρ)/(1 − ρ)·μ·I), and every solve is unchanged by H's scale once G is shrunk by the same 1 − ρ."""
+    return (percent + rho) / (1 - rho)
+
+
 def working_dtype(order: int):
     """What QEP's correction and the grid choice's products with H and G compute in (`solver_backend.solve_dtype`)."""
     return np.float32 if backend.solve_dtype(order) == "float32" else np.float64
@@ -222,6 +269,7 @@ def second_lower(
     dtype = working_dtype(stats.H.shape[0])
     H = in_dtype(stats, "H", stats.H, dtype)
     G = in_dtype(stats, "G", stats.G, dtype) if strength and stats.G is not None else None
+    shrunk = ridge(stats)
     better = np.zeros(Wt.shape[0], bool)
     for start in range(0, Wt.shape[0], ERROR_ROWS):
         stop = min(start + ERROR_ROWS, Wt.shape[0])
@@ -237,6 +285,8 @@ def second_lower(
         one += two  # d₁ + d₂
         e = e.astype(dtype, copy=False)
         change = np.einsum("ij,ij->i", e @ H, one)
+        if shrunk:
+            change += shrunk * np.einsum("ij,ij->i", e, one, dtype=np.float64)
         if G is not None:
             change -= 2 * strength * np.einsum("ij,ij->i", e @ G.T, w)
         better[start + differ] = change < 0

@@ -25,7 +25,7 @@ from tiers.encoded import Encoded
 from tiers.formats.base import Tier
 from tiers.gptq import Quantized
 from tiers.grid import Grid, find_grid
-from tiers.hessian import Hessian, working_dtype
+from tiers.hessian import Hessian, shrinkage, shrunk_damping, working_dtype
 from tiers.methods import METHODS
 from tiers.solver_backend import c_order
 
@@ -129,6 +129,7 @@ def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: b
     exactly (float32 for a float32 weight), for the copy of them the grid choice compares against."""
     original = np.array(wt, kept) if spec.search else None
     product: dict | None = {} if original is not None else None
+    rounding = shrunk_rounding(rounding, stats)
     if rounding.method == "qep":
         wt = solvers.qep_correct(
             wt,
@@ -143,6 +144,19 @@ def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: b
     if original is None:
         return _solve(rounding, wt, stats, spec, group)
     return _better_rows(rounding, original, wt, stats, spec, group, product)
+
+
+def shrunk_rounding(rounding: Rounding, stats: Hessian) -> Rounding:
+    """`rounding` with its dampings raised as far as `stats` is thin (`tiers.hessian.shrinkage`); itself where
+    the rows are enough."""
+    rho = shrinkage(stats)
+    if not rho:
+        return rounding
+    return replace(
+        rounding,
+        percdamp=shrunk_damping(rounding.percdamp, rho),
+        percdampqep=shrunk_damping(rounding.percdampqep, rho),
+    )
 
 
 def _solve(
@@ -270,18 +284,23 @@ def _second_lower_by_losses(
     if delta is None or (aim and product_of is None) or (product_of is not None and product["damping"] is None):
         return None
     first, second, losses = solved.first, solved.second, solved.losses
+    ridge = statistics.ridge(stats)
     better = np.zeros(rows.size, bool)
     for start in range(0, rows.size, statistics.ERROR_ROWS):  # bounded temporaries, as `second_lower`
         part = slice(start, min(start + statistics.ERROR_ROWS, rows.size))
         one, two = first.take(rows[part]).values, second.rows(part.start, part.stop).values
         w_star = np.asarray(corrected[rows[part]], np.float64)
         e = two - one
+        shrunk = 0.0
+        if ridge:  # λ·(‖d₂‖² − ‖d₁‖²) = λ·e·(d₁ + d₂)ᵀ, dᵢ = qᵢ − w: what shrinking H adds to the objective
+            shrunk = ridge * np.einsum("ij,ij->i", e, one + two - 2 * np.asarray(original[rows[part]], np.float64))
         one -= w_star
         two -= w_star
         change = (
             losses[1][part]
             - losses[0][part]
             - delta * (np.einsum("ij,ij->i", two, two) - np.einsum("ij,ij->i", one, one))
+            + shrunk
         )
         if product_of is not None:
             pull = (rounding.strength - aim) * np.asarray(product_of[rows[part]], np.float64) - product["damping"] * (

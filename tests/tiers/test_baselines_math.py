@@ -239,11 +239,12 @@ def test_each_channel_keeps_the_grid_its_solve_does_best_on(method, bits):
     output channel keeps the result whose output is nearer what the next layer should see: ‖X̂q − X_fp·w‖²
     for GPTAQ and QEP (not their α's half-way target X̂ + α(X_fp − X̂), which let the choice keep clipped
     grids further from full precision: lorenz96's uniform QEP W2 drifted 1.09x more than on min-max grids
-    alone), ‖X̂(q − w)‖² for GPTQ; computed here from X̂ and X_fp themselves. Thin statistics (40 rows for 64
-    inputs, as a forecaster's heads get) are where the searched grid alone lost on some channels."""
+    alone), ‖X̂(q − w)‖² for GPTQ; computed here from X̂ and X_fp themselves. Few rows (128 for 64 inputs, the
+    fewest that are not shrunk: `tiers.hessian.shrinkage`) are where the searched grid alone lost on some
+    channels."""
     from tiers import TIERS, Layout, Rounding, quantize
 
-    x, x_fp, wt, stats = _problem(seed=3, n=40, k=64, rows=48, drift=0.2)
+    x, x_fp, wt, stats = _problem(seed=3, n=128, k=64, rows=48, drift=0.2)  # not thin: 2 rows per input
     spec, layout, tier = asym(bits, search=True), Layout((48, 64), (0, 1)), TIERS[f"int{bits}-asym"]
     target = x if method == "gptq" else x_fp
 
@@ -264,6 +265,39 @@ def test_each_channel_keeps_the_grid_its_solve_does_best_on(method, bits):
     on_min_max = quantize(wt, layout, tier, Rounding(method, grids="min-max"), [stats])
     np.testing.assert_array_equal(on_min_max.values, plain)  # the rounding's grids say it: the min-max grid alone
     assert not np.array_equal(chosen, plain)
+
+
+@pytest.mark.parametrize("method", ["gptq", "gptaq", "qep"])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_thin_statistics_are_solved_and_judged_on_one_shrunk_hessian(method, bits):
+    """40 rows for 64 inputs are thin: H is shrunk by ρ toward μ·I (`tiers.hessian.shrinkage`), which the solves
+    see as their dampings raised to (p + ρ)/(1 − ρ) (`shrunk_damping`) and the grid choice as a ridge λ·‖q − w‖²
+    added to its objective. Every channel keeps the grid whose result is lower on that shrunk objective, computed
+    here from X̂ and X_fp themselves, by the closed form (GPTQ, QEP) and by the products (GPTAQ) alike."""
+    from tiers import TIERS, Layout, Rounding, quantize
+    from tiers.hessian import ridge, shrinkage, shrunk_damping
+
+    x, x_fp, wt, stats = _problem(seed=3, n=40, k=64, rows=48, drift=0.2)
+    spec, layout, tier = asym(bits, search=True), Layout((48, 64), (0, 1)), TIERS[f"int{bits}-asym"]
+    target = x if method == "gptq" else x_fp
+    rho, lam = shrinkage(stats), ridge(stats)
+    assert 0 < rho < 1 and lam == pytest.approx(rho / (1 - rho) * np.mean(np.diag(stats.H)))
+
+    def objective(q):
+        return np.sum((x @ q.T - target @ wt.T) ** 2, axis=0) + x.shape[0] / 2 * lam * np.sum((q - wt) ** 2, axis=1)
+
+    damped = GptqSettings(percdamp=shrunk_damping(0.01, rho))
+    searched = {
+        "gptq": lambda: gptq(wt, stats.H, spec, damped),
+        "gptaq": lambda: gptaq(wt, stats.H, stats.G, spec, GptaqSettings(percdamp=damped.percdamp)),
+        "qep": lambda: gptq(
+            qep_correct(wt, stats.H, stats.G, percdampqep=shrunk_damping(1.0, rho)), stats.H, spec, damped
+        ),
+    }[method]().values
+    plain = quantize(wt, layout, tier, Rounding(method), [stats], search=False).values
+    chosen = quantize(wt, layout, tier, Rounding(method), [stats]).values
+    np.testing.assert_allclose(objective(chosen), np.minimum(objective(plain), objective(searched)), rtol=1e-9)
+    assert all(np.array_equal(c, p) or np.array_equal(c, s) for c, p, s in zip(chosen, plain, searched))
 
 
 def test_an_unknown_grid_choice_is_refused():

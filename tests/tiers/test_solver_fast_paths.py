@@ -36,13 +36,18 @@ def _problem(seed: int, n: int, k: int, rows: int):
 
 
 def _two_objectives(rounding, original, wt, stats, spec):
-    """`_better_rows` as it was: both grids solved, each row's objective worked out on each, the lower kept."""
+    """`_better_rows` as it was: both grids solved, each row's objective worked out on each, the lower kept. On thin
+    statistics (`rounding` shrunk by `quantizer.shrunk_rounding`) the objective is the shrunk H's: its ridge λ·‖q − w‖²
+    added."""
     searched = quantizer._solve(rounding, np.array(wt), stats, spec, -1)
     plain = quantizer._solve(rounding, np.array(wt), stats, replace(spec, search=False), -1)
     aim = 1.0 if rounding.needs_cross and rounding.strength else 0.0
-    better = statistics.row_objective(original, plain.values, stats, aim) < statistics.row_objective(
-        original, searched.values, stats, aim
-    )
+    ridge = statistics.ridge(stats)
+
+    def objective(q):
+        return statistics.row_objective(original, q, stats, aim) + ridge * np.sum((q - original) ** 2, axis=1)
+
+    better = objective(plain.values) < objective(searched.values)
     fields = (np.where(better[:, None], getattr(plain, f), getattr(searched, f)) for f in ("codes", "scale", "zero"))
     return Quantized(*fields, spec, -1), better
 
@@ -52,9 +57,9 @@ def _two_objectives(rounding, original, wt, stats, spec):
 def test_the_grid_choice_from_the_objectives_difference_keeps_every_code(seed, method):
     n, k, rows = [(40, 64, 48), (300, 96, 130), (1000, 200, 600)][seed % 3]  # thin statistics to well-posed ones
     wt, stats = _problem(seed, n, k, rows)
-    rounding = quantizer.Rounding(method)
+    rounding = quantizer.shrunk_rounding(quantizer.Rounding(method), stats)  # as `quantize` solves it
     solved = (
-        solvers.qep_correct(np.array(wt), stats.H, stats.G, alpha=rounding.strength)
+        solvers.qep_correct(np.array(wt), stats.H, stats.G, alpha=rounding.strength, percdampqep=rounding.percdampqep)
         if method == "qep"
         else np.array(wt)
     )
@@ -82,10 +87,18 @@ def test_the_grid_choice_from_the_loops_losses_keeps_every_code(seed, method, dt
     wt, stats = _problem(seed, n, k, rows)
     if seed == 5:
         stats.H[5, :] = stats.H[:, 5] = 0
-    rounding = quantizer.Rounding(method)
+    rounding = quantizer.shrunk_rounding(quantizer.Rounding(method), stats)  # as `quantize` solves it
     product: dict = {}
     solved = (
-        solvers.qep_correct(np.array(wt), stats.H, stats.G, alpha=rounding.strength, cache=stats, product=product)
+        solvers.qep_correct(
+            np.array(wt),
+            stats.H,
+            stats.G,
+            alpha=rounding.strength,
+            percdampqep=rounding.percdampqep,
+            cache=stats,
+            product=product,
+        )
         if method == "qep"
         else np.array(wt)
     )

@@ -66,6 +66,6 @@ def thin_note(
         "the weight saw (one vector per window, step and position of the contexts), and these saw fewer vectors "
         "than twice "
         f"their input size (fewest: {called(name, (labels or {}).get(name, name))}, {rows} for {width} inputs), "
-        "so their rounding rests on thin "
-        f"statistics{enough}; {remedy}"
+        "so their statistics were shrunk toward rounding to nearest, the further the fewer the vectors (codes "
+        f"fitted to a few windows alone drift more on others){enough}; {remedy}"
     )
