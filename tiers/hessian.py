@@ -189,8 +189,8 @@ def shrinkage(stats: Hessian) -> float:
 
     0 where the rows are not thin (n ≥ `THIN_ROWS_PER_INPUT`·p: those solves stay as they were). Why: a solve
     fits the rows it saw; with fewer rows than inputs, H has no information outside their span, and the codes
-    it fits drift more on other windows than rounding to nearest does (a 5800-wide stack on 8 rows: 65.9% held out
-    against 38.3%). Shrinking H, and G with it, by ρ is the same as raising each damping percent p to
+    it fits drift more on other windows than rounding to nearest does (benchmarks/results/thin-statistics.md).
+    Shrinking H, and G with it, by ρ is the same as raising each damping percent p to
     (p + ρ)/(1 − ρ) (`shrunk_rounding`), so no shrunk copy of H is made."""
     width, rows = stats.H.shape[0], stats.count
     if rows == 0 or rows >= THIN_ROWS_PER_INPUT * width:
