@@ -86,8 +86,8 @@ def run_case(case: str, clis: dict[str, str], target: str, folder: Path) -> list
                     check=True,
                     capture_output=True,
                 )
-                drifts[split] = worst_drift(report.with_suffix(".json"))
-            shipped = json.loads(out.with_suffix(".allocation.json").read_text())["chosen_on"]["shipped"]
+                drifts[split] = worst_drift(Path(f"{report}.json"))
+            shipped = json.loads(out.with_suffix(".allocation.json").read_text())["shipped"]
             row = {"case": case, "cli": label, "rounding": rounding, **drifts, "shipped": shipped}
             print(
                 f"{case} {label} {rounding}: scoring {drifts['scoring']:.4g}%, held-out {drifts['held-out']:.4g}% "
