@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_calib_spread import command_of  # noqa: E402
 from bench_memory import build  # noqa: E402
 
 HELD_OUT = 32
@@ -96,11 +97,6 @@ def run_case(case: str, clis: dict[str, str], target: str, folder: Path) -> list
             )
             rows.append(row)
     return rows
-
-
-def command_of(cli: str) -> list[str]:
-    """How a --cli PATH runs: a .py file with this Python."""
-    return [*([sys.executable] if cli.endswith(".py") else []), cli]
 
 
 def main() -> None:

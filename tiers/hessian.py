@@ -181,6 +181,11 @@ MAX_SHRINKAGE = 1 - 1e-6
 """The most `shrinkage` returns: a weight on an all-but-identity H is rounded to nearest, with a finite damping."""
 
 
+def is_thin(stats: Hessian) -> bool:
+    """Fewer rows than `THIN_ROWS_PER_INPUT` per input: what `shrinkage` shrinks and export's note names."""
+    return stats.count < THIN_ROWS_PER_INPUT * stats.H.shape[0]
+
+
 def shrinkage(stats: Hessian) -> float:
     """How far a thin statistic's H is pulled toward μ·I (μ = mean diag H): the oracle-approximating shrinkage
     intensity ρ (Chen, Wiesel, Eldar and Hero 2010) from n rows and width p,
@@ -193,7 +198,7 @@ def shrinkage(stats: Hessian) -> float:
     Shrinking H, and G with it, by ρ is the same as raising each damping percent p to
     (p + ρ)/(1 − ρ) (`shrunk_rounding`), so no shrunk copy of H is made."""
     width, rows = stats.H.shape[0], stats.count
-    if rows == 0 or rows >= THIN_ROWS_PER_INPUT * width:
+    if rows == 0 or not is_thin(stats):
         return 0.0
 
     def intensity() -> float:

@@ -28,6 +28,7 @@ from graph_ops.layout import WeightLayout
 from graph_ops.qdq import default_opset
 from runtimes import DEFAULT_RUNTIME, Runtime, WithDefaults, release_freed_memory
 from tiers import Encoded, Hessian
+from tiers.hessian import is_thin
 from tiers.solver_backend import shared_cores, solver_threads
 from tqsdeploy.encoding.calibration_graph import CalibrationGraph
 from tqsdeploy.encoding.checkpoints import digest
@@ -258,9 +259,7 @@ class Calibrator:
             if stats is not None:
                 merged = [Hessian.merge([stats[use.key][g] for use in layout.uses]) for g in range(layout.row_groups)]
                 rows = merged[0].count
-                thin = (
-                    merged[0].H.shape[0] if any(m.count < 2 * m.H.shape[0] for m in merged) else None
-                )  # its input width
+                thin = merged[0].H.shape[0] if any(is_thin(m) for m in merged) else None  # its input width
             # no rows at all (an RNN's R over one-step windows with no state fed): nothing to weigh, rounded to nearest
             result = encode(name, merged if merged is None or any(m.count for m in merged) else None)
             if stats is not None:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from tiers.hessian import THIN_ROWS_PER_INPUT
 from tqsdeploy.units import called
 
 
@@ -55,10 +56,10 @@ def thin_note(
     name, (rows, width) = min(thin.items(), key=lambda item: item[1][0] / item[1][1])
     enough = ""
     if windows and rows:
-        needed = math.ceil(2 * width * windows / rows)
+        needed = math.ceil(THIN_ROWS_PER_INPUT * width * windows / rows)
         enough = (
             f"; at the {rows / windows:.3g} vectors each window gave it, about {needed:,} windows (now {windows:,}) "
-            f"would give it the {2 * width:,} it needs and remove this note"
+            f"would give it the {THIN_ROWS_PER_INPUT * width:,} it needs and remove this note"
         )
     return (
         f"{len(thin)} weight(s) had too little calibration data for {method}: it fits each weight's rounding to the "
