@@ -246,8 +246,11 @@ def _row_parts(rows: int, columns: int) -> list[slice]:
     part shares), so the parts give the codes of one solve. A solve alone in its wave has every core (a chain of
     large layers, one per wave; docs/design-notes/tiers.md, 'Row parts'). Where a wave's weights already run
     side by side (`backend.THREAD_CAP`), each keeps its share."""
+    most = min(rows // ROW_PART_ROWS, rows * columns // ROW_PART)
+    if most <= 1:  # one part whatever the cores: asking threadpoolctl costs ~2 ms a solve (thousands an export)
+        return [slice(0, rows)]
     cores = backend.THREAD_CAP if backend.THREAD_CAP is not None else backend.solver_threads()
-    count = max(1, min(cores, rows // ROW_PART_ROWS, rows * columns // ROW_PART))
+    count = max(1, min(cores, most))
     step = -(-rows // count)
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 

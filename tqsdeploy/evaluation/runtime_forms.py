@@ -46,7 +46,8 @@ def dequantizes(proto) -> bool:
 def runtime_mode(settings: EvalSettings, optimized_path: str, proto) -> dict:
     """How the runtime ran the candidate, read off the graph ONNX Runtime optimised (written to `optimized_path`
     where there was anything to fuse or fold)."""
-    fused, per_call = 0, None
+    fused = sum(1 for n in proto.graph.node if n.op_type == "MatMulNBits")  # a native file's own: nothing to fuse
+    per_call = None
     if os.path.exists(optimized_path):
         optimized = graph_ops.wire.skeleton(optimized_path)  # node types only: the weights stay in the file
         fused = sum(1 for n in optimized.graph.node if n.op_type == "MatMulNBits")

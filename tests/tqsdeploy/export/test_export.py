@@ -580,6 +580,8 @@ def test_default_export_runs_on_onnx_runtimes_own_kernels_and_eval_says_so(score
     assert code == 0, text
     report = json.loads((tmp_path / "ev.json").read_text())
     assert report["runtime"]["mode"].startswith("ONNX Runtime's own low-bit kernels")
+    written = sum(n.op_type == "MatMulNBits" for n in onnx.load(str(candidate), load_external_data=False).graph.node)
+    assert report["runtime"]["matmulnbits_nodes"] == written >= 2  # the file's own nodes, not 0 for nothing fused
     totals = report["forms"]["totals"]
     assert totals["MatMulNBits 4-bit"]["tensors"] == 2 and totals["folded at load"]["bytes"] == 4 * 128 * 256
     float_bytes = 4 * (256 * 256 + 128 * 256)
