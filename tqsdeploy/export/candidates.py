@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from tiers import TIERS, Encoded, Rounding, Tier
+from tiers import METHODS, TIERS, Encoded, Rounding, Tier
 from tqsdeploy.encoding.choices import AnyRounding, drift_order
 from tqsdeploy.export.allocate import Allocation
 from tqsdeploy.export.job import ExportJob
@@ -27,6 +28,13 @@ KINDS = {
     "uniform": "every slot at one tier, rounded by the method named",
 }
 """What the words of a candidate's label mean (`explain`): the models an export compares, in a newcomer's words."""
+
+
+OTHER_METHOD_MARGIN = 0.02
+"""On the scoring contexts, a uniform model rounded by another calibrated method than the export's own (GPTAQ in a
+QEP export) ships ahead of the export's own best candidate only when it drifts at least this share less. Both are
+fitted to those windows, and between two such fits their order there is mostly calibration noise (measured:
+benchmarks/results/calib_spread.md, "A uniform model of another method")."""
 
 
 def mixed_with(tier: str) -> str:
@@ -79,6 +87,27 @@ class Candidate:
 def rank(candidate: Candidate) -> tuple[float, float]:
     """How candidates are ordered, best first: worst output drift, then relative RMS drift."""
     return drift_order(candidate.drift)
+
+
+def preferred(found: list[Candidate], own_method: str) -> list[Candidate]:
+    """`found` best first on the scoring contexts: by drift (`rank`), but a uniform model of another calibrated
+    method than the export's own (`own_method`) goes ahead of the export's best candidate only when it drifts
+    `OTHER_METHOD_MARGIN` less; a failed measurement (NaN) never goes ahead. An export of `auto` (which measured
+    every method to choose) or `rtn` (which compares no calibrated model) orders by drift alone."""
+    ordered = sorted(found, key=rank)
+    if own_method not in METHODS or not METHODS[own_method].stats:
+        return ordered
+
+    def other(candidate: Candidate) -> bool:
+        words = candidate.label.split()
+        method = words[2].split("/")[0] if len(words) == 3 and words[0] == "uniform" else own_method
+        return method != own_method and method in METHODS and METHODS[method].stats
+
+    own = next((c for c in ordered if not other(c)), None)
+    if own is None or not math.isfinite(own.drift.worst_pct):
+        return ordered
+    ahead = [c for c in ordered if other(c) and c.drift.worst_pct < (1 - OTHER_METHOD_MARGIN) * own.drift.worst_pct]
+    return [*ahead, own, *(c for c in ordered if c is not own and all(c is not a for a in ahead))]
 
 
 def _drift_key(tier: Tier, rounding: Rounding) -> tuple[str, Rounding]:

@@ -17,6 +17,7 @@ from tqsdeploy.export.candidates import (
     MixedModels,
     UniformModels,
     mixed_with,
+    preferred,
     rank,
     relabelled,
 )
@@ -119,10 +120,11 @@ class Comparison:
             self._add_uniform(found, fitting[0], target)
         timings["compare"] += time.perf_counter() - started
         timings["uniform_comparison"] = timings.get("uniform_comparison", 0.0) + time.perf_counter() - uniform_started
-        best = min(found, key=rank)
+        ordered = preferred(found, self.roundings.rounding.method)
+        best = ordered[0]
         if not best.encodings and best.remake is not None:
             best.encodings = best.remake()
-        return sorted(found, key=rank)
+        return ordered
 
     def _holds(self, tier: str) -> bool:
         """Whether the uniform model at `tier` keeps within `--max-memory` (always, without it)."""
@@ -201,7 +203,7 @@ class Comparison:
         beaten (up to a byte per weight each) before the next calibration pass runs."""
         if not self.job.scored.one_session:
             return
-        best = min(found, key=rank)
+        best = preferred(found, self.roundings.rounding.method)[0]
         for candidate in found:
             if candidate is not best and candidate.encodings:
                 candidate.encodings = {}

@@ -25,7 +25,7 @@ from tqsdeploy.encoding.logs import thin_note
 from tqsdeploy.errors import InputError
 from tqsdeploy.export.allocate import Allocation
 from tqsdeploy.export.bounds import slowdown_record
-from tqsdeploy.export.candidates import MIXED, Candidate, explain
+from tqsdeploy.export.candidates import MIXED, OTHER_METHOD_MARGIN, Candidate, explain, rank
 from tqsdeploy.export.deployed import DeployedMemory, timed_against_original
 from tqsdeploy.export.job import ExportJob
 from tqsdeploy.export.roundings import Roundings
@@ -198,6 +198,15 @@ class Writer:
             )
         if validation is not None and len(compared) > 1:
             notes.append(validation.note(chosen, compared))
+        passed = [c for c in compared if validation is None and folded is None and rank(c) < rank(chosen)]
+        if passed and uniform_tier is None:
+            notes.append(
+                f"{passed[0].label} drifted {passed[0].drift.worst_pct:.4g}% on the scoring contexts, less than the "
+                f"shipped model's {chosen.drift.worst_pct:.4g}% but by under {OTHER_METHOD_MARGIN:.0%}: a uniform "
+                "model of another rounding method than the export's ships only past that margin (fitted to the "
+                "same windows, their order there is mostly calibration noise); --validate FILE chooses on windows "
+                "neither saw"
+            )
         if overshoot is not None:
             notes.append(overshoot)
         notes += self._untested_rows(chosen)
