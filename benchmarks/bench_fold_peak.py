@@ -121,13 +121,13 @@ def main() -> None:
             rows.append({"form": form, "file_bytes": path.stat().st_size, **measured})
     weight_mb = args.channels * args.channels * args.kernel * 4 / 1e6
     lines = [
-        f"# A folded weight's cost at load (`benchmarks/bench_fold_peak.py`)",
+        "# A folded weight's cost at load (`benchmarks/bench_fold_peak.py`)",
         "",
-        f"One Conv of {args.channels} x {args.channels} x {args.kernel} float32 weights ({weight_mb:.2f} MB), ONNX Runtime "
-        f"{onnxruntime.__version__} CPU, 2 intra-op threads, each form in a fresh process ({args.repeats} runs, the last "
-        "kept; they repeat to about 0.1 MB). Resident growth from just before the session is created: after it (load), "
-        "the peak over load and 3 calls (VmHWM after /proc/self/clear_refs) and after the calls with the freed heap "
-        "returned (steady). `python benchmarks/bench_fold_peak.py`.",
+        f"One Conv of {args.channels} x {args.channels} x {args.kernel} float32 weights ({weight_mb:.2f} MB), "
+        f"ONNX Runtime {onnxruntime.__version__} CPU, 2 intra-op threads, each form in a fresh process "
+        f"({args.repeats} runs, the last kept; they repeat to about 0.1 MB). Resident growth from just before the "
+        "session is created: after it (load), the peak over load and 3 calls (VmHWM after /proc/self/clear_refs) and "
+        "after the calls with the freed heap returned (steady). `python benchmarks/bench_fold_peak.py`.",
         "",
         "| form | file MB | load MB | peak MB | steady MB | nodes ONNX Runtime runs |",
         "|---|---|---|---|---|---|",
