@@ -99,9 +99,8 @@ def preferred(found: list[Candidate], own_method: str) -> list[Candidate]:
         return ordered
 
     def other(candidate: Candidate) -> bool:
-        words = candidate.label.split()
-        method = words[2].split("/")[0] if len(words) == 3 and words[0] == "uniform" else own_method
-        return method != own_method and method in METHODS and METHODS[method].stats
+        method = candidate.rounding.split("/")[0]  # a uniform model's method and grid ('gptaq/min-max')
+        return candidate.cached is not None and method != own_method and method in METHODS and METHODS[method].stats
 
     own = next((c for c in ordered if not other(c)), None)
     if own is None or not math.isfinite(own.drift.worst_pct):

@@ -198,8 +198,9 @@ class Writer:
             )
         if validation is not None and len(compared) > 1:
             notes.append(validation.note(chosen, compared))
-        passed = [c for c in compared if validation is None and folded is None and rank(c) < rank(chosen)]
-        if passed and uniform_tier is None:
+        chosen_on_scoring = validation is None and folded is None and uniform_tier is None
+        passed = [c for c in compared if rank(c) < rank(chosen)] if chosen_on_scoring else []
+        if passed:  # ranked ahead on drift, kept behind by the margin (`candidates.preferred`)
             notes.append(
                 f"{passed[0].label} drifted {passed[0].drift.worst_pct:.4g}% on the scoring contexts, less than the "
                 f"shipped model's {chosen.drift.worst_pct:.4g}% but by under {OTHER_METHOD_MARGIN:.0%}: a uniform "

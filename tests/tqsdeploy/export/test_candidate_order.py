@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from tiers import Rounding
 from tqsdeploy.export.allocate import Allocation
 from tqsdeploy.export.candidates import OTHER_METHOD_MARGIN, Candidate, preferred, rank
 from tqsdeploy.rollout.engine import Drift
@@ -12,8 +13,16 @@ from tqsdeploy.size import SizeBudget
 
 
 def candidate(label: str, drift_pct: float) -> Candidate:
+    """A candidate as the export makes it: a uniform one ('uniform TIER METHOD[/GRID]') names the encoder's (tier,
+    rounding) it is and its method and grid; a mixed one has the export's rounding (QEP here)."""
     allocation = Allocation({"w": "int4-asym"}, {"w": 4 * 64}, SizeBudget(32 * 64), 8.0, "test", "trajectory")
-    return Candidate(label, allocation, {}, Drift(drift_pct / 100, {"y": drift_pct}, [drift_pct]))
+    drift = Drift(drift_pct / 100, {"y": drift_pct}, [drift_pct])
+    words = label.split()
+    if words[0] != "uniform":
+        return Candidate(label, allocation, {}, drift, rounding="qep")
+    method, _, grids = words[2].partition("/")
+    rounding = Rounding(method, grids=grids or "per-channel")
+    return Candidate(label, allocation, {}, drift, cached=(words[1], rounding), rounding=words[2])
 
 
 def labels(found: list[Candidate], own: str = "qep") -> list[str]:
