@@ -8,7 +8,8 @@ outputs of heldout.npz's rollout, exact dequantization), mean ± sd over the 6 s
 
 Where the windows come from: the tied mixer's from the ETTh1 rows its contexts span (shift rollout); a model
 whose rollout feeds its outputs back by replacement (lorenz96, pangu_lorenz96) from the states of truth.npz,
-the scoring trajectories' later states (never the held-out ones).
+the scoring trajectories' later states (never the held-out ones); the single-step downscaler's (era5_downscale) from
+the ERA5 month's test-week hours, never one of heldout.npz's.
 
     python benchmarks/bench_calib_spread.py [--example lorenz96] [--cli new=PATH,old=PATH]
         [--methods qep] [--bits 4,2] [--sets 5]
@@ -88,6 +89,47 @@ def trajectory_sets(folder: Path, example: Path, count: int = SETS) -> list[Path
         paths.append(folder / f"calib{k}.npz")
         np.savez(paths[-1], **{pairs[o]: truth[o][pick // steps, pick % steps] for o in pairs})
     return paths
+
+
+ERA5 = Path(os.environ.get("ERA5_NPZ", REPO.parent / "shared" / "data" / "era5_t2m_uk_2019_03.npz"))
+"""The ERA5 2 m temperature month era5_downscale was trained on (a worktree elsewhere: ERA5_NPZ names the file)."""
+DOWNSCALE_TEST_HOURS, DOWNSCALE_FACTOR = (504, 744), 3
+"""era5_downscale's test week (hours 504..743; weeks 1-3 trained it) and its coarsening factor (its train.py)."""
+
+
+def downscale_sets(folder: Path, example: Path, count: int = SETS) -> list[Path]:
+    """The single-step downscaler: `count` seeded sets (seeds 100, 101, ...) of as many windows of test-week hours as
+    contexts.npz holds, never an hour of heldout.npz, each coarsened as its train.py coarsens (3 x 3 block means,
+    the last block column edge-padded), with its hour of day (the file starts at 00 UTC)."""
+    contexts, heldout = np.load(example / "contexts.npz"), np.load(example / "heldout.npz")
+    windows, per_window = contexts["hour"].shape
+    t2m = np.load(ERA5)["t2m"].astype(np.float32)
+    padded = np.pad(t2m, ((0, 0), (0, -t2m.shape[1] % 3), (0, -t2m.shape[2] % 3)), mode="edge")
+    coarse = padded.reshape(len(t2m), -1, 3, padded.shape[2] // 3, 3).mean((2, 4))[:, None]
+    if coarse.shape[1:] != contexts["coarse"].shape[2:]:
+        raise SystemExit(
+            f"{example.name}: coarsened ERA5 is {coarse.shape[1:]}, contexts.npz {contexts['coarse'].shape[2:]}"
+        )
+    first, last = DOWNSCALE_TEST_HOURS
+    held = _hours_of(heldout["coarse"], coarse)
+    free = np.array([h for h in range(first, last) if h not in held])
+    paths = []
+    for k in range(count):
+        times = np.random.default_rng(100 + k).choice(free, windows * per_window, replace=False).reshape(windows, -1)
+        paths.append(folder / f"calib{k}.npz")
+        np.savez(paths[-1], coarse=coarse[times], hour=(times % 24).astype(np.int64))
+    return paths
+
+
+def _hours_of(fields: np.ndarray, coarse: np.ndarray) -> set[int]:
+    """The hours of `coarse` (T, 1, h, w) whose field equals one of `fields` (any leading shape): where heldout.npz's
+    windows were taken from."""
+    flat = coarse.reshape(len(coarse), -1)
+    wanted = fields.reshape(-1, flat.shape[1])
+    hours = {int(np.flatnonzero(np.all(np.isclose(flat, row, atol=1e-4), axis=1))[0]) for row in wanted}
+    if len(hours) != len(wanted):
+        raise SystemExit("heldout.npz's fields do not each match one hour of the ERA5 file")
+    return hours
 
 
 def held_out_drift(candidate: Path, example: Path) -> float:
@@ -262,7 +304,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        drawn = (etth1_sets if (example / "norm.json").exists() else trajectory_sets)(folder, example, args.sets)
+        draw = etth1_sets if (example / "norm.json").exists() else trajectory_sets
+        draw = downscale_sets if args.example == "era5_downscale" else draw
+        drawn = draw(folder, example, args.sets)
         sets = drawn + [example / "contexts.npz"]
         if args.tqs:
             tqs_spread(args, example, folder, sets, clis)

@@ -203,7 +203,13 @@ def drift_lines(outcome, windows: int) -> list[str]:
     return lines
 
 
-CACHED = {"weights": "encoded weights", "drift": "drifts", "choice": "grid choices", "prices": "tier prices"}
+CACHED = {
+    "weights": "encoded weights",
+    "drift": "drifts",
+    "choice": "grid choices",
+    "share": "channel-group shares",
+    "prices": "tier prices",
+}
 """What `export --verbose` counts of the run's cache, by kind (`RunCache.since`)."""
 
 

@@ -19,10 +19,13 @@ import numpy as np
 import graph_ops
 from graph_ops.calibration import layer_inputs, sample_chunks
 from tiers import Tier
+from tqsdeploy.encoding import checkpoints, run_cache
 from tqsdeploy.encoding.choices import AnyRounding
 from tqsdeploy.encoding.slots import Slot
 from tqsdeploy.export.job import ExportJob
 
+SHARE_KIND = "share"
+"""The run-cache kind of a unit's channel errors at a tier (a list of floats, exact through JSON)."""
 FULL_ORDER = 1024
 """Inputs up to this width weigh the error by their full second moment H (K x K); wider ones by its diagonal only,
 a vector per weight where a 4096-wide layer's H takes 128 MiB."""
@@ -96,8 +99,9 @@ class GroupShares:
         return float(errors[start:stop].sum()) / total if total > 0 else (stop - start) / len(errors)
 
     def prepare(self, tasks: Iterable[tuple[Slot, Tier]], rounding: AnyRounding) -> None:
-        """The errors of every (unit, tier) of the group slots in `tasks` not made yet: one pass over the calibration
-        samples for the units' moments, dropped once their errors are made."""
+        """The errors of every (unit, tier) of the group slots in `tasks` not made yet: read from the run's cache
+        where an earlier export of the run made them for the same codes, else from one pass over the calibration
+        samples for the missing units' moments, dropped once their errors are made (and kept in the cache)."""
         wanted: dict[str, set[str]] = {}
         tiers: dict[str, Tier] = {}
         for slot, tier in tasks:
@@ -108,18 +112,46 @@ class GroupShares:
             return
         scored, encoder = self.job.scored, self.job.encoder
         names = {unit: scored.units_by_name[unit].tensor_names[0] for unit in wanted}
-        moments = self._moments(list(names.values()))
+        missing: dict[str, dict[str, str | None]] = {}
         for unit, tier_names in wanted.items():
+            for tier_name in sorted(tier_names):
+                key = self._cache_key(names[unit], encoder.tensor(names[unit], tiers[tier_name], rounding))
+                encoder.release_kept()  # each tier's codes are read here once (or twice, where the cache misses)
+                kept = self.job.cache.value(SHARE_KIND, key) if key is not None else None
+                if kept is None:
+                    missing.setdefault(unit, {})[tier_name] = key
+                else:
+                    self._set(unit, tier_name, np.asarray(kept, np.float64))
+        if not missing:
+            return
+        moments = self._moments([names[unit] for unit in missing])
+        for unit, keys in missing.items():
             name = names[unit]
             layout = encoder.layouts[name]
             original = layout.to_wt(np.asarray(scored.weights[name]))  # cast a row group at a time (`channel_errors`)
-            read = self._read_rows(name, layout.channels)
-            for tier_name in tier_names:
+            for tier_name, key in keys.items():
                 encoded = encoder.tensor(name, tiers[tier_name], rounding).dequantize()
                 errors = channel_errors(original, layout.to_wt(encoded), moments[name])
-                self._errors[(unit, tier_name)] = errors * read if read is not None else errors
-                encoder.release_kept()  # each tier's codes are read here once
+                if key is not None:
+                    self.job.cache.keep(SHARE_KIND, key, f"{unit} at {tier_name}: channel errors", errors.tolist())
+                self._set(unit, tier_name, errors)
+                encoder.release_kept()
             graph_ops.release_pages(scored.weights, [name])  # and the weight: the whole model would end resident
+
+    def _set(self, unit: str, tier_name: str, errors: np.ndarray) -> None:
+        name = self.job.scored.units_by_name[unit].tensor_names[0]
+        read = self._read_rows(name, self.job.encoder.layouts[name].channels)
+        self._errors[(unit, tier_name)] = errors * read if read is not None else errors
+
+    def _cache_key(self, name: str, encoded) -> str | None:
+        """The run-cache key of weight `name`'s channel errors at `encoded`: its codes' digest, and what the moments
+        depend on (the calibration rollout of the score run: `ScoredModel.checkpoint_identity`); None without a
+        cache."""
+        if self.job.cache is None:
+            return None
+        identity = self.job.scored.checkpoint_identity(self.job.settings)
+        codes = checkpoints.digest(name, encoded, self.job.scored.weights.get(name)).hex()
+        return run_cache.key(identity, "channel errors", f"moments up to {FULL_ORDER} wide", name, codes)
 
     def _moments(self, names: list[str]) -> Mapping[str, list[np.ndarray] | None]:
         calibrator = self.job.encoder.calibrator

@@ -65,6 +65,7 @@ def test_a_warm_export_writes_the_bytes_a_cold_one_writes_and_encodes_nothing(sc
     assert made and not encoded and all(done == count for _, count, done in passes)
     assert cold.cache["made"]["weights"] > 0 and cold.cache["made"]["drift"] > 0
     assert warm.cache["read"]["drift"] > 0 and warm.cache["read"]["prices"] > 0 and not warm.cache["made"]
+    assert cold.cache["made"]["share"] > 0 and warm.cache["read"]["share"] == cold.cache["made"]["share"]
     assert warm.drift == cold.drift == plain.drift
 
 
@@ -172,7 +173,10 @@ def test_fresh_drops_the_cache(scored, tmp_path):
     assert code == 0 and "cache: reused " in text and "weights read from the run's cache" in text, text
     assert "reused 0 encoded weights" not in text
     code, text = invoke("export", model, "--run", run, "--C", 4, "-o", tmp_path / "c.onnx", "--verbose", "--fresh")
-    assert code == 0 and "reused 0 encoded weights, 0 drifts, 0 grid choices, 0 tier prices" in text, text
+    assert (
+        code == 0
+        and "reused 0 encoded weights, 0 drifts, 0 grid choices, 0 channel-group shares, 0 tier prices" in text
+    ), text
     assert {p.name for p in (run / FOLDER / "weights").iterdir()} == before  # made again, the same entries
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "c.onnx").read_bytes()
     code, text = invoke("score", model, "-c", contexts, "--steps", 3, "--probes", 1, "-o", run, "--fresh")
