@@ -81,7 +81,7 @@ def _bounds_from_options(
     degradation = parse_percent(max_degradation, "--max-degradation") if max_degradation else None
     drift_std = parse_percent(max_drift_std, "--max-drift-std") if max_drift_std else None
     if on not in JUDGED:
-        raise typer.BadParameter(f"--on takes {' or '.join(JUDGED)}, not '{on}'")
+        raise typer.BadParameter(f"--on takes {', '.join(JUDGED)}, not '{on}'")
     size = parse_size(max_size) if max_size else None
     if max_slowdown is not None:
         if not (math.isfinite(max_slowdown) and max_slowdown > 0):
@@ -208,9 +208,11 @@ def gate(
     on: str = typer.Option(
         "upper",
         "--on",
-        metavar="upper|point",
+        metavar="upper|point|lower",
         help="What the degradation and drift bounds judge: upper (default), the upper end of the 95% interval over "
-        "the windows, so a model passes only when the windows show it within the bound; point, the estimate alone.",
+        "the windows, so a model passes only when the windows show it within the bound; point, the estimate alone "
+        "(exactly as asked); lower, the lower end, so a model fails only when the bound is exceeded beyond the "
+        "windows' noise.",
     ),
     max_drift_std: Optional[str] = typer.Option(
         None,

@@ -55,9 +55,16 @@ def parse_memory(text: str) -> tuple[float | None, float | None]:
     return parse_size(text, "--max-memory"), None
 
 
-JUDGED = {"upper": "upper end of the 95% interval", "point": "point estimate"}
+JUDGED = {
+    "upper": "upper end of the 95% interval",
+    "point": "point estimate",
+    "lower": "lower end of the 95% interval",
+}
 """What a degradation or drift bound judges (`gate --on`): the interval's upper end (the default: a model passes
-only when the windows show it within the bound) or the estimate alone."""
+only when the windows show it within the bound), the estimate alone (exactly as asked), or the interval's lower end
+(a model fails only when the windows show it past the bound, beyond their noise)."""
+ENDS = {"upper": 1, "lower": 0}
+"""The interval's end each judgement of one reads."""
 DEFAULT_ON = "upper"
 
 
@@ -66,8 +73,8 @@ class Bounds:
     max_degradation: float | None = None
     """Percent, on every trajectory output."""
     on: str = DEFAULT_ON
-    """What the degradation and drift bounds judge: 'upper' (the upper end of the 95% interval over windows) or
-    'point' (the estimate); `JUDGED`."""
+    """What the degradation and drift bounds judge: 'upper' or 'lower' (that end of the 95% interval over windows)
+    or 'point' (the estimate); `JUDGED`."""
     max_drift_std: float | None = None
     """Percent of the reference's standard deviation (`drift_std_pct`, offset-free), on every trajectory output."""
     min_compression: float | None = None
@@ -117,7 +124,8 @@ class Check:
     unit: str = ""
     """'%', 'x' or 'bytes': the unit of `measured` and `limit`."""
     on: str | None = None
-    """For a degradation or drift bound: what `measured` is ('upper' end of the interval, or the 'point' estimate)."""
+    """For a degradation or drift bound: what `measured` is (the 'upper' or 'lower' end of the interval, or the
+    'point' estimate)."""
     estimate: float | None = None
     """For a degradation or drift bound: the point estimate, whichever `on` judged."""
     interval: list[float] | None = None
@@ -127,9 +135,9 @@ class Check:
     def shown(self) -> str:
         """The measured value with its unit (and for a bound on an interval, the estimate and the interval)."""
         value = f"{self.measured:.6g}{self.unit if self.unit in ('%', 'x') else ' ' + self.unit}".rstrip()
-        if self.on == "upper" and self.interval is not None:
+        if self.on in ENDS and self.interval is not None:
             low, high = self.interval
-            return f"{value} (upper of [{low:.4g}, {high:.4g}]; estimate {self.estimate:.4g}{self.unit})"
+            return f"{value} ({self.on} of [{low:.4g}, {high:.4g}]; estimate {self.estimate:.4g}{self.unit})"
         if self.on == "point" and self.interval is not None:
             low, high = self.interval
             return f"{value} (estimate; interval [{low:.4g}, {high:.4g}])"
@@ -140,7 +148,7 @@ def check(report: dict, bounds: Bounds) -> list[Check]:
     """Every bound as a `Check` on the report, in the order gate.md lists them; a candidate's NaN or Inf output
     fails a check of its own where no degradation bound covers it."""
     if bounds.on not in JUDGED:
-        raise InputError(f"--on must be {' or '.join(JUDGED)}, not '{bounds.on}'")
+        raise InputError(f"--on must be {', '.join(JUDGED)}, not '{bounds.on}'")
     checks = [
         *_degradation_checks(report, bounds),
         *_drift_checks(report, bounds),
@@ -209,19 +217,19 @@ def _drift_checks(report: dict, bounds: Bounds) -> list[Check]:
 
 
 def _judged(name: str, estimate: float, interval: list[float] | None, limit: float, on: str) -> Check:
-    """A bound on a measurement with an interval over windows, judged on its upper end or its estimate (`on`);
+    """A bound on a measurement with an interval over windows, judged on one of its ends or its estimate (`on`);
     `name` is closed with what was judged, e.g. 'degradation[y] (truth, upper 95%)'."""
-    upper = on == "upper" and interval is not None
-    value = interval[1] if upper else estimate
+    end = on if on in ENDS and interval is not None else None
+    value = interval[ENDS[end]] if end else estimate
     return Check(
-        f"{name}, {'upper 95%' if upper else 'estimate'})",
+        f"{name}, {f'{end} 95%' if end else 'estimate'})",
         value <= limit,
         value,
         f"<= {limit:g}%",
         limit,
         "<=",
         "%",
-        "upper" if upper else "point",
+        end or "point",
         estimate,
         interval,
     )
@@ -352,10 +360,10 @@ def judged_line(checks: list[Check]) -> str | None:
     on = next((c.on for c in checks if c.on), None)
     if on is None:
         return None
-    other = next(k for k in JUDGED if k != on)
+    others = "; ".join(f"--on {k} judges the {JUDGED[k]}" for k in JUDGED if k != on)
     return (
         f"Degradation and drift bounds judge the {JUDGED[on]} over the context windows (--on {on}"
-        f"{', the default' if on == DEFAULT_ON else ''}; --on {other} judges the {JUDGED[other]})."
+        f"{', the default' if on == DEFAULT_ON else ''}; {others})."
     )
 
 

@@ -57,7 +57,24 @@ def test_upper_fails_what_point_passes_and_every_report_says_which(pair):
     assert f"| degradation[y] (reference drift, estimate) | {point:.6g}% (estimate; interval [" in text
     report = json.loads((folder / "g" / "gate.json").read_text())
     assert report["on"] == "point" and report["passed"] and report["checks"][0]["measured"] == point
-    assert "(--on point; --on upper judges the upper end of the 95% interval)" in text
+    assert "(--on point; --on upper judges the upper end of the 95% interval; --on lower judges the lower" in text
+
+
+def test_lower_fails_only_beyond_the_noise(pair):
+    """`--on lower`: a model fails only when the windows show it past the bound, the interval's lower end above it
+    (a bound between the lower end and the estimate passes, one under the lower end fails)."""
+    model, folder, output = pair
+    point, low = output["degradation_pct"], output["degradation_ci95"][0]
+    code, text = _gate(model, folder, (low + point) / 2, "--on", "lower")
+    assert code == 0, text
+    assert f"degradation[y] (reference drift, lower 95%) | {low:.6g}% (lower of [" in text
+    report = json.loads((folder / "g" / "gate.json").read_text())
+    assert report["on"] == "lower" and report["checks"][0]["measured"] == low and report["passed"]
+    code, text = _gate(model, folder, (low + point) / 2)  # the same bound fails as the default judges it
+    assert code == 1, text
+    assert low > 0  # RTN INT4 on this model: its whole interval is above zero
+    code, text = _gate(model, folder, low / 2, "--on", "lower")
+    assert code == 1 and "violates <= " in text, text
 
 
 def test_the_offset_free_drift_bound(pair):
@@ -70,7 +87,7 @@ def test_the_offset_free_drift_bound(pair):
     )  # fmt: skip
     assert code == 0 and "drift_std[y] (% of the reference's std, upper 95%)" in text, text
     code, text = invoke("gate", folder / "q.onnx", "-r", model, "-c", folder / "ctx.npz", "--on", "mean")
-    assert code == 2 and "--on takes upper or point, not 'mean'" in text, text
+    assert code == 2 and "--on takes upper, point, lower, not 'mean'" in text, text
 
 
 def test_drift_relative_to_the_reference_std_ignores_an_offset():
