@@ -122,13 +122,9 @@ def _dead(Wt: np.ndarray, H: np.ndarray, own: bool = False) -> tuple[np.ndarray,
     float32 column loop reads without a copy), H copied only when it has dead inputs to change (K x K float64)."""
     kept = Wt.dtype if own and Wt.dtype == np.float32 else np.float64  # a float32 Wt handed over is the loop's own
     Wt = np.asarray(Wt, kept) if own else np.array(Wt, np.float64)
-    dead = np.diag(H) == 0
+    H, dead = _dead_hessian(H)
     if dead.any():
-        H = np.array(H, np.float64)
-        H[dead, dead] = 1
         Wt[:, dead] = 0
-    else:
-        H = np.asarray(H, np.float64)
     return Wt, H, dead
 
 
@@ -311,6 +307,28 @@ class GptaqSettings(GptqSettings):
 
     alpha: float = 0.25
     """The official hard-coded value; 0 is exactly GPTQ."""
+
+
+def factor_first(H: np.ndarray, settings: GptqSettings, cache: "Hessian") -> None:
+    """Make the U `gptq(..., settings, cache=cache)` will read and keep it in `cache`, before the caller builds the
+    rows it solves: U's float64 factorization and its float32 cast are a solve's largest moment, and beside a
+    weight-sized stack of rows (`tiers.quantizer._both_grids`) they were the peak of a wide layer's solve. The same
+    H `_prepare` derives (dead inputs set to 1, act order's permutation), so the same U, bit for bit."""
+    H, dead = _dead_hessian(H)
+    if settings.act_order:
+        perm = np.argsort(-np.diag(H), kind="stable")
+        H = H[perm][:, perm]
+    _loop_factor(cache, H, settings.percdamp, settings.act_order)
+
+
+def _dead_hessian(H: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """H with its dead inputs' (zero diagonal) diagonal set to 1, a copy only where there are any; the dead mask."""
+    dead = np.diag(H) == 0
+    if dead.any():
+        H = np.array(H, np.float64)
+        H[dead, dead] = 1
+        return H, dead
+    return np.asarray(H, np.float64), dead
 
 
 def _prepare(Wt, H, spec: GridSpec, settings: GptqSettings, own: bool = False):

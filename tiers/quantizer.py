@@ -115,19 +115,30 @@ def quantize(
         return solvers.rtn(layout.to_wt(np.asarray(weight, np.float64)), spec, group)
     weight = np.asarray(weight)
     wt = c_order(layout.to_wt(weight), np.float64)  # the solvers' own copy: they work on it in place
-    kept = _exact_dtype(weight)
     rows = wt.shape[0] // len(stats)
+    before = _original_values(weight, layout) if spec.search else None
     parts = []
     for g, part in enumerate(stats):
         block = wt[g * rows : (g + 1) * rows]
-        parts.append(_method(rounding, block, part, spec, group, correct, kept))
+        original = None if before is None else before[g * rows : (g + 1) * rows]
+        parts.append(_method(rounding, block, part, spec, group, correct, original))
     return Quantized.stack(parts)
 
 
-def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: bool, kept=np.float64) -> Quantized:
-    """`wt` is this call's own: every solver works on it in place. `kept`: a dtype that holds the weight's values
-    exactly (float32 for a float32 weight), for the copy of them the grid choice compares against."""
-    original = np.array(wt, kept) if spec.search else None
+def _original_values(weight: np.ndarray, layout: Layout) -> np.ndarray:
+    """The weight's values in Wt order, read-only, for the grid choice to compare against once the solve has moved
+    the solver's copy: the caller's own array seen as Wt where its dtype is float32 or float64 (a view, no copy:
+    a K x K float32 weight is half a K x K float64 at the solve's peak), else a copy in the narrowest dtype that
+    holds them exactly."""
+    values = layout.to_wt(weight)
+    if values.dtype in (np.float32, np.float64):
+        return values
+    return np.array(values, _exact_dtype(weight))
+
+
+def _method(rounding: Rounding, wt, stats: Hessian, spec, group: int, correct: bool, original=None) -> Quantized:
+    """`wt` is this call's own: every solver works on it in place. `original`: the weight's values before the solve
+    (`_original_values`; None: the grid is not searched, nothing compares against them), read only."""
     product: dict | None = {} if original is not None else None
     rounding = shrunk_rounding(rounding, stats)
     if rounding.method == "qep":
@@ -164,16 +175,19 @@ def _solve(
 ) -> Quantized:
     """The base solve on `wt` (QEP's already corrected), in place; `grid` as for `solvers.gptq`; `losses` filled
     by a GPTQ loop (`solvers.gptq`), left alone by the others."""
-    settings = dict(
-        group_size=group, percdamp=rounding.percdamp, block_size=rounding.block_size, act_order=rounding.act_order
-    )
     if rounding.method == "gptaq":
-        options = solvers.GptaqSettings(**settings, alpha=rounding.strength)
+        options = solvers.GptaqSettings(**_loop_settings(rounding, group), alpha=rounding.strength)
         return solvers.gptaq(wt, stats.H, stats.G, spec, options, own=True, cache=stats, grid=grid)
     if rounding.method == "qep" and rounding.qep_base == "rtn":
         return solvers.rtn(wt, spec, group)
-    options = solvers.GptqSettings(**settings)
+    options = solvers.GptqSettings(**_loop_settings(rounding, group))
     return solvers.gptq(wt, stats.H, spec, options, own=True, cache=stats, grid=grid, losses=losses)
+
+
+def _loop_settings(rounding: Rounding, group: int) -> dict:
+    return dict(
+        group_size=group, percdamp=rounding.percdamp, block_size=rounding.block_size, act_order=rounding.act_order
+    )
 
 
 def _better_rows(
@@ -224,21 +238,54 @@ def _both_grids(
     rounding: Rounding, wt: np.ndarray, stats: Hessian, spec, plain_spec
 ) -> tuple[Quantized, np.ndarray, Quantized]:
     """(every row solved on its searched grid, the rows whose searched grid is not the min-max one, those rows
-    solved on the min-max grid), from one column loop over both. The grids are fitted as the solver fits them,
-    to the weight with its dead inputs zeroed (in place: `wt` is this call's own); one loop pays numpy's
-    per-column calls once, not twice (on layers of a few hundred rows they are most of a solve)."""
+    solved on the min-max grid), from one column loop over both (two past `ONE_LOOP_BYTES`). The grids are fitted
+    as the solver fits them, to the weight with its dead inputs zeroed (in place: `wt` is this call's own); one
+    loop pays numpy's per-column calls once, not twice (on layers of a few hundred rows they are most of a solve)."""
     dead = np.diag(stats.H) == 0
     wt[:, dead] = 0  # as the solver zeroes them in `wt`, this call's own, before it solves
     searched_grid, plain_grid = find_grid(wt, spec), find_grid(wt, plain_spec)
     rows = np.flatnonzero((searched_grid.scale != plain_grid.scale) | (searched_grid.zero != plain_grid.zero))
     if rows.size == 0:
         return _solve(rounding, wt, stats, spec, -1, searched_grid), rows, None, None
-    n = wt.shape[0]
-    stacked = np.empty((n + rows.size, wt.shape[1]), working_dtype(wt.shape[1]))  # the loop's dtype: not cast again
-    stacked[:n], stacked[n:] = wt, wt[rows]
+    n, dtype = wt.shape[0], working_dtype(wt.shape[1])
+    if rounding.method in ("gptq", "qep"):  # a GPTQ loop (QEP's base: `_solve`): its U made before the rows are
+        solvers.factor_first(stats.H, solvers.GptqSettings(**_loop_settings(rounding, -1)), stats)
     losses = None if dead.any() or rounding.act_order else np.zeros(n + rows.size)
-    both = _solve(rounding, stacked, stats, spec, -1, Grid.stack([searched_grid, plain_grid.rows(rows)]), losses)
-    return both.rows(0, n), rows, both.rows(n, n + rows.size), losses
+    if (n + rows.size) * wt.shape[1] * np.dtype(dtype).itemsize <= ONE_LOOP_BYTES:
+        stacked = np.empty((n + rows.size, wt.shape[1]), dtype)
+        stacked[:n] = wt
+        _rows_into(stacked[n:], wt, rows)
+        both = _solve(rounding, stacked, stats, spec, -1, Grid.stack([searched_grid, plain_grid.rows(rows)]), losses)
+        return both.rows(0, n), rows, both.rows(n, n + rows.size), losses
+    # a wide weight: the grids one loop after the other, each on its own rows (every row is solved alone, so the
+    # same codes and losses), the rows of one grid in memory at a time
+    first = _solve(rounding, np.array(wt, dtype), stats, spec, -1, searched_grid, _part(losses, 0, n))
+    picked = _rows_into(np.empty((rows.size, wt.shape[1]), dtype), wt, rows)
+    second = _solve(rounding, picked, stats, spec, -1, plain_grid.rows(rows), _part(losses, n, None))
+    return first, rows, second, losses
+
+
+ONE_LOOP_BYTES = 64 << 20
+"""Up to this size both grids' rows are stacked and solved in one column loop (numpy's per-column calls paid once:
+on layers of a few hundred rows they are most of a solve); past it (a 2900-wide layer) each grid's rows are solved
+in a loop of their own, so the rows of only one are in memory."""
+
+
+def _part(losses: np.ndarray | None, start: int, stop: int | None) -> np.ndarray | None:
+    return None if losses is None else losses[start:stop]  # a view: the loop adds each row's loss into it
+
+
+def _rows_into(out: np.ndarray, wt: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """`out` (the loop's dtype: not cast again) filled with wt's `rows`, STACK_ROWS at a time (wt[rows] whole would
+    be a float64 copy of them all at once)."""
+    for start in range(0, rows.size, STACK_ROWS):
+        part = rows[start : start + STACK_ROWS]
+        out[start : start + part.size] = wt[part]
+    return out
+
+
+STACK_ROWS = 256
+"""Rows of the weight copied at a time into `_both_grids`' stack (a float64 copy of this many rows at most)."""
 
 
 def _exact_dtype(weight: np.ndarray):

@@ -437,3 +437,55 @@ def test_a_float32_loop_keeps_no_float64_u_and_still_reads_its_damping(monkeypat
     stats.factors[("U", 0.01, False)] = solvers.inverse_cholesky(stats.H, 0.01)  # as a GPTAQ solve leaves it
     wide = solvers.gptq(weight, stats.H, spec, cache=stats)
     assert np.array_equal(narrow.codes, wide.codes) and np.array_equal(narrow.scale, wide.scale)
+
+
+@pytest.mark.parametrize("method", ["qep", "gptq", "gptaq"])
+def test_a_wide_weights_grids_solved_one_after_the_other_give_the_codes_of_one_loop(method, monkeypatch):
+    """Past `ONE_LOOP_BYTES` the searched grid's rows and the min-max grid's are solved in two loops, holding one
+    grid's rows at a time: every row is solved alone, so the codes, scales and zero points are those of one loop
+    (a dead input among them)."""
+    wt, stats = _problem(4, 400, 96, 130)
+    stats.H[5, :] = stats.H[:, 5] = 0
+    layout, tier = Layout((96, 130), (1, 0)), TIERS["int4-asym"]
+    weight = np.ascontiguousarray(wt.T).astype(np.float32)
+    one = quantizer.quantize(weight, layout, tier, quantizer.Rounding(method), [stats])
+    loops = []
+    solve = quantizer._solve
+    monkeypatch.setattr(quantizer, "_solve", lambda r, w, *a: loops.append(w.shape[0]) or solve(r, w, *a))
+    monkeypatch.setattr(quantizer, "ONE_LOOP_BYTES", 0)
+    two = quantizer.quantize(weight, layout, tier, quantizer.Rounding(method), [stats])
+    assert len(loops) == 2 and loops[0] == 130 and 0 < loops[1] <= 130
+    for field in ("codes", "scale", "zero"):
+        np.testing.assert_array_equal(getattr(two, field), getattr(one, field))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_loop_factor_made_first_is_the_one_gptq_would_make(act_order):
+    """`factor_first` makes GPTQ's U before the rows are built (the solve's largest moment apart from them): the
+    same entry GPTQ reads from the statistic, the same codes, and GPTQ makes no factor of its own after it."""
+    (wt, stats), (_, fresh) = (_problem(5, 400, 1100, 40) for _ in range(2))  # past 1024 inputs: a float32 U
+    for statistic in (stats, fresh):  # the same statistic twice, a dead input in each
+        statistic.H[7, :] = statistic.H[:, 7] = 0
+    settings = solvers.GptqSettings(act_order=act_order)
+    spec = GridSpec("int", 4, False, True)
+    plain = solvers.gptq(np.array(wt), stats.H, spec, settings, cache=stats)
+    solvers.factor_first(fresh.H, settings, fresh)
+    made = set(fresh.factors)
+    first = solvers.gptq(np.array(wt), fresh.H, spec, settings, cache=fresh)
+    assert set(fresh.factors) == made == set(stats.factors)
+    np.testing.assert_array_equal(first.codes, plain.codes)
+
+
+@pytest.mark.parametrize("method", ["qep", "gptaq"])
+def test_the_grid_choice_compares_against_the_callers_weight_unchanged(method):
+    """The grid choice reads the weight's values from the caller's own float32 array (a view, no copy): the codes of
+    the same values handed over as float64, and the caller's array is not written."""
+    wt, stats = _problem(6, 300, 64, 48)
+    layout, tier = Layout((64, 48), (1, 0)), TIERS["int2-asym"]
+    weight = np.ascontiguousarray(wt.T).astype(np.float32)
+    before = weight.copy()
+    narrow = quantizer.quantize(weight, layout, tier, quantizer.Rounding(method), [stats])
+    wide = quantizer.quantize(weight.astype(np.float64), layout, tier, quantizer.Rounding(method), [stats])
+    np.testing.assert_array_equal(weight, before)
+    for field in ("codes", "scale", "zero"):
+        np.testing.assert_array_equal(getattr(narrow, field), getattr(wide, field))
