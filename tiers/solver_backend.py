@@ -181,7 +181,7 @@ def solve_dtype(order: int) -> str:
     GPTAQ and QEP code) with 'float32', and with 'auto' from `FLOAT32_FROM` on; float64 otherwise. It covers
     GPTQ/GPTAQ's column loop (`tiers.column_loop`), QEP's correction (its Cholesky solve at QEP's 100% damping
     and its product with G) and the per-channel grid choice's products (`tiers.hessian.second_lower`). The
-    statistics H and G, GPTQ's inverse Cholesky (`tiers.gptq.inverse_cholesky`: in float32 it moved a chaotic
+    statistics H and G, GPTQ's inverse Cholesky (`tiers.factors.inverse_cholesky`: in float32 it moved a chaotic
     model's codes too far) and GPTAQ's P stay float64, and so do the grids and the sums. What float32 saves and
     what it keeps: docs/design-notes/tiers.md, 'Solves in float32 from K = 1024'."""
     chosen = solver_dtype()

@@ -11,7 +11,7 @@ import pytest
 import tiers.gptq as solvers
 import tiers.hessian as statistics
 from graph_ops.layout import Layout
-from tiers import TIERS, grid, quantizer
+from tiers import TIERS, factors, grid, quantizer
 from tiers.gptq import Quantized
 from tiers.grid import GridSpec
 from tiers.hessian import Hessian
@@ -227,7 +227,7 @@ def test_the_screens_residual_is_the_grids_own_rounding(dtype):
 
 
 def test_a_small_lapack_call_leaves_the_solvers_their_cores():
-    """A LAPACK call of small order sets scipy's own OpenBLAS to one thread (`tiers.gptq._lapack`); the cores the
+    """A LAPACK call of small order sets scipy's own OpenBLAS to one thread (`tiers.factors.lapack_for`); the cores the
     solvers may use still follow numpy's BLAS. Counted with scipy's copy, every calibration wave after the first
     small call solved its weights one at a time (on a quiet 2-core machine the same speed: BLAS threads filled the
     cores)."""
@@ -384,16 +384,16 @@ def test_narrow_working_copies_give_the_codes_of_float64_ones(monkeypatch, metho
 def test_the_inverse_cholesky_turned_in_place_has_the_bytes_of_the_reversed_copy(order, monkeypatch):
     """U = J·L⁻¹·J written into LAPACK's own buffer (a tiled transpose, then the buffer reversed) holds the bytes of
     the C-ordered copy of the reversed factor, at orders below, across and off the tile size."""
-    monkeypatch.setattr(solvers, "COPY_TILE", 128)
+    monkeypatch.setattr(factors, "COPY_TILE", 128)
     rng = np.random.default_rng(order)
     x = rng.standard_normal((2 * order, order))
     H = x.T @ x / order
-    lapack = solvers._lapack(order)
-    work = solvers._damped(H[::-1, ::-1], 0.01 * float(np.mean(np.diag(H))))
+    lapack = factors.lapack_for(order)
+    work = factors._damped(H[::-1, ::-1], 0.01 * float(np.mean(np.diag(H))))
     factor, info = lapack.dpotrf(work.T, lower=1, clean=1, overwrite_a=1)
     factor, info2 = lapack.dtrtri(factor, lower=1, overwrite_c=1)
     assert info == info2 == 0
-    copied = solvers.c_order(factor[::-1, ::-1])
+    copied = factors.c_order(factor[::-1, ::-1])
     turned = solvers.inverse_cholesky(H, 0.01)
     assert turned.flags.c_contiguous and np.array_equal(turned, copied)
     assert np.array_equal(turned, np.triu(turned))  # upper triangular, as GPTQ's loop reads it
