@@ -300,9 +300,28 @@ def gptaq(
     """
     percdamp, act_order, alpha = settings.percdamp, settings.act_order, settings.alpha
     Wt, H, dead, plan = _prepare(Wt, H, spec, settings, own)
+    if working_dtype(H.shape[0]) != np.float64:
+        return _solve(Wt, *_narrow_gptaq_factors(cache, H, G, dead, plan.perm, settings), plan, grid)
     U = cached(cache, ("U", percdamp, act_order), lambda: inverse_cholesky(H, percdamp))
     P = cached(cache, ("P", percdamp, act_order, alpha), lambda: _asymmetric_terms(G, U, dead, plan.perm, alpha))
     return _solve(Wt, U, P, plan, grid)
+
+
+def _narrow_gptaq_factors(cache: "Hessian | None", H, G, dead, perm, settings: GptaqSettings):
+    """GPTAQ's U and P for a float32 loop: made in float64 (P from the float64 U) and kept only as the float32 casts
+    the loop reads, the casts it made of the float64 ones on every solve: the same values, a K x K float64 less
+    of each held (and none cast per solve). U's corner is kept for `damping`, as `_loop_factor` keeps it."""
+    percdamp, act_order, alpha = settings.percdamp, settings.act_order, settings.alpha
+    keys = ("U", percdamp, act_order, "float32"), ("P", percdamp, act_order, alpha, "float32")
+    if cache is not None and all(key in cache.factors for key in keys):
+        return cache.factors[keys[0]], cache.factors[keys[1]]
+    upper = cache.factors.get(("U", percdamp, act_order)) if cache is not None else None
+    upper = inverse_cholesky(H, percdamp) if upper is None else upper
+    P = cached(cache, keys[1], lambda: np.asarray(_asymmetric_terms(G, upper, dead, perm, alpha), np.float32))
+    U = cached(cache, keys[0], lambda: np.asarray(upper, np.float32))
+    if cache is not None:
+        cache.factors[("U corner", percdamp, act_order)] = float(upper[-1, -1])
+    return U, P
 
 
 def _asymmetric_terms(G: np.ndarray, U: np.ndarray, dead: np.ndarray, perm, alpha: float) -> np.ndarray:

@@ -439,6 +439,25 @@ def test_a_float32_loop_keeps_no_float64_u_and_still_reads_its_damping(monkeypat
     assert np.array_equal(narrow.codes, wide.codes) and np.array_equal(narrow.scale, wide.scale)
 
 
+def test_a_float32_gptaq_loop_keeps_its_factors_in_float32_only(monkeypatch):
+    """A GPTAQ solve whose column loop runs in float32 keeps U and P as float32 only (the casts the loop made of the
+    float64 ones on every solve), U's corner for the damping, and gives the codes of a loop handed the float64 U
+    and P; a second solve on the statistic reads them (a dead input among the columns)."""
+    monkeypatch.setenv("TQS_SOLVER_DTYPE", "float32")
+    wt, stats = _problem(8, 300, 64, 40)
+    stats.H[5, :] = stats.H[:, 5] = 0
+    spec, settings = GridSpec("int", 4, False, True), solvers.GptaqSettings()
+    narrow = solvers.gptaq(np.array(wt), stats.H, stats.G, spec, settings, cache=stats)
+    kept = {key: value.dtype for key, value in stats.factors.items() if isinstance(value, np.ndarray)}
+    assert sorted(kept.values(), key=str) == [np.float32, np.float32] and ("U corner", 0.01, False) in stats.factors
+    again = solvers.gptaq(np.array(wt), stats.H, stats.G, spec, settings, cache=stats)
+    moved, H, dead, plan = solvers._prepare(np.array(wt), stats.H, spec, settings)
+    upper = solvers.inverse_cholesky(H, settings.percdamp)
+    wide = solvers._solve(moved, upper, solvers._asymmetric_terms(stats.G, upper, dead, None, settings.alpha), plan)
+    for solved in (narrow, again):
+        assert np.array_equal(solved.codes, wide.codes) and np.array_equal(solved.scale, wide.scale)
+
+
 @pytest.mark.parametrize("method", ["qep", "gptq", "gptaq"])
 def test_a_wide_weights_grids_solved_one_after_the_other_give_the_codes_of_one_loop(method, monkeypatch):
     """Past `ONE_LOOP_BYTES` the searched grid's rows and the min-max grid's are solved in two loops, holding one
