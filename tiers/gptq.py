@@ -24,8 +24,10 @@ caller's statistics.
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
@@ -210,10 +212,7 @@ def factor_first(H: np.ndarray, settings: GptqSettings, cache: "Hessian") -> Non
     rows it solves: U's float64 factorization and its float32 cast are a solve's largest moment, and beside a
     weight-sized stack of rows (`tiers.quantizer._both_grids`) they were the peak of a wide layer's solve. The same
     H `_prepare` derives (dead inputs set to 1, act order's permutation), so the same U, bit for bit."""
-    H, dead = _dead_hessian(H)
-    if settings.act_order:
-        perm = np.argsort(-np.diag(H), kind="stable")
-        H = H[perm][:, perm]
+    H, _ = _act_order(_dead_hessian(H)[0], settings.act_order)
     _loop_factor(cache, H, settings.percdamp, settings.act_order)
 
 
@@ -234,10 +233,18 @@ def _prepare(Wt, H, spec: GridSpec, settings: GptqSettings, own: bool = False):
     static_grids = None
     if static_groups and group_size > 0:
         static_grids = [find_grid(Wt[:, g : g + group_size], spec) for g in range(0, Wt.shape[1], group_size)]
-    perm = np.argsort(-np.diag(H), kind="stable") if act_order else None
+    H, perm = _act_order(H, act_order)
     if perm is not None:
-        Wt, H = Wt[:, perm], H[perm][:, perm]
+        Wt = Wt[:, perm]
     return Wt, H, dead, LoopPlan(spec, group_size, settings.block_size, perm, static_grids)
+
+
+def _act_order(H: np.ndarray, act_order: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """H with its columns in act order (by decreasing diagonal) and that permutation; H itself and None without."""
+    if not act_order:
+        return H, None
+    perm = np.argsort(-np.diag(H), kind="stable")
+    return H[perm][:, perm], perm
 
 
 def gptq(
@@ -274,13 +281,20 @@ def _loop_factor(cache: "Hessian | None", H: np.ndarray, percdamp: float, act_or
     if dtype == np.float64 or (cache is not None and key in cache.factors):
         return cached(cache, key, lambda: inverse_cholesky(H, percdamp))
 
+    return _narrowed_u(cache, percdamp, act_order, dtype, lambda: inverse_cholesky(H, percdamp))
+
+
+def _narrowed_u(cache: "Hessian | None", percdamp: float, act_order: bool, dtype, wide: Callable[[], np.ndarray]):
+    """U cast to a float32 loop's `dtype` from the float64 one `wide()` makes, kept in `cache` where GPTQ's and GPTAQ's
+    loops both look for it, with the corner entry `damping` reads."""
+
     def narrowed():
-        upper = inverse_cholesky(H, percdamp)
+        upper = wide()
         if cache is not None:
             cache.factors[("U corner", percdamp, act_order)] = float(upper[-1, -1])
         return np.asarray(upper, dtype)
 
-    return cached(cache, (*key, dtype.__name__), narrowed)
+    return cached(cache, ("U", percdamp, act_order, dtype.__name__), narrowed)
 
 
 def gptaq(
@@ -312,16 +326,15 @@ def _narrow_gptaq_factors(cache: "Hessian | None", H, G, dead, perm, settings: G
     the loop reads, the casts it made of the float64 ones on every solve: the same values, a K x K float64 less
     of each held (and none cast per solve). U's corner is kept for `damping`, as `_loop_factor` keeps it."""
     percdamp, act_order, alpha = settings.percdamp, settings.act_order, settings.alpha
-    keys = ("U", percdamp, act_order, "float32"), ("P", percdamp, act_order, alpha, "float32")
-    if cache is not None and all(key in cache.factors for key in keys):
-        return cache.factors[keys[0]], cache.factors[keys[1]]
-    upper = cache.factors.get(("U", percdamp, act_order)) if cache is not None else None
-    upper = inverse_cholesky(H, percdamp) if upper is None else upper
-    P = cached(cache, keys[1], lambda: np.asarray(_asymmetric_terms(G, upper, dead, perm, alpha), np.float32))
-    U = cached(cache, keys[0], lambda: np.asarray(upper, np.float32))
-    if cache is not None:
-        cache.factors[("U corner", percdamp, act_order)] = float(upper[-1, -1])
-    return U, P
+
+    @functools.cache
+    def wide() -> np.ndarray:  # made once, for P and for U's cast, only if either is not kept yet
+        kept = cache.factors.get(("U", percdamp, act_order)) if cache is not None else None
+        return inverse_cholesky(H, percdamp) if kept is None else kept
+
+    key = ("P", percdamp, act_order, alpha, "float32")
+    P = cached(cache, key, lambda: np.asarray(_asymmetric_terms(G, wide(), dead, perm, alpha), np.float32))
+    return _narrowed_u(cache, percdamp, act_order, np.float32, wide), P
 
 
 def _asymmetric_terms(G: np.ndarray, U: np.ndarray, dead: np.ndarray, perm, alpha: float) -> np.ndarray:
