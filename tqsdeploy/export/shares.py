@@ -145,11 +145,11 @@ class GroupShares:
 
     def _cache_key(self, name: str, encoded) -> str | None:
         """The run-cache key of weight `name`'s channel errors at `encoded`: its codes' digest, and what the moments
-        depend on (the calibration rollout of the score run: `ScoredModel.checkpoint_identity`); None without a
-        cache."""
-        if self.job.cache is None:
+        depend on (the calibration rollout of the score run: the identity the encoder's checkpoints are kept under,
+        `ScoredModel.checkpoint_identity`); None without a cache."""
+        if self.job.encoder.checkpoints is None:
             return None
-        identity = self.job.scored.checkpoint_identity(self.job.settings)
+        identity = self.job.encoder.checkpoints[1]
         codes = checkpoints.digest(name, encoded, self.job.scored.weights.get(name)).hex()
         return run_cache.key(identity, "channel errors", f"moments up to {FULL_ORDER} wide", name, codes)
 
