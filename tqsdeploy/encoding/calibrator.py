@@ -288,7 +288,11 @@ class Calibrator:
         uses = {key: value for key, value in every.items() if key not in cached}
         if not uses:
             return cached
-        statistics = WaveStatistics(uses, cross, len(self.samples))
+        readers: dict[tuple, int] = {}
+        for name in wave:
+            for use in self.layouts[name].uses:
+                readers[use.key] = max(readers.get(use.key, 0), len(self.layouts[name].uses))
+        statistics = WaveStatistics(uses, cross, len(self.samples), readers)
         fetch = sorted({u.x for u, _ in uses.values()} - self._graph.inputs)
         if self._kept == []:
             self._kept = [{} for _ in self.samples]

@@ -11,23 +11,31 @@ values in the same order, so the same bits (tests/tqsdeploy/encoding/test_wave_s
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import numpy as np
 
 from graph_ops.calibration import grouped_windows, layer_inputs, sample_chunks
 from tiers import Hessian
-from tiers.hessian import STATS_BATCH_BYTES
+from tiers.hessian import ROWS_PER_INPUT, STATS_BATCH_BYTES
 
 
 class WaveStatistics:
     """H (and G, with `cross`) of every use of a wave, from the samples `add` is given."""
 
-    def __init__(self, uses: Mapping[tuple, tuple], cross: bool, samples: int):
-        """`uses`: (use, row groups) by use key; `samples`: how many `add` calls there will be."""
+    def __init__(
+        self, uses: Mapping[tuple, tuple], cross: bool, samples: int, readers: Mapping[tuple, int] | None = None
+    ):
+        """`uses`: (use, row groups) by use key; `samples`: how many `add` calls there will be; `readers`: by use
+        key, how many uses the weight reading it has (the most of the weights that do; 1 when not given), which
+        share `ROWS_PER_INPUT` rows per input between them (`_thinned`)."""
         self.uses = dict(uses)
         self.cross = cross
         self.samples = samples
+        self.readers = dict(readers or {})
+        self.steps: dict[tuple, int] = {}
+        """Every how many rows of a use's X enter its statistic (1: all), set by the first sample (`_thinned`)."""
         self.stats: dict[tuple, list[Hessian] | None] = {key: None for key in self.uses}
         self._held: dict[tuple, list[tuple[np.ndarray, np.ndarray | None]]] | None = None
         """Activations (quantized, full or None) of the uses whose rows wait for the last sample, by key."""
@@ -35,7 +43,9 @@ class WaveStatistics:
     def add(self, quantized: Mapping[str, np.ndarray], full: Mapping[str, np.ndarray] | None) -> None:
         """One sample's layer inputs, with the quantized prefix and at full precision (None: the same ones)."""
         if self._held is None:
-            self._held = {key: [] for key, (use, groups) in self.uses.items() if self._waits(use, groups, quantized)}
+            for key in self.uses:
+                self._thinned(key, quantized)
+            self._held = {key: [] for key in self.uses if self._waits(key, quantized)}
         for key, (use, groups) in self.uses.items():
             x_fp = None if full is None else full[use.x]
             if key in self._held:
@@ -62,22 +72,66 @@ class WaveStatistics:
                 part.H
         return self.stats
 
-    def _waits(self, use, groups: int, quantized: Mapping[str, np.ndarray]) -> bool:
+    def _thinned(self, key: tuple, quantized: Mapping[str, np.ndarray]) -> None:
+        """Keep every r-th row of a use whose samples would give its weight more than `ROWS_PER_INPUT` rows per
+        input (r from the first sample's rows, the same for every sample): past that many, more rows of the same
+        windows barely move H, and on long contexts and weights read many times a step their statistics were
+        most of an export. A Conv keeps every r-th position along its longest output axis (the rows of the same
+        Conv strided r times more); other uses every r-th row of X. Recurrent and transposed uses keep all.
+        `ROWS_PER_INPUT` 0: every row."""
+        use, groups = self.uses[key]
+        self.steps[key] = 1
+        if use.recurrent is not None or (use.conv is not None and use.conv.transposed):
+            return
+        value = np.asarray(quantized[use.x])
+        if use.conv is not None:
+            if value.ndim != 2 + len(use.conv.kernel) or value.shape[1] % groups:
+                return
+            shape = grouped_windows(value, use.conv, groups).shape
+            rank = len(use.conv.kernel)
+            rows, columns = int(np.prod(shape[1 : 2 + rank])), int(np.prod(shape[2 + rank :]))
+            axis = int(np.argmax(shape[2 : 2 + rank]))  # the longest output axis
+        else:
+            x = layer_inputs(use, value, groups)[0]
+            rows, columns = x.shape
+        wanted = ROWS_PER_INPUT * columns / max(self.readers.get(key, 1), 1)
+        step = int(rows * self.samples // max(wanted, 1)) if ROWS_PER_INPUT else 1
+        if step <= 1:
+            return
+        self.steps[key] = step
+        if use.conv is not None:
+            spatial = tuple(value.shape[2:])
+            conv = dataclasses.replace(
+                use.conv,
+                strides=tuple(s * (step if i == axis else 1) for i, s in enumerate(use.conv.strides)),
+                pads=use.conv.resolved_pads(spatial),
+                auto_pad="NOTSET",
+            )
+            self.uses[key] = (dataclasses.replace(use, conv=conv), groups)
+
+    def _waits(self, key: tuple, quantized: Mapping[str, np.ndarray]) -> bool:
         """Whether a Conv use's rows of all samples fit one fold of each of its statistics (estimated from this
         sample), so that keeping its activations until the last sample holds less than its pending rows would."""
+        use, groups = self.uses[key]
         if use.conv is None:
             return False
         value = np.asarray(quantized[use.x])
         rows_bytes = value.size * int(np.prod(use.conv.kernel, dtype=np.int64)) * 8 // max(groups, 1)
+        rows_bytes //= self.steps.get(key, 1)
         if use.conv.transposed:
             rows_bytes *= int(np.prod(use.conv.strides, dtype=np.int64))
         return rows_bytes * self.samples < STATS_BATCH_BYTES
 
     def _rows(self, key: tuple, value: np.ndarray, full: np.ndarray | None) -> None:
         use, groups = self.uses[key]
+        step = 1 if use.conv is not None else self.steps.get(key, 1)  # a Conv's rows are thinned by its strides
         for samples in sample_chunks(use, value):
-            xs = layer_inputs(use, value[samples], groups)
-            xf = (xs if full is None else layer_inputs(use, full[samples], groups)) if self.cross else [None] * groups
+            xs = _every(layer_inputs(use, value[samples], groups), step)
+            xf = (
+                (xs if full is None else _every(layer_inputs(use, full[samples], groups), step))
+                if self.cross
+                else [None] * groups
+            )
             if self.stats[key] is None:
                 self.stats[key] = [Hessian(x.shape[1], self.cross) for x in xs]
             for part, x, x_fp in zip(self.stats[key], xs, xf):
@@ -118,6 +172,11 @@ class WaveStatistics:
                             np.subtract(full[group], into, out=difference)
                     start += rows[i]
                 part.fold_in(x, delta)
+
+
+def _every(rows: list[np.ndarray], step: int) -> list[np.ndarray]:
+    """Every `step`-th row of each group's rows."""
+    return rows if step == 1 else [x.reshape(-1, x.shape[-1])[::step] for x in rows]
 
 
 def _windowed(use, value: np.ndarray, groups: int) -> bool:

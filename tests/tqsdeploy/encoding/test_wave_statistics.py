@@ -3,6 +3,8 @@ the same H and G, bit for bit, as adding every sample's im2col column blocks as 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -86,7 +88,7 @@ def test_deferred_rows_give_the_same_bits(monkeypatch, cross, batch_bytes, held)
     monkeypatch.setattr(wave_statistics, "STATS_BATCH_BYTES", batch_bytes)
     monkeypatch.setattr("tiers.hessian.STATS_BATCH_BYTES", batch_bytes)
     if held == "always":
-        monkeypatch.setattr(WaveStatistics, "_waits", lambda self, use, groups, quantized: use.conv is not None)
+        monkeypatch.setattr(WaveStatistics, "_waits", lambda self, key, quantized: self.uses[key][0].conv is not None)
     uses, samples = _wave()
     statistics = WaveStatistics(uses, cross, len(samples))
     for quantized, full in samples:
@@ -119,3 +121,86 @@ def test_batches_fold_where_hessian_add_would():
 def test_no_samples_leave_no_statistics():
     uses, _ = _wave()
     assert WaveStatistics(uses, True, 0).finish() == {key: None for key in uses}
+
+
+def _statistics(uses, samples, cross=True, readers=None):
+    statistics = WaveStatistics(uses, cross, len(samples), readers)
+    for quantized, full in samples:
+        statistics.add(quantized, full)
+    return statistics, statistics.finish()
+
+
+@pytest.mark.parametrize("cross", [True, False])
+def test_rows_past_the_cap_are_every_rth_position_of_a_conv_and_row_of_a_matmul(monkeypatch, cross):
+    """With 1 row per input wanted, each use keeps every r-th row (r = rows it would see // rows wanted): a Conv
+    the rows of the same Conv strided r times more along its first axis, a MatMul every r-th row of X; both at
+    least the rows wanted and not many more. A ConvTranspose keeps all its rows."""
+    monkeypatch.setattr(wave_statistics, "ROWS_PER_INPUT", 1)
+    uses, samples = _wave()
+    statistics, got = _statistics(uses, samples, cross)
+    for key in ("dw-a", "dw-b", "dense"):
+        use, groups = uses[key]
+        rows = im2col(samples[0][0][use.x], use.conv).shape[0]
+        columns = got[key][0].H.shape[0]
+        step = rows * len(samples) // columns
+        assert step > 1 and statistics.steps[key] == step
+        strided = dataclasses.replace(use, conv=dataclasses.replace(use.conv, strides=(use.conv.strides[0] * step,)))
+        expected = _reference({key: (strided, groups)}, samples, cross)[key]
+        for mine, theirs in zip(got[key], expected):
+            assert columns <= mine.count == theirs.count < 4 * columns
+            np.testing.assert_array_equal(mine.H, theirs.H)
+    use, _ = uses["mm"]
+    step = statistics.steps["mm"]
+    assert step == 15 * len(samples) // 7
+    rows = [(q["m"].reshape(-1, 7)[::step], None if f is None else f["m"].reshape(-1, 7)[::step]) for q, f in samples]
+    reference = Hessian(7, cross)
+    for x, x_fp in rows:
+        reference.add(x, x if x_fp is None or not cross else x_fp)
+    assert got["mm"][0].count == reference.count == sum(len(x) for x, _ in rows)
+    np.testing.assert_array_equal(got["mm"][0].H, reference.H)
+    if cross:
+        np.testing.assert_array_equal(got["mm"][0].G, reference.G)
+    assert statistics.steps["up"] == 1
+    assert got["up"][0].count == _reference({"up": uses["up"]}, samples, cross)["up"][0].count
+
+
+def test_a_weight_read_many_times_shares_the_cap_between_its_uses(monkeypatch):
+    """A weight with 4 uses wants a quarter of the rows from each: its merged statistic holds about the rows
+    one use alone would have kept."""
+    monkeypatch.setattr(wave_statistics, "ROWS_PER_INPUT", 8)
+    uses, samples = _wave()
+    alone, _ = _statistics(uses, samples)
+    shared, got = _statistics(uses, samples, readers={key: 4 for key in uses})
+    assert shared.steps["dense"] >= 4 * alone.steps["dense"] - 3
+    columns = got["dense"][0].H.shape[0]
+    assert 2 * columns <= got["dense"][0].count < 8 * columns
+
+
+def test_uses_below_the_cap_keep_every_row():
+    """The default cap (`ROWS_PER_INPUT`) is far above this wave's rows: every use is the reference's."""
+    uses, samples = _wave()
+    statistics, got = _statistics(uses, samples)
+    assert set(statistics.steps.values()) == {1}
+    expected = _reference(uses, samples, True)
+    for key in uses:
+        for mine, theirs in zip(got[key], expected[key]):
+            assert mine.count == theirs.count
+            np.testing.assert_array_equal(mine.H, theirs.H)
+
+
+def test_a_2d_conv_is_thinned_along_its_longest_output_axis(monkeypatch):
+    """5 x 28 output positions: every r-th of the 28, the statistic of the same Conv strided r times more along
+    that axis."""
+    monkeypatch.setattr(wave_statistics, "ROWS_PER_INPUT", 1)
+    rng = np.random.default_rng(3)
+    use = WeightUse("g2", 0, "Conv", "c", conv=GROUPED_2D)
+    uses = {"g2": (use, GROUPED_2D.group)}
+    samples = [({"c": rng.standard_normal((2, 8, 9, 30)).astype(np.float32)}, None) for _ in range(3)]
+    statistics, got = _statistics(uses, samples, cross=False)
+    step = statistics.steps["g2"]
+    assert step == 2 * 5 * 28 * 3 // 18
+    strided = dataclasses.replace(use, conv=dataclasses.replace(GROUPED_2D, strides=(2, step)))
+    expected = _reference({"g2": (strided, GROUPED_2D.group)}, samples, False)["g2"]
+    for mine, theirs in zip(got["g2"], expected):
+        assert mine.count == theirs.count == 3 * 2 * 5 * -(-28 // step)
+        np.testing.assert_array_equal(mine.H, theirs.H)
