@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -202,15 +203,29 @@ class PassCheckpoints:
         self.digests.update(digests)
 
 
+PACKAGES = ("graph_ops", "runtimes", "tiers", "tqsdeploy")
+"""The distribution's packages, whose sources `code_hash` covers."""
+
+
+def sources() -> dict[str, Path]:
+    """Every Python source of `PACKAGES` by its path from the packages' folder ('tiers/hessian.py'), found where
+    each package is imported from (not relative to this file: a module moved between folders once left the hash
+    with no file at all)."""
+    found = {}
+    for package in PACKAGES:
+        folder = Path(importlib.import_module(package).__file__).resolve().parent
+        for source in sorted(folder.rglob("*.py")):
+            found[source.relative_to(folder.parent).as_posix()] = source
+    return found
+
+
 @functools.lru_cache(maxsize=1)
 def code_hash() -> str:
     """A hash of the toolkit's own sources (read once per process): a pass resumed after tqsdeploy changed (its
     version number may not have) encodes afresh instead of joining codes of two versions."""
     digest = hashlib.sha256()
-    root = Path(__file__).resolve().parent.parent
-    for package in ("graph_ops", "runtimes", "tiers", "tqsdeploy"):
-        for source in sorted((root / package).rglob("*.py")):
-            digest.update(source.relative_to(root).as_posix().encode() + b"\0" + source.read_bytes())
+    for name, source in sources().items():
+        digest.update(name.encode() + b"\0" + source.read_bytes())
     return digest.hexdigest()
 
 
