@@ -74,9 +74,11 @@ class WaveStatistics:
 
     def _thinned(self, key: tuple, quantized: Mapping[str, np.ndarray]) -> None:
         """Keep every r-th row of a use whose samples would give its weight more than `ROWS_PER_INPUT` rows per
-        input (r from the first sample's rows, the same for every sample): past that many, more rows of the same
-        windows barely move H, and on long contexts and weights read many times a step their statistics were
-        most of an export. A Conv keeps every r-th position along its longest output axis (the rows of the same
+        input and more rows than one fold holds (`STATS_BATCH_BYTES` as float64; r from the first sample's rows,
+        the same for every sample): past that many, more rows of the same windows barely move H, and on long
+        contexts and weights read many times a step their statistics were most of an export. Fewer rows than a
+        fold cost little, and are all kept: thinning a 5-input conv's rows saved nothing and moved lorenz96's
+        codes. A Conv keeps every r-th position along its longest output axis (the rows of the same
         Conv strided r times more); other uses every r-th row of X. Recurrent and transposed uses keep all.
         `ROWS_PER_INPUT` 0: every row."""
         use, groups = self.uses[key]
@@ -94,6 +96,8 @@ class WaveStatistics:
         else:
             x = layer_inputs(use, value, groups)[0]
             rows, columns = x.shape
+        if rows * self.samples * columns * groups * 8 <= STATS_BATCH_BYTES:
+            return  # all its rows are one fold: cheap, and every row kept leaves the codes as they were
         wanted = ROWS_PER_INPUT * columns / max(self.readers.get(key, 1), 1)
         step = int(rows * self.samples // max(wanted, 1)) if ROWS_PER_INPUT else 1
         if step <= 1:

@@ -123,6 +123,13 @@ def test_no_samples_leave_no_statistics():
     assert WaveStatistics(uses, True, 0).finish() == {key: None for key in uses}
 
 
+def _small_folds(monkeypatch, rows_per_input):
+    """A cap of `rows_per_input` rows per input, and folds of 64 bytes: this wave's uses are past both."""
+    monkeypatch.setattr(wave_statistics, "ROWS_PER_INPUT", rows_per_input)
+    monkeypatch.setattr(wave_statistics, "STATS_BATCH_BYTES", 64)
+    monkeypatch.setattr("tiers.hessian.STATS_BATCH_BYTES", 64)
+
+
 def _statistics(uses, samples, cross=True, readers=None):
     statistics = WaveStatistics(uses, cross, len(samples), readers)
     for quantized, full in samples:
@@ -135,7 +142,7 @@ def test_rows_past_the_cap_are_every_rth_position_of_a_conv_and_row_of_a_matmul(
     """With 1 row per input wanted, each use keeps every r-th row (r = rows it would see // rows wanted): a Conv
     the rows of the same Conv strided r times more along its first axis, a MatMul every r-th row of X; both at
     least the rows wanted and not many more. A ConvTranspose keeps all its rows."""
-    monkeypatch.setattr(wave_statistics, "ROWS_PER_INPUT", 1)
+    _small_folds(monkeypatch, 1)
     uses, samples = _wave()
     statistics, got = _statistics(uses, samples, cross)
     for key in ("dw-a", "dw-b", "dense"):
@@ -167,7 +174,7 @@ def test_rows_past_the_cap_are_every_rth_position_of_a_conv_and_row_of_a_matmul(
 def test_a_weight_read_many_times_shares_the_cap_between_its_uses(monkeypatch):
     """A weight with 4 uses wants a quarter of the rows from each: its merged statistic holds about the rows
     one use alone would have kept."""
-    monkeypatch.setattr(wave_statistics, "ROWS_PER_INPUT", 8)
+    _small_folds(monkeypatch, 8)
     uses, samples = _wave()
     alone, _ = _statistics(uses, samples)
     shared, got = _statistics(uses, samples, readers={key: 4 for key in uses})
@@ -191,7 +198,7 @@ def test_uses_below_the_cap_keep_every_row():
 def test_a_2d_conv_is_thinned_along_its_longest_output_axis(monkeypatch):
     """5 x 28 output positions: every r-th of the 28, the statistic of the same Conv strided r times more along
     that axis."""
-    monkeypatch.setattr(wave_statistics, "ROWS_PER_INPUT", 1)
+    _small_folds(monkeypatch, 1)
     rng = np.random.default_rng(3)
     use = WeightUse("g2", 0, "Conv", "c", conv=GROUPED_2D)
     uses = {"g2": (use, GROUPED_2D.group)}
@@ -204,3 +211,17 @@ def test_a_2d_conv_is_thinned_along_its_longest_output_axis(monkeypatch):
     for mine, theirs in zip(got["g2"], expected):
         assert mine.count == theirs.count == 3 * 2 * 5 * -(-28 // step)
         np.testing.assert_array_equal(mine.H, theirs.H)
+
+
+def test_rows_that_fit_one_fold_are_all_kept_past_the_cap(monkeypatch):
+    """1 row per input wanted, but every use's rows fit one fold (the default `STATS_BATCH_BYTES`): nothing is
+    thinned, the statistics are the reference's."""
+    monkeypatch.setattr(wave_statistics, "ROWS_PER_INPUT", 1)
+    uses, samples = _wave()
+    statistics, got = _statistics(uses, samples)
+    assert set(statistics.steps.values()) == {1}
+    expected = _reference(uses, samples, True)
+    for key in uses:
+        for mine, theirs in zip(got[key], expected[key]):
+            assert mine.count == theirs.count
+            np.testing.assert_array_equal(mine.H, theirs.H)
