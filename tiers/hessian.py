@@ -176,10 +176,11 @@ def cached(cache: "Hessian | None", key: tuple, make):
 
 
 ROWS_PER_INPUT = 1024
-"""Rows per input a weight's statistics take at most (shared between its uses): past that, every r-th row of
-each use (`tqsdeploy.encoding.wave_statistics`). GPTQ's references calibrate on 24-64 rows per input; a long
-context's depthwise conv read ten times a step had 8,400 per input, and its statistics were the largest part of
-an export (docs/design-notes/encoding.md, "At most 1,024 rows per input"). 0: every row."""
+"""Rows per input a weight's statistics take at most (shared between its uses): past that, and past one fold of
+rows (`STATS_BATCH_BYTES`), every r-th row of each use (`tqsdeploy.encoding.wave_statistics`). GPTQ's
+references calibrate on 24-64 rows per input; a long context's depthwise conv read ten times a step had 8,400
+per input, and its statistics were the largest part of an export (docs/design-notes/encoding.md, "At most
+1,024 rows per input"). 0: every row."""
 
 THIN_ROWS_PER_INPUT = 2
 """A statistic of fewer rows than this many per input is thin (`shrinkage`; export's note names such weights)."""
