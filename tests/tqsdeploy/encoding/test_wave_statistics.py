@@ -183,8 +183,11 @@ def test_a_weight_read_many_times_shares_the_cap_between_its_uses(monkeypatch):
     assert 2 * columns <= got["dense"][0].count < 8 * columns
 
 
-def test_uses_below_the_cap_keep_every_row():
-    """The default cap (`ROWS_PER_INPUT`) is far above this wave's rows: every use is the reference's."""
+@pytest.mark.parametrize("cap", [wave_statistics.ROWS_PER_INPUT, 1])
+def test_uses_under_the_cap_or_one_fold_keep_every_row(monkeypatch, cap):
+    """The default cap is far above this wave's rows, and with 1 row per input wanted every use's rows still fit
+    one fold (the default `STATS_BATCH_BYTES`): nothing is thinned, every use is the reference's."""
+    monkeypatch.setattr(wave_statistics, "ROWS_PER_INPUT", cap)
     uses, samples = _wave()
     statistics, got = _statistics(uses, samples)
     assert set(statistics.steps.values()) == {1}
@@ -211,17 +214,3 @@ def test_a_2d_conv_is_thinned_along_its_longest_output_axis(monkeypatch):
     for mine, theirs in zip(got["g2"], expected):
         assert mine.count == theirs.count == 3 * 2 * 5 * -(-28 // step)
         np.testing.assert_array_equal(mine.H, theirs.H)
-
-
-def test_rows_that_fit_one_fold_are_all_kept_past_the_cap(monkeypatch):
-    """1 row per input wanted, but every use's rows fit one fold (the default `STATS_BATCH_BYTES`): nothing is
-    thinned, the statistics are the reference's."""
-    monkeypatch.setattr(wave_statistics, "ROWS_PER_INPUT", 1)
-    uses, samples = _wave()
-    statistics, got = _statistics(uses, samples)
-    assert set(statistics.steps.values()) == {1}
-    expected = _reference(uses, samples, True)
-    for key in uses:
-        for mine, theirs in zip(got[key], expected[key]):
-            assert mine.count == theirs.count
-            np.testing.assert_array_equal(mine.H, theirs.H)
