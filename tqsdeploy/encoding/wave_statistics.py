@@ -74,13 +74,12 @@ class WaveStatistics:
 
     def _thinned(self, key: tuple, quantized: Mapping[str, np.ndarray]) -> None:
         """Keep every r-th row of a use whose samples would give its weight more than `ROWS_PER_INPUT` rows per
-        input and more rows than one fold holds (`STATS_BATCH_BYTES` as float64; r from the first sample's rows,
-        the same for every sample): past that many, more rows of the same windows barely move H, and on long
-        contexts and weights read many times a step their statistics were most of an export. Fewer rows than a
-        fold cost little, and are all kept: thinning a 5-input conv's rows saved nothing and moved lorenz96's
-        codes. A Conv keeps every r-th position along its longest output axis (the rows of the same
-        Conv strided r times more); other uses every r-th row of X. Recurrent and transposed uses keep all.
-        `ROWS_PER_INPUT` 0: every row."""
+        input and more rows than one fold holds (`STATS_BATCH_BYTES` as float64); r from the first sample's rows,
+        the same for every sample. Past that many, more rows of the same windows barely move H, and on long
+        contexts and weights read many times a step their statistics were most of an export; fewer than a fold
+        cost little, so all are kept (thinning them would save nothing and still move the codes). A Conv keeps
+        every r-th position along its longest output axis (the rows of the same Conv strided r times more),
+        other uses every r-th row of X; recurrent and transposed uses keep all. `ROWS_PER_INPUT` 0: every row."""
         use, groups = self.uses[key]
         self.steps[key] = 1
         if use.recurrent is not None or (use.conv is not None and use.conv.transposed):
@@ -93,10 +92,11 @@ class WaveStatistics:
             rank = len(use.conv.kernel)
             rows, columns = int(np.prod(shape[1 : 2 + rank])), int(np.prod(shape[2 + rank :]))
             axis = int(np.argmax(shape[2 : 2 + rank]))  # the longest output axis
+            blocks = groups
         else:
-            x = layer_inputs(use, value, groups)[0]
-            rows, columns = x.shape
-        if rows * self.samples * columns * groups * 8 <= STATS_BATCH_BYTES:
+            parts = layer_inputs(use, value, groups)
+            (rows, columns), blocks = parts[0].shape, len(parts)
+        if rows * self.samples * columns * blocks * 8 <= STATS_BATCH_BYTES:
             return  # all its rows are one fold: cheap, and every row kept leaves the codes as they were
         wanted = ROWS_PER_INPUT * columns / max(self.readers.get(key, 1), 1)
         step = int(rows * self.samples // max(wanted, 1)) if ROWS_PER_INPUT else 1
