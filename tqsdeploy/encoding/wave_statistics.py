@@ -74,12 +74,13 @@ class WaveStatistics:
 
     def _thinned(self, key: tuple, quantized: Mapping[str, np.ndarray]) -> None:
         """Keep every r-th row of a use whose samples would give its weight more than `ROWS_PER_INPUT` rows per
-        input and more rows than one fold holds (`STATS_BATCH_BYTES` as float64); r from the first sample's rows,
-        the same for every sample. Past that many, more rows of the same windows barely move H, and on long
-        contexts and weights read many times a step their statistics were most of an export; fewer than a fold
-        cost little, so all are kept (thinning them would save nothing and still move the codes). A Conv keeps
-        every r-th position along its longest output axis (the rows of the same Conv strided r times more),
-        other uses every r-th row of X; recurrent and transposed uses keep all. `ROWS_PER_INPUT` 0: every row."""
+        input and, over all its groups, more rows than one fold holds (`STATS_BATCH_BYTES` as float64); r from
+        the first sample's rows, the same for every sample. Past that many, more rows of the same windows barely
+        move H, and on long contexts and weights read many times a step their statistics were most of an export;
+        fewer than a fold cost little, so all are kept (thinning them would save nothing and still move the
+        codes). A Conv keeps every r-th position along its longest output axis (the rows of the same Conv strided
+        r times more), other uses every r-th row of X; recurrent and transposed uses keep all. `ROWS_PER_INPUT` 0:
+        every row."""
         use, groups = self.uses[key]
         self.steps[key] = 1
         if use.recurrent is not None or (use.conv is not None and use.conv.transposed):
@@ -97,7 +98,7 @@ class WaveStatistics:
             parts = layer_inputs(use, value, groups)
             (rows, columns), blocks = parts[0].shape, len(parts)
         if rows * self.samples * columns * blocks * 8 <= STATS_BATCH_BYTES:
-            return  # all its rows are one fold: cheap, and every row kept leaves the codes as they were
+            return  # every group's rows together fit one fold's bytes: cheap, so all are kept
         wanted = ROWS_PER_INPUT * columns / max(self.readers.get(key, 1), 1)
         step = int(rows * self.samples // max(wanted, 1)) if ROWS_PER_INPUT else 1
         if step <= 1:
